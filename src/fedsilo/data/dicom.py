@@ -1,0 +1,104 @@
+"""DICOM -> uint8 grayscale, following DESIGN §3.
+
+Order of operations (PS3.3 C.11 pixel pipeline, as pydicom implements it):
+
+1. decode the stored pixels (pydicom, with pylibjpeg / openjpeg plugins for JPEG and JPEG 2000 transfer syntaxes);
+2. modality LUT (Rescale Slope/Intercept or a Modality LUT Sequence);
+3. VOI LUT Sequence or Window Center/Width when present (``apply_voi_lut`` prefers the LUT);
+4. map to [0, 1]: with ``intensity="bit_depth"`` over the range the previous step can produce (the VOI output
+   range when a VOI was applied, else the stored bit depth passed through the rescale); with
+   ``intensity="percentile"`` over robust percentiles of the image;
+5. invert MONOCHROME1 so that bone is always bright;
+6. uint8.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedsilo.data.imageops import ImageDecodeError, percentile_range, to_unit_range, unit_to_uint8
+
+
+def _stored_range(ds: Any) -> tuple[float, float]:
+    bits = int(ds.BitsStored)
+    if int(ds.get("PixelRepresentation", 0)) == 0:
+        lo, hi = 0.0, float(2**bits - 1)
+    else:
+        lo, hi = float(-(2 ** (bits - 1))), float(2 ** (bits - 1) - 1)
+    return lo, hi
+
+
+def _modality_range(ds: Any) -> tuple[float, float]:
+    if "ModalityLUTSequence" in ds and ds.ModalityLUTSequence:
+        depth = int(ds.ModalityLUTSequence[0].LUTDescriptor[2])
+        return 0.0, float(2**depth - 1)
+    lo, hi = _stored_range(ds)
+    slope = float(ds.get("RescaleSlope", 1.0) or 1.0)
+    intercept = float(ds.get("RescaleIntercept", 0.0) or 0.0)
+    a, b = lo * slope + intercept, hi * slope + intercept
+    return (min(a, b), max(a, b))
+
+
+def _voi_range(ds: Any) -> tuple[float, float]:
+    """Output range of pydicom's apply_voi_lut for this dataset."""
+    if "VOILUTSequence" in ds and ds.VOILUTSequence:
+        depth = int(ds.VOILUTSequence[0].LUTDescriptor[2])
+        return 0.0, float(2**depth - 1)
+    # windowing maps onto the modality output range (pydicom's apply_windowing)
+    return _modality_range(ds)
+
+
+def has_voi(ds: Any) -> bool:
+    return bool(("VOILUTSequence" in ds and ds.VOILUTSequence) or "WindowCenter" in ds)
+
+
+def dicom_to_uint8(
+    path: str | Path,
+    intensity: str = "bit_depth",
+    percentiles: tuple[float, float] = (0.5, 99.5),
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """Decode one DICOM file. Returns (HxW uint8, header facts). Raises ImageDecodeError on any failure."""
+    import pydicom
+    from pydicom.errors import InvalidDicomError
+    from pydicom.pixels import apply_modality_lut, apply_voi_lut
+
+    try:
+        ds = pydicom.dcmread(str(path))
+        arr = ds.pixel_array
+    except (InvalidDicomError, AttributeError, ValueError, RuntimeError, OSError, EOFError, KeyError) as err:
+        raise ImageDecodeError(f"{path}: cannot decode DICOM pixels: {err}") from err
+    photometric = str(ds.get("PhotometricInterpretation", "")).upper()
+    if photometric not in ("MONOCHROME1", "MONOCHROME2"):
+        raise ImageDecodeError(f"{path}: photometric interpretation {photometric!r} is not a grayscale radiograph")
+    if arr.ndim == 3:  # multi-frame: radiographs carry one frame; take the first
+        arr = arr[0]
+    if arr.ndim != 2 or min(arr.shape) < 8:
+        raise ImageDecodeError(f"{path}: unexpected pixel array shape {arr.shape}")
+    try:
+        values = apply_modality_lut(arr, ds)
+        voi = has_voi(ds)
+        if voi:
+            values = apply_voi_lut(values, ds, prefer_lut=True)
+            lo, hi = _voi_range(ds)
+        else:
+            lo, hi = _modality_range(ds)
+        if intensity == "percentile":
+            lo, hi = percentile_range(values, *percentiles)
+        unit = to_unit_range(values, lo, hi)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ImageDecodeError(f"{path}: intensity pipeline failed: {err}") from err
+    if photometric == "MONOCHROME1":
+        unit = 1.0 - unit
+    facts = {
+        "photometric": photometric,
+        "bits_stored": int(ds.get("BitsStored", 0)),
+        "transfer_syntax": str(ds.file_meta.get("TransferSyntaxUID", "")),
+        "voi_applied": voi,
+        "view_position": str(ds.get("ViewPosition", "") or ""),
+        "rows": int(arr.shape[0]),
+        "cols": int(arr.shape[1]),
+    }
+    return unit_to_uint8(unit), facts

@@ -1,0 +1,17 @@
+"""Offline mirrors: small copies of a source in its real raw layout and formats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from fedsilo.config import MirrorParams
+
+
+def mirror_writer(source: str) -> Callable[[Path, MirrorParams], None]:
+    from fedsilo.data.mirror.cxr import WRITERS
+
+    try:
+        return WRITERS[source]
+    except KeyError:
+        raise KeyError(f"no offline mirror for source {source!r} (have: {', '.join(WRITERS)})") from None

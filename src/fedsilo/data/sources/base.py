@@ -1,0 +1,73 @@
+"""What every raw source module provides, and the record table they all return.
+
+A source module reads the label files of the source's *real* raw layout into a record table with one row per
+image, included or not:
+
+``id`` (unique within the source), ``domain``, ``label`` (1 / 0, or -1 when excluded), ``original_label`` (the
+source's own label, verbatim enough to audit the mapping), ``group`` (patient id; one group never spans train and
+test), ``view`` (``frontal`` / ``lateral`` / ``unknown``), ``path`` (relative to the raw folder; empty when the label
+file names an image the raw folder does not hold), ``reader`` (``dicom`` or ``image``), ``excluded`` (empty, or the
+reason).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+
+RECORD_COLUMNS = ["id", "domain", "label", "original_label", "group", "view", "path", "reader", "excluded"]
+
+
+class LabelFileError(ValueError):
+    """A label file that is missing, or lacks a column the rules need; the message names file and column."""
+
+
+def require_columns(df: pd.DataFrame, columns: Iterable[str], path: Path) -> None:
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise LabelFileError(f"{path}: missing column(s) {', '.join(repr(c) for c in missing)}")
+
+
+def find_one(root: Path, names: Iterable[str], what: str) -> Path:
+    """The first file below ``root`` whose name is one of ``names`` (shallowest first)."""
+    names = list(names)
+    hits: list[Path] = []
+    for name in names:
+        hits.extend(root.rglob(name))
+    if not hits:
+        raise LabelFileError(f"{root}: no {what} found (looked for {', '.join(names)})")
+    hits.sort(key=lambda p: (len(p.relative_to(root).parts), names.index(p.name) if p.name in names else 0, str(p)))
+    return hits[0]
+
+
+def read_csv(path: Path, **kw) -> pd.DataFrame:
+    try:
+        return pd.read_csv(path, **kw)
+    except (pd.errors.ParserError, UnicodeDecodeError, EOFError, OSError) as err:
+        raise LabelFileError(f"{path}: cannot parse: {err}") from err
+
+
+def finalize(df: pd.DataFrame, domain: str) -> pd.DataFrame:
+    df = df.copy()
+    df["domain"] = domain
+    df["excluded"] = df["excluded"].fillna("").astype(str)
+    df.loc[df["excluded"] != "", "label"] = -1
+    df["label"] = df["label"].astype("int64")
+    for col in ("id", "original_label", "group", "view", "path", "reader"):
+        df[col] = df[col].fillna("").astype(str)
+    if df["id"].duplicated().any():
+        dup = df.loc[df["id"].duplicated(), "id"].iloc[0]
+        raise LabelFileError(f"{domain}: duplicate record id {dup!r}")
+    return df[RECORD_COLUMNS].reset_index(drop=True)
+
+
+def summarize(df: pd.DataFrame) -> dict[str, object]:
+    inc = df[df["excluded"] == ""]
+    return {
+        "positive": int((inc["label"] == 1).sum()),
+        "negative": int((inc["label"] == 0).sum()),
+        "excluded": int((df["excluded"] != "").sum()),
+        "excluded_by_reason": {k: int(v) for k, v in df.loc[df["excluded"] != "", "excluded"].value_counts().items()},
+    }

@@ -1,0 +1,67 @@
+"""VinBigData Chest X-ray Abnormalities Detection (VinDr-CXR, Nguyen et al. 2022), Kaggle layout:
+``train.csv`` (``image_id,class_name,class_id,rad_id,x_min,y_min,x_max,y_max``; one row per radiologist finding,
+three radiologists per training image) and ``train/<image_id>.dicom`` (PhysioNet's VinDr-CXR release names the
+files ``<image_id>.dicom`` as well; ``.dcm`` is accepted too).
+
+Label rule (DESIGN §3), per image:
+- positive (1): ``Lung Opacity`` marked by a majority of the image's radiologists (``opacity_rule: majority``,
+  the default) or by any of them (``any``);
+- negative (0): every radiologist of the image reported ``No finding``;
+- otherwise excluded (other findings only, or opacity marked by a minority).
+VinDr-CXR publishes no patient id, so ``group`` is the image id. Every image is a frontal (PA) radiograph.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from fedsilo.config import VinBigDataRules
+from fedsilo.data.sources.base import finalize, find_one, read_csv, require_columns
+
+DOMAIN = "VinBigData"
+
+
+def read_records(raw_dir: Path, rules: VinBigDataRules) -> pd.DataFrame:
+    raw_dir = Path(raw_dir)
+    path = find_one(raw_dir, ["train.csv", "train.csv.gz"], "VinBigData train.csv")
+    df = read_csv(path, dtype={"image_id": str, "class_name": str, "rad_id": str})
+    require_columns(df, ("image_id", "class_name", "rad_id"), path)
+    df["class_name"] = df["class_name"].str.strip()
+    n_rads = df.groupby("image_id")["rad_id"].nunique()
+    opacity_rads = df[df["class_name"] == "Lung Opacity"].groupby("image_id")["rad_id"].nunique()
+    nofind_rads = df[df["class_name"] == "No finding"].groupby("image_id")["rad_id"].nunique()
+    other_rows = df[~df["class_name"].isin(["No finding"])].groupby("image_id").size()
+    opacity_rads = opacity_rads.reindex(n_rads.index, fill_value=0)
+    nofind_rads = nofind_rads.reindex(n_rads.index, fill_value=0)
+    other_rows = other_rows.reindex(n_rads.index, fill_value=0)
+
+    if rules.opacity_rule == "majority":
+        pos = opacity_rads * 2 > n_rads
+    else:
+        pos = opacity_rads > 0
+    neg = (nofind_rads == n_rads) & (other_rows == 0)
+    label = np.where(pos, 1, np.where(neg, 0, -1))
+    excluded = np.where(
+        pos | neg, "", np.where(opacity_rads > 0, "Lung Opacity by a minority of radiologists", "other findings only")
+    )
+    images = {p.stem: p for ext in ("*.dicom", "*.dcm") for p in raw_dir.rglob(ext)}
+    ids = n_rads.index.astype(str)
+    out = pd.DataFrame(
+        {
+            "id": ids,
+            "label": label,
+            "original_label": [
+                f"Lung Opacity by {o}/{n} radiologists;No finding by {f}/{n}"
+                for o, f, n in zip(opacity_rads, nofind_rads, n_rads)
+            ],
+            "group": ids,
+            "view": "frontal",
+            "path": [str(images[i].relative_to(raw_dir)) if i in images else "" for i in ids],
+            "reader": "dicom",
+            "excluded": excluded,
+        }
+    )
+    return finalize(out, DOMAIN)

@@ -1,0 +1,109 @@
+"""Small I/O helpers: atomic writes, hashing, JSON.
+
+Every stage writes through these so that an interrupted or failed stage never leaves a half-written file or
+folder under ``data/`` or ``results/``: content goes to a temporary sibling first and is renamed into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def _tmp_sibling(path: Path, suffix: str = "") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
+    os.close(fd)
+    return Path(name)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path; on success rename it to ``path``, on error delete it."""
+    path = Path(path)
+    tmp = _tmp_sibling(path, path.suffix)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a fresh temporary folder; on success it replaces ``path`` whole, on error it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+            os.replace(path, old / "x")
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
+
+
+def _json_default(o: Any) -> Any:
+    import numpy as np
+
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o)}")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def canonical_hash(obj: Any) -> str:
+    """sha256 of the canonical JSON form of ``obj`` (sorted keys), used for params hashes."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def tree_manifest(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """Relative path -> {sha256, bytes} for every file below ``root`` (sorted, deterministic)."""
+    root = Path(root)
+    out: dict[str, dict[str, Any]] = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            rel = p.relative_to(root).as_posix()
+            if rel in exclude:
+                continue
+            out[rel] = {"sha256": file_sha256(p), "bytes": p.stat().st_size}
+    return out
