@@ -1,0 +1,82 @@
+"""Client data, resident on the training device as uint8, with normalization and augmentation on the device.
+
+The harmonized ``images.npy`` is memory-mapped once; each client's train and test rows are copied to the device as
+uint8 NCHW tensors at start-up. A batch is an index into those tensors: no DataLoader, no worker processes, no
+per-round disk reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from fedsilo.config import AugmentParams
+
+
+@dataclass
+class ClientData:
+    index: int
+    name: str
+    x_train: torch.Tensor  # uint8 N x C x H x W on device
+    y_train: torch.Tensor  # int64 N
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+    @property
+    def n_train(self) -> int:
+        return int(self.y_train.shape[0])
+
+
+def load_clients(harmonized_dir: Path, split: dict[str, Any], device: torch.device) -> tuple[list[ClientData], int, int]:
+    """Returns (clients, in_channels, num_classes)."""
+    harmonized_dir = Path(harmonized_dir)
+    images = np.load(harmonized_dir / "images.npy", mmap_mode="r")
+    records = pd.read_parquet(harmonized_dir / "records.parquet", columns=["label"])
+    labels = records["label"].to_numpy()
+    if len(labels) != images.shape[0]:
+        raise ValueError(f"{harmonized_dir}: records.parquet has {len(labels)} rows but images.npy {images.shape[0]}")
+    clients = []
+    for c in split["clients"]:
+
+        def grab(rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            idx = np.asarray(rows, dtype=np.int64)
+            if idx.size and (idx.min() < 0 or idx.max() >= len(labels)):
+                raise ValueError(f"split client {c['name']}: index out of range for {harmonized_dir}")
+            x = torch.from_numpy(np.ascontiguousarray(images[idx])).permute(0, 3, 1, 2).contiguous()
+            y = torch.from_numpy(labels[idx].astype(np.int64))
+            return x.to(device), y.to(device)
+
+        xtr, ytr = grab(c["train"])
+        xte, yte = grab(c["test"])
+        clients.append(ClientData(int(c["client"]), str(c["name"]), xtr, ytr, xte, yte))
+    return clients, int(images.shape[3]), int(split["num_classes"])
+
+
+def to_float(x_u8: torch.Tensor) -> torch.Tensor:
+    """uint8 [0, 255] -> float in [-1, 1]."""
+    return x_u8.float().div_(127.5).sub_(1.0)
+
+
+def augment(x: torch.Tensor, params: AugmentParams, gen: torch.Generator) -> torch.Tensor:
+    """Random crop with zero padding and horizontal flip, per sample, on the tensor's device.
+
+    ``gen`` is a CPU generator so that the draws are the same on every device."""
+    b, _, h, w = x.shape
+    if params.crop_pad > 0:
+        p = params.crop_pad
+        xp = torch.nn.functional.pad(x, (p, p, p, p))
+        oy = torch.randint(0, 2 * p + 1, (b,), generator=gen).to(x.device)
+        ox = torch.randint(0, 2 * p + 1, (b,), generator=gen).to(x.device)
+        iy = (torch.arange(h, device=x.device)[None, :] + oy[:, None])  # b x h
+        ix = (torch.arange(w, device=x.device)[None, :] + ox[:, None])  # b x w
+        bi = torch.arange(b, device=x.device)[:, None, None]
+        x = xp.permute(0, 2, 3, 1)[bi, iy[:, :, None], ix[:, None, :]].permute(0, 3, 1, 2)
+    if params.hflip:
+        flip = (torch.rand(b, generator=gen) < 0.5).to(x.device)
+        x = torch.where(flip[:, None, None, None], x.flip(3), x)
+    return x

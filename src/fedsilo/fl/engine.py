@@ -1,0 +1,176 @@
+"""The simulation engine: rounds, client sampling, payload transfer with byte accounting, evaluation, checkpoints.
+
+One model lives on the device; each client's persistent tensors (its *store*) are swapped in and out of it. The
+engine is the only thing that moves tensors between server and clients: a payload is copied across, its size is
+the sum of ``numel * element_size`` of the tensors in it, and an upload holding a key the method declares private
+is refused.
+
+Every round ends with a checkpoint (server state, client stores, history) written atomically. A run restarted with
+the same configuration hash resumes after its last completed round; since every random draw of a round is seeded by
+(seed, round, client), the resumed run ends with exactly the numbers of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from fedsilo.config import TrainParams
+from fedsilo.fl.data import ClientData
+from fedsilo.fl.local import evaluate, make_generator
+from fedsilo.methods.base import Method, State
+from fedsilo.models import LayeredNet
+from fedsilo.utils.io import atomic_file
+
+Observer = Callable[[int, str, str, State], None]  # (round, client name, "down"|"up", payload)
+
+
+class PrivacyViolation(RuntimeError):
+    pass
+
+
+def payload_bytes(payload: State) -> int:
+    return int(sum(t.numel() * t.element_size() for t in payload.values()))
+
+
+def transfer(payload: State) -> State:
+    """What crosses the wire: an independent copy of each tensor."""
+    return {k: v.detach().clone() for k, v in payload.items()}
+
+
+class Engine:
+    def __init__(
+        self,
+        method: Method,
+        model: LayeredNet,
+        clients: list[ClientData],
+        train: TrainParams,
+        seed: int,
+        checkpoint: Optional[Path] = None,
+        config_hash: str = "",
+        observer: Optional[Observer] = None,
+        on_round: Optional[Callable[[dict[str, Any]], None]] = None,
+        meta: Optional[dict[str, Any]] = None,
+    ):
+        self.method, self.model, self.clients, self.train = method, model, clients, train
+        self.seed, self.checkpoint, self.config_hash = seed, checkpoint, config_hash
+        self.observer, self.on_round = observer, on_round
+        self.meta: dict[str, Any] = dict(meta or {})
+        self.method.setup(model)
+        self.private = self.method.private_keys(model)
+        self.round = 0
+        self.history: list[dict[str, Any]] = []
+        self.server: State = {}
+        self.stores: list[State] = []
+        if not self._resume():
+            self.server = self.method.init_server(model)
+            self.stores = [self.method.init_client(model, c) for c in clients]
+            self.save()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _resume(self) -> bool:
+        if self.checkpoint is None or not Path(self.checkpoint).exists():
+            return False
+        ck = torch.load(self.checkpoint, map_location=self._device(), weights_only=False)
+        if ck.get("config_hash") != self.config_hash:
+            return False  # another configuration: start afresh (the stale checkpoint is overwritten)
+        self.round, self.history = ck["round"], ck["history"]
+        self.server, self.stores = ck["server"], ck["stores"]
+        self.meta.update(ck.get("meta", {}))
+        return True
+
+    def save(self) -> None:
+        if self.checkpoint is None:
+            return
+        with atomic_file(self.checkpoint) as tmp:
+            torch.save(
+                {
+                    "config_hash": self.config_hash,
+                    "round": self.round,
+                    "history": self.history,
+                    "server": self.server,
+                    "stores": self.stores,
+                    "meta": self.meta,
+                },
+                tmp,
+            )
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ------------------------------------------------------------------ loop
+    def sample(self, rnd: int) -> list[int]:
+        n = len(self.clients)
+        m = max(1, int(round(self.train.client_fraction * n)))
+        if m >= n:
+            return list(range(n))
+        perm = torch.randperm(n, generator=make_generator(self.seed, rnd, 1_000_003))
+        return sorted(int(i) for i in perm[:m])
+
+    def run_round(self) -> dict[str, Any]:
+        rnd = self.round + 1
+        picked = self.sample(rnd)
+        entry: dict[str, Any] = {
+            "round": rnd,
+            "sampled": [self.clients[i].name for i in picked],
+            "bytes_down": {},
+            "bytes_up": {},
+            "train_loss": {},
+        }
+        uploads: list[tuple[ClientData, State]] = []
+        for i in picked:
+            c = self.clients[i]
+            down = transfer(self.method.download(self.server, c, rnd))
+            entry["bytes_down"][c.name] = payload_bytes(down)
+            if self.observer:
+                self.observer(rnd, c.name, "down", down)
+            up = self.method.local_update(self.model, self.stores[i], down, c, rnd, self.seed)
+            leaked = sorted(set(up) & self.private)
+            if leaked:
+                raise PrivacyViolation(f"{self.method.name}: client {c.name} tried to upload private tensors {leaked[:5]}")
+            up = transfer(up)
+            entry["bytes_up"][c.name] = payload_bytes(up)
+            entry["train_loss"][c.name] = self.method.last_loss
+            if self.observer:
+                self.observer(rnd, c.name, "up", up)
+            uploads.append((c, up))
+        self.server = self.method.aggregate(self.server, uploads, rnd)
+        entry["bytes_down_total"] = int(sum(entry["bytes_down"].values()))
+        entry["bytes_up_total"] = int(sum(entry["bytes_up"].values()))
+        if rnd % self.train.eval_every == 0 or rnd == self.train.rounds:
+            entry.update(self.evaluate())
+        return entry
+
+    def evaluate(self) -> dict[str, Any]:
+        per: dict[str, dict[str, float]] = {}
+        for c, store in zip(self.clients, self.stores):
+            self.model.load_state_dict(self.method.eval_state(self.server, store, c), strict=True)
+            per[c.name] = evaluate(self.model, c.x_test, c.y_test)
+        accs = np.array([v["acc"] for v in per.values()])
+        out: dict[str, Any] = {
+            "eval": per,
+            "mean_acc": float(accs.mean()),
+            "std_acc": float(accs.std()),
+        }
+        aucs = [v["auc"] for v in per.values() if "auc" in v and not math.isnan(v["auc"])]
+        if aucs:
+            out["mean_auc"] = float(np.mean(aucs))
+        g = self.method.global_state(self.server)
+        if g is not None:
+            self.model.load_state_dict(g, strict=True)
+            out["global"] = {c.name: evaluate(self.model, c.x_test, c.y_test)["acc"] for c in self.clients}
+        return out
+
+    def run(self) -> list[dict[str, Any]]:
+        while self.round < self.train.rounds:
+            entry = self.run_round()
+            if self.on_round:
+                self.on_round(entry)
+            self.history.append(entry)
+            self.round = entry["round"]
+            self.save()
+        return self.history

@@ -1,0 +1,159 @@
+"""The method interface the engine calls, and the partial-sharing base most methods are built on.
+
+A method never holds client state itself: the engine keeps a *client store* per client (the tensors that persist on
+that client between rounds) and the *server state*, and hands them to the hooks. What a client downloads and
+uploads is exactly the dict a hook returns; the engine copies it across, counts its bytes, and refuses an upload
+that contains a key the method declares private.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from fedsilo.config import TrainParams
+from fedsilo.fl.data import ClientData
+from fedsilo.fl.local import ExtraLoss, make_generator, train_local
+from fedsilo.models import LayeredNet
+
+State = dict[str, torch.Tensor]
+
+
+class MethodParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Method:
+    """Hooks, in the order the engine calls them.
+
+    setup -> init_server / init_client (once) -> per round, per sampled client: download -> local_update ->
+    (engine moves the upload) -> aggregate -> eval_state per client (and global_state where one exists).
+    """
+
+    name: ClassVar[str]
+    params_cls: ClassVar[type[MethodParams]] = MethodParams
+
+    def __init__(self, params: MethodParams, train: TrainParams):
+        self.params = params
+        self.train = train
+        self.last_loss: Optional[float] = None  # mean training loss of the latest local_update
+
+    # --- structure
+    def setup(self, model: LayeredNet) -> None:
+        """Called once with the freshly initialised model before any state is created."""
+
+    def private_keys(self, model: LayeredNet) -> set[str]:
+        """Keys that must never leave a client (the engine checks every upload)."""
+        return set()
+
+    # --- state
+    def init_server(self, model: LayeredNet) -> State:
+        raise NotImplementedError
+
+    def init_client(self, model: LayeredNet, client: ClientData) -> State:
+        raise NotImplementedError
+
+    # --- a round
+    def download(self, server: State, client: ClientData, rnd: int) -> State:
+        raise NotImplementedError
+
+    def local_update(
+        self, model: LayeredNet, store: State, payload: State, client: ClientData, rnd: int, seed: int
+    ) -> State:
+        raise NotImplementedError
+
+    def aggregate(self, server: State, uploads: list[tuple[ClientData, State]], rnd: int) -> State:
+        raise NotImplementedError
+
+    # --- evaluation
+    def eval_state(self, server: State, store: State, client: ClientData) -> State:
+        raise NotImplementedError
+
+    def global_state(self, server: State) -> Optional[State]:
+        """A full model state that is the same for every client, or None where the method has none."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"method": self.name, **self.params.model_dump(mode="json")}
+
+
+def weighted_average(uploads: list[tuple[int, State]]) -> State:
+    """Sample-size-weighted mean of each key; integer buffers (BatchNorm's num_batches_tracked) are rounded."""
+    total = float(sum(n for n, _ in uploads))
+    out: State = {}
+    for k in uploads[0][1]:
+        ref = uploads[0][1][k]
+        acc = torch.zeros_like(ref, dtype=torch.float64)
+        for n, up in uploads:
+            acc += up[k].to(torch.float64) * (n / total)
+        out[k] = acc.round().to(ref.dtype) if not ref.is_floating_point() else acc.to(ref.dtype)
+    return out
+
+
+class PartialSharing(Method):
+    """Share a fixed subset of the model's state_dict; everything else persists in the client store.
+
+    FedAvg shares everything, FedBN everything but BatchNorm, Single nothing. Clients start from the same
+    initialisation (the model built from the run's seed)."""
+
+    shared: list[str]
+
+    def shared_keys(self, model: LayeredNet) -> list[str]:
+        raise NotImplementedError
+
+    def setup(self, model: LayeredNet) -> None:
+        keys = list(model.state_dict().keys())
+        self.shared = [k for k in keys if k in set(self.shared_keys(model))]
+        self.private = [k for k in keys if k not in set(self.shared)]
+
+    def private_keys(self, model: LayeredNet) -> set[str]:
+        return set(self.private)
+
+    def init_server(self, model: LayeredNet) -> State:
+        sd = model.state_dict()
+        return {k: sd[k].detach().clone() for k in self.shared}
+
+    def init_client(self, model: LayeredNet, client: ClientData) -> State:
+        sd = model.state_dict()
+        return {k: sd[k].detach().clone() for k in self.private}
+
+    def download(self, server: State, client: ClientData, rnd: int) -> State:
+        return dict(server)
+
+    def extra_loss(self, model: LayeredNet, payload: State) -> Optional[ExtraLoss]:
+        return None
+
+    def local_update(self, model, store, payload, client, rnd, seed):
+        model.load_state_dict({**store, **payload}, strict=True)
+        self.last_loss = train_local(
+            model, client, self.train, make_generator(seed, rnd, client.index), extra_loss=self.extra_loss(model, payload)
+        )
+        sd = model.state_dict()
+        for k in self.private:
+            store[k] = sd[k].detach().clone()
+        return {k: sd[k].detach() for k in self.shared}
+
+    def aggregate(self, server, uploads, rnd):
+        if not uploads or not self.shared:
+            return server
+        return weighted_average([(c.n_train, up) for c, up in uploads])
+
+    def eval_state(self, server, store, client):
+        return {**store, **server}
+
+    def global_state(self, server):
+        return dict(server) if not self.private else None
+
+
+def proximal_term(model: nn.Module, anchor: State, mu: float) -> ExtraLoss:
+    names = [n for n, p in model.named_parameters() if p.requires_grad and n in anchor]
+    ref = {n: anchor[n].detach().clone() for n in names}
+
+    def loss(m: nn.Module) -> torch.Tensor:
+        params = dict(m.named_parameters())
+        return (mu / 2.0) * sum(((params[n] - ref[n]) ** 2).sum() for n in names)  # type: ignore[return-value]
+
+    return loss

@@ -1,0 +1,200 @@
+"""Backbones as ordered lists of layer units.
+
+Every model is a :class:`LayeredNet`: an ``nn.ModuleList`` of units run in order, each unit holding one or more
+*weighted layers* (convolutions and linear layers, with their BatchNorm / activation / pooling). ``depths[i]`` is
+the number of weighted layers in unit i, so the paper-style layer count of a prefix is a running sum: DenseNet-121
+has 121 (stem conv, 58 dense layers of two convs, 3 transition convs, the classifier), ResNet-18 has 18, ResNet-10
+has 10, FedBN's AlexNet has 8, FedBN's digit CNN ("Simple-CNN") has 6.
+
+``feature_extractor()`` is every unit before the head, ``head()`` the last unit (the classifier), ``cut(l)`` splits
+after the first ``l`` weighted layers (pFedDB's cut depth) and refuses a depth that falls inside a unit.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+
+class LayeredNet(nn.Module):
+    def __init__(self, units: Sequence[tuple[str, nn.Module, int]], head_units: int = 1):
+        super().__init__()
+        self.units = nn.ModuleList([m for _, m, _ in units])
+        self.unit_names = [n for n, _, _ in units]
+        self.depths = [d for _, _, d in units]
+        if not 1 <= head_units < len(self.units):
+            raise ValueError("head_units must leave at least one unit in the feature extractor")
+        self.head_units = head_units
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for u in self.units:
+            x = u(x)
+        return x
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.depths)
+
+    def feature_extractor(self) -> nn.Sequential:
+        return nn.Sequential(*self.units[: len(self.units) - self.head_units])
+
+    def head(self) -> nn.Sequential:
+        return nn.Sequential(*self.units[len(self.units) - self.head_units :])
+
+    def layers(self) -> list[tuple[str, nn.Module, int]]:
+        """Ordered (name, module, weighted-layer count) units."""
+        return list(zip(self.unit_names, self.units, self.depths))
+
+    def cut_index(self, depth: int) -> int:
+        """Number of units whose weighted layers add up to ``depth``."""
+        if not 1 <= depth <= self.num_layers:
+            raise ValueError(f"cut depth {depth} outside 1..{self.num_layers}")
+        total = 0
+        for i, d in enumerate(self.depths):
+            total += d
+            if total == depth:
+                return i + 1
+            if total > depth:
+                raise ValueError(
+                    f"cut depth {depth} falls inside unit {self.unit_names[i]!r} "
+                    f"(layers {total - d + 1}..{total}); choose a unit boundary"
+                )
+        raise AssertionError("unreachable")
+
+    def cut(self, depth: int) -> tuple[nn.Sequential, nn.Sequential]:
+        k = self.cut_index(depth)
+        return nn.Sequential(*self.units[:k]), nn.Sequential(*self.units[k:])
+
+
+def simple_cnn(in_channels: int, num_classes: int) -> LayeredNet:
+    """FedBN's digit model (Li et al. 2021, ``DigitModel``): three 5x5 convs (64, 64, 128) with BN, ReLU and max
+    pooling after the first two, then FC 2048 -> 512 -> classes with BN. An adaptive average pool to 7x7 before
+    the first FC keeps the model exactly FedBN's at 28 px and lets it take other image sizes."""
+
+    def conv(cin: int, cout: int, pool: bool) -> nn.Sequential:
+        layers: list[nn.Module] = [nn.Conv2d(cin, cout, 5, 1, 2), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
+        if pool:
+            layers.append(nn.MaxPool2d(2))
+        return nn.Sequential(*layers)
+
+    return LayeredNet(
+        [
+            ("conv1", conv(in_channels, 64, True), 1),
+            ("conv2", conv(64, 64, True), 1),
+            ("conv3", nn.Sequential(*conv(64, 128, False), nn.AdaptiveAvgPool2d(7), nn.Flatten()), 1),
+            ("fc1", nn.Sequential(nn.Linear(128 * 7 * 7, 2048), nn.BatchNorm1d(2048), nn.ReLU(inplace=True)), 1),
+            ("fc2", nn.Sequential(nn.Linear(2048, 512), nn.BatchNorm1d(512), nn.ReLU(inplace=True)), 1),
+            ("fc3", nn.Linear(512, num_classes), 1),
+        ]
+    )
+
+
+def alexnet_bn(in_channels: int, num_classes: int) -> LayeredNet:
+    """AlexNet with BatchNorm after every conv and hidden FC, as FedBN uses it for Office-Caltech-10 / DomainNet."""
+
+    def conv(cin: int, cout: int, k: int, s: int, p: int, pool: bool, tail: Sequence[nn.Module] = ()) -> nn.Sequential:
+        layers: list[nn.Module] = [nn.Conv2d(cin, cout, k, s, p), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
+        if pool:
+            layers.append(nn.MaxPool2d(3, 2))
+        return nn.Sequential(*layers, *tail)
+
+    def fc(cin: int, cout: int) -> nn.Sequential:
+        return nn.Sequential(nn.Linear(cin, cout), nn.BatchNorm1d(cout), nn.ReLU(inplace=True))
+
+    return LayeredNet(
+        [
+            ("conv1", conv(in_channels, 64, 11, 4, 2, True), 1),
+            ("conv2", conv(64, 192, 5, 1, 2, True), 1),
+            ("conv3", conv(192, 384, 3, 1, 1, False), 1),
+            ("conv4", conv(384, 256, 3, 1, 1, False), 1),
+            ("conv5", conv(256, 256, 3, 1, 1, True, (nn.AdaptiveAvgPool2d(6), nn.Flatten())), 1),
+            ("fc1", fc(256 * 6 * 6, 4096), 1),
+            ("fc2", fc(4096, 4096), 1),
+            ("fc3", nn.Linear(4096, num_classes), 1),
+        ]
+    )
+
+
+class _DenseUnit(nn.Module):
+    """One torchvision ``_DenseLayer`` as a tensor -> tensor unit: concatenates its new features to its input,
+    which is what ``_DenseBlock`` does across its layers."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, self.layer(x)], 1)
+
+
+def densenet121(in_channels: int, num_classes: int) -> LayeredNet:
+    """torchvision's DenseNet-121 (random init; no weights are downloaded), unrolled into 121 counted layers."""
+    from torchvision.models import densenet121 as tv_densenet121
+
+    net = tv_densenet121(weights=None, num_classes=num_classes)
+    f = net.features
+    if in_channels != 3:
+        f.conv0 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+    units: list[tuple[str, nn.Module, int]] = [("stem", nn.Sequential(f.conv0, f.norm0, f.relu0, f.pool0), 1)]
+    for b in range(1, 5):
+        block = getattr(f, f"denseblock{b}")
+        for name, layer in block.items():
+            units.append((f"denseblock{b}.{name}", _DenseUnit(layer), 2))
+        if b < 4:
+            units.append((f"transition{b}", getattr(f, f"transition{b}"), 1))
+    units.append(
+        ("classifier", nn.Sequential(f.norm5, nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(), net.classifier), 1)
+    )
+    return LayeredNet(units)
+
+
+def _resnet(blocks: list[int], in_channels: int, num_classes: int) -> LayeredNet:
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    net = ResNet(BasicBlock, blocks, num_classes=num_classes)
+    if in_channels != 3:
+        net.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+    units: list[tuple[str, nn.Module, int]] = [("stem", nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool), 1)]
+    for s in range(1, 5):
+        for i, block in enumerate(getattr(net, f"layer{s}")):
+            units.append((f"layer{s}.{i}", block, 2))
+    units.append(("fc", nn.Sequential(net.avgpool, nn.Flatten(), net.fc), 1))
+    return LayeredNet(units)
+
+
+def resnet10(in_channels: int, num_classes: int) -> LayeredNet:
+    """ResNet-10: torchvision's ResNet with one BasicBlock per stage (as F2DC uses it)."""
+    return _resnet([1, 1, 1, 1], in_channels, num_classes)
+
+
+def resnet18(in_channels: int, num_classes: int) -> LayeredNet:
+    return _resnet([2, 2, 2, 2], in_channels, num_classes)
+
+
+MODELS: dict[str, Callable[[int, int], LayeredNet]] = {
+    "simple_cnn": simple_cnn,
+    "alexnet_bn": alexnet_bn,
+    "densenet121": densenet121,
+    "resnet10": resnet10,
+    "resnet18": resnet18,
+}
+
+
+def build_model(name: str, in_channels: int, num_classes: int, seed: int | None = None) -> LayeredNet:
+    if name not in MODELS:
+        raise KeyError(f"unknown model {name!r} (known: {', '.join(MODELS)})")
+    if seed is not None:
+        torch.manual_seed(seed)
+    return MODELS[name](in_channels, num_classes)
+
+
+def batchnorm_keys(model: nn.Module) -> set[str]:
+    """state_dict keys (parameters and buffers) that belong to BatchNorm layers."""
+    keys: set[str] = set()
+    for mname, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            for k in m.state_dict().keys():
+                keys.add(f"{mname}.{k}" if mname else k)
+    return keys
