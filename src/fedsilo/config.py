@@ -88,6 +88,7 @@ class CXRDatasetParams(Strict):
 # --------------------------------------------------------------------------- split
 class DomainClientsSplit(Strict):
     protocol: Literal["domain_clients"] = "domain_clients"
+    seed: int = Field(0, description="split seed; training seeds vary initialisation and data order only")
     n_train: int = Field(458, ge=1)
     n_test: Optional[int] = Field(None, ge=1, description="default: equal to n_train")
     n_test_per_domain: dict[str, int] = Field(default_factory=dict)

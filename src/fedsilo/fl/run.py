@@ -1,0 +1,156 @@
+"""The train stage: one (experiment, method, seed) from split + harmonized arrays to results and an MLflow run.
+
+Outputs (``results/<experiment>/<method>/seed<k>/``, written atomically at the end):
+``metrics.json`` (final per-client accuracy / AUC, mean and std, global-model accuracy where one exists, bytes per
+round), ``history.json`` (every round), ``final_model.pt`` (server state and client stores).
+
+The per-round checkpoint lives in ``state/<experiment>/<method>/seed<k>/checkpoint.pt``, outside DVC's outputs
+(DVC deletes a stage's outputs before running it). It carries the hash of everything the run depends on; a rerun
+with the same hash resumes after the last completed round, any other hash starts afresh.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from fedsilo.config import Params, method_params
+from fedsilo.fl.data import load_clients
+from fedsilo.fl.engine import Engine, Observer
+from fedsilo.methods import method_class
+from fedsilo.models import build_model
+from fedsilo.tracking import Tracker, dvc_hashes, git_commit
+from fedsilo.utils.io import atomic_dir, canonical_hash, file_sha256, read_json, write_json
+
+log = logging.getLogger("fedsilo.train")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def run_paths(root: Path, experiment: str, method: str, seed: int) -> tuple[Path, Path]:
+    return (root / "results" / experiment / method / f"seed{seed}", root / "state" / experiment / method / f"seed{seed}" / "checkpoint.pt")
+
+
+def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
+    last = [h for h in history if "eval" in h][-1]
+    out: dict[str, Any] = {
+        "rounds": history[-1]["round"],
+        "mean_acc": last["mean_acc"],
+        "std_acc": last["std_acc"],
+        "per_client": last["eval"],
+        "bytes_up_per_round": [h["bytes_up_total"] for h in history],
+        "bytes_down_per_round": [h["bytes_down_total"] for h in history],
+        "bytes_up_total": int(sum(h["bytes_up_total"] for h in history)),
+        "bytes_down_total": int(sum(h["bytes_down_total"] for h in history)),
+    }
+    if "mean_auc" in last:
+        out["mean_auc"] = last["mean_auc"]
+    if "global" in last:
+        out["global_acc"] = last["global"]
+    return out
+
+
+def run_training(
+    params: Params,
+    experiment: str,
+    method: str,
+    seed: int,
+    root: Path = Path("."),
+    observer: Optional[Observer] = None,
+) -> dict[str, Any]:
+    root = Path(root)
+    if experiment not in params.experiments:
+        raise KeyError(f"experiments.{experiment}: not defined in params.yaml")
+    exp = params.experiments[experiment]
+    mparams = method_params(params, method)
+    harmonized = root / "data" / "harmonized" / exp.dataset
+    split_path = root / "data" / "splits" / f"{experiment}.json"
+    for p in (harmonized / "images.npy", harmonized / "records.parquet", harmonized / "card.json", split_path):
+        if not p.exists():
+            raise FileNotFoundError(f"{p}: missing; run the upstream stages first (`dvc repro`)")
+    split = read_json(split_path)
+    card = read_json(harmonized / "card.json")
+    device = pick_device(exp.train.device)
+    clients, in_ch, num_classes = load_clients(harmonized, split, device)
+
+    resolved = {
+        "experiment": experiment,
+        "dataset": exp.dataset,
+        "split": exp.split.model_dump(mode="json"),
+        "train": exp.train.model_dump(mode="json"),
+        "method": {"name": method, **mparams.model_dump(mode="json")},
+        "seed": seed,
+    }
+    data_hashes = {"harmonized_sha256": card["sha256"], "split_sha256": file_sha256(split_path)}
+    params_hash = canonical_hash(resolved)
+    config_hash = canonical_hash({"params": resolved, "data": data_hashes})
+
+    out_dir, ckpt = run_paths(root, experiment, method, seed)
+    torch.manual_seed(seed)
+    model = build_model(exp.train.model, in_ch, num_classes, seed=seed).to(device)
+    cls = method_class(method)
+    algo = cls(mparams, exp.train)
+
+    tracker = Tracker(params.tracking.enabled, params.tracking.uri)
+    engine = Engine(algo, model, clients, exp.train, seed, checkpoint=ckpt, config_hash=config_hash, observer=observer)
+    commit, dirty = git_commit(root)
+    dvc = dvc_hashes([f"data/harmonized/{exp.dataset}", f"data/splits/{experiment}.json"], root / "dvc.lock")
+    tags = {
+        "git_commit": commit,
+        "git_dirty": str(dirty).lower(),
+        "params_hash": params_hash,
+        "config_hash": config_hash,
+        "method": method,
+        "dataset": exp.dataset,
+        "protocol": exp.split.protocol,
+        "experiment": experiment,
+        "seed": str(seed),
+        "model": exp.train.model,
+        "data.harmonized.sha256.images": card["sha256"]["images.npy"],
+        "data.harmonized.sha256.records": card["sha256"]["records.parquet"],
+        "data.split.sha256": data_hashes["split_sha256"],
+    }
+    for path, md5 in dvc.items():
+        tags[f"dvc.md5.{path}"] = md5
+    run_id = tracker.start(experiment, f"{method}-seed{seed}", resolved, tags, run_id=engine.meta.get("mlflow_run_id"))
+    if run_id and engine.meta.get("mlflow_run_id") != run_id:
+        engine.meta["mlflow_run_id"] = run_id
+        engine.save()
+    engine.on_round = tracker.log_round
+    if engine.round:
+        log.info("resuming %s/%s/seed%d after round %d", experiment, method, seed, engine.round)
+    try:
+        history = engine.run()
+    except BaseException:
+        tracker.fail()
+        raise
+    summary = summarize(history)
+    metrics = {
+        **summary,
+        "experiment": experiment,
+        "method": method,
+        "seed": seed,
+        "clients": [c.name for c in clients],
+        "params_hash": params_hash,
+        "config_hash": config_hash,
+        "mlflow_run_id": run_id,
+    }
+    with atomic_dir(out_dir) as tmp:
+        write_json(tmp / "metrics.json", metrics)
+        (tmp / "history.json").write_text(json.dumps(history, indent=1) + "\n")
+        torch.save({"server": engine.server, "stores": engine.stores, "clients": [c.name for c in clients], "config_hash": config_hash}, tmp / "final_model.pt")
+        flat = {"mean_acc": summary["mean_acc"], "std_acc": summary["std_acc"]}
+        if "mean_auc" in summary:
+            flat["mean_auc"] = summary["mean_auc"]
+        for c, v in summary["per_client"].items():
+            flat[f"acc.{c}"] = v["acc"]
+        tracker.finish(flat, [tmp / "metrics.json", tmp / "history.json"])
+    return metrics

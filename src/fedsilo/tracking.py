@@ -1,0 +1,148 @@
+"""MLflow tracking (DESIGN §6): one experiment per pipeline experiment, one run per (method, seed).
+
+The tracking URI is ``$MLFLOW_TRACKING_URI`` when set, else ``tracking.uri`` from params.yaml
+(default ``sqlite:///mlflow.db`` at the repository root). Logged: every resolved parameter (flattened), per-round
+metrics with step = round (mean/std accuracy, AUC, per-client accuracy and AUC, bytes up and down per client and
+in total, training loss), tags (git commit, the DVC hashes of the data the run read, params hash, method, dataset,
+protocol, seed) and artifacts (metrics.json, history.json). No image is ever logged.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def git_commit(repo: Path = Path(".")) -> tuple[str, bool]:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = bool(
+            subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True, text=True).stdout.strip()
+        )
+        return sha, dirty
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown", False
+
+
+def dvc_hashes(paths: list[str], lock: Path = Path("dvc.lock")) -> dict[str, str]:
+    """md5 recorded in dvc.lock for each path that some stage outputs (DVC writes a stage's lock entry as soon as
+    the stage completes, so upstream data is there when a train stage runs under ``dvc repro``)."""
+    found: dict[str, str] = {}
+    if not lock.exists():
+        return found
+    data = yaml.safe_load(lock.read_text()) or {}
+    for stage in (data.get("stages") or {}).values():
+        for out in stage.get("outs", []) or []:
+            if out.get("path") in paths and out.get("md5"):
+                found[out["path"]] = out["md5"]
+    return found
+
+
+def metric_key(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "_-./ " else "_" for ch in name)
+
+
+def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
+    m: dict[str, float] = {
+        "bytes_up_total": entry["bytes_up_total"],
+        "bytes_down_total": entry["bytes_down_total"],
+    }
+    for c, b in entry["bytes_up"].items():
+        m[f"bytes_up.{c}"] = b
+    for c, b in entry["bytes_down"].items():
+        m[f"bytes_down.{c}"] = b
+    for c, v in entry["train_loss"].items():
+        if v is not None:
+            m[f"train_loss.{c}"] = v
+    if "eval" in entry:
+        m["mean_acc"] = entry["mean_acc"]
+        m["std_acc"] = entry["std_acc"]
+        if "mean_auc" in entry:
+            m["mean_auc"] = entry["mean_auc"]
+        for c, v in entry["eval"].items():
+            m[f"acc.{c}"] = v["acc"]
+            if "auc" in v and v["auc"] == v["auc"]:
+                m[f"auc.{c}"] = v["auc"]
+        for c, v in (entry.get("global") or {}).items():
+            m[f"global_acc.{c}"] = v
+    return {metric_key(k): float(v) for k, v in m.items()}
+
+
+class Tracker:
+    """A thin wrapper over ``MlflowClient``; ``enabled=False`` makes every call a no-op (tests, dry runs)."""
+
+    def __init__(self, enabled: bool, uri: str):
+        self.enabled = enabled
+        self.run_id: Optional[str] = None
+        if enabled:
+            from mlflow.tracking import MlflowClient
+
+            self.uri = os.environ.get("MLFLOW_TRACKING_URI") or uri
+            self.client = MlflowClient(tracking_uri=self.uri)
+
+    def start(self, experiment: str, run_name: str, params: dict[str, Any], tags: dict[str, str], run_id: Optional[str] = None) -> Optional[str]:
+        if not self.enabled:
+            return None
+        from mlflow.entities import Param, RunTag
+
+        if run_id:
+            try:
+                self.client.get_run(run_id)
+                self.run_id = run_id
+                self.client.update_run(run_id, status="RUNNING")
+                return run_id
+            except Exception:  # noqa: BLE001 - the old run is gone (another tracking store): start a new one
+                pass
+        exp = self.client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        run = self.client.create_run(exp_id, run_name=run_name, tags=tags)
+        self.run_id = run.info.run_id
+        items = [Param(k, str(v)[:6000]) for k, v in sorted(flatten(params).items())]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+        self.client.log_batch(self.run_id, tags=[RunTag("mlflow.runName", run_name)])
+        return self.run_id
+
+    def log_round(self, entry: dict[str, Any]) -> None:
+        if not self.enabled or self.run_id is None:
+            return
+        import time
+
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        ms = [Metric(k, v, ts, entry["round"]) for k, v in round_metrics(entry).items()]
+        for i in range(0, len(ms), 1000):
+            self.client.log_batch(self.run_id, metrics=ms[i : i + 1000])
+
+    def finish(self, summary: dict[str, float], artifacts: list[Path]) -> None:
+        if not self.enabled or self.run_id is None:
+            return
+        import time
+
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(metric_key(f"final.{k}"), float(v), ts, 0) for k, v in summary.items()])
+        for a in artifacts:
+            self.client.log_artifact(self.run_id, str(a))
+        self.client.set_terminated(self.run_id, "FINISHED")
+
+    def fail(self) -> None:
+        if self.enabled and self.run_id is not None:
+            self.client.set_terminated(self.run_id, "FAILED")
