@@ -1,0 +1,47 @@
+"""Shared fixtures: a small offline mirror of the four CXR sources, harmonized once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLES = REPO.parent / "shared" / "samples"
+
+os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+
+
+def needs_samples(sub: str = "") -> pytest.MarkDecorator:
+    path = SAMPLES / sub
+    return pytest.mark.skipif(not path.exists(), reason=f"{path} absent (real samples live in ../shared/samples)")
+
+
+def small_params(patients: int = 60, image_size: int = 32, **train) -> dict:
+    """A params.yaml dict for tests: small mirror, tiny images, few rounds, tracking off."""
+    t = {"model": "simple_cnn", "rounds": 3, "local_epochs": 1, "batch_size": 16, "lr": 0.02, "eval_every": 1, "device": "cpu"}
+    t.update(train)
+    return {
+        "sources": {s: {"mode": "mirror", "mirror": {"patients": patients, "seed": 0, "image_px": 96}} for s in ("chexpert", "openi", "rsna", "vinbigdata")},
+        "datasets": {"chest_xray4": {"image_size": image_size, "workers": 1}},
+        "experiments": {"quick": {"dataset": "chest_xray4", "split": {"protocol": "domain_clients", "n_train": 24, "n_test": 16}, "train": t}},
+        "methods": {"single": {}, "fedavg": {}, "fedprox": {"mu": 0.01}, "fedbn": {}},
+        "pipeline": {"sources": ["chexpert", "openi", "rsna", "vinbigdata"], "datasets": ["chest_xray4"], "experiments": ["quick"], "methods": ["single", "fedavg", "fedprox", "fedbn"], "seeds": [0]},
+        "tracking": {"enabled": False},
+    }
+
+
+@pytest.fixture(scope="session")
+def mirror_root(tmp_path_factory) -> Path:
+    """A project root with data/raw (four mirrors) and data/harmonized/chest_xray4 at 32 px."""
+    from fedsilo.config import parse_params
+    from fedsilo.data.fetch import fetch
+    from fedsilo.data.harmonize import harmonize_cxr
+
+    root = tmp_path_factory.mktemp("project")
+    p = parse_params(small_params())
+    for s in p.pipeline.sources:
+        fetch(s, p.sources[s], root / "data" / "raw" / s)
+    harmonize_cxr(p.datasets["chest_xray4"], root / "data" / "raw", root / "data" / "harmonized" / "chest_xray4")
+    return root

@@ -1,0 +1,45 @@
+import copy
+
+import pytest
+import yaml
+
+from fedsilo.cli import main
+from fedsilo.config import ConfigError, load_params, parse_params
+from tests.conftest import REPO, small_params
+
+
+def test_repo_params_yaml_is_valid():
+    p = load_params(REPO / "params.yaml")
+    assert "cxr4_quickstart" in p.experiments
+    assert set(p.pipeline.methods) >= {"single", "fedavg", "fedprox", "fedbn"}
+
+
+@pytest.mark.parametrize(
+    "edit, key",
+    [
+        (lambda d: d["methods"]["fedprox"].update(mu=-1), "methods.fedprox.mu"),
+        (lambda d: d["methods"]["fedprox"].update(mux=1), "methods.fedprox.mux: unknown key"),
+        (lambda d: d["experiments"]["quick"]["train"].update(rounds=0), "experiments.quick.train.rounds"),
+        (lambda d: d["experiments"]["quick"]["train"].update(lr="fast"), "experiments.quick.train.lr"),
+        (lambda d: d["datasets"]["chest_xray4"].update(colour=True), "datasets.chest_xray4.colour: unknown key"),
+        (lambda d: d["datasets"]["chest_xray4"].update(vinbigdata={"opacity_rule": "some"}), "datasets.chest_xray4.vinbigdata.opacity_rule"),
+        (lambda d: d["sources"]["rsna"].update(mode="local"), "sources.rsna"),
+        (lambda d: d.update(extra_section={}), "extra_section: unknown key"),
+        (lambda d: d["methods"].update(fedmagic={}), "methods.fedmagic: unknown method"),
+        (lambda d: d["pipeline"]["methods"].append("ditto"), "pipeline.methods: 'ditto' is not defined"),
+    ],
+)
+def test_bad_value_names_the_key(edit, key):
+    raw = copy.deepcopy(small_params())
+    edit(raw)
+    with pytest.raises(ConfigError) as err:
+        parse_params(raw)
+    assert key in str(err.value)
+
+
+def test_cli_check_params_reports_key_and_exits_2(tmp_path, capsys):
+    raw = small_params()
+    raw["experiments"]["quick"]["train"]["batch_size"] = -4
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["--params", str(tmp_path / "params.yaml"), "check-params"]) == 2
+    assert "experiments.quick.train.batch_size" in capsys.readouterr().err
