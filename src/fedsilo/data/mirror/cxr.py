@@ -287,7 +287,7 @@ def _write_vin_dicom(path: Path, image_id: str, img: np.ndarray, rng: np.random.
         ds.WindowWidth = f"{hi - lo:.0f}"
         ds.VOILUTFunction = "LINEAR"
     if j2k:
-        ds.compress(JPEG2000Lossless, arr, encoding_plugin="pylibjpeg")
+        ds.compress(JPEG2000Lossless, arr, encoding_plugin="pylibjpeg", generate_instance_uid=False)
     else:
         ds.PixelData = arr.tobytes()
         ds["PixelData"].VR = "OW"
