@@ -18,7 +18,7 @@ def needs_samples(sub: str = "") -> pytest.MarkDecorator:
     return pytest.mark.skipif(not path.exists(), reason=f"{path} absent (real samples live in ../shared/samples)")
 
 
-def small_params(patients: int = 60, image_size: int = 32, **train) -> dict:
+def small_params(patients: int = 90, image_size: int = 32, **train) -> dict:
     """A params.yaml dict for tests: small mirror, tiny images, few rounds, tracking off."""
     t = {"model": "simple_cnn", "rounds": 3, "local_epochs": 1, "batch_size": 16, "lr": 0.02, "eval_every": 1, "device": "cpu"}
     t.update(train)

@@ -1,0 +1,106 @@
+"""The engine and the first four methods on the harmonized mirror."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from fedsilo.config import DomainClientsSplit, TrainParams
+from fedsilo.data.splits import make_split
+from fedsilo.fl.data import load_clients
+from fedsilo.fl.engine import Engine, PrivacyViolation, payload_bytes
+from fedsilo.methods import method_class
+from fedsilo.methods.baselines import FedAvg
+from fedsilo.models import batchnorm_keys, build_model
+
+
+@pytest.fixture(scope="module")
+def clients(mirror_root):
+    h = mirror_root / "data" / "harmonized" / "chest_xray4"
+    split = make_split(pd.read_parquet(h / "records.parquet"), DomainClientsSplit(n_train=32, n_test=20), seed=0)
+    return load_clients(h, split, torch.device("cpu"))
+
+
+def _engine(name, clients, rounds=2, observer=None, **kw):
+    cl, cin, nc = clients
+    tp = TrainParams(rounds=rounds, batch_size=16, lr=0.02, device="cpu", **kw)
+    cls = method_class(name)
+    return Engine(cls(cls.params_cls(), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0, observer=observer)
+
+
+def test_fedbn_uploads_no_batchnorm_and_fedavg_does(clients):
+    seen: dict[str, list] = {"fedbn": [], "fedavg": []}
+    for name in seen:
+        _engine(name, clients, rounds=1, observer=lambda r, c, d, p, n=name: seen[n].append((d, set(p)))).run()
+    bn = batchnorm_keys(build_model("simple_cnn", 1, 2))
+    ups_bn = [keys for d, keys in seen["fedbn"] if d == "up"]
+    ups_avg = [keys for d, keys in seen["fedavg"] if d == "up"]
+    assert ups_bn and all(not (k & bn) for k in ups_bn)
+    assert all(bn <= k for k in ups_avg)
+
+
+def test_bytes_are_the_tensors_moved(clients):
+    log = []
+    e = _engine("fedbn", clients, rounds=1, observer=lambda r, c, d, p: log.append((c, d, payload_bytes(p))))
+    h = e.run()[0]
+    m = build_model("simple_cnn", 1, 2)
+    bn = batchnorm_keys(m)
+    expected = sum(t.numel() * t.element_size() for k, t in m.state_dict().items() if k not in bn)
+    assert all(b == expected for _, _, b in log)
+    assert h["bytes_up_total"] == expected * len(clients[0]) == h["bytes_down_total"]
+    assert h["bytes_up"] == {c: b for c, d, b in log if d == "up"}
+    single = _engine("single", clients, rounds=1).run()[0]
+    assert single["bytes_up_total"] == single["bytes_down_total"] == 0
+
+
+def test_an_upload_of_private_state_is_refused(clients):
+    class Leaky(FedAvg):
+        name = "leaky"
+
+        def private_keys(self, model):
+            return {"units.0.0.weight"}
+
+    cl, cin, nc = clients
+    tp = TrainParams(rounds=1, batch_size=16, device="cpu")
+    with pytest.raises(PrivacyViolation, match="units.0.0.weight"):
+        Engine(Leaky(Leaky.params_cls(), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0).run()
+
+
+def test_fedavg_server_is_the_size_weighted_mean(clients):
+    ups = []
+    e = _engine("fedavg", clients, rounds=1, observer=lambda r, c, d, p: ups.append(p) if d == "up" else None)
+    e.run()
+    k = "units.0.0.weight"
+    n = np.array([c.n_train for c in clients[0]], dtype=float)
+    expect = sum(u[k].double() * w for u, w in zip(ups, n / n.sum()))
+    assert torch.allclose(e.server[k].double(), expect, atol=1e-6)
+
+
+def test_single_and_fedbn_learn_well_above_chance(clients):
+    for name in ("single", "fedbn"):
+        h = _engine(name, clients, rounds=8, local_epochs=3).run()
+        assert h[-1]["mean_acc"] > 0.75, (name, [round(x["mean_acc"], 3) for x in h])
+
+
+def test_fedprox_term_pulls_towards_the_global_model(clients):
+    cl, cin, nc = clients
+    far = []
+    for mu in (1e-6, 5.0):
+        tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu")
+        cls = method_class("fedprox")
+        ups = []
+        e = Engine(cls(cls.params_cls(mu=mu), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0,
+                   observer=lambda r, c, d, p: ups.append((d, p)))
+        e.run()
+        start = [p for d, p in ups if d == "down"][0]
+        end = [p for d, p in ups if d == "up"][0]
+        far.append(sum(float(((end[k].float() - start[k].float()) ** 2).sum()) for k in start if start[k].is_floating_point()))
+    assert far[1] < far[0]
+
+
+def test_same_seed_same_numbers(clients):
+    a = _engine("fedavg", clients, rounds=2).run()
+    b = _engine("fedavg", clients, rounds=2).run()
+    assert [x["eval"] for x in a] == [x["eval"] for x in b]

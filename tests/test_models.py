@@ -1,0 +1,55 @@
+import pytest
+import torch
+
+from fedsilo.models import MODELS, batchnorm_keys, build_model
+
+
+@pytest.mark.parametrize("name, layers", [("simple_cnn", 6), ("alexnet_bn", 8), ("densenet121", 121), ("resnet10", 10), ("resnet18", 18)])
+def test_layer_counts_and_interface(name, layers):
+    m = build_model(name, 1, 2, seed=0).eval()
+    assert m.num_layers == layers
+    x = torch.randn(2, 1, 64, 64)
+    with torch.no_grad():
+        assert m(x).shape == (2, 2)
+        assert torch.allclose(m.head()(m.feature_extractor()(x)), m(x))
+    assert len(m.layers()) == len(m.units)
+
+
+def _share(m, depth):
+    f, _ = m.cut(depth)
+    return sum(p.numel() for p in f.parameters()) / sum(p.numel() for p in m.parameters())
+
+
+def test_paper_cut_depth_ratios():
+    # pFedDB Table 3: DenseNet-121 l_c = 14/39/88/120 -> 0.05/0.20/0.68/0.99; AlexNet l_c = 5/6/7 -> 0.04/0.71/0.99
+    d = build_model("densenet121", 3, 2)
+    assert [round(_share(d, lc), 2) for lc in (14, 39, 88, 120)] == [0.05, 0.21, 0.69, 1.0]
+    a = build_model("alexnet_bn", 3, 10)
+    assert [round(_share(a, lc), 2) for lc in (5, 6, 7)] == [0.04, 0.71, 1.0]
+    f, _ = a.cut(6)
+    assert round(sum(p.numel() for p in f.parameters()) * 4 / 2**20, 1) == 153.5  # MB uploaded per round
+
+
+def test_cut_inside_a_unit_is_refused():
+    with pytest.raises(ValueError, match="falls inside unit 'denseblock1.denselayer1'"):
+        build_model("densenet121", 3, 2).cut(2)
+
+
+def test_unrolled_densenet_equals_torchvision():
+    from torchvision.models import densenet121
+
+    torch.manual_seed(0)
+    ref = densenet121(weights=None, num_classes=2).eval()
+    ours = build_model("densenet121", 3, 2).eval()
+    ours.load_state_dict(dict(zip(ours.state_dict().keys(), ref.state_dict().values())))
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.allclose(ours(x), ref(x), atol=1e-5)
+
+
+def test_batchnorm_keys_cover_bn_state():
+    m = build_model("simple_cnn", 1, 2)
+    keys = batchnorm_keys(m)
+    assert {k.rsplit(".", 1)[1] for k in keys} == {"weight", "bias", "running_mean", "running_var", "num_batches_tracked"}
+    assert len(keys) == 5 * 5  # 3 conv BN + 2 FC BN
+    assert set(MODELS) == {"simple_cnn", "alexnet_bn", "densenet121", "resnet10", "resnet18"}

@@ -1,0 +1,98 @@
+"""A train stage killed mid-run resumes to the same numbers; MLflow gets one run per (method, seed) with its tags."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+import yaml
+
+from tests.conftest import small_params
+
+
+def _project(mirror_root, dest, tracking: bool):
+    (dest / "data").mkdir(parents=True)
+    shutil.copytree(mirror_root / "data" / "harmonized", dest / "data" / "harmonized")
+    raw = small_params(rounds=8, local_epochs=2)
+    raw["tracking"] = {"enabled": tracking, "uri": f"sqlite:///{dest / 'mlflow.db'}"}
+    (dest / "params.yaml").write_text(yaml.safe_dump(raw))
+    _cli(dest, "split", "--experiment", "quick")
+    return dest
+
+
+def _cli(root, *args, wait=True):
+    cmd = [sys.executable, "-m", "fedsilo.cli", "--root", str(root), "--params", str(root / "params.yaml"), *args]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": ""}
+    env.pop("MLFLOW_TRACKING_URI")
+    if not wait:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+TRAIN = ("train", "--experiment", "quick", "--method", "fedbn", "--seed", "0")
+
+
+def test_killed_train_stage_resumes_to_identical_metrics(mirror_root, tmp_path):
+    a = _project(mirror_root, tmp_path / "a", tracking=False)
+    b = _project(mirror_root, tmp_path / "b", tracking=True)
+    _cli(a, *TRAIN)
+    ckpt = b / "state" / "quick" / "fedbn" / "seed0" / "checkpoint.pt"
+    proc = _cli(b, *TRAIN, wait=False)
+    killed_at = None
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if ckpt.exists():
+            try:
+                rnd = torch.load(ckpt, weights_only=False)["round"]
+            except Exception:  # noqa: BLE001 - caught between write and rename on some filesystems
+                rnd = 0
+            if rnd >= 3:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                killed_at = rnd
+                break
+        time.sleep(0.05)
+    assert killed_at is not None and killed_at < 8, "the run should have been killed mid-way"
+    assert not (b / "results" / "quick" / "fedbn" / "seed0").exists()
+    _cli(b, *TRAIN)
+    ma = json.loads((a / "results/quick/fedbn/seed0/metrics.json").read_text())
+    mb = json.loads((b / "results/quick/fedbn/seed0/metrics.json").read_text())
+    assert ma["per_client"] == mb["per_client"] and ma["bytes_up_per_round"] == mb["bytes_up_per_round"]
+    ha = json.loads((a / "results/quick/fedbn/seed0/history.json").read_text())
+    hb = json.loads((b / "results/quick/fedbn/seed0/history.json").read_text())
+    assert [h["eval"] for h in ha] == [h["eval"] for h in hb]
+
+    # the resumed run continued the same MLflow run: one run, FINISHED, a mean_acc point for every round
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{b / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("quick")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED" and runs[0].info.run_id == mb["mlflow_run_id"]
+    tags = runs[0].data.tags
+    for t in ("git_commit", "params_hash", "method", "dataset", "protocol", "data.harmonized.sha256.images", "data.split.sha256"):
+        assert tags.get(t), t
+    assert tags["method"] == "fedbn" and tags["protocol"] == "domain_clients"
+    steps = sorted({m.step for m in client.get_metric_history(runs[0].info.run_id, "mean_acc")})
+    assert steps == list(range(1, 9))
+    assert runs[0].data.params["train.rounds"] == "8"
+    assert "bytes_up.CheXpert" in runs[0].data.metrics
+
+
+def test_changed_config_does_not_resume_a_stale_checkpoint(mirror_root, tmp_path):
+    a = _project(mirror_root, tmp_path / "a", tracking=False)
+    _cli(a, *TRAIN)
+    raw = yaml.safe_load((a / "params.yaml").read_text())
+    raw["experiments"]["quick"]["train"]["rounds"] = 2
+    (a / "params.yaml").write_text(yaml.safe_dump(raw))
+    _cli(a, *TRAIN)
+    h = json.loads((a / "results/quick/fedbn/seed0/history.json").read_text())
+    assert [x["round"] for x in h] == [1, 2]
