@@ -92,7 +92,7 @@ def test_fedprox_term_pulls_towards_the_global_model(clients):
         cls = method_class("fedprox")
         ups = []
         e = Engine(cls(cls.params_cls(mu=mu), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0,
-                   observer=lambda r, c, d, p: ups.append((d, p)))
+                   observer=lambda r, c, d, p, ups=ups: ups.append((d, p)))
         e.run()
         start = [p for d, p in ups if d == "down"][0]
         end = [p for d, p in ups if d == "up"][0]

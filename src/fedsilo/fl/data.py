@@ -40,19 +40,18 @@ def load_clients(harmonized_dir: Path, split: dict[str, Any], device: torch.devi
     labels = records["label"].to_numpy()
     if len(labels) != images.shape[0]:
         raise ValueError(f"{harmonized_dir}: records.parquet has {len(labels)} rows but images.npy {images.shape[0]}")
+    def grab(name: str, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = np.asarray(rows, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(labels)):
+            raise ValueError(f"split client {name}: index out of range for {harmonized_dir}")
+        x = torch.from_numpy(np.ascontiguousarray(images[idx])).permute(0, 3, 1, 2).contiguous()
+        y = torch.from_numpy(labels[idx].astype(np.int64))
+        return x.to(device), y.to(device)
+
     clients = []
     for c in split["clients"]:
-
-        def grab(rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-            idx = np.asarray(rows, dtype=np.int64)
-            if idx.size and (idx.min() < 0 or idx.max() >= len(labels)):
-                raise ValueError(f"split client {c['name']}: index out of range for {harmonized_dir}")
-            x = torch.from_numpy(np.ascontiguousarray(images[idx])).permute(0, 3, 1, 2).contiguous()
-            y = torch.from_numpy(labels[idx].astype(np.int64))
-            return x.to(device), y.to(device)
-
-        xtr, ytr = grab(c["train"])
-        xte, yte = grab(c["test"])
+        xtr, ytr = grab(c["name"], c["train"])
+        xte, yte = grab(c["name"], c["test"])
         clients.append(ClientData(int(c["client"]), str(c["name"]), xtr, ytr, xte, yte))
     return clients, int(images.shape[3]), int(split["num_classes"])
 
