@@ -88,6 +88,24 @@ def _report(args: argparse.Namespace) -> None:
         print(f"report {exp}: Avg accuracy " + ", ".join(f"{m} {v:.1f}" for m, v in info["table"].items()))
 
 
+def _bench(args: argparse.Namespace) -> None:
+    from fedsilo.bench import format_result, run_bench
+    from fedsilo.utils.io import write_json
+
+    r = run_bench(
+        model=args.model, image_size=args.image_size, channels=args.channels, num_classes=args.classes,
+        clients=args.clients, samples=args.samples, test_samples=args.test_samples, batch_size=args.batch_size,
+        local_epochs=args.local_epochs, rounds=args.rounds, warmup=args.warmup,
+        methods=tuple(m for m in args.methods.split(",") if m), device=args.device, amp=args.amp,
+        channels_last=args.channels_last, compile=args.compile, checkpoint=not args.no_checkpoint,
+        memory_clients=args.memory_clients, memory_rounds=args.memory_rounds, memory_samples=args.memory_samples,
+        memory_fraction=args.memory_fraction, harmonize_images=args.harmonize_images, harmonize_px=args.harmonize_px,
+    )
+    print(format_result(r))
+    if args.json:
+        write_json(args.json, r)
+
+
 def _check(args: argparse.Namespace) -> None:
     load_params(args.params)
     print(f"{args.params}: ok")
@@ -116,6 +134,39 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("report", help="tables and figures -> results/report/<experiment>/")
     s.add_argument("--experiment", help="one experiment (default: every one in pipeline.experiments)")
     s.set_defaults(fn=_report)
+    s = sub.add_parser(
+        "bench",
+        help="engine throughput against the single-model loop, memory over rounds, harmonize throughput",
+        description="Measures, in one process: (a) a plain single-model training loop over the same samples, batches "
+        "and evaluation (the limit), (b) FedAvg rounds through the engine, (c) the other --methods; prints samples/s, "
+        "the ratios b/a and c/a, peak device and host memory; then host/device memory over many rounds of many "
+        "Simple-CNN clients, and DICOM harmonize throughput on all cores. Not a test: it reports numbers.",
+    )
+    s.add_argument("--model", default="simple_cnn", help="backbone (simple_cnn, alexnet_bn, densenet121, resnet10, resnet18)")
+    s.add_argument("--image-size", type=int, default=28, help="image edge in pixels (default 28, Digits-Five)")
+    s.add_argument("--channels", type=int, default=3, help="input channels (default 3)")
+    s.add_argument("--classes", type=int, default=10, help="number of classes (default 10)")
+    s.add_argument("--clients", type=int, default=5, help="clients (default 5)")
+    s.add_argument("--samples", type=int, default=743, help="training samples per client (default 743, FedBN's Digits-Five)")
+    s.add_argument("--test-samples", type=int, default=256, help="test samples per client evaluated every round (default 256)")
+    s.add_argument("--batch-size", type=int, default=32)
+    s.add_argument("--local-epochs", type=int, default=1)
+    s.add_argument("--rounds", type=int, default=3, help="measured rounds (median is reported)")
+    s.add_argument("--warmup", type=int, default=1, help="rounds run before measuring")
+    s.add_argument("--methods", default="fedavg,fedbn", help="comma-separated registered methods to time (default fedavg,fedbn)")
+    s.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    s.add_argument("--amp", default="auto", choices=["auto", "off", "bf16"], help="bf16 autocast (auto = on CUDA)")
+    s.add_argument("--channels-last", default="auto", choices=["auto", "on", "off"])
+    s.add_argument("--compile", action="store_true", help="torch.compile the model")
+    s.add_argument("--no-checkpoint", action="store_true", help="leave the per-round checkpoint out of the engine timing")
+    s.add_argument("--memory-clients", type=int, default=100, help="clients in the memory-flatness run (0 skips it)")
+    s.add_argument("--memory-rounds", type=int, default=50)
+    s.add_argument("--memory-samples", type=int, default=16)
+    s.add_argument("--memory-fraction", type=float, default=None, help="clients sampled per round (default 1.0 on GPU, 0.1 on CPU)")
+    s.add_argument("--harmonize-images", type=int, default=32, help="mirror DICOMs decoded for harmonize throughput (0 skips it)")
+    s.add_argument("--harmonize-px", type=int, default=1024, help="edge of those DICOMs")
+    s.add_argument("--json", help="also write the full result as JSON here")
+    s.set_defaults(fn=_bench)
     s = sub.add_parser("check-params", help="validate params.yaml")
     s.set_defaults(fn=_check)
     return ap

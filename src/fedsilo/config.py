@@ -114,6 +114,12 @@ class TrainParams(Strict):
     eval_every: int = Field(1, ge=1)
     augment: AugmentParams = AugmentParams()
     device: str = "auto"
+    amp: Literal["auto", "off", "bf16"] = Field("auto", description="auto = bf16 autocast on CUDA, off on CPU")
+    channels_last: Literal["auto", "on", "off"] = Field("auto", description="auto = on for CUDA convnets")
+    compile: bool = Field(False, description="torch.compile the model once per run")
+    store_device: Literal["auto", "device", "host"] = Field(
+        "auto", description="where client stores live: on the device when they fit, else pinned host memory"
+    )
 
 
 class ExperimentParams(Strict):

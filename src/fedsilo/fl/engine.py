@@ -21,7 +21,7 @@ import torch
 
 from fedsilo.config import TrainParams
 from fedsilo.fl.data import ClientData
-from fedsilo.fl.local import evaluate, make_generator
+from fedsilo.fl.local import evaluate, make_generator, use_channels_last
 from fedsilo.methods.base import Method, State
 from fedsilo.models import LayeredNet
 from fedsilo.utils.io import atomic_file
@@ -40,6 +40,12 @@ def payload_bytes(payload: State) -> int:
 def transfer(payload: State) -> State:
     """What crosses the wire: an independent copy of each tensor."""
     return {k: v.detach().clone() for k, v in payload.items()}
+
+
+def read_only(payload: State) -> State:
+    """A download handed over without a copy: the client loads it into the model (that load is the copy) and must
+    not modify it in place; methods that keep it (FedProx's anchor) clone what they keep."""
+    return {k: v.detach() for k, v in payload.items()}
 
 
 class Engine:
@@ -66,10 +72,38 @@ class Engine:
         self.history: list[dict[str, Any]] = []
         self.server: State = {}
         self.stores: list[State] = []
+        if train.compile:
+            # kept out of the module tree so that state_dict keys stay the same
+            model.__dict__["_fedsilo_compiled"] = torch.compile(model)
+        if use_channels_last(train, self._device()):
+            model.to(memory_format=torch.channels_last)
         if not self._resume():
             self.server = self.method.init_server(model)
             self.stores = [self.method.init_client(model, c) for c in clients]
             self.save()
+        self.store_device = self._choose_store_device()
+        self.stores = [self._place(s) for s in self.stores]
+
+    # ------------------------------------------------------------------ client state placement
+    def _choose_store_device(self) -> torch.device:
+        dev = self._device()
+        if dev.type != "cuda" or self.train.store_device == "device":
+            return dev
+        if self.train.store_device == "host":
+            return torch.device("cpu")
+        need = sum(payload_bytes(s) for s in self.stores)
+        free, _ = torch.cuda.mem_get_info(dev)
+        return dev if need < 0.5 * free else torch.device("cpu")
+
+    def _place(self, store: State) -> State:
+        out: State = {}
+        for k, v in store.items():
+            if v.device != self.store_device:
+                v = v.to(self.store_device, non_blocking=True)
+                if self.store_device.type == "cpu" and torch.cuda.is_available():
+                    v = v.pin_memory()
+            out[k] = v
+        return out
 
     # ------------------------------------------------------------------ checkpoints
     def _resume(self) -> bool:
@@ -122,23 +156,31 @@ class Engine:
             "train_loss": {},
         }
         uploads: list[tuple[ClientData, State]] = []
+        acc = self.method.agg_begin(self.server, rnd) if self.method.streaming else None
         for i in picked:
             c = self.clients[i]
-            down = transfer(self.method.download(self.server, c, rnd))
+            down = read_only(self.method.download(self.server, c, rnd))
             entry["bytes_down"][c.name] = payload_bytes(down)
-            if self.observer:
-                self.observer(rnd, c.name, "down", down)
+            if self.observer:  # observers get copies: payloads may alias live model or server tensors
+                self.observer(rnd, c.name, "down", transfer(down))
             up = self.method.local_update(self.model, self.stores[i], down, c, rnd, self.seed)
+            self.stores[i] = self._place(self.stores[i])
             leaked = sorted(set(up) & self.private)
             if leaked:
                 raise PrivacyViolation(f"{self.method.name}: client {c.name} tried to upload private tensors {leaked[:5]}")
-            up = transfer(up)
+            # a streaming aggregator consumes the upload before the model is touched again, so no copy is needed;
+            # a method that aggregates the whole list gets independent copies
+            up = read_only(up) if acc is not None else transfer(up)
             entry["bytes_up"][c.name] = payload_bytes(up)
             entry["train_loss"][c.name] = self.method.last_loss
             if self.observer:
-                self.observer(rnd, c.name, "up", up)
-            uploads.append((c, up))
-        self.server = self.method.aggregate(self.server, uploads, rnd)
+                self.observer(rnd, c.name, "up", transfer(up))
+            if acc is not None:
+                self.method.agg_add(acc, c, up)
+            else:
+                uploads.append((c, up))
+            del up, down
+        self.server = self.method.agg_end(self.server, acc, rnd) if acc is not None else self.method.aggregate(self.server, uploads, rnd)
         entry["bytes_down_total"] = int(sum(entry["bytes_down"].values()))
         entry["bytes_up_total"] = int(sum(entry["bytes_up"].values()))
         if rnd % self.train.eval_every == 0 or rnd == self.train.rounds:
@@ -147,9 +189,13 @@ class Engine:
 
     def evaluate(self) -> dict[str, Any]:
         per: dict[str, dict[str, float]] = {}
+        shared_model = self.method.eval_is_global()
+        if shared_model:
+            self.model.load_state_dict(self.method.eval_state(self.server, self.stores[0], self.clients[0]), strict=True)
         for c, store in zip(self.clients, self.stores):
-            self.model.load_state_dict(self.method.eval_state(self.server, store, c), strict=True)
-            per[c.name] = evaluate(self.model, c.x_test, c.y_test)
+            if not shared_model:
+                self.model.load_state_dict(self.method.eval_state(self.server, store, c), strict=True)
+            per[c.name] = evaluate(self.model, c.x_test, c.y_test, cfg=self.train)
         accs = np.array([v["acc"] for v in per.values()])
         out: dict[str, Any] = {
             "eval": per,
@@ -159,10 +205,13 @@ class Engine:
         aucs = [v["auc"] for v in per.values() if "auc" in v and not math.isnan(v["auc"])]
         if aucs:
             out["mean_auc"] = float(np.mean(aucs))
-        g = self.method.global_state(self.server)
-        if g is not None:
-            self.model.load_state_dict(g, strict=True)
-            out["global"] = {c.name: evaluate(self.model, c.x_test, c.y_test)["acc"] for c in self.clients}
+        if self.method.eval_is_global():
+            out["global"] = {name: v["acc"] for name, v in per.items()}
+        else:
+            g = self.method.global_state(self.server)
+            if g is not None:
+                self.model.load_state_dict(g, strict=True)
+                out["global"] = {c.name: evaluate(self.model, c.x_test, c.y_test, cfg=self.train)["acc"] for c in self.clients}
         return out
 
     def run(self) -> list[dict[str, Any]]:

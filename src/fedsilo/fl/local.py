@@ -23,6 +23,23 @@ def make_generator(*keys: int) -> torch.Generator:
     return g
 
 
+def use_bf16(cfg: TrainParams, device: torch.device) -> bool:
+    return device.type == "cuda" and cfg.amp in ("auto", "bf16")
+
+
+def use_channels_last(cfg: TrainParams, device: torch.device) -> bool:
+    return cfg.channels_last == "on" or (cfg.channels_last == "auto" and device.type == "cuda")
+
+
+def forward_fn(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The compiled forward when the engine compiled the model (stored outside the module tree), else the model."""
+    return model.__dict__.get("_fedsilo_compiled") or model
+
+
+def _prep(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    return x.contiguous(memory_format=torch.channels_last) if channels_last and x.dim() == 4 else x
+
+
 def batches(n: int, batch_size: int, gen: torch.Generator) -> list[torch.Tensor]:
     perm = torch.randperm(n, generator=gen)
     out = list(perm.split(batch_size))
@@ -44,34 +61,45 @@ def train_local(
     """Plain SGD on the client's training data (a fresh optimizer each call, as in FedAvg's ClientUpdate).
     Returns the mean training loss over the last epoch."""
     model.train()
+    device = data.x_train.device
+    bf16, cl = use_bf16(cfg, device), use_channels_last(cfg, device)
+    fwd = forward_fn(model)
     trainable = params if params is not None else [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(trainable, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     loss_fn = nn.CrossEntropyLoss()
     last = 0.0
     for _ in range(epochs if epochs is not None else cfg.local_epochs):
-        total, count = 0.0, 0
+        total = torch.zeros((), device=device)
+        count = 0
         for idx in batches(data.n_train, cfg.batch_size, gen):
-            idx = idx.to(data.x_train.device)
-            x = augment(to_float(data.x_train[idx]), cfg.augment, gen)
+            idx = idx.to(device, non_blocking=True)
+            x = _prep(augment(to_float(data.x_train[idx]), cfg.augment, gen), cl)
             y = data.y_train[idx]
             opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            if extra_loss is not None:
-                loss = loss + extra_loss(model)
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = loss_fn(fwd(x), y)
+                if extra_loss is not None:
+                    loss = loss + extra_loss(model)
             loss.backward()
             opt.step()
-            total += float(loss.detach()) * len(idx)
+            total += loss.detach().float() * len(idx)  # stays on the device: no sync per step
             count += len(idx)
-        last = total / max(count, 1)
+        last = float(total) / max(count, 1)
     return last
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x_u8: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> dict[str, float]:
+def evaluate(
+    model: nn.Module, x_u8: torch.Tensor, y: torch.Tensor, batch_size: int = 256, cfg: Optional[TrainParams] = None
+) -> dict[str, float]:
     model.eval()
+    bf16 = cfg is not None and use_bf16(cfg, x_u8.device)
+    cl = cfg is not None and use_channels_last(cfg, x_u8.device)
+    fwd = forward_fn(model)
     logits = []
     for i in range(0, len(y), batch_size):
-        logits.append(model(to_float(x_u8[i : i + batch_size])).float())
+        with torch.autocast(device_type=x_u8.device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits.append(fwd(_prep(to_float(x_u8[i : i + batch_size]), cl)).float())
     out = torch.cat(logits)
     loss = float(nn.functional.cross_entropy(out, y))
     pred = out.argmax(1)

@@ -76,21 +76,59 @@ class Method:
         """A full model state that is the same for every client, or None where the method has none."""
         return None
 
+    def eval_is_global(self) -> bool:
+        """True when every client is evaluated with global_state (the engine then evaluates once, not twice)."""
+        return False
+
+    # --- optional streaming aggregation: a method that defines these is aggregated upload by upload
+    streaming: ClassVar[bool] = False
+
+    def agg_begin(self, server: State, rnd: int) -> Any:
+        raise NotImplementedError
+
+    def agg_add(self, acc: Any, client: ClientData, upload: State) -> None:
+        raise NotImplementedError
+
+    def agg_end(self, server: State, acc: Any, rnd: int) -> State:
+        raise NotImplementedError
+
     def describe(self) -> dict[str, Any]:
         return {"method": self.name, **self.params.model_dump(mode="json")}
 
 
+class RunningMean:
+    """Sample-size-weighted mean accumulated one upload at a time, so a round with many clients holds one
+    accumulator instead of every upload. Floating tensors accumulate in float32 (or their own wider dtype), integer
+    buffers (BatchNorm's num_batches_tracked) in float64 and are rounded."""
+
+    def __init__(self) -> None:
+        self.sum: State = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        self.weight = 0.0
+
+    def add(self, n: float, upload: State) -> None:
+        for k, v in upload.items():
+            if k not in self.sum:
+                wide = torch.float64 if not v.is_floating_point() or v.dtype == torch.float64 else torch.float32
+                self.sum[k] = torch.zeros_like(v, dtype=wide)
+                self.dtypes[k] = v.dtype
+            self.sum[k].add_(v.to(self.sum[k].dtype), alpha=float(n))
+        self.weight += float(n)
+
+    def result(self) -> State:
+        out: State = {}
+        for k, acc in self.sum.items():
+            mean = acc / self.weight
+            out[k] = mean.round().to(self.dtypes[k]) if not self.dtypes[k].is_floating_point else mean.to(self.dtypes[k])
+        return out
+
+
 def weighted_average(uploads: list[tuple[int, State]]) -> State:
-    """Sample-size-weighted mean of each key; integer buffers (BatchNorm's num_batches_tracked) are rounded."""
-    total = float(sum(n for n, _ in uploads))
-    out: State = {}
-    for k in uploads[0][1]:
-        ref = uploads[0][1][k]
-        acc = torch.zeros_like(ref, dtype=torch.float64)
-        for n, up in uploads:
-            acc += up[k].to(torch.float64) * (n / total)
-        out[k] = acc.round().to(ref.dtype) if not ref.is_floating_point() else acc.to(ref.dtype)
-    return out
+    """Sample-size-weighted mean of each key (see RunningMean)."""
+    acc = RunningMean()
+    for n, up in uploads:
+        acc.add(n, up)
+    return acc.result()
 
 
 class PartialSharing(Method):
@@ -141,11 +179,26 @@ class PartialSharing(Method):
             return server
         return weighted_average([(c.n_train, up) for c, up in uploads])
 
+    streaming = True
+
+    def agg_begin(self, server, rnd):
+        return RunningMean()
+
+    def agg_add(self, acc, client, upload):
+        if upload:
+            acc.add(client.n_train, upload)
+
+    def agg_end(self, server, acc, rnd):
+        return acc.result() if acc.weight > 0 and self.shared else server
+
     def eval_state(self, server, store, client):
         return {**store, **server}
 
     def global_state(self, server):
         return dict(server) if not self.private else None
+
+    def eval_is_global(self):
+        return not self.private
 
 
 def proximal_term(model: nn.Module, anchor: State, mu: float) -> ExtraLoss:

@@ -1,0 +1,261 @@
+"""``fedsilo bench``: the engine against the single-model limit, measured in one process.
+
+For one backbone / image size / client count / samples per client / local epochs / batch size it measures:
+
+(a) the *limit*: a plain training loop over one model and one optimizer, visiting every client's samples in turn with
+    the same batches, the same on-device preprocessing and the same evaluation work (each client's test set once per
+    round), with no state swapping, payloads, aggregation or checkpoints;
+(b) fedsilo's FedAvg round throughput through the real engine (payload copies, byte accounting, client-store
+    swapping, aggregation, evaluation and the per-round checkpoint on disk);
+(c) the same for every other method asked for (``--methods``);
+
+and prints samples/s for each, the ratios b/a and c/a, peak device and host memory, then a memory-flatness run (many
+Simple-CNN clients over many rounds: host RSS and device memory per round) and the harmonize throughput (DICOM decode
++ normalize + resize on all cores, on mirror DICOMs of a realistic size). Nothing here is a test: it reports
+numbers; docs/performance.md records them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedsilo.config import TrainParams
+from fedsilo.fl.data import ClientData, augment, to_float
+from fedsilo.fl.engine import Engine
+from fedsilo.fl.local import _prep, batches, evaluate, make_generator, use_bf16, use_channels_last
+from fedsilo.methods import method_class
+from fedsilo.models import build_model
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def synthetic_clients(n_clients: int, samples: int, test: int, channels: int, size: int, classes: int, device: torch.device, seed: int = 0) -> list[ClientData]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n_clients):
+        def make(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            x = torch.randint(0, 256, (n, channels, size, size), generator=g, dtype=torch.uint8)
+            y = torch.randint(0, classes, (n,), generator=g)
+            return x.to(device), y.to(device)
+
+        xtr, ytr = make(samples)
+        xte, yte = make(test)
+        out.append(ClientData(i, f"client{i}", xtr, ytr, xte, yte))
+    return out
+
+
+def single_model_loop(model: nn.Module, clients: list[ClientData], cfg: TrainParams, rounds: int, seed: int) -> list[float]:
+    """The limit: one model, one optimizer, the same batches and evaluation; returns seconds per round."""
+    device = clients[0].x_train.device
+    bf16, cl = use_bf16(cfg, device), use_channels_last(cfg, device)
+    if cl:
+        model.to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    loss_fn = nn.CrossEntropyLoss()
+    times = []
+    for rnd in range(1, rounds + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        for c in clients:
+            model.train()
+            gen = make_generator(seed, rnd, c.index)
+            for _ in range(cfg.local_epochs):
+                for idx in batches(c.n_train, cfg.batch_size, gen):
+                    idx = idx.to(device, non_blocking=True)
+                    x = _prep(augment(to_float(c.x_train[idx]), cfg.augment, gen), cl)
+                    opt.zero_grad(set_to_none=True)
+                    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
+                        loss = loss_fn(model(x), c.y_train[idx])
+                    loss.backward()
+                    opt.step()
+        for c in clients:
+            evaluate(model, c.x_test, c.y_test, cfg=cfg)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def engine_rounds(method: str, model: nn.Module, clients: list[ClientData], cfg: TrainParams, rounds: int, seed: int, checkpoint: Optional[Path]) -> list[float]:
+    cls = method_class(method)
+    times: list[float] = []
+    device = clients[0].x_train.device
+    engine = Engine(cls(cls.params_cls(), cfg), model, clients, cfg, seed, checkpoint=checkpoint, config_hash=f"bench-{method}")
+    for _ in range(rounds):
+        _sync(device)
+        t0 = time.perf_counter()
+        entry = engine.run_round()
+        engine.history.append(entry)
+        engine.round = entry["round"]
+        engine.save()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_dev(device: torch.device) -> Optional[float]:
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
+def harmonize_throughput(n_images: int, px: int, workers: int) -> dict[str, Any]:
+    from fedsilo.config import MirrorParams
+    from fedsilo.data.harmonize import _decode_all
+    from fedsilo.data.mirror.cxr import write_rsna, write_vinbigdata
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_vinbigdata(root / "vin", MirrorParams(patients=max(8, n_images // 2), image_px=px))
+        write_rsna(root / "rsna", MirrorParams(patients=max(8, n_images - n_images // 2), image_px=px))
+        files = sorted((root / "vin").rglob("*.dicom")) + sorted((root / "rsna").rglob("*.dcm"))
+        jobs = [(str(p), "dicom", 224, "crop", "bit_depth", (0.5, 99.5)) for p in files]
+        out = {"images": len(jobs), "source_px": px, "workers": workers}
+        for label, w in (("one_core", 1), ("all_cores", workers)):
+            t0 = time.perf_counter()
+            res = _decode_all(jobs, w)
+            dt = time.perf_counter() - t0
+            bad = [e for img, e in res if img is None]
+            if bad:
+                raise RuntimeError(f"decode failed during the benchmark: {bad[0]}")
+            out[f"images_per_s_{label}"] = len(jobs) / dt
+        return out
+
+
+def run_bench(
+    model: str = "simple_cnn",
+    image_size: int = 28,
+    channels: int = 3,
+    num_classes: int = 10,
+    clients: int = 5,
+    samples: int = 743,
+    test_samples: int = 256,
+    batch_size: int = 32,
+    local_epochs: int = 1,
+    rounds: int = 3,
+    warmup: int = 1,
+    methods: tuple[str, ...] = ("fedavg", "fedbn"),
+    device: str = "auto",
+    amp: str = "auto",
+    channels_last: str = "auto",
+    compile: bool = False,
+    checkpoint: bool = True,
+    memory_clients: int = 100,
+    memory_rounds: int = 50,
+    memory_samples: int = 16,
+    memory_fraction: Optional[float] = None,
+    harmonize_images: int = 32,
+    harmonize_px: int = 1024,
+    seed: int = 0,
+) -> dict[str, Any]:
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    cfg = TrainParams(
+        model=model, rounds=warmup + rounds, local_epochs=local_epochs, batch_size=batch_size, lr=0.01, momentum=0.0,
+        device=str(dev), amp=amp, channels_last=channels_last, compile=compile,  # type: ignore[arg-type]
+    )
+    data = synthetic_clients(clients, samples, test_samples, channels, image_size, num_classes, dev, seed)
+    per_round = clients * samples * local_epochs
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({os.cpu_count()} cores, torch threads {torch.get_num_threads()})",
+        "torch": torch.__version__,
+        "config": {"model": model, "image_size": image_size, "clients": clients, "samples": samples, "test_samples": test_samples,
+                   "batch_size": batch_size, "local_epochs": local_epochs, "rounds": rounds, "warmup": warmup,
+                   "bf16": use_bf16(cfg, dev), "channels_last": use_channels_last(cfg, dev), "compile": compile, "checkpoint": checkpoint},
+        "throughput": {},
+    }
+
+    def measure(label: str, fn) -> None:
+        _reset_peak(dev)
+        times = fn()[warmup:]
+        result["throughput"][label] = {
+            "samples_per_s": per_round / float(np.median(times)),
+            "sec_per_round": float(np.median(times)),
+            "peak_device_mib": _peak_dev(dev),
+            "host_rss_mib": rss_mib(),
+        }
+
+    measure("single_model_loop", lambda: single_model_loop(build_model(model, channels, num_classes, seed=seed).to(dev), data, cfg, warmup + rounds, seed))
+    with tempfile.TemporaryDirectory() as tmp:
+        for m in methods:
+            ck = Path(tmp) / f"{m}.pt" if checkpoint else None
+            measure(m, lambda m=m, ck=ck: engine_rounds(m, build_model(model, channels, num_classes, seed=seed).to(dev), data, cfg, warmup + rounds, seed, ck))
+    limit = result["throughput"]["single_model_loop"]["samples_per_s"]
+    result["ratios"] = {m: result["throughput"][m]["samples_per_s"] / limit for m in methods}
+    result["peak_host_rss_mib"] = peak_rss_mib()
+
+    if memory_clients > 0 and memory_rounds > 0:
+        frac = memory_fraction if memory_fraction is not None else (1.0 if dev.type == "cuda" else 0.1)
+        mcfg = cfg.model_copy(update={"model": "simple_cnn", "rounds": memory_rounds, "client_fraction": frac, "eval_every": memory_rounds})
+        mdata = synthetic_clients(memory_clients, memory_samples, 8, 3, 28, 10, dev, seed + 1)
+        rss, devmem = [], []
+        cls = method_class("fedbn")
+        eng = Engine(cls(cls.params_cls(), mcfg), build_model("simple_cnn", 3, 10, seed=seed).to(dev), mdata, mcfg, seed)
+        t0 = time.perf_counter()
+        for _ in range(memory_rounds):
+            entry = eng.run_round()
+            eng.round = entry["round"]
+            eng.history.append(entry)
+            _sync(dev)
+            rss.append(rss_mib())
+            devmem.append(torch.cuda.memory_allocated(dev) / 2**20 if dev.type == "cuda" else 0.0)
+        k = max(1, memory_rounds // 5)
+        result["memory"] = {
+            "method": "fedbn", "clients": memory_clients, "rounds": memory_rounds, "client_fraction": frac,
+            "seconds": time.perf_counter() - t0,
+            "host_rss_mib_first_rounds": float(np.mean(rss[:k])), "host_rss_mib_last_rounds": float(np.mean(rss[-k:])),
+            "host_rss_growth_ratio": float(np.mean(rss[-k:]) / np.mean(rss[:k])),
+            "device_mib_first_rounds": float(np.mean(devmem[:k])), "device_mib_last_rounds": float(np.mean(devmem[-k:])),
+        }
+    if harmonize_images > 0:
+        result["harmonize"] = harmonize_throughput(harmonize_images, harmonize_px, os.cpu_count() or 1)
+    return result
+
+
+def format_result(r: dict[str, Any]) -> str:
+    lines = [f"fedsilo bench  {r['date']}  {r['device']}  torch {r['torch']}", f"config: {json.dumps(r['config'])}", ""]
+    lines.append(f"{'what':<22}{'samples/s':>12}{'s/round':>10}{'ratio':>8}{'peak dev MiB':>14}{'host RSS MiB':>14}")
+    limit = r["throughput"]["single_model_loop"]["samples_per_s"]
+    for name, t in r["throughput"].items():
+        dev = f"{t['peak_device_mib']:.0f}" if t["peak_device_mib"] is not None else "n/a"
+        lines.append(f"{name:<22}{t['samples_per_s']:>12.1f}{t['sec_per_round']:>10.3f}{t['samples_per_s'] / limit:>8.3f}{dev:>14}{t['host_rss_mib']:>14.0f}")
+    lines.append(f"peak host RSS of the process: {r['peak_host_rss_mib']:.0f} MiB")
+    if "memory" in r:
+        m = r["memory"]
+        lines.append(
+            f"memory: {m['clients']} clients x {m['rounds']} rounds ({m['method']}, fraction {m['client_fraction']}) in {m['seconds']:.0f} s: "
+            f"host RSS {m['host_rss_mib_first_rounds']:.0f} -> {m['host_rss_mib_last_rounds']:.0f} MiB (x{m['host_rss_growth_ratio']:.3f}), "
+            f"device {m['device_mib_first_rounds']:.0f} -> {m['device_mib_last_rounds']:.0f} MiB"
+        )
+    if "harmonize" in r:
+        h = r["harmonize"]
+        lines.append(
+            f"harmonize: {h['images']} DICOMs of {h['source_px']} px -> 224: {h['images_per_s_one_core']:.1f} img/s on one core, "
+            f"{h['images_per_s_all_cores']:.1f} img/s on {h['workers']} cores"
+        )
+    return "\n".join(lines)
