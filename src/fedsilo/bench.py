@@ -224,13 +224,15 @@ def run_bench(
             _sync(dev)
             rss.append(rss_mib())
             devmem.append(torch.cuda.memory_allocated(dev) / 2**20 if dev.type == "cuda" else 0.0)
+        # the first fifth is allocator warm-up; "steady" compares the second fifth with the last
         k = max(1, memory_rounds // 5)
         result["memory"] = {
             "method": "fedbn", "clients": memory_clients, "rounds": memory_rounds, "client_fraction": frac,
             "seconds": time.perf_counter() - t0,
-            "host_rss_mib_first_rounds": float(np.mean(rss[:k])), "host_rss_mib_last_rounds": float(np.mean(rss[-k:])),
-            "host_rss_growth_ratio": float(np.mean(rss[-k:]) / np.mean(rss[:k])),
-            "device_mib_first_rounds": float(np.mean(devmem[:k])), "device_mib_last_rounds": float(np.mean(devmem[-k:])),
+            "host_rss_mib_round1": rss[0],
+            "host_rss_mib_second_fifth": float(np.mean(rss[k : 2 * k])), "host_rss_mib_last_fifth": float(np.mean(rss[-k:])),
+            "host_rss_steady_growth_ratio": float(np.mean(rss[-k:]) / np.mean(rss[k : 2 * k])),
+            "device_mib_second_fifth": float(np.mean(devmem[k : 2 * k])), "device_mib_last_fifth": float(np.mean(devmem[-k:])),
         }
     if harmonize_images > 0:
         result["harmonize"] = harmonize_throughput(harmonize_images, harmonize_px, os.cpu_count() or 1)
@@ -249,8 +251,9 @@ def format_result(r: dict[str, Any]) -> str:
         m = r["memory"]
         lines.append(
             f"memory: {m['clients']} clients x {m['rounds']} rounds ({m['method']}, fraction {m['client_fraction']}) in {m['seconds']:.0f} s: "
-            f"host RSS {m['host_rss_mib_first_rounds']:.0f} -> {m['host_rss_mib_last_rounds']:.0f} MiB (x{m['host_rss_growth_ratio']:.3f}), "
-            f"device {m['device_mib_first_rounds']:.0f} -> {m['device_mib_last_rounds']:.0f} MiB"
+            f"host RSS round 1 {m['host_rss_mib_round1']:.0f} MiB, second fifth {m['host_rss_mib_second_fifth']:.0f}, last fifth "
+            f"{m['host_rss_mib_last_fifth']:.0f} (steady growth x{m['host_rss_steady_growth_ratio']:.3f}); "
+            f"device {m['device_mib_second_fifth']:.0f} -> {m['device_mib_last_fifth']:.0f} MiB"
         )
     if "harmonize" in r:
         h = r["harmonize"]

@@ -18,12 +18,12 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+from torch import nn
 
 from fedsilo.config import TrainParams
-from fedsilo.fl.data import ClientData
+from fedsilo.fl.data import ClientData, to_float
 from fedsilo.fl.local import evaluate, make_generator, use_channels_last
 from fedsilo.methods.base import Method, State
-from fedsilo.models import LayeredNet
 from fedsilo.utils.io import atomic_file
 
 Observer = Callable[[int, str, str, State], None]  # (round, client name, "down"|"up", payload)
@@ -52,7 +52,7 @@ class Engine:
     def __init__(
         self,
         method: Method,
-        model: LayeredNet,
+        model: nn.Module,
         clients: list[ClientData],
         train: TrainParams,
         seed: int,
@@ -66,6 +66,7 @@ class Engine:
         self.seed, self.checkpoint, self.config_hash = seed, checkpoint, config_hash
         self.observer, self.on_round = observer, on_round
         self.meta: dict[str, Any] = dict(meta or {})
+        model = self.model = method.transform_model(model, to_float(clients[0].x_train[:2]))
         self.method.setup(model)
         self.private = self.method.private_keys(model)
         self.round = 0
@@ -147,7 +148,8 @@ class Engine:
 
     def run_round(self) -> dict[str, Any]:
         rnd = self.round + 1
-        picked = self.sample(rnd)
+        self.method.on_round_start(self.model, rnd)
+        picked = list(range(len(self.clients))) if self.method.sample_all(rnd) else self.sample(rnd)
         entry: dict[str, Any] = {
             "round": rnd,
             "sampled": [self.clients[i].name for i in picked],

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from fedsilo.methods.base import Method, MethodParams
 from fedsilo.methods.baselines import FedAvg, FedBN, FedProx, Single
+from fedsilo.methods.pfeddb import PFedDB
 
-REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (Single, FedAvg, FedProx, FedBN)}
+REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (Single, FedAvg, FedProx, FedBN, PFedDB)}
 
 
 def method_class(name: str) -> type[Method]:

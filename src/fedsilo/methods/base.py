@@ -42,6 +42,10 @@ class Method:
         self.last_loss: Optional[float] = None  # mean training loss of the latest local_update
 
     # --- structure
+    def transform_model(self, model: nn.Module, example: torch.Tensor) -> nn.Module:
+        """The model the engine trains, built from the backbone (pFedDB's dual branch); default: the backbone."""
+        return model
+
     def setup(self, model: LayeredNet) -> None:
         """Called once with the freshly initialised model before any state is created."""
 
@@ -57,6 +61,13 @@ class Method:
         raise NotImplementedError
 
     # --- a round
+    def on_round_start(self, model: nn.Module, rnd: int) -> None:
+        """Called before a round's local updates (and so before its evaluation): phase switches go here."""
+
+    def sample_all(self, rnd: int) -> bool:
+        """True forces every client into round ``rnd`` whatever the sampling fraction."""
+        return False
+
     def download(self, server: State, client: ClientData, rnd: int) -> State:
         raise NotImplementedError
 
