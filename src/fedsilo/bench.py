@@ -98,11 +98,16 @@ def single_model_loop(model: nn.Module, clients: list[ClientData], cfg: TrainPar
     return times
 
 
+# Methods with a phase schedule are timed in their federated phase, the part that repeats every round.
+BENCH_METHOD_PARAMS: dict[str, dict[str, Any]] = {"pfeddb": {"two_phase": False}}
+
+
 def engine_rounds(method: str, model: nn.Module, clients: list[ClientData], cfg: TrainParams, rounds: int, seed: int, checkpoint: Optional[Path]) -> list[float]:
     cls = method_class(method)
     times: list[float] = []
     device = clients[0].x_train.device
-    engine = Engine(cls(cls.params_cls(), cfg), model, clients, cfg, seed, checkpoint=checkpoint, config_hash=f"bench-{method}")
+    params = cls.params_cls(**BENCH_METHOD_PARAMS.get(method, {}))
+    engine = Engine(cls(params, cfg), model, clients, cfg, seed, checkpoint=checkpoint, config_hash=f"bench-{method}")
     for _ in range(rounds):
         _sync(device)
         t0 = time.perf_counter()
@@ -159,7 +164,7 @@ def run_bench(
     local_epochs: int = 1,
     rounds: int = 3,
     warmup: int = 1,
-    methods: tuple[str, ...] = ("fedavg", "fedbn"),
+    methods: tuple[str, ...] = ("fedavg", "pfeddb"),
     device: str = "auto",
     amp: str = "auto",
     channels_last: str = "auto",
@@ -173,6 +178,10 @@ def run_bench(
     harmonize_px: int = 1024,
     seed: int = 0,
 ) -> dict[str, Any]:
+    from fedsilo.methods import REGISTRY
+
+    if "all" in methods:
+        methods = tuple(m for m in REGISTRY if m != "single")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     cfg = TrainParams(
         model=model, rounds=warmup + rounds, local_epochs=local_epochs, batch_size=batch_size, lr=0.01, momentum=0.0,

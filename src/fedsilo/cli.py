@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--local-epochs", type=int, default=1)
     s.add_argument("--rounds", type=int, default=3, help="measured rounds (median is reported)")
     s.add_argument("--warmup", type=int, default=1, help="rounds run before measuring")
-    s.add_argument("--methods", default="fedavg,fedbn", help="comma-separated registered methods to time (default fedavg,fedbn)")
+    s.add_argument("--methods", default="fedavg,pfeddb", help="comma-separated registered methods to time, or 'all' (default fedavg,pfeddb; pfeddb is timed in its federated phase)")
     s.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     s.add_argument("--amp", default="auto", choices=["auto", "off", "bf16"], help="bf16 autocast (auto = on CUDA)")
     s.add_argument("--channels-last", default="auto", choices=["auto", "on", "off"])
