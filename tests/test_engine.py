@@ -104,3 +104,31 @@ def test_same_seed_same_numbers(clients):
     a = _engine("fedavg", clients, rounds=2).run()
     b = _engine("fedavg", clients, rounds=2).run()
     assert [x["eval"] for x in a] == [x["eval"] for x in b]
+
+
+def test_fedper_keeps_the_head_local(clients):
+    seen = []
+    e = _engine("fedper", clients, rounds=1, observer=lambda r, c, d, p: seen.append((d, set(p))))
+    e.run()
+    head = {k for k in e.model.state_dict() if k.startswith("units.5.")}
+    assert head and all(not (keys & head) for d, keys in seen)
+    assert all("units.0.0.weight" in keys for d, keys in seen)
+    heads = [s["units.5.weight"] for s in e.stores]
+    assert not torch.equal(heads[0], heads[1]), "each client trains its own head"
+
+
+def test_ditto_personal_models_stay_home_and_follow_lambda(clients):
+    cl, cin, nc = clients
+    dist = {}
+    for lam in (0.0, 50.0):
+        seen = []
+        tp = TrainParams(rounds=2, batch_size=16, lr=0.02, device="cpu")
+        cls = method_class("ditto")
+        e = Engine(cls(cls.params_cls(lam=lam), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0,
+                   observer=lambda r, c, d, p, seen=seen: seen.append((d, set(p))))
+        h = e.run()
+        assert all(not any(k.startswith("personal::") for k in keys) for d, keys in seen)
+        assert "global" in h[-1] and "eval" in h[-1]
+        w = e.server["units.3.0.weight"]
+        dist[lam] = float(sum(((s["personal::units.3.0.weight"] - w) ** 2).sum() for s in e.stores))
+    assert dist[50.0] < dist[0.0]

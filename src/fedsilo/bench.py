@@ -138,7 +138,8 @@ def harmonize_throughput(n_images: int, px: int, workers: int) -> dict[str, Any]
         root = Path(tmp)
         write_vinbigdata(root / "vin", MirrorParams(patients=max(8, n_images // 2), image_px=px))
         write_rsna(root / "rsna", MirrorParams(patients=max(8, n_images - n_images // 2), image_px=px))
-        files = sorted((root / "vin").rglob("*.dicom")) + sorted((root / "rsna").rglob("*.dcm"))
+        half = n_images // 2
+        files = sorted((root / "vin").rglob("*.dicom"))[:half] + sorted((root / "rsna").rglob("*.dcm"))[: n_images - half]
         jobs = [(str(p), "dicom", 224, "crop", "bit_depth", (0.5, 99.5)) for p in files]
         out = {"images": len(jobs), "source_px": px, "workers": workers}
         for label, w in (("one_core", 1), ("all_cores", workers)):
@@ -162,7 +163,7 @@ def run_bench(
     test_samples: int = 256,
     batch_size: int = 32,
     local_epochs: int = 1,
-    rounds: int = 3,
+    rounds: int = 2,
     warmup: int = 1,
     methods: tuple[str, ...] = ("fedavg", "pfeddb"),
     device: str = "auto",
@@ -210,12 +211,28 @@ def run_bench(
         }
 
     measure("single_model_loop", lambda: single_model_loop(build_model(model, channels, num_classes, seed=seed).to(dev), data, cfg, warmup + rounds, seed))
+    own_limit: dict[str, str] = {}
+    example = to_float(data[0].x_train[:2])
+    for m in methods:
+        cls = method_class(m)
+        algo = cls(cls.params_cls(**BENCH_METHOD_PARAMS.get(m, {})), cfg)
+        probe = build_model(model, channels, num_classes, seed=seed).to(dev)
+        if algo.transform_model(probe, example) is not probe:
+            # a method that trains another model (pFedDB's two extractors) also gets the loop over that model
+            label = f"single_model_loop[{m}]"
+            measure(label, lambda algo=algo: single_model_loop(
+                algo.transform_model(build_model(model, channels, num_classes, seed=seed).to(dev), example), data, cfg, warmup + rounds, seed))
+            own_limit[m] = label
     with tempfile.TemporaryDirectory() as tmp:
         for m in methods:
             ck = Path(tmp) / f"{m}.pt" if checkpoint else None
             measure(m, lambda m=m, ck=ck: engine_rounds(m, build_model(model, channels, num_classes, seed=seed).to(dev), data, cfg, warmup + rounds, seed, ck))
     limit = result["throughput"]["single_model_loop"]["samples_per_s"]
     result["ratios"] = {m: result["throughput"][m]["samples_per_s"] / limit for m in methods}
+    result["ratios_vs_own_model_loop"] = {
+        m: result["throughput"][m]["samples_per_s"] / result["throughput"][own_limit.get(m, "single_model_loop")]["samples_per_s"]
+        for m in methods
+    }
     result["peak_host_rss_mib"] = peak_rss_mib()
 
     if memory_clients > 0 and memory_rounds > 0:
@@ -233,15 +250,15 @@ def run_bench(
             _sync(dev)
             rss.append(rss_mib())
             devmem.append(torch.cuda.memory_allocated(dev) / 2**20 if dev.type == "cuda" else 0.0)
-        # the first fifth is allocator warm-up; "steady" compares the second fifth with the last
-        k = max(1, memory_rounds // 5)
+        # the first rounds warm the allocator up; the second half shows whether memory keeps growing
+        half = memory_rounds // 2
+        marks = sorted({1, max(1, memory_rounds // 5), half, memory_rounds})
         result["memory"] = {
             "method": "fedbn", "clients": memory_clients, "rounds": memory_rounds, "client_fraction": frac,
             "seconds": time.perf_counter() - t0,
-            "host_rss_mib_round1": rss[0],
-            "host_rss_mib_second_fifth": float(np.mean(rss[k : 2 * k])), "host_rss_mib_last_fifth": float(np.mean(rss[-k:])),
-            "host_rss_steady_growth_ratio": float(np.mean(rss[-k:]) / np.mean(rss[k : 2 * k])),
-            "device_mib_second_fifth": float(np.mean(devmem[k : 2 * k])), "device_mib_last_fifth": float(np.mean(devmem[-k:])),
+            "host_rss_mib_at_round": {r: rss[r - 1] for r in marks},
+            "host_rss_second_half_growth_ratio": rss[-1] / rss[half - 1] if half >= 1 else 1.0,
+            "device_mib_at_round": {r: devmem[r - 1] for r in marks},
         }
     if harmonize_images > 0:
         result["harmonize"] = harmonize_throughput(harmonize_images, harmonize_px, os.cpu_count() or 1)
@@ -250,19 +267,21 @@ def run_bench(
 
 def format_result(r: dict[str, Any]) -> str:
     lines = [f"fedsilo bench  {r['date']}  {r['device']}  torch {r['torch']}", f"config: {json.dumps(r['config'])}", ""]
-    lines.append(f"{'what':<22}{'samples/s':>12}{'s/round':>10}{'ratio':>8}{'peak dev MiB':>14}{'host RSS MiB':>14}")
+    lines.append(f"{'what':<30}{'samples/s':>11}{'s/round':>9}{'vs loop':>9}{'vs own':>8}{'peak dev MiB':>14}{'host RSS MiB':>14}")
     limit = r["throughput"]["single_model_loop"]["samples_per_s"]
     for name, t in r["throughput"].items():
         dev = f"{t['peak_device_mib']:.0f}" if t["peak_device_mib"] is not None else "n/a"
-        lines.append(f"{name:<22}{t['samples_per_s']:>12.1f}{t['sec_per_round']:>10.3f}{t['samples_per_s'] / limit:>8.3f}{dev:>14}{t['host_rss_mib']:>14.0f}")
+        own = r["ratios_vs_own_model_loop"].get(name)
+        own_s = f"{own:.3f}" if own is not None else ""
+        lines.append(f"{name:<30}{t['samples_per_s']:>11.1f}{t['sec_per_round']:>9.3f}{t['samples_per_s'] / limit:>9.3f}{own_s:>8}{dev:>14}{t['host_rss_mib']:>14.0f}")
     lines.append(f"peak host RSS of the process: {r['peak_host_rss_mib']:.0f} MiB")
     if "memory" in r:
         m = r["memory"]
         lines.append(
             f"memory: {m['clients']} clients x {m['rounds']} rounds ({m['method']}, fraction {m['client_fraction']}) in {m['seconds']:.0f} s: "
-            f"host RSS round 1 {m['host_rss_mib_round1']:.0f} MiB, second fifth {m['host_rss_mib_second_fifth']:.0f}, last fifth "
-            f"{m['host_rss_mib_last_fifth']:.0f} (steady growth x{m['host_rss_steady_growth_ratio']:.3f}); "
-            f"device {m['device_mib_second_fifth']:.0f} -> {m['device_mib_last_fifth']:.0f} MiB"
+            "host RSS MiB at round " + ", ".join(f"{r}: {v:.0f}" for r, v in m["host_rss_mib_at_round"].items())
+            + f" (second half x{m['host_rss_second_half_growth_ratio']:.3f}); device MiB at round "
+            + ", ".join(f"{r}: {v:.0f}" for r, v in m["device_mib_at_round"].items())
         )
     if "harmonize" in r:
         h = r["harmonize"]

@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--test-samples", type=int, default=256, help="test samples per client evaluated every round (default 256)")
     s.add_argument("--batch-size", type=int, default=32)
     s.add_argument("--local-epochs", type=int, default=1)
-    s.add_argument("--rounds", type=int, default=3, help="measured rounds (median is reported)")
+    s.add_argument("--rounds", type=int, default=2, help="measured rounds (median is reported; default 2)")
     s.add_argument("--warmup", type=int, default=1, help="rounds run before measuring")
     s.add_argument("--methods", default="fedavg,pfeddb", help="comma-separated registered methods to time, or 'all' (default fedavg,pfeddb; pfeddb is timed in its federated phase)")
     s.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from fedsilo.methods.base import Method, MethodParams
-from fedsilo.methods.baselines import FedAvg, FedBN, FedProx, Single
+from fedsilo.methods.baselines import Ditto, FedAvg, FedBN, FedPer, FedProx, Single
 from fedsilo.methods.pfeddb import PFedDB
 
-REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (Single, FedAvg, FedProx, FedBN, PFedDB)}
+REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedDB)}
 
 
 def method_class(name: str) -> type[Method]:

@@ -1,6 +1,8 @@
-"""Single (local only), FedAvg, FedProx and FedBN."""
+"""Single (local only), FedAvg, FedProx, FedBN, FedPer and Ditto."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 from pydantic import Field
 
@@ -53,3 +55,79 @@ class FedBN(PartialSharing):
     def shared_keys(self, model: LayeredNet) -> list[str]:
         bn = batchnorm_keys(model)
         return [k for k in model.state_dict().keys() if k not in bn]
+
+
+class FedPerParams(MethodParams):
+    head_layers: int = Field(1, ge=1, description="weighted layers at the top kept on the client (K_P)")
+
+
+class FedPer(PartialSharing):
+    """Arivazhagan et al. 2019: base layers are trained federatedly (FedAvg over the base), the top
+    ``head_layers`` weighted layers ("personalization layers") never leave the client. Every client is evaluated
+    with the global base plus its own head. The paper's personalization layers are the top fully connected
+    layers; ``head_layers: 1`` keeps the classifier local, as pFedDB's comparison does."""
+
+    name = "fedper"
+    params_cls = FedPerParams
+
+    def shared_keys(self, model: LayeredNet) -> list[str]:
+        if self.params.head_layers >= model.num_layers:  # type: ignore[attr-defined]
+            raise ValueError(f"methods.fedper.head_layers must be below the backbone's {model.num_layers} layers")
+        k = model.cut_index(model.num_layers - self.params.head_layers)  # type: ignore[attr-defined]
+        head = {f"units.{i}." for i in range(k, len(model.units))}
+        return [key for key in model.state_dict() if not key.startswith(tuple(head))]
+
+
+class DittoParams(MethodParams):
+    lam: float = Field(0.1, ge=0, description="lambda: pull of the personal model towards the global one")
+    personal_epochs: Optional[int] = Field(None, ge=1, description="local epochs on the personal model (default: train.local_epochs)")
+
+
+PERSONAL = "personal::"
+
+
+class Ditto(FedAvg):
+    """Li et al. 2021 (ICML), Algorithm 1: each sampled client (i) updates the global model w from the download
+    w^t with E local epochs of SGD and uploads it (FedAvg aggregation), and (ii) updates its personal model v_k, which
+    never leaves the client, by SGD on F_k(v) + (lambda/2)||v - w^t||^2, anchored at the downloaded w^t. Clients are
+    evaluated with their personal models; the global model is reported as well. The personal model's BatchNorm
+    statistics are its own."""
+
+    name = "ditto"
+    params_cls = DittoParams
+
+    def setup(self, model: LayeredNet) -> None:
+        super().setup(model)
+        self.keys = list(model.state_dict().keys())
+
+    def private_keys(self, model: LayeredNet) -> set[str]:
+        return {PERSONAL + k for k in model.state_dict()}
+
+    def init_client(self, model: LayeredNet, client) -> dict:
+        return {PERSONAL + k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def local_update(self, model, store, payload, client, rnd, seed):
+        from fedsilo.fl.local import make_generator, train_local
+        from fedsilo.methods.base import proximal_term
+
+        # (ii) personal model, anchored at the downloaded global model
+        model.load_state_dict({k: store[PERSONAL + k] for k in self.keys}, strict=True)
+        train_local(
+            model, client, self.train, make_generator(seed, rnd, client.index, 1),
+            epochs=self.params.personal_epochs, extra_loss=proximal_term(model, payload, self.params.lam),  # type: ignore[attr-defined]
+        )
+        for k, v in model.state_dict().items():
+            store[PERSONAL + k] = v.detach().clone()
+        # (i) the global model's local update, uploaded
+        model.load_state_dict(payload, strict=True)
+        self.last_loss = train_local(model, client, self.train, make_generator(seed, rnd, client.index, 0))
+        return {k: v.detach() for k, v in model.state_dict().items()}
+
+    def eval_state(self, server, store, client):
+        return {k: store[PERSONAL + k] for k in self.keys}
+
+    def global_state(self, server):
+        return dict(server)
+
+    def eval_is_global(self):
+        return False

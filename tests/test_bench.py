@@ -1,0 +1,22 @@
+"""`fedsilo bench` runs and reports what it promises (structure only: timings are not asserted)."""
+
+from fedsilo.bench import format_result, run_bench
+from fedsilo.cli import build_parser
+
+
+def test_bench_reports_ratios_memory_and_harmonize():
+    r = run_bench(clients=2, samples=16, test_samples=8, batch_size=8, rounds=1, warmup=1, methods=("fedavg", "pfeddb"),
+                  memory_clients=6, memory_rounds=4, memory_samples=4, harmonize_images=4, harmonize_px=128, device="cpu")
+    assert set(r["ratios"]) == {"fedavg", "pfeddb"} and all(v > 0 for v in r["ratios"].values())
+    assert "single_model_loop[pfeddb]" in r["throughput"], "pFedDB also gets a loop over its own dual-branch model"
+    assert r["ratios_vs_own_model_loop"]["fedavg"] == r["ratios"]["fedavg"]
+    assert set(r["memory"]["host_rss_mib_at_round"]) == {1, 2, 4}
+    assert r["harmonize"]["images"] == 4 and r["harmonize"]["images_per_s_all_cores"] > 0
+    text = format_result(r)
+    assert "vs loop" in text and "harmonize:" in text
+
+
+def test_bench_cli_help_documents_options():
+    help_text = build_parser()._subparsers._group_actions[0].choices["bench"].format_help()
+    for opt in ("--model", "--image-size", "--clients", "--samples", "--local-epochs", "--methods", "--memory-clients", "--harmonize-images"):
+        assert opt in help_text
