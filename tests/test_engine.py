@@ -132,3 +132,16 @@ def test_ditto_personal_models_stay_home_and_follow_lambda(clients):
         w = e.server["units.3.0.weight"]
         dist[lam] = float(sum(((s["personal::units.3.0.weight"] - w) ** 2).sum() for s in e.stores))
     assert dist[50.0] < dist[0.0]
+
+
+def test_compiled_model_gives_the_same_numbers_and_keys(clients):
+    cl, cin, nc = clients
+    evals = []
+    for comp in (False, True):
+        tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu", compile=comp)
+        cls = method_class("fedavg")
+        e = Engine(cls(cls.params_cls(), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0)
+        evals.append(e.run()[-1]["eval"])
+        assert all(not k.startswith("_orig_mod") for k in e.server)
+    for c in evals[0]:
+        assert abs(evals[0][c]["loss"] - evals[1][c]["loss"]) < 1e-4

@@ -33,7 +33,8 @@ def use_channels_last(cfg: TrainParams, device: torch.device) -> bool:
 
 def forward_fn(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """The compiled forward when the engine compiled the model (stored outside the module tree), else the model."""
-    return model.__dict__.get("_fedsilo_compiled") or model
+    compiled = model.__dict__.get("_fedsilo_compiled")
+    return compiled if compiled is not None else model
 
 
 def _prep(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
