@@ -84,61 +84,52 @@ def to_latex(tab: pd.DataFrame, caption: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plots(out: Path, experiment: str, methods: list[str], seeds: list[int], histories: dict) -> list[str]:
+def _line_figure(path: Path, series: list[tuple[str, list[float], list[float]]], ylabel: str, title: str) -> str:
+    """One PNG with a line per (label, x, y)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    made = []
     fig, ax = plt.subplots(figsize=(6, 4))
-    for m in methods:
-        curves = []
-        for s in seeds:
-            h = [e for e in histories[(m, s)] if "eval" in e]
-            curves.append([e["mean_acc"] * 100 for e in h])
-        rounds = [e["round"] for e in histories[(m, seeds[0])] if "eval" in e]
-        ax.plot(rounds, np.mean(curves, axis=0), label=m)
+    for label, x, y in series:
+        ax.plot(x, y, label=label)
     ax.set_xlabel("round")
-    ax.set_ylabel("mean client test accuracy (%)")
-    ax.set_title(experiment)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / f"{experiment}_curves.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    made.append(f"{experiment}_curves.png")
+    return path.name
+
+
+def _plots(out: Path, experiment: str, methods: list[str], seeds: list[int], histories: dict) -> list[str]:
+    def evals(m: str, s: int) -> list[dict]:
+        return [e for e in histories[(m, s)] if "eval" in e]
+
+    made = []
+    series = []
+    for m in methods:
+        rounds = [e["round"] for e in evals(m, seeds[0])]
+        series.append((m, rounds, list(np.mean([[e["mean_acc"] * 100 for e in evals(m, s)] for s in seeds], axis=0))))
+    made.append(_line_figure(out / f"{experiment}_curves.png", series, "mean client test accuracy (%)", experiment))
 
     for m in methods:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        h0 = [e for e in histories[(m, seeds[0])] if "eval" in e]
+        h0 = evals(m, seeds[0])
         rounds = [e["round"] for e in h0]
-        for dom in h0[0]["eval"]:
-            vals = np.mean([[e["eval"][dom]["acc"] * 100 for e in histories[(m, s)] if "eval" in e] for s in seeds], axis=0)
-            ax.plot(rounds, vals, label=dom)
-        ax.set_xlabel("round")
-        ax.set_ylabel("test accuracy (%)")
-        ax.set_title(f"{experiment}: {m}")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / f"{experiment}_{m}_domains.png", dpi=120)
-        plt.close(fig)
-        made.append(f"{experiment}_{m}_domains.png")
+        series = [
+            (dom, rounds, list(np.mean([[e["eval"][dom]["acc"] * 100 for e in evals(m, s)] for s in seeds], axis=0)))
+            for dom in h0[0]["eval"]
+        ]
+        made.append(_line_figure(out / f"{experiment}_{m}_domains.png", series, "test accuracy (%)", f"{experiment}: {m}"))
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    series = []
     for m in methods:
         h = histories[(m, seeds[0])]
-        ax.plot([e["round"] for e in h], [(e["bytes_up_total"] + e["bytes_down_total"]) / 2**20 for e in h], label=m)
-    ax.set_xlabel("round")
-    ax.set_ylabel("MiB sent per round (up + down)")
-    ax.set_title(f"{experiment}: communication")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / f"{experiment}_bytes.png", dpi=120)
-    plt.close(fig)
-    made.append(f"{experiment}_bytes.png")
+        series.append((m, [e["round"] for e in h], [(e["bytes_up_total"] + e["bytes_down_total"]) / 2**20 for e in h]))
+    made.append(_line_figure(out / f"{experiment}_bytes.png", series, "MiB sent per round (up + down)", f"{experiment}: communication"))
     return made
 
 
