@@ -1,0 +1,21 @@
+"""The transcribed numbers of the pFedDB paper are internally consistent (each Avg is the mean of its domains)."""
+
+from pathlib import Path
+
+import yaml
+
+PUBLISHED = Path(__file__).resolve().parents[1] / "pipelines" / "pfeddb" / "published.yaml"
+
+
+def test_published_tables_are_consistent():
+    d = yaml.safe_load(PUBLISHED.read_text())
+    assert set(d["accuracy"]) == {"chest_xray4", "digits5", "office_caltech10", "domainnet10"}
+    for ds, table in d["accuracy"].items():
+        n = len(table["domains"]) + 1
+        for method, v in table["methods"].items():
+            assert len(v["mean"]) == n and len(v.get("std", [0] * n)) == n, (ds, method)
+            assert abs(sum(v["mean"][:-1]) / (n - 1) - v["mean"][-1]) < 0.15, (ds, method)
+    assert len(d["accuracy"]["chest_xray4"]["methods"]) == 12  # every row of Table 1
+    for table in d["cut_depth"].values():
+        for row in table["rows"]:
+            assert abs(sum(row["acc"][:-1]) / (len(row["acc"]) - 1) - row["acc"][-1]) < 0.15
