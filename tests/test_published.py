@@ -16,6 +16,10 @@ def test_published_tables_are_consistent():
             assert len(v["mean"]) == n and len(v.get("std", [0] * n)) == n, (ds, method)
             assert abs(sum(v["mean"][:-1]) / (n - 1) - v["mean"][-1]) < 0.15, (ds, method)
     assert len(d["accuracy"]["chest_xray4"]["methods"]) == 12  # every row of Table 1
-    for table in d["cut_depth"].values():
-        for row in table["rows"]:
-            assert abs(sum(row["acc"][:-1]) / (len(row["acc"]) - 1) - row["acc"][-1]) < 0.15
+    for section in ("cut_depth", "fusion_ablation"):
+        for table in d[section].values():
+            for row in table["rows"]:
+                if "note" in row:  # a row whose published Avg disagrees with its domains, kept as published
+                    continue
+                assert abs(sum(row["acc"][:-1]) / (len(row["acc"]) - 1) - row["acc"][-1]) < 0.15, (section, row)
+    assert [r["l_c"] for r in d["vit_cut_depth"]["office_caltech10"]["rows"]] == [3, 6, 9, 12]
