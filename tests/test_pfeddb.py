@@ -34,11 +34,9 @@ def _engine(clients, observer=None, rounds=4, model="simple_cnn", **kw):
 def test_phi_init_is_the_size_weighted_mean_of_phase1_extractors(clients):
     ups = []
     e = _engine(clients, observer=lambda r, c, d, p: ups.append((r, c, d, p)), rounds=3, local_rounds=2, cut_depth=3)
-    e.run_round()  # round 1: Phase 1, nothing sent
-    e.round = 1
+    e.step()  # round 1: Phase 1, nothing sent
     assert all(not p for r, c, d, p in ups), "Phase 1 sends nothing before the transition"
-    entry = e.run_round()  # round 2 = E0: every client uploads psi*
-    e.round = 2
+    entry = e.step()  # round 2 = E0: every client uploads psi*
     psi = [p for r, c, d, p in ups if r == 2 and d == "up"]
     assert len(psi) == len(clients[0]) and entry["bytes_up_total"] > 0 and entry["bytes_down_total"] == 0
     n = torch.tensor([float(c.n_train) for c in clients[0]])

@@ -111,10 +111,7 @@ def engine_rounds(method: str, model: nn.Module, clients: list[ClientData], cfg:
     for _ in range(rounds):
         _sync(device)
         t0 = time.perf_counter()
-        entry = engine.run_round()
-        engine.history.append(entry)
-        engine.round = entry["round"]
-        engine.save()
+        engine.step()
         _sync(device)
         times.append(time.perf_counter() - t0)
     return times
@@ -244,9 +241,7 @@ def run_bench(
         eng = Engine(cls(cls.params_cls(), mcfg), build_model("simple_cnn", 3, 10, seed=seed).to(dev), mdata, mcfg, seed)
         t0 = time.perf_counter()
         for _ in range(memory_rounds):
-            entry = eng.run_round()
-            eng.round = entry["round"]
-            eng.history.append(entry)
+            eng.step()
             _sync(dev)
             rss.append(rss_mib())
             devmem.append(torch.cuda.memory_allocated(dev) / 2**20 if dev.type == "cuda" else 0.0)

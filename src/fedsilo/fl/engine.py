@@ -1,9 +1,10 @@
 """The simulation engine: rounds, client sampling, payload transfer with byte accounting, evaluation, checkpoints.
 
 One model lives on the device; each client's persistent tensors (its *store*) are swapped in and out of it. The
-engine is the only thing that moves tensors between server and clients: a payload is copied across, its size is
-the sum of ``numel * element_size`` of the tensors in it, and an upload holding a key the method declares private
-is refused.
+engine is the only thing that moves tensors between server and clients: a payload's size is the sum of
+``numel * element_size`` of the tensors in it, and an upload holding a key the method declares private is refused.
+Downloads are handed over without a copy (loading them into the model is the copy); uploads are consumed by a
+streaming aggregator before the model changes, or copied when a method aggregates the whole list.
 
 Every round ends with a checkpoint (server state, client stores, history) written atomically. A run restarted with
 the same configuration hash resumes after its last completed round; since every random draw of a round is seeded by
@@ -220,12 +221,17 @@ class Engine:
                 out["global"] = {c.name: evaluate(self.model, c.x_test, c.y_test, cfg=self.train)["acc"] for c in self.clients}
         return out
 
+    def step(self) -> dict[str, Any]:
+        """One round with its bookkeeping: report it, append it to the history, checkpoint."""
+        entry = self.run_round()
+        if self.on_round:
+            self.on_round(entry)
+        self.history.append(entry)
+        self.round = entry["round"]
+        self.save()
+        return entry
+
     def run(self) -> list[dict[str, Any]]:
         while self.round < self.train.rounds:
-            entry = self.run_round()
-            if self.on_round:
-                self.on_round(entry)
-            self.history.append(entry)
-            self.round = entry["round"]
-            self.save()
+            self.step()
         return self.history

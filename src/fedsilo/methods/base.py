@@ -134,14 +134,6 @@ class RunningMean:
         return out
 
 
-def weighted_average(uploads: list[tuple[int, State]]) -> State:
-    """Sample-size-weighted mean of each key (see RunningMean)."""
-    acc = RunningMean()
-    for n, up in uploads:
-        acc.add(n, up)
-    return acc.result()
-
-
 class PartialSharing(Method):
     """Share a fixed subset of the model's state_dict; everything else persists in the client store.
 
@@ -184,11 +176,6 @@ class PartialSharing(Method):
         for k in self.private:
             store[k] = sd[k].detach().clone()
         return {k: sd[k].detach() for k in self.shared}
-
-    def aggregate(self, server, uploads, rnd):
-        if not uploads or not self.shared:
-            return server
-        return weighted_average([(c.n_train, up) for c, up in uploads])
 
     streaming = True
 
