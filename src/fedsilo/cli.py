@@ -27,17 +27,17 @@ def _fetch(args: argparse.Namespace) -> None:
     p = load_params(args.params)
     if args.source not in p.sources:
         raise ConfigError(f"sources.{args.source}: not defined in {args.params}")
-    m = fetch(args.source, p.sources[args.source], Path(args.root) / "data" / "raw" / args.source)
+    m = fetch(args.source, p.sources[args.source], Path(args.root) / "data" / "raw" / args.source, Path(args.root))
     print(f"fetch {args.source}: {len(m['files'])} files from {m['origin']}")
 
 
 def _harmonize(args: argparse.Namespace) -> None:
-    from fedsilo.data.harmonize import harmonize_cxr
+    from fedsilo.data.harmonize import harmonize_dataset
 
     p = load_params(args.params)
     if args.dataset not in p.datasets:
         raise ConfigError(f"datasets.{args.dataset}: not defined in {args.params}")
-    card = harmonize_cxr(p.datasets[args.dataset], Path(args.root) / "data" / "raw", Path(args.root) / "data" / "harmonized" / args.dataset)
+    card = harmonize_dataset(p.datasets[args.dataset], Path(args.root) / "data" / "raw", Path(args.root) / "data" / "harmonized" / args.dataset)
     for dom, d in card["domains"].items():
         print(f"{args.dataset} {dom}: {d['images']} images ({d['by_class']}), {d['excluded']} excluded, {d['quarantined']} quarantined")
 

@@ -8,7 +8,7 @@ Method hyper-parameters are validated by the params class each method registers 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -25,15 +25,52 @@ class Strict(BaseModel):
 
 
 # --------------------------------------------------------------------------- sources (fetch stage)
+# Which fetch modes each source offers (DESIGN §2). ``download`` without an official scriptable address needs
+# ``files`` (the address of the user's copy and its checksum).
+SOURCE_MODES: dict[str, tuple[str, ...]] = {
+    "chexpert": ("mirror", "local", "aimi", "download"),
+    "openi": ("mirror", "local", "download"),
+    "rsna": ("mirror", "local", "kaggle"),
+    "vinbigdata": ("mirror", "local", "kaggle", "physionet"),
+    "mnist": ("mirror", "local", "download"),
+    "svhn": ("mirror", "local", "download"),
+    "usps": ("mirror", "local", "download"),
+    "synthdigits": ("mirror", "local", "download"),
+    "mnist_m": ("mirror", "local", "download"),
+    "office_caltech10": ("mirror", "local", "download"),
+    "pacs": ("mirror", "local", "download"),
+    "domainnet": ("mirror", "local", "download"),
+}
+DIGIT_SOURCES = ("mnist", "svhn", "usps", "synthdigits", "mnist_m")
+DATASET_SOURCES: dict[str, tuple[str, ...]] = {
+    "chest_xray4": CXR_SOURCES,
+    "digits5": DIGIT_SOURCES,
+    "office_caltech10": ("office_caltech10",),
+    "pacs": ("pacs",),
+    "domainnet10": ("domainnet",),
+}
+
+
 class MirrorParams(Strict):
-    patients: int = Field(80, ge=8, description="patients (or studies) the offline mirror writes")
+    patients: int = Field(80, ge=8, description="CXR sources: patients (or studies) the offline mirror writes")
+    per_class: int = Field(12, ge=1, description="benchmark sources: images per domain, class and official subset")
     seed: int = 0
-    image_px: int = Field(160, ge=64, le=1024, description="edge of the generated raw images")
+    image_px: int = Field(160, ge=32, le=1024, description="edge of the generated raw images (fixed-size digit formats ignore it)")
+
+
+class RemoteFileParams(Strict):
+    url: str
+    name: Optional[str] = Field(None, description="file name in the raw folder / cache (default: the address's last part)")
+    checksum: Optional[str] = Field(None, description="'sha256:<hex>' (or md5/sha1/sha512)")
+    unpack: bool = Field(False, description="unpack this archive into the raw folder")
 
 
 class SourceParams(Strict):
-    mode: Literal["mirror", "local"] = "mirror"
+    mode: Literal["mirror", "local", "download", "kaggle", "physionet", "aimi"] = "mirror"
     path: Optional[str] = Field(None, description="folder or archive for mode=local")
+    files: tuple[RemoteFileParams, ...] = Field((), description="download mode: the files to fetch instead of the official list")
+    checksums: dict[str, str] = Field(default_factory=dict, description="file name -> 'sha256:<hex>' pins for files with no published checksum")
+    include: tuple[str, ...] = Field((), description="physionet / aimi / download: glob patterns of the files to fetch (default: all)")
     mirror: MirrorParams = MirrorParams()
 
     @model_validator(mode="after")
@@ -84,8 +121,44 @@ class CXRDatasetParams(Strict):
             raise ValueError("need 0 <= low < high <= 100")
         return v
 
+    @property
+    def source_list(self) -> tuple[str, ...]:
+        return tuple(self.sources)
+
+
+BENCHMARK_KINDS = ("digits5", "office_caltech10", "pacs", "domainnet10")
+
+
+class BenchmarkDatasetParams(Strict):
+    """A multi-domain classification benchmark: every image becomes RGB ``image_size`` x ``image_size`` uint8."""
+
+    kind: Literal["digits5", "office_caltech10", "pacs", "domainnet10"]
+    sources: Optional[tuple[str, ...]] = Field(None, description="default: every source of the kind")
+    domains: Optional[tuple[str, ...]] = Field(None, description="keep only these domains (default: all)")
+    image_size: int = Field(32, ge=8, le=1024)
+    square: Literal["stretch", "crop", "pad"] = Field("stretch", description="stretch resizes directly, as FedBN does")
+    max_per_domain: Optional[int] = Field(None, ge=1, description="keep at most this many images per domain and subset (seeded draw)")
+    sample_seed: int = 0
+    max_quarantine_fraction: float = Field(0.05, ge=0.0, le=1.0)
+    workers: int = Field(0, ge=0, description="decode processes; 0 = all cores")
+
+    @model_validator(mode="after")
+    def _sources(self) -> "BenchmarkDatasetParams":
+        allowed = DATASET_SOURCES[self.kind]
+        for s in self.sources or ():
+            if s not in allowed:
+                raise ValueError(f"sources: '{s}' is not a source of {self.kind} (its sources: {', '.join(allowed)})")
+        return self
+
+    @property
+    def source_list(self) -> tuple[str, ...]:
+        return tuple(self.sources or DATASET_SOURCES[self.kind])
+
 
 # --------------------------------------------------------------------------- split
+TestFrom = Literal["auto", "official", "pooled"]
+
+
 class DomainClientsSplit(Strict):
     protocol: Literal["domain_clients"] = "domain_clients"
     seed: int = Field(0, description="split seed; training seeds vary initialisation and data order only")
@@ -93,6 +166,75 @@ class DomainClientsSplit(Strict):
     n_test: Optional[int] = Field(None, ge=1, description="default: equal to n_train")
     n_test_per_domain: dict[str, int] = Field(default_factory=dict)
     domains: Optional[tuple[str, ...]] = None
+    test_from: TestFrom = Field("auto", description="official: the dataset's own test subset; pooled: drawn from all images; auto: official when the domain has one")
+
+
+class DomainMultiClientsSplit(Strict):
+    """F2DC: several clients per domain, each holding ``fraction`` of its domain's training pool (disjoint)."""
+
+    protocol: Literal["domain_multi_clients"]
+    seed: int = 0
+    clients_per_domain: dict[str, int]
+    fraction: float = Field(..., gt=0, le=1, description="share of the domain's training pool each client holds")
+    n_test: Optional[int] = Field(None, ge=1, description="test images per domain (default: the whole test pool), shared by that domain's clients")
+    test_from: TestFrom = "auto"
+    test_fraction: float = Field(0.2, gt=0, lt=1, description="pooled test: share of a domain kept as its test pool")
+
+
+class LabelSkewSplit(Strict):
+    """Label skew over the pooled images of ``domains`` (default all): Dirichlet(beta) per class, pathological
+    (``classes_per_client`` classes each), or weak pathological (``s`` % uniform over all classes, the rest from one
+    dominant class). Each client's data is then split into train and test with the same class mix."""
+
+    protocol: Literal["label_skew"]
+    seed: int = 0
+    clients: int = Field(..., ge=2)
+    scheme: Literal["dirichlet", "pathological", "weak_pathological"]
+    beta: float = Field(0.5, gt=0)
+    classes_per_client: int = Field(2, ge=1)
+    s: float = Field(20.0, ge=0, le=100, description="weak pathological: percent drawn uniformly from all classes")
+    samples_per_client: Optional[int] = Field(None, ge=1, description="weak pathological: images per client (default: equal shares)")
+    min_per_client: int = Field(10, ge=1, description="dirichlet: redraw until every client has at least this many images")
+    domains: Optional[tuple[str, ...]] = None
+    test_fraction: float = Field(0.25, gt=0, lt=1)
+
+
+class DomainIncrementalSplit(Strict):
+    """pFedDIL: every client sees the same sequence of domain tasks; within each domain the images are spread over the
+    clients with Dirichlet(alpha) label skew (the same alpha for every domain)."""
+
+    protocol: Literal["domain_incremental"]
+    seed: int = 0
+    clients: int = Field(..., ge=2)
+    alpha: float = Field(1.0, gt=0)
+    domain_order: Optional[tuple[str, ...]] = Field(None, description="task order (default: the dataset's domain order)")
+    n_per_domain: Optional[int] = Field(None, ge=1, description="cap on a domain's pooled images before spreading")
+    test_from: TestFrom = "auto"
+    test_fraction: float = Field(0.25, gt=0, lt=1)
+    min_per_client: int = Field(2, ge=1)
+
+
+class HoldoutDomainSplit(Strict):
+    """``domain_clients`` over every domain but ``holdout``; the held-out domain becomes a late-joining client
+    (``newcomer``: train + test) or an ``external_test`` set (test only)."""
+
+    protocol: Literal["holdout_domain"]
+    seed: int = 0
+    holdout: str
+    role: Literal["newcomer", "external_test"] = "newcomer"
+    n_train: int = Field(458, ge=1)
+    n_test: Optional[int] = Field(None, ge=1)
+    n_test_per_domain: dict[str, int] = Field(default_factory=dict)
+    domains: Optional[tuple[str, ...]] = None
+    test_from: TestFrom = "auto"
+
+
+SPLIT_PROTOCOLS = ("domain_clients", "domain_multi_clients", "label_skew", "domain_incremental", "holdout_domain")
+SplitParams = Annotated[
+    Union[DomainClientsSplit, DomainMultiClientsSplit, LabelSkewSplit, DomainIncrementalSplit, HoldoutDomainSplit],
+    Field(discriminator="protocol"),
+]
+DatasetParams = Annotated[Union[CXRDatasetParams, BenchmarkDatasetParams], Field(discriminator="kind")]
 
 
 # --------------------------------------------------------------------------- train
@@ -124,7 +266,14 @@ class TrainParams(Strict):
 
 class ExperimentParams(Strict):
     dataset: str
-    split: DomainClientsSplit
+    split: SplitParams
+
+    @field_validator("split", mode="before")
+    @classmethod
+    def _default_protocol(cls, v: Any) -> Any:
+        if isinstance(v, dict) and "protocol" not in v:
+            return {"protocol": "domain_clients", **v}
+        return v
     train: TrainParams = TrainParams()
 
 
@@ -143,20 +292,31 @@ class TrackingParams(Strict):
 
 
 class Params(Strict):
+    """The whole of params.yaml."""
+
     sources: dict[str, SourceParams]
-    datasets: dict[str, CXRDatasetParams]
+    datasets: dict[str, DatasetParams]
     experiments: dict[str, ExperimentParams]
     methods: dict[str, dict[str, Any]]
     pipeline: PipelineParams
     tracking: TrackingParams = TrackingParams()
 
+    @field_validator("datasets", mode="before")
+    @classmethod
+    def _default_kind(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: ({"kind": "chest_xray4", **d} if isinstance(d, dict) and "kind" not in d else d) for k, d in v.items()}
+        return v
+
     @model_validator(mode="after")
     def _cross_refs(self) -> "Params":
-        for s in self.sources:
-            if s not in CXR_SOURCES:
-                raise ValueError(f"sources.{s}: unknown source (known: {', '.join(CXR_SOURCES)})")
+        for s, sp in self.sources.items():
+            if s not in SOURCE_MODES:
+                raise ValueError(f"sources.{s}: unknown source (known: {', '.join(SOURCE_MODES)})")
+            if sp.mode not in SOURCE_MODES[s]:
+                raise ValueError(f"sources.{s}.mode: {sp.mode!r} is not offered by {s} (its modes: {', '.join(SOURCE_MODES[s])})")
         for name, ds in self.datasets.items():
-            for s in ds.sources:
+            for s in ds.source_list:
                 if s not in self.sources:
                     raise ValueError(f"datasets.{name}.sources: '{s}' has no entry under 'sources'")
         for name, ex in self.experiments.items():
@@ -174,10 +334,22 @@ class Params(Strict):
         return self
 
 
+def _drop_union_tags(loc: tuple) -> tuple:
+    """pydantic puts a tagged union's discriminator value into the error path (``datasets.x.digits5.image_size``);
+    the user never wrote it, so it is dropped."""
+    tags = set(SPLIT_PROTOCOLS) | set(DATASET_SOURCES)
+    out = []
+    for i, part in enumerate(loc):
+        if part in tags and i > 0 and (loc[i - 1] == "split" or (i >= 2 and loc[i - 2] == "datasets")):
+            continue
+        out.append(part)
+    return tuple(out)
+
+
 def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
+        loc = ".".join(str(p) for p in _drop_union_tags(tuple(e["loc"])))
         key = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "(top level)"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":

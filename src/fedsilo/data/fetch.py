@@ -1,28 +1,84 @@
 """The fetch stage: bring one source into ``data/raw/<source>/`` exactly as it is distributed, plus a manifest.
 
-Modes implemented here:
-- ``mirror``: write the offline mirror (``fedsilo.data.mirror``) in the source's real raw layout;
-- ``local``: copy a folder the user already has, or unpack a ``.zip`` / ``.tar(.gz)`` archive they downloaded.
+Modes (``sources.<source>.mode``; which ones a source offers is in ``fedsilo.config.SOURCE_MODES``):
 
-The manifest ``fedsilo_manifest.json`` lists every file with its sha256 and size, the mode and where it came from.
-Everything is written to a temporary folder first and renamed into place, so a failed fetch leaves nothing behind.
+- ``download``: the official public files (``fedsilo.data.sources.<source>.DOWNLOADS``: address and published
+  checksum) or the files listed under ``sources.<source>.files`` (for sources distributed through links that cannot
+  be scripted: give the address of your copy and its checksum). Resumes partial files, verifies checksums, unpacks
+  archives.
+- ``kaggle`` (RSNA, VinBigData): the competition's ``download-all`` archive through the Kaggle API, with
+  ``KAGGLE_USERNAME`` / ``KAGGLE_KEY`` from the environment; the zip's CRCs are checked, and a sha256 pinned under
+  ``checksums`` is verified.
+- ``physionet`` (VinDr-CXR, the DICOM release behind VinBigData): the project's files listed in its
+  ``SHA256SUMS.txt`` (optionally only those matching ``include`` globs), each verified against that list, with
+  ``PHYSIONET_USERNAME`` / ``PHYSIONET_PASSWORD``.
+- ``aimi`` (CheXpert): the Azure container behind the signed link Stanford AIMI issues after the data-use
+  agreement, read from ``AIMI_SAS_URL``; every blob (or those matching ``include``) is verified against the
+  Content-MD5 the container reports.
+- ``local``: a folder or ``.zip`` / ``.tar(.gz)`` archive the user already has.
+- ``mirror``: the offline mirror (``fedsilo.data.mirror``) in the source's real raw layout.
+
+The manifest ``fedsilo_manifest.json`` lists every file with its sha256 and size, the mode, where it came from
+(addresses without query strings: no credential is ever written) and, for downloads, which files were verified
+against a published checksum. Everything is written to a temporary folder first and renamed into place, so a
+failed fetch leaves nothing behind in ``data/``; partial downloads wait in the download cache to be resumed.
 """
 
 from __future__ import annotations
 
+import base64
+import fnmatch
+import logging
+import os
 import shutil
 import tarfile
+import urllib.parse
 import zipfile
 from pathlib import Path
+from typing import Any
+from xml.etree import ElementTree
 
 from fedsilo.config import SourceParams
+from fedsilo.data.download import DownloadError, Remote, basic_auth, cache_dir, download, place, public_url, read_url
 from fedsilo.utils.io import atomic_dir, tree_manifest, write_json
 
 MANIFEST = "fedsilo_manifest.json"
+KAGGLE_API = "https://www.kaggle.com/api/v1"
+PHYSIONET_FILES = "https://physionet.org/files"
+
+log = logging.getLogger("fedsilo.fetch")
+
+CREDENTIALS = {
+    "kaggle": (
+        ("KAGGLE_USERNAME", "KAGGLE_KEY"),
+        "create an API token at https://www.kaggle.com/settings (Account > API) and accept the competition's rules on "
+        "its Kaggle page",
+    ),
+    "physionet": (
+        ("PHYSIONET_USERNAME", "PHYSIONET_PASSWORD"),
+        "use your https://physionet.org account; VinDr-CXR needs credentialed access and its data use agreement signed",
+    ),
+    "aimi": (
+        ("AIMI_SAS_URL",),
+        "accept the CheXpert data-use agreement at https://stanfordaimi.azurewebsites.net/ and copy the download link "
+        "(an Azure 'SAS' address) it gives you",
+    ),
+}
 
 
 class FetchError(RuntimeError):
     pass
+
+
+def credentials(mode: str, source: str) -> tuple[str, ...]:
+    names, where = CREDENTIALS[mode]
+    missing = [n for n in names if not os.environ.get(n)]
+    if missing:
+        raise FetchError(
+            f"sources.{source}.mode={mode}: set {' and '.join(missing)} in the environment ({where}); "
+            "fedsilo reads them from the environment only and never writes them"
+        )
+    return tuple(os.environ[n] for n in names)
 
 
 def _unpack(archive: Path, dest: Path) -> None:
@@ -32,25 +88,131 @@ def _unpack(archive: Path, dest: Path) -> None:
             with zipfile.ZipFile(archive) as z:
                 bad = z.testzip()
                 if bad is not None:
-                    raise FetchError(f"{archive}: corrupt member {bad}")
+                    raise FetchError(f"{archive.name}: corrupt member {bad} (CRC mismatch)")
                 z.extractall(dest)
-        elif name.endswith((".tar", ".tar.gz", ".tgz")):
+        elif name.endswith((".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")):
             with tarfile.open(archive) as t:
                 t.extractall(dest, filter="data")
         else:
-            raise FetchError(f"{archive}: not a folder, .zip or .tar(.gz) archive")
+            raise FetchError(f"{archive}: not a folder, .zip or .tar(.gz/.bz2/.xz) archive")
     except (zipfile.BadZipFile, tarfile.TarError, EOFError) as err:
-        raise FetchError(f"{archive}: cannot unpack: {err}") from err
+        raise FetchError(f"{archive.name}: cannot unpack: {err}") from err
 
 
-def fetch(source: str, params: SourceParams, out_dir: Path) -> dict:
+def _included(name: str, include: tuple[str, ...]) -> bool:
+    return not include or any(fnmatch.fnmatch(name, pat) for pat in include)
+
+
+def _pinned(params: SourceParams, name: str, default: str | None) -> str | None:
+    return params.checksums.get(name, default)
+
+
+def remotes_for(source: str, params: SourceParams) -> tuple[list[Remote], dict[str, str]]:
+    """The files a remote mode fetches, and the request headers (credentials) to send."""
+    from fedsilo.data.sources import source_module
+
+    mod = source_module(source)
+    if params.mode == "download":
+        if params.files:
+            files = [Remote(f.url, f.name or Path(urllib.parse.urlsplit(f.url).path).name, f.checksum, f.unpack) for f in params.files]
+        else:
+            files = list(getattr(mod, "DOWNLOADS", []))
+            if not files:
+                raise FetchError(
+                    f"sources.{source}: no stable public address can be scripted for this source (see the README's "
+                    f"data section); list the file(s) of your copy under sources.{source}.files "
+                    "(url, checksum 'sha256:<hex>', unpack) or use mode 'local'"
+                )
+        files = [Remote(r.url, r.name, _pinned(params, r.name, r.checksum), r.unpack) for r in files if _included(r.name, params.include)]
+        return files, {}
+    if params.mode == "kaggle":
+        user, key = credentials("kaggle", source)
+        slug = mod.KAGGLE_COMPETITION
+        name = f"{slug}.zip"
+        url = f"{KAGGLE_API}/competitions/data/download-all/{slug}"
+        return [Remote(url, name, _pinned(params, name, None), True)], basic_auth(user, key)
+    if params.mode == "physionet":
+        user, password = credentials("physionet", source)
+        project, version = mod.PHYSIONET_PROJECT
+        base = f"{PHYSIONET_FILES}/{project}/{version}"
+        headers = basic_auth(user, password)
+        sums = read_url(f"{base}/SHA256SUMS.txt", headers, what=f"{project} {version} SHA256SUMS.txt").decode()
+        files = []
+        for line in sums.splitlines():
+            parts = line.strip().split(maxsplit=1)
+            if len(parts) != 2:
+                continue
+            digest, rel = parts[0], parts[1].lstrip("*").lstrip("./")
+            if _included(rel, params.include):
+                files.append(Remote(f"{base}/{urllib.parse.quote(rel)}", rel, f"sha256:{digest}", False))
+        if not files:
+            raise FetchError(f"sources.{source}.include: no file of {project} {version} matches {list(params.include)}")
+        return files, headers
+    if params.mode == "aimi":
+        (sas_url,) = credentials("aimi", source)
+        return _azure_blobs(sas_url, params), {}
+    raise FetchError(f"sources.{source}.mode: {params.mode!r} is not a remote mode")  # pragma: no cover
+
+
+def _azure_blobs(sas_url: str, params: SourceParams) -> list[Remote]:
+    """List an Azure blob container through its SAS address; each blob carries the Content-MD5 Azure stores."""
+    parts = urllib.parse.urlsplit(sas_url)
+    container = urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
+    sas = parts.query
+    out: list[Remote] = []
+    marker = ""
+    while True:
+        q = f"restype=container&comp=list&{sas}" + (f"&marker={urllib.parse.quote(marker)}" if marker else "")
+        xml = read_url(f"{container}?{q}", what=f"AIMI container {public_url(container)}")
+        root = ElementTree.fromstring(xml)
+        for blob in root.iter("Blob"):
+            name = blob.findtext("Name") or ""
+            md5 = blob.findtext("Properties/Content-MD5") or ""
+            if not name or not _included(name, params.include):
+                continue
+            checksum = _pinned(params, name, f"md5:{base64.b64decode(md5).hex()}" if md5 else None)
+            out.append(Remote(f"{container}/{urllib.parse.quote(name)}?{sas}", name, checksum, name.lower().endswith(".zip")))
+        marker = root.findtext("NextMarker") or ""
+        if not marker:
+            break
+    if not out:
+        raise FetchError(f"AIMI container {public_url(container)}: no blob matches include={list(params.include)}")
+    return out
+
+
+def _fetch_remote(source: str, params: SourceParams, tmp: Path, root: Path) -> dict[str, Any]:
+    files, headers = remotes_for(source, params)
+    cache = cache_dir(root) / source
+    report = []
+    for r in files:
+        try:
+            path, verified = download(r, cache, headers)
+        except DownloadError as err:
+            raise FetchError(f"sources.{source}: {err}") from None
+        if not verified:
+            log.warning(
+                "%s: no published checksum; recorded its sha256 in the manifest. Pin it under sources.%s.checksums "
+                "to have later fetches verified.", r.name, source,
+            )
+        if r.unpack:
+            _unpack(path, tmp)
+        else:
+            place(path, tmp / r.name)
+        report.append({"name": r.name, "url": public_url(r.url), "verified": verified, "checksum": r.checksum})
+    return {"downloads": report}
+
+
+def fetch(source: str, params: SourceParams, out_dir: Path, root: Path = Path(".")) -> dict:
+    """Fetch ``source`` into ``out_dir``; ``root`` (the repository root) holds the download cache unless
+    ``$FEDSILO_DOWNLOAD_CACHE`` is set."""
     from fedsilo.data.mirror import mirror_writer
 
     out_dir = Path(out_dir)
+    extra: dict[str, Any] = {}
     with atomic_dir(out_dir) as tmp:
         if params.mode == "mirror":
             mirror_writer(source)(tmp, params.mirror)
-            origin = f"offline mirror (seed {params.mirror.seed}, {params.mirror.patients} patients)"
+            origin = f"offline mirror (seed {params.mirror.seed})"
         elif params.mode == "local":
             src = Path(params.path or "").expanduser()
             if not src.exists():
@@ -60,11 +222,12 @@ def fetch(source: str, params: SourceParams, out_dir: Path) -> dict:
             else:
                 _unpack(src, tmp)
             origin = str(src.resolve())
-        else:  # pragma: no cover - config validation rejects other modes
-            raise FetchError(f"sources.{source}.mode: {params.mode!r} is not supported")
+        else:
+            extra = _fetch_remote(source, params, tmp, root)
+            origin = f"{params.mode}: " + ", ".join(d["url"] for d in extra["downloads"][:3]) + (" ..." if len(extra["downloads"]) > 3 else "")
         files = tree_manifest(tmp, exclude=(MANIFEST,))
         if not files:
             raise FetchError(f"{source}: fetch produced no files")
-        manifest = {"source": source, "mode": params.mode, "origin": origin, "files": files}
+        manifest = {"source": source, "mode": params.mode, "origin": origin, "files": files, **extra}
         write_json(tmp / MANIFEST, manifest)
     return manifest

@@ -1,15 +1,22 @@
-"""The harmonize stage: raw sources -> one canonical dataset.
+"""The harmonize stage: raw sources -> one canonical dataset (``harmonize_dataset`` dispatches on ``kind``).
+
+``chest_xray4`` (``harmonize_cxr``): DICOM / JPEG / PNG radiographs -> grey uint8, the label rules of each source.
+Benchmarks (``harmonize_benchmark``: ``digits5``, ``office_caltech10``, ``pacs``, ``domainnet10``): every image ->
+RGB uint8 ``image_size`` x ``image_size`` (grey digits replicated to three channels, as FedBN does), label = index in
+the dataset's class list, the distribution's own train / test / val partition kept in ``subset``.
 
 Output folder (``data/harmonized/<dataset>/``):
 - ``records.parquet``: one row per kept image, row i <-> ``images.npy[i]``; columns ``id`` (``<source>/<source id>``),
-  ``domain``, ``label``, ``original_label``, ``group`` (patient), ``view``, ``source_path``;
+  ``domain``, ``label``, ``original_label``, ``group`` (patient; the image itself for benchmarks), ``view``,
+  ``source_path``, ``subset``;
 - ``images.npy``: uint8 N x H x W x C, memory-mappable (``np.load(..., mmap_mode="r")``);
 - ``excluded.parquet``: every record the label rules excluded, with the reason;
 - ``quarantine.csv``: kept records whose image could not be decoded (or is missing), with the error;
 - ``card.json`` / ``card.md``: the data card: counts per domain and class, exclusions and quarantine by reason,
   the rules used, the sha256 of ``records.parquet`` and ``images.npy``.
 
-A source whose quarantined fraction exceeds ``max_quarantine_fraction`` fails the stage, naming the files.
+A source (CXR) or domain (benchmarks) whose quarantined fraction exceeds ``max_quarantine_fraction`` fails the
+stage, naming the first files and errors.
 Everything is written to a temporary folder and renamed into place at the end.
 """
 
@@ -23,8 +30,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fedsilo.config import CXRDatasetParams
-from fedsilo.data.imageops import ImageDecodeError, finish, normalize_standard, read_standard_image
+from fedsilo.config import BenchmarkDatasetParams, CXRDatasetParams
+from fedsilo.data.imageops import ImageDecodeError, finish, normalize_standard, read_standard_image, resize_area, square
 from fedsilo.data.sources import source_module
 from fedsilo.utils.io import atomic_dir, file_sha256, write_json
 
@@ -33,8 +40,35 @@ class HarmonizeError(RuntimeError):
     pass
 
 
-def decode_one(args: tuple[str, str, int, str, str, tuple[float, float]]) -> np.ndarray:
+def to_rgb_square(img: np.ndarray, size: int, how: str) -> np.ndarray:
+    """uint8 HxW or HxWxC (C = 1, 3, 4) -> uint8 size x size x 3; ``how``: stretch | crop | pad."""
+    if img.ndim == 2:
+        img = img[:, :, None]
+    if img.shape[2] == 1:
+        img = np.repeat(img, 3, axis=2)
+    elif img.shape[2] == 4:
+        img = img[:, :, :3]
+    elif img.shape[2] != 3:
+        raise ImageDecodeError(f"unsupported channel count {img.shape[2]}")
+    if how != "stretch":
+        img = square(img, how)  # type: ignore[arg-type]
+    if img.shape[0] != img.shape[1]:
+        import cv2
+
+        interp = cv2.INTER_AREA if min(img.shape[:2]) >= size else cv2.INTER_LINEAR
+        img = cv2.resize(img, (size, size), interpolation=interp)
+    else:
+        img = resize_area(img, size)
+    return np.ascontiguousarray(img, dtype=np.uint8)
+
+
+def decode_one(args: tuple) -> np.ndarray:
     path, reader, size, square, intensity, pct = args
+    if reader == "rgb":
+        arr, _ = read_standard_image(path, grayscale=False)
+        if arr.dtype != np.uint8:
+            arr = (arr.astype(np.float64) / 257.0).round().astype(np.uint8)  # 16-bit PNG -> 8 bit
+        return to_rgb_square(arr, size, square)
     if reader == "dicom":
         from fedsilo.data.dicom import dicom_to_uint8
 
@@ -94,44 +128,142 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path) -> di
     quarantine = kept.loc[~ok, ["id", "domain", "path"]].copy()
     quarantine["error"] = [e for e, good in zip(errors, ok) if not good]
     for src in params.sources:
-        n = int((kept["source"] == src).sum())
-        q = int((quarantine["id"].str.startswith(src + "/")).sum())
-        if n == 0:
+        if not (kept["source"] == src).any():
             raise HarmonizeError(f"{src}: no image passes the label rules; check the raw files under {raw_root / src}")
-        if q / n > params.max_quarantine_fraction:
-            examples = "; ".join(quarantine.loc[quarantine["id"].str.startswith(src + "/"), "error"].head(3))
-            raise HarmonizeError(
-                f"{src}: {q} of {n} images could not be decoded ({q / n:.1%} > max_quarantine_fraction "
-                f"{params.max_quarantine_fraction:.1%}); first errors: {examples}"
-            )
+    _check_quarantine(kept["source"], kept.loc[~ok, "source"], quarantine, params.max_quarantine_fraction, f"raw files under {raw_root}")
 
     good = kept[ok].reset_index(drop=True)
     images = [img for img, _ in results if img is not None]
-    out_dir = Path(out_dir)
+    table = good.rename(columns={"path": "source_path"})[["id", "domain", "label", "original_label", "group", "view", "source_path", "subset"]]
+    table["group"] = table["domain"] + "/" + table["group"]
+    return write_dataset(
+        Path(out_dir), table, images, excluded, quarantine,
+        {"dataset": params.kind, "task": "binary: 1 = Lung Opacity, 0 = Normal", "classes": ["Normal", "Lung Opacity"], "rules": params.model_dump(mode="json")},
+    )
+
+
+def write_dataset(
+    out_dir: Path, table: pd.DataFrame, images: list[np.ndarray], excluded: pd.DataFrame, quarantine: pd.DataFrame, meta: dict[str, Any]
+) -> dict[str, Any]:
+    """Write the harmonized folder atomically: images.npy, records.parquet, excluded.parquet, quarantine.csv, card."""
+    if not images:
+        raise HarmonizeError(f"{out_dir.name}: no image survived the label rules and decoding")
     with atomic_dir(out_dir) as tmp:
-        arr = np.lib.format.open_memmap(
-            tmp / "images.npy", mode="w+", dtype=np.uint8, shape=(len(images),) + images[0].shape
-        )
+        arr = np.lib.format.open_memmap(tmp / "images.npy", mode="w+", dtype=np.uint8, shape=(len(images),) + images[0].shape)
         for i, img in enumerate(images):
             arr[i] = img
         arr.flush()
         del arr
-        table = good.rename(columns={"path": "source_path"})[
-            ["id", "domain", "label", "original_label", "group", "view", "source_path"]
-        ]
-        table["group"] = table["domain"] + "/" + table["group"]
-        table.to_parquet(tmp / "records.parquet", index=False)
+        table.reset_index(drop=True).to_parquet(tmp / "records.parquet", index=False)
         excluded[["id", "domain", "original_label", "view", "excluded"]].rename(columns={"excluded": "reason"}).to_parquet(
             tmp / "excluded.parquet", index=False
         )
         quarantine.to_csv(tmp / "quarantine.csv", index=False)
-        card = _card(params, table, excluded, quarantine, tmp)
+        card = _card(meta, table, excluded, quarantine, tmp)
         write_json(tmp / "card.json", card)
         (tmp / "card.md").write_text(card_markdown(card))
     return card
 
 
-def _card(params: CXRDatasetParams, table: pd.DataFrame, excluded: pd.DataFrame, quarantine: pd.DataFrame, folder: Path) -> dict[str, Any]:
+def _check_quarantine(units: pd.Series, quarantine_units: pd.Series, quarantine: pd.DataFrame, limit: float, raw_hint: str) -> None:
+    """Fail when any unit (source or domain) has more than ``limit`` of its images quarantined."""
+    for unit in units.unique():
+        n = int((units == unit).sum())
+        q_mask = quarantine_units == unit
+        q = int(q_mask.sum())
+        if q / n > limit:
+            examples = "; ".join(quarantine.loc[q_mask.to_numpy(), "error"].head(3))
+            raise HarmonizeError(
+                f"{unit}: {q} of {n} images could not be decoded ({q / n:.1%} > max_quarantine_fraction {limit:.1%}); "
+                f"first errors: {examples} ({raw_hint})"
+            )
+
+
+def _cap(frame: pd.DataFrame, cap: int | None, seed: int) -> pd.DataFrame:
+    """At most ``cap`` rows per (domain, subset), drawn with ``seed`` from the rows sorted by id."""
+    if cap is None:
+        return frame
+    parts = []
+    for (dom, sub), g in frame.groupby(["domain", "subset"], sort=True):
+        g = g.sort_values("id")
+        if len(g) > cap:
+            rng = np.random.default_rng([seed, len(g)])
+            g = g.iloc[np.sort(rng.choice(len(g), cap, replace=False))]
+        parts.append(g)
+    return pd.concat(parts).sort_index() if parts else frame
+
+
+def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir: Path) -> dict[str, Any]:
+    from fedsilo.data.sources import source_module
+
+    raw_root = Path(raw_root)
+    workers = params.workers or os.cpu_count() or 1
+    frames = []
+    modules = {}
+    for src in params.source_list:
+        raw_dir = raw_root / src
+        if not raw_dir.is_dir():
+            raise HarmonizeError(f"{raw_dir}: raw source folder missing (run `dvc repro fetch@{src}`)")
+        mod = modules[src] = source_module(src)
+        rec = mod.read_records(raw_dir, None)
+        rec["source"] = src
+        frames.append(rec)
+    records = pd.concat(frames, ignore_index=True)
+    if params.domains:
+        unknown = sorted(set(params.domains) - set(records["domain"]))
+        if unknown:
+            raise HarmonizeError(f"domains: {unknown} not found in the raw data (have: {sorted(records['domain'].unique())})")
+        records = records[records["domain"].isin(params.domains)].reset_index(drop=True)
+    records["id"] = records["source"] + "/" + records["id"]
+    excluded = records[records["excluded"] != ""].reset_index(drop=True)
+    kept = _cap(records[records["excluded"] == ""], params.max_per_domain, params.sample_seed).reset_index(drop=True)
+
+    results: list[tuple[np.ndarray | None, str]] = [(None, "")] * len(kept)
+    file_jobs: list[tuple[int, tuple]] = []
+    for i, (src, path, reader) in enumerate(zip(kept["source"], kept["path"], kept["reader"])):
+        raw_dir = raw_root / src
+        if not path:
+            results[i] = (None, f"image file missing for {kept['id'].iloc[i]}")
+        elif reader == "array":
+            container, _, row = path.rpartition("#")
+            try:
+                arr = modules[src].load_container(raw_dir, container)
+                img = arr[int(row)]
+                if img.std() == 0:
+                    raise ImageDecodeError(f"{container}#{row}: constant image")
+                results[i] = (to_rgb_square(np.asarray(img, np.uint8), params.image_size, params.square), "")
+            except (ImageDecodeError, IndexError) as err:
+                results[i] = (None, str(err))
+        else:
+            file_jobs.append((i, (str(raw_dir / path), "rgb", params.image_size, params.square, "", (0.0, 100.0))))
+    for (i, _), res in zip(file_jobs, _decode_all([j for _, j in file_jobs], workers)):
+        results[i] = res
+    ok = np.array([img is not None for img, _ in results], dtype=bool)
+    quarantine = kept.loc[~ok, ["id", "domain", "path"]].copy()
+    quarantine["error"] = [e for (_, e), good in zip(results, ok) if not good]
+    _check_quarantine(kept["domain"], quarantine["domain"], quarantine, params.max_quarantine_fraction, f"raw files under {raw_root}")
+
+    good = kept[ok].reset_index(drop=True)
+    table = good.rename(columns={"path": "source_path"})[["id", "domain", "label", "original_label", "group", "view", "source_path", "subset"]]
+    classes = list(getattr(modules[params.source_list[0]], "CLASSES", [str(d) for d in range(10)]))
+    tasks = {
+        "digits5": "10 digit classes", "office_caltech10": "10 object classes", "pacs": "7 object classes",
+        "domainnet10": "the 10-class DomainNet subset",
+    }
+    return write_dataset(
+        Path(out_dir), table, [img for img, _ in results if img is not None], excluded, quarantine,
+        {"dataset": params.kind, "task": tasks[params.kind], "classes": classes, "rules": params.model_dump(mode="json")},
+    )
+
+
+def harmonize_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root: Path, out_dir: Path) -> dict[str, Any]:
+    if isinstance(params, CXRDatasetParams):
+        return harmonize_cxr(params, raw_root, out_dir)
+    return harmonize_benchmark(params, raw_root, out_dir)
+
+
+def _card(meta: dict[str, Any], table: pd.DataFrame, excluded: pd.DataFrame, quarantine: pd.DataFrame, folder: Path) -> dict[str, Any]:
+    classes = list(meta["classes"])
     per_domain: dict[str, Any] = {}
     for dom in table["domain"].unique().tolist() + [d for d in excluded["domain"].unique() if d not in set(table["domain"])]:
         t = table[table["domain"] == dom]
@@ -139,21 +271,22 @@ def _card(params: CXRDatasetParams, table: pd.DataFrame, excluded: pd.DataFrame,
         q = quarantine[quarantine["domain"] == dom]
         per_domain[dom] = {
             "images": int(len(t)),
-            "by_class": {"Lung Opacity (1)": int((t["label"] == 1).sum()), "Normal (0)": int((t["label"] == 0).sum())},
-            "patients": int(t["group"].nunique()),
+            "by_class": {c: int((t["label"] == k).sum()) for k, c in enumerate(classes)},
+            "by_subset": {(s or "(none)"): int(n) for s, n in t["subset"].value_counts().sort_index().items()},
+            "groups": int(t["group"].nunique()),
             "excluded": int(len(e)),
             "excluded_by_reason": {k: int(v) for k, v in e["excluded"].value_counts().items()},
             "quarantined": int(len(q)),
             "quarantine_examples": q["error"].head(5).tolist(),
         }
     return {
-        "dataset": params.kind,
-        "task": "binary: 1 = Lung Opacity, 0 = Normal",
-        "classes": ["Normal", "Lung Opacity"],
+        "dataset": meta["dataset"],
+        "task": meta["task"],
+        "classes": classes,
         "image_shape": list(np.load(folder / "images.npy", mmap_mode="r").shape[1:]),
         "total_images": int(len(table)),
         "domains": per_domain,
-        "rules": params.model_dump(mode="json"),
+        "rules": meta["rules"],
         "sha256": {
             "records.parquet": file_sha256(folder / "records.parquet"),
             "images.npy": file_sha256(folder / "images.npy"),
@@ -162,20 +295,22 @@ def _card(params: CXRDatasetParams, table: pd.DataFrame, excluded: pd.DataFrame,
 
 
 def card_markdown(card: dict[str, Any]) -> str:
+    classes = card["classes"]
     lines = [
         f"# Data card: {card['dataset']}",
         "",
         f"Task: {card['task']}. Image shape {tuple(card['image_shape'])}, {card['total_images']} images kept.",
         "",
-        "| domain | kept | Lung Opacity | Normal | patients | excluded | quarantined |",
-        "|---|---|---|---|---|---|---|",
+        "| domain | kept | " + " | ".join(classes) + " | subsets | groups | excluded | quarantined |",
+        "|---|---|" + "---|" * len(classes) + "---|---|---|---|",
     ]
     for dom, d in card["domains"].items():
+        subsets = ", ".join(f"{k} {v}" for k, v in d["by_subset"].items())
         lines.append(
-            f"| {dom} | {d['images']} | {d['by_class']['Lung Opacity (1)']} | {d['by_class']['Normal (0)']} | "
-            f"{d['patients']} | {d['excluded']} | {d['quarantined']} |"
+            f"| {dom} | {d['images']} | " + " | ".join(str(d["by_class"][c]) for c in classes)
+            + f" | {subsets} | {d['groups']} | {d['excluded']} | {d['quarantined']} |"
         )
-    lines += ["", "## Exclusions by reason", ""]
+    lines += ["", "Groups are patients for chest X-rays and single images for the benchmarks.", "", "## Exclusions by reason", ""]
     for dom, d in card["domains"].items():
         reasons = ", ".join(f"{k}: {v}" for k, v in d["excluded_by_reason"].items()) or "none"
         lines.append(f"- {dom}: {reasons}")

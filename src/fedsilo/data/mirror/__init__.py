@@ -9,9 +9,10 @@ from fedsilo.config import MirrorParams
 
 
 def mirror_writer(source: str) -> Callable[[Path, MirrorParams], None]:
+    from fedsilo.data.mirror.benchmarks import WRITERS as BENCH
     from fedsilo.data.mirror.cxr import WRITERS
 
     try:
-        return WRITERS[source]
+        return {**WRITERS, **BENCH}[source]
     except KeyError:
-        raise KeyError(f"no offline mirror for source {source!r} (have: {', '.join(WRITERS)})") from None
+        raise KeyError(f"no offline mirror for source {source!r} (have: {', '.join({**WRITERS, **BENCH})})") from None

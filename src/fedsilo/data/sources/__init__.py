@@ -1,16 +1,38 @@
-"""Raw sources: one module per source, each with ``read_records(raw_dir, rules)``."""
+"""Raw sources: one module per source, each with ``read_records(raw_dir, rules)`` (and, for array formats,
+``load_container``), its ``DOMAINS`` and the official ``DOWNLOADS`` where a scriptable public address exists."""
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from fedsilo.data.sources import chexpert, openi, rsna, vinbigdata
+from fedsilo.data.sources import (
+    chexpert,
+    domainnet,
+    mnist,
+    mnist_m,
+    office_caltech10,
+    openi,
+    pacs,
+    rsna,
+    svhn,
+    synthdigits,
+    usps,
+    vinbigdata,
+)
 
 SOURCES: dict[str, ModuleType] = {
     "chexpert": chexpert,
     "openi": openi,
     "rsna": rsna,
     "vinbigdata": vinbigdata,
+    "mnist": mnist,
+    "svhn": svhn,
+    "usps": usps,
+    "synthdigits": synthdigits,
+    "mnist_m": mnist_m,
+    "office_caltech10": office_caltech10,
+    "pacs": pacs,
+    "domainnet": domainnet,
 }
 
 

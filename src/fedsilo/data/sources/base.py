@@ -7,7 +7,7 @@ image, included or not:
 source's own label, verbatim enough to audit the mapping), ``group`` (patient id; one group never spans train and
 test), ``view`` (``frontal`` / ``lateral`` / ``unknown``), ``path`` (relative to the raw folder; empty when the label
 file names an image the raw folder does not hold), ``reader`` (``dicom`` or ``image``), ``excluded`` (empty, or the
-reason).
+reason), ``subset`` (the distribution's own train / test / val partition, empty when it has none).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Iterable
 
 import pandas as pd
 
-RECORD_COLUMNS = ["id", "domain", "label", "original_label", "group", "view", "path", "reader", "excluded"]
+RECORD_COLUMNS = ["id", "domain", "label", "original_label", "group", "view", "path", "reader", "excluded", "subset"]
 
 
 class LabelFileError(ValueError):
@@ -52,10 +52,12 @@ def read_csv(path: Path, **kw) -> pd.DataFrame:
 def finalize(df: pd.DataFrame, domain: str) -> pd.DataFrame:
     df = df.copy()
     df["domain"] = domain
+    if "subset" not in df.columns:
+        df["subset"] = ""
     df["excluded"] = df["excluded"].fillna("").astype(str)
     df.loc[df["excluded"] != "", "label"] = -1
     df["label"] = df["label"].astype("int64")
-    for col in ("id", "original_label", "group", "view", "path", "reader"):
+    for col in ("id", "original_label", "group", "view", "path", "reader", "subset"):
         df[col] = df[col].fillna("").astype(str)
     if df["id"].duplicated().any():
         dup = df.loc[df["id"].duplicated(), "id"].iloc[0]

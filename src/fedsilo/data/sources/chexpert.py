@@ -23,6 +23,8 @@ from fedsilo.config import CheXpertRules
 from fedsilo.data.sources.base import LabelFileError, finalize, read_csv, require_columns
 
 DOMAIN = "CheXpert"
+DOMAINS = (DOMAIN,)
+DOWNLOADS: list = []  # distributed by Stanford AIMI behind a data-use agreement: mode aimi, or files / local
 OBSERVATIONS = (
     "No Finding",
     "Enlarged Cardiomediastinum",

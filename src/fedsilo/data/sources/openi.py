@@ -29,9 +29,16 @@ import numpy as np
 import pandas as pd
 
 from fedsilo.config import OpenIRules
+from fedsilo.data.download import Remote
 from fedsilo.data.sources.base import LabelFileError, finalize, read_csv, require_columns
 
 DOMAIN = "OpenI"
+DOMAINS = (DOMAIN,)
+# The Indiana University collection as the NLM distributes it; no checksums are published (pin them under checksums).
+DOWNLOADS = [
+    Remote("https://openi.nlm.nih.gov/imgs/collections/NLMCXR_png.tgz", "NLMCXR_png.tgz", None, True),
+    Remote("https://openi.nlm.nih.gov/imgs/collections/NLMCXR_reports.tgz", "NLMCXR_reports.tgz", None, True),
+]
 LUNG_SITES = ("lung", "pulmonary alveoli")
 FRONTAL = {"PA", "AP", "FRONTAL"}
 LATERAL = {"LL", "RL", "LATERAL", "LARGE LATERAL"}

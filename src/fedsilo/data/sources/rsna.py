@@ -20,6 +20,8 @@ from fedsilo.config import RSNARules
 from fedsilo.data.sources.base import LabelFileError, finalize, find_one, read_csv, require_columns
 
 DOMAIN = "RSNA"
+DOMAINS = (DOMAIN,)
+KAGGLE_COMPETITION = "rsna-pneumonia-detection-challenge"
 CLASSES = {"Lung Opacity": 1, "Normal": 0, "No Lung Opacity / Not Normal": -1}
 
 

@@ -22,11 +22,15 @@ from fedsilo.config import VinBigDataRules
 from fedsilo.data.sources.base import finalize, find_one, read_csv, require_columns
 
 DOMAIN = "VinBigData"
+DOMAINS = (DOMAIN,)
+KAGGLE_COMPETITION = "vinbigdata-chest-xray-abnormalities-detection"
+# the same images as DICOM on PhysioNet (VinDr-CXR): annotations/annotations_train.csv has the columns of train.csv
+PHYSIONET_PROJECT = ("vindr-cxr", "1.0.0")
 
 
 def read_records(raw_dir: Path, rules: VinBigDataRules) -> pd.DataFrame:
     raw_dir = Path(raw_dir)
-    path = find_one(raw_dir, ["train.csv", "train.csv.gz"], "VinBigData train.csv")
+    path = find_one(raw_dir, ["train.csv", "train.csv.gz", "annotations_train.csv"], "VinBigData train.csv (Kaggle) or annotations/annotations_train.csv (PhysioNet VinDr-CXR)")
     df = read_csv(path, dtype={"image_id": str, "class_name": str, "rad_id": str})
     require_columns(df, ("image_id", "class_name", "rad_id"), path)
     df["class_name"] = df["class_name"].str.strip()

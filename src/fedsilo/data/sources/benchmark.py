@@ -1,0 +1,246 @@
+"""Helpers shared by the multi-domain benchmark sources (digits, Office-Caltech-10, PACS, DomainNet).
+
+A benchmark record has the CXR record columns (``fedsilo.data.sources.base``) plus ``subset``: the dataset's own
+partition the image belongs to (``train``, ``test``, ``val``) or empty when the distribution has none. ``label`` is the
+index of the class in the dataset's canonical class list, ``original_label`` the source's own label (class folder
+name or numeric label), ``group`` is the image itself (no patient structure), ``view`` is empty.
+
+Images come either as files (``reader = image``, ``path`` relative to the raw folder) or as rows of an array
+container (``reader = array``, ``path = <container>#<row>``: an idx, ``.mat``, LIBSVM or pickle file that
+:func:`load_container` reads once per harmonize run).
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import pickle
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+
+from fedsilo.data.sources.base import LabelFileError, finalize
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff")
+
+
+def norm_name(name: str) -> str:
+    """Folder names compared loosely: case, spaces, dashes and underscores do not matter."""
+    return re.sub(r"[\s_\-]+", "", name.lower())
+
+
+def records_frame(rows: list[dict], domain: str) -> pd.DataFrame:
+    cols = ["id", "label", "original_label", "group", "view", "path", "reader", "excluded", "subset"]
+    df = pd.DataFrame(rows, columns=cols)
+    if df.empty:
+        return finalize(df, domain)
+    df["group"] = df["group"].where(df["group"].astype(bool), df["id"])
+    return finalize(df, domain)
+
+
+def find_dirs(root: Path, aliases: dict[str, str], must_contain_dirs: bool = True) -> dict[str, Path]:
+    """Canonical name -> the shallowest folder below ``root`` whose name is one of its aliases (loosely compared)
+    and that holds sub-folders (class folders). ``aliases`` maps a normalized alias to the canonical name."""
+    found: dict[str, Path] = {}
+    for p in sorted(root.rglob("*"), key=lambda q: (len(q.relative_to(root).parts), str(q))):
+        if not p.is_dir() or p.name.startswith("."):
+            continue
+        canon = aliases.get(norm_name(p.name))
+        if canon is None or canon in found:
+            continue
+        if must_contain_dirs and not any(c.is_dir() for c in p.iterdir()):
+            continue
+        found[canon] = p
+    return found
+
+
+def class_folder_records(
+    domain_dir: Path,
+    raw_dir: Path,
+    domain: str,
+    classes: Sequence[str],
+    class_aliases: dict[str, str],
+    subset_of: dict[str, str] | None = None,
+) -> list[dict]:
+    """One record per image file in ``domain_dir/<class>/``. Class folders are matched loosely through
+    ``class_aliases`` (normalized alias -> canonical class); an unknown class folder is an error naming it."""
+    rows: list[dict] = []
+    index = {c: i for i, c in enumerate(classes)}
+    base = domain_dir / "images" if (domain_dir / "images").is_dir() else domain_dir  # Office-31: <domain>/images/<class>
+    for cdir in sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        canon = class_aliases.get(norm_name(cdir.name))
+        if canon is None:
+            raise LabelFileError(f"{cdir}: class folder {cdir.name!r} is not a class of this dataset (classes: {', '.join(classes)})")
+        for f in sorted(cdir.rglob("*")):
+            if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES:
+                rel = f.relative_to(raw_dir).as_posix()
+                key = f"{cdir.name}/{f.name}"
+                rows.append(
+                    {
+                        "id": f"{domain}/{f.relative_to(base).as_posix()}",
+                        "label": index[canon],
+                        "original_label": cdir.name,
+                        "group": "",
+                        "view": "",
+                        "path": rel,
+                        "reader": "image",
+                        "excluded": "",
+                        "subset": (subset_of or {}).get(key, ""),
+                    }
+                )
+    return rows
+
+
+def array_records(container: str, labels: np.ndarray, subset: str, id_prefix: str, original: Iterable | None = None) -> list[dict]:
+    labels = np.asarray(labels).astype(np.int64).ravel()
+    orig = list(original) if original is not None else labels.tolist()
+    bad = np.flatnonzero((labels < 0) | (labels > 9))
+    if bad.size:
+        raise LabelFileError(f"{container}: label {orig[bad[0]]!r} at row {bad[0]} is not a digit 0-9")
+    return [
+        {
+            "id": f"{id_prefix}/{i}",
+            "label": int(y),
+            "original_label": str(o),
+            "group": "",
+            "view": "",
+            "path": f"{container}#{i}",
+            "reader": "array",
+            "excluded": "",
+            "subset": subset,
+        }
+        for i, (y, o) in enumerate(zip(labels, orig))
+    ]
+
+
+# --------------------------------------------------------------------------- array containers
+def _open_maybe_compressed(path: Path):
+    if path.suffix == ".gz":
+        return gzip.open(path, "rb")
+    if path.suffix == ".bz2":
+        return bz2.open(path, "rb")
+    return open(path, "rb")
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """An idx file (MNIST's format), gzipped or not: magic 0x00 0x00 <type 0x08> <ndim>, big-endian sizes, uint8 data."""
+    try:
+        with _open_maybe_compressed(path) as f:
+            data = f.read()
+    except (OSError, EOFError) as err:
+        raise LabelFileError(f"{path}: cannot read: {err}") from err
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
+        raise LabelFileError(f"{path}: not an unsigned-byte idx file (bad magic number)")
+    ndim = data[3]
+    dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    start = 4 + 4 * ndim
+    n = int(np.prod(dims))
+    if len(data) - start != n:
+        raise LabelFileError(f"{path}: truncated idx file ({len(data) - start} of {n} bytes)")
+    return np.frombuffer(data, dtype=np.uint8, offset=start).reshape(dims)
+
+
+def read_libsvm_digits(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """USPS as LIBSVM distributes it (and torchvision reads it): ``<label 1..10> <i>:<v> ...`` with 256 features in
+    [-1, 1]; missing features are 0. Returns (uint8 N x 16 x 16, labels 0..9, raw labels)."""
+    images, labels = [], []
+    try:
+        with _open_maybe_compressed(path) as f:
+            for n, line in enumerate(f, 1):
+                parts = line.decode().split()
+                if not parts:
+                    continue
+                vec = np.zeros(256, np.float32)
+                for tok in parts[1:]:
+                    i, _, v = tok.partition(":")
+                    k = int(i) - 1
+                    if not 0 <= k < 256:
+                        raise LabelFileError(f"{path}: line {n}: feature index {i} outside 1..256")
+                    vec[k] = float(v)
+                labels.append(int(float(parts[0])))
+                images.append(vec)
+    except (OSError, EOFError, ValueError) as err:
+        raise LabelFileError(f"{path}: cannot parse as LIBSVM: {err}") from err
+    arr = np.clip(np.round((np.stack(images) + 1.0) / 2.0 * 255.0), 0, 255).astype(np.uint8).reshape(-1, 16, 16)
+    return arr, np.asarray(labels, np.int64)
+
+
+def read_mat_digits(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """SVHN / SynthDigits ``*_32x32.mat``: ``X`` 32 x 32 x 3 x N uint8, ``y`` N x 1 (SVHN writes digit 0 as 10)."""
+    from scipy.io import loadmat
+
+    try:
+        m = loadmat(path)
+    except (OSError, ValueError, NotImplementedError) as err:
+        raise LabelFileError(f"{path}: cannot read .mat: {err}") from err
+    for key in ("X", "y"):
+        if key not in m:
+            raise LabelFileError(f"{path}: missing variable {key!r}")
+    x = np.asarray(m["X"])
+    if x.ndim != 4 or x.shape[2] != 3:
+        raise LabelFileError(f"{path}: variable 'X' has shape {x.shape}, expected 32 x 32 x 3 x N")
+    return np.ascontiguousarray(x.transpose(3, 0, 1, 2)), np.asarray(m["y"]).astype(np.int64).ravel()
+
+
+def read_pickle_pair(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """FedBN's pre-processed digits: a pickle of (images uint8 N x 28 x 28 [x 3], labels). Pickles run code when
+    loaded: only point fedsilo at files you trust."""
+    try:
+        obj = np.load(path, allow_pickle=True)
+    except (OSError, ValueError, pickle.UnpicklingError, EOFError) as err:
+        raise LabelFileError(f"{path}: cannot read pickle: {err}") from err
+    if len(obj) != 2:
+        raise LabelFileError(f"{path}: expected a pair (images, labels), got {type(obj).__name__} of length {len(obj)}")
+    images, labels = np.asarray(obj[0]), np.asarray(obj[1]).astype(np.int64).ravel()
+    if images.shape[0] != labels.shape[0]:
+        raise LabelFileError(f"{path}: {images.shape[0]} images but {labels.shape[0]} labels")
+    return images.astype(np.uint8), labels
+
+
+@lru_cache(maxsize=8)
+def _load_cached(path: str, mtime: float) -> np.ndarray:
+    p = Path(path)
+    name = p.name.lower()
+    if "idx3-ubyte" in name:
+        return read_idx(p)
+    if name.endswith(".mat"):
+        return read_mat_digits(p)[0]
+    if name.endswith(".pkl"):
+        return read_pickle_pair(p)[0]
+    if "usps" in name:
+        return read_libsvm_digits(p)[0]
+    raise LabelFileError(f"{p}: unknown array container")
+
+
+def load_container(raw_dir: Path, container: str) -> np.ndarray:
+    """The image array of one container (N x H x W or N x H x W x C, uint8)."""
+    p = Path(raw_dir) / container
+    return _load_cached(str(p), p.stat().st_mtime)
+
+
+def fedbn_digit_records(raw_dir: Path, folder: str, domain: str) -> list[dict] | None:
+    """FedBN's pre-processed layout ``<folder>/partitions/train_part{0..9}.pkl`` + ``<folder>/test.pkl``, or None
+    when the raw folder does not hold it."""
+    hits = sorted(p for p in raw_dir.rglob("test.pkl") if norm_name(p.parent.name) == norm_name(folder))
+    if not hits:
+        return None
+    base = hits[0].parent
+    rows: list[dict] = []
+    parts = sorted((base / "partitions").glob("train_part*.pkl"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
+    for part in parts:
+        _, y = read_pickle_pair(part)
+        rows += array_records(part.relative_to(raw_dir).as_posix(), y, "train", f"{domain}/train/{part.stem}")
+    _, y = read_pickle_pair(hits[0])
+    rows += array_records(hits[0].relative_to(raw_dir).as_posix(), y, "test", f"{domain}/test")
+    return rows
+
+
+def find_files(raw_dir: Path, patterns: Iterable[str]) -> list[Path]:
+    out: list[Path] = []
+    for pat in patterns:
+        out += sorted(raw_dir.rglob(pat))
+    return out
