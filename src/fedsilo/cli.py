@@ -45,7 +45,7 @@ def _harmonize(args: argparse.Namespace) -> None:
 def _split(args: argparse.Namespace) -> None:
     import pandas as pd
 
-    from fedsilo.data.splits import check_patient_disjoint, make_split
+    from fedsilo.data.splits import check_patient_disjoint, iter_sides, make_split
     from fedsilo.utils.io import write_json
 
     p = load_params(args.params)
@@ -61,8 +61,8 @@ def _split(args: argparse.Namespace) -> None:
     split["experiment"] = args.experiment
     split["dataset"] = exp.dataset
     write_json(Path(args.root) / "data" / "splits" / f"{args.experiment}.json", split)
-    for c in split["clients"]:
-        print(f"{args.experiment} client {c['name']}: {len(c['train'])} train / {len(c['test'])} test")
+    for name, train, test in iter_sides(split):
+        print(f"{args.experiment} {name}: {len(train)} train / {len(test)} test")
 
 
 def _train(args: argparse.Namespace) -> None:

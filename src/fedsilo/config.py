@@ -281,7 +281,8 @@ class ExperimentParams(Strict):
 class PipelineParams(Strict):
     sources: tuple[str, ...]
     datasets: tuple[str, ...]
-    experiments: tuple[str, ...]
+    splits: tuple[str, ...] = Field(description="experiments whose split stage dvc.yaml expands")
+    experiments: tuple[str, ...] = Field(description="experiments trained and reported (each must be in splits)")
     methods: tuple[str, ...]
     seeds: tuple[int, ...]
 
@@ -322,9 +323,13 @@ class Params(Strict):
         for name, ex in self.experiments.items():
             if ex.dataset not in self.datasets:
                 raise ValueError(f"experiments.{name}.dataset: '{ex.dataset}' is not under 'datasets'")
+        for e in self.pipeline.experiments:
+            if e not in self.pipeline.splits:
+                raise ValueError(f"pipeline.experiments: '{e}' is trained but its split is not built (add it to pipeline.splits)")
         for key, known in (
             ("sources", self.sources),
             ("datasets", self.datasets),
+            ("splits", self.experiments),
             ("experiments", self.experiments),
             ("methods", self.methods),
         ):

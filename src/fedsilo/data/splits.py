@@ -1,10 +1,21 @@
-"""The split stage: harmonized dataset -> clients with train/test indices (rows of ``records.parquet``).
+"""The split stage: harmonized dataset -> clients (and tasks) with train/test indices (rows of ``records.parquet``).
 
-``domain_clients`` (pFedDB, FedBN): one client per domain; ``n_train`` training images and ``n_test`` test images
-(default: as many as ``n_train``; ``n_test_per_domain`` overrides, e.g. OpenI 116), patient-disjoint: patients are
-shuffled with the seed and assigned whole, first to train, then to test. A patient that would overflow a side
-contributes only the images still needed and its other images are left unused, never placed on the other side.
-The split is a pure function of (records, params, seed).
+Every protocol is a pure function of (records, params, seed): the same inputs give the same JSON, byte for byte.
+Rows are always assigned as whole groups (patients for chest X-rays, single images for the benchmarks), so one
+patient never lands on both sides of a client's train/test split. Where a domain has an official test subset
+(``records.subset == "test"``), ``test_from: auto`` draws test images from it and training images from the rest;
+``pooled`` ignores the subset.
+
+- ``domain_clients`` (pFedDB, FedBN): one client per domain with ``n_train`` / ``n_test`` images.
+- ``domain_multi_clients`` (F2DC): ``clients_per_domain[d]`` clients on domain d, each holding a disjoint
+  ``fraction`` of the domain's training pool; the clients of a domain share its test set.
+- ``label_skew`` (FedeCouple, CD2-pFed): Dirichlet(beta), pathological (k classes per client) or weak pathological
+  (s % uniform over the classes, the rest from ``classes_per_client`` dominant classes), over the pooled domains;
+  each client's images are then split into train and test with the same class mix.
+- ``domain_incremental`` (pFedDIL): the same sequence of domain tasks for every client; each domain's images are
+  spread over the clients with Dirichlet(alpha) label skew, train and test with the same proportions.
+- ``holdout_domain``: ``domain_clients`` without one domain, which becomes a late-joining client (``newcomer``) or
+  an ``external_test`` set, stored under ``holdout``.
 """
 
 from __future__ import annotations
@@ -15,19 +26,27 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fedsilo.config import DomainClientsSplit
+from fedsilo.config import (
+    DomainClientsSplit,
+    DomainIncrementalSplit,
+    DomainMultiClientsSplit,
+    HoldoutDomainSplit,
+    LabelSkewSplit,
+)
 
 
 class SplitError(ValueError):
     pass
 
 
-def _domain_rng(seed: int, domain: str) -> np.random.Generator:
-    return np.random.default_rng([seed, int(hashlib.sha256(domain.encode()).hexdigest()[:8], 16)])
+def _rng(seed: int, *keys: str) -> np.random.Generator:
+    return np.random.default_rng([seed] + [int(hashlib.sha256(k.encode()).hexdigest()[:8], 16) for k in keys])
+
 
 
 def _take(groups: list[np.ndarray], need: int) -> tuple[list[int], int]:
-    """Take whole groups until ``need`` rows are reached; returns (rows, groups consumed)."""
+    """Take whole groups until ``need`` rows are reached; returns (rows, groups consumed). A group that would
+    overflow contributes only the rows still needed; its other rows stay unused."""
     rows: list[int] = []
     used = 0
     for g in groups:
@@ -38,55 +57,304 @@ def _take(groups: list[np.ndarray], need: int) -> tuple[list[int], int]:
     return rows, used
 
 
-def domain_clients(records: pd.DataFrame, params: DomainClientsSplit, seed: int) -> dict[str, Any]:
-    domains = list(params.domains) if params.domains else list(dict.fromkeys(records["domain"]))
-    clients = []
-    for dom in domains:
-        sub = records[records["domain"] == dom]
-        if sub.empty:
-            raise SplitError(f"split.domains: domain {dom!r} has no images (have: {sorted(records['domain'].unique())})")
-        n_train = params.n_train
-        n_test = params.n_test_per_domain.get(dom, params.n_test or params.n_train)
-        rng = _domain_rng(seed, dom)
-        names = sorted(sub["group"].unique())
-        order = rng.permutation(len(names))
-        by_group = {g: np.sort(idx.to_numpy()) for g, idx in sub.groupby("group").groups.items()}
-        groups = [rng.permutation(by_group[names[i]]) for i in order]
+def _shuffled_groups(sub: pd.DataFrame, rng: np.random.Generator) -> list[np.ndarray]:
+    by_group = {g: np.sort(idx.to_numpy()) for g, idx in sub.groupby("group").groups.items()}
+    names = sorted(by_group)
+    return [rng.permutation(by_group[names[i]]) for i in rng.permutation(len(names))]
+
+
+def _uses_official(sub: pd.DataFrame, test_from: str, dom: str) -> bool:
+    has = bool((sub["subset"] == "test").any()) if "subset" in sub else False
+    if test_from == "official" and not has:
+        raise SplitError(f"split.test_from: domain {dom!r} has no official test subset (use 'auto' or 'pooled')")
+    return test_from == "official" or (test_from == "auto" and has)
+
+
+def _domains(records: pd.DataFrame, wanted: tuple[str, ...] | None) -> list[str]:
+    have = list(dict.fromkeys(records["domain"]))
+    if not wanted:
+        return have
+    for d in wanted:
+        if d not in have:
+            raise SplitError(f"split: domain {d!r} has no images (have: {sorted(have)})")
+    return list(wanted)
+
+
+def _client(index: int, name: str, domain: str, train: list[int], test: list[int]) -> dict[str, Any]:
+    return {"client": index, "name": name, "domain": domain, "train": sorted(int(i) for i in train), "test": sorted(int(i) for i in test)}
+
+
+def _num_classes(records: pd.DataFrame) -> int:
+    return int(records["label"].max()) + 1
+
+
+# --------------------------------------------------------------------------- domain_clients
+def _draw_domain(records: pd.DataFrame, dom: str, n_train: int, n_test: int, test_from: str, seed: int) -> tuple[list[int], list[int]]:
+    sub = records[records["domain"] == dom]
+    if sub.empty:
+        raise SplitError(f"split.domains: domain {dom!r} has no images (have: {sorted(records['domain'].unique())})")
+    rng = _rng(seed, dom)
+    if _uses_official(sub, test_from, dom):
+        train, _ = _take(_shuffled_groups(sub[sub["subset"] != "test"], rng), n_train)
+        test, _ = _take(_shuffled_groups(sub[sub["subset"] == "test"], rng), n_test)
+    else:
+        groups = _shuffled_groups(sub, rng)
         train, used = _take(groups, n_train)
         test, _ = _take(groups[used:], n_test)
-        if len(train) < n_train or len(test) < n_test:
-            raise SplitError(
-                f"domain {dom!r}: {len(sub)} images from {len(names)} patients cannot give {n_train} train + "
-                f"{n_test} test patient-disjoint images (lower split.n_train / n_test or add data)"
-            )
-        clients.append(
-            {
-                "client": len(clients),
-                "name": dom,
-                "domain": dom,
-                "train": sorted(int(i) for i in train),
-                "test": sorted(int(i) for i in test),
-            }
+    if len(train) < n_train or len(test) < n_test:
+        raise SplitError(
+            f"domain {dom!r}: {len(sub)} images from {sub['group'].nunique()} patients cannot give {n_train} train + "
+            f"{n_test} test patient-disjoint images (lower split.n_train / n_test or add data)"
         )
+    return train, test
+
+
+def domain_clients(records: pd.DataFrame, params: DomainClientsSplit | HoldoutDomainSplit, seed: int, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    clients = []
+    for dom in _domains(records, params.domains):
+        if dom in exclude:
+            continue
+        n_test = params.n_test_per_domain.get(dom, params.n_test or params.n_train)
+        train, test = _draw_domain(records, dom, params.n_train, n_test, params.test_from, seed)
+        clients.append(_client(len(clients), dom, dom, train, test))
+    return {"protocol": params.protocol, "seed": seed, "params": params.model_dump(mode="json"), "num_classes": _num_classes(records), "clients": clients}
+
+
+# --------------------------------------------------------------------------- domain_multi_clients
+def domain_multi_clients(records: pd.DataFrame, params: DomainMultiClientsSplit, seed: int) -> dict[str, Any]:
+    clients = []
+    for dom, k in params.clients_per_domain.items():
+        sub = records[records["domain"] == dom]
+        if sub.empty:
+            raise SplitError(f"split.clients_per_domain: domain {dom!r} has no images (have: {sorted(records['domain'].unique())})")
+        if k < 1:
+            raise SplitError(f"split.clients_per_domain.{dom}: need at least one client")
+        if k * params.fraction > 1.0 + 1e-9:
+            raise SplitError(f"split: {k} clients x fraction {params.fraction} > 1 for domain {dom!r}; clients' data must be disjoint")
+        rng = _rng(seed, dom)
+        if _uses_official(sub, params.test_from, dom):
+            train_groups = _shuffled_groups(sub[sub["subset"] != "test"], rng)
+            test_groups = _shuffled_groups(sub[sub["subset"] == "test"], rng)
+        else:
+            groups = _shuffled_groups(sub, rng)
+            n_test_groups = max(1, int(round(params.test_fraction * len(groups))))
+            test_groups, train_groups = groups[:n_test_groups], groups[n_test_groups:]
+        pool = sum(len(g) for g in train_groups)
+        per_client = int(np.floor(params.fraction * pool))
+        if per_client < 1:
+            raise SplitError(f"domain {dom!r}: fraction {params.fraction} of {pool} training images is less than one image")
+        n_test = params.n_test or sum(len(g) for g in test_groups)
+        test, _ = _take(test_groups, n_test)
+        if len(test) < n_test:
+            raise SplitError(f"domain {dom!r}: test pool has {len(test)} images, split.n_test asks {n_test}")
+        for j in range(k):
+            train, used = _take(train_groups, per_client)
+            train_groups = train_groups[used:]
+            clients.append(_client(len(clients), f"{dom}-{j}", dom, train, test))
+    return {"protocol": params.protocol, "seed": seed, "params": params.model_dump(mode="json"), "num_classes": _num_classes(records), "clients": clients}
+
+
+# --------------------------------------------------------------------------- label skew
+def _dirichlet_parts(labels: np.ndarray, n_clients: int, beta: float, min_size: int, rng: np.random.Generator, what: str) -> list[np.ndarray]:
+    """Per class, proportions ~ Dir(beta); class rows cut accordingly. Redrawn until every client has min_size."""
+    classes = np.unique(labels)
+    for _ in range(1000):
+        parts: list[list[int]] = [[] for _ in range(n_clients)]
+        for c in classes:
+            idx = rng.permutation(np.flatnonzero(labels == c))
+            p = rng.dirichlet(np.full(n_clients, beta))
+            cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
+            for j, chunk in enumerate(np.split(idx, cuts)):
+                parts[j].extend(chunk.tolist())
+        if min(len(p) for p in parts) >= min_size:
+            return [np.array(sorted(p), dtype=np.int64) for p in parts]
+    raise SplitError(f"{what}: no Dirichlet draw in 1000 gave every one of {n_clients} clients {min_size} images (raise beta or lower min_per_client)")
+
+
+def _pathological(labels: np.ndarray, n_clients: int, k: int, rng: np.random.Generator) -> list[np.ndarray]:
+    classes = np.unique(labels)
+    if k > len(classes):
+        raise SplitError(f"split.classes_per_client: {k} > the {len(classes)} classes present")
+    for _ in range(1000):
+        slots = np.concatenate([rng.permutation(classes) for _ in range(int(np.ceil(n_clients * k / len(classes))) + 1)])[: n_clients * k]
+        owned = slots.reshape(n_clients, k)
+        if all(len(set(row)) == k for row in owned):
+            break
+    else:  # pragma: no cover - practically unreachable for k <= classes
+        raise SplitError("split: cannot give every client distinct classes")
+    parts: list[list[int]] = [[] for _ in range(n_clients)]
+    for c in classes:
+        holders = [j for j in range(n_clients) if c in owned[j]]
+        if not holders:
+            continue
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        for j, chunk in zip(holders, np.array_split(idx, len(holders))):
+            parts[j].extend(chunk.tolist())
+    return [np.array(sorted(p), dtype=np.int64) for p in parts]
+
+
+def _weak_pathological(labels: np.ndarray, n_clients: int, s: float, n: int, dominant: int, rng: np.random.Generator) -> list[np.ndarray]:
+    classes = np.unique(labels)
+    free = {c: list(rng.permutation(np.flatnonzero(labels == c))) for c in classes}
+
+    def pop(c: int, m: int, j: int) -> list[int]:
+        if len(free[c]) < m:
+            raise SplitError(f"split (weak pathological): class {c} runs out of images at client {j}; lower samples_per_client or s")
+        out, free[c] = free[c][:m], free[c][m:]
+        return out
+
+    parts = []
+    for j in range(n_clients):
+        uniform = int(round(n * s / 100.0 / len(classes)))
+        rows = [i for c in classes for i in pop(int(c), uniform, j)]
+        rest = n - len(rows)
+        k = min(dominant, len(classes))
+        need = np.diff(np.linspace(0, rest, k + 1).astype(int))
+        # dominant classes are drawn at random among those that still hold enough images
+        able = [c for c in classes if len(free[int(c)]) >= need.max()]
+        if len(able) < k:
+            raise SplitError(f"split (weak pathological): only {len(able)} classes still hold {need.max()} images at client {j}; lower samples_per_client or raise s")
+        for c, m in zip(rng.choice(able, size=k, replace=False), need):
+            rows += pop(int(c), int(m), j)
+        parts.append(np.array(sorted(rows), dtype=np.int64))
+    return parts
+
+
+def _train_test_by_group(records: pd.DataFrame, rows: np.ndarray, frac: float, rng: np.random.Generator) -> tuple[list[int], list[int]]:
+    """Split one client's rows into train/test: per class, a ``frac`` share of its groups goes to test."""
+    sub = records.loc[rows]
+    first_label = sub.groupby("group")["label"].first()
+    train: list[int] = []
+    test: list[int] = []
+    for _, groups in first_label.groupby(first_label):
+        names = sorted(groups.index)
+        order = [names[i] for i in rng.permutation(len(names))]
+        n_test = int(round(frac * len(order))) if len(order) > 1 else 0
+        test_groups = set(order[:n_test])
+        for g in order:
+            members = sub.index[sub["group"] == g].tolist()
+            (test if g in test_groups else train).extend(members)
+    return train, test
+
+
+def label_skew(records: pd.DataFrame, params: LabelSkewSplit, seed: int) -> dict[str, Any]:
+    doms = _domains(records, params.domains)
+    pool = records[records["domain"].isin(doms)]
+    labels = pool["label"].to_numpy()
+    rng = _rng(seed, "label_skew", params.scheme)
+    if params.scheme == "dirichlet":
+        parts = _dirichlet_parts(labels, params.clients, params.beta, params.min_per_client, rng, "split (dirichlet)")
+    elif params.scheme == "pathological":
+        parts = _pathological(labels, params.clients, params.classes_per_client, rng)
+    else:
+        n = params.samples_per_client or len(pool) // params.clients
+        parts = _weak_pathological(labels, params.clients, params.s, n, params.classes_per_client, rng)
+    index = pool.index.to_numpy()
+    clients = []
+    for j, part in enumerate(parts):
+        rows = index[part]
+        train, test = _train_test_by_group(records, rows, params.test_fraction, rng)
+        if not train or not test:
+            raise SplitError(f"split: client {j} has {len(rows)} images, too few for a train and a test side")
+        clients.append(_client(j, f"client{j:02d}", "+".join(sorted(records.loc[rows, "domain"].unique())), train, test))
+    return {"protocol": params.protocol, "seed": seed, "params": params.model_dump(mode="json"), "num_classes": _num_classes(records), "clients": clients}
+
+
+# --------------------------------------------------------------------------- domain incremental
+def domain_incremental(records: pd.DataFrame, params: DomainIncrementalSplit, seed: int) -> dict[str, Any]:
+    order = list(params.domain_order) if params.domain_order else list(dict.fromkeys(records["domain"]))
+    _domains(records, tuple(order))
+    tasks_per_client: list[list[dict[str, Any]]] = [[] for _ in range(params.clients)]
+    for t, dom in enumerate(order):
+        sub = records[records["domain"] == dom]
+        rng = _rng(seed, "domain_incremental", dom)
+        if _uses_official(sub, params.test_from, dom):
+            train_pool, test_pool = sub[sub["subset"] != "test"], sub[sub["subset"] == "test"]
+        else:
+            groups = _shuffled_groups(sub, rng)
+            n_test = max(1, int(round(params.test_fraction * len(groups))))
+            test_rows = np.concatenate(groups[:n_test]) if n_test else np.array([], np.int64)
+            test_pool, train_pool = sub.loc[np.sort(test_rows)], sub.drop(index=test_rows)
+        if params.n_per_domain and len(train_pool) > params.n_per_domain:
+            train_pool = train_pool.loc[np.sort(rng.choice(train_pool.index.to_numpy(), params.n_per_domain, replace=False))]
+        # one Dirichlet draw per class gives each client its share; train and test use the same shares
+        classes = np.unique(train_pool["label"])
+        for _ in range(1000):
+            shares = {int(c): rng.dirichlet(np.full(params.clients, params.alpha)) for c in classes}
+            train_parts = _cut_by_shares(train_pool, shares, params.clients, rng)
+            if min(len(p) for p in train_parts) >= params.min_per_client:
+                break
+        else:
+            raise SplitError(f"domain {dom!r}: no Dirichlet draw gave every client {params.min_per_client} training images (raise alpha)")
+        test_parts = _cut_by_shares(test_pool, shares, params.clients, rng)
+        for j in range(params.clients):
+            tasks_per_client[j].append({"task": t, "domain": dom, "train": sorted(train_parts[j]), "test": sorted(test_parts[j])})
+    clients = [{"client": j, "name": f"client{j:02d}", "tasks": tasks} for j, tasks in enumerate(tasks_per_client)]
     return {
-        "protocol": "domain_clients",
-        "seed": seed,
-        "params": params.model_dump(mode="json"),
-        "num_classes": int(records["label"].max()) + 1,
-        "clients": clients,
+        "protocol": params.protocol, "seed": seed, "params": params.model_dump(mode="json"), "num_classes": _num_classes(records),
+        "task_order": order, "clients": clients,
     }
 
 
-def make_split(records: pd.DataFrame, params: DomainClientsSplit, seed: int) -> dict[str, Any]:
-    if params.protocol == "domain_clients":
-        return domain_clients(records, params, seed)
-    raise SplitError(f"split.protocol: {params.protocol!r} is not implemented")  # pragma: no cover
+def _cut_by_shares(pool: pd.DataFrame, shares: dict[int, np.ndarray], n: int, rng: np.random.Generator) -> list[list[int]]:
+    parts: list[list[int]] = [[] for _ in range(n)]
+    for c, p in shares.items():
+        idx = rng.permutation(pool.index[pool["label"] == c].to_numpy())
+        cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
+        for j, chunk in enumerate(np.split(idx, cuts)):
+            parts[j].extend(int(i) for i in chunk)
+    return parts
+
+
+# --------------------------------------------------------------------------- holdout
+def holdout_domain(records: pd.DataFrame, params: HoldoutDomainSplit, seed: int) -> dict[str, Any]:
+    doms = _domains(records, params.domains)
+    if params.holdout not in set(records["domain"]):
+        raise SplitError(f"split.holdout: domain {params.holdout!r} has no images (have: {sorted(records['domain'].unique())})")
+    if len([d for d in doms if d != params.holdout]) < 1:
+        raise SplitError("split.holdout: no domain left for the federation")
+    out = domain_clients(records, params, seed, exclude=(params.holdout,))
+    dom = params.holdout
+    n_test = params.n_test_per_domain.get(dom, params.n_test or params.n_train)
+    if params.role == "newcomer":
+        train, test = _draw_domain(records, dom, params.n_train, n_test, params.test_from, seed)
+    else:  # external test: the whole domain unless a test size is given
+        sub = records[records["domain"] == dom]
+        train = []
+        sized = params.n_test is not None or dom in params.n_test_per_domain
+        test = _take(_shuffled_groups(sub, _rng(seed, dom)), n_test)[0] if sized else sub.index.tolist()
+    out["holdout"] = {"domain": dom, "role": params.role, "client": _client(len(out["clients"]), dom, dom, train, test)}
+    return out
+
+
+def make_split(records: pd.DataFrame, params: Any, seed: int) -> dict[str, Any]:
+    fn = {
+        "domain_clients": domain_clients,
+        "domain_multi_clients": domain_multi_clients,
+        "label_skew": label_skew,
+        "domain_incremental": domain_incremental,
+        "holdout_domain": holdout_domain,
+    }.get(params.protocol)
+    if fn is None:  # pragma: no cover - config validation rejects other protocols
+        raise SplitError(f"split.protocol: {params.protocol!r} is not implemented")
+    return fn(records, params, seed)
+
+
+def iter_sides(split: dict[str, Any]):
+    """(label, train rows, test rows) for every client, task and held-out client of a split."""
+    for c in split["clients"]:
+        if "tasks" in c:
+            for t in c["tasks"]:
+                yield f"{c['name']} task {t['task']}", t["train"], t["test"]
+        else:
+            yield c["name"], c["train"], c["test"]
+    if "holdout" in split:
+        h = split["holdout"]["client"]
+        yield f"{h['name']} (held out)", h["train"], h["test"]
 
 
 def check_patient_disjoint(records: pd.DataFrame, split: dict[str, Any]) -> None:
-    for c in split["clients"]:
-        tr = set(records.loc[c["train"], "group"])
-        te = set(records.loc[c["test"], "group"])
-        both = tr & te
+    for name, train, test in iter_sides(split):
+        both = set(records.loc[train, "group"]) & set(records.loc[test, "group"])
         if both:
-            raise SplitError(f"client {c['name']}: patient(s) {sorted(both)[:3]} in both train and test")
+            raise SplitError(f"client {name}: patient(s) {sorted(both)[:3]} in both train and test")

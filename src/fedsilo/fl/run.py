@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from fedsilo.config import Params, method_params
+from fedsilo.config import ConfigError, Params, method_params
 from fedsilo.fl.data import load_clients
 from fedsilo.fl.engine import Engine, Observer
 from fedsilo.methods import method_class
@@ -77,6 +77,11 @@ def run_training(
         if not p.exists():
             raise FileNotFoundError(f"{p}: missing; run the upstream stages first (`dvc repro`)")
     split = read_json(split_path)
+    if split.get("protocol") == "domain_incremental":
+        raise ConfigError(
+            f"experiments.{experiment}.split: a domain_incremental split holds task sequences; train it with a "
+            "continual method (pFedDIL), not with the per-round engine's static clients"
+        )
     card = read_json(harmonized / "card.json")
     device = pick_device(exp.train.device)
     clients, in_ch, num_classes = load_clients(harmonized, split, device)
