@@ -18,6 +18,29 @@ def needs_samples(sub: str = "") -> pytest.MarkDecorator:
     return pytest.mark.skipif(not path.exists(), reason=f"{path} absent (real samples live in ../shared/samples)")
 
 
+BENCHMARK_SOURCES = ("mnist", "svhn", "usps", "synthdigits", "mnist_m", "office_caltech10", "pacs", "domainnet")
+
+
+def add_benchmarks(p: dict) -> dict:
+    """Add the eight benchmark mirrors (tiny), the four benchmark datasets and one split-only experiment per
+    split protocol, as params.yaml does."""
+    p["sources"].update({s: {"mode": "mirror", "mirror": {"per_class": 6, "seed": 0, "image_px": 32}} for s in BENCHMARK_SOURCES})
+    p["datasets"].update({k: {"kind": k, "image_size": 16, "workers": 1} for k in ("digits5", "office_caltech10", "pacs", "domainnet10")})
+    p["experiments"].update(
+        {
+            "digits_dc": {"dataset": "digits5", "split": {"protocol": "domain_clients", "n_train": 20, "n_test": 20}},
+            "office_multi": {"dataset": "office_caltech10", "split": {"protocol": "domain_multi_clients", "clients_per_domain": {"caltech": 3, "amazon": 2, "webcam": 2, "dslr": 3}, "fraction": 0.2}},
+            "pacs_skew": {"dataset": "pacs", "split": {"protocol": "label_skew", "clients": 5, "scheme": "dirichlet", "beta": 0.5, "min_per_client": 5}},
+            "dn_incremental": {"dataset": "domainnet10", "split": {"protocol": "domain_incremental", "clients": 3, "alpha": 1.0}},
+            "cxr_holdout": {"dataset": "chest_xray4", "split": {"protocol": "holdout_domain", "holdout": "OpenI", "n_train": 16, "n_test": 8}},
+        }
+    )
+    p["pipeline"]["sources"] = list(p["pipeline"]["sources"]) + list(BENCHMARK_SOURCES)
+    p["pipeline"]["datasets"] = ["chest_xray4", "digits5", "office_caltech10", "pacs", "domainnet10"]
+    p["pipeline"]["splits"].update({"digits_dc": "digits5", "office_multi": "office_caltech10", "pacs_skew": "pacs", "dn_incremental": "domainnet10", "cxr_holdout": "chest_xray4"})
+    return p
+
+
 def small_params(patients: int = 90, image_size: int = 32, **train) -> dict:
     """A params.yaml dict for tests: small mirror, tiny images, few rounds, tracking off."""
     t = {"model": "simple_cnn", "rounds": 3, "local_epochs": 1, "batch_size": 16, "lr": 0.02, "eval_every": 1, "device": "cpu"}
@@ -27,7 +50,7 @@ def small_params(patients: int = 90, image_size: int = 32, **train) -> dict:
         "datasets": {"chest_xray4": {"image_size": image_size, "workers": 1}},
         "experiments": {"quick": {"dataset": "chest_xray4", "split": {"protocol": "domain_clients", "n_train": 24, "n_test": 16}, "train": t}},
         "methods": {"single": {}, "fedavg": {}, "fedprox": {"mu": 0.01}, "fedbn": {}},
-        "pipeline": {"sources": ["chexpert", "openi", "rsna", "vinbigdata"], "datasets": ["chest_xray4"], "splits": ["quick"], "experiments": ["quick"], "methods": ["single", "fedavg", "fedprox", "fedbn"], "seeds": [0]},
+        "pipeline": {"sources": ["chexpert", "openi", "rsna", "vinbigdata"], "datasets": ["chest_xray4"], "splits": {"quick": "chest_xray4"}, "experiments": ["quick"], "methods": ["single", "fedavg", "fedprox", "fedbn"], "seeds": [0]},
         "tracking": {"enabled": False},
     }
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, small_params
+from tests.conftest import REPO, add_benchmarks, small_params
 
 pytestmark = pytest.mark.skipif(shutil.which("dvc", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")) is None, reason="dvc not installed")
 
@@ -32,7 +32,7 @@ def repo_copy(tmp_path_factory):
     for f in files:
         (dest / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / f, dest / f)
-    raw = small_params(rounds=1)
+    raw = add_benchmarks(small_params(rounds=1))
     raw["pipeline"]["methods"] = ["single", "fedprox", "fedbn"]
     raw["tracking"] = {"enabled": True, "uri": "sqlite:///mlflow.db"}
     (dest / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -63,6 +63,35 @@ def test_repro_writes_report_and_mlflow_runs(repo_copy):
     for r in runs:
         assert r.data.tags["dvc.md5.data/harmonized/chest_xray4"].endswith(".dir")
         assert len(r.data.tags["git_commit"]) == 40
+    assert _stale(repo_copy) == set()
+
+
+def test_repro_builds_all_five_harmonized_datasets_and_every_protocols_split(repo_copy):
+    for d in ("chest_xray4", "digits5", "office_caltech10", "pacs", "domainnet10"):
+        card = json.loads((repo_copy / "data" / "harmonized" / d / "card.json").read_text())
+        assert card["total_images"] > 0 and (repo_copy / "data" / "harmonized" / d / "card.md").exists()
+    protocols = {}
+    for e in ("quick", "digits_dc", "office_multi", "pacs_skew", "dn_incremental", "cxr_holdout"):
+        protocols[e] = json.loads((repo_copy / "data" / "splits" / f"{e}.json").read_text())["protocol"]
+    assert sorted(set(protocols.values())) == ["domain_clients", "domain_incremental", "domain_multi_clients", "holdout_domain", "label_skew"]
+    for src in ("mnist", "domainnet"):
+        manifest = json.loads((repo_copy / "data" / "raw" / src / "fedsilo_manifest.json").read_text())
+        assert manifest["mode"] == "mirror" and manifest["files"]
+
+
+def test_split_param_edit_reruns_only_that_split(repo_copy):
+    params = repo_copy / "params.yaml"
+    original = params.read_text()
+    try:
+        raw = yaml.safe_load(original)
+        raw["experiments"]["pacs_skew"]["split"]["beta"] = 0.1
+        params.write_text(yaml.safe_dump(raw, sort_keys=False))
+        assert _stale(repo_copy) == {"split@pacs_skew"}
+        raw["datasets"]["pacs"]["image_size"] = 20
+        params.write_text(yaml.safe_dump(raw, sort_keys=False))
+        assert _stale(repo_copy) == {"harmonize@pacs", "split@pacs_skew"}  # CXR's split and training are untouched
+    finally:
+        params.write_text(original)
     assert _stale(repo_copy) == set()
 
 

@@ -103,3 +103,75 @@ def test_real_jpeg2000_decodes_like_its_uncompressed_twin():
     assert fa["transfer_syntax"].startswith("1.2.840.10008.1.2.4.9") and a.shape == b.shape
     # J2KR is lossless of UNCR; UNCI is the twin of the lossy J2KI, so allow a small difference
     assert np.abs(a.astype(int) - b.astype(int)).mean() < 3
+
+
+# ---------------------------------------------------------------------------------------------------- benchmarks
+DIGITS = SAMPLES / "digits"
+
+
+@needs_samples("digits/mnist")
+def test_real_mnist_test_set_reads_with_its_labels():
+    from fedsilo.data.sources.benchmark import load_container
+
+    rec = SOURCES["mnist"].read_records(DIGITS / "mnist")
+    assert len(rec) == 10000 and set(rec["subset"]) == {"test"}
+    assert np.bincount(rec["label"]).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+    arr = load_container(DIGITS / "mnist", rec["path"].iloc[0].split("#")[0])
+    assert arr.shape == (10000, 28, 28) and rec["label"].iloc[:5].tolist() == [7, 2, 1, 0, 4]
+
+
+@needs_samples("digits/usps")
+def test_real_usps_test_set_matches_torchvision(tmp_path):
+    from torchvision.datasets import USPS
+
+    from fedsilo.data.sources.benchmark import load_container
+
+    rec = SOURCES["usps"].read_records(DIGITS / "usps")
+    assert len(rec) == 2007
+    ours = load_container(DIGITS / "usps", "usps.t.bz2")
+    tv = USPS(str(DIGITS / "usps"), train=False, download=False)
+    assert rec["label"].tolist() == list(tv.targets)
+    assert np.abs(ours.astype(int) - tv.data.astype(int)).max() <= 1  # rounding vs truncation of the [-1, 1] floats
+
+
+@needs_samples("digits/mnist_m")
+def test_real_mnist_m_test_set_reads_with_its_labels(tmp_path):
+    from fedsilo.config import BenchmarkDatasetParams
+    from fedsilo.data.harmonize import harmonize_dataset
+
+    rec = SOURCES["mnist_m"].read_records(DIGITS / "mnist_m")
+    assert len(rec) == 9001 and (rec["path"] != "").all()
+    assert rec["label"].iloc[:3].tolist() == [7, 2, 1]
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "mnist_m").symlink_to(DIGITS / "mnist_m")
+    card = harmonize_dataset(BenchmarkDatasetParams(kind="digits5", sources=("mnist_m",), image_size=28, workers=2, max_per_domain=500), tmp_path / "raw", tmp_path / "h")
+    assert card["domains"]["MNIST-M"]["images"] == 500 and card["domains"]["MNIST-M"]["quarantined"] == 0
+
+
+@needs_samples("office_caltech_10")
+def test_real_office_caltech_harmonizes_all_2533_images_in_local_mode(tmp_path):
+    """The issue's acceptance: local mode on the real copy (``caltech10`` / ``backpack`` naming), real counts."""
+    from fedsilo.config import BenchmarkDatasetParams, SourceParams
+    from fedsilo.data.fetch import fetch
+    from fedsilo.data.harmonize import harmonize_dataset
+
+    fetch("office_caltech10", SourceParams(mode="local", path=str(SAMPLES / "office_caltech_10")), tmp_path / "raw" / "office_caltech10")
+    card = harmonize_dataset(BenchmarkDatasetParams(kind="office_caltech10", image_size=32), tmp_path / "raw", tmp_path / "h")
+    assert {d: v["images"] for d, v in card["domains"].items()} == {"amazon": 958, "caltech": 1123, "dslr": 157, "webcam": 295}
+    assert card["total_images"] == 2533 and all(v["quarantined"] == 0 for v in card["domains"].values())
+    assert all(len([n for n in v["by_class"].values() if n > 0]) == 10 for v in card["domains"].values())
+    md = (tmp_path / "h" / "card.md").read_text()
+    assert "| amazon | 958 |" in md and "| caltech | 1123 |" in md
+
+
+@needs_samples("pacs")
+def test_real_pacs_sample_reads_and_harmonizes(tmp_path):
+    from fedsilo.config import BenchmarkDatasetParams
+    from fedsilo.data.harmonize import harmonize_dataset
+
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "pacs").symlink_to(SAMPLES / "pacs")
+    card = harmonize_dataset(BenchmarkDatasetParams(kind="pacs", image_size=32, workers=1), tmp_path / "raw", tmp_path / "h")
+    assert card["total_images"] == 140
+    assert all(v["by_class"] == {c: 5 for c in card["classes"]} for v in card["domains"].values())
+    assert sorted(card["domains"]) == ["art_painting", "cartoon", "photo", "sketch"]

@@ -46,7 +46,7 @@ def _split(args: argparse.Namespace) -> None:
     import pandas as pd
 
     from fedsilo.data.splits import check_patient_disjoint, iter_sides, make_split
-    from fedsilo.utils.io import write_json
+    from fedsilo.utils.io import read_json, write_json
 
     p = load_params(args.params)
     if args.experiment not in p.experiments:
@@ -56,7 +56,9 @@ def _split(args: argparse.Namespace) -> None:
     if not rec_path.exists():
         raise FileNotFoundError(f"{rec_path}: missing; run `dvc repro harmonize@{exp.dataset}` first")
     records = pd.read_parquet(rec_path)
+    card = read_json(rec_path.parent / "card.json")
     split = make_split(records, exp.split, exp.split.seed)
+    split["data_sha256"] = card["sha256"]  # ties the split to the exact arrays it indexes
     check_patient_disjoint(records, split)
     split["experiment"] = args.experiment
     split["dataset"] = exp.dataset

@@ -281,7 +281,7 @@ class ExperimentParams(Strict):
 class PipelineParams(Strict):
     sources: tuple[str, ...]
     datasets: tuple[str, ...]
-    splits: tuple[str, ...] = Field(description="experiments whose split stage dvc.yaml expands")
+    splits: dict[str, str] = Field(description="experiment -> its dataset: the split stages dvc.yaml expands")
     experiments: tuple[str, ...] = Field(description="experiments trained and reported (each must be in splits)")
     methods: tuple[str, ...]
     seeds: tuple[int, ...]
@@ -326,6 +326,9 @@ class Params(Strict):
         for e in self.pipeline.experiments:
             if e not in self.pipeline.splits:
                 raise ValueError(f"pipeline.experiments: '{e}' is trained but its split is not built (add it to pipeline.splits)")
+        for e, d in self.pipeline.splits.items():
+            if e in self.experiments and self.experiments[e].dataset != d:
+                raise ValueError(f"pipeline.splits.{e}: '{d}' differs from experiments.{e}.dataset '{self.experiments[e].dataset}'")
         for key, known in (
             ("sources", self.sources),
             ("datasets", self.datasets),

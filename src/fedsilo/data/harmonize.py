@@ -184,7 +184,7 @@ def _cap(frame: pd.DataFrame, cap: int | None, seed: int) -> pd.DataFrame:
     if cap is None:
         return frame
     parts = []
-    for (dom, sub), g in frame.groupby(["domain", "subset"], sort=True):
+    for _, g in frame.groupby(["domain", "subset"], sort=True):
         g = g.sort_values("id")
         if len(g) > cap:
             rng = np.random.default_rng([seed, len(g)])

@@ -83,6 +83,11 @@ def run_training(
             "continual method (pFedDIL), not with the per-round engine's static clients"
         )
     card = read_json(harmonized / "card.json")
+    if "data_sha256" in split and split["data_sha256"] != card["sha256"]:
+        raise ConfigError(
+            f"{split_path}: built for other arrays than {harmonized} now holds (re-harmonized since); rerun "
+            f"`dvc repro split@{experiment}` (or `fedsilo split --experiment {experiment}`)"
+        )
     device = pick_device(exp.train.device)
     clients, in_ch, num_classes = load_clients(harmonized, split, device)
 

@@ -10,7 +10,13 @@ import pandas as pd
 
 from fedsilo.data.download import Remote
 from fedsilo.data.sources.base import LabelFileError
-from fedsilo.data.sources.benchmark import array_records, fedbn_digit_records, load_container, read_libsvm_digits, records_frame
+from fedsilo.data.sources.benchmark import (
+    array_records,
+    fedbn_digit_records,
+    load_container,
+    read_libsvm_digits,
+    records_frame,
+)
 
 DOMAIN = "USPS"
 DOMAINS = (DOMAIN,)

@@ -1,0 +1,153 @@
+"""Every split protocol of DESIGN §4: purity, disjointness, sizes, class coverage, concentration, task order."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from fedsilo.config import (
+    DomainClientsSplit,
+    DomainIncrementalSplit,
+    DomainMultiClientsSplit,
+    HoldoutDomainSplit,
+    LabelSkewSplit,
+)
+from fedsilo.data.splits import SplitError, check_patient_disjoint, iter_sides, make_split
+
+
+@pytest.fixture(scope="module")
+def records() -> pd.DataFrame:
+    """A synthetic record table: 4 domains x 10 classes, official train/test subsets on two domains, patient groups
+    of 1-3 images on another."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for dom in ("A", "B", "C", "D"):
+        for i in range(400):
+            label = int(rng.integers(0, 10))
+            group = f"{dom}/p{i // 3}" if dom == "C" else f"{dom}/{i}"
+            subset = ("test" if i % 4 == 0 else "train") if dom in ("A", "B") else ""
+            rows.append({"id": f"{dom}/{i}", "domain": dom, "label": label, "group": group, "subset": subset})
+    return pd.DataFrame(rows)
+
+
+def _dump(s) -> str:
+    return json.dumps(s, sort_keys=True)
+
+
+PROTOCOLS = [
+    DomainClientsSplit(n_train=60, n_test=40),
+    DomainMultiClientsSplit(protocol="domain_multi_clients", clients_per_domain={"A": 3, "B": 2, "C": 2, "D": 3}, fraction=0.2),
+    LabelSkewSplit(protocol="label_skew", clients=8, scheme="dirichlet", beta=0.3),
+    LabelSkewSplit(protocol="label_skew", clients=8, scheme="pathological", classes_per_client=3),
+    LabelSkewSplit(protocol="label_skew", clients=8, scheme="weak_pathological", s=20, samples_per_client=120, classes_per_client=1),
+    DomainIncrementalSplit(protocol="domain_incremental", clients=5, alpha=0.5, domain_order=("D", "B", "A", "C")),
+    HoldoutDomainSplit(protocol="holdout_domain", holdout="C", n_train=60, n_test=40),
+]
+
+
+@pytest.mark.parametrize("params", PROTOCOLS, ids=lambda p: f"{p.protocol}-{getattr(p, 'scheme', '')}")
+def test_pure_function_of_params_and_seed_and_group_disjoint(records, params):
+    a, b, c = make_split(records, params, 1), make_split(records, params, 1), make_split(records, params, 2)
+    assert _dump(a) == _dump(b) and _dump(a) != _dump(c)
+    check_patient_disjoint(records, a)
+    for name, train, test in iter_sides(a):
+        assert len(set(train)) == len(train) and not set(train) & set(test), name
+
+
+def test_domain_clients_uses_official_test_subset_when_present(records):
+    s = make_split(records, DomainClientsSplit(n_train=60, n_test=40), 0)
+    by = {c["name"]: c for c in s["clients"]}
+    assert set(records.loc[by["A"]["test"], "subset"]) == {"test"} and set(records.loc[by["A"]["train"], "subset"]) == {"train"}
+    pooled = make_split(records, DomainClientsSplit(n_train=60, n_test=40, test_from="pooled"), 0)
+    assert set(records.loc[pooled["clients"][0]["test"], "subset"]) == {"train", "test"}
+    with pytest.raises(SplitError, match="domain 'C' has no official test subset"):
+        make_split(records, DomainClientsSplit(n_train=6, test_from="official"), 0)
+
+
+def test_domain_multi_clients_sizes_disjoint_and_shared_test(records):
+    p = PROTOCOLS[1]
+    s = make_split(records, p, 0)
+    assert [c["name"] for c in s["clients"]] == ["A-0", "A-1", "A-2", "B-0", "B-1", "C-0", "C-1", "D-0", "D-1", "D-2"]
+    for dom in p.clients_per_domain:
+        cs = [c for c in s["clients"] if c["domain"] == dom]
+        trains = [set(c["train"]) for c in cs]
+        assert all(not (x & y) for i, x in enumerate(trains) for y in trains[i + 1 :]), "clients of a domain are disjoint"
+        pool = 300 if dom in ("A", "B") else 320  # A/B: official train pool; others: 80 % kept for training
+        assert all(abs(len(t) - int(0.2 * pool)) <= 2 for t in trains)
+        assert all(c["test"] == cs[0]["test"] for c in cs) and set(records.loc[cs[0]["train"], "domain"]) == {dom}
+    with pytest.raises(SplitError, match="6 clients x fraction 0.2 > 1"):
+        make_split(records, DomainMultiClientsSplit(protocol="domain_multi_clients", clients_per_domain={"A": 6}, fraction=0.2), 0)
+
+
+def _client_label_counts(records, split) -> np.ndarray:
+    return np.stack([np.bincount(records.loc[c["train"] + c["test"], "label"], minlength=10) for c in split["clients"]])
+
+
+def test_dirichlet_concentration_behaves_as_beta_says(records):
+    """Smaller beta -> more concentrated clients: lower mean label entropy, on average over seeds."""
+    def mean_entropy(beta):
+        out = []
+        for seed in range(4):
+            counts = _client_label_counts(records, make_split(records, LabelSkewSplit(protocol="label_skew", clients=8, scheme="dirichlet", beta=beta), seed))
+            p = counts / counts.sum(1, keepdims=True)
+            out.append(-(p * np.log(np.where(p > 0, p, 1.0))).sum(1).mean())
+        return float(np.mean(out))
+
+    h01, h1, h100 = mean_entropy(0.1), mean_entropy(1.0), mean_entropy(100.0)
+    assert h01 < h1 < h100 and h100 > 0.95 * np.log(10)
+
+
+def test_dirichlet_covers_every_image_once(records):
+    s = make_split(records, PROTOCOLS[2], 0)
+    rows = [i for c in s["clients"] for i in c["train"] + c["test"]]
+    assert sorted(rows) == list(range(len(records)))
+    assert min(len(c["train"]) + len(c["test"]) for c in s["clients"]) >= 10
+
+
+def test_pathological_gives_exactly_k_classes_and_covers_all(records):
+    s = make_split(records, PROTOCOLS[3], 0)
+    counts = _client_label_counts(records, s)
+    assert ((counts > 0).sum(1) == 3).all()
+    assert (counts.sum(0) > 0).all(), "every class is held by some client"
+    for c in s["clients"]:  # train and test hold the same classes
+        assert set(records.loc[c["train"], "label"]) == set(records.loc[c["test"], "label"])
+
+
+def test_weak_pathological_has_s_percent_uniform_and_a_dominant_class(records):
+    s = make_split(records, PROTOCOLS[4], 0)
+    counts = _client_label_counts(records, s)
+    assert (counts.sum(1) == 120).all()
+    uniform = round(120 * 0.20 / 10)
+    for row in counts:
+        assert (row >= uniform).all() and row.max() == uniform + (120 - 10 * uniform)
+
+
+def test_domain_incremental_task_order_and_per_domain_skew(records):
+    s = make_split(records, PROTOCOLS[5], 0)
+    assert s["task_order"] == ["D", "B", "A", "C"]
+    for c in s["clients"]:
+        assert [t["domain"] for t in c["tasks"]] == ["D", "B", "A", "C"] and [t["task"] for t in c["tasks"]] == [0, 1, 2, 3]
+        for t in c["tasks"]:
+            assert set(records.loc[t["train"] + t["test"], "domain"]) <= {t["domain"]}
+    for t in range(4):  # a domain's training pool is partitioned among the clients
+        trains = [set(c["tasks"][t]["train"]) for c in s["clients"]]
+        assert sum(len(x) for x in trains) == len(set().union(*trains))
+    with pytest.raises(Exception, match="has no images"):
+        make_split(records, DomainIncrementalSplit(protocol="domain_incremental", clients=3, domain_order=("A", "Z")), 0)
+
+
+def test_holdout_domain_keeps_the_domain_out_of_the_federation(records):
+    s = make_split(records, PROTOCOLS[6], 0)
+    assert [c["name"] for c in s["clients"]] == ["A", "B", "D"]
+    h = s["holdout"]
+    assert h["domain"] == "C" and h["role"] == "newcomer" and len(h["client"]["train"]) == 60
+    assert set(records.loc[h["client"]["train"] + h["client"]["test"], "domain"]) == {"C"}
+    whole = make_split(records, HoldoutDomainSplit(protocol="holdout_domain", holdout="C", role="external_test", n_train=60), 0)
+    assert whole["holdout"]["client"]["train"] == [] and len(whole["holdout"]["client"]["test"]) == 400
+    ext = make_split(records, HoldoutDomainSplit(protocol="holdout_domain", holdout="C", role="external_test", n_train=60, n_test=40), 0)
+    assert len(ext["holdout"]["client"]["test"]) == 40
+    # the federation's clients are identical whether the held-out domain is a newcomer or an external test set
+    assert ext["clients"] == s["clients"]
