@@ -149,6 +149,8 @@ def run_training(
         "method": method,
         "seed": seed,
         "clients": [c.name for c in clients],
+        # the backbone the method was built from: the paper's "full network" for Param / Ratio (Table 3)
+        "model_param_bytes": int(sum(p.numel() * p.element_size() for p in model.parameters())),
         "params_hash": params_hash,
         "config_hash": config_hash,
         "mlflow_run_id": run_id,

@@ -5,7 +5,11 @@
   over seeds; the best mean of each column is bold. Binary tasks get the same table for AUC.
 - ``<experiment>_curves.png``: mean accuracy per round, one line per method (mean over seeds);
 - ``<experiment>_<method>_domains.png``: per-domain accuracy per round for each method;
-- ``<experiment>_bytes.png``: bytes sent per round (up + down) per method.
+- ``<experiment>_bytes.png``: bytes sent per round (up + down) per method;
+- ``<experiment>_communication.{md,csv}`` and ``<experiment>_communication.png`` (pFedDB Fig. 4, Table 3's Param and
+  Ratio): per method the MiB uploaded per client per federated round, measured from the engine's payloads (rounds
+  with no upload, such as pFedDB's Phase 1 or Single, are not averaged in), the ratio to the backbone's parameter
+  bytes, and the saving against FedAvg's upload.
 """
 
 from __future__ import annotations
@@ -34,8 +38,11 @@ def collect(root: Path, experiment: str, methods: list[str], seeds: list[int]) -
             met = read_json(d / "metrics.json")
             histories[(m, s)] = json.loads((d / "history.json").read_text())
             for dom, v in met["per_client"].items():
-                rows.append({"method": m, "seed": s, "domain": dom, "acc": v["acc"], "auc": v.get("auc", np.nan),
-                             "bytes_per_round": float(np.mean(np.add(met["bytes_up_per_round"], met["bytes_down_per_round"])))})
+                up = [b for b in met["bytes_up_per_round"] if b > 0]
+            rows.append({"method": m, "seed": s, "domain": dom, "acc": v["acc"], "auc": v.get("auc", np.nan),
+                         "bytes_per_round": float(np.mean(np.add(met["bytes_up_per_round"], met["bytes_down_per_round"]))),
+                         "up_per_client_round": float(np.mean(up)) / len(met["per_client"]) if up else 0.0,
+                         "model_param_bytes": float(met.get("model_param_bytes", np.nan))})
     return pd.DataFrame(rows), histories
 
 
@@ -82,6 +89,48 @@ def to_latex(tab: pd.DataFrame, caption: str) -> str:
         lines.append(f"{m} & " + " & ".join(row) + " \\\\")
     lines += ["\\bottomrule", "\\end{tabular}", "\\end{table}"]
     return "\n".join(lines) + "\n"
+
+
+def communication_table(df: pd.DataFrame, methods: list[str]) -> pd.DataFrame:
+    """MiB uploaded per client per federated round, its ratio to the backbone, and the saving against FedAvg."""
+    g = df.groupby("method")[["up_per_client_round", "model_param_bytes"]].mean().reindex(methods)
+    out = pd.DataFrame(index=g.index)
+    out["upload_MiB"] = g["up_per_client_round"] / 2**20
+    out["backbone_MiB"] = g["model_param_bytes"] / 2**20
+    out["ratio"] = g["up_per_client_round"] / g["model_param_bytes"]
+    if "fedavg" in out.index and out.loc["fedavg", "upload_MiB"] > 0:
+        out["saving_vs_fedavg"] = 1.0 - out["upload_MiB"] / out.loc["fedavg", "upload_MiB"]
+    return out
+
+
+def communication_markdown(tab: pd.DataFrame, title: str) -> str:
+    has_saving = "saving_vs_fedavg" in tab.columns
+    head = "| method | uploaded MiB per client per federated round | backbone MiB | ratio |" + (" saving vs FedAvg |" if has_saving else "")
+    lines = [f"### {title}", "", head, "|---|---|---|---|" + ("---|" if has_saving else "")]
+    for m, r in tab.iterrows():
+        cells = [f"{r['upload_MiB']:.3f}", f"{r['backbone_MiB']:.3f}", f"{r['ratio']:.2f}"]
+        if has_saving:
+            cells.append(f"{r['saving_vs_fedavg'] * 100:.1f} %")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _bar_figure(path: Path, labels: list[str], values: list[float], ylabel: str, title: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bars = ax.bar(labels, values, color="tab:blue")
+    ax.bar_label(bars, fmt="%.3g", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path.name
 
 
 def _line_figure(path: Path, series: list[tuple[str, list[float], list[float]]], ylabel: str, title: str) -> str:
@@ -148,6 +197,11 @@ def build_report(root: Path, experiment: str, methods: list[str], seeds: list[in
             md += "\n### Communication\n\n| method | MiB per round (up + down) |\n|---|---|\n" + "".join(
                 f"| {m} | {v:.2f} |\n" for m, v in bytes_tab.items()
             )
+            comm = communication_table(df, methods)
+            comm_md = communication_markdown(comm, f"{exp}: upload per federated round (measured payloads)")
+            md += "\n" + comm_md
+            (tmp / f"{exp}_communication.md").write_text(comm_md)
+            comm.to_csv(tmp / f"{exp}_communication.csv", float_format="%.10g")
             (tmp / f"{exp}_accuracy.md").write_text(md)
             flat = acc.copy()
             flat.columns = [f"{col}_{stat}" for stat, col in flat.columns]
@@ -155,7 +209,9 @@ def build_report(root: Path, experiment: str, methods: list[str], seeds: list[in
             flat.to_csv(tmp / f"{exp}_accuracy.csv", float_format="%.4f")
             (tmp / f"{exp}_accuracy.tex").write_text(to_latex(acc, f"{exp}: test accuracy (\\%), mean $\\pm$ std over seeds"))
             figs = _plots(tmp, exp, methods, seeds, histories)
+            figs.append(_bar_figure(tmp / f"{exp}_communication.png", methods, comm["upload_MiB"].fillna(0).tolist(),
+                                    "MiB uploaded per client per federated round", f"{exp}: communication"))
             index += [md, ""] + [f"![{f}]({f})" for f in figs] + [""]
-            made[exp] = {"table": acc["mean"]["Avg"].to_dict(), "figures": figs}
+            made[exp] = {"table": acc["mean"]["Avg"].to_dict(), "figures": figs, "communication": comm.to_dict(orient="index")}
         (tmp / "README.md").write_text("\n".join(index) + "\n")
     return made
