@@ -21,9 +21,9 @@ def test_communication_table_matches_the_tensors_each_method_uploads(mirror_root
     raw["methods"]["pfeddb"] = {"local_rounds": 2, "cut_depth": 2}
     raw["pipeline"]["methods"] = ["single", "fedavg", "pfeddb"]
     p = parse_params(raw)
-    from fedsilo.cli import main
-
     import yaml
+
+    from fedsilo.cli import main
 
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
     assert main(["--root", str(root), "--params", str(tmp_path / "p.yaml"), "split", "--experiment", "quick"]) == 0
@@ -48,3 +48,5 @@ def test_communication_table_matches_the_tensors_each_method_uploads(mirror_root
     assert "| pfeddb |" in md and "saving vs FedAvg" in md
     assert (root / "results" / "report" / "quick" / "quick_communication.png").stat().st_size > 1000
     assert "communication" in made["quick"]
+    acc = (root / "results" / "report" / "quick" / "quick_accuracy.md").read_text()
+    assert "| method | CheXpert | OpenI | RSNA | VinBigData | Avg |" in acc

@@ -37,12 +37,12 @@ def collect(root: Path, experiment: str, methods: list[str], seeds: list[int]) -
                 raise ReportError(f"{d / 'metrics.json'}: missing (run `dvc repro train@{experiment}-{m}-{s}`)")
             met = read_json(d / "metrics.json")
             histories[(m, s)] = json.loads((d / "history.json").read_text())
+            up = [b for b in met["bytes_up_per_round"] if b > 0]
             for dom, v in met["per_client"].items():
-                up = [b for b in met["bytes_up_per_round"] if b > 0]
-            rows.append({"method": m, "seed": s, "domain": dom, "acc": v["acc"], "auc": v.get("auc", np.nan),
-                         "bytes_per_round": float(np.mean(np.add(met["bytes_up_per_round"], met["bytes_down_per_round"]))),
-                         "up_per_client_round": float(np.mean(up)) / len(met["per_client"]) if up else 0.0,
-                         "model_param_bytes": float(met.get("model_param_bytes", np.nan))})
+                rows.append({"method": m, "seed": s, "domain": dom, "acc": v["acc"], "auc": v.get("auc", np.nan),
+                             "bytes_per_round": float(np.mean(np.add(met["bytes_up_per_round"], met["bytes_down_per_round"]))),
+                             "up_per_client_round": float(np.mean(up)) / len(met["per_client"]) if up else 0.0,
+                             "model_param_bytes": float(met.get("model_param_bytes", np.nan))})
     return pd.DataFrame(rows), histories
 
 
