@@ -36,10 +36,10 @@ Choices where the paper is open:
 from __future__ import annotations
 
 import copy
-from typing import Literal, Optional
+from typing import Literal, Union
 
 import torch
-from pydantic import Field
+from pydantic import Field, PositiveInt
 from torch import nn
 
 from fedsilo.fl.local import make_generator, train_local
@@ -48,7 +48,11 @@ from fedsilo.models import LayeredNet
 
 
 class PFedDBParams(MethodParams):
-    cut_depth: Optional[int] = Field(None, ge=1, description="l_c in weighted layers; null = closest to 70 % shared")
+    cut_depth: Union[None, PositiveInt, dict[str, PositiveInt]] = Field(
+        None,
+        description="l_c in weighted layers; a mapping backbone -> l_c (one methods block serving several backbones, "
+        "e.g. {densenet121: 88, alexnet_bn: 6}); null (or a backbone missing from the mapping) = closest to 70 % shared",
+    )
     local_rounds: int = Field(150, ge=0, description="E0: Phase-1 rounds of local training")
     two_phase: bool = True
     fusion: Literal["add", "concat", "attention", "weighted"] = "add"
@@ -122,7 +126,9 @@ class PFedDB(PartialSharing):
     def transform_model(self, model: nn.Module, example: torch.Tensor) -> nn.Module:
         if not isinstance(model, LayeredNet):
             raise TypeError("pfeddb needs a LayeredNet backbone")
-        depth = self.params.cut_depth or closest_to_70(model)
+        cd = self.params.cut_depth
+        depth = cd.get(self.train.model) if isinstance(cd, dict) else cd
+        depth = depth or closest_to_70(model)
         if depth > model.num_layers:
             raise ValueError(f"methods.pfeddb.cut_depth: {depth} exceeds the backbone's {model.num_layers} layers")
         self.cut_depth = depth
