@@ -43,3 +43,21 @@ def test_cli_check_params_reports_key_and_exits_2(tmp_path, capsys):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
     assert main(["--params", str(tmp_path / "params.yaml"), "check-params"]) == 2
     assert "experiments.quick.train.batch_size" in capsys.readouterr().err
+
+
+def test_named_method_variants_resolve_to_their_registered_method(tmp_path):
+    from fedsilo.config import ConfigError, method_base, method_params, parse_params
+    from tests.conftest import small_params
+
+    raw = small_params()
+    raw["methods"]["fedavg_two_phase"] = {"method": "fedavg", "local_rounds": 2}
+    p = parse_params(raw)
+    assert method_base("fedavg_two_phase", p.methods["fedavg_two_phase"]) == "fedavg"
+    assert method_params(p, "fedavg_two_phase").local_rounds == 2
+    raw["methods"]["fedavg_two_phase"]["mu"] = 0.1
+    with pytest.raises(ConfigError, match=r"methods\.fedavg_two_phase\.mu: unknown key"):
+        parse_params(raw)
+    del raw["methods"]["fedavg_two_phase"]["mu"]
+    raw["methods"]["oops"] = {"method": "fedawg"}
+    with pytest.raises(ConfigError, match=r"methods\.oops: unknown method 'fedawg'"):
+        parse_params(raw)

@@ -145,3 +145,32 @@ def test_compiled_model_gives_the_same_numbers_and_keys(clients):
         assert all(not k.startswith("_orig_mod") for k in e.server)
     for c in evals[0]:
         assert abs(evals[0][c]["loss"] - evals[1][c]["loss"]) < 1e-4
+
+
+def test_fedavg_two_phase_is_single_then_fedavg_from_the_weighted_mean(clients):
+    """pFedDB Fig. 5's "FedAvg under the two-phase protocol": rounds 1..E0 are exactly Single (same numbers, nothing
+    sent); round E0 uploads every client's model and the server becomes their sample-size-weighted mean."""
+    cl, cin, nc = clients
+    tp = TrainParams(rounds=4, batch_size=16, lr=0.02, device="cpu")
+    ups: dict[str, dict] = {}
+
+    def observer(rnd, name, direction, payload):
+        if rnd == 2 and direction == "up":
+            ups[name] = payload
+
+    two = Engine(FedAvg(FedAvg.params_cls(local_rounds=2), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0, observer=observer)
+    h2 = two.run()
+    single = _engine("single", clients, rounds=4).run()
+    assert [h["eval"] for h in h2[:1]] == [h["eval"] for h in single[:1]]
+    assert h2[0]["bytes_up_total"] == h2[0]["bytes_down_total"] == 0
+    assert h2[1]["bytes_up_total"] > 0 and h2[1]["bytes_down_total"] == 0 and len(h2[1]["sampled"]) == len(cl)
+    assert h2[2]["bytes_down_total"] > 0 and "global" in h2[3]
+    # after round 2 the server held the size-weighted mean of the uploaded local models; round 3 started from it
+    n = {c.name: c.n_train for c in cl}
+    key = next(k for k in ups[cl[0].name] if k.endswith("weight"))
+    mean = sum(ups[c][key].float() * n[c] for c in ups) / sum(n.values())
+    assert not torch.equal(ups[cl[0].name][key], ups[cl[1].name][key])  # the clients trained apart in Phase 1
+    two_b = Engine(FedAvg(FedAvg.params_cls(local_rounds=2), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0)
+    two_b.step()
+    two_b.step()
+    assert torch.allclose(two_b.server[key].float(), mean, atol=1e-6)

@@ -11,7 +11,7 @@ from fedsilo.fl.run import run_training
 from fedsilo.models import build_model
 from fedsilo.report import build_report
 from fedsilo.utils.io import read_json
-from tests.conftest import small_params
+from tests.conftest import REPO, small_params
 
 
 def test_communication_table_matches_the_tensors_each_method_uploads(mirror_root, tmp_path):
@@ -19,7 +19,9 @@ def test_communication_table_matches_the_tensors_each_method_uploads(mirror_root
     shutil.copytree(mirror_root / "data", root / "data")
     raw = small_params(rounds=4)
     raw["methods"]["pfeddb"] = {"local_rounds": 2, "cut_depth": 2}
-    raw["pipeline"]["methods"] = ["single", "fedavg", "pfeddb"]
+    raw["methods"]["fedavg_two_phase"] = {"method": "fedavg", "local_rounds": 2}
+    raw["pipeline"]["methods"] = ["single", "fedavg", "fedavg_two_phase", "pfeddb"]
+    raw["experiments"]["quick"]["published"] = "pipelines/pfeddb/published.yaml#chest_xray4"
     p = parse_params(raw)
     import yaml
 
@@ -27,9 +29,12 @@ def test_communication_table_matches_the_tensors_each_method_uploads(mirror_root
 
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
     assert main(["--root", str(root), "--params", str(tmp_path / "p.yaml"), "split", "--experiment", "quick"]) == 0
-    for m in ("single", "fedavg", "pfeddb"):
+    for m in ("single", "fedavg", "fedavg_two_phase", "pfeddb"):
         run_training(p, "quick", m, 0, root)
-    made = build_report(root, "quick", ["single", "fedavg", "pfeddb"], [0], root / "results" / "report" / "quick")
+    shutil.copytree(REPO / "pipelines", root / "pipelines")
+    assert main(["--root", str(root), "--params", str(tmp_path / "p.yaml"), "report", "--experiment", "quick"]) == 0
+    made = build_report(root, "quick", list(raw["pipeline"]["methods"]), [0], root / "results" / "report" / "quick",
+                        published=raw["experiments"]["quick"]["published"], method_entries=raw["methods"])
     comm = pd.read_csv(root / "results" / "report" / "quick" / "quick_communication.csv", index_col=0)
     model = build_model("simple_cnn", 1, 2, seed=0)
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -50,3 +55,13 @@ def test_communication_table_matches_the_tensors_each_method_uploads(mirror_root
     assert "communication" in made["quick"]
     acc = (root / "results" / "report" / "quick" / "quick_accuracy.md").read_text()
     assert "| method | CheXpert | OpenI | RSNA | VinBigData | Avg |" in acc
+    # ours beside the paper's Table 1 (methods both have), with the difference
+    vs = pd.read_csv(root / "results" / "report" / "quick" / "quick_vs_paper.csv", index_col=0)
+    assert list(vs.index) == ["single", "fedavg", "pfeddb"]
+    ours = pd.read_csv(root / "results" / "report" / "quick" / "quick_accuracy.csv", index_col=0)
+    assert abs(vs.loc["pfeddb", "OpenI_paper"] - 73.3) < 1e-9 and abs(vs.loc["single", "Avg_paper"] - 80.7) < 1e-9
+    assert abs(vs.loc["fedavg", "RSNA_ours"] - ours.loc["fedavg", "RSNA_mean"]) < 1e-3
+    assert abs(vs.loc["fedavg", "RSNA_diff"] - (vs.loc["fedavg", "RSNA_ours"] - 84.1)) < 1e-3
+    assert "ours / paper" in (root / "results" / "report" / "quick" / "quick_vs_paper.md").read_text()
+    for fig in ("quick_fig3_scatter.png", "quick_fig5_two_phase.png"):
+        assert (root / "results" / "report" / "quick" / fig).stat().st_size > 1000

@@ -85,8 +85,11 @@ def _report(args: argparse.Namespace) -> None:
     for exp in exps:
         if exp not in p.experiments:
             raise ConfigError(f"experiments.{exp}: not defined in {args.params}")
-        made.update(build_report(Path(args.root), exp, list(p.pipeline.methods), list(p.pipeline.seeds), Path(args.root) / "results" / "report" / exp))
+        made.update(build_report(Path(args.root), exp, list(p.pipeline.methods), list(p.pipeline.seeds), Path(args.root) / "results" / "report" / exp,
+                                 published=p.experiments[exp].published, method_entries=p.methods))
     for exp, info in made.items():
+        if "table" not in info:
+            continue
         print(f"report {exp}: Avg accuracy " + ", ".join(f"{m} {v:.1f}" for m, v in info["table"].items()))
 
 

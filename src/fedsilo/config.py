@@ -267,6 +267,9 @@ class TrainParams(Strict):
 class ExperimentParams(Strict):
     dataset: str
     split: SplitParams
+    published: Optional[str] = Field(
+        None, description="'<file>#<table>' of a paper's published accuracies (e.g. pipelines/pfeddb/published.yaml#chest_xray4) the report sets ours beside"
+    )
 
     @field_validator("split", mode="before")
     @classmethod
@@ -378,11 +381,11 @@ def parse_params(raw: dict[str, Any], source: str = "params.yaml") -> Params:
 
     for name, mp in params.methods.items():
         try:
-            cls = method_params_class(name)
+            cls = method_params_class(method_base(name, mp))
         except KeyError as err:
             raise ConfigError(f"{source}: methods.{name}: {err.args[0]}") from None
         try:
-            cls.model_validate(mp or {})
+            cls.model_validate(_without_base(mp))
         except ValidationError as err:
             raise ConfigError(f"{source}: {_format_validation_error(err, f'methods.{name}.')}") from None
     return params
@@ -399,9 +402,20 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     return parse_params(raw, str(path))
 
 
+def method_base(name: str, entry: dict[str, Any] | None) -> str:
+    """The registered method behind a ``methods.<name>`` entry: ``name`` itself, or the entry's ``method`` key for a
+    named variant (``fedavg_two_phase: {method: fedavg, local_rounds: 150}``)."""
+    return str((entry or {}).get("method", name))
+
+
+def _without_base(entry: dict[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in (entry or {}).items() if k != "method"}
+
+
 def method_params(params: Params, name: str) -> BaseModel:
     from fedsilo.methods import method_params_class
 
     if name not in params.methods:
         raise ConfigError(f"methods.{name}: not defined in params.yaml")
-    return method_params_class(name).model_validate(params.methods[name] or {})
+    entry = params.methods[name]
+    return method_params_class(method_base(name, entry)).model_validate(_without_base(entry))

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from fedsilo.config import ConfigError, Params, method_params
+from fedsilo.config import ConfigError, Params, method_base, method_params
 from fedsilo.fl.data import load_clients
 from fedsilo.fl.engine import Engine, Observer
 from fedsilo.methods import method_class
@@ -96,7 +96,7 @@ def run_training(
         "dataset": exp.dataset,
         "split": exp.split.model_dump(mode="json"),
         "train": exp.train.model_dump(mode="json"),
-        "method": {"name": method, **mparams.model_dump(mode="json")},
+        "method": {"name": method, "base": method_base(method, params.methods[method]), **mparams.model_dump(mode="json")},
         "seed": seed,
     }
     data_hashes = {"harmonized_sha256": card["sha256"], "split_sha256": file_sha256(split_path)}
@@ -106,7 +106,7 @@ def run_training(
     out_dir, ckpt = run_paths(root, experiment, method, seed)
     torch.manual_seed(seed)
     model = build_model(exp.train.model, in_ch, num_classes, seed=seed).to(device)
-    cls = method_class(method)
+    cls = method_class(method_base(method, params.methods[method]))
     algo = cls(mparams, exp.train)
 
     tracker = Tracker(params.tracking.enabled, params.tracking.uri)

@@ -6,6 +6,7 @@ from typing import Optional
 
 from pydantic import Field
 
+from fedsilo.fl.local import make_generator, train_local
 from fedsilo.methods.base import MethodParams, PartialSharing, proximal_term
 from fedsilo.models import LayeredNet, batchnorm_keys
 
@@ -20,14 +21,68 @@ class Single(PartialSharing):
         return []
 
 
+class FedAvgParams(MethodParams):
+    local_rounds: int = Field(
+        0, ge=0, description="Phase-1 rounds of purely local training before federating (0 = plain FedAvg)"
+    )
+
+
 class FedAvg(PartialSharing):
     """McMahan et al. 2017: clients download the global model, run E local epochs of SGD, upload the whole
-    state_dict (parameters and BatchNorm statistics); the server takes the sample-size-weighted mean."""
+    state_dict (parameters and BatchNorm statistics); the server takes the sample-size-weighted mean.
+
+    ``local_rounds: E0 > 0`` is "FedAvg under the two-phase protocol" of pFedDB's Fig. 5: for rounds 1..E0 every
+    client trains its own copy locally and nothing is sent; at round E0 every client uploads its model and the
+    server's sample-size-weighted mean starts ordinary FedAvg from round E0 + 1 (the same start pFedDB's Eq. 6 gives
+    its shared branch). Evaluation uses each client's own model in Phase 1 and the global model after."""
 
     name = "fedavg"
+    params_cls = FedAvgParams
 
     def shared_keys(self, model: LayeredNet) -> list[str]:
         return list(model.state_dict().keys())
+
+    def setup(self, model: LayeredNet) -> None:
+        super().setup(model)
+        self.e0 = getattr(self.params, "local_rounds", 0)
+        if self.e0 >= self.train.rounds:
+            raise ValueError(f"methods.{self.name}.local_rounds ({self.e0}) must be below train.rounds ({self.train.rounds})")
+        self.rnd = 0
+
+    def on_round_start(self, model, rnd: int) -> None:
+        self.rnd = rnd
+
+    def sample_all(self, rnd: int) -> bool:
+        return 0 < self.e0 == rnd
+
+    def download(self, server, client, rnd):
+        return {} if rnd <= self.e0 else dict(server)
+
+    def local_update(self, model, store, payload, client, rnd, seed):
+        if rnd > self.e0:
+            return super().local_update(model, store, payload, client, rnd, seed)
+        # Phase 1: the client's own model lives in its store (it starts from the shared initialisation)
+        model.load_state_dict(store if store else self._init, strict=True)
+        self.last_loss = train_local(model, client, self.train, make_generator(seed, rnd, client.index))
+        sd = model.state_dict()
+        if rnd < self.e0:
+            store.update({k: sd[k].detach().clone() for k in sd})
+            return {}
+        store.clear()  # federation starts: from now on the client keeps nothing of its own
+        return {k: sd[k].detach() for k in self.shared}
+
+    def init_server(self, model: LayeredNet):
+        self._init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return super().init_server(model)
+
+    def eval_state(self, server, store, client):
+        return dict(store) if store else {**store, **server}
+
+    def global_state(self, server):
+        return None if self.rnd < self.e0 else super().global_state(server)
+
+    def eval_is_global(self) -> bool:
+        return self.rnd >= self.e0 and super().eval_is_global()
 
 
 class FedProxParams(MethodParams):

@@ -182,7 +182,91 @@ def _plots(out: Path, experiment: str, methods: list[str], seeds: list[int], his
     return made
 
 
-def build_report(root: Path, experiment: str, methods: list[str], seeds: list[int], out_dir: Path) -> dict[str, Any]:
+CXR4_PAIRS = (("CheXpert", "RSNA"), ("OpenI", "VinBigData"))
+
+
+def load_published(root: Path, ref: str) -> dict[str, Any]:
+    """``<file>#<table>`` -> the table (domains, methods: {name: {mean, std}}) from a published-numbers YAML."""
+    import yaml
+
+    path, _, key = ref.partition("#")
+    f = Path(root) / path
+    if not f.exists():
+        raise ReportError(f"published: {f} not found")
+    tables = yaml.safe_load(f.read_text()).get("accuracy", {})
+    if key not in tables:
+        raise ReportError(f"published: {path} has no accuracy table {key!r} (has: {', '.join(tables)})")
+    return tables[key]
+
+
+def versus_paper(acc: pd.DataFrame, published: dict[str, Any]) -> pd.DataFrame:
+    """Ours beside the paper's, per method and domain (+ Avg): columns (<domain>, ours|paper|diff)."""
+    ours = acc["mean"]
+    domains = list(published["domains"]) + ["Avg"]
+    missing = [d for d in published["domains"] if d not in ours.columns]
+    if missing:
+        raise ReportError(f"published table domains {missing} are not domains of this experiment ({list(ours.columns)})")
+    cols = {}
+    rows = [m for m in ours.index if m in published["methods"]]
+    for i, d in enumerate(domains):
+        paper = pd.Series({m: published["methods"][m]["mean"][i] for m in rows})
+        cols[(d, "ours")] = ours.loc[rows, d]
+        cols[(d, "paper")] = paper
+        cols[(d, "diff")] = ours.loc[rows, d] - paper
+    return pd.DataFrame(cols)
+
+
+def versus_markdown(tab: pd.DataFrame, title: str) -> str:
+    domains = list(dict.fromkeys(c[0] for c in tab.columns))
+    lines = [f"### {title}", "", "Each cell: ours / paper (ours - paper), accuracy %.", "",
+             "| method | " + " | ".join(domains) + " |", "|---" * (len(domains) + 1) + "|"]
+    for m, r in tab.iterrows():
+        lines.append(f"| {m} | " + " | ".join(f"{r[(d, 'ours')]:.1f} / {r[(d, 'paper')]:.1f} ({r[(d, 'diff')]:+.1f})" for d in domains) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fig3(path: Path, acc: pd.DataFrame, published: dict[str, Any] | None, title: str) -> str:
+    """pFedDB Fig. 3: mean accuracy on CheXpert+RSNA (x) against OpenI+VinBigData (y), a point per method, dashed
+    lines at Single's values; the paper's points hollow when its table is given."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (a1, a2), (b1, b2) = CXR4_PAIRS
+    mean = acc["mean"]
+    fig, ax = plt.subplots(figsize=(5.5, 4.5))
+    for i, m in enumerate(mean.index):
+        x, y = (mean.loc[m, a1] + mean.loc[m, a2]) / 2, (mean.loc[m, b1] + mean.loc[m, b2]) / 2
+        ax.scatter([x], [y], color=f"C{i % 10}", label=m)
+        ax.annotate(m, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        if published and m in published["methods"]:
+            p = dict(zip(published["domains"], published["methods"][m]["mean"]))
+            ax.scatter([(p[a1] + p[a2]) / 2], [(p[b1] + p[b2]) / 2], facecolors="none", edgecolors=f"C{i % 10}")
+    if "single" in mean.index:
+        ax.axvline((mean.loc["single", a1] + mean.loc["single", a2]) / 2, ls="--", color="grey", lw=1)
+        ax.axhline((mean.loc["single", b1] + mean.loc["single", b2]) / 2, ls="--", color="grey", lw=1)
+    ax.set_xlabel(f"mean accuracy on {a1} + {a2} (%)")
+    ax.set_ylabel(f"mean accuracy on {b1} + {b2} (%)")
+    ax.set_title(title + ("  (hollow: paper)" if published else ""))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path.name
+
+
+def build_report(
+    root: Path,
+    experiment: str,
+    methods: list[str],
+    seeds: list[int],
+    out_dir: Path,
+    published: str | None = None,
+    method_entries: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Tables and figures for one experiment. ``published``: '<file>#<table>' of a paper's numbers to compare with;
+    ``method_entries``: params.yaml's ``methods`` (to find the two-phase FedAvg of Fig. 5)."""
     root = Path(root)
     index = [f"# fedsilo report: {experiment}", ""]
     made: dict[str, Any] = {}
@@ -211,6 +295,27 @@ def build_report(root: Path, experiment: str, methods: list[str], seeds: list[in
             figs = _plots(tmp, exp, methods, seeds, histories)
             figs.append(_bar_figure(tmp / f"{exp}_communication.png", methods, comm["upload_MiB"].fillna(0).tolist(),
                                     "MiB uploaded per client per federated round", f"{exp}: communication"))
+            paper = load_published(root, published) if published else None
+            if paper is not None:
+                vs = versus_paper(acc, paper)
+                vs_md = versus_markdown(vs, f"{exp}: ours vs {published}")
+                (tmp / f"{exp}_vs_paper.md").write_text(vs_md)
+                vs.columns = [f"{d}_{k}" for d, k in vs.columns]
+                vs.index.name = "method"
+                vs.to_csv(tmp / f"{exp}_vs_paper.csv", float_format="%.4f")
+                md += "\n" + vs_md
+                made[exp + ":vs_paper"] = vs.to_dict(orient="index")
+            if all(d in acc["mean"].columns for pair in CXR4_PAIRS for d in pair):
+                figs.append(_fig3(tmp / f"{exp}_fig3_scatter.png", acc, paper, exp))
+            two_phase = [m for m in methods if (method_entries or {}).get(m) and (method_entries[m] or {}).get("method", m) == "fedavg"
+                         and (method_entries[m] or {}).get("local_rounds", 0) > 0]
+            if two_phase and "single" in methods and "pfeddb" in methods:
+                def mean_curve(m: str, histories: dict = histories) -> tuple[list[int], list[float]]:
+                    ev = [[e for e in histories[(m, s)] if "eval" in e] for s in seeds]
+                    return [e["round"] for e in ev[0]], list(np.mean([[e["mean_acc"] * 100 for e in h] for h in ev], axis=0))
+                series = [(m, *mean_curve(m)) for m in ("single", two_phase[0], "pfeddb")]
+                figs.append(_line_figure(tmp / f"{exp}_fig5_two_phase.png", series, "average test accuracy (%)",
+                                         f"{exp}: Single, FedAvg (two-phase), pFedDB"))
             index += [md, ""] + [f"![{f}]({f})" for f in figs] + [""]
             made[exp] = {"table": acc["mean"]["Avg"].to_dict(), "figures": figs, "communication": comm.to_dict(orient="index")}
         (tmp / "README.md").write_text("\n".join(index) + "\n")
