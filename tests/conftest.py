@@ -50,7 +50,7 @@ def small_params(patients: int = 90, image_size: int = 32, **train) -> dict:
         "datasets": {"chest_xray4": {"image_size": image_size, "workers": 1}},
         "experiments": {"quick": {"dataset": "chest_xray4", "split": {"protocol": "domain_clients", "n_train": 24, "n_test": 16}, "train": t}},
         "methods": {"single": {}, "fedavg": {}, "fedprox": {"mu": 0.01}, "fedbn": {}},
-        "pipeline": {"sources": ["chexpert", "openi", "rsna", "vinbigdata"], "datasets": ["chest_xray4"], "splits": {"quick": "chest_xray4"}, "experiments": ["quick"], "methods": ["single", "fedavg", "fedprox", "fedbn"], "seeds": [0]},
+        "pipeline": {"sources": ["chexpert", "openi", "rsna", "vinbigdata"], "datasets": ["chest_xray4"], "splits": {"quick": "chest_xray4"}, "experiments": ["quick"], "methods": ["single", "fedavg", "fedprox", "fedbn"], "seeds": [0], "onboarding": []},
         "tracking": {"enabled": False},
     }
 

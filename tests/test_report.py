@@ -65,3 +65,60 @@ def test_communication_table_matches_the_tensors_each_method_uploads(mirror_root
     assert "ours / paper" in (root / "results" / "report" / "quick" / "quick_vs_paper.md").read_text()
     for fig in ("quick_fig3_scatter.png", "quick_fig5_two_phase.png"):
         assert (root / "results" / "report" / "quick" / fig).stat().st_size > 1000
+
+
+def test_onboarding_newcomer_strategies_and_fig6(mirror_root, tmp_path):
+    """pFedDB Fig. 6 on the mirror: OpenI held out, pFedDB trained on the other three, then the newcomer adapts."""
+    import yaml
+
+    from fedsilo.cli import main
+    from fedsilo.fl.onboard import STRATEGIES
+
+    root = tmp_path / "proj"
+    shutil.copytree(mirror_root / "data", root / "data")
+    raw = small_params(rounds=4)
+    raw["experiments"]["quick"]["split"] = {"protocol": "holdout_domain", "holdout": "OpenI", "role": "newcomer", "n_train": 24, "n_test": 16}
+    raw["experiments"]["quick"]["onboarding"] = {"pretrain_rounds": 2, "rounds": 3}
+    raw["methods"]["pfeddb"] = {"local_rounds": 2}
+    raw["pipeline"]["methods"] = ["pfeddb"]
+    raw["pipeline"]["onboarding"] = ["quick"]
+    pfile = tmp_path / "p.yaml"
+    pfile.write_text(yaml.safe_dump(raw))
+    args = ["--root", str(root), "--params", str(pfile)]
+    assert main(args + ["onboard", "--experiment", "quick", "--seed", "0"]) == 2  # no split / no pFedDB model yet
+    assert main(args + ["split", "--experiment", "quick"]) == 0
+    assert main(args + ["train", "--experiment", "quick", "--method", "pfeddb", "--seed", "0"]) == 0
+    met = read_json(root / "results" / "quick" / "pfeddb" / "seed0" / "metrics.json")
+    assert sorted(met["per_client"]) == ["CheXpert", "RSNA", "VinBigData"]  # the newcomer took no part
+    assert main(args + ["onboard", "--experiment", "quick", "--seed", "0"]) == 0
+    out = read_json(root / "results" / "quick" / "onboarding" / "seed0" / "onboarding.json")
+    assert out["newcomer"] == "OpenI" and sorted(out["accuracy_per_round"]) == sorted(STRATEGIES)
+    assert all(len(c) == 3 and all(0 <= a <= 1 for a in c) for c in out["accuracy_per_round"].values())
+    server = __import__("torch").load(root / "results" / "quick" / "pfeddb" / "seed0" / "final_model.pt", weights_only=False)["server"]
+    assert out["bytes_down_phi"] == sum(v.numel() * v.element_size() for v in server.values())
+    assert main(args + ["report", "--experiment", "quick"]) == 0
+    rep = root / "results" / "report" / "quick"
+    assert (rep / "quick_fig6_onboarding.png").stat().st_size > 1000
+    assert "| freeze_global |" in (rep / "quick_onboarding.md").read_text()
+
+
+def test_freeze_global_never_changes_phi(mirror_root, tmp_path, monkeypatch):
+    """The frozen strategy trains psi, fusion and head only: phi's parameters stay exactly the downloaded ones."""
+    import torch
+
+    from fedsilo.fl import onboard
+
+    seen = {}
+    real = onboard.train_local
+
+    def spy(model, client, cfg, gen, params=None, **kw):
+        if getattr(model, "phase", 2) == 2 and params is not None and len(params) < len(list(model.parameters())):
+            seen["before"] = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("shared.") and "running" not in k and "num_batches" not in k}
+            r = real(model, client, cfg, gen, params=params, **kw)
+            seen["after"] = {k: v.clone() for k, v in model.state_dict().items() if k in seen["before"]}
+            return r
+        return real(model, client, cfg, gen, params=params, **kw)
+
+    monkeypatch.setattr(onboard, "train_local", spy)
+    test_onboarding_newcomer_strategies_and_fig6(mirror_root, tmp_path)
+    assert seen and all(torch.equal(seen["before"][k], seen["after"][k]) for k in seen["before"] if k.endswith(("weight", "bias")))

@@ -76,6 +76,16 @@ def _train(args: argparse.Namespace) -> None:
     print(f"{args.experiment} {args.method} seed {args.seed}: mean acc {m['mean_acc']:.3f} ± {m['std_acc']:.3f} ({per})")
 
 
+def _onboard(args: argparse.Namespace) -> None:
+    from fedsilo.fl.onboard import run_onboarding
+
+    p = load_params(args.params)
+    if args.experiment not in p.experiments:
+        raise ConfigError(f"experiments.{args.experiment}: not defined in {args.params}")
+    out = run_onboarding(p, args.experiment, args.seed, Path(args.root))
+    print(f"{args.experiment} onboarding of {out['newcomer']} (seed {args.seed}): " + ", ".join(f"{s} {a:.3f}" for s, a in out["final"].items()))
+
+
 def _report(args: argparse.Namespace) -> None:
     from fedsilo.report import build_report
 
@@ -136,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--method", required=True)
     s.add_argument("--seed", type=int, required=True)
     s.set_defaults(fn=_train)
+    s = sub.add_parser("onboard", help="pFedDB Fig. 6: the held-out newcomer adapts with three strategies")
+    s.add_argument("--experiment", required=True)
+    s.add_argument("--seed", type=int, required=True)
+    s.set_defaults(fn=_onboard)
     s = sub.add_parser("report", help="tables and figures -> results/report/<experiment>/")
     s.add_argument("--experiment", help="one experiment (default: every one in pipeline.experiments)")
     s.set_defaults(fn=_report)

@@ -264,9 +264,17 @@ class TrainParams(Strict):
     )
 
 
+class OnboardingParams(Strict):
+    """pFedDB Fig. 6: a held-out newcomer adapts with freeze_global / finetune_all / from_scratch."""
+
+    pretrain_rounds: int = Field(10, ge=0, description="rounds of the newcomer's pre-existing local (single-branch) model")
+    rounds: int = Field(20, ge=1, description="adaptation rounds per strategy, evaluated after each")
+
+
 class ExperimentParams(Strict):
     dataset: str
     split: SplitParams
+    onboarding: OnboardingParams = OnboardingParams()
     published: Optional[str] = Field(
         None, description="'<file>#<table>' of a paper's published accuracies (e.g. pipelines/pfeddb/published.yaml#chest_xray4) the report sets ours beside"
     )
@@ -288,6 +296,7 @@ class PipelineParams(Strict):
     experiments: tuple[str, ...] = Field(description="experiments trained and reported (each must be in splits)")
     methods: tuple[str, ...]
     seeds: tuple[int, ...]
+    onboarding: tuple[str, ...] = Field((), description="holdout_domain experiments whose newcomer onboarding (pFedDB Fig. 6) dvc.yaml runs")
 
 
 class TrackingParams(Strict):
@@ -329,6 +338,14 @@ class Params(Strict):
         for e in self.pipeline.experiments:
             if e not in self.pipeline.splits:
                 raise ValueError(f"pipeline.experiments: '{e}' is trained but its split is not built (add it to pipeline.splits)")
+        for e in self.pipeline.onboarding:
+            if e not in self.pipeline.experiments:
+                raise ValueError(f"pipeline.onboarding: '{e}' must also be in pipeline.experiments (pFedDB is trained on it first)")
+            if "pfeddb" not in self.pipeline.methods:
+                raise ValueError("pipeline.onboarding: needs pfeddb in pipeline.methods")
+            sp = self.experiments[e].split if e in self.experiments else None
+            if sp is None or sp.protocol != "holdout_domain" or sp.role != "newcomer":
+                raise ValueError(f"pipeline.onboarding: experiments.{e}.split must be holdout_domain with role newcomer")
         for e, d in self.pipeline.splits.items():
             if e in self.experiments and self.experiments[e].dataset != d:
                 raise ValueError(f"pipeline.splits.{e}: '{d}' differs from experiments.{e}.dataset '{self.experiments[e].dataset}'")

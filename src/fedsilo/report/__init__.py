@@ -9,7 +9,10 @@
 - ``<experiment>_communication.{md,csv}`` and ``<experiment>_communication.png`` (pFedDB Fig. 4, Table 3's Param and
   Ratio): per method the MiB uploaded per client per federated round, measured from the engine's payloads (rounds
   with no upload, such as pFedDB's Phase 1 or Single, are not averaged in), the ratio to the backbone's parameter
-  bytes, and the saving against FedAvg's upload.
+  bytes, and the saving against FedAvg's upload;
+- with ``published``: ``<experiment>_vs_paper.{md,csv}``; on Chest-X-Ray-4 ``<experiment>_fig3_scatter.png``; with
+  Single, pFedDB and a two-phase FedAvg variant ``<experiment>_fig5_two_phase.png``; when ``results/<experiment>/
+  onboarding/`` exists, ``<experiment>_fig6_onboarding.png`` and ``<experiment>_onboarding.md`` (pFedDB Figs. 3-6).
 """
 
 from __future__ import annotations
@@ -307,6 +310,22 @@ def build_report(
                 made[exp + ":vs_paper"] = vs.to_dict(orient="index")
             if all(d in acc["mean"].columns for pair in CXR4_PAIRS for d in pair):
                 figs.append(_fig3(tmp / f"{exp}_fig3_scatter.png", acc, paper, exp))
+            onboard = sorted((root / "results" / exp / "onboarding").glob("seed*/onboarding.json"))
+            if onboard:
+                runs = [read_json(f) for f in onboard]
+                order = ("freeze_global", "finetune_all", "from_scratch")
+                strategies = sorted(runs[0]["accuracy_per_round"], key=lambda k: order.index(k) if k in order else len(order))
+                series = [
+                    (s, list(range(1, runs[0]["rounds"] + 1)), list(np.mean([[a * 100 for a in r["accuracy_per_round"][s]] for r in runs], axis=0)))
+                    for s in strategies
+                ]
+                figs.append(_line_figure(tmp / f"{exp}_fig6_onboarding.png", series, f"{runs[0]['newcomer']} test accuracy (%)",
+                                         f"{exp}: newcomer {runs[0]['newcomer']} joins"))
+                lines = [f"### {exp}: onboarding of {runs[0]['newcomer']} (final accuracy %, mean over {len(runs)} seed(s))", "",
+                         "| strategy | accuracy |", "|---|---|"]
+                lines += [f"| {s} | {np.mean([r['final'][s] for r in runs]) * 100:.1f} |" for s in strategies]
+                (tmp / f"{exp}_onboarding.md").write_text("\n".join(lines) + "\n")
+                md += "\n" + "\n".join(lines) + "\n"
             two_phase = [m for m in methods if (method_entries or {}).get(m) and (method_entries[m] or {}).get("method", m) == "fedavg"
                          and (method_entries[m] or {}).get("local_rounds", 0) > 0]
             if two_phase and "single" in methods and "pfeddb" in methods:
