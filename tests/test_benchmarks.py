@@ -221,3 +221,23 @@ def test_mirror_writes_loadable_files(bench_raw):
 
     m = loadmat(bench_raw / "svhn" / "test_32x32.mat")
     assert m["X"].shape[:3] == (32, 32, 3) and m["y"].min() == 1 and m["y"].max() == 10
+
+
+def test_domainnet_local_folder_of_per_domain_zips_is_unpacked(bench_raw, tmp_path):
+    """Users keep DomainNet as it is distributed: <domain>.zip files beside the split lists."""
+    import zipfile
+
+    dist = tmp_path / "domainnet_download"
+    dist.mkdir()
+    for dom in ("clipart", "sketch"):
+        with zipfile.ZipFile(dist / f"{dom}.zip", "w") as z:
+            for f in sorted((bench_raw / "domainnet" / dom).rglob("*.jpg")):
+                z.write(f, f.relative_to(bench_raw / "domainnet").as_posix())
+        for s in ("train", "test"):
+            shutil.copy(bench_raw / "domainnet" / f"{dom}_{s}.txt", dist)
+    m = fetch("domainnet", SourceParams(mode="local", path=str(dist)), tmp_path / "raw" / "domainnet")
+    assert not any(k.endswith(".zip") for k in m["files"])
+    rec = source_module("domainnet").read_records(tmp_path / "raw" / "domainnet")
+    ref = source_module("domainnet").read_records(bench_raw / "domainnet")
+    ref = ref[ref["domain"].isin(["clipart", "sketch"])]
+    assert sorted(rec["id"]) == sorted(ref["id"]) and (rec.sort_values("id")["label"].to_numpy() == ref.sort_values("id")["label"].to_numpy()).all()

@@ -99,6 +99,16 @@ def _unpack(archive: Path, dest: Path) -> None:
         raise FetchError(f"{archive.name}: cannot unpack: {err}") from err
 
 
+def _unpack_distributed_zips(source: str, folder: Path) -> None:
+    """Sources distributed as several archives (DomainNet's per-domain zips) are usually kept that way: unpack the
+    archives a local folder holds at its top level, as download mode does, so the reader sees the unpacked layout."""
+    from fedsilo.data.sources import source_module
+
+    for z in sorted(folder.glob(getattr(source_module(source), "DISTRIBUTED_ARCHIVES", "") or "//none//")):
+        _unpack(z, folder)
+        z.unlink()
+
+
 def _included(name: str, include: tuple[str, ...]) -> bool:
     return not include or any(fnmatch.fnmatch(name, pat) for pat in include)
 
@@ -219,6 +229,7 @@ def fetch(source: str, params: SourceParams, out_dir: Path, root: Path = Path(".
                 raise FetchError(f"sources.{source}.path: {src} does not exist")
             if src.is_dir():
                 shutil.copytree(src, tmp, dirs_exist_ok=True, symlinks=False)
+                _unpack_distributed_zips(source, tmp)
             else:
                 _unpack(src, tmp)
             origin = str(src.resolve())

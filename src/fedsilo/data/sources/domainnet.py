@@ -18,6 +18,7 @@ from fedsilo.data.download import Remote
 from fedsilo.data.sources.base import LabelFileError
 from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES, find_dirs, norm_name, records_frame
 
+DISTRIBUTED_ARCHIVES = "*.zip"  # a local folder of the per-domain zips is unpacked by fetch, as download mode does
 DOMAINS = ("clipart", "infograph", "painting", "quickdraw", "real", "sketch")
 CLASSES = ("bird", "feather", "headphones", "ice_cream", "teapot", "tiger", "whale", "windmill", "wine_glass", "zebra")
 DOMAIN_ALIASES = {d: d for d in DOMAINS}
