@@ -18,7 +18,6 @@ an ``Authorization`` header is not forwarded when a redirect leaves the original
 from __future__ import annotations
 
 import base64
-import hashlib
 import logging
 import os
 import shutil
@@ -28,6 +27,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from fedsilo.utils.io import file_digest
 
 log = logging.getLogger("fedsilo.download")
 
@@ -59,17 +60,6 @@ def parse_checksum(spec: str, what: str) -> tuple[str, str]:
     if not digest or any(c not in "0123456789abcdef" for c in digest) or not (32 <= len(digest) <= ALGORITHMS[algo]):
         raise DownloadError(f"{what}: checksum {spec!r}: expected {ALGORITHMS[algo]} hex digits (or a prefix of >= 32)")
     return algo, digest
-
-
-def file_digest(path: Path, algo: str) -> str:
-    h = hashlib.new(algo)
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(CHUNK)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
 
 
 def checksum_matches(path: Path, spec: str, what: str) -> tuple[bool, str]:

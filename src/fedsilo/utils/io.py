@@ -79,8 +79,9 @@ def read_json(path: str | os.PathLike) -> Any:
     return json.loads(Path(path).read_text())
 
 
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
+def file_digest(path: str | os.PathLike, algo: str = "sha256", chunk: int = 1 << 20) -> str:
+    """Hex digest of a file, read in chunks (any hashlib algorithm: md5, sha1, sha256, sha512)."""
+    h = hashlib.new(algo)
     with open(path, "rb") as f:
         while True:
             b = f.read(chunk)
@@ -88,6 +89,10 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
                 break
             h.update(b)
     return h.hexdigest()
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    return file_digest(path, "sha256")
 
 
 def canonical_hash(obj: Any) -> str:
