@@ -104,7 +104,10 @@ def _unpack_distributed_zips(source: str, folder: Path) -> None:
     archives a local folder holds at its top level, as download mode does, so the reader sees the unpacked layout."""
     from fedsilo.data.sources import source_module
 
-    for z in sorted(folder.glob(getattr(source_module(source), "DISTRIBUTED_ARCHIVES", "") or "//none//")):
+    pattern = getattr(source_module(source), "DISTRIBUTED_ARCHIVES", "")
+    if not pattern:
+        return
+    for z in sorted(folder.glob(pattern)):
         _unpack(z, folder)
         z.unlink()
 
