@@ -6,8 +6,9 @@ index of the class in the dataset's canonical class list, ``original_label`` the
 name or numeric label), ``group`` is the image itself (no patient structure), ``view`` is empty.
 
 Images come either as files (``reader = image``, ``path`` relative to the raw folder) or as rows of an array
-container (``reader = array``, ``path = <container>#<row>``: an idx, ``.mat``, LIBSVM or pickle file that
-:func:`load_container` reads once per harmonize run).
+container (``reader = array``, ``path = <container>#<row>``: an idx, ``.mat``, LIBSVM or pickle file). :func:`load_arrays`
+parses a container once per process and returns its images and labels, so the label pass of ``read_records`` and the
+pixel pass of harmonize share one read.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def read_idx(path: Path) -> np.ndarray:
 
 def read_libsvm_digits(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """USPS as LIBSVM distributes it (and torchvision reads it): ``<label 1..10> <i>:<v> ...`` with 256 features in
-    [-1, 1]; missing features are 0. Returns (uint8 N x 16 x 16, labels 0..9, raw labels)."""
+    [-1, 1]; missing features are 0. Returns (uint8 N x 16 x 16, the raw labels 1..10)."""
     images, labels = [], []
     try:
         with _open_maybe_compressed(path) as f:
@@ -201,25 +202,41 @@ def read_pickle_pair(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return images.astype(np.uint8), labels
 
 
-@lru_cache(maxsize=8)
-def _load_cached(path: str, mtime: float) -> np.ndarray:
-    p = Path(path)
+def _read_container(p: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(images, labels as stored) of one container; an idx image file takes its labels from the sibling
+    ``*-labels-idx1-ubyte`` file."""
     name = p.name.lower()
     if "idx3-ubyte" in name:
-        return read_idx(p)
+        lab = p.with_name(p.name.replace("images-idx3", "labels-idx1"))
+        if not lab.exists():
+            raise LabelFileError(f"{lab}: label file missing next to {p.name}")
+        images, labels = read_idx(p), read_idx(lab)
+        if images.shape[0] != labels.shape[0]:
+            raise LabelFileError(f"{lab}: {labels.shape[0]} labels for {images.shape[0]} images in {p.name}")
+        return images, labels.astype(np.int64)
     if name.endswith(".mat"):
-        return read_mat_digits(p)[0]
+        return read_mat_digits(p)
     if name.endswith(".pkl"):
-        return read_pickle_pair(p)[0]
+        return read_pickle_pair(p)
     if "usps" in name:
-        return read_libsvm_digits(p)[0]
+        return read_libsvm_digits(p)
     raise LabelFileError(f"{p}: unknown array container")
+
+
+@lru_cache(maxsize=8)
+def _load_cached(path: str, mtime: float) -> tuple[np.ndarray, np.ndarray]:
+    return _read_container(Path(path))
+
+
+def load_arrays(raw_dir: Path, container: str) -> tuple[np.ndarray, np.ndarray]:
+    """(images N x H x W [x C] uint8, labels as the container stores them) of one container, read once per process."""
+    p = Path(raw_dir) / container
+    return _load_cached(str(p), p.stat().st_mtime)
 
 
 def load_container(raw_dir: Path, container: str) -> np.ndarray:
     """The image array of one container (N x H x W or N x H x W x C, uint8)."""
-    p = Path(raw_dir) / container
-    return _load_cached(str(p), p.stat().st_mtime)
+    return load_arrays(raw_dir, container)[0]
 
 
 def fedbn_digit_records(raw_dir: Path, folder: str, domain: str) -> list[dict] | None:
@@ -232,10 +249,10 @@ def fedbn_digit_records(raw_dir: Path, folder: str, domain: str) -> list[dict] |
     rows: list[dict] = []
     parts = sorted((base / "partitions").glob("train_part*.pkl"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
     for part in parts:
-        _, y = read_pickle_pair(part)
-        rows += array_records(part.relative_to(raw_dir).as_posix(), y, "train", f"{domain}/train/{part.stem}")
-    _, y = read_pickle_pair(hits[0])
-    rows += array_records(hits[0].relative_to(raw_dir).as_posix(), y, "test", f"{domain}/test")
+        rel = part.relative_to(raw_dir).as_posix()
+        rows += array_records(rel, load_arrays(raw_dir, rel)[1], "train", f"{domain}/train/{part.stem}")
+    rel = hits[0].relative_to(raw_dir).as_posix()
+    rows += array_records(rel, load_arrays(raw_dir, rel)[1], "test", f"{domain}/test")
     return rows
 
 

@@ -10,7 +10,13 @@ import pandas as pd
 
 from fedsilo.data.download import Remote
 from fedsilo.data.sources.base import LabelFileError
-from fedsilo.data.sources.benchmark import array_records, fedbn_digit_records, load_container, read_idx, records_frame
+from fedsilo.data.sources.benchmark import (
+    array_records,
+    fedbn_digit_records,
+    load_arrays,
+    load_container,
+    records_frame,
+)
 
 DOMAIN = "MNIST"
 DOMAINS = (DOMAIN,)
@@ -25,15 +31,9 @@ DOWNLOADS = [
 __all__ = ["read_records", "load_container", "DOMAINS", "DOWNLOADS"]
 
 
-def _idx_pair(raw_dir: Path, prefix: str) -> tuple[Path, Path] | None:
+def _images_file(raw_dir: Path, prefix: str) -> Path | None:
     imgs = sorted(raw_dir.rglob(f"{prefix}-images-idx3-ubyte*"), key=lambda p: (p.suffix != ".gz", len(p.parts)))
-    if not imgs:
-        return None
-    img = imgs[0]
-    lab = img.with_name(img.name.replace("images-idx3", "labels-idx1"))
-    if not lab.exists():
-        raise LabelFileError(f"{lab}: label file missing next to {img.name}")
-    return img, lab
+    return imgs[0] if imgs else None
 
 
 def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
@@ -42,15 +42,11 @@ def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
     if rows is None:
         rows = []
         for prefix, subset in (("train", "train"), ("t10k", "test")):
-            pair = _idx_pair(raw_dir, prefix)
-            if pair is None:
+            img = _images_file(raw_dir, prefix)
+            if img is None:
                 continue
-            img, lab = pair
-            labels = read_idx(lab)
-            n_img = read_idx(img).shape[0]
-            if n_img != labels.shape[0]:
-                raise LabelFileError(f"{lab}: {labels.shape[0]} labels for {n_img} images in {img.name}")
-            rows += array_records(img.relative_to(raw_dir).as_posix(), labels, subset, f"{DOMAIN}/{subset}")
+            rel = img.relative_to(raw_dir).as_posix()
+            rows += array_records(rel, load_arrays(raw_dir, rel)[1], subset, f"{DOMAIN}/{subset}")
         if not rows:
             raise LabelFileError(f"{raw_dir}: no MNIST files (expected MNIST/raw/t10k-images-idx3-ubyte.gz or FedBN's MNIST/test.pkl)")
     return records_frame(rows, DOMAIN)

@@ -13,8 +13,8 @@ from fedsilo.data.sources.base import LabelFileError
 from fedsilo.data.sources.benchmark import (
     array_records,
     fedbn_digit_records,
+    load_arrays,
     load_container,
-    read_mat_digits,
     records_frame,
 )
 
@@ -34,8 +34,9 @@ def mat_records(raw_dir: Path, names: tuple[tuple[str, str], ...], domain: str) 
         hits = sorted(raw_dir.rglob(name))
         if not hits:
             continue
-        _, y = read_mat_digits(hits[0])
-        rows += array_records(hits[0].relative_to(raw_dir).as_posix(), y % 10, subset, f"{domain}/{subset}", y.tolist())
+        rel = hits[0].relative_to(raw_dir).as_posix()
+        y = load_arrays(raw_dir, rel)[1]
+        rows += array_records(rel, y % 10, subset, f"{domain}/{subset}", y.tolist())
     return rows
 
 

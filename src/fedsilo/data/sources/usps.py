@@ -13,8 +13,8 @@ from fedsilo.data.sources.base import LabelFileError
 from fedsilo.data.sources.benchmark import (
     array_records,
     fedbn_digit_records,
+    load_arrays,
     load_container,
-    read_libsvm_digits,
     records_frame,
 )
 
@@ -37,8 +37,9 @@ def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
             hits = sorted(raw_dir.rglob(name)) or sorted(raw_dir.rglob(name[:-4]))
             if not hits:
                 continue
-            _, raw_labels = read_libsvm_digits(hits[0])
-            rows += array_records(hits[0].relative_to(raw_dir).as_posix(), raw_labels - 1, subset, f"{DOMAIN}/{subset}", raw_labels.tolist())
+            rel = hits[0].relative_to(raw_dir).as_posix()
+            raw_labels = load_arrays(raw_dir, rel)[1]
+            rows += array_records(rel, raw_labels - 1, subset, f"{DOMAIN}/{subset}", raw_labels.tolist())
         if not rows:
             raise LabelFileError(f"{raw_dir}: no USPS files (expected usps.bz2 / usps.t.bz2 or FedBN's USPS/test.pkl)")
     return records_frame(rows, DOMAIN)
