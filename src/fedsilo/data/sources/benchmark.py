@@ -19,7 +19,7 @@ import pickle
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -32,6 +32,19 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff")
 def norm_name(name: str) -> str:
     """Folder names compared loosely: case, spaces, dashes and underscores do not matter."""
     return re.sub(r"[\s_\-]+", "", name.lower())
+
+
+def list_lines(path: Path, expected: str) -> Iterator[tuple[int, str, str, str]]:
+    """(line number, first field, second field, the line) of a two-field list file (``<file> <label>``: MNIST-M's
+    labels, PACS's kfold lists, DomainNet's split lists); blank lines are skipped, any other field count is an error
+    naming the file, the line and ``expected``."""
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        parts = line.split()
+        if not parts:
+            continue
+        if len(parts) != 2:
+            raise LabelFileError(f"{path}: line {n}: expected {expected}, got {line!r}")
+        yield n, parts[0], parts[1], line
 
 
 def records_frame(rows: list[dict], domain: str) -> pd.DataFrame:

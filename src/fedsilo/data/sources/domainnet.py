@@ -16,7 +16,7 @@ import pandas as pd
 
 from fedsilo.data.download import Remote
 from fedsilo.data.sources.base import LabelFileError
-from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES, find_dirs, norm_name, records_frame
+from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES, find_dirs, list_lines, norm_name, records_frame
 
 DISTRIBUTED_ARCHIVES = "*.zip"  # a local folder of the per-domain zips is unpacked by fetch, as download mode does
 DOMAINS = ("clipart", "infograph", "painting", "quickdraw", "real", "sketch")
@@ -64,13 +64,11 @@ def _lists(raw_dir: Path, domain: str) -> list[tuple[str, str, str, int]]:
         hits = sorted(raw_dir.rglob(f"{domain}_{subset}.txt"))
         if not hits:
             continue
-        for n, line in enumerate(hits[0].read_text().splitlines(), 1):
-            parts = line.split()
-            if not parts:
-                continue
-            if len(parts) != 2 or len(Path(parts[0]).parts) < 3:
-                raise LabelFileError(f"{hits[0]}: line {n}: expected '<domain>/<class>/<file> <label>', got {line!r}")
-            out.append((subset, Path(parts[0]).parts[-2], parts[0], int(parts[1]) if parts[1].isdigit() else -1))
+        form = "'<domain>/<class>/<file> <label>'"
+        for n, listed, label, line in list_lines(hits[0], form):
+            if len(Path(listed).parts) < 3:
+                raise LabelFileError(f"{hits[0]}: line {n}: expected {form}, got {line!r}")
+            out.append((subset, Path(listed).parts[-2], listed, int(label) if label.isdigit() else -1))
     return out
 
 

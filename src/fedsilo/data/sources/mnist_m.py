@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from fedsilo.data.sources.base import LabelFileError
-from fedsilo.data.sources.benchmark import fedbn_digit_records, load_container, records_frame
+from fedsilo.data.sources.benchmark import fedbn_digit_records, list_lines, load_container, records_frame
 
 DOMAIN = "MNIST-M"
 DOMAINS = (DOMAIN,)
@@ -20,19 +20,14 @@ __all__ = ["read_records", "load_container", "DOMAINS", "DOWNLOADS"]
 
 def read_labels(path: Path) -> list[tuple[str, int, str]]:
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        parts = line.split()
-        if not parts:
-            continue
-        if len(parts) != 2:
-            raise LabelFileError(f"{path}: line {n}: expected '<file> <digit>', got {line!r}")
+    for n, name, label, _ in list_lines(path, "'<file> <digit>'"):
         try:
-            y = int(parts[1])
+            y = int(label)
         except ValueError:
-            raise LabelFileError(f"{path}: line {n}: label {parts[1]!r} is not a digit") from None
+            raise LabelFileError(f"{path}: line {n}: label {label!r} is not a digit") from None
         if not 0 <= y <= 9:
             raise LabelFileError(f"{path}: line {n}: label {y} is not a digit 0-9")
-        out.append((parts[0], y, parts[1]))
+        out.append((name, y, label))
     return out
 
 

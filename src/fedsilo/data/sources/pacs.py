@@ -14,12 +14,13 @@ from pathlib import Path
 import pandas as pd
 
 from fedsilo.data.sources.base import LabelFileError
-from fedsilo.data.sources.benchmark import class_folder_records, find_dirs, norm_name, records_frame
+from fedsilo.data.sources.benchmark import class_folder_records, find_dirs, list_lines, norm_name, records_frame
 
 DOMAINS = ("photo", "art_painting", "cartoon", "sketch")
 CLASSES = ("dog", "elephant", "giraffe", "guitar", "horse", "house", "person")
 DOMAIN_ALIASES = {norm_name(d): d for d in DOMAINS} | {"art": "art_painting", "artpainting": "art_painting", "photos": "photo", "sketches": "sketch"}
 CLASS_ALIASES = {norm_name(c): c for c in CLASSES}
+LIST_FORM = "'<domain>/<class>/<file> <label>'"
 DOWNLOADS: list = []  # the authors share PACS through Google Drive: use files or local
 
 
@@ -31,20 +32,17 @@ def _split_lists(raw_dir: Path, domain: str, domain_dir: Path) -> tuple[dict[str
         hits = [p for p in raw_dir.rglob(f"*_{tag}_kfold.txt") if DOMAIN_ALIASES.get(norm_name(p.name[: -len(f"_{tag}_kfold.txt")])) == domain]
         if not hits:
             continue
-        for n, line in enumerate(hits[0].read_text().splitlines(), 1):
-            parts = line.split()
-            if not parts:
-                continue
-            if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
-                raise LabelFileError(f"{hits[0]}: line {n}: expected '<domain>/<class>/<file> <label>', got {line!r}")
-            rel = Path(parts[0])
+        for n, listed, label, line in list_lines(hits[0], LIST_FORM):
+            if not label.lstrip("-").isdigit():
+                raise LabelFileError(f"{hits[0]}: line {n}: expected {LIST_FORM}, got {line!r}")
+            rel = Path(listed)
             if len(rel.parts) < 3:
-                raise LabelFileError(f"{hits[0]}: line {n}: path {parts[0]!r} is not <domain>/<class>/<file>")
+                raise LabelFileError(f"{hits[0]}: line {n}: path {listed!r} is not <domain>/<class>/<file>")
             cls = CLASS_ALIASES.get(norm_name(rel.parts[-2]))
             if cls is None:
                 raise LabelFileError(f"{hits[0]}: line {n}: class folder {rel.parts[-2]!r} is not a PACS class")
-            if int(parts[1]) - 1 != CLASSES.index(cls):
-                raise LabelFileError(f"{hits[0]}: line {n}: label {parts[1]} disagrees with class folder {rel.parts[-2]!r}")
+            if int(label) - 1 != CLASSES.index(cls):
+                raise LabelFileError(f"{hits[0]}: line {n}: label {label} disagrees with class folder {rel.parts[-2]!r}")
             key = f"{rel.parts[-2]}/{rel.parts[-1]}"
             subsets[key] = subset
             if not (domain_dir / rel.parts[-2] / rel.parts[-1]).exists():
