@@ -52,14 +52,7 @@ def to_rgb_square(img: np.ndarray, size: int, how: str) -> np.ndarray:
         raise ImageDecodeError(f"unsupported channel count {img.shape[2]}")
     if how != "stretch":
         img = square(img, how)  # type: ignore[arg-type]
-    if img.shape[0] != img.shape[1]:
-        import cv2
-
-        interp = cv2.INTER_AREA if min(img.shape[:2]) >= size else cv2.INTER_LINEAR
-        img = cv2.resize(img, (size, size), interpolation=interp)
-    else:
-        img = resize_area(img, size)
-    return np.ascontiguousarray(img, dtype=np.uint8)
+    return np.ascontiguousarray(resize_area(img, size), dtype=np.uint8)
 
 
 def decode_one(args: tuple) -> np.ndarray:

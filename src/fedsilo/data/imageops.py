@@ -56,7 +56,8 @@ def square(img: np.ndarray, how: Literal["crop", "pad"]) -> np.ndarray:
 def resize_area(img: np.ndarray, size: int) -> np.ndarray:
     if img.shape[0] == size and img.shape[1] == size:
         return img
-    interp = cv2.INTER_AREA if img.shape[0] >= size else cv2.INTER_LINEAR
+    # area averaging when shrinking, linear when either side grows (a non-square input is stretched to a square)
+    interp = cv2.INTER_AREA if min(img.shape[:2]) >= size else cv2.INTER_LINEAR
     out = cv2.resize(img, (size, size), interpolation=interp)
     if img.ndim == 3 and out.ndim == 2:
         out = out[:, :, None]
