@@ -155,6 +155,11 @@ def domain_multi_clients(records: pd.DataFrame, params: DomainMultiClientsSplit,
 
 
 # --------------------------------------------------------------------------- label skew
+def _cut(idx: np.ndarray, shares: np.ndarray) -> list[np.ndarray]:
+    """``idx`` cut into consecutive pieces proportional to ``shares`` (which sum to 1)."""
+    return np.split(idx, (np.cumsum(shares) * len(idx)).astype(int)[:-1])
+
+
 def _dirichlet_parts(labels: np.ndarray, n_clients: int, beta: float, min_size: int, rng: np.random.Generator, what: str) -> list[np.ndarray]:
     """Per class, proportions ~ Dir(beta); class rows cut accordingly. Redrawn until every client has min_size."""
     classes = np.unique(labels)
@@ -162,9 +167,7 @@ def _dirichlet_parts(labels: np.ndarray, n_clients: int, beta: float, min_size: 
         parts: list[list[int]] = [[] for _ in range(n_clients)]
         for c in classes:
             idx = rng.permutation(np.flatnonzero(labels == c))
-            p = rng.dirichlet(np.full(n_clients, beta))
-            cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
-            for j, chunk in enumerate(np.split(idx, cuts)):
+            for j, chunk in enumerate(_cut(idx, rng.dirichlet(np.full(n_clients, beta)))):
                 parts[j].extend(chunk.tolist())
         if min(len(p) for p in parts) >= min_size:
             return [np.array(sorted(p), dtype=np.int64) for p in parts]
@@ -300,8 +303,7 @@ def _cut_by_shares(pool: pd.DataFrame, shares: dict[int, np.ndarray], n: int, rn
     parts: list[list[int]] = [[] for _ in range(n)]
     for c, p in shares.items():
         idx = rng.permutation(pool.index[pool["label"] == c].to_numpy())
-        cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
-        for j, chunk in enumerate(np.split(idx, cuts)):
+        for j, chunk in enumerate(_cut(idx, p)):
             parts[j].extend(int(i) for i in chunk)
     return parts
 

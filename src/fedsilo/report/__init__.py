@@ -41,11 +41,13 @@ def collect(root: Path, experiment: str, methods: list[str], seeds: list[int]) -
             met = read_json(d / "metrics.json")
             histories[(m, s)] = json.loads((d / "history.json").read_text())
             up = [b for b in met["bytes_up_per_round"] if b > 0]
+            run_level = {  # the same for every domain of the run
+                "bytes_per_round": float(np.mean(np.add(met["bytes_up_per_round"], met["bytes_down_per_round"]))),
+                "up_per_client_round": float(np.mean(up)) / len(met["per_client"]) if up else 0.0,
+                "model_param_bytes": float(met.get("model_param_bytes", np.nan)),
+            }
             for dom, v in met["per_client"].items():
-                rows.append({"method": m, "seed": s, "domain": dom, "acc": v["acc"], "auc": v.get("auc", np.nan),
-                             "bytes_per_round": float(np.mean(np.add(met["bytes_up_per_round"], met["bytes_down_per_round"]))),
-                             "up_per_client_round": float(np.mean(up)) / len(met["per_client"]) if up else 0.0,
-                             "model_param_bytes": float(met.get("model_param_bytes", np.nan))})
+                rows.append({"method": m, "seed": s, "domain": dom, "acc": v["acc"], "auc": v.get("auc", np.nan), **run_level})
     return pd.DataFrame(rows), histories
 
 
