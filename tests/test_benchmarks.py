@@ -192,9 +192,9 @@ def test_max_per_domain_caps_each_subset_deterministically(bench_raw, tmp_path):
 def test_domain_styles_differ_while_labels_are_learnable(bench_harmonized, tmp_path):
     """Single per-domain training on the Digits-Five mirror beats chance (10%) by a wide margin on held-out digits,
     and the domains differ in pixel statistics (the shift the methods must handle)."""
+    from fedsilo.client.data import load_clients
     from fedsilo.config import TrainParams
     from fedsilo.data.splits import make_split
-    from fedsilo.fl.data import load_clients
     from fedsilo.fl.engine import Engine
     from fedsilo.methods import method_class
     from fedsilo.models import build_model

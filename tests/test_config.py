@@ -4,7 +4,8 @@ import pytest
 import yaml
 
 from fedsilo.cli import main
-from fedsilo.config import ConfigError, load_params, parse_params
+from fedsilo.config import ConfigError
+from fedsilo.fl.params import load_params, parse_params
 from tests.conftest import REPO, small_params
 
 
@@ -46,7 +47,7 @@ def test_cli_check_params_reports_key_and_exits_2(tmp_path, capsys):
 
 
 def test_named_method_variants_resolve_to_their_registered_method(tmp_path):
-    from fedsilo.config import ConfigError, method_base, method_params, parse_params
+    from fedsilo.methods import method_base, method_params
     from tests.conftest import small_params
 
     raw = small_params()

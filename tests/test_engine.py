@@ -7,12 +7,12 @@ import pandas as pd
 import pytest
 import torch
 
+from fedsilo.client.data import load_clients
 from fedsilo.config import DomainClientsSplit, TrainParams
 from fedsilo.data.splits import make_split
-from fedsilo.fl.data import load_clients
 from fedsilo.fl.engine import Engine, PrivacyViolation, payload_bytes
 from fedsilo.methods import method_class
-from fedsilo.methods.baselines import FedAvg
+from fedsilo.methods.fedavg import FedAvg
 from fedsilo.models import batchnorm_keys, build_model
 
 

@@ -6,9 +6,9 @@ import pandas as pd
 import pytest
 import torch
 
+from fedsilo.client.data import load_clients
 from fedsilo.config import DomainClientsSplit, TrainParams
 from fedsilo.data.splits import make_split
-from fedsilo.fl.data import load_clients
 from fedsilo.fl.engine import Engine
 from fedsilo.methods.pfeddb import DualBranch, PFedDB, PFedDBParams
 from fedsilo.models import build_model
@@ -105,7 +105,7 @@ def test_pfeddb_beats_single_where_domains_share_signal(mirror_root):
     16 rounds of 2 local epochs; pFedDB spends 8 of them in Phase 1 (identical to Single there) and 8 federated."""
     import numpy as np
 
-    from fedsilo.methods.baselines import Single
+    from fedsilo.methods.single import Single
 
     h = mirror_root / "data" / "harmonized" / "chest_xray4"
     split = make_split(pd.read_parquet(h / "records.parquet"), DomainClientsSplit(n_train=24, n_test=40), seed=0)

@@ -9,14 +9,15 @@ import pytest
 import torch
 from torch import nn
 
+from fedsilo.client.data import load_clients
+from fedsilo.client.local import make_generator
 from fedsilo.config import DomainClientsSplit, TrainParams
 from fedsilo.data.splits import make_split
-from fedsilo.fl.data import load_clients
 from fedsilo.fl.engine import Engine
-from fedsilo.fl.local import make_generator
 from fedsilo.methods import method_class
-from fedsilo.methods.base import distillation_kl
-from fedsilo.methods.recent import FedLGF, FedLGFParams, adaptive_grad_clip, unitwise_norm
+from fedsilo.methods.terms import distillation_kl
+from fedsilo.methods.fedlgf import FedLGF, FedLGFParams
+from fedsilo.methods.fedwon import adaptive_grad_clip, unitwise_norm
 from fedsilo.models import WSConv2d, batchnorm_keys, build_model, normalization_free
 
 

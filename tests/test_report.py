@@ -106,7 +106,7 @@ def test_freeze_global_never_changes_phi(mirror_root, tmp_path, monkeypatch):
     """The frozen strategy trains psi, fusion and head only: phi's parameters stay exactly the downloaded ones."""
     import torch
 
-    from fedsilo.fl import onboard
+    from fedsilo.methods.pfeddb import onboarding as onboard
 
     seen = {}
     real = onboard.train_local

@@ -29,10 +29,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedsilo.client.data import ClientData, augment, to_float
+from fedsilo.client.local import _prep, batches, evaluate, make_generator, use_bf16, use_channels_last
 from fedsilo.config import TrainParams
-from fedsilo.fl.data import ClientData, augment, to_float
 from fedsilo.fl.engine import Engine
-from fedsilo.fl.local import _prep, batches, evaluate, make_generator, use_bf16, use_channels_last
 from fedsilo.methods import method_class
 from fedsilo.models import build_model
 

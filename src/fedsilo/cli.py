@@ -18,7 +18,8 @@ import logging
 import sys
 from pathlib import Path
 
-from fedsilo.config import ConfigError, load_params
+from fedsilo.config import ConfigError
+from fedsilo.fl.params import load_params
 
 
 def _fetch(args: argparse.Namespace) -> None:

@@ -2,7 +2,8 @@
 
 Every section is a pydantic model with ``extra="forbid"``: an unknown key or a bad value raises
 :class:`ConfigError` whose message names the dotted key (``methods.fedprox.mu``) and what is wrong with it.
-Method hyper-parameters are validated by the params class each method registers (see ``fedsilo.methods``).
+Method hyper-parameters are validated by the params class each method registers (``fedsilo.methods.registry``);
+this module does not import the methods.
 """
 
 from __future__ import annotations
@@ -278,6 +279,10 @@ class ExperimentParams(Strict):
     published: Optional[str] = Field(
         None, description="'<file>#<table>' of a paper's published accuracies (e.g. pipelines/pfeddb/published.yaml#chest_xray4) the report sets ours beside"
     )
+    keep_client_models: bool = Field(
+        False, description="also save every client's store (private tensors, personal models) in final_model.pt; "
+        "the server state is always saved"
+    )
 
     @field_validator("split", mode="before")
     @classmethod
@@ -374,7 +379,7 @@ def _drop_union_tags(loc: tuple) -> tuple:
     return tuple(out)
 
 
-def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
+def format_validation_error(err: ValidationError, prefix: str = "") -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in _drop_union_tags(tuple(e["loc"])))
@@ -387,25 +392,14 @@ def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
 
 
 def parse_params(raw: dict[str, Any], source: str = "params.yaml") -> Params:
+    """Validate every section but the values of ``methods.<key>`` entries, which belong to each method's own params
+    class (:func:`fedsilo.methods.check_methods`; :func:`fedsilo.fl.params.load_params` runs both)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level")
     try:
-        params = Params.model_validate(raw)
+        return Params.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(f"{source}: {_format_validation_error(err)}") from None
-    # method hyper-parameters are validated by each method's own params class
-    from fedsilo.methods import method_params_class
-
-    for name, mp in params.methods.items():
-        try:
-            cls = method_params_class(method_base(name, mp))
-        except KeyError as err:
-            raise ConfigError(f"{source}: methods.{name}: {err.args[0]}") from None
-        try:
-            cls.model_validate(_without_base(mp))
-        except ValidationError as err:
-            raise ConfigError(f"{source}: {_format_validation_error(err, f'methods.{name}.')}") from None
-    return params
+        raise ConfigError(f"{source}: {format_validation_error(err)}") from None
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:
@@ -417,22 +411,3 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     return parse_params(raw, str(path))
-
-
-def method_base(name: str, entry: dict[str, Any] | None) -> str:
-    """The registered method behind a ``methods.<name>`` entry: ``name`` itself, or the entry's ``method`` key for a
-    named variant (``fedavg_two_phase: {method: fedavg, local_rounds: 150}``)."""
-    return str((entry or {}).get("method", name))
-
-
-def _without_base(entry: dict[str, Any] | None) -> dict[str, Any]:
-    return {k: v for k, v in (entry or {}).items() if k != "method"}
-
-
-def method_params(params: Params, name: str) -> BaseModel:
-    from fedsilo.methods import method_params_class
-
-    if name not in params.methods:
-        raise ConfigError(f"methods.{name}: not defined in params.yaml")
-    entry = params.methods[name]
-    return method_params_class(method_base(name, entry)).model_validate(_without_base(entry))

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedsilo.client.data import ClientData, to_float
+from fedsilo.client.local import evaluate, make_generator, use_channels_last
 from fedsilo.config import TrainParams
-from fedsilo.fl.data import ClientData, to_float
-from fedsilo.fl.local import evaluate, make_generator, use_channels_last
-from fedsilo.methods.base import Method, State
+from fedsilo.methods.base import Method, State, payload_bytes
 from fedsilo.utils.io import atomic_file
 
 Observer = Callable[[int, str, str, State], None]  # (round, client name, "down"|"up", payload)
@@ -35,8 +35,7 @@ class PrivacyViolation(RuntimeError):
     pass
 
 
-def payload_bytes(payload: State) -> int:
-    return int(sum(t.numel() * t.element_size() for t in payload.values()))
+__all__ = ["Engine", "Observer", "PrivacyViolation", "payload_bytes", "read_only", "transfer"]
 
 
 def transfer(payload: State) -> State:

@@ -2,7 +2,8 @@
 
 Outputs (``results/<experiment>/<method>/seed<k>/``, written atomically at the end):
 ``metrics.json`` (final per-client accuracy / AUC, mean and std, global-model accuracy where one exists, bytes per
-round), ``history.json`` (every round), ``final_model.pt`` (server state and client stores).
+round, what the method resolved), ``history.json`` (every round), ``final_model.pt`` (the server state; every
+client's store too with ``experiments.<e>.keep_client_models: true``).
 
 The per-round checkpoint lives in ``state/<experiment>/<method>/seed<k>/checkpoint.pt``, outside DVC's outputs
 (DVC deletes a stage's outputs before running it). It carries the hash of everything the run depends on; a rerun
@@ -18,21 +19,15 @@ from typing import Any, Optional
 
 import torch
 
-from fedsilo.config import ConfigError, Params, method_base, method_params
-from fedsilo.fl.data import load_clients
+from fedsilo.client.data import load_clients, pick_device
+from fedsilo.config import ConfigError, Params
 from fedsilo.fl.engine import Engine, Observer
-from fedsilo.methods import method_class
+from fedsilo.methods import method_base, resolve_method
 from fedsilo.models import build_model
 from fedsilo.tracking import Tracker, dvc_hashes, git_commit
 from fedsilo.utils.io import atomic_dir, canonical_hash, file_sha256, read_json, write_json
 
 log = logging.getLogger("fedsilo.train")
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def run_paths(root: Path, experiment: str, method: str, seed: int) -> tuple[Path, Path]:
@@ -70,7 +65,7 @@ def run_training(
     if experiment not in params.experiments:
         raise KeyError(f"experiments.{experiment}: not defined in params.yaml")
     exp = params.experiments[experiment]
-    mparams = method_params(params, method)
+    algo = resolve_method(params, method, exp.train)  # the one typed method object of this run
     harmonized = root / "data" / "harmonized" / exp.dataset
     split_path = root / "data" / "splits" / f"{experiment}.json"
     for p in (harmonized / "images.npy", harmonized / "records.parquet", harmonized / "card.json", split_path):
@@ -96,7 +91,7 @@ def run_training(
         "dataset": exp.dataset,
         "split": exp.split.model_dump(mode="json"),
         "train": exp.train.model_dump(mode="json"),
-        "method": {"name": method, "base": method_base(method, params.methods[method]), **mparams.model_dump(mode="json")},
+        "method": {"name": method, "base": method_base(method, params.methods[method]), **algo.params.model_dump(mode="json")},
         "seed": seed,
     }
     data_hashes = {"harmonized_sha256": card["sha256"], "split_sha256": file_sha256(split_path)}
@@ -106,9 +101,6 @@ def run_training(
     out_dir, ckpt = run_paths(root, experiment, method, seed)
     torch.manual_seed(seed)
     model = build_model(exp.train.model, in_ch, num_classes, seed=seed, image_size=clients[0].x_train.shape[-1]).to(device)
-    cls = method_class(method_base(method, params.methods[method]))
-    algo = cls(mparams, exp.train)
-
     tracker = Tracker(params.tracking.enabled, params.tracking.uri)
     engine = Engine(algo, model, clients, exp.train, seed, checkpoint=ckpt, config_hash=config_hash, observer=observer)
     commit, dirty = git_commit(root)
@@ -130,7 +122,11 @@ def run_training(
     }
     for path, md5 in dvc.items():
         tags[f"dvc.md5.{path}"] = md5
-    run_id = tracker.start(experiment, f"{method}-seed{seed}", resolved, tags, run_id=engine.meta.get("mlflow_run_id"))
+    # what the method derived from its params and the model (a resolved cut depth, private layers, shared fraction),
+    # known once the engine has set it up; logged beside the params, not hashed (it follows from them)
+    method_resolved = algo.resolved()
+    run_id = tracker.start(experiment, f"{method}-seed{seed}", {**resolved, "method_resolved": method_resolved}, tags,
+                           run_id=engine.meta.get("mlflow_run_id"))
     if run_id and engine.meta.get("mlflow_run_id") != run_id:
         engine.meta["mlflow_run_id"] = run_id
         engine.save()
@@ -151,6 +147,7 @@ def run_training(
         "clients": [c.name for c in clients],
         # the backbone the method was built from: the paper's "full network" for Param / Ratio (Table 3)
         "model_param_bytes": int(sum(p.numel() * p.element_size() for p in model.parameters())),
+        "method_resolved": method_resolved,
         "params_hash": params_hash,
         "config_hash": config_hash,
         "mlflow_run_id": run_id,
@@ -158,7 +155,10 @@ def run_training(
     with atomic_dir(out_dir) as tmp:
         write_json(tmp / "metrics.json", metrics)
         (tmp / "history.json").write_text(json.dumps(history, indent=1) + "\n")
-        torch.save({"server": engine.server, "stores": engine.stores, "clients": [c.name for c in clients], "config_hash": config_hash}, tmp / "final_model.pt")
+        final = {"server": engine.server, "clients": [c.name for c in clients], "config_hash": config_hash}
+        if exp.keep_client_models:  # every client's private tensors / personal model: large, kept only when asked
+            final["stores"] = engine.stores
+        torch.save(final, tmp / "final_model.pt")
         flat = {"mean_acc": summary["mean_acc"], "std_acc": summary["std_acc"]}
         if "mean_auc" in summary:
             flat["mean_auc"] = summary["mean_auc"]

@@ -1,26 +1,14 @@
-"""FL methods, registered by name. Each method file defines a class with ``name`` and ``params_cls``."""
+"""FL methods: one module per method (a subpackage where a method brings its own model and protocol), registered by
+name in :mod:`fedsilo.methods.registry`. Shared machinery sits in a few base modules:
 
-from __future__ import annotations
+- ``base``: the hooks the engine calls (:class:`Method`), typed params, the running mean, payload sizes;
+- ``sharing``: partial sharing (a fixed subset of the state_dict shared, the rest kept on the client);
+- ``phased``: the two-phase protocol (local phase, then federation);
+- ``personal``: a personal model per client beside a FedAvg global model;
+- ``terms``: proximal and distillation terms of local objectives.
+"""
 
 from fedsilo.methods.base import Method, MethodParams
-from fedsilo.methods.baselines import Ditto, FedAvg, FedBN, FedPer, FedProx, Single
-from fedsilo.methods.pfeddb import PFedDB
-from fedsilo.methods.recent import FedLGF, FedWon, PFedSD
+from fedsilo.methods.registry import REGISTRY, check_methods, method_base, method_class, method_params, resolve_method
 
-REGISTRY: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedSD, FedLGF, FedWon, PFedDB)
-}
-
-
-def method_class(name: str) -> type[Method]:
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"unknown method {name!r} (registered: {', '.join(sorted(REGISTRY))})") from None
-
-
-def method_params_class(name: str) -> type[MethodParams]:
-    return method_class(name).params_cls
-
-
-__all__ = ["Method", "MethodParams", "REGISTRY", "method_class", "method_params_class"]
+__all__ = ["Method", "MethodParams", "REGISTRY", "check_methods", "method_base", "method_class", "method_params", "resolve_method"]

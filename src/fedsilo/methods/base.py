@@ -1,4 +1,4 @@
-"""The method interface the engine calls, and the partial-sharing base most methods are built on.
+"""The method interface the engine calls, its typed params, and the helpers every method may use.
 
 A method never holds client state itself: the engine keeps a *client store* per client (the tensors that persist on
 that client between rounds) and the *server state*, and hands them to the hooks. What a client downloads and
@@ -15,12 +15,16 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from fedsilo.client.data import ClientData
 from fedsilo.config import TrainParams
-from fedsilo.fl.data import ClientData
-from fedsilo.fl.local import ExtraLoss, make_generator, train_local
 from fedsilo.models import LayeredNet
 
 State = dict[str, torch.Tensor]
+
+
+def payload_bytes(payload: State) -> int:
+    """Bytes a payload occupies on the wire: the sum of numel * element_size of its tensors."""
+    return int(sum(t.numel() * t.element_size() for t in payload.values()))
 
 
 class MethodParams(BaseModel):
@@ -37,9 +41,12 @@ class Method:
     name: ClassVar[str]
     params_cls: ClassVar[type[MethodParams]] = MethodParams
 
-    def __init__(self, params: MethodParams, train: TrainParams):
+    def __init__(self, params: MethodParams, train: TrainParams, key: Optional[str] = None):
         self.params = params
         self.train = train
+        # the params.yaml entry this method was resolved from (``methods.<key>``): a named variant such as
+        # fedavg_two_phase has its own key; errors name it
+        self.key = key or self.name
         self.last_loss: Optional[float] = None  # mean training loss of the latest local_update
 
     # --- structure
@@ -104,8 +111,13 @@ class Method:
     def agg_end(self, server: State, acc: Any, rnd: int) -> State:
         raise NotImplementedError
 
+    def resolved(self) -> dict[str, Any]:
+        """What the method derived from its params and the model, known after ``setup`` (a resolved cut depth, the
+        layers kept private, the shared fraction): recorded in metrics.json and MLflow beside the params."""
+        return {}
+
     def describe(self) -> dict[str, Any]:
-        return {"method": self.name, **self.params.model_dump(mode="json")}
+        return {"method": self.name, "key": self.key, **self.params.model_dump(mode="json"), "resolved": self.resolved()}
 
 
 class RunningMean:
@@ -135,76 +147,6 @@ class RunningMean:
         return out
 
 
-class PartialSharing(Method):
-    """Share a fixed subset of the model's state_dict; everything else persists in the client store.
-
-    FedAvg shares everything, FedBN everything but BatchNorm, Single nothing. Clients start from the same
-    initialisation (the model built from the run's seed)."""
-
-    shared: list[str]
-
-    def shared_keys(self, model: LayeredNet) -> list[str]:
-        raise NotImplementedError
-
-    def setup(self, model: LayeredNet) -> None:
-        keys = list(model.state_dict().keys())
-        self.shared = [k for k in keys if k in set(self.shared_keys(model))]
-        self.private = [k for k in keys if k not in set(self.shared)]
-
-    def private_keys(self, model: LayeredNet) -> set[str]:
-        return set(self.private)
-
-    def init_server(self, model: LayeredNet) -> State:
-        sd = model.state_dict()
-        return {k: sd[k].detach().clone() for k in self.shared}
-
-    def init_client(self, model: LayeredNet, client: ClientData) -> State:
-        sd = model.state_dict()
-        return {k: sd[k].detach().clone() for k in self.private}
-
-    def download(self, server: State, client: ClientData, rnd: int) -> State:
-        return dict(server)
-
-    def extra_loss(self, model: LayeredNet, payload: State) -> Optional[ExtraLoss]:
-        return None
-
-    def local_terms(self, model: LayeredNet, payload: State, client: ClientData, rnd: int, seed: int) -> dict[str, Any]:
-        """Keyword arguments for train_local beyond plain SGD (extra_loss, batch_loss, grad_hook)."""
-        return {"extra_loss": self.extra_loss(model, payload)}
-
-    def local_update(self, model, store, payload, client, rnd, seed):
-        model.load_state_dict({**store, **payload}, strict=True)
-        self.last_loss = train_local(
-            model, client, self.train, make_generator(seed, rnd, client.index),
-            **self.local_terms(model, payload, client, rnd, seed),
-        )
-        sd = model.state_dict()
-        for k in self.private:
-            store[k] = sd[k].detach().clone()
-        return {k: sd[k].detach() for k in self.shared}
-
-    streaming = True
-
-    def agg_begin(self, server, rnd):
-        return RunningMean()
-
-    def agg_add(self, acc, client, upload):
-        if upload:
-            acc.add(client.n_train, upload)
-
-    def agg_end(self, server, acc, rnd):
-        return acc.result() if acc.weight > 0 and self.shared else server
-
-    def eval_state(self, server, store, client):
-        return {**store, **server}
-
-    def global_state(self, server):
-        return dict(server) if not self.private else None
-
-    def eval_is_global(self):
-        return not self.private
-
-
 def spare_copy(model: nn.Module) -> nn.Module:
     """A deep copy of the model for a second set of weights on the client (a teacher, the downloaded global model),
     without the engine's compiled forward, which belongs to the original only."""
@@ -214,21 +156,3 @@ def spare_copy(model: nn.Module) -> nn.Module:
     finally:
         if compiled is not None:
             model.__dict__["_fedsilo_compiled"] = compiled
-
-
-def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tau: float = 1.0) -> torch.Tensor:
-    """tau^2 * KL(softmax(teacher / tau) || softmax(student / tau)), averaged over the batch (Hinton et al. 2015)."""
-    log_s = torch.log_softmax(student_logits.float() / tau, dim=1)
-    log_t = torch.log_softmax(teacher_logits.float() / tau, dim=1)
-    return (tau * tau) * torch.nn.functional.kl_div(log_s, log_t, reduction="batchmean", log_target=True)
-
-
-def proximal_term(model: nn.Module, anchor: State, mu: float) -> ExtraLoss:
-    names = [n for n, p in model.named_parameters() if p.requires_grad and n in anchor]
-    ref = {n: anchor[n].detach().clone() for n in names}
-
-    def loss(m: nn.Module) -> torch.Tensor:
-        params = dict(m.named_parameters())
-        return (mu / 2.0) * sum(((params[n] - ref[n]) ** 2).sum() for n in names)  # type: ignore[return-value]
-
-    return loss

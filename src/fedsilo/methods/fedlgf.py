@@ -1,80 +1,20 @@
-"""Recent baselines of pFedDB's Tables 1-2: pFedSD, FedLGF and FedWon, each from its own paper and code.
-
-FedSSD (He et al. 2024, TBDATA) and pFedDR (Liu et al. 2025, ESWA) are not here: their class- and sample-level
-credibility weights (FedSSD) and the in-domain / global representation objective (pFedDR) are defined only in the
-papers' bodies, which were not available to us, and neither has public code; a stand-in under their names would be
-an approximation, which this project does not ship.
-"""
+"""FedLGF (Yan and Guo 2024, ECCV): local and global flatness through an adversarially perturbed classifier."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from pydantic import Field
 from torch import nn
 from torch.func import functional_call
 
-from fedsilo.fl.local import make_generator, train_local
-from fedsilo.methods.base import MethodParams, distillation_kl, spare_copy
-from fedsilo.methods.baselines import FedAvg, PersonalModels
-from fedsilo.models import LayeredNet, normalization_free
+from fedsilo.client.local import make_generator
+from fedsilo.methods.base import MethodParams, spare_copy
+from fedsilo.methods.fedavg import FedAvg
+from fedsilo.models import LayeredNet
 
 
-# ---------------------------------------------------------------------------------------------------------- pFedSD
-class PFedSDParams(MethodParams):
-    lam: float = Field(1.0, ge=0, description="lambda: weight of the self-distillation term")
-    tau: float = Field(1.0, gt=0, description="softmax temperature of the distillation")
-
-
-class PFedSD(PersonalModels):
-    """pFedSD (Jin et al. 2023, TPDS, "Personalized Edge Intelligence via Federated Self-Knowledge Distillation").
-
-    FedAvg on the server. A sampled client starts from the downloaded global model and trains it on
-    CE(y, f(x)) + lambda * tau^2 * KL(softmax(f_prev(x)/tau) || softmax(f(x)/tau)), where f_prev is the client's own
-    personalized model from its previous participation (the model its last local training produced). The trained
-    model becomes the client's new personalized model, is uploaded whole and averaged. A client's first
-    participation has no teacher and trains with the cross-entropy alone. Clients are evaluated with their
-    personalized models (a client never sampled yet, with the global model); the global model is reported too.
-
-    Choices: lambda = 1 and tau = 1 are the defaults of the authors' code (``--lamda``, ``--KL_T``). The teacher runs
-    in evaluation mode (its BatchNorm uses its running statistics) and is never updated. The server's mean is
-    weighted by sample size like every FedAvg here (the authors' code averages uniformly over the sampled clients)."""
-
-    name = "pfedsd"
-    params_cls = PFedSDParams
-    params: PFedSDParams
-
-    def setup(self, model: LayeredNet) -> None:
-        super().setup(model)
-        self._teacher: Optional[nn.Module] = None
-
-    def init_client(self, model: LayeredNet, client) -> dict:
-        return {}  # no personalized model before the client's first local training
-
-    def local_update(self, model, store, payload, client, rnd, seed):
-        model.load_state_dict(payload, strict=True)
-        batch_loss = None
-        if store:
-            if self._teacher is None:
-                self._teacher = spare_copy(model)
-            teacher = self._teacher
-            teacher.load_state_dict(self.personal(store), strict=True)
-            teacher.eval()
-            lam, tau = self.params.lam, self.params.tau
-
-            def batch_loss(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-                with torch.no_grad():
-                    t = teacher(x)
-                return lam * distillation_kl(logits, t, tau)
-
-        self.last_loss = train_local(model, client, self.train, make_generator(seed, rnd, client.index), batch_loss=batch_loss)
-        sd = model.state_dict()
-        self.keep_personal(store, sd)
-        return {k: sd[k].detach() for k in self.shared}
-
-
-# ---------------------------------------------------------------------------------------------------------- FedLGF
 class FedLGFParams(MethodParams):
     perturb: Literal["singular", "weight"] = Field(
         "singular", description="perturb the classifier's singular values (FedLGF's default) or its weights"
@@ -207,62 +147,3 @@ class FedLGF(FedAvg):
         finally:
             self._capture = False
             self._features.clear()
-
-
-# ---------------------------------------------------------------------------------------------------------- FedWon
-class FedWonParams(MethodParams):
-    clip: float = Field(1.28, gt=0, description="AGC clipping threshold lambda (unit-wise max ||G|| / ||W||)")
-    agc_eps: float = Field(1e-3, gt=0, description="AGC's floor on the weight norm")
-
-
-def unitwise_norm(x: torch.Tensor) -> torch.Tensor:
-    """Brock et al. 2021b: the norm of each output unit (row of a linear weight, filter of a conv); vectors and
-    scalars (biases, gains) as one unit."""
-    if x.dim() <= 1:
-        return x.norm()
-    return x.flatten(1).norm(dim=1).view(-1, *([1] * (x.dim() - 1)))
-
-
-def adaptive_grad_clip(params: list[nn.Parameter], clip: float, eps: float = 1e-3) -> None:
-    """AGC (Brock et al. 2021b, Eq. 3): a unit's gradient G_i is rescaled to clip * max(||W_i||, eps) / ||G_i||
-    of itself wherever ||G_i|| / max(||W_i||, eps) exceeds ``clip``."""
-    with torch.no_grad():
-        for p in params:
-            if p.grad is None:
-                continue
-            max_norm = unitwise_norm(p.detach()).clamp_min(eps) * clip
-            g_norm = unitwise_norm(p.grad).clamp_min(1e-6)
-            p.grad.mul_(torch.where(g_norm > max_norm, max_norm / g_norm, torch.ones_like(g_norm)))
-
-
-class FedWon(FedAvg):
-    """FedWon (Zhuang and Lyu 2024, ICLR, "FedWon: Triumphing Multi-domain Federated Learning Without
-    Normalization"): the backbone without any normalization layer, every convolution reparameterized with scaled
-    weight standardization (Eq. 1, :class:`fedsilo.models.WSConv2d`, with its learnable per-channel gain), trained
-    with SGD plus adaptive gradient clipping (AGC) and aggregated with FedAvg over all parameters. Every client is
-    evaluated with the global model.
-
-    Choices: the final classifier layer is not clipped, as Brock et al. recommend for AGC; the threshold is a
-    parameter because FedWon tunes it per dataset (default 1.28, set it in the preset). Fully connected layers keep
-    plain weights (FedWon reparameterizes convolutions only); the BatchNorm layers of the fully connected part
-    (FedBN's AlexNet and digit CNN) are removed like the others."""
-
-    name = "fedwon"
-    params_cls = FedWonParams
-    params: FedWonParams
-
-    def transform_model(self, model: nn.Module, example: torch.Tensor) -> nn.Module:
-        if not isinstance(model, LayeredNet):
-            raise TypeError("fedwon needs a LayeredNet backbone")
-        return normalization_free(model)
-
-    def setup(self, model: LayeredNet) -> None:
-        super().setup(model)
-        last = [m for m in model.head().modules() if isinstance(m, nn.Linear)]
-        skip = {id(p) for p in last[-1].parameters()} if last else set()
-        self.clipped = [p for p in model.parameters() if id(p) not in skip]
-
-    def local_terms(self, model, payload, client, rnd, seed) -> dict[str, Any]:
-        clip, eps, params = self.params.clip, self.params.agc_eps, self.clipped
-        hook: Callable[[], None] = lambda: adaptive_grad_clip(params, clip, eps)  # noqa: E731
-        return {"grad_hook": hook}

@@ -56,6 +56,13 @@ def load_clients(harmonized_dir: Path, split: dict[str, Any], device: torch.devi
     return clients, int(images.shape[3]), int(split["num_classes"])
 
 
+def pick_device(name: str) -> torch.device:
+    """``auto`` = the first CUDA device when there is one, else the CPU; anything else as torch names it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def to_float(x_u8: torch.Tensor) -> torch.Tensor:
     """uint8 [0, 255] -> float in [-1, 1]."""
     return x_u8.float().div_(127.5).sub_(1.0)

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedsilo.client.data import ClientData, augment, to_float
 from fedsilo.config import TrainParams
-from fedsilo.fl.data import ClientData, augment, to_float
 
 ExtraLoss = Callable[[nn.Module], torch.Tensor]
 # a loss term computed per batch from its inputs, labels and the model's logits (distillation, smoothness terms)

@@ -1,0 +1,61 @@
+"""FedAvg (McMahan et al. 2017), optionally under the two-phase protocol of pFedDB's Fig. 5."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from fedsilo.client.local import train_local
+from fedsilo.methods.base import MethodParams
+from fedsilo.methods.phased import TwoPhase
+from fedsilo.models import LayeredNet
+
+
+class FedAvgParams(MethodParams):
+    local_rounds: int = Field(
+        0, ge=0, description="Phase-1 rounds of purely local training before federating (0 = plain FedAvg)"
+    )
+
+
+class FedAvg(TwoPhase):
+    """McMahan et al. 2017: a sampled client downloads the global model, runs E local epochs of SGD and uploads the
+    whole state_dict (parameters and BatchNorm statistics); the server takes the sample-size-weighted mean. Every
+    client is evaluated with the global model.
+
+    ``local_rounds: E0 > 0`` is "FedAvg under the two-phase protocol" of pFedDB's Fig. 5: in rounds 1..E0 every
+    client trains its own copy (from the shared initialisation) and nothing is sent; in round E0 every client uploads
+    its model, and the server's mean starts ordinary FedAvg from round E0 + 1 (the start pFedDB's Eq. 6 gives its
+    shared branch). In Phase 1 each client is evaluated with its own model."""
+
+    name = "fedavg"
+    params_cls = FedAvgParams
+
+    def shared_keys(self, model: LayeredNet) -> list[str]:
+        return list(model.state_dict().keys())
+
+    def setup(self, model: LayeredNet) -> None:
+        super().setup(model)
+        # Phase 1's starting point; kept here, not in init_server, so that a resumed run (which skips init_server)
+        # has it too: setup always sees the seeded initialisation
+        self._init = {k: v.detach().clone() for k, v in model.state_dict().items()} if self.e0 else {}
+
+    # Phase 1: the client's own full model lives in its store
+    def local_phase_update(self, model, store, client, gen):
+        model.load_state_dict(store if store else self._init, strict=True)
+        loss = train_local(model, client, self.train, gen)
+        store.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return loss
+
+    def phase_one_upload(self, model, store):
+        store.clear()  # federation starts: from now on the client keeps nothing of its own
+        sd = model.state_dict()
+        return {k: sd[k].detach() for k in self.shared}
+
+    # evaluation: the client's own model before the federation, the global model after
+    def eval_state(self, server, store, client):
+        return dict(store) if store else {**store, **server}
+
+    def global_state(self, server):
+        return super().global_state(server) if self.federated() else None
+
+    def eval_is_global(self) -> bool:
+        return self.federated() and super().eval_is_global()

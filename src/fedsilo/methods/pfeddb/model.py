@@ -1,0 +1,96 @@
+"""pFedDB's dual-branch model (paper Eq. 2-4): shared extractor f_s, private extractor f_p, fusion, private head g_p.
+
+The first ``l_c`` weighted layers of the backbone are cloned into f_s(.; phi) and f_p(.; psi_c); the remaining layers
+form g_p(.; omega_c); the prediction is g_p(fuse(f_s(x), f_p(x))). ``fusion``: ``add`` (the paper's Eq. 3),
+``concat`` (concatenate along channels, then a 1x1 conv / linear back to the original width), ``attention`` (a sigmoid
+gate computed from both features mixes them: g * z_s + (1 - g) * z_p), ``weighted`` (alpha * z_s + (1 - alpha) * z_p,
+alpha fixed). The fusion layer belongs to the client's private parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from fedsilo.models import LayeredNet
+
+SHARED, PRIVATE = "shared.", "private."
+
+
+class Fusion(nn.Module):
+    def __init__(self, kind: str, example: torch.Tensor, alpha: float):
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("alpha", torch.tensor(float(alpha)))
+        # channels are dim 1 of feature maps (B, C, H, W) and vectors (B, C), the last dim of ViT tokens (B, T, D)
+        self.dim = -1 if example.dim() == 3 else 1
+        if kind in ("concat", "attention"):
+            c = example.shape[self.dim]
+            self.proj = nn.Conv2d(2 * c, c, 1) if example.dim() == 4 else nn.Linear(2 * c, c)
+
+    def forward(self, zs: torch.Tensor, zp: torch.Tensor) -> torch.Tensor:
+        if self.kind == "add":
+            return zs + zp
+        if self.kind == "weighted":
+            return self.alpha * zs + (1 - self.alpha) * zp
+        both = torch.cat([zs, zp], self.dim)
+        if self.kind == "concat":
+            return self.proj(both)
+        gate = torch.sigmoid(self.proj(both))
+        return gate * zs + (1 - gate) * zp
+
+
+class DualBranch(nn.Module):
+    """shared (f_s), private (f_p), fusion, head (g_p). ``phase = 1`` runs the single-branch model g_p(f_p(x))."""
+
+    def __init__(self, base: LayeredNet, cut_units: int, fusion: str, alpha: float, example: torch.Tensor):
+        super().__init__()
+        extractor = nn.Sequential(*base.units[:cut_units])
+        self.shared = copy.deepcopy(extractor)
+        self.private = copy.deepcopy(extractor)
+        self.head = copy.deepcopy(nn.Sequential(*base.units[cut_units:]))
+        was = self.private.training
+        self.private.eval()  # probe the feature shape without touching BatchNorm statistics
+        with torch.no_grad():
+            z = self.private(example)
+        self.private.train(was)
+        self.fusion = Fusion(fusion, z, alpha)
+        self.phase = 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        zp = self.private(x)
+        if self.phase == 1:
+            return self.head(zp)
+        return self.head(self.fusion(self.shared(x), zp))
+
+
+def closest_to_70(base: LayeredNet) -> int:
+    sizes = [sum(p.numel() for p in u.parameters()) for u in base.units]
+    total = sum(sizes)
+    best, best_gap, acc, depth = 1, 2.0, 0, 0
+    for i, (s, d) in enumerate(zip(sizes, base.depths)):
+        acc += s
+        depth += d
+        if i < len(sizes) - 1 and abs(acc / total - 0.7) < best_gap:
+            best, best_gap = depth, abs(acc / total - 0.7)
+    return best
+
+
+def shared_fraction(base: LayeredNet, depth: int) -> float:
+    """Fraction of the backbone's parameters in its first ``depth`` weighted layers (Table 3's Ratio)."""
+    k = base.cut_index(depth)
+    sizes = [sum(p.numel() for p in u.parameters()) for u in base.units]
+    return sum(sizes[:k]) / sum(sizes)
+
+
+def local_branch_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The single-branch model g_p(f_p(x)) that Phase 1 trains: the private extractor and the head."""
+    return [p for n, p in model.named_parameters() if n.startswith((PRIVATE, "head."))]
+
+
+def psi_as_phi(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The private extractor psi under the shared extractor's names: a client's clone of psi_c* into its shared
+    branch at the end of Phase 1 (Eq. 6's input)."""
+    return {SHARED + k[len(PRIVATE):]: v for k, v in state.items() if k.startswith(PRIVATE)}

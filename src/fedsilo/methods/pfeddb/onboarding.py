@@ -1,0 +1,100 @@
+"""New-client onboarding (pFedDB Fig. 6): a domain held out of the federation joins after training.
+
+The newcomer first has a pre-existing local model: the single-branch model (private extractor + head) trained on its
+own data for ``pretrain_rounds`` rounds, exactly a pFedDB client's Phase 1 (the method's own ``local_phase_update``).
+It then downloads the global shared branch phi once and adapts for ``rounds`` rounds with each strategy, evaluated on
+its test split after every round:
+
+- ``freeze_global``: the shared branch takes phi and stays frozen; only psi_c, the fusion and the head train (the
+  newcomer's shared-branch BatchNorm statistics start from its own extractor, as a pFedDB client's do at the start of
+  Phase 2, and follow its data: phi is the branch's *parameters*);
+- ``finetune_all``: the same start, every block trains;
+- ``from_scratch``: a freshly initialised dual-branch model trains on the newcomer's data alone (no phi, no
+  pre-existing model).
+
+Every strategy uses the experiment's training settings and the same seeded batch order.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+from torch import nn
+
+from fedsilo.client.data import ClientData, to_float
+from fedsilo.client.local import evaluate, make_generator, train_local
+from fedsilo.methods.base import State, payload_bytes
+from fedsilo.methods.pfeddb.method import PFedDB
+from fedsilo.methods.pfeddb.model import SHARED, psi_as_phi
+from fedsilo.models import LayeredNet
+
+STRATEGIES = ("freeze_global", "finetune_all", "from_scratch")
+
+
+def onboard_newcomer(
+    method: PFedDB,
+    backbone: Callable[[int], LayeredNet],
+    client: ClientData,
+    phi: State,
+    pretrain_rounds: int,
+    rounds: int,
+    seed: int,
+) -> dict[str, Any]:
+    """Run the three strategies for the newcomer ``client``; ``backbone(init_seed)`` builds a fresh backbone on the
+    client's device, ``phi`` is the trained global shared branch. Returns the per-round accuracy of each strategy,
+    the pre-existing model's accuracy and the bytes the newcomer downloads (phi, once)."""
+    train = method.train
+    example = to_float(client.x_train[:2])
+
+    def dual(init_seed: int) -> nn.Module:
+        device = client.x_train.device
+        return method.transform_model(backbone(init_seed).to(device), example).to(device)
+
+    def adapt(model: nn.Module, trainable: Callable[[nn.Module], list[nn.Parameter]]) -> list[float]:
+        accs = []
+        for r in range(1, rounds + 1):
+            train_local(model, client, train, make_generator(seed, pretrain_rounds + r, client.index), params=trainable(model))
+            accs.append(evaluate(model, client.x_test, client.y_test, cfg=train)["acc"])
+        return accs
+
+    # the newcomer's pre-existing local model: Phase 1 of pFedDB on its own data
+    local = dual(seed)
+    method.setup(local)
+    store = method.init_client(local, client)
+    local.phase = 1
+    for r in range(1, pretrain_rounds + 1):
+        method.local_phase_update(local, store, client, make_generator(seed, r, client.index))
+    pre_acc = evaluate(local, client.x_test, client.y_test, cfg=train)["acc"] if pretrain_rounds else None
+    joined = local.state_dict()
+    joined.update(psi_as_phi(joined))  # the shared branch starts as the newcomer's own psi (BatchNorm statistics stay)
+    joined.update(phi)  # and takes the downloaded phi
+
+    curves: dict[str, list[float]] = {}
+    for strategy in STRATEGIES:
+        if strategy == "from_scratch":
+            model = dual(seed + 7919)
+            model.phase = 2
+            curves[strategy] = adapt(model, lambda m: list(m.parameters()))
+            continue
+        model = copy.deepcopy(local)
+        model.load_state_dict(joined, strict=True)
+        model.phase = 2
+        if strategy == "freeze_global":
+            curves[strategy] = adapt(model, lambda m: [p for n, p in m.named_parameters() if not n.startswith(SHARED)])
+        else:
+            curves[strategy] = adapt(model, lambda m: list(m.parameters()))
+    return {
+        "pretrained_local_acc": pre_acc,
+        "bytes_down_phi": payload_bytes(phi),
+        "accuracy_per_round": curves,
+        "final": {s: c[-1] for s, c in curves.items()},
+    }
+
+
+def global_shared_branch(server: State) -> State:
+    """phi from a trained pFedDB run's server state."""
+    return {k: v for k, v in server.items() if k.startswith(SHARED)}
+
+
+__all__ = ["STRATEGIES", "global_shared_branch", "onboard_newcomer"]

@@ -1,0 +1,72 @@
+"""Methods by name, and their resolution from params: a ``methods.<key>`` entry becomes one typed method object.
+
+An entry's key is the method's registered name (``fedprox: {mu: 0.01}``) or a named variant that says which method it
+configures (``fedavg_two_phase: {method: fedavg, local_rounds: 150}``). Its values are validated by the method's own
+params class; an error names the dotted key (``methods.fedavg_two_phase.mu: unknown key``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pydantic import ValidationError
+
+from fedsilo.config import ConfigError, Params, TrainParams, format_validation_error
+from fedsilo.methods.base import Method, MethodParams
+from fedsilo.methods.ditto import Ditto
+from fedsilo.methods.fedavg import FedAvg
+from fedsilo.methods.fedbn import FedBN
+from fedsilo.methods.fedlgf import FedLGF
+from fedsilo.methods.fedper import FedPer
+from fedsilo.methods.fedprox import FedProx
+from fedsilo.methods.fedwon import FedWon
+from fedsilo.methods.pfeddb import PFedDB
+from fedsilo.methods.pfedsd import PFedSD
+from fedsilo.methods.single import Single
+
+REGISTRY: dict[str, type[Method]] = {
+    cls.name: cls for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedSD, FedLGF, FedWon, PFedDB)
+}
+
+
+def method_class(name: str) -> type[Method]:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown method {name!r} (registered: {', '.join(sorted(REGISTRY))})") from None
+
+
+def method_base(key: str, entry: Optional[dict[str, Any]]) -> str:
+    """The registered method behind a ``methods.<key>`` entry: the key itself, or the entry's ``method``."""
+    return str((entry or {}).get("method", key))
+
+
+def _values(entry: Optional[dict[str, Any]]) -> dict[str, Any]:
+    return {k: v for k, v in (entry or {}).items() if k != "method"}
+
+
+def method_params(params: Params, key: str, source: str = "params.yaml") -> MethodParams:
+    """The validated, typed params of ``methods.<key>``."""
+    if key not in params.methods:
+        raise ConfigError(f"methods.{key}: not defined in {source}")
+    entry = params.methods[key]
+    try:
+        cls = method_class(method_base(key, entry))
+    except KeyError as err:
+        raise ConfigError(f"{source}: methods.{key}: {err.args[0]}") from None
+    try:
+        return cls.params_cls.model_validate(_values(entry))
+    except ValidationError as err:
+        raise ConfigError(f"{source}: {format_validation_error(err, f'methods.{key}.')}") from None
+
+
+def check_methods(params: Params, source: str = "params.yaml") -> None:
+    """Validate every ``methods`` entry (at load time, so that a bad value fails before any stage runs)."""
+    for key in params.methods:
+        method_params(params, key, source)
+
+
+def resolve_method(params: Params, key: str, train: TrainParams) -> Method:
+    """The method object a run uses: its class, its typed params and its key, resolved once."""
+    mp = method_params(params, key)
+    return method_class(method_base(key, params.methods[key]))(mp, train, key=key)

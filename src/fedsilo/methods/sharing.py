@@ -1,0 +1,98 @@
+"""Partial sharing: a method that shares a fixed subset of the model's state_dict and keeps the rest on the client.
+
+FedAvg shares everything, FedBN everything but BatchNorm, FedPer everything but the head, Single nothing. The local
+update is the paper's ClientUpdate: load the download over the client's own tensors, train (with the method's extra
+local terms), keep the private tensors, upload the shared ones; the server takes the sample-size-weighted mean.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from fedsilo.client.data import ClientData
+from fedsilo.client.local import ExtraLoss, make_generator, train_local
+from fedsilo.methods.base import Method, RunningMean, State
+from fedsilo.models import LayeredNet
+
+
+class PartialSharing(Method):
+    """Share a fixed subset of the model's state_dict; everything else persists in the client store.
+
+    FedAvg shares everything, FedBN everything but BatchNorm, Single nothing. Clients start from the same
+    initialisation (the model built from the run's seed)."""
+
+    shared: list[str]
+
+    def shared_keys(self, model: LayeredNet) -> list[str]:
+        raise NotImplementedError
+
+    def setup(self, model: LayeredNet) -> None:
+        keys = list(model.state_dict().keys())
+        self.shared = [k for k in keys if k in set(self.shared_keys(model))]
+        self.private = [k for k in keys if k not in set(self.shared)]
+        sizes = {n: p.numel() for n, p in model.named_parameters()}
+        self._param_share = sum(v for n, v in sizes.items() if n in set(self.shared)) / max(sum(sizes.values()), 1)
+
+    def private_keys(self, model: LayeredNet) -> set[str]:
+        return set(self.private)
+
+    def resolved(self) -> dict[str, Any]:
+        """How much of the trained model is shared: tensors and the fraction of its parameters (weights, biases,
+        affine terms; buffers such as BatchNorm statistics are not parameters)."""
+        if not hasattr(self, "shared"):
+            return {}
+        return {
+            "shared_tensors": len(self.shared),
+            "private_tensors": len(self.private),
+            "shared_param_fraction": round(self._param_share, 6),
+        }
+
+    def init_server(self, model: LayeredNet) -> State:
+        sd = model.state_dict()
+        return {k: sd[k].detach().clone() for k in self.shared}
+
+    def init_client(self, model: LayeredNet, client: ClientData) -> State:
+        sd = model.state_dict()
+        return {k: sd[k].detach().clone() for k in self.private}
+
+    def download(self, server: State, client: ClientData, rnd: int) -> State:
+        return dict(server)
+
+    def extra_loss(self, model: LayeredNet, payload: State) -> Optional[ExtraLoss]:
+        return None
+
+    def local_terms(self, model: LayeredNet, payload: State, client: ClientData, rnd: int, seed: int) -> dict[str, Any]:
+        """Keyword arguments for train_local beyond plain SGD (extra_loss, batch_loss, grad_hook)."""
+        return {"extra_loss": self.extra_loss(model, payload)}
+
+    def local_update(self, model, store, payload, client, rnd, seed):
+        model.load_state_dict({**store, **payload}, strict=True)
+        self.last_loss = train_local(
+            model, client, self.train, make_generator(seed, rnd, client.index),
+            **self.local_terms(model, payload, client, rnd, seed),
+        )
+        sd = model.state_dict()
+        for k in self.private:
+            store[k] = sd[k].detach().clone()
+        return {k: sd[k].detach() for k in self.shared}
+
+    streaming = True
+
+    def agg_begin(self, server, rnd):
+        return RunningMean()
+
+    def agg_add(self, acc, client, upload):
+        if upload:
+            acc.add(client.n_train, upload)
+
+    def agg_end(self, server, acc, rnd):
+        return acc.result() if acc.weight > 0 and self.shared else server
+
+    def eval_state(self, server, store, client):
+        return {**store, **server}
+
+    def global_state(self, server):
+        return dict(server) if not self.private else None
+
+    def eval_is_global(self):
+        return not self.private
