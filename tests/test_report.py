@@ -33,8 +33,8 @@ def test_communication_table_matches_the_tensors_each_method_uploads(mirror_root
         run_training(p, "quick", m, 0, root)
     shutil.copytree(REPO / "pipelines", root / "pipelines")
     assert main(["--root", str(root), "--params", str(tmp_path / "p.yaml"), "report", "--experiment", "quick"]) == 0
-    made = build_report(root, "quick", list(raw["pipeline"]["methods"]), [0], root / "results" / "report" / "quick",
-                        published=raw["experiments"]["quick"]["published"], method_entries=raw["methods"])
+    made = build_report(root / "results" / "quick", "quick", list(raw["pipeline"]["methods"]), [0], root / "results" / "report" / "quick",
+                        published=raw["experiments"]["quick"]["published"], method_entries=raw["methods"], repo=root)
     comm = pd.read_csv(root / "results" / "report" / "quick" / "quick_communication.csv", index_col=0)
     model = build_model("simple_cnn", 1, 2, seed=0)
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())

@@ -53,7 +53,8 @@ def _split(args: argparse.Namespace) -> None:
     if args.experiment not in p.experiments:
         raise ConfigError(f"experiments.{args.experiment}: not defined in {args.params}")
     exp = p.experiments[args.experiment]
-    rec_path = Path(args.root) / "data" / "harmonized" / exp.dataset / "records.parquet"
+    layout = p.layout(args.root)
+    rec_path = layout.harmonized(exp.dataset) / "records.parquet"
     if not rec_path.exists():
         raise FileNotFoundError(f"{rec_path}: missing; run `dvc repro harmonize@{exp.dataset}` first")
     records = pd.read_parquet(rec_path)
@@ -63,7 +64,7 @@ def _split(args: argparse.Namespace) -> None:
     check_patient_disjoint(records, split)
     split["experiment"] = args.experiment
     split["dataset"] = exp.dataset
-    write_json(Path(args.root) / "data" / "splits" / f"{args.experiment}.json", split)
+    write_json(layout.split(args.experiment), split)
     for name, train, test in iter_sides(split):
         print(f"{args.experiment} {name}: {len(train)} train / {len(test)} test")
 
@@ -93,11 +94,13 @@ def _report(args: argparse.Namespace) -> None:
     p = load_params(args.params)
     exps = [args.experiment] if args.experiment else list(p.pipeline.experiments)
     made = {}
+    layout = p.layout(args.root)
     for exp in exps:
         if exp not in p.experiments:
             raise ConfigError(f"experiments.{exp}: not defined in {args.params}")
-        made.update(build_report(Path(args.root), exp, list(p.pipeline.methods), list(p.pipeline.seeds), Path(args.root) / "results" / "report" / exp,
-                                 published=p.experiments[exp].published, method_entries=p.methods))
+        made.update(build_report(layout.results(exp), exp, list(p.experiment_methods(exp)), list(p.pipeline.seeds),
+                                 layout.report(exp), published=p.experiments[exp].published, method_entries=p.methods,
+                                 repo=Path(args.root)))
     for exp, info in made.items():
         if "table" not in info:
             continue
@@ -132,30 +135,34 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--params", default="params.yaml", help="parameters file (default: params.yaml)")
     ap.add_argument("--root", default=".", help="repository root holding data/ and results/ (default: .)")
     ap.add_argument("-v", "--verbose", action="store_true")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("fetch", help="bring one raw source into data/raw/<source>/")
+    # --params and --root are accepted after the command too (`fedsilo train --params ... --experiment ...`)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--params", default=argparse.SUPPRESS, help="parameters file (default: params.yaml)")
+    common.add_argument("--root", default=argparse.SUPPRESS, help="repository root (default: .)")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="command")
+    s = sub.add_parser("fetch", parents=[common], help="bring one raw source into data/raw/<source>/")
     s.add_argument("--source", required=True)
     s.set_defaults(fn=_fetch)
-    s = sub.add_parser("harmonize", help="raw sources -> data/harmonized/<dataset>/")
+    s = sub.add_parser("harmonize", parents=[common], help="raw sources -> data/harmonized/<dataset>/")
     s.add_argument("--dataset", required=True)
     s.set_defaults(fn=_harmonize)
-    s = sub.add_parser("split", help="harmonized dataset -> data/splits/<experiment>.json")
+    s = sub.add_parser("split", parents=[common], help="harmonized dataset -> data/splits/<experiment>.json")
     s.add_argument("--experiment", required=True)
     s.set_defaults(fn=_split)
-    s = sub.add_parser("train", help="train one (experiment, method, seed); resumes from its last round")
+    s = sub.add_parser("train", parents=[common], help="train one (experiment, method, seed); resumes from its last round")
     s.add_argument("--experiment", required=True)
     s.add_argument("--method", required=True)
     s.add_argument("--seed", type=int, required=True)
     s.set_defaults(fn=_train)
-    s = sub.add_parser("onboard", help="pFedDB Fig. 6: the held-out newcomer adapts with three strategies")
+    s = sub.add_parser("onboard", parents=[common], help="pFedDB Fig. 6: the held-out newcomer adapts with three strategies")
     s.add_argument("--experiment", required=True)
     s.add_argument("--seed", type=int, required=True)
     s.set_defaults(fn=_onboard)
-    s = sub.add_parser("report", help="tables and figures -> results/report/<experiment>/")
+    s = sub.add_parser("report", parents=[common], help="tables and figures -> results/report/<experiment>/")
     s.add_argument("--experiment", help="one experiment (default: every one in pipeline.experiments)")
     s.set_defaults(fn=_report)
     s = sub.add_parser(
-        "bench",
+        "bench", parents=[common],
         help="engine throughput against the single-model loop, memory over rounds, harmonize throughput",
         description="Measures, in one process: (a) a plain single-model training loop over the same samples, batches "
         "and evaluation (the limit), (b) FedAvg rounds through the engine, (c) the other --methods; prints samples/s, "
@@ -187,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--harmonize-px", type=int, default=1024, help="edge of those DICOMs")
     s.add_argument("--json", help="also write the full result as JSON here")
     s.set_defaults(fn=_bench)
-    s = sub.add_parser("check-params", help="validate params.yaml")
+    s = sub.add_parser("check-params", parents=[common], help="validate params.yaml")
     s.set_defaults(fn=_check)
     return ap
 

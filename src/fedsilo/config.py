@@ -8,11 +8,14 @@ this module does not import the methods.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from fedsilo.layout import Layout
 
 CXR_SOURCES = ("chexpert", "openi", "rsna", "vinbigdata")
 
@@ -263,6 +266,10 @@ class TrainParams(Strict):
     store_device: Literal["auto", "device", "host"] = Field(
         "auto", description="where client stores live: on the device when they fit, else pinned host memory"
     )
+    keep_client_models: bool = Field(
+        False, description="also save every client's store (private tensors, personal models) in final_model.pt; the "
+        "server state is always saved. Not part of the run's hash: it changes what is saved, not what is trained"
+    )
 
 
 class OnboardingParams(Strict):
@@ -278,10 +285,6 @@ class ExperimentParams(Strict):
     onboarding: OnboardingParams = OnboardingParams()
     published: Optional[str] = Field(
         None, description="'<file>#<table>' of a paper's published accuracies (e.g. pipelines/pfeddb/published.yaml#chest_xray4) the report sets ours beside"
-    )
-    keep_client_models: bool = Field(
-        False, description="also save every client's store (private tensors, personal models) in final_model.pt; "
-        "the server state is always saved"
     )
 
     @field_validator("split", mode="before")
@@ -309,8 +312,22 @@ class TrackingParams(Strict):
     uri: str = "sqlite:///mlflow.db"
 
 
+class RunGroup(Strict):
+    """Runs a paper's table or figure needs: every listed experiment with every listed method, for each seed."""
+
+    experiments: tuple[str, ...] = Field(min_length=1)
+    methods: tuple[str, ...] = Field(min_length=1)
+
+
+class PaperMeta(Strict):
+    name: str
+    scale: str
+    params_file: str
+    runs: dict[str, RunGroup]
+
+
 class Params(Strict):
-    """The whole of params.yaml."""
+    """The whole of params.yaml (or of a paper's params file joined with the root's data sections)."""
 
     sources: dict[str, SourceParams]
     datasets: dict[str, DatasetParams]
@@ -318,6 +335,24 @@ class Params(Strict):
     methods: dict[str, dict[str, Any]]
     pipeline: PipelineParams
     tracking: TrackingParams = TrackingParams()
+    _paper: Optional[PaperMeta] = PrivateAttr(None)  # set when loaded from a paper's params file
+
+    @property
+    def paper(self) -> Optional[PaperMeta]:
+        return self._paper
+
+    def layout(self, root: str | Path = ".") -> Layout:
+        return Layout(Path(root), f"{self._paper.name}/{self._paper.scale}" if self._paper else "")
+
+    def experiment_methods(self, experiment: str) -> tuple[str, ...]:
+        """The methods trained on ``experiment``: a paper's run groups that list it, else pipeline.methods."""
+        if self._paper is None:
+            return tuple(self.pipeline.methods)
+        out: dict[str, None] = {}
+        for g in self._paper.runs.values():
+            if experiment in g.experiments:
+                out.update(dict.fromkeys(g.methods))
+        return tuple(out)
 
     @field_validator("datasets", mode="before")
     @classmethod
@@ -396,6 +431,8 @@ def parse_params(raw: dict[str, Any], source: str = "params.yaml") -> Params:
     class (:func:`fedsilo.methods.check_methods`; :func:`fedsilo.fl.params.load_params` runs both)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level")
+    if "paper" in raw:
+        raise ConfigError(f"{source}: a paper's params file is read from its place in the repository (load_params)")
     try:
         return Params.model_validate(raw)
     except ValidationError as err:
@@ -410,4 +447,95 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if isinstance(raw, dict) and "paper" in raw:
+        return load_paper_params(path, raw)
     return parse_params(raw, str(path))
+
+
+# --------------------------------------------------------------------------- a paper's params file
+SLUG = r"^[a-z0-9][a-z0-9_]*$"
+SLUG_RE = re.compile(SLUG)
+
+
+class PaperParams(Strict):
+    """``pipelines/<paper>/params.yaml`` (one file per scale): the paper's experiments and methods and exactly the
+    runs its tables and figures need. Sources and datasets are the root's (``data``): a paper never copies data."""
+
+    paper: str = Field(pattern=SLUG, description="results go under results/<paper>/<scale>/")
+    scale: str = Field(pattern=SLUG, description="quickstart, paper, ...")
+    params_file: str = Field(description="this file's path from the repository root (dvc.yaml's params dependency)")
+    repo_root: str = Field(description="the repository root from this file's folder (dvc.yaml's wdir)")
+    data: str = Field("params.yaml", description="the root params file whose sources and datasets the experiments use")
+    seeds: tuple[int, ...] = Field(min_length=1)
+    runs: dict[str, RunGroup] = Field(description="group -> experiments x methods; dvc.yaml has a train_<group> stage per group")
+    onboarding: tuple[str, ...] = Field((), description="holdout_domain experiments whose newcomer onboarding (pFedDB Fig. 6) runs")
+    experiments: dict[str, ExperimentParams]
+    methods: dict[str, dict[str, Any]]
+    tracking: TrackingParams = TrackingParams()
+
+    @model_validator(mode="after")
+    def _runs(self) -> "PaperParams":
+        seen: dict[tuple[str, str], str] = {}
+        for g, grp in self.runs.items():
+            if not SLUG_RE.match(g):
+                raise ValueError(f"runs.{g}: a group name is lower-case letters, digits and _ (it names DVC stages)")
+            for e in grp.experiments:
+                if e not in self.experiments:
+                    raise ValueError(f"runs.{g}.experiments: '{e}' is not defined under 'experiments'")
+            for m in grp.methods:
+                if m not in self.methods:
+                    raise ValueError(f"runs.{g}.methods: '{m}' is not defined under 'methods'")
+            for e in grp.experiments:
+                for m in grp.methods:
+                    if (e, m) in seen:
+                        raise ValueError(f"runs.{g}: {e} x {m} is already trained by runs.{seen[(e, m)]} (a run belongs to one group)")
+                    seen[(e, m)] = g
+        trained = {e for e, _ in seen}
+        for e in self.experiments:
+            if e not in trained:
+                raise ValueError(f"experiments.{e}: no runs group trains it")
+            if e == "report":
+                raise ValueError("experiments.report: the name is taken by the report folder")
+        return self
+
+
+def load_paper_params(path: Path, raw: dict[str, Any]) -> Params:
+    """A paper's params file joined with the sources and datasets of the root params file it names."""
+    try:
+        pp = PaperParams.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(f"{path}: {format_validation_error(err)}") from None
+    repo = (path.parent / pp.repo_root).resolve()
+    if (repo / pp.params_file).resolve() != path.resolve():
+        raise ConfigError(f"{path}: params_file: '{pp.params_file}' (from repo_root '{pp.repo_root}') is not this file")
+    data_path = repo / pp.data
+    root = load_params(data_path)
+    if root.paper is not None:
+        raise ConfigError(f"{path}: data: '{pp.data}' is a paper's params file, not the root's")
+    for e, ex in pp.experiments.items():
+        if ex.dataset not in root.pipeline.datasets:
+            raise ConfigError(
+                f"{path}: experiments.{e}.dataset: '{ex.dataset}' is not built by {pp.data} "
+                f"(define it under datasets there and add it to pipeline.datasets)"
+            )
+    methods: dict[str, None] = {}
+    for grp in pp.runs.values():
+        methods.update(dict.fromkeys(grp.methods))
+    pipeline = {
+        "sources": root.pipeline.sources,
+        "datasets": root.pipeline.datasets,
+        "splits": {e: ex.dataset for e, ex in pp.experiments.items()},
+        "experiments": tuple(pp.experiments),
+        "methods": tuple(methods),
+        "seeds": pp.seeds,
+        "onboarding": pp.onboarding,
+    }
+    try:
+        params = Params.model_validate({
+            "sources": root.sources, "datasets": root.datasets, "experiments": pp.experiments,
+            "methods": pp.methods, "pipeline": pipeline, "tracking": pp.tracking,
+        })
+    except ValidationError as err:
+        raise ConfigError(f"{path}: {format_validation_error(err)}") from None
+    params._paper = PaperMeta(name=pp.paper, scale=pp.scale, params_file=pp.params_file, runs=pp.runs)
+    return params

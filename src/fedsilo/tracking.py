@@ -39,17 +39,20 @@ def git_commit(repo: Path = Path(".")) -> tuple[str, bool]:
         return "unknown", False
 
 
-def dvc_hashes(paths: list[str], lock: Path = Path("dvc.lock")) -> dict[str, str]:
-    """md5 recorded in dvc.lock for each path that some stage outputs (DVC writes a stage's lock entry as soon as
-    the stage completes, so upstream data is there when a train stage runs under ``dvc repro``)."""
+def dvc_hashes(paths: list[str], locks: list[Path]) -> dict[str, str]:
+    """md5 recorded in the dvc.lock files for each path that some stage outputs (DVC writes a stage's lock entry as
+    soon as the stage completes, so upstream data is there when a train stage runs under ``dvc repro``). Paths are
+    relative to the repository root; a lock beside a paper's dvc.yaml records its outputs relative to its wdir, the
+    repository root too."""
     found: dict[str, str] = {}
-    if not lock.exists():
-        return found
-    data = yaml.safe_load(lock.read_text()) or {}
-    for stage in (data.get("stages") or {}).values():
-        for out in stage.get("outs", []) or []:
-            if out.get("path") in paths and out.get("md5"):
-                found[out["path"]] = out["md5"]
+    for lock in locks:
+        if not lock.exists():
+            continue
+        data = yaml.safe_load(lock.read_text()) or {}
+        for stage in (data.get("stages") or {}).values():
+            for out in stage.get("outs", []) or []:
+                if out.get("path") in paths and out.get("md5"):
+                    found[out["path"]] = out["md5"]
     return found
 
 

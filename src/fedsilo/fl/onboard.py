@@ -2,7 +2,7 @@
 
 The experiment's split must be ``holdout_domain`` with ``role: newcomer``; pFedDB must have been trained on it (its
 ``final_model.pt`` holds the global shared branch phi). The strategies themselves are pFedDB's
-(:mod:`fedsilo.methods.pfeddb.onboarding`). Output: ``results/<experiment>/onboarding/seed<k>/onboarding.json``
+(:mod:`fedsilo.methods.pfeddb.onboarding`). Output: ``<results>/<experiment>/onboarding/seed<k>/onboarding.json``
 (accuracy per round and strategy, the final accuracies, the bytes the newcomer downloads: phi once).
 """
 
@@ -32,14 +32,15 @@ def run_onboarding(params: Params, experiment: str, seed: int, root: Path = Path
     algo = resolve_method(params, method, exp.train)
     if not isinstance(algo, PFedDB):
         raise ConfigError(f"methods.{method}: onboarding needs a pfeddb entry, not {algo.name}")
-    split = read_json(root / "data" / "splits" / f"{experiment}.json")
-    final = root / "results" / experiment / method / f"seed{seed}" / "final_model.pt"
+    layout = params.layout(root)
+    split = read_json(layout.split(experiment))
+    final = layout.run(experiment, method, seed) / "final_model.pt"
     if not final.exists():
-        raise FileNotFoundError(f"{final}: missing; run `dvc repro train@{experiment}-{method}-{seed}` first")
+        raise FileNotFoundError(f"{final}: missing; train {experiment} / {method} / seed {seed} first (`dvc repro`)")
     ob = exp.onboarding
     device = pick_device(exp.train.device)
     newcomer_split = {"clients": [split["holdout"]["client"]], "num_classes": split["num_classes"]}
-    (client,), in_ch, num_classes = load_clients(root / "data" / "harmonized" / exp.dataset, newcomer_split, device)
+    (client,), in_ch, num_classes = load_clients(layout.harmonized(exp.dataset), newcomer_split, device)
     client.index = len(split["clients"])  # its own stream of seeded randomness
     phi = global_shared_branch(torch.load(final, map_location=device, weights_only=False)["server"])
 
@@ -55,6 +56,6 @@ def run_onboarding(params: Params, experiment: str, seed: int, root: Path = Path
         "pretrain_rounds": ob.pretrain_rounds,
         **res,
     }
-    with atomic_dir(root / "results" / experiment / "onboarding" / f"seed{seed}") as tmp:
+    with atomic_dir(layout.onboarding(experiment, seed)) as tmp:
         write_json(tmp / "onboarding.json", out)
     return out

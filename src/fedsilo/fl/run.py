@@ -3,9 +3,10 @@
 Outputs (``results/<experiment>/<method>/seed<k>/``, written atomically at the end):
 ``metrics.json`` (final per-client accuracy / AUC, mean and std, global-model accuracy where one exists, bytes per
 round, what the method resolved), ``history.json`` (every round), ``final_model.pt`` (the server state; every
-client's store too with ``experiments.<e>.keep_client_models: true``).
+client's store too with ``experiments.<e>.train.keep_client_models: true``).
 
-The per-round checkpoint lives in ``state/<experiment>/<method>/seed<k>/checkpoint.pt``, outside DVC's outputs
+Paths follow :class:`fedsilo.layout.Layout` (a paper's runs under ``results/<paper>/<scale>/``). The per-round
+checkpoint lives in ``state/<experiment>/<method>/seed<k>/checkpoint.pt``, outside DVC's outputs
 (DVC deletes a stage's outputs before running it). It carries the hash of everything the run depends on; a rerun
 with the same hash resumes after the last completed round, any other hash starts afresh.
 """
@@ -28,10 +29,6 @@ from fedsilo.tracking import Tracker, dvc_hashes, git_commit
 from fedsilo.utils.io import atomic_dir, canonical_hash, file_sha256, read_json, write_json
 
 log = logging.getLogger("fedsilo.train")
-
-
-def run_paths(root: Path, experiment: str, method: str, seed: int) -> tuple[Path, Path]:
-    return (root / "results" / experiment / method / f"seed{seed}", root / "state" / experiment / method / f"seed{seed}" / "checkpoint.pt")
 
 
 def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
@@ -66,8 +63,9 @@ def run_training(
         raise KeyError(f"experiments.{experiment}: not defined in params.yaml")
     exp = params.experiments[experiment]
     algo = resolve_method(params, method, exp.train)  # the one typed method object of this run
-    harmonized = root / "data" / "harmonized" / exp.dataset
-    split_path = root / "data" / "splits" / f"{experiment}.json"
+    layout = params.layout(root)
+    harmonized = layout.harmonized(exp.dataset)
+    split_path = layout.split(experiment)
     for p in (harmonized / "images.npy", harmonized / "records.parquet", harmonized / "card.json", split_path):
         if not p.exists():
             raise FileNotFoundError(f"{p}: missing; run the upstream stages first (`dvc repro`)")
@@ -90,7 +88,7 @@ def run_training(
         "experiment": experiment,
         "dataset": exp.dataset,
         "split": exp.split.model_dump(mode="json"),
-        "train": exp.train.model_dump(mode="json"),
+        "train": exp.train.model_dump(mode="json", exclude={"keep_client_models"}),
         "method": {"name": method, "base": method_base(method, params.methods[method]), **algo.params.model_dump(mode="json")},
         "seed": seed,
     }
@@ -98,13 +96,16 @@ def run_training(
     params_hash = canonical_hash(resolved)
     config_hash = canonical_hash({"params": resolved, "data": data_hashes})
 
-    out_dir, ckpt = run_paths(root, experiment, method, seed)
+    out_dir, ckpt = layout.run(experiment, method, seed), layout.checkpoint(experiment, method, seed)
     torch.manual_seed(seed)
     model = build_model(exp.train.model, in_ch, num_classes, seed=seed, image_size=clients[0].x_train.shape[-1]).to(device)
     tracker = Tracker(params.tracking.enabled, params.tracking.uri)
     engine = Engine(algo, model, clients, exp.train, seed, checkpoint=ckpt, config_hash=config_hash, observer=observer)
     commit, dirty = git_commit(root)
-    dvc = dvc_hashes([f"data/harmonized/{exp.dataset}", f"data/splits/{experiment}.json"], root / "dvc.lock")
+    locks = [root / "dvc.lock"]
+    if params.paper is not None:  # a paper's splits are outputs of its own dvc.yaml
+        locks.append(root / Path(params.paper.params_file).parent / "dvc.lock")
+    dvc = dvc_hashes([str(harmonized.relative_to(root)), str(split_path.relative_to(root))], locks)
     tags = {
         "git_commit": commit,
         "git_dirty": str(dirty).lower(),
@@ -125,7 +126,7 @@ def run_training(
     # what the method derived from its params and the model (a resolved cut depth, private layers, shared fraction),
     # known once the engine has set it up; logged beside the params, not hashed (it follows from them)
     method_resolved = algo.resolved()
-    run_id = tracker.start(experiment, f"{method}-seed{seed}", {**resolved, "method_resolved": method_resolved}, tags,
+    run_id = tracker.start(layout.tracking_experiment(experiment), f"{method}-seed{seed}", {**resolved, "method_resolved": method_resolved}, tags,
                            run_id=engine.meta.get("mlflow_run_id"))
     if run_id and engine.meta.get("mlflow_run_id") != run_id:
         engine.meta["mlflow_run_id"] = run_id
@@ -156,7 +157,7 @@ def run_training(
         write_json(tmp / "metrics.json", metrics)
         (tmp / "history.json").write_text(json.dumps(history, indent=1) + "\n")
         final = {"server": engine.server, "clients": [c.name for c in clients], "config_hash": config_hash}
-        if exp.keep_client_models:  # every client's private tensors / personal model: large, kept only when asked
+        if exp.train.keep_client_models:  # every client's private tensors / personal model: large, kept only when asked
             final["stores"] = engine.stores
         torch.save(final, tmp / "final_model.pt")
         flat = {"mean_acc": summary["mean_acc"], "std_acc": summary["std_acc"]}

@@ -31,13 +31,14 @@ class ReportError(RuntimeError):
     pass
 
 
-def collect(root: Path, experiment: str, methods: list[str], seeds: list[int]) -> tuple[pd.DataFrame, dict]:
+def collect(results: Path, methods: list[str], seeds: list[int]) -> tuple[pd.DataFrame, dict]:
+    """Every (method, seed) run's final metrics under ``results`` (an experiment's results folder)."""
     rows, histories = [], {}
     for m in methods:
         for s in seeds:
-            d = root / "results" / experiment / m / f"seed{s}"
+            d = results / m / f"seed{s}"
             if not (d / "metrics.json").exists():
-                raise ReportError(f"{d / 'metrics.json'}: missing (run `dvc repro train@{experiment}-{m}-{s}`)")
+                raise ReportError(f"{d / 'metrics.json'}: missing (train {m} seed {s} first: `dvc repro`)")
             met = read_json(d / "metrics.json")
             histories[(m, s)] = json.loads((d / "history.json").read_text())
             up = [b for b in met["bytes_up_per_round"] if b > 0]
@@ -262,22 +263,24 @@ def _fig3(path: Path, acc: pd.DataFrame, published: dict[str, Any] | None, title
 
 
 def build_report(
-    root: Path,
+    results: Path,
     experiment: str,
     methods: list[str],
     seeds: list[int],
     out_dir: Path,
     published: str | None = None,
     method_entries: dict[str, Any] | None = None,
+    repo: Path = Path("."),
 ) -> dict[str, Any]:
-    """Tables and figures for one experiment. ``published``: '<file>#<table>' of a paper's numbers to compare with;
-    ``method_entries``: params.yaml's ``methods`` (to find the two-phase FedAvg of Fig. 5)."""
-    root = Path(root)
+    """Tables and figures for one experiment from its results folder (``results/<experiment>`` or a paper's
+    ``results/<paper>/<scale>/<experiment>``). ``published``: '<file>#<table>' of a paper's numbers (a path from the
+    repository root ``repo``); ``method_entries``: the params' ``methods`` (to find the two-phase FedAvg of Fig. 5)."""
+    results = Path(results)
     index = [f"# fedsilo report: {experiment}", ""]
     made: dict[str, Any] = {}
     with atomic_dir(out_dir) as tmp:
         for exp in [experiment]:
-            df, histories = collect(root, exp, methods, seeds)
+            df, histories = collect(results, methods, seeds)
             acc = summary_table(df, "acc", methods)
             md = to_markdown(acc, f"{exp}: test accuracy (%), mean ± std over seeds {list(seeds)}")
             if df["auc"].notna().any():
@@ -300,7 +303,7 @@ def build_report(
             figs = _plots(tmp, exp, methods, seeds, histories)
             figs.append(_bar_figure(tmp / f"{exp}_communication.png", methods, comm["upload_MiB"].fillna(0).tolist(),
                                     "MiB uploaded per client per federated round", f"{exp}: communication"))
-            paper = load_published(root, published) if published else None
+            paper = load_published(repo, published) if published else None
             if paper is not None:
                 vs = versus_paper(acc, paper)
                 vs_md = versus_markdown(vs, f"{exp}: ours vs {published}")
@@ -312,7 +315,7 @@ def build_report(
                 made[exp + ":vs_paper"] = vs.to_dict(orient="index")
             if all(d in acc["mean"].columns for pair in CXR4_PAIRS for d in pair):
                 figs.append(_fig3(tmp / f"{exp}_fig3_scatter.png", acc, paper, exp))
-            onboard = sorted((root / "results" / exp / "onboarding").glob("seed*/onboarding.json"))
+            onboard = sorted((results / "onboarding").glob("seed*/onboarding.json"))
             if onboard:
                 runs = [read_json(f) for f in onboard]
                 order = ("freeze_global", "finetune_all", "from_scratch")

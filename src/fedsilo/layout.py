@@ -1,0 +1,46 @@
+"""Where a stage reads and writes, for the root pipeline and for a paper's pipeline.
+
+The root pipeline (``dvc.yaml``, ``params.yaml``) writes ``data/splits/<experiment>.json``, ``results/<experiment>/``,
+``results/report/<experiment>/`` and ``state/<experiment>/``. A paper's pipeline (``pipelines/<paper>/``) reads the
+same ``data/raw`` and ``data/harmonized`` (the root builds them) and writes under its namespace ``<paper>/<scale>``:
+``data/splits/<paper>/<scale>/``, ``results/<paper>/<scale>/`` (its runs and ``report/``), ``state/<paper>/<scale>/``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Layout:
+    root: Path
+    namespace: str = ""  # "" for the root pipeline, "<paper>/<scale>" for a paper's
+
+    def _ns(self, base: Path) -> Path:
+        return base / self.namespace if self.namespace else base
+
+    def harmonized(self, dataset: str) -> Path:
+        return self.root / "data" / "harmonized" / dataset
+
+    def split(self, experiment: str) -> Path:
+        return self._ns(self.root / "data" / "splits") / f"{experiment}.json"
+
+    def results(self, experiment: str) -> Path:
+        return self._ns(self.root / "results") / experiment
+
+    def run(self, experiment: str, method: str, seed: int) -> Path:
+        return self.results(experiment) / method / f"seed{seed}"
+
+    def checkpoint(self, experiment: str, method: str, seed: int) -> Path:
+        return self._ns(self.root / "state") / experiment / method / f"seed{seed}" / "checkpoint.pt"
+
+    def onboarding(self, experiment: str, seed: int) -> Path:
+        return self.results(experiment) / "onboarding" / f"seed{seed}"
+
+    def report(self, experiment: str) -> Path:
+        return self._ns(self.root / "results") / "report" / experiment
+
+    def tracking_experiment(self, experiment: str) -> str:
+        """The MLflow experiment of a pipeline experiment: the paper's runs are kept apart from the root's."""
+        return f"{self.namespace}/{experiment}" if self.namespace else experiment
