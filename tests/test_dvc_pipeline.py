@@ -43,8 +43,9 @@ def repo_copy(tmp_path_factory):
     return dest
 
 
-def _stale(repo) -> set[str]:
-    return set(json.loads(_run(repo, "dvc", "status", "--json") or "{}"))
+def _stale(repo, dvcfile: str = "dvc.yaml") -> set[str]:
+    """Stages of one pipeline file that are out of date (`dvc status` alone would list every dvc.yaml of the repo)."""
+    return set(json.loads(_run(repo, "dvc", "status", dvcfile, "--json") or "{}"))
 
 
 def test_repro_writes_report_and_mlflow_runs(repo_copy):
@@ -109,3 +110,79 @@ def test_method_param_edit_reruns_only_that_method_and_the_report(repo_copy):
     finally:
         params.write_text(original)
     assert _stale(repo_copy) == set()
+
+
+# ------------------------------------------------------------------------------------------ a paper's own pipeline
+PFEDDB = "pipelines/pfeddb/dvc.yaml"
+
+
+def _tiny_pfeddb(repo) -> dict:
+    """pipelines/pfeddb/params.yaml cut down to one tiny run per group, on the copy's root datasets."""
+    raw = yaml.safe_load((repo / "pipelines" / "pfeddb" / "params.yaml").read_text())
+    train = {"model": "simple_cnn", "rounds": 2, "batch_size": 16, "lr": 0.02, "device": "cpu"}
+    raw["experiments"] = {
+        "pq_cxr": {"dataset": "chest_xray4", "split": {"protocol": "domain_clients", "n_train": 16, "n_test": 8}, "train": train},
+        "pq_hold": {"dataset": "chest_xray4", "split": {"protocol": "holdout_domain", "holdout": "OpenI", "n_train": 16, "n_test": 8},
+                    "train": train, "onboarding": {"pretrain_rounds": 1, "rounds": 1}},
+    }
+    raw["runs"] = {
+        "tables_1_2": {"experiments": ["pq_cxr"], "methods": ["fedavg", "fedprox"]},
+        "table3_office": {"experiments": ["pq_cxr"], "methods": ["pfeddb_cut_a"]},
+        "table3_cxr4": {"experiments": ["pq_cxr"], "methods": ["pfeddb"]},
+        "table4": {"experiments": ["pq_cxr"], "methods": ["pfeddb_one_phase"]},
+        "fig5": {"experiments": ["pq_cxr"], "methods": ["fedavg_two_phase"]},
+        "fig6": {"experiments": ["pq_hold"], "methods": ["pfeddb"]},
+    }
+    raw["onboarding"] = ["pq_hold"]
+    for m in ("pfeddb", "pfeddb_cut_a"):
+        raw["methods"][m]["local_rounds"] = 1
+    raw["methods"]["fedavg_two_phase"]["local_rounds"] = 1
+    return raw
+
+
+@pytest.fixture(scope="module")
+def paper_repo(repo_copy):
+    params = repo_copy / "pipelines" / "pfeddb" / "params.yaml"
+    params.write_text(yaml.safe_dump(_tiny_pfeddb(repo_copy), sort_keys=False))
+    _run(repo_copy, "dvc", "repro", PFEDDB)
+    return repo_copy
+
+
+def test_a_papers_pipeline_runs_beside_the_root_and_reuses_its_data(paper_repo):
+    ns = paper_repo / "results" / "pfeddb" / "quickstart"
+    for run in ("pq_cxr/fedavg", "pq_cxr/fedprox", "pq_cxr/pfeddb_cut_a", "pq_cxr/pfeddb", "pq_cxr/pfeddb_one_phase",
+                "pq_cxr/fedavg_two_phase", "pq_hold/pfeddb"):
+        assert (ns / run / "seed0" / "metrics.json").exists(), run
+    assert not (ns / "pq_hold" / "fedavg").exists()  # only the runs its groups list, not a cross product
+    assert (ns / "pq_hold" / "onboarding" / "seed0" / "onboarding.json").exists()
+    assert "| pfeddb_cut_a |" in (ns / "report" / "pq_cxr" / "pq_cxr_accuracy.md").read_text()
+    assert (paper_repo / "data" / "splits" / "pfeddb" / "quickstart" / "pq_cxr.json").exists()
+    # the root's results stay in place, and both pipelines are up to date
+    assert (paper_repo / "results" / "quick" / "fedprox" / "seed0" / "metrics.json").exists()
+    assert _stale(paper_repo) == set() and _stale(paper_repo, PFEDDB) == set()
+    # one data copy: the paper's split indexes the root's harmonized arrays
+    split = json.loads((paper_repo / "data" / "splits" / "pfeddb" / "quickstart" / "pq_cxr.json").read_text())
+    card = json.loads((paper_repo / "data" / "harmonized" / "chest_xray4" / "card.json").read_text())
+    assert split["data_sha256"] == card["sha256"]
+    assert not list((paper_repo / "data").glob("**/pfeddb/**/images.npy"))
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{paper_repo / 'mlflow.db'}")
+    runs = c.search_runs([c.get_experiment_by_name("pfeddb/quickstart/pq_cxr").experiment_id])
+    assert "fedprox-seed0" in {r.info.run_name for r in runs}
+
+
+def test_a_method_edit_in_a_papers_params_reruns_only_its_runs_and_that_papers_report(paper_repo):
+    params = paper_repo / "pipelines" / "pfeddb" / "params.yaml"
+    original = params.read_text()
+    try:
+        raw = yaml.safe_load(original)
+        raw["methods"]["fedprox"]["mu"] = 0.5
+        params.write_text(yaml.safe_dump(raw, sort_keys=False))
+        assert _stale(paper_repo, PFEDDB) == {
+            f"{PFEDDB}:train_tables_1_2@pq_cxr-fedprox-0", f"{PFEDDB}:report@pq_cxr", f"{PFEDDB}:report@pq_hold"
+        }
+        assert _stale(paper_repo) == set()  # the root pipeline is untouched
+    finally:
+        params.write_text(original)
+    assert _stale(paper_repo, PFEDDB) == set()

@@ -1,45 +1,104 @@
-"""pipelines/pfeddb presets: they validate, carry the paper's stated settings, and differ from each other only in scale."""
+"""pipelines/pfeddb: both scales validate, carry the paper's stated settings, list exactly the runs of its tables, and
+share one dvc.yaml whose train stages match the run groups."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 import yaml
 
-from fedsilo.config import load_params
+from fedsilo.config import ConfigError, TrainParams, load_paper_params
+from fedsilo.fl.params import load_params
 from fedsilo.methods.pfeddb import PFedDB
 from fedsilo.models import build_model
 from tests.conftest import REPO
 
-PRESETS = REPO / "pipelines" / "pfeddb"
+PAPER = REPO / "pipelines" / "pfeddb"
+SCALES = {"quickstart": PAPER / "params.yaml", "paper": PAPER / "paper" / "params.yaml"}
 
 
-@pytest.mark.parametrize("name", ["params.paper.yaml", "params.quickstart.yaml"])
-def test_presets_validate_and_cover_the_four_benchmarks(name):
-    p = load_params(PRESETS / name)
-    assert {p.experiments[e].dataset for e in p.pipeline.experiments} == {"chest_xray4", "digits5", "office_caltech10", "domainnet10"}
-    assert {e: p.experiments[e].dataset for e in p.pipeline.splits} == dict(p.pipeline.splits)
-    assert {"single", "fedavg", "fedper", "fedprox", "fedbn", "ditto", "pfedsd", "fedlgf", "fedwon", "pfeddb"} <= set(p.pipeline.methods)
+def _load(scale: str):
+    """The preset joined with the root params.yaml, the paper-scale datasets added to pipeline.datasets as the
+    README tells a user to."""
+    root = yaml.safe_load((REPO / "params.yaml").read_text())
+    root["pipeline"]["datasets"] = list(root["datasets"])
+    tmp_root = REPO / ".pytest_cache" / f"root_params_{scale}.yaml"
+    tmp_root.parent.mkdir(exist_ok=True)
+    tmp_root.write_text(yaml.safe_dump(root))
+    raw = yaml.safe_load(SCALES[scale].read_text())
+    raw["data"] = str(tmp_root.relative_to(REPO))
+    return load_paper_params(SCALES[scale], raw)
+
+
+@pytest.mark.parametrize("scale", ["quickstart", "paper"])
+def test_scales_validate_and_cover_the_four_benchmarks(scale):
+    p = _load(scale)
+    assert p.paper.name == "pfeddb" and p.paper.scale == scale
+    assert p.layout(REPO).results("pfeddb_cxr4") == REPO / "results" / "pfeddb" / scale / "pfeddb_cxr4"
+    kinds = {p.datasets[p.experiments[e].dataset].kind for e in p.pipeline.experiments}
+    assert kinds == {"chest_xray4", "digits5", "office_caltech10", "domainnet10"}
+    assert set(p.experiment_methods("pfeddb_cxr4")) >= {"single", "fedavg", "fedper", "fedprox", "fedbn", "ditto", "pfedsd", "fedlgf", "fedwon", "pfeddb"}
     holdouts = {p.experiments[e].split.holdout for e in p.pipeline.splits if p.experiments[e].split.protocol == "holdout_domain"}
     assert holdouts == {"MNIST-M", "sketch"}  # Fig. 6's late joiners
+    # not a cross product: the ablation variants run only where their table is
+    assert "pfeddb_one_phase" not in p.experiment_methods("pfeddb_digits5")
+    assert p.experiment_methods("pfeddb_digits5_onboarding") == ("pfeddb",)
 
 
-def test_paper_preset_has_the_papers_stated_settings():
-    p = load_params(PRESETS / "params.paper.yaml")
+def test_quickstart_scale_reads_the_root_params_as_they_are():
+    p = load_params(SCALES["quickstart"])
+    assert p.paper.scale == "quickstart" and list(p.pipeline.seeds) == [0]
+
+
+def test_paper_scale_names_the_datasets_the_root_must_build():
+    with pytest.raises(ConfigError, match=r"experiments\.pfeddb_cxr4\.dataset: 'chest_xray4_224' is not built by params.yaml"):
+        load_params(SCALES["paper"])
+
+
+def test_paper_scale_has_the_papers_stated_settings():
+    p = _load("paper")
     cxr = p.experiments["pfeddb_cxr4"]
-    assert (cxr.train.model, cxr.split.n_train, cxr.split.n_test_per_domain, p.datasets["chest_xray4"].image_size) == ("densenet121", 458, {"OpenI": 116}, 224)
+    assert (cxr.train.model, cxr.split.n_train, cxr.split.n_test_per_domain, p.datasets[cxr.dataset].image_size) == ("densenet121", 458, {"OpenI": 116}, 224)
     assert p.experiments["pfeddb_digits5"].train.model == "simple_cnn"
     assert p.experiments["pfeddb_office"].train.model == p.experiments["pfeddb_domainnet"].train.model == "alexnet_bn"
     assert all(p.experiments[e].train.rounds == 300 and p.experiments[e].train.lr == 0.01 for e in p.pipeline.experiments)
     assert p.methods["pfeddb"]["local_rounds"] == 150 and list(p.pipeline.seeds) == [0, 1, 2, 3, 4]
+    # Table 3's cut depths on each backbone
+    depths = {m: p.methods[m]["cut_depth"] for m in ("pfeddb_cut_a", "pfeddb_cut_b", "pfeddb_cut_c", "pfeddb_cut_d")}
+    assert [d["alexnet_bn"] for d in depths.values()] == [5, 6, 7, 8]
+    assert [d["densenet121"] for d in depths.values()] == [14, 39, 88, 120]
+
+
+def test_both_scales_share_one_dvc_yaml_with_a_train_stage_per_run_group():
+    text = (PAPER / "dvc.yaml").read_text()
+    assert (PAPER / "paper" / "dvc.yaml").read_text() == text
+    stages = set(yaml.safe_load(text)["stages"])
+    for scale in SCALES:
+        groups = set(yaml.safe_load(SCALES[scale].read_text())["runs"])
+        assert {f"train_{g}" for g in groups} == {s for s in stages if s.startswith("train_")}
+
+
+def test_a_run_in_two_groups_or_an_untrained_experiment_is_refused():
+    raw = yaml.safe_load(SCALES["quickstart"].read_text())
+    twice = copy.deepcopy(raw)
+    twice["runs"]["fig5"]["methods"].append("fedavg")
+    with pytest.raises(ConfigError, match=r"runs\.fig5: pfeddb_domainnet x fedavg is already trained by runs\.tables_1_2"):
+        load_paper_params(SCALES["quickstart"], twice)
+    orphan = copy.deepcopy(raw)
+    orphan["experiments"]["extra"] = orphan["experiments"]["pfeddb_cxr4"]
+    with pytest.raises(ConfigError, match=r"experiments\.extra: no runs group trains it"):
+        load_paper_params(SCALES["quickstart"], orphan)
+    moved = copy.deepcopy(raw)
+    moved["params_file"] = "pipelines/other/params.yaml"
+    with pytest.raises(ConfigError, match="params_file"):
+        load_paper_params(SCALES["quickstart"], moved)
 
 
 def test_per_backbone_cut_depth_resolves_for_each_model():
-    raw = yaml.safe_load((PRESETS / "params.paper.yaml").read_text())["methods"]["pfeddb"]
-    from fedsilo.config import TrainParams
-
+    raw = yaml.safe_load(SCALES["paper"].read_text())["methods"]["pfeddb"]
     for model, depth, ch in (("alexnet_bn", 6, 3), ("simple_cnn", 4, 3)):
         algo = PFedDB(PFedDB.params_cls(**raw), TrainParams(model=model))
-        import torch
-
         algo.transform_model(build_model(model, ch, 10, seed=0), torch.zeros(2, ch, 64, 64))
         assert algo.cut_depth == depth

@@ -15,9 +15,9 @@ from fedsilo.config import DomainClientsSplit, TrainParams
 from fedsilo.data.splits import make_split
 from fedsilo.fl.engine import Engine
 from fedsilo.methods import method_class
-from fedsilo.methods.terms import distillation_kl
 from fedsilo.methods.fedlgf import FedLGF, FedLGFParams
 from fedsilo.methods.fedwon import adaptive_grad_clip, unitwise_norm
+from fedsilo.methods.terms import distillation_kl
 from fedsilo.models import WSConv2d, batchnorm_keys, build_model, normalization_free
 
 

@@ -96,3 +96,38 @@ def test_changed_config_does_not_resume_a_stale_checkpoint(mirror_root, tmp_path
     _cli(a, *TRAIN)
     h = json.loads((a / "results/quick/fedbn/seed0/history.json").read_text())
     assert [x["round"] for x in h] == [1, 2]
+
+
+def test_resolved_method_values_reach_metrics_and_mlflow_and_client_models_are_kept_only_when_asked(mirror_root, tmp_path):
+    """pFedDB with cut_depth: null picks its depth itself; metrics.json and the MLflow params show which, and the
+    shared fraction. final_model.pt holds the server state; the clients' stores only with keep_client_models."""
+    from mlflow.tracking import MlflowClient
+
+    from fedsilo.methods.pfeddb import closest_to_70
+    from fedsilo.models import build_model
+
+    root = _project(mirror_root, tmp_path / "p", tracking=True)
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    raw["experiments"]["quick"]["train"]["rounds"] = 2
+    raw["methods"]["pfeddb"] = {"cut_depth": None, "local_rounds": 1}
+    (root / "params.yaml").write_text(yaml.safe_dump(raw))
+    _cli(root, "train", "--experiment", "quick", "--method", "pfeddb", "--seed", "0")
+    met = json.loads((root / "results/quick/pfeddb/seed0/metrics.json").read_text())
+    expected = closest_to_70(build_model("simple_cnn", 1, 2, seed=0))
+    res = met["method_resolved"]
+    assert res["cut_depth"] == expected and 0.0 < res["backbone_shared_fraction"] < 1.0
+    assert 0.0 < res["shared_param_fraction"] < 1.0 and res["shared_tensors"] > 0
+    c = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    (run,) = c.search_runs([c.get_experiment_by_name("quick").experiment_id])
+    assert run.data.params["method.cut_depth"] == "None"
+    assert run.data.params["method_resolved.cut_depth"] == str(expected)
+    assert float(run.data.params["method_resolved.backbone_shared_fraction"]) == res["backbone_shared_fraction"]
+    final = torch.load(root / "results/quick/pfeddb/seed0/final_model.pt", weights_only=False)
+    assert "stores" not in final and final["server"]
+    raw["experiments"]["quick"]["train"]["keep_client_models"] = True
+    (root / "params.yaml").write_text(yaml.safe_dump(raw))
+    _cli(root, "train", "--experiment", "quick", "--method", "pfeddb", "--seed", "0")
+    final = torch.load(root / "results/quick/pfeddb/seed0/final_model.pt", weights_only=False)
+    assert len(final["stores"]) == 4 and all(any(k.startswith("private.") for k in s) for s in final["stores"])
+    # keeping the stores changes what is saved, not what is trained: the same numbers
+    assert json.loads((root / "results/quick/pfeddb/seed0/metrics.json").read_text())["mean_acc"] == met["mean_acc"]
