@@ -336,6 +336,9 @@ class Params(Strict):
     pipeline: PipelineParams
     tracking: TrackingParams = TrackingParams()
     _paper: Optional[PaperMeta] = PrivateAttr(None)  # set when loaded from a paper's params file
+    # methods.<key> -> its typed params, filled once by fedsilo.methods.check_methods (this module does not know the
+    # method classes)
+    _typed_methods: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @property
     def paper(self) -> Optional[PaperMeta]:

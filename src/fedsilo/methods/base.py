@@ -116,9 +116,6 @@ class Method:
         layers kept private, the shared fraction): recorded in metrics.json and MLflow beside the params."""
         return {}
 
-    def describe(self) -> dict[str, Any]:
-        return {"method": self.name, "key": self.key, **self.params.model_dump(mode="json"), "resolved": self.resolved()}
-
 
 class RunningMean:
     """Sample-size-weighted mean accumulated one upload at a time, so a round with many clients holds one

@@ -46,7 +46,10 @@ def _values(entry: Optional[dict[str, Any]]) -> dict[str, Any]:
 
 
 def method_params(params: Params, key: str, source: str = "params.yaml") -> MethodParams:
-    """The validated, typed params of ``methods.<key>``."""
+    """The validated, typed params of ``methods.<key>``: validated on first use (at load time, by check_methods),
+    then kept with the params."""
+    if key in params._typed_methods:
+        return params._typed_methods[key]
     if key not in params.methods:
         raise ConfigError(f"methods.{key}: not defined in {source}")
     entry = params.methods[key]
@@ -55,9 +58,11 @@ def method_params(params: Params, key: str, source: str = "params.yaml") -> Meth
     except KeyError as err:
         raise ConfigError(f"{source}: methods.{key}: {err.args[0]}") from None
     try:
-        return cls.params_cls.model_validate(_values(entry))
+        typed = cls.params_cls.model_validate(_values(entry))
     except ValidationError as err:
         raise ConfigError(f"{source}: {format_validation_error(err, f'methods.{key}.')}") from None
+    params._typed_methods[key] = typed
+    return typed
 
 
 def check_methods(params: Params, source: str = "params.yaml") -> None:
