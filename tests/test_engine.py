@@ -191,3 +191,12 @@ def test_two_phase_fedavg_resumed_inside_phase_one_matches_an_uninterrupted_run(
     engine(ck).save()  # stopped before its first round: every client store is still empty
     resumed = engine(ck).run()
     assert [h["eval"] for h in resumed] == [h["eval"] for h in whole]
+
+
+def test_a_last_batch_of_one_joins_the_previous_batch():
+    from fedsilo.client.local import batches
+
+    for n in (17, 33, 16, 1):
+        got = batches(n, 16, torch.Generator().manual_seed(0))
+        assert sorted(torch.cat(got).tolist()) == list(range(n))
+        assert all(len(b) > 1 for b in got) or n == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pandas as pd
+import pytest
 
 from fedsilo.config import parse_params
 from fedsilo.fl.run import run_training
@@ -122,3 +123,22 @@ def test_freeze_global_never_changes_phi(mirror_root, tmp_path, monkeypatch):
     monkeypatch.setattr(onboard, "train_local", spy)
     test_onboarding_newcomer_strategies_and_fig6(mirror_root, tmp_path)
     assert seen and all(torch.equal(seen["before"][k], seen["after"][k]) for k in seen["before"] if k.endswith(("weight", "bias")))
+
+
+def test_clients_sharing_a_domain_make_one_column_their_mean(tmp_path):
+    import json
+
+    from fedsilo.report import collect, summary_table
+
+    per = {"A-0": 0.5, "A-1": 0.7, "B-0": 0.9}
+    for m in ("fedavg", "f2dc"):
+        d = tmp_path / m / "seed0"
+        d.mkdir(parents=True)
+        met = {"per_client": {c: {"acc": a} for c, a in per.items()}, "client_domains": {"A-0": "A", "A-1": "A", "B-0": "B"},
+               "bytes_up_per_round": [4], "bytes_down_per_round": [4], "model_param_bytes": 4}
+        (d / "metrics.json").write_text(json.dumps(met))
+        (d / "history.json").write_text("[]")
+    df, _ = collect(tmp_path, ["fedavg", "f2dc"], [0])
+    tab = summary_table(df, "acc", ["fedavg", "f2dc"])["mean"]
+    assert list(tab.columns) == ["A", "B", "Avg"]
+    assert tab.loc["f2dc", "A"] == pytest.approx(60.0) and tab.loc["f2dc", "Avg"] == pytest.approx(75.0)

@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the ratios b/a and c/a, peak device and host memory; then host/device memory over many rounds of many "
         "Simple-CNN clients, and DICOM harmonize throughput on all cores. Not a test: it reports numbers.",
     )
-    s.add_argument("--model", default="simple_cnn", help="backbone (simple_cnn, alexnet_bn, densenet121, resnet10, resnet18)")
+    s.add_argument("--model", default="simple_cnn", help="backbone (simple_cnn, alexnet_bn, densenet121, resnet10, resnet10_cifar, resnet18, vit_tiny)")
     s.add_argument("--image-size", type=int, default=28, help="image edge in pixels (default 28, Digits-Five)")
     s.add_argument("--channels", type=int, default=3, help="input channels (default 3)")
     s.add_argument("--classes", type=int, default=10, help="number of classes (default 10)")

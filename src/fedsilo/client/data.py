@@ -26,6 +26,7 @@ class ClientData:
     y_train: torch.Tensor  # int64 N
     x_test: torch.Tensor
     y_test: torch.Tensor
+    domain: str = ""  # the domain (site) the client's data come from; clients of one domain share its test set
 
     @property
     def n_train(self) -> int:
@@ -52,7 +53,7 @@ def load_clients(harmonized_dir: Path, split: dict[str, Any], device: torch.devi
     for c in split["clients"]:
         xtr, ytr = grab(c["name"], c["train"])
         xte, yte = grab(c["name"], c["test"])
-        clients.append(ClientData(int(c["client"]), str(c["name"]), xtr, ytr, xte, yte))
+        clients.append(ClientData(int(c["client"]), str(c["name"]), xtr, ytr, xte, yte, str(c.get("domain", c["name"]))))
     return clients, int(images.shape[3]), int(split["num_classes"])
 
 

@@ -48,7 +48,8 @@ def batches(n: int, batch_size: int, gen: torch.Generator) -> list[torch.Tensor]
     out = list(perm.split(batch_size))
     # a batch of one breaks BatchNorm in training mode; fold it into the previous batch
     if len(out) > 1 and len(out[-1]) == 1:
-        out[-2] = torch.cat([out[-2], out.pop()])
+        last = out.pop()
+        out[-1] = torch.cat([out[-1], last])
     return out
 
 

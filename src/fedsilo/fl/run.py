@@ -146,6 +146,7 @@ def run_training(
         "method": method,
         "seed": seed,
         "clients": [c.name for c in clients],
+        "client_domains": {c.name: c.domain for c in clients},
         # the backbone the method was built from: the paper's "full network" for Param / Ratio (Table 3)
         "model_param_bytes": int(sum(p.numel() * p.element_size() for p in model.parameters())),
         "method_resolved": method_resolved,

@@ -34,7 +34,7 @@ class MethodParams(BaseModel):
 class Method:
     """Hooks, in the order the engine calls them.
 
-    setup -> init_server / init_client (once) -> per round, per sampled client: download -> local_update ->
+    join -> transform_model -> setup -> init_server / init_client (once) -> per round, per sampled client: download -> local_update ->
     (engine moves the upload) -> aggregate -> eval_state per client (and global_state where one exists).
     """
 
@@ -48,6 +48,13 @@ class Method:
         # fedavg_two_phase has its own key; errors name it
         self.key = key or self.name
         self.last_loss: Optional[float] = None  # mean training loss of the latest local_update
+        self.federation: list[ClientData] = []
+
+    def join(self, clients: list[ClientData]) -> None:
+        """The federation's clients as a server knows them at registration (name, domain, sample count): called once,
+        before the model is transformed and set up. Methods whose aggregation weighs domains or keeps per-client
+        server state read ``self.federation``; a method must not read a client's data from here."""
+        self.federation = list(clients)
 
     # --- structure
     def transform_model(self, model: nn.Module, example: torch.Tensor) -> nn.Module:

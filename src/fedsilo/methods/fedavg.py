@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from pydantic import Field
 
 from fedsilo.client.local import train_local
 from fedsilo.methods.base import MethodParams
+from fedsilo.methods.decoupling import DecouplingParams
 from fedsilo.methods.phased import TwoPhase
 from fedsilo.models import LayeredNet
 
@@ -14,6 +17,7 @@ class FedAvgParams(MethodParams):
     local_rounds: int = Field(
         0, ge=0, description="Phase-1 rounds of purely local training before federating (0 = plain FedAvg)"
     )
+    decouple: Optional[DecouplingParams] = Field(None, description="F²DC's DFD and DFC plugged in (F²DC Table 3)")
 
 
 class FedAvg(TwoPhase):
@@ -34,6 +38,8 @@ class FedAvg(TwoPhase):
 
     def setup(self, model: LayeredNet) -> None:
         super().setup(model)
+        if self.e0 and self.decoupling() is not None:
+            raise ValueError(f"methods.{self.key}: decouple (F²DC's modules) runs with the one-phase FedAvg only; set local_rounds: 0")
         # Phase 1's starting point; kept here, not in init_server, so that a resumed run (which skips init_server)
         # has it too: setup always sees the seeded initialisation
         self._init = {k: v.detach().clone() for k, v in model.state_dict().items()} if self.e0 else {}
@@ -50,9 +56,10 @@ class FedAvg(TwoPhase):
         sd = model.state_dict()
         return {k: sd[k].detach() for k in self.shared}
 
-    # evaluation: the client's own model before the federation, the global model after
+    # evaluation: the client's own model before the federation, the global model after (with the client's private
+    # tensors, F²DC's modules, where there are any)
     def eval_state(self, server, store, client):
-        return dict(store) if store else {**store, **server}
+        return {**server, **store} if not self.federated() else {**store, **server}
 
     def global_state(self, server):
         return super().global_state(server) if self.federated() else None

@@ -14,18 +14,22 @@ from pydantic import ValidationError
 from fedsilo.config import ConfigError, Params, TrainParams, format_validation_error
 from fedsilo.methods.base import Method, MethodParams
 from fedsilo.methods.ditto import Ditto
+from fedsilo.methods.f2dc import F2DC
 from fedsilo.methods.fedavg import FedAvg
 from fedsilo.methods.fedbn import FedBN
+from fedsilo.methods.fedheal import FedHEAL
 from fedsilo.methods.fedlgf import FedLGF
 from fedsilo.methods.fedper import FedPer
 from fedsilo.methods.fedprox import FedProx
 from fedsilo.methods.fedwon import FedWon
+from fedsilo.methods.moon import MOON
 from fedsilo.methods.pfeddb import PFedDB
 from fedsilo.methods.pfedsd import PFedSD
 from fedsilo.methods.single import Single
 
 REGISTRY: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedSD, FedLGF, FedWon, PFedDB)
+    cls.name: cls
+    for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedSD, FedLGF, FedWon, PFedDB, F2DC, MOON, FedHEAL)
 }
 
 

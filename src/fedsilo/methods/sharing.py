@@ -3,6 +3,10 @@
 FedAvg shares everything, FedBN everything but BatchNorm, FedPer everything but the head, Single nothing. The local
 update is the paper's ClientUpdate: load the download over the client's own tensors, train (with the method's extra
 local terms), keep the private tensors, upload the shared ones; the server takes the sample-size-weighted mean.
+
+F²DC's decoupler and corrector plug into any partial-sharing method whose params carry ``decouple:`` (F²DC Table 3):
+the model gets the modules, the local objective their loss, and the modules stay on the client unless
+``decouple.share_modules`` says otherwise.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from typing import Any, Optional
 
 from fedsilo.client.data import ClientData
 from fedsilo.client.local import ExtraLoss, make_generator, train_local
+from fedsilo.methods import decoupling
 from fedsilo.methods.base import Method, RunningMean, State
 from fedsilo.models import LayeredNet
 
@@ -26,9 +31,20 @@ class PartialSharing(Method):
     def shared_keys(self, model: LayeredNet) -> list[str]:
         raise NotImplementedError
 
+    # --- F²DC's modules, when the method's params ask for them
+    def decoupling(self) -> Optional[decoupling.DecouplingParams]:
+        p = self.params
+        return p if isinstance(p, decoupling.DecouplingParams) else getattr(p, "decouple", None)
+
+    def transform_model(self, model, example):
+        dc = self.decoupling()
+        return decoupling.insert_decoupling(model, example, dc) if dc is not None else model
+
     def setup(self, model: LayeredNet) -> None:
         keys = list(model.state_dict().keys())
-        self.shared = [k for k in keys if k in set(self.shared_keys(model))]
+        dc = self.decoupling()
+        kept = decoupling.module_keys(model) if dc is not None and not dc.share_modules else set()
+        self.shared = [k for k in keys if k in set(self.shared_keys(model)) and k not in kept]
         self.private = [k for k in keys if k not in set(self.shared)]
         sizes = {n: p.numel() for n, p in model.named_parameters()}
         self._param_share = sum(v for n, v in sizes.items() if n in set(self.shared)) / max(sum(sizes.values()), 1)
@@ -65,12 +81,24 @@ class PartialSharing(Method):
         """Keyword arguments for train_local beyond plain SGD (extra_loss, batch_loss, grad_hook)."""
         return {"extra_loss": self.extra_loss(model, payload)}
 
+    def with_decoupling(self, model: LayeredNet, terms: dict[str, Any], client: ClientData, rnd: int, seed: int) -> dict[str, Any]:
+        """train_local's keyword arguments with F²DC's lambda1 L_DFD + lambda2 L_DFC added to the batch loss (Eq. 9),
+        the masks' noise seeded by (seed, round, client)."""
+        if self.decoupling() is None:
+            return terms
+        decoupling.seed_noise(model, int(make_generator(seed, rnd, client.index, 9).initial_seed()), client.x_train.device)
+        inner = terms.get("batch_loss")
+
+        def batch_loss(x, y, logits):
+            extra = decoupling.decoupling_loss(model, logits, y)
+            return extra + inner(x, y, logits) if inner is not None else extra
+
+        return {**terms, "batch_loss": batch_loss}
+
     def local_update(self, model, store, payload, client, rnd, seed):
         model.load_state_dict({**store, **payload}, strict=True)
-        self.last_loss = train_local(
-            model, client, self.train, make_generator(seed, rnd, client.index),
-            **self.local_terms(model, payload, client, rnd, seed),
-        )
+        terms = self.with_decoupling(model, self.local_terms(model, payload, client, rnd, seed), client, rnd, seed)
+        self.last_loss = train_local(model, client, self.train, make_generator(seed, rnd, client.index), **terms)
         sd = model.state_dict()
         for k in self.private:
             store[k] = sd[k].detach().clone()

@@ -152,13 +152,18 @@ def densenet121(in_channels: int, num_classes: int) -> LayeredNet:
     return LayeredNet(units)
 
 
-def _resnet(blocks: list[int], in_channels: int, num_classes: int) -> LayeredNet:
+def _resnet(blocks: list[int], in_channels: int, num_classes: int, small_stem: bool = False) -> LayeredNet:
     from torchvision.models.resnet import BasicBlock, ResNet
 
     net = ResNet(BasicBlock, blocks, num_classes=num_classes)
-    if in_channels != 3:
-        net.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
-    units: list[tuple[str, nn.Module, int]] = [("stem", nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool), 1)]
+    if small_stem:  # 3x3 stride-1 convolution, no max-pool: the CIFAR-style stem for 32-128 px images
+        net.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        stem = nn.Sequential(net.conv1, net.bn1, net.relu)
+    else:
+        if in_channels != 3:
+            net.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+        stem = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool)
+    units: list[tuple[str, nn.Module, int]] = [("stem", stem, 1)]
     for s in range(1, 5):
         for i, block in enumerate(getattr(net, f"layer{s}")):
             units.append((f"layer{s}.{i}", block, 2))
@@ -167,8 +172,15 @@ def _resnet(blocks: list[int], in_channels: int, num_classes: int) -> LayeredNet
 
 
 def resnet10(in_channels: int, num_classes: int) -> LayeredNet:
-    """ResNet-10: torchvision's ResNet with one BasicBlock per stage (as F2DC uses it)."""
+    """ResNet-10: torchvision's ResNet (7x7 stride-2 stem, max-pool) with one BasicBlock per stage."""
     return _resnet([1, 1, 1, 1], in_channels, num_classes)
+
+
+def resnet10_cifar(in_channels: int, num_classes: int) -> LayeredNet:
+    """ResNet-10 as F²DC's, MOON's and FPL's code build it: one BasicBlock per stage (64, 128, 256, 512 channels, d =
+    512) after a 3x3 stride-1 stem without max-pool, so the last stage's map is 1/8 of the image (4x4 at 32 px,
+    16x16 at 128 px: the 512 x 16 x 16 of F²DC's PACS)."""
+    return _resnet([1, 1, 1, 1], in_channels, num_classes, small_stem=True)
 
 
 def resnet18(in_channels: int, num_classes: int) -> LayeredNet:
@@ -230,6 +242,7 @@ MODELS: dict[str, Callable[[int, int], LayeredNet]] = {
     "simple_cnn": simple_cnn,
     "alexnet_bn": alexnet_bn,
     "densenet121": densenet121,
+    "resnet10_cifar": resnet10_cifar,
     "resnet10": resnet10,
     "resnet18": resnet18,
     "vit_tiny": vit_tiny,

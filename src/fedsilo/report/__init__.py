@@ -47,9 +47,19 @@ def collect(results: Path, methods: list[str], seeds: list[int]) -> tuple[pd.Dat
                 "up_per_client_round": float(np.mean(up)) / len(met["per_client"]) if up else 0.0,
                 "model_param_bytes": float(met.get("model_param_bytes", np.nan)),
             }
-            for dom, v in met["per_client"].items():
-                rows.append({"method": m, "seed": s, "domain": dom, "acc": v["acc"], "auc": v.get("auc", np.nan), **run_level})
-    return pd.DataFrame(rows), histories
+            # a column per domain: where several clients share a domain (F²DC's protocol) they share its test set,
+            # and the domain's accuracy is the mean over its clients (the same number when they share one model)
+            domain_of = met.get("client_domains") or {}
+            for client, v in met["per_client"].items():
+                rows.append({"method": m, "seed": s, "domain": domain_of.get(client, client), "acc": v["acc"], "auc": v.get("auc", np.nan), **run_level})
+    df = pd.DataFrame(rows)
+    if not df.empty and df.duplicated(["method", "seed", "domain"]).any():
+        order = list(dict.fromkeys(df["domain"]))
+        df = df.groupby(["method", "seed", "domain"], sort=False, as_index=False).mean(numeric_only=True)
+        df["domain"] = pd.Categorical(df["domain"], categories=order)
+        df = df.sort_values(["method", "seed", "domain"], kind="stable")
+        df["domain"] = df["domain"].astype(str)
+    return df, histories
 
 
 def summary_table(df: pd.DataFrame, metric: str, methods: list[str]) -> pd.DataFrame:

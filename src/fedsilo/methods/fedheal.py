@@ -1,0 +1,124 @@
+"""FedHEAL: fair federated learning under domain skew (Chen, Huang, Ye et al., CVPR 2024)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from pydantic import Field
+
+from fedsilo.methods.base import MethodParams, State
+from fedsilo.methods.decoupling import DecouplingParams
+from fedsilo.methods.sharing import PartialSharing
+from fedsilo.models import LayeredNet
+
+SERVER = "heal::"  # the server's own bookkeeping, never downloaded
+
+
+class FedHEALParams(MethodParams):
+    threshold: float = Field(0.3, ge=0, le=1, description="tau: an element is kept when its update's sign has held in more than this share of the client's past rounds")
+    beta: float = Field(0.4, ge=0, le=1, description="momentum of the fair-aggregation weight increments")
+    decouple: Optional[DecouplingParams] = Field(None, description="F²DC's DFD and DFC plugged in (F²DC Table 3)")
+
+
+class FedHEAL(PartialSharing):
+    """Chen et al. 2024 (CVPR), as the authors' code runs it (github:yuhangchen0/FedHEAL, ``fedavgheal``): clients
+    train the downloaded global model with plain cross-entropy and upload it whole, as in FedAvg. The server
+
+    1. forms each participant's update Delta_k = w - w_k and its *parameter update consistency* mask: element-wise,
+       the share of the client's past rounds whose update had the same sign must exceed tau (all ones at the
+       client's first round; the share is a running mean kept per client);
+    2. measures the masked update's size dist_k = sum over parameter tensors of ||m_k * Delta_k||_2 and moves the
+       client's fair-aggregation weight by a momentum step, dw_k <- (1 - beta) dw_k + beta dist_k / sum_j dist_j,
+       w_k <- w_k + dw_k (starting from 1 / K; the un-normalized weight persists, the normalized one aggregates);
+    3. aggregates element-wise: w <- w - sum_k [a_k m_k / sum_j a_j m_j] (m_k * Delta_k), where an element masked
+       out by every client falls back to the weights a_k.
+
+    The masks and weights live on the server (the code computes them there), so the upload is FedAvg's, as the
+    paper's Table 4 counts it. Choices: the consistency share counts the client's own participations (the code
+    counts global rounds, which is the same under its full participation, and fails for a client first sampled
+    late); the distance normalizer sums the round's participants. Clients are evaluated with the global model."""
+
+    name = "fedheal"
+    params_cls = FedHEALParams
+    params: FedHEALParams
+
+    def shared_keys(self, model: LayeredNet) -> list[str]:
+        return list(model.state_dict().keys())
+
+    def setup(self, model: LayeredNet) -> None:
+        super().setup(model)
+        self.param_keys = {n for n, _ in model.named_parameters()} & set(self.shared)
+        self.n_clients = len(self.federation) if self.federation else 1
+
+    # the server keeps its bookkeeping beside the model; a download is the model only
+    def download(self, server: State, client, rnd: int) -> State:
+        return {k: server[k] for k in self.shared}
+
+    def global_state(self, server: State):
+        return {k: server[k] for k in self.shared} if not self.private else None
+
+    def eval_state(self, server, store, client):
+        return {**store, **{k: server[k] for k in self.shared}}
+
+    def consistency_mask(self, server: State, name: str, delta: State) -> State:
+        """Element-wise mask of the updates whose sign agrees with the client's history; updates the history."""
+        count_key = f"{SERVER}{name}::count"
+        t = int(server[count_key]) if count_key in server else 0
+        mask: State = {}
+        for k, d in delta.items():
+            up = (d >= 0).float()
+            hist_key = f"{SERVER}{name}::hist::{k}"
+            if t == 0:
+                mask[k] = torch.ones_like(up)
+                server[hist_key] = up
+            else:
+                hist = server[hist_key]
+                consistency = torch.where(d >= 0, hist, 1 - hist)
+                mask[k] = (consistency > self.params.threshold).float()
+                server[hist_key] = (hist * t + up) / (t + 1)
+        server[count_key] = torch.tensor(t + 1)
+        return mask
+
+    def fair_weights(self, server: State, dist: dict[str, float]) -> dict[str, float]:
+        total = sum(dist.values())
+        raw: dict[str, float] = {}
+        for name, d in dist.items():
+            w_key, dw_key = f"{SERVER}{name}::weight", f"{SERVER}{name}::delta_weight"
+            prev_dw = float(server[dw_key]) if dw_key in server else 0.0
+            dw = (1 - self.params.beta) * prev_dw + self.params.beta * (d / total if total > 0 else 0.0)
+            w = (float(server[w_key]) if w_key in server else 1.0 / self.n_clients) + dw
+            server[w_key], server[dw_key] = torch.tensor(w, dtype=torch.float64), torch.tensor(dw, dtype=torch.float64)
+            raw[name] = w
+        z = sum(raw.values())
+        return {name: w / z for name, w in raw.items()}
+
+    streaming = False
+
+    def aggregate(self, server: State, uploads: list[tuple[Any, State]], rnd: int) -> State:
+        if not uploads:
+            return server
+        server = dict(server)
+        masked: dict[str, State] = {}
+        masks: dict[str, State] = {}
+        dist: dict[str, float] = {}
+        for c, up in uploads:
+            delta = {k: server[k].double() - up[k].double() for k in self.shared}
+            m = self.consistency_mask(server, c.name, delta)
+            masks[c.name] = m
+            masked[c.name] = {k: delta[k] * m[k] for k in self.shared}
+            dist[c.name] = float(sum(torch.linalg.vector_norm(masked[c.name][k]) for k in self.param_keys))
+        a = self.fair_weights(server, dist)
+        names = [c.name for c, _ in uploads]
+        for k in self.shared:
+            adjusted = torch.stack([a[n] * masks[n][k] for n in names])
+            total = adjusted.sum(0, keepdim=True)
+            plain = torch.tensor([a[n] for n in names], dtype=adjusted.dtype).view(-1, *[1] * (adjusted.dim() - 1)).expand_as(adjusted)
+            weights = torch.where(total == 0, plain, adjusted / torch.where(total == 0, torch.ones_like(total), total))
+            step = sum(weights[i] * masked[n][k] for i, n in enumerate(names))
+            new = server[k].double() - step
+            server[k] = new.round().to(server[k].dtype) if not server[k].is_floating_point() else new.to(server[k].dtype)
+        return server
+
+    def resolved(self) -> dict[str, Any]:
+        return {**super().resolved(), "clients_in_weights": self.n_clients}

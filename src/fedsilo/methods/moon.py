@@ -1,0 +1,94 @@
+"""MOON: model-contrastive federated learning (Li, He, Song, CVPR 2021)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from fedsilo.client.features import features, representation
+from fedsilo.client.local import make_generator, train_local
+from fedsilo.methods.base import MethodParams, State, spare_copy
+from fedsilo.methods.sharing import PartialSharing
+from fedsilo.models import LayeredNet
+
+PREVIOUS = "moon_prev::"
+
+
+class MOONParams(MethodParams):
+    mu: float = Field(5.0, ge=0, description="weight of the model-contrastive loss (F²DC's runs: 5)")
+    temperature: float = Field(0.5, gt=0, description="temperature of the contrastive softmax (F²DC's runs: 0.5)")
+
+
+def model_contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, temperature: float) -> torch.Tensor:
+    """-log( exp(sim(z, z_glob)/T) / (exp(sim(z, z_glob)/T) + exp(sim(z, z_prev)/T)) ), batch mean (MOON Eq. 3)."""
+    pos = F.cosine_similarity(z, z_glob, dim=1) / temperature
+    neg = F.cosine_similarity(z, z_prev, dim=1) / temperature
+    logits = torch.stack([pos, neg], dim=1).float()
+    return F.cross_entropy(logits, torch.zeros(len(z), dtype=torch.long, device=z.device))
+
+
+class MOON(PartialSharing):
+    """Li et al. 2021 (CVPR), Algorithm 1. A sampled client downloads the global model w^t and trains it on
+    CE + mu * l_con, where l_con contrasts the representation z = r(x) of the model being trained with that of the
+    global model (positive) and of the client's own model from its previous round (negative, Eq. 3); it uploads the
+    whole model (FedAvg's weighted mean) and keeps the trained model as its next "previous" model, which never
+    leaves the client. Clients are evaluated with the global model.
+
+    Choices: z is the input of the classifier (the pooled 512-d feature of ResNet-10), without the projection head
+    MOON's own experiments add, as the F²DC authors' MOON runs it (their ``models/moon.py``); mu = 5 and T = 0.5 are
+    their settings. A client's "previous" model before its first participation is the initial model (MOON's code
+    starts every client's previous model from the same initialisation). The global and previous models are fixed
+    references in evaluation mode (no gradient, BatchNorm with running statistics)."""
+
+    name = "moon"
+    params_cls = MOONParams
+    params: MOONParams
+
+    def shared_keys(self, model: LayeredNet) -> list[str]:
+        return list(model.state_dict().keys())
+
+    def setup(self, model: LayeredNet) -> None:
+        super().setup(model)
+        self.keys = list(model.state_dict().keys())
+        self._init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self._refs: Optional[tuple[nn.Module, nn.Module]] = None
+
+    def private_keys(self, model: LayeredNet) -> set[str]:
+        return {PREVIOUS + k for k in model.state_dict()}
+
+    def init_client(self, model: LayeredNet, client) -> State:
+        return {}  # no previous model until the client has trained once
+
+    def local_update(self, model, store, payload, client, rnd, seed):
+        if self._refs is None:
+            self._refs = (spare_copy(model), spare_copy(model))
+        glob, prev = self._refs
+        glob.load_state_dict(payload, strict=True)
+        prev.load_state_dict({k: store[PREVIOUS + k] for k in self.keys} if store else self._init, strict=True)
+        glob.eval()
+        prev.eval()
+        model.load_state_dict(payload, strict=True)
+        mu, t = self.params.mu, self.params.temperature
+        with representation(model) as rep:
+
+            def batch_loss(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+                return mu * model_contrastive_loss(rep.z, features(glob, x), features(prev, x), t)
+
+            self.last_loss = train_local(model, client, self.train, make_generator(seed, rnd, client.index), batch_loss=batch_loss)
+        sd = model.state_dict()
+        for k in self.keys:
+            store[PREVIOUS + k] = sd[k].detach().clone()
+        return {k: sd[k].detach() for k in self.shared}
+
+    def eval_state(self, server, store, client):
+        return dict(server)
+
+    def global_state(self, server):
+        return dict(server)
+
+    def eval_is_global(self):
+        return True

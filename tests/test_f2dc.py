@@ -1,0 +1,299 @@
+"""F²DC and the baselines of its Tables 1-2 (MOON, FedHEAL): each mechanism, what crosses the wire, the aggregation."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from fedsilo.client.data import load_clients
+from fedsilo.config import DomainMultiClientsSplit, TrainParams
+from fedsilo.data.splits import make_split
+from fedsilo.fl.engine import Engine
+from fedsilo.methods import method_class
+from fedsilo.methods.decoupling import (
+    DecouplingParams,
+    DecouplingUnit,
+    insert_decoupling,
+    module_keys,
+    most_confident_wrong,
+)
+from fedsilo.methods.f2dc import domain_aware_weights
+from fedsilo.methods.fedheal import FedHEAL, FedHEALParams
+from fedsilo.methods.moon import model_contrastive_loss
+from fedsilo.models import LayeredNet, build_model
+
+CONV = {"layers": ["conv2"]}  # the tiny net's last feature map
+
+
+def tiny_net(in_channels: int, num_classes: int, seed: int = 0) -> LayeredNet:
+    """Two conv units and a linear head (about 1.5 k parameters), so every method here trains in a second."""
+    from torch import nn
+
+    torch.manual_seed(seed)
+    return LayeredNet([
+        ("conv1", nn.Sequential(nn.Conv2d(in_channels, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2)), 1),
+        ("conv2", nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU()), 1),
+        ("fc", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, num_classes)), 1),
+    ])
+
+
+@pytest.fixture(scope="module")
+def clients(mirror_root):
+    h = mirror_root / "data" / "harmonized" / "chest_xray4"
+    records = pd.read_parquet(h / "records.parquet")
+    domains = sorted(records["domain"].unique())
+    per = {d: (2 if i == 0 else 1) for i, d in enumerate(domains)}  # unequal clients: two on the first domain
+    split = make_split(records, DomainMultiClientsSplit(protocol="domain_multi_clients", clients_per_domain=per, fraction=0.2, n_test=12), seed=0)
+    return load_clients(h, split, torch.device("cpu"))
+
+
+def _run(name, clients, rounds=2, **params):
+    cl, cin, nc = clients
+    tp = TrainParams(rounds=rounds, batch_size=16, lr=0.02, local_epochs=1, device="cpu")
+    cls = method_class(name)
+    ups: list[tuple[int, str, dict]] = []
+    e = Engine(cls(cls.params_cls(**params), tp), tiny_net(cin, nc), cl, tp, seed=0,
+               observer=lambda r, c, d, p: ups.append((r, c, {k: v.clone() for k, v in p.items()})) if d == "up" else None)
+    return e, e.run(), ups
+
+
+_FEDAVG: dict[int, list] = {}
+
+
+def _fedavg_uploads(clients, rounds: int) -> list:
+    """FedAvg's uploads on the fixture's clients (computed once per round count: several tests compare with it)."""
+    if rounds not in _FEDAVG:
+        _FEDAVG[rounds] = _run("fedavg", clients, rounds=rounds)[2]
+    return _FEDAVG[rounds]
+
+
+def _same(a: dict, b: dict, atol: float = 0.0) -> bool:
+    return a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), atol=atol, rtol=0) for k in a)
+
+
+# ----------------------------------------------------------------------------------------------- DFD / DFC
+def _unit(sigma: float = 0.1, **kw) -> DecouplingUnit:
+    torch.manual_seed(0)
+    return DecouplingUnit(8, 3, DecouplingParams(sigma=sigma, **kw))
+
+
+@torch.no_grad()
+def test_mask_is_in_unit_interval_and_near_binary_as_sigma_goes_to_zero():
+    f = torch.rand(4, 8, 5, 5, generator=torch.Generator().manual_seed(0))
+    soft, hard = _unit(sigma=5.0).eval(), _unit(sigma=1e-4).eval()
+    for u in (soft, hard):
+        m = u.mask(f)
+        assert m.shape == f.shape and float(m.min()) >= 0.0 and float(m.max()) <= 1.0
+    m_hard, m_soft = hard.mask(f), soft.mask(f)
+    near_binary = lambda m: float(((m < 1e-3) | (m > 1 - 1e-3)).float().mean())  # noqa: E731
+    assert near_binary(m_hard) > 0.99 and near_binary(m_soft) < 0.05
+    # training draws a noisy mask, evaluation its noise-free value; the same seed draws the same noise
+    u = _unit().train()
+    u.generator = torch.Generator().manual_seed(3)
+    a = u.mask(f)
+    u.generator = torch.Generator().manual_seed(3)
+    assert torch.equal(a, u.mask(f)) and not torch.allclose(a, u.eval().mask(f))
+
+
+@torch.no_grad()
+def test_decoupled_parts_sum_to_the_feature_and_the_corrector_is_residual_on_f_minus():
+    f = torch.rand(4, 8, 5, 5, generator=torch.Generator().manual_seed(1))
+    u = _unit().eval()
+    m = u.mask(f)
+    plus, minus = DecouplingParams(feature="plus"), DecouplingParams(feature="minus")
+    assert torch.allclose(m * f + (1 - m) * f, f)
+    u.p = plus
+    f_plus = u(f)
+    u.p = minus
+    f_minus = u(f)
+    assert torch.allclose(f_plus + f_minus, f, atol=1e-6)
+    u.p = DecouplingParams(feature="star")
+    assert torch.allclose(u(f), f_minus + (1 - m) * u.dfc(f_minus), atol=1e-6)
+    u.p = DecouplingParams()
+    assert torch.allclose(u(f), f_plus + f_minus + (1 - m) * u.dfc(f_minus), atol=1e-6)  # f~ = f+ + f*
+    # without the corrector f* = f-: f~ = f, and the decoupler shapes the feature only through its loss
+    no_dfc = _unit(dfc=False).eval()
+    assert torch.allclose(no_dfc(f), f, atol=1e-6)
+
+
+def test_loss_terms_follow_eq5_and_eq7():
+    torch.manual_seed(1)
+    u = _unit(lambda1=0.8, lambda2=1.0, tau=0.06).train()
+    u.generator = torch.Generator().manual_seed(0)
+    f = torch.rand(6, 8, 4, 4, generator=torch.Generator().manual_seed(2))
+    u(f)
+    y, yw = torch.tensor([0, 1, 2, 0, 1, 2]), torch.tensor([1, 2, 0, 2, 0, 1])
+    st = u.stash
+    sep = torch.nn.functional.cosine_similarity(st["l_plus"], st["l_minus"], dim=1).mean() / 0.06
+    ce = torch.nn.functional.cross_entropy
+    expect = 0.8 * (sep + ce(st["logit_plus"], y) + ce(st["logit_minus"], yw)) + 1.0 * ce(st["logit_star"], y)
+    assert float(u.loss(y, yw)) == pytest.approx(float(expect), rel=1e-5)
+    u.p = DecouplingParams(lambda1=0.0, lambda2=0.0)
+    assert float(u.loss(y, yw)) == 0.0
+
+
+def test_most_confident_wrong_class_skips_the_true_label():
+    logits = torch.tensor([[5.0, 1.0, 3.0], [0.0, 2.0, 1.0], [1.0, 0.0, 4.0]])
+    assert most_confident_wrong(logits, torch.tensor([0, 2, 0])).tolist() == [2, 1, 2]
+
+
+def test_f2dc_on_its_resnet10_sits_after_the_last_stage():
+    net = insert_decoupling(build_model("resnet10_cifar", 3, 7, seed=0), torch.rand(2, 3, 32, 32), DecouplingParams())
+    assert net.unit_names[-2:] == ["decouple@layer4.0", "fc"]
+    unit = net.units[-2]
+    assert unit.m.in_features == 512 and unit.dfd[0].in_channels == 512  # d = 512; A_D on the 512 x 4 x 4 map
+    assert len(unit.dfd) == 4 and sum(isinstance(m, torch.nn.Conv2d) for m in unit.dfd) == 2  # two-layer CNN, BN, ReLU
+
+
+def test_insertion_point_is_a_unit_of_the_feature_extractor():
+    net = build_model("simple_cnn", 1, 2, seed=0)
+    x = torch.rand(2, 1, 32, 32)
+    with pytest.raises(ValueError, match="decouple.layers"):
+        insert_decoupling(net, x, DecouplingParams(layers=("fc3",)))
+    with pytest.raises(ValueError, match="feature maps"):
+        insert_decoupling(net, x, DecouplingParams(layers=("fc1",)))
+    two = insert_decoupling(net, x, DecouplingParams(layers=("conv1", "conv2")))
+    assert [n for n in two.unit_names if n.startswith("decouple@")] == ["decouple@conv1", "decouple@conv2"]
+    assert two.num_layers == net.num_layers and two(x).shape == (2, 2)
+
+
+# ----------------------------------------------------------------------------------------------- aggregation
+def test_domain_aware_weights_are_a_distribution_favouring_large_low_discrepancy_clients():
+    n = [400, 491, 562, 943, 120]
+    w = domain_aware_weights(n, num_classes=7, num_domains=4, alpha=1.0, beta=0.4)
+    assert all(x > 0 for x in w) and sum(w) == pytest.approx(1.0)
+    share = [x / sum(n) for x in n]
+    d = [math.sqrt(7 / 2) * abs(s - 0.25) for s in share]
+    raw = [1 / (1 + math.exp(-(s - 0.4 * dk))) for s, dk in zip(share, d)]
+    assert w == pytest.approx([r / sum(raw) for r in raw])
+    # below 1/Q, a larger client has both more samples and less discrepancy: it weighs more
+    assert w[4] < w[0] < w[1] < w[2]
+    # beta = 0 and alpha large make it n_k-ordered; a client at n_k / N = 1/Q has no discrepancy
+    assert domain_aware_weights([50, 50, 50, 50], 10, 4, 1.0, 0.4) == pytest.approx([0.25] * 4)
+
+
+def test_f2dc_keeps_its_modules_home_and_aggregates_with_eq11(clients):
+    e, hist, ups = _run("f2dc", clients, rounds=1, **CONV)
+    keys = module_keys(e.model)
+    assert keys and all(not (set(u) & keys) for _, _, u in ups), "A_D, A_C and m never leave a client"
+    assert all(keys <= set(s) for s in e.stores)
+    cl = clients[0]
+    w = domain_aware_weights([c.n_train for c in cl], e.method.num_classes, len({c.domain for c in cl}), 1.0, 0.4)
+    fedavg_w = [c.n_train / sum(c.n_train for c in cl) for c in cl]
+    assert max(abs(a - b) for a, b in zip(w, fedavg_w)) > 1e-3, "the fixture's clients are unequal"
+    by_client = {c: u for _, c, u in ups}
+    for k, v in e.server.items():
+        if v.is_floating_point():
+            expect = sum(wi * by_client[c.name][k].double() for wi, c in zip(w, cl))
+            assert torch.allclose(v.double(), expect, atol=1e-6), k
+    assert e.method.resolved()["num_domains"] == 4
+    assert "eval" in hist[-1] and "global" not in hist[-1]  # each client: the global model with its own modules
+
+
+def test_f2dc_as_the_authors_code_runs_it_shares_the_modules_and_averages_by_size(clients):
+    e, hist, ups = _run("f2dc", clients, rounds=1, share_modules=True, domain_aware=False, **CONV)
+    keys = module_keys(e.model)
+    assert all(keys <= set(u) for _, _, u in ups)
+    by_client = {c: u for _, c, u in ups}
+    cl = clients[0]
+    k = sorted(keys)[0]
+    expect = sum(c.n_train * by_client[c.name][k].double() for c in cl) / sum(c.n_train for c in cl)
+    assert torch.allclose(e.server[k].double(), expect, atol=1e-6)
+    assert "global" in hist[-1]
+
+
+def test_decoupling_losses_change_the_update(clients):
+    _, _, on = _run("f2dc", clients, rounds=1, **CONV)
+    _, _, off = _run("f2dc", clients, rounds=1, lambda1=0.0, lambda2=0.0, **CONV)
+    assert not any(_same(a[2], b[2], atol=1e-6) for a, b in zip(on, off))
+
+
+def test_fedavg_plus_dfd_and_dfc_by_configuration(clients):
+    e, _, ups = _run("fedavg", clients, rounds=1, decouple=CONV)
+    keys = module_keys(e.model)
+    assert keys and all(not (set(u) & keys) for _, _, u in ups)
+    plain = _fedavg_uploads(clients, 1)
+    assert len(ups[0][2]) == len(plain[0][2])  # the backbone's tensors (units after the insertion renumbered)
+    with pytest.raises(ValueError, match="local_rounds: 0"):
+        _run("fedavg", clients, rounds=3, local_rounds=1, decouple=CONV)
+
+
+# ----------------------------------------------------------------------------------------------- MOON
+def test_model_contrastive_loss_is_eq3():
+    torch.manual_seed(0)
+    z, zg, zp = torch.randn(5, 4), torch.randn(5, 4), torch.randn(5, 4)
+    cos = torch.nn.functional.cosine_similarity
+    pos, neg = torch.exp(cos(z, zg, dim=1) / 0.5), torch.exp(cos(z, zp, dim=1) / 0.5)
+    assert float(model_contrastive_loss(z, zg, zp, 0.5)) == pytest.approx(float((-torch.log(pos / (pos + neg))).mean()), rel=1e-5)
+
+
+def test_moon_contrast_acts_from_the_second_round_and_the_previous_model_stays_home(clients):
+    avg = _fedavg_uploads(clients, 2)
+    _, _, off = _run("moon", clients, mu=0.0)
+    e, h, on = _run("moon", clients, mu=5.0)
+    assert all(_same(a[2], b[2]) for a, b in zip(avg, off)), "mu = 0 is FedAvg"
+    def gap(a, b):
+        return max(float((a[2][k].float() - b[2][k].float()).abs().max()) for k in a[2])
+
+    # round 1: the previous model is the initial one, equal to the global model, so the contrast's gradient
+    # vanishes (up to float rounding); from round 2 the previous model differs and the contrast moves the update
+    first = [gap(a, b) for a, b in zip(avg, on) if b[0] == 1]
+    second = [gap(a, b) for a, b in zip(avg, on) if b[0] == 2]
+    assert max(first) < 1e-3 and min(second) > 5e-4 and max(second) > 20 * max(first), (first, second)
+    assert all(not any(k.startswith("moon_prev::") for k in u) for _, _, u in on)
+    last = {c: u for r, c, u in on if r == 2}
+    for c, store in zip(clients[0], e.stores):
+        assert _same({k[len("moon_prev::"):]: v for k, v in store.items()}, last[c.name])
+    assert "global" in h[-1]
+
+
+# ----------------------------------------------------------------------------------------------- FedHEAL
+def _heal(n_clients: int = 2, **kw) -> FedHEAL:
+    m = FedHEAL(FedHEALParams(**kw), TrainParams(rounds=3))
+    m.shared, m.private, m.param_keys, m.n_clients = ["w"], [], {"w"}, n_clients
+    return m
+
+
+class _C:
+    def __init__(self, name: str, n: int):
+        self.name, self.n_train = name, n
+
+
+def test_fedheal_consistency_mask_drops_elements_whose_sign_flips():
+    m = _heal()
+    server: dict = {}
+    first = m.consistency_mask(server, "a", {"w": torch.tensor([1.0, -1.0, 1.0])})
+    assert first["w"].tolist() == [1.0, 1.0, 1.0], "all ones at a client's first round"
+    second = m.consistency_mask(server, "a", {"w": torch.tensor([1.0, 1.0, -1.0])})
+    assert second["w"].tolist() == [1.0, 0.0, 0.0]
+    assert server["heal::a::hist::w"].tolist() == [1.0, 0.5, 0.5]
+
+
+def test_fedheal_aggregation_is_fair_and_element_wise_not_fedavg():
+    m = _heal(beta=0.4)
+    server = {"w": torch.zeros(3)}
+    a, b = _C("a", 10), _C("b", 90)
+    # client a moved far, b little: FedHEAL gives a more weight than its 10 % of the samples
+    ups = [(a, {"w": torch.tensor([-4.0, -4.0, -4.0])}), (b, {"w": torch.tensor([-1.0, -1.0, -1.0])})]
+    out = m.aggregate(server, ups, 1)
+    dist = {"a": math.sqrt(48), "b": math.sqrt(3)}
+    raw = {k: 0.5 + 0.4 * d / sum(dist.values()) for k, d in dist.items()}
+    wa = raw["a"] / sum(raw.values())
+    assert out["w"].tolist() == pytest.approx([-(4 * wa + 1 * (1 - wa))] * 3)
+    fedavg = -(4 * 0.1 + 1 * 0.9)
+    assert abs(out["w"][0].item() - fedavg) > 0.5
+    assert "w" in m.download(out, a, 2) and not any(k.startswith("heal::") for k in m.download(out, a, 2))
+    # round 2: b's first element flips sign, so only a moves it
+    ups2 = [(a, {"w": out["w"] - torch.tensor([4.0, 4.0, 4.0])}), (b, {"w": out["w"] + torch.tensor([1.0, -1.0, -1.0])})]
+    out2 = m.aggregate(out, ups2, 2)
+    assert out2["w"][0].item() == pytest.approx(out["w"][0].item() - 4.0)
+
+
+def test_fedheal_runs_and_uploads_what_fedavg_uploads(clients):
+    e, h, ups = _run("fedheal", clients)
+    avg = _fedavg_uploads(clients, 2)
+    assert [set(u) for _, _, u in ups] == [set(u) for _, _, u in avg]
+    assert "global" in h[-1] and not any(k.startswith("heal::") for k in e.method.global_state(e.server))
