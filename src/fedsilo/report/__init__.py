@@ -224,8 +224,16 @@ def versus_paper(acc: pd.DataFrame, published: dict[str, Any]) -> pd.DataFrame:
         raise ReportError(f"published table domains {missing} are not domains of this experiment ({list(ours.columns)})")
     cols = {}
     rows = [m for m in ours.index if m in published["methods"]]
+    def paper_value(m: str, i: int) -> float:
+        vals = published["methods"][m]["mean"]
+        if len(vals) == 1:  # an Avg-only row (a sensitivity table that prints the mean over domains alone)
+            return float(vals[0]) if i == len(domains) - 1 else float("nan")
+        if len(vals) != len(domains):
+            raise ReportError(f"published: methods.{m}.mean has {len(vals)} values for {len(domains)} columns ({domains})")
+        return float(vals[i])
+
     for i, d in enumerate(domains):
-        paper = pd.Series({m: published["methods"][m]["mean"][i] for m in rows})
+        paper = pd.Series({m: paper_value(m, i) for m in rows}, dtype=float)
         cols[(d, "ours")] = ours.loc[rows, d]
         cols[(d, "paper")] = paper
         cols[(d, "diff")] = ours.loc[rows, d] - paper
@@ -237,7 +245,9 @@ def versus_markdown(tab: pd.DataFrame, title: str) -> str:
     lines = [f"### {title}", "", "Each cell: ours / paper (ours - paper), accuracy %.", "",
              "| method | " + " | ".join(domains) + " |", "|---" * (len(domains) + 1) + "|"]
     for m, r in tab.iterrows():
-        lines.append(f"| {m} | " + " | ".join(f"{r[(d, 'ours')]:.1f} / {r[(d, 'paper')]:.1f} ({r[(d, 'diff')]:+.1f})" for d in domains) + " |")
+        lines.append(f"| {m} | " + " | ".join(
+            f"{r[(d, 'ours')]:.1f} / {r[(d, 'paper')]:.1f} ({r[(d, 'diff')]:+.1f})" if not pd.isna(r[(d, "paper")]) else f"{r[(d, 'ours')]:.1f} / –"
+            for d in domains) + " |")
     return "\n".join(lines) + "\n"
 
 
