@@ -200,3 +200,10 @@ def test_a_last_batch_of_one_joins_the_previous_batch():
         got = batches(n, 16, torch.Generator().manual_seed(0))
         assert sorted(torch.cat(got).tolist()) == list(range(n))
         assert all(len(b) > 1 for b in got) or n == 1
+
+
+def test_batches_per_epoch_counts_what_batches_makes():
+    from fedsilo.client.local import batches, batches_per_epoch
+
+    for n in range(1, 70):
+        assert batches_per_epoch(n, 16) == len(batches(n, 16, torch.Generator().manual_seed(0))), n

@@ -297,3 +297,71 @@ def test_fedheal_runs_and_uploads_what_fedavg_uploads(clients):
     avg = _fedavg_uploads(clients, 2)
     assert [set(u) for _, _, u in ups] == [set(u) for _, _, u in avg]
     assert "global" in h[-1] and not any(k.startswith("heal::") for k in e.method.global_state(e.server))
+
+
+# ----------------------------------------------------------------------------------------------- FPL
+def test_finch_finds_well_separated_groups_and_cluster_prototypes_are_their_means():
+    import numpy as np
+
+    from fedsilo.methods.prototypes import cluster_prototypes, finch
+
+    rng = np.random.default_rng(0)
+    centres = np.array([[1.0, 0, 0, 0], [0, 1.0, 0, 0]])
+    x = np.concatenate([c + 0.01 * rng.standard_normal((5, 4)) for c in centres])
+    levels = finch(x)
+    assert all(len(lv) == 10 for lv in levels)
+    coarsest = levels[-1]
+    assert not set(coarsest[:5]) & set(coarsest[5:]), levels  # no cluster mixes the two groups
+    # each level is coarser than the one before and nests in it
+    for fine, coarse in zip(levels, levels[1:]):
+        assert len(set(coarse)) < len(set(fine))
+        assert all(len({coarse[i] for i in range(10) if fine[i] == f}) == 1 for f in set(fine))
+    protos = cluster_prototypes([torch.tensor(r, dtype=torch.float32) for r in x])
+    k = len(set(coarsest))
+    assert protos.shape == (k, 4)
+    for j in range(k):
+        assert torch.allclose(protos[j], torch.tensor(x[coarsest == j].mean(0), dtype=torch.float32), atol=1e-6)
+    # first neighbours by hand: 0 <-> 1 and 2 -> 1 link {0, 1, 2}; 3 <-> 4 link {3, 4}
+    line = np.array([[1.0, 0.0], [1.0, 0.05], [1.0, 0.12], [0.0, 1.0], [0.05, 1.0]])
+    lv0 = finch(line)[0]
+    assert len({lv0[0], lv0[1], lv0[2]}) == 1 and lv0[3] == lv0[4] != lv0[0]
+    assert cluster_prototypes([torch.ones(4)]).shape == (1, 4)
+
+
+def test_fpl_loss_is_infonce_over_cluster_prototypes_plus_mse_to_the_unbiased_one():
+    from fedsilo.methods.fpl import fpl_loss
+
+    torch.manual_seed(0)
+    z, y = torch.randn(3, 5), torch.tensor([0, 1, 2])
+    clusters = {0: torch.randn(2, 5), 1: torch.randn(1, 5)}  # class 2 has no prototype
+    cos = torch.nn.functional.cosine_similarity
+    expect = 0.0
+    for i in range(2):
+        pos = torch.exp(cos(z[i][None], clusters[int(y[i])], dim=1) / 0.5).sum()
+        allp = torch.exp(cos(z[i][None], torch.cat([clusters[0], clusters[1]]), dim=1) / 0.5).sum()
+        expect += float(-torch.log(pos / allp)) + float(((z[i] - clusters[int(y[i])].mean(0)) ** 2).mean())
+    assert float(fpl_loss(z, y, clusters, 0.5)) == pytest.approx(expect / 3, rel=1e-5)
+
+
+def test_fpl_uploads_class_prototypes_with_the_model_and_contrasts_from_round_two(clients):
+    avg = _fedavg_uploads(clients, 2)
+    e, h, ups = _run("fpl", clients)
+    model_keys = set(avg[0][2])
+    for (r, name, u), (_, _, a) in zip(ups, avg):
+        protos = {k for k in u if k.startswith("proto::")}
+        client = next(c for c in clients[0] if c.name == name)
+        assert {f"proto::{c}" for c in torch.unique(client.y_train).tolist()} == protos
+        assert set(u) - protos == model_keys
+        if r == 1:  # no cluster prototypes yet: FedAvg's update
+            assert _same({k: u[k] for k in model_keys}, a, atol=1e-6)
+    second = [(u, a) for (r, _, u), (_, _, a) in zip(ups, avg) if r == 2]
+    assert second and all(not _same({k: u[k] for k in model_keys}, a, atol=1e-5) for u, a in second)
+    assert any(k.startswith("fpl_clusters::") for k in e.server)
+    assert "global" in h[-1] and not any(k.startswith("fpl_clusters::") for k in e.method.global_state(e.server))
+    # the prototype bytes are counted: the upload is the model plus d floats per class
+    d = e.server["fpl_clusters::0"].shape[1]
+    first = h[0]
+    for name, b in first["bytes_up"].items():
+        client = next(c for c in clients[0] if c.name == name)
+        n_cls = len(torch.unique(client.y_train))
+        assert b == sum(v.numel() * v.element_size() for v in avg[0][2].values()) + n_cls * d * 4

@@ -53,6 +53,12 @@ def batches(n: int, batch_size: int, gen: torch.Generator) -> list[torch.Tensor]
     return out
 
 
+def batches_per_epoch(n: int, batch_size: int) -> int:
+    """How many batches ``batches`` makes of n samples (a last batch of one joins the previous batch)."""
+    k = -(-n // batch_size)
+    return k - 1 if k > 1 and n % batch_size == 1 else k
+
+
 def train_local(
     model: nn.Module,
     data: ClientData,

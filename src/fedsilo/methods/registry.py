@@ -22,6 +22,7 @@ from fedsilo.methods.fedlgf import FedLGF
 from fedsilo.methods.fedper import FedPer
 from fedsilo.methods.fedprox import FedProx
 from fedsilo.methods.fedwon import FedWon
+from fedsilo.methods.fpl import FPL
 from fedsilo.methods.moon import MOON
 from fedsilo.methods.pfeddb import PFedDB
 from fedsilo.methods.pfedsd import PFedSD
@@ -29,7 +30,7 @@ from fedsilo.methods.single import Single
 
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
-    for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedSD, FedLGF, FedWon, PFedDB, F2DC, MOON, FedHEAL)
+    for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedSD, FedLGF, FedWon, PFedDB, F2DC, MOON, FedHEAL, FPL)
 }
 
 

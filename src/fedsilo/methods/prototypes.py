@@ -1,0 +1,90 @@
+"""Class prototypes: what prototype methods (FPL, FedTGP, FedSA, ...) compute on the client, send, and cluster.
+
+A client's prototype of class c is the mean representation z = r(x) of its samples of class c; it travels as a
+tensor ``proto::<c>`` (d values) beside the model, so the engine counts its bytes like any payload. FINCH (Sarfraz,
+Sharma, Stiefelhagen, CVPR 2019) is the parameter-free clustering FPL runs over the clients' prototypes of a class.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from scipy.sparse import csr_matrix, identity
+from scipy.sparse.csgraph import connected_components
+
+from fedsilo.methods.base import State
+
+PROTO = "proto::"
+
+
+class PrototypeSums:
+    """Per-class running sums of representations (no gradient), for the mean representation per class."""
+
+    def __init__(self) -> None:
+        self.sums: dict[int, torch.Tensor] = {}
+        self.counts: dict[int, int] = {}
+
+    @torch.no_grad()
+    def add(self, z: torch.Tensor, y: torch.Tensor) -> None:
+        z = z.detach().float()
+        for c in torch.unique(y).tolist():
+            sel = z[y == c]
+            self.sums[c] = self.sums.get(c, torch.zeros(z.shape[1], device=z.device)) + sel.sum(0)
+            self.counts[c] = self.counts.get(c, 0) + int(sel.shape[0])
+
+    def means(self) -> dict[int, torch.Tensor]:
+        return {c: self.sums[c] / self.counts[c] for c in sorted(self.sums)}
+
+
+def to_payload(protos: dict[int, torch.Tensor], prefix: str = PROTO) -> State:
+    return {f"{prefix}{c}": v for c, v in protos.items()}
+
+
+def from_payload(payload: State, prefix: str = PROTO) -> dict[int, torch.Tensor]:
+    return {int(k[len(prefix):]): v for k, v in payload.items() if k.startswith(prefix)}
+
+
+def _first_neighbour_clusters(x: np.ndarray) -> np.ndarray:
+    """FINCH's first-neighbour partition: i and j are linked when one is the other's nearest neighbour (cosine) or
+    both have the same nearest neighbour; clusters are the connected components."""
+    n = x.shape[0]
+    if n == 1:
+        return np.zeros(1, dtype=np.int64)
+    unit = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    dist = 1.0 - unit @ unit.T
+    np.fill_diagonal(dist, np.inf)
+    nn = dist.argmin(axis=1)
+    a = csr_matrix((np.ones(n), (np.arange(n), nn)), shape=(n, n)) + identity(n, format="csr")
+    _, labels = connected_components(a @ a.T, directed=False)
+    return labels.astype(np.int64)
+
+
+def finch(x: np.ndarray) -> list[np.ndarray]:
+    """FINCH's hierarchy of partitions of the rows of ``x`` (cosine, no early-exit threshold), finest first. Each
+    level clusters the previous level's cluster means by first neighbours; the recursion stops when a level would
+    leave one cluster or merge nothing, and after a level that merged just one pair of clusters (the stopping rule of
+    the copy FPL's authors ship; the PyPI package ``finch-clust`` drops such a level instead)."""
+    x = np.asarray(x, dtype=np.float64)
+    labels = _first_neighbour_clusters(x)
+    levels = [labels]
+    while True:
+        k = int(labels.max()) + 1
+        means = np.stack([x[labels == j].mean(0) for j in range(k)])
+        merged = _first_neighbour_clusters(means)[labels]
+        k_new = int(merged.max()) + 1
+        if k_new == 1 or k - k_new < 1:
+            return levels
+        labels = merged
+        levels.append(labels)
+        if k - k_new == 1:  # the loop's condition (exit > 1) ends it after keeping this level
+            return levels
+
+
+def cluster_prototypes(protos: list[torch.Tensor]) -> torch.Tensor:
+    """FPL's cluster prototypes of one class: the means of the clusters of FINCH's coarsest partition of the
+    clients' prototypes (one prototype is its own cluster). Returns k x d."""
+    if len(protos) == 1:
+        return protos[0][None].float()
+    x = torch.stack([p.float().cpu() for p in protos]).numpy()
+    labels = finch(x)[-1]
+    return torch.stack([torch.from_numpy(x[labels == j].mean(0)) for j in range(int(labels.max()) + 1)])
