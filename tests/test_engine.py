@@ -207,3 +207,12 @@ def test_batches_per_epoch_counts_what_batches_makes():
 
     for n in range(1, 70):
         assert batches_per_epoch(n, 16) == len(batches(n, 16, torch.Generator().manual_seed(0))), n
+
+
+def test_each_round_records_its_training_and_total_seconds(clients):
+    from fedsilo.tracking import round_metrics
+
+    h = _engine("fedavg", clients, rounds=2, eval_every=2).run()
+    assert all(0 < e["train_seconds"] <= e["seconds"] for e in h)
+    assert "eval" not in h[0] and "eval" in h[1]
+    assert round_metrics(h[1])["train_seconds"] == h[1]["train_seconds"]

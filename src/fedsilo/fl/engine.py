@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -148,7 +149,14 @@ class Engine:
         perm = torch.randperm(n, generator=make_generator(self.seed, rnd, 1_000_003))
         return sorted(int(i) for i in perm[:m])
 
+    def _clock(self) -> float:
+        """Wall-clock seconds, after the device has finished its queued work (CUDA runs asynchronously)."""
+        if self._device().type == "cuda":
+            torch.cuda.synchronize(self._device())
+        return time.perf_counter()
+
     def run_round(self) -> dict[str, Any]:
+        start = self._clock()
         rnd = self.round + 1
         self.method.on_round_start(self.model, rnd)
         picked = list(range(len(self.clients))) if self.method.sample_all(rnd) else self.sample(rnd)
@@ -185,10 +193,14 @@ class Engine:
                 uploads.append((c, up))
             del up, down
         self.server = self.method.agg_end(self.server, acc, rnd) if acc is not None else self.method.aggregate(self.server, uploads, rnd)
+        # wall-clock seconds of the round's local training, transfers and aggregation (Table 4-style "train time"),
+        # and of the whole round with its evaluation; they describe the machine, not the result (never compared)
+        entry["train_seconds"] = round(self._clock() - start, 4)
         entry["bytes_down_total"] = int(sum(entry["bytes_down"].values()))
         entry["bytes_up_total"] = int(sum(entry["bytes_up"].values()))
         if rnd % self.train.eval_every == 0 or rnd == self.train.rounds:
             entry.update(self.evaluate())
+        entry["seconds"] = round(self._clock() - start, 4)
         # the per-client optimizers of a round are reference cycles: free them now rather than at an arbitrary
         # later collection, so host memory stays level from round to round
         gc.collect()

@@ -46,6 +46,7 @@ def collect(results: Path, methods: list[str], seeds: list[int]) -> tuple[pd.Dat
                 "bytes_per_round": float(np.mean(np.add(met["bytes_up_per_round"], met["bytes_down_per_round"]))),
                 "up_per_client_round": float(np.mean(up)) / len(met["per_client"]) if up else 0.0,
                 "model_param_bytes": float(met.get("model_param_bytes", np.nan)),
+                "train_s_per_round": float(np.mean([h["train_seconds"] for h in histories[(m, s)] if "train_seconds" in h] or [np.nan])),
             }
             # a column per domain: where several clients share a domain (F²DC's protocol) they share its test set,
             # and the domain's accuracy is the mean over its clients (the same number when they share one model)
@@ -109,11 +110,14 @@ def to_latex(tab: pd.DataFrame, caption: str) -> str:
 
 def communication_table(df: pd.DataFrame, methods: list[str]) -> pd.DataFrame:
     """MiB uploaded per client per federated round, its ratio to the backbone, and the saving against FedAvg."""
-    g = df.groupby("method")[["up_per_client_round", "model_param_bytes"]].mean().reindex(methods)
+    cols = ["up_per_client_round", "model_param_bytes"] + (["train_s_per_round"] if "train_s_per_round" in df else [])
+    g = df.groupby("method")[cols].mean().reindex(methods)
     out = pd.DataFrame(index=g.index)
     out["upload_MiB"] = g["up_per_client_round"] / 2**20
     out["backbone_MiB"] = g["model_param_bytes"] / 2**20
     out["ratio"] = g["up_per_client_round"] / g["model_param_bytes"]
+    if "train_s_per_round" in g and g["train_s_per_round"].notna().any():
+        out["train_s_per_round"] = g["train_s_per_round"]
     if "fedavg" in out.index and out.loc["fedavg", "upload_MiB"] > 0:
         out["saving_vs_fedavg"] = 1.0 - out["upload_MiB"] / out.loc["fedavg", "upload_MiB"]
     return out
@@ -121,12 +125,16 @@ def communication_table(df: pd.DataFrame, methods: list[str]) -> pd.DataFrame:
 
 def communication_markdown(tab: pd.DataFrame, title: str) -> str:
     has_saving = "saving_vs_fedavg" in tab.columns
+    has_time = "train_s_per_round" in tab.columns
     head = "| method | uploaded MiB per client per federated round | backbone MiB | ratio |" + (" saving vs FedAvg |" if has_saving else "")
-    lines = [f"### {title}", "", head, "|---|---|---|---|" + ("---|" if has_saving else "")]
+    head += " training s per round (all clients, this machine) |" if has_time else ""
+    lines = [f"### {title}", "", head, "|---|---|---|---|" + ("---|" if has_saving else "") + ("---|" if has_time else "")]
     for m, r in tab.iterrows():
         cells = [f"{r['upload_MiB']:.3f}", f"{r['backbone_MiB']:.3f}", f"{r['ratio']:.2f}"]
         if has_saving:
             cells.append(f"{r['saving_vs_fedavg'] * 100:.1f} %")
+        if has_time:
+            cells.append(f"{r['train_s_per_round']:.2f}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
