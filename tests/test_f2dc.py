@@ -365,3 +365,83 @@ def test_fpl_uploads_class_prototypes_with_the_model_and_contrasts_from_round_tw
         client = next(c for c in clients[0] if c.name == name)
         n_cls = len(torch.unique(client.y_train))
         assert b == sum(v.numel() * v.element_size() for v in avg[0][2].values()) + n_cls * d * 4
+
+
+# ----------------------------------------------------------------------------------------------- FedTGP, FedSA
+def test_fedtgp_margin_loss_and_prototype_mse_follow_the_code():
+    from fedsilo.methods.fedtgp import adaptive_margin, margin_contrastive_loss, prototype_mse
+
+    q = {0: torch.tensor([0.0, 0.0]), 1: torch.tensor([3.0, 0.0]), 2: torch.tensor([0.0, 10.0])}
+    pairs = [(c, v) for c, v in q.items()] + [(0, torch.tensor([0.0, 0.0]))]
+    # nearest other class: 3, 3, 10 -> max 10, capped by tau
+    assert adaptive_margin(pairs, 100.0) == pytest.approx(10.0)
+    assert adaptive_margin(pairs, 4.0) == 4.0 and adaptive_margin([(0, q[0])], 7.0) == 7.0
+    z, y = torch.tensor([[1.0, 0.0], [0.0, 9.0]]), torch.tensor([0, 2])
+    centres = torch.stack([q[0], q[1], q[2]])
+    d = torch.cdist(z, centres)
+    expect = torch.nn.functional.cross_entropy(-(d + 2.0 * torch.nn.functional.one_hot(y, 3)), y)
+    assert float(margin_contrastive_loss(z, y, centres, 2.0)) == pytest.approx(float(expect), rel=1e-6)
+    # rows without a prototype add nothing but count in the mean (B x d)
+    mse = prototype_mse(z, y, {0: torch.tensor([1.0, 2.0])})
+    assert float(mse) == pytest.approx(4.0 / 4)
+
+
+def test_fedtgp_server_generator_learns_separated_prototypes():
+    from fedsilo.config import TrainParams as TP
+    from fedsilo.methods.fedtgp import FedTGP, FedTGPParams
+
+    m = FedTGP(FedTGPParams(server_epochs=60), TP(lr=0.05, batch_size=8))
+    m.num_classes, m.dim, m.run_seed = 3, 4, 0
+    server = {f"tgp_net::{k}": v for k, v in m.generator().state_dict().items()}
+    means = torch.eye(3, 4) * 5
+    pairs = [(c, means[c] + 0.1 * torch.randn(4, generator=torch.Generator().manual_seed(10 * c + k))) for c in range(3) for k in range(4)]
+    out = m.train_generator(server, pairs, rnd=1)
+    protos = torch.stack([out[f"tgp_proto::{c}"] for c in range(3)])
+    assert torch.cdist(means, protos).argmin(1).tolist() == [0, 1, 2]
+    again = m.train_generator(server, pairs, rnd=1)
+    assert all(torch.equal(out[k], again[k]) for k in out), "the server's batches are seeded"
+
+
+def test_fedtgp_round_one_is_fedavg_then_the_prototypes_pull(clients):
+    avg = _fedavg_uploads(clients, 2)
+    e, h, ups = _run("fedtgp", clients, server_epochs=5)
+    model_keys = set(avg[0][2])
+    for (r, name, u), (_, _, a) in zip(ups, avg):
+        client = next(c for c in clients[0] if c.name == name)
+        assert {k for k in u if k.startswith("proto::")} == {f"proto::{c}" for c in torch.unique(client.y_train).tolist()}
+        if r == 1:
+            assert _same({k: u[k] for k in model_keys}, a, atol=1e-6)
+    assert all(not _same({k: u[k] for k in model_keys}, a, atol=1e-5) for (r, _, u), (_, _, a) in zip(ups, avg) if r == 2)
+    down = e.method.download(e.server, clients[0][0], 3)
+    assert not any(k.startswith("tgp_net::") for k in down) and sum(k.startswith("tgp_proto::") for k in down) == 2
+    assert "global" in h[-1]
+
+
+def test_fedsa_anchors_are_seeded_and_move_by_the_ema(clients):
+    from fedsilo.methods.fedsa import initial_anchors, mean_nearest_gap
+
+    a = initial_anchors(7, 512, 0)
+    assert torch.equal(a, initial_anchors(7, 512, 0)) and not torch.equal(a, initial_anchors(7, 512, 1))
+    assert float(a.min()) >= 0.0  # the projector ends in a ReLU
+    assert mean_nearest_gap(torch.tensor([[0.0, 0.0], [3.0, 0.0], [3.0, 1.0]])) == pytest.approx((3 + 1 + 1) / 3)
+    e, h, ups = _run("fedsa", clients, rounds=1)
+    start = initial_anchors(2, 16, 0)
+    per_class: dict[int, list] = {}
+    for _, _, u in ups:
+        for k, v in u.items():
+            if k.startswith("proto::"):
+                per_class.setdefault(int(k.split("::")[1]), []).append(v)
+    for c, ps in per_class.items():
+        assert torch.allclose(e.server["sa_anchors"][c], 0.9999 * start[c] + 0.0001 * torch.stack(ps).mean(0), atol=1e-6)
+    # each client keeps its prototypes for the next local gap, and never uploads them under that name
+    assert all(any(k.startswith("sa_prev::") for k in s) for s in e.stores)
+    assert all(not any(k.startswith("sa_prev::") for k in u) for _, _, u in ups)
+
+
+def test_fedsa_terms_change_the_update_from_round_one(clients):
+    avg = _fedavg_uploads(clients, 1)
+    _, _, off = _run("fedsa", clients, rounds=1, lam=0.0, mcl=0.0, cc=0.0)
+    _, _, on = _run("fedsa", clients, rounds=1)
+    keys = set(avg[0][2])
+    assert all(_same({k: u[k] for k in keys}, a) for (_, _, u), (_, _, a) in zip(off, avg))
+    assert all(not _same({k: u[k] for k in keys}, a, atol=1e-5) for (_, _, u), (_, _, a) in zip(on, avg))

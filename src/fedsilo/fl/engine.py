@@ -68,7 +68,7 @@ class Engine:
         self.seed, self.checkpoint, self.config_hash = seed, checkpoint, config_hash
         self.observer, self.on_round = observer, on_round
         self.meta: dict[str, Any] = dict(meta or {})
-        self.method.join(clients)
+        self.method.join(clients, seed)
         model = self.model = method.transform_model(model, to_float(clients[0].x_train[:2]))
         self.method.setup(model)
         self.private = self.method.private_keys(model)

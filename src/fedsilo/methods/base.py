@@ -49,12 +49,15 @@ class Method:
         self.key = key or self.name
         self.last_loss: Optional[float] = None  # mean training loss of the latest local_update
         self.federation: list[ClientData] = []
+        self.run_seed = 0
 
-    def join(self, clients: list[ClientData]) -> None:
-        """The federation's clients as a server knows them at registration (name, domain, sample count): called once,
-        before the model is transformed and set up. Methods whose aggregation weighs domains or keeps per-client
-        server state read ``self.federation``; a method must not read a client's data from here."""
+    def join(self, clients: list[ClientData], seed: int = 0) -> None:
+        """The federation's clients as a server knows them at registration (name, domain, sample count) and the run's
+        seed: called once, before the model is transformed and set up. Methods whose aggregation weighs domains or
+        keeps per-client server state read ``self.federation`` (never a client's data); server-side randomness (a
+        server network's initialisation, its batches) is seeded from ``self.run_seed``."""
         self.federation = list(clients)
+        self.run_seed = int(seed)
 
     # --- structure
     def transform_model(self, model: nn.Module, example: torch.Tensor) -> nn.Module:

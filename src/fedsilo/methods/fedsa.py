@@ -1,0 +1,139 @@
+"""FedSA: semantic-anchor regularization for federated learning (Zhou, Li, Wang et al., AAAI 2025)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from fedsilo.client.features import classifier, representation
+from fedsilo.client.local import make_generator, train_local
+from fedsilo.methods.base import MethodParams, RunningMean, State
+from fedsilo.methods.fedtgp import margin_contrastive_loss
+from fedsilo.methods.prototypes import PROTO, PrototypeSums, from_payload, to_payload
+from fedsilo.methods.sharing import PartialSharing
+from fedsilo.models import LayeredNet
+
+ANCHORS = "sa_anchors"  # C x d, on the server and in every download
+PREVIOUS = "sa_prev::"  # the client's prototypes of its previous participation (for its local gap), kept home
+
+
+class FedSAParams(MethodParams):
+    lam: float = Field(10.0, ge=0, description="weight of the anchor regularizer MSE(r(x), A_y) (the authors' scripts: 10)")
+    mcl: float = Field(1.0, ge=0, description="weight of the margin-enhanced contrastive term")
+    cc: float = Field(1.0, ge=0, description="weight of the anchor-based classifier calibration CE(h(A), c)")
+    ema: float = Field(0.9999, ge=0, le=1, description="anchor EMA: A_c <- ema A_c + (1 - ema) mean prototype (the code's constant)")
+
+
+def mean_nearest_gap(centres: torch.Tensor) -> float:
+    """mean over classes of the distance to the nearest other class (-inf with one class, as the code)."""
+    if len(centres) < 2:
+        return float("-inf")
+    d = torch.cdist(centres.float(), centres.float())
+    d.fill_diagonal_(float("inf"))
+    return float(d.min(1).values.mean())
+
+
+def initial_anchors(num_classes: int, dim: int, seed: int) -> torch.Tensor:
+    """Random class centres through an untrained Linear-BN-ReLU-Linear-BN-ReLU projector in training mode (batch
+    statistics over the C centres), as FedSA's code draws them (from SAR, Ge et al. 2024)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        proj = nn.Sequential(nn.Linear(dim, dim), nn.BatchNorm1d(dim), nn.ReLU(), nn.Linear(dim, dim), nn.BatchNorm1d(dim), nn.ReLU())
+        centres = torch.randn(num_classes, dim)
+        proj.train()
+        with torch.no_grad():
+            return proj(centres).detach()
+
+
+class FedSA(PartialSharing):
+    """Zhou et al. 2025 (AAAI), with the model shared as the F²DC comparison runs it. The server holds fixed semantic
+    anchors A (one per class, drawn once); a client downloads the global model and A and trains on
+    CE + cc CE(h(A), c) + lambda MSE(r(x), A_y) + mcl CE(-(||r(x) - A_c|| + m [c = y]), y), with the margin
+    m = max(local gap, anchor gap), each the mean over classes of the distance to the nearest other class (the local
+    gap from the client's prototypes of its previous participation, 0 at its first). It collects its class
+    prototypes from the training forwards of all local epochs, keeps them, and uploads the model and the
+    prototypes. The server averages the models by sample size and moves each anchor of a class present in the round
+    by A_c <- 0.9999 A_c + 0.0001 mean_k p_k,c (unweighted over clients). Clients are evaluated with the global model.
+
+    FedSA's own code (github:lokinko/FedSA) never aggregates weights and evaluates each client's own model by its
+    nearest global prototype; F²DC compares one global model on shared ResNet-10s, so here the weights are FedAvg's
+    and the global model's logits are evaluated. Everything else is the code's: lambda = 10, mcl = cc = 1 (its
+    scripts), the anchors' construction (seeded by the run's seed instead of a constant 0), the EMA constant, the
+    uncapped mean-gap margin, prototypes from training-mode features of all epochs."""
+
+    name = "fedsa"
+    params_cls = FedSAParams
+    params: FedSAParams
+
+    def shared_keys(self, model: LayeredNet) -> list[str]:
+        return list(model.state_dict().keys())
+
+    def setup(self, model: LayeredNet) -> None:
+        super().setup(model)
+        head = classifier(model)
+        self.num_classes, self.dim = head.out_features, head.in_features
+
+    def private_keys(self, model: LayeredNet) -> set[str]:
+        return super().private_keys(model) | {f"{PREVIOUS}{c}" for c in range(classifier(model).out_features)}
+
+    def init_server(self, model: LayeredNet) -> State:
+        return {**super().init_server(model), ANCHORS: initial_anchors(self.num_classes, self.dim, self.run_seed)}
+
+    def download(self, server: State, client, rnd: int) -> State:
+        return dict(server)
+
+    def local_update(self, model, store, payload, client, rnd, seed):
+        anchors = payload[ANCHORS]
+        model.load_state_dict({**{k: v for k, v in store.items() if not k.startswith(PREVIOUS)},
+                               **{k: payload[k] for k in self.shared}}, strict=True)
+        previous = from_payload(store, PREVIOUS)
+        local_gap = mean_nearest_gap(torch.stack([previous[c] for c in sorted(previous)])) if previous else 0.0
+        margin = max(local_gap, mean_nearest_gap(anchors))
+        head = classifier(model)
+        every = torch.arange(self.num_classes, device=anchors.device)
+        p = self.params
+        sums = PrototypeSums()
+        with representation(model) as rep:
+
+            def batch_loss(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+                z = rep.z
+                sums.add(z, y)
+                a = anchors.to(z.dtype)
+                return (p.cc * F.cross_entropy(head(a), every) + p.lam * F.mse_loss(z, a[y])
+                        + p.mcl * margin_contrastive_loss(z, y, a, margin))
+
+            self.last_loss = train_local(model, client, self.train, make_generator(seed, rnd, client.index), batch_loss=batch_loss)
+        protos = sums.means()
+        sd = model.state_dict()
+        for k in self.private:
+            store[k] = sd[k].detach().clone()
+        for k in [k for k in store if k.startswith(PREVIOUS)]:
+            del store[k]
+        store.update(to_payload(protos, PREVIOUS))
+        return {**{k: sd[k].detach() for k in self.shared}, **to_payload(protos)}
+
+    streaming = False
+
+    def aggregate(self, server: State, uploads: list[tuple[Any, State]], rnd: int) -> State:
+        if not uploads:
+            return server
+        mean = RunningMean()
+        per_class: dict[int, list[torch.Tensor]] = {}
+        for c, up in uploads:
+            mean.add(c.n_train, {k: up[k] for k in self.shared})
+            for cls, v in from_payload(up, PROTO).items():
+                per_class.setdefault(cls, []).append(v.float())
+        anchors = server[ANCHORS].clone()
+        for cls, ps in per_class.items():
+            anchors[cls] = self.params.ema * anchors[cls] + (1 - self.params.ema) * torch.stack(ps).mean(0).to(anchors.device)
+        return {**mean.result(), ANCHORS: anchors}
+
+    def eval_state(self, server, store, client):
+        return {**{k: v for k, v in store.items() if not k.startswith(PREVIOUS)}, **{k: server[k] for k in self.shared}}
+
+    def global_state(self, server):
+        return {k: server[k] for k in self.shared} if not self.private else None
