@@ -445,3 +445,57 @@ def test_fedsa_terms_change_the_update_from_round_one(clients):
     keys = set(avg[0][2])
     assert all(_same({k: u[k] for k in keys}, a) for (_, _, u), (_, _, a) in zip(off, avg))
     assert all(not _same({k: u[k] for k in keys}, a, atol=1e-5) for (_, _, u), (_, _, a) in zip(on, avg))
+
+
+# ----------------------------------------------------------------------------------------------- FedRCL
+def test_fedrcl_terms_match_a_per_sample_reading_of_the_code():
+    from fedsilo.methods.fedrcl import divergence_penalty, scl_loss
+
+    torch.manual_seed(0)
+    z = torch.nn.functional.normalize(torch.randn(6, 5), dim=1)
+    y = torch.tensor([0, 0, 1, 1, 1, 2])
+    s = z @ z.T
+    tau = 0.5
+    scl, pen = 0.0, 0.0
+    for i in range(6):
+        same = [j for j in range(6) if y[j] == y[i]]
+        other = sorted((float(s[i, j]) for j in range(6) if y[j] != y[i]), reverse=True)[:2]
+        pos = min(float(s[i, j]) for j in same)
+        terms = [pos] + other
+        scl += -pos / tau + math.log(sum(math.exp(t / tau) for t in terms))
+        rest = [float(s[i, j]) for j in same if j != i]
+        far = min(rest) if rest and min(rest) >= 0.1 else -1.0
+        pen += -1 / tau + math.log(math.exp(1 / tau) + math.exp(far / tau))
+    assert float(scl_loss(z, y, tau, 2)) == pytest.approx(scl / 6, rel=1e-5)
+    assert float(divergence_penalty(z, y, tau, 0.1)) == pytest.approx(pen / 6, rel=1e-5)
+
+
+def test_fedrcl_contrasts_five_pre_relu_levels_of_a_resnet(clients):
+    from fedsilo.methods.fedrcl import hook_levels, pooled_levels
+
+    net = build_model("resnet10_cifar", 1, 2, seed=0)
+    found: dict = {}
+    handles = hook_levels(net, found, "fedrcl")
+    net(torch.rand(3, 1, 16, 16))
+    for h in handles:
+        h.remove()
+    assert [found[k].shape[1] for k in sorted(found)] == [64, 64, 128, 256, 512]
+    assert all(float(found[k].min()) < 0 for k in found), "taken before the ReLU"
+    assert [z.shape for z in pooled_levels(found)] == [(3, 64), (3, 64), (3, 128), (3, 256), (3, 512)]
+    with pytest.raises(ValueError, match="methods.fedrcl: .* needs a ResNet"):
+        hook_levels(tiny_net(1, 2), {}, "fedrcl")
+    # the terms change the update; with both weights 0 it is FedAvg's
+    import dataclasses
+
+    small = [dataclasses.replace(c, x_train=c.x_train[:8, :, ::2, ::2], y_train=c.y_train[:8], x_test=c.x_test[:4, :, ::2, ::2], y_test=c.y_test[:4])
+             for c in clients[0][:2]]  # 16 px, 8 images: a ResNet-10 round in a second
+    two = (small, clients[1], clients[2])
+    tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu")
+    ups: dict[str, list] = {}
+    for name, kw in (("fedavg", {}), ("fedrcl", {"scl_weight": 0.0, "penalty_weight": 0.0}), ("fedrcl", {})):
+        cls = method_class(name)
+        got: list = ups.setdefault(f"{name}{len(kw)}", [])
+        Engine(cls(cls.params_cls(**kw), tp), build_model("resnet10_cifar", two[1], two[2], seed=0), two[0], tp, seed=0,
+               observer=lambda r, c, d, p, got=got: got.append(p) if d == "up" else None).run()
+    assert all(_same(a, b) for a, b in zip(ups["fedavg0"], ups["fedrcl2"]))
+    assert all(not _same(a, b, atol=1e-6) for a, b in zip(ups["fedavg0"], ups["fedrcl0"]))

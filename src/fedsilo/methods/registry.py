@@ -21,6 +21,7 @@ from fedsilo.methods.fedheal import FedHEAL
 from fedsilo.methods.fedlgf import FedLGF
 from fedsilo.methods.fedper import FedPer
 from fedsilo.methods.fedprox import FedProx
+from fedsilo.methods.fedrcl import FedRCL
 from fedsilo.methods.fedsa import FedSA
 from fedsilo.methods.fedtgp import FedTGP
 from fedsilo.methods.fedwon import FedWon
@@ -32,7 +33,7 @@ from fedsilo.methods.single import Single
 
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
-    for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedSD, FedLGF, FedWon, PFedDB, F2DC, MOON, FedHEAL, FPL, FedTGP, FedSA)
+    for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedSD, FedLGF, FedWon, PFedDB, F2DC, MOON, FedHEAL, FPL, FedTGP, FedSA, FedRCL)
 }
 
 
