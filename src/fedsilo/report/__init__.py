@@ -51,7 +51,9 @@ def collect(results: Path, methods: list[str], seeds: list[int]) -> tuple[pd.Dat
             # a column per domain: where several clients share a domain (F²DC's protocol) they share its test set,
             # and the domain's accuracy is the mean over its clients (the same number when they share one model)
             domain_of = met.get("client_domains") or {}
-            for client, v in met["per_client"].items():
+            order = [c for c in met.get("clients", []) if c in met["per_client"]] or list(met["per_client"])  # the split's order
+            for client in order:
+                v = met["per_client"][client]
                 rows.append({"method": m, "seed": s, "domain": domain_of.get(client, client), "acc": v["acc"], "auc": v.get("auc", np.nan), **run_level})
     df = pd.DataFrame(rows)
     if not df.empty and df.duplicated(["method", "seed", "domain"]).any():
