@@ -266,9 +266,9 @@ def test_fedheal_consistency_mask_drops_elements_whose_sign_flips():
     m = _heal()
     server: dict = {}
     first = m.consistency_mask(server, "a", {"w": torch.tensor([1.0, -1.0, 1.0])})
-    assert first["w"].tolist() == [1.0, 1.0, 1.0], "all ones at a client's first round"
+    assert first["w"].tolist() == [True, True, True], "all ones at a client's first round"
     second = m.consistency_mask(server, "a", {"w": torch.tensor([1.0, 1.0, -1.0])})
-    assert second["w"].tolist() == [1.0, 0.0, 0.0]
+    assert second["w"].tolist() == [True, False, False]
     assert server["heal::a::hist::w"].tolist() == [1.0, 0.5, 0.5]
 
 

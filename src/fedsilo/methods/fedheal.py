@@ -62,7 +62,7 @@ class FedHEAL(PartialSharing):
         return {**store, **{k: server[k] for k in self.shared}}
 
     def consistency_mask(self, server: State, name: str, delta: State) -> State:
-        """Element-wise mask of the updates whose sign agrees with the client's history; updates the history."""
+        """Element-wise mask (bool) of the updates whose sign agrees with the client's history; updates the history."""
         count_key = f"{SERVER}{name}::count"
         t = int(server[count_key]) if count_key in server else 0
         mask: State = {}
@@ -70,12 +70,11 @@ class FedHEAL(PartialSharing):
             up = (d >= 0).float()
             hist_key = f"{SERVER}{name}::hist::{k}"
             if t == 0:
-                mask[k] = torch.ones_like(up)
+                mask[k] = torch.ones_like(d, dtype=torch.bool)
                 server[hist_key] = up
             else:
                 hist = server[hist_key]
-                consistency = torch.where(d >= 0, hist, 1 - hist)
-                mask[k] = (consistency > self.params.threshold).float()
+                mask[k] = torch.where(d >= 0, hist, 1 - hist) > self.params.threshold
                 server[hist_key] = (hist * t + up) / (t + 1)
         server[count_key] = torch.tensor(t + 1)
         return mask
@@ -96,27 +95,29 @@ class FedHEAL(PartialSharing):
     streaming = False
 
     def aggregate(self, server: State, uploads: list[tuple[Any, State]], rnd: int) -> State:
+        """Two passes over the tensors, so that the server holds one float32 update per client only for the tensor it
+        is working on (masks are kept as booleans in between)."""
         if not uploads:
             return server
         server = dict(server)
-        masked: dict[str, State] = {}
         masks: dict[str, State] = {}
         dist: dict[str, float] = {}
-        for c, up in uploads:
-            delta = {k: server[k].double() - up[k].double() for k in self.shared}
-            m = self.consistency_mask(server, c.name, delta)
-            masks[c.name] = m
-            masked[c.name] = {k: delta[k] * m[k] for k in self.shared}
-            dist[c.name] = float(sum(torch.linalg.vector_norm(masked[c.name][k]) for k in self.param_keys))
+        for c, up in uploads:  # pass 1, one client's update at a time: masks, histories, distances
+            delta = {k: server[k].float() - up[k].float() for k in self.shared}
+            masks[c.name] = self.consistency_mask(server, c.name, delta)
+            dist[c.name] = float(sum(torch.linalg.vector_norm(delta[k] * masks[c.name][k]) for k in self.param_keys))
+            del delta
         a = self.fair_weights(server, dist)
         names = [c.name for c, _ in uploads]
-        for k in self.shared:
-            adjusted = torch.stack([a[n] * masks[n][k] for n in names])
+        by_name = {c.name: up for c, up in uploads}
+        for k in self.shared:  # pass 2: element-wise fair aggregation
+            m = torch.stack([masks[n][k] for n in names]).float()
+            a_k = torch.tensor([a[n] for n in names], dtype=torch.float32, device=m.device).view(-1, *[1] * (m.dim() - 1))
+            adjusted = a_k * m
             total = adjusted.sum(0, keepdim=True)
-            plain = torch.tensor([a[n] for n in names], dtype=adjusted.dtype).view(-1, *[1] * (adjusted.dim() - 1)).expand_as(adjusted)
-            weights = torch.where(total == 0, plain, adjusted / torch.where(total == 0, torch.ones_like(total), total))
-            step = sum(weights[i] * masked[n][k] for i, n in enumerate(names))
-            new = server[k].double() - step
+            weights = torch.where(total == 0, a_k.expand_as(adjusted), adjusted / torch.where(total == 0, torch.ones_like(total), total))
+            step = sum(weights[i] * (server[k].float() - by_name[n][k].float()) * m[i] for i, n in enumerate(names))
+            new = server[k].float() - step
             server[k] = new.round().to(server[k].dtype) if not server[k].is_floating_point() else new.to(server[k].dtype)
         return server
 
