@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -301,8 +302,6 @@ def test_fedheal_runs_and_uploads_what_fedavg_uploads(clients):
 
 # ----------------------------------------------------------------------------------------------- FPL
 def test_finch_finds_well_separated_groups_and_cluster_prototypes_are_their_means():
-    import numpy as np
-
     from fedsilo.methods.prototypes import cluster_prototypes, finch
 
     rng = np.random.default_rng(0)
@@ -499,3 +498,82 @@ def test_fedrcl_contrasts_five_pre_relu_levels_of_a_resnet(clients):
                observer=lambda r, c, d, p, got=got: got.append(p) if d == "up" else None).run()
     assert all(_same(a, b) for a, b in zip(ups["fedavg0"], ups["fedrcl2"]))
     assert all(not _same(a, b, atol=1e-6) for a, b in zip(ups["fedavg0"], ups["fedrcl0"]))
+
+
+# ----------------------------------------------------------------------------------------------- FDSE
+def test_dse_layer_is_the_codes_extractor_plus_depthwise_eraser():
+    from fedsilo.methods.fdse import DSEConv
+
+    torch.manual_seed(0)
+    layer = DSEConv(3, 5, 3, 1, 1, relu=False).eval()
+    assert layer.dfe_conv.out_channels == 3 and layer.dse_conv.groups == 3 and layer.dse_conv.kernel_size == (3, 3)
+    x = torch.rand(2, 3, 6, 6)
+    x1 = layer.dse_bn(layer.dfe_conv(x))
+    expect = layer.dfe_bn(torch.cat([x1, layer.dse_conv(x1)], 1)[:, :5] + layer.dfe_bias.view(1, -1, 1, 1))
+    assert torch.allclose(layer(x), expect)
+
+
+def test_min_norm_point_of_the_updates():
+    from fedsilo.methods.fdse import min_norm_weights
+
+    e1, e2 = np.array([1.0, 0.0]), np.array([0.0, 1.0])
+    assert min_norm_weights(np.stack([e1, -e1])) == pytest.approx([0.5, 0.5], abs=1e-6)
+    assert min_norm_weights(np.stack([e1, e2])) == pytest.approx([0.5, 0.5], abs=1e-6)
+    lam = min_norm_weights(np.stack([e1, e2, (e1 + e2) / np.sqrt(2)]))
+    point = lam @ np.stack([e1, e2, (e1 + e2) / np.sqrt(2)])
+    assert lam.sum() == pytest.approx(1.0) and (lam >= 0).all() and np.linalg.norm(point) == pytest.approx(np.sqrt(0.5), abs=1e-5)
+    assert min_norm_weights(e1[None]) == pytest.approx([1.0])
+
+
+def test_fdse_server_mgda_step_similarity_mix_and_privacy(clients):
+    import dataclasses
+
+    from fedsilo.methods.fdse import is_personal
+
+    small = [dataclasses.replace(c, x_train=c.x_train[:8, :, ::2, ::2], y_train=c.y_train[:8], x_test=c.x_test[:4, :, ::2, ::2], y_test=c.y_test[:4])
+             for c in clients[0][:3]]
+    tp = TrainParams(rounds=2, batch_size=16, lr=0.02, device="cpu")
+    cls = method_class("fdse")
+    ups: list = []
+    downs: list = []
+    e = Engine(cls(cls.params_cls(lam=0.5), tp), build_model("resnet10_cifar", clients[1], clients[2], seed=0), small, tp, seed=0,
+               observer=lambda r, c, d, p: (ups if d == "up" else downs).append((r, c, p)))
+    before = {k: v.clone() for k, v in e.server.items()}
+    e.step()
+    m = e.method
+    assert all(not (set(u) & e.private) for _, _, u in ups) and all(set(u) == set(m.shared) | set(m.personal) for _, _, u in ups)
+    assert all(is_personal(k) is False for k in m.private_keys(e.model))
+    # a shared weight moved by mean-norm x the min-norm combination of the unit updates
+    from fedsilo.methods.fdse import min_norm_weights
+
+    k = "units.1.conv1.dfe_conv.weight"
+    delta = torch.stack([u[k] - before[k] for _, _, u in ups]).flatten(1)
+    unit = delta / (delta.norm(dim=1, keepdim=True) + 1e-8)
+    lam = torch.from_numpy(min_norm_weights(unit.double().numpy())).float()
+    assert torch.allclose(e.server[k], before[k] + delta.norm(dim=1).mean() * (lam @ unit).view_as(before[k]), atol=1e-6)
+    # each client's erasers: the softmax(cos / tau) mix of everyone's, itself included
+    p = "units.1.conv1.dse_conv.weight"
+    stack = torch.stack([u[p] for _, _, u in ups]).flatten(1)
+    unit = stack / stack.norm(dim=1, keepdim=True)
+    mix = torch.softmax(unit @ unit.T / 0.5, 1) @ stack
+    for i, c in enumerate(small):
+        assert torch.allclose(e.server[f"fdse::{c.name}::{p}"].flatten(), mix[i], atol=1e-6)
+    e.step()  # round 2: the regularizer acts, downloads carry the client's own mix
+    assert [set(d) for r, _, d in downs if r == 2][0] == set(m.shared) | set(m.personal)
+    assert "eval" in e.history[-1] and "global" not in e.history[-1]
+
+
+def test_fdse_regularizer_kl_mode_is_the_per_channel_gaussian_kl():
+    from fedsilo.methods.fdse import FDSE, FDSEParams
+
+    m = FDSE(FDSEParams(regularizer="kl", beta=0.0), TrainParams())
+    x = torch.randn(8, 3, 4, 4, generator=torch.Generator().manual_seed(0)) * 2 + 1
+    g, v = torch.tensor([0.5, 1.0, 1.5]), torch.tensor([1.0, 2.0, 3.0])
+    mu, var = x.mean([0, 2, 3]), x.var([0, 2, 3], unbiased=False) + 1e-5
+    kl = 0.5 * torch.log(var / (v + 1e-5)) + (v + (g - mu) ** 2) / (2 * var) - 0.5
+    assert float(m.regularizer([x, x], [(g, v), (g, v)], {})) == pytest.approx(float(kl.mean()), rel=1e-5)
+    code = FDSE(FDSEParams(), TrainParams())
+    state: dict = {}
+    code.regularizer([x], [(g, v)], state)
+    f = x.mean([0, 2, 3])
+    assert float(state["fn"]) == pytest.approx(float(f.mean())) and float(state["vn"]) == pytest.approx(float(f.var()))

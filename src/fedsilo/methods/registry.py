@@ -15,6 +15,7 @@ from fedsilo.config import ConfigError, Params, TrainParams, format_validation_e
 from fedsilo.methods.base import Method, MethodParams
 from fedsilo.methods.ditto import Ditto
 from fedsilo.methods.f2dc import F2DC
+from fedsilo.methods.fdse import FDSE
 from fedsilo.methods.fedavg import FedAvg
 from fedsilo.methods.fedbn import FedBN
 from fedsilo.methods.fedheal import FedHEAL
@@ -33,7 +34,7 @@ from fedsilo.methods.single import Single
 
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
-    for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedSD, FedLGF, FedWon, PFedDB, F2DC, MOON, FedHEAL, FPL, FedTGP, FedSA, FedRCL)
+    for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedSD, FedLGF, FedWon, PFedDB, F2DC, MOON, FedHEAL, FPL, FedTGP, FedSA, FedRCL, FDSE)
 }
 
 
