@@ -105,6 +105,9 @@ def train_local(
             total += loss.detach().float() * len(idx)  # stays on the device: no sync per step
             count += len(idx)
         last = float(total) / max(count, 1)
+    # the optimizer is part of a reference cycle that only the garbage collector frees: drop its state (momentum
+    # buffers, a model's worth of tensors) now, so that memory does not wait for the next collection
+    opt.state.clear()
     return last
 
 
