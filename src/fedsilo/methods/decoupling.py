@@ -171,7 +171,7 @@ def insert_decoupling(model: LayeredNet, example: torch.Tensor, p: DecouplingPar
                     raise ValueError(f"decouple.layers: unit {name!r} gives a {x.dim()}-d output; DFD/DFC need feature maps")
                 out.append((f"decouple@{name}", DecouplingUnit(x.shape[1], logits.shape[1], p), 0))
     model.train(was)
-    net = LayeredNet(out, head_units=model.head_units)
+    net = LayeredNet(out, head_units=model.head_units).to(next(model.parameters()).device)  # the new units too
     net.train(was)
     return net
 

@@ -80,7 +80,7 @@ def dse_resnet(model: LayeredNet) -> LayeredNet:
             units.append((name, unit, depth))
         else:
             raise ValueError(f"fdse: cannot convert unit {name!r} ({type(unit).__name__}); FDSE here needs a BasicBlock ResNet")
-    return LayeredNet(units, head_units=model.head_units)
+    return LayeredNet(units, head_units=model.head_units).to(next(model.parameters()).device)
 
 
 class FDSEParams(MethodParams):
@@ -131,7 +131,8 @@ class FDSE(PartialSharing):
     evaluates personalized models; FDSE has no single global model (its erasers are per client), so a client is
     evaluated with the shared part, the erasers the server mixed for it and its own eraser statistics — the model
     it starts its next round with. The optimizer (momentum, weight decay, learning rate) is the preset's; the
-    code's per-round learning-rate decay (0.9998) is not applied."""
+    code's per-round learning-rate decay (0.9998) is not applied; the code sums BatchNorm's step counters across clients
+    (K-fold growth a round), we average them (unused with BatchNorm's momentum 0.1)."""
 
     name = "fdse"
     params_cls = FDSEParams
@@ -232,8 +233,8 @@ class FDSE(PartialSharing):
             stack = torch.stack([up[k] for _, up in uploads])
             if "running_" in k:
                 server[k] = stack.float().mean(0).to(old.dtype)
-            elif k.endswith("num_batches_tracked"):
-                server[k] = stack.sum(0).to(old.dtype)
+            elif k.endswith("num_batches_tracked"):  # the code sums these, which grows K-fold a round (and overflows);
+                server[k] = stack.double().mean(0).round().to(old.dtype)  # unused with BN momentum 0.1: the mean
             else:
                 delta = (stack.float() - old.float()).flatten(1)
                 norms = delta.norm(dim=1)

@@ -87,7 +87,7 @@ class FedSA(PartialSharing):
         return dict(server)
 
     def local_update(self, model, store, payload, client, rnd, seed):
-        anchors = payload[ANCHORS]
+        anchors = payload[ANCHORS].to(client.x_train.device)
         model.load_state_dict({**{k: v for k, v in store.items() if not k.startswith(PREVIOUS)},
                                **{k: payload[k] for k in self.shared}}, strict=True)
         previous = from_payload(store, PREVIOUS)

@@ -67,7 +67,7 @@ def prototype_mse(z: torch.Tensor, y: torch.Tensor, protos: dict[int, torch.Tens
     the mean over batch x d that FedProto's and FedTGP's code compute."""
     target = z.detach().clone()
     for c, p in protos.items():
-        target[y == c] = p.to(target.dtype)
+        target[y == c] = p.to(target.device, target.dtype)
     return F.mse_loss(z, target)
 
 
@@ -113,7 +113,7 @@ class FedTGP(PartialSharing):
         return {k: v for k, v in server.items() if not k.startswith(NET)}
 
     def local_update(self, model, store, payload, client, rnd, seed):
-        glob = from_payload(payload, GLOBAL)
+        glob = {c: p.to(client.x_train.device) for c, p in from_payload(payload, GLOBAL).items()}
         model.load_state_dict({**store, **{k: payload[k] for k in self.shared}}, strict=True)
         lam = self.params.lam
         with representation(model) as rep:
