@@ -59,3 +59,20 @@ def style_shifted_federation(n_train: int = 40, n_test: int = 60, per_domain: in
                                       x_test, y_test, domain=f"D{d}"))
     return clients
 
+
+
+def label_skewed_federation(n_clients: int = 4, classes_per_client: int = 2, n_train: int = 40, n_test: int = 30, seed: int = 0) -> list:
+    """One style, label skew: client i sees only classes i, i+1, ... (mod 4) in training and testing (the "s classes
+    per client" protocol of LG-FedAvg and CD2-pFed), so a personalized model can beat any single global one."""
+    rng = np.random.default_rng(seed)
+    clients = []
+    for i in range(n_clients):
+        keep = [(i + j) % 4 for j in range(classes_per_client)]
+        parts = []
+        for n in (n_train, n_test):
+            x, y = _bars(4 * n, rng)
+            sel = np.isin(y, keep)
+            x, y = x[sel][:n], y[sel][:n]
+            parts += [torch.from_numpy(_styled(x, 0, rng)), torch.from_numpy(y).long()]
+        clients.append(ClientData(i, f"C{i}", *parts, domain="D0"))
+    return clients

@@ -258,6 +258,7 @@ class TrainParams(Strict):
     optimizer: Literal["sgd"] = "sgd"
     lr: float = Field(1e-2, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
+    nesterov: bool = Field(False, description="Nesterov momentum (needs momentum > 0; CD2-pFed's SGD)")
     weight_decay: float = Field(0.0, ge=0)
     client_fraction: float = Field(1.0, gt=0, le=1)
     eval_every: int = Field(1, ge=1)
@@ -274,10 +275,21 @@ class TrainParams(Strict):
     store_device: Literal["auto", "device", "host"] = Field(
         "auto", description="where client stores live: on the device when they fit, else pinned host memory"
     )
+    ensemble_test: bool = Field(
+        False, description="also score the ensemble of every client's evaluation model (mean softmax) on the union of "
+        "the clients' test sets at each evaluation: LG-FedAvg's and CD2-pFed's 'new test'; the models' bytes are "
+        "counted as bytes_ensemble. Always on when the split holds an external test site",
+    )
     keep_client_models: bool = Field(
         False, description="also save every client's store (private tensors, personal models) in final_model.pt; the "
         "server state is always saved. Not part of the run's hash: it changes what is saved, not what is trained"
     )
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> "TrainParams":
+        if self.nesterov and self.momentum <= 0:
+            raise ValueError("nesterov: Nesterov momentum needs momentum > 0")
+        return self
 
 
 class OnboardingParams(Strict):

@@ -65,7 +65,7 @@ def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
         "bytes_up_total": entry["bytes_up_total"],
         "bytes_down_total": entry["bytes_down_total"],
     }
-    for k in ("train_seconds", "seconds", "train_flops"):
+    for k in ("train_seconds", "seconds", "train_flops", "bytes_ensemble"):
         if k in entry:
             m[k] = entry[k]
     for c, b in entry["bytes_up"].items():
@@ -86,6 +86,9 @@ def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
                 m[f"auc.{c}"] = v["auc"]
         for c, v in (entry.get("global") or {}).items():
             m[f"global_acc.{c}"] = v
+        for k in ("ensemble", "external_ensemble", "external_global"):  # new test, external test
+            if k in entry:
+                m[f"{k}_acc"] = entry[k]["acc"]
     return {metric_key(k): float(v) for k, v in m.items()}
 
 

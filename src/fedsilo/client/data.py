@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import pandas as pd
@@ -33,14 +33,14 @@ class ClientData:
         return int(self.y_train.shape[0])
 
 
-def load_clients(harmonized_dir: Path, split: dict[str, Any], device: torch.device) -> tuple[list[ClientData], int, int]:
-    """Returns (clients, in_channels, num_classes)."""
+def _reader(harmonized_dir: Path, device: torch.device):
     harmonized_dir = Path(harmonized_dir)
     images = np.load(harmonized_dir / "images.npy", mmap_mode="r")
     records = pd.read_parquet(harmonized_dir / "records.parquet", columns=["label"])
     labels = records["label"].to_numpy()
     if len(labels) != images.shape[0]:
         raise ValueError(f"{harmonized_dir}: records.parquet has {len(labels)} rows but images.npy {images.shape[0]}")
+
     def grab(name: str, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         idx = np.asarray(rows, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= len(labels)):
@@ -49,12 +49,28 @@ def load_clients(harmonized_dir: Path, split: dict[str, Any], device: torch.devi
         y = torch.from_numpy(labels[idx].astype(np.int64))
         return x.to(device), y.to(device)
 
+    return images, grab
+
+
+def load_clients(harmonized_dir: Path, split: dict[str, Any], device: torch.device) -> tuple[list[ClientData], int, int]:
+    """Returns (clients, in_channels, num_classes)."""
+    images, grab = _reader(harmonized_dir, device)
     clients = []
     for c in split["clients"]:
         xtr, ytr = grab(c["name"], c["train"])
         xte, yte = grab(c["name"], c["test"])
         clients.append(ClientData(int(c["client"]), str(c["name"]), xtr, ytr, xte, yte, str(c.get("domain", c["name"]))))
     return clients, int(images.shape[3]), int(split["num_classes"])
+
+
+def load_external(harmonized_dir: Path, split: dict[str, Any], device: torch.device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The test images and labels of the split's external test site (``holdout_domain`` with ``role:
+    external_test``), or None when the split has none."""
+    hold = split.get("holdout")
+    if not hold or hold.get("role") != "external_test":
+        return None
+    _, grab = _reader(harmonized_dir, device)
+    return grab(str(hold["client"]["name"]), hold["client"]["test"])
 
 
 def pick_device(name: str) -> torch.device:

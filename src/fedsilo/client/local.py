@@ -72,22 +72,25 @@ def train_local(
     batch_loss: Optional[BatchLoss] = None,
     grad_hook: Optional[Callable[[], None]] = None,
     batch_transform: Optional[BatchTransform] = None,
+    epoch_hook: Optional[Callable[[int], None]] = None,
 ) -> float:
     """Plain SGD on the client's training data (a fresh optimizer each call, as in FedAvg's ClientUpdate).
 
     ``extra_loss(model)`` adds a term that depends on the parameters only (proximal terms), ``batch_loss(x, y,
     logits)`` one that depends on the batch (distillation), and ``grad_hook()`` runs between backward and the
     optimizer step (gradient clipping), ``batch_transform(x, y)`` after ``train.augment`` (a method's own data
-    augmentation, which may add samples). Returns the mean training loss over the last epoch."""
+    augmentation, which may add samples), ``epoch_hook(epoch)`` after each epoch's last step (CD2-pFed's temporal
+    averaging of the private weights; the optimizer's state carries on). Returns the mean training loss over the last
+    epoch."""
     model.train()
     device = data.x_train.device
     bf16, cl = use_bf16(cfg, device), use_channels_last(cfg, device)
     fwd = forward_fn(model)
     trainable = params if params is not None else [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(trainable, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    opt = torch.optim.SGD(trainable, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
     loss_fn = nn.CrossEntropyLoss()
     last = 0.0
-    for _ in range(epochs if epochs is not None else cfg.local_epochs):
+    for epoch in range(epochs if epochs is not None else cfg.local_epochs):
         total = torch.zeros((), device=device)
         count = 0
         for idx in batches(data.n_train, cfg.batch_size, gen):
@@ -111,6 +114,8 @@ def train_local(
             total += loss.detach().float() * len(idx)  # stays on the device: no sync per step
             count += len(idx)
         last = float(total) / max(count, 1)
+        if epoch_hook is not None:
+            epoch_hook(epoch)
     # the optimizer is part of a reference cycle that only the garbage collector frees: drop its state (momentum
     # buffers, a model's worth of tensors) now, so that memory does not wait for the next collection
     opt.state.clear()
@@ -118,25 +123,34 @@ def train_local(
 
 
 @torch.no_grad()
-def evaluate(
-    model: nn.Module, x_u8: torch.Tensor, y: torch.Tensor, batch_size: int = 256, cfg: Optional[TrainParams] = None
-) -> dict[str, float]:
+def predict(model: nn.Module, x_u8: torch.Tensor, batch_size: int = 256, cfg: Optional[TrainParams] = None) -> torch.Tensor:
+    """The model's logits (float32) for uint8 images, in evaluation mode, batch by batch."""
     model.eval()
     bf16 = cfg is not None and use_bf16(cfg, x_u8.device)
     cl = cfg is not None and use_channels_last(cfg, x_u8.device)
     fwd = forward_fn(model)
     logits = []
-    for i in range(0, len(y), batch_size):
+    for i in range(0, len(x_u8), batch_size):
         with torch.autocast(device_type=x_u8.device.type, dtype=torch.bfloat16, enabled=bf16):
             logits.append(fwd(_prep(to_float(x_u8[i : i + batch_size]), cl)).float())
-    out = torch.cat(logits)
-    loss = float(nn.functional.cross_entropy(out, y))
-    pred = out.argmax(1)
-    res = {"acc": float((pred == y).float().mean()), "loss": loss}
+    return torch.cat(logits)
+
+
+def score(out: torch.Tensor, y: torch.Tensor, probabilities: bool = False) -> dict[str, float]:
+    """Accuracy and cross entropy (and ROC AUC for two classes) of logits, or of class probabilities."""
+    logp = out.clamp_min(1e-12).log() if probabilities else out.log_softmax(1)
+    res = {"acc": float((out.argmax(1) == y).float().mean()), "loss": float(nn.functional.nll_loss(logp, y))}
     if out.shape[1] == 2:
-        prob = out.softmax(1)[:, 1].cpu().numpy()
+        prob = (out if probabilities else out.softmax(1))[:, 1].cpu().numpy()
         res["auc"] = binary_auc(y.cpu().numpy(), prob)
     return res
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, x_u8: torch.Tensor, y: torch.Tensor, batch_size: int = 256, cfg: Optional[TrainParams] = None
+) -> dict[str, float]:
+    return score(predict(model, x_u8, batch_size, cfg), y)
 
 
 def binary_auc(y: np.ndarray, score: np.ndarray) -> float:

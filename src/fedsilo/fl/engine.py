@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fedsilo.client.data import ClientData, to_float
 from fedsilo.client.features import covariance_spectrum
-from fedsilo.client.local import evaluate, make_generator, use_channels_last
+from fedsilo.client.local import evaluate, make_generator, predict, score, use_channels_last
 from fedsilo.config import TrainParams
 from fedsilo.methods.base import Method, State, payload_bytes
 from fedsilo.utils.io import atomic_file
@@ -67,8 +67,10 @@ class Engine:
         observer: Optional[Observer] = None,
         on_round: Optional[Callable[[dict[str, Any]], None]] = None,
         meta: Optional[dict[str, Any]] = None,
+        external: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ):
         self.method, self.model, self.clients, self.train = method, model, clients, train
+        self.external = external  # (uint8 images, labels) of a site that never trains: the external test
         self.seed, self.checkpoint, self.config_hash = seed, checkpoint, config_hash
         self.observer, self.on_round = observer, on_round
         self.meta: dict[str, Any] = dict(meta or {})
@@ -240,13 +242,40 @@ class Engine:
         aucs = [v["auc"] for v in per.values() if "auc" in v and not math.isnan(v["auc"])]
         if aucs:
             out["mean_auc"] = float(np.mean(aucs))
+        g = self.method.global_state(self.server)
         if self.method.eval_is_global():
             out["global"] = {name: v["acc"] for name, v in per.items()}
-        else:
-            g = self.method.global_state(self.server)
-            if g is not None:
-                self.model.load_state_dict(g, strict=True)
-                out["global"] = {c.name: evaluate(self.model, c.x_test, c.y_test, cfg=self.train)["acc"] for c in self.clients}
+        elif g is not None:
+            self.model.load_state_dict(g, strict=True)
+            out["global"] = {c.name: evaluate(self.model, c.x_test, c.y_test, cfg=self.train)["acc"] for c in self.clients}
+        if self.external is not None and g is not None:
+            self.model.load_state_dict(g, strict=True)
+            out["external_global"] = evaluate(self.model, *self.external, cfg=self.train)
+        if self.train.ensemble_test or self.external is not None:
+            out.update(self.ensemble(rnd))
+        return out
+
+    def ensemble(self, rnd: int) -> dict[str, Any]:
+        """The "new test" of LG-FedAvg and CD2-pFed: every client uploads the model it is evaluated with (counted in
+        ``bytes_ensemble``; it serves this evaluation only), and the mean of their softmax predictions is scored on
+        the union of the clients' test sets (each distinct set once) and on the external test site, if any."""
+        tests: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for c in self.clients:  # clients of a domain may share one test set (F²DC's protocol): count it once
+            tests.setdefault(c.x_test.data_ptr(), (c.x_test, c.y_test))
+        sets = {"ensemble": (torch.cat([x for x, _ in tests.values()]), torch.cat([y for _, y in tests.values()]))}
+        if self.external is not None:
+            sets["external_ensemble"] = self.external
+        probs = {k: torch.zeros(0) for k in sets}
+        sent = 0
+        for c, store in zip(self.clients, self.stores):
+            self.method.load_eval_model(self.model, self.server, store, c, rnd)
+            sent += payload_bytes(self.model.state_dict())
+            for k, (x, _) in sets.items():
+                p = predict(self.model, x, cfg=self.train).softmax(1)
+                probs[k] = p if probs[k].numel() == 0 else probs[k] + p
+        out: dict[str, Any] = {"bytes_ensemble": int(sent)}
+        for k, (_, y) in sets.items():
+            out[k] = {**score(probs[k] / len(self.clients), y, probabilities=True), "images": int(len(y))}
         return out
 
     def spectra(self) -> dict[str, list[float]]:

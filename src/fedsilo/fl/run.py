@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from fedsilo.client.data import load_clients, pick_device
+from fedsilo.client.data import load_clients, load_external, pick_device
 from fedsilo.config import ConfigError, Params
 from fedsilo.fl.engine import Engine, Observer
 from fedsilo.methods import method_base, resolve_method
@@ -49,6 +49,12 @@ def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
         out["mean_auc"] = last["mean_auc"]
     if "global" in last:
         out["global_acc"] = last["global"]
+    for key in ("ensemble", "external_ensemble", "external_global"):  # new test, external test (CD2-pFed Tables 1-4)
+        if key in last:
+            out[f"{key}_acc"] = last[key]["acc"]
+    ens = [h["bytes_ensemble"] for h in history if "bytes_ensemble" in h]
+    if ens:
+        out["bytes_ensemble_total"] = int(sum(ens))
     counted = [h for h in history if "train_flops" in h]
     if counted:
         out["train_flops_per_round"] = counted[-1]["train_flops"]
@@ -88,6 +94,7 @@ def run_training(
         )
     device = pick_device(exp.train.device)
     clients, in_ch, num_classes = load_clients(harmonized, split, device)
+    external = load_external(harmonized, split, device)
 
     resolved = {
         "experiment": experiment,
@@ -105,7 +112,7 @@ def run_training(
     torch.manual_seed(seed)
     model = build_model(exp.train.model, in_ch, num_classes, seed=seed, image_size=clients[0].x_train.shape[-1]).to(device)
     tracker = Tracker(params.tracking.enabled, params.tracking.uri)
-    engine = Engine(algo, model, clients, exp.train, seed, checkpoint=ckpt, config_hash=config_hash, observer=observer)
+    engine = Engine(algo, model, clients, exp.train, seed, checkpoint=ckpt, config_hash=config_hash, observer=observer, external=external)
     commit, dirty = git_commit(root)
     locks = [root / "dvc.lock"]
     if params.paper is not None:  # a paper's splits are outputs of its own dvc.yaml
@@ -171,8 +178,9 @@ def run_training(
         flat = {"mean_acc": summary["mean_acc"], "std_acc": summary["std_acc"]}
         if "mean_auc" in summary:
             flat["mean_auc"] = summary["mean_auc"]
-        if "train_flops_per_round" in summary:
-            flat["train_flops_per_round"] = summary["train_flops_per_round"]
+        for key in ("train_flops_per_round", "ensemble_acc", "external_ensemble_acc", "external_global_acc"):
+            if key in summary:
+                flat[key] = summary[key]
         for c, v in summary["per_client"].items():
             flat[f"acc.{c}"] = v["acc"]
         tracker.finish(flat, [tmp / "metrics.json", tmp / "history.json"])

@@ -1,0 +1,173 @@
+"""CD2-pFed: cyclic distillation-guided channel decoupling (Shen, Zhou and Yu, CVPR 2022, "CD2-pFed: Cyclic
+Distillation-guided Channel Decoupling for Model Personalization in Federated Learning")."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from pydantic import Field
+from torch.nn import functional as F
+
+from fedsilo.client.local import make_generator, train_local
+from fedsilo.methods.base import Method, MethodParams, RunningMean, State
+from fedsilo.methods.channels import PRIVATE, SHARED, ChannelPartition
+
+
+class CD2PFedParams(MethodParams):
+    p: float = Field(0.5, ge=0, le=1, description="the largest personalization ratio: the private share of every layer's channels at the last round (Eq. 3)")
+    ratio_rounds: Optional[int] = Field(None, ge=1, description="T of Eq. 3, the round at which the ratio reaches p (default: train.rounds)")
+    lam: float = Field(1.0, ge=0, description="lambda: weight of the cyclic distillation loss (Eq. 5)")
+    beta: float = Field(0.5, ge=0, le=1, description="beta of Eq. 6-7 (the paper's alpha in Sec. 4.2): weight of the new private weights in their temporal average")
+    rampup: float = Field(0.1, ge=0, le=1, description="t0 / T: the share of the rounds over which beta ramps up (Eq. 7)")
+    progressive: bool = Field(True, description="LI: the private ratio grows linearly to p (off: p from the first round)")
+    temporal_averaging: bool = Field(True, description="TA: temporal average of the private weights after every local epoch")
+    cyclic_distillation: bool = Field(True, description="CD: symmetric KL between the private and the shared subnet")
+
+
+def cyclic_distillation(logits_private: torch.Tensor, logits_shared: torch.Tensor) -> torch.Tensor:
+    """Eq. 4: 1/2 (KL(y_L || y_G) + KL(y_G || y_L)) of the two subnets' softmax predictions, averaged over the
+    batch; gradients reach both subnets (they distil each other)."""
+    lp, lg = F.log_softmax(logits_private.float(), 1), F.log_softmax(logits_shared.float(), 1)
+    kl_pg = F.kl_div(lg, lp, log_target=True, reduction="batchmean")  # KL(y_L || y_G)
+    kl_gp = F.kl_div(lp, lg, log_target=True, reduction="batchmean")  # KL(y_G || y_L)
+    return 0.5 * (kl_pg + kl_gp)
+
+
+class CD2PFed(Method):
+    """Shen et al. 2022, Algorithm 1. Every layer's output channels are split: a share p_t = p t / T (Eq. 3) of them,
+    the lowest indices, is private to the client (w_i), the rest shared (w_0). Per round each client
+
+    1. downloads the shared channels of the previous round's split, w_0^{t-1} (channels that turn private this round
+       thus start from the global aggregate, Sec. 3.2),
+    2. trains the full network for eta_i epochs (SGD with Nesterov momentum: ``train.nesterov``) on the cross entropy
+       of the full network plus lambda times the cyclic distillation between its private subnet g_wi and its shared
+       subnet g_w0 (Eq. 4-5),
+    3. after every local epoch averages its private weights over time, w_i^l = beta_t w'_i^l + (1 - beta_t) w_i^{l-1}
+       with beta_t ramped up as beta exp(-5 (1 - t/t0)^2) until round t0 = ``rampup`` T (Eq. 6-7),
+    4. keeps the private channels and uploads the shared ones, w_0^t;
+
+    the server averages the shared channels weighted by |D_i| (Eq. 1). A client is evaluated with its full network,
+    its private channels and the global shared ones ("local test").
+
+    Choices where the paper is silent (no code by its authors is public): which channels are private (the first n_l
+    of every layer, :mod:`fedsilo.methods.channels`, where the parameter ownership is also set out); the channel
+    count floor(p_t C_l); the cyclic distillation is skipped while some layer has no private (or no shared) channel,
+    since one subnet then has no path to the logits (LeNet's 6-channel conv gets its first private channel at
+    t = T/(6p)); temperature 1, no stop-gradient; BatchNorm running statistics from the full network's forwards only;
+    the EMA once per local epoch (Eq. 6's l is "the local epoch number" in the text; Algorithm 1 draws it inside the
+    batch loop) on the private parameters, which training continues from; the classifier's bias is shared and used by
+    both subnets (slimmable networks' convention). A client that skipped rounds (``train.client_fraction`` < 1; the
+    paper trains every client each round) starts the channels that turned private meanwhile from the global values it
+    last received. The ablation switches are Table 5's LI / TA / CD; all three off is plain channel decoupling with a
+    fixed ratio."""
+
+    name = "cd2pfed"
+    params_cls = CD2PFedParams
+    params: CD2PFedParams
+
+    # --- the schedules of Eq. 3 and Eq. 7
+    def ratio(self, rnd: int) -> float:
+        """p_t of round ``rnd`` (1-based); round 0 (before training) has no private channel under LI."""
+        if not self.params.progressive:
+            return self.params.p
+        total = self.params.ratio_rounds or self.train.rounds
+        return self.params.p * min(rnd, total) / total
+
+    def beta_t(self, rnd: int) -> float:
+        t0 = self.params.rampup * (self.params.ratio_rounds or self.train.rounds)
+        if rnd >= t0:
+            return self.params.beta
+        return self.params.beta * math.exp(-5.0 * (1.0 - rnd / t0) ** 2)
+
+    # --- structure
+    def setup(self, model):
+        self.part = ChannelPartition(model)
+        self.keys = list(model.state_dict().keys())
+        self._final_private = self.part.private_fraction(model, self.part.counts_at(self.ratio(self.train.rounds)))
+
+    def private_keys(self, model):
+        # every whole tensor: shared channels only ever travel as ``<key>@shared`` slices
+        return set(self.keys)
+
+    def resolved(self) -> dict[str, Any]:
+        if not hasattr(self, "part"):
+            return {}
+        return {
+            "decoupled_layers": [layer.name for layer in self.part.layers],
+            "private_channels_last_round": dict(zip((layer.name for layer in self.part.hidden), self.part.counts_at(self.ratio(self.train.rounds)))),
+            "private_param_fraction_last_round": round(self._final_private, 6),
+        }
+
+    def init_server(self, model):
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def init_client(self, model, client):
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    # --- a round
+    def on_round_start(self, model, rnd):
+        self.part.set_ratio(self.ratio(rnd))
+
+    def download(self, server, client, rnd):
+        return self.part.shared_part(server, self.part.counts_at(self.ratio(rnd - 1)))
+
+    def local_update(self, model, store, payload, client, rnd, seed):
+        model.load_state_dict(store, strict=True)
+        with torch.no_grad():
+            self.part.write(dict(model.state_dict(keep_vars=False)), payload)
+        counts = self.part.counts
+        weights = {k: p.detach() for k, p in model.named_parameters()}  # views of the parameters' storage
+        terms: dict[str, Any] = {}
+        if self.params.cyclic_distillation and self.params.lam > 0 and self.part.subnets_complete():
+            def batch_loss(x, y, logits):
+                with self.part.subnet(PRIVATE):
+                    zl = model(x)
+                with self.part.subnet(SHARED):
+                    zg = model(x)
+                return self.params.lam * cyclic_distillation(zl, zg)
+
+            terms["batch_loss"] = batch_loss
+        if self.params.temporal_averaging:
+            private = self.part.private_views(weights, counts)
+            previous = [v.detach().clone() for v in private]  # w_i^0: the private weights the round starts from
+            beta = self.beta_t(rnd)
+
+            def average(epoch: int) -> None:
+                with torch.no_grad():
+                    for v, prev in zip(private, previous):
+                        v.mul_(beta).add_(prev, alpha=1.0 - beta)
+                        prev.copy_(v)
+
+            terms["epoch_hook"] = average
+        self.last_loss = train_local(model, client, self.train, make_generator(seed, rnd, client.index), **terms)
+        sd = model.state_dict()
+        for k in self.keys:
+            store[k] = sd[k].detach().clone()
+        return self.part.shared_part(sd, counts)
+
+    streaming = True
+
+    def agg_begin(self, server, rnd):
+        return RunningMean()
+
+    def agg_add(self, acc, client, upload):
+        acc.add(client.n_train, upload)
+
+    def agg_end(self, server, acc, rnd):
+        if acc.weight == 0:
+            return server
+        out = {k: v.clone() for k, v in server.items()}
+        self.part.write(out, acc.result())
+        return out
+
+    # --- evaluation
+    def eval_state(self, server, store, client):
+        out = {k: v.clone() for k, v in store.items()}
+        self.part.write(out, self.part.shared_part(server, self.part.counts))
+        return out
+
+    def load_eval_model(self, model, server, store, client, rnd):
+        self.part.set_ratio(self.ratio(rnd))
+        super().load_eval_model(model, server, store, client, rnd)
