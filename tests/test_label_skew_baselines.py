@@ -189,3 +189,51 @@ def test_one_random_op_augmentation_applies_one_seeded_op_per_image():
     assert 20 <= inverted <= 60 and 20 <= flipped <= 60, (inverted, flipped)  # each of five ops: about 40
     # only a crop whose offset lands back on the image's own position leaves it unchanged
     assert sum(bool(torch.equal(a[i], x[i])) for i in range(200)) < 20
+
+
+def test_fedpac_combination_weights_pick_the_clients_with_the_same_label_distribution():
+    from fedsilo.methods.fedpac import combination_weights
+
+    h_a = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [0.0, 0.0]])  # classes 0, 1
+    h_b = torch.tensor([[0.0, 0.0], [0.0, 0.0], [1.0, 1.0], [-1.0, 1.0]])  # classes 2, 3
+    # the optimum weighs each head by 1 / (V_j + ||H_0 - H_j||^2): client 2's 1/6.01 falls under the 1e-3 cut
+    alpha = combination_weights([0.01, 0.01, 0.01], [h_a, h_a.clone(), h_b], 0)
+    assert alpha is not None and alpha[2] == 0 and alpha[0] == pytest.approx(0.5, abs=1e-3) and alpha[1] == pytest.approx(0.5, abs=1e-3)
+    # a large own variance moves weight to the like client (the variance term of Eq. 10)
+    alpha = combination_weights([1.0, 0.01, 0.1], [h_a, h_a.clone(), h_b], 0)
+    assert alpha[1] > 0.9 and alpha[2] < 0.01
+
+
+def test_fedpac_classifier_is_the_alpha_weighted_mean_and_features_align_to_global_prototypes(clients, monkeypatch):
+    import numpy as np
+
+    import fedsilo.methods.fedpac as fedpac
+
+    ups = []
+    e = _engine("fedpac", clients, rounds=1, observer=lambda r, c, d, p: ups.append((c, p)) if d == "up" else None)
+    e.step()
+    names = [c for c, _ in ups]
+    assert {"fedpac::v", "fedpac::h", "fedpac::counts"} <= set(ups[0][1]) and any(k.startswith("proto::") for k in ups[0][1])
+    variances = [float(p["fedpac::v"]) for _, p in ups]
+    means = [p["fedpac::h"] for _, p in ups]
+    w = HEAD + "2.weight"
+    for i, c in enumerate(clients):
+        alpha = fedpac.combination_weights(variances, means, names.index(c.name))
+        want = sum(float(a) / alpha.sum() * ups[j][1][w].double() for j, a in enumerate(alpha))
+        got = e.method.eval_state(e.server, e.stores[i], c)[w]
+        assert torch.allclose(got.double(), want, atol=1e-6)
+        assert not np.allclose(alpha, np.eye(len(clients))[names.index(c.name)]), "heads are combined, not kept"
+    # round 2 aligns features to the global prototypes: the extractor phase's loss carries the MSE term
+    seen = []
+    real = fedpac.train_local
+
+    def spy(model, data, cfg, gen, batch_loss=None, **kw):
+        seen.append(batch_loss)
+        return real(model, data, cfg, gen, batch_loss=batch_loss, **kw)
+
+    monkeypatch.setattr(fedpac, "train_local", spy)
+    e.train = e.train.model_copy(update={"rounds": 2})
+    e.method.train = e.train
+    e.step()
+    assert all(b is None for b in seen[0::2]) and all(b is not None for b in seen[1::2])
+    assert any(k.startswith("proto::") for k in e.server)

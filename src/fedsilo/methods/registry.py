@@ -23,6 +23,7 @@ from fedsilo.methods.fedbn import FedBN
 from fedsilo.methods.fedecouple import FedeCouple
 from fedsilo.methods.fedheal import FedHEAL
 from fedsilo.methods.fedlgf import FedLGF
+from fedsilo.methods.fedpac import FedPAC
 from fedsilo.methods.fedper import FedPer
 from fedsilo.methods.fedprox import FedProx
 from fedsilo.methods.fedrcl import FedRCL
@@ -39,7 +40,7 @@ from fedsilo.methods.single import Single
 
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
-    for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedSD, FedLGF, FedWon, PFedDB, F2DC, MOON, FedHEAL, FPL, FedTGP, FedSA, FedRCL, FDSE, FedRep, LGFedAvg, FedBABU, FedeCouple, CD2PFed)
+    for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedSD, FedLGF, FedWon, PFedDB, F2DC, MOON, FedHEAL, FPL, FedTGP, FedSA, FedRCL, FDSE, FedRep, LGFedAvg, FedBABU, FedeCouple, CD2PFed, FedPAC)
 }
 
 
