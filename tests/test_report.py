@@ -187,3 +187,20 @@ def test_time_to_accuracy_counts_rounds_seconds_and_bytes_until_the_first_crossi
     assert tab.loc["fast", "round"] == pytest.approx(2.0) and tab.loc["fast", "reached"] == "2/2"
     assert tab.loc["fast", "train_s"] == pytest.approx(4.0) and tab.loc["fast", "MiB_per_client"] == pytest.approx(2.0)
     assert tab.loc["slow", "reached"] == "1/2" and tab.loc["slow", "round"] == pytest.approx(4.0)
+
+
+def test_local_new_external_table_averages_each_column_over_seeds(tmp_path):
+    from fedsilo.report import local_new_external, local_new_external_markdown
+    from fedsilo.utils.io import write_json
+
+    values = {("cd2pfed", 0): (0.9, 0.6), ("cd2pfed", 1): (0.8, 0.5), ("fedavg", 0): (0.5, 0.55), ("fedavg", 1): (0.5, 0.45)}
+    for (m, s), (local, new) in values.items():
+        write_json(tmp_path / m / f"seed{s}" / "metrics.json", {"mean_acc": local, "ensemble_acc": new})
+    tab = local_new_external(tmp_path, ["cd2pfed", "fedavg"], [0, 1])
+    assert list(tab["mean"].columns) == ["local test", "new test"], "no external site: no external column"
+    assert tab["mean"].loc["cd2pfed", "local test"] == pytest.approx(85.0) and tab["std"].loc["cd2pfed", "new test"] == pytest.approx(5.0)
+    assert tab["mean"].loc["fedavg", "new test"] == pytest.approx(50.0)
+    assert "| cd2pfed | 85.00 ± 5.00 | 55.00 ± 5.00 |" in local_new_external_markdown(tab, "t")
+    for (m, s) in values:
+        write_json(tmp_path / m / f"seed{s}" / "metrics.json", {"mean_acc": 0.5})
+    assert local_new_external(tmp_path, ["cd2pfed", "fedavg"], [0, 1]) is None, "runs without an ensemble: no table"

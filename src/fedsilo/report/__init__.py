@@ -172,6 +172,36 @@ def time_to_accuracy_markdown(tab: pd.DataFrame, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+LOCAL_NEW_EXTERNAL = {"mean_acc": "local test", "ensemble_acc": "new test", "external_ensemble_acc": "external test"}
+
+
+def local_new_external(results: Path, methods: list[str], seeds: list[int]) -> pd.DataFrame | None:
+    """CD2-pFed's (and LG-FedAvg's) columns, mean and std over seeds in %: *local test* (each client's own model on
+    its own test set, averaged over clients), *new test* (the ensemble of every client's model on the union of the
+    test sets) and *external test* (the same ensemble on a site that never trained). None when no run recorded an
+    ensemble (``train.ensemble_test`` off and no external site)."""
+    rows = []
+    for m in methods:
+        for s in seeds:
+            met = read_json(results / m / f"seed{s}" / "metrics.json")
+            rows.append({"method": m, **{col: met.get(key, np.nan) * 100 for key, col in LOCAL_NEW_EXTERNAL.items()}})
+    df = pd.DataFrame(rows)
+    if df[["new test", "external test"]].isna().all().all():
+        return None
+    df = df.dropna(axis=1, how="all")
+    g = df.groupby("method", sort=False)
+    cols = [c for c in LOCAL_NEW_EXTERNAL.values() if c in df.columns]
+    return pd.concat({"mean": g[cols].mean(), "std": g[cols].std(ddof=0)}, axis=1).reindex(methods)
+
+
+def local_new_external_markdown(tab: pd.DataFrame, title: str) -> str:
+    cols = list(tab["mean"].columns)
+    lines = [f"### {title}", "", "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for m in tab.index:
+        lines.append(f"| {m} | " + " | ".join(f"{tab['mean'].loc[m, c]:.2f} ± {tab['std'].loc[m, c]:.2f}" for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def summary_table(df: pd.DataFrame, metric: str, methods: list[str]) -> pd.DataFrame:
     domains = list(dict.fromkeys(df["domain"]))
     piv = df.pivot_table(index=["method", "seed"], columns="domain", values=metric)[domains] * 100
@@ -475,6 +505,15 @@ def build_report(
             flat.to_csv(tmp / f"{exp}_accuracy.csv", float_format="%.4f")
             (tmp / f"{exp}_accuracy.tex").write_text(to_latex(acc, f"{exp}: test accuracy (\\%), mean $\\pm$ std over seeds"))
             figs = _plots(tmp, exp, methods, seeds, histories)
+            lne = local_new_external(results, methods, seeds)
+            if lne is not None:
+                lne_md = local_new_external_markdown(lne, f"{exp}: local, new and external test accuracy (%), mean ± std over seeds")
+                (tmp / f"{exp}_local_new_external.md").write_text(lne_md)
+                flat_lne = lne.copy()
+                flat_lne.columns = [f"{col}_{stat}".replace(" ", "_") for stat, col in flat_lne.columns]
+                flat_lne.index.name = "method"
+                flat_lne.to_csv(tmp / f"{exp}_local_new_external.csv", float_format="%.4f")
+                md += "\n" + lne_md
             if target_accuracy is not None:
                 tta = time_to_accuracy(histories, methods, seeds, target_accuracy)
                 tta_md = time_to_accuracy_markdown(tta, f"{exp}: cost to reach {target_accuracy:g} % mean accuracy")
