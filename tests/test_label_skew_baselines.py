@@ -237,3 +237,15 @@ def test_fedpac_classifier_is_the_alpha_weighted_mean_and_features_align_to_glob
     e.step()
     assert all(b is None for b in seen[0::2]) and all(b is not None for b in seen[1::2])
     assert any(k.startswith("proto::") for k in e.server)
+
+
+def test_ft_fedavg_fine_tunes_the_global_model_per_client_only_to_evaluate(clients):
+    ft = _engine("fedavg", clients, rounds=1, finetune_epochs=2)
+    plain = _engine("fedavg", clients, rounds=1)
+    e_ft, e_plain = ft.step(), plain.step()
+    assert all(torch.equal(ft.server[k], plain.server[k]) for k in plain.server), "training is FedAvg's; evaluating changes nothing"
+    assert not ft.method.eval_is_global()
+    ft.method.load_eval_model(ft.model, ft.server, ft.stores[0], clients[0], 1)
+    tuned = {k: v.clone() for k, v in ft.model.state_dict().items()}
+    assert not torch.equal(tuned["units.0.0.weight"], ft.server["units.0.0.weight"]), "each client evaluates its fine-tuned copy"
+    assert e_ft["global"] == e_plain["global"] and e_ft["eval"] != e_plain["eval"]

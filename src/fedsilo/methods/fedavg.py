@@ -6,7 +6,7 @@ from typing import Optional
 
 from pydantic import Field
 
-from fedsilo.client.local import train_local
+from fedsilo.client.local import make_generator, train_local
 from fedsilo.methods.base import MethodParams
 from fedsilo.methods.decoupling import DecouplingParams
 from fedsilo.methods.phased import TwoPhase
@@ -18,6 +18,8 @@ class FedAvgParams(MethodParams):
         0, ge=0, description="Phase-1 rounds of purely local training before federating (0 = plain FedAvg)"
     )
     decouple: Optional[DecouplingParams] = Field(None, description="F²DC's DFD and DFC plugged in (F²DC Table 3)")
+    finetune_epochs: int = Field(0, ge=0, description="FT-FedAvg: epochs each client fine-tunes the global model on its own training data before it is evaluated (0 = FedAvg)")
+    finetune_lr: Optional[float] = Field(None, gt=0, description="FT-FedAvg's fine-tuning learning rate (default train.lr)")
 
 
 class FedAvg(TwoPhase):
@@ -28,7 +30,12 @@ class FedAvg(TwoPhase):
     ``local_rounds: E0 > 0`` is "FedAvg under the two-phase protocol" of pFedDB's Fig. 5: in rounds 1..E0 every
     client trains its own copy (from the shared initialisation) and nothing is sent; in round E0 every client uploads
     its model, and the server's mean starts ordinary FedAvg from round E0 + 1 (the start pFedDB's Eq. 6 gives its
-    shared branch). In Phase 1 each client is evaluated with its own model."""
+    shared branch). In Phase 1 each client is evaluated with its own model.
+
+    ``finetune_epochs: E_ft > 0`` is FT-FedAvg, the baseline of FedPAC's and FedeCouple's tables: training is FedAvg's,
+    and to be evaluated each client fine-tunes the global model on its own training data for E_ft epochs (``train``'s
+    optimizer, ``finetune_lr``), seeded by (seed, round, client); the fine-tuned model is thrown away, so evaluating
+    changes no later number. The global model is reported beside it."""
 
     name = "fedavg"
     params_cls = FedAvgParams
@@ -61,8 +68,15 @@ class FedAvg(TwoPhase):
     def eval_state(self, server, store, client):
         return {**server, **store} if not self.federated() else {**store, **server}
 
+    def load_eval_model(self, model, server, store, client, rnd):
+        super().load_eval_model(model, server, store, client, rnd)
+        epochs = getattr(self.params, "finetune_epochs", 0)
+        if epochs and self.federated():  # FT-FedAvg: the client's own fine-tuning of the global model
+            tune = self.train.model_copy(update={"lr": self.params.finetune_lr or self.train.lr})
+            train_local(model, client, tune, make_generator(self.run_seed, rnd, client.index, 2), epochs=epochs)
+
     def global_state(self, server):
         return super().global_state(server) if self.federated() else None
 
     def eval_is_global(self) -> bool:
-        return self.federated() and super().eval_is_global()
+        return self.federated() and super().eval_is_global() and not getattr(self.params, "finetune_epochs", 0)
