@@ -1,0 +1,58 @@
+"""pipelines/cd2pfed and pipelines/fedecouple: their params validate against the root params, list the runs of the
+papers' tables (no cross product), carry the papers' optimizers and metrics, and each dvc.yaml has a train stage per
+run group."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from fedsilo.fl.params import load_params
+from fedsilo.methods.registry import check_methods, method_base
+from tests.conftest import REPO
+
+
+def _load(paper: str):
+    path = REPO / "pipelines" / paper / "params.yaml"
+    p = load_params(path)
+    check_methods(p, str(path))
+    return p
+
+
+@pytest.mark.parametrize("paper", ["cd2pfed", "fedecouple"])
+def test_dvc_yaml_has_a_train_stage_per_run_group(paper):
+    stages = set(yaml.safe_load((REPO / "pipelines" / paper / "dvc.yaml").read_text())["stages"])
+    groups = set(yaml.safe_load((REPO / "pipelines" / paper / "params.yaml").read_text())["runs"])
+    assert {f"train_{g}" for g in groups} == {s for s in stages if s.startswith("train_")}
+    assert {"split", "report"} <= stages
+
+
+def test_cd2pfed_runs_its_tables_with_its_optimizer_and_three_metrics():
+    p = _load("cd2pfed")
+    assert p.paper.name == "cd2pfed"
+    for e in p.experiments:
+        t = p.experiments[e].train
+        assert (t.model, t.nesterov, t.momentum, t.weight_decay, t.ensemble_test) == ("lenet5", True, 0.9, 5e-4, True)
+    assert set(p.experiment_methods("cd2_digits_s2")) >= {"fedavg", "single", "lgfedavg", "fedper", "cd2pfed", "cd2pfed_none", "cd2pfed_ta_cd"}
+    assert "cd2pfed_li" not in p.experiment_methods("cd2_digits_s5"), "the ablation runs only where Table 5 is"
+    assert [p.experiments[f"cd2_digits_s{s}"].split.classes_per_client for s in (2, 3, 5, 10)] == [2, 3, 5, 10]
+    ext = p.experiments["cd2_pacs_external"].split
+    assert (ext.protocol, ext.role, ext.holdout) == ("holdout_domain", "external_test", "sketch")
+    switches = {m: {k: p.methods[m].get(k, True) for k in ("progressive", "temporal_averaging", "cyclic_distillation")}
+                for m in p.experiment_methods("cd2_digits_s2") if method_base(m, p.methods[m]) == "cd2pfed"}
+    assert len({tuple(v.values()) for v in switches.values()}) == 8, "Table 5: every on/off combination of LI, TA, CD"
+
+
+def test_fedecouple_runs_its_baselines_on_each_skew_and_times_table_vii():
+    p = _load("fedecouple")
+    baselines = {"single", "fedavg_ft", "fedprox", "ditto", "fedper", "lgfedavg", "fedrep", "fedbabu", "fedpac", "fedecouple"}
+    schemes = set()
+    for e in ("fc_digits_s20", "fc_digits_k3", "fc_digits_dir0_1", "fc_office_dir0_5", "fc_cxr4_dir0_5"):
+        assert baselines <= set(p.experiment_methods(e))
+        assert p.experiments[e].split.clients == 20 and p.experiments[e].train.model == "fedecouple_cnn"
+        schemes.add(p.experiments[e].split.scheme)
+    assert schemes == {"weak_pathological", "pathological", "dirichlet"}
+    assert p.experiments["fc_digits_s20"].target_accuracy is not None
+    assert method_base("fedavg_ft", p.methods["fedavg_ft"]) == "fedavg" and p.methods["fedavg_ft"]["finetune_epochs"] > 0
+    ablation = {m for m in p.experiment_methods("fc_digits_s20") if m.startswith("fedecouple_no_") or m == "fedecouple_none"}
+    assert len(ablation) == 5 and "fedecouple_no_da" not in p.experiment_methods("fc_digits_k3")
