@@ -56,9 +56,15 @@ def load_clients(harmonized_dir: Path, split: dict[str, Any], device: torch.devi
     """Returns (clients, in_channels, num_classes)."""
     images, grab = _reader(harmonized_dir, device)
     clients = []
+    tests: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
     for c in split["clients"]:
         xtr, ytr = grab(c["name"], c["train"])
-        xte, yte = grab(c["name"], c["test"])
+        # clients that share a test set (F²DC's clients of one domain) share one tensor: loaded once, and an
+        # evaluation over the union of the clients' test sets (the ensemble's "new test") counts it once
+        key = tuple(int(i) for i in c["test"])
+        if key not in tests:
+            tests[key] = grab(c["name"], c["test"])
+        xte, yte = tests[key]
         clients.append(ClientData(int(c["client"]), str(c["name"]), xtr, ytr, xte, yte, str(c.get("domain", c["name"]))))
     return clients, int(images.shape[3]), int(split["num_classes"])
 

@@ -227,12 +227,15 @@ class Engine:
         rnd = self.round if rnd is None else rnd
         per: dict[str, dict[str, float]] = {}
         shared_model = self.method.eval_is_global()
+        ens = _Ensemble(self) if self.train.ensemble_test or self.external is not None else None
         if shared_model:
             self.method.load_eval_model(self.model, self.server, self.stores[0], self.clients[0], rnd)
         for c, store in zip(self.clients, self.stores):
             if not shared_model:
                 self.method.load_eval_model(self.model, self.server, store, c, rnd)
             per[c.name] = evaluate(self.model, c.x_test, c.y_test, cfg=self.train)
+            if ens is not None:
+                ens.add(self.model, once=shared_model)
         accs = np.array([v["acc"] for v in per.values()])
         out: dict[str, Any] = {
             "eval": per,
@@ -243,7 +246,7 @@ class Engine:
         if aucs:
             out["mean_auc"] = float(np.mean(aucs))
         g = self.method.global_state(self.server)
-        if self.method.eval_is_global():
+        if shared_model:
             out["global"] = {name: v["acc"] for name, v in per.items()}
         elif g is not None:
             self.model.load_state_dict(g, strict=True)
@@ -251,31 +254,8 @@ class Engine:
         if self.external is not None and g is not None:
             self.model.load_state_dict(g, strict=True)
             out["external_global"] = evaluate(self.model, *self.external, cfg=self.train)
-        if self.train.ensemble_test or self.external is not None:
-            out.update(self.ensemble(rnd))
-        return out
-
-    def ensemble(self, rnd: int) -> dict[str, Any]:
-        """The "new test" of LG-FedAvg and CD2-pFed: every client uploads the model it is evaluated with (counted in
-        ``bytes_ensemble``; it serves this evaluation only), and the mean of their softmax predictions is scored on
-        the union of the clients' test sets (each distinct set once) and on the external test site, if any."""
-        tests: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for c in self.clients:  # clients of a domain may share one test set (F²DC's protocol): count it once
-            tests.setdefault(c.x_test.data_ptr(), (c.x_test, c.y_test))
-        sets = {"ensemble": (torch.cat([x for x, _ in tests.values()]), torch.cat([y for _, y in tests.values()]))}
-        if self.external is not None:
-            sets["external_ensemble"] = self.external
-        probs = {k: torch.zeros(0) for k in sets}
-        sent = 0
-        for c, store in zip(self.clients, self.stores):
-            self.method.load_eval_model(self.model, self.server, store, c, rnd)
-            sent += payload_bytes(self.model.state_dict())
-            for k, (x, _) in sets.items():
-                p = predict(self.model, x, cfg=self.train).softmax(1)
-                probs[k] = p if probs[k].numel() == 0 else probs[k] + p
-        out: dict[str, Any] = {"bytes_ensemble": int(sent)}
-        for k, (_, y) in sets.items():
-            out[k] = {**score(probs[k] / len(self.clients), y, probabilities=True), "images": int(len(y))}
+        if ens is not None:
+            out.update(ens.result())
         return out
 
     def spectra(self) -> dict[str, list[float]]:
@@ -301,3 +281,39 @@ class Engine:
         while self.round < self.train.rounds:
             self.step()
         return self.history
+
+
+class _Ensemble:
+    """The "new test" of LG-FedAvg and CD2-pFed, gathered during an evaluation: every client uploads the model it is
+    evaluated with (counted in ``bytes_ensemble``: its whole state_dict, an upload made for this evaluation only), and
+    the mean of their softmax predictions is scored on the union of the clients' test sets (a set several clients
+    share counted once) and on the external test site, if any. When every client is evaluated with the one global
+    model, nothing is uploaded and the ensemble is that model."""
+
+    def __init__(self, engine: Engine):
+        self.cfg = engine.train
+        tests: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for c in engine.clients:
+            tests.setdefault(id(c.x_test), (c.x_test, c.y_test))
+        self.sets = {"ensemble": (torch.cat([x for x, _ in tests.values()]), torch.cat([y for _, y in tests.values()]))}
+        if engine.external is not None:
+            self.sets["external_ensemble"] = engine.external
+        self.sums: dict[str, torch.Tensor] = {}
+        self.models = 0
+        self.sent = 0
+
+    def add(self, model: nn.Module, once: bool = False) -> None:
+        if once and self.models:
+            return
+        if not once:
+            self.sent += payload_bytes(model.state_dict())
+        for k, (x, _) in self.sets.items():
+            p = predict(model, x, cfg=self.cfg).softmax(1)
+            self.sums[k] = p if k not in self.sums else self.sums[k] + p
+        self.models += 1
+
+    def result(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"bytes_ensemble": int(self.sent)}
+        for k, (_, y) in self.sets.items():
+            out[k] = {**score(self.sums[k] / self.models, y, probabilities=True), "images": int(len(y))}
+        return out

@@ -14,13 +14,15 @@ from fedsilo.client.local import make_generator, train_local
 from fedsilo.methods.base import Method, MethodParams, RunningMean, State
 from fedsilo.methods.channels import PRIVATE, SHARED, ChannelPartition
 
+LAST = "cd2pfed::last_round"  # server state: per client (federation order) the last round it trained in, 0 = never
+
 
 class CD2PFedParams(MethodParams):
-    p: float = Field(0.5, ge=0, le=1, description="the largest personalization ratio: the private share of every layer's channels at the last round (Eq. 3)")
+    p: float = Field(0.5, ge=0, le=1, description="the largest personalization ratio: the private share of every layer's channels at the last round (Eq. 3); p = 0 is FedAvg, p = 1 keeps every channel home (the classifier's shared bias still travels)")
     ratio_rounds: Optional[int] = Field(None, ge=1, description="T of Eq. 3, the round at which the ratio reaches p (default: train.rounds)")
     lam: float = Field(1.0, ge=0, description="lambda: weight of the cyclic distillation loss (Eq. 5)")
     beta: float = Field(0.5, ge=0, le=1, description="beta of Eq. 6-7 (the paper's alpha in Sec. 4.2): weight of the new private weights in their temporal average")
-    rampup: float = Field(0.1, ge=0, le=1, description="t0 / T: the share of the rounds over which beta ramps up (Eq. 7)")
+    rampup: float = Field(0.1, ge=0, le=1, description="t0 / T: the share of the rounds over which beta ramps up (Eq. 7; T as in Eq. 3)")
     progressive: bool = Field(True, description="LI: the private ratio grows linearly to p (off: p from the first round)")
     temporal_averaging: bool = Field(True, description="TA: temporal average of the private weights after every local epoch")
     cyclic_distillation: bool = Field(True, description="CD: symmetric KL between the private and the shared subnet")
@@ -58,9 +60,12 @@ class CD2PFed(Method):
     t = T/(6p)); temperature 1, no stop-gradient; BatchNorm running statistics from the full network's forwards only;
     the EMA once per local epoch (Eq. 6's l is "the local epoch number" in the text; Algorithm 1 draws it inside the
     batch loop) on the private parameters, which training continues from; the classifier's bias is shared and used by
-    both subnets (slimmable networks' convention). A client that skipped rounds (``train.client_fraction`` < 1; the
-    paper trains every client each round) starts the channels that turned private meanwhile from the global values it
-    last received. The ablation switches are Table 5's LI / TA / CD; all three off is plain channel decoupling with a
+    both subnets (slimmable networks' convention); BatchNorm running statistics of private channels are the full
+    network's as trained, not averaged over time (the paper's LeNet-5 has no BatchNorm). The paper trains every client
+    each round; with ``train.client_fraction`` < 1 a client downloads the shared part under the split of the last
+    round it trained in (the server records it), so the channels that turned private meanwhile start from the global
+    values of now, and it is evaluated with its private channels of that round and the global rest. The ablation
+    switches are Table 5's LI / TA / CD; all three off is plain channel decoupling with a
     fixed ratio."""
 
     name = "cd2pfed"
@@ -84,6 +89,7 @@ class CD2PFed(Method):
     # --- structure
     def setup(self, model):
         self.part = ChannelPartition(model)
+        self._pos = {c.index: i for i, c in enumerate(self.federation)}
         self.keys = list(model.state_dict().keys())
         self._final_private = self.part.private_fraction(model, self.part.counts_at(self.ratio(self.train.rounds)))
 
@@ -101,17 +107,22 @@ class CD2PFed(Method):
         }
 
     def init_server(self, model):
-        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return {**{k: v.detach().clone() for k, v in model.state_dict().items()}, LAST: torch.zeros(len(self.federation), dtype=torch.long)}
 
     def init_client(self, model, client):
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def _last_counts(self, server: State, client) -> list[int]:
+        """The channel split of the last round ``client`` trained in (none before its first)."""
+        return self.part.counts_at(self.ratio(int(server[LAST][self._pos[client.index]])))
 
     # --- a round
     def on_round_start(self, model, rnd):
         self.part.set_ratio(self.ratio(rnd))
 
     def download(self, server, client, rnd):
-        return self.part.shared_part(server, self.part.counts_at(self.ratio(rnd - 1)))
+        # w_0 under the split the client last trained with: every row it does not hold as private
+        return self.part.shared_part(server, self._last_counts(server, client))
 
     def local_update(self, model, store, payload, client, rnd, seed):
         model.load_state_dict(store, strict=True)
@@ -150,24 +161,25 @@ class CD2PFed(Method):
     streaming = True
 
     def agg_begin(self, server, rnd):
-        return RunningMean()
+        return RunningMean(), []
 
     def agg_add(self, acc, client, upload):
-        acc.add(client.n_train, upload)
+        acc[0].add(client.n_train, upload)
+        acc[1].append(client)
 
     def agg_end(self, server, acc, rnd):
-        if acc.weight == 0:
+        mean, trained = acc
+        if mean.weight == 0:
             return server
         out = {k: v.clone() for k, v in server.items()}
-        self.part.write(out, acc.result())
+        self.part.write(out, mean.result())
+        for c in trained:
+            out[LAST][self._pos[c.index]] = rnd
         return out
 
     # --- evaluation
     def eval_state(self, server, store, client):
+        # the client's private channels of the last round it trained in, the global values of every other one
         out = {k: v.clone() for k, v in store.items()}
-        self.part.write(out, self.part.shared_part(server, self.part.counts))
+        self.part.write(out, self.part.shared_part(server, self._last_counts(server, client)))
         return out
-
-    def load_eval_model(self, model, server, store, client, rnd):
-        self.part.set_ratio(self.ratio(rnd))
-        super().load_eval_model(model, server, store, client, rnd)
