@@ -44,6 +44,11 @@ SOURCE_MODES: dict[str, tuple[str, ...]] = {
     "office_caltech10": ("mirror", "local", "download"),
     "pacs": ("mirror", "local", "download"),
     "domainnet": ("mirror", "local", "download"),
+    "cifar10": ("mirror", "local", "download"),
+    "cifar100": ("mirror", "local", "download"),
+    "fmnist": ("mirror", "local", "download"),
+    "emnist": ("mirror", "local", "download"),
+    "cinic10": ("mirror", "local", "download"),  # no published checksum: pin yours under checksums
 }
 DIGIT_SOURCES = ("mnist", "svhn", "usps", "synthdigits", "mnist_m")
 DATASET_SOURCES: dict[str, tuple[str, ...]] = {
@@ -52,6 +57,12 @@ DATASET_SOURCES: dict[str, tuple[str, ...]] = {
     "office_caltech10": ("office_caltech10",),
     "pacs": ("pacs",),
     "domainnet10": ("domainnet",),
+    # single-domain datasets (one domain, the dataset's name), used under label-skew splits
+    "cifar10": ("cifar10",),
+    "cifar100": ("cifar100",),
+    "fmnist": ("fmnist",),
+    "emnist": ("emnist",),
+    "cinic10": ("cinic10",),
 }
 
 
@@ -159,6 +170,19 @@ class BenchmarkDatasetParams(Strict):
         return tuple(self.sources or DATASET_SOURCES[self.kind])
 
 
+SINGLE_DOMAIN_KINDS = ("cifar10", "cifar100", "fmnist", "emnist", "cinic10")
+
+
+class SingleDomainDatasetParams(BenchmarkDatasetParams):
+    """A single-domain classification dataset (CIFAR-10/100, Fashion-MNIST, EMNIST ByClass, CINIC-10): one domain
+    named after the dataset, the distribution's train / test (/ val) kept in ``subset``, split by label skew. Images
+    become ``image_size`` x ``image_size`` uint8 with the data's own channels (grey Fashion-MNIST and EMNIST: 1;
+    CIFAR and CINIC-10: 3), or grey replicated to three with ``channels: rgb``."""
+
+    kind: Literal["cifar10", "cifar100", "fmnist", "emnist", "cinic10"]
+    channels: Literal["native", "rgb"] = Field("native", description="native keeps the data's channels; rgb replicates grey to three")
+
+
 # --------------------------------------------------------------------------- split
 TestFrom = Literal["auto", "official", "pooled"]
 
@@ -238,7 +262,7 @@ SplitParams = Annotated[
     Union[DomainClientsSplit, DomainMultiClientsSplit, LabelSkewSplit, DomainIncrementalSplit, HoldoutDomainSplit],
     Field(discriminator="protocol"),
 ]
-DatasetParams = Annotated[Union[CXRDatasetParams, BenchmarkDatasetParams], Field(discriminator="kind")]
+DatasetParams = Annotated[Union[CXRDatasetParams, BenchmarkDatasetParams, SingleDomainDatasetParams], Field(discriminator="kind")]
 
 
 # --------------------------------------------------------------------------- train

@@ -3,7 +3,9 @@
 ``chest_xray4`` (``harmonize_cxr``): DICOM / JPEG / PNG radiographs -> grey uint8, the label rules of each source.
 Benchmarks (``harmonize_benchmark``: ``digits5``, ``office_caltech10``, ``pacs``, ``domainnet10``): every image ->
 RGB uint8 ``image_size`` x ``image_size`` (grey digits replicated to three channels, as FedBN does), label = index in
-the dataset's class list, the distribution's own train / test / val partition kept in ``subset``.
+the dataset's class list, the distribution's own train / test / val partition kept in ``subset``. Single-domain
+datasets (``cifar10``, ``cifar100``, ``fmnist``, ``emnist``, ``cinic10``) go the same way but keep the data's own
+channels (grey: 1) unless ``channels: rgb``; their class list comes from the distribution where it carries one.
 
 Output folder (``data/harmonized/<dataset>/``):
 - ``records.parquet``: one row per kept image, row i <-> ``images.npy[i]``; columns ``id`` (``<source>/<source id>``),
@@ -40,19 +42,28 @@ class HarmonizeError(RuntimeError):
     pass
 
 
-def to_rgb_square(img: np.ndarray, size: int, how: str) -> np.ndarray:
-    """uint8 HxW or HxWxC (C = 1, 3, 4) -> uint8 size x size x 3; ``how``: stretch | crop | pad."""
+def to_square(img: np.ndarray, size: int, how: str, rgb: bool = True) -> np.ndarray:
+    """uint8 HxW or HxWxC (C = 1, 3, 4) -> uint8 size x size x C, C = 3 (grey replicated, alpha dropped) or, with
+    ``rgb=False``, the image's own 1 or 3; ``how``: stretch | crop | pad."""
     if img.ndim == 2:
         img = img[:, :, None]
-    if img.shape[2] == 1:
+    if img.shape[2] == 1 and rgb:
         img = np.repeat(img, 3, axis=2)
     elif img.shape[2] == 4:
         img = img[:, :, :3]
-    elif img.shape[2] != 3:
+    elif img.shape[2] not in (1, 3):
         raise ImageDecodeError(f"unsupported channel count {img.shape[2]}")
     if how != "stretch":
         img = square(img, how)  # type: ignore[arg-type]
-    return np.ascontiguousarray(resize_area(img, size), dtype=np.uint8)
+    out = resize_area(img, size)
+    if out.ndim == 2:
+        out = out[:, :, None]
+    return np.ascontiguousarray(out, dtype=np.uint8)
+
+
+def to_rgb_square(img: np.ndarray, size: int, how: str) -> np.ndarray:
+    """uint8 HxW or HxWxC (C = 1, 3, 4) -> uint8 size x size x 3; ``how``: stretch | crop | pad."""
+    return to_square(img, size, how, rgb=True)
 
 
 def decode_one(args: tuple) -> np.ndarray:
@@ -141,8 +152,12 @@ def write_dataset(
     """Write the harmonized folder atomically: images.npy, records.parquet, excluded.parquet, quarantine.csv, card."""
     if not images:
         raise HarmonizeError(f"{out_dir.name}: no image survived the label rules and decoding")
+    shape = images[0].shape
+    for i, img in enumerate(images):
+        if img.shape != shape:  # a silent broadcast of a grey image into three channels would hide a mixed dataset
+            raise HarmonizeError(f"{out_dir.name}: image of {table['id'].iloc[i]} is {img.shape}, the first is {shape}")
     with atomic_dir(out_dir) as tmp:
-        arr = np.lib.format.open_memmap(tmp / "images.npy", mode="w+", dtype=np.uint8, shape=(len(images),) + images[0].shape)
+        arr = np.lib.format.open_memmap(tmp / "images.npy", mode="w+", dtype=np.uint8, shape=(len(images),) + shape)
         for i, img in enumerate(images):
             arr[i] = img
         arr.flush()
@@ -211,6 +226,7 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
     excluded = records[records["excluded"] != ""].reset_index(drop=True)
     kept = _cap(records[records["excluded"] == ""], params.max_per_domain, params.sample_seed).reset_index(drop=True)
 
+    rgb = getattr(params, "channels", "rgb") == "rgb"
     results: list[tuple[np.ndarray | None, str]] = [(None, "")] * len(kept)
     file_jobs: list[tuple[int, tuple]] = []
     for i, (src, path, reader) in enumerate(zip(kept["source"], kept["path"], kept["reader"])):
@@ -224,7 +240,7 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
                 img = arr[int(row)]
                 if img.std() == 0:
                     raise ImageDecodeError(f"{container}#{row}: constant image")
-                results[i] = (to_rgb_square(np.asarray(img, np.uint8), params.image_size, params.square), "")
+                results[i] = (to_square(np.asarray(img, np.uint8), params.image_size, params.square, rgb), "")
             except (ImageDecodeError, IndexError) as err:
                 results[i] = (None, str(err))
         else:
@@ -238,10 +254,16 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
 
     good = kept[ok].reset_index(drop=True)
     table = good.rename(columns={"path": "source_path"})[["id", "domain", "label", "original_label", "group", "view", "source_path", "subset"]]
-    classes = list(getattr(modules[params.source_list[0]], "CLASSES", [str(d) for d in range(10)]))
+    first = modules[params.source_list[0]]
+    if hasattr(first, "classes"):  # the class list the distribution carries (CIFAR's meta files, EMNIST's mapping)
+        classes = list(first.classes(raw_root / params.source_list[0]))
+    else:
+        classes = list(getattr(first, "CLASSES", [str(d) for d in range(10)]))
     tasks = {
         "digits5": "10 digit classes", "office_caltech10": "10 object classes", "pacs": "7 object classes",
-        "domainnet10": "the 10-class DomainNet subset",
+        "domainnet10": "the 10-class DomainNet subset", "cifar10": "10 object classes", "cifar100": "100 object classes",
+        "fmnist": "10 clothing classes", "emnist": "62 character classes (ByClass: digits, upper- and lower-case letters)",
+        "cinic10": "10 object classes (CIFAR-10's)",
     }
     return write_dataset(
         Path(out_dir), table, [img for img, _ in results if img is not None], excluded, quarantine,

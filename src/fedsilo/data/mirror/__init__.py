@@ -11,8 +11,10 @@ from fedsilo.config import MirrorParams
 def mirror_writer(source: str) -> Callable[[Path, MirrorParams], None]:
     from fedsilo.data.mirror.benchmarks import WRITERS as BENCH
     from fedsilo.data.mirror.cxr import WRITERS
+    from fedsilo.data.mirror.single_domain import WRITERS as SINGLE
 
+    writers = {**WRITERS, **BENCH, **SINGLE}
     try:
-        return {**WRITERS, **BENCH}[source]
+        return writers[source]
     except KeyError:
-        raise KeyError(f"no offline mirror for source {source!r} (have: {', '.join({**WRITERS, **BENCH})})") from None
+        raise KeyError(f"no offline mirror for source {source!r} (have: {', '.join(writers)})") from None

@@ -1,5 +1,7 @@
 """Raw sources: one module per source, each with ``read_records(raw_dir, rules)`` (and, for array formats,
-``load_container``), its ``DOMAINS`` and the official ``DOWNLOADS`` where a scriptable public address exists."""
+``load_container``), its ``DOMAINS`` and the official ``DOWNLOADS`` where a scriptable public address exists. A
+source whose distribution names its classes (CIFAR's meta files, EMNIST's mapping) also has ``classes(raw_dir)``;
+the others a ``CLASSES`` constant (digits: none, 0-9)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,12 @@ from types import ModuleType
 
 from fedsilo.data.sources import (
     chexpert,
+    cifar10,
+    cifar100,
+    cinic10,
     domainnet,
+    emnist,
+    fmnist,
     mnist,
     mnist_m,
     office_caltech10,
@@ -33,6 +40,12 @@ SOURCES: dict[str, ModuleType] = {
     "office_caltech10": office_caltech10,
     "pacs": pacs,
     "domainnet": domainnet,
+    # single-domain datasets (FedeCouple's and CD2-pFed's tables), split by label skew
+    "cifar10": cifar10,
+    "cifar100": cifar100,
+    "fmnist": fmnist,
+    "emnist": emnist,
+    "cinic10": cinic10,
 }
 
 

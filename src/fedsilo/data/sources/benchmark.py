@@ -19,7 +19,7 @@ import pickle
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -109,12 +109,25 @@ def class_folder_records(
     return rows
 
 
-def array_records(container: str, labels: np.ndarray, subset: str, id_prefix: str, original: Iterable | None = None) -> list[dict]:
+def array_records(
+    container: str,
+    labels: np.ndarray,
+    subset: str,
+    id_prefix: str,
+    original: Iterable | None = None,
+    classes: Sequence[str] | None = None,
+    label_file: str | None = None,
+) -> list[dict]:
+    """One record per row of an array container. ``labels`` are indices into ``classes`` (default: the digits 0-9);
+    a label outside them is an error naming the file that holds the labels (``label_file``, default the container),
+    the row and the label as the file stores it."""
     labels = np.asarray(labels).astype(np.int64).ravel()
     orig = list(original) if original is not None else labels.tolist()
-    bad = np.flatnonzero((labels < 0) | (labels > 9))
+    n = len(classes) if classes is not None else 10
+    bad = np.flatnonzero((labels < 0) | (labels >= n))
     if bad.size:
-        raise LabelFileError(f"{container}: label {orig[bad[0]]!r} at row {bad[0]} is not a digit 0-9")
+        what = "a digit 0-9" if classes is None else f"one of the {n} classes (0-{n - 1})"
+        raise LabelFileError(f"{label_file or container}: label {orig[bad[0]]!r} at row {bad[0]} is not {what}")
     return [
         {
             "id": f"{id_prefix}/{i}",
@@ -215,6 +228,56 @@ def read_pickle_pair(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return images.astype(np.uint8), labels
 
 
+class _ArrayUnpickler(pickle.Unpickler):
+    """Unpickles plain containers and numpy arrays only: the CIFAR batches are Python pickles, and a pickle may
+    otherwise run any code when loaded. Python 2's ``numpy.core`` module paths are mapped to numpy 2's."""
+
+    ALLOWED = {
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy._core.numeric", "_frombuffer"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("_codecs", "encode"),
+    }
+
+    def find_class(self, module: str, name: str):  # noqa: ANN201 - pickle's signature
+        if module.startswith("numpy.core"):
+            module = "numpy._core" + module[len("numpy.core"):]
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} (only numpy arrays and plain containers)")
+        return super().find_class(module, name)
+
+
+def read_python_pickle(path: Path) -> dict:
+    """A CIFAR ``python version`` pickle (written by Python 2's cPickle) as a dict with ``str`` keys."""
+    try:
+        with open(path, "rb") as f:
+            obj = _ArrayUnpickler(f, encoding="latin1").load()
+    except (OSError, EOFError, ValueError, TypeError, AttributeError, IndexError, pickle.UnpicklingError) as err:
+        raise LabelFileError(f"{path}: cannot read as a CIFAR python pickle: {type(err).__name__}: {err}") from err
+    if not isinstance(obj, dict):
+        raise LabelFileError(f"{path}: expected a pickled dict, got {type(obj).__name__}")
+    return {(k.decode("latin1") if isinstance(k, bytes) else str(k)): v for k, v in obj.items()}
+
+
+def read_cifar_batch(path: Path, label_key: str) -> tuple[np.ndarray, np.ndarray]:
+    """A CIFAR-10 / CIFAR-100 python batch: ``data`` N x 3072 uint8 rows (the 1024 red, then green, then blue values
+    of a 32 x 32 image, row-major) and the labels under ``label_key`` (``labels`` / ``fine_labels``). Returns
+    (uint8 N x 32 x 32 x 3, labels)."""
+    d = read_python_pickle(path)
+    for key in ("data", label_key):
+        if key not in d:
+            raise LabelFileError(f"{path}: missing key {key!r} (have: {', '.join(sorted(d))})")
+    data = np.asarray(d["data"])
+    if data.ndim != 2 or data.shape[1] != 3072 or data.dtype != np.uint8:
+        raise LabelFileError(f"{path}: 'data' is {data.dtype} {data.shape}, expected uint8 N x 3072 (32 x 32 x 3 rows in CHW order)")
+    labels = np.asarray(d[label_key]).ravel()
+    if labels.shape[0] != data.shape[0] or not np.issubdtype(labels.dtype, np.integer):
+        raise LabelFileError(f"{path}: {labels.shape[0]} {label_key} ({labels.dtype}) for {data.shape[0]} images")
+    return np.ascontiguousarray(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)), labels.astype(np.int64)
+
+
 def _read_container(p: Path) -> tuple[np.ndarray, np.ndarray]:
     """(images, labels as stored) of one container; an idx image file takes its labels from the sibling
     ``*-labels-idx1-ubyte`` file."""
@@ -237,14 +300,18 @@ def _read_container(p: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 @lru_cache(maxsize=8)
-def _load_cached(path: str, mtime: float) -> tuple[np.ndarray, np.ndarray]:
-    return _read_container(Path(path))
+def _load_cached(path: str, mtime: float, size: int, read: Callable[[Path], tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    return read(Path(path))
 
 
-def load_arrays(raw_dir: Path, container: str) -> tuple[np.ndarray, np.ndarray]:
-    """(images N x H x W [x C] uint8, labels as the container stores them) of one container, read once per process."""
+def load_arrays(
+    raw_dir: Path, container: str, read: Callable[[Path], tuple[np.ndarray, np.ndarray]] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(images N x H x W [x C] uint8, labels as the container stores them) of one container, read once per process
+    by ``read`` (default: by the file's name: idx, ``.mat``, LIBSVM, FedBN pickle)."""
     p = Path(raw_dir) / container
-    return _load_cached(str(p), p.stat().st_mtime)
+    st = p.stat()
+    return _load_cached(str(p), st.st_mtime, st.st_size, read or _read_container)
 
 
 def load_container(raw_dir: Path, container: str) -> np.ndarray:
