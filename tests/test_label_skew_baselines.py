@@ -249,3 +249,19 @@ def test_ft_fedavg_fine_tunes_the_global_model_per_client_only_to_evaluate(clien
     tuned = {k: v.clone() for k, v in ft.model.state_dict().items()}
     assert not torch.equal(tuned["units.0.0.weight"], ft.server["units.0.0.weight"]), "each client evaluates its fine-tuned copy"
     assert e_ft["global"] == e_plain["global"] and e_ft["eval"] != e_plain["eval"]
+
+
+def test_a_join_ratio_range_draws_each_rounds_share_of_clients(clients):
+    """FedeCouple Fig. 12: rho drawn per round from [low, high], seeded by (seed, round)."""
+    many = style_shifted_federation(n_train=4, n_test=2, per_domain=5)  # 20 clients
+    tp = TrainParams(rounds=30, batch_size=8, device="cpu", count_flops=False, client_fraction_range=(0.1, 1.0))
+    cls = method_class("fedavg")
+    e = Engine(cls(cls.params_cls(), tp), tiny_net(1, 4), many, tp, seed=0)
+    sizes = [len(e.sample(r)) for r in range(1, 31)]
+    assert min(sizes) >= 2 and max(sizes) <= 20 and len(set(sizes)) > 5, sizes
+    assert sizes == [len(e.sample(r)) for r in range(1, 31)], "the same draws on a rerun or resume"
+    fixed = TrainParams(rounds=30, batch_size=8, device="cpu", count_flops=False, client_fraction=0.5)
+    f = Engine(cls(cls.params_cls(), fixed), tiny_net(1, 4), many, fixed, seed=0)
+    assert {len(f.sample(r)) for r in range(1, 31)} == {10}
+    with pytest.raises(ValueError, match="client_fraction_range"):
+        TrainParams(client_fraction_range=(0.6, 0.5))

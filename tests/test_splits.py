@@ -125,6 +125,20 @@ def test_weak_pathological_has_s_percent_uniform_and_a_dominant_class(records):
         assert (row >= uniform).all() and row.max() == uniform + (120 - 10 * uniform)
 
 
+def test_weak_pathological_fixed_groups_give_each_client_its_groups_classes(records):
+    """FedPAC's and FedeCouple's code: client j's dominant classes are group j mod 5, not a random draw."""
+    groups = ((0, 1, 2), (2, 3, 4), (4, 5, 6), (6, 7, 8), (8, 9, 0))
+    p = LabelSkewSplit(protocol="label_skew", clients=8, scheme="weak_pathological", s=20, samples_per_client=60, dominant_groups=groups)
+    counts = _client_label_counts(records, make_split(records, p, 0))
+    uniform = round(60 * 0.20 / 10)
+    for j, row in enumerate(counts):
+        assert row.sum() == 60
+        dominant = {int(c) for c in np.flatnonzero(row > uniform)}
+        assert dominant == set(groups[j % 5]), (j, row)
+    with pytest.raises(SplitError, match="dominant_groups"):
+        make_split(records, p.model_copy(update={"dominant_groups": ((0, 1, 12),)}), 0)
+
+
 def test_domain_incremental_task_order_and_per_domain_skew(records):
     s = make_split(records, PROTOCOLS[5], 0)
     assert s["task_order"] == ["D", "B", "A", "C"]

@@ -222,6 +222,10 @@ class LabelSkewSplit(Strict):
     classes_per_client: int = Field(2, ge=1)
     s: float = Field(20.0, ge=0, le=100, description="weak pathological: percent drawn uniformly from all classes")
     samples_per_client: Optional[int] = Field(None, ge=1, description="weak pathological: images per client (default: equal shares)")
+    dominant_groups: Optional[tuple[tuple[int, ...], ...]] = Field(
+        None, description="weak pathological: client j's dominant classes are group j mod len(groups) instead of a random "
+        "draw (FedPAC's and FedeCouple's code: [[0,1,2],[2,3,4],[4,5,6],[6,7,8],[8,9,0]] on 10 classes)",
+    )
     min_per_client: int = Field(10, ge=1, description="dirichlet: redraw until every client has at least this many images")
     domains: Optional[tuple[str, ...]] = None
     test_fraction: float = Field(0.25, gt=0, lt=1)
@@ -285,6 +289,10 @@ class TrainParams(Strict):
     nesterov: bool = Field(False, description="Nesterov momentum (needs momentum > 0; CD2-pFed's SGD)")
     weight_decay: float = Field(0.0, ge=0)
     client_fraction: float = Field(1.0, gt=0, le=1)
+    client_fraction_range: Optional[tuple[float, float]] = Field(
+        None, description="[low, high]: each round's join ratio drawn uniformly from it, seeded by (seed, round), in place "
+        "of client_fraction (FedeCouple Fig. 12's random aggregation ratios)",
+    )
     eval_every: int = Field(1, ge=1)
     augment: AugmentParams = AugmentParams()
     device: str = "auto"
@@ -313,6 +321,10 @@ class TrainParams(Strict):
     def _nesterov_needs_momentum(self) -> "TrainParams":
         if self.nesterov and self.momentum <= 0:
             raise ValueError("nesterov: Nesterov momentum needs momentum > 0")
+        if self.client_fraction_range is not None:
+            lo, hi = self.client_fraction_range
+            if not 0 < lo <= hi <= 1:
+                raise ValueError(f"client_fraction_range: needs 0 < low <= high <= 1, got [{lo}, {hi}]")
         return self
 
 

@@ -21,7 +21,7 @@ patient never lands on both sides of a client's train/test split. Where a domain
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import pandas as pd
@@ -196,8 +196,13 @@ def _pathological(labels: np.ndarray, n_clients: int, k: int, rng: np.random.Gen
     return [np.array(sorted(p), dtype=np.int64) for p in parts]
 
 
-def _weak_pathological(labels: np.ndarray, n_clients: int, s: float, n: int, dominant: int, rng: np.random.Generator) -> list[np.ndarray]:
+def _weak_pathological(labels: np.ndarray, n_clients: int, s: float, n: int, dominant: int, rng: np.random.Generator,
+                       groups: Optional[tuple[tuple[int, ...], ...]] = None) -> list[np.ndarray]:
     classes = np.unique(labels)
+    if groups is not None:
+        unknown = sorted({int(c) for g in groups for c in g} - {int(c) for c in classes})
+        if unknown or not all(groups):
+            raise SplitError(f"split.dominant_groups: classes {unknown} have no image in the pool" if unknown else "split.dominant_groups: an empty group")
     free = {c: list(rng.permutation(np.flatnonzero(labels == c))) for c in classes}
 
     def pop(c: int, m: int, j: int) -> list[int]:
@@ -211,13 +216,16 @@ def _weak_pathological(labels: np.ndarray, n_clients: int, s: float, n: int, dom
         uniform = int(round(n * s / 100.0 / len(classes)))
         rows = [i for c in classes for i in pop(int(c), uniform, j)]
         rest = n - len(rows)
-        k = min(dominant, len(classes))
+        k = len(groups[j % len(groups)]) if groups is not None else min(dominant, len(classes))
         need = np.diff(np.linspace(0, rest, k + 1).astype(int))
-        # dominant classes are drawn at random among those that still hold enough images
-        able = [c for c in classes if len(free[int(c)]) >= need.max()]
-        if len(able) < k:
-            raise SplitError(f"split (weak pathological): only {len(able)} classes still hold {need.max()} images at client {j}; lower samples_per_client or raise s")
-        for c, m in zip(rng.choice(able, size=k, replace=False), need):
+        if groups is not None:  # the client's fixed group (FedPAC's / FedeCouple's code); pop names an exhausted class
+            chosen = np.array(groups[j % len(groups)])
+        else:  # dominant classes are drawn at random among those that still hold enough images
+            able = [c for c in classes if len(free[int(c)]) >= need.max()]
+            if len(able) < k:
+                raise SplitError(f"split (weak pathological): only {len(able)} classes still hold {need.max()} images at client {j}; lower samples_per_client or raise s")
+            chosen = rng.choice(able, size=k, replace=False)
+        for c, m in zip(chosen, need):
             rows += pop(int(c), int(m), j)
         parts.append(np.array(sorted(rows), dtype=np.int64))
     return parts
@@ -251,7 +259,7 @@ def label_skew(records: pd.DataFrame, params: LabelSkewSplit, seed: int) -> dict
         parts = _pathological(labels, params.clients, params.classes_per_client, rng)
     else:
         n = params.samples_per_client or len(pool) // params.clients
-        parts = _weak_pathological(labels, params.clients, params.s, n, params.classes_per_client, rng)
+        parts = _weak_pathological(labels, params.clients, params.s, n, params.classes_per_client, rng, params.dominant_groups)
     index = pool.index.to_numpy()
     clients = []
     for j, part in enumerate(parts):

@@ -149,7 +149,11 @@ class Engine:
     # ------------------------------------------------------------------ loop
     def sample(self, rnd: int) -> list[int]:
         n = len(self.clients)
-        m = max(1, int(round(self.train.client_fraction * n)))
+        frac = self.train.client_fraction
+        if self.train.client_fraction_range is not None:  # a join ratio drawn for this round
+            lo, hi = self.train.client_fraction_range
+            frac = lo + (hi - lo) * float(torch.rand((), generator=make_generator(self.seed, rnd, 1_000_005)))
+        m = max(1, int(round(frac * n)))
         if m >= n:
             return list(range(n))
         perm = torch.randperm(n, generator=make_generator(self.seed, rnd, 1_000_003))
