@@ -56,3 +56,27 @@ def test_fedecouple_runs_its_baselines_on_each_skew_and_times_table_vii():
     assert method_base("fedavg_ft", p.methods["fedavg_ft"]) == "fedavg" and p.methods["fedavg_ft"]["finetune_epochs"] > 0
     ablation = {m for m in p.experiment_methods("fc_digits_s20") if m.startswith("fedecouple_no_") or m == "fedecouple_none"}
     assert len(ablation) == 5 and "fedecouple_no_da" not in p.experiment_methods("fc_digits_k3")
+
+
+def test_cd2pfed_paper_scale_is_section_4_and_sets_the_published_tables_beside_ours():
+    root = yaml.safe_load((REPO / "params.yaml").read_text())
+    root["pipeline"]["datasets"] = list(root["datasets"])  # the paper scale's datasets added, as the README says
+    tmp = REPO / ".pytest_cache" / "root_params_cd2pfed_paper.yaml"
+    tmp.parent.mkdir(exist_ok=True)
+    tmp.write_text(yaml.safe_dump(root))
+    path = REPO / "pipelines" / "cd2pfed" / "paper" / "params.yaml"
+    raw = yaml.safe_load(path.read_text())
+    raw["data"] = str(tmp.relative_to(REPO))
+    from fedsilo.config import load_paper_params
+
+    p = load_paper_params(path, raw)
+    check_methods(p, str(path))
+    assert (REPO / "pipelines" / "cd2pfed" / "paper" / "dvc.yaml").read_text() == (REPO / "pipelines" / "cd2pfed" / "dvc.yaml").read_text()
+    c10, c100 = p.experiments["cd2_cifar10_s2"], p.experiments["cd2_cifar100_s40"]
+    assert (c10.split.clients, c10.split.classes_per_client, c10.train.model, c10.train.local_epochs) == (10, 2, "lenet5", 1)
+    assert (c100.split.clients, c100.split.classes_per_client, c100.train.model, c100.train.local_epochs) == (30, 40, "resnet34", 4)
+    assert all(p.experiments[e].train.rounds == 50 and p.experiments[e].train.batch_size in (128, 4) for e in p.experiments)
+    published = yaml.safe_load((REPO / "pipelines" / "cd2pfed" / "published.yaml").read_text())["accuracy"]
+    for e in ("cd2_cifar10_s2", "cd2_cifar100_s40"):
+        table = published[p.experiments[e].published.split("#")[1]]
+        assert set(table["domains"]) == {"local", "new"} and set(table["methods"]) <= set(p.experiment_methods(e))

@@ -201,6 +201,15 @@ def test_local_new_external_table_averages_each_column_over_seeds(tmp_path):
     assert tab["mean"].loc["cd2pfed", "local test"] == pytest.approx(85.0) and tab["std"].loc["cd2pfed", "new test"] == pytest.approx(5.0)
     assert tab["mean"].loc["fedavg", "new test"] == pytest.approx(50.0)
     assert "| cd2pfed | 85.00 ± 5.00 | 55.00 ± 5.00 |" in local_new_external_markdown(tab, "t")
+    # a paper's local / new table (CD2-pFed's) is set beside these columns, without an Avg
+    import pandas as pd
+
+    from fedsilo.report import METRIC_COLUMNS_INV, versus_paper
+
+    paper = {"domains": ["local", "new"], "methods": {"cd2pfed": {"mean": [91.82, 61.31]}, "fedper": {"mean": [83.29, 57.77]}}}
+    vs = versus_paper(pd.concat({"mean": tab["mean"].rename(columns=METRIC_COLUMNS_INV)}, axis=1), paper, avg=False)
+    assert list(vs.index) == ["cd2pfed"] and vs.loc["cd2pfed", ("local", "diff")] == pytest.approx(85.0 - 91.82)
+    assert vs.loc["cd2pfed", ("new", "paper")] == 61.31 and "Avg" not in {c[0] for c in vs.columns}
     for (m, s) in values:
         write_json(tmp_path / m / f"seed{s}" / "metrics.json", {"mean_acc": 0.5})
     assert local_new_external(tmp_path, ["cd2pfed", "fedavg"], [0, 1]) is None, "runs without an ensemble: no table"

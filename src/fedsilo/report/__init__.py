@@ -173,6 +173,9 @@ def time_to_accuracy_markdown(tab: pd.DataFrame, title: str) -> str:
 
 
 LOCAL_NEW_EXTERNAL = {"mean_acc": "local test", "ensemble_acc": "new test", "external_ensemble_acc": "external test"}
+# a published table's column names for the same metrics (pipelines/cd2pfed/published.yaml)
+METRIC_COLUMNS = {"local": "local test", "new": "new test", "external": "external test"}
+METRIC_COLUMNS_INV = {v: k for k, v in METRIC_COLUMNS.items()}
 
 
 def local_new_external(results: Path, methods: list[str], seeds: list[int]) -> pd.DataFrame | None:
@@ -398,10 +401,11 @@ def efficiency_markdown(comm: pd.DataFrame, paper: dict[str, Any], title: str) -
     return "\n".join(lines) + "\n"
 
 
-def versus_paper(acc: pd.DataFrame, published: dict[str, Any]) -> pd.DataFrame:
-    """Ours beside the paper's, per method and domain (+ Avg): columns (<domain>, ours|paper|diff)."""
+def versus_paper(acc: pd.DataFrame, published: dict[str, Any], avg: bool = True) -> pd.DataFrame:
+    """Ours beside the paper's, per method and domain (+ Avg): columns (<domain>, ours|paper|diff). ``avg=False``
+    for a table whose columns are metrics, not domains (CD2-pFed's local / new / external test)."""
     ours = acc["mean"]
-    domains = list(published["domains"]) + ["Avg"]
+    domains = list(published["domains"]) + (["Avg"] if avg else [])
     missing = [d for d in published["domains"] if d not in ours.columns]
     if missing:
         raise ReportError(f"published table domains {missing} are not domains of this experiment ({list(ours.columns)})")
@@ -537,7 +541,13 @@ def build_report(
                                     "MiB uploaded per client per federated round", f"{exp}: communication"))
             paper = load_published(repo, published) if published else None
             if paper is not None:
-                vs = versus_paper(acc, paper)
+                if set(paper["domains"]) <= set(METRIC_COLUMNS):  # the paper's columns are local / new / external test
+                    if lne is None:
+                        raise ReportError(f"published: {published} gives {paper['domains']} test accuracy; the runs scored no "
+                                          f"ensemble (set experiments.{exp}.train.ensemble_test: true)")
+                    vs = versus_paper(pd.concat({"mean": lne["mean"].rename(columns=METRIC_COLUMNS_INV)}, axis=1), paper, avg=False)
+                else:
+                    vs = versus_paper(acc, paper)
                 vs_md = versus_markdown(vs, f"{exp}: ours vs {published}")
                 (tmp / f"{exp}_vs_paper.md").write_text(vs_md)
                 vs.columns = [f"{d}_{k}" for d, k in vs.columns]
