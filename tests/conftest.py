@@ -12,6 +12,11 @@ SAMPLES = REPO.parent / "shared" / "samples"
 
 os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # under pytest-xdist: the cores shared among the workers, not each taking all
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 
 def needs_samples(sub: str = "") -> pytest.MarkDecorator:
     path = SAMPLES / sub
@@ -68,3 +73,12 @@ def mirror_root(tmp_path_factory) -> Path:
         fetch(s, p.sources[s], root / "data" / "raw" / s)
     harmonize_cxr(p.datasets["chest_xray4"], root / "data" / "raw", root / "data" / "harmonized" / "chest_xray4")
     return root
+
+
+HEAVY_FIRST = ("test_dvc_pipeline.py", "test_resume_tracking.py")  # the files that run DVC and whole train stages
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The longest files first (a stable sort keeps each file's own order), so that under pytest-xdist they start at
+    once on their own workers instead of being left to one worker at the end."""
+    items.sort(key=lambda item: 0 if item.path.name in HEAVY_FIRST else 1)

@@ -10,7 +10,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import Field
-from scipy.optimize import minimize
 
 from fedsilo.client.data import ClientData, to_float
 from fedsilo.client.features import classifier, representation
@@ -64,6 +63,8 @@ def combination_weights(variances: list[float], means: list[torch.Tensor], i: in
     if vals.min() < 0:
         keep = vals >= eig_floor
         p = (vecs[:, keep] * vals[keep]) @ vecs[:, keep].T
+    from scipy.optimize import minimize  # here, not at import: every train stage imports the registry
+
     m = len(means)
     res = minimize(lambda a: a @ p @ a, np.full(m, 1.0 / m), jac=lambda a: 2 * p @ a, method="SLSQP",
                    bounds=[(0.0, 1.0)] * m, constraints=[{"type": "eq", "fun": lambda a: a.sum() - 1.0, "jac": lambda a: np.ones_like(a)}],
