@@ -401,3 +401,18 @@ def test_external_site_is_loaded_from_a_holdout_split(tmp_path):
                                            {"client": 1, "name": "b", "train": [2, 3], "test": [4, 5]}]}
     a, b = load_clients(tmp_path, split, torch.device("cpu"))[0]
     assert a.x_test is b.x_test and a.x_train is not b.x_train
+
+
+def test_a_client_with_one_test_image_gets_no_spectrum_instead_of_failing_the_run(clients):
+    """Small label-skew clients can hold a single test image: its covariance is undefined, the run still finishes."""
+    from dataclasses import replace
+
+    from fedsilo.report import collapse_table
+
+    few = [replace(clients[0], x_test=clients[0].x_test[:1], y_test=clients[0].y_test[:1])] + list(clients[1:])
+    e = _engine(few, name="fedavg", tp=_tp(rounds=1))
+    e.run()
+    spectra = e.spectra()
+    assert spectra[few[0].name] == [] and all(len(v) > 1 for k, v in spectra.items() if k != few[0].name)
+    tab = collapse_table({("fedavg", 0): spectra}, ["fedavg"], [0])
+    assert tab.loc["fedavg", "dim"] == 16 and tab.loc["fedavg", "effective_rank"] > 1

@@ -267,6 +267,9 @@ class Engine:
         with gives its test images (F²DC Fig. 1's dimensional-collapse measure). Changes no state."""
         out: dict[str, list[float]] = {}
         for c, store in zip(self.clients, self.stores):
+            if len(c.x_test) < 2:  # a covariance needs two images: no spectrum (small label-skew clients), not a failed run
+                out[c.name] = []
+                continue
             self.method.load_eval_model(self.model, self.server, store, c, self.round)
             out[c.name] = [round(float(v), 8) for v in covariance_spectrum(self.model, c.x_test)]
         return out

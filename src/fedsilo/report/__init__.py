@@ -101,8 +101,9 @@ def collapse_table(spectra: dict[tuple[str, int], dict[str, list[float]]], metho
 
     rows = []
     for m in methods:
-        per_seed = [np.mean([effective_rank(torch.tensor(v)) for v in spectra[(m, s)].values()]) for s in seeds]
-        d = len(next(iter(spectra[(m, seeds[0])].values())))
+        # clients with fewer than two test images have no spectrum (an empty list) and are left out
+        per_seed = [np.mean([effective_rank(torch.tensor(v)) for v in spectra[(m, s)].values() if v] or [np.nan]) for s in seeds]
+        d = max((len(v) for v in spectra[(m, seeds[0])].values()), default=0)
         rows.append({"method": m, "dim": d, "effective_rank": float(np.mean(per_seed)), "effective_rank_std": float(np.std(per_seed))})
     return pd.DataFrame(rows).set_index("method")
 
