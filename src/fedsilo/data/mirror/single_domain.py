@@ -75,14 +75,19 @@ def _cifar_rows(images: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(images.transpose(0, 3, 1, 2).reshape(len(images), -1))
 
 
+def _colour_subset(source: str, p: MirrorParams, subset: str, n_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The labels and 32 px colour images of one CIFAR-style subset, drawn from the (source, seed, subset) stream."""
+    rng = _rng(source, p.seed, subset)
+    y = _labels(rng, n_classes, p.per_class)
+    return y, np.stack([colour_object(rng, int(k), n_classes) for k in y])
+
+
 def write_cifar10(out: Path, p: MirrorParams) -> None:
     from fedsilo.data.sources.cifar10 import CLASSES, FOLDER
 
     base = out / FOLDER
     for subset in ("train", "test"):
-        rng = _rng("cifar10", p.seed, subset)
-        y = _labels(rng, len(CLASSES), p.per_class)
-        x = np.stack([colour_object(rng, int(k), len(CLASSES)) for k in y])
+        y, x = _colour_subset("cifar10", p, subset, len(CLASSES))
         names = [f"{CLASSES[k]}_s_{i + 1:06d}.png" for i, k in enumerate(y)]
         if subset == "test":
             batches = [("test_batch", "testing batch 1 of 1", np.arange(len(y)))]
@@ -100,9 +105,7 @@ def write_cifar100(out: Path, p: MirrorParams) -> None:
 
     base = out / FOLDER
     for subset in ("train", "test"):
-        rng = _rng("cifar100", p.seed, subset)
-        y = _labels(rng, len(CLASSES), p.per_class)
-        x = np.stack([colour_object(rng, int(k), len(CLASSES)) for k in y])
+        y, x = _colour_subset("cifar100", p, subset, len(CLASSES))
         _pickle(base / subset, {
             "filenames": [f"{CLASSES[k]}_s_{i + 1:06d}.png" for i, k in enumerate(y)],
             "batch_label": f"{'training' if subset == 'train' else 'testing'} batch 1 of 1",
