@@ -90,7 +90,9 @@ def test_split_param_edit_reruns_only_that_split(repo_copy):
         assert _stale(repo_copy) == {"split@pacs_skew"}
         raw["datasets"]["pacs"]["image_size"] = 20
         params.write_text(yaml.safe_dump(raw, sort_keys=False))
-        assert _stale(repo_copy) == {"harmonize@pacs", "split@pacs_skew"}  # CXR's split and training are untouched
+        # PACS's fingerprint is rewritten (seconds; it reads the dataset's source list) with the same content;
+        # CXR's harmonize, split and training are untouched
+        assert _stale(repo_copy) == {"fingerprint@pacs", "harmonize@pacs", "split@pacs_skew"}
     finally:
         params.write_text(original)
     assert _stale(repo_copy) == set()
@@ -186,3 +188,28 @@ def test_a_method_edit_in_a_papers_params_reruns_only_its_runs_and_that_papers_r
     finally:
         params.write_text(original)
     assert _stale(paper_repo, PFEDDB) == set()
+
+
+def test_refetching_one_source_reharmonizes_only_the_datasets_built_on_it(repo_copy):
+    """Issue 17.3: changing PACS's source (here its mirror's seed; a user changes its path) re-fetches PACS and
+    re-harmonizes PACS only: the other datasets' fingerprints are rewritten unchanged, so their harmonize stages
+    (and their splits and runs) stay as they are. The last test of the module: it leaves PACS re-fetched."""
+    params = repo_copy / "params.yaml"
+
+    def lock() -> dict:
+        return yaml.safe_load((repo_copy / "dvc.lock").read_text())["stages"]
+
+    before = lock()
+    raw = yaml.safe_load(params.read_text())
+    raw["sources"]["pacs"]["mirror"]["seed"] = 7
+    params.write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert _stale(repo_copy) == {"fetch@pacs"}
+    out = _run(repo_copy, "dvc", "repro", "harmonize@chest_xray4", "harmonize@digits5", "harmonize@pacs")
+    ran = {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")}
+    assert {"fetch@pacs", "fingerprint@chest_xray4", "harmonize@pacs"} <= ran
+    assert "harmonize@chest_xray4" not in ran and "harmonize@digits5" not in ran, ran
+    after = lock()
+    for d in ("chest_xray4", "digits5"):
+        assert after[f"harmonize@{d}"] == before[f"harmonize@{d}"]
+        assert after[f"fingerprint@{d}"]["outs"] == before[f"fingerprint@{d}"]["outs"]
+    assert after["harmonize@pacs"]["outs"] != before["harmonize@pacs"]["outs"]

@@ -1,6 +1,7 @@
 """``fedsilo``: one command per pipeline stage; dvc.yaml calls only this CLI.
 
     fedsilo fetch --source chexpert
+    fedsilo fingerprint --dataset chest_xray4   # what harmonize@<dataset> depends on: its sources' content only
     fedsilo harmonize --dataset chest_xray4
     fedsilo split --experiment cxr4_quickstart
     fedsilo train --experiment cxr4_quickstart --method fedbn --seed 0
@@ -39,6 +40,19 @@ def _fetch(args: argparse.Namespace) -> None:
         raise ConfigError(f"sources.{args.source}: not defined in {args.params}")
     m = fetch(args.source, p.sources[args.source], Path(args.root) / "data" / "raw" / args.source, Path(args.root))
     print(f"fetch {args.source}: {len(m['files'])} files from {m['origin']}")
+
+
+def _fingerprint(args: argparse.Namespace) -> None:
+    from fedsilo.data.fetch import sources_fingerprint
+    from fedsilo.utils.io import write_json
+
+    p = config.load_params(args.params)  # no method entries: no PyTorch import
+    if args.dataset not in p.datasets:
+        raise ConfigError(f"datasets.{args.dataset}: not defined in {args.params}")
+    fp = sources_fingerprint(args.dataset, p.datasets[args.dataset].source_list, Path(args.root) / "data" / "raw")
+    write_json(p.layout(args.root).sources_fingerprint(args.dataset), fp)
+    for s, v in fp["sources"].items():
+        print(f"fingerprint {args.dataset} {s}: {v['files']} files, {v['bytes']} bytes, sha256 {v['sha256'][:12]}")
 
 
 def _harmonize(args: argparse.Namespace) -> None:
@@ -152,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("fetch", parents=[common], help="bring one raw source into data/raw/<source>/")
     s.add_argument("--source", required=True)
     s.set_defaults(fn=_fetch)
+    s = sub.add_parser("fingerprint", parents=[common], help="hash one dataset's fetched sources -> data/fingerprints/<dataset>.json")
+    s.add_argument("--dataset", required=True)
+    s.set_defaults(fn=_fingerprint)
     s = sub.add_parser("harmonize", parents=[common], help="raw sources -> data/harmonized/<dataset>/")
     s.add_argument("--dataset", required=True)
     s.set_defaults(fn=_harmonize)

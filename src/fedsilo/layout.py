@@ -23,6 +23,10 @@ class Layout:
     def harmonized(self, dataset: str) -> Path:
         return self.root / "data" / "harmonized" / dataset
 
+    def sources_fingerprint(self, dataset: str) -> Path:
+        """What ``harmonize@<dataset>`` depends on in place of all of ``data/raw``: its own sources' content."""
+        return self.root / "data" / "fingerprints" / f"{dataset}.json"
+
     def split(self, experiment: str) -> Path:
         return self._ns(self.root / "data" / "splits") / f"{experiment}.json"
 

@@ -73,8 +73,12 @@ def covariance_spectrum(model: nn.Module, x_u8: torch.Tensor, batch_size: int = 
     if len(z) < 2:
         raise ValueError(f"covariance_spectrum: needs at least 2 images, got {len(z)}")
     z = z - z.mean(0, keepdim=True)
-    cov = z.T @ z / (len(z) - 1)
-    return torch.linalg.svdvals(cov).float().cpu()
+    # the covariance z^T z / (n-1) is symmetric PSD: its singular values are the squared singular values of z over
+    # n-1, the rest zeros; an SVD of the n x d matrix instead of the d x d one (n is a client's test set, d = 512)
+    s = torch.linalg.svdvals(z).square() / (len(z) - 1)
+    out = torch.zeros(z.shape[1], dtype=s.dtype, device=s.device)
+    out[: len(s)] = s
+    return out.float().cpu()
 
 
 def effective_rank(singular_values: torch.Tensor) -> float:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import fnmatch
+import json
 import logging
 import os
 import shutil
@@ -40,7 +41,7 @@ from xml.etree import ElementTree
 
 from fedsilo.config import SourceParams
 from fedsilo.data.download import DownloadError, Remote, basic_auth, cache_dir, download, place, public_url, read_url
-from fedsilo.utils.io import atomic_dir, tree_manifest, write_json
+from fedsilo.utils.io import atomic_dir, canonical_hash, tree_manifest, write_json
 
 MANIFEST = "fedsilo_manifest.json"
 KAGGLE_API = "https://www.kaggle.com/api/v1"
@@ -245,3 +246,19 @@ def fetch(source: str, params: SourceParams, out_dir: Path, root: Path = Path(".
         manifest = {"source": source, "mode": params.mode, "origin": origin, "files": files, **extra}
         write_json(tmp / MANIFEST, manifest)
     return manifest
+
+
+def sources_fingerprint(dataset: str, sources: tuple[str, ...], raw_root: Path) -> dict[str, Any]:
+    """The content of one dataset's raw sources, as their fetch manifests record it (relative path, sha256 and size
+    of every file; not where they were fetched from, so a moved copy of the same files changes nothing).
+
+    dvc.yaml's ``fingerprint@<dataset>`` stage writes this for every dataset after any fetch; ``harmonize@<dataset>``
+    depends on it instead of on all of ``data/raw``, so re-fetching PACS re-harmonizes PACS only."""
+    out: dict[str, Any] = {"dataset": dataset, "sources": {}}
+    for s in sources:
+        path = Path(raw_root) / s / MANIFEST
+        if not path.exists():
+            raise FetchError(f"{path}: missing; fetch the source first (`dvc repro fetch@{s}` or `fedsilo fetch --source {s}`)")
+        files = json.loads(path.read_text())["files"]
+        out["sources"][s] = {"files": len(files), "bytes": int(sum(f["bytes"] for f in files.values())), "sha256": canonical_hash(files)}
+    return out

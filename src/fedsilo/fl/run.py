@@ -9,12 +9,17 @@ of the covariance of the final representations of its test images: the dimension
 
 Paths follow :class:`fedsilo.layout.Layout` (a paper's runs under ``results/<paper>/<scale>/``). The per-round
 checkpoint lives in ``state/<experiment>/<method>/seed<k>/checkpoint.pt``, outside DVC's outputs
-(DVC deletes a stage's outputs before running it). It carries the hash of everything the run depends on; a rerun
-with the same hash resumes after the last completed round, any other hash starts afresh.
+(DVC deletes a stage's outputs before running it). It carries the hash of everything the run's numbers depend on:
+the resolved params, the data, the seed, the source of the package parts a train stage runs (:data:`TRAIN_CODE`, the
+paths every train stage of every dvc.yaml depends on) and the versions of the libraries that compute. A rerun with
+the same hash resumes after the last completed round; any other hash (a code edit included) starts afresh. The
+checkpoint is deleted once the outputs are written: it exists to survive an interruption, so a finished run that
+DVC reruns (``dvc repro -f``, a deleted output) trains again rather than rewriting old numbers.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -28,9 +33,31 @@ from fedsilo.fl.engine import Engine, Observer
 from fedsilo.methods import method_base, resolve_method
 from fedsilo.models import build_model
 from fedsilo.tracking import Tracker, dvc_hashes, git_commit
-from fedsilo.utils.io import atomic_dir, canonical_hash, file_sha256, read_json, write_json
+from fedsilo.utils.io import atomic_dir, canonical_hash, clean_stale, file_sha256, read_json, write_json
 
 log = logging.getLogger("fedsilo.train")
+
+# The parts of the package (relative to src/fedsilo) whose code decides a run's numbers; every train stage's deps list
+# them (tests/test_code_reaches_results.py checks each dvc.yaml), and the checkpoint key hashes them.
+TRAIN_CODE = ("client", "fl", "methods", "models", "utils", "config.py")
+
+
+def code_fingerprint(device: str) -> dict[str, str]:
+    """sha256 over the source files of :data:`TRAIN_CODE` (path and bytes), and the versions and device type that
+    compute: a run resumed from a checkpoint was trained by exactly this code."""
+    import numpy
+    import torchvision
+
+    pkg = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for part in TRAIN_CODE:
+        base = pkg / part
+        files = sorted(base.rglob("*.py")) if base.is_dir() else [base]
+        for f in files:
+            h.update(f.relative_to(pkg).as_posix().encode() + b"\0")
+            h.update(f.read_bytes() + b"\0")
+    return {"source_sha256": h.hexdigest(), "torch": torch.__version__, "torchvision": torchvision.__version__,
+            "numpy": numpy.__version__, "device": device}
 
 
 def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
@@ -106,9 +133,12 @@ def run_training(
     }
     data_hashes = {"harmonized_sha256": card["sha256"], "split_sha256": file_sha256(split_path)}
     params_hash = canonical_hash(resolved)
-    config_hash = canonical_hash({"params": resolved, "data": data_hashes})
+    code = code_fingerprint(device.type)
+    config_hash = canonical_hash({"params": resolved, "data": data_hashes, "code": code})
 
     out_dir, ckpt = layout.run(experiment, method, seed), layout.checkpoint(experiment, method, seed)
+    for stale in clean_stale(out_dir):  # a run killed while writing its outputs
+        log.info("removed %s (left by an interrupted run)", stale)
     torch.manual_seed(seed)
     model = build_model(exp.train.model, in_ch, num_classes, seed=seed, image_size=clients[0].x_train.shape[-1]).to(device)
     tracker = Tracker(params.tracking.enabled, params.tracking.uri)
@@ -123,6 +153,8 @@ def run_training(
         "git_dirty": str(dirty).lower(),
         "params_hash": params_hash,
         "config_hash": config_hash,
+        "code.source_sha256": code["source_sha256"],
+        "code.torch": code["torch"],
         "method": method,
         "dataset": exp.dataset,
         "protocol": exp.split.protocol,
@@ -165,6 +197,7 @@ def run_training(
         "method_resolved": method_resolved,
         "params_hash": params_hash,
         "config_hash": config_hash,
+        "code": code,
         "mlflow_run_id": run_id,
     }
     with atomic_dir(out_dir) as tmp:
@@ -184,4 +217,5 @@ def run_training(
         for c, v in summary["per_client"].items():
             flat[f"acc.{c}"] = v["acc"]
         tracker.finish(flat, [tmp / "metrics.json", tmp / "history.json"])
+    ckpt.unlink(missing_ok=True)  # its work is done; a rerun of a finished run trains again
     return metrics

@@ -1,7 +1,10 @@
 """Small I/O helpers: atomic writes, hashing, JSON.
 
 Every stage writes through these so that an interrupted or failed stage never leaves a half-written file or
-folder under ``data/`` or ``results/``: content goes to a temporary sibling first and is renamed into place.
+folder under ``data/`` or ``results/``: content goes to a temporary sibling first and is renamed into place. A process
+killed with SIGKILL (or a lost machine) never reaches its cleanup, so the next write of the same path first removes
+what an earlier one left (:func:`clean_stale`), and ``.dvcignore`` keeps such siblings (``.<name>.<random>[.ext].tmp``
+/ ``.old``) out of DVC's hashes in the meantime.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,10 +27,36 @@ def _tmp_sibling(path: Path, suffix: str = "") -> Path:
     return Path(name)
 
 
+def _stale_pattern(path: Path) -> re.Pattern[str]:
+    # tempfile's random part is [a-z0-9_]; atomic_file adds the path's own suffix before ".tmp"
+    ext = re.escape(path.suffix) if path.suffix else ""
+    return re.compile(rf"^\.{re.escape(path.name)}\.[a-z0-9_]+(?:{ext})?\.(?:tmp|old)$")
+
+
+def clean_stale(path: str | os.PathLike) -> list[Path]:
+    """Remove the temporaries an interrupted atomic write of ``path`` left beside it; return what was removed.
+
+    Only siblings named by this module for exactly this path match (``.seed1.*`` never matches ``seed10``'s)."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    pattern = _stale_pattern(path)
+    removed = []
+    for p in path.parent.iterdir():
+        if pattern.match(p.name):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path; on success rename it to ``path``, on error delete it."""
     path = Path(path)
+    clean_stale(path)
     tmp = _tmp_sibling(path, path.suffix)
     try:
         yield tmp
@@ -41,13 +71,19 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a fresh temporary folder; on success it replaces ``path`` whole, on error it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
             os.replace(path, old / "x")
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                os.replace(old / "x", path)  # the previous result goes back where it was
+                shutil.rmtree(old, ignore_errors=True)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)

@@ -1,0 +1,177 @@
+"""A code change always reaches the results, and interrupted work leaves nothing behind that changes a hash."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from fedsilo.fl.run import TRAIN_CODE
+from fedsilo.utils.io import atomic_dir, atomic_file, clean_stale
+from tests.conftest import small_params
+
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src" / "fedsilo"
+
+
+def _cli(root: Path, pythonpath: Path, *args: str, wait: bool = True):
+    cmd = [sys.executable, "-m", "fedsilo.cli", "--root", str(root), "--params", str(root / "params.yaml"), *args]
+    env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    if not wait:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def _kill_after_round(proc: subprocess.Popen, ckpt: Path, rnd: int) -> int:
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if ckpt.exists():
+            try:
+                done = torch.load(ckpt, weights_only=False)["round"]
+            except Exception:  # noqa: BLE001 - read between write and rename
+                done = 0
+            if done >= rnd:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                return done
+        time.sleep(0.05)
+    raise AssertionError(f"the run ended (rc {proc.returncode}) before round {rnd} could be interrupted")
+
+
+def test_a_code_edit_is_never_resumed_from_an_old_checkpoint_and_a_finished_run_trains_again(mirror_root, tmp_path):
+    """Issue 17.1: a run interrupted mid-way, then the learning-rate line of client/local.py edited (in a copy of the
+    package), then the stage rerun: it must start afresh with the new code, not resume the old rounds."""
+    pkg = tmp_path / "pkg"
+    shutil.copytree(SRC, pkg / "fedsilo", ignore=shutil.ignore_patterns("__pycache__"))
+    root = tmp_path / "proj"
+    (root / "data").mkdir(parents=True)
+    shutil.copytree(mirror_root / "data" / "harmonized", root / "data" / "harmonized")
+    (root / "params.yaml").write_text(yaml.safe_dump(small_params(rounds=4, count_flops=False)))
+    _cli(root, pkg, "split", "--experiment", "quick")
+    train = ("train", "--experiment", "quick", "--method", "fedavg", "--seed", "0")
+    ckpt = root / "state" / "quick" / "fedavg" / "seed0" / "checkpoint.pt"
+
+    killed_at = _kill_after_round(_cli(root, pkg, *train, wait=False), ckpt, 1)
+    assert killed_at < 4
+    old = torch.load(ckpt, weights_only=False)
+
+    local = pkg / "fedsilo" / "client" / "local.py"
+    code = local.read_text()
+    assert "lr=cfg.lr," in code
+    local.write_text(code.replace("lr=cfg.lr,", "lr=cfg.lr * 0.1,", 1))
+    # what a run killed while writing its outputs leaves beside them: removed when the stage starts again
+    stale = [root / "results" / "quick" / "fedavg" / ".seed0.abc_123.tmp", root / "results" / "quick" / "fedavg" / ".seed0.xyz987.old"]
+    for s in stale:
+        (s / "x").mkdir(parents=True)
+    (stale[0] / "final_model.pt").write_bytes(b"trunc")
+
+    _cli(root, pkg, *train)
+    run = root / "results" / "quick" / "fedavg" / "seed0"
+    met = json.loads((run / "metrics.json").read_text())
+    hist = json.loads((run / "history.json").read_text())
+    assert met["config_hash"] != old["config_hash"] and met["code"]["source_sha256"]
+    assert [h["round"] for h in hist] == list(range(1, 5))  # trained from round 1, not resumed after killed_at
+    assert hist[0]["eval"] != old["history"][0]["eval"], "round 1 should be the edited code's round 1"
+    assert not any(s.exists() for s in stale)
+    assert not ckpt.exists(), "a finished run keeps no checkpoint: `dvc repro -f` trains it again"
+    # (that a rerun of the same code and params gives the same numbers is test_resume_tracking's keep_client_models case)
+
+
+def test_every_train_stage_depends_on_the_code_its_checkpoint_key_hashes():
+    files = subprocess.run(["git", "ls-files", "*dvc.yaml"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    assert "dvc.yaml" in files and len(files) >= 8
+    want = {f"src/fedsilo/{p}" for p in TRAIN_CODE}
+    seen = 0
+    for f in files:
+        stages = yaml.safe_load((REPO / f).read_text())["stages"]
+        for name, st in stages.items():
+            body = st.get("do", st)
+            if str(body.get("cmd", "")).find(" train ") < 0 and " onboard " not in str(body.get("cmd", "")):
+                continue
+            seen += 1
+            missing = want - set(body.get("deps", []))
+            assert not missing, f"{f}: stage {name} lacks {sorted(missing)}"
+    assert seen >= 8
+
+
+_HOLD = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from fedsilo.utils.io import atomic_dir, atomic_file
+    kind, target = sys.argv[1], Path(sys.argv[2])
+    with (atomic_dir(target) if kind == "dir" else atomic_file(target)) as tmp:
+        if kind == "dir":
+            (tmp / "part.bin").write_bytes(b"half")
+        else:
+            tmp.write_bytes(b"half")
+        print("inside", flush=True)
+        time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize("kind,target", [("dir", "data/raw/pacs"), ("dir", "results/quick/fedbn/seed1"), ("file", "state/quick/fedbn/seed1/checkpoint.pt")])
+def test_a_write_killed_with_sigkill_leaves_nothing_the_next_write_or_dvc_sees(tmp_path, kind, target):
+    """Issue 17.2: a fetch, a train output or a checkpoint killed midway leaves a temporary sibling; DVC ignores it
+    (.dvcignore) and the next write of the same path removes it, never touching a neighbour's (seed10 beside seed1)."""
+    path = tmp_path / target
+    path.parent.mkdir(parents=True)
+    neighbour = path.parent / f".{path.name}0.abcd1234.tmp"  # e.g. seed10's temporary: not ours
+    neighbour.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, kind, str(path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "inside"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    left = [p for p in path.parent.iterdir() if p != neighbour]
+    assert len(left) == 1 and left[0].name.startswith(f".{path.name}.") and left[0].name.endswith(".tmp")
+    rel = left[0].relative_to(tmp_path).as_posix()
+    dvc = shutil.which("dvc", path=str(Path(sys.executable).parent))
+    if dvc:
+        r = subprocess.run([dvc, "check-ignore", "-q", rel], cwd=REPO, capture_output=True)
+        assert r.returncode == 0, f"{rel} is not ignored by .dvcignore"
+        r = subprocess.run([dvc, "check-ignore", "-q", target], cwd=REPO, capture_output=True)
+        assert r.returncode != 0, f"{target} itself must not be ignored"
+    writer = atomic_dir if kind == "dir" else atomic_file
+    with writer(path) as tmp:
+        if kind == "dir":
+            (tmp / "ok").write_text("done")
+        else:
+            tmp.write_text("done")
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, neighbour.name])
+    assert clean_stale(path) == []
+
+
+def test_a_failed_rename_puts_the_previous_result_back(tmp_path, monkeypatch):
+    """A permission error while swapping a new result in leaves the old result in place and no `.old` folder."""
+    import fedsilo.utils.io as io
+
+    out = tmp_path / "seed0"
+    with atomic_dir(out) as tmp:
+        (tmp / "metrics.json").write_text("old")
+    real = os.replace
+
+    def refuse_new(src, dst):
+        if Path(src).name.endswith(".tmp") and Path(dst) == out:
+            raise PermissionError(13, "Permission denied", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(io.os, "replace", refuse_new)
+    with pytest.raises(PermissionError):
+        with atomic_dir(out) as tmp:
+            (tmp / "metrics.json").write_text("new")
+    assert (out / "metrics.json").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["seed0"]
