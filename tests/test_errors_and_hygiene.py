@@ -124,3 +124,75 @@ def test_local_rounds_beyond_rounds_fails_at_check_params(tmp_path, capsys):
     from fedsilo.cli import main
 
     assert main(["--params", str(path), "check-params"]) == 0
+
+
+# --------------------------------------------------------------------------- item 5: label files
+def _rsna(tmp_path, labels: str, classes: str):
+    d = tmp_path / "rsna"
+    d.mkdir(parents=True)
+    (d / "stage_2_train_labels.csv").write_text("patientId,x,y,width,height,Target\n" + labels)
+    (d / "stage_2_detailed_class_info.csv").write_text("patientId,class\n" + classes)
+    return d
+
+
+def test_rsna_target_outside_0_1_and_unknown_classes_name_the_row_and_patient(tmp_path):
+    from fedsilo.config import RSNARules
+    from fedsilo.data.sources import rsna
+    from fedsilo.data.sources.base import LabelFileError
+
+    ok_classes = "p1,Normal\np2,Lung Opacity\n"
+    d = _rsna(tmp_path / "a", "p1,,,,,0\np2,1,2,3,4,2\n", ok_classes)
+    with pytest.raises(LabelFileError, match=r"stage_2_train_labels.csv: row 3 \(patientId p2\): Target 2 is not one of 0, 1$"):
+        rsna.read_records(d, RSNARules())
+    d = _rsna(tmp_path / "b", "p1,,,,,0\np2,1,2,3,4,\n", ok_classes)  # a blank Target is not 0 either
+    with pytest.raises(LabelFileError, match=r"row 3 \(patientId p2\): Target nan is not one of 0, 1"):
+        rsna.read_records(d, RSNARules())
+    d = _rsna(tmp_path / "c", "p1,,,,,0\np2,1,2,3,4,1\n", "p1,Normal\np2,Pneumonia\n")
+    with pytest.raises(LabelFileError, match=r"stage_2_detailed_class_info.csv: row 3 \(patientId p2\): class 'Pneumonia' is not one of 'Lung Opacity'"):
+        rsna.read_records(d, RSNARules())
+    df = rsna.read_records(_rsna(tmp_path / "d", "p1,,,,,0\np2,1,2,3,4,1\np2,5,6,7,8,1\n", ok_classes + "p2,Lung Opacity\n"), RSNARules())
+    assert dict(zip(df["id"], df["label"])) == {"p1": 0, "p2": 1}
+
+
+def test_vinbigdata_unknown_class_name_is_an_error_and_case_does_not_matter(tmp_path):
+    from fedsilo.config import VinBigDataRules
+    from fedsilo.data.sources import vinbigdata
+    from fedsilo.data.sources.base import LabelFileError
+
+    def records(rows: str, name: str):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "train.csv").write_text("image_id,class_name,class_id,rad_id,x_min,y_min,x_max,y_max\n" + rows)
+        return vinbigdata.read_records(d, VinBigDataRules())
+
+    neg = "a,No finding,14,R1,,,,\na,No finding,14,R2,,,,\n"
+    with pytest.raises(LabelFileError, match=r"train.csv: row 4 \(image_id b\): class_name 'No findings' is not a VinDr-CXR finding"):
+        records(neg + "b,No findings,14,R1,,,,\n", "typo")
+    with pytest.raises(LabelFileError, match=r"row 2 \(image_id a\): class_name nan is not a VinDr-CXR finding"):
+        records("a,,14,R1,,,,\n", "blank")
+    df = records(neg + "b,no  FINDING,14,R1,,,,\nc,lung opacity,7,R1,1,2,3,4\n", "case")
+    assert dict(zip(df["id"], df["label"])) == {"a": 0, "b": 0, "c": 1}
+
+
+def test_label_errors_show_numbers_as_numbers_not_numpy_reprs(tmp_path):
+    import numpy as np
+    import pandas as pd
+
+    from fedsilo.config import CheXpertRules
+    from fedsilo.data.sources.base import LabelFileError
+    from fedsilo.data.sources.benchmark import array_records
+    from fedsilo.data.sources.chexpert import OBSERVATIONS, _label_table
+
+    df = pd.DataFrame({"Path": ["p/a.jpg", "p/b.jpg"], "Frontal/Lateral": ["Frontal", "Frontal"],
+                       **{c: [1.0, 0.0] for c in OBSERVATIONS}})
+    df.loc[1, "Edema"] = 2.0
+    with pytest.raises(LabelFileError) as err:
+        _label_table(df, tmp_path / "train.csv", CheXpertRules())
+    assert "column 'Edema' row 3 (Path p/b.jpg): value 2.0 is not 1/0/-1/blank" in str(err.value) and "np." not in str(err.value)
+    df["Edema"] = df["Edema"].astype(object)
+    df.loc[1, "Edema"] = "yes"  # a word is not a blank
+    with pytest.raises(LabelFileError, match="value 'yes' is not 1/0/-1/blank"):
+        _label_table(df, tmp_path / "train.csv", CheXpertRules())
+    with pytest.raises(LabelFileError) as err:
+        array_records("c.pkl", np.array([0, 12]), "train", "x", original=np.array([0.0, 12.0]))
+    assert str(err.value) == "c.pkl: label 12.0 at row 1 is not a digit 0-9"

@@ -13,8 +13,9 @@ reason), ``subset`` (the distribution's own train / test / val partition, empty 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
+import numpy as np
 import pandas as pd
 
 RECORD_COLUMNS = ["id", "domain", "label", "original_label", "group", "view", "path", "reader", "excluded", "subset"]
@@ -22,6 +23,14 @@ RECORD_COLUMNS = ["id", "domain", "label", "original_label", "group", "view", "p
 
 class LabelFileError(ValueError):
     """A label file that is missing, or lacks a column the rules need; the message names file and column."""
+
+
+def show(value: Any) -> str:
+    """A value from a label file as a message shows it: numpy scalars as the plain values they hold (``2.0``, not
+    ``np.float64(2.0)``), strings quoted."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    return repr(value)
 
 
 def require_columns(df: pd.DataFrame, columns: Iterable[str], path: Path) -> None:

@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import pandas as pd
 
-from fedsilo.data.sources.base import LabelFileError, finalize
+from fedsilo.data.sources.base import LabelFileError, finalize, show
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -127,7 +127,7 @@ def array_records(
     bad = np.flatnonzero((labels < 0) | (labels >= n))
     if bad.size:
         what = "a digit 0-9" if classes is None else f"one of the {n} classes (0-{n - 1})"
-        raise LabelFileError(f"{label_file or container}: label {orig[bad[0]]!r} at row {bad[0]} is not {what}")
+        raise LabelFileError(f"{label_file or container}: label {show(orig[bad[0]])} at row {bad[0]} is not {what}")
     return [
         {
             "id": f"{id_prefix}/{i}",
