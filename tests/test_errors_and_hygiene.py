@@ -196,3 +196,88 @@ def test_label_errors_show_numbers_as_numbers_not_numpy_reprs(tmp_path):
     with pytest.raises(LabelFileError) as err:
         array_records("c.pkl", np.array([0, 12]), "train", "x", original=np.array([0.0, 12.0]))
     assert str(err.value) == "c.pkl: label 12.0 at row 1 is not a digit 0-9"
+
+
+# --------------------------------------------------------------------------- item 8: Mac-made and zipped copies
+APPLEDOUBLE = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(64)  # the header of a ._<name> twin
+
+
+def _mac_copy(root) -> None:
+    """What a Mac leaves in a folder it copied to a non-Mac disk or zipped: a ``._<name>`` twin beside every file, a
+    ``.DS_Store`` in every folder, and a ``__MACOSX/`` tree of twins."""
+    files = [p for p in root.rglob("*") if p.is_file()]
+    for d in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        (d / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1" + bytes(32))
+    for f in files:
+        (f.parent / f"._{f.name}").write_bytes(APPLEDOUBLE)
+        twin = root / "__MACOSX" / f.relative_to(root).parent / f"._{f.name}"
+        twin.parent.mkdir(parents=True, exist_ok=True)
+        twin.write_bytes(APPLEDOUBLE)
+
+
+def _mirror(source: str, out):
+    from fedsilo.config import MirrorParams
+    from fedsilo.data.mirror import mirror_writer
+
+    out.mkdir(parents=True)
+    mirror_writer(source)(out, MirrorParams(per_class=1, image_px=32))
+    return out
+
+
+@pytest.mark.parametrize("source", ["pacs", "office_caltech10", "domainnet", "cinic10", "mnist_m"])
+def test_a_mac_copy_reads_as_the_original(tmp_path, source):
+    from fedsilo.data.sources import source_module
+
+    read = source_module(source).read_records
+    original = read(_mirror(source, tmp_path / "orig"), None)
+    copy = _mirror(source, tmp_path / "mac")
+    _mac_copy(copy)
+    got = read(copy, None)
+    assert len(got) == len(original) and not got["path"].str.contains(r"(^|/)(\._|\.DS_Store|__MACOSX)").any()
+    assert got.drop(columns="path").equals(original.drop(columns="path"))
+
+
+def test_a_mac_copy_of_pacs_harmonizes_without_quarantine_and_a_broken_image_is_named_once(tmp_path):
+    import pandas as pd
+
+    from fedsilo.config import BenchmarkDatasetParams
+    from fedsilo.data.harmonize import harmonize_benchmark
+
+    raw = tmp_path / "raw"
+    _mirror("pacs", raw / "pacs")
+    _mac_copy(raw / "pacs")
+    strict = BenchmarkDatasetParams(kind="pacs", image_size=16, workers=1, max_quarantine_fraction=0.0)
+    card = harmonize_benchmark(strict, raw, tmp_path / "out")
+    assert sum(d["quarantined"] for d in card["domains"].values()) == 0 and card["total_images"] == 56
+    broken = sorted((raw / "pacs").rglob("photo/dog/[!.]*.jpg"))[0]
+    broken.write_bytes(b"not a jpeg")
+    loose = strict.model_copy(update={"max_quarantine_fraction": 1.0})
+    harmonize_benchmark(loose, raw, tmp_path / "out2")
+    q = pd.read_csv(tmp_path / "out2" / "quarantine.csv")
+    assert len(q) == 1 and q["error"].iloc[0].count(broken.name) == 1, q["error"].iloc[0]
+    assert q["error"].iloc[0] == f"{broken}: cannot identify image file"
+
+
+def test_decoder_errors_name_the_path_once(tmp_path):
+    from fedsilo.data.dicom import dicom_to_uint8
+    from fedsilo.data.imageops import ImageDecodeError, read_standard_image
+
+    bad = tmp_path / "x.dcm"
+    bad.write_bytes(b"garbage")
+    for f, path in ((lambda p: read_standard_image(p, False), bad), (dicom_to_uint8, tmp_path / "missing.dcm"),
+                    (lambda p: read_standard_image(p, True), tmp_path / "missing.png")):
+        with pytest.raises(ImageDecodeError) as err:
+            f(str(path))
+        assert str(err.value).count(path.name) == 1, str(err.value)
+
+
+def test_a_local_folder_of_domainnet_zips_skips_their_appledouble_twins(tmp_path):
+    import zipfile
+
+    from fedsilo.data.fetch import _unpack_distributed_zips
+
+    with zipfile.ZipFile(tmp_path / "clipart.zip", "w") as z:
+        z.writestr("clipart/bird/a.jpg", b"jpeg")
+    (tmp_path / "._clipart.zip").write_bytes(APPLEDOUBLE)
+    _unpack_distributed_zips("domainnet", tmp_path)
+    assert (tmp_path / "clipart" / "bird" / "a.jpg").exists() and not (tmp_path / "clipart.zip").exists()

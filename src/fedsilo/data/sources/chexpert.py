@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from fedsilo.config import CheXpertRules
-from fedsilo.data.sources.base import LabelFileError, finalize, read_csv, require_columns, show
+from fedsilo.data.sources.base import LabelFileError, finalize, read_csv, require_columns, show, walk
 
 DOMAIN = "CheXpert"
 DOMAINS = (DOMAIN,)
@@ -46,7 +46,7 @@ OBSERVATIONS = (
 def label_files(raw_dir: Path, include_valid: bool) -> list[Path]:
     found: list[Path] = []
     for split in ("train", "valid") if include_valid else ("train",):
-        hits = sorted(raw_dir.rglob(f"{split}.csv")) + sorted(raw_dir.rglob(f"{split}.csv.gz"))
+        hits = walk(raw_dir, f"{split}.csv") + walk(raw_dir, f"{split}.csv.gz")
         hits = [h for h in hits if "CheXpert" in h.parent.name or h.parent == raw_dir]
         if hits:
             found.append(hits[0])

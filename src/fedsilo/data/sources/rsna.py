@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from fedsilo.config import RSNARules
-from fedsilo.data.sources.base import LabelFileError, finalize, find_one, read_csv, require_columns, show
+from fedsilo.data.sources.base import LabelFileError, finalize, find_one, read_csv, require_columns, show, walk
 
 DOMAIN = "RSNA"
 DOMAINS = (DOMAIN,)
@@ -55,7 +55,7 @@ def read_records(raw_dir: Path, rules: RSNARules) -> pd.DataFrame:
     target = labels.groupby("patientId", sort=False)["Target"].max()
     per_patient = classes.drop_duplicates("patientId").set_index("patientId")["class"]
     n_conflicting = classes.groupby("patientId")["class"].nunique()
-    images = {p.stem: p for p in raw_dir.rglob("*.dcm")}
+    images = {p.stem: p for p in walk(raw_dir, "*.dcm")}
 
     rows = []
     for pid, tgt in target.items():

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from fedsilo.config import VinBigDataRules
-from fedsilo.data.sources.base import LabelFileError, finalize, find_one, read_csv, require_columns, show
+from fedsilo.data.sources.base import LabelFileError, finalize, find_one, read_csv, require_columns, show, walk
 
 DOMAIN = "VinBigData"
 DOMAINS = (DOMAIN,)
@@ -82,7 +82,7 @@ def read_records(raw_dir: Path, rules: VinBigDataRules) -> pd.DataFrame:
     excluded = np.where(
         pos | neg, "", np.where(opacity_rads > 0, "Lung Opacity by a minority of radiologists", "other findings only")
     )
-    images = {p.stem: p for ext in ("*.dicom", "*.dcm") for p in raw_dir.rglob(ext)}
+    images = {p.stem: p for ext in ("*.dicom", "*.dcm") for p in walk(raw_dir, ext)}
     ids = n_rads.index.astype(str)
     out = pd.DataFrame(
         {
