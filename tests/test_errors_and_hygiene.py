@@ -281,3 +281,60 @@ def test_a_local_folder_of_domainnet_zips_skips_their_appledouble_twins(tmp_path
     (tmp_path / "._clipart.zip").write_bytes(APPLEDOUBLE)
     _unpack_distributed_zips("domainnet", tmp_path)
     assert (tmp_path / "clipart" / "bird" / "a.jpg").exists() and not (tmp_path / "clipart.zip").exists()
+
+
+# --------------------------------------------------------------------------- item 9: the report
+def _runs(root, seeds, auc: bool = False, ensemble: bool = False) -> None:
+    """metrics.json / history.json of fedavg and single, two clients, for ``seeds``: just what the report reads."""
+    from fedsilo.utils.io import write_json
+
+    for m, up in (("fedavg", 8), ("single", 0)):
+        for s in seeds:
+            acc = {"A-0": 0.5 + 0.1 * s, "B-0": 0.7}
+            per = {c: {"acc": a, **({"auc": a} if auc else {})} for c, a in acc.items()}
+            hist = [{"round": r, "train_seconds": 1.0, "bytes_up_total": up * 2, "bytes_down_total": up * 2,
+                     "eval": per, "mean_acc": 0.6} for r in (1, 2)]
+            met = {"per_client": per, "clients": list(acc), "client_domains": {"A-0": "A", "B-0": "B"}, "mean_acc": 0.6,
+                   "bytes_up_per_round": [up * 2, up * 2], "bytes_down_per_round": [up * 2, up * 2], "model_param_bytes": 8,
+                   **({"ensemble_acc": 0.65} if ensemble else {})}
+            write_json(root / m / f"seed{s}" / "metrics.json", met)
+            (root / m / f"seed{s}" / "history.json").write_text(__import__("json").dumps(hist))
+            write_json(root / m / f"seed{s}" / "spectrum.json", {"clients": {"A-0": [1.0, 0.5], "B-0": [1.0, 0.5]}})
+
+
+def test_with_one_seed_the_report_says_n_1_instead_of_plus_minus_zero(tmp_path):
+    import pandas as pd
+
+    from fedsilo.report import build_report
+
+    _runs(tmp_path / "res", [0], auc=True, ensemble=True)
+    build_report(tmp_path / "res", "e", ["fedavg", "single"], [0], tmp_path / "out")
+    out = tmp_path / "out"
+    for name in ("e_accuracy.md", "e_accuracy.tex", "e_local_new_external.md", "e_collapse.md", "README.md"):
+        text = (out / name).read_text()
+        assert "± 0.0" not in text and "$\\pm$ 0.0" not in text and "± 0.00" not in text, (name, text)
+    acc = (out / "e_accuracy.md").read_text()
+    assert "test accuracy (%), seed 0 (n = 1, no spread)" in acc and "test AUC (%), seed 0 (n = 1, no spread)" in acc
+    assert "| fedavg | 50.0 | 70.0 | 60.0 |" in acc.replace("**", "")
+    assert "seed 0 (n = 1, no spread)" in (out / "e_accuracy.tex").read_text()
+    flat = pd.read_csv(out / "e_accuracy.csv", index_col=0)
+    assert flat["Avg_std"].isna().all() and flat.loc["fedavg", "Avg_mean"] == pytest.approx(60.0)  # an empty cell, not 0
+    # two seeds: mean ± std as before
+    _runs(tmp_path / "res2", [0, 1])
+    build_report(tmp_path / "res2", "e", ["fedavg", "single"], [0, 1], tmp_path / "out2")
+    acc = (tmp_path / "out2" / "e_accuracy.md").read_text()
+    assert "mean ± std over 2 seeds [0, 1]" in acc and "| fedavg | 55.0 ± 5.0 | 70.0 ± 0.0 | 62.5 ± 2.5 |" in acc.replace("**", "")
+
+
+def test_the_two_communication_tables_say_what_each_one_averages(tmp_path):
+    from fedsilo.report import build_report
+
+    _runs(tmp_path / "res", [0])
+    build_report(tmp_path / "res", "e", ["fedavg", "single"], [0], tmp_path / "out")
+    acc = (tmp_path / "out" / "e_accuracy.md").read_text()
+    assert "| method | MiB per round, all clients, up + down (mean over all rounds) |" in acc
+    assert "averaged over every round of the run (rounds that send nothing included) and over seeds" in acc
+    comm = (tmp_path / "out" / "e_communication.md").read_text()
+    assert "uploaded MiB per client per federated round (mean over rounds that upload)" in comm
+    assert "divided by the number of clients in the federation (sampled or not), averaged over the rounds that upload" in comm
+    assert comm in acc
