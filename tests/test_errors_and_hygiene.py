@@ -67,8 +67,8 @@ def test_an_invalid_device_names_the_key_and_the_valid_forms(tmp_path, capsys, m
     for ok in ("auto", "cpu", "cuda", "cuda:1"):
         assert parse_params(small_params(device=ok)).experiments["quick"].train.device == ok
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    with pytest.raises(ConfigError, match=r"train.device: 'cuda:1', but PyTorch sees no CUDA device"):
-        pick_device("cuda:1")
+    with pytest.raises(ConfigError, match=r"^experiments.quick.train.device: 'cuda:1', but PyTorch sees no CUDA device"):
+        pick_device("cuda:1", "experiments.quick.train.device")
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
     with pytest.raises(ConfigError, match=r"sees 1 CUDA device\(s\) \(cuda:0 to cuda:0\)"):
