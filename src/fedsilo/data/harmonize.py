@@ -33,7 +33,15 @@ import numpy as np
 import pandas as pd
 
 from fedsilo.config import BenchmarkDatasetParams, CXRDatasetParams
-from fedsilo.data.imageops import ImageDecodeError, decode_error, finish, normalize_standard, read_standard_image, resize_area, square
+from fedsilo.data.imageops import (
+    ImageDecodeError,
+    decode_error,
+    finish,
+    normalize_standard,
+    read_standard_image,
+    resize_area,
+    square,
+)
 from fedsilo.data.sources import source_module
 from fedsilo.utils.io import atomic_dir, file_sha256, write_json
 
