@@ -9,11 +9,13 @@ this module does not import the methods.
 from __future__ import annotations
 
 import re
+import types
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from fedsilo.layout import Layout
 
@@ -24,8 +26,46 @@ class ConfigError(ValueError):
     """A params.yaml problem; the message names the key."""
 
 
+def _bool_for_number(annotation: Any, value: Any) -> bool:
+    """True when ``value`` puts a boolean where ``annotation`` wants an int or a float, at any depth of tuples,
+    lists, dicts and optionals (pydantic's lax mode would read YAML's ``true`` as 1)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _bool_for_number(args[0], value)
+    if origin in (Union, types.UnionType):
+        if isinstance(value, bool) and bool in args:
+            return False
+        return any(_bool_for_number(a, value) for a in args if a is not type(None))
+    if isinstance(value, bool):
+        return annotation in (int, float)
+    if origin in (tuple, list) and isinstance(value, (list, tuple)):
+        if origin is list or (len(args) == 2 and args[1] is Ellipsis):
+            return bool(args) and any(_bool_for_number(args[0], v) for v in value)
+        return any(_bool_for_number(a, v) for a, v in zip(args, value))
+    if origin is dict and isinstance(value, dict) and len(args) == 2:
+        return any(_bool_for_number(args[1], v) for v in value.values())
+    return False
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """The base of every params model (the method params too): unknown keys are refused, and a number must be a
+    finite number: ``.inf`` / ``.nan`` and booleans (``true``, ``yes``, ``on``) are refused where an int or a float
+    is expected, instead of training to NaN or becoming 1."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, v in data.items():
+                field = cls.model_fields.get(name) if isinstance(name, str) else None
+                if field is not None and _bool_for_number(field.annotation, v):
+                    raise PydanticCustomError(
+                        "bool_for_number", "expected a number, got a boolean (YAML reads true/false/yes/no/on/off as booleans)",
+                        {"field": name},
+                    )
+        return data
 
 
 # --------------------------------------------------------------------------- sources (fetch stage)
@@ -275,6 +315,17 @@ class AugmentParams(Strict):
     crop_pad: int = Field(0, ge=0)
 
 
+# The smallest image edge (px) each backbone's strides and poolings still leave a feature map at (measured by a
+# forward pass; tests/test_errors_and_hygiene.py checks the table); the other backbones take any image_size >= 8.
+MIN_IMAGE_SIZE = {"alexnet_bn": 63, "densenet121": 29, "lenet5": 16, "fedecouple_cnn": 16, "fedecouple_cnn_gray": 12}
+DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
+DEVICE_FORMS = "auto, cpu, cuda or cuda:N (N = 0, 1, ...)"
+
+
+def min_image_size(model: str) -> int:
+    return MIN_IMAGE_SIZE.get(model, 8)
+
+
 class TrainParams(Strict):
     model: Literal[
         "simple_cnn", "alexnet_bn", "densenet121", "resnet10", "resnet10_cifar", "resnet18", "resnet34", "lenet5",
@@ -295,7 +346,7 @@ class TrainParams(Strict):
     )
     eval_every: int = Field(1, ge=1)
     augment: AugmentParams = AugmentParams()
-    device: str = "auto"
+    device: str = Field("auto", description="auto (the first CUDA device, else the CPU), cpu, cuda or cuda:N")
     amp: Literal["auto", "off", "bf16"] = Field("auto", description="auto = bf16 autocast on CUDA, off on CPU")
     channels_last: Literal["auto", "on", "off"] = Field("auto", description="auto = on for CUDA convnets")
     compile: bool = Field(False, description="torch.compile the model once per run")
@@ -316,6 +367,13 @@ class TrainParams(Strict):
         False, description="also save every client's store (private tensors, personal models) in final_model.pt; the "
         "server state is always saved. Not part of the run's hash: it changes what is saved, not what is trained"
     )
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not DEVICE_RE.match(v):
+            raise ValueError(f"'{v}' is not a device; use {DEVICE_FORMS}")
+        return v
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> "TrainParams":
@@ -438,6 +496,7 @@ class Params(Strict):
         for name, ex in self.experiments.items():
             if ex.dataset not in self.datasets:
                 raise ValueError(f"experiments.{name}.dataset: '{ex.dataset}' is not under 'datasets'")
+            _check_model_fits(name, ex, ex.dataset, self.datasets[ex.dataset].image_size)
         for e in self.pipeline.experiments:
             if e not in self.pipeline.splits:
                 raise ValueError(f"pipeline.experiments: '{e}' is trained but its split is not built (add it to pipeline.splits)")
@@ -465,6 +524,18 @@ class Params(Strict):
         return self
 
 
+def _check_model_fits(experiment: str, ex: ExperimentParams, dataset: str, size: int) -> None:
+    """A backbone too deep for the images fails here, naming both keys, not at the first batch inside PyTorch."""
+    model, need = ex.train.model, min_image_size(ex.train.model)
+    if size < need:
+        fits = [m for m in get_args(TrainParams.model_fields["model"].annotation) if min_image_size(m) <= size]
+        raise ValueError(
+            f"experiments.{experiment}.train.model: {model} needs images of at least {need} px, but "
+            f"datasets.{dataset}.image_size is {size}; raise datasets.{dataset}.image_size to {need} or more (harmonize "
+            f"reruns), or set experiments.{experiment}.train.model to one that takes {size} px ({', '.join(fits)})"
+        )
+
+
 def _drop_union_tags(loc: tuple) -> tuple:
     """pydantic puts a tagged union's discriminator value into the error path (``datasets.x.digits5.image_size``);
     the user never wrote it, so it is dropped."""
@@ -478,14 +549,20 @@ def _drop_union_tags(loc: tuple) -> tuple:
 
 
 def format_validation_error(err: ValidationError, prefix: str = "") -> str:
+    """One line: ``<dotted key>: <what is wrong>`` per error, joined by ``; ``. A validator's own message (which
+    names its key already where the check spans several) is shown without pydantic's ``Value error,`` prefix."""
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in _drop_union_tags(tuple(e["loc"])))
-        key = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "(top level)"
+        ctx = e.get("ctx") or {}
+        loc = _drop_union_tags(tuple(e["loc"])) + ((ctx["field"],) if "field" in ctx else ())
+        dotted = ".".join(str(p) for p in loc)
+        key = f"{prefix}{dotted}" if dotted else prefix.rstrip(".")
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-        lines.append(f"{key}: {msg}")
+        elif e["type"] == "value_error" and "error" in ctx:
+            msg = str(ctx["error"])
+        lines.append(f"{key}: {msg}" if key else msg)
     return "; ".join(lines)
 
 

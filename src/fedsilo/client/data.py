@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fedsilo.config import AugmentParams
+from fedsilo.config import DEVICE_FORMS, DEVICE_RE, AugmentParams, ConfigError
 
 
 @dataclass
@@ -79,11 +79,21 @@ def load_external(harmonized_dir: Path, split: dict[str, Any], device: torch.dev
     return grab(str(hold["client"]["name"]), hold["client"]["test"])
 
 
-def pick_device(name: str) -> torch.device:
-    """``auto`` = the first CUDA device when there is one, else the CPU; anything else as torch names it."""
+def pick_device(name: str, key: str = "train.device") -> torch.device:
+    """``auto`` = the first CUDA device when there is one, else the CPU; ``cpu``, ``cuda`` or ``cuda:N`` as named. A
+    device this machine does not have is a :class:`ConfigError` naming ``key``, not a failure inside PyTorch."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    if not DEVICE_RE.match(name):
+        raise ConfigError(f"{key}: '{name}' is not a device; use {DEVICE_FORMS}")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ConfigError(f"{key}: '{name}', but PyTorch sees no CUDA device on this machine; use auto or cpu")
+        if (dev.index or 0) >= n:
+            raise ConfigError(f"{key}: '{name}', but PyTorch sees {n} CUDA device(s) (cuda:0 to cuda:{n - 1}); use auto or one of them")
+    return dev
 
 
 def to_float(x_u8: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from fedsilo.data.imageops import ImageDecodeError, percentile_range, to_unit_range, unit_to_uint8
+from fedsilo.data.imageops import ImageDecodeError, decode_error, percentile_range, to_unit_range, unit_to_uint8
 
 
 def _stored_range(ds: Any) -> tuple[float, float]:
@@ -69,7 +69,7 @@ def dicom_to_uint8(
         ds = pydicom.dcmread(str(path))
         arr = ds.pixel_array
     except (InvalidDicomError, AttributeError, ValueError, RuntimeError, OSError, EOFError, KeyError) as err:
-        raise ImageDecodeError(f"{path}: cannot decode DICOM pixels: {err}") from err
+        raise decode_error(path, err, "cannot decode DICOM pixels: ") from err
     photometric = str(ds.get("PhotometricInterpretation", "")).upper()
     if photometric not in ("MONOCHROME1", "MONOCHROME2"):
         raise ImageDecodeError(f"{path}: photometric interpretation {photometric!r} is not a grayscale radiograph")
@@ -89,7 +89,7 @@ def dicom_to_uint8(
             lo, hi = percentile_range(values, *percentiles)
         unit = to_unit_range(values, lo, hi)
     except (ValueError, KeyError, TypeError) as err:
-        raise ImageDecodeError(f"{path}: intensity pipeline failed: {err}") from err
+        raise decode_error(path, err, "intensity pipeline failed: ") from err
     if photometric == "MONOCHROME1":
         unit = 1.0 - unit
     facts = {

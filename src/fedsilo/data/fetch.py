@@ -104,11 +104,14 @@ def _unpack_distributed_zips(source: str, folder: Path) -> None:
     """Sources distributed as several archives (DomainNet's per-domain zips) are usually kept that way: unpack the
     archives a local folder holds at its top level, as download mode does, so the reader sees the unpacked layout."""
     from fedsilo.data.sources import source_module
+    from fedsilo.data.sources.base import is_hidden
 
     pattern = getattr(source_module(source), "DISTRIBUTED_ARCHIVES", "")
     if not pattern:
         return
     for z in sorted(folder.glob(pattern)):
+        if is_hidden(z.name):  # a Mac copy's ._clipart.zip is the AppleDouble twin of clipart.zip, not an archive
+            continue
         _unpack(z, folder)
         z.unlink()
 

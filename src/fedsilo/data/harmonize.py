@@ -33,7 +33,15 @@ import numpy as np
 import pandas as pd
 
 from fedsilo.config import BenchmarkDatasetParams, CXRDatasetParams
-from fedsilo.data.imageops import ImageDecodeError, finish, normalize_standard, read_standard_image, resize_area, square
+from fedsilo.data.imageops import (
+    ImageDecodeError,
+    decode_error,
+    finish,
+    normalize_standard,
+    read_standard_image,
+    resize_area,
+    square,
+)
 from fedsilo.data.sources import source_module
 from fedsilo.utils.io import atomic_dir, file_sha256, write_json
 
@@ -91,7 +99,7 @@ def _decode_safe(args: tuple) -> tuple[np.ndarray | None, str]:
     except ImageDecodeError as err:
         return None, str(err)
     except Exception as err:  # noqa: BLE001 - any decoder crash is a quarantine reason, reported with its type
-        return None, f"{args[0]}: {type(err).__name__}: {err}"
+        return None, str(decode_error(args[0], err, f"{type(err).__name__}: "))
 
 
 def _decode_all(jobs: list[tuple], workers: int) -> list[tuple[np.ndarray | None, str]]:

@@ -18,6 +18,17 @@ class ImageDecodeError(RuntimeError):
     """A file that cannot be decoded into a usable image; harmonize quarantines it."""
 
 
+def decode_error(path: str | Path, err: BaseException, what: str = "") -> ImageDecodeError:
+    """``<path>: <what><err>`` with the path named once: the copy a decoder puts in its own message (PIL's ``cannot
+    identify image file '<path>'``, an OSError's file name) is left out."""
+    text = err.strerror if isinstance(err, OSError) and err.filename is not None and err.strerror else str(err)
+    name = str(path)
+    for form in (repr(name), f'"{name}"', name):
+        text = text.replace(f": {form}", "").replace(f" {form}", "").replace(form, "")
+    text = text.strip(" :") or type(err).__name__
+    return ImageDecodeError(f"{path}: {what}{text}")
+
+
 def to_unit_range(
     arr: np.ndarray, lo: float, hi: float
 ) -> np.ndarray:
@@ -90,7 +101,7 @@ def read_standard_image(path: str | Path, grayscale: bool) -> tuple[np.ndarray, 
             im = im.convert("L" if grayscale else "RGB")
             return np.asarray(im), 8
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
-        raise ImageDecodeError(f"{path}: {err}") from err
+        raise decode_error(path, err) from err
 
 
 def normalize_standard(

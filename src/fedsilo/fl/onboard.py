@@ -38,7 +38,7 @@ def run_onboarding(params: Params, experiment: str, seed: int, root: Path = Path
     if not final.exists():
         raise FileNotFoundError(f"{final}: missing; train {experiment} / {method} / seed {seed} first (`dvc repro`)")
     ob = exp.onboarding
-    device = pick_device(exp.train.device)
+    device = pick_device(exp.train.device, f"experiments.{experiment}.train.device")
     newcomer_split = {"clients": [split["holdout"]["client"]], "num_classes": split["num_classes"]}
     (client,), in_ch, num_classes = load_clients(layout.harmonized(exp.dataset), newcomer_split, device)
     client.index = len(split["clients"])  # its own stream of seeded randomness

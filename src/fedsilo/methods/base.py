@@ -12,11 +12,10 @@ import copy
 from typing import Any, ClassVar, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from fedsilo.client.data import ClientData
-from fedsilo.config import TrainParams
+from fedsilo.config import Strict, TrainParams
 from fedsilo.models import LayeredNet
 
 State = dict[str, torch.Tensor]
@@ -27,8 +26,9 @@ def payload_bytes(payload: State) -> int:
     return int(sum(t.numel() * t.element_size() for t in payload.values()))
 
 
-class MethodParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class MethodParams(Strict):
+    """A method's hyper-parameters (``methods.<key>``): unknown keys, non-finite numbers and booleans given for
+    numbers are refused, as everywhere in params (:class:`fedsilo.config.Strict`)."""
 
 
 class Method:

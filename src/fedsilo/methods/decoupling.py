@@ -37,18 +37,17 @@ from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 
+from fedsilo.config import Strict
 from fedsilo.models import LayeredNet
 
 FEATURES = ("tilde", "plus", "minus", "star")
 
 
-class DecouplingParams(BaseModel):
+class DecouplingParams(Strict):
     """The DFD / DFC modules and their loss weights (F²DC Eq. 3-9)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     dfd: bool = Field(True, description="the Domain Feature Decoupler and L_DFD (Table 6's 'w/o DFD' sets false)")
     dfc: bool = Field(True, description="the Domain Feature Corrector and L_DFC (Table 6's 'w/o DFC' sets false)")

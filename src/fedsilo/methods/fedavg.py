@@ -7,6 +7,7 @@ from typing import Optional
 from pydantic import Field
 
 from fedsilo.client.local import make_generator, train_local
+from fedsilo.config import ConfigError
 from fedsilo.methods.base import MethodParams
 from fedsilo.methods.decoupling import DecouplingParams
 from fedsilo.methods.phased import TwoPhase
@@ -46,7 +47,7 @@ class FedAvg(TwoPhase):
     def setup(self, model: LayeredNet) -> None:
         super().setup(model)
         if self.e0 and self.decoupling() is not None:
-            raise ValueError(f"methods.{self.key}: decouple (F²DC's modules) runs with the one-phase FedAvg only; set local_rounds: 0")
+            raise ConfigError(f"methods.{self.key}: decouple (F²DC's modules) runs with the one-phase FedAvg only; set local_rounds: 0")
         # Phase 1's starting point; kept here, not in init_server, so that a resumed run (which skips init_server)
         # has it too: setup always sees the seeded initialisation
         self._init = {k: v.detach().clone() for k, v in model.state_dict().items()} if self.e0 else {}

@@ -8,6 +8,7 @@ from pydantic import Field
 from torch import nn
 
 from fedsilo.client.local import make_generator, train_local
+from fedsilo.config import ConfigError
 from fedsilo.methods.base import MethodParams
 from fedsilo.methods.sharing import PartialSharing
 from fedsilo.models import LayeredNet
@@ -53,7 +54,7 @@ def hook_levels(model: nn.Module, found: dict[int, torch.Tensor], key: str) -> l
     from torchvision.models.resnet import BasicBlock, Bottleneck
 
     if not isinstance(model, LayeredNet) or not any(n.startswith("layer4.") for n in model.unit_names):
-        raise ValueError(f"methods.{key}: FedRCL's multi-level contrast needs a ResNet backbone (resnet10, resnet10_cifar, resnet18)")
+        raise ConfigError(f"methods.{key}: FedRCL's multi-level contrast needs a ResNet backbone (resnet10, resnet10_cifar, resnet18)")
     stem_bn = next(m for m in model.units[0].modules() if isinstance(m, nn.BatchNorm2d))
     # clones: the ReLUs that follow work in place and would overwrite what was captured
     handles = [stem_bn.register_forward_hook(lambda _m, _i, out: found.__setitem__(0, out.clone()))]

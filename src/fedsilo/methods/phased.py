@@ -18,6 +18,7 @@ import torch
 
 from fedsilo.client.data import ClientData
 from fedsilo.client.local import make_generator
+from fedsilo.config import ConfigError
 from fedsilo.methods.base import State
 from fedsilo.methods.sharing import PartialSharing
 from fedsilo.models import LayeredNet
@@ -35,7 +36,7 @@ class TwoPhase(PartialSharing):
         super().setup(model)
         self.e0 = self.phase_one_rounds()
         if self.e0 >= self.train.rounds:
-            raise ValueError(f"methods.{self.key}.local_rounds ({self.e0}) must be below train.rounds ({self.train.rounds})")
+            raise ConfigError(f"methods.{self.key}.local_rounds ({self.e0}) must be below train.rounds ({self.train.rounds})")
         self.rnd = 0
 
     def phase(self, rnd: int) -> int:

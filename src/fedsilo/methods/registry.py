@@ -81,9 +81,22 @@ def method_params(params: Params, key: str, source: str = "params.yaml") -> Meth
 
 
 def check_methods(params: Params, source: str = "params.yaml") -> None:
-    """Validate every ``methods`` entry (at load time, so that a bad value fails before any stage runs)."""
+    """Validate every ``methods`` entry (at load time, so that a bad value fails before any stage runs), then every
+    trained (experiment, method) pair: a two-phase method's ``local_rounds`` must leave federated rounds."""
     for key in params.methods:
         method_params(params, key, source)
+    for e in params.pipeline.experiments:
+        train = params.experiments[e].train
+        for key in params.experiment_methods(e):
+            if key not in params.methods:
+                continue  # pipeline.methods names only defined entries (config checks it); a paper's groups too
+            algo = resolve_method(params, key, train)
+            e0 = algo.phase_one_rounds() if hasattr(algo, "phase_one_rounds") else 0
+            if e0 >= train.rounds:
+                raise ConfigError(
+                    f"{source}: methods.{key}.local_rounds: {e0} local rounds leave no federated round in "
+                    f"experiments.{e}.train.rounds ({train.rounds}); set local_rounds below {train.rounds} or raise rounds"
+                )
 
 
 def resolve_method(params: Params, key: str, train: TrainParams) -> Method:

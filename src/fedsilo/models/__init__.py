@@ -19,6 +19,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from fedsilo.config import ConfigError, min_image_size
+
 
 class LayeredNet(nn.Module):
     def __init__(self, units: Sequence[tuple[str, nn.Module, int]], head_units: int = 1):
@@ -314,6 +316,11 @@ def build_model(name: str, in_channels: int, num_classes: int, seed: int | None 
     """The backbone ``name``; ``image_size`` (the harmonized images' side) is used by the models that need it."""
     if name not in MODELS:
         raise KeyError(f"unknown model {name!r} (known: {', '.join(MODELS)})")
+    if image_size is not None and image_size < min_image_size(name):
+        raise ConfigError(
+            f"model {name} needs images of at least {min_image_size(name)} px, these are {image_size} px: raise the "
+            f"dataset's image_size (datasets.<dataset>.image_size) or choose another experiments.<experiment>.train.model"
+        )
     if seed is not None:
         torch.manual_seed(seed)
     if name in SIZED:

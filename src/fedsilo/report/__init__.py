@@ -2,10 +2,12 @@
 ``results/report/<experiment>/``:
 - ``<experiment>_accuracy.{md,csv,tex}``: a row per method, a column per domain plus Avg; each cell is the mean
   +- std over seeds of the final per-client test accuracy (%); Avg is each seed's mean over domains, then mean +- std
-  over seeds; the best mean of each column is bold. Binary tasks get the same table for AUC.
+  over seeds; the best mean of each column is bold. Binary tasks get the same table for AUC. With one seed a cell is
+  that seed's value and the caption says n = 1 (no "± 0.0": one run has no spread), and the std columns are empty.
 - ``<experiment>_curves.png``: mean accuracy per round, one line per method (mean over seeds);
 - ``<experiment>_<method>_domains.png``: per-domain accuracy per round for each method;
-- ``<experiment>_bytes.png``: bytes sent per round (up + down) per method;
+- ``<experiment>_bytes.png``: bytes sent per round (up + down) per method; the accuracy page's first communication
+  table gives the MiB all clients send per round (up + down), averaged over every round (silent rounds included);
 - ``<experiment>_communication.{md,csv}`` and ``<experiment>_communication.png`` (pFedDB Fig. 4, Table 3's Param and
   Ratio): per method the MiB uploaded per client per federated round, measured from the engine's payloads (rounds
   with no upload, such as pFedDB's Phase 1 or Single, are not averaged in), the ratio to the backbone's parameter
@@ -104,13 +106,14 @@ def collapse_table(spectra: dict[tuple[str, int], dict[str, list[float]]], metho
         # clients with fewer than two test images have no spectrum (an empty list) and are left out
         per_seed = [np.mean([effective_rank(torch.tensor(v)) for v in spectra[(m, s)].values() if v] or [np.nan]) for s in seeds]
         d = max((len(v) for v in spectra[(m, seeds[0])].values()), default=0)
-        rows.append({"method": m, "dim": d, "effective_rank": float(np.mean(per_seed)), "effective_rank_std": float(np.std(per_seed))})
+        std = float(np.std(per_seed)) if len(per_seed) > 1 else np.nan  # one seed has no spread
+        rows.append({"method": m, "dim": d, "effective_rank": float(np.mean(per_seed)), "effective_rank_std": std})
     return pd.DataFrame(rows).set_index("method")
 
 
 def collapse_markdown(tab: pd.DataFrame, title: str) -> str:
     lines = [f"### {title}", "", "| method | dimension d | effective rank (mean over clients) |", "|---|---|---|"]
-    lines += [f"| {m} | {int(r['dim'])} | {r['effective_rank']:.1f} ± {r['effective_rank_std']:.1f} |" for m, r in tab.iterrows()]
+    lines += [f"| {m} | {int(r['dim'])} | {_pm(r['effective_rank'], r['effective_rank_std'], '.1f')} |" for m, r in tab.iterrows()]
     return "\n".join(lines) + "\n"
 
 
@@ -195,15 +198,29 @@ def local_new_external(results: Path, methods: list[str], seeds: list[int]) -> p
     df = df.dropna(axis=1, how="all")
     g = df.groupby("method", sort=False)
     cols = [c for c in LOCAL_NEW_EXTERNAL.values() if c in df.columns]
-    return pd.concat({"mean": g[cols].mean(), "std": g[cols].std(ddof=0)}, axis=1).reindex(methods)
+    std = g[cols].std(ddof=0).where(g.size() > 1)  # one seed has no spread: NaN, shown as n = 1
+    return pd.concat({"mean": g[cols].mean(), "std": std}, axis=1).reindex(methods)
 
 
 def local_new_external_markdown(tab: pd.DataFrame, title: str) -> str:
     cols = list(tab["mean"].columns)
     lines = [f"### {title}", "", "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for m in tab.index:
-        lines.append(f"| {m} | " + " | ".join(f"{tab['mean'].loc[m, c]:.2f} ± {tab['std'].loc[m, c]:.2f}" for c in cols) + " |")
+        lines.append(f"| {m} | " + " | ".join(_pm(tab["mean"].loc[m, c], tab["std"].loc[m, c], ".2f") for c in cols) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _pm(mean: float, std: float, fmt: str) -> str:
+    """``mean ± std``, or the mean alone where the std is undefined (a single seed)."""
+    return f"{mean:{fmt}}" if pd.isna(std) else f"{mean:{fmt}} ± {std:{fmt}}"
+
+
+def over_seeds(seeds: list[int], latex: bool = False) -> str:
+    """What a table's cells are: "mean ± std over seeds [0, 1, 2]", or for one seed "seed 0 (n = 1, no spread)"."""
+    if len(seeds) == 1:
+        return f"seed {seeds[0]} (n = 1, no spread)"
+    pm = "$\\pm$" if latex else "±"
+    return f"mean {pm} std over {len(seeds)} seeds {list(seeds)}"
 
 
 def summary_table(df: pd.DataFrame, metric: str, methods: list[str]) -> pd.DataFrame:
@@ -212,6 +229,8 @@ def summary_table(df: pd.DataFrame, metric: str, methods: list[str]) -> pd.DataF
     piv["Avg"] = piv[domains].mean(axis=1)
     mean = piv.groupby(level="method").mean().reindex(methods)
     std = piv.groupby(level="method").std(ddof=0).reindex(methods).fillna(0.0)
+    runs = piv.groupby(level="method").size().reindex(methods)
+    std = std.where(runs > 1, axis=0)  # one seed has no spread: NaN (an empty CSV cell, no "± 0.0" in the tables)
     out = pd.concat({"mean": mean, "std": std}, axis=1)
     return out
 
@@ -222,7 +241,7 @@ def _cells(tab: pd.DataFrame, bold: str) -> pd.DataFrame:
     cells = mean.copy().astype(object)
     for col in mean.columns:
         for m in mean.index:
-            txt = f"{mean.loc[m, col]:.1f} ± {std.loc[m, col]:.1f}"
+            txt = _pm(mean.loc[m, col], std.loc[m, col], ".1f")
             if np.isclose(mean.loc[m, col], best[col]):
                 txt = bold.format(txt)
             cells.loc[m, col] = txt
@@ -272,10 +291,18 @@ def communication_markdown(tab: pd.DataFrame, title: str) -> str:
     has_saving = "saving_vs_fedavg" in tab.columns
     has_time = "train_s_per_round" in tab.columns
     has_flops = "train_GFLOPs_per_round" in tab.columns
-    head = "| method | uploaded MiB per client per federated round | backbone MiB | ratio |" + (" saving vs FedAvg |" if has_saving else "")
+    head = "| method | uploaded MiB per client per federated round (mean over rounds that upload) | backbone MiB | ratio |"
+    head += " saving vs FedAvg |" if has_saving else ""
     head += " training s per round (all clients, this machine) |" if has_time else ""
     head += " training GFLOPs per round (all clients) |" if has_flops else ""
-    lines = [f"### {title}", "", head, "|---|---|---|---|" + "---|" * (has_saving + has_time + has_flops)]
+    caption = (
+        "Uploads only, per client: the bytes all clients uploaded in a round divided by the number of clients in the "
+        "federation (sampled or not), averaged over the rounds that upload (rounds that send nothing, such as a "
+        "two-phase method's local phase or Single's, are left out) and over seeds; ratio = that upload / the backbone's "
+        "parameter bytes."
+        + (" Training seconds: mean over the rounds timed without the FLOP counter." if has_time else "")
+    )
+    lines = [f"### {title}", "", caption, "", head, "|---|---|---|---|" + "---|" * (has_saving + has_time + has_flops)]
     for m, r in tab.iterrows():
         cells = [f"{r['upload_MiB']:.3f}", f"{r['backbone_MiB']:.3f}", f"{r['ratio']:.2f}"]
         if has_saving:
@@ -491,15 +518,18 @@ def build_report(
         for exp in [experiment]:
             df, histories = collect(results, methods, seeds)
             acc = summary_table(df, "acc", methods)
-            md = to_markdown(acc, f"{exp}: test accuracy (%), mean ± std over seeds {list(seeds)}")
+            md = to_markdown(acc, f"{exp}: test accuracy (%), {over_seeds(seeds)}")
             if df["auc"].notna().any():
-                md += "\n" + to_markdown(summary_table(df, "auc", methods), f"{exp}: test AUC (%), mean ± std over seeds")
+                md += "\n" + to_markdown(summary_table(df, "auc", methods), f"{exp}: test AUC (%), {over_seeds(seeds)}")
             bytes_tab = df.groupby("method")["bytes_per_round"].mean().reindex(methods) / 2**20
-            md += "\n### Communication\n\n| method | MiB per round (up + down) |\n|---|---|\n" + "".join(
+            md += ("\n### Communication: what all clients send per round\n\nMiB sent per round by all clients together (up + "
+                   "down), averaged over every round of the run (rounds that send nothing included) and over seeds. The "
+                   "table after it counts uploads only, per client, over the rounds that upload.\n\n"
+                   "| method | MiB per round, all clients, up + down (mean over all rounds) |\n|---|---|\n") + "".join(
                 f"| {m} | {v:.2f} |\n" for m, v in bytes_tab.items()
             )
             comm = communication_table(df, methods)
-            comm_md = communication_markdown(comm, f"{exp}: upload per federated round (measured payloads)")
+            comm_md = communication_markdown(comm, f"{exp}: upload per client per federated round (measured payloads)")
             md += "\n" + comm_md
             (tmp / f"{exp}_communication.md").write_text(comm_md)
             comm.to_csv(tmp / f"{exp}_communication.csv", float_format="%.10g")
@@ -508,11 +538,11 @@ def build_report(
             flat.columns = [f"{col}_{stat}" for stat, col in flat.columns]
             flat.index.name = "method"
             flat.to_csv(tmp / f"{exp}_accuracy.csv", float_format="%.4f")
-            (tmp / f"{exp}_accuracy.tex").write_text(to_latex(acc, f"{exp}: test accuracy (\\%), mean $\\pm$ std over seeds"))
+            (tmp / f"{exp}_accuracy.tex").write_text(to_latex(acc, f"{exp}: test accuracy (\\%), {over_seeds(seeds, latex=True)}"))
             figs = _plots(tmp, exp, methods, seeds, histories)
             lne = local_new_external(results, methods, seeds)
             if lne is not None:
-                lne_md = local_new_external_markdown(lne, f"{exp}: local, new and external test accuracy (%), mean ± std over seeds")
+                lne_md = local_new_external_markdown(lne, f"{exp}: local, new and external test accuracy (%), {over_seeds(seeds)}")
                 (tmp / f"{exp}_local_new_external.md").write_text(lne_md)
                 flat_lne = lne.copy()
                 flat_lne.columns = [f"{col}_{stat}".replace(" ", "_") for stat, col in flat_lne.columns]

@@ -13,8 +13,9 @@ reason), ``subset`` (the distribution's own train / test / val partition, empty 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
+import numpy as np
 import pandas as pd
 
 RECORD_COLUMNS = ["id", "domain", "label", "original_label", "group", "view", "path", "reader", "excluded", "subset"]
@@ -22,6 +23,27 @@ RECORD_COLUMNS = ["id", "domain", "label", "original_label", "group", "view", "p
 
 class LabelFileError(ValueError):
     """A label file that is missing, or lacks a column the rules need; the message names file and column."""
+
+
+def is_hidden(name: str) -> bool:
+    """A file or folder name no reader takes for data: dot files (the ``._<name>`` AppleDouble twin macOS writes
+    beside every file on a non-Mac disk or into a zip, ``.DS_Store``) and the ``__MACOSX`` folder of a Mac-made zip."""
+    return name.startswith(".") or name == "__MACOSX"
+
+
+def walk(root: Path, pattern: str = "*") -> list[Path]:
+    """``root.rglob(pattern)``, sorted, without hidden files (:func:`is_hidden`) and whatever hidden folders below
+    ``root`` hold: every reader lists raw files through it, so a Mac-made or zipped copy reads as the original."""
+    root = Path(root)
+    return sorted(p for p in root.rglob(pattern) if not any(is_hidden(part) for part in p.relative_to(root).parts))
+
+
+def show(value: Any) -> str:
+    """A value from a label file as a message shows it: numpy scalars as the plain values they hold (``2.0``, not
+    ``np.float64(2.0)``), strings quoted."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    return repr(value)
 
 
 def require_columns(df: pd.DataFrame, columns: Iterable[str], path: Path) -> None:
@@ -35,7 +57,7 @@ def find_one(root: Path, names: Iterable[str], what: str) -> Path:
     names = list(names)
     hits: list[Path] = []
     for name in names:
-        hits.extend(root.rglob(name))
+        hits.extend(walk(root, name))
     if not hits:
         raise LabelFileError(f"{root}: no {what} found (looked for {', '.join(names)})")
     hits.sort(key=lambda p: (len(p.relative_to(root).parts), names.index(p.name) if p.name in names else 0, str(p)))

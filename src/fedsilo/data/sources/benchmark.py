@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import pandas as pd
 
-from fedsilo.data.sources.base import LabelFileError, finalize
+from fedsilo.data.sources.base import LabelFileError, finalize, is_hidden, show, walk
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -58,15 +58,16 @@ def records_frame(rows: list[dict], domain: str) -> pd.DataFrame:
 
 def find_dirs(root: Path, aliases: dict[str, str], must_contain_dirs: bool = True) -> dict[str, Path]:
     """Canonical name -> the shallowest folder below ``root`` whose name is one of its aliases (loosely compared)
-    and that holds sub-folders (class folders). ``aliases`` maps a normalized alias to the canonical name."""
+    and that holds sub-folders (class folders). ``aliases`` maps a normalized alias to the canonical name. Hidden
+    folders (``__MACOSX``, dot folders) and what they hold are never candidates."""
     found: dict[str, Path] = {}
-    for p in sorted(root.rglob("*"), key=lambda q: (len(q.relative_to(root).parts), str(q))):
-        if not p.is_dir() or p.name.startswith("."):
+    for p in sorted(walk(root, "*"), key=lambda q: (len(q.relative_to(root).parts), str(q))):
+        if not p.is_dir():
             continue
         canon = aliases.get(norm_name(p.name))
         if canon is None or canon in found:
             continue
-        if must_contain_dirs and not any(c.is_dir() for c in p.iterdir()):
+        if must_contain_dirs and not any(c.is_dir() and not is_hidden(c.name) for c in p.iterdir()):
             continue
         found[canon] = p
     return found
@@ -80,16 +81,17 @@ def class_folder_records(
     class_aliases: dict[str, str],
     subset_of: dict[str, str] | None = None,
 ) -> list[dict]:
-    """One record per image file in ``domain_dir/<class>/``. Class folders are matched loosely through
-    ``class_aliases`` (normalized alias -> canonical class); an unknown class folder is an error naming it."""
+    """One record per image file in ``domain_dir/<class>/`` (hidden files such as macOS's ``._*`` twins and
+    ``.DS_Store`` are not images). Class folders are matched loosely through ``class_aliases`` (normalized alias ->
+    canonical class); an unknown class folder is an error naming it."""
     rows: list[dict] = []
     index = {c: i for i, c in enumerate(classes)}
     base = domain_dir / "images" if (domain_dir / "images").is_dir() else domain_dir  # Office-31: <domain>/images/<class>
-    for cdir in sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")):
+    for cdir in sorted(p for p in base.iterdir() if p.is_dir() and not is_hidden(p.name)):
         canon = class_aliases.get(norm_name(cdir.name))
         if canon is None:
             raise LabelFileError(f"{cdir}: class folder {cdir.name!r} is not a class of this dataset (classes: {', '.join(classes)})")
-        for f in sorted(cdir.rglob("*")):
+        for f in walk(cdir, "*"):
             if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES:
                 rel = f.relative_to(raw_dir).as_posix()
                 key = f"{cdir.name}/{f.name}"
@@ -127,7 +129,7 @@ def array_records(
     bad = np.flatnonzero((labels < 0) | (labels >= n))
     if bad.size:
         what = "a digit 0-9" if classes is None else f"one of the {n} classes (0-{n - 1})"
-        raise LabelFileError(f"{label_file or container}: label {orig[bad[0]]!r} at row {bad[0]} is not {what}")
+        raise LabelFileError(f"{label_file or container}: label {show(orig[bad[0]])} at row {bad[0]} is not {what}")
     return [
         {
             "id": f"{id_prefix}/{i}",
@@ -322,7 +324,7 @@ def load_container(raw_dir: Path, container: str) -> np.ndarray:
 def fedbn_digit_records(raw_dir: Path, folder: str, domain: str) -> list[dict] | None:
     """FedBN's pre-processed layout ``<folder>/partitions/train_part{0..9}.pkl`` + ``<folder>/test.pkl``, or None
     when the raw folder does not hold it."""
-    hits = sorted(p for p in raw_dir.rglob("test.pkl") if norm_name(p.parent.name) == norm_name(folder))
+    hits = sorted(p for p in walk(raw_dir, "test.pkl") if norm_name(p.parent.name) == norm_name(folder))
     if not hits:
         return None
     base = hits[0].parent
@@ -339,5 +341,5 @@ def fedbn_digit_records(raw_dir: Path, folder: str, domain: str) -> list[dict] |
 def find_files(raw_dir: Path, patterns: Iterable[str]) -> list[Path]:
     out: list[Path] = []
     for pat in patterns:
-        out += sorted(raw_dir.rglob(pat))
+        out += walk(raw_dir, pat)
     return out

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from fedsilo.config import CheXpertRules
-from fedsilo.data.sources.base import LabelFileError, finalize, read_csv, require_columns
+from fedsilo.data.sources.base import LabelFileError, finalize, read_csv, require_columns, show, walk
 
 DOMAIN = "CheXpert"
 DOMAINS = (DOMAIN,)
@@ -46,7 +46,7 @@ OBSERVATIONS = (
 def label_files(raw_dir: Path, include_valid: bool) -> list[Path]:
     found: list[Path] = []
     for split in ("train", "valid") if include_valid else ("train",):
-        hits = sorted(raw_dir.rglob(f"{split}.csv")) + sorted(raw_dir.rglob(f"{split}.csv.gz"))
+        hits = walk(raw_dir, f"{split}.csv") + walk(raw_dir, f"{split}.csv.gz")
         hits = [h for h in hits if "CheXpert" in h.parent.name or h.parent == raw_dir]
         if hits:
             found.append(hits[0])
@@ -58,11 +58,13 @@ def label_files(raw_dir: Path, include_valid: bool) -> list[Path]:
 def _label_table(df: pd.DataFrame, path: Path, rules: CheXpertRules) -> pd.DataFrame:
     require_columns(df, ("Path", "Frontal/Lateral") + OBSERVATIONS, path)
     obs = df[list(OBSERVATIONS)].apply(pd.to_numeric, errors="coerce")
-    bad = ~obs.isin([1.0, 0.0, -1.0]) & obs.notna()
+    bad = ~obs.isin([1.0, 0.0, -1.0]) & df[list(OBSERVATIONS)].notna()  # a word is not a blank
     if bad.any().any():
         col = bad.any()[bad.any()].index[0]
         row = int(bad[col].to_numpy().nonzero()[0][0])
-        raise LabelFileError(f"{path}: column {col!r} row {row + 2}: value {df[col].iloc[row]!r} is not 1/0/-1/blank")
+        raise LabelFileError(
+            f"{path}: column {col!r} row {row + 2} (Path {df['Path'].iloc[row]}): value {show(df[col].iloc[row])} is not 1/0/-1/blank"
+        )
     lo = obs["Lung Opacity"]
     findings = [c for c in OBSERVATIONS if c not in ("No Finding",) and c not in rules.negative_ignore]
     any_finding_pos = (obs[findings] == 1.0).any(axis=1)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from fedsilo.data.download import Remote
-from fedsilo.data.sources.base import LabelFileError
+from fedsilo.data.sources.base import LabelFileError, walk
 from fedsilo.data.sources.benchmark import (
     array_records,
     load_arrays,
@@ -44,9 +44,9 @@ def load_container(raw_dir: Path, container: str):
 
 def batch_folder(raw_dir: Path) -> Path:
     """The shallowest folder below ``raw_dir`` holding CIFAR-10 python batches."""
-    hits = sorted({p.parent for p in Path(raw_dir).rglob("*") if p.is_file() and _BATCH.match(p.name)}, key=lambda d: (len(d.parts), str(d)))
+    hits = sorted({p.parent for p in walk(Path(raw_dir), "*") if p.is_file() and _BATCH.match(p.name)}, key=lambda d: (len(d.parts), str(d)))
     if not hits:
-        if any(Path(raw_dir).rglob("data_batch_*.bin")):
+        if any(walk(Path(raw_dir), "data_batch_*.bin")):
             raise LabelFileError(f"{raw_dir}: this is CIFAR-10's binary version (cifar-10-batches-bin); fedsilo reads the python version (cifar-10-python.tar.gz)")
         raise LabelFileError(f"{raw_dir}: no CIFAR-10 batches (expected {FOLDER}/data_batch_1..5 and test_batch)")
     return hits[0]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from fedsilo.data.download import Remote
-from fedsilo.data.sources.base import LabelFileError
+from fedsilo.data.sources.base import LabelFileError, walk
 from fedsilo.data.sources.benchmark import array_records, load_arrays, read_cifar_batch, records_frame
 from fedsilo.data.sources.cifar10 import meta_names
 
@@ -51,10 +51,10 @@ def batch_folder(raw_dir: Path) -> Path:
     """The folder holding ``train`` / ``test`` (and ``meta``): ``cifar-100-python/`` anywhere below ``raw_dir``, or
     the shallowest folder with a ``meta`` file beside ``train`` or ``test``."""
     raw_dir = Path(raw_dir)
-    cands = [d for d in [raw_dir, *(p for p in raw_dir.rglob("*") if p.is_dir())] if any((d / n).is_file() for n, _ in _SPLITS)]
+    cands = [d for d in [raw_dir, *(p for p in walk(raw_dir, "*") if p.is_dir())] if any((d / n).is_file() for n, _ in _SPLITS)]
     cands = [d for d in cands if d.name == FOLDER or (d / "meta").is_file()]
     if not cands:
-        if any(raw_dir.rglob("train.bin")):
+        if any(walk(raw_dir, "train.bin")):
             raise LabelFileError(f"{raw_dir}: this is CIFAR-100's binary version (cifar-100-binary); fedsilo reads the python version (cifar-100-python.tar.gz)")
         raise LabelFileError(f"{raw_dir}: no CIFAR-100 files (expected {FOLDER}/train, {FOLDER}/test and {FOLDER}/meta)")
     return sorted(cands, key=lambda d: (len(d.parts), str(d)))[0]

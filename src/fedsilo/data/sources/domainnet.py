@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from fedsilo.data.download import Remote
-from fedsilo.data.sources.base import LabelFileError
+from fedsilo.data.sources.base import LabelFileError, is_hidden, walk
 from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES, find_dirs, list_lines, norm_name, records_frame
 
 DISTRIBUTED_ARCHIVES = "*.zip"  # a local folder of the per-domain zips is unpacked by fetch, as download mode does
@@ -61,7 +61,7 @@ def _lists(raw_dir: Path, domain: str) -> list[tuple[str, str, str, int]]:
     """(subset, class folder, relative path as listed, line number) for every line of the domain's split lists."""
     out = []
     for subset in ("train", "test"):
-        hits = sorted(raw_dir.rglob(f"{domain}_{subset}.txt"))
+        hits = walk(raw_dir, f"{domain}_{subset}.txt")
         if not hits:
             continue
         form = "'<domain>/<class>/<file> <label>'"
@@ -92,13 +92,13 @@ def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
                 "group": "", "view": "", "path": f.relative_to(raw_dir).as_posix() if cls and f.exists() else "",
                 "reader": "image", "excluded": "" if cls else "class not in the 10-class subset", "subset": subset,
             }
-        for cdir in sorted(p for p in ddir.iterdir() if p.is_dir()):
+        for cdir in sorted(p for p in ddir.iterdir() if p.is_dir() and not is_hidden(p.name)):
             cls = _NORM_CLASSES.get(norm_name(cdir.name))
             if cls is None:
                 continue  # other classes: counted from the lists above, their files are never read
             for f in sorted(cdir.iterdir()):
                 key = f"{cdir.name}/{f.name}"
-                if f.suffix.lower() in IMAGE_SUFFIXES and key not in rows:
+                if f.suffix.lower() in IMAGE_SUFFIXES and not is_hidden(f.name) and key not in rows:
                     rows[key] = {
                         "id": f"{domain}/{key}", "label": CLASSES.index(cls), "original_label": cdir.name, "group": "", "view": "",
                         "path": f.relative_to(raw_dir).as_posix(), "reader": "image", "excluded": "", "subset": "",

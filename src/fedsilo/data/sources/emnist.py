@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from fedsilo.data.download import Remote
-from fedsilo.data.sources.base import LabelFileError
+from fedsilo.data.sources.base import LabelFileError, walk
 from fedsilo.data.sources.benchmark import _read_container, array_records, load_arrays, records_frame
 from fedsilo.data.sources.fmnist import images_file
 
@@ -42,7 +42,7 @@ def load_container(raw_dir: Path, container: str) -> np.ndarray:
 
 def classes(raw_dir: Path) -> tuple[str, ...]:
     """The characters of ``emnist-byclass-mapping.txt`` in label order, or :data:`CLASSES` when the copy has none."""
-    hits = sorted(Path(raw_dir).rglob(f"emnist-{SPLIT}-mapping.txt"), key=lambda p: (len(p.parts), str(p)))
+    hits = sorted(walk(Path(raw_dir), f"emnist-{SPLIT}-mapping.txt"), key=lambda p: (len(p.parts), str(p)))
     if not hits:
         return CLASSES
     path = hits[0]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from fedsilo.data.download import Remote
-from fedsilo.data.sources.base import LabelFileError
+from fedsilo.data.sources.base import LabelFileError, walk
 from fedsilo.data.sources.benchmark import array_records, load_arrays, load_container, records_frame
 
 DOMAIN = "Fashion-MNIST"
@@ -29,7 +29,7 @@ __all__ = ["read_records", "load_container", "DOMAINS", "DOWNLOADS", "CLASSES"]
 
 def images_file(raw_dir: Path, stem: str) -> Path | None:
     """The shallowest ``<stem>[.gz]`` below ``raw_dir``, the gzipped copy first."""
-    hits = [p for p in raw_dir.rglob(f"{stem}*") if p.is_file() and p.name in (stem, stem + ".gz")]
+    hits = [p for p in walk(raw_dir, f"{stem}*") if p.is_file() and p.name in (stem, stem + ".gz")]
     hits.sort(key=lambda p: (len(p.relative_to(raw_dir).parts), p.suffix != ".gz", str(p)))
     return hits[0] if hits else None
 

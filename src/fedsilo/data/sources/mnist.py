@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from fedsilo.data.download import Remote
-from fedsilo.data.sources.base import LabelFileError
+from fedsilo.data.sources.base import LabelFileError, walk
 from fedsilo.data.sources.benchmark import (
     array_records,
     fedbn_digit_records,
@@ -32,7 +32,7 @@ __all__ = ["read_records", "load_container", "DOMAINS", "DOWNLOADS"]
 
 
 def _images_file(raw_dir: Path, prefix: str) -> Path | None:
-    imgs = sorted(raw_dir.rglob(f"{prefix}-images-idx3-ubyte*"), key=lambda p: (p.suffix != ".gz", len(p.parts)))
+    imgs = sorted(walk(raw_dir, f"{prefix}-images-idx3-ubyte*"), key=lambda p: (p.suffix != ".gz", len(p.parts)))
     return imgs[0] if imgs else None
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from fedsilo.data.sources.base import LabelFileError
+from fedsilo.data.sources.base import LabelFileError, walk
 from fedsilo.data.sources.benchmark import fedbn_digit_records, list_lines, load_container, records_frame
 
 DOMAIN = "MNIST-M"
@@ -37,7 +37,7 @@ def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
     if rows is None:
         rows = []
         for subset in ("train", "test"):
-            labs = sorted(raw_dir.rglob(f"mnist_m_{subset}_labels.txt"))
+            labs = walk(raw_dir, f"mnist_m_{subset}_labels.txt")
             if not labs:
                 continue
             folder = labs[0].parent / f"mnist_m_{subset}"

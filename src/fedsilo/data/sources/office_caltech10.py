@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fedsilo.data.sources.base import LabelFileError
+from fedsilo.data.sources.base import LabelFileError, walk
 from fedsilo.data.sources.benchmark import class_folder_records, find_dirs, norm_name, records_frame
 
 DOMAINS = ("amazon", "caltech", "dslr", "webcam")
@@ -28,7 +28,7 @@ def _fedbn_subsets(raw_dir: Path, domain: str, folder: Path) -> dict[str, str]:
     """class-folder/file -> subset, from FedBN's ``<domain>_{train,test}.pkl`` when present."""
     out: dict[str, str] = {}
     for subset in ("train", "test"):
-        hits = [p for p in raw_dir.rglob(f"*_{subset}.pkl") if DOMAIN_ALIASES.get(norm_name(p.stem[: -len(subset) - 1])) == domain]
+        hits = [p for p in walk(raw_dir, f"*_{subset}.pkl") if DOMAIN_ALIASES.get(norm_name(p.stem[: -len(subset) - 1])) == domain]
         if not hits:
             continue
         try:

@@ -30,7 +30,7 @@ import pandas as pd
 
 from fedsilo.config import OpenIRules
 from fedsilo.data.download import Remote
-from fedsilo.data.sources.base import LabelFileError, finalize, read_csv, require_columns
+from fedsilo.data.sources.base import LabelFileError, finalize, is_hidden, read_csv, require_columns, walk
 
 DOMAIN = "OpenI"
 DOMAINS = (DOMAIN,)
@@ -54,18 +54,18 @@ def image_key(uid: str, name: str) -> tuple[str, str]:
 
 
 def _iter_reports(raw_dir: Path) -> Iterator[tuple[str, bytes]]:
-    xmls = sorted(raw_dir.rglob("ecgen-radiology/*.xml"))
+    xmls = walk(raw_dir, "ecgen-radiology/*.xml")
     if xmls:
         for p in xmls:
             yield str(p), p.read_bytes()
         return
-    archives = sorted(raw_dir.rglob("NLMCXR_reports.tgz"))
+    archives = walk(raw_dir, "NLMCXR_reports.tgz")
     if not archives:
         raise LabelFileError(f"{raw_dir}: no OpenI reports (ecgen-radiology/*.xml or NLMCXR_reports.tgz)")
     try:
         with tarfile.open(archives[0], "r:gz") as tar:
             for member in tar:
-                if member.isfile() and member.name.endswith(".xml"):
+                if member.isfile() and member.name.endswith(".xml") and not any(is_hidden(part) for part in Path(member.name).parts):
                     f = tar.extractfile(member)
                     assert f is not None
                     yield f"{archives[0]}:{member.name}", f.read()
@@ -97,7 +97,7 @@ def is_lung_opacity(term: str) -> bool:
 def read_views(raw_dir: Path) -> dict[tuple[str, str], str]:
     views: dict[tuple[str, str], str] = {}
     found = False
-    metas = sorted(raw_dir.rglob("nlmcxr_dicom_metadata.csv")) + sorted(raw_dir.rglob("nlmcxr_dicom_metadata.csv.gz"))
+    metas = walk(raw_dir, "nlmcxr_dicom_metadata.csv") + walk(raw_dir, "nlmcxr_dicom_metadata.csv.gz")
     if metas:
         found = True
         df = read_csv(metas[0], dtype=str, usecols=lambda c: c in ("imageid", "View Position"))
@@ -112,7 +112,7 @@ def read_views(raw_dir: Path) -> dict[tuple[str, str], str]:
             except ValueError:
                 continue
             views[key] = "frontal" if vp in FRONTAL else "lateral" if vp in LATERAL else "unknown"
-    for p in sorted(raw_dir.rglob("indiana_projections.csv")):
+    for p in walk(raw_dir, "indiana_projections.csv"):
         found = True
         df = read_csv(p, dtype=str)
         require_columns(df, ("uid", "filename", "projection"), p)
@@ -134,7 +134,7 @@ def read_views(raw_dir: Path) -> dict[tuple[str, str], str]:
 def read_records(raw_dir: Path, rules: OpenIRules) -> pd.DataFrame:
     raw_dir = Path(raw_dir)
     views = read_views(raw_dir)
-    pngs = {p.stem: p for p in raw_dir.rglob("*.png")}
+    pngs = {p.stem: p for p in walk(raw_dir, "*.png")}
     rows = []
     for name, blob in _iter_reports(raw_dir):
         uid, major, auto, images = parse_report(name, blob)

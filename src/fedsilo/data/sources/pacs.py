@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from fedsilo.data.sources.base import LabelFileError
+from fedsilo.data.sources.base import LabelFileError, walk
 from fedsilo.data.sources.benchmark import class_folder_records, find_dirs, list_lines, norm_name, records_frame
 
 DOMAINS = ("photo", "art_painting", "cartoon", "sketch")
@@ -29,7 +29,7 @@ def _split_lists(raw_dir: Path, domain: str, domain_dir: Path) -> tuple[dict[str
     subsets: dict[str, str] = {}
     missing: list[dict] = []
     for tag, subset in (("train", "train"), ("crossval", "val")):
-        hits = [p for p in raw_dir.rglob(f"*_{tag}_kfold.txt") if DOMAIN_ALIASES.get(norm_name(p.name[: -len(f"_{tag}_kfold.txt")])) == domain]
+        hits = [p for p in walk(raw_dir, f"*_{tag}_kfold.txt") if DOMAIN_ALIASES.get(norm_name(p.name[: -len(f"_{tag}_kfold.txt")])) == domain]
         if not hits:
             continue
         for n, listed, label, line in list_lines(hits[0], LIST_FORM):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from fedsilo.data.download import Remote
-from fedsilo.data.sources.base import LabelFileError
+from fedsilo.data.sources.base import LabelFileError, walk
 from fedsilo.data.sources.benchmark import (
     array_records,
     fedbn_digit_records,
@@ -31,7 +31,7 @@ __all__ = ["read_records", "load_container", "DOMAINS", "DOWNLOADS"]
 def mat_records(raw_dir: Path, names: tuple[tuple[str, str], ...], domain: str) -> list[dict]:
     rows: list[dict] = []
     for name, subset in names:
-        hits = sorted(raw_dir.rglob(name))
+        hits = walk(raw_dir, name)
         if not hits:
             continue
         rel = hits[0].relative_to(raw_dir).as_posix()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from fedsilo.data.download import Remote
-from fedsilo.data.sources.base import LabelFileError
+from fedsilo.data.sources.base import LabelFileError, walk
 from fedsilo.data.sources.benchmark import (
     array_records,
     fedbn_digit_records,
@@ -34,7 +34,7 @@ def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
     if rows is None:
         rows = []
         for name, subset in (("usps.bz2", "train"), ("usps.t.bz2", "test")):
-            hits = sorted(raw_dir.rglob(name)) or sorted(raw_dir.rglob(name[:-4]))
+            hits = walk(raw_dir, name) or walk(raw_dir, name[:-4])
             if not hits:
                 continue
             rel = hits[0].relative_to(raw_dir).as_posix()

@@ -35,6 +35,7 @@ from pydantic import Field, PositiveInt
 from torch import nn
 
 from fedsilo.client.local import train_local
+from fedsilo.config import ConfigError
 from fedsilo.methods.base import MethodParams
 from fedsilo.methods.pfeddb.model import (
     SHARED,
@@ -75,7 +76,7 @@ class PFedDB(TwoPhase):
         depth = cd.get(self.train.model) if isinstance(cd, dict) else cd
         depth = depth or closest_to_70(model)
         if depth > model.num_layers:
-            raise ValueError(f"methods.{self.key}.cut_depth: {depth} exceeds the backbone's {model.num_layers} layers")
+            raise ConfigError(f"methods.{self.key}.cut_depth: {depth} exceeds the backbone's {model.num_layers} layers")
         self.cut_depth = depth
         self.backbone_shared_fraction = shared_fraction(model, depth)
         return DualBranch(model, model.cut_index(depth), self.params.fusion, self.params.alpha, example)

@@ -1,0 +1,340 @@
+"""Issue 17, items 5, 8 and 9: one-line errors that name the key, row or file at fault (never a traceback); Mac-made
+and zipped copies whose hidden files are not images; a report that reads right with one seed."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from fedsilo.config import ConfigError
+from tests.conftest import small_params
+
+
+def _check_params(tmp_path, raw: dict, capsys) -> str:
+    """``fedsilo check-params`` on ``raw``: it must fail with exit code 2 and one line on stderr; returns that line."""
+    from fedsilo.cli import main
+
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    capsys.readouterr()
+    assert main(["--params", str(path), "check-params"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+# --------------------------------------------------------------------------- item 5: params
+@pytest.mark.parametrize("where, key, text", [
+    ("train", "lr", ".inf"),
+    ("train", "lr", ".nan"),
+    ("train", "rounds", "true"),
+    ("train", "batch_size", "yes"),
+    ("train", "momentum", "-.inf"),
+])
+def test_a_non_finite_or_boolean_number_is_refused_naming_its_key(tmp_path, capsys, where, key, text):
+    raw = small_params()
+    raw["experiments"]["quick"][where][key] = yaml.safe_load(f"v: {text}")["v"]
+    err = _check_params(tmp_path, raw, capsys)
+    assert f"experiments.quick.{where}.{key}:" in err
+    assert ("got a boolean" in err) == (text in ("true", "yes"))
+
+
+def test_method_and_nested_numbers_are_checked_by_the_same_rule(tmp_path, capsys):
+    raw = small_params()
+    raw["methods"]["fedprox"] = {"mu": float("inf")}
+    assert "methods.fedprox.mu: Input should be a finite number" in _check_params(tmp_path, raw, capsys)
+    raw = small_params()
+    raw["methods"]["fedprox"] = {"mu": True}
+    assert "methods.fedprox.mu: expected a number, got a boolean" in _check_params(tmp_path, raw, capsys)
+    raw = small_params()
+    raw["datasets"]["chest_xray4"]["percentiles"] = [True, 99.5]  # inside a tuple
+    assert "datasets.chest_xray4.percentiles: expected a number" in _check_params(tmp_path, raw, capsys)
+    raw = small_params()
+    raw["methods"]["fedavg"] = {"decouple": {"sigma": float("nan")}}  # a nested method model
+    assert "methods.fedavg.decouple.sigma: Input should be a finite number" in _check_params(tmp_path, raw, capsys)
+    raw = small_params()
+    raw["experiments"]["quick"]["train"]["nesterov"] = True  # a real boolean stays a boolean (and its own rule holds)
+    assert "experiments.quick.train: nesterov: Nesterov momentum needs momentum > 0" in _check_params(tmp_path, raw, capsys)
+
+
+def test_an_invalid_device_names_the_key_and_the_valid_forms(tmp_path, capsys, monkeypatch):
+    from fedsilo.client.data import pick_device
+    from fedsilo.config import parse_params
+
+    raw = small_params(device="gpu0")
+    err = _check_params(tmp_path, raw, capsys)
+    assert "experiments.quick.train.device: 'gpu0' is not a device; use auto, cpu, cuda or cuda:N" in err
+    for ok in ("auto", "cpu", "cuda", "cuda:1"):
+        assert parse_params(small_params(device=ok)).experiments["quick"].train.device == ok
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^experiments.quick.train.device: 'cuda:1', but PyTorch sees no CUDA device"):
+        pick_device("cuda:1", "experiments.quick.train.device")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"sees 1 CUDA device\(s\) \(cuda:0 to cuda:0\)"):
+        pick_device("cuda:1")
+
+
+def test_a_model_too_deep_for_the_image_size_fails_at_check_params_naming_both_keys(tmp_path, capsys):
+    from fedsilo.models import build_model
+
+    raw = small_params(model="alexnet_bn")  # the CXR mirror at 32 px
+    err = _check_params(tmp_path, raw, capsys)
+    assert "experiments.quick.train.model: alexnet_bn needs images of at least 63 px" in err
+    assert "datasets.chest_xray4.image_size is 32" in err and "simple_cnn" in err
+    raw["datasets"]["chest_xray4"]["image_size"] = 64
+    path = tmp_path / "ok.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    from fedsilo.cli import main
+
+    assert main(["--params", str(path), "check-params"]) == 0
+    with pytest.raises(ConfigError, match="alexnet_bn needs images of at least 63 px, these are 32 px"):
+        build_model("alexnet_bn", 3, 2, image_size=32)  # data harmonized at another size than params says
+
+
+@pytest.mark.parametrize("name", ["alexnet_bn", "densenet121", "lenet5", "fedecouple_cnn", "fedecouple_cnn_gray", "resnet10_cifar"])
+def test_the_minimum_image_size_table_is_what_the_backbones_take(name):
+    import torch
+
+    from fedsilo.config import min_image_size
+    from fedsilo.models import MODELS, SIZED
+
+    fixed = None if name in SIZED else MODELS[name](3, 2).eval()  # built once: DenseNet-121 takes a second
+
+    def forward(size: int) -> None:
+        net = fixed or MODELS[name](3, 2, image_size=size).eval()
+        with torch.no_grad():
+            net(torch.zeros(2, 3, size, size))
+
+    need = min_image_size(name)
+    forward(need)
+    if need > 8:
+        with pytest.raises(RuntimeError, match="too small"):
+            forward(need - 1)
+
+
+def test_local_rounds_beyond_rounds_fails_at_check_params(tmp_path, capsys):
+    raw = small_params(rounds=3)
+    raw["methods"]["fedavg"] = {"local_rounds": 3}
+    err = _check_params(tmp_path, raw, capsys)
+    assert "methods.fedavg.local_rounds: 3 local rounds leave no federated round in experiments.quick.train.rounds (3)" in err
+    raw["methods"]["fedavg"] = {"local_rounds": 2}
+    path = tmp_path / "ok.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    from fedsilo.cli import main
+
+    assert main(["--params", str(path), "check-params"]) == 0
+
+
+# --------------------------------------------------------------------------- item 5: label files
+def _rsna(tmp_path, labels: str, classes: str):
+    d = tmp_path / "rsna"
+    d.mkdir(parents=True)
+    (d / "stage_2_train_labels.csv").write_text("patientId,x,y,width,height,Target\n" + labels)
+    (d / "stage_2_detailed_class_info.csv").write_text("patientId,class\n" + classes)
+    return d
+
+
+def test_rsna_target_outside_0_1_and_unknown_classes_name_the_row_and_patient(tmp_path):
+    from fedsilo.config import RSNARules
+    from fedsilo.data.sources import rsna
+    from fedsilo.data.sources.base import LabelFileError
+
+    ok_classes = "p1,Normal\np2,Lung Opacity\n"
+    d = _rsna(tmp_path / "a", "p1,,,,,0\np2,1,2,3,4,2\n", ok_classes)
+    with pytest.raises(LabelFileError, match=r"stage_2_train_labels.csv: row 3 \(patientId p2\): Target 2 is not one of 0, 1$"):
+        rsna.read_records(d, RSNARules())
+    d = _rsna(tmp_path / "b", "p1,,,,,0\np2,1,2,3,4,\n", ok_classes)  # a blank Target is not 0 either
+    with pytest.raises(LabelFileError, match=r"row 3 \(patientId p2\): Target nan is not one of 0, 1"):
+        rsna.read_records(d, RSNARules())
+    d = _rsna(tmp_path / "c", "p1,,,,,0\np2,1,2,3,4,1\n", "p1,Normal\np2,Pneumonia\n")
+    with pytest.raises(LabelFileError, match=r"stage_2_detailed_class_info.csv: row 3 \(patientId p2\): class 'Pneumonia' is not one of 'Lung Opacity'"):
+        rsna.read_records(d, RSNARules())
+    df = rsna.read_records(_rsna(tmp_path / "d", "p1,,,,,0\np2,1,2,3,4,1\np2,5,6,7,8,1\n", ok_classes + "p2,Lung Opacity\n"), RSNARules())
+    assert dict(zip(df["id"], df["label"])) == {"p1": 0, "p2": 1}
+
+
+def test_vinbigdata_unknown_class_name_is_an_error_and_case_does_not_matter(tmp_path):
+    from fedsilo.config import VinBigDataRules
+    from fedsilo.data.sources import vinbigdata
+    from fedsilo.data.sources.base import LabelFileError
+
+    def records(rows: str, name: str):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "train.csv").write_text("image_id,class_name,class_id,rad_id,x_min,y_min,x_max,y_max\n" + rows)
+        return vinbigdata.read_records(d, VinBigDataRules())
+
+    neg = "a,No finding,14,R1,,,,\na,No finding,14,R2,,,,\n"
+    with pytest.raises(LabelFileError, match=r"train.csv: row 4 \(image_id b\): class_name 'No findings' is not a VinDr-CXR finding"):
+        records(neg + "b,No findings,14,R1,,,,\n", "typo")
+    with pytest.raises(LabelFileError, match=r"row 2 \(image_id a\): class_name nan is not a VinDr-CXR finding"):
+        records("a,,14,R1,,,,\n", "blank")
+    df = records(neg + "b,no  FINDING,14,R1,,,,\nc,lung opacity,7,R1,1,2,3,4\n", "case")
+    assert dict(zip(df["id"], df["label"])) == {"a": 0, "b": 0, "c": 1}
+
+
+def test_label_errors_show_numbers_as_numbers_not_numpy_reprs(tmp_path):
+    import numpy as np
+    import pandas as pd
+
+    from fedsilo.config import CheXpertRules
+    from fedsilo.data.sources.base import LabelFileError
+    from fedsilo.data.sources.benchmark import array_records
+    from fedsilo.data.sources.chexpert import OBSERVATIONS, _label_table
+
+    df = pd.DataFrame({"Path": ["p/a.jpg", "p/b.jpg"], "Frontal/Lateral": ["Frontal", "Frontal"],
+                       **{c: [1.0, 0.0] for c in OBSERVATIONS}})
+    df.loc[1, "Edema"] = 2.0
+    with pytest.raises(LabelFileError) as err:
+        _label_table(df, tmp_path / "train.csv", CheXpertRules())
+    assert "column 'Edema' row 3 (Path p/b.jpg): value 2.0 is not 1/0/-1/blank" in str(err.value) and "np." not in str(err.value)
+    df["Edema"] = df["Edema"].astype(object)
+    df.loc[1, "Edema"] = "yes"  # a word is not a blank
+    with pytest.raises(LabelFileError, match="value 'yes' is not 1/0/-1/blank"):
+        _label_table(df, tmp_path / "train.csv", CheXpertRules())
+    with pytest.raises(LabelFileError) as err:
+        array_records("c.pkl", np.array([0, 12]), "train", "x", original=np.array([0.0, 12.0]))
+    assert str(err.value) == "c.pkl: label 12.0 at row 1 is not a digit 0-9"
+
+
+# --------------------------------------------------------------------------- item 8: Mac-made and zipped copies
+APPLEDOUBLE = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(64)  # the header of a ._<name> twin
+
+
+def _mac_copy(root) -> None:
+    """What a Mac leaves in a folder it copied to a non-Mac disk or zipped: a ``._<name>`` twin beside every file, a
+    ``.DS_Store`` in every folder, and a ``__MACOSX/`` tree of twins."""
+    files = [p for p in root.rglob("*") if p.is_file()]
+    for d in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        (d / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1" + bytes(32))
+    for f in files:
+        (f.parent / f"._{f.name}").write_bytes(APPLEDOUBLE)
+        twin = root / "__MACOSX" / f.relative_to(root).parent / f"._{f.name}"
+        twin.parent.mkdir(parents=True, exist_ok=True)
+        twin.write_bytes(APPLEDOUBLE)
+
+
+def _mirror(source: str, out):
+    from fedsilo.config import MirrorParams
+    from fedsilo.data.mirror import mirror_writer
+
+    out.mkdir(parents=True)
+    mirror_writer(source)(out, MirrorParams(per_class=1, image_px=32))
+    return out
+
+
+@pytest.mark.parametrize("source", ["pacs", "office_caltech10", "domainnet", "cinic10", "mnist_m"])
+def test_a_mac_copy_reads_as_the_original(tmp_path, source):
+    from fedsilo.data.sources import source_module
+
+    read = source_module(source).read_records
+    original = read(_mirror(source, tmp_path / "orig"), None)
+    copy = _mirror(source, tmp_path / "mac")
+    _mac_copy(copy)
+    got = read(copy, None)
+    assert len(got) == len(original) and not got["path"].str.contains(r"(?:^|/)(?:\._|\.DS_Store|__MACOSX)").any()
+    assert got.drop(columns="path").equals(original.drop(columns="path"))
+
+
+def test_a_mac_copy_of_pacs_harmonizes_without_quarantine_and_a_broken_image_is_named_once(tmp_path):
+    import pandas as pd
+
+    from fedsilo.config import BenchmarkDatasetParams
+    from fedsilo.data.harmonize import harmonize_benchmark
+
+    raw = tmp_path / "raw"
+    _mirror("pacs", raw / "pacs")
+    _mac_copy(raw / "pacs")
+    strict = BenchmarkDatasetParams(kind="pacs", image_size=16, workers=1, max_quarantine_fraction=0.0)
+    card = harmonize_benchmark(strict, raw, tmp_path / "out")
+    assert sum(d["quarantined"] for d in card["domains"].values()) == 0 and card["total_images"] == 56
+    broken = sorted((raw / "pacs").rglob("photo/dog/[!.]*.jpg"))[0]
+    broken.write_bytes(b"not a jpeg")
+    loose = strict.model_copy(update={"max_quarantine_fraction": 1.0})
+    harmonize_benchmark(loose, raw, tmp_path / "out2")
+    q = pd.read_csv(tmp_path / "out2" / "quarantine.csv")
+    assert len(q) == 1 and q["error"].iloc[0].count(broken.name) == 1, q["error"].iloc[0]
+    assert q["error"].iloc[0] == f"{broken}: cannot identify image file"
+
+
+def test_decoder_errors_name_the_path_once(tmp_path):
+    from fedsilo.data.dicom import dicom_to_uint8
+    from fedsilo.data.imageops import ImageDecodeError, read_standard_image
+
+    bad = tmp_path / "x.dcm"
+    bad.write_bytes(b"garbage")
+    for f, path in ((lambda p: read_standard_image(p, False), bad), (dicom_to_uint8, tmp_path / "missing.dcm"),
+                    (lambda p: read_standard_image(p, True), tmp_path / "missing.png")):
+        with pytest.raises(ImageDecodeError) as err:
+            f(str(path))
+        assert str(err.value).count(path.name) == 1, str(err.value)
+
+
+def test_a_local_folder_of_domainnet_zips_skips_their_appledouble_twins(tmp_path):
+    import zipfile
+
+    from fedsilo.data.fetch import _unpack_distributed_zips
+
+    with zipfile.ZipFile(tmp_path / "clipart.zip", "w") as z:
+        z.writestr("clipart/bird/a.jpg", b"jpeg")
+    (tmp_path / "._clipart.zip").write_bytes(APPLEDOUBLE)
+    _unpack_distributed_zips("domainnet", tmp_path)
+    assert (tmp_path / "clipart" / "bird" / "a.jpg").exists() and not (tmp_path / "clipart.zip").exists()
+
+
+# --------------------------------------------------------------------------- item 9: the report
+def _runs(root, seeds, auc: bool = False, ensemble: bool = False) -> None:
+    """metrics.json / history.json of fedavg and single, two clients, for ``seeds``: just what the report reads."""
+    from fedsilo.utils.io import write_json
+
+    for m, up in (("fedavg", 8), ("single", 0)):
+        for s in seeds:
+            acc = {"A-0": 0.5 + 0.1 * s, "B-0": 0.7}
+            per = {c: {"acc": a, **({"auc": a} if auc else {})} for c, a in acc.items()}
+            hist = [{"round": r, "train_seconds": 1.0, "bytes_up_total": up * 2, "bytes_down_total": up * 2,
+                     "eval": per, "mean_acc": 0.6} for r in (1, 2)]
+            met = {"per_client": per, "clients": list(acc), "client_domains": {"A-0": "A", "B-0": "B"}, "mean_acc": 0.6,
+                   "bytes_up_per_round": [up * 2, up * 2], "bytes_down_per_round": [up * 2, up * 2], "model_param_bytes": 8,
+                   **({"ensemble_acc": 0.65} if ensemble else {})}
+            write_json(root / m / f"seed{s}" / "metrics.json", met)
+            (root / m / f"seed{s}" / "history.json").write_text(__import__("json").dumps(hist))
+            write_json(root / m / f"seed{s}" / "spectrum.json", {"clients": {"A-0": [1.0, 0.5], "B-0": [1.0, 0.5]}})
+
+
+def test_with_one_seed_the_report_says_n_1_instead_of_plus_minus_zero(tmp_path):
+    import pandas as pd
+
+    from fedsilo.report import build_report
+
+    _runs(tmp_path / "res", [0], auc=True, ensemble=True)
+    build_report(tmp_path / "res", "e", ["fedavg", "single"], [0], tmp_path / "out")
+    out = tmp_path / "out"
+    for name in ("e_accuracy.md", "e_accuracy.tex", "e_local_new_external.md", "e_collapse.md", "README.md"):
+        text = (out / name).read_text()
+        assert "± 0.0" not in text and "$\\pm$ 0.0" not in text and "± 0.00" not in text, (name, text)
+    acc = (out / "e_accuracy.md").read_text()
+    assert "test accuracy (%), seed 0 (n = 1, no spread)" in acc and "test AUC (%), seed 0 (n = 1, no spread)" in acc
+    assert "| fedavg | 50.0 | 70.0 | 60.0 |" in acc.replace("**", "")
+    assert "seed 0 (n = 1, no spread)" in (out / "e_accuracy.tex").read_text()
+    flat = pd.read_csv(out / "e_accuracy.csv", index_col=0)
+    assert flat["Avg_std"].isna().all() and flat.loc["fedavg", "Avg_mean"] == pytest.approx(60.0)  # an empty cell, not 0
+    # two seeds: mean ± std as before
+    _runs(tmp_path / "res2", [0, 1])
+    build_report(tmp_path / "res2", "e", ["fedavg", "single"], [0, 1], tmp_path / "out2")
+    acc = (tmp_path / "out2" / "e_accuracy.md").read_text()
+    assert "mean ± std over 2 seeds [0, 1]" in acc and "| fedavg | 55.0 ± 5.0 | 70.0 ± 0.0 | 62.5 ± 2.5 |" in acc.replace("**", "")
+
+
+def test_the_two_communication_tables_say_what_each_one_averages(tmp_path):
+    from fedsilo.report import build_report
+
+    _runs(tmp_path / "res", [0])
+    build_report(tmp_path / "res", "e", ["fedavg", "single"], [0], tmp_path / "out")
+    acc = (tmp_path / "out" / "e_accuracy.md").read_text()
+    assert "| method | MiB per round, all clients, up + down (mean over all rounds) |" in acc
+    assert "averaged over every round of the run (rounds that send nothing included) and over seeds" in acc
+    comm = (tmp_path / "out" / "e_communication.md").read_text()
+    assert "uploaded MiB per client per federated round (mean over rounds that upload)" in comm
+    assert "divided by the number of clients in the federation (sampled or not), averaged over the rounds that upload" in comm
+    assert comm in acc
