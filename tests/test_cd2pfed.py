@@ -140,7 +140,7 @@ def test_only_shared_channels_travel_and_the_server_averages_them(clients):
     counts = part.counts
     assert counts == [4, 8]
     sizes = {c.name: c.n_train for c in clients}
-    for (name, up), store in zip(ups, e.stores):
+    for (_name, up), store in zip(ups, e.stores):
         assert all(k.endswith(SLICE) for k in up), "no whole tensor leaves the client"
         assert up["units.0.0.weight" + SLICE].shape[0] == 8 - 4 and up["units.1.0.weight" + SLICE].shape[0] == 16 - 8
         assert up["units.2.2.weight" + SLICE].shape == (4, 16 - 8), "the classifier's columns over the shared channels"

@@ -3,7 +3,10 @@ and zipped copies whose hidden files are not images; a report that reads right w
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 import yaml
 
 from fedsilo.config import ConfigError
@@ -338,3 +341,18 @@ def test_the_two_communication_tables_say_what_each_one_averages(tmp_path):
     assert "uploaded MiB per client per federated round (mean over rounds that upload)" in comm
     assert "divided by the number of clients in the federation (sampled or not), averaged over the rounds that upload" in comm
     assert comm in acc
+
+
+def test_a_diverging_local_training_stops_with_the_key_to_change():
+    """A finite but far too large learning rate (1e30 passes every params check) trains to a non-finite loss: the
+    run stops after that epoch with a ConfigError naming train.lr, not 'exit 0' with NaN metrics."""
+    from fedsilo.client.local import train_local
+    from fedsilo.config import TrainParams
+    from tests.tiny import label_skewed_federation, tiny_net
+
+    client = label_skewed_federation(n_clients=1)[0]
+    cfg = TrainParams(model="simple_cnn", rounds=1, local_epochs=3, batch_size=8, lr=1e30, device="cpu")
+    with pytest.raises(ConfigError, match=r"train\.lr: local training diverged .* local epoch 1 "):
+        train_local(tiny_net(1, 4), client, cfg, torch.Generator().manual_seed(0))
+    cfg = TrainParams(model="simple_cnn", rounds=1, local_epochs=1, batch_size=8, lr=0.01, device="cpu")
+    assert math.isfinite(train_local(tiny_net(1, 4), client, cfg, torch.Generator().manual_seed(0)))

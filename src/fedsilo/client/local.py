@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import numpy as np
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 from fedsilo.client.data import ClientData, augment, to_float
-from fedsilo.config import TrainParams
+from fedsilo.config import ConfigError, TrainParams
 
 ExtraLoss = Callable[[nn.Module], torch.Tensor]
 # a loss term computed per batch from its inputs, labels and the model's logits (distillation, smoothness terms)
@@ -114,6 +115,11 @@ def train_local(
             total += loss.detach().float() * len(idx)  # stays on the device: no sync per step
             count += len(idx)
         last = float(total) / max(count, 1)
+        if not math.isfinite(last):  # one check per epoch (the sum already syncs here): a diverged run stops, named
+            raise ConfigError(
+                f"train.lr: local training diverged (mean loss {last} in local epoch {epoch + 1} with lr {cfg.lr}, "
+                f"momentum {cfg.momentum}); lower the learning rate"
+            )
         if epoch_hook is not None:
             epoch_hook(epoch)
     # the optimizer is part of a reference cycle that only the garbage collector frees: drop its state (momentum

@@ -119,7 +119,7 @@ def run_training(
             f"{split_path}: built for other arrays than {harmonized} now holds (re-harmonized since); rerun "
             f"`dvc repro split@{experiment}` (or `fedsilo split --experiment {experiment}`)"
         )
-    device = pick_device(exp.train.device)
+    device = pick_device(exp.train.device, f"experiments.{experiment}.train.device")
     clients, in_ch, num_classes = load_clients(harmonized, split, device)
     external = load_external(harmonized, split, device)
 

@@ -104,7 +104,7 @@ class ChannelPartition:
         return int(math.floor(ratio * width + 1e-9))
 
     def counts_at(self, ratio: float) -> list[int]:
-        return [self.count(ratio, l.width) for l in self.hidden]
+        return [self.count(ratio, h.width) for h in self.hidden]
 
     def set_ratio(self, ratio: float) -> list[int]:
         self.counts = self.counts_at(ratio)
@@ -112,7 +112,7 @@ class ChannelPartition:
 
     def subnets_complete(self) -> bool:
         """Both subnets reach the logits: every split layer has a private and a shared channel."""
-        return all(0 < n < l.width for n, l in zip(self.counts, self.hidden))
+        return all(0 < n < h.width for n, h in zip(self.counts, self.hidden))
 
     def _hook(self, k: int):
         def hook(module: nn.Module, inputs, out: torch.Tensor) -> Optional[torch.Tensor]:
