@@ -61,7 +61,7 @@ def _harmonize(args: argparse.Namespace) -> None:
     p = config.load_params(args.params)  # no method entries: no PyTorch import
     if args.dataset not in p.datasets:
         raise ConfigError(f"datasets.{args.dataset}: not defined in {args.params}")
-    card = harmonize_dataset(p.datasets[args.dataset], Path(args.root) / "data" / "raw", Path(args.root) / "data" / "harmonized" / args.dataset)
+    card = harmonize_dataset(p.datasets[args.dataset], Path(args.root) / "data" / "raw", Path(args.root) / "data" / "harmonized" / args.dataset, quiet=args.quiet)
     for dom, d in card["domains"].items():
         print(f"{args.dataset} {dom}: {d['images']} images ({d['by_class']}), {d['excluded']} excluded, {d['quarantined']} quarantined")
 
@@ -96,7 +96,7 @@ def _train(args: argparse.Namespace) -> None:
     from fedsilo.fl.run import run_training
 
     p = load_params(args.params)
-    m = run_training(p, args.experiment, args.method, args.seed, Path(args.root))
+    m = run_training(p, args.experiment, args.method, args.seed, Path(args.root), quiet=args.quiet)
     per = ", ".join(f"{k} {v['acc']:.3f}" for k, v in m["per_client"].items())
     print(f"{args.experiment} {args.method} seed {args.seed}: mean acc {m['mean_acc']:.3f} ± {m['std_acc']:.3f} ({per})")
 
@@ -157,11 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fedsilo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params.yaml", help="parameters file (default: params.yaml)")
     ap.add_argument("--root", default=".", help="repository root holding data/ and results/ (default: .)")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    # --params and --root are accepted after the command too (`fedsilo train --params ... --experiment ...`)
+    ap.add_argument("-v", "--verbose", action="store_true", help="log what each stage decides (resumes, removals)")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bars or lines (rounds, images)")
+    # --params, --root and -q are accepted after the command too (`fedsilo train --params ... --experiment ...`)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--params", default=argparse.SUPPRESS, help="parameters file (default: params.yaml)")
     common.add_argument("--root", default=argparse.SUPPRESS, help="repository root (default: .)")
+    common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress bars or lines")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="command")
     s = sub.add_parser("fetch", parents=[common], help="bring one raw source into data/raw/<source>/")
     s.add_argument("--source", required=True)

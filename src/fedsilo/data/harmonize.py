@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import pandas as pd
@@ -44,6 +44,7 @@ from fedsilo.data.imageops import (
 )
 from fedsilo.data.sources import source_module
 from fedsilo.utils.io import atomic_dir, file_sha256, write_json
+from fedsilo.utils.progress import Progress
 
 
 class HarmonizeError(RuntimeError):
@@ -102,14 +103,38 @@ def _decode_safe(args: tuple) -> tuple[np.ndarray | None, str]:
         return None, str(decode_error(args[0], err, f"{type(err).__name__}: "))
 
 
-def _decode_all(jobs: list[tuple], workers: int) -> list[tuple[np.ndarray | None, str]]:
+def _decode_all(jobs: list[tuple], workers: int, domains: Optional[list[str]] = None, desc: str = "harmonize",
+                quiet: bool = False) -> list[tuple[np.ndarray | None, str]]:
+    """Decode every job (in worker processes when there are enough), in order, showing images done and images/s
+    per domain (``domains[i]`` is job i's; jobs of a domain are contiguous)."""
+    domains = domains if domains is not None else [""] * len(jobs)
+    counts: dict[str, int] = {}
+    for d in domains:
+        counts[d] = counts.get(d, 0) + 1
+    out: list[tuple[np.ndarray | None, str]] = []
+    bar: Optional[Progress] = None
+
+    def collect(results: Iterator[tuple[np.ndarray | None, str]]) -> None:
+        nonlocal bar
+        for dom, res in zip(domains, results):
+            if bar is None or bar.desc != f"{desc} {dom}".rstrip():
+                if bar is not None:
+                    bar.close()
+                bar = Progress(counts[dom], f"{desc} {dom}".rstrip(), "image", quiet=quiet)
+            out.append(res)
+            bar.update(1)
+        if bar is not None:
+            bar.close()
+
     if workers <= 1 or len(jobs) < 16:
-        return [_decode_safe(j) for j in jobs]
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(_decode_safe, jobs, chunksize=max(1, len(jobs) // (workers * 8))))
+        collect(map(_decode_safe, jobs))
+    else:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            collect(pool.map(_decode_safe, jobs, chunksize=max(1, min(64, len(jobs) // (workers * 8)))))
+    return out
 
 
-def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path) -> dict[str, Any]:
+def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:
     raw_root = Path(raw_root)
     workers = params.workers or os.cpu_count() or 1
     all_records = []
@@ -132,7 +157,8 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path) -> di
     for i in range(len(jobs)):
         if not kept["abs_path"].iloc[i]:
             results[i] = (None, f"image file missing for {kept['id'].iloc[i]}")
-    for i, res in zip(todo, _decode_all([jobs[i] for i in todo], workers)):
+    doms = [str(kept["domain"].iloc[i]) for i in todo]
+    for i, res in zip(todo, _decode_all([jobs[i] for i in todo], workers, doms, f"harmonize {params.kind}", quiet)):
         results[i] = res
     errors = [e for _, e in results]
     ok = np.array([img is not None for img, _ in results], dtype=bool)
@@ -209,7 +235,7 @@ def _cap(frame: pd.DataFrame, cap: int | None, seed: int) -> pd.DataFrame:
     return pd.concat(parts).sort_index() if parts else frame
 
 
-def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir: Path) -> dict[str, Any]:
+def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:
     from fedsilo.data.sources import source_module
 
     raw_root = Path(raw_root)
@@ -253,7 +279,8 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
                 results[i] = (None, str(err))
         else:
             file_jobs.append((i, (str(raw_dir / path), "rgb", params.image_size, params.square, "", (0.0, 100.0))))
-    for (i, _), res in zip(file_jobs, _decode_all([j for _, j in file_jobs], workers)):
+    doms = [str(kept["domain"].iloc[i]) for i, _ in file_jobs]
+    for (i, _), res in zip(file_jobs, _decode_all([j for _, j in file_jobs], workers, doms, f"harmonize {params.kind}", quiet)):
         results[i] = res
     ok = np.array([img is not None for img, _ in results], dtype=bool)
     quarantine = kept.loc[~ok, ["id", "domain", "path"]].copy()
@@ -279,10 +306,10 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
     )
 
 
-def harmonize_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root: Path, out_dir: Path) -> dict[str, Any]:
+def harmonize_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:
     if isinstance(params, CXRDatasetParams):
-        return harmonize_cxr(params, raw_root, out_dir)
-    return harmonize_benchmark(params, raw_root, out_dir)
+        return harmonize_cxr(params, raw_root, out_dir, quiet)
+    return harmonize_benchmark(params, raw_root, out_dir, quiet)
 
 
 def _card(meta: dict[str, Any], table: pd.DataFrame, excluded: pd.DataFrame, quarantine: pd.DataFrame, folder: Path) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from fedsilo.methods import method_base, resolve_method
 from fedsilo.models import build_model
 from fedsilo.tracking import Tracker, dvc_hashes, git_commit
 from fedsilo.utils.io import atomic_dir, canonical_hash, clean_stale, file_sha256, read_json, write_json
+from fedsilo.utils.progress import Progress, mib
 
 log = logging.getLogger("fedsilo.train")
 
@@ -88,6 +89,19 @@ def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def round_summary(entry: dict[str, Any]) -> str:
+    """One round in a few words: mean local training loss, mean accuracy (evaluated rounds), seconds, bytes moved."""
+    parts = []
+    losses = [v for v in entry.get("train_loss", {}).values() if v is not None]
+    if losses:
+        parts.append(f"loss {sum(losses) / len(losses):.4f}")
+    if "mean_acc" in entry:
+        parts.append(f"acc {entry['mean_acc']:.3f}")
+    parts.append(f"{entry['seconds']:.1f} s")
+    parts.append(f"up {mib(entry['bytes_up_total'])} down {mib(entry['bytes_down_total'])}")
+    return ", ".join(parts)
+
+
 def run_training(
     params: Params,
     experiment: str,
@@ -95,7 +109,9 @@ def run_training(
     seed: int,
     root: Path = Path("."),
     observer: Optional[Observer] = None,
+    quiet: bool = False,
 ) -> dict[str, Any]:
+    """Train one run to its outputs; progress per round on stderr unless ``quiet`` (see utils.progress)."""
     root = Path(root)
     if experiment not in params.experiments:
         raise KeyError(f"experiments.{experiment}: not defined in params.yaml")
@@ -175,14 +191,22 @@ def run_training(
     if run_id and engine.meta.get("mlflow_run_id") != run_id:
         engine.meta["mlflow_run_id"] = run_id
         engine.save()
-    engine.on_round = tracker.log_round
     if engine.round:
         log.info("resuming %s/%s/seed%d after round %d", experiment, method, seed, engine.round)
+    progress = Progress(exp.train.rounds, f"train {experiment}/{method}/seed{seed}", "round", quiet=quiet, initial=engine.round)
+
+    def on_round(entry: dict[str, Any]) -> None:
+        tracker.log_round(entry)
+        progress.update(1, round_summary(entry), line="eval" in entry)
+
+    engine.on_round = on_round
     try:
         history = engine.run()
     except BaseException:
         tracker.fail()
         raise
+    finally:
+        progress.close()
     summary = summarize(history)
     spectra = engine.spectra()
     metrics = {

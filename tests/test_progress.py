@@ -1,0 +1,60 @@
+"""Long work shows progress (issue 17.4): a live bar on a terminal, short plain lines in logs, nothing with -q."""
+
+from __future__ import annotations
+
+import io
+import re
+import shutil
+
+import yaml
+
+from fedsilo import cli
+from fedsilo.utils.progress import Progress
+from tests.conftest import small_params
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_gets_a_live_bar_a_log_gets_lines_and_quiet_gets_nothing():
+    term = _Terminal()
+    with Progress(3, "train q/fedavg/seed0", "round", stream=term) as p:
+        for r in range(3):
+            p.update(1, f"loss 0.{r}, acc 0.5")
+    assert "\r" in term.getvalue() and "3/3" in term.getvalue() and "loss 0.2, acc 0.5" in term.getvalue()
+
+    log = io.StringIO()
+    with Progress(100, "harmonize pacs photo", "image", stream=log, every_s=3600) as p:
+        for i in range(100):
+            p.update(1, line=(i == 49))  # a step that asks for a line; the rest wait for the interval or the end
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and len(lines) == 2
+    assert lines[0].startswith("harmonize pacs photo: 50/100 images,") and "images/s" in lines[0]
+    assert lines[1].startswith("harmonize pacs photo: 100/100 images,")
+
+    quiet = _Terminal()
+    with Progress(5, "x", "round", quiet=True, stream=quiet) as p:
+        p.update(5, "info", line=True)
+    assert quiet.getvalue() == ""
+
+
+def test_train_and_harmonize_report_progress_on_stderr_and_q_silences_them(mirror_root, tmp_path, capsys):
+    root = tmp_path / "p"
+    shutil.copytree(mirror_root / "data" / "raw", root / "data" / "raw")
+    raw = small_params(rounds=2, count_flops=False)
+    (root / "params.yaml").write_text(yaml.safe_dump(raw))
+    base = ["--root", str(root), "--params", str(root / "params.yaml")]
+    assert cli.main([*base, "harmonize", "--dataset", "chest_xray4"]) == 0
+    err = capsys.readouterr().err
+    for dom in ("CheXpert", "OpenI", "RSNA", "VinBigData"):
+        assert re.search(rf"harmonize chest_xray4 {dom}: (\d+)/\1 images, [\d.]+ images/s", err), err
+    assert cli.main([*base, "-q", "harmonize", "--dataset", "chest_xray4"]) == 0
+    assert capsys.readouterr().err == ""
+
+    assert cli.main([*base, "split", "--experiment", "quick"]) == 0
+    assert cli.main([*base, "train", "--experiment", "quick", "--method", "fedavg", "--seed", "0"]) == 0
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train quick/fedavg/seed0")]
+    assert len(lines) == 2, lines  # eval_every 1: a line per round
+    assert re.match(r"train quick/fedavg/seed0: 2/2 rounds, .*; loss [\d.]+, acc [\d.]+, [\d.]+ s, up [\d.]+ MiB down [\d.]+ MiB$", lines[1]), lines[1]
