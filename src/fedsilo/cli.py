@@ -242,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         msg = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"fedsilo {args.cmd}: error: {msg}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the stage's own cleanup has run (temporaries removed, MLflow run KILLED)
+        print(f"fedsilo {args.cmd}: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

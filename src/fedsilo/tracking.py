@@ -31,9 +31,10 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def git_commit(repo: Path = Path(".")) -> tuple[str, bool]:
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = bool(
-            subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True, text=True).stdout.strip()
-        )
+        # dvc.lock files are DVC's record of what the running `dvc repro` has produced so far (it rewrites them stage
+        # by stage), not code or params: a fresh clone under `dvc repro` is clean
+        status = ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)dvc.lock", ":(exclude,glob)**/dvc.lock"]
+        dirty = bool(subprocess.run(status, cwd=repo, capture_output=True, text=True).stdout.strip())
         return sha, dirty
     except (OSError, subprocess.CalledProcessError):
         return "unknown", False
@@ -152,6 +153,21 @@ class Tracker:
             self.client.log_artifact(self.run_id, str(a))
         self.client.set_terminated(self.run_id, "FINISHED")
 
-    def fail(self) -> None:
+    def fail(self, status: str = "FAILED") -> None:
+        """End the run as FAILED (an error) or KILLED (SIGTERM, Ctrl-C); a SIGKILLed run is ended by :meth:`supersede`."""
         if self.enabled and self.run_id is not None:
-            self.client.set_terminated(self.run_id, "FAILED")
+            self.client.set_terminated(self.run_id, status)
+
+    def supersede(self, run_id: str) -> bool:
+        """Mark ``run_id`` KILLED if it is still RUNNING: its process died without a word (SIGKILL, a lost machine)
+        and the run will not be resumed (the configuration changed, or it was already finished). True if marked."""
+        if not self.enabled:
+            return False
+        try:
+            run = self.client.get_run(run_id)
+        except Exception:  # noqa: BLE001 - a run of another tracking store: nothing to mark here
+            return False
+        if run.info.status != "RUNNING":
+            return False
+        self.client.set_terminated(run_id, "KILLED")
+        return True

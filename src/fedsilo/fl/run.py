@@ -19,11 +19,16 @@ DVC reruns (``dvc repro -f``, a deleted output) trains again rather than rewriti
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import os
+import signal
+import socket
+import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -153,60 +158,81 @@ def run_training(
     config_hash = canonical_hash({"params": resolved, "data": data_hashes, "code": code})
 
     out_dir, ckpt = layout.run(experiment, method, seed), layout.checkpoint(experiment, method, seed)
-    for stale in clean_stale(out_dir):  # a run killed while writing its outputs
-        log.info("removed %s (left by an interrupted run)", stale)
-    torch.manual_seed(seed)
-    model = build_model(exp.train.model, in_ch, num_classes, seed=seed, image_size=clients[0].x_train.shape[-1]).to(device)
-    tracker = Tracker(params.tracking.enabled, params.tracking.uri)
-    engine = Engine(algo, model, clients, exp.train, seed, checkpoint=ckpt, config_hash=config_hash, observer=observer, external=external)
-    commit, dirty = git_commit(root)
-    locks = [root / "dvc.lock"]
-    if params.paper is not None:  # a paper's splits are outputs of its own dvc.yaml
-        locks.append(root / Path(params.paper.params_file).parent / "dvc.lock")
-    dvc = dvc_hashes([str(harmonized.relative_to(root)), str(split_path.relative_to(root))], locks)
-    tags = {
-        "git_commit": commit,
-        "git_dirty": str(dirty).lower(),
-        "params_hash": params_hash,
-        "config_hash": config_hash,
-        "code.source_sha256": code["source_sha256"],
-        "code.torch": code["torch"],
-        "method": method,
-        "dataset": exp.dataset,
-        "protocol": exp.split.protocol,
-        "experiment": experiment,
-        "seed": str(seed),
-        "model": exp.train.model,
-        "data.harmonized.sha256.images": card["sha256"]["images.npy"],
-        "data.harmonized.sha256.records": card["sha256"]["records.parquet"],
-        "data.split.sha256": data_hashes["split_sha256"],
-    }
-    for path, md5 in dvc.items():
-        tags[f"dvc.md5.{path}"] = md5
-    # what the method derived from its params and the model (a resolved cut depth, private layers, shared fraction),
-    # known once the engine has set it up; logged beside the params, not hashed (it follows from them)
-    method_resolved = algo.resolved()
-    run_id = tracker.start(layout.tracking_experiment(experiment), f"{method}-seed{seed}", {**resolved, "method_resolved": method_resolved}, tags,
-                           run_id=engine.meta.get("mlflow_run_id"))
-    if run_id and engine.meta.get("mlflow_run_id") != run_id:
-        engine.meta["mlflow_run_id"] = run_id
-        engine.save()
-    if engine.round:
-        log.info("resuming %s/%s/seed%d after round %d", experiment, method, seed, engine.round)
-    progress = Progress(exp.train.rounds, f"train {experiment}/{method}/seed{seed}", "round", quiet=quiet, initial=engine.round)
+    with run_lock(ckpt.parent / "train.lock", f"{experiment}/{method}/seed{seed}"), _sigterm_as_exit():
+        for stale in clean_stale(out_dir):  # a run killed while writing its outputs
+            log.info("removed %s (left by an interrupted run)", stale)
+        torch.manual_seed(seed)
+        model = build_model(exp.train.model, in_ch, num_classes, seed=seed, image_size=clients[0].x_train.shape[-1]).to(device)
+        tracker = Tracker(params.tracking.enabled, params.tracking.uri)
+        engine = Engine(algo, model, clients, exp.train, seed, checkpoint=ckpt, config_hash=config_hash, observer=observer, external=external)
+        commit, dirty = git_commit(root)
+        locks = [root / "dvc.lock"]
+        if params.paper is not None:  # a paper's splits are outputs of its own dvc.yaml
+            locks.append(root / Path(params.paper.params_file).parent / "dvc.lock")
+        dvc = dvc_hashes([str(harmonized.relative_to(root)), str(split_path.relative_to(root))], locks)
+        tags = {
+            "git_commit": commit,
+            "git_dirty": str(dirty).lower(),
+            "params_hash": params_hash,
+            "config_hash": config_hash,
+            "code.source_sha256": code["source_sha256"],
+            "code.torch": code["torch"],
+            "method": method,
+            "dataset": exp.dataset,
+            "protocol": exp.split.protocol,
+            "experiment": experiment,
+            "seed": str(seed),
+            "model": exp.train.model,
+            "data.harmonized.sha256.images": card["sha256"]["images.npy"],
+            "data.harmonized.sha256.records": card["sha256"]["records.parquet"],
+            "data.split.sha256": data_hashes["split_sha256"],
+        }
+        for path, md5 in dvc.items():
+            tags[f"dvc.md5.{path}"] = md5
+        # what the method derived from its params and the model (a resolved cut depth, private layers, shared fraction),
+        # known once the engine has set it up; logged beside the params, not hashed (it follows from them)
+        method_resolved = algo.resolved()
+        # the MLflow run this state folder last served: if it is not the one resumed now, its process died without
+        # ending it (SIGKILL, a lost machine) and nothing will resume it
+        sidecar = ckpt.parent / "mlflow_run.json"
+        earlier = read_json(sidecar).get("run_id") if sidecar.exists() else None
+        resumed = engine.meta.get("mlflow_run_id")
+        if earlier and earlier != resumed and tracker.supersede(earlier):
+            log.info("MLflow run %s of an interrupted, not resumed, training marked KILLED", earlier)
+        run_id = tracker.start(layout.tracking_experiment(experiment), f"{method}-seed{seed}", {**resolved, "method_resolved": method_resolved}, tags,
+                               run_id=resumed)
+        if run_id:
+            write_json(sidecar, {"run_id": run_id, "config_hash": config_hash})
+        if run_id and resumed != run_id:
+            engine.meta["mlflow_run_id"] = run_id
+            engine.save()
+        if engine.round:
+            log.info("resuming %s/%s/seed%d after round %d", experiment, method, seed, engine.round)
+        progress = Progress(exp.train.rounds, f"train {experiment}/{method}/seed{seed}", "round", quiet=quiet, initial=engine.round)
 
-    def on_round(entry: dict[str, Any]) -> None:
-        tracker.log_round(entry)
-        progress.update(1, round_summary(entry), line="eval" in entry)
+        def on_round(entry: dict[str, Any]) -> None:
+            tracker.log_round(entry)
+            progress.update(1, round_summary(entry), line="eval" in entry)
 
-    engine.on_round = on_round
-    try:
-        history = engine.run()
-    except BaseException:
-        tracker.fail()
-        raise
-    finally:
-        progress.close()
+        engine.on_round = on_round
+        try:
+            history = engine.run()
+            return _finish(engine, history, clients, model, exp, experiment, method, seed, out_dir, ckpt, tracker, run_id,
+                           method_resolved, params_hash, config_hash, code)
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM (a cancelled job, `kill`)
+            tracker.fail("KILLED")
+            raise
+        except BaseException:  # an error, a full disk while writing the outputs
+            tracker.fail("FAILED")
+            raise
+        finally:
+            progress.close()
+
+
+def _finish(engine: Engine, history: list[dict[str, Any]], clients: list, model: torch.nn.Module, exp: Any, experiment: str,
+            method: str, seed: int, out_dir: Path, ckpt: Path, tracker: Tracker, run_id: Optional[str], method_resolved: dict,
+            params_hash: str, config_hash: str, code: dict[str, str]) -> dict[str, Any]:
+    """The trained run's outputs, written in one rename, and its MLflow run ended FINISHED."""
     summary = summarize(history)
     spectra = engine.spectra()
     metrics = {
@@ -242,4 +268,52 @@ def run_training(
             flat[f"acc.{c}"] = v["acc"]
         tracker.finish(flat, [tmp / "metrics.json", tmp / "history.json"])
     ckpt.unlink(missing_ok=True)  # its work is done; a rerun of a finished run trains again
+    (ckpt.parent / "mlflow_run.json").unlink(missing_ok=True)
     return metrics
+
+
+class RunInProgress(ConfigError):
+    """Another process is training the same (experiment, method, seed) in the same results folder."""
+
+
+@contextlib.contextmanager
+def run_lock(path: Path, name: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` for one run: a second `fedsilo train` of the same run (two terminals, two
+    DVC queue workers) is refused at once instead of writing into the same checkpoint and MLflow run. The operating
+    system releases the lock when the holder dies, SIGKILL included, so a stale lock never blocks a rerun."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            raise RunInProgress(f"{name} is already being trained by {holder}; wait for it to end or stop it, then rerun") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        fh.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM (a cancelled job, `kill`) ends the run through the same path as Ctrl-C, so its MLflow run is marked
+    KILLED and the checkpoint of its last round stays for a resume; exit status 143 as the shell reports it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
