@@ -175,3 +175,18 @@ def test_a_failed_rename_puts_the_previous_result_back(tmp_path, monkeypatch):
             (tmp / "metrics.json").write_text("new")
     assert (out / "metrics.json").read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["seed0"]
+
+
+def test_atomic_outputs_get_the_permissions_of_an_ordinary_write(tmp_path):
+    """Issue 17.10: results were created 0700/0600 (mkdtemp/mkstemp), unreadable to others' tools."""
+    old = os.umask(0o022)
+    try:
+        with atomic_dir(tmp_path / "seed0") as tmp:
+            (tmp / "history.json").write_text("{}")
+            from fedsilo.utils.io import write_json
+
+            write_json(tmp / "metrics.json", {"a": 1})
+        assert (tmp_path / "seed0").stat().st_mode & 0o777 == 0o755
+        assert (tmp_path / "seed0" / "metrics.json").stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(old)

@@ -356,3 +356,23 @@ def test_a_diverging_local_training_stops_with_the_key_to_change():
         train_local(tiny_net(1, 4), client, cfg, torch.Generator().manual_seed(0))
     cfg = TrainParams(model="simple_cnn", rounds=1, local_epochs=1, batch_size=8, lr=0.01, device="cpu")
     assert math.isfinite(train_local(tiny_net(1, 4), client, cfg, torch.Generator().manual_seed(0)))
+
+
+def test_help_lists_what_the_params_file_defines_and_bare_fedsilo_shows_the_commands(tmp_path, capsys):
+    """Issue 17.10: `fedsilo train --help` listed no valid experiments or methods; bare `fedsilo` complained about an
+    argument instead of showing the commands."""
+    from fedsilo import cli
+
+    params = tmp_path / "p.yaml"
+    params.write_text(yaml.safe_dump(small_params()))
+    with pytest.raises(SystemExit) as done:
+        cli.main(["train", "--params", str(params), "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "experiments: quick" in out and "methods: fedavg, fedbn, fedprox, single" in out and "seeds: 0" in out
+    with pytest.raises(SystemExit):
+        cli.main(["--params", str(tmp_path / "absent.yaml"), "harmonize", "--help"])
+    assert "absent.yaml not readable here" in capsys.readouterr().out
+    assert cli.main([]) == 2
+    err = capsys.readouterr().err
+    assert "fetch" in err and "train" in err and "check-params" in err

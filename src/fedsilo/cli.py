@@ -153,7 +153,38 @@ def _check(args: argparse.Namespace) -> None:
     print(f"{args.params}: ok")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _known(argv: list[str]) -> dict[str, list[str]]:
+    """What the params file named in ``argv`` (default params.yaml) defines, for the commands' --help: a plain YAML
+    read, no validation (help must work on a file that does not validate yet)."""
+    import yaml
+
+    path = "params.yaml"
+    for i, a in enumerate(argv):
+        if a == "--params" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif a.startswith("--params="):
+            path = a.split("=", 1)[1]
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {"file": [path]}
+    seeds = (raw.get("pipeline") or {}).get("seeds")
+    return {"file": [path], **{k: sorted(raw.get(k) or {}) for k in ("sources", "datasets", "experiments", "methods")},
+            "seeds": [str(x) for x in seeds or []]}
+
+
+def _listing(known: dict[str, list[str]], *keys: str) -> str:
+    if len(known) == 1:
+        return f"({known['file'][0]} not readable here: run in the repository root or pass --params)"
+    lines = [f"defined in {known['file'][0]}:"]
+    for k in keys:
+        lines.append(f"  {k}: {', '.join(known.get(k) or []) or '(none)'}")
+    return "\n".join(lines)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    known = _known(sys.argv[1:] if argv is None else argv)
+    fmt = argparse.RawDescriptionHelpFormatter
     ap = argparse.ArgumentParser(prog="fedsilo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params.yaml", help="parameters file (default: params.yaml)")
     ap.add_argument("--root", default=".", help="repository root holding data/ and results/ (default: .)")
@@ -165,28 +196,29 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--root", default=argparse.SUPPRESS, help="repository root (default: .)")
     common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress bars or lines")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="command")
-    s = sub.add_parser("fetch", parents=[common], help="bring one raw source into data/raw/<source>/")
+    s = sub.add_parser("fetch", parents=[common], help="bring one raw source into data/raw/<source>/", formatter_class=fmt, epilog=_listing(known, "sources"))
     s.add_argument("--source", required=True)
     s.set_defaults(fn=_fetch)
-    s = sub.add_parser("fingerprint", parents=[common], help="hash one dataset's fetched sources -> data/fingerprints/<dataset>.json")
+    s = sub.add_parser("fingerprint", parents=[common], help="hash one dataset's fetched sources -> data/fingerprints/<dataset>.json", formatter_class=fmt, epilog=_listing(known, "datasets"))
     s.add_argument("--dataset", required=True)
     s.set_defaults(fn=_fingerprint)
-    s = sub.add_parser("harmonize", parents=[common], help="raw sources -> data/harmonized/<dataset>/")
+    s = sub.add_parser("harmonize", parents=[common], help="raw sources -> data/harmonized/<dataset>/", formatter_class=fmt, epilog=_listing(known, "datasets"))
     s.add_argument("--dataset", required=True)
     s.set_defaults(fn=_harmonize)
-    s = sub.add_parser("split", parents=[common], help="harmonized dataset -> data/splits/<experiment>.json")
+    s = sub.add_parser("split", parents=[common], help="harmonized dataset -> data/splits/<experiment>.json", formatter_class=fmt, epilog=_listing(known, "experiments"))
     s.add_argument("--experiment", required=True)
     s.set_defaults(fn=_split)
-    s = sub.add_parser("train", parents=[common], help="train one (experiment, method, seed); resumes from its last round")
-    s.add_argument("--experiment", required=True)
-    s.add_argument("--method", required=True)
-    s.add_argument("--seed", type=int, required=True)
+    s = sub.add_parser("train", parents=[common], help="train one (experiment, method, seed); resumes from its last round", formatter_class=fmt,
+                       epilog=_listing(known, "experiments", "methods", "seeds") + "\nEach method's parameters and defaults: fedsilo check-params; README, \"Federated learning\".")
+    s.add_argument("--experiment", required=True, help="an experiment of the params file (listed below)")
+    s.add_argument("--method", required=True, help="a method of the params file (listed below)")
+    s.add_argument("--seed", type=int, required=True, help="the run's seed (pipeline.seeds lists the pipeline's)")
     s.set_defaults(fn=_train)
-    s = sub.add_parser("onboard", parents=[common], help="pFedDB Fig. 6: the held-out newcomer adapts with three strategies")
+    s = sub.add_parser("onboard", parents=[common], help="pFedDB Fig. 6: the held-out newcomer adapts with three strategies", formatter_class=fmt, epilog=_listing(known, "experiments"))
     s.add_argument("--experiment", required=True)
     s.add_argument("--seed", type=int, required=True)
     s.set_defaults(fn=_onboard)
-    s = sub.add_parser("report", parents=[common], help="tables and figures -> results/report/<experiment>/")
+    s = sub.add_parser("report", parents=[common], help="tables and figures -> results/report/<experiment>/", formatter_class=fmt, epilog=_listing(known, "experiments"))
     s.add_argument("--experiment", help="one experiment (default: every one in pipeline.experiments)")
     s.set_defaults(fn=_report)
     s = sub.add_parser(
@@ -228,7 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    if not argv:  # bare `fedsilo`: what it can do, not an argparse complaint
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     from fedsilo.data.fetch import FetchError
     from fedsilo.data.harmonize import HarmonizeError

@@ -20,10 +20,19 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _tmp_sibling(path: Path, suffix: str = "") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
     os.close(fd)
+    # mkstemp makes the file 0600: give it what an ordinary write would (0666 less the umask), so others' tools
+    # (a shared results folder, a web server, a colleague's report script) can read results as usual
+    os.chmod(name, 0o666 & ~_umask())
     return Path(name)
 
 
@@ -73,6 +82,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700, as for files above
     try:
         yield tmp
         if path.exists():
