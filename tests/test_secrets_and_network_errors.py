@@ -1,13 +1,15 @@
 """Issue 17, item 6 and part of item 5: no credential in any message, output, log record or file whatever fails (a bad
 address, a refused connection, an unknown host, no answer, TLS, HTTP 403, a redirect to a signed address); AIMI and
-PhysioNet connection errors are one line naming the source and the host, as Kaggle's. Loopback only: no test reaches
-the network."""
+PhysioNet connection errors are one line naming the source and the host, as Kaggle's; a full disk is one line saying
+where, whatever wrote (a plain write, numpy, torch.save). Loopback only: no test reaches the network."""
 
 from __future__ import annotations
 
 import base64
+import errno
 import http.server
 import logging
+import os
 import socket
 import threading
 from pathlib import Path
@@ -18,9 +20,12 @@ import yaml
 from fedsilo.data import download as download_mod
 from fedsilo.data import fetch as fetch_mod
 from fedsilo.data.download import DownloadError
+from fedsilo.utils import io as io_mod
 from tests.conftest import small_params
 
 MARKER = "SECRETMARKER123"
+DEV_FULL = Path("/dev/full")
+needs_dev_full = pytest.mark.skipif(not (DEV_FULL.exists() and os.access(DEV_FULL, os.W_OK)), reason="no writable /dev/full")
 
 
 # --------------------------------------------------------------------------- loopback servers
@@ -238,3 +243,117 @@ def test_check_address_takes_https_and_plain_http_on_loopback_only():
     download_mod.check_address("http://127.0.0.1:8080/c?sig=x", "V")
     with pytest.raises(DownloadError, match="^V: must be an address starting with https://$"):
         download_mod.check_address("http://10.0.0.1/c?sig=x", "V")
+
+
+# --------------------------------------------------------------------------- item 5: a full disk
+def _torch_save_to_full_disk(obj):
+    import torch
+
+    torch.save({"w": torch.zeros(64, 64)}, DEV_FULL)
+
+
+def _numpy_save_to_full_disk(obj):
+    import numpy as np
+
+    with open(DEV_FULL, "wb") as f:
+        np.save(f, np.zeros((64, 64)))
+
+
+def _plain_write_to_full_disk(obj):
+    with open(DEV_FULL, "w") as f:
+        f.write("x" * 10)
+
+
+def _raise(err):
+    def writer(*a):
+        raise err
+
+    return writer
+
+
+WRITERS = {
+    "OSError ENOSPC": _raise(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))),
+    "torch enforce fail": _raise(RuntimeError("[enforce fail at inline_container.cc:671] . unexpected pos 704 vs 598")),
+    "torch file write failed": _raise(RuntimeError("[enforce fail at inline_container.cc:471] . PytorchStreamWriter failed writing file data/0: file write failed")),
+    "torch.save on /dev/full": pytest.param(_torch_save_to_full_disk, marks=needs_dev_full),
+    "numpy on /dev/full": pytest.param(_numpy_save_to_full_disk, marks=needs_dev_full),
+    "plain write on /dev/full": pytest.param(_plain_write_to_full_disk, marks=needs_dev_full),
+}
+
+
+@pytest.mark.parametrize("writer", list(WRITERS.values()), ids=list(WRITERS))
+def test_a_full_disk_is_one_line_saying_where(tmp_path, monkeypatch, capfd, writer):
+    from fedsilo.data import mirror
+
+    monkeypatch.setattr(mirror, "mirror_writer", lambda source: lambda out, params: writer(out))
+    rc, err = _fetch_cli(tmp_path, "chexpert", "mirror", capfd)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    raw = (tmp_path / "root" / "data" / "raw").resolve()
+    assert err.startswith(f"fedsilo fetch: error: no space left on {raw} (the filesystem mounted at "), err
+    assert "MiB free); free space there or point --root elsewhere" in err and "inline_container" not in err, err
+    assert not [p for p in raw.iterdir()]  # the temporary folder is gone
+
+
+def test_a_full_download_cache_says_so_and_names_fedsilo_download_cache(tmp_path, monkeypatch, capfd):
+    from fedsilo.data import download
+
+    class Zip(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", "4")
+            self.end_headers()
+            self.wfile.write(b"PK\x03\x04")
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Zip)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    monkeypatch.setenv("FEDSILO_DOWNLOAD_CACHE", str(tmp_path / "cache"))
+    real_open = open
+    monkeypatch.setattr(download, "open", lambda path, mode: _FullFile(real_open(path, mode)), raising=False)
+    try:
+        _point_at("rsna", f"http://127.0.0.1:{httpd.server_address[1]}", monkeypatch)
+        rc, err = _fetch_cli(tmp_path, "rsna", "kaggle", capfd)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"no space left on {(tmp_path / 'cache' / 'rsna').resolve()} " in err and "set FEDSILO_DOWNLOAD_CACHE" in err, err
+
+
+class _FullFile:
+    """A file whose writes fail as on a full disk."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+    def write(self, b):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_an_atomic_write_on_a_full_disk_names_its_path_not_its_temporary(tmp_path):
+    target = tmp_path / "state" / "quick" / "fedavg" / "seed0" / "checkpoint.pt"
+    with pytest.raises(OSError) as info:
+        with io_mod.atomic_file(target):
+            raise RuntimeError("[enforce fail at inline_container.cc:671] . unexpected pos 704 vs 598")
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(target)
+    assert list(target.parent.iterdir()) == []
+    with pytest.raises(RuntimeError, match="PytorchStreamReader"):  # a reader's error is not a full disk
+        with io_mod.atomic_file(target):
+            raise RuntimeError("[enforce fail at inline_container.cc:145] . PytorchStreamReader failed reading zip archive")
+    assert io_mod.disk_full(ValueError("x")) is None
+
+
+def test_another_error_still_raises(tmp_path, monkeypatch, capfd):
+    from fedsilo.data import mirror
+
+    monkeypatch.setattr(mirror, "mirror_writer", lambda source: _raise(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        _fetch_cli(tmp_path, "chexpert", "mirror", capfd)

@@ -25,6 +25,7 @@ file or listing, the address without its query string and what went wrong (:func
 from __future__ import annotations
 
 import base64
+import errno
 import http.client
 import logging
 import os
@@ -293,6 +294,8 @@ def download(remote: Remote, cache: Path, headers: dict[str, str] | None = None,
                         f.write(b)
                         received += len(b)
             except OSError as err:
+                if err.errno == errno.ENOSPC:  # not the network: the cache's disk is full (cli.main says where)
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(part)) from None
                 raise DownloadError(f"{what}: interrupted after {received} bytes: {network_reason(err, timeout)} (rerun to resume)") from None
             except http.client.HTTPException as err:
                 raise DownloadError(f"{what}: interrupted after {received} bytes: {network_reason(err, timeout)} (rerun to resume)") from None
