@@ -267,16 +267,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    from fedsilo.data.download import DownloadError, cache_dir
     from fedsilo.data.fetch import FetchError
     from fedsilo.data.harmonize import HarmonizeError
     from fedsilo.data.sources.base import LabelFileError
     from fedsilo.data.splits import SplitError
     from fedsilo.report import ReportError
+    from fedsilo.utils.io import disk_full, no_space_message
 
     try:
         args.fn(args)
-    except (ConfigError, FetchError, HarmonizeError, LabelFileError, SplitError, ReportError, FileNotFoundError, KeyError) as err:
-        msg = err.args[0] if isinstance(err, KeyError) and err.args else err
+    except Exception as err:  # noqa: BLE001 - re-raised unless it is one of ours or a full disk
+        full = disk_full(err)  # whatever wrote (numpy, pandas, torch.save, a plain write): where, and what to do
+        if full is not None:
+            root = Path(args.root)
+            elsewhere = [
+                (cache_dir(root), "set FEDSILO_DOWNLOAD_CACHE to a folder on a larger disk"),
+                (root, "point --root elsewhere (a copy of the repository on a larger disk)"),
+            ]
+            msg = no_space_message(full, root, elsewhere)
+        elif isinstance(err, (ConfigError, FetchError, DownloadError, HarmonizeError, LabelFileError, SplitError, ReportError, FileNotFoundError, KeyError)):
+            msg = err.args[0] if isinstance(err, KeyError) and err.args else err
+        else:
+            raise
         print(f"fedsilo {args.cmd}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the stage's own cleanup has run (temporaries removed, MLflow run KILLED)

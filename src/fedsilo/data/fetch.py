@@ -18,6 +18,12 @@ Modes (``sources.<source>.mode``; which ones a source offers is in ``fedsilo.con
 - ``local``: a folder or ``.zip`` / ``.tar(.gz)`` archive the user already has.
 - ``mirror``: the offline mirror (``fedsilo.data.mirror``) in the source's real raw layout.
 
+Credentials are read from the environment only (:data:`CREDENTIALS`), checked before any request (a value with a
+line break or control character, an ``AIMI_SAS_URL`` that is not an https address with a host and a signature: the
+message names the variable, never the value) and never written or shown: every message this module raises or logs
+goes through ``fedsilo.data.download.redact``. A failed connection is one line naming the source, the host and what
+went wrong.
+
 The manifest ``fedsilo_manifest.json`` lists every file with its sha256 and size, the mode, where it came from
 (addresses without query strings: no credential is ever written) and, for downloads, which files were verified
 against a published checksum. Everything is written to a temporary folder first and renamed into place, so a
@@ -40,7 +46,19 @@ from typing import Any
 from xml.etree import ElementTree
 
 from fedsilo.config import SourceParams
-from fedsilo.data.download import DownloadError, Remote, basic_auth, cache_dir, download, place, public_url, read_url
+from fedsilo.data.download import (
+    DownloadError,
+    RedactFilter,
+    Remote,
+    basic_auth,
+    cache_dir,
+    check_address,
+    download,
+    place,
+    public_url,
+    read_url,
+    redact,
+)
 from fedsilo.utils.io import atomic_dir, canonical_hash, tree_manifest, write_json
 
 MANIFEST = "fedsilo_manifest.json"
@@ -48,6 +66,7 @@ KAGGLE_API = "https://www.kaggle.com/api/v1"
 PHYSIONET_FILES = "https://physionet.org/files"
 
 log = logging.getLogger("fedsilo.fetch")
+log.addFilter(RedactFilter())
 
 CREDENTIALS = {
     "kaggle": (
@@ -68,7 +87,10 @@ CREDENTIALS = {
 
 
 class FetchError(RuntimeError):
-    pass
+    """A fetch that failed; its message is redacted (``fedsilo.data.download.redact``) whatever it was built from."""
+
+    def __init__(self, message: object) -> None:
+        super().__init__(redact(message))
 
 
 def credentials(mode: str, source: str) -> tuple[str, ...]:
@@ -79,6 +101,9 @@ def credentials(mode: str, source: str) -> tuple[str, ...]:
             f"sources.{source}.mode={mode}: set {' and '.join(missing)} in the environment ({where}); "
             "fedsilo reads them from the environment only and never writes them"
         )
+    for n in names:
+        if any(ord(c) < 32 or ord(c) == 127 for c in os.environ[n]):
+            raise FetchError(f"sources.{source}.mode={mode}: {n} contains a line break or control character; set it again ({where})")
     return tuple(os.environ[n] for n in names)
 
 
@@ -131,6 +156,8 @@ def remotes_for(source: str, params: SourceParams) -> tuple[list[Remote], dict[s
     mod = source_module(source)
     if params.mode == "download":
         if params.files:
+            for i, f in enumerate(params.files):  # a copy's address may be a signed link: checked, never shown
+                check_address(f.url, f"sources.{source}.files[{i}].url", schemes=("https", "http"))
             files = [Remote(f.url, f.name or Path(urllib.parse.urlsplit(f.url).path).name, f.checksum, f.unpack) for f in params.files]
         else:
             files = list(getattr(mod, "DOWNLOADS", []))
@@ -153,7 +180,8 @@ def remotes_for(source: str, params: SourceParams) -> tuple[list[Remote], dict[s
         project, version = mod.PHYSIONET_PROJECT
         base = f"{PHYSIONET_FILES}/{project}/{version}"
         headers = basic_auth(user, password)
-        sums = read_url(f"{base}/SHA256SUMS.txt", headers, what=f"{project} {version} SHA256SUMS.txt").decode()
+        sums_url = f"{base}/SHA256SUMS.txt"
+        sums = read_url(sums_url, headers, what=f"PhysioNet {project} {version} SHA256SUMS.txt ({public_url(sums_url)})").decode()
         files = []
         for line in sums.splitlines():
             parts = line.strip().split(maxsplit=1)
@@ -167,6 +195,12 @@ def remotes_for(source: str, params: SourceParams) -> tuple[list[Remote], dict[s
         return files, headers
     if params.mode == "aimi":
         (sas_url,) = credentials("aimi", source)
+        check_address(sas_url, "AIMI_SAS_URL")
+        if not urllib.parse.urlsplit(sas_url).query:
+            raise DownloadError(
+                "AIMI_SAS_URL: the address has no query string (the SAS signature after its '?'); copy the whole link "
+                f"({CREDENTIALS['aimi'][1]})"
+            )
         return _azure_blobs(sas_url, params), {}
     raise FetchError(f"sources.{source}.mode: {params.mode!r} is not a remote mode")  # pragma: no cover
 
@@ -180,8 +214,12 @@ def _azure_blobs(sas_url: str, params: SourceParams) -> list[Remote]:
     marker = ""
     while True:
         q = f"restype=container&comp=list&{sas}" + (f"&marker={urllib.parse.quote(marker)}" if marker else "")
-        xml = read_url(f"{container}?{q}", what=f"AIMI container {public_url(container)}")
-        root = ElementTree.fromstring(xml)
+        what = f"AIMI container {public_url(container)}"
+        xml = read_url(f"{container}?{q}", what=what)
+        try:
+            root = ElementTree.fromstring(xml)
+        except ElementTree.ParseError as err:
+            raise DownloadError(f"{what}: the answer is not an Azure blob list ({err}); is AIMI_SAS_URL the link AIMI gave?") from None
         for blob in root.iter("Blob"):
             name = blob.findtext("Name") or ""
             md5 = blob.findtext("Properties/Content-MD5") or ""
@@ -198,7 +236,10 @@ def _azure_blobs(sas_url: str, params: SourceParams) -> list[Remote]:
 
 
 def _fetch_remote(source: str, params: SourceParams, tmp: Path, root: Path) -> dict[str, Any]:
-    files, headers = remotes_for(source, params)
+    try:
+        files, headers = remotes_for(source, params)
+    except DownloadError as err:  # a listing (PhysioNet's SHA256SUMS.txt, AIMI's container) or an address check
+        raise FetchError(f"sources.{source}: {err}") from None
     cache = cache_dir(root) / source
     report = []
     for r in files:

@@ -5,11 +5,17 @@ folder under ``data/`` or ``results/``: content goes to a temporary sibling firs
 killed with SIGKILL (or a lost machine) never reaches its cleanup, so the next write of the same path first removes
 what an earlier one left (:func:`clean_stale`), and ``.dvcignore`` keeps such siblings (``.<name>.<random>[.ext].tmp``
 / ``.old``) out of DVC's hashes in the meantime.
+
+A full disk is recognised whatever raised it (:func:`disk_full`: ``OSError`` ENOSPC from a plain write, numpy or
+pandas, or the ``RuntimeError`` torch.save raises instead); an atomic write that fails on it raises
+``OSError(ENOSPC)`` naming the path it was writing (not its temporary sibling), and ``fedsilo.cli.main`` turns that
+into one line saying where space ran out.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -17,7 +23,57 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
+
+# what torch.save raises instead of OSError when a write fails (a full disk): "[enforce fail at
+# inline_container.cc:671] . unexpected pos 704 vs 598" or "... PytorchStreamWriter failed writing file data/0: file
+# write failed"; the reader's errors ("PytorchStreamReader failed reading zip archive") are not write failures
+_TORCH_WRITE_FAILED = re.compile(r"PytorchStreamWriter failed writing|file write failed|inline_container\.cc.*unexpected pos", re.S)
+
+
+def disk_full(err: Optional[BaseException]) -> Optional[BaseException]:
+    """The exception in ``err``'s chain (itself, its cause, its context) that says the disk is full, or None."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return err
+        if "No space left on device" in str(err) or (isinstance(err, RuntimeError) and _TORCH_WRITE_FAILED.search(str(err))):
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def no_space_message(err: BaseException, default: Path, elsewhere: list[tuple[Path, str]] = ()) -> str:
+    """Where a full disk stopped a command and what to do: the folder of the path ``err`` names (``default`` when it
+    names none), its filesystem and the space left there; ``elsewhere`` maps folders to the way of moving their
+    content to another disk (the first that holds the folder is said)."""
+    name = getattr(err, "filename", None)
+    path = Path(name if name else default).resolve()
+    folder = path if path.is_dir() else path.parent
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    mount = folder
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    free = shutil.disk_usage(folder).free
+    todo = next((how for where, how in elsewhere if Path(where).resolve() in (folder, *folder.parents)), "")
+    return (
+        f"no space left on {folder} (the filesystem mounted at {mount}, {free / 2**20:.0f} MiB free); free space there"
+        + (f" or {todo}" if todo else "")
+    )
+
+
+def _no_space(err: BaseException, path: Path, tmp: Path) -> Optional[OSError]:
+    """``OSError(ENOSPC)`` naming ``path`` when ``err`` is a full disk met while writing ``tmp`` (no file named, or
+    one inside the temporary), else None (another error, or a full disk elsewhere that names its own file)."""
+    full = disk_full(err)
+    if full is None:
+        return None
+    name = getattr(full, "filename", None)
+    if name and Path(name) != tmp and tmp not in Path(name).parents:
+        return None
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
 def _umask() -> int:
@@ -70,8 +126,11 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        full = _no_space(err, path, tmp)
+        if full is not None:
+            raise full from err
         raise
 
 
@@ -97,8 +156,11 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = _no_space(err, path, tmp)
+        if full is not None:
+            raise full from err
         raise
 
 
