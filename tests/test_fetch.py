@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import http.server
 import io
 import threading
@@ -80,7 +81,7 @@ def payload() -> bytes:
     return bytes(range(256)) * 4000  # 1 MB
 
 
-def test_truncated_download_resumes_with_a_range_request(tmp_path, payload):
+def test_truncated_download_resumes_with_a_range_request(tmp_path, payload, capsys):
     srv = Server({"/f.bin": payload}, cut_at=300_000)
     try:
         sha = hashlib.sha256(payload).hexdigest()
@@ -89,9 +90,15 @@ def test_truncated_download_resumes_with_a_range_request(tmp_path, payload):
             download(r, tmp_path)
         part = tmp_path / "f.bin.part"
         assert part.exists() and part.stat().st_size == 300_000 and not (tmp_path / "f.bin").exists()
+        capsys.readouterr()
         path, verified = download(r, tmp_path)
         assert verified and path.read_bytes() == payload and not part.exists()
         assert srv.log[-1]["headers"].get("Range") == "bytes=300000-"
+        # progress in a log: the bytes of the whole file (the resumed part counted from its offset) and the rate
+        err = capsys.readouterr().err
+        assert re.search(r"fetch f\.bin: 0\.98 MiB of 0\.98 MiB, [\d.]+ MiB/s", err), err
+        download(r, tmp_path / "again", quiet=True)
+        assert capsys.readouterr().err == ""
     finally:
         srv.close()
 

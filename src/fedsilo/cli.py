@@ -38,7 +38,7 @@ def _fetch(args: argparse.Namespace) -> None:
     p = config.load_params(args.params)  # no method entries: no PyTorch import
     if args.source not in p.sources:
         raise ConfigError(f"sources.{args.source}: not defined in {args.params}")
-    m = fetch(args.source, p.sources[args.source], Path(args.root) / "data" / "raw" / args.source, Path(args.root))
+    m = fetch(args.source, p.sources[args.source], Path(args.root) / "data" / "raw" / args.source, Path(args.root), quiet=args.quiet)
     print(f"fetch {args.source}: {len(m['files'])} files from {m['origin']}")
 
 

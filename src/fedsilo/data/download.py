@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Optional
 
 from fedsilo.utils.io import file_digest
+from fedsilo.utils.progress import Progress
 
 ALGORITHMS = {"md5": 32, "sha1": 40, "sha256": 64, "sha512": 128}
 CHUNK = 1 << 20
@@ -243,7 +244,8 @@ def _http_message(err: urllib.error.HTTPError, what: str) -> str:
     return f"{what}: HTTP {err.code} {redact(err.reason)}{hint}"
 
 
-def download(remote: Remote, cache: Path, headers: dict[str, str] | None = None, timeout: float | None = None) -> tuple[Path, bool]:
+def download(remote: Remote, cache: Path, headers: dict[str, str] | None = None, timeout: float | None = None,
+             quiet: bool = False) -> tuple[Path, bool]:
     """Download ``remote`` into ``cache`` (resuming a partial file), verify it, return (path, verified).
 
     ``verified`` is False only when no checksum is known for the file; the caller records that in the manifest."""
@@ -285,14 +287,17 @@ def download(remote: Remote, cache: Path, headers: dict[str, str] | None = None,
                 log.info("%s: server ignored the range request; downloading from the start", remote.name)
             total = resp.headers.get("Content-Length")
             received = 0
+            start = have if mode == "ab" else 0
+            bar = Progress(start + int(total) if total is not None else None, f"fetch {remote.name}", "B", quiet=quiet, initial=start)
             try:
-                with open(part, mode) as f:
+                with bar, open(part, mode) as f:
                     while True:
                         b = resp.read(CHUNK)
                         if not b:
                             break
                         f.write(b)
                         received += len(b)
+                        bar.update(len(b))
             except OSError as err:
                 if err.errno == errno.ENOSPC:  # not the network: the cache's disk is full (cli.main says where)
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(part)) from None

@@ -235,7 +235,7 @@ def _azure_blobs(sas_url: str, params: SourceParams) -> list[Remote]:
     return out
 
 
-def _fetch_remote(source: str, params: SourceParams, tmp: Path, root: Path) -> dict[str, Any]:
+def _fetch_remote(source: str, params: SourceParams, tmp: Path, root: Path, quiet: bool = False) -> dict[str, Any]:
     try:
         files, headers = remotes_for(source, params)
     except DownloadError as err:  # a listing (PhysioNet's SHA256SUMS.txt, AIMI's container) or an address check
@@ -244,7 +244,7 @@ def _fetch_remote(source: str, params: SourceParams, tmp: Path, root: Path) -> d
     report = []
     for r in files:
         try:
-            path, verified = download(r, cache, headers)
+            path, verified = download(r, cache, headers, quiet=quiet)
         except DownloadError as err:
             raise FetchError(f"sources.{source}: {err}") from None
         if not verified:
@@ -260,7 +260,7 @@ def _fetch_remote(source: str, params: SourceParams, tmp: Path, root: Path) -> d
     return {"downloads": report}
 
 
-def fetch(source: str, params: SourceParams, out_dir: Path, root: Path = Path(".")) -> dict:
+def fetch(source: str, params: SourceParams, out_dir: Path, root: Path = Path("."), quiet: bool = False) -> dict:
     """Fetch ``source`` into ``out_dir``; ``root`` (the repository root) holds the download cache unless
     ``$FEDSILO_DOWNLOAD_CACHE`` is set."""
     from fedsilo.data.mirror import mirror_writer
@@ -282,7 +282,7 @@ def fetch(source: str, params: SourceParams, out_dir: Path, root: Path = Path(".
                 _unpack(src, tmp)
             origin = str(src.resolve())
         else:
-            extra = _fetch_remote(source, params, tmp, root)
+            extra = _fetch_remote(source, params, tmp, root, quiet)
             origin = f"{params.mode}: " + ", ".join(d["url"] for d in extra["downloads"][:3]) + (" ..." if len(extra["downloads"]) > 3 else "")
         files = tree_manifest(tmp, exclude=(MANIFEST,))
         if not files:

@@ -14,9 +14,10 @@ from typing import IO, Optional
 
 
 class Progress:
-    def __init__(self, total: int, desc: str, unit: str, quiet: bool = False, initial: int = 0,
+    def __init__(self, total: Optional[int], desc: str, unit: str, quiet: bool = False, initial: int = 0,
                  stream: Optional[IO[str]] = None, every_s: float = 30.0):
-        self.total, self.desc, self.unit, self.quiet, self.every_s = total, desc, unit, quiet, every_s
+        """``total`` None when unknown (a download without Content-Length); ``unit`` "B" shows bytes as MiB."""
+        self.total, self.desc, self.unit, self.quiet, self.every_s = total or 0, desc, unit, quiet, every_s
         self.stream = stream if stream is not None else sys.stderr
         self.n = self.start_n = initial
         self.t0 = self.last = time.monotonic()
@@ -26,7 +27,11 @@ class Progress:
         if not quiet and isatty is not None and isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=initial, desc=desc, unit=f" {unit}", file=self.stream, dynamic_ncols=True)
+            if unit == "B":  # bytes: KiB / MiB / GiB and their rates, as download tools show them
+                self.bar = tqdm(total=total or None, initial=initial, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                                file=self.stream, dynamic_ncols=True)
+            else:
+                self.bar = tqdm(total=total, initial=initial, desc=desc, unit=f" {unit}", file=self.stream, dynamic_ncols=True)
 
     def update(self, n: int = 1, info: str = "", line: bool = False) -> None:
         """``n`` more done; ``info`` replaces the postfix; ``line`` asks for a log line now (not on a terminal)."""
@@ -41,7 +46,7 @@ class Progress:
             self.bar.update(n)
             return
         now = time.monotonic()
-        if line or self.n >= self.total or now - self.last >= self.every_s:
+        if line or (self.total and self.n >= self.total) or now - self.last >= self.every_s:
             self.last = now
             self.stream.write(self.line() + "\n")
             self.stream.flush()
@@ -49,7 +54,11 @@ class Progress:
     def line(self) -> str:
         secs = time.monotonic() - self.t0
         rate = (self.n - self.start_n) / secs if secs > 0 else 0.0
-        text = f"{self.desc}: {self.n}/{self.total} {self.unit}s, {rate:.1f} {self.unit}s/s, {secs:.0f} s"
+        if self.unit == "B":
+            of = f" of {mib(self.total)}" if self.total else ""
+            text = f"{self.desc}: {mib(self.n)}{of}, {mib(rate)}/s, {secs:.0f} s"
+        else:
+            text = f"{self.desc}: {self.n}/{self.total} {self.unit}s, {rate:.1f} {self.unit}s/s, {secs:.0f} s"
         return f"{text}; {self.info}" if self.info else text
 
     def close(self) -> None:
