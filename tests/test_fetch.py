@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import re
 import http.server
 import io
+import re
 import threading
 import zipfile
 from pathlib import Path
