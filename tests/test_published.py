@@ -23,3 +23,25 @@ def test_published_tables_are_consistent():
                     continue
                 assert abs(sum(row["acc"][:-1]) / (len(row["acc"]) - 1) - row["acc"][-1]) < 0.15, (section, row)
     assert [r["l_c"] for r in d["vit_cut_depth"]["office_caltech10"]["rows"]] == [3, 6, 9, 12]
+
+
+FEDECOUPLE = PUBLISHED.parents[1] / "fedecouple" / "published.yaml"
+PAPER_002 = PUBLISHED.parents[3] / "shared" / "papers" / "002_44ecbdf434336040.txt"
+
+
+def test_fedecouple_tables_have_the_report_shape_and_every_number_is_in_the_paper():
+    """Each table is one dataset under one split (one domain + Avg, equal); every mean and std printed in the paper's
+    text (checked where ../shared/papers is present)."""
+    import re
+
+    d = yaml.safe_load(FEDECOUPLE.read_text())
+    assert len(d["accuracy"]) == 23 and {"cifar10_s20", "cifar10_k3", "cifar100_dir0_01", "emnist_dir1"} <= set(d["accuracy"])
+    paper = PAPER_002.read_text() if PAPER_002.exists() else None
+    for name, table in d["accuracy"].items():
+        assert len(table["domains"]) == 1, name
+        for method, v in table["methods"].items():
+            assert len(v["mean"]) == 2 and v["mean"][0] == v["mean"][1], (name, method)
+            if paper is not None:
+                for x in [v["mean"][0], *(v.get("std") or [])[:1]]:
+                    assert re.search(rf"(?<![\d.]){re.escape(str(x))}0?(?![\d])", paper), (name, method, x)
+    assert d["accuracy"]["cifar10_s20"]["methods"]["fedecouple"]["mean"][0] == 83.4
