@@ -24,7 +24,9 @@ Everything is written to a temporary folder and renamed into place at the end.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -108,29 +110,25 @@ def _decode_all(jobs: list[tuple], workers: int, domains: Optional[list[str]] = 
     """Decode every job (in worker processes when there are enough), in order, showing images done and images/s
     per domain (``domains[i]`` is job i's; jobs of a domain are contiguous)."""
     domains = domains if domains is not None else [""] * len(jobs)
-    counts: dict[str, int] = {}
-    for d in domains:
-        counts[d] = counts.get(d, 0) + 1
-    out: list[tuple[np.ndarray | None, str]] = []
-    bar: Optional[Progress] = None
-
-    def collect(results: Iterator[tuple[np.ndarray | None, str]]) -> None:
-        nonlocal bar
+    counts = Counter(domains)
+    with contextlib.ExitStack() as stack:
+        if workers <= 1 or len(jobs) < 16:
+            results: Iterator[tuple[np.ndarray | None, str]] = map(_decode_safe, jobs)
+        else:
+            pool = stack.enter_context(ProcessPoolExecutor(max_workers=workers))
+            results = pool.map(_decode_safe, jobs, chunksize=max(1, min(64, len(jobs) // (workers * 8))))
+        out: list[tuple[np.ndarray | None, str]] = []
+        bar: Optional[Progress] = None
+        current = None
         for dom, res in zip(domains, results):
-            if bar is None or bar.desc != f"{desc} {dom}".rstrip():
+            if dom != current:  # a domain's first image: the previous domain is done
                 if bar is not None:
                     bar.close()
-                bar = Progress(counts[dom], f"{desc} {dom}".rstrip(), "image", quiet=quiet)
+                bar, current = Progress(counts[dom], f"{desc} {dom}".rstrip(), "image", quiet=quiet), dom
             out.append(res)
             bar.update(1)
         if bar is not None:
             bar.close()
-
-    if workers <= 1 or len(jobs) < 16:
-        collect(map(_decode_safe, jobs))
-    else:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            collect(pool.map(_decode_safe, jobs, chunksize=max(1, min(64, len(jobs) // (workers * 8)))))
     return out
 
 

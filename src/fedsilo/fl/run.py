@@ -202,7 +202,7 @@ def run_training(
         run_id = tracker.start(layout.tracking_experiment(experiment), f"{method}-seed{seed}", {**resolved, "method_resolved": method_resolved}, tags,
                                run_id=resumed)
         if run_id:
-            write_json(sidecar, {"run_id": run_id, "config_hash": config_hash})
+            write_json(sidecar, {"run_id": run_id})
         if run_id and resumed != run_id:
             engine.meta["mlflow_run_id"] = run_id
             engine.save()
@@ -217,8 +217,43 @@ def run_training(
         engine.on_round = on_round
         try:
             history = engine.run()
-            return _finish(engine, history, clients, model, exp, experiment, method, seed, out_dir, ckpt, tracker, run_id,
-                           method_resolved, params_hash, config_hash, code)
+            summary = summarize(history)
+            spectra = engine.spectra()
+            metrics = {
+                **summary,
+                "experiment": experiment,
+                "method": method,
+                "seed": seed,
+                "clients": [c.name for c in clients],
+                "client_domains": {c.name: c.domain for c in clients},
+                # the backbone the method was built from: the paper's "full network" for Param / Ratio (Table 3)
+                "model_param_bytes": int(sum(p.numel() * p.element_size() for p in model.parameters())),
+                "method_resolved": method_resolved,
+                "params_hash": params_hash,
+                "config_hash": config_hash,
+                "code": code,
+                "mlflow_run_id": run_id,
+            }
+            with atomic_dir(out_dir) as tmp:
+                write_json(tmp / "metrics.json", metrics)
+                (tmp / "history.json").write_text(json.dumps(history, indent=1) + "\n")
+                write_json(tmp / "spectrum.json", {"representation": "input of the classifier, test images, final round", "clients": spectra})
+                final = {"server": engine.server, "clients": [c.name for c in clients], "config_hash": config_hash}
+                if exp.train.keep_client_models:  # every client's private tensors / personal model: large, kept only when asked
+                    final["stores"] = engine.stores
+                torch.save(final, tmp / "final_model.pt")
+                flat = {"mean_acc": summary["mean_acc"], "std_acc": summary["std_acc"]}
+                if "mean_auc" in summary:
+                    flat["mean_auc"] = summary["mean_auc"]
+                for key in ("train_flops_per_round", "ensemble_acc", "external_ensemble_acc", "external_global_acc"):
+                    if key in summary:
+                        flat[key] = summary[key]
+                for c, v in summary["per_client"].items():
+                    flat[f"acc.{c}"] = v["acc"]
+                tracker.finish(flat, [tmp / "metrics.json", tmp / "history.json"])
+            ckpt.unlink(missing_ok=True)  # its work is done; a rerun of a finished run trains again
+            (ckpt.parent / "mlflow_run.json").unlink(missing_ok=True)
+            return metrics
         except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM (a cancelled job, `kill`)
             tracker.fail("KILLED")
             raise
@@ -227,49 +262,6 @@ def run_training(
             raise
         finally:
             progress.close()
-
-
-def _finish(engine: Engine, history: list[dict[str, Any]], clients: list, model: torch.nn.Module, exp: Any, experiment: str,
-            method: str, seed: int, out_dir: Path, ckpt: Path, tracker: Tracker, run_id: Optional[str], method_resolved: dict,
-            params_hash: str, config_hash: str, code: dict[str, str]) -> dict[str, Any]:
-    """The trained run's outputs, written in one rename, and its MLflow run ended FINISHED."""
-    summary = summarize(history)
-    spectra = engine.spectra()
-    metrics = {
-        **summary,
-        "experiment": experiment,
-        "method": method,
-        "seed": seed,
-        "clients": [c.name for c in clients],
-        "client_domains": {c.name: c.domain for c in clients},
-        # the backbone the method was built from: the paper's "full network" for Param / Ratio (Table 3)
-        "model_param_bytes": int(sum(p.numel() * p.element_size() for p in model.parameters())),
-        "method_resolved": method_resolved,
-        "params_hash": params_hash,
-        "config_hash": config_hash,
-        "code": code,
-        "mlflow_run_id": run_id,
-    }
-    with atomic_dir(out_dir) as tmp:
-        write_json(tmp / "metrics.json", metrics)
-        (tmp / "history.json").write_text(json.dumps(history, indent=1) + "\n")
-        write_json(tmp / "spectrum.json", {"representation": "input of the classifier, test images, final round", "clients": spectra})
-        final = {"server": engine.server, "clients": [c.name for c in clients], "config_hash": config_hash}
-        if exp.train.keep_client_models:  # every client's private tensors / personal model: large, kept only when asked
-            final["stores"] = engine.stores
-        torch.save(final, tmp / "final_model.pt")
-        flat = {"mean_acc": summary["mean_acc"], "std_acc": summary["std_acc"]}
-        if "mean_auc" in summary:
-            flat["mean_auc"] = summary["mean_auc"]
-        for key in ("train_flops_per_round", "ensemble_acc", "external_ensemble_acc", "external_global_acc"):
-            if key in summary:
-                flat[key] = summary[key]
-        for c, v in summary["per_client"].items():
-            flat[f"acc.{c}"] = v["acc"]
-        tracker.finish(flat, [tmp / "metrics.json", tmp / "history.json"])
-    ckpt.unlink(missing_ok=True)  # its work is done; a rerun of a finished run trains again
-    (ckpt.parent / "mlflow_run.json").unlink(missing_ok=True)
-    return metrics
 
 
 class RunInProgress(ConfigError):
