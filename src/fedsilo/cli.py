@@ -183,7 +183,9 @@ def _listing(known: dict[str, list[str]], *keys: str) -> str:
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    known = _known(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # the params file is read for the commands' --help listings only, not on every start-up
+    known = _known(argv) if not argv or "-h" in argv or "--help" in argv else {"file": ["params.yaml"]}
     fmt = argparse.RawDescriptionHelpFormatter
     ap = argparse.ArgumentParser(prog="fedsilo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params.yaml", help="parameters file (default: params.yaml)")
