@@ -76,3 +76,20 @@ def label_skewed_federation(n_clients: int = 4, classes_per_client: int = 2, n_t
             parts += [torch.from_numpy(_styled(x, 0, rng)), torch.from_numpy(y).long()]
         clients.append(ClientData(i, f"C{i}", *parts, domain="D0"))
     return clients
+
+
+def style_stream(n_clients: int = 3, n_train: int = 40, n_test: int = 30, domains: int = 3, seed: int = 0) -> list:
+    """A domain-incremental stream for continual tests: ``tasks[t][k]`` is client k's data of task t, the tasks being
+    the bar images in style t (same classes, a new style per task), every client with its own train and test draw."""
+    rng = np.random.default_rng(seed)
+    tasks = []
+    for d in range(domains):
+        row = []
+        for k in range(n_clients):
+            parts = []
+            for n in (n_train, n_test):
+                x, y = _bars(n, rng)
+                parts += [torch.from_numpy(_styled(x, d, rng)), torch.from_numpy(y).long()]
+            row.append(ClientData(k, f"C{k}", *parts, domain=f"S{d}"))
+        tasks.append(row)
+    return tasks

@@ -87,6 +87,8 @@ def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
                 m[f"auc.{c}"] = v["auc"]
         for c, v in (entry.get("global") or {}).items():
             m[f"global_acc.{c}"] = v
+        for d, v in (entry.get("task_acc") or {}).items():  # a task stream: accuracy on each task seen so far
+            m[f"task_acc.{d}"] = v
         for k in ("ensemble", "external_ensemble", "external_global"):  # new test, external test
             if k in entry:
                 m[f"{k}_acc"] = entry[k]["acc"]

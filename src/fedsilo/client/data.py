@@ -69,6 +69,22 @@ def load_clients(harmonized_dir: Path, split: dict[str, Any], device: torch.devi
     return clients, int(images.shape[3]), int(split["num_classes"])
 
 
+def load_task_clients(harmonized_dir: Path, split: dict[str, Any], device: torch.device) -> tuple[list[list[ClientData]], list[str], int, int]:
+    """A ``domain_incremental`` split's data: ``tasks[t][k]`` is client k's data of task t (its ``domain`` the task's
+    domain). Returns (tasks, task domains in order, in_channels, num_classes)."""
+    images, grab = _reader(harmonized_dir, device)
+    order = [str(d) for d in split["task_order"]]
+    tasks: list[list[ClientData]] = [[] for _ in order]
+    for c in split["clients"]:
+        if [t["domain"] for t in c["tasks"]] != order:
+            raise ValueError(f"split client {c['name']}: its tasks {[t['domain'] for t in c['tasks']]} are not the split's task order {order}")
+        for t, task in enumerate(c["tasks"]):
+            xtr, ytr = grab(c["name"], task["train"])
+            xte, yte = grab(c["name"], task["test"])
+            tasks[t].append(ClientData(int(c["client"]), str(c["name"]), xtr, ytr, xte, yte, str(task["domain"])))
+    return tasks, order, int(images.shape[3]), int(split["num_classes"])
+
+
 def load_external(harmonized_dir: Path, split: dict[str, Any], device: torch.device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """The test images and labels of the split's external test site (``holdout_domain`` with ``role:
     external_test``), or None when the split has none."""

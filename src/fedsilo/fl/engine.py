@@ -79,6 +79,7 @@ class Engine:
         self.method.setup(model)
         self.private = self.method.private_keys(model)
         self.round = 0
+        self.total_rounds = train.rounds  # a continual run: rounds per task x tasks
         self.history: list[dict[str, Any]] = []
         self.server: State = {}
         self.stores: list[State] = []
@@ -179,7 +180,7 @@ class Engine:
         }
         uploads: list[tuple[ClientData, State]] = []
         acc = self.method.agg_begin(self.server, rnd) if self.method.streaming else None
-        flops = FlopCounterMode(display=False) if self.train.count_flops and rnd == self.train.rounds else None
+        flops = FlopCounterMode(display=False) if self.train.count_flops and rnd == self.total_rounds else None
         with flops if flops is not None else nullcontext():
             self._clients_round(rnd, picked, entry, uploads, acc)
         if flops is not None:  # the last round's local training, every picked client, forward and backward
@@ -190,34 +191,45 @@ class Engine:
         entry["train_seconds"] = round(self._clock() - start, 4)
         entry["bytes_down_total"] = int(sum(entry["bytes_down"].values()))
         entry["bytes_up_total"] = int(sum(entry["bytes_up"].values()))
-        if rnd % self.train.eval_every == 0 or rnd == self.train.rounds:
+        if self.eval_due(rnd):
             entry.update(self.evaluate(rnd))
         entry["seconds"] = round(self._clock() - start, 4)
         # the per-client optimizers of a round are reference cycles (their tensors are already released by
         # train_local): a full collection every few rounds keeps host memory level without paying its cost (a fifth
         # of a second in a process that has imported torch, MLflow and DVC) every round
-        if rnd % GC_EVERY == 0 or rnd == self.train.rounds:
+        if rnd % GC_EVERY == 0 or rnd == self.total_rounds:
             gc.collect()
         return entry
+
+    def eval_due(self, rnd: int) -> bool:
+        return rnd % self.train.eval_every == 0 or rnd == self.total_rounds
 
     def _clients_round(self, rnd: int, picked: list[int], entry: dict[str, Any], uploads: list[tuple[ClientData, State]], acc: Any) -> None:
         """Each picked client in turn: download, local update, upload (byte-counted, privacy-checked), into the
         streaming aggregator ``acc`` or the ``uploads`` list."""
         for i in picked:
             c = self.clients[i]
+            # what the client tells the server before its download (pFedDIL: which of its models this task trains);
+            # an upload like any other: byte-counted and privacy-checked
+            said = self.method.announce(self.model, self.stores[i], c, rnd)
+            if said:
+                self._refuse_private(c, said)
+                said = transfer(said)
+                entry.setdefault("bytes_announce", {})[c.name] = payload_bytes(said)
+                if self.observer:
+                    self.observer(rnd, c.name, "up", transfer(said))
+                self.method.hear(c, said)
             down = read_only(self.method.download(self.server, c, rnd))
             entry["bytes_down"][c.name] = payload_bytes(down)
             if self.observer:  # observers get copies: payloads may alias live model or server tensors
                 self.observer(rnd, c.name, "down", transfer(down))
             up = self.method.local_update(self.model, self.stores[i], down, c, rnd, self.seed)
             self.stores[i] = self._place(self.stores[i])
-            leaked = sorted(set(up) & self.private)
-            if leaked:
-                raise PrivacyViolation(f"{self.method.name}: client {c.name} tried to upload private tensors {leaked[:5]}")
+            self._refuse_private(c, up)
             # a streaming aggregator consumes the upload before the model is touched again, so no copy is needed;
             # a method that aggregates the whole list gets independent copies
             up = read_only(up) if acc is not None else transfer(up)
-            entry["bytes_up"][c.name] = payload_bytes(up)
+            entry["bytes_up"][c.name] = payload_bytes(up) + entry.get("bytes_announce", {}).get(c.name, 0)
             entry["train_loss"][c.name] = self.method.last_loss
             if self.observer:
                 self.observer(rnd, c.name, "up", transfer(up))
@@ -226,6 +238,11 @@ class Engine:
             else:
                 uploads.append((c, up))
             del up, down
+
+    def _refuse_private(self, client: ClientData, payload: State) -> None:
+        leaked = sorted(set(payload) & self.private)
+        if leaked:
+            raise PrivacyViolation(f"{self.method.name}: client {client.name} tried to upload private tensors {leaked[:5]}")
 
     def evaluate(self, rnd: Optional[int] = None) -> dict[str, Any]:
         rnd = self.round if rnd is None else rnd
@@ -285,7 +302,7 @@ class Engine:
         return entry
 
     def run(self) -> list[dict[str, Any]]:
-        while self.round < self.train.rounds:
+        while self.round < self.total_rounds:
             self.step()
         return self.history
 

@@ -32,8 +32,9 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from fedsilo.client.data import load_clients, load_external, pick_device
+from fedsilo.client.data import load_clients, load_external, load_task_clients, pick_device
 from fedsilo.config import ConfigError, Params
+from fedsilo.fl.continual import ContinualEngine, continual_summary
 from fedsilo.fl.engine import Engine, Observer
 from fedsilo.methods import method_base, resolve_method
 from fedsilo.models import build_model
@@ -129,10 +130,13 @@ def run_training(
         if not p.exists():
             raise FileNotFoundError(f"{p}: missing; run the upstream stages first (`dvc repro`)")
     split = read_json(split_path)
-    if split.get("protocol") == "domain_incremental":
+    stream = split.get("protocol") == "domain_incremental"
+    if stream and not type(algo).task_stream:
+        from fedsilo.fl.continual import stream_methods
+
         raise ConfigError(
-            f"experiments.{experiment}.split: a domain_incremental split holds task sequences; train it with a "
-            "continual method (pFedDIL), not with the per-round engine's static clients"
+            f"methods.{method}: {method_base(method, params.methods[method])} does not learn a stream of domain tasks; "
+            f"experiments.{experiment} has a domain_incremental split: use one of {', '.join(stream_methods())}"
         )
     card = read_json(harmonized / "card.json")
     if "data_sha256" in split and split["data_sha256"] != card["sha256"]:
@@ -141,8 +145,12 @@ def run_training(
             f"`dvc repro split@{experiment}` (or `fedsilo split --experiment {experiment}`)"
         )
     device = pick_device(exp.train.device, f"experiments.{experiment}.train.device")
-    clients, in_ch, num_classes = load_clients(harmonized, split, device)
-    external = load_external(harmonized, split, device)
+    if stream:  # one list of clients per task (fl/continual.py)
+        tasks, task_names, in_ch, num_classes = load_task_clients(harmonized, split, device)
+        clients, external = tasks[0], None
+    else:
+        clients, in_ch, num_classes = load_clients(harmonized, split, device)
+        external = load_external(harmonized, split, device)
 
     resolved = {
         "experiment": experiment,
@@ -164,7 +172,11 @@ def run_training(
         torch.manual_seed(seed)
         model = build_model(exp.train.model, in_ch, num_classes, seed=seed, image_size=clients[0].x_train.shape[-1]).to(device)
         tracker = Tracker(params.tracking.enabled, params.tracking.uri)
-        engine = Engine(algo, model, clients, exp.train, seed, checkpoint=ckpt, config_hash=config_hash, observer=observer, external=external)
+        common = {"checkpoint": ckpt, "config_hash": config_hash, "observer": observer}
+        if stream:
+            engine: Engine = ContinualEngine(algo, model, tasks, task_names, exp.train, seed, **common)
+        else:
+            engine = Engine(algo, model, clients, exp.train, seed, external=external, **common)
         commit, dirty = git_commit(root)
         locks = [root / "dvc.lock"]
         if params.paper is not None:  # a paper's splits are outputs of its own dvc.yaml
@@ -208,7 +220,7 @@ def run_training(
             engine.save()
         if engine.round:
             log.info("resuming %s/%s/seed%d after round %d", experiment, method, seed, engine.round)
-        progress = Progress(exp.train.rounds, f"train {experiment}/{method}/seed{seed}", "round", quiet=quiet, initial=engine.round)
+        progress = Progress(engine.total_rounds, f"train {experiment}/{method}/seed{seed}", "round", quiet=quiet, initial=engine.round)
 
         def on_round(entry: dict[str, Any]) -> None:
             tracker.log_round(entry)
@@ -218,6 +230,9 @@ def run_training(
         try:
             history = engine.run()
             summary = summarize(history)
+            if stream:  # the stream's accuracy matrix, accuracy after each task, forgetting, rounds to best
+                summary.update(continual_summary(history, task_names, exp.train.rounds))
+                summary["mean_acc"] = summary["final_acc"]
             spectra = engine.spectra()
             metrics = {
                 **summary,
@@ -245,11 +260,13 @@ def run_training(
                 flat = {"mean_acc": summary["mean_acc"], "std_acc": summary["std_acc"]}
                 if "mean_auc" in summary:
                     flat["mean_auc"] = summary["mean_auc"]
-                for key in ("train_flops_per_round", "ensemble_acc", "external_ensemble_acc", "external_global_acc"):
-                    if key in summary:
+                for key in ("train_flops_per_round", "ensemble_acc", "external_ensemble_acc", "external_global_acc", "avg_acc", "forgetting"):
+                    if summary.get(key) is not None:
                         flat[key] = summary[key]
                 for c, v in summary["per_client"].items():
                     flat[f"acc.{c}"] = v["acc"]
+                for d, v in summary.get("acc_after_task", {}).items():
+                    flat[f"acc_after.{d}"] = v
                 tracker.finish(flat, [tmp / "metrics.json", tmp / "history.json"])
             ckpt.unlink(missing_ok=True)  # its work is done; a rerun of a finished run trains again
             (ckpt.parent / "mlflow_run.json").unlink(missing_ok=True)

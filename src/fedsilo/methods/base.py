@@ -41,6 +41,9 @@ class Method:
 
     name: ClassVar[str]
     params_cls: ClassVar[type[MethodParams]] = MethodParams
+    # True for a method that can learn a stream of domain tasks (a ``domain_incremental`` split): it either knows the
+    # stream (pFedDIL, Disjoint, ...) or is the plain fine-tuning the continual papers compare with (FedAvg, FedProx)
+    task_stream: ClassVar[bool] = False
 
     def __init__(self, params: MethodParams, train: TrainParams, key: Optional[str] = None):
         self.params = params
@@ -79,7 +82,34 @@ class Method:
     def init_client(self, model: LayeredNet, client: ClientData) -> State:
         raise NotImplementedError
 
+    # --- a stream of domain tasks (``domain_incremental`` splits; fl/continual.py)
+    def set_tasks(self, names: list[str]) -> None:
+        """The task stream's domain names in order, before ``setup``; the engine sets ``self.task`` every round."""
+        self.tasks = list(names)
+        self.task = 0
+
+    def on_task_start(self, server: State, model: nn.Module, task: int) -> State:
+        """Server side, at the first round of task ``task`` (a new task's head or model is created here)."""
+        return server
+
+    def predict_task(self, model: nn.Module, server: State, store: State, client: ClientData, task: int, rnd: int) -> torch.Tensor:
+        """Class probabilities of client ``client``'s test images of task ``task`` (``client`` is that task's data):
+        by default the softmax of the model the client is evaluated with. Methods that choose a model by the task's
+        identity (Disjoint, Sharing) or ensemble several (pFedDIL) override this."""
+        from fedsilo.client.local import predict
+
+        self.load_eval_model(model, server, store, client, rnd)
+        return predict(model, client.x_test, cfg=self.train).softmax(1)
+
     # --- a round
+    def announce(self, model: nn.Module, store: State, client: ClientData, rnd: int) -> State:
+        """Client side, before the download: what the client tells the server this round (pFedDIL: which of its
+        models the current task trains). Counted as an upload and privacy-checked; default nothing."""
+        return {}
+
+    def hear(self, client: ClientData, said: State) -> None:
+        """Server side: receives ``announce``'s payload before ``download`` for the same client."""
+
     def on_round_start(self, model: nn.Module, rnd: int) -> None:
         """Called before a round's local updates (and so before its evaluation): phase switches go here."""
 

@@ -40,6 +40,14 @@ class FedAvg(TwoPhase):
 
     name = "fedavg"
     params_cls = FedAvgParams
+    task_stream = True  # on a domain_incremental split: fine-tuned task after task (pFedDIL's FedAvg baseline)
+
+    def set_tasks(self, names):
+        super().set_tasks(names)
+        for key in ("local_rounds", "finetune_epochs"):
+            if getattr(self.params, key, 0):
+                raise ConfigError(f"methods.{self.key}.{key}: not defined on a stream of domain tasks (it would train on "
+                                  "earlier tasks' images); set it to 0 for a domain_incremental split")
 
     def shared_keys(self, model: LayeredNet) -> list[str]:
         return list(model.state_dict().keys())

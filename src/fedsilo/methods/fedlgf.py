@@ -45,6 +45,7 @@ class FedLGF(FedAvg):
     directions come from the run's seeded generator (seed, round, client)."""
 
     name = "fedlgf"
+    task_stream = False  # not one of the continual papers' baselines
     params_cls = FedLGFParams
     params: FedLGFParams
 

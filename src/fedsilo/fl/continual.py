@@ -1,0 +1,147 @@
+"""The task stream of federated domain-incremental learning (pFedDIL's protocol).
+
+Every client learns the same sequence of domain tasks (a ``domain_incremental`` split: one task = one domain, that
+domain's images spread over the clients with Dirichlet(alpha) label skew). Task t runs for ``train.rounds`` rounds
+(pFedDIL's T per task), rounds ``t*T+1 .. (t+1)*T`` of the run; each round a fraction ``train.client_fraction`` of the
+clients takes part (pFedDIL's active ratio k) and trains on the current task's data only: earlier tasks' images are
+out of reach. The server calls the method's ``on_task_start`` at each task's first round.
+
+Evaluation (every ``train.eval_every`` rounds and always at the end of each task) scores every client on the test
+sets of every task seen so far, with the prediction the method gives for that task (``Method.predict_task``: the
+global model for FedAvg, the task's own model for Disjoint, pFedDIL's weighted ensemble). A task's accuracy is the
+mean over the clients that hold test images of it (a Dirichlet share may leave a client none). Reported, from the
+evaluations at the end of each task:
+
+- the accuracy matrix ``A[t][j]``: after learning task t, the accuracy on task j (j <= t);
+- the accuracy after each task, the mean of its row (the numbers pFedDIL's Tables 1-3 print under each domain, the
+  stream read as "A -> B -> C"), and their mean (the tables' "Avg");
+- forgetting: for every task but the last, the best accuracy it had at the end of a task minus its accuracy at the
+  end of the stream, averaged (Chaudhry et al. 2018);
+- rounds to the best accuracy within each task and their sum (pFedDIL's Table 5), at the resolution of
+  ``eval_every``;
+- per-round curves in ``history.json`` (``seen_acc``, ``task_acc`` per domain).
+
+The run checkpoints every round like a static one; the task of a round follows from its number, so a run killed
+mid-task resumes inside that task and ends with the numbers of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from fedsilo.client.data import ClientData
+from fedsilo.client.local import score
+from fedsilo.config import ConfigError
+from fedsilo.fl.engine import Engine
+
+
+class ContinualEngine(Engine):
+    def __init__(self, method, model, tasks: list[list[ClientData]], task_names: list[str], train, seed: int, **kw: Any):
+        if not type(method).task_stream:
+            raise ConfigError(
+                f"methods.{method.key}: {method.name} does not learn a stream of domain tasks; on a domain_incremental "
+                f"split use {', '.join(stream_methods())}"
+            )
+        if len(tasks) != len(task_names) or not tasks:
+            raise ValueError("one list of clients per task is needed")
+        self.tasks, self.task_names = tasks, list(task_names)
+        self.per_task = train.rounds
+        method.set_tasks(self.task_names)
+        super().__init__(method, model, tasks[0], train, seed, **kw)
+        self.total_rounds = self.per_task * len(tasks)
+        self._enter(self.task_of(max(self.round, 1)))
+
+    def task_of(self, rnd: int) -> int:
+        return (rnd - 1) // self.per_task
+
+    def _enter(self, task: int) -> None:
+        self.clients = self.tasks[task]
+        self.method.task = task
+
+    def eval_due(self, rnd: int) -> bool:
+        return rnd % self.train.eval_every == 0 or rnd % self.per_task == 0
+
+    def run_round(self) -> dict[str, Any]:
+        rnd = self.round + 1
+        task = self.task_of(rnd)
+        self._enter(task)
+        if (rnd - 1) % self.per_task == 0:
+            self.server = self.method.on_task_start(self.server, self.model, task)
+        entry = super().run_round()
+        entry["task"] = task
+        entry["domain"] = self.task_names[task]
+        if rnd % self.per_task == 0:
+            entry["task_end"] = True
+            storage = getattr(self.method, "storage", None)
+            if storage is not None:  # what each client keeps after the task (pFedDIL's Table 6)
+                entry["storage"] = {c.name: storage(s) for c, s in zip(self.clients, self.stores)}
+        return entry
+
+    def evaluate(self, rnd: Optional[int] = None) -> dict[str, Any]:
+        rnd = self.round if rnd is None else rnd
+        task = self.task_of(rnd)
+        by_client: dict[str, list[float]] = {c.name: [] for c in self.clients}
+        task_acc: dict[str, float] = {}
+        for j in range(task + 1):
+            accs = []
+            for k, store in enumerate(self.stores):
+                c = self.tasks[j][k]
+                if len(c.y_test) == 0:
+                    continue
+                probs = self.method.predict_task(self.model, self.server, store, c, j, rnd)
+                acc = score(probs, c.y_test, probabilities=True)["acc"]
+                accs.append(acc)
+                by_client[c.name].append(acc)
+            task_acc[self.task_names[j]] = float(np.mean(accs)) if accs else float("nan")
+        per = {name: {"acc": float(np.mean(v)) if v else float("nan")} for name, v in by_client.items()}
+        client_means = np.array([v["acc"] for v in per.values() if not np.isnan(v["acc"])])
+        seen = float(np.nanmean(list(task_acc.values())))
+        return {
+            "eval": per,
+            "mean_acc": seen,
+            "std_acc": float(client_means.std()) if len(client_means) else float("nan"),
+            "task_acc": task_acc,
+            "seen_acc": seen,
+        }
+
+
+def stream_methods() -> list[str]:
+    from fedsilo.methods.registry import REGISTRY
+
+    return sorted(n for n, cls in REGISTRY.items() if cls.task_stream)
+
+
+def continual_summary(history: list[dict[str, Any]], task_names: list[str], per_task: int) -> dict[str, Any]:
+    """The stream's metrics from a run's history (see the module docstring)."""
+    ends = {h["task"]: h for h in history if h.get("task_end")}
+    matrix = [[ends[t]["task_acc"][task_names[j]] for j in range(t + 1)] for t in sorted(ends)]
+    after = [float(np.nanmean(row)) for row in matrix]
+    n = len(matrix)
+    forgetting = None
+    if n == len(task_names) and n > 1:
+        drops = [max(matrix[t][j] for t in range(j, n - 1)) - matrix[n - 1][j] for j in range(n - 1)]
+        forgetting = float(np.mean(drops))
+    best_rounds = []
+    for t in sorted(ends):
+        evals = [h for h in history if h.get("task") == t and "seen_acc" in h]
+        best = max(evals, key=lambda h: (h["seen_acc"], -h["round"]))
+        best_rounds.append(int(best["round"] - t * per_task))
+    out: dict[str, Any] = {
+        "tasks": list(task_names),
+        "rounds_per_task": per_task,
+        "accuracy_matrix": matrix,
+        "acc_after_task": dict(zip(task_names, after)),
+        "avg_acc": float(np.mean(after)) if after else float("nan"),
+        "final_acc": after[-1] if after else float("nan"),
+        "forgetting": forgetting,
+        "rounds_to_best": best_rounds,
+        "rounds_to_best_total": int(sum(best_rounds)),
+    }
+    last = ends.get(max(ends)) if ends else None
+    if last is not None and "storage" in last:
+        out["storage"] = last["storage"]
+        out["models_per_client"] = float(np.mean([v["models"] for v in last["storage"].values()]))
+        out["bytes_kept_per_client"] = float(np.mean([v["bytes"] for v in last["storage"].values()]))
+    return out

@@ -1,0 +1,77 @@
+"""Machinery of the methods that learn a stream of domain tasks (pFedDIL and its baselines; the engine is
+fl/continual.py).
+
+A continual run's tasks are domains, learned one after another for ``train.rounds`` rounds each; the engine sets
+``method.task`` every round, calls ``on_task_start`` on the server at each task's first round, hands each client the
+data of the current task, and evaluates every client on the test sets of every task seen so far through
+``predict_task``. Several methods keep one model (or one classifier head) per task or per group of tasks; they keep
+them side by side in one flat state under a prefix per copy (:func:`put`, :func:`take`), on the server or in a client's
+store, so that checkpoints, byte counts and privacy checks see ordinary tensors.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from fedsilo.methods.base import RunningMean, State, spare_copy
+from fedsilo.models import LayeredNet
+
+
+def put(state: State, prefix: str, values: State) -> None:
+    """Store a copy of ``values`` in ``state`` under ``prefix`` (``task2.`` + key)."""
+    for k, v in values.items():
+        state[prefix + k] = v.detach().clone()
+
+
+def take(state: State, prefix: str) -> State:
+    """The copy ``put`` stored under ``prefix``, with its own keys (no copy of the tensors)."""
+    n = len(prefix)
+    return {k[n:]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def has(state: State, prefix: str) -> bool:
+    return any(k.startswith(prefix) for k in state)
+
+
+def head_keys(model: LayeredNet) -> list[str]:
+    """The state_dict keys of the model's classifier head (its last unit)."""
+    first = len(model.units) - model.head_units
+    return [k for k in model.state_dict() if int(k.split(".")[1]) >= first]
+
+
+def fresh_copy(module: nn.Module, seed: int) -> nn.Module:
+    """A copy of ``module`` (same shapes, same device) whose parameters are drawn anew from PyTorch's default
+    initialisation under ``seed``: a new head beside an existing one."""
+    twin = spare_copy(module)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for m in twin.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+    return twin
+
+
+@contextmanager
+def head_input(model: LayeredNet) -> Iterator[dict[str, torch.Tensor]]:
+    """Inside the block, every forward pass of ``model`` leaves the input of its classifier head (the representation
+    the target and auxiliary classifiers share) in the yielded dict under ``"z"``."""
+    seen: dict[str, torch.Tensor] = {}
+    first = model.units[len(model.units) - model.head_units]
+    handle = first.register_forward_pre_hook(lambda _m, inp: seen.__setitem__("z", inp[0]))
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def mean_by_group(uploads: list[tuple[int, float, State]]) -> dict[int, State]:
+    """Sample-size-weighted means of uploads grouped by an integer key (a task or a family of models):
+    ``(group, n, upload)`` in, ``{group: mean}`` out."""
+    sums: dict[int, RunningMean] = {}
+    for g, n, up in uploads:
+        sums.setdefault(g, RunningMean()).add(n, up)
+    return {g: acc.result() for g, acc in sums.items()}

@@ -1,0 +1,225 @@
+"""The task stream of federated domain-incremental learning (fl/continual.py) and the methods of pFedDIL's tables:
+pFedDIL, Source-only, Disjoint, Sharing (multihead), FedAvg/FedProx fine-tuned task after task."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fedsilo.config import ConfigError, TrainParams
+from fedsilo.fl.continual import ContinualEngine, continual_summary
+from fedsilo.methods.base import payload_bytes
+from fedsilo.methods.continual import take
+from fedsilo.methods.registry import REGISTRY
+from tests.tiny import style_stream, tiny_net
+
+NAMES = ["S0", "S1", "S2"]
+
+
+def _train(**kw) -> TrainParams:
+    base = {"rounds": 2, "local_epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.9, "count_flops": False, "device": "cpu"}
+    return TrainParams(**{**base, **kw})
+
+
+def _engine(name: str, train: TrainParams | None = None, tasks=None, names=NAMES, checkpoint=None, observer=None, **params):
+    cls = REGISTRY[name]
+    train = train or _train()
+    method = cls(cls.params_cls(**params), train)
+    tasks = tasks if tasks is not None else style_stream(domains=len(names))
+    return ContinualEngine(method, tiny_net(1, 4), tasks, list(names), train, 0, checkpoint=checkpoint, config_hash="h", observer=observer)
+
+
+def _run(name: str, **kw):
+    e = _engine(name, **kw)
+    h = e.run()
+    return e, h, continual_summary(h, e.task_names, e.per_task)
+
+
+# ---------------------------------------------------------------- the stream
+def test_tasks_run_in_order_and_every_task_end_scores_all_tasks_seen():
+    e, h, s = _run("fedavg")
+    assert [x["task"] for x in h] == [0, 0, 1, 1, 2, 2]
+    assert [x["domain"] for x in h] == ["S0", "S0", "S1", "S1", "S2", "S2"]
+    ends = [x for x in h if x.get("task_end")]
+    assert [sorted(x["task_acc"]) for x in ends] == [["S0"], ["S0", "S1"], ["S0", "S1", "S2"]]
+    m = s["accuracy_matrix"]
+    assert [len(r) for r in m] == [1, 2, 3]
+    assert s["acc_after_task"]["S1"] == pytest.approx((m[1][0] + m[1][1]) / 2)
+    assert s["avg_acc"] == pytest.approx(sum(s["acc_after_task"].values()) / 3)
+    assert s["forgetting"] == pytest.approx(((max(m[0][0], m[1][0]) - m[2][0]) + (m[1][1] - m[2][1])) / 2)
+    # task t's rounds train on task t's data: the clients of a round are that task's
+    assert len(s["rounds_to_best"]) == 3 and all(1 <= r <= 2 for r in s["rounds_to_best"])
+
+
+def test_summary_of_a_task_relearned_at_the_end_forgets_nothing_of_it():
+    hist = []
+    rows = [{"A": 0.8}, {"A": 0.5, "B": 0.7}, {"A": 0.8, "B": 0.6, "A2": 0.8}]
+    for t, row in enumerate(rows):
+        hist.append({"round": t + 1, "task": t, "task_end": True, "task_acc": row, "seen_acc": sum(row.values()) / len(row)})
+    s = continual_summary(hist, ["A", "B", "A2"], 1)
+    # task A came back to its best: no drop on it; B lost 0.1
+    assert s["forgetting"] == pytest.approx((0.0 + 0.1) / 2)
+
+
+def test_a_static_method_is_refused_on_a_stream_naming_the_key():
+    cls = REGISTRY["ditto"]
+    with pytest.raises(ConfigError, match="methods.ditto: ditto does not learn a stream.*pfeddil"):
+        ContinualEngine(cls(cls.params_cls(), _train()), tiny_net(1, 4), style_stream(), NAMES, _train(), 0)
+    cls = REGISTRY["fedavg"]
+    with pytest.raises(ConfigError, match="methods.fedavg.finetune_epochs"):
+        ContinualEngine(cls(cls.params_cls(finetune_epochs=1), _train()), tiny_net(1, 4), style_stream(), NAMES, _train(), 0)
+
+
+def test_a_run_killed_mid_task_resumes_to_the_same_numbers(tmp_path):
+    full = _engine("pfeddil", checkpoint=tmp_path / "a.pt", lam=0.3).run()
+    part = _engine("pfeddil", checkpoint=tmp_path / "b.pt", lam=0.3)
+    for _ in range(3):  # task 1's first round done, the second not: killed mid-task
+        part.step()
+    resumed = _engine("pfeddil", checkpoint=tmp_path / "b.pt", lam=0.3)
+    assert resumed.round == 3 and resumed.clients is resumed.tasks[1]
+    hist = resumed.run()
+    strip = lambda h: [{k: v for k, v in x.items() if k not in ("seconds", "train_seconds")} for x in h]  # noqa: E731
+    assert strip(hist) == strip(full)
+
+
+# ---------------------------------------------------------------- baselines
+def test_source_only_never_changes_after_the_first_task():
+    e = _engine("source_only")
+    for _ in range(2):
+        e.step()
+    after_first = {k: v.clone() for k, v in e.server.items()}
+    while e.round < e.total_rounds:
+        entry = e.step()
+        assert entry["bytes_up_total"] == 0 and entry["bytes_down_total"] == 0
+    assert all(torch.equal(after_first[k], e.server[k]) for k in after_first)
+
+
+def test_disjoint_scores_each_domain_with_its_own_model():
+    e, _, _ = _run("disjoint")
+    assert sorted({k.split(".")[0] for k in e.server}) == ["task0", "task1", "task2"]
+    store, c1 = e.stores[0], e.tasks[1][0]
+    before = {j: e.method.predict_task(e.model, e.server, store, e.tasks[j][0], j, e.round) for j in range(3)}
+    for k, v in e.server.items():  # spoil task 1's model only
+        if k.startswith("task1.") and v.is_floating_point():
+            v.zero_()
+    after = {j: e.method.predict_task(e.model, e.server, store, e.tasks[j][0], j, e.round) for j in range(3)}
+    assert torch.equal(before[0], after[0]) and torch.equal(before[2], after[2])
+    assert not torch.equal(before[1], after[1]) and c1.domain == "S1"
+
+
+def test_sharing_trains_one_trunk_and_scores_each_domain_with_its_head():
+    e, _, _ = _run("multihead")
+    heads = sorted({k.split(".")[0] for k in e.server if k.startswith("head")})
+    assert heads == ["head0", "head1", "head2"]
+    assert not torch.equal(take(e.server, "head0.")["units.2.2.weight"], take(e.server, "head2.")["units.2.2.weight"])
+    x = e.tasks[0][0]
+    p0 = e.method.predict_task(e.model, e.server, e.stores[0], x, 0, e.round)
+    e.model.load_state_dict({**{k: v for k, v in e.server.items() if not k.startswith("head")}, **take(e.server, "head0.")})
+    from fedsilo.client.local import predict
+
+    assert torch.allclose(p0, predict(e.model, x.x_test).softmax(1))
+
+
+# ---------------------------------------------------------------- pFedDIL
+def test_lambda_zero_keeps_one_model_and_lambda_above_one_a_model_per_task():
+    one, _, s1 = _run("pfeddil", lam=0.0)
+    assert s1["models_per_client"] == 1.0
+    assert all(int(v) == 0 for st in one.stores for v in st["route"])
+    many, _, s2 = _run("pfeddil", lam=1.01)
+    assert s2["models_per_client"] == 3.0
+    assert all(st["route"].tolist() == [0, 1, 2] for st in many.stores)
+    # Table 6's storage: bytes kept = models and auxiliary heads, three times one model's
+    assert s2["bytes_kept_per_client"] == pytest.approx(3 * s1["bytes_kept_per_client"])
+
+
+def test_strategy_reuses_the_best_matching_model_at_or_above_lambda():
+    e = _engine("pfeddil", lam=1.01)
+    e.run()
+    store, c = e.stores[0], e.tasks[2][0]
+    rho = e.method.intensities(e.model, store, c)
+    assert sorted(rho) == [0, 1, 2] and all(0.25 <= r <= 1 for r in rho.values())  # max softmax over 4 classes
+    # Eq. 2 by hand for model 1: mean of the auxiliary head's largest probability on the task's images
+    e.model.load_state_dict(take(store, "slot1."))
+    e.method.aux.load_state_dict(take(store, "aux1."))
+    from fedsilo.methods.continual import head_input
+    from fedsilo.client.data import to_float
+
+    e.model.eval()
+    e.method.aux.eval()
+    with torch.no_grad(), head_input(e.model) as seen:
+        e.model(to_float(c.x_train))
+        by_hand = e.method.aux(seen["z"]).softmax(1).amax(1).mean()
+    assert rho[1] == pytest.approx(float(by_hand), abs=1e-5)
+    # with lambda just below the best intensity, a fresh task-3 decision reuses that model
+    best = max(rho, key=rho.get)
+    store = {k: v.clone() for k, v in store.items()}
+    store["route"] = torch.tensor([0, 1, -1])
+    e.method.params = e.method.params.model_copy(update={"lam": rho[best] - 1e-6})
+    e.method.task = 2
+    said = e.method.announce(e.model, store, c, 99)
+    assert said["family"].tolist() == [best, 0] and int(store["route"][2]) == best
+
+
+def test_ensemble_weights_are_normalized_auxiliary_outputs_or_equal_without_correlation():
+    e, _, _ = _run("pfeddil", lam=1.01)
+    x = e.tasks[0][0].x_test
+    w, probs = e.method.ensemble(e.model, e.stores[0], x)
+    assert w.shape == (3, len(x)) and (w >= 0).all()
+    assert torch.allclose(w.sum(0), torch.ones(len(x)))
+    assert not torch.allclose(w, torch.full_like(w, 1 / 3))
+    pred = e.method.predict_task(e.model, e.server, e.stores[0], e.tasks[0][0], 0, e.round)
+    assert torch.allclose(pred, (w[:, :, None] * probs).sum(0))  # Eq. 7: the weighted soft predictions
+    e.method.params = e.method.params.model_copy(update={"correlation": False})
+    assert torch.allclose(e.method.ensemble(e.model, e.stores[0], x)[0], torch.full_like(w, 1 / 3))
+    assert torch.allclose(e.method.predict_task(e.model, e.server, e.stores[0], e.tasks[0][0], 0, e.round), probs.mean(0))
+
+
+def test_migration_loss_is_eq5_and_absent_without_migration():
+    e, _, _ = _run("pfeddil", lam=1.01)
+    store = e.stores[0]
+    e.method.task = 2
+    store["rho"][2, 0], store["rho"][2, 1] = 0.6, 0.3
+    e.model.load_state_dict(take(store, "slot2."))
+    loss = e.method._migration(e.model, store, family=2)
+    expected = 0.0
+    live = dict(e.model.named_parameters())
+    for j, rho in ((0, 0.6), (1, 0.3)):
+        old = take(store, f"slot{j}.")
+        expected += rho * sum(float((live[n].detach() - old[n]).pow(2).sum()) for n in e.method.weights)
+    assert float(loss(e.model)) == pytest.approx(expected, rel=1e-5)
+    e.method.params = e.method.params.model_copy(update={"migration": False})
+    assert e.method._migration(e.model, store, family=2) is None
+    # and it is what training minimizes: the models of later tasks differ with it off
+    off, _, _ = _run("pfeddil", lam=1.01, migration=False)
+    on, _, _ = _run("pfeddil", lam=1.01)
+    assert torch.equal(take(off.stores[0], "slot0.")["units.0.0.weight"], take(on.stores[0], "slot0.")["units.0.0.weight"])
+    assert not torch.equal(take(off.stores[0], "slot1.")["units.0.0.weight"], take(on.stores[0], "slot1.")["units.0.0.weight"])
+
+
+def test_without_sharing_the_auxiliary_classifier_is_a_network_of_its_own():
+    shared = _engine("pfeddil")
+    apart = _engine("pfeddil", share_extractor=False)
+    head = sum(p.numel() for p in shared.model.units[-1].parameters())
+    assert shared.method.resolved()["aux_params"] == head
+    assert apart.method.resolved()["aux_params"] == sum(p.numel() for p in apart.model.parameters())
+    _, _, s = _run("pfeddil", share_extractor=False, lam=1.01)
+    assert s["models_per_client"] == 3.0
+
+
+def test_pfeddil_uploads_only_the_trained_model_and_bytes_are_the_tensors_moved():
+    moved: dict[str, int] = {}
+
+    def observer(rnd, name, way, payload):
+        assert way == "down" or set(payload) <= set(keys) | {"family"}
+        moved[way] = moved.get(way, 0) + payload_bytes(payload)
+
+    e = _engine("pfeddil", observer=observer, lam=0.5)
+    keys = set(e.model.state_dict())
+    hist = e.run()
+    assert moved["up"] == sum(h["bytes_up_total"] for h in hist)
+    assert moved["down"] == sum(h["bytes_down_total"] for h in hist)
+    assert all(v == 16 for h in hist for v in h["bytes_announce"].values())  # two int64: family, download wanted
+    assert not any(k.startswith(("slot", "aux", "route", "rho")) for k in e.server)
+    assert math.isfinite(continual_summary(hist, NAMES, 2)["avg_acc"])
