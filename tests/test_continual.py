@@ -223,3 +223,52 @@ def test_pfeddil_uploads_only_the_trained_model_and_bytes_are_the_tensors_moved(
     assert all(v == 16 for h in hist for v in h["bytes_announce"].values())  # two int64: family, download wanted
     assert not any(k.startswith(("slot", "aux", "route", "rho")) for k in e.server)
     assert math.isfinite(continual_summary(hist, NAMES, 2)["avg_acc"])
+
+
+# ---------------------------------------------------------------- the train stage and the report
+def test_train_stage_runs_a_hospital_stream_and_the_report_prints_the_papers_table(mirror_root, tmp_path):
+    """CheXpert -> OpenI -> RSNA -> VinBigData as a stream through `fedsilo split` / `train` / `report`: metrics.json
+    holds the accuracy matrix, MLflow gets the per-task accuracies; a static method is refused naming its key."""
+    import shutil
+    import subprocess
+    import sys
+
+    import yaml
+
+    from fedsilo.utils.io import read_json
+    from tests.conftest import small_params
+
+    root = tmp_path / "p"
+    (root / "data").mkdir(parents=True)
+    shutil.copytree(mirror_root / "data" / "harmonized", root / "data" / "harmonized")
+    raw = small_params(rounds=1, local_epochs=1)
+    raw["experiments"] = {"stream": {"dataset": "chest_xray4", "split": {"protocol": "domain_incremental", "clients": 3, "alpha": 1.0,
+                                                                      "domain_order": ["CheXpert", "OpenI", "RSNA", "VinBigData"]},
+                                     "train": {**raw["experiments"]["quick"]["train"], "client_fraction": 0.67}}}
+    raw["methods"] = {"pfeddil": {"lam": 0.5}, "disjoint": {}, "ditto": {}}
+    raw["pipeline"].update({"splits": {"stream": "chest_xray4"}, "experiments": ["stream"], "methods": ["pfeddil", "disjoint"]})
+    raw["tracking"] = {"enabled": True, "uri": f"sqlite:///{root / 'mlflow.db'}"}
+    (root / "params.yaml").write_text(yaml.safe_dump(raw))
+
+    def cli(*args):
+        cmd = [sys.executable, "-m", "fedsilo.cli", "-q", "--root", str(root), "--params", str(root / "params.yaml"), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+    assert cli("split", "--experiment", "stream").returncode == 0
+    for m in ("pfeddil", "disjoint"):
+        r = cli("train", "--experiment", "stream", "--method", m, "--seed", "0")
+        assert r.returncode == 0, r.stderr
+    met = read_json(root / "results" / "stream" / "pfeddil" / "seed0" / "metrics.json")
+    assert met["tasks"] == ["CheXpert", "OpenI", "RSNA", "VinBigData"] and [len(r) for r in met["accuracy_matrix"]] == [1, 2, 3, 4]
+    assert met["mean_acc"] == met["final_acc"] and met["forgetting"] is not None and met["models_per_client"] >= 1
+    r = cli("train", "--experiment", "stream", "--method", "ditto", "--seed", "0")
+    assert r.returncode != 0 and "methods.ditto: ditto does not learn a stream of domain tasks" in r.stderr
+    r = cli("report", "--experiment", "stream")
+    assert r.returncode == 0, r.stderr
+    table = (root / "results" / "report" / "stream" / "stream_stream.md").read_text()
+    assert "CheXpert | OpenI | RSNA | VinBigData | Avg | Delta | forgetting" in table and "| disjoint |" in table
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    run = client.search_runs([client.get_experiment_by_name("stream").experiment_id], "tags.method = 'pfeddil'")[0]
+    assert {"final.avg_acc", "final.acc_after.VinBigData", "task_acc.CheXpert"} <= set(run.data.metrics)

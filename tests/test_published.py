@@ -45,3 +45,29 @@ def test_fedecouple_tables_have_the_report_shape_and_every_number_is_in_the_pape
                 for x in [v["mean"][0], *(v.get("std") or [])[:1]]:
                     assert re.search(rf"(?<![\d.]){re.escape(str(x))}0?(?![\d])", paper), (name, method, x)
     assert d["accuracy"]["cifar10_s20"]["methods"]["fedecouple"]["mean"][0] == 83.4
+
+
+PFEDDIL = PUBLISHED.parents[1] / "pfeddil" / "published.yaml"
+PAPER_003 = PUBLISHED.parents[3] / "shared" / "papers" / "003_259c27eb0eeacb6d.txt"
+
+
+def test_pfeddil_tables_are_the_papers():
+    """Tables 1-3: one value per task of the stream + Avg (the mean of the tasks' values, as printed); Tables 4-6 with
+    their datasets; every number printed in the paper's text (checked where ../shared/papers is present)."""
+    import re
+
+    d = yaml.safe_load(PFEDDIL.read_text())
+    assert set(d["accuracy"]) == {"digit10", "office31", "domainnet"}
+    paper = PAPER_003.read_text() if PAPER_003.exists() else None
+    printed = set(re.findall(r"\d+\.\d+", paper)) if paper else None
+    for name, table in d["accuracy"].items():
+        assert len(table["methods"]) == 11, name
+        n = len(table["domains"])
+        for m, v in table["methods"].items():
+            assert len(v["mean"]) == n + 1, (name, m)
+            assert abs(sum(v["mean"][:n]) / n - v["mean"][n]) < 0.6, (name, m)  # the paper's own rounding
+            if printed is not None:
+                assert {f"{x:.2f}" for x in v["mean"]} <= printed, (name, m)
+    for table in ("seconds_per_round", "rounds_to_best", "lambda"):
+        assert {"digit10", "office31", "domainnet"} <= set(d[table]), table
+    assert d["lambda"]["digit10"]["avg_acc"][2] == d["accuracy"]["digit10"]["methods"]["pfeddil"]["mean"][-1]

@@ -113,6 +113,7 @@ def _onboard(args: argparse.Namespace) -> None:
 
 def _report(args: argparse.Namespace) -> None:
     from fedsilo.report import build_report
+    from fedsilo.report.continual import build_stream_report
 
     p = load_params(args.params)
     exps = [args.experiment] if args.experiment else list(p.pipeline.experiments)
@@ -121,6 +122,10 @@ def _report(args: argparse.Namespace) -> None:
     for exp in exps:
         if exp not in p.experiments:
             raise ConfigError(f"experiments.{exp}: not defined in {args.params}")
+        if p.experiments[exp].split.protocol == "domain_incremental":  # a task stream: pFedDIL's tables
+            made.update(build_stream_report(layout.results(exp), exp, list(p.experiment_methods(exp)), list(p.pipeline.seeds),
+                                            layout.report(exp), published=p.experiments[exp].published, repo=Path(args.root)))
+            continue
         made.update(build_report(layout.results(exp), exp, list(p.experiment_methods(exp)), list(p.pipeline.seeds),
                                  layout.report(exp), published=p.experiments[exp].published, method_entries=p.methods,
                                  repo=Path(args.root), target_accuracy=p.experiments[exp].target_accuracy))

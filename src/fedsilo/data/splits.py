@@ -310,7 +310,7 @@ def domain_incremental(records: pd.DataFrame, params: DomainIncrementalSplit, se
 def _cut_by_shares(pool: pd.DataFrame, shares: dict[int, np.ndarray], n: int, rng: np.random.Generator) -> list[list[int]]:
     parts: list[list[int]] = [[] for _ in range(n)]
     for c, p in shares.items():
-        idx = rng.permutation(pool.index[pool["label"] == c].to_numpy())
+        idx = rng.permutation(pool.index[pool["label"] == c].to_numpy(copy=True))  # pandas may hand out a read-only view
         for j, chunk in enumerate(_cut(idx, p)):
             parts[j].extend(int(i) for i in chunk)
     return parts
