@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from fedsilo.config import ConfigError, Params, TrainParams, format_validation_error
 from fedsilo.methods.base import Method, MethodParams
 from fedsilo.methods.cd2pfed import CD2PFed
+from fedsilo.methods.dann import DANN
 from fedsilo.methods.disjoint import Disjoint
 from fedsilo.methods.ditto import Ditto
 from fedsilo.methods.f2dc import F2DC
@@ -45,7 +46,7 @@ from fedsilo.methods.source_only import SourceOnly
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
     for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedSD, FedLGF, FedWon, PFedDB, F2DC, MOON, FedHEAL, FPL, FedTGP, FedSA, FedRCL, FDSE, FedRep, LGFedAvg, FedBABU, FedeCouple, CD2PFed, FedPAC,
-                PFedDIL, SourceOnly, Disjoint, MultiHead)
+                PFedDIL, SourceOnly, Disjoint, MultiHead, DANN)
 }
 
 
