@@ -5,9 +5,10 @@ Benchmarks (``harmonize_benchmark``: ``digits5``, ``office_caltech10``, ``pacs``
 ``digit10`` and ``office31``): every image -> RGB uint8 ``image_size`` x ``image_size`` (grey digits replicated to
 three channels, as FedBN does), label = index in the dataset's class list, the distribution's own train / test / val
 partition kept in ``subset``. Sources are relabelled to the dataset's class list by class name; a source class the
-dataset lacks is excluded with its reason (``digit10`` keeps EMNIST ByClass's digits 0-9, not its letters). Single-domain
-datasets (``cifar10``, ``cifar100``, ``fmnist``, ``emnist``, ``cinic10``) go the same way but keep the data's own
-channels (grey: 1) unless ``channels: rgb``; their class list comes from the distribution where it carries one.
+dataset lacks is excluded with its reason (``digit10`` keeps EMNIST ByClass's digits 0-9, not its letters).
+Single-domain datasets (``cifar10``, ``cifar100``, ``fmnist``, ``emnist``, ``cinic10``) go the same way but keep the
+data's own channels (grey: 1) unless ``channels: rgb``; their class list comes from the distribution where it carries
+one.
 
 Output folder (``data/harmonized/<dataset>/``):
 - ``records.parquet``: one row per kept image, row i <-> ``images.npy[i]``; columns ``id`` (``<source>/<source id>``),
@@ -280,9 +281,9 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
             raise HarmonizeError(f"{raw_dir}: raw source folder missing (run `dvc repro fetch@{src}`)")
         mod = modules[src] = source_module(src)
         rec = mod.read_records(raw_dir, None)
-        if not classes:  # the first source's class list is the dataset's
-            classes = source_classes(mod, raw_dir)
-        rec = to_dataset_classes(rec, source_classes(mod, raw_dir), classes, params.kind)
+        names = source_classes(mod, raw_dir)
+        classes = classes or names  # the first source's class list is the dataset's unless the kind has its own
+        rec = to_dataset_classes(rec, names, classes, params.kind)
         rec["source"] = src
         frames.append(rec)
     records = pd.concat(frames, ignore_index=True)
