@@ -153,6 +153,16 @@ def test_domain_incremental_task_order_and_per_domain_skew(records):
         make_split(records, DomainIncrementalSplit(protocol="domain_incremental", clients=3, domain_order=("A", "Z")), 0)
 
 
+def test_domain_incremental_takes_a_class_missing_from_one_side_of_a_pooled_domain():
+    """A class with a single image lands on one side only (Office-31's rare classes in a small pool): its other side
+    is empty, which numpy refused to permute when pandas handed it out read-only."""
+    rows = [{"id": f"E/{i}", "domain": "E", "label": i % 5, "group": f"E/{i}", "subset": ""} for i in range(40)]
+    rows.append({"id": "E/rare", "domain": "E", "label": 5, "group": "E/rare", "subset": ""})
+    s = make_split(pd.DataFrame(rows), DomainIncrementalSplit(protocol="domain_incremental", clients=2, min_per_client=1), 0)
+    (task,) = s["clients"][0]["tasks"]
+    assert sum(len(c["tasks"][0]["train"]) + len(c["tasks"][0]["test"]) for c in s["clients"]) == 41 and task["domain"] == "E"
+
+
 def test_holdout_domain_keeps_the_domain_out_of_the_federation(records):
     s = make_split(records, PROTOCOLS[6], 0)
     assert [c["name"] for c in s["clients"]] == ["A", "B", "D"]

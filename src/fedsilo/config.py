@@ -89,6 +89,7 @@ SOURCE_MODES: dict[str, tuple[str, ...]] = {
     "fmnist": ("mirror", "local", "download"),
     "emnist": ("mirror", "local", "download"),
     "cinic10": ("mirror", "local", "download"),  # no published checksum: pin yours under checksums
+    "office31": ("mirror", "local", "download"),  # no published checksum: pin yours under checksums
 }
 DIGIT_SOURCES = ("mnist", "svhn", "usps", "synthdigits", "mnist_m")
 DATASET_SOURCES: dict[str, tuple[str, ...]] = {
@@ -97,6 +98,9 @@ DATASET_SOURCES: dict[str, tuple[str, ...]] = {
     "office_caltech10": ("office_caltech10",),
     "pacs": ("pacs",),
     "domainnet10": ("domainnet",),
+    # pFedDIL's task streams, in the paper's task order (MNIST -> EMNIST -> USPS -> SVHN; Amazon -> DSLR -> Webcam)
+    "digit10": ("mnist", "emnist", "usps", "svhn"),
+    "office31": ("office31",),
     # single-domain datasets (one domain, the dataset's name), used under label-skew splits
     "cifar10": ("cifar10",),
     "cifar100": ("cifar100",),
@@ -181,13 +185,13 @@ class CXRDatasetParams(Strict):
         return tuple(self.sources)
 
 
-BENCHMARK_KINDS = ("digits5", "office_caltech10", "pacs", "domainnet10")
+BENCHMARK_KINDS = ("digits5", "office_caltech10", "pacs", "domainnet10", "digit10", "office31")
 
 
 class BenchmarkDatasetParams(Strict):
     """A multi-domain classification benchmark: every image becomes RGB ``image_size`` x ``image_size`` uint8."""
 
-    kind: Literal["digits5", "office_caltech10", "pacs", "domainnet10"]
+    kind: Literal["digits5", "office_caltech10", "pacs", "domainnet10", "digit10", "office31"]
     sources: Optional[tuple[str, ...]] = Field(None, description="default: every source of the kind")
     domains: Optional[tuple[str, ...]] = Field(None, description="keep only these domains (default: all)")
     image_size: int = Field(32, ge=8, le=1024)

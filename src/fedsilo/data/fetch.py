@@ -253,7 +253,16 @@ def _fetch_remote(source: str, params: SourceParams, tmp: Path, root: Path, quie
                 "to have later fetches verified.", r.name, source,
             )
         if r.unpack:
-            _unpack(path, tmp)
+            try:
+                _unpack(path, tmp)
+            except FetchError as err:
+                if verified:
+                    raise
+                raise FetchError(
+                    f"sources.{source}: {err}. The file had no checksum to be verified against: if the server sent a web "
+                    f"page (a quota or confirmation page) instead of the archive, delete {path}, download the archive "
+                    f"yourself and use mode 'local', or pin its checksum under sources.{source}.checksums"
+                ) from None
         else:
             place(path, tmp / r.name)
         report.append({"name": r.name, "url": public_url(r.url), "verified": verified, "checksum": r.checksum})

@@ -1,11 +1,14 @@
 """The harmonize stage: raw sources -> one canonical dataset (``harmonize_dataset`` dispatches on ``kind``).
 
 ``chest_xray4`` (``harmonize_cxr``): DICOM / JPEG / PNG radiographs -> grey uint8, the label rules of each source.
-Benchmarks (``harmonize_benchmark``: ``digits5``, ``office_caltech10``, ``pacs``, ``domainnet10``): every image ->
-RGB uint8 ``image_size`` x ``image_size`` (grey digits replicated to three channels, as FedBN does), label = index in
-the dataset's class list, the distribution's own train / test / val partition kept in ``subset``. Single-domain
-datasets (``cifar10``, ``cifar100``, ``fmnist``, ``emnist``, ``cinic10``) go the same way but keep the data's own
-channels (grey: 1) unless ``channels: rgb``; their class list comes from the distribution where it carries one.
+Benchmarks (``harmonize_benchmark``: ``digits5``, ``office_caltech10``, ``pacs``, ``domainnet10``, and pFedDIL's
+``digit10`` and ``office31``): every image -> RGB uint8 ``image_size`` x ``image_size`` (grey digits replicated to
+three channels, as FedBN does), label = index in the dataset's class list, the distribution's own train / test / val
+partition kept in ``subset``. Sources are relabelled to the dataset's class list by class name; a source class the
+dataset lacks is excluded with its reason (``digit10`` keeps EMNIST ByClass's digits 0-9, not its letters).
+Single-domain datasets (``cifar10``, ``cifar100``, ``fmnist``, ``emnist``, ``cinic10``) go the same way but keep the
+data's own channels (grey: 1) unless ``channels: rgb``; their class list comes from the distribution where it carries
+one.
 
 Output folder (``data/harmonized/<dataset>/``):
 - ``records.parquet``: one row per kept image, row i <-> ``images.npy[i]``; columns ``id`` (``<source>/<source id>``),
@@ -233,6 +236,37 @@ def _cap(frame: pd.DataFrame, cap: int | None, seed: int) -> pd.DataFrame:
     return pd.concat(parts).sort_index() if parts else frame
 
 
+DIGITS = tuple(str(d) for d in range(10))
+# Kinds whose class list is not simply their first source's: every source's labels are mapped to it by class name,
+# and a source's class outside it is excluded (Digit-10 keeps EMNIST ByClass's digits, not its 52 letters).
+KIND_CLASSES: dict[str, tuple[str, ...]] = {"digit10": DIGITS}
+
+
+def source_classes(mod: Any, raw_dir: Path) -> list[str]:
+    """The class names a source's labels index: the list the distribution carries (CIFAR's meta files, EMNIST's
+    mapping), else the module's ``CLASSES``, else the digits 0-9."""
+    if hasattr(mod, "classes"):
+        return list(mod.classes(raw_dir))
+    return list(getattr(mod, "CLASSES", DIGITS))
+
+
+def to_dataset_classes(rec: pd.DataFrame, names: list[str], classes: list[str], kind: str) -> pd.DataFrame:
+    """A source's records relabelled from its class list ``names`` to the dataset's ``classes`` by class name; a
+    record whose class the dataset lacks is excluded with the reason ``class not in <kind>``."""
+    if list(names) == list(classes):
+        return rec
+    index = {c: i for i, c in enumerate(classes)}
+    lookup = np.array([index.get(n, -1) for n in names], dtype=np.int64)
+    rec = rec.copy()
+    kept = (rec["excluded"] == "").to_numpy()
+    labels = rec["label"].to_numpy()
+    new = np.where(kept, lookup[np.clip(labels, 0, len(names) - 1)], labels)
+    dropped = kept & (new < 0)
+    rec["label"] = np.where(dropped, -1, new)
+    rec.loc[dropped, "excluded"] = f"class not in {kind}"
+    return rec
+
+
 def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:
     from fedsilo.data.sources import source_module
 
@@ -240,12 +274,16 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
     workers = params.workers or os.cpu_count() or 1
     frames = []
     modules = {}
+    classes: list[str] = list(KIND_CLASSES.get(params.kind, ()))
     for src in params.source_list:
         raw_dir = raw_root / src
         if not raw_dir.is_dir():
             raise HarmonizeError(f"{raw_dir}: raw source folder missing (run `dvc repro fetch@{src}`)")
         mod = modules[src] = source_module(src)
         rec = mod.read_records(raw_dir, None)
+        names = source_classes(mod, raw_dir)
+        classes = classes or names  # the first source's class list is the dataset's unless the kind has its own
+        rec = to_dataset_classes(rec, names, classes, params.kind)
         rec["source"] = src
         frames.append(rec)
     records = pd.concat(frames, ignore_index=True)
@@ -287,16 +325,12 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
 
     good = kept[ok].reset_index(drop=True)
     table = good.rename(columns={"path": "source_path"})[["id", "domain", "label", "original_label", "group", "view", "source_path", "subset"]]
-    first = modules[params.source_list[0]]
-    if hasattr(first, "classes"):  # the class list the distribution carries (CIFAR's meta files, EMNIST's mapping)
-        classes = list(first.classes(raw_root / params.source_list[0]))
-    else:
-        classes = list(getattr(first, "CLASSES", [str(d) for d in range(10)]))
     tasks = {
         "digits5": "10 digit classes", "office_caltech10": "10 object classes", "pacs": "7 object classes",
         "domainnet10": "the 10-class DomainNet subset", "cifar10": "10 object classes", "cifar100": "100 object classes",
         "fmnist": "10 clothing classes", "emnist": "62 character classes (ByClass: digits, upper- and lower-case letters)",
-        "cinic10": "10 object classes (CIFAR-10's)",
+        "cinic10": "10 object classes (CIFAR-10's)", "digit10": "10 digit classes (EMNIST: its digits only)",
+        "office31": "31 office object classes",
     }
     return write_dataset(
         Path(out_dir), table, [img for img, _ in results if img is not None], excluded, quarantine,

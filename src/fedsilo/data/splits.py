@@ -310,7 +310,9 @@ def domain_incremental(records: pd.DataFrame, params: DomainIncrementalSplit, se
 def _cut_by_shares(pool: pd.DataFrame, shares: dict[int, np.ndarray], n: int, rng: np.random.Generator) -> list[list[int]]:
     parts: list[list[int]] = [[] for _ in range(n)]
     for c, p in shares.items():
-        idx = rng.permutation(pool.index[pool["label"] == c].to_numpy(copy=True))  # pandas may hand out a read-only view
+        # a copy: pandas' copy-on-write hands out read-only arrays, and numpy refuses to permute an empty read-only
+        # one (a class with no image on one side of a pooled domain, e.g. an Office-31 class in a small test pool)
+        idx = rng.permutation(pool.index[pool["label"] == c].to_numpy(copy=True))
         for j, chunk in enumerate(_cut(idx, p)):
             parts[j].extend(int(i) for i in chunk)
     return parts

@@ -7,7 +7,7 @@ MNIST strokes blended over colour texture. Object benchmarks draw one class-spec
 square, triangle, ...) in a domain-specific rendering: product photo on white (amazon), cluttered scene
 (caltech), soft high-resolution photo (dslr), noisy colour-cast webcam, flat cartoon with outlines, line sketch,
 blurred painting with brush strokes, infographic with text bars, quickdraw scribble. The class is learnable from
-the shape; the domain shifts the pixel statistics.
+the shape (Office-31's 31 classes: the shape and a hue band); the domain shifts the pixel statistics.
 
 Every writer is deterministic in ``MirrorParams.seed`` and writes ``per_class`` images per class, domain and official
 subset.
@@ -215,12 +215,14 @@ def _shape_mask(rng: np.random.Generator, k: int, size: int) -> np.ndarray:
     return m
 
 
-def object_image(style: str, rng: np.random.Generator, k: int, size: int) -> np.ndarray:
-    """uint8 RGB size x size image of shape class ``k`` rendered in ``style``."""
+def object_image(style: str, rng: np.random.Generator, k: int, size: int, color: np.ndarray | None = None) -> np.ndarray:
+    """uint8 RGB size x size image of shape class ``k`` rendered in ``style``; the object's colour is random unless
+    ``color`` (RGB in [0, 1]) is given."""
     mask = _shape_mask(rng, k, size)
     fm = mask.astype(np.float32)[..., None] / 255.0
     edge = cv2.morphologyEx(mask, cv2.MORPH_GRADIENT, np.ones((3, 3), np.uint8)).astype(np.float32)[..., None] / 255.0
-    color = rng.uniform(0.1, 0.9, 3).astype(np.float32)
+    drawn = rng.uniform(0.1, 0.9, 3).astype(np.float32)  # drawn either way: the other mirrors' streams stay as they were
+    color = drawn if color is None else np.asarray(color, np.float32)
     if style in ("sketch", "quickdraw"):
         thick = 1 if style == "sketch" else 2
         line = cv2.dilate((edge[..., 0] * 255).astype(np.uint8), np.ones((thick, thick), np.uint8)).astype(np.float32) / 255.0
@@ -294,6 +296,27 @@ def write_office_caltech10(out: Path, p: MirrorParams) -> None:
                 _save(out / "images" / folder / cls / name, object_image(domain, rng, k, p.image_px))
 
 
+def office31_colour(rng: np.random.Generator, k: int) -> np.ndarray:
+    """Office-31 has more classes than the mirror has shapes: class ``k`` is shape ``k % 10`` in hue band ``k // 10``
+    (four bands; saturated, so a domain's colour cast does not move a hue into the next band)."""
+    import colorsys
+
+    hue = ((k // 10) + rng.uniform(0.2, 0.8)) / 4.0
+    return np.array(colorsys.hsv_to_rgb(hue, rng.uniform(0.75, 1.0), rng.uniform(0.6, 0.9)), np.float32)
+
+
+def write_office31(out: Path, p: MirrorParams) -> None:
+    """``domain_adaptation_images.tar.gz`` unpacked: ``<amazon|dslr|webcam>/images/<class>/frame_NNNN.jpg``."""
+    from fedsilo.data.sources.office31 import CLASSES, DOMAINS
+
+    for domain in DOMAINS:
+        rng = _rng("office31", p.seed, domain)
+        for k, cls in enumerate(CLASSES):
+            for i in range(p.per_class):
+                img = object_image(domain, rng, k % 10, p.image_px, office31_colour(rng, k))
+                _save(out / domain / "images" / cls / f"frame_{i + 1:04d}.jpg", img)
+
+
 def write_pacs(out: Path, p: MirrorParams) -> None:
     """``PACS/kfold/<domain>/<class>/<file>`` (sketches as PNG) with the official ``pacs_label/*_kfold.txt`` lists."""
     from fedsilo.data.sources.pacs import CLASSES, DOMAINS
@@ -346,4 +369,5 @@ WRITERS: dict[str, Callable[[Path, MirrorParams], None]] = {
     "office_caltech10": write_office_caltech10,
     "pacs": write_pacs,
     "domainnet": write_domainnet,
+    "office31": write_office31,
 }

@@ -17,6 +17,7 @@ from fedsilo.data.sources import (
     fmnist,
     mnist,
     mnist_m,
+    office31,
     office_caltech10,
     openi,
     pacs,
@@ -40,6 +41,7 @@ SOURCES: dict[str, ModuleType] = {
     "office_caltech10": office_caltech10,
     "pacs": pacs,
     "domainnet": domainnet,
+    "office31": office31,  # pFedDIL's Office-31 stream
     # single-domain datasets (FedeCouple's and CD2-pFed's tables), split by label skew
     "cifar10": cifar10,
     "cifar100": cifar100,

@@ -73,6 +73,12 @@ def find_dirs(root: Path, aliases: dict[str, str], must_contain_dirs: bool = Tru
     return found
 
 
+def class_root(domain_dir: Path) -> Path:
+    """The folder that holds a domain's class folders: ``<domain>/images/`` in Office-31's layout, else the domain
+    folder itself."""
+    return domain_dir / "images" if (domain_dir / "images").is_dir() else domain_dir
+
+
 def class_folder_records(
     domain_dir: Path,
     raw_dir: Path,
@@ -86,7 +92,7 @@ def class_folder_records(
     canonical class); an unknown class folder is an error naming it."""
     rows: list[dict] = []
     index = {c: i for i, c in enumerate(classes)}
-    base = domain_dir / "images" if (domain_dir / "images").is_dir() else domain_dir  # Office-31: <domain>/images/<class>
+    base = class_root(domain_dir)
     for cdir in sorted(p for p in base.iterdir() if p.is_dir() and not is_hidden(p.name)):
         canon = class_aliases.get(norm_name(cdir.name))
         if canon is None:
