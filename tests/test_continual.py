@@ -272,3 +272,13 @@ def test_train_stage_runs_a_hospital_stream_and_the_report_prints_the_papers_tab
     client = mlflow.tracking.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("stream").experiment_id], "tags.method = 'pfeddil'")[0]
     assert {"final.avg_acc", "final.acc_after.VinBigData", "task_acc.CheXpert"} <= set(run.data.metrics)
+
+
+def test_a_stream_only_method_is_refused_on_static_clients():
+    from fedsilo.fl.engine import Engine
+    from tests.tiny import style_shifted_federation
+
+    for name in ("pfeddil", "source_only", "disjoint", "multihead", "dann"):
+        cls = REGISTRY[name]
+        with pytest.raises(ConfigError, match=f"methods.{name}: {name} learns a stream of domain tasks only"):
+            Engine(cls(cls.params_cls(), _train()), tiny_net(1, 4), style_shifted_federation(), _train(), 0)

@@ -179,7 +179,7 @@ def run_bench(
     from fedsilo.methods import REGISTRY
 
     if "all" in methods:
-        methods = tuple(m for m in REGISTRY if m != "single")
+        methods = tuple(m for m, cls in REGISTRY.items() if m != "single" and not cls.stream_only)  # bench runs static clients
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     cfg = TrainParams(
         model=model, rounds=warmup + rounds, local_epochs=local_epochs, batch_size=batch_size, lr=0.01, momentum=0.0,

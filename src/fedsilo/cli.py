@@ -123,8 +123,13 @@ def _report(args: argparse.Namespace) -> None:
         if exp not in p.experiments:
             raise ConfigError(f"experiments.{exp}: not defined in {args.params}")
         if p.experiments[exp].split.protocol == "domain_incremental":  # a task stream: pFedDIL's tables
-            made.update(build_stream_report(layout.results(exp), exp, list(p.experiment_methods(exp)), list(p.pipeline.seeds),
-                                            layout.report(exp), published=p.experiments[exp].published, repo=Path(args.root)))
+            ms = list(p.experiment_methods(exp))
+            # Delta's reference: the pFedDIL entry with every module on (not an ablation)
+            full = [m for m in ms if (p.methods[m] or {}).get("method", m) == "pfeddil"
+                    and all((p.methods[m] or {}).get(k, True) for k in ("migration", "share_extractor", "correlation"))]
+            made.update(build_stream_report(layout.results(exp), exp, ms, list(p.pipeline.seeds), layout.report(exp),
+                                            published=p.experiments[exp].published, repo=Path(args.root),
+                                            reference=full[0] if full else None))
             continue
         made.update(build_report(layout.results(exp), exp, list(p.experiment_methods(exp)), list(p.pipeline.seeds),
                                  layout.report(exp), published=p.experiments[exp].published, method_entries=p.methods,

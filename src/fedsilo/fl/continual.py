@@ -38,6 +38,8 @@ from fedsilo.fl.engine import Engine
 
 
 class ContinualEngine(Engine):
+    stream = True
+
     def __init__(self, method, model, tasks: list[list[ClientData]], task_names: list[str], train, seed: int, **kw: Any):
         if not type(method).task_stream:
             raise ConfigError(

@@ -28,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fedsilo.client.data import ClientData, to_float
 from fedsilo.client.features import covariance_spectrum
 from fedsilo.client.local import evaluate, make_generator, predict, score, use_channels_last
-from fedsilo.config import TrainParams
+from fedsilo.config import ConfigError, TrainParams
 from fedsilo.methods.base import Method, State, payload_bytes
 from fedsilo.utils.io import atomic_file
 
@@ -55,6 +55,7 @@ def read_only(payload: State) -> State:
 
 
 class Engine:
+    stream = False  # the continual engine (fl/continual.py) runs task streams
     def __init__(
         self,
         method: Method,
@@ -69,6 +70,9 @@ class Engine:
         meta: Optional[dict[str, Any]] = None,
         external: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ):
+        if type(method).stream_only and not self.stream:
+            raise ConfigError(f"methods.{method.key}: {method.name} learns a stream of domain tasks only; train it on a "
+                              "domain_incremental split")
         self.method, self.model, self.clients, self.train = method, model, clients, train
         self.external = external  # (uint8 images, labels) of a site that never trains: the external test
         self.seed, self.checkpoint, self.config_hash = seed, checkpoint, config_hash

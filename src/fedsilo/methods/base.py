@@ -44,6 +44,9 @@ class Method:
     # True for a method that can learn a stream of domain tasks (a ``domain_incremental`` split): it either knows the
     # stream (pFedDIL, Disjoint, ...) or is the plain fine-tuning the continual papers compare with (FedAvg, FedProx)
     task_stream: ClassVar[bool] = False
+    # True for a method defined on a stream only (pFedDIL, Source-only, Disjoint, Sharing, DANN + FL): the per-round
+    # engine of static clients refuses it
+    stream_only: ClassVar[bool] = False
 
     def __init__(self, params: MethodParams, train: TrainParams, key: Optional[str] = None):
         self.params = params

@@ -124,6 +124,7 @@ class DANN(Method):
     params_cls = DANNParams
     params: DANNParams
     task_stream = True
+    stream_only = True
 
     # ------------------------------------------------------------------ structure
     def setup(self, model: LayeredNet) -> None:

@@ -21,6 +21,7 @@ class Disjoint(Method):
     name = "disjoint"
     params_cls = MethodParams
     task_stream = True
+    stream_only = True
 
     def setup(self, model: LayeredNet) -> None:
         # every task's starting point: the seeded initialisation (setup sees it again on a resumed run)

@@ -22,6 +22,7 @@ class MultiHead(Method):
     name = "multihead"
     params_cls = MethodParams
     task_stream = True
+    stream_only = True
 
     def setup(self, model: LayeredNet) -> None:
         self.head = set(head_keys(model))

@@ -72,6 +72,7 @@ class PFedDIL(Method):
     params_cls = PFedDILParams
     params: PFedDILParams
     task_stream = True
+    stream_only = True
 
     # ------------------------------------------------------------------ structure
     def setup(self, model: LayeredNet) -> None:

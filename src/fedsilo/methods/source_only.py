@@ -15,6 +15,7 @@ class SourceOnly(FedAvg):
     name = "source_only"
     params_cls = MethodParams
     task_stream = True
+    stream_only = True
 
     def download(self, server, client, rnd):
         return super().download(server, client, rnd) if self.task == 0 else {}

@@ -3,7 +3,8 @@
 
 - ``<experiment>_stream.{md,csv}``: a row per method; a column per task in stream order holding the accuracy after
   learning that task (the mean over every task seen so far: the numbers pFedDIL's Tables 1-3 print under each domain),
-  then Avg (their mean), Delta (the pFedDIL row's Avg minus this row's, as the paper's last column), forgetting, and
+  then Avg (their mean), Delta (the reference row's Avg minus this row's, as the paper's last column: the pFedDIL
+  row the CLI picks, the registered method with every module on), forgetting, and
   the final accuracy; mean +- std over seeds (n = 1: the value alone);
 - ``<experiment>_matrix.md``: each method's accuracy matrix, after task t (rows) on task j (columns), mean over seeds;
 - ``<experiment>_cost.{md,csv}``: training seconds per round (pFedDIL Table 4, measured here), rounds to the best
@@ -27,7 +28,6 @@ import pandas as pd
 from fedsilo.report import ReportError, _line_figure, _pm, load_published, over_seeds
 from fedsilo.utils.io import atomic_dir, read_json
 
-REFERENCE = "pfeddil"  # the row Delta is measured against, when it was run
 
 
 def collect_stream(results: Path, methods: list[str], seeds: list[int]) -> tuple[dict[tuple[str, int], dict], dict[tuple[str, int], list]]:
@@ -45,7 +45,7 @@ def collect_stream(results: Path, methods: list[str], seeds: list[int]) -> tuple
     return metrics, histories
 
 
-def stream_table(metrics: dict, methods: list[str], seeds: list[int]) -> pd.DataFrame:
+def stream_table(metrics: dict, methods: list[str], seeds: list[int], reference: str | None = None) -> pd.DataFrame:
     """Columns (stat, column): mean and std over seeds of the accuracy (%) after each task, Avg, Delta, forgetting, final."""
     tasks = metrics[(methods[0], seeds[0])]["tasks"]
     rows = []
@@ -56,8 +56,8 @@ def stream_table(metrics: dict, methods: list[str], seeds: list[int]) -> pd.Data
                    "forgetting": 100 * met["forgetting"] if met.get("forgetting") is not None else np.nan, "final": 100 * met["final_acc"]}
             rows.append(row)
     df = pd.DataFrame(rows)
-    if REFERENCE in methods:
-        ref = df[df["method"] == REFERENCE].set_index("seed")["Avg"]
+    if reference in methods:
+        ref = df[df["method"] == reference].set_index("seed")["Avg"]
         df["Delta"] = df.apply(lambda r: ref.get(r["seed"], np.nan) - r["Avg"], axis=1)
     else:
         df["Delta"] = np.nan
@@ -67,12 +67,12 @@ def stream_table(metrics: dict, methods: list[str], seeds: list[int]) -> pd.Data
     return pd.concat({"mean": g.mean().reindex(methods), "std": std.reindex(methods)}, axis=1)
 
 
-def stream_markdown(tab: pd.DataFrame, title: str) -> str:
+def stream_markdown(tab: pd.DataFrame, title: str, reference: str | None = None) -> str:
     cols = list(tab["mean"].columns)
     tasks = cols[: cols.index("Avg")]
     head = " → ".join(tasks)
     lines = [f"### {title}", "", f"Accuracy (%) after learning each task, over every task seen so far ({head}); Avg = their mean; "
-             f"Delta = {REFERENCE}'s Avg minus the row's; forgetting = best accuracy of a task at the end of a task minus its final "
+             (f"Delta = {reference}'s Avg minus the row's; " if reference else "") + "forgetting = best accuracy of a task at the end of a task minus its final "
              "accuracy, mean over all tasks but the last.", "",
              "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for m in tab.index:
@@ -142,15 +142,16 @@ def stream_versus_paper(tab: pd.DataFrame, published: dict[str, Any]) -> pd.Data
 
 
 def build_stream_report(results: Path, experiment: str, methods: list[str], seeds: list[int], out_dir: Path,
-                        published: str | None = None, repo: Path = Path(".")) -> dict[str, Any]:
+                        published: str | None = None, repo: Path = Path("."), reference: str | None = None) -> dict[str, Any]:
+    """``reference``: the method Delta is measured against (the pFedDIL row; none: Delta left empty)."""
     from fedsilo.report import versus_markdown
 
     metrics, histories = collect_stream(results, methods, seeds)
-    tab = stream_table(metrics, methods, seeds)
+    tab = stream_table(metrics, methods, seeds, reference)
     per_task = metrics[(methods[0], seeds[0])]["rounds_per_task"]
     figs: list[str] = []
     with atomic_dir(out_dir) as tmp:
-        md = stream_markdown(tab, f"{experiment}: accuracy along the stream, {over_seeds(seeds)}")
+        md = stream_markdown(tab, f"{experiment}: accuracy along the stream, {over_seeds(seeds)}", reference)
         (tmp / f"{experiment}_stream.md").write_text(md)
         flat = tab.copy()
         flat.columns = [f"{c}_{stat}" for stat, c in flat.columns]
