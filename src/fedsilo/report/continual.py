@@ -71,10 +71,10 @@ def stream_markdown(tab: pd.DataFrame, title: str, reference: str | None = None)
     cols = list(tab["mean"].columns)
     tasks = cols[: cols.index("Avg")]
     head = " → ".join(tasks)
-    lines = [f"### {title}", "", f"Accuracy (%) after learning each task, over every task seen so far ({head}); Avg = their mean; "
-             (f"Delta = {reference}'s Avg minus the row's; " if reference else "") + "forgetting = best accuracy of a task at the end of a task minus its final "
-             "accuracy, mean over all tasks but the last.", "",
-             "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    delta = f"Delta = {reference}'s Avg minus the row's; " if reference else ""
+    intro = (f"Accuracy (%) after learning each task, over every task seen so far ({head}); Avg = their mean; {delta}forgetting = "
+             "best accuracy of a task at the end of a task minus its final accuracy, mean over all tasks but the last.")
+    lines = [f"### {title}", "", intro, "", "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for m in tab.index:
         cells = []
         for c in cols:
