@@ -35,12 +35,13 @@ from fedsilo.methods.fpl import FPL
 from fedsilo.methods.lgfedavg import LGFedAvg
 from fedsilo.methods.moon import MOON
 from fedsilo.methods.pfeddb import PFedDB
+from fedsilo.methods.pfeddr import PFedDR
 from fedsilo.methods.pfedsd import PFedSD
 from fedsilo.methods.single import Single
 
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
-    for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedSD, FedLGF, FedWon, PFedDB, F2DC, MOON, FedHEAL, FPL, FedTGP, FedSA, FedRCL, FDSE, FedRep, LGFedAvg, FedBABU, FedeCouple, CD2PFed, FedPAC)
+    for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedSD, FedLGF, FedWon, PFedDR, PFedDB, F2DC, MOON, FedHEAL, FPL, FedTGP, FedSA, FedRCL, FDSE, FedRep, LGFedAvg, FedBABU, FedeCouple, CD2PFed, FedPAC)
 }
 
 
