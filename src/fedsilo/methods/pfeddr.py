@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
-from typing import Any, Iterator, Literal, Optional, Union
+from typing import Annotated, Any, Iterator, Literal, Optional, Union
 
 import torch
 from pydantic import Field, TypeAdapter, ValidationError, field_validator
@@ -124,29 +124,21 @@ def code_divergence(o_g: torch.Tensor, o_l: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------------- params
 _BACKBONES = tuple(MODELS)
-_SCALARS = {
-    "alpha": TypeAdapter(float),
-    "beta": TypeAdapter(float),
+_VALUE = {  # what one value of each field may be (booleans for numbers are refused by Strict before this runs)
+    "alpha": TypeAdapter(Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]),
+    "beta": TypeAdapter(Annotated[float, Field(ge=0, allow_inf_nan=False)]),
     "ce_sum": TypeAdapter(bool),
-    "momentum": TypeAdapter(Optional[float]),
-    "rounds": TypeAdapter(Optional[int]),
+    "momentum": TypeAdapter(Optional[Annotated[float, Field(ge=0, lt=1)]]),
+    "rounds": TypeAdapter(Optional[Annotated[int, Field(ge=1)]]),
 }
-_BOUNDS = {"alpha": (0, 1, True), "beta": (0, None, True), "momentum": (0, 1, False), "rounds": (1, None, True)}
 
 
-def _scalar(field: str, value: Any, where: Optional[str]) -> Any:
-    ctx = {"field": where} if where else {}
-    if isinstance(value, bool) and field != "ce_sum":
-        raise PydanticCustomError("bool_for_number", "expected a number, got a boolean", ctx)
+def _value(field: str, value: Any, backbone: Optional[str]) -> Any:
+    """One value of ``field``; an error names ``field.<backbone>`` when it sits in a mapping."""
     try:
-        v = _SCALARS[field].validate_python(value)
+        return _VALUE[field].validate_python(value)
     except ValidationError as err:
-        raise PydanticCustomError("per_backbone", err.errors()[0]["msg"], ctx) from None
-    lo, hi, hi_closed = _BOUNDS.get(field, (None, None, True))
-    if v is not None and ((lo is not None and v < lo) or (hi is not None and (v > hi or (v == hi and not hi_closed)))):
-        span = f"in [{lo}, {hi}{']' if hi_closed else ')'}" if hi is not None else f">= {lo}"
-        raise PydanticCustomError("per_backbone", f"must be {span}, got {v}", ctx)
-    return v
+        raise PydanticCustomError("per_backbone", err.errors()[0]["msg"], {"field": backbone} if backbone else {}) from None
 
 
 class PFedDRParams(MethodParams):
@@ -173,8 +165,8 @@ class PFedDRParams(MethodParams):
             for k in value:
                 if k not in _BACKBONES:
                     raise PydanticCustomError("per_backbone", f"unknown backbone (known: {', '.join(_BACKBONES)})", {"field": str(k)})
-            return {k: _scalar(info.field_name, v, k) for k, v in value.items()}
-        return _scalar(info.field_name, value, None)
+            return {k: _value(info.field_name, v, k) for k, v in value.items()}
+        return _value(info.field_name, value, None)
 
 
 # ---------------------------------------------------------------------------------------------------------- method
