@@ -39,13 +39,14 @@ from fedsilo.methods.moon import MOON
 from fedsilo.methods.multihead import MultiHead
 from fedsilo.methods.pfeddb import PFedDB
 from fedsilo.methods.pfeddil import PFedDIL
+from fedsilo.methods.pfeddr import PFedDR
 from fedsilo.methods.pfedsd import PFedSD
 from fedsilo.methods.single import Single
 from fedsilo.methods.source_only import SourceOnly
 
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
-    for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedSD, FedLGF, FedWon, PFedDB, F2DC, MOON, FedHEAL, FPL, FedTGP, FedSA, FedRCL, FDSE, FedRep, LGFedAvg, FedBABU, FedeCouple, CD2PFed, FedPAC,
+    for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedSD, FedLGF, FedWon, PFedDR, PFedDB, F2DC, MOON, FedHEAL, FPL, FedTGP, FedSA, FedRCL, FDSE, FedRep, LGFedAvg, FedBABU, FedeCouple, CD2PFed, FedPAC,
                 PFedDIL, SourceOnly, Disjoint, MultiHead, DANN)
 }
 
