@@ -278,7 +278,7 @@ def test_a_stream_only_method_is_refused_on_static_clients():
     from fedsilo.fl.engine import Engine
     from tests.tiny import style_shifted_federation
 
-    for name in ("pfeddil", "source_only", "disjoint", "multihead", "dann"):
+    for name in ("pfeddil", "source_only", "disjoint", "multihead", "dann", "fedcil"):
         cls = REGISTRY[name]
         with pytest.raises(ConfigError, match=f"methods.{name}: {name} learns a stream of domain tasks only"):
             Engine(cls(cls.params_cls(), _train()), tiny_net(1, 4), style_shifted_federation(), _train(), 0)

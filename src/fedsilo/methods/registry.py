@@ -22,6 +22,7 @@ from fedsilo.methods.fdse import FDSE
 from fedsilo.methods.fedavg import FedAvg
 from fedsilo.methods.fedbabu import FedBABU
 from fedsilo.methods.fedbn import FedBN
+from fedsilo.methods.fedcil import FedCIL
 from fedsilo.methods.fedecouple import FedeCouple
 from fedsilo.methods.fedheal import FedHEAL
 from fedsilo.methods.fedlgf import FedLGF
@@ -47,7 +48,7 @@ from fedsilo.methods.source_only import SourceOnly
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
     for cls in (Single, FedAvg, FedProx, FedBN, FedPer, Ditto, PFedSD, FedLGF, FedWon, PFedDR, PFedDB, F2DC, MOON, FedHEAL, FPL, FedTGP, FedSA, FedRCL, FDSE, FedRep, LGFedAvg, FedBABU, FedeCouple, CD2PFed, FedPAC,
-                PFedDIL, SourceOnly, Disjoint, MultiHead, DANN)
+                PFedDIL, SourceOnly, Disjoint, MultiHead, DANN, FedCIL)
 }
 
 

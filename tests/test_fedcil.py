@@ -1,0 +1,207 @@
+"""FedCIL (methods/fedcil.py) on the task stream: ACGAN generative replay of earlier tasks from the second task on,
+the server's model consolidation from synthetic data only, consistency enforcement, what travels and its bytes."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fedsilo.client.data import ClientData
+from fedsilo.config import TrainParams
+from fedsilo.fl.continual import ContinualEngine, continual_summary
+from fedsilo.methods.base import RunningMean, payload_bytes
+from fedsilo.methods.continual import take
+from fedsilo.methods.fedcil import PREV, ACGANGenerator, FedCIL, running_stats_frozen
+from fedsilo.methods.registry import REGISTRY
+from tests.tiny import style_stream, tiny_net
+
+NAMES = ["S0", "S1", "S2"]
+SMALL = {"gen_channels": 8, "md_iter": 2, "gen_batch": 8, "lr": 2e-3}
+
+
+def _train(**kw) -> TrainParams:
+    base = {"rounds": 2, "local_epochs": 1, "batch_size": 16, "lr": 0.05, "count_flops": False, "device": "cpu"}
+    return TrainParams(**{**base, **kw})
+
+
+def _engine(train: TrainParams | None = None, checkpoint=None, observer=None, **params) -> ContinualEngine:
+    train = train or _train()
+    method = FedCIL(FedCIL.params_cls(**{**SMALL, **params}), train)
+    return ContinualEngine(method, tiny_net(1, 4), style_stream(domains=3), list(NAMES), train, 0,
+                           checkpoint=checkpoint, config_hash="h", observer=observer)
+
+
+def _weights(server) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in server.items() if not k.startswith(("labels", "prev"))}
+
+
+def test_fedcil_is_a_registered_stream_method_with_the_authors_defaults():
+    assert REGISTRY["fedcil"] is FedCIL and FedCIL.task_stream
+    p = FedCIL.params_cls()
+    assert (p.lr, p.beta1, p.beta2, p.weight_decay) == (1e-4, 0.5, 0.99, 1e-5)  # main.py's Adam defaults
+    assert (p.md_iter, p.gen_batch, p.importance, p.noise_dim, p.gen_channels) == (100, 32, 0.5, 100, 64)
+
+
+def test_the_generator_is_the_authors_and_draws_at_the_data_size():
+    # the authors' Generator(z_size=110, image_size=32, image_channel_size=1, channel_size=64), counted by hand:
+    # fc 110*8192+8192, deconvs 512*256*16+256, 256*128*16+128, 128*64*16+64, 64*1*9+1, BN 2*(512+256+128+64)
+    g = ACGANGenerator(10, 100, 1, (32, 32))
+    assert sum(p.numel() for p in g.parameters()) == 3_664_769
+    for side, drawn in ((16, 16), (28, 32), (32, 32), (64, 32)):
+        g = ACGANGenerator(4, 100, 3, (side, side), c=8)
+        with torch.no_grad():
+            x = g(torch.randn(5, 104))
+        assert g.draw == (drawn, drawn) and x.shape == (5, 3, side, side)
+        assert float(x.abs().max()) <= 1.0  # tanh: the images' [-1, 1] range
+
+
+def test_replay_draws_the_previous_global_generator_from_the_second_task_on():
+    downs: list[tuple[int, str, bool]] = []
+
+    def observer(rnd, name, way, payload):
+        if way == "down":
+            downs.append((rnd, name, any(k.startswith(PREV) for k in payload)))
+
+    e = _engine(observer=observer)
+    logs, gens, prevs, stores = {}, {}, {}, {}
+    while e.round < e.total_rounds:
+        e.step()
+        logs[e.round] = dict(e.method.batch_log)
+        # the server's consolidation: md_iter batches of gen_batch stand-ins, and as many replayed images from task 1 on
+        assert e.method.server_log == {"synthetic": 2 * 8, "replay": 0 if e.round <= 2 else 2 * 8}
+        gens[e.round] = {k: v.clone() for k, v in take(e.server, "gen.").items()}
+        prevs[e.round] = {k: v.clone() for k, v in take(e.server, PREV).items()}
+        stores[e.round] = [{k: v.clone() for k, v in take(s, PREV).items()} for s in e.stores]
+    for rnd, log in logs.items():
+        for c in log.values():
+            # task 0 (rounds 1-2): the real batches only; then one replayed image per real one, every batch
+            assert c["real"] == 40 and c["replay"] == (0 if rnd <= 2 else 40)
+    same = lambda a, b: a.keys() == b.keys() and all(torch.equal(v, b[k]) for k, v in a.items())  # noqa: E731
+    # G^{t-1} is the global generator at the end of the previous task, frozen through the task; every client holds
+    # it, received once per task at its first round of the task
+    assert not prevs[2] and not any(stores[2])
+    for rnd, end in ((3, 2), (4, 2), (5, 4), (6, 4)):
+        assert same(prevs[rnd], gens[end]) and all(same(s, gens[end]) for s in stores[rnd])
+    assert not same(gens[3], gens[2])
+    assert [(r, sent) for r, _, sent in downs] == [(r, r in (3, 5)) for r in range(1, 7) for _ in range(3)]
+
+
+def test_without_replay_the_first_task_is_the_same_and_the_second_differs():
+    on, off = _engine(), _engine(replay=False)
+    for _ in range(2):
+        on.step()
+        off.step()
+    assert all(torch.equal(v, off.server[k]) for k, v in _weights(on.server).items())
+    on.step()
+    off.step()
+    assert all(c["replay"] == 0 for c in off.method.batch_log.values()) and not any(take(s, PREV) for s in off.stores)
+    key = "units.2.2.weight"  # the auxiliary classifier D_c
+    assert not torch.equal(on.server[key], off.server[key])
+
+
+def test_consistency_from_a_tasks_second_round_and_it_changes_training():
+    on, off = _engine(), _engine(consistency_weight=0.0)
+    for rnd in range(1, 4):
+        on.step()
+        off.step()
+        assert all(c["consistency"] == (120 if rnd == 2 else 0) for c in on.method.batch_log.values())
+        assert all(c["consistency"] == 0 for c in off.method.batch_log.values())
+        same = all(torch.equal(v, off.server[k]) for k, v in _weights(on.server).items())
+        assert same == (rnd == 1)  # round 1 has no consistency term, round 2 has
+
+
+def test_consolidation_changes_the_global_model_from_synthetic_data_only():
+    ups: dict[str, dict[str, torch.Tensor]] = {}
+
+    def observer(rnd, name, way, payload):
+        if way == "up":
+            ups[name] = payload
+
+    e = _engine(observer=observer, md_iter=3)
+    before = {k: v.clone() for k, v in e.server.items()}
+    e.step()
+    clients = e.tasks[0]
+    uploads = [(c, ups[c.name]) for c in clients]
+    # what reached the server: weights and a presence vector of classes per client, no image
+    for _, up in uploads:
+        assert up["labels"].dtype == torch.uint8 and up["labels"].shape == (4,) and set(up["labels"].tolist()) <= {0, 1}
+        assert all(k == "labels" or k.startswith(("units.", "gen.", "rf.")) for k in up)
+    mean = RunningMean()
+    for c, up in uploads:
+        mean.add(c.n_train, {k: v for k, v in up.items() if k != "labels"})
+    mean = mean.result()
+    # the consolidation moved the FedAvg mean (weights of trunk, classifier, real/fake head and generator) ...
+    assert not torch.equal(e.server["units.2.2.weight"], mean["units.2.2.weight"])
+    assert not torch.equal(e.server["gen.fc.weight"], mean["gen.fc.weight"])
+    # ... but not the BatchNorm statistics, which stay the clients' mean (it has no data)
+    assert torch.equal(e.server["units.0.1.running_mean"], mean["units.0.1.running_mean"])
+    assert torch.equal(e.server["labels_now"], uploads[0][1]["labels"] | uploads[1][1]["labels"] | uploads[2][1]["labels"])
+    # the server's result is a function of the uploads: clients with other images give the very same global model
+    blank = [(ClientData(c.index, c.name, torch.zeros_like(c.x_train), c.y_train, c.x_test, c.y_test, c.domain), up) for c, up in uploads]
+    noise = [(ClientData(c.index, c.name, torch.randint_like(c.x_train, 256), c.y_train, c.x_test, c.y_test, c.domain), up) for c, up in uploads]
+    for fake in (blank, noise):
+        again = e.method.aggregate(before, fake, 1)
+        assert all(torch.equal(v, again[k]) for k, v in e.server.items())
+    # and without consolidation the server's model is the plain FedAvg mean
+    e.method.params = e.method.params.model_copy(update={"md_iter": 0})
+    plain = e.method.aggregate(before, uploads, 1)
+    assert all(torch.equal(v, plain[k]) for k, v in mean.items())
+
+
+def test_uploads_hold_only_shared_keys_and_bytes_are_the_tensors_moved():
+    moved: dict[str, int] = {}
+    seen_keys: set[str] = set()
+
+    def observer(rnd, name, way, payload):
+        if way == "up":
+            seen_keys.update(payload)
+        moved[way] = moved.get(way, 0) + payload_bytes(payload)
+
+    e = _engine(observer=observer)
+    shared = set(e.model.state_dict()) | {"rf." + k for k in e.method.rf.state_dict()} | {"gen." + k for k in e.method.gen.state_dict()}
+    hist = e.run()
+    assert seen_keys == shared | {"labels"}
+    assert not seen_keys & e.method.private_keys(e.model)
+    assert moved["up"] == sum(h["bytes_up_total"] for h in hist)
+    assert moved["down"] == sum(h["bytes_down_total"] for h in hist)
+    acgan = payload_bytes({k: v for k, v in e.server.items() if k in shared})
+    assert all(v == acgan + 4 for h in hist for v in h["bytes_up"].values())  # the ACGAN and 4 one-byte labels
+    prev = payload_bytes(take(e.server, PREV))
+    for h in hist:  # the ACGAN, two label sets, and G^{t-1} at a client's first round of tasks 1 and 2
+        assert all(v == acgan + 8 + (prev if h["round"] in (3, 5) else 0) for v in h["bytes_down"].values())
+
+
+def test_bn_running_statistics_move_with_data_batches_only():
+    net = tiny_net(1, 4)
+    net.train()
+    bn = net.units[0][1]
+    start = bn.running_mean.clone()
+    with running_stats_frozen(net):
+        out = net(torch.randn(8, 1, 16, 16))
+    assert torch.equal(bn.running_mean, start) and bn.track_running_stats and torch.isfinite(out).all()
+    net(torch.randn(8, 1, 16, 16))
+    assert not torch.equal(bn.running_mean, start)
+
+
+def test_a_three_task_stream_runs_end_to_end_with_finite_metrics():
+    e = _engine(train=_train(client_fraction=0.67))
+    hist = e.run()
+    s = continual_summary(hist, NAMES, 2)
+    assert [len(r) for r in s["accuracy_matrix"]] == [1, 2, 3]
+    assert all(math.isfinite(a) for row in s["accuracy_matrix"] for a in row)
+    assert math.isfinite(s["avg_acc"]) and math.isfinite(s["forgetting"])
+    assert all(math.isfinite(v) for h in hist for v in h["train_loss"].values())
+    assert e.method.resolved()["generator_draw_side"] == [16, 16]
+
+
+def test_a_run_killed_mid_task_resumes_to_the_same_numbers(tmp_path):
+    full = _engine(checkpoint=tmp_path / "a.pt").run()
+    part = _engine(checkpoint=tmp_path / "b.pt")
+    for _ in range(3):
+        part.step()
+    resumed = _engine(checkpoint=tmp_path / "b.pt")
+    assert resumed.round == 3
+    hist = resumed.run()
+    strip = lambda h: [{k: v for k, v in x.items() if k not in ("seconds", "train_seconds")} for x in h]  # noqa: E731
+    assert strip(hist) == strip(full)
