@@ -13,7 +13,7 @@ from fedsilo.fl.continual import ContinualEngine, continual_summary
 from fedsilo.methods.base import payload_bytes
 from fedsilo.methods.continual import take
 from fedsilo.methods.registry import REGISTRY
-from tests.tiny import style_stream, tiny_net
+from tests.tiny import resume_mid_run, style_stream, tiny_net, without_timing
 
 NAMES = ["S0", "S1", "S2"]
 
@@ -73,15 +73,10 @@ def test_a_static_method_is_refused_on_a_stream_naming_the_key():
 
 
 def test_a_run_killed_mid_task_resumes_to_the_same_numbers(tmp_path):
-    full = _engine("pfeddil", checkpoint=tmp_path / "a.pt", lam=0.3).run()
-    part = _engine("pfeddil", checkpoint=tmp_path / "b.pt", lam=0.3)
-    for _ in range(3):  # task 1's first round done, the second not: killed mid-task
-        part.step()
-    resumed = _engine("pfeddil", checkpoint=tmp_path / "b.pt", lam=0.3)
-    assert resumed.round == 3 and resumed.clients is resumed.tasks[1]
-    hist = resumed.run()
-    strip = lambda h: [{k: v for k, v in x.items() if k not in ("seconds", "train_seconds")} for x in h]  # noqa: E731
-    assert strip(hist) == strip(full)
+    # task 1's first round done, the second not: killed mid-task
+    resumed, full = resume_mid_run(lambda ck: _engine("pfeddil", checkpoint=ck, lam=0.3), tmp_path)
+    assert resumed.clients is resumed.tasks[1]
+    assert without_timing(resumed.run()) == without_timing(full)
 
 
 # ---------------------------------------------------------------- baselines
@@ -143,8 +138,8 @@ def test_strategy_reuses_the_best_matching_model_at_or_above_lambda():
     # Eq. 2 by hand for model 1: mean of the auxiliary head's largest probability on the task's images
     e.model.load_state_dict(take(store, "slot1."))
     e.method.aux.load_state_dict(take(store, "aux1."))
-    from fedsilo.methods.continual import head_input
     from fedsilo.client.data import to_float
+    from fedsilo.methods.continual import head_input
 
     e.model.eval()
     e.method.aux.eval()

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from fedsilo.config import TrainParams
-from fedsilo.fl.continual import ContinualEngine, continual_summary
+from fedsilo.fl.continual import ContinualEngine
 from fedsilo.fl.engine import PrivacyViolation
 from fedsilo.methods.base import payload_bytes
 from fedsilo.methods.continual import take
 from fedsilo.methods.dann import adaptation_factor, grad_reverse
 from fedsilo.methods.registry import REGISTRY
-from tests.tiny import style_stream, tiny_net
+from tests.tiny import finite_stream_summary, resume_mid_run, style_stream, tiny_net, without_timing
 
 NAMES = ["S0", "S1", "S2"]
 
@@ -186,21 +186,10 @@ def test_the_first_task_is_fedavg_and_the_domain_loss_acts_from_the_second():
 def test_three_task_stream_end_to_end_with_finite_metrics():
     e = _engine()
     hist = e.run()
-    s = continual_summary(hist, NAMES, 2)
-    assert [len(r) for r in s["accuracy_matrix"]] == [1, 2, 3]
-    assert all(math.isfinite(v) for row in s["accuracy_matrix"] for v in row)
-    assert math.isfinite(s["avg_acc"]) and math.isfinite(s["forgetting"])
-    assert all(math.isfinite(v) for h in hist for v in h["train_loss"].values())
+    finite_stream_summary(hist, NAMES, 2)
     assert e.method.resolved()["disc_params"] == 16 * 8 + 8 + 8 * 2 + 2
 
 
 def test_a_run_killed_mid_task_resumes_to_the_same_numbers(tmp_path):
-    full = _engine(checkpoint=tmp_path / "a.pt").run()
-    part = _engine(checkpoint=tmp_path / "b.pt")
-    for _ in range(3):  # task 1's first round done, the second not
-        part.step()
-    resumed = _engine(checkpoint=tmp_path / "b.pt")
-    assert resumed.round == 3
-    hist = resumed.run()
-    strip = lambda h: [{k: v for k, v in x.items() if k not in ("seconds", "train_seconds")} for x in h]  # noqa: E731
-    assert strip(hist) == strip(full)
+    resumed, full = resume_mid_run(lambda ck: _engine(checkpoint=ck), tmp_path)  # task 1's first round done, the second not
+    assert without_timing(resumed.run()) == without_timing(full)

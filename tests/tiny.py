@@ -93,3 +93,34 @@ def style_stream(n_clients: int = 3, n_train: int = 40, n_test: int = 30, domain
             row.append(ClientData(k, f"C{k}", *parts, domain=f"S{d}"))
         tasks.append(row)
     return tasks
+
+
+def resume_mid_run(make, tmp_path, rounds: int = 3) -> tuple:
+    """A continual run stopped after ``rounds`` rounds (mid-task) and rebuilt from its checkpoint, beside the same run
+    uninterrupted: ``make(checkpoint)`` builds the engine. Returns (the resumed engine, the full run's history)."""
+    full = make(tmp_path / "a.pt").run()
+    part = make(tmp_path / "b.pt")
+    for _ in range(rounds):
+        part.step()
+    resumed = make(tmp_path / "b.pt")
+    assert resumed.round == rounds
+    return resumed, full
+
+
+def without_timing(history: list) -> list:
+    """A run's history without its wall-clock fields (they describe the machine, not the result)."""
+    return [{k: v for k, v in h.items() if k not in ("seconds", "train_seconds")} for h in history]
+
+
+def finite_stream_summary(history: list, names: list, per_task: int) -> dict:
+    """The continual summary of a three-task run, checked whole and finite (matrix, Avg, forgetting, losses)."""
+    import math
+
+    from fedsilo.fl.continual import continual_summary
+
+    s = continual_summary(history, names, per_task)
+    assert [len(r) for r in s["accuracy_matrix"]] == [1, 2, 3]
+    assert all(math.isfinite(v) for row in s["accuracy_matrix"] for v in row)
+    assert math.isfinite(s["avg_acc"]) and math.isfinite(s["forgetting"])
+    assert all(math.isfinite(v) for h in history for v in h["train_loss"].values())
+    return s

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fedsilo.client.data import ClientData
+from fedsilo.client.local import predict
 from fedsilo.config import Strict, TrainParams
 from fedsilo.models import LayeredNet
 
@@ -99,8 +100,6 @@ class Method:
         """Class probabilities of client ``client``'s test images of task ``task`` (``client`` is that task's data):
         by default the softmax of the model the client is evaluated with. Methods that choose a model by the task's
         identity (Disjoint, Sharing) or ensemble several (pFedDIL) override this."""
-        from fedsilo.client.local import predict
-
         self.load_eval_model(model, server, store, client, rnd)
         return predict(model, client.x_test, cfg=self.train).softmax(1)
 
@@ -165,6 +164,21 @@ class Method:
         """What the method derived from its params and the model, known after ``setup`` (a resolved cut depth, the
         layers kept private, the shared fraction): recorded in metrics.json and MLflow beside the params."""
         return {}
+
+
+class MeanAggregation(Method):
+    """FedAvg's server step, streamed: the sample-size-weighted mean of a round's uploads, accumulated upload by upload
+    (:class:`RunningMean`); the subclass's ``agg_end`` says where the mean goes (the whole server state, a task's
+    model, a trunk and a head). An empty upload (a client with nothing to send) adds nothing."""
+
+    streaming: ClassVar[bool] = True
+
+    def agg_begin(self, server: State, rnd: int) -> "RunningMean":
+        return RunningMean()
+
+    def agg_add(self, acc: "RunningMean", client: ClientData, upload: State) -> None:
+        if upload:
+            acc.add(client.n_train, upload)
 
 
 class RunningMean:

@@ -17,8 +17,17 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from fedsilo.methods.base import RunningMean, State, spare_copy
+from fedsilo.client.data import ClientData
+from fedsilo.client.local import make_generator, train_local
+from fedsilo.methods.base import Method, RunningMean, State, spare_copy
 from fedsilo.models import LayeredNet
+
+
+def fedavg_update(method: Method, model: nn.Module, payload: State, client: ClientData, rnd: int, seed: int) -> State:
+    """FedAvg's ClientUpdate on the current task: load the download, train E epochs, upload the whole state_dict."""
+    model.load_state_dict(payload, strict=True)
+    method.last_loss = train_local(model, client, method.train, make_generator(seed, rnd, client.index))
+    return {k: v.detach() for k, v in model.state_dict().items()}
 
 
 def put(state: State, prefix: str, values: State) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 
 from fedsilo.client.features import classifier, features, representation
 from fedsilo.client.local import batches_per_epoch, make_generator, train_local
-from fedsilo.methods.base import Method, MethodParams, RunningMean, spare_copy
+from fedsilo.methods.base import MeanAggregation, MethodParams, spare_copy
 from fedsilo.methods.continual import has, put, take
 from fedsilo.models import LayeredNet
 
@@ -65,7 +65,7 @@ def domain_classifier(dim: int, hidden: list[int], dropout: float) -> nn.Sequent
     return nn.Sequential(*layers)
 
 
-class DANN(Method):
+class DANN(MeanAggregation):
     """pFedDIL Sec. 4.1, "Domain Adaptation + FL": DANN (Ganin et al. 2016) "follows the domain adaptation paradigm
     which is different from the incremental learning setting and is often prone to issues like catastrophic
     forgetting". The paper says nothing more and we found no public code of it; what runs here:
@@ -224,14 +224,6 @@ class DANN(Method):
         return up
 
     # ------------------------------------------------------------------ server
-    streaming = True
-
-    def agg_begin(self, server, rnd):
-        return RunningMean()
-
-    def agg_add(self, acc, client, upload):
-        acc.add(client.n_train, upload)
-
     def agg_end(self, server, acc, rnd):
         self.heard.clear()
         if acc.weight == 0:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from fedsilo.client.local import make_generator, predict, train_local
-from fedsilo.methods.base import Method, MethodParams, RunningMean
-from fedsilo.methods.continual import put, take
+from fedsilo.client.local import predict
+from fedsilo.methods.base import MeanAggregation, MethodParams
+from fedsilo.methods.continual import fedavg_update, put, take
 from fedsilo.models import LayeredNet
 
 
-class Disjoint(Method):
+class Disjoint(MeanAggregation):
     """pFedDIL Sec. 4.1: "a separate model for each domain. During inference, the model which matches the
     corresponding domain ID is used". Each task starts a FedAvg federation of its own from the run's initial
     parameters (``on_task_start``; the server keeps task t's global model under ``task<t>.``): a sampled client
@@ -42,17 +42,7 @@ class Disjoint(Method):
         return take(server, f"task{self.task}.")
 
     def local_update(self, model, store, payload, client, rnd, seed):
-        model.load_state_dict(payload, strict=True)
-        self.last_loss = train_local(model, client, self.train, make_generator(seed, rnd, client.index))
-        return {k: v.detach() for k, v in model.state_dict().items()}
-
-    streaming = True
-
-    def agg_begin(self, server, rnd):
-        return RunningMean()
-
-    def agg_add(self, acc, client, upload):
-        acc.add(client.n_train, upload)
+        return fedavg_update(self, model, payload, client, rnd, seed)
 
     def agg_end(self, server, acc, rnd):
         if acc.weight == 0:

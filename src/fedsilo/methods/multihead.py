@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from fedsilo.client.local import make_generator, predict, train_local
-from fedsilo.methods.base import Method, MethodParams, RunningMean
-from fedsilo.methods.continual import head_keys, put, take
+from fedsilo.client.local import predict
+from fedsilo.methods.base import MeanAggregation, MethodParams
+from fedsilo.methods.continual import fedavg_update, head_keys, put, take
 from fedsilo.models import LayeredNet
 
 
-class MultiHead(Method):
+class MultiHead(MeanAggregation):
     """pFedDIL Sec. 4.1, "Sharing": all layers before the last fully connected layer are shared by every domain, and
     each domain has its own last layer; "during inference, the fully-connected layer that matches the corresponding
     domain ID will be applied". One FedAvg federation trains the trunk through the whole stream; at each task's
@@ -47,17 +47,7 @@ class MultiHead(Method):
         return self._model_for(server, self.task)
 
     def local_update(self, model, store, payload, client, rnd, seed):
-        model.load_state_dict(payload, strict=True)
-        self.last_loss = train_local(model, client, self.train, make_generator(seed, rnd, client.index))
-        return {k: v.detach() for k, v in model.state_dict().items()}
-
-    streaming = True
-
-    def agg_begin(self, server, rnd):
-        return RunningMean()
-
-    def agg_add(self, acc, client, upload):
-        acc.add(client.n_train, upload)
+        return fedavg_update(self, model, payload, client, rnd, seed)
 
     def agg_end(self, server, acc, rnd):
         if acc.weight == 0:

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional
 from fedsilo.client.data import ClientData
 from fedsilo.client.local import ExtraLoss, make_generator, train_local
 from fedsilo.methods import decoupling
-from fedsilo.methods.base import Method, RunningMean, State
+from fedsilo.methods.base import MeanAggregation, State
 from fedsilo.models import LayeredNet
 
 
@@ -52,7 +52,7 @@ def frozen(params: list) -> Iterator[None]:
             p.requires_grad_(b)
 
 
-class PartialSharing(Method):
+class PartialSharing(MeanAggregation):
     """Share a fixed subset of the model's state_dict; everything else persists in the client store.
 
     FedAvg shares everything, FedBN everything but BatchNorm, Single nothing. Clients start from the same
@@ -140,15 +140,6 @@ class PartialSharing(Method):
         for k in self.private:
             store[k] = sd[k].detach().clone()
         return {k: sd[k].detach() for k in self.shared}
-
-    streaming = True
-
-    def agg_begin(self, server, rnd):
-        return RunningMean()
-
-    def agg_add(self, acc, client, upload):
-        if upload:
-            acc.add(client.n_train, upload)
 
     def agg_end(self, server, acc, rnd):
         return acc.result() if acc.weight > 0 and self.shared else server

@@ -466,6 +466,17 @@ def versus_markdown(tab: pd.DataFrame, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_versus(out: Path, exp: str, vs: pd.DataFrame, published: str) -> str:
+    """``<exp>_vs_paper.md`` and ``.csv`` from a :func:`versus_paper` table (its columns flattened to
+    ``<column>_<ours|paper|diff>`` in place, for the CSV); returns the markdown."""
+    md = versus_markdown(vs, f"{exp}: ours vs {published}")
+    (out / f"{exp}_vs_paper.md").write_text(md)
+    vs.columns = [f"{d}_{k}" for d, k in vs.columns]
+    vs.index.name = "method"
+    vs.to_csv(out / f"{exp}_vs_paper.csv", float_format="%.4f")
+    return md
+
+
 def _fig3(path: Path, acc: pd.DataFrame, published: dict[str, Any] | None, title: str) -> str:
     """pFedDB Fig. 3: mean accuracy on CheXpert+RSNA (x) against OpenI+VinBigData (y), a point per method, dashed
     lines at Single's values; the paper's points hollow when its table is given."""
@@ -579,12 +590,7 @@ def build_report(
                     vs = versus_paper(pd.concat({"mean": lne["mean"].rename(columns=METRIC_COLUMNS_INV)}, axis=1), paper, avg=False)
                 else:
                     vs = versus_paper(acc, paper)
-                vs_md = versus_markdown(vs, f"{exp}: ours vs {published}")
-                (tmp / f"{exp}_vs_paper.md").write_text(vs_md)
-                vs.columns = [f"{d}_{k}" for d, k in vs.columns]
-                vs.index.name = "method"
-                vs.to_csv(tmp / f"{exp}_vs_paper.csv", float_format="%.4f")
-                md += "\n" + vs_md
+                md += "\n" + write_versus(tmp, exp, vs, published)
                 made[exp + ":vs_paper"] = vs.to_dict(orient="index")
                 paper_eff = load_published_efficiency(repo, published)
                 if paper_eff:

@@ -25,9 +25,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fedsilo.report import ReportError, _line_figure, _pm, load_published, over_seeds
+from fedsilo.report import ReportError, _line_figure, _pm, load_published, over_seeds, versus_paper, write_versus
 from fedsilo.utils.io import atomic_dir, read_json
-
 
 
 def collect_stream(results: Path, methods: list[str], seeds: list[int]) -> tuple[dict[tuple[str, int], dict], dict[tuple[str, int], list]]:
@@ -125,27 +124,9 @@ def cost_markdown(tab: pd.DataFrame, title: str, rounds_per_task: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def stream_versus_paper(tab: pd.DataFrame, published: dict[str, Any]) -> pd.DataFrame:
-    ours = tab["mean"]
-    cols = list(published["domains"]) + ["Avg"]
-    missing = [d for d in published["domains"] if d not in ours.columns]
-    if missing:
-        raise ReportError(f"published table tasks {missing} are not tasks of this stream ({list(ours.columns)})")
-    rows = [m for m in ours.index if m in published["methods"]]
-    out = {}
-    for i, c in enumerate(cols):
-        paper = pd.Series({m: float(published["methods"][m]["mean"][i]) for m in rows}, dtype=float)
-        out[(c, "ours")] = ours.loc[rows, c]
-        out[(c, "paper")] = paper
-        out[(c, "diff")] = ours.loc[rows, c] - paper
-    return pd.DataFrame(out)
-
-
 def build_stream_report(results: Path, experiment: str, methods: list[str], seeds: list[int], out_dir: Path,
                         published: str | None = None, repo: Path = Path("."), reference: str | None = None) -> dict[str, Any]:
     """``reference``: the method Delta is measured against (the pFedDIL row; none: Delta left empty)."""
-    from fedsilo.report import versus_markdown
-
     metrics, histories = collect_stream(results, methods, seeds)
     tab = stream_table(metrics, methods, seeds, reference)
     per_task = metrics[(methods[0], seeds[0])]["rounds_per_task"]
@@ -164,14 +145,8 @@ def build_stream_report(results: Path, experiment: str, methods: list[str], seed
         (tmp / f"{experiment}_cost.md").write_text(cost_md)
         cost.to_csv(tmp / f"{experiment}_cost.csv", float_format="%.6g")
         full = md + "\n" + cost_md + "\n" + mat
-        if published:
-            vs = stream_versus_paper(tab, load_published(repo, published))
-            vs_md = versus_markdown(vs, f"{experiment}: ours vs {published}")
-            (tmp / f"{experiment}_vs_paper.md").write_text(vs_md)
-            vs.columns = [f"{d}_{k}" for d, k in vs.columns]
-            vs.index.name = "method"
-            vs.to_csv(tmp / f"{experiment}_vs_paper.csv", float_format="%.4f")
-            full += "\n" + vs_md
+        if published:  # the stream's tasks are the published table's domains, its Avg the tables' Avg
+            full += "\n" + write_versus(tmp, experiment, versus_paper(tab, load_published(repo, published)), published)
         series = []
         for m in methods:
             ev = [[e for e in histories[(m, s)] if "seen_acc" in e] for s in seeds]
