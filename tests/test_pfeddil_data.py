@@ -5,11 +5,9 @@ layouts, the root params, and the reader on the real Office images of ../shared/
 from __future__ import annotations
 
 import copy
-import io
 import os
 import shutil
 import string
-import tarfile
 from pathlib import Path
 
 import cv2
@@ -35,6 +33,7 @@ from fedsilo.data.sources.base import LabelFileError
 from fedsilo.data.splits import make_split
 from fedsilo.utils.io import read_json
 from tests.conftest import REPO, SAMPLES, small_params
+from tests.test_single_domain_sources import _tar_gz
 
 PER_CLASS = 3
 DIGIT10_DOMAINS = ["MNIST", "EMNIST", "USPS", "SVHN"]
@@ -150,15 +149,6 @@ def test_office31_missing_or_misnamed_class_folder_names_the_path(raw, tmp_path)
     assert not (tmp_path / "h").exists()
 
 
-def _tar_gz(folder: Path) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as t:
-        for p in sorted(folder.rglob("*")):
-            if p.is_file() and p.name != "fedsilo_manifest.json":
-                t.add(p, arcname=p.relative_to(folder).as_posix())
-    return buf.getvalue()
-
-
 def test_office31_local_mode_reads_the_archive_and_a_flattened_folder(raw, tmp_path):
     ref = office31.read_records(raw / "office31")
     archive = tmp_path / office31.ARCHIVE
@@ -197,14 +187,17 @@ def test_office31_download_list_and_an_unverified_web_page(raw, tmp_path, monkey
 
 
 # --------------------------------------------------------------------------- params
-def test_root_params_declare_the_pfeddil_sources_and_datasets_without_building_them():
+def test_root_params_build_the_pfeddil_quickstart_datasets_and_only_declare_the_paper_scale_ones():
+    """The pFedDIL quickstart (pipelines/pfeddil) trains on digit10 and office31, so the root pipeline fetches their
+    sources and harmonizes them; the paper-scale datasets are declared for the real data and not built by default."""
     p = parse_params(yaml.safe_load((REPO / "params.yaml").read_text()))
     assert p.sources["office31"].mode == "mirror" and p.sources["office31"].mirror.per_class <= 4
     sizes = {"digit10": 16, "office31": 32, "digit10_32": 32, "office31_224": 224, "domainnet10_224": 224}
     for name, px in sizes.items():
-        assert p.datasets[name].image_size == px and name not in p.pipeline.datasets
+        assert p.datasets[name].image_size == px
+        assert (name in p.pipeline.datasets) == (name in ("digit10", "office31")), name
     assert p.datasets["digit10"].kind == "digit10" and p.datasets["digit10"].source_list == ("mnist", "emnist", "usps", "svhn")
-    assert p.datasets["office31_224"].kind == "office31" and "office31" not in p.pipeline.sources
+    assert p.datasets["office31_224"].kind == "office31" and {"office31", "emnist"} <= set(p.pipeline.sources)
 
 
 def test_check_params_names_the_key_of_a_bad_pfeddil_entry():
