@@ -79,3 +79,55 @@ def test_one_dvc_yaml_and_the_published_tables_follow_the_streams():
             table = published[ref.partition("#")[2]]
             assert list(table["domains"]) == list(q.experiments[e].split.domain_order), (scale, e)
             assert set(table["methods"]) <= set(q.experiment_methods(e)), (scale, e)
+
+
+def _fake_run(d, avg, models=None, kept=None):
+    """A finished stream run's files as `train` writes them (only the keys the sensitivity report reads)."""
+    import json
+
+    d.mkdir(parents=True)
+    met = {"accuracy_matrix": [[avg]], "avg_acc": avg, "tasks": ["A"], "rounds_per_task": 1}
+    if models is not None:
+        met.update(models_per_client=models, bytes_kept_per_client=kept)
+    (d / "metrics.json").write_text(json.dumps(met))
+    (d / "history.json").write_text("[]")
+
+
+def test_sensitivity_report_finds_the_lambda_sweeps_and_alpha_families_and_tabulates_them(tmp_path):
+    import pandas as pd
+
+    from fedsilo.report.continual import build_sensitivity_report, sensitivity_inputs
+
+    p = _load("quickstart")
+    layout = p.layout(tmp_path)
+    inp = sensitivity_inputs(p, layout, REPO)
+    # Table 6: every full pFedDIL entry by lambda, the ablations left out; Office-31's 0.8 is the Table 2 row
+    assert {s: sorted(v) for s, v in inp["lam_runs"].items()} == {
+        "digit10": [0.0, 0.2, 0.5, 0.8, 1.0], "office31": [0.0, 0.2, 0.5, 0.8, 1.0], "domainnet": [0.0, 0.2, 0.5, 0.8, 1.0]}
+    assert inp["lam_runs"]["digit10"][0.5][1] == "pfeddil" and inp["lam_runs"]["office31"][0.8][1] == "pfeddil_l08"
+    assert inp["paper_lambda"]["digit10"]["avg_acc"][2] == 89.28
+    # Fig. 2: the three alphas of each dataset, the methods run at all three
+    assert {s: sorted(v) for s, v in inp["families"].items()} == {
+        "digit10": [0.1, 1.0, 10.0], "office31": [0.1, 1.0, 10.0], "domainnet": [0.1, 1.0, 10.0]}
+    assert inp["family_methods"]["office31"] == ["fedavg", "fedprox", "pfeddil_l08", "disjoint"]
+    for by_lam in inp["lam_runs"].values():
+        for lam, (res, m) in by_lam.items():
+            for s in (0, 1):
+                _fake_run(res / m / f"seed{s}", 0.5 + lam / 10 + s / 100, models=1 + lam, kept=2**20 * (1 + lam))
+    for s_name, fam in inp["families"].items():
+        for a, res in fam.items():
+            for m in inp["family_methods"][s_name]:
+                for s in (0, 1):
+                    if not (res / m / f"seed{s}").exists():
+                        _fake_run(res / m / f"seed{s}", 0.3 + a / 100 + s / 100)
+    out = tmp_path / "sens"
+    made = build_sensitivity_report(**inp, seeds=[0, 1], out_dir=out)
+    assert made["sensitivity"]["figures"] == ["lambda.png", "alpha.png"]
+    lam = pd.read_csv(out / "lambda.csv")
+    row = lam[(lam["stream"] == "digit10") & (lam["lambda"] == 1.0)].iloc[0]
+    assert row["Avg"] == pytest.approx(100 * (0.6 + 0.005)) and row["Avg_std"] == pytest.approx(100 * 0.01 / 2**0.5, abs=1e-3)  # ddof = 1
+    assert row["models_kept"] == 2.0 and row["MiB_kept"] == pytest.approx(2.0) and row["paper_Avg"] == 93.94
+    alpha = pd.read_csv(out / "alpha.csv")
+    got = alpha[(alpha["stream"] == "office31") & (alpha["method"] == "fedavg")].set_index("alpha")["Avg"]
+    assert list(got.index) == [0.1, 1.0, 10.0] and got[10.0] == pytest.approx(100 * (0.3 + 0.1 + 0.005))
+    assert "paper Avg" in (out / "lambda.md").read_text() and "alpha 10" in (out / "alpha.md").read_text()

@@ -116,9 +116,16 @@ def _report(args: argparse.Namespace) -> None:
     from fedsilo.report.continual import build_stream_report
 
     p = load_params(args.params)
+    layout = p.layout(args.root)
+    if args.sensitivity:  # across streams: pFedDIL's Table 6 (lambda) and Fig. 2 (alpha)
+        from fedsilo.report.continual import build_sensitivity_report, sensitivity_inputs
+
+        made = build_sensitivity_report(**sensitivity_inputs(p, layout, Path(args.root)), seeds=list(p.pipeline.seeds),
+                                        out_dir=layout.report("sensitivity"))
+        print(f"report sensitivity: {', '.join(made['sensitivity']['figures'])} in {layout.report('sensitivity')}")
+        return
     exps = [args.experiment] if args.experiment else list(p.pipeline.experiments)
     made = {}
-    layout = p.layout(args.root)
     for exp in exps:
         if exp not in p.experiments:
             raise ConfigError(f"experiments.{exp}: not defined in {args.params}")
@@ -232,6 +239,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.set_defaults(fn=_onboard)
     s = sub.add_parser("report", parents=[common], help="tables and figures -> results/report/<experiment>/", formatter_class=fmt, epilog=_listing(known, "experiments"))
     s.add_argument("--experiment", help="one experiment (default: every one in pipeline.experiments)")
+    s.add_argument("--sensitivity", action="store_true", help="across task streams: accuracy and storage against "
+                   "pFedDIL's lambda (Table 6) and against the split's alpha (Fig. 2) -> results/.../report/sensitivity/")
     s.set_defaults(fn=_report)
     s = sub.add_parser(
         "bench", parents=[common],

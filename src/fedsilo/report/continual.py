@@ -155,3 +155,174 @@ def build_stream_report(results: Path, experiment: str, methods: list[str], seed
                                  f"accuracy over the tasks seen so far (%), {per_task} rounds per task", f"{experiment}: the stream"))
         (tmp / "README.md").write_text(f"# fedsilo report: {experiment}\n\n{full}\n" + "".join(f"![{f}]({f})\n" for f in figs))
     return {experiment: {"table": tab["mean"]["Avg"].to_dict(), "figures": figs}}
+
+
+# ----------------------------------------------------------------------------------- across streams: Fig. 2, Table 6
+def _xy_figure(path: Path, panels: list[tuple[str, list[tuple[str, list[float], list[float]]]]], xlabel: str, ylabel: str,
+               logx: bool = False) -> str:
+    """One PNG, a panel per (title, series), a line with markers per (label, x, y)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
+    for ax, (title, series) in zip(axes[0], panels):
+        for label, x, y in series:
+            ax.plot(x, y, marker="o", label=label)
+        if logx:
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path.name
+
+
+def _avg(results: Path, method: str, seeds: list[int]) -> list[dict[str, Any]]:
+    metrics, _ = collect_stream(results, [method], seeds)
+    return [metrics[(method, s)] for s in seeds]
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return float(np.mean(values)), (float(np.std(values, ddof=1)) if len(values) > 1 else float("nan"))
+
+
+def lambda_table(runs: dict[str, dict[float, tuple[Path, str]]], seeds: list[int], paper: dict[str, Any] | None) -> pd.DataFrame:
+    """``runs``: stream -> lambda -> (results folder, method key). A row per (stream, lambda): Avg (%), models and MiB a
+    client keeps (mean and std over seeds, std with ddof = 1), and the paper's Table 6 beside where it has the stream."""
+    rows = []
+    for stream, by_lam in runs.items():
+        pub = (paper or {}).get(stream) or {}
+        values = list((paper or {}).get("values", []))
+        for lam in sorted(by_lam):
+            results, method = by_lam[lam]
+            mets = _avg(results, method, seeds)
+            avg, avg_sd = _mean_std([100 * m["avg_acc"] for m in mets])
+            kept, kept_sd = _mean_std([m.get("models_per_client", np.nan) for m in mets])
+            mib, _ = _mean_std([m.get("bytes_kept_per_client", np.nan) / 2**20 for m in mets])
+            i = next((k for k, v in enumerate(values) if abs(v - lam) < 1e-9), None)
+            rows.append({"stream": stream, "lambda": lam, "method": method, "Avg": avg, "Avg_std": avg_sd,
+                         "models_kept": kept, "models_kept_std": kept_sd, "MiB_kept": mib,
+                         "paper_Avg": pub["avg_acc"][i] if i is not None and "avg_acc" in pub else np.nan,
+                         "paper_model_MB": pub["model_size_mb"][i] if i is not None and "model_size_mb" in pub else np.nan})
+    return pd.DataFrame(rows)
+
+
+def alpha_table(families: dict[str, dict[float, Path]], methods: dict[str, list[str]], seeds: list[int]) -> pd.DataFrame:
+    """``families``: stream -> alpha -> results folder; ``methods``: stream -> the method keys run at every alpha. A row
+    per (stream, method, alpha): Avg (%) mean and std over seeds (ddof = 1)."""
+    rows = []
+    for stream, by_alpha in families.items():
+        for m in methods[stream]:
+            for a in sorted(by_alpha):
+                avg, sd = _mean_std([100 * x["avg_acc"] for x in _avg(by_alpha[a], m, seeds)])
+                rows.append({"stream": stream, "method": m, "alpha": a, "Avg": avg, "Avg_std": sd})
+    return pd.DataFrame(rows)
+
+
+def build_sensitivity_report(lam_runs: dict[str, dict[float, tuple[Path, str]]], families: dict[str, dict[float, Path]],
+                             family_methods: dict[str, list[str]], seeds: list[int], out_dir: Path,
+                             paper_lambda: dict[str, Any] | None = None) -> dict[str, Any]:
+    """pFedDIL's sensitivity results across streams, under ``out_dir`` (``results/.../report/sensitivity/``):
+    ``lambda.{md,csv}`` + ``lambda.png`` (Table 6: Avg and the models a client keeps against lambda, the paper's
+    numbers beside) and ``alpha.{md,csv}`` + ``alpha.png`` (Fig. 2: Avg against the Dirichlet alpha of the label skew
+    inside every domain, a line per method, a panel per stream)."""
+    if not lam_runs and not families:
+        raise ReportError("sensitivity: no lambda sweep and no alpha family among the experiments")
+    figs: list[str] = []
+    parts: list[str] = []
+    with atomic_dir(out_dir) as tmp:
+        if lam_runs:
+            lt = lambda_table(lam_runs, seeds, paper_lambda)
+            lt.to_csv(tmp / "lambda.csv", index=False, float_format="%.4f")
+            lines = ["### Table 6: lambda against accuracy and storage", "",
+                     f"Avg (%) along the stream and the models a client keeps at the end, {over_seeds(seeds)}; the paper's "
+                     "Avg and model size (MB as printed) beside where it reports the stream.", "",
+                     "| stream | lambda | run | Avg | models kept | MiB kept | paper Avg | paper MB |", "|---|---|---|---|---|---|---|---|"]
+            for _, r in lt.iterrows():
+                pa = "" if pd.isna(r["paper_Avg"]) else f"{r['paper_Avg']:.2f}"
+                pm = "" if pd.isna(r["paper_model_MB"]) else f"{r['paper_model_MB']:.0f}"
+                lines.append(f"| {r['stream']} | {r['lambda']:g} | {r['method']} | {_pm(r['Avg'], r['Avg_std'], '.2f')} | "
+                             f"{_pm(r['models_kept'], r['models_kept_std'], '.2f')} | {r['MiB_kept']:.3f} | {pa} | {pm} |")
+            md = "\n".join(lines) + "\n"
+            (tmp / "lambda.md").write_text(md)
+            parts.append(md)
+            panels = [(s, [("Avg (%)", list(g["lambda"]), list(g["Avg"]))]
+                       + ([("paper", list(g["lambda"]), list(g["paper_Avg"]))] if g["paper_Avg"].notna().any() else []))
+                      for s, g in lt.groupby("stream", sort=False)]
+            figs.append(_xy_figure(tmp / "lambda.png", panels, "lambda", "Avg accuracy (%)"))
+        if families:
+            at = alpha_table(families, family_methods, seeds)
+            at.to_csv(tmp / "alpha.csv", index=False, float_format="%.4f")
+            lines = ["### Fig. 2: data heterogeneity", "",
+                     f"Avg (%) along the stream against the Dirichlet alpha inside every domain, {over_seeds(seeds)}.", ""]
+            for s, g in at.groupby("stream", sort=False):
+                alphas = sorted(g["alpha"].unique())
+                lines += [f"**{s}**", "", "| method | " + " | ".join(f"alpha {a:g}" for a in alphas) + " |", "|---" * (len(alphas) + 1) + "|"]
+                for m, gm in g.groupby("method", sort=False):
+                    cells = {r["alpha"]: _pm(r["Avg"], r["Avg_std"], ".2f") for _, r in gm.iterrows()}
+                    lines.append(f"| {m} | " + " | ".join(cells.get(a, "") for a in alphas) + " |")
+                lines.append("")
+            md = "\n".join(lines) + "\n"
+            (tmp / "alpha.md").write_text(md)
+            parts.append(md)
+            panels = [(s, [(m, list(gm["alpha"]), list(gm["Avg"])) for m, gm in g.groupby("method", sort=False)])
+                      for s, g in at.groupby("stream", sort=False)]
+            figs.append(_xy_figure(tmp / "alpha.png", panels, "Dirichlet alpha (log scale)", "Avg accuracy (%)", logx=True))
+        (tmp / "README.md").write_text("# fedsilo report: pFedDIL sensitivity\n\n" + "\n".join(parts) + "\n"
+                                       + "".join(f"![{f}]({f})\n" for f in figs))
+    return {"sensitivity": {"figures": figs}}
+
+
+def sensitivity_inputs(p: Any, layout: Any, repo: Path = Path(".")) -> dict[str, Any]:
+    """From a pipeline's params: the lambda sweeps (per stream experiment, the pFedDIL entries with every module on, by
+    their lambda; a stream with at least two) and the alpha families (stream experiments on the same dataset, domain
+    order and clients that differ in the split's alpha; the methods run at every alpha), named by the published table
+    of the family (e.g. ``digit10``) or the experiment; the paper's Table 6 from the published file's ``lambda``."""
+    import yaml
+
+    from fedsilo.methods.registry import method_base, method_params
+
+    streams = [e for e in p.pipeline.experiments if p.experiments[e].split.protocol == "domain_incremental"]
+
+    def name(e: str) -> str:
+        ref = p.experiments[e].published
+        return ref.partition("#")[2] if ref else e
+
+    lam_runs: dict[str, dict[float, tuple[Path, str]]] = {}
+    paper_lambda = None
+    for e in streams:
+        by_lam: dict[float, tuple[Path, str]] = {}
+        for m in p.experiment_methods(e):
+            if method_base(m, p.methods[m]) != "pfeddil":
+                continue
+            mp = method_params(p, m)
+            if mp.migration and mp.share_extractor and mp.correlation:
+                by_lam.setdefault(float(mp.lam), (layout.results(e), m))
+        if len(by_lam) > 1:
+            lam_runs[name(e)] = by_lam
+            ref = p.experiments[e].published
+            if ref and paper_lambda is None:
+                f = Path(repo) / ref.partition("#")[0]
+                paper_lambda = (yaml.safe_load(f.read_text()) or {}).get("lambda") if f.exists() else None
+    groups: dict[tuple, list[str]] = {}
+    for e in streams:
+        s = p.experiments[e].split
+        groups.setdefault((p.experiments[e].dataset, tuple(s.domain_order or ()), s.clients), []).append(e)
+    families: dict[str, dict[float, Path]] = {}
+    family_methods: dict[str, list[str]] = {}
+    for members in groups.values():
+        alphas = {float(p.experiments[e].split.alpha): e for e in reversed(members)}  # the first member wins a tie
+        if len(alphas) < 2:
+            continue
+        named = next((e for e in members if p.experiments[e].published), members[0])
+        common = [m for m in p.experiment_methods(named) if all(m in p.experiment_methods(e) for e in alphas.values())]
+        if common:
+            families[name(named)] = {a: layout.results(e) for a, e in alphas.items()}
+            family_methods[name(named)] = common
+    return {"lam_runs": lam_runs, "families": families, "family_methods": family_methods, "paper_lambda": paper_lambda}
