@@ -117,6 +117,22 @@ def test_sharing_trains_one_trunk_and_scores_each_domain_with_its_head():
     assert torch.allclose(p0, predict(e.model, x.x_test).softmax(1))
 
 
+def test_storage_counts_what_a_client_keeps_to_answer_every_task_seen():
+    """Table 6's columns for the baselines: FedAvg keeps one model; Disjoint one per domain (growing task by task);
+    Sharing one trunk and a head per domain; FedCIL its classifier plus the real/fake head and generator it replays from."""
+    one = payload_bytes(tiny_net(1, 4).state_dict())
+    _, h, s = _run("fedavg")
+    assert s["models_per_client"] == 1.0 and s["bytes_kept_per_client"] == one
+    _, h, s = _run("disjoint")
+    ends = [next(iter(x["storage"].values())) for x in h if x.get("task_end")]
+    assert [e["models"] for e in ends] == [1, 2, 3] and [e["bytes"] for e in ends] == [one, 2 * one, 3 * one]
+    e, h, s = _run("multihead")
+    head = sum(payload_bytes({k: v}) for k, v in tiny_net(1, 4).state_dict().items() if k in e.method.head)
+    assert s["models_per_client"] == 1.0 and s["bytes_kept_per_client"] == one + 2 * head
+    e, _, s = _run("fedcil", md_iter=0, gen_channels=4, noise_dim=4, gen_batch=4)
+    assert s["models_per_client"] == 1.0 and s["bytes_kept_per_client"] > payload_bytes(e.method.global_state(e.server))
+
+
 # ---------------------------------------------------------------- pFedDIL
 def test_lambda_zero_keeps_one_model_and_lambda_above_one_a_model_per_task():
     one, _, s1 = _run("pfeddil", lam=0.0)

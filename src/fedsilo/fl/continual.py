@@ -76,9 +76,8 @@ class ContinualEngine(Engine):
         entry["domain"] = self.task_names[task]
         if rnd % self.per_task == 0:
             entry["task_end"] = True
-            storage = getattr(self.method, "storage", None)
-            if storage is not None:  # what each client keeps after the task (pFedDIL's Table 6)
-                entry["storage"] = {c.name: storage(s) for c, s in zip(self.clients, self.stores)}
+            # what each client keeps after the task (pFedDIL's Table 6)
+            entry["storage"] = {c.name: self.method.storage(self.server, s) for c, s in zip(self.clients, self.stores)}
         return entry
 
     def evaluate(self, rnd: Optional[int] = None) -> dict[str, Any]:

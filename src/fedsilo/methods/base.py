@@ -134,6 +134,14 @@ class Method:
     def eval_state(self, server: State, store: State, client: ClientData) -> State:
         raise NotImplementedError
 
+    def storage(self, server: State, store: State) -> dict[str, int]:
+        """What a client keeps to answer every task seen so far, at a task's end (pFedDIL's Table 6): the number of
+        models and their bytes. Default: the one model it is evaluated with, the global one where the method has one,
+        else its own store. Methods that keep several (Disjoint, Sharing's heads, pFedDIL) or more than a classifier
+        (FedCIL's generator) override this."""
+        state = self.global_state(server)
+        return {"models": 1, "bytes": payload_bytes(state if state is not None else store)}
+
     def load_eval_model(self, model: nn.Module, server: State, store: State, client: ClientData, rnd: int) -> None:
         """Put the model client ``client`` is evaluated with into ``model`` (after round ``rnd``). Default: its
         ``eval_state``. A method that personalizes at evaluation time (FedBABU's fine-tuning) trains here, on the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fedsilo.client.local import predict
-from fedsilo.methods.base import MeanAggregation, MethodParams
+from fedsilo.methods.base import MeanAggregation, MethodParams, payload_bytes
 from fedsilo.methods.continual import fedavg_update, put, take
 from fedsilo.models import LayeredNet
 
@@ -53,6 +53,10 @@ class Disjoint(MeanAggregation):
 
     def eval_state(self, server, store, client):
         return take(server, f"task{self.task}.")
+
+    def storage(self, server, store):
+        """A model per domain seen: the client needs every one of them to answer every task."""
+        return {"models": self.task + 1, "bytes": sum(payload_bytes(take(server, f"task{t}.")) for t in range(self.task + 1))}
 
     def predict_task(self, model, server, store, client, task, rnd) -> torch.Tensor:
         model.load_state_dict(take(server, f"task{task}."), strict=True)  # the domain's own model

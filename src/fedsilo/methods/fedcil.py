@@ -16,7 +16,7 @@ from torch import nn
 from fedsilo.client.data import ClientData, augment, to_float
 from fedsilo.client.local import batches, make_generator, use_bf16
 from fedsilo.config import ConfigError
-from fedsilo.methods.base import Method, MethodParams, RunningMean, State, spare_copy
+from fedsilo.methods.base import Method, MethodParams, RunningMean, State, payload_bytes, spare_copy
 from fedsilo.methods.continual import has, put, take
 from fedsilo.models import LayeredNet
 
@@ -572,6 +572,12 @@ class FedCIL(Method):
 
     def eval_is_global(self) -> bool:
         return True
+
+    def storage(self, server, store):
+        """One classifier (the discriminator's class head on its trunk), and what the client keeps to learn the next
+        task: the real/fake head and the global generator it replays from."""
+        kept = {**self.global_state(server), **take(server, RF), **take(server, GEN)}
+        return {"models": 1, "bytes": payload_bytes(kept)}
 
     def resolved(self) -> dict[str, object]:
         if not hasattr(self, "gen"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fedsilo.client.local import predict
-from fedsilo.methods.base import MeanAggregation, MethodParams
+from fedsilo.methods.base import MeanAggregation, MethodParams, payload_bytes
 from fedsilo.methods.continual import fedavg_update, head_keys, put, take
 from fedsilo.models import LayeredNet
 
@@ -59,6 +59,12 @@ class MultiHead(MeanAggregation):
 
     def eval_state(self, server, store, client):
         return self._model_for(server, self.task)
+
+    def storage(self, server, store):
+        """One trunk and a head per domain seen."""
+        trunk = {k: v for k, v in server.items() if not k.startswith("head")}
+        heads = sum(payload_bytes(take(server, f"head{t}.")) for t in range(self.task + 1))
+        return {"models": 1, "bytes": payload_bytes(trunk) + heads}
 
     def predict_task(self, model, server, store, client, task, rnd) -> torch.Tensor:
         model.load_state_dict(self._model_for(server, task), strict=True)  # the domain's own head

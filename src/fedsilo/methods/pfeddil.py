@@ -236,7 +236,7 @@ class PFedDIL(Method):
         family = int(store["route"][self.task])
         return take(store, f"{SLOT}{family if family >= 0 else slots[-1]}.") if slots else dict(self._init)
 
-    def storage(self, store: State) -> dict[str, int]:
+    def storage(self, server: State, store: State) -> dict[str, int]:
         """What the client keeps (Table 6): its personalized models and their auxiliary classifiers."""
         kept = {k: v for k, v in store.items() if k.startswith((SLOT, AUX))}
         return {"models": len(self.slots(store)), "bytes": payload_bytes(kept)}

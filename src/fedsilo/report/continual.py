@@ -8,8 +8,8 @@
   the final accuracy; mean +- std over seeds (n = 1: the value alone);
 - ``<experiment>_matrix.md``: each method's accuracy matrix, after task t (rows) on task j (columns), mean over seeds;
 - ``<experiment>_cost.{md,csv}``: training seconds per round (pFedDIL Table 4, measured here), rounds to the best
-  accuracy summed over the tasks (Table 5), and for methods that keep several models the models and MiB a client
-  keeps at the end (Table 6); the bytes each client sends per round;
+  accuracy summed over the tasks (Table 5), the models and MiB a client keeps at the end to answer every task seen
+  (Table 6, ``Method.storage``); the bytes each client sends per round;
 - with ``published``: ``<experiment>_vs_paper.{md,csv}``, ours beside the paper's per task and Avg with the
   difference;
 - ``<experiment>_stream_curves.png``: the accuracy over the tasks seen so far at every evaluated round, a line per
@@ -114,8 +114,8 @@ def cost_table(metrics: dict, histories: dict, methods: list[str], seeds: list[i
 
 def cost_markdown(tab: pd.DataFrame, title: str, rounds_per_task: int) -> str:
     lines = [f"### {title}", "", "Training seconds per round (local training, transfers, aggregation; this machine), rounds to the best "
-             f"accuracy summed over the tasks ({rounds_per_task} rounds per task), models and MiB a client keeps at the end (methods that "
-             "keep several), MiB uploaded per taking-part client per round; mean over seeds.", "",
+             f"accuracy summed over the tasks ({rounds_per_task} rounds per task), models and MiB a client keeps at the end to "
+             "answer every task seen, MiB uploaded per taking-part client per round; mean over seeds.", "",
              "| method | train s / round | rounds to best (sum) | models kept | MiB kept | MiB up / client / round |", "|---|---|---|---|---|---|"]
     for m, r in tab.iterrows():
         kept = "" if pd.isna(r["models_per_client"]) else f"{r['models_per_client']:.2f}"
