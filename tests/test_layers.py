@@ -23,6 +23,7 @@ LAYERS = {
     "fedsilo.report": 4,
     "fedsilo.fl": 4,
     "fedsilo.bench": 4,
+    "fedsilo.grid": 4,
     "fedsilo.cli": 5,
 }
 

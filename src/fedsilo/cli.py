@@ -165,6 +165,17 @@ def _bench(args: argparse.Namespace) -> None:
         write_json(args.json, r)
 
 
+def _grid(args: argparse.Namespace) -> None:
+    from fedsilo.grid import run_grid
+
+    p = config.load_params(args.params)  # the tracking URI the workers log to; no method import
+    pipeline = (Path(args.params).parent / "dvc.yaml").as_posix()
+    r = run_grid(pipeline, Path(args.root), args.jobs, pattern=args.stages, tracking_uri=p.tracking.uri if p.tracking.enabled else None,
+                 keep=args.keep, quiet=args.quiet)
+    print(f"grid {pipeline}: {len(r['queued'])} stages on {args.jobs} workers in {r['grid_s']:.0f} s "
+          f"(data and splits {r['prepare_s']:.0f} s, restore and reports {r['restore_and_report_s']:.0f} s)")
+
+
 def _check(args: argparse.Namespace) -> None:
     load_params(args.params)
     print(f"{args.params}: ok")
@@ -243,6 +254,16 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    "pFedDIL's lambda (Table 6) and against the split's alpha (Fig. 2) -> results/.../report/sensitivity/")
     s.set_defaults(fn=_report)
     s = sub.add_parser(
+        "grid", parents=[common], formatter_class=fmt,
+        help="a pipeline's out-of-date train stages on several DVC queue workers, then dvc repro (nothing trains twice)",
+        description="Runs the dvc.yaml beside --params: its data and splits here, then every out-of-date stage matching "
+        "--stages as a queued DVC experiment on --jobs workers (dvc exp run --queue, dvc queue start), then dvc repro, "
+        "which restores those stages from DVC's run-cache and runs the reports. dvc status is clean afterwards.")
+    s.add_argument("--jobs", type=int, default=2, help="queue workers (runs at once)")
+    s.add_argument("--stages", default="train_*", help="stage names to queue (shell pattern)")
+    s.add_argument("--keep", action="store_true", help="keep the queued experiments (dvc exp show) after restoring them")
+    s.set_defaults(fn=_grid)
+    s = sub.add_parser(
         "bench", parents=[common],
         help="engine throughput against the single-model loop, memory over rounds, harmonize throughput",
         description="Measures, in one process: (a) a plain single-model training loop over the same samples, batches "
@@ -293,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedsilo.data.harmonize import HarmonizeError
     from fedsilo.data.sources.base import LabelFileError
     from fedsilo.data.splits import SplitError
+    from fedsilo.grid import GridError
     from fedsilo.report import ReportError
     from fedsilo.utils.io import disk_full, no_space_message
 
@@ -307,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                 (root, "point --root elsewhere (a copy of the repository on a larger disk)"),
             ]
             msg = no_space_message(full, root, elsewhere)
-        elif isinstance(err, (ConfigError, FetchError, DownloadError, HarmonizeError, LabelFileError, SplitError, ReportError, FileNotFoundError, KeyError)):
+        elif isinstance(err, (ConfigError, FetchError, DownloadError, HarmonizeError, LabelFileError, SplitError, ReportError, GridError, FileNotFoundError, KeyError)):
             msg = err.args[0] if isinstance(err, KeyError) and err.args else err
         else:
             raise

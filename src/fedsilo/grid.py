@@ -1,0 +1,162 @@
+"""A paper pipeline's runs on several workers at once, through DVC's experiment queue (``fedsilo grid``).
+
+``dvc repro`` runs one stage at a time. The train stages of a paper pipeline (method x seed x experiment) are
+independent of each other, so ``fedsilo grid`` hands them to DVC's own scheduler instead of a home-made one:
+
+1. ``dvc repro`` of everything the train stages need (data, splits), in this workspace, once;
+2. every train stage that is out of date becomes a queued DVC experiment (``dvc exp run --queue <stage>``), run by
+   ``--jobs`` queue workers (``dvc queue start --jobs N``), each in its own temporary copy of the repository that shares
+   this repository's DVC cache; every finished stage lands in the cache and in DVC's run-cache;
+3. ``dvc repro`` of the whole pipeline here: each train stage is found in the run-cache ("Stage ... is cached -
+   skipping run, checking out outputs"), so nothing trains twice, ``dvc.lock`` records every run, and the reports run.
+
+``dvc status`` is clean afterwards, exactly as after a sequential ``dvc repro``, and the metrics are the same (every
+run is seeded). The workers log to this workspace's MLflow store: a relative ``sqlite:///`` tracking URI of the
+pipeline's params is made absolute and handed to them as ``MLFLOW_TRACKING_URI``, since each worker runs in a
+temporary folder. The queued experiments are removed once their results are restored (``--keep`` keeps them for
+``dvc exp show``). A failed stage stops the grid with its log (``dvc queue logs``) and leaves the workspace as it was.
+
+Workers on one machine share its CPU cores and GPU: on a GPU machine, ``--jobs`` runs of a small model share the
+device; ``CUDA_VISIBLE_DEVICES`` set for ``fedsilo grid`` reaches every worker.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Optional
+
+from fedsilo.utils.progress import Progress
+
+
+class GridError(RuntimeError):
+    pass
+
+
+def _dvc(args: list[str], cwd: Path, env: Optional[dict[str, str]] = None, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, env=env, capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise GridError(f"`dvc {' '.join(args)}` failed (exit {r.returncode}):\n{(r.stderr or r.stdout).strip()[-3000:]}")
+    return r
+
+
+def stale_stages(pipeline: str, repo: Path, pattern: str) -> list[str]:
+    """The stages of ``pipeline`` matching ``pattern`` (shell-style, on the stage name without its file) that
+    ``dvc status`` reports out of date, in dvc.yaml order."""
+    names = _dvc(["stage", "list", "--name-only", pipeline], repo).stdout.split()
+    status = json.loads(_dvc(["status", "--json", pipeline], repo).stdout or "{}")
+    stale = {k.rpartition(":")[2] for k in status}
+    return [n for n in names if fnmatch.fnmatch(n, pattern) and n in stale]
+
+
+def upstream(pipeline: str, repo: Path, pattern: str) -> list[str]:
+    """The stages the matching stages depend on, directly or not (never a matching stage, never one downstream of
+    one), from ``dvc dag --dot``: the targets to reproduce before the grid, each ``dvc repro``-able."""
+    dot = _dvc(["dag", "--dot", pipeline], repo).stdout
+    edges = re.findall(r'"([^"]+)"\s*->\s*"([^"]+)"', dot)
+    nodes = set(re.findall(r'^"([^"]+)";', dot, flags=re.M)) | {n for e in edges for n in e}
+    parents: dict[str, set[str]] = {}
+    for a, b in edges:
+        parents.setdefault(b, set()).add(a)
+    matched = {n for n in nodes if fnmatch.fnmatch(n.rpartition(":")[2], pattern)}
+    need: set[str] = set()
+    todo = [p for n in matched for p in parents.get(n, ())]
+    while todo:
+        n = todo.pop()
+        if n in need or n in matched:
+            continue
+        need.add(n)
+        todo.extend(parents.get(n, ()))
+    # only the stages nothing else in `need` depends on: reproducing them brings their own upstream
+    leaves = {n for n in need if not any(n in parents.get(m, ()) for m in need)}
+    return sorted(leaves)
+
+
+def queue_status(repo: Path) -> dict[str, str]:
+    """Experiment name -> status (Queued, Running, Success, Failed, ...) from ``dvc queue status``."""
+    out = _dvc(["queue", "status"], repo).stdout
+    found = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and re.fullmatch(r"[0-9a-f]{7,}", parts[0]):
+            found[parts[1]] = parts[-1]
+    return found
+
+
+def tracking_env(uri: Optional[str], repo: Path) -> dict[str, str]:
+    """The environment for the workers: a relative sqlite tracking URI made absolute against ``repo``."""
+    env = dict(os.environ)
+    # DVC starts its queue workers as `dvc` from PATH: this interpreter's (the venv's) first
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    if uri and "MLFLOW_TRACKING_URI" not in env:
+        m = re.fullmatch(r"sqlite:///(.+)", uri)
+        if m and not os.path.isabs(m.group(1)):
+            uri = f"sqlite:///{(Path(repo).resolve() / m.group(1)).as_posix()}"
+        env["MLFLOW_TRACKING_URI"] = uri
+    return env
+
+
+def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tracking_uri: Optional[str] = None,
+             keep: bool = False, poll_s: float = 2.0, quiet: bool = False,
+             log: Callable[[str], None] = print) -> dict[str, object]:
+    """Run ``pipeline``'s out-of-date stages matching ``pattern`` on ``jobs`` DVC queue workers, then ``dvc repro`` it
+    here (restoring them from the run-cache). Returns the stages queued, the seconds each phase took."""
+    if jobs < 1:
+        raise GridError("--jobs: at least 1")
+    repo = Path(repo)
+    if not (repo / pipeline).exists():
+        raise GridError(f"{pipeline}: no such dvc.yaml under {repo}")
+    env = tracking_env(tracking_uri, repo)
+    t0 = time.monotonic()
+    stages = stale_stages(pipeline, repo, pattern)
+    for target in upstream(pipeline, repo, pattern):  # data and splits first, here, once: the workers find them cached
+        _dvc(["repro", target], repo, env)
+    t_prep = time.monotonic() - t0
+    tag = uuid.uuid4().hex[:6]
+    names = {}
+    for i, stage in enumerate(stages):
+        name = f"grid-{tag}-{i:03d}"
+        _dvc(["exp", "run", "--queue", "--name", name, f"{pipeline}:{stage}"], repo, env)
+        names[name] = stage
+    t1 = time.monotonic()
+    failed: dict[str, str] = {}
+    if names:
+        _dvc(["queue", "start", "--jobs", str(jobs)], repo, env)
+        bar = Progress(len(names), f"grid {pipeline} ({jobs} workers)", "runs", quiet=quiet)
+        done: set[str] = set()
+        try:
+            while True:
+                st = {n: s for n, s in queue_status(repo).items() if n in names}
+                now = {n for n, s in st.items() if s in ("Success", "Failed")}
+                if now - done:
+                    bar.update(len(now - done), info=f"{sum(s == 'Failed' for s in st.values())} failed", line=True)
+                    done |= now
+                failed = {n: names[n] for n, s in st.items() if s == "Failed"}
+                if len(done) == len(names):
+                    break
+                time.sleep(poll_s)
+        finally:
+            bar.close()
+            _dvc(["queue", "stop"], repo, env, check=False)
+    t_grid = time.monotonic() - t1
+    if failed:
+        logs = "\n".join(f"--- {stage} (dvc queue logs {n}):\n" + _dvc(["queue", "logs", n], repo, check=False).stdout[-2000:]
+                         for n, stage in failed.items())
+        raise GridError(f"{len(failed)} of {len(names)} queued stages failed: {', '.join(failed.values())}\n{logs}")
+    t2 = time.monotonic()
+    r = _dvc(["repro", pipeline], repo, env)
+    ran = re.findall(r"Running stage '([^']+)'", r.stdout)
+    rerun = [s for s in ran if s.rpartition(":")[2] in stages]
+    if rerun:  # the run-cache should have held them: say so rather than hide a second training
+        raise GridError(f"dvc repro trained again what the workers ran (not in the run-cache?): {', '.join(rerun)}")
+    if names and not keep:
+        _dvc(["exp", "remove", *names], repo, check=False)
+    return {"queued": list(names.values()), "jobs": jobs, "prepare_s": t_prep, "grid_s": t_grid,
+            "restore_and_report_s": time.monotonic() - t2, "ran_after": ran}

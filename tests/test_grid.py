@@ -1,0 +1,85 @@
+"""`fedsilo grid`: a pipeline's train stages run on several DVC queue workers, then `dvc repro` restores them from the
+run-cache (each trained exactly once), runs what depends on them, and leaves `dvc status` clean; a failing stage
+stops the grid with its log."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedsilo.grid import GridError, run_grid, tracking_env, upstream
+
+PIPE = """
+stages:
+  prep:
+    cmd: python -c "open('prep.txt','w').write(open('dep.txt').read())"
+    deps: [dep.txt]
+    outs: [prep.txt]
+  train_g:
+    foreach: [a, b, c]
+    do:
+      cmd: python -c "import os, time; time.sleep(1); open(os.environ['GRID_LOG'], 'a').write('${item}\\n'); os.makedirs('out', exist_ok=True); open('out/${item}.txt', 'w').write('${item}' + open('prep.txt').read()); {fail}"
+      deps: [prep.txt]
+      outs:
+        - out/${item}.txt
+  report:
+    cmd: python -c "import glob; open('report.txt', 'w').write(''.join(sorted(open(f).read() for f in glob.glob('out/*.txt'))))"
+    deps: [out]
+    outs: [report.txt]
+"""
+
+
+def _dvc(*args: str, cwd: Path) -> str:
+    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+def _repo(tmp: Path, fail: str = "None") -> Path:
+    repo = tmp / "repo"
+    repo.mkdir()
+    git = ["git", "-c", "init.defaultBranch=main"]
+    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
+    for k, v in (("user.email", "grid@test"), ("user.name", "grid test")):
+        subprocess.run(["git", "config", k, v], cwd=repo, check=True)
+    _dvc("init", "-q", cwd=repo)
+    (repo / "dep.txt").write_text("1")
+    (repo / "dvc.yaml").write_text(PIPE.replace("{fail}", fail))
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "commit", "-qm", "init"], cwd=repo, check=True)
+    return repo
+
+
+def test_grid_trains_each_stage_once_on_two_workers_and_leaves_the_pipeline_up_to_date(tmp_path, monkeypatch):
+    log = tmp_path / "runs.log"
+    monkeypatch.setenv("GRID_LOG", str(log))
+    repo = _repo(tmp_path)
+    assert upstream("dvc.yaml", repo, "train_*") == ["prep"]
+    r = run_grid("dvc.yaml", repo, jobs=2, quiet=True, poll_s=0.5)
+    assert sorted(r["queued"]) == ["train_g@a", "train_g@b", "train_g@c"]
+    assert sorted(log.read_text().split()) == ["a", "b", "c"]  # each trained once, by a worker; none again by repro
+    assert not any(s.startswith("train_g") for s in r["ran_after"]) and "report" in r["ran_after"]
+    assert (repo / "report.txt").read_text() == "a1b1c1"
+    assert "up to date" in _dvc("status", cwd=repo)
+    assert "grid-" not in _dvc("exp", "list", "--all-commits", cwd=repo)  # the queued experiments are gone
+    # nothing stale: a second grid queues nothing and trains nothing
+    assert run_grid("dvc.yaml", repo, jobs=2, quiet=True)["queued"] == []
+    assert len(log.read_text().split()) == 3
+
+
+def test_a_failing_stage_stops_the_grid_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRID_LOG", str(tmp_path / "runs.log"))
+    repo = _repo(tmp_path, fail="exit(3) if '${item}' == 'b' else None")
+    with pytest.raises(GridError, match=r"1 of 3 queued stages failed: train_g@b"):
+        run_grid("dvc.yaml", repo, jobs=2, quiet=True, poll_s=0.5)
+    assert not (repo / "report.txt").exists()
+
+
+def test_workers_log_to_this_workspaces_mlflow_store(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    env = tracking_env("sqlite:///mlflow.db", tmp_path)
+    assert env["MLFLOW_TRACKING_URI"] == f"sqlite:///{tmp_path.resolve().as_posix()}/mlflow.db"
+    assert tracking_env("http://mlflow.example:5000", tmp_path)["MLFLOW_TRACKING_URI"] == "http://mlflow.example:5000"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:///elsewhere")
+    assert tracking_env("sqlite:///mlflow.db", tmp_path)["MLFLOW_TRACKING_URI"] == "file:///elsewhere"
