@@ -338,10 +338,15 @@ class TrainParams(Strict):
     rounds: int = Field(300, ge=1)
     local_epochs: int = Field(1, ge=1)
     batch_size: int = Field(32, ge=1)
-    optimizer: Literal["sgd"] = "sgd"
+    optimizer: Literal["sgd", "adam"] = Field(
+        "sgd", description="local optimizer, a fresh one each local update: sgd (lr, momentum, nesterov, weight_decay) "
+        "or adam (torch.optim.Adam: lr, betas, eps, weight_decay as an L2 term)",
+    )
     lr: float = Field(1e-2, gt=0)
-    momentum: float = Field(0.0, ge=0, lt=1)
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD's momentum (Adam's are betas)")
     nesterov: bool = Field(False, description="Nesterov momentum (needs momentum > 0; CD2-pFed's SGD)")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam's (beta1, beta2), torch's defaults")
+    eps: float = Field(1e-8, gt=0, description="Adam's epsilon, torch's default")
     weight_decay: float = Field(0.0, ge=0)
     client_fraction: float = Field(1.0, gt=0, le=1)
     client_fraction_range: Optional[tuple[float, float]] = Field(
@@ -383,6 +388,10 @@ class TrainParams(Strict):
     def _nesterov_needs_momentum(self) -> "TrainParams":
         if self.nesterov and self.momentum <= 0:
             raise ValueError("nesterov: Nesterov momentum needs momentum > 0")
+        if self.optimizer == "adam" and (self.momentum > 0 or self.nesterov):
+            raise ValueError("momentum: SGD's momentum (and nesterov) with optimizer: adam; Adam's moments are betas")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas: each of Adam's betas must be in [0, 1), got {list(self.betas)}")
         if self.client_fraction_range is not None:
             lo, hi = self.client_fraction_range
             if not 0 < lo <= hi <= 1:

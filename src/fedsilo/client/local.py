@@ -62,6 +62,19 @@ def batches_per_epoch(n: int, batch_size: int) -> int:
     return k - 1 if k > 1 and n % batch_size == 1 else k
 
 
+def make_optimizer(params: list[nn.Parameter], cfg: TrainParams) -> torch.optim.Optimizer:
+    """``train.optimizer`` over ``params``: SGD (lr, momentum, Nesterov, weight decay) or Adam (lr, betas, eps, weight
+    decay as torch's L2 term). ``train_local`` builds a fresh one on every call, so an optimizer's state (momentum
+    buffers, Adam's moments and step count) never outlives a local update: FedAvg's ClientUpdate, and pFedDB's
+    Phase-2 Adam "re-created every round" (its authors' ``federated/fed_digits_twophase.py``)."""
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
+    # TrainParams admits only these two; a copy made with model_copy(update=...) skips that check
+    raise ConfigError(f"train.optimizer: {cfg.optimizer!r} is not one of sgd, adam")
+
+
 def train_local(
     model: nn.Module,
     data: ClientData,
@@ -75,7 +88,8 @@ def train_local(
     batch_transform: Optional[BatchTransform] = None,
     epoch_hook: Optional[Callable[[int], None]] = None,
 ) -> float:
-    """Plain SGD on the client's training data (a fresh optimizer each call, as in FedAvg's ClientUpdate).
+    """``train.optimizer`` (SGD or Adam, :func:`make_optimizer`) on the client's training data, a fresh optimizer each
+    call (as in FedAvg's ClientUpdate).
 
     ``extra_loss(model)`` adds a term that depends on the parameters only (proximal terms), ``batch_loss(x, y,
     logits)`` one that depends on the batch (distillation), and ``grad_hook()`` runs between backward and the
@@ -88,7 +102,7 @@ def train_local(
     bf16, cl = use_bf16(cfg, device), use_channels_last(cfg, device)
     fwd = forward_fn(model)
     trainable = params if params is not None else [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(trainable, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
+    opt = make_optimizer(trainable, cfg)
     loss_fn = nn.CrossEntropyLoss()
     last = 0.0
     for epoch in range(epochs if epochs is not None else cfg.local_epochs):
@@ -116,9 +130,10 @@ def train_local(
             count += len(idx)
         last = float(total) / max(count, 1)
         if not math.isfinite(last):  # one check per epoch (the sum already syncs here): a diverged run stops, named
+            moments = f"betas {list(cfg.betas)}" if cfg.optimizer == "adam" else f"momentum {cfg.momentum}"
             raise ConfigError(
-                f"train.lr: local training diverged (mean loss {last} in local epoch {epoch + 1} with lr {cfg.lr}, "
-                f"momentum {cfg.momentum}); lower the learning rate"
+                f"train.lr: local training diverged (mean loss {last} in local epoch {epoch + 1} with {cfg.optimizer} "
+                f"lr {cfg.lr}, {moments}); lower the learning rate"
             )
         if epoch_hook is not None:
             epoch_hook(epoch)

@@ -10,18 +10,41 @@ pFedDB's Fig. 5).
 
 E0 = 0 is the plain one-phase method. The newcomer onboarding of pFedDB reuses ``local_phase_update`` for the
 newcomer's pre-existing local model.
+
+Each phase may train with its own optimizer and learning rate (:class:`TwoPhaseParams`: ``phase1_optimizer``,
+``phase1_lr``, ``phase2_optimizer``, ``phase2_lr``; null = ``train``'s): pFedDB's authors train Phase 1 with SGD lr
+1e-2 and Phase 2 with Adam lr 1e-2, a new Adam every round (``federated/fed_digits_twophase.py`` on the dev branch of
+github.com/yiranpang/pFedDB). A phase's optimizer is built fresh for every local update, as ``train_local`` always
+does. An Adam phase uses ``train.betas``, ``train.eps`` and ``train.weight_decay``; ``train.momentum`` and
+``nesterov`` are SGD's and apply to SGD phases only.
 """
 
 from __future__ import annotations
 
+from typing import Any, Literal, Optional
+
 import torch
+from pydantic import Field
 
 from fedsilo.client.data import ClientData
 from fedsilo.client.local import make_generator
-from fedsilo.config import ConfigError
-from fedsilo.methods.base import State
+from fedsilo.config import ConfigError, TrainParams
+from fedsilo.methods.base import MethodParams, State
 from fedsilo.methods.sharing import PartialSharing
 from fedsilo.models import LayeredNet
+
+Optimizer = Literal["sgd", "adam"]
+
+
+class TwoPhaseParams(MethodParams):
+    """The per-phase training settings of a two-phase method (null: ``train.optimizer`` / ``train.lr``)."""
+
+    phase1_optimizer: Optional[Optimizer] = Field(None, description="Phase 1's optimizer: sgd | adam (null = train.optimizer)")
+    phase1_lr: Optional[float] = Field(None, gt=0, description="Phase 1's learning rate (null = train.lr)")
+    phase2_optimizer: Optional[Optimizer] = Field(
+        None, description="Phase 2's optimizer: sgd | adam (null = train.optimizer); a one-phase run is all Phase 2"
+    )
+    phase2_lr: Optional[float] = Field(None, gt=0, description="Phase 2's learning rate (null = train.lr)")
 
 
 class TwoPhase(PartialSharing):
@@ -41,6 +64,36 @@ class TwoPhase(PartialSharing):
 
     def phase(self, rnd: int) -> int:
         return 1 if rnd <= self.e0 else 2
+
+    def phase_train(self, phase: int) -> TrainParams:
+        """``train`` with phase ``phase``'s optimizer and learning rate where the params set them. SGD's momentum and
+        Nesterov do not carry into an Adam phase (Adam's moments are ``train.betas``)."""
+        opt = getattr(self.params, f"phase{phase}_optimizer", None)
+        lr = getattr(self.params, f"phase{phase}_lr", None)
+        update: dict[str, Any] = {}
+        if opt is not None and opt != self.train.optimizer:
+            update["optimizer"] = opt
+            if opt == "adam":
+                update.update(momentum=0.0, nesterov=False)
+        if lr is not None:
+            update["lr"] = float(lr)
+        if not update:
+            return self.train
+        try:  # validated as a train block of its own
+            return TrainParams.model_validate({**self.train.model_dump(), **update})
+        except ValueError as err:
+            raise ConfigError(f"methods.{self.key}.phase{phase}_optimizer: {err}") from None
+
+    def phase_optimizers(self) -> dict[str, dict[str, Any]]:
+        """What each phase trains with (recorded with the run's resolved settings)."""
+        out = {}
+        for phase in (1, 2):
+            cfg = self.phase_train(phase)
+            out[f"phase{phase}"] = {"optimizer": cfg.optimizer, "lr": cfg.lr}
+        return out
+
+    def local_train(self, rnd: int) -> TrainParams:
+        return self.phase_train(self.phase(rnd))
 
     def federated(self) -> bool:
         """True once the server holds a federated state: after round E0 has been aggregated."""

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Optional
 
 from fedsilo.client.data import ClientData
 from fedsilo.client.local import ExtraLoss, make_generator, train_local
+from fedsilo.config import TrainParams
 from fedsilo.methods import decoupling
 from fedsilo.methods.base import MeanAggregation, State
 from fedsilo.models import LayeredNet
@@ -127,10 +128,14 @@ class PartialSharing(MeanAggregation):
 
         return {**terms, "batch_loss": batch_loss}
 
+    def local_train(self, rnd: int) -> TrainParams:
+        """The training settings of round ``rnd``'s local update (a two-phase method's per-phase optimizer)."""
+        return self.train
+
     def local_update(self, model, store, payload, client, rnd, seed):
         model.load_state_dict({**store, **payload}, strict=True)
         terms = self.with_decoupling(model, self.local_terms(model, payload, client, rnd, seed), client, rnd, seed)
-        self.last_loss = train_local(model, client, self.train, make_generator(seed, rnd, client.index), **terms)
+        self.last_loss = train_local(model, client, self.local_train(rnd), make_generator(seed, rnd, client.index), **terms)
         return self.keep_and_share(model, store)
 
     def keep_and_share(self, model: LayeredNet, store: State) -> State:

@@ -7,8 +7,32 @@ Protocol (Algorithm 1):
 - Phase 2, rounds E0+1..T: the server broadcasts phi to the sampled clients; each trains phi, psi_c and omega_c
   together (Eq. 7) and uploads phi only; the server takes the sample-size-weighted mean (Eq. 8). psi_c and omega_c
   never leave the client.
-- ``two_phase: false`` (Table 4 ablation): the dual-branch model is trained federatedly from round 1, phi and
-  psi starting from the same seeded initialisation.
+- ``two_phase: false`` (Table 4 ablation): the dual-branch model is trained federatedly from round 1. Its two
+  extractors start from independent random draws (``branch_init: independent``, the default), as the authors' model
+  classes initialise them (``nets/models.py`` on the dev branch of github.com/yiranpang/pFedDB: ``AlexNet_DB``'s and
+  ``DenseNet_DB``'s branches are separate modules, each drawn by ``_init_weights``): f_s is the first l_c layers of a
+  second backbone drawn with the run's architecture and a seed derived from the run's seed. ``branch_init: same``
+  starts phi and psi as copies of one draw. Under the two-phase protocol the
+  switch does nothing: phi starts as the clone of psi_c* (the same in the authors' code: ``copy_single_to_dual``).
+
+Where the authors' code (dev branch of github.com/yiranpang/pFedDB) fixes what the paper leaves open, the paper preset
+(``pipelines/pfeddb/paper/params.yaml``) follows it:
+- Optimizers (``phase1_optimizer``/``phase1_lr``, ``phase2_optimizer``/``phase2_lr``, from :class:`TwoPhaseParams`):
+  ``federated/fed_digits_twophase.py`` trains Phase 1 with ``optim.SGD(lr=1e-2)`` (no momentum, no weight decay) and
+  Phase 2 with ``optim.Adam(lr=1e-2)`` (torch's betas), a new Adam for every client in every round. The paper says only
+  "SGD optimizer with a learning rate of 10^-2" (for the compared methods). The defaults (null) train both phases
+  with ``train``'s optimizer.
+- What phi carries (``share_bn_affine``, ``share_bn_stats``): ``aggregate_shared`` in the same script averages the
+  shared branch's weights and biases and skips every key containing ``bn`` or ``running_`` or
+  ``num_batches_tracked``: no BatchNorm tensor of the shared branch is averaged, its affine weight and bias included.
+  Both switches default to that rule. BatchNorm tensors are found by module type, so DenseNet's ``norm*`` layers are
+  covered as well as Simple-CNN's and AlexNet's.
+- Not followed (noted for the reader): in that script Phase 2's first round trains from each client's own psi_c*
+  clone and averages afterwards, where Eq. 6 averages first (we follow Eq. 6); Phase 1 starts each client from its
+  own ``DigitModel()`` draw, where we start every client from the run's one seeded draw; and ``DigitModel_DB`` builds
+  ``shared_conv`` and ``local_conv`` from the same module objects, so on Digits its two convolutional branches are one
+  (tied) module and only the projections ``shared_proj``/``local_proj`` are separate branches. ``AlexNet_DB`` and the
+  DenseNet dual-branch classes have separate branches, as here.
 
 Choices where the paper is open:
 - Phase-1 length is counted in rounds of E local epochs, like the paper's "150 rounds of local training" out of 300.
@@ -19,11 +43,11 @@ Choices where the paper is open:
 - Evaluation during Phase 1 uses the single-branch local model, afterwards the client's dual-branch model.
 - The Phase-1 -> Phase-2 transition sends psi_c* once under phi's names; this is the upload Eq. 6 requires, and it
   is counted in that round's bytes.
-- phi is "the parameters of the shared branch": its weights, biases and BatchNorm affine parameters. BatchNorm
-  running statistics are buffers, not parameters, and stay with the client by default (each client starts them from
-  its own psi_c* clone); ``share_bn_stats: true`` uploads and averages them too. On the CXR mirrors averaging them
-  cost 5-7 points of mean accuracy (16 images per client, 14 rounds, two seeds: 0.79 vs 0.86), the FedBN effect
-  inside the shared branch.
+- phi is "the parameters of the shared branch"; with the authors' rule (above) its BatchNorm layers stay with the
+  client (each client starts them from its own psi_c* clone). ``share_bn_affine: true`` uploads and averages their
+  affine weight and bias, ``share_bn_stats: true`` their running statistics. On the CXR mirrors averaging the
+  statistics cost 5-7 points of mean accuracy (16 images per client, 14 rounds, two seeds: 0.79 vs 0.86), the FedBN
+  effect inside the shared branch.
 """
 
 from __future__ import annotations
@@ -34,22 +58,24 @@ import torch
 from pydantic import Field, PositiveInt
 from torch import nn
 
-from fedsilo.client.local import train_local
+from fedsilo.client.local import make_generator, train_local
 from fedsilo.config import ConfigError
-from fedsilo.methods.base import MethodParams
 from fedsilo.methods.pfeddb.model import (
     SHARED,
     DualBranch,
     closest_to_70,
     local_branch_parameters,
     psi_as_phi,
+    shared_batchnorm_keys,
     shared_fraction,
 )
-from fedsilo.methods.phased import TwoPhase
-from fedsilo.models import LayeredNet
+from fedsilo.methods.phased import TwoPhase, TwoPhaseParams
+from fedsilo.models import LayeredNet, build_model
+
+BRANCH_SEED = 2  # the second key (after the run's seed) of the independent shared-branch draw
 
 
-class PFedDBParams(MethodParams):
+class PFedDBParams(TwoPhaseParams):
     cut_depth: Union[None, PositiveInt, dict[str, PositiveInt]] = Field(
         None,
         description="l_c in weighted layers; a mapping backbone -> l_c (one methods block serving several backbones, "
@@ -59,7 +85,18 @@ class PFedDBParams(MethodParams):
     two_phase: bool = True
     fusion: Literal["add", "concat", "attention", "weighted"] = "add"
     alpha: float = Field(0.5, ge=0.0, le=1.0, description="weight of the shared branch for fusion=weighted")
-    share_bn_stats: bool = Field(False, description="also upload the shared branch's BatchNorm running statistics")
+    share_bn_stats: bool = Field(
+        False, description="also upload and average the shared branch's BatchNorm running statistics (the authors' "
+        "code: no)",
+    )
+    share_bn_affine: bool = Field(
+        False, description="also upload and average the shared branch's BatchNorm affine weight and bias (the "
+        "authors' code: no BatchNorm tensor of the shared branch is averaged)",
+    )
+    branch_init: Literal["independent", "same"] = Field(
+        "independent", description="two_phase: false only: the shared and private extractors start from independent "
+        "random draws (the authors' model classes) or from the same one",
+    )
 
 
 class PFedDB(TwoPhase):
@@ -79,14 +116,36 @@ class PFedDB(TwoPhase):
             raise ConfigError(f"methods.{self.key}.cut_depth: {depth} exceeds the backbone's {model.num_layers} layers")
         self.cut_depth = depth
         self.backbone_shared_fraction = shared_fraction(model, depth)
-        return DualBranch(model, model.cut_index(depth), self.params.fusion, self.params.alpha, example)
+        independent = not self.params.two_phase and self.params.branch_init == "independent"
+        shared_from = self.independent_draw(model, example) if independent else None
+        return DualBranch(model, model.cut_index(depth), self.params.fusion, self.params.alpha, example, shared_from)
+
+    def independent_draw(self, model: LayeredNet, example: torch.Tensor) -> LayeredNet:
+        """A second backbone of the run's architecture (``train.model``), drawn by the backbone's own initialisation
+        with a seed derived from (run seed, BRANCH_SEED); the global random state is left as it was."""
+        was = model.training
+        model.eval()
+        with torch.no_grad():
+            num_classes = int(model(example).shape[-1])
+        model.train(was)
+        seed = int(make_generator(self.run_seed, BRANCH_SEED).initial_seed())
+        cuda = [example.device.index or 0] if example.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            other = build_model(self.train.model, example.shape[1], num_classes, seed=seed, image_size=example.shape[-1])
+        shapes = {k: v.shape for k, v in model.state_dict().items()}
+        if {k: v.shape for k, v in other.state_dict().items()} != shapes:
+            raise ConfigError(
+                f"methods.{self.key}.branch_init: independent draws the shared branch from a fresh {self.train.model}, "
+                "and the backbone being trained is not one; use branch_init: same"
+            )
+        return other.to(example.device)
 
     def shared_keys(self, model) -> list[str]:
-        """phi: the shared branch's parameters (and, with share_bn_stats, its BatchNorm statistics)."""
-        keys = [k for k in model.state_dict() if k.startswith(SHARED)]
-        if not self.params.share_bn_stats:
-            keys = [k for k in keys if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
-        return keys
+        """phi: the shared branch's weights and biases; its BatchNorm affine parameters with share_bn_affine, its
+        BatchNorm statistics with share_bn_stats (BatchNorm layers found by module type)."""
+        affine, stats = shared_batchnorm_keys(model)
+        kept = (set() if self.params.share_bn_affine else affine) | (set() if self.params.share_bn_stats else stats)
+        return [k for k in model.state_dict() if k.startswith(SHARED) and k not in kept]
 
     def phase_one_rounds(self) -> int:
         return self.params.local_rounds if self.params.two_phase else 0
@@ -95,6 +154,7 @@ class PFedDB(TwoPhase):
         out = super().resolved()
         if hasattr(self, "cut_depth"):
             out.update(cut_depth=self.cut_depth, backbone_shared_fraction=round(self.backbone_shared_fraction, 6))
+        out.update(self.phase_optimizers())
         return out
 
     # ------------------------------------------------------------------ protocol
@@ -105,7 +165,7 @@ class PFedDB(TwoPhase):
     def local_phase_update(self, model, store, client, gen):
         """Phase 1: the single-branch model g_p(f_p(x)) trains on the client's data; psi_c and omega_c stay in its store."""
         model.load_state_dict(store, strict=False)
-        loss = train_local(model, client, self.train, gen, params=local_branch_parameters(model))
+        loss = train_local(model, client, self.phase_train(1), gen, params=local_branch_parameters(model))
         sd = model.state_dict()
         for k in self.private:
             store[k] = sd[k].detach().clone()

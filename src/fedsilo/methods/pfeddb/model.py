@@ -5,11 +5,17 @@ form g_p(.; omega_c); the prediction is g_p(fuse(f_s(x), f_p(x))). ``fusion``: `
 ``concat`` (concatenate along channels, then a 1x1 conv / linear back to the original width), ``attention`` (a sigmoid
 gate computed from both features mixes them: g * z_s + (1 - g) * z_p), ``weighted`` (alpha * z_s + (1 - alpha) * z_p,
 alpha fixed). The fusion layer belongs to the client's private parameters.
+
+f_s and f_p start as copies of one draw of the backbone (``same``), or f_s is taken from a second, independently
+drawn backbone (``shared_from``): the authors' model classes build the two branches as separate modules, each
+initialised on its own (``nets/models.py``, ``AlexNet_DB``, ``DenseNet_DB``, ``PLENet_DenseNet_ShareCNN``, dev
+branch of github.com/yiranpang/pFedDB).
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import torch
 from torch import nn
@@ -45,11 +51,23 @@ class Fusion(nn.Module):
 class DualBranch(nn.Module):
     """shared (f_s), private (f_p), fusion, head (g_p). ``phase = 1`` runs the single-branch model g_p(f_p(x))."""
 
-    def __init__(self, base: LayeredNet, cut_units: int, fusion: str, alpha: float, example: torch.Tensor):
+    def __init__(
+        self,
+        base: LayeredNet,
+        cut_units: int,
+        fusion: str,
+        alpha: float,
+        example: torch.Tensor,
+        shared_from: Optional[LayeredNet] = None,
+    ):
+        """``shared_from``: a backbone of the same architecture whose first ``cut_units`` units become f_s (an
+        independent initialisation); by default f_s is a copy of f_p."""
         super().__init__()
         extractor = nn.Sequential(*base.units[:cut_units])
-        self.shared = copy.deepcopy(extractor)
+        self.shared = copy.deepcopy(nn.Sequential(*shared_from.units[:cut_units]) if shared_from is not None else extractor)
         self.private = copy.deepcopy(extractor)
+        if [(k, v.shape) for k, v in self.shared.state_dict().items()] != [(k, v.shape) for k, v in self.private.state_dict().items()]:
+            raise ValueError("shared_from: its first units differ from the backbone's (not the same architecture)")
         self.head = copy.deepcopy(nn.Sequential(*base.units[cut_units:]))
         was = self.private.training
         self.private.eval()  # probe the feature shape without touching BatchNorm statistics
@@ -83,6 +101,19 @@ def shared_fraction(base: LayeredNet, depth: int) -> float:
     k = base.cut_index(depth)
     sizes = [sum(p.numel() for p in u.parameters()) for u in base.units]
     return sum(sizes[:k]) / sum(sizes)
+
+
+def shared_batchnorm_keys(model: nn.Module) -> tuple[set[str], set[str]]:
+    """The shared branch's BatchNorm tensors, found by module type (any naming: Simple-CNN's Sequential indices,
+    DenseNet's ``norm0`` / ``norm1`` / ``norm2`` / transition ``norm``): (affine weight and bias, running
+    statistics and batch counter)."""
+    affine: set[str] = set()
+    stats: set[str] = set()
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (name + ".").startswith(SHARED):
+            affine.update(f"{name}.{k}" for k, _ in m.named_parameters(recurse=False))
+            stats.update(f"{name}.{k}" for k, _ in m.named_buffers(recurse=False))
+    return affine, stats
 
 
 def local_branch_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -5,9 +5,10 @@ own data for ``pretrain_rounds`` rounds, exactly a pFedDB client's Phase 1 (the 
 It then downloads the global shared branch phi once and adapts for ``rounds`` rounds with each strategy, evaluated on
 its test split after every round:
 
-- ``freeze_global``: the shared branch takes phi and stays frozen; only psi_c, the fusion and the head train (the
-  newcomer's shared-branch BatchNorm statistics start from its own extractor, as a pFedDB client's do at the start of
-  Phase 2, and follow its data: phi is the branch's *parameters*);
+- ``freeze_global``: the shared branch takes phi and stays frozen; only psi_c, the fusion and the head train (what
+  of the shared branch phi does not carry, its BatchNorm layers by default (``share_bn_affine``, ``share_bn_stats``),
+  starts from the newcomer's own extractor, as a pFedDB client's does at the start of Phase 2; the statistics follow
+  its data);
 - ``finetune_all``: the same start, every block trains;
 - ``from_scratch``: a freshly initialised dual-branch model trains on the newcomer's data alone (no phi, no
   pre-existing model).
@@ -67,7 +68,7 @@ def onboard_newcomer(
         method.local_phase_update(local, store, client, make_generator(seed, r, client.index))
     pre_acc = evaluate(local, client.x_test, client.y_test, cfg=train)["acc"] if pretrain_rounds else None
     joined = local.state_dict()
-    joined.update(psi_as_phi(joined))  # the shared branch starts as the newcomer's own psi (BatchNorm statistics stay)
+    joined.update(psi_as_phi(joined))  # the shared branch starts as the newcomer's own psi (what phi lacks stays so)
     joined.update(phi)  # and takes the downloaded phi
 
     curves: dict[str, list[float]] = {}
