@@ -1,0 +1,512 @@
+"""Any registered method as a Flower ServerApp / ClientApp pair (Flower's Message API, ``flwr`` >= 1.40).
+
+Both apps build the method from the same class, params, train params and seed as the in-process engine
+(:class:`FlowerSpec`); the method is not changed. What differs is where things live and how they move:
+
+- **Server** (:class:`FlowerServer`, the ServerApp's ``main``): the method's server state, sampling, aggregation,
+  the round history. It is the in-process :class:`~fedsilo.fl.engine.Engine` with its clients replaced by the
+  *cards* the sites register (index, name, domain, training-sample count, image shape: what ``Method.join`` is told;
+  no image, label or store): sampling, evaluation schedule, privacy check and round bookkeeping are the engine's own
+  (inherited), the client half of a round is a Flower message to the site.
+- **Client** (:func:`client_app`): one site's data, loaded on the site by ``load_client(context)``, and its
+  *store* (the tensors the method keeps on the client: private layers, personal models), kept in Flower's per-node
+  ``context.state`` as an ArrayRecord. The store never enters a message.
+
+A round, as messages (``group_id`` = the round):
+
+1. ``query.announce`` (only for a method that overrides ``Method.announce``): the site's announcement comes back as
+   an ArrayRecord; the server hears it before that site's download.
+2. ``train``: ArrayRecord ``down`` (``Method.download``) and ConfigRecord ``fedsilo`` (the round, the federation's
+   cards, whether to count FLOPs). The site runs ``Method.local_update`` on its store and replies with ArrayRecord
+   ``up`` and MetricRecord ``fedsilo`` (its training loss, the tensor bytes it received). The site refuses to send
+   a key the method declares private (:class:`~fedsilo.fl.engine.PrivacyViolation` on the site: the reply is an
+   error and nothing of the upload leaves it); the server checks every received record again.
+3. ``evaluate`` (the rounds the engine evaluates, every site): ArrayRecord ``server`` (the server state) goes to
+   each site, which loads the model it is evaluated with (``Method.load_eval_model``) and, where the method has one,
+   the global model, and replies with a MetricRecord of its test scores; the server combines them as the engine does.
+
+The sampled sites of a round train in parallel; their uploads are aggregated in client order, as the engine does, so
+a streaming mean adds the same numbers in the same order. Every download is computed before the round's first
+upload is aggregated; the engine computes a client's download after the previous client's upload, which gives the
+same payloads because a method's aggregation changes the server state only at its end (``agg_end`` /
+``aggregate``).
+
+Bytes: ``bytes_down`` / ``bytes_up`` / ``bytes_announce`` in a round's entry are the tensor bytes (``numel *
+element_size``, the engine's :func:`~fedsilo.methods.base.payload_bytes`) of the Arrays in the records Flower
+delivered: a download's as its site measured it on arrival, an upload's as the server measured it. Flower's own count
+of the same records (``ArrayRecord.count_bytes``: the arrays' ``.npy`` serialisation with its headers, plus key
+names) is recorded beside them as ``flower_record_bytes``; the server state sent for evaluation as
+``bytes_eval_down`` (the engine moves nothing to evaluate).
+
+Not carried over from the engine: task streams (``fl/continual.py``), the ensemble "new test" and external test site
+(``train.ensemble_test``), per-round checkpoints and resume (a site's store lives in Flower's node state for the
+run's lifetime), ``spectra``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from fedsilo.client.data import ClientData, to_float
+from fedsilo.client.local import evaluate, use_channels_last
+from fedsilo.config import ConfigError, TrainParams
+from fedsilo.fl.engine import Engine, Observer, PrivacyViolation
+from fedsilo.methods.base import Method, MethodParams, State
+
+try:  # the optional extra: pip install "fedsilo[flower]"
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+except ImportError as err:  # pragma: no cover - exercised only without the extra
+    raise ImportError("fedsilo.fl.flower needs Flower: pip install 'fedsilo[flower]' (flwr[simulation])") from err
+
+__all__ = ["Card", "ClientFailed", "FlowerRun", "FlowerServer", "FlowerSpec", "client_app", "record_tensor_bytes", "simulate"]
+
+STORE = "fedsilo.store"  # the context.state record holding a site's store
+CONFIG = "fedsilo"  # the ConfigRecord / MetricRecord of every message
+
+
+class ClientFailed(RuntimeError):
+    """A site answered a message with an error (its exception, as Flower reports it)."""
+
+
+# ---------------------------------------------------------------------------------------------------------- records
+def to_record(state: State) -> ArrayRecord:
+    """A state as Flower's ArrayRecord: one Array (NumPy serialisation) per tensor, keys kept."""
+    out = {}
+    for k, v in state.items():
+        t = v.detach().cpu().contiguous()
+        if t.dtype == torch.bfloat16 or not hasattr(np, str(t.dtype).removeprefix("torch.")):
+            raise TypeError(f"{k}: a {t.dtype} tensor has no NumPy dtype and cannot travel as a Flower Array")
+        out[k] = Array(t)
+    return ArrayRecord(out)
+
+
+def from_record(record: ArrayRecord, device: torch.device) -> State:
+    return {k: torch.from_numpy(a.numpy()).to(device) for k, a in record.items()}
+
+
+def record_tensor_bytes(record: ArrayRecord) -> int:
+    """The tensor bytes an ArrayRecord carries: numel * itemsize of each Array, from its shape and dtype (the
+    engine's payload_bytes of the same tensors; the .npy headers and key names are not counted)."""
+    return int(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in record.values()))
+
+
+# ---------------------------------------------------------------------------------------------------------- cards
+class Card(ClientData):
+    """A site as the federation knows it once registered: index, name, domain, training-sample count and image shape
+    (``Method.join``'s view); its image and label tensors are empty, so a server-side hook that reads a client's data
+    fails instead of reading it."""
+
+    def __init__(self, index: int, name: str, domain: str, n_train: int, shape: tuple[int, ...]):
+        none = torch.empty((0, *shape), dtype=torch.uint8)
+        label = torch.empty(0, dtype=torch.long)
+        super().__init__(int(index), str(name), none, label, none, label, str(domain))
+        self.count = int(n_train)
+        self.shape = tuple(int(s) for s in shape)
+
+    @property
+    def n_train(self) -> int:
+        return self.count
+
+    @staticmethod
+    def of(client: ClientData) -> "Card":
+        return Card(client.index, client.name, client.domain, client.n_train, tuple(client.x_train.shape[1:]))
+
+
+def cards_config(cards: list[Card]) -> dict[str, Any]:
+    return {
+        "index": [c.index for c in cards],
+        "name": [c.name for c in cards],
+        "domain": [c.domain for c in cards],
+        "n_train": [c.n_train for c in cards],
+        "shape": list(cards[0].shape),
+    }
+
+
+def cards_from_config(cfg: ConfigRecord) -> list[Card]:
+    shape = tuple(int(s) for s in cfg["shape"])
+    return [Card(i, n, d, k, shape) for i, n, d, k in zip(cfg["index"], cfg["name"], cfg["domain"], cfg["n_train"])]
+
+
+# ---------------------------------------------------------------------------------------------------------- spec
+@dataclass(frozen=True)
+class FlowerSpec:
+    """What both apps build the method from: its class, typed params, ``methods.<key>``, the train params, the seed,
+    and ``make_model()``, which returns the backbone initialised from the seed (the same weights at every call, as
+    ``build_model(..., seed=seed)``)."""
+
+    method_cls: type[Method]
+    params: MethodParams
+    train: TrainParams
+    seed: int
+    make_model: Callable[[], nn.Module]
+    key: Optional[str] = None
+
+    @staticmethod
+    def of(method: Method, make_model: Callable[[], nn.Module], seed: int) -> "FlowerSpec":
+        """The spec of a method object as ``resolve_method`` builds it (its class, params, train and key)."""
+        return FlowerSpec(type(method), method.params, method.train, int(seed), make_model, method.key)
+
+    def method(self) -> Method:
+        return self.method_cls(self.params, self.train, key=self.key)
+
+    def check(self) -> None:
+        """The engine's refusals, and what the adapter does not carry over, named by key."""
+        m = self.method_cls
+        if m.stream_only:
+            raise ConfigError(f"methods.{self.key or m.name}: {m.name} learns a stream of domain tasks only; the Flower "
+                              "adapter runs the per-round engine (static clients)")
+        if self.train.ensemble_test:
+            raise ConfigError("train.ensemble_test: the ensemble 'new test' is not run on Flower (it needs every "
+                              "site's evaluation model in one place); set it to false")
+
+    def build(self, example: torch.Tensor, device: torch.device, cards: list[Card]) -> tuple[Method, nn.Module, set[str]]:
+        """A fresh method and model, in the engine's order: join, transform_model, setup, private_keys."""
+        method = self.method()
+        method.join(list(cards), self.seed)
+        torch.manual_seed(self.seed)
+        model = self.make_model().to(device)
+        model = method.transform_model(model, example)
+        method.setup(model)
+        return method, model, set(method.private_keys(model))
+
+
+# ---------------------------------------------------------------------------------------------------------- server
+class FlowerServer(Engine):
+    """The engine's server half over a Flower Grid: ``step`` / ``run`` / ``sample`` / ``eval_due`` /
+    ``_refuse_private`` are the engine's; ``run_round`` and ``evaluate`` send the client half to the sites. The
+    engine's constructor is not run (it builds every client's store, which only the sites hold)."""
+
+    def __init__(self, spec: FlowerSpec, grid: Grid, nodes: dict[int, int], cards: list[Card],
+                 observer: Optional[Observer] = None, on_round: Optional[Callable[[dict[str, Any]], None]] = None,
+                 device: str = "cpu"):
+        spec.check()
+        self.spec, self.grid, self.nodes = spec, grid, nodes  # nodes: client index -> Flower node id
+        self.train, self.seed = spec.train, spec.seed
+        self.clients: list[ClientData] = list(cards)
+        self.observer, self.on_round = observer, on_round
+        self.checkpoint, self.config_hash, self.meta, self.external = None, "", {}, None
+        example = torch.zeros((2, *cards[0].shape))  # only its shape matters to transform_model
+        self.method, self.model, self.private = spec.build(example, torch.device(device), cards)
+        self.round, self.total_rounds = 0, spec.train.rounds
+        self.history: list[dict[str, Any]] = []
+        self.server: State = self.method.init_server(self.model)
+        self.stores: list[State] = []  # the sites hold them
+        self._config = cards_config(cards)
+        self._announces = type(self.method).announce is not Method.announce
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def save(self) -> None:
+        """Nothing: a Flower run is not checkpointed (the stores live on the sites)."""
+
+    def spectra(self) -> dict[str, list[float]]:
+        raise NotImplementedError("spectra need every client's representations in one place; not run on Flower")
+
+    # ------------------------------------------------------------------ messages
+    def _exchange(self, kind: str, rnd: int, contents: dict[int, RecordDict]) -> dict[int, Message]:
+        """Send one message per client index, return the replies by client index; a site's error is raised."""
+        msgs, order = [], []
+        for i, content in contents.items():
+            msgs.append(Message(content, dst_node_id=self.nodes[i], message_type=kind, group_id=str(rnd)))
+            order.append(i)
+        by_node = {m.metadata.src_node_id: m for m in self.grid.send_and_receive(msgs)}
+        out = {}
+        for i in order:
+            reply = by_node.get(self.nodes[i])
+            name = self.clients[i].name
+            if reply is None:
+                raise ClientFailed(f"client {name}: no reply to {kind} in round {rnd}")
+            if reply.has_error():
+                raise ClientFailed(f"client {name}: {kind} in round {rnd} failed: {reply.error.reason}")
+            out[i] = reply
+        return out
+
+    def _content(self, rnd: int, arrays: Optional[tuple[str, State]] = None, **extra: Any) -> RecordDict:
+        cfg = ConfigRecord({"round": int(rnd), **self._config, **extra})
+        content = RecordDict({CONFIG: cfg})
+        if arrays is not None:
+            content[arrays[0]] = to_record(arrays[1])
+        return content
+
+    def _received(self, c: ClientData, reply: Message, name: str) -> tuple[State, int]:
+        """An upload as the server received it: privacy-checked, with its tensor bytes."""
+        record = reply.content.array_records[name]
+        self._refuse_private(c, dict.fromkeys(record.keys()))  # type: ignore[arg-type]
+        return from_record(record, self._device()), record_tensor_bytes(record)
+
+    # ------------------------------------------------------------------ a round
+    def run_round(self) -> dict[str, Any]:
+        start = self._clock()
+        rnd = self.round + 1
+        self.method.on_round_start(self.model, rnd)
+        picked = list(range(len(self.clients))) if self.method.sample_all(rnd) else self.sample(rnd)
+        entry: dict[str, Any] = {"round": rnd, "sampled": [self.clients[i].name for i in picked],
+                                 "bytes_down": {}, "bytes_up": {}, "train_loss": {}}
+        wire: dict[str, dict[str, int]] = {"down": {}, "up": {}}
+        if self._announces:
+            heard = self._exchange("query.announce", rnd, {i: self._content(rnd) for i in picked})
+        downs: dict[int, RecordDict] = {}
+        for i in picked:
+            c = self.clients[i]
+            if self._announces and "said" in heard[i].content.array_records:
+                said, n = self._received(c, heard[i], "said")
+                entry.setdefault("bytes_announce", {})[c.name] = n
+                if self.observer:
+                    self.observer(rnd, c.name, "up", said)
+                self.method.hear(c, said)
+            down = self.method.download(self.server, c, rnd)
+            if self.observer:
+                self.observer(rnd, c.name, "down", {k: v.detach().clone() for k, v in down.items()})
+            downs[i] = self._content(rnd, ("down", down), count_flops=bool(self.train.count_flops and rnd == self.total_rounds))
+            wire["down"][c.name] = downs[i]["down"].count_bytes()
+            sent = record_tensor_bytes(downs[i]["down"])
+            downs[i][CONFIG]["sent_bytes"] = sent
+        replies = self._exchange("train", rnd, downs)
+        acc = self.method.agg_begin(self.server, rnd) if self.method.streaming else None
+        uploads: list[tuple[ClientData, State]] = []
+        flops = 0
+        for i in picked:  # client order, as the engine aggregates
+            c, reply = self.clients[i], replies[i]
+            metrics = reply.content.metric_records[CONFIG]
+            entry["bytes_down"][c.name] = int(metrics["received_bytes"])
+            up, n = self._received(c, reply, "up")
+            wire["up"][c.name] = reply.content.array_records["up"].count_bytes()
+            entry["bytes_up"][c.name] = n + entry.get("bytes_announce", {}).get(c.name, 0)
+            entry["train_loss"][c.name] = float(metrics["train_loss"]) if "train_loss" in metrics else None
+            flops += int(metrics.get("train_flops", 0))
+            if self.observer:
+                self.observer(rnd, c.name, "up", {k: v.clone() for k, v in up.items()})
+            if acc is not None:
+                self.method.agg_add(acc, c, up)
+            else:
+                uploads.append((c, up))
+        if self.train.count_flops and rnd == self.total_rounds:
+            entry["train_flops"] = flops
+        self.server = self.method.agg_end(self.server, acc, rnd) if acc is not None else self.method.aggregate(self.server, uploads, rnd)
+        entry["train_seconds"] = round(self._clock() - start, 4)
+        entry["bytes_down_total"] = int(sum(entry["bytes_down"].values()))
+        entry["bytes_up_total"] = int(sum(entry["bytes_up"].values()))
+        if self.eval_due(rnd):
+            entry.update(self.evaluate(rnd))
+        entry["flower_record_bytes"] = wire
+        entry["seconds"] = round(self._clock() - start, 4)
+        return entry
+
+    def evaluate(self, rnd: Optional[int] = None) -> dict[str, Any]:
+        """Every site scores the model it is evaluated with on its test set (and the global model, where the method
+        has one); the mean, spread and global accuracies are formed as in ``Engine.evaluate``."""
+        rnd = self.round if rnd is None else rnd
+        content = self._content(rnd, ("server", self.server))
+        eval_bytes = record_tensor_bytes(content["server"])
+        replies = self._exchange("evaluate", rnd, {i: content for i in range(len(self.clients))})
+        per: dict[str, dict[str, float]] = {}
+        glob: dict[str, float] = {}
+        for i, c in enumerate(self.clients):
+            m = replies[i].content.metric_records[CONFIG]
+            per[c.name] = {k.removeprefix("eval."): float(v) for k, v in m.items() if k.startswith("eval.")}
+            if "global_acc" in m:
+                glob[c.name] = float(m["global_acc"])
+        out = eval_summary(per)
+        if glob:
+            out["global"] = glob
+        out["bytes_eval_down"] = {c.name: eval_bytes for c in self.clients}
+        return out
+
+
+def eval_summary(per: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Mean and spread of the clients' accuracies and the mean of their defined AUCs (``Engine.evaluate``'s summary)."""
+    accs = np.array([v["acc"] for v in per.values()])
+    out: dict[str, Any] = {"eval": per, "mean_acc": float(accs.mean()), "std_acc": float(accs.std())}
+    aucs = [v["auc"] for v in per.values() if "auc" in v and not math.isnan(v["auc"])]
+    if aucs:
+        out["mean_auc"] = float(np.mean(aucs))
+    return out
+
+
+class FlowerRun:
+    """A ServerApp for a federation of ``num_clients`` sites: it waits for them, asks each for its card
+    (``query.register``), builds :class:`FlowerServer` and runs every round. ``engine.history`` holds the rounds."""
+
+    def __init__(self, spec: FlowerSpec, num_clients: int, observer: Optional[Observer] = None,
+                 on_round: Optional[Callable[[dict[str, Any]], None]] = None, wait_s: float = 120.0):
+        spec.check()
+        self.spec, self.num_clients, self.observer, self.on_round, self.wait_s = spec, num_clients, observer, on_round, wait_s
+        self.engine: Optional[FlowerServer] = None
+        self.app = ServerApp()
+        self.app.main()(self.main)
+
+    def main(self, grid: Grid, context: Context) -> None:
+        deadline = time.monotonic() + self.wait_s
+        while len(nodes := sorted(grid.get_node_ids())) < self.num_clients:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(nodes)} of {self.num_clients} sites connected after {self.wait_s:.0f} s")
+            time.sleep(0.1)
+        msgs = [Message(RecordDict(), dst_node_id=n, message_type="query.register", group_id="0") for n in nodes]
+        cards: dict[int, Card] = {}
+        where: dict[int, int] = {}
+        for reply in grid.send_and_receive(msgs):
+            if reply.has_error():
+                raise ClientFailed(f"node {reply.metadata.src_node_id}: registration failed: {reply.error.reason}")
+            cfg = reply.content.config_records[CONFIG]
+            card = Card(cfg["index"], cfg["name"], cfg["domain"], cfg["n_train"], tuple(cfg["shape"]))
+            if card.index in cards:
+                raise ConfigError(f"clients {cards[card.index].name} and {card.name} both registered as client index {card.index}")
+            cards[card.index], where[card.index] = card, reply.metadata.src_node_id
+        if sorted(cards) != list(range(len(cards))):
+            raise ConfigError(f"registered client indices {sorted(cards)} are not 0..{len(cards) - 1}")
+        shapes = {c.shape for c in cards.values()}
+        if len(shapes) > 1:
+            raise ConfigError(f"the sites' images differ in shape {sorted(shapes)}; one model needs one input shape")
+        ordered = [cards[i] for i in range(len(cards))]
+        self.engine = FlowerServer(self.spec, grid, where, ordered, observer=self.observer, on_round=self.on_round)
+        self.engine.run()
+
+
+# ---------------------------------------------------------------------------------------------------------- client
+class _Site:
+    """A site's method and model, built once per process and node (the store is not here: it is in context.state)."""
+
+    def __init__(self, spec: FlowerSpec, client: ClientData, cards: list[Card]):
+        self.spec, self.client = spec, client
+        self.method, self.model, self.private = spec.build(to_float(client.x_train[:2]), client.x_train.device, cards)
+        if spec.train.compile:
+            self.model.__dict__["_fedsilo_compiled"] = torch.compile(self.model)
+        if use_channels_last(spec.train, client.x_train.device):
+            self.model.to(memory_format=torch.channels_last)
+        self.rnd = -1
+
+    def at_round(self, rnd: int) -> None:
+        if rnd != self.rnd:  # once per round: a train and an evaluate message of the same round share it
+            self.method.on_round_start(self.model, rnd)
+            self.rnd = rnd
+
+    def refuse_private(self, payload: State) -> None:
+        leaked = sorted(set(payload) & self.private)
+        if leaked:
+            raise PrivacyViolation(f"{self.method.name}: client {self.client.name} tried to upload private tensors {leaked[:5]}")
+
+
+# (app, run, node) -> the site's method and model, built once per process: a Ray worker keeps it across messages (the
+# ClientApp itself is shipped anew with each message, so the cache cannot live in it)
+_SITES: dict[tuple[str, int, int], _Site] = {}
+
+
+def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData]) -> ClientApp:
+    """The ClientApp of a site: ``load_client(context)`` gives the site's own data (in a simulation, the partition
+    named by ``context.node_config['partition-id']``; in a deployment, the site's split)."""
+    spec.check()
+    app = ClientApp()
+    token = uuid.uuid4().hex  # this app's sites in the cache, apart from another app's in the same process
+
+    def site(context: Context, cfg: ConfigRecord) -> _Site:
+        key = (token, int(context.run_id), int(context.node_id))
+        if key not in _SITES:
+            _SITES[key] = _Site(spec, load_client(context), cards_from_config(cfg))
+        return _SITES[key]
+
+    def store(context: Context, s: _Site, cfg: ConfigRecord) -> State:
+        if STORE not in context.state.array_records:  # the site's first round: the engine's init_client, on a fresh model
+            method, model, _ = spec.build(to_float(s.client.x_train[:2]), s.client.x_train.device, cards_from_config(cfg))
+            return method.init_client(model, s.client)
+        return from_record(context.state.array_records[STORE], s.client.x_train.device)
+
+    def keep(context: Context, state: State) -> None:
+        context.state[STORE] = to_record(state)
+
+    @app.query("register")
+    def register(msg: Message, context: Context) -> Message:
+        card = Card.of(load_client(context))
+        cfg = ConfigRecord({"index": card.index, "name": card.name, "domain": card.domain, "n_train": card.n_train,
+                            "shape": list(card.shape)})
+        return Message(RecordDict({CONFIG: cfg}), reply_to=msg)
+
+    @app.query("announce")
+    def announce(msg: Message, context: Context) -> Message:
+        cfg = msg.content.config_records[CONFIG]
+        s = site(context, cfg)
+        s.at_round(int(cfg["round"]))
+        mine = store(context, s, cfg)
+        said = s.method.announce(s.model, mine, s.client, int(cfg["round"]))
+        keep(context, mine)
+        s.refuse_private(said)
+        content = RecordDict({"said": to_record(said)}) if said else RecordDict()
+        return Message(content, reply_to=msg)
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        cfg = msg.content.config_records[CONFIG]
+        s, rnd = site(context, cfg), int(cfg["round"])
+        s.at_round(rnd)
+        record = msg.content.array_records["down"]
+        received = record_tensor_bytes(record)
+        if received != int(cfg["sent_bytes"]):
+            raise RuntimeError(f"client {s.client.name}: received {received} tensor bytes of the {cfg['sent_bytes']} sent")
+        down = {k: v.detach() for k, v in from_record(record, s.client.x_train.device).items()}
+        mine = store(context, s, cfg)
+        counter = FlopCounterMode(display=False) if cfg["count_flops"] else None
+        if counter is not None:
+            with counter:
+                up = s.method.local_update(s.model, mine, down, s.client, rnd, spec.seed)
+        else:
+            up = s.method.local_update(s.model, mine, down, s.client, rnd, spec.seed)
+        s.refuse_private(up)  # before anything is sent: the reply carries no private key
+        keep(context, mine)
+        metrics: dict[str, Any] = {"received_bytes": received}
+        if s.method.last_loss is not None:
+            metrics["train_loss"] = float(s.method.last_loss)
+        if counter is not None:
+            metrics["train_flops"] = int(counter.get_total_flops())
+        return Message(RecordDict({"up": to_record(up), CONFIG: MetricRecord(metrics)}), reply_to=msg)
+
+    @app.evaluate()
+    def evaluate_(msg: Message, context: Context) -> Message:
+        cfg = msg.content.config_records[CONFIG]
+        s, rnd = site(context, cfg), int(cfg["round"])
+        s.at_round(rnd)
+        server = from_record(msg.content.array_records["server"], s.client.x_train.device)
+        mine = store(context, s, cfg)
+        m, c, train_p = s.method, s.client, spec.train
+        m.load_eval_model(s.model, server, mine, c, rnd)
+        scores = evaluate(s.model, c.x_test, c.y_test, cfg=train_p)
+        metrics: dict[str, Any] = {f"eval.{k}": float(v) for k, v in scores.items()}
+        if m.eval_is_global():
+            metrics["global_acc"] = float(scores["acc"])
+        elif (g := m.global_state(server)) is not None:
+            s.model.load_state_dict(g, strict=True)
+            metrics["global_acc"] = float(evaluate(s.model, c.x_test, c.y_test, cfg=train_p)["acc"])
+        return Message(RecordDict({CONFIG: MetricRecord(metrics)}), reply_to=msg)
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------------------- simulation
+def simulate(method: Method, make_model: Callable[[], nn.Module], clients: list[ClientData], seed: int,
+             observer: Optional[Observer] = None, backend_config: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+    """Run ``method`` (its class, params, train and key; the object itself is not used) on Flower's simulation
+    runtime (Ray): one SuperNode per client, the node with ``partition-id`` k holding ``clients[k]`` (Flower ships the
+    ClientApp, and with it the clients' tensors, to its Ray workers; each node uses its own partition only). Returns
+    the history, one entry per round with the engine's keys (plus ``flower_record_bytes`` and ``bytes_eval_down``)."""
+    from flwr.simulation import run_simulation
+
+    spec = FlowerSpec.of(method, make_model, seed)
+    run = FlowerRun(spec, len(clients), observer=observer)
+    data = list(clients)
+    app = client_app(spec, lambda context: data[int(context.node_config["partition-id"])])
+    # a Ray instance of its own ("local"), never a cluster that happens to run on this machine; one CPU per client
+    config = backend_config or {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"address": "local"}}
+    run_simulation(server_app=run.app, client_app=app, num_supernodes=len(clients), backend_config=config)
+    if run.engine is None or run.engine.round < spec.train.rounds:
+        raise RuntimeError("the Flower simulation ended before its last round")
+    return run.engine.history

@@ -1,0 +1,212 @@
+"""The Flower adapter (fl/flower.py): a method run as a ServerApp / ClientApp pair gives the in-process engine's
+numbers, moves exactly the engine's payloads as Flower records, keeps each site's store on the site, and never lets a
+private key reach the server.
+
+The equivalence tests run Flower's simulation runtime (Ray: one worker per CPU, one thread each); the engine they are
+compared with runs with one thread too, since a convolution summed by a different number of threads differs in the
+last float bit (with the engine on every core, losses differ by ~3e-7). Ray's start takes 6-8 s of each ~13 s run on
+this machine. The tests of the refusals drive the same apps in this process through a stand-in for Flower's Grid.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("flwr")
+
+from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+
+from fedsilo.config import ConfigError, TrainParams  # noqa: E402
+from fedsilo.fl.engine import Engine, PrivacyViolation, payload_bytes  # noqa: E402
+from fedsilo.fl.flower import STORE, Card, ClientFailed, FlowerRun, FlowerSpec, client_app, simulate, to_record  # noqa: E402
+from fedsilo.methods import method_class  # noqa: E402
+from fedsilo.methods.fedbn import FedBN  # noqa: E402
+from fedsilo.models import batchnorm_keys  # noqa: E402
+from tests.tiny import style_shifted_federation, tiny_net, without_timing  # noqa: E402
+
+# method -> (its params, train params beyond _train's): FedAvg samples two of the three clients a round and counts
+# the last round's FLOPs; pFedDB trains one local round (Phase 1, its upload of psi under phi's names) then federates
+CASES = {
+    "fedavg": ({}, {"client_fraction": 0.67, "count_flops": True}),
+    "fedbn": ({}, {}),
+    "pfeddb": ({"local_rounds": 1, "cut_depth": 2}, {}),
+}
+
+
+def _clients() -> list:
+    return style_shifted_federation(n_train=24, n_test=20, per_domain=1)[:3]
+
+
+def _train(**kw) -> TrainParams:
+    return TrainParams(**{"rounds": 3, "batch_size": 8, "lr": 0.05, "device": "cpu", "count_flops": False, **kw})
+
+
+def _model():
+    return tiny_net(1, 4)
+
+
+def _recorder(log: list):
+    return lambda rnd, client, way, payload: log.append((rnd, client, way, {k: v.detach().clone() for k, v in payload.items()}))
+
+
+def _engine_history(method, clients, tp, observer=None) -> list:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return Engine(method, _model(), clients, tp, seed=0, observer=observer).run()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_flower_simulation_gives_the_engines_metrics_and_payloads(name):
+    params, extra = CASES[name]
+    tp, cls, clients = _train(**extra), method_class(name), _clients()
+    seen_engine: list = []
+    seen_flower: list = []
+    engine = _engine_history(cls(cls.params_cls(**params), tp), clients, tp, _recorder(seen_engine))
+    flower = simulate(cls(cls.params_cls(**params), tp), _model, clients, seed=0, observer=_recorder(seen_flower))
+
+    # the same rounds: sampling, bytes, training losses, per-client and global evaluations, FLOPs, bit for bit
+    assert len(flower) == len(engine) == tp.rounds
+    for e, f in zip(without_timing(engine), without_timing(flower)):
+        assert {k: f[k] for k in e} == e
+        assert set(f) - set(e) == {"flower_record_bytes"} | ({"bytes_eval_down"} if "eval" in e else set())
+    assert engine[-1]["eval"] != engine[0]["eval"]  # the numbers compared move (test losses at least)
+    if extra.get("count_flops"):
+        assert flower[-1]["train_flops"] == engine[-1]["train_flops"] > 0
+
+    # the same payloads crossed: every download the server sent and every upload it received, tensor for tensor
+    def by_key(log):
+        return {(r, c, w): p for r, c, w, p in log}
+
+    pe, pf = by_key(seen_engine), by_key(seen_flower)
+    assert len(pe) == len(seen_engine) and pe.keys() == pf.keys()
+    for k in pe:
+        assert pe[k].keys() == pf[k].keys() and all(torch.equal(pe[k][t], pf[k][t]) for t in pe[k]), k
+
+    # the bytes reported are the tensor bytes of the records Flower carried; Flower's own count adds .npy headers
+    for f in flower:
+        for c in f["sampled"]:
+            down, up = pf[(f["round"], c, "down")], pf[(f["round"], c, "up")]
+            assert f["bytes_down"][c] == payload_bytes(down)
+            assert f["bytes_up"][c] == payload_bytes(up)
+            wire = f["flower_record_bytes"]
+            assert payload_bytes(up) < wire["up"][c] <= payload_bytes(up) + 256 * len(up)
+            assert payload_bytes(down) <= wire["down"][c] <= payload_bytes(down) + 256 * len(down)
+
+    # nothing the method declares private reached the server
+    spec = FlowerSpec.of(cls(cls.params_cls(**params), tp), _model, 0)
+    _, built, private = spec.build(torch.zeros(2, 1, 16, 16), torch.device("cpu"), [Card.of(c) for c in clients])
+    uploaded = set().union(*(set(p) for (_, _, w), p in pf.items() if w == "up"))
+    assert not uploaded & private
+    if name == "fedbn":
+        assert private == batchnorm_keys(_model())
+    if name == "pfeddb":
+        # the shared branch's BatchNorm (statistics and, by default, affine) stays home; its convolutions travel
+        shared_bn = {k for k in batchnorm_keys(built) if k.startswith("shared.")}
+        assert private and {k for k in private if k.startswith("shared.")} == shared_bn
+
+
+# ------------------------------------------------------------------ in one process, through a stand-in for the Grid
+class LoopGrid:
+    """A stand-in for Flower's Grid: each message goes to its node's ClientApp in this process, one Context per node
+    whose state persists across messages (as on a SuperNode); a ClientApp's exception comes back as an error reply,
+    as the simulation runtime returns it. ``replies`` logs the record names and keys of every reply."""
+
+    def __init__(self, app, n: int):
+        self.app = app
+        self.contexts = {100 + k: Context(run_id=1, node_id=100 + k, node_config={"partition-id": k}, state=RecordDict(),
+                                          run_config={}) for k in range(n)}
+        self.replies: list[tuple[str, dict[str, set]]] = []
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, timeout=None):
+        out = []
+        for m in messages:
+            try:
+                reply = self.app(m, self.contexts[m.metadata.dst_node_id])
+            except Exception as ex:  # noqa: BLE001 - delivered as Flower delivers it
+                reply = Message(Error(code=0, reason=f"{type(ex).__name__}: {ex}"), reply_to=m)
+            if reply.has_content():
+                self.replies.append((m.metadata.message_type, {n: set(r.keys()) for n, r in reply.content.array_records.items()}))
+            out.append(reply)
+        return out
+
+
+@pytest.fixture()
+def identity():
+    """Messages take their run and node from Flower's process-wide task identity (the runtime sets it)."""
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+    TaskIdentity.run_id = TaskIdentity.node_id = TaskIdentity.task_id = None
+
+
+def _loop_run(spec: FlowerSpec, clients: list, app=None) -> tuple[FlowerRun, LoopGrid]:
+    run = FlowerRun(spec, len(clients))
+    grid = LoopGrid(app or client_app(spec, lambda ctx: clients[int(ctx.node_config["partition-id"])]), len(clients))
+    run.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
+    return run, grid
+
+
+def test_each_store_lives_in_its_sites_context_and_the_server_holds_only_cards(identity):
+    tp, clients = _train(rounds=2), _clients()
+    reference = Engine(FedBN(FedBN.params_cls(), tp), _model(), clients, tp, seed=0)
+    reference.run()
+    run, grid = _loop_run(FlowerSpec(FedBN, FedBN.params_cls(), tp, 0, _model, "fedbn"), clients)
+    bn = batchnorm_keys(_model())
+    for k, ctx in enumerate(grid.contexts.values()):
+        store = ctx.state.array_records[STORE]
+        assert set(store.keys()) == bn
+        assert all(torch.equal(torch.from_numpy(store[key].numpy()), reference.stores[k][key]) for key in bn)
+    server = run.engine
+    assert server is not None and server.stores == [] and server.server.keys() == reference.server.keys()
+    assert all(torch.equal(server.server[k], reference.server[k]) for k in reference.server)
+    assert [(c.name, c.n_train, c.x_train.numel(), c.y_train.numel()) for c in server.method.federation] == \
+        [(c.name, c.n_train, 0, 0) for c in clients]  # the server knows names and counts, no image or label
+    ups = [keys["up"] for kind, keys in grid.replies if kind == "train"]
+    assert len(ups) == 2 * len(clients) and all(u and not u & bn for u in ups)
+
+
+class _LeakyBN(FedBN):
+    name = "fedbn"
+
+    def keep_and_share(self, model, store):
+        super().keep_and_share(model, store)
+        return {k: v.detach() for k, v in model.state_dict().items()}  # BatchNorm too: private by FedBN's own word
+
+
+def test_a_site_refuses_to_send_a_private_tensor(identity):
+    tp, clients = _train(rounds=1), _clients()
+    with pytest.raises(ClientFailed, match=r"PrivacyViolation: fedbn: client D0-0 tried to upload private tensors \['units.0.1"):
+        _loop_run(FlowerSpec(_LeakyBN, FedBN.params_cls(), tp, 0, _model, "fedbn"), clients)
+
+
+def test_the_server_refuses_a_record_holding_a_private_key(identity):
+    tp, clients = _train(rounds=1), _clients()
+    spec = FlowerSpec(FedBN, FedBN.params_cls(), tp, 0, _model, "fedbn")
+    honest = client_app(spec, lambda ctx: clients[int(ctx.node_config["partition-id"])])
+
+    def tampered(msg, ctx):  # a site whose software was altered: it adds a BatchNorm tensor to its upload
+        reply = honest(msg, ctx)
+        if msg.metadata.message_type == "train":
+            up = {k: torch.from_numpy(a.numpy()) for k, a in reply.content.array_records["up"].items()}
+            up["units.0.1.running_mean"] = torch.zeros(8)
+            reply.content["up"] = to_record(up)
+        return reply
+
+    with pytest.raises(PrivacyViolation, match=r"client D0-0 tried to upload private tensors \['units.0.1.running_mean'\]"):
+        _loop_run(spec, clients, app=tampered)
+
+
+def test_what_the_adapter_does_not_run_is_refused_by_key():
+    tp = _train()
+    with pytest.raises(ConfigError, match=r"methods.pfeddil: .* stream of domain tasks only"):
+        cls = method_class("pfeddil")
+        FlowerSpec(cls, cls.params_cls(), tp, 0, _model, "pfeddil").check()
+    with pytest.raises(ConfigError, match=r"train.ensemble_test"):
+        FlowerSpec(FedBN, FedBN.params_cls(), _train(ensemble_test=True), 0, _model, "fedbn").check()
