@@ -71,9 +71,11 @@ def test_pfedsd_distils_from_the_clients_own_last_model_and_keeps_it_home(client
 def test_fedlgf_perturbation_is_adversarial_and_zero_radius_is_fedavg(clients):
     _, _, avg = _run("fedavg", clients, rounds=1)
     _, _, flat = _run("fedlgf", clients, rounds=1, init_scale=0.0, grad_scale=0.0, global_smooth=0.0)
-    assert all(_same(a[2], b[2], atol=1e-5) for a, b in zip(avg, flat)), "a zero radius leaves the local target clean"
+    # a zero radius rebuilds the classifier from its SVD (U diag(S) V^T = W to ~1e-7), so the KL term's gradient is
+    # ~1e-7, not 0, and a round of SGD carries that a little: 1e-5 failed once in a 2-worker CI-like run, passing alone
+    assert all(_same(a[2], b[2], atol=1e-4) for a, b in zip(avg, flat)), "a zero radius leaves the local target clean"
     _, _, lgf = _run("fedlgf", clients, rounds=1)
-    assert not all(_same(a[2], b[2], atol=1e-5) for a, b in zip(avg, lgf))
+    assert not all(_same(a[2], b[2], atol=1e-4) for a, b in zip(avg, lgf))
 
     torch.manual_seed(0)
     lin = nn.Linear(16, 4)
