@@ -296,7 +296,7 @@ def _runs(root, seeds, auc: bool = False, ensemble: bool = False) -> None:
             acc = {"A-0": 0.5 + 0.1 * s, "B-0": 0.7}
             per = {c: {"acc": a, **({"auc": a} if auc else {})} for c, a in acc.items()}
             hist = [{"round": r, "train_seconds": 1.0, "bytes_up_total": up * 2, "bytes_down_total": up * 2,
-                     "eval": per, "mean_acc": 0.6} for r in (1, 2)]
+                     "sampled": list(acc), "eval": per, "mean_acc": 0.6} for r in (1, 2)]
             met = {"per_client": per, "clients": list(acc), "client_domains": {"A-0": "A", "B-0": "B"}, "mean_acc": 0.6,
                    "bytes_up_per_round": [up * 2, up * 2], "bytes_down_per_round": [up * 2, up * 2], "model_param_bytes": 8,
                    **({"ensemble_acc": 0.65} if ensemble else {})}
@@ -322,11 +322,12 @@ def test_with_one_seed_the_report_says_n_1_instead_of_plus_minus_zero(tmp_path):
     assert "seed 0 (n = 1, no spread)" in (out / "e_accuracy.tex").read_text()
     flat = pd.read_csv(out / "e_accuracy.csv", index_col=0)
     assert flat["Avg_std"].isna().all() and flat.loc["fedavg", "Avg_mean"] == pytest.approx(60.0)  # an empty cell, not 0
-    # two seeds: mean ± std as before
+    # two seeds: mean ± sample std (ddof = 1, said in the caption): A 50 / 60 -> 7.1, Avg 60 / 65 -> 3.5
     _runs(tmp_path / "res2", [0, 1])
     build_report(tmp_path / "res2", "e", ["fedavg", "single"], [0, 1], tmp_path / "out2")
     acc = (tmp_path / "out2" / "e_accuracy.md").read_text()
-    assert "mean ± std over 2 seeds [0, 1]" in acc and "| fedavg | 55.0 ± 5.0 | 70.0 ± 0.0 | 62.5 ± 2.5 |" in acc.replace("**", "")
+    assert "mean ± sample std (ddof = 1) over 2 seeds [0, 1]" in acc
+    assert "| fedavg | 55.0 ± 7.1 | 70.0 ± 0.0 | 62.5 ± 3.5 |" in acc.replace("**", "")
 
 
 def test_the_two_communication_tables_say_what_each_one_averages(tmp_path):
@@ -339,7 +340,7 @@ def test_the_two_communication_tables_say_what_each_one_averages(tmp_path):
     assert "averaged over every round of the run (rounds that send nothing included) and over seeds" in acc
     comm = (tmp_path / "out" / "e_communication.md").read_text()
     assert "uploaded MiB per client per federated round (mean over rounds that upload)" in comm
-    assert "divided by the number of clients in the federation (sampled or not), averaged over the rounds that upload" in comm
+    assert "divided by the clients that took part in that round (the sampled ones), averaged over the rounds that upload" in comm
     assert comm in acc
 
 

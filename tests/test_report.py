@@ -153,8 +153,9 @@ def test_collapse_table_fig1_and_flops_column_from_the_run_files(tmp_path):
     for m in ("fedavg", "f2dc"):
         d = tmp_path / "res" / m / "seed0"
         d.mkdir(parents=True)
-        hist = [{"round": 1, "train_seconds": 2.0, "bytes_up_total": 8, "bytes_down_total": 8, "eval": {"A-0": {"acc": 0.5}}, "mean_acc": 0.5},
-                {"round": 2, "train_seconds": 9.0, "train_flops": 3e9, "bytes_up_total": 8, "bytes_down_total": 8,
+        hist = [{"round": 1, "train_seconds": 2.0, "bytes_up_total": 8, "bytes_down_total": 8, "sampled": ["A-0"],
+                 "eval": {"A-0": {"acc": 0.5}}, "mean_acc": 0.5},
+                {"round": 2, "train_seconds": 9.0, "train_flops": 3e9, "bytes_up_total": 8, "bytes_down_total": 8, "sampled": ["A-0"],
                  "eval": {"A-0": {"acc": 0.6}}, "mean_acc": 0.6}]
         met = {"per_client": {"A-0": {"acc": 0.6}}, "client_domains": {"A-0": "A"}, "bytes_up_per_round": [8, 8],
                "bytes_down_per_round": [8, 8], "model_param_bytes": 8, "train_flops_per_round": 3e9}
@@ -198,9 +199,10 @@ def test_local_new_external_table_averages_each_column_over_seeds(tmp_path):
         write_json(tmp_path / m / f"seed{s}" / "metrics.json", {"mean_acc": local, "ensemble_acc": new})
     tab = local_new_external(tmp_path, ["cd2pfed", "fedavg"], [0, 1])
     assert list(tab["mean"].columns) == ["local test", "new test"], "no external site: no external column"
-    assert tab["mean"].loc["cd2pfed", "local test"] == pytest.approx(85.0) and tab["std"].loc["cd2pfed", "new test"] == pytest.approx(5.0)
+    sd = 10 / 2**0.5  # the sample std (ddof = 1) of two values 10 points apart
+    assert tab["mean"].loc["cd2pfed", "local test"] == pytest.approx(85.0) and tab["std"].loc["cd2pfed", "new test"] == pytest.approx(sd)
     assert tab["mean"].loc["fedavg", "new test"] == pytest.approx(50.0)
-    assert "| cd2pfed | 85.00 ± 5.00 | 55.00 ± 5.00 |" in local_new_external_markdown(tab, "t")
+    assert f"| cd2pfed | 85.00 ± {sd:.2f} | 55.00 ± {sd:.2f} |" in local_new_external_markdown(tab, "t")
     # a paper's local / new table (CD2-pFed's) is set beside these columns, without an Avg
     import pandas as pd
 

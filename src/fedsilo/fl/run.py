@@ -241,6 +241,7 @@ def run_training(
                 "seed": seed,
                 "clients": [c.name for c in clients],
                 "client_domains": {c.name: c.domain for c in clients},
+                "test_sizes": {c.name: int(len(c.y_test)) for c in clients},  # for the report's binomial standard errors
                 # the backbone the method was built from: the paper's "full network" for Param / Ratio (Table 3)
                 "model_param_bytes": int(sum(p.numel() * p.element_size() for p in model.parameters())),
                 "method_resolved": method_resolved,

@@ -1,9 +1,14 @@
 """The report stage: results -> tables (markdown, CSV, LaTeX) and figures (PNG) under
 ``results/report/<experiment>/``:
 - ``<experiment>_accuracy.{md,csv,tex}``: a row per method, a column per domain plus Avg; each cell is the mean
-  +- std over seeds of the final per-client test accuracy (%); Avg is each seed's mean over domains, then mean +- std
-  over seeds; the best mean of each column is bold. Binary tasks get the same table for AUC. With one seed a cell is
-  that seed's value and the caption says n = 1 (no "± 0.0": one run has no spread), and the std columns are empty.
+  +- std over seeds (sample std, ddof = 1) of the final per-client test accuracy (%); Avg is each seed's mean over
+  domains, then mean +- std over seeds; the best mean of each column is bold. Binary tasks get the same table for
+  AUC; a client whose test split holds one class has no AUC: its cell and the Avg it would enter read "n/a" (with a
+  note and a logged warning), never a mean over fewer domains. With one seed a cell is that seed's value and the
+  caption says n = 1 (no "± 0.0": one run has no spread), and the std columns are empty.
+- ``<experiment>_standard_errors.{md,csv}``: each domain's test-set size and the binomial standard error of its
+  accuracy, sqrt(p (1 - p) / n) in points at the mean accuracy p, and the Avg's (domains independent), so that a
+  reader sees when a difference between methods or against the paper is inside the sampling noise of the test set;
 - ``<experiment>_curves.png``: mean accuracy per round, one line per method (mean over seeds);
 - ``<experiment>_<method>_domains.png``: per-domain accuracy per round for each method;
 - ``<experiment>_bytes.png``: bytes sent per round (up + down) per method; the accuracy page's first communication
@@ -27,6 +32,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +40,8 @@ import numpy as np
 import pandas as pd
 
 from fedsilo.utils.io import atomic_dir, read_json
+
+log = logging.getLogger(__name__)
 
 
 class ReportError(RuntimeError):
@@ -50,10 +58,9 @@ def collect(results: Path, methods: list[str], seeds: list[int]) -> tuple[pd.Dat
                 raise ReportError(f"{d / 'metrics.json'}: missing (train {m} seed {s} first: `dvc repro`)")
             met = read_json(d / "metrics.json")
             histories[(m, s)] = json.loads((d / "history.json").read_text())
-            up = [b for b in met["bytes_up_per_round"] if b > 0]
             run_level = {  # the same for every domain of the run
                 "bytes_per_round": float(np.mean(np.add(met["bytes_up_per_round"], met["bytes_down_per_round"]))),
-                "up_per_client_round": float(np.mean(up)) / len(met["per_client"]) if up else 0.0,
+                "up_per_client_round": upload_per_participant(histories[(m, s)]),
                 "model_param_bytes": float(met.get("model_param_bytes", np.nan)),
                 # the round whose FLOPs were counted ran under the counter's dispatch overhead: left out of the time
                 "train_s_per_round": float(np.mean(_timed(histories[(m, s)]) or [np.nan])),
@@ -65,15 +72,67 @@ def collect(results: Path, methods: list[str], seeds: list[int]) -> tuple[pd.Dat
             order = [c for c in met.get("clients", []) if c in met["per_client"]] or list(met["per_client"])  # the split's order
             for client in order:
                 v = met["per_client"][client]
-                rows.append({"method": m, "seed": s, "domain": domain_of.get(client, client), "acc": v["acc"], "auc": v.get("auc", np.nan), **run_level})
+                rows.append({"method": m, "seed": s, "domain": domain_of.get(client, client), "client": client, "acc": v["acc"],
+                             # NaN: a one-class test split (binary task); None: no AUC (more than two classes)
+                             "auc": np.nan if v.get("auc") is None else v["auc"], "has_auc": "auc" in v,
+                             "n_test": float((met.get("test_sizes") or {}).get(client, np.nan)), **run_level})
     df = pd.DataFrame(rows)
     if not df.empty and df.duplicated(["method", "seed", "domain"]).any():
         order = list(dict.fromkeys(df["domain"]))
-        df = df.groupby(["method", "seed", "domain"], sort=False, as_index=False).mean(numeric_only=True)
+        # clients of one domain share its test set (F²DC's protocol): their NaN AUC stays NaN in the mean
+        df = df.groupby(["method", "seed", "domain"], sort=False, as_index=False).agg(
+            {c: (lambda x: x.mean(skipna=False)) for c in df.columns if c not in ("method", "seed", "domain", "client")})
         df["domain"] = pd.Categorical(df["domain"], categories=order)
         df = df.sort_values(["method", "seed", "domain"], kind="stable")
         df["domain"] = df["domain"].astype(str)
     return df, histories
+
+
+def upload_per_participant(history: list[dict]) -> float:
+    """Bytes uploaded per participating client per round, averaged over the rounds that upload: each round's total
+    divided by the clients that took part in it (sampled), not by the whole federation, so that partial participation
+    does not shrink the number. 0 for a method that never uploads."""
+    per = []
+    for h in history:
+        if h["bytes_up_total"] <= 0:
+            continue
+        took_part = len(h.get("sampled") or [c for c, b in h["bytes_up"].items() if b > 0])
+        per.append(h["bytes_up_total"] / max(took_part, 1))
+    return float(np.mean(per)) if per else 0.0
+
+
+def one_class_clients(df: pd.DataFrame) -> list[tuple[str, int, str]]:
+    """(method, seed, client) of a binary task whose client had no AUC (its test split holds one class)."""
+    bad = df[df["has_auc"].astype(bool) & df["auc"].isna()] if "has_auc" in df else df.iloc[0:0]
+    return [(r["method"], int(r["seed"]), r.get("client", r["domain"])) for _, r in bad.iterrows()]
+
+
+def standard_errors(df: pd.DataFrame, acc: pd.DataFrame) -> pd.DataFrame | None:
+    """Per method and domain, the binomial standard error (points) of the mean accuracy on that domain's test set,
+    sqrt(p (1 - p) / n); Avg's combines the domains as independent, sqrt(sum SE^2) / D. Columns: (<domain>, se), and
+    one row ``n`` holding each domain's test-set size. None when the runs predate ``test_sizes`` in metrics.json."""
+    if "n_test" not in df or df["n_test"].isna().all():
+        return None
+    domains = [c for c in acc["mean"].columns if c != "Avg"]
+    n = df.groupby("domain")["n_test"].first().reindex(domains)
+    p = acc["mean"][domains] / 100
+    se = np.sqrt(p * (1 - p) / n) * 100
+    se["Avg"] = np.sqrt((se[domains] ** 2).sum(axis=1, min_count=len(domains))) / len(domains)
+    sizes = pd.DataFrame([list(n) + [float(n.sum())]], index=["n"], columns=domains + ["Avg"])
+    return pd.concat([sizes, se])
+
+
+def standard_errors_markdown(tab: pd.DataFrame, title: str) -> str:
+    cols = list(tab.columns)
+    lines = [f"### {title}", "",
+             "Binomial standard error of the accuracy (points), sqrt(p (1 - p) / n) at the mean accuracy p over seeds, "
+             "for a test set of n images (first row; Avg: the domains' total, its SE combining the domains as "
+             "independent). Two numbers on one test set closer than about two of these are not told apart by it.", "",
+             "| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    lines.append("| test images n | " + " | ".join("n/a" if pd.isna(v) else f"{int(v)}" for v in tab.loc["n"]) + " |")
+    for m, r in tab.drop(index="n").iterrows():
+        lines.append(f"| {m} | " + " | ".join("n/a" if pd.isna(v) else f"± {v:.1f}" for v in r) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _timed(history: list[dict]) -> list[float]:
@@ -106,7 +165,7 @@ def collapse_table(spectra: dict[tuple[str, int], dict[str, list[float]]], metho
         # clients with fewer than two test images have no spectrum (an empty list) and are left out
         per_seed = [np.mean([effective_rank(torch.tensor(v)) for v in spectra[(m, s)].values() if v] or [np.nan]) for s in seeds]
         d = max((len(v) for v in spectra[(m, seeds[0])].values()), default=0)
-        std = float(np.std(per_seed)) if len(per_seed) > 1 else np.nan  # one seed has no spread
+        std = float(np.std(per_seed, ddof=1)) if len(per_seed) > 1 else np.nan  # one seed has no spread
         rows.append({"method": m, "dim": d, "effective_rank": float(np.mean(per_seed)), "effective_rank_std": std})
     return pd.DataFrame(rows).set_index("method")
 
@@ -198,7 +257,7 @@ def local_new_external(results: Path, methods: list[str], seeds: list[int]) -> p
     df = df.dropna(axis=1, how="all")
     g = df.groupby("method", sort=False)
     cols = [c for c in LOCAL_NEW_EXTERNAL.values() if c in df.columns]
-    std = g[cols].std(ddof=0).where(g.size() > 1)  # one seed has no spread: NaN, shown as n = 1
+    std = g[cols].std(ddof=1).where(g.size() > 1)  # one seed has no spread: NaN, shown as n = 1
     return pd.concat({"mean": g[cols].mean(), "std": std}, axis=1).reindex(methods)
 
 
@@ -211,25 +270,33 @@ def local_new_external_markdown(tab: pd.DataFrame, title: str) -> str:
 
 
 def _pm(mean: float, std: float, fmt: str) -> str:
-    """``mean ± std``, or the mean alone where the std is undefined (a single seed)."""
+    """``mean ± std``, the mean alone where the std is undefined (a single seed), "n/a" where there is no mean."""
+    if pd.isna(mean):
+        return "n/a"
     return f"{mean:{fmt}}" if pd.isna(std) else f"{mean:{fmt}} ± {std:{fmt}}"
 
 
 def over_seeds(seeds: list[int], latex: bool = False) -> str:
-    """What a table's cells are: "mean ± std over seeds [0, 1, 2]", or for one seed "seed 0 (n = 1, no spread)"."""
+    """What a table's cells are: "mean ± std (ddof = 1) over 3 seeds [0, 1, 2]", or for one seed "seed 0 (n = 1, no
+    spread)"."""
     if len(seeds) == 1:
         return f"seed {seeds[0]} (n = 1, no spread)"
     pm = "$\\pm$" if latex else "±"
-    return f"mean {pm} std over {len(seeds)} seeds {list(seeds)}"
+    return f"mean {pm} sample std (ddof = 1) over {len(seeds)} seeds {list(seeds)}"
 
 
 def summary_table(df: pd.DataFrame, metric: str, methods: list[str]) -> pd.DataFrame:
     domains = list(dict.fromkeys(df["domain"]))
-    piv = df.pivot_table(index=["method", "seed"], columns="domain", values=metric)[domains] * 100
-    piv["Avg"] = piv[domains].mean(axis=1)
-    mean = piv.groupby(level="method").mean().reindex(methods)
-    std = piv.groupby(level="method").std(ddof=0).reindex(methods).fillna(0.0)
-    runs = piv.groupby(level="method").size().reindex(methods)
+    # NaN stays NaN (dropna=False, skipna=False): a client with no AUC makes its cell and its Avg "n/a", never a
+    # mean over the domains or seeds that happen to have one
+    piv = df.pivot_table(index=["method", "seed"], columns="domain", values=metric, dropna=False,
+                         aggfunc=lambda x: x.mean(skipna=False))[domains] * 100
+    piv["Avg"] = piv[domains].mean(axis=1, skipna=False)
+    g = piv.groupby(level="method")
+    missing = piv.isna().groupby(level="method").any().reindex(methods)
+    mean = g.mean().reindex(methods).mask(missing)
+    std = g.std(ddof=1).reindex(methods).mask(missing)
+    runs = g.size().reindex(methods)
     std = std.where(runs > 1, axis=0)  # one seed has no spread: NaN (an empty CSV cell, no "± 0.0" in the tables)
     out = pd.concat({"mean": mean, "std": std}, axis=1)
     return out
@@ -242,7 +309,7 @@ def _cells(tab: pd.DataFrame, bold: str) -> pd.DataFrame:
     for col in mean.columns:
         for m in mean.index:
             txt = _pm(mean.loc[m, col], std.loc[m, col], ".1f")
-            if np.isclose(mean.loc[m, col], best[col]):
+            if not pd.isna(mean.loc[m, col]) and np.isclose(mean.loc[m, col], best[col]):
                 txt = bold.format(txt)
             cells.loc[m, col] = txt
     return cells
@@ -296,10 +363,10 @@ def communication_markdown(tab: pd.DataFrame, title: str) -> str:
     head += " training s per round (all clients, this machine) |" if has_time else ""
     head += " training GFLOPs per round (all clients) |" if has_flops else ""
     caption = (
-        "Uploads only, per client: the bytes all clients uploaded in a round divided by the number of clients in the "
-        "federation (sampled or not), averaged over the rounds that upload (rounds that send nothing, such as a "
-        "two-phase method's local phase or Single's, are left out) and over seeds; ratio = that upload / the backbone's "
-        "parameter bytes."
+        "Uploads only, per participating client: the bytes all clients uploaded in a round divided by the clients "
+        "that took part in that round (the sampled ones), averaged over the rounds that upload (rounds that send "
+        "nothing, such as a two-phase method's local phase or Single's, are left out) and over seeds; ratio = that "
+        "upload / the backbone's parameter bytes."
         + (" Training seconds: mean over the rounds timed without the FLOP counter." if has_time else "")
     )
     lines = [f"### {title}", "", caption, "", head, "|---|---|---|---|" + "---|" * (has_saving + has_time + has_flops)]
@@ -466,10 +533,25 @@ def versus_markdown(tab: pd.DataFrame, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_versus(out: Path, exp: str, vs: pd.DataFrame, published: str) -> str:
+SELECTION = {
+    "final": "the final round's test accuracy",
+    "best_validation": "the test accuracy at the round of best mean validation accuracy",
+}
+
+
+def selection_note(paper: dict[str, Any] | None) -> str:
+    """Which round each side's number comes from: ours is always the final round; the paper's is the published
+    table's ``selection`` (``final`` or ``best_validation``) where the published file records it."""
+    theirs = SELECTION.get((paper or {}).get("selection", ""), "not recorded in the published file")
+    return f"Ours: {SELECTION['final']}. Paper: {theirs}."
+
+
+def write_versus(out: Path, exp: str, vs: pd.DataFrame, published: str, paper: dict[str, Any] | None = None) -> str:
     """``<exp>_vs_paper.md`` and ``.csv`` from a :func:`versus_paper` table (its columns flattened to
-    ``<column>_<ours|paper|diff>`` in place, for the CSV); returns the markdown."""
+    ``<column>_<ours|paper|diff>`` in place, for the CSV); returns the markdown. ``paper``: the published table, whose
+    ``selection`` says which round its numbers come from (stated under the title)."""
     md = versus_markdown(vs, f"{exp}: ours vs {published}")
+    md = md.replace("\n\nEach cell:", f"\n\n{selection_note(paper)} Each cell:", 1)
     (out / f"{exp}_vs_paper.md").write_text(md)
     vs.columns = [f"{d}_{k}" for d, k in vs.columns]
     vs.index.name = "method"
@@ -530,8 +612,21 @@ def build_report(
             df, histories = collect(results, methods, seeds)
             acc = summary_table(df, "acc", methods)
             md = to_markdown(acc, f"{exp}: test accuracy (%), {over_seeds(seeds)}")
-            if df["auc"].notna().any():
+            if df["has_auc"].astype(bool).any():
                 md += "\n" + to_markdown(summary_table(df, "auc", methods), f"{exp}: test AUC (%), {over_seeds(seeds)}")
+                no_auc = one_class_clients(df)
+                for m, s, c in no_auc:
+                    log.warning("report %s: %s seed %d: client %s's test split holds one class; its AUC is n/a", exp, m, s, c)
+                if no_auc:
+                    md += ("\nAUC n/a: a test split with one class has no ROC AUC, and the Avg it would enter is n/a too: "
+                           + "; ".join(f"{m} seed {s} client {c}" for m, s, c in no_auc) + ".\n")
+            se = standard_errors(df, acc)
+            if se is not None:
+                se_md = standard_errors_markdown(se, f"{exp}: test-set sizes and binomial standard errors")
+                (tmp / f"{exp}_standard_errors.md").write_text(se_md)
+                se.index.name = "method"
+                se.to_csv(tmp / f"{exp}_standard_errors.csv", float_format="%.4f")
+                md += "\n" + se_md
             bytes_tab = df.groupby("method")["bytes_per_round"].mean().reindex(methods) / 2**20
             md += ("\n### Communication: what all clients send per round\n\nMiB sent per round by all clients together (up + "
                    "down), averaged over every round of the run (rounds that send nothing included) and over seeds. The "
@@ -590,7 +685,7 @@ def build_report(
                     vs = versus_paper(pd.concat({"mean": lne["mean"].rename(columns=METRIC_COLUMNS_INV)}, axis=1), paper, avg=False)
                 else:
                     vs = versus_paper(acc, paper)
-                md += "\n" + write_versus(tmp, exp, vs, published)
+                md += "\n" + write_versus(tmp, exp, vs, published, paper)
                 made[exp + ":vs_paper"] = vs.to_dict(orient="index")
                 paper_eff = load_published_efficiency(repo, published)
                 if paper_eff:

@@ -1,0 +1,108 @@
+"""Issue 16.6: the report's statistics say what they are (sample std, AUC n/a, bytes per participant, standard
+errors and test-set sizes, which round each side of the vs-paper table comes from)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from fedsilo.report import build_report, collect, standard_errors, summary_table, upload_per_participant
+from fedsilo.utils.io import write_json
+
+
+def _write(root, method, seed, per, *, sampled=None, up=8, sizes=None, history=None):
+    clients = list(per)
+    hist = history or [{"round": r, "bytes_up_total": up * len(sampled or clients), "bytes_down_total": up * len(clients),
+                        "sampled": sampled or clients, "bytes_up": {c: up for c in (sampled or clients)},
+                        "eval": per, "mean_acc": 0.6, "train_seconds": 1.0} for r in (1, 2)]
+    met = {"per_client": per, "clients": clients, "client_domains": {c: c.split("-")[0] for c in clients},
+           "bytes_up_per_round": [h["bytes_up_total"] for h in hist], "bytes_down_per_round": [h["bytes_down_total"] for h in hist],
+           "model_param_bytes": up, "mean_acc": 0.6, **({"test_sizes": sizes} if sizes else {})}
+    write_json(root / method / f"seed{seed}" / "metrics.json", met)
+    (root / method / f"seed{seed}" / "history.json").write_text(json.dumps(hist))
+
+
+def test_std_over_seeds_is_the_sample_std():
+    rows = [{"method": "m", "seed": s, "domain": "A", "acc": a} for s, a in enumerate((0.5, 0.6, 0.9))]
+    tab = summary_table(pd.DataFrame(rows), "acc", ["m"])
+    assert tab["std"].loc["m", "A"] == pytest.approx(np.std([50, 60, 90], ddof=1))
+    assert tab["std"].loc["m", "A"] != pytest.approx(np.std([50, 60, 90], ddof=0))
+
+
+def test_a_one_class_test_split_makes_its_auc_and_the_avg_n_a_with_a_warning(tmp_path, caplog):
+    res = tmp_path / "res"
+    for s in (0, 1):
+        _write(res, "fedavg", s, {"A-0": {"acc": 0.8, "auc": 0.9}, "B-0": {"acc": 0.6, "auc": None if s == 1 else 0.7}})
+    with caplog.at_level(logging.WARNING, logger="fedsilo.report"):
+        build_report(res, "e", ["fedavg"], [0, 1], tmp_path / "out")
+    md = (tmp_path / "out" / "e_accuracy.md").read_text()
+    auc = md[md.index("test AUC"):]
+    row = next(line for line in auc.splitlines() if line.startswith("| fedavg"))
+    # A has an AUC in both seeds; B lacks one in seed 1: B and Avg are n/a, not the mean of what is there
+    assert row.replace("**", "") == "| fedavg | 90.0 ± 0.0 | n/a | n/a |"
+    assert "AUC n/a" in md and "fedavg seed 1 client B-0" in md
+    assert any("B-0" in r.getMessage() and "one class" in r.getMessage() for r in caplog.records)
+    acc_row = next(line for line in md.splitlines() if line.startswith("| fedavg"))
+    assert "n/a" not in acc_row  # accuracy is defined for every client
+
+
+def test_upload_per_client_divides_by_the_clients_that_took_part():
+    hist = [{"round": 1, "bytes_up_total": 300, "sampled": ["a", "b", "c"], "bytes_up": {"a": 100, "b": 100, "c": 100}},
+            {"round": 2, "bytes_up_total": 200, "sampled": ["a", "d"], "bytes_up": {"a": 100, "d": 100}},
+            {"round": 3, "bytes_up_total": 0, "sampled": [], "bytes_up": {}}]  # a silent round is not averaged in
+    assert upload_per_participant(hist) == pytest.approx(100.0)
+    assert upload_per_participant([{"round": 1, "bytes_up_total": 0, "sampled": ["a"], "bytes_up": {"a": 0}}]) == 0.0
+
+
+def test_partial_participation_does_not_shrink_the_communication_table(tmp_path):
+    res = tmp_path / "res"
+    per = {f"A-{i}": {"acc": 0.5} for i in range(4)}
+    _write(res, "fedavg", 0, per, sampled=["A-0", "A-1"], up=64)  # 2 of 4 clients a round, 64 bytes each
+    build_report(res, "e", ["fedavg"], [0], tmp_path / "out")
+    comm = pd.read_csv(tmp_path / "out" / "e_communication.csv", index_col=0)
+    assert comm.loc["fedavg", "upload_MiB"] * 2**20 == pytest.approx(64.0)  # not 2 * 64 / 4
+
+
+def test_standard_errors_are_binomial_at_the_mean_accuracy_with_the_test_set_size(tmp_path):
+    res = tmp_path / "res"
+    _write(res, "fedavg", 0, {"A-0": {"acc": 0.8}, "A-1": {"acc": 0.8}, "B-0": {"acc": 0.5}},
+           sizes={"A-0": 100, "A-1": 100, "B-0": 25})
+    df, _ = collect(res, ["fedavg"], [0])
+    se = standard_errors(df, summary_table(df, "acc", ["fedavg"]))
+    assert se.loc["n", "A"] == 100 and se.loc["n", "B"] == 25  # clients of one domain share its test set
+    assert se.loc["fedavg", "A"] == pytest.approx(100 * (0.8 * 0.2 / 100) ** 0.5)  # 4.0 points
+    assert se.loc["fedavg", "B"] == pytest.approx(100 * (0.25 / 25) ** 0.5)  # 10.0 points
+    assert se.loc["fedavg", "Avg"] == pytest.approx((4.0**2 + 10.0**2) ** 0.5 / 2)
+    build_report(res, "e", ["fedavg"], [0], tmp_path / "out")
+    md = (tmp_path / "out" / "e_standard_errors.md").read_text()
+    assert "| test images n | 100 | 25 | 125 |" in md and "| fedavg | ± 4.0 | ± 10.0 | ± 5.4 |" in md
+    assert md in (tmp_path / "out" / "e_accuracy.md").read_text()
+
+
+def test_runs_without_test_sizes_get_no_standard_error_table(tmp_path):
+    res = tmp_path / "res"
+    _write(res, "fedavg", 0, {"A-0": {"acc": 0.8}})
+    build_report(res, "e", ["fedavg"], [0], tmp_path / "out")
+    assert not (tmp_path / "out" / "e_standard_errors.md").exists()
+
+
+@pytest.mark.parametrize("selection, says", [
+    ("best_validation", "Paper: the test accuracy at the round of best mean validation accuracy."),
+    ("final", "Paper: the final round's test accuracy."),
+    (None, "Paper: not recorded in the published file."),
+])
+def test_the_vs_paper_table_says_which_round_each_side_comes_from(tmp_path, selection, says):
+    res = tmp_path / "res"
+    _write(res, "fedavg", 0, {"A-0": {"acc": 0.8}, "B-0": {"acc": 0.6}})
+    table = {"domains": ["A", "B"], "methods": {"fedavg": {"mean": [70.0, 60.0, 65.0]}}}
+    if selection:
+        table["selection"] = selection
+    (tmp_path / "pub.yaml").write_text(yaml.safe_dump({"accuracy": {"t": table}}))
+    build_report(res, "e", ["fedavg"], [0], tmp_path / "out", published="pub.yaml#t", repo=tmp_path)
+    vs = (tmp_path / "out" / "e_vs_paper.md").read_text()
+    assert "Ours: the final round's test accuracy." in vs and says in vs
