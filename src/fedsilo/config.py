@@ -90,6 +90,7 @@ SOURCE_MODES: dict[str, tuple[str, ...]] = {
     "emnist": ("mirror", "local", "download"),
     "cinic10": ("mirror", "local", "download"),  # no published checksum: pin yours under checksums
     "office31": ("mirror", "local", "download"),  # no published checksum: pin yours under checksums
+    "chest_xray4_released": ("mirror", "local"),  # the pFedDB authors' pre-processed copy (a Hugging Face dataset)
 }
 DIGIT_SOURCES = ("mnist", "svhn", "usps", "synthdigits", "mnist_m")
 DATASET_SOURCES: dict[str, tuple[str, ...]] = {
@@ -158,9 +159,15 @@ class VinBigDataRules(Strict):
     opacity_rule: Literal["majority", "any"] = "majority"
 
 
+class ReleasedCXR4Rules(Strict):
+    class_folders: dict[str, Literal[0, 1]] = Field(
+        default_factory=dict, description="class folder name -> label (1 = Lung Opacity, 0 = Normal) where the name is not recognised"
+    )
+
+
 class CXRDatasetParams(Strict):
     kind: Literal["chest_xray4"] = "chest_xray4"
-    sources: tuple[Literal["chexpert", "openi", "rsna", "vinbigdata"], ...] = CXR_SOURCES
+    sources: tuple[Literal["chexpert", "openi", "rsna", "vinbigdata", "chest_xray4_released"], ...] = CXR_SOURCES
     image_size: int = Field(224, ge=8, le=1024)
     square: Literal["crop", "pad"] = "crop"
     intensity: Literal["bit_depth", "percentile"] = "bit_depth"
@@ -171,6 +178,14 @@ class CXRDatasetParams(Strict):
     openi: OpenIRules = OpenIRules()
     rsna: RSNARules = RSNARules()
     vinbigdata: VinBigDataRules = VinBigDataRules()
+    chest_xray4_released: ReleasedCXR4Rules = ReleasedCXR4Rules()
+
+    @field_validator("sources")
+    @classmethod
+    def _released_alone(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if "chest_xray4_released" in v and len(v) > 1:
+            raise ValueError("chest_xray4_released holds all four domains: use it alone, or the raw sources without it")
+        return v
 
     @field_validator("percentiles")
     @classmethod

@@ -9,6 +9,7 @@
 - VinBigData: ``train/<image_id>.dicom`` with 12, 14 or 16 bits stored, some MONOCHROME1, some JPEG 2000
   (lossless) compressed, some with a VOI window; ``train.csv`` with one row per radiologist finding and three
   radiologists per image.
+- The released Chest-X-Ray-4 (the pFedDB authors' pre-processed copy): ``OVCR_<source>/{train,test}/<class>/*.png``.
 
 Labels are drawn first; images follow from labels (an opacity blob for positives), so the mirror is learnable.
 """
@@ -321,9 +322,33 @@ def write_vinbigdata(out: Path, p: MirrorParams) -> None:
     df.to_csv(out / "train.csv", index=False)
 
 
+# --------------------------------------------------------------------------- the released Chest-X-Ray-4
+RELEASED_FOLDERS = {"chexpert": "OVCR_chex", "openi": "OVCR_openi", "rsna": "OVCR_rsna", "vinbigdata": "OVCR_vinbigdata"}
+RELEASED_CLASSES = {1: "Lung_Opacity", 0: "Normal"}  # folder names this mirror writes (the release's were not seen here)
+
+
+def write_chest_xray4_released(out: Path, p: MirrorParams) -> None:
+    """The pFedDB authors' released layout, ``OVCR_<source>/{train,test}/<class>/<n>.png``: 8-bit grey frontal PNGs in
+    each source's acquisition style, ``patients`` images per source (a quarter of them in ``test``), classes balanced
+    within each subset; an opacity blob for Lung Opacity, as the raw-source mirrors draw it."""
+    from PIL import Image
+
+    for src, folder in RELEASED_FOLDERS.items():
+        rng = _rng(f"released/{src}", p.seed)
+        n_test = max(4, p.patients // 4)
+        for i in range(p.patients):
+            subset = "test" if i < n_test else "train"
+            label = i % 2
+            img = frontal(rng, p.image_px, bool(label), STYLES[src])
+            path = out / folder / subset / RELEASED_CLASSES[label] / f"{src}_{i:05d}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(_u8(img), mode="L").save(path)
+
+
 WRITERS: dict[str, Callable[[Path, MirrorParams], None]] = {
     "chexpert": write_chexpert,
     "openi": write_openi,
     "rsna": write_rsna,
     "vinbigdata": write_vinbigdata,
+    "chest_xray4_released": write_chest_xray4_released,
 }

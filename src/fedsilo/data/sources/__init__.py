@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from fedsilo.data.sources import (
+    chest_xray4_released,
     chexpert,
     cifar10,
     cifar100,
@@ -48,6 +49,7 @@ SOURCES: dict[str, ModuleType] = {
     "fmnist": fmnist,
     "emnist": emnist,
     "cinic10": cinic10,
+    "chest_xray4_released": chest_xray4_released,  # the four CXR domains, as the pFedDB authors released them
 }
 
 
