@@ -250,6 +250,8 @@ class DomainClientsSplit(Strict):
     protocol: Literal["domain_clients"] = "domain_clients"
     seed: int = Field(0, description="split seed; training seeds vary initialisation and data order only")
     n_train: int = Field(458, ge=1)
+    n_val: int = Field(0, ge=0, description="validation images per client, drawn from the training pool apart from n_train "
+                       "(FedBN's protocol: 0.4 x the smallest domain); scored every evaluated round for best-validation selection")
     n_test: Optional[int] = Field(None, ge=1, description="default: equal to n_train")
     n_test_per_domain: dict[str, int] = Field(default_factory=dict)
     domains: Optional[tuple[str, ...]] = None

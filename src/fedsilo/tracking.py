@@ -81,6 +81,8 @@ def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
         m["std_acc"] = entry["std_acc"]
         if "mean_auc" in entry:
             m["mean_auc"] = entry["mean_auc"]
+        if "mean_val_acc" in entry:
+            m["mean_val_acc"] = entry["mean_val_acc"]
         for c, v in entry["eval"].items():
             m[f"acc.{c}"] = v["acc"]
             if "auc" in v and v["auc"] == v["auc"]:

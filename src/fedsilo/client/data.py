@@ -27,6 +27,8 @@ class ClientData:
     x_test: torch.Tensor
     y_test: torch.Tensor
     domain: str = ""  # the domain (site) the client's data come from; clients of one domain share its test set
+    x_val: Optional[torch.Tensor] = None  # the split's validation images (``n_val``), scored each evaluated round
+    y_val: Optional[torch.Tensor] = None
 
     @property
     def n_train(self) -> int:
@@ -65,7 +67,8 @@ def load_clients(harmonized_dir: Path, split: dict[str, Any], device: torch.devi
         if key not in tests:
             tests[key] = grab(c["name"], c["test"])
         xte, yte = tests[key]
-        clients.append(ClientData(int(c["client"]), str(c["name"]), xtr, ytr, xte, yte, str(c.get("domain", c["name"]))))
+        xva, yva = grab(c["name"], c["val"]) if c.get("val") else (None, None)
+        clients.append(ClientData(int(c["client"]), str(c["name"]), xtr, ytr, xte, yte, str(c.get("domain", c["name"])), xva, yva))
     return clients, int(images.shape[3]), int(split["num_classes"])
 
 

@@ -80,8 +80,11 @@ def _domains(records: pd.DataFrame, wanted: tuple[str, ...] | None) -> list[str]
     return list(wanted)
 
 
-def _client(index: int, name: str, domain: str, train: list[int], test: list[int]) -> dict[str, Any]:
-    return {"client": index, "name": name, "domain": domain, "train": sorted(int(i) for i in train), "test": sorted(int(i) for i in test)}
+def _client(index: int, name: str, domain: str, train: list[int], test: list[int], val: list[int] | None = None) -> dict[str, Any]:
+    out = {"client": index, "name": name, "domain": domain, "train": sorted(int(i) for i in train), "test": sorted(int(i) for i in test)}
+    if val:  # only where a validation set was asked for: splits without one stay byte for byte as before
+        out["val"] = sorted(int(i) for i in val)
+    return out
 
 
 def _num_classes(records: pd.DataFrame) -> int:
@@ -89,24 +92,31 @@ def _num_classes(records: pd.DataFrame) -> int:
 
 
 # --------------------------------------------------------------------------- domain_clients
-def _draw_domain(records: pd.DataFrame, dom: str, n_train: int, n_test: int, test_from: str, seed: int) -> tuple[list[int], list[int]]:
+def _draw_domain(records: pd.DataFrame, dom: str, n_train: int, n_test: int, test_from: str, seed: int,
+                 n_val: int = 0) -> tuple[list[int], list[int], list[int]]:
+    """(train, test, val) rows of one domain, patient-disjoint; val comes from the training pool after train (the
+    draws of train and test do not depend on n_val, so adding a validation set leaves them as they were)."""
     sub = records[records["domain"] == dom]
     if sub.empty:
         raise SplitError(f"split.domains: domain {dom!r} has no images (have: {sorted(records['domain'].unique())})")
     rng = _rng(seed, dom)
     if _uses_official(sub, test_from, dom):
-        train, _ = _take(_shuffled_groups(sub[sub["subset"] != "test"], rng), n_train)
+        pool = _shuffled_groups(sub[sub["subset"] != "test"], rng)
+        train, used = _take(pool, n_train)
         test, _ = _take(_shuffled_groups(sub[sub["subset"] == "test"], rng), n_test)
+        val, _ = _take(pool[used:], n_val)
     else:
         groups = _shuffled_groups(sub, rng)
         train, used = _take(groups, n_train)
-        test, _ = _take(groups[used:], n_test)
-    if len(train) < n_train or len(test) < n_test:
+        test, used_test = _take(groups[used:], n_test)
+        val, _ = _take(groups[used + used_test:], n_val)
+    if len(train) < n_train or len(test) < n_test or len(val) < n_val:
+        val_part = f" + {n_val} validation" if n_val else ""
         raise SplitError(
-            f"domain {dom!r}: {len(sub)} images from {sub['group'].nunique()} patients cannot give {n_train} train + "
-            f"{n_test} test patient-disjoint images (lower split.n_train / n_test or add data)"
+            f"domain {dom!r}: {len(sub)} images from {sub['group'].nunique()} patients cannot give {n_train} train{val_part} + "
+            f"{n_test} test patient-disjoint images (lower split.n_train{' / n_val' if n_val else ''} / n_test or add data)"
         )
-    return train, test
+    return train, test, val
 
 
 def domain_clients(records: pd.DataFrame, params: DomainClientsSplit | HoldoutDomainSplit, seed: int, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -115,9 +125,13 @@ def domain_clients(records: pd.DataFrame, params: DomainClientsSplit | HoldoutDo
         if dom in exclude:
             continue
         n_test = params.n_test_per_domain.get(dom, params.n_test or params.n_train)
-        train, test = _draw_domain(records, dom, params.n_train, n_test, params.test_from, seed)
-        clients.append(_client(len(clients), dom, dom, train, test))
-    return {"protocol": params.protocol, "seed": seed, "params": params.model_dump(mode="json"), "num_classes": _num_classes(records), "clients": clients}
+        n_val = getattr(params, "n_val", 0)
+        train, test, val = _draw_domain(records, dom, params.n_train, n_test, params.test_from, seed, n_val)
+        clients.append(_client(len(clients), dom, dom, train, test, val))
+    dump = params.model_dump(mode="json")
+    if not dump.get("n_val"):  # a split with no validation set is written as before n_val existed (same bytes, same hash)
+        dump.pop("n_val", None)
+    return {"protocol": params.protocol, "seed": seed, "params": dump, "num_classes": _num_classes(records), "clients": clients}
 
 
 # --------------------------------------------------------------------------- domain_multi_clients
@@ -329,7 +343,7 @@ def holdout_domain(records: pd.DataFrame, params: HoldoutDomainSplit, seed: int)
     dom = params.holdout
     n_test = params.n_test_per_domain.get(dom, params.n_test or params.n_train)
     if params.role == "newcomer":
-        train, test = _draw_domain(records, dom, params.n_train, n_test, params.test_from, seed)
+        train, test, _ = _draw_domain(records, dom, params.n_train, n_test, params.test_from, seed)
     else:  # external test: the whole domain unless a test size is given
         sub = records[records["domain"] == dom]
         train = []

@@ -259,6 +259,8 @@ class Engine:
             if not shared_model:
                 self.method.load_eval_model(self.model, self.server, store, c, rnd)
             per[c.name] = evaluate(self.model, c.x_test, c.y_test, cfg=self.train)
+            if c.x_val is not None and len(c.x_val):  # the same model on the client's validation images
+                per[c.name]["val_acc"] = evaluate(self.model, c.x_val, c.y_val, cfg=self.train)["acc"]
             if ens is not None:
                 ens.add(self.model, once=shared_model)
         accs = np.array([v["acc"] for v in per.values()])
@@ -267,6 +269,9 @@ class Engine:
             "mean_acc": float(accs.mean()),
             "std_acc": float(accs.std()),
         }
+        vals = [v["val_acc"] for v in per.values() if "val_acc" in v]
+        if vals:  # what best-validation model selection ranks rounds by (the report's best_validation table)
+            out["mean_val_acc"] = float(np.mean(vals))
         aucs = [v["auc"] for v in per.values() if "auc" in v and not math.isnan(v["auc"])]
         if aucs:
             out["mean_auc"] = float(np.mean(aucs))

@@ -326,12 +326,16 @@ class FlowerServer(Engine):
 
 
 def eval_summary(per: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """Mean and spread of the clients' accuracies and the mean of their defined AUCs (``Engine.evaluate``'s summary)."""
+    """Mean and spread of the clients' accuracies, the mean of their defined AUCs and of their validation accuracies
+    (``Engine.evaluate``'s summary)."""
     accs = np.array([v["acc"] for v in per.values()])
     out: dict[str, Any] = {"eval": per, "mean_acc": float(accs.mean()), "std_acc": float(accs.std())}
     aucs = [v["auc"] for v in per.values() if "auc" in v and not math.isnan(v["auc"])]
     if aucs:
         out["mean_auc"] = float(np.mean(aucs))
+    vals = [v["val_acc"] for v in per.values() if "val_acc" in v]
+    if vals:
+        out["mean_val_acc"] = float(np.mean(vals))
     return out
 
 
@@ -480,6 +484,8 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData]) -
         m, c, train_p = s.method, s.client, spec.train
         m.load_eval_model(s.model, server, mine, c, rnd)
         scores = evaluate(s.model, c.x_test, c.y_test, cfg=train_p)
+        if c.x_val is not None and len(c.x_val):  # the site's validation images, with the same model
+            scores["val_acc"] = evaluate(s.model, c.x_val, c.y_val, cfg=train_p)["acc"]
         metrics: dict[str, Any] = {f"eval.{k}": float(v) for k, v in scores.items()}
         if m.eval_is_global():
             metrics["global_acc"] = float(scores["acc"])

@@ -6,6 +6,9 @@
   AUC; a client whose test split holds one class has no AUC: its cell and the Avg it would enter read "n/a" (with a
   note and a logged warning), never a mean over fewer domains. With one seed a cell is that seed's value and the
   caption says n = 1 (no "± 0.0": one run has no spread), and the std columns are empty.
+- ``<experiment>_accuracy_best_val.{md,csv}`` when the split scored a validation set (``n_val``): the same table at
+  each run's round of best mean validation accuracy (FedBN's model selection), with the round picked per run; the
+  vs-paper table uses it where the published table's ``selection`` is ``best_validation``;
 - ``<experiment>_standard_errors.{md,csv}``: each domain's test-set size and the binomial standard error of its
   accuracy, sqrt(p (1 - p) / n) in points at the mean accuracy p, and the Avg's (domains independent), so that a
   reader sees when a difference between methods or against the paper is inside the sampling noise of the test set;
@@ -539,19 +542,42 @@ SELECTION = {
 }
 
 
-def selection_note(paper: dict[str, Any] | None) -> str:
-    """Which round each side's number comes from: ours is always the final round; the paper's is the published
-    table's ``selection`` (``final`` or ``best_validation``) where the published file records it."""
+def selection_note(paper: dict[str, Any] | None, ours: str = "final") -> str:
+    """Which round each side's number comes from: ours (``final``, or ``best_validation`` when the runs scored a
+    validation set and the paper's table was selected that way); the paper's is the published table's
+    ``selection`` (``final`` or ``best_validation``) where the published file records it."""
     theirs = SELECTION.get((paper or {}).get("selection", ""), "not recorded in the published file")
-    return f"Ours: {SELECTION['final']}. Paper: {theirs}."
+    return f"Ours: {SELECTION[ours]}. Paper: {theirs}."
 
 
-def write_versus(out: Path, exp: str, vs: pd.DataFrame, published: str, paper: dict[str, Any] | None = None) -> str:
+def best_validation(results: Path, histories: dict, methods: list[str], seeds: list[int]) -> tuple[pd.DataFrame, dict] | None:
+    """Model selection by validation (FedBN's protocol): per run, the evaluated round with the highest mean
+    validation accuracy over clients (the first such round on ties) and every client's test accuracy at that round,
+    as rows (method, seed, domain, acc) like :func:`collect`'s; and {(method, seed): round picked}. None when a run
+    scored no validation set (its split has no ``n_val``)."""
+    rows, picked = [], {}
+    for m in methods:
+        for s in seeds:
+            ev = [e for e in histories[(m, s)] if "eval" in e]
+            if not ev or any("mean_val_acc" not in e for e in ev):
+                return None
+            best = max(ev, key=lambda e: e["mean_val_acc"])  # max keeps the first of equal values
+            picked[(m, s)] = int(best["round"])
+            domain_of = read_json(results / m / f"seed{s}" / "metrics.json").get("client_domains") or {}
+            for client, v in best["eval"].items():
+                rows.append({"method": m, "seed": s, "domain": domain_of.get(client, client), "acc": v["acc"]})
+    df = pd.DataFrame(rows).groupby(["method", "seed", "domain"], sort=False, as_index=False)["acc"].mean()
+    return df, picked
+
+
+def write_versus(out: Path, exp: str, vs: pd.DataFrame, published: str, paper: dict[str, Any] | None = None,
+                 ours: str = "final") -> str:
     """``<exp>_vs_paper.md`` and ``.csv`` from a :func:`versus_paper` table (its columns flattened to
     ``<column>_<ours|paper|diff>`` in place, for the CSV); returns the markdown. ``paper``: the published table, whose
-    ``selection`` says which round its numbers come from (stated under the title)."""
+    ``selection`` says which round its numbers come from; ``ours``: which round ours come from (both stated under
+    the title)."""
     md = versus_markdown(vs, f"{exp}: ours vs {published}")
-    md = md.replace("\n\nEach cell:", f"\n\n{selection_note(paper)} Each cell:", 1)
+    md = md.replace("\n\nEach cell:", f"\n\n{selection_note(paper, ours)} Each cell:", 1)
     (out / f"{exp}_vs_paper.md").write_text(md)
     vs.columns = [f"{d}_{k}" for d, k in vs.columns]
     vs.index.name = "method"
@@ -620,6 +646,19 @@ def build_report(
                 if no_auc:
                     md += ("\nAUC n/a: a test split with one class has no ROC AUC, and the Avg it would enter is n/a too: "
                            + "; ".join(f"{m} seed {s} client {c}" for m, s, c in no_auc) + ".\n")
+            best_val = best_validation(results, histories, methods, seeds)
+            best_acc = None
+            if best_val is not None:
+                bdf, picked = best_val
+                best_acc = summary_table(bdf, "acc", methods)
+                bv_md = to_markdown(best_acc, f"{exp}: test accuracy (%) at the round of best mean validation accuracy, {over_seeds(seeds)}")
+                bv_md += "\nRound picked per run: " + "; ".join(f"{m} seed {s}: {r}" for (m, s), r in picked.items()) + ".\n"
+                (tmp / f"{exp}_accuracy_best_val.md").write_text(bv_md)
+                flat_bv = best_acc.copy()
+                flat_bv.columns = [f"{col}_{stat}" for stat, col in flat_bv.columns]
+                flat_bv.index.name = "method"
+                flat_bv.to_csv(tmp / f"{exp}_accuracy_best_val.csv", float_format="%.4f")
+                md += "\n" + bv_md
             se = standard_errors(df, acc)
             if se is not None:
                 se_md = standard_errors_markdown(se, f"{exp}: test-set sizes and binomial standard errors")
@@ -683,9 +722,12 @@ def build_report(
                         raise ReportError(f"published: {published} gives {paper['domains']} test accuracy; the runs scored no "
                                           f"ensemble (set experiments.{exp}.train.ensemble_test: true)")
                     vs = versus_paper(pd.concat({"mean": lne["mean"].rename(columns=METRIC_COLUMNS_INV)}, axis=1), paper, avg=False)
+                    ours = "final"
+                elif paper.get("selection") == "best_validation" and best_acc is not None:
+                    vs, ours = versus_paper(best_acc, paper), "best_validation"  # like for like
                 else:
-                    vs = versus_paper(acc, paper)
-                md += "\n" + write_versus(tmp, exp, vs, published, paper)
+                    vs, ours = versus_paper(acc, paper), "final"
+                md += "\n" + write_versus(tmp, exp, vs, published, paper, ours)
                 made[exp + ":vs_paper"] = vs.to_dict(orient="index")
                 paper_eff = load_published_efficiency(repo, published)
                 if paper_eff:
