@@ -175,6 +175,7 @@ def run_bench(
     harmonize_images: int = 32,
     harmonize_px: int = 1024,
     seed: int = 0,
+    host_augment: tuple[dict[str, Any], ...] = (),
 ) -> dict[str, Any]:
     from fedsilo.methods import REGISTRY
 
@@ -193,6 +194,7 @@ def run_bench(
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({os.cpu_count()} cores, torch threads {torch.get_num_threads()})",
         "torch": torch.__version__,
         "config": {"model": model, "image_size": image_size, "clients": clients, "samples": samples, "test_samples": test_samples,
+                   "host_augment": [dict(h) for h in host_augment],
                    "batch_size": batch_size, "local_epochs": local_epochs, "rounds": rounds, "warmup": warmup,
                    "bf16": use_bf16(cfg, dev), "channels_last": use_channels_last(cfg, dev), "compile": compile, "checkpoint": checkpoint},
         "throughput": {},
@@ -225,11 +227,28 @@ def run_bench(
         for m in methods:
             ck = Path(tmp) / f"{m}.pt" if checkpoint else None
             measure(m, lambda m=m, ck=ck: engine_rounds(m, build_model(model, channels, num_classes, seed=seed, image_size=image_size).to(dev), data, cfg, warmup + rounds, seed, ck))
+        if host_augment:  # what an albumentations policy (train.augment.host) costs: FedAvg with it against without it
+            from fedsilo.config import AugmentParams
+
+            hcfg = cfg.model_copy(update={"augment": AugmentParams(host=tuple(host_augment))})
+            if "fedavg" not in result["throughput"]:
+                measure("fedavg", lambda: engine_rounds("fedavg", build_model(model, channels, num_classes, seed=seed, image_size=image_size).to(dev),
+                                                        data, cfg, warmup + rounds, seed, Path(tmp) / "fedavg.pt" if checkpoint else None))
+            measure("fedavg+host_augment", lambda: engine_rounds(
+                "fedavg", build_model(model, channels, num_classes, seed=seed, image_size=image_size).to(dev), data, hcfg,
+                warmup + rounds, seed, Path(tmp) / "fedavg_host.pt" if checkpoint else None))
+            plain, aug = result["throughput"]["fedavg"], result["throughput"]["fedavg+host_augment"]
+            result["host_augment"] = {
+                "policy": [dict(h) for h in host_augment],
+                "seconds_per_round_added": aug["sec_per_round"] - plain["sec_per_round"],
+                "throughput_with_over_without": aug["samples_per_s"] / plain["samples_per_s"],
+            }
     limit = result["throughput"]["single_model_loop"]["samples_per_s"]
-    result["ratios"] = {m: result["throughput"][m]["samples_per_s"] / limit for m in methods}
+    measured = [m for m in result["throughput"] if not m.startswith("single_model_loop")]
+    result["ratios"] = {m: result["throughput"][m]["samples_per_s"] / limit for m in measured}
     result["ratios_vs_own_model_loop"] = {
         m: result["throughput"][m]["samples_per_s"] / result["throughput"][own_limit.get(m, "single_model_loop")]["samples_per_s"]
-        for m in methods
+        for m in measured
     }
     result["peak_host_rss_mib"] = peak_rss_mib()
 
@@ -279,6 +298,12 @@ def format_result(r: dict[str, Any]) -> str:
             "host RSS MiB at round " + ", ".join(f"{r}: {v:.0f}" for r, v in m["host_rss_mib_at_round"].items())
             + f" (peak of 2nd half / peak of 1st half x{m['host_rss_peak_second_half_over_first']:.3f}); device MiB at round "
             + ", ".join(f"{r}: {v:.0f}" for r, v in m["device_mib_at_round"].items())
+        )
+    if "host_augment" in r:
+        h = r["host_augment"]
+        lines.append(
+            f"host augmentation ({', '.join(p['name'] for p in h['policy'])}): +{h['seconds_per_round_added']:.3f} s per FedAvg round, "
+            f"throughput x{h['throughput_with_over_without']:.3f} of FedAvg without it"
         )
     if "harmonize" in r:
         h = r["harmonize"]

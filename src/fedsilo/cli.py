@@ -147,6 +147,19 @@ def _report(args: argparse.Namespace) -> None:
         print(f"report {exp}: Avg accuracy " + ", ".join(f"{m} {v:.1f}" for m, v in info["table"].items()))
 
 
+def _host_policy_arg(text: str | None) -> tuple[dict, ...]:
+    """``--host-augment``: a YAML / JSON list of albumentations transforms, or a file holding one."""
+    if not text:
+        return ()
+    import yaml
+
+    path = Path(text)
+    spec = yaml.safe_load(path.read_text() if path.is_file() else text)
+    if not isinstance(spec, list) or not all(isinstance(t, dict) and "name" in t for t in spec):
+        raise ConfigError("--host-augment: give a list of transforms, e.g. '[{name: CLAHE, p: 1.0}, {name: Affine, rotate: [-15, 15]}]'")
+    return tuple(spec)
+
+
 def _bench(args: argparse.Namespace) -> None:
     from fedsilo.bench import format_result, run_bench
     from fedsilo.utils.io import write_json
@@ -159,6 +172,7 @@ def _bench(args: argparse.Namespace) -> None:
         channels_last=args.channels_last, compile=args.compile, checkpoint=not args.no_checkpoint,
         memory_clients=args.memory_clients, memory_rounds=args.memory_rounds, memory_samples=args.memory_samples,
         memory_fraction=args.memory_fraction, harmonize_images=args.harmonize_images, harmonize_px=args.harmonize_px,
+        host_augment=_host_policy_arg(args.host_augment),
     )
     print(format_result(r))
     if args.json:
@@ -294,6 +308,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--memory-fraction", type=float, default=None, help="clients sampled per round (default 1.0 on GPU, 0.1 on CPU)")
     s.add_argument("--harmonize-images", type=int, default=32, help="mirror DICOMs decoded for harmonize throughput (0 skips it)")
     s.add_argument("--harmonize-px", type=int, default=1024, help="edge of those DICOMs")
+    s.add_argument("--host-augment", default=None, help="an albumentations policy (train.augment.host: a YAML list, or a file "
+                   "with one) to time FedAvg with and without: the cost per round of host augmentation")
     s.add_argument("--json", help="also write the full result as JSON here")
     s.set_defaults(fn=_bench)
     s = sub.add_parser("check-params", parents=[common], help="validate params.yaml")

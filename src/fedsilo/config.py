@@ -331,9 +331,21 @@ DatasetParams = Annotated[Union[CXRDatasetParams, BenchmarkDatasetParams, Single
 
 
 # --------------------------------------------------------------------------- train
+class HostTransformParams(BaseModel):
+    """One albumentations transform of a host policy: ``name`` (its class) and its own arguments, passed as given and
+    checked by albumentations when the policy is built (``fedsilo.client.hostaug``)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str = Field(..., min_length=1, description="an albumentations transform, e.g. CLAHE, Affine, RandomBrightnessContrast")
+
+
 class AugmentParams(Strict):
     hflip: bool = False
     crop_pad: int = Field(0, ge=0)
+    host: tuple[HostTransformParams, ...] = Field(
+        (), description="albumentations transforms run on the host per image before the batch goes to the device "
+        "(medical-style: CLAHE, Affine, RandomBrightnessContrast, ...); flips and crops above stay on the device"
+    )
 
 
 # The smallest image edge (px) each backbone's strides and poolings still leave a feature map at (measured by a

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fedsilo.client.data import ClientData, augment, to_float
+from fedsilo.client.hostaug import apply_host, host_policy
 from fedsilo.config import ConfigError, TrainParams
 
 ExtraLoss = Callable[[nn.Module], torch.Tensor]
@@ -103,6 +104,7 @@ def train_local(
     fwd = forward_fn(model)
     trainable = params if params is not None else [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(trainable, cfg)
+    host = host_policy(cfg.augment.host)  # albumentations on the host (train.augment.host), None when not asked for
     loss_fn = nn.CrossEntropyLoss()
     last = 0.0
     for epoch in range(epochs if epochs is not None else cfg.local_epochs):
@@ -110,7 +112,8 @@ def train_local(
         count = 0
         for idx in batches(data.n_train, cfg.batch_size, gen):
             idx = idx.to(device, non_blocking=True)
-            x = _prep(augment(to_float(data.x_train[idx]), cfg.augment, gen), cl)
+            xb = data.x_train[idx] if host is None else apply_host(host, data.x_train[idx], gen)
+            x = _prep(augment(to_float(xb), cfg.augment, gen), cl)
             y = data.y_train[idx]
             if batch_transform is not None:
                 x, y = batch_transform(x, y)

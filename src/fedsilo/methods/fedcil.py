@@ -14,6 +14,7 @@ from pydantic import Field
 from torch import nn
 
 from fedsilo.client.data import ClientData, augment, to_float
+from fedsilo.client.hostaug import apply_host, host_policy
 from fedsilo.client.local import batches, make_generator, use_bf16
 from fedsilo.config import ConfigError
 from fedsilo.methods.base import Method, MethodParams, RunningMean, State, payload_bytes, spare_copy
@@ -432,6 +433,7 @@ class FedCIL(Method):
         rng = make_generator(seed, rnd, client.index, 1)  # labels and noise of the synthetic images
         log = {"real": 0, "replay": 0, "consistency": 0}
         last = 0.0
+        host = host_policy(self.train.augment.host)  # train.augment.host, as train_local applies it
         with feature_tap(model) as seen:
             d = self._disc(model, self.rf, seen)
             for epoch in range(self.train.local_epochs):
@@ -439,7 +441,8 @@ class FedCIL(Method):
                 count = 0
                 for idx in batches(client.n_train, self.train.batch_size, gb):
                     idx = idx.to(dev, non_blocking=True)
-                    x = augment(to_float(client.x_train[idx]), self.train.augment, gb)
+                    xb = client.x_train[idx] if host is None else apply_host(host, client.x_train[idx], gb)
+                    x = augment(to_float(xb), self.train.augment, gb)
                     y = client.y_train[idx]
                     b = len(idx)
                     with self._amp(bf16):
