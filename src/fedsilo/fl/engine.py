@@ -189,15 +189,7 @@ class Engine:
             self._clients_round(rnd, picked, entry, uploads, acc)
         if flops is not None:  # the last round's local training, every picked client, forward and backward
             entry["train_flops"] = int(flops.get_total_flops())
-        self.server = self.method.agg_end(self.server, acc, rnd) if acc is not None else self.method.aggregate(self.server, uploads, rnd)
-        # wall-clock seconds of the round's local training, transfers and aggregation (Table 4-style "train time"),
-        # and of the whole round with its evaluation; they describe the machine, not the result (never compared)
-        entry["train_seconds"] = round(self._clock() - start, 4)
-        entry["bytes_down_total"] = int(sum(entry["bytes_down"].values()))
-        entry["bytes_up_total"] = int(sum(entry["bytes_up"].values()))
-        if self.eval_due(rnd):
-            entry.update(self.evaluate(rnd))
-        entry["seconds"] = round(self._clock() - start, 4)
+        self.close_round(entry, rnd, start, acc, uploads)
         # the per-client optimizers of a round are reference cycles (their tensors are already released by
         # train_local): a full collection every few rounds keeps host memory level without paying its cost (a fifth
         # of a second in a process that has imported torch, MLflow and DVC) every round
@@ -242,6 +234,19 @@ class Engine:
             else:
                 uploads.append((c, up))
             del up, down
+
+    def close_round(self, entry: dict[str, Any], rnd: int, start: float, acc: Any, uploads: list[tuple[ClientData, State]]) -> None:
+        """The end of a round, after every picked client trained (here or on its site): the server aggregates (the
+        streaming accumulator, or the uploads), the round's totals are written, and the clients are evaluated when due."""
+        self.server = self.method.agg_end(self.server, acc, rnd) if acc is not None else self.method.aggregate(self.server, uploads, rnd)
+        # wall-clock seconds of the round's local training, transfers and aggregation (Table 4-style "train time"),
+        # and of the whole round with its evaluation; they describe the machine, not the result (never compared)
+        entry["train_seconds"] = round(self._clock() - start, 4)
+        entry["bytes_down_total"] = int(sum(entry["bytes_down"].values()))
+        entry["bytes_up_total"] = int(sum(entry["bytes_up"].values()))
+        if self.eval_due(rnd):
+            entry.update(self.evaluate(rnd))
+        entry["seconds"] = round(self._clock() - start, 4)
 
     def _refuse_private(self, client: ClientData, payload: State) -> None:
         leaked = sorted(set(payload) & self.private)

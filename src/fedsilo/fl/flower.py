@@ -294,14 +294,8 @@ class FlowerServer(Engine):
                 uploads.append((c, up))
         if self.train.count_flops and rnd == self.total_rounds:
             entry["train_flops"] = flops
-        self.server = self.method.agg_end(self.server, acc, rnd) if acc is not None else self.method.aggregate(self.server, uploads, rnd)
-        entry["train_seconds"] = round(self._clock() - start, 4)
-        entry["bytes_down_total"] = int(sum(entry["bytes_down"].values()))
-        entry["bytes_up_total"] = int(sum(entry["bytes_up"].values()))
-        if self.eval_due(rnd):
-            entry.update(self.evaluate(rnd))
+        self.close_round(entry, rnd, start, acc, uploads)
         entry["flower_record_bytes"] = wire
-        entry["seconds"] = round(self._clock() - start, 4)
         return entry
 
     def evaluate(self, rnd: Optional[int] = None) -> dict[str, Any]:
