@@ -14,7 +14,7 @@ from fedsilo.config import DomainClientsSplit, TrainParams
 from fedsilo.data.splits import SplitError, make_split
 from fedsilo.fl.engine import Engine
 from fedsilo.methods import method_class
-from fedsilo.report import best_validation, build_report
+from fedsilo.report import build_report, collect
 from fedsilo.utils.io import write_json
 from tests.tiny import style_shifted_federation, tiny_net
 
@@ -78,9 +78,10 @@ def test_best_validation_picks_the_round_of_highest_mean_validation_and_reports_
     # round 2 has the best validation (0.9, tied by round 4: the first is kept); the final round has the best test
     _run(res, "fedavg", 0, [(0.5, {"A-0": 0.5, "B-0": 0.5}), (0.9, {"A-0": 0.6, "B-0": 0.7}),
                             (0.7, {"A-0": 0.8, "B-0": 0.8}), (0.9, {"A-0": 0.9, "B-0": 0.9})])
-    df, picked = best_validation(res, {("fedavg", 0): json.loads((res / "fedavg" / "seed0" / "history.json").read_text())}, ["fedavg"], [0])
+    df, _ = collect(res, ["fedavg"], [0])
+    picked = df.groupby(["method", "seed"])["best_val_round"].first().to_dict()
     assert picked == {("fedavg", 0): 2}
-    assert dict(zip(df["domain"], df["acc"])) == {"A": 0.6, "B": 0.7}
+    assert dict(zip(df["domain"], df["acc_best_val"])) == {"A": 0.6, "B": 0.7}
     table = {"domains": ["A", "B"], "methods": {"fedavg": {"mean": [62.0, 71.0, 66.5]}}, "selection": "best_validation"}
     (tmp_path / "pub.yaml").write_text(yaml.safe_dump({"accuracy": {"t": table}}))
     build_report(res, "e", ["fedavg"], [0], tmp_path / "out", published="pub.yaml#t", repo=tmp_path)

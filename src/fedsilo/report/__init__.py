@@ -61,6 +61,7 @@ def collect(results: Path, methods: list[str], seeds: list[int]) -> tuple[pd.Dat
                 raise ReportError(f"{d / 'metrics.json'}: missing (train {m} seed {s} first: `dvc repro`)")
             met = read_json(d / "metrics.json")
             histories[(m, s)] = json.loads((d / "history.json").read_text())
+            best = best_validation_round(histories[(m, s)])
             run_level = {  # the same for every domain of the run
                 "bytes_per_round": float(np.mean(np.add(met["bytes_up_per_round"], met["bytes_down_per_round"]))),
                 "up_per_client_round": upload_per_participant(histories[(m, s)]),
@@ -68,6 +69,7 @@ def collect(results: Path, methods: list[str], seeds: list[int]) -> tuple[pd.Dat
                 # the round whose FLOPs were counted ran under the counter's dispatch overhead: left out of the time
                 "train_s_per_round": float(np.mean(_timed(histories[(m, s)]) or [np.nan])),
                 "train_flops_per_round": float(met.get("train_flops_per_round", np.nan)),
+                "best_val_round": float(best["round"]) if best else np.nan,
             }
             # a column per domain: where several clients share a domain (F²DC's protocol) they share its test set,
             # and the domain's accuracy is the mean over its clients (the same number when they share one model)
@@ -78,7 +80,9 @@ def collect(results: Path, methods: list[str], seeds: list[int]) -> tuple[pd.Dat
                 rows.append({"method": m, "seed": s, "domain": domain_of.get(client, client), "client": client, "acc": v["acc"],
                              # NaN: a one-class test split (binary task); None: no AUC (more than two classes)
                              "auc": np.nan if v.get("auc") is None else v["auc"], "has_auc": "auc" in v,
-                             "n_test": float((met.get("test_sizes") or {}).get(client, np.nan)), **run_level})
+                             "n_test": float((met.get("test_sizes") or {}).get(client, np.nan)),
+                             # the test accuracy at the run's round of best mean validation accuracy (NaN: no validation set)
+                             "acc_best_val": best["eval"][client]["acc"] if best else np.nan, **run_level})
     df = pd.DataFrame(rows)
     if not df.empty and df.duplicated(["method", "seed", "domain"]).any():
         order = list(dict.fromkeys(df["domain"]))
@@ -95,18 +99,13 @@ def upload_per_participant(history: list[dict]) -> float:
     """Bytes uploaded per participating client per round, averaged over the rounds that upload: each round's total
     divided by the clients that took part in it (sampled), not by the whole federation, so that partial participation
     does not shrink the number. 0 for a method that never uploads."""
-    per = []
-    for h in history:
-        if h["bytes_up_total"] <= 0:
-            continue
-        took_part = len(h.get("sampled") or [c for c, b in h["bytes_up"].items() if b > 0])
-        per.append(h["bytes_up_total"] / max(took_part, 1))
+    per = [h["bytes_up_total"] / len(h["sampled"]) for h in history if h["bytes_up_total"] > 0]
     return float(np.mean(per)) if per else 0.0
 
 
 def one_class_clients(df: pd.DataFrame) -> list[tuple[str, int, str]]:
     """(method, seed, client) of a binary task whose client had no AUC (its test split holds one class)."""
-    bad = df[df["has_auc"].astype(bool) & df["auc"].isna()] if "has_auc" in df else df.iloc[0:0]
+    bad = df[df["has_auc"].astype(bool) & df["auc"].isna()]
     return [(r["method"], int(r["seed"]), r.get("client", r["domain"])) for _, r in bad.iterrows()]
 
 
@@ -550,24 +549,22 @@ def selection_note(paper: dict[str, Any] | None, ours: str = "final") -> str:
     return f"Ours: {SELECTION[ours]}. Paper: {theirs}."
 
 
-def best_validation(results: Path, histories: dict, methods: list[str], seeds: list[int]) -> tuple[pd.DataFrame, dict] | None:
-    """Model selection by validation (FedBN's protocol): per run, the evaluated round with the highest mean
-    validation accuracy over clients (the first such round on ties) and every client's test accuracy at that round,
-    as rows (method, seed, domain, acc) like :func:`collect`'s; and {(method, seed): round picked}. None when a run
-    scored no validation set (its split has no ``n_val``)."""
-    rows, picked = [], {}
-    for m in methods:
-        for s in seeds:
-            ev = [e for e in histories[(m, s)] if "eval" in e]
-            if not ev or any("mean_val_acc" not in e for e in ev):
-                return None
-            best = max(ev, key=lambda e: e["mean_val_acc"])  # max keeps the first of equal values
-            picked[(m, s)] = int(best["round"])
-            domain_of = read_json(results / m / f"seed{s}" / "metrics.json").get("client_domains") or {}
-            for client, v in best["eval"].items():
-                rows.append({"method": m, "seed": s, "domain": domain_of.get(client, client), "acc": v["acc"]})
-    df = pd.DataFrame(rows).groupby(["method", "seed", "domain"], sort=False, as_index=False)["acc"].mean()
-    return df, picked
+def best_validation_round(history: list[dict]) -> dict | None:
+    """Model selection by validation (FedBN's protocol): the evaluated round with the highest mean validation
+    accuracy over clients (the first such round on ties), or None when the run scored no validation set (its split
+    has no ``n_val``). :func:`collect` keeps every client's test accuracy at that round (``acc_best_val``)."""
+    ev = [e for e in history if "eval" in e]
+    if not ev or any("mean_val_acc" not in e for e in ev):
+        return None
+    return max(ev, key=lambda e: e["mean_val_acc"])  # max keeps the first of equal values
+
+
+def _write_flat_csv(tab: pd.DataFrame, path: Path) -> None:
+    """A (mean | std, column) table as a CSV with one ``<column>_<mean|std>`` column each, a row per method."""
+    flat = tab.copy()
+    flat.columns = [f"{col}_{stat}" for stat, col in flat.columns]
+    flat.index.name = "method"
+    flat.to_csv(path, float_format="%.4f")
 
 
 def write_versus(out: Path, exp: str, vs: pd.DataFrame, published: str, paper: dict[str, Any] | None = None,
@@ -646,18 +643,14 @@ def build_report(
                 if no_auc:
                     md += ("\nAUC n/a: a test split with one class has no ROC AUC, and the Avg it would enter is n/a too: "
                            + "; ".join(f"{m} seed {s} client {c}" for m, s, c in no_auc) + ".\n")
-            best_val = best_validation(results, histories, methods, seeds)
             best_acc = None
-            if best_val is not None:
-                bdf, picked = best_val
-                best_acc = summary_table(bdf, "acc", methods)
+            if df["best_val_round"].notna().all():  # every run scored a validation set
+                best_acc = summary_table(df, "acc_best_val", methods)
+                picked = df.groupby(["method", "seed"], sort=False)["best_val_round"].first()
                 bv_md = to_markdown(best_acc, f"{exp}: test accuracy (%) at the round of best mean validation accuracy, {over_seeds(seeds)}")
-                bv_md += "\nRound picked per run: " + "; ".join(f"{m} seed {s}: {r}" for (m, s), r in picked.items()) + ".\n"
+                bv_md += "\nRound picked per run: " + "; ".join(f"{m} seed {s}: {int(r)}" for (m, s), r in picked.items()) + ".\n"
                 (tmp / f"{exp}_accuracy_best_val.md").write_text(bv_md)
-                flat_bv = best_acc.copy()
-                flat_bv.columns = [f"{col}_{stat}" for stat, col in flat_bv.columns]
-                flat_bv.index.name = "method"
-                flat_bv.to_csv(tmp / f"{exp}_accuracy_best_val.csv", float_format="%.4f")
+                _write_flat_csv(best_acc, tmp / f"{exp}_accuracy_best_val.csv")
                 md += "\n" + bv_md
             se = standard_errors(df, acc)
             if se is not None:
@@ -679,10 +672,7 @@ def build_report(
             (tmp / f"{exp}_communication.md").write_text(comm_md)
             comm.to_csv(tmp / f"{exp}_communication.csv", float_format="%.10g")
             (tmp / f"{exp}_accuracy.md").write_text(md)
-            flat = acc.copy()
-            flat.columns = [f"{col}_{stat}" for stat, col in flat.columns]
-            flat.index.name = "method"
-            flat.to_csv(tmp / f"{exp}_accuracy.csv", float_format="%.4f")
+            _write_flat_csv(acc, tmp / f"{exp}_accuracy.csv")
             (tmp / f"{exp}_accuracy.tex").write_text(to_latex(acc, f"{exp}: test accuracy (\\%), {over_seeds(seeds, latex=True)}"))
             figs = _plots(tmp, exp, methods, seeds, histories)
             lne = local_new_external(results, methods, seeds)
