@@ -181,6 +181,8 @@ def run_bench(
 
     if "all" in methods:
         methods = tuple(m for m, cls in REGISTRY.items() if m != "single" and not cls.stream_only)  # bench runs static clients
+    if host_augment and "fedavg" not in methods:  # a policy's cost is FedAvg with it against FedAvg without it
+        methods = ("fedavg", *methods)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     cfg = TrainParams(
         model=model, rounds=warmup + rounds, local_epochs=local_epochs, batch_size=batch_size, lr=0.01, momentum=0.0,
@@ -231,9 +233,6 @@ def run_bench(
             from fedsilo.config import AugmentParams
 
             hcfg = cfg.model_copy(update={"augment": AugmentParams(host=tuple(host_augment))})
-            if "fedavg" not in result["throughput"]:
-                measure("fedavg", lambda: engine_rounds("fedavg", build_model(model, channels, num_classes, seed=seed, image_size=image_size).to(dev),
-                                                        data, cfg, warmup + rounds, seed, Path(tmp) / "fedavg.pt" if checkpoint else None))
             measure("fedavg+host_augment", lambda: engine_rounds(
                 "fedavg", build_model(model, channels, num_classes, seed=seed, image_size=image_size).to(dev), data, hcfg,
                 warmup + rounds, seed, Path(tmp) / "fedavg_host.pt" if checkpoint else None))

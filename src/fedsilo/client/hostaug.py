@@ -22,7 +22,8 @@ KEY = "train.augment.host"
 
 
 def _specs(host: Sequence[Any]) -> str:
-    return json.dumps([h.model_dump(mode="json") if hasattr(h, "model_dump") else dict(h) for h in host], sort_keys=True)
+    """``train.augment.host`` (its validated entries) as the key of the built policy."""
+    return json.dumps([h.model_dump(mode="json") for h in host], sort_keys=True)
 
 
 @functools.lru_cache(maxsize=16)

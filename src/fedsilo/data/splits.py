@@ -121,11 +121,11 @@ def _draw_domain(records: pd.DataFrame, dom: str, n_train: int, n_test: int, tes
 
 def domain_clients(records: pd.DataFrame, params: DomainClientsSplit | HoldoutDomainSplit, seed: int, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     clients = []
+    n_val = getattr(params, "n_val", 0)  # holdout_domain's clients have no validation set
     for dom in _domains(records, params.domains):
         if dom in exclude:
             continue
         n_test = params.n_test_per_domain.get(dom, params.n_test or params.n_train)
-        n_val = getattr(params, "n_val", 0)
         train, test, val = _draw_domain(records, dom, params.n_train, n_test, params.test_from, seed, n_val)
         clients.append(_client(len(clients), dom, dom, train, test, val))
     dump = params.model_dump(mode="json")

@@ -29,8 +29,8 @@ from typing import Any
 
 import pandas as pd
 
-from fedsilo.data.sources.base import LabelFileError, finalize, walk
-from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES, norm_name
+from fedsilo.data.sources.base import LabelFileError, finalize, is_hidden, walk
+from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES, find_dirs, norm_name
 
 FOLDERS = {"ovcrchex": "CheXpert", "ovcropeni": "OpenI", "ovcrrsna": "RSNA", "ovcrvinbigdata": "VinBigData"}
 DOMAINS = tuple(FOLDERS.values())
@@ -58,11 +58,7 @@ def _label_of(folder: Path, class_folders: dict[str, int]) -> int:
 def read_records(raw_dir: Path, rules: Any = None) -> pd.DataFrame:
     raw_dir = Path(raw_dir)
     class_folders = dict(getattr(rules, "class_folders", None) or {})
-    domains: dict[str, Path] = {}
-    for p in sorted(walk(raw_dir, "*"), key=lambda q: (len(q.relative_to(raw_dir).parts), str(q))):
-        dom = FOLDERS.get(norm_name(p.name))
-        if p.is_dir() and dom is not None and dom not in domains:
-            domains[dom] = p
+    domains = find_dirs(raw_dir, FOLDERS)  # the shallowest OVCR_<source> folder of each domain
     if not domains:
         raise LabelFileError(f"{raw_dir}: no OVCR_chex, OVCR_openi, OVCR_rsna or OVCR_vinbigdata folder (the released Chest-X-Ray-4 layout)")
     frames = []
@@ -71,7 +67,7 @@ def read_records(raw_dir: Path, rules: Any = None) -> pd.DataFrame:
         if dom not in domains:
             continue
         base = domains[dom]
-        subsets = {c.name: c for c in base.iterdir() if c.is_dir() and not c.name.startswith(".")}
+        subsets = {c.name: c for c in base.iterdir() if c.is_dir() and not is_hidden(c.name)}
         unknown = sorted(set(subsets) - set(SUBSETS))
         if unknown or not subsets:
             raise LabelFileError(f"{base}: expected train/ and test/ folders, found {sorted(subsets) or 'none'}")
@@ -79,7 +75,7 @@ def read_records(raw_dir: Path, rules: Any = None) -> pd.DataFrame:
         for subset in SUBSETS:
             if subset not in subsets:
                 continue
-            for cls in sorted(c for c in subsets[subset].iterdir() if c.is_dir() and not c.name.startswith(".")):
+            for cls in sorted(c for c in subsets[subset].iterdir() if c.is_dir() and not is_hidden(c.name)):
                 label = _label_of(cls, class_folders)
                 used.add(cls.name)
                 for f in walk(cls, "*"):
