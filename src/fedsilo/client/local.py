@@ -177,6 +177,15 @@ def evaluate(
     return score(predict(model, x_u8, batch_size, cfg), y)
 
 
+def evaluate_client(model: nn.Module, client: ClientData, cfg: Optional[TrainParams] = None) -> dict[str, float]:
+    """:func:`evaluate` on the client's test set, plus ``val_acc`` on its validation images where the split gave it
+    some (``n_val``): the scores of the model the client is evaluated with, in the engine and on a Flower site."""
+    scores = evaluate(model, client.x_test, client.y_test, cfg=cfg)
+    if client.x_val is not None and len(client.x_val):
+        scores["val_acc"] = evaluate(model, client.x_val, client.y_val, cfg=cfg)["acc"]
+    return scores
+
+
 def binary_auc(y: np.ndarray, score: np.ndarray) -> float:
     """ROC AUC by the Mann-Whitney rank statistic (ties get average ranks). NaN when one class is absent."""
     from scipy.stats import rankdata

@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fedsilo.client.data import ClientData, to_float
 from fedsilo.client.features import covariance_spectrum
-from fedsilo.client.local import evaluate, make_generator, predict, score, use_channels_last
+from fedsilo.client.local import evaluate, evaluate_client, make_generator, predict, score, use_channels_last
 from fedsilo.config import ConfigError, TrainParams
 from fedsilo.methods.base import Method, State, payload_bytes
 from fedsilo.utils.io import atomic_file
@@ -52,6 +52,21 @@ def read_only(payload: State) -> State:
     """A download handed over without a copy: the client loads it into the model (that load is the copy) and must
     not modify it in place; methods that keep it (FedProx's anchor) clone what they keep."""
     return {k: v.detach() for k, v in payload.items()}
+
+
+def eval_summary(per: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """A round's evaluation from its clients' scores: the scores, the mean and spread of the accuracies, the mean of
+    the validation accuracies (what best-validation selection ranks rounds by) and of the defined AUCs. The engine's
+    and the Flower server's."""
+    accs = np.array([v["acc"] for v in per.values()])
+    out: dict[str, Any] = {"eval": per, "mean_acc": float(accs.mean()), "std_acc": float(accs.std())}
+    vals = [v["val_acc"] for v in per.values() if "val_acc" in v]
+    if vals:
+        out["mean_val_acc"] = float(np.mean(vals))
+    aucs = [v["auc"] for v in per.values() if "auc" in v and not math.isnan(v["auc"])]
+    if aucs:
+        out["mean_auc"] = float(np.mean(aucs))
+    return out
 
 
 class Engine:
@@ -263,23 +278,10 @@ class Engine:
         for c, store in zip(self.clients, self.stores):
             if not shared_model:
                 self.method.load_eval_model(self.model, self.server, store, c, rnd)
-            per[c.name] = evaluate(self.model, c.x_test, c.y_test, cfg=self.train)
-            if c.x_val is not None and len(c.x_val):  # the same model on the client's validation images
-                per[c.name]["val_acc"] = evaluate(self.model, c.x_val, c.y_val, cfg=self.train)["acc"]
+            per[c.name] = evaluate_client(self.model, c, cfg=self.train)
             if ens is not None:
                 ens.add(self.model, once=shared_model)
-        accs = np.array([v["acc"] for v in per.values()])
-        out: dict[str, Any] = {
-            "eval": per,
-            "mean_acc": float(accs.mean()),
-            "std_acc": float(accs.std()),
-        }
-        vals = [v["val_acc"] for v in per.values() if "val_acc" in v]
-        if vals:  # what best-validation model selection ranks rounds by (the report's best_validation table)
-            out["mean_val_acc"] = float(np.mean(vals))
-        aucs = [v["auc"] for v in per.values() if "auc" in v and not math.isnan(v["auc"])]
-        if aucs:
-            out["mean_auc"] = float(np.mean(aucs))
+        out = eval_summary(per)
         g = self.method.global_state(self.server)
         if shared_model:
             out["global"] = {name: v["acc"] for name, v in per.items()}

@@ -57,9 +57,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from fedsilo.client.data import ClientData, to_float
-from fedsilo.client.local import evaluate, use_channels_last
+from fedsilo.client.local import evaluate, evaluate_client, use_channels_last
 from fedsilo.config import ConfigError, TrainParams
-from fedsilo.fl.engine import Engine, Observer, PrivacyViolation
+from fedsilo.fl.engine import Engine, Observer, PrivacyViolation, eval_summary
 from fedsilo.methods.base import Method, MethodParams, State
 
 try:  # the optional extra: pip install "fedsilo[flower]"
@@ -319,20 +319,6 @@ class FlowerServer(Engine):
         return out
 
 
-def eval_summary(per: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """Mean and spread of the clients' accuracies, the mean of their defined AUCs and of their validation accuracies
-    (``Engine.evaluate``'s summary)."""
-    accs = np.array([v["acc"] for v in per.values()])
-    out: dict[str, Any] = {"eval": per, "mean_acc": float(accs.mean()), "std_acc": float(accs.std())}
-    aucs = [v["auc"] for v in per.values() if "auc" in v and not math.isnan(v["auc"])]
-    if aucs:
-        out["mean_auc"] = float(np.mean(aucs))
-    vals = [v["val_acc"] for v in per.values() if "val_acc" in v]
-    if vals:
-        out["mean_val_acc"] = float(np.mean(vals))
-    return out
-
-
 class FlowerRun:
     """A ServerApp for a federation of ``num_clients`` sites: it waits for them, asks each for its card
     (``query.register``), builds :class:`FlowerServer` and runs every round. ``engine.history`` holds the rounds."""
@@ -477,9 +463,7 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData]) -
         mine = store(context, s, cfg)
         m, c, train_p = s.method, s.client, spec.train
         m.load_eval_model(s.model, server, mine, c, rnd)
-        scores = evaluate(s.model, c.x_test, c.y_test, cfg=train_p)
-        if c.x_val is not None and len(c.x_val):  # the site's validation images, with the same model
-            scores["val_acc"] = evaluate(s.model, c.x_val, c.y_val, cfg=train_p)["acc"]
+        scores = evaluate_client(s.model, c, cfg=train_p)
         metrics: dict[str, Any] = {f"eval.{k}": float(v) for k, v in scores.items()}
         if m.eval_is_global():
             metrics["global_acc"] = float(scores["acc"])
