@@ -58,20 +58,27 @@ def test_fedecouple_runs_its_baselines_on_each_skew_and_times_table_vii():
     assert len(ablation) == 5 and "fedecouple_no_da" not in p.experiment_methods("fc_digits_k3")
 
 
-def test_cd2pfed_paper_scale_is_section_4_and_sets_the_published_tables_beside_ours():
-    root = yaml.safe_load((REPO / "params.yaml").read_text())
-    root["pipeline"]["datasets"] = list(root["datasets"])  # the paper scale's datasets added, as the README says
-    tmp = REPO / ".pytest_cache" / "root_params_cd2pfed_paper.yaml"
-    tmp.parent.mkdir(exist_ok=True)
-    tmp.write_text(yaml.safe_dump(root))
-    path = REPO / "pipelines" / "cd2pfed" / "paper" / "params.yaml"
-    raw = yaml.safe_load(path.read_text())
-    raw["data"] = str(tmp.relative_to(REPO))
+def _paper_scale(paper: str):
+    """The paper-scale preset joined with the root params.yaml, its datasets added to pipeline.datasets as the
+    preset's header tells a user to; both scales share one dvc.yaml."""
     from fedsilo.config import load_paper_params
 
+    root = yaml.safe_load((REPO / "params.yaml").read_text())
+    root["pipeline"]["datasets"] = list(root["datasets"])
+    tmp = REPO / ".pytest_cache" / f"root_params_{paper}_paper.yaml"
+    tmp.parent.mkdir(exist_ok=True)
+    tmp.write_text(yaml.safe_dump(root))
+    path = REPO / "pipelines" / paper / "paper" / "params.yaml"
+    raw = yaml.safe_load(path.read_text())
+    raw["data"] = str(tmp.relative_to(REPO))
     p = load_paper_params(path, raw)
     check_methods(p, str(path))
-    assert (REPO / "pipelines" / "cd2pfed" / "paper" / "dvc.yaml").read_text() == (REPO / "pipelines" / "cd2pfed" / "dvc.yaml").read_text()
+    assert (REPO / "pipelines" / paper / "paper" / "dvc.yaml").read_text() == (REPO / "pipelines" / paper / "dvc.yaml").read_text()
+    return p
+
+
+def test_cd2pfed_paper_scale_is_section_4_and_sets_the_published_tables_beside_ours():
+    p = _paper_scale("cd2pfed")
     c10, c100 = p.experiments["cd2_cifar10_s2"], p.experiments["cd2_cifar100_s40"]
     assert (c10.split.clients, c10.split.classes_per_client, c10.train.model, c10.train.local_epochs) == (10, 2, "lenet5", 1)
     assert (c100.split.clients, c100.split.classes_per_client, c100.train.model, c100.train.local_epochs) == (30, 40, "resnet34", 4)
@@ -80,3 +87,36 @@ def test_cd2pfed_paper_scale_is_section_4_and_sets_the_published_tables_beside_o
     for e in ("cd2_cifar10_s2", "cd2_cifar100_s40"):
         table = published[p.experiments[e].published.split("#")[1]]
         assert set(table["domains"]) == {"local", "new"} and set(table["methods"]) <= set(p.experiment_methods(e))
+
+
+def test_fedecouple_paper_scale_is_section_v_a_and_sets_every_published_table_beside_ours():
+    p = _paper_scale("fedecouple")
+    published = yaml.safe_load((REPO / "pipelines" / "fedecouple" / "published.yaml").read_text())
+    assert p.paper.scale == "paper" and list(p.pipeline.seeds) == [0, 1, 2, 3, 4]  # five runs
+    for e in p.pipeline.experiments:
+        x = p.experiments[e]
+        assert (x.split.clients, x.train.rounds, x.train.local_epochs, x.train.batch_size, x.train.lr, x.train.momentum) == (20, 200, 5, 50, 0.01, 0.5)
+        gray = p.datasets[x.dataset].kind in ("fmnist", "emnist")
+        assert x.train.model == ("fedecouple_cnn_gray" if gray else "fedecouple_cnn")
+        if x.split.scheme == "weak_pathological":  # 600 training and 300 test images per client
+            assert x.split.samples_per_client * (1 - x.split.test_fraction) == pytest.approx(600)
+    # every published accuracy table is some experiment's, whose dataset holds its domain, with the paper's methods run
+    refs = {p.experiments[e].published.split("#")[1]: e for e in p.pipeline.experiments if p.experiments[e].published}
+    assert set(published["accuracy"]) <= set(refs)
+    default_rows = {"fedecouple_lam_0_8", "fedecouple_mu_2_0"}  # lambda 0.8 / mu 2.0 are the fedecouple run itself
+    for table, body in published["accuracy"].items():
+        e = refs[table]
+        assert set(body["methods"]) - default_rows <= set(p.experiment_methods(e)), table
+    # Table VII: each timed setting has an experiment whose target is the paper's and which evaluates every round
+    for table, body in published["time_to_accuracy"].items():
+        x = p.experiments[refs[table]]
+        assert x.target_accuracy == body["target"] and x.train.eval_every == 1, table
+    assert p.experiments["fc_cinic10_dir0_3"].split.beta == 0.3
+    # Table VIII: all 16 on/off combinations of the four components on CIFAR-10 s = 20 %
+    combos = {tuple(p.methods[m].get(k, True) for k in ("gfa", "glf", "gpc", "da"))
+              for m in p.experiment_methods("fc_cifar10_s20") if method_base(m, p.methods[m]) == "fedecouple"
+              and (p.methods[m].get("lam", 0.8), p.methods[m].get("mu", 2.0)) == (0.8, 2.0)}  # not the sweeps
+    assert len(combos) == 16
+    # the project's own data under label skew, beside the papers' datasets
+    kinds = {p.datasets[p.experiments[e].dataset].kind for e in p.pipeline.experiments}
+    assert {"digits5", "office_caltech10", "pacs", "chest_xray4", "cifar10", "cifar100", "cinic10", "fmnist", "emnist"} <= kinds

@@ -190,6 +190,51 @@ def test_time_to_accuracy_counts_rounds_seconds_and_bytes_until_the_first_crossi
     assert tab.loc["slow", "reached"] == "1/2" and tab.loc["slow", "round"] == pytest.approx(4.0)
 
 
+def _timed_runs(res, accs: dict[str, list[float]], up_bytes: int):
+    """Runs of one client whose histories reach the given mean accuracies, 60 s of training and ``up_bytes`` up and
+    down each round."""
+    import json
+
+    for m, curve in accs.items():
+        d = res / m / "seed0"
+        d.mkdir(parents=True)
+        hist = [{"round": r + 1, "train_seconds": 60.0, "bytes_up_total": up_bytes, "bytes_down_total": up_bytes, "sampled": ["A-0"],
+                 "eval": {"A-0": {"acc": a}}, "mean_acc": a} for r, a in enumerate(curve)]
+        met = {"per_client": {"A-0": {"acc": curve[-1]}}, "client_domains": {"A-0": "A"}, "bytes_up_per_round": [up_bytes] * len(curve),
+               "bytes_down_per_round": [up_bytes] * len(curve), "model_param_bytes": up_bytes}
+        (d / "metrics.json").write_text(json.dumps(met))
+        (d / "history.json").write_text(json.dumps(hist))
+
+
+def test_time_to_accuracy_sets_the_papers_table_vii_beside_ours(tmp_path):
+    """FedeCouple Table VII: a published time_to_accuracy entry under the experiment's published key is set beside
+    our rounds, MB (the paper's 1,024,000-byte MB) and minutes; its target must be the experiment's; a key with only
+    a time_to_accuracy entry (CINIC-10 beta 0.3) needs no accuracy table."""
+    import yaml
+
+    from fedsilo.report import ReportError, build_report
+
+    _timed_runs(tmp_path / "res", {"fedecouple": [0.5, 0.7, 0.9], "fedrep": [0.4, 0.5, 0.6]}, up_bytes=512_000)
+    (tmp_path / "pub.yaml").write_text(yaml.safe_dump({"time_to_accuracy": {"t": {"target": 70, "methods": {
+        "fedecouple": {"minutes": 3.0, "rounds": 3, "comm_MB": 3.0}, "fedrep": {"minutes": 9.0, "rounds": 9, "comm_MB": 9.0},
+        "fedpac": {"minutes": 5.0, "rounds": 5, "comm_MB": 5.0}}}}}, sort_keys=False))
+    build_report(tmp_path / "res", "e", ["fedecouple", "fedrep"], [0], tmp_path / "out", published="pub.yaml#t", repo=tmp_path,
+                 target_accuracy=70)
+    vs = pd.read_csv(tmp_path / "out" / "e_time_to_accuracy_vs_paper.csv", index_col="method")
+    assert list(vs.index) == ["fedecouple", "fedrep", "fedpac"]  # the paper's rows, in its order
+    assert vs.loc["fedecouple", "rounds_ours"] == 2 and vs.loc["fedecouple", "rounds_paper"] == 3
+    assert vs.loc["fedecouple", "MB_ours"] == pytest.approx(2.0)  # 2 rounds x (512,000 up + 512,000 down) / 1,024,000
+    assert vs.loc["fedecouple", "minutes_ours"] == pytest.approx(2.0)
+    assert pd.isna(vs.loc["fedrep", "rounds_ours"]) and vs.loc["fedrep", "reached"] == "0/1"
+    assert vs.loc["fedpac", "reached"] == "not run"
+    md = (tmp_path / "out" / "e_time_to_accuracy_vs_paper.md").read_text()
+    assert "| fedecouple | 1/1 | 2.0 / 3.0 | 2.0 / 3.0 | 2.0 / 3.0 |" in md and "| fedrep | 0/1 | — / 9.0 |" in md
+    assert not (tmp_path / "out" / "e_vs_paper.md").exists()  # no accuracy table under that key
+    with pytest.raises(ReportError, match=r"experiments\.e\.target_accuracy: 65 but pub\.yaml#t's time_to_accuracy target is 70"):
+        build_report(tmp_path / "res", "e", ["fedecouple"], [0], tmp_path / "out2", published="pub.yaml#t", repo=tmp_path, target_accuracy=65)
+    assert not (tmp_path / "out2").exists()  # nothing half-written
+
+
 def test_local_new_external_table_averages_each_column_over_seeds(tmp_path):
     from fedsilo.report import local_new_external, local_new_external_markdown
     from fedsilo.utils.io import write_json

@@ -26,7 +26,9 @@
   over clients and seeds), and with FedAvg and F²DC both run ``<experiment>_fig1_spectrum.png``: the singular
   values of the first client's representation covariance (F²DC Fig. 1);
 - with ``target_accuracy``: ``<experiment>_time_to_accuracy.{md,csv}`` (FedeCouple Table VII: rounds, training
-  seconds and MiB per client until the mean accuracy first reaches the target);
+  seconds and MiB per client until the mean accuracy first reaches the target); when ``published`` names a
+  ``time_to_accuracy`` entry, ``<experiment>_time_to_accuracy_vs_paper.{md,csv}`` sets the paper's rounds, MB and
+  minutes beside ours (its target must equal ``target_accuracy``);
 - with ``published``: ``<experiment>_vs_paper.{md,csv}``; on Chest-X-Ray-4 ``<experiment>_fig3_scatter.png``; with
   Single, pFedDB and a two-phase FedAvg variant ``<experiment>_fig5_two_phase.png``; when ``results/<experiment>/
   onboarding/`` exists, ``<experiment>_fig6_onboarding.png`` and ``<experiment>_onboarding.md`` (pFedDB Figs. 3-6).
@@ -465,13 +467,64 @@ def _published(root: Path, ref: str) -> tuple[dict[str, Any], str, str]:
     return yaml.safe_load(f.read_text()), path, key
 
 
-def load_published(root: Path, ref: str) -> dict[str, Any]:
-    """``<file>#<table>`` -> the table (domains, methods: {name: {mean, std}}) from a published-numbers YAML."""
+def load_published(root: Path, ref: str) -> dict[str, Any] | None:
+    """``<file>#<table>`` -> the table (domains, methods: {name: {mean, std}}) from a published-numbers YAML; None
+    when the key names only a cost-to-accuracy entry (a setting the paper times but prints no accuracy table for)."""
     doc, path, key = _published(root, ref)
     tables = doc.get("accuracy", {})
     if key not in tables:
+        if key in (doc.get("time_to_accuracy") or {}):
+            return None
         raise ReportError(f"published: {path} has no accuracy table {key!r} (has: {', '.join(tables)})")
     return tables[key]
+
+
+def load_published_time_to_accuracy(root: Path, ref: str) -> dict[str, Any] | None:
+    """``<file>#<table>`` -> the file's ``time_to_accuracy.<table>`` (FedeCouple Table VII: the target and, per
+    method, minutes, rounds and MB to reach it) or None."""
+    doc, _, key = _published(root, ref)
+    return (doc.get("time_to_accuracy") or {}).get(key)
+
+
+# The paper's MB in FedeCouple's Table VII: 1,000 KB of 1,024 bytes (its 415.6 KB extractor is 106,400 float32
+# parameters = 425,600 bytes; pipelines/fedecouple/published.yaml)
+PAPER_MB_BYTES = 1000 * 1024
+
+
+def time_to_accuracy_versus(ours: pd.DataFrame, paper: dict[str, Any]) -> pd.DataFrame:
+    """Ours (:func:`time_to_accuracy`) beside the paper's Table VII, for the methods the paper lists: rounds, MB per
+    client up + down (in the paper's MB) and training minutes. Minutes compare hardware as much as methods (the paper
+    used one 2080 Ti): read them as ratios between methods."""
+    rows = []
+    for m, p in paper["methods"].items():
+        r = ours.loc[m] if m in ours.index else None
+        rows.append({
+            "method": m,
+            "reached": r["reached"] if r is not None else "not run",
+            "rounds_ours": r["round"] if r is not None else np.nan,
+            "rounds_paper": float(p["rounds"]),
+            "MB_ours": r["MiB_per_client"] * 2**20 / PAPER_MB_BYTES if r is not None else np.nan,
+            "MB_paper": float(p["comm_MB"]),
+            "minutes_ours": r["train_s"] / 60 if r is not None else np.nan,
+            "minutes_paper": float(p["minutes"]),
+        })
+    return pd.DataFrame(rows).set_index("method")
+
+
+def time_to_accuracy_versus_markdown(tab: pd.DataFrame, title: str) -> str:
+    lines = [f"### {title}", "",
+             "Each cell: ours / paper. MB per client, up + down, in the paper's unit (1 MB = 1,000 KB of 1,024 bytes); "
+             "minutes of training (ours on this run's device, the paper's on one RTX 2080 Ti: compare ratios between "
+             "methods). — : the target was not reached (or the method was not run).", "",
+             "| method | seeds that reach it | rounds | MB per client | training minutes |", "|---|---|---|---|---|"]
+
+    def cell(a: float, b: float, f: str) -> str:
+        return f"{'—' if pd.isna(a) else format(a, f)} / {format(b, f)}"
+
+    for m, r in tab.iterrows():
+        lines.append(f"| {m} | {r['reached']} | {cell(r['rounds_ours'], r['rounds_paper'], '.1f')} | "
+                     f"{cell(r['MB_ours'], r['MB_paper'], '.1f')} | {cell(r['minutes_ours'], r['minutes_paper'], '.1f')} |")
+    return "\n".join(lines) + "\n"
 
 
 def load_published_efficiency(root: Path, ref: str) -> dict[str, Any] | None:
@@ -684,12 +737,22 @@ def build_report(
                 flat_lne.index.name = "method"
                 flat_lne.to_csv(tmp / f"{exp}_local_new_external.csv", float_format="%.4f")
                 md += "\n" + lne_md
+            paper_tta = load_published_time_to_accuracy(repo, published) if published else None
+            if paper_tta is not None and paper_tta["target"] != target_accuracy:
+                raise ReportError(f"experiments.{exp}.target_accuracy: {target_accuracy} but {published}'s time_to_accuracy "
+                                  f"target is {paper_tta['target']}: set it to {paper_tta['target']} to set ours beside it")
             if target_accuracy is not None:
                 tta = time_to_accuracy(histories, methods, seeds, target_accuracy)
                 tta_md = time_to_accuracy_markdown(tta, f"{exp}: cost to reach {target_accuracy:g} % mean accuracy")
                 (tmp / f"{exp}_time_to_accuracy.md").write_text(tta_md)
                 tta.to_csv(tmp / f"{exp}_time_to_accuracy.csv", float_format="%.6g")
                 md += "\n" + tta_md
+                if paper_tta is not None:
+                    tvs = time_to_accuracy_versus(tta, paper_tta)
+                    tvs_md = time_to_accuracy_versus_markdown(tvs, f"{exp}: cost to reach {target_accuracy:g} %, ours vs {published}")
+                    (tmp / f"{exp}_time_to_accuracy_vs_paper.md").write_text(tvs_md)
+                    tvs.to_csv(tmp / f"{exp}_time_to_accuracy_vs_paper.csv", float_format="%.6g")
+                    md += "\n" + tvs_md
             spectra = collect_spectra(results, methods, seeds)
             if spectra is None:
                 md += "\n(No representation spectra: these runs predate `spectrum.json`; retrain them for the collapse table.)\n"
