@@ -107,6 +107,22 @@ def test_dirichlet_covers_every_image_once(records):
     assert min(len(c["train"]) + len(c["test"]) for c in s["clients"]) >= 10
 
 
+def test_balanced_dirichlet_stops_dealing_to_a_client_that_holds_its_share():
+    """NIID-Bench's / PFLlib's rule: replaying the classes in the order they are dealt, no client receives a class
+    once it already holds len(pool) / clients images; that is what lets beta = 0.01 give 20 clients images on 10
+    classes of CIFAR-10's size (the plain draw cannot: about one client takes each class)."""
+    from fedsilo.data.splits import _dirichlet_parts
+
+    labels = np.random.default_rng(1).permutation(np.repeat(np.arange(10), 6000))
+    with pytest.raises(SplitError, match="no Dirichlet draw in 1000"):
+        _dirichlet_parts(labels, 20, 0.01, 10, np.random.default_rng(0), "split (dirichlet)")
+    parts = _dirichlet_parts(labels, 20, 0.01, 10, np.random.default_rng(0), "split (dirichlet)", balance=True)
+    counts = np.stack([np.bincount(labels[p], minlength=10) for p in parts])
+    assert counts.sum(1).min() >= 10 and sorted(np.concatenate(parts)) == list(range(len(labels)))
+    held_before = np.cumsum(counts, axis=1) - counts  # images of the classes dealt before each class (0..9 in order)
+    assert (held_before[counts > 0] < len(labels) / 20).all()
+
+
 def test_pathological_gives_exactly_k_classes_and_covers_all(records):
     s = make_split(records, PROTOCOLS[3], 0)
     counts = _client_label_counts(records, s)

@@ -288,6 +288,10 @@ class LabelSkewSplit(Strict):
         "draw (FedPAC's and FedeCouple's code: [[0,1,2],[2,3,4],[4,5,6],[6,7,8],[8,9,0]] on 10 classes)",
     )
     min_per_client: int = Field(10, ge=1, description="dirichlet: redraw until every client has at least this many images")
+    balance: bool = Field(
+        False, description="dirichlet: NIID-Bench's / PFLlib's rule, a client holding its equal share of the pool gets "
+        "nothing of the classes dealt after (lets beta = 0.01 give 20 clients images on 10 classes)",
+    )
     domains: Optional[tuple[str, ...]] = None
     test_fraction: float = Field(0.25, gt=0, lt=1)
 

@@ -174,14 +174,22 @@ def _cut(idx: np.ndarray, shares: np.ndarray) -> list[np.ndarray]:
     return np.split(idx, (np.cumsum(shares) * len(idx)).astype(int)[:-1])
 
 
-def _dirichlet_parts(labels: np.ndarray, n_clients: int, beta: float, min_size: int, rng: np.random.Generator, what: str) -> list[np.ndarray]:
-    """Per class, proportions ~ Dir(beta); class rows cut accordingly. Redrawn until every client has min_size."""
+def _dirichlet_parts(labels: np.ndarray, n_clients: int, beta: float, min_size: int, rng: np.random.Generator, what: str,
+                     balance: bool = False) -> list[np.ndarray]:
+    """Per class, proportions ~ Dir(beta); class rows cut accordingly. Redrawn until every client has min_size.
+    ``balance``: NIID-Bench's rule (also PFLlib's "practical" split): a client that already holds its equal share
+    (len(labels) / n_clients) gets no part of the classes drawn after, which lets very small beta reach min_size."""
     classes = np.unique(labels)
+    cap = len(labels) / n_clients
     for _ in range(1000):
         parts: list[list[int]] = [[] for _ in range(n_clients)]
         for c in classes:
             idx = rng.permutation(np.flatnonzero(labels == c))
-            for j, chunk in enumerate(_cut(idx, rng.dirichlet(np.full(n_clients, beta)))):
+            shares = rng.dirichlet(np.full(n_clients, beta))
+            if balance:  # some client is always below its share while images remain to be dealt
+                shares = shares * np.array([len(p) < cap for p in parts])
+                shares = shares / shares.sum()
+            for j, chunk in enumerate(_cut(idx, shares)):
                 parts[j].extend(chunk.tolist())
         if min(len(p) for p in parts) >= min_size:
             return [np.array(sorted(p), dtype=np.int64) for p in parts]
@@ -268,7 +276,7 @@ def label_skew(records: pd.DataFrame, params: LabelSkewSplit, seed: int) -> dict
     labels = pool["label"].to_numpy()
     rng = _rng(seed, "label_skew", params.scheme)
     if params.scheme == "dirichlet":
-        parts = _dirichlet_parts(labels, params.clients, params.beta, params.min_per_client, rng, "split (dirichlet)")
+        parts = _dirichlet_parts(labels, params.clients, params.beta, params.min_per_client, rng, "split (dirichlet)", params.balance)
     elif params.scheme == "pathological":
         parts = _pathological(labels, params.clients, params.classes_per_client, rng)
     else:
