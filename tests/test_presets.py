@@ -102,3 +102,20 @@ def test_per_backbone_cut_depth_resolves_for_each_model():
         algo = PFedDB(PFedDB.params_cls(**raw), TrainParams(model=model))
         algo.transform_model(build_model(model, ch, 10, seed=0), torch.zeros(2, ch, 64, 64))
         assert algo.cut_depth == depth
+
+
+def test_paper_scale_office_and_domainnet_follow_fedbns_loaders_and_record_each_rows_selection():
+    """The authors' FedBN-derived scripts: floor(0.5 m) train / floor(0.4 m) validation on Office-Caltech-10,
+    0.05 / 0.05 on DomainNet, hflip + rotation within 30 degrees; published rows say which round they come from."""
+    p = _load("paper")
+    office, dn = p.experiments["pfeddb_office"], p.experiments["pfeddb_domainnet"]
+    assert (office.split.n_train_of_smallest, office.split.n_val_of_smallest) == (0.5, 0.4)
+    assert (dn.split.n_train_of_smallest, dn.split.n_val_of_smallest, dn.split.test_from) == (0.05, 0.05, "official")
+    for e in (office, dn):
+        assert e.train.augment.hflip and [h.name for h in e.train.augment.host] == ["Rotate"]
+        assert e.train.augment.host[0].model_extra["limit"] == 30
+    pub = yaml.safe_load((PAPER / "published.yaml").read_text())["accuracy"]
+    assert pub["office_caltech10"]["methods"]["fedbn"]["selection"] == "best_validation"
+    assert pub["digits5"]["methods"]["fedbn"]["selection"] == "final"
+    assert pub["chest_xray4"]["methods"]["pfeddb"]["selection"] == "final"
+    assert "selection" not in pub["office_caltech10"]["methods"]["pfeddb"]  # no released Office script: not recorded

@@ -191,3 +191,27 @@ def test_holdout_domain_keeps_the_domain_out_of_the_federation(records):
     assert len(ext["holdout"]["client"]["test"]) == 40
     # the federation's clients are identical whether the held-out domain is a newcomer or an external test set
     assert ext["clients"] == s["clients"]
+
+
+def test_fedbn_sizes_come_from_the_smallest_domain(records):
+    """FedBN's Office / DomainNet loaders: every client trains on floor(0.5 m) and validates on floor(0.4 m) images,
+    m the smallest domain's training pool; the test set is the whole official test subset, or test_fraction of a
+    domain without one. Train, validation and test are disjoint."""
+    sub = records[records["domain"] != "D"].copy()
+    sub = sub[~((sub["domain"] == "B") & (sub.index % 7 == 0))]  # B: the smallest training pool
+    s = make_split(sub, DomainClientsSplit(n_train_of_smallest=0.5, n_val_of_smallest=0.4, test_fraction=0.2), 0)
+    pools = {d: int((sub[(sub["domain"] == d)]["subset"] != "test").sum()) if d in ("A", "B") else len(sub[sub["domain"] == d]) - 80
+             for d in ("A", "B", "C")}
+    m = min(pools.values())
+    assert m == pools["B"]
+    for c in s["clients"]:
+        dom = sub[sub["domain"] == c["domain"]]
+        assert (len(c["train"]), len(c["val"])) == (m // 2, int(0.4 * m))
+        assert len(c["test"]) == (int((dom["subset"] == "test").sum()) if c["domain"] in ("A", "B") else 80)
+        assert not set(c["train"]) & set(c["val"]) and not (set(c["train"]) | set(c["val"])) & set(c["test"])
+    assert "n_train_of_smallest" in s["params"] and "test_fraction" in s["params"]
+    assert "n_train_of_smallest" not in make_split(sub, DomainClientsSplit(n_train=20), 0)["params"]  # older splits: same bytes
+    with pytest.raises(SplitError, match="split.test_fraction: domain 'C' has no official test subset"):
+        make_split(sub, DomainClientsSplit(n_train_of_smallest=0.5), 0)
+    with pytest.raises(ValueError, match="n_train: not with n_train_of_smallest"):
+        DomainClientsSplit(n_train=10, n_train_of_smallest=0.5)

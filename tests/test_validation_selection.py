@@ -106,3 +106,21 @@ def test_without_a_validation_set_there_is_no_best_validation_table_and_the_comp
     assert not (tmp_path / "out" / "e_accuracy_best_val.md").exists()
     vs = (tmp_path / "out" / "e_vs_paper.md").read_text()
     assert "Ours: the final round's test accuracy. Paper: the test accuracy at the round of best mean validation accuracy." in vs
+
+
+def test_rows_selected_differently_by_the_paper_are_each_compared_like_for_like(tmp_path):
+    """pFedDB's tables mix scripts: the FedBN-derived baselines report the best-validation round, the two-phase
+    pFedDB script its final round. A row's own `selection` overrides the table's; ours follows it row by row, and
+    the note says which rule each row uses."""
+    res = tmp_path / "res"
+    rounds = [(0.9, {"A-0": 0.6, "B-0": 0.7}), (0.5, {"A-0": 0.9, "B-0": 0.9})]  # best validation: round 1
+    _run(res, "fedavg", 0, rounds)
+    _run(res, "pfeddb", 0, rounds)
+    table = {"domains": ["A", "B"], "methods": {"fedavg": {"mean": [62.0, 71.0, 66.5], "selection": "best_validation"},
+                                                "pfeddb": {"mean": [88.0, 88.0, 88.0], "selection": "final"}}}
+    (tmp_path / "pub.yaml").write_text(yaml.safe_dump({"accuracy": {"t": table}}))
+    build_report(res, "e", ["fedavg", "pfeddb"], [0], tmp_path / "out", published="pub.yaml#t", repo=tmp_path)
+    vs = (tmp_path / "out" / "e_vs_paper.md").read_text()
+    assert "| fedavg | 60.0 / 62.0 (-2.0) |" in vs and "| pfeddb | 90.0 / 88.0 (+2.0) |" in vs
+    assert ("fedavg: ours the test accuracy at the round of best mean validation accuracy, paper the test accuracy at the "
+            "round of best mean validation accuracy; pfeddb: ours the final round's test accuracy, paper the final round's test accuracy") in vs

@@ -256,6 +256,28 @@ class DomainClientsSplit(Strict):
     n_test_per_domain: dict[str, int] = Field(default_factory=dict)
     domains: Optional[tuple[str, ...]] = None
     test_from: TestFrom = Field("auto", description="official: the dataset's own test subset; pooled: drawn from all images; auto: official when the domain has one")
+    n_train_of_smallest: Optional[float] = Field(
+        None, gt=0, le=1, description="FedBN's Office / DomainNet protocol (its loaders, and pFedDB's code after it): every "
+        "client trains on floor(f x m) images, m the smallest domain's training pool; replaces n_train",
+    )
+    n_val_of_smallest: Optional[float] = Field(None, ge=0, lt=1, description="with n_train_of_smallest: floor(f x m) validation images per client; replaces n_val")
+    test_fraction: Optional[float] = Field(
+        None, gt=0, lt=1, description="with n_train_of_smallest, for a domain with no official test subset (FedBN's "
+        "<site>_test.pkl lists): the share of its images held out as its test set; with one, the whole subset is the test set",
+    )
+
+    @model_validator(mode="after")
+    def _fedbn_sizes(self) -> "DomainClientsSplit":
+        if self.n_train_of_smallest is None:
+            for key in ("n_val_of_smallest", "test_fraction"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{key} is set without n_train_of_smallest (FedBN's sizes)")
+            return self
+        for key in ("n_train", "n_val", "n_test", "n_test_per_domain"):
+            if key in self.model_fields_set:
+                raise ValueError(f"{key}: not with n_train_of_smallest (FedBN's sizes come from the smallest domain; the "
+                                 "test set is the official subset, or test_fraction of a domain without one)")
+        return self
 
 
 class DomainMultiClientsSplit(Strict):

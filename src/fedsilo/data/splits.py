@@ -119,18 +119,45 @@ def _draw_domain(records: pd.DataFrame, dom: str, n_train: int, n_test: int, tes
     return train, test, val
 
 
+def _fedbn_sizes(records: pd.DataFrame, params: DomainClientsSplit, doms: list[str]) -> dict[str, tuple[int, int, int]]:
+    """FedBN's Office / DomainNet sizes (its loaders; pFedDB's code keeps them): m = the smallest domain's training
+    pool (the official training subset, or what test_fraction leaves), then floor(f_train x m) training and
+    floor(f_val x m) validation images for every client, and the whole official test subset (or test_fraction of the
+    domain) as its test set. Returns domain -> (n_train, n_test, n_val)."""
+    pools, tests = {}, {}
+    for dom in doms:
+        sub = records[records["domain"] == dom]
+        if _uses_official(sub, params.test_from, dom):
+            tests[dom] = int((sub["subset"] == "test").sum())
+        elif params.test_fraction is None:
+            raise SplitError(f"split.test_fraction: domain {dom!r} has no official test subset (FedBN's <site>_test.pkl "
+                             "lists); give the share of each domain held out as its test set")
+        else:
+            tests[dom] = max(1, int(round(params.test_fraction * len(sub))))
+        pools[dom] = len(sub) - tests[dom]
+    m = min(pools.values())
+    n_train, n_val = int(np.floor(params.n_train_of_smallest * m)), int(np.floor((params.n_val_of_smallest or 0.0) * m))
+    if n_train < 1:
+        raise SplitError(f"split.n_train_of_smallest: {params.n_train_of_smallest} x {m} (the smallest training pool) is less than one image")
+    return {dom: (n_train, tests[dom], n_val) for dom in doms}
+
+
 def domain_clients(records: pd.DataFrame, params: DomainClientsSplit | HoldoutDomainSplit, seed: int, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     clients = []
     n_val = getattr(params, "n_val", 0)  # holdout_domain's clients have no validation set
-    for dom in _domains(records, params.domains):
-        if dom in exclude:
-            continue
+    doms = [d for d in _domains(records, params.domains) if d not in exclude]
+    fedbn = _fedbn_sizes(records, params, doms) if getattr(params, "n_train_of_smallest", None) else {}
+    for dom in doms:
         n_test = params.n_test_per_domain.get(dom, params.n_test or params.n_train)
-        train, test, val = _draw_domain(records, dom, params.n_train, n_test, params.test_from, seed, n_val)
+        n_train, n_test, n_val = fedbn.get(dom, (params.n_train, n_test, n_val))
+        train, test, val = _draw_domain(records, dom, n_train, n_test, params.test_from, seed, n_val)
         clients.append(_client(len(clients), dom, dom, train, test, val))
     dump = params.model_dump(mode="json")
     if not dump.get("n_val"):  # a split with no validation set is written as before n_val existed (same bytes, same hash)
         dump.pop("n_val", None)
+    for key in ("n_train_of_smallest", "n_val_of_smallest", "test_fraction"):  # likewise for FedBN's sizes
+        if key in dump and dump[key] is None:
+            dump.pop(key)
     return {"protocol": params.protocol, "seed": seed, "params": dump, "num_classes": _num_classes(records), "clients": clients}
 
 

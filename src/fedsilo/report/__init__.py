@@ -594,12 +594,33 @@ SELECTION = {
 }
 
 
-def selection_note(paper: dict[str, Any] | None, ours: str = "final") -> str:
+def paper_selection(paper: dict[str, Any] | None, method: str | None = None) -> str | None:
+    """The published rule (``final`` / ``best_validation``) of a table's row: the method's own ``selection`` where
+    the file records one (a paper whose rows come from different scripts), else the table's, else None."""
+    row = ((paper or {}).get("methods") or {}).get(method) or {} if method else {}
+    return row.get("selection") or (paper or {}).get("selection")
+
+
+def selection_note(paper: dict[str, Any] | None, ours: str | dict[str, str] = "final") -> str:
     """Which round each side's number comes from: ours (``final``, or ``best_validation`` when the runs scored a
-    validation set and the paper's table was selected that way); the paper's is the published table's
-    ``selection`` (``final`` or ``best_validation``) where the published file records it."""
-    theirs = SELECTION.get((paper or {}).get("selection", ""), "not recorded in the published file")
-    return f"Ours: {SELECTION[ours]}. Paper: {theirs}."
+    validation set and the paper's row was selected that way; a dict gives it per method); the paper's is the
+    published ``selection`` (``final`` or ``best_validation``) of the row or its table, where the file records it.
+    When the rules differ between rows, the note says them per method."""
+    def theirs(m: str | None = None) -> str:
+        return SELECTION.get(paper_selection(paper, m) or "", "not recorded in the published file")
+
+    if isinstance(ours, dict) and len(set(ours.values())) <= 1:  # one rule for every row: one sentence
+        ours = next(iter(ours.values()), "final")
+    rows = list(((paper or {}).get("methods") or {}))
+    per_row = isinstance(ours, dict) or any("selection" in ((paper or {})["methods"][m] or {}) for m in rows)
+    if not per_row:
+        return f"Ours: {SELECTION[ours]}. Paper: {theirs()}."
+    ours_of = ours if isinstance(ours, dict) else {}
+    groups: dict[tuple[str, str], list[str]] = {}
+    for m in (list(ours_of) if ours_of else rows):
+        groups.setdefault((SELECTION[ours_of.get(m, ours if isinstance(ours, str) else "final")], theirs(m)), []).append(m)
+    return "Which round each number comes from: " + "; ".join(
+        f"{', '.join(ms)}: ours {o}, paper {p}" for (o, p), ms in groups.items()) + "."
 
 
 def best_validation_round(history: list[dict]) -> dict | None:
@@ -776,10 +797,13 @@ def build_report(
                                           f"ensemble (set experiments.{exp}.train.ensemble_test: true)")
                     vs = versus_paper(pd.concat({"mean": lne["mean"].rename(columns=METRIC_COLUMNS_INV)}, axis=1), paper, avg=False)
                     ours = "final"
-                elif paper.get("selection") == "best_validation" and best_acc is not None:
-                    vs, ours = versus_paper(best_acc, paper), "best_validation"  # like for like
-                else:
-                    vs, ours = versus_paper(acc, paper), "final"
+                else:  # like for like: a row the paper selected by validation is set beside ours selected so
+                    by_val = [m for m in methods if best_acc is not None and paper_selection(paper, m) == "best_validation"]
+                    ours_tab = acc.copy()
+                    if by_val:
+                        ours_tab.loc[by_val] = best_acc.loc[by_val]
+                    vs = versus_paper(ours_tab, paper)
+                    ours = {m: "best_validation" if m in by_val else "final" for m in vs.index}
                 md += "\n" + write_versus(tmp, exp, vs, published, paper, ours)
                 made[exp + ":vs_paper"] = vs.to_dict(orient="index")
                 paper_eff = load_published_efficiency(repo, published)
