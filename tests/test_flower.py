@@ -172,6 +172,49 @@ def test_each_store_lives_in_its_sites_context_and_the_server_holds_only_cards(i
     assert len(ups) == 2 * len(clients) and all(u and not u & bn for u in ups)
 
 
+class _SeenGrid(LoopGrid):
+    """LoopGrid that also logs the array keys of every evaluate message it delivers, per node."""
+
+    def __init__(self, app, n: int):
+        super().__init__(app, n)
+        self.sent_eval: list[tuple[int, set]] = []
+
+    def send_and_receive(self, messages, timeout=None):
+        for m in messages:
+            if m.metadata.message_type == "evaluate":
+                self.sent_eval.append((m.metadata.dst_node_id, set(m.content.array_records["server"].keys())))
+        return super().send_and_receive(messages, timeout)
+
+
+@pytest.mark.parametrize("name", ["fedpac", "fdse"])
+def test_evaluation_sends_each_site_its_own_server_side_tensors_only(identity, name):
+    """FedPAC's server combines a head per client, FDSE's keeps each client's personalized layers: a site is sent the
+    shared state and its own part to be evaluated (Method.eval_download), never another site's, and scores as the
+    engine scores it."""
+    from fedsilo.models import build_model
+
+    tp, clients = _train(rounds=2), _clients()
+    cls = method_class(name)
+    make = _model if name == "fedpac" else (lambda: build_model("resnet10_cifar", 1, 4, seed=0))  # FDSE: a BasicBlock ResNet
+    reference = Engine(cls(cls.params_cls(), tp), make(), clients, tp, seed=0)
+    ref_hist = reference.run()
+    spec = FlowerSpec(cls, cls.params_cls(), tp, 0, make, name)
+    grid = _SeenGrid(client_app(spec, lambda ctx: clients[int(ctx.node_config["partition-id"])]), len(clients))
+    run = FlowerRun(spec, len(clients))
+    run.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
+    per_client = [k for k in reference.server if k.startswith(("head::", "fdse::"))]  # per client: <tag><client>::<key>
+    assert per_client
+    assert grid.sent_eval and len({n for n, _ in grid.sent_eval}) == len(clients)
+    for node, keys in grid.sent_eval:
+        c = clients[node - 100]
+        theirs = {k for k in per_client if not k.startswith((f"head::{c.index}::", f"fdse::{c.name}::"))}
+        assert not keys & theirs and keys & set(per_client)  # its own part, nobody else's
+    hist = run.engine.history
+    assert [without_timing([e])[0].get("eval") for e in hist] == [without_timing([e])[0].get("eval") for e in ref_hist]
+    full = payload_bytes(reference.server)
+    assert all(0 < b < full for b in hist[-1]["bytes_eval_down"].values())
+
+
 class _LeakyBN(FedBN):
     name = "fedbn"
 

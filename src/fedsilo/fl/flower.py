@@ -21,7 +21,8 @@ A round, as messages (``group_id`` = the round):
    ``up`` and MetricRecord ``fedsilo`` (its training loss, the tensor bytes it received). The site refuses to send
    a key the method declares private (:class:`~fedsilo.fl.engine.PrivacyViolation` on the site: the reply is an
    error and nothing of the upload leaves it); the server checks every received record again.
-3. ``evaluate`` (the rounds the engine evaluates, every site): ArrayRecord ``server`` (the server state) goes to
+3. ``evaluate`` (the rounds the engine evaluates, every site): ArrayRecord ``server`` (``Method.eval_download``: the
+   server state, or for a method whose server keeps per-client tensors, FedPAC and FDSE, the site's own) goes to
    each site, which loads the model it is evaluated with (``Method.load_eval_model``) and, where the method has one,
    the global model, and replies with a MetricRecord of its test scores; the server combines them as the engine does.
 
@@ -302,9 +303,9 @@ class FlowerServer(Engine):
         """Every site scores the model it is evaluated with on its test set (and the global model, where the method
         has one); the mean, spread and global accuracies are formed as in ``Engine.evaluate``."""
         rnd = self.round if rnd is None else rnd
-        content = self._content(rnd, ("server", self.server))
-        eval_bytes = record_tensor_bytes(content["server"])
-        replies = self._exchange("evaluate", rnd, {i: content for i in range(len(self.clients))})
+        contents = {i: self._content(rnd, ("server", self.method.eval_download(self.server, c))) for i, c in enumerate(self.clients)}
+        eval_bytes = {c.name: record_tensor_bytes(contents[i]["server"]) for i, c in enumerate(self.clients)}
+        replies = self._exchange("evaluate", rnd, contents)
         per: dict[str, dict[str, float]] = {}
         glob: dict[str, float] = {}
         for i, c in enumerate(self.clients):
@@ -315,7 +316,7 @@ class FlowerServer(Engine):
         out = eval_summary(per)
         if glob:
             out["global"] = glob
-        out["bytes_eval_down"] = {c.name: eval_bytes for c in self.clients}
+        out["bytes_eval_down"] = eval_bytes
         return out
 
 

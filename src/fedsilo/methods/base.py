@@ -148,6 +148,13 @@ class Method:
         client's training data only, and changes neither ``server`` nor ``store``."""
         model.load_state_dict(self.eval_state(server, store, client), strict=True)
 
+    def eval_download(self, server: State, client: ClientData) -> State:
+        """What a site must receive to be evaluated where its data lives (the Flower adapter sends it; the engine,
+        in one process, reads the server state directly): everything ``load_eval_model`` and ``global_state`` read
+        for ``client``. Default: the whole server state. A method whose server keeps per-client tensors (FedPAC's
+        combined heads, FDSE's personalized layers) sends each site its own only."""
+        return server
+
     def global_state(self, server: State) -> Optional[State]:
         """A full model state that is the same for every client, or None where the method has none."""
         return None

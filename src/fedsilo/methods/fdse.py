@@ -250,6 +250,10 @@ class FDSE(PartialSharing):
                 server[f"{PERSONAL}{c.name}::{k}"] = mixed[i].view_as(up[k]).to(up[k].dtype)
         return server
 
+    def eval_download(self, server, client):
+        mine = f"{PERSONAL}{client.name}::"  # the shared layers and this site's personalized ones: no other site's
+        return {k: v for k, v in server.items() if not k.startswith(PERSONAL) or k.startswith(mine)}
+
     def eval_state(self, server, store, client):
         return {**store, **self.download(server, client, 0)}
 

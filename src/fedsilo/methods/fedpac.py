@@ -221,6 +221,9 @@ class FedPAC(Method):
         return out
 
     # --- evaluation
+    def eval_download(self, server, client):
+        return self.download(server, client, 0)  # the extractor and the site's own combined head: no other site's
+
     def eval_state(self, server, store, client):
         combined = self._head_for(server, client)
         return {**{k: server[k] for k in self.body_keys}, **{k: combined.get(k, store[k]) for k in self.head_keys}}
