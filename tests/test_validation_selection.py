@@ -117,10 +117,12 @@ def test_rows_selected_differently_by_the_paper_are_each_compared_like_for_like(
     _run(res, "fedavg", 0, rounds)
     _run(res, "pfeddb", 0, rounds)
     table = {"domains": ["A", "B"], "methods": {"fedavg": {"mean": [62.0, 71.0, 66.5], "selection": "best_validation"},
-                                                "pfeddb": {"mean": [88.0, 88.0, 88.0], "selection": "final"}}}
+                                                "pfeddb": {"mean": [88.0, 88.0, 88.0], "selection": "final"},
+                                                "fedssd": {"mean": [80.0, 80.0, 80.0]}}}  # a row we do not run
     (tmp_path / "pub.yaml").write_text(yaml.safe_dump({"accuracy": {"t": table}}))
     build_report(res, "e", ["fedavg", "pfeddb"], [0], tmp_path / "out", published="pub.yaml#t", repo=tmp_path)
     vs = (tmp_path / "out" / "e_vs_paper.md").read_text()
     assert "| fedavg | 60.0 / 62.0 (-2.0) |" in vs and "| pfeddb | 90.0 / 88.0 (+2.0) |" in vs
     assert ("fedavg: ours the test accuracy at the round of best mean validation accuracy, paper the test accuracy at the "
             "round of best mean validation accuracy; pfeddb: ours the final round's test accuracy, paper the final round's test accuracy") in vs
+    assert "fedssd" not in vs  # the note names the rows compared only

@@ -601,23 +601,24 @@ def paper_selection(paper: dict[str, Any] | None, method: str | None = None) -> 
     return row.get("selection") or (paper or {}).get("selection")
 
 
-def selection_note(paper: dict[str, Any] | None, ours: str | dict[str, str] = "final") -> str:
+def selection_note(paper: dict[str, Any] | None, ours: str | dict[str, str] = "final", rows: list[str] | None = None) -> str:
     """Which round each side's number comes from: ours (``final``, or ``best_validation`` when the runs scored a
     validation set and the paper's row was selected that way; a dict gives it per method); the paper's is the
     published ``selection`` (``final`` or ``best_validation``) of the row or its table, where the file records it.
-    When the rules differ between rows, the note says them per method."""
+    When the rules differ between rows, the note says them per method (``rows``: the methods compared; default the
+    published table's)."""
     def theirs(m: str | None = None) -> str:
         return SELECTION.get(paper_selection(paper, m) or "", "not recorded in the published file")
 
     if isinstance(ours, dict) and len(set(ours.values())) <= 1:  # one rule for every row: one sentence
         ours = next(iter(ours.values()), "final")
-    rows = list(((paper or {}).get("methods") or {}))
-    per_row = isinstance(ours, dict) or any("selection" in ((paper or {})["methods"][m] or {}) for m in rows)
+    rows = list(((paper or {}).get("methods") or {})) if rows is None else rows
+    per_row = isinstance(ours, dict) or any("selection" in (((paper or {}).get("methods") or {}).get(m) or {}) for m in rows)
     if not per_row:
         return f"Ours: {SELECTION[ours]}. Paper: {theirs()}."
     ours_of = ours if isinstance(ours, dict) else {}
     groups: dict[tuple[str, str], list[str]] = {}
-    for m in (list(ours_of) if ours_of else rows):
+    for m in rows:
         groups.setdefault((SELECTION[ours_of.get(m, ours if isinstance(ours, str) else "final")], theirs(m)), []).append(m)
     return "Which round each number comes from: " + "; ".join(
         f"{', '.join(ms)}: ours {o}, paper {p}" for (o, p), ms in groups.items()) + "."
@@ -648,7 +649,7 @@ def write_versus(out: Path, exp: str, vs: pd.DataFrame, published: str, paper: d
     ``selection`` says which round its numbers come from; ``ours``: which round ours come from (both stated under
     the title)."""
     md = versus_markdown(vs, f"{exp}: ours vs {published}")
-    md = md.replace("\n\nEach cell:", f"\n\n{selection_note(paper, ours)} Each cell:", 1)
+    md = md.replace("\n\nEach cell:", f"\n\n{selection_note(paper, ours, list(vs.index))} Each cell:", 1)
     (out / f"{exp}_vs_paper.md").write_text(md)
     vs.columns = [f"{d}_{k}" for d, k in vs.columns]
     vs.index.name = "method"
