@@ -467,23 +467,22 @@ def _published(root: Path, ref: str) -> tuple[dict[str, Any], str, str]:
     return yaml.safe_load(f.read_text()), path, key
 
 
-def load_published(root: Path, ref: str) -> dict[str, Any] | None:
-    """``<file>#<table>`` -> the table (domains, methods: {name: {mean, std}}) from a published-numbers YAML; None
-    when the key names only a cost-to-accuracy entry (a setting the paper times but prints no accuracy table for)."""
+def load_published_entries(root: Path, ref: str) -> dict[str, dict[str, Any] | None]:
+    """``<file>#<table>``, the file read once -> its entries under that key: ``accuracy`` (domains, methods: {name:
+    {mean, std}}), ``efficiency`` (per method, the paper's per-round costs) and ``time_to_accuracy`` (FedeCouple
+    Table VII: the target and, per method, minutes, rounds and MB to reach it); None where the file has none. A key
+    with neither an accuracy table nor a time_to_accuracy entry (a setting the paper times but prints no accuracy
+    table for) is an error."""
     doc, path, key = _published(root, ref)
-    tables = doc.get("accuracy", {})
-    if key not in tables:
-        if key in (doc.get("time_to_accuracy") or {}):
-            return None
-        raise ReportError(f"published: {path} has no accuracy table {key!r} (has: {', '.join(tables)})")
-    return tables[key]
+    out = {section: (doc.get(section) or {}).get(key) for section in ("accuracy", "efficiency", "time_to_accuracy")}
+    if out["accuracy"] is None and out["time_to_accuracy"] is None:
+        raise ReportError(f"published: {path} has no accuracy table {key!r} (has: {', '.join(doc.get('accuracy', {}))})")
+    return out
 
 
-def load_published_time_to_accuracy(root: Path, ref: str) -> dict[str, Any] | None:
-    """``<file>#<table>`` -> the file's ``time_to_accuracy.<table>`` (FedeCouple Table VII: the target and, per
-    method, minutes, rounds and MB to reach it) or None."""
-    doc, _, key = _published(root, ref)
-    return (doc.get("time_to_accuracy") or {}).get(key)
+def load_published(root: Path, ref: str) -> dict[str, Any] | None:
+    """``<file>#<table>`` -> its accuracy table (see :func:`load_published_entries`)."""
+    return load_published_entries(root, ref)["accuracy"]
 
 
 # The paper's MB in FedeCouple's Table VII: 1,000 KB of 1,024 bytes (its 415.6 KB extractor is 106,400 float32
@@ -525,12 +524,6 @@ def time_to_accuracy_versus_markdown(tab: pd.DataFrame, title: str) -> str:
         lines.append(f"| {m} | {r['reached']} | {cell(r['rounds_ours'], r['rounds_paper'], '.1f')} | "
                      f"{cell(r['MB_ours'], r['MB_paper'], '.1f')} | {cell(r['minutes_ours'], r['minutes_paper'], '.1f')} |")
     return "\n".join(lines) + "\n"
-
-
-def load_published_efficiency(root: Path, ref: str) -> dict[str, Any] | None:
-    """``<file>#<table>`` -> the file's ``efficiency.<table>`` (per method, the paper's per-round costs) or None."""
-    doc, _, key = _published(root, ref)
-    return (doc.get("efficiency") or {}).get(key)
 
 
 def efficiency_markdown(comm: pd.DataFrame, paper: dict[str, Any], title: str) -> str:
@@ -597,7 +590,7 @@ SELECTION = {
 def paper_selection(paper: dict[str, Any] | None, method: str | None = None) -> str | None:
     """The published rule (``final`` / ``best_validation``) of a table's row: the method's own ``selection`` where
     the file records one (a paper whose rows come from different scripts), else the table's, else None."""
-    row = ((paper or {}).get("methods") or {}).get(method) or {} if method else {}
+    row = (((paper or {}).get("methods") or {}).get(method) or {}) if method else {}
     return row.get("selection") or (paper or {}).get("selection")
 
 
@@ -612,14 +605,14 @@ def selection_note(paper: dict[str, Any] | None, ours: str | dict[str, str] = "f
 
     if isinstance(ours, dict) and len(set(ours.values())) <= 1:  # one rule for every row: one sentence
         ours = next(iter(ours.values()), "final")
-    rows = list(((paper or {}).get("methods") or {})) if rows is None else rows
-    per_row = isinstance(ours, dict) or any("selection" in (((paper or {}).get("methods") or {}).get(m) or {}) for m in rows)
-    if not per_row:
+    published_rows = (paper or {}).get("methods") or {}
+    rows = list(published_rows) if rows is None else rows
+    if isinstance(ours, str) and not any("selection" in (published_rows.get(m) or {}) for m in rows):
         return f"Ours: {SELECTION[ours]}. Paper: {theirs()}."
-    ours_of = ours if isinstance(ours, dict) else {}
+    ours_of = ours if isinstance(ours, dict) else dict.fromkeys(rows, ours)
     groups: dict[tuple[str, str], list[str]] = {}
     for m in rows:
-        groups.setdefault((SELECTION[ours_of.get(m, ours if isinstance(ours, str) else "final")], theirs(m)), []).append(m)
+        groups.setdefault((SELECTION[ours_of.get(m, "final")], theirs(m)), []).append(m)
     return "Which round each number comes from: " + "; ".join(
         f"{', '.join(ms)}: ours {o}, paper {p}" for (o, p), ms in groups.items()) + "."
 
@@ -759,7 +752,8 @@ def build_report(
                 flat_lne.index.name = "method"
                 flat_lne.to_csv(tmp / f"{exp}_local_new_external.csv", float_format="%.4f")
                 md += "\n" + lne_md
-            paper_tta = load_published_time_to_accuracy(repo, published) if published else None
+            entries = load_published_entries(repo, published) if published else {}
+            paper_tta = entries.get("time_to_accuracy")
             if paper_tta is not None and paper_tta["target"] != target_accuracy:
                 raise ReportError(f"experiments.{exp}.target_accuracy: {target_accuracy} but {published}'s time_to_accuracy "
                                   f"target is {paper_tta['target']}: set it to {paper_tta['target']} to set ours beside it")
@@ -790,7 +784,7 @@ def build_report(
                                       f"{exp}: singular values of the representation covariance"))
             figs.append(_bar_figure(tmp / f"{exp}_communication.png", methods, comm["upload_MiB"].fillna(0).tolist(),
                                     "MiB uploaded per client per federated round", f"{exp}: communication"))
-            paper = load_published(repo, published) if published else None
+            paper = entries.get("accuracy")
             if paper is not None:
                 if set(paper["domains"]) <= set(METRIC_COLUMNS):  # the paper's columns are local / new / external test
                     if lne is None:
@@ -799,7 +793,7 @@ def build_report(
                     vs = versus_paper(pd.concat({"mean": lne["mean"].rename(columns=METRIC_COLUMNS_INV)}, axis=1), paper, avg=False)
                     ours = "final"
                 else:  # like for like: a row the paper selected by validation is set beside ours selected so
-                    by_val = [m for m in methods if best_acc is not None and paper_selection(paper, m) == "best_validation"]
+                    by_val = [m for m in methods if paper_selection(paper, m) == "best_validation"] if best_acc is not None else []
                     ours_tab = acc.copy()
                     if by_val:
                         ours_tab.loc[by_val] = best_acc.loc[by_val]
@@ -807,7 +801,7 @@ def build_report(
                     ours = {m: "best_validation" if m in by_val else "final" for m in vs.index}
                 md += "\n" + write_versus(tmp, exp, vs, published, paper, ours)
                 made[exp + ":vs_paper"] = vs.to_dict(orient="index")
-                paper_eff = load_published_efficiency(repo, published)
+                paper_eff = entries.get("efficiency")
                 if paper_eff:
                     eff_md = efficiency_markdown(comm, paper_eff, f"{exp}: cost per round, ours beside the paper's")
                     (tmp / f"{exp}_efficiency_vs_paper.md").write_text(eff_md)
