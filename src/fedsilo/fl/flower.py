@@ -303,7 +303,15 @@ class FlowerServer(Engine):
         """Every site scores the model it is evaluated with on its test set (and the global model, where the method
         has one); the mean, spread and global accuracies are formed as in ``Engine.evaluate``."""
         rnd = self.round if rnd is None else rnd
-        contents = {i: self._content(rnd, ("server", self.method.eval_download(self.server, c))) for i, c in enumerate(self.clients)}
+        # one record per distinct state: the whole server state (the default eval_download) is converted once and
+        # sent to every site, as before eval_download existed
+        built: dict[int, tuple[State, RecordDict]] = {}
+        contents = {}
+        for i, c in enumerate(self.clients):
+            state = self.method.eval_download(self.server, c)
+            if id(state) not in built:  # the state is kept in `built`, so its id is not reused while we look
+                built[id(state)] = (state, self._content(rnd, ("server", state)))
+            contents[i] = built[id(state)][1]
         eval_bytes = {c.name: record_tensor_bytes(contents[i]["server"]) for i, c in enumerate(self.clients)}
         replies = self._exchange("evaluate", rnd, contents)
         per: dict[str, dict[str, float]] = {}
