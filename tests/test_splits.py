@@ -123,6 +123,26 @@ def test_balanced_dirichlet_stops_dealing_to_a_client_that_holds_its_share():
     assert (held_before[counts > 0] < len(labels) / 20).all()
 
 
+def test_balanced_dirichlet_redraws_when_every_client_below_its_share_drew_zero():
+    """Dir(0.01) draws exact zeros (~7 % of components): when the clients still below their share all drew 0 for a
+    class, the draw cannot place it and is redrawn (dividing by the zero sum gave NaN shares)."""
+    from fedsilo.data.splits import _dirichlet_parts
+
+    class Draws:  # the first attempt gives client 0 class 0 whole, then draws zero for client 1 on class 1
+        def __init__(self):
+            self.shares = iter([[1.0, 0.0], [1.0, 0.0], [0.5, 0.5], [0.5, 0.5]])
+
+        def permutation(self, x):
+            return np.asarray(x)
+
+        def dirichlet(self, alpha):
+            return np.array(next(self.shares))
+
+    labels = np.repeat(np.arange(2), 10)
+    parts = _dirichlet_parts(labels, 2, 0.01, 1, Draws(), "split (dirichlet)", balance=True)
+    assert [len(p) for p in parts] == [10, 10] and sorted(np.concatenate(parts)) == list(range(20))
+
+
 def test_pathological_gives_exactly_k_classes_and_covers_all(records):
     s = make_split(records, PROTOCOLS[3], 0)
     counts = _client_label_counts(records, s)

@@ -215,11 +215,14 @@ def _dirichlet_parts(labels: np.ndarray, n_clients: int, beta: float, min_size: 
             shares = rng.dirichlet(np.full(n_clients, beta))
             if balance:  # some client is always below its share while images remain to be dealt
                 shares = shares * np.array([len(p) < cap for p in parts])
+                if shares.sum() == 0:  # small beta draws exact zeros: every client below its share drew none
+                    break  # of this class, so the draw cannot place it; redraw
                 shares = shares / shares.sum()
             for j, chunk in enumerate(_cut(idx, shares)):
                 parts[j].extend(chunk.tolist())
-        if min(len(p) for p in parts) >= min_size:
-            return [np.array(sorted(p), dtype=np.int64) for p in parts]
+        else:
+            if min(len(p) for p in parts) >= min_size:
+                return [np.array(sorted(p), dtype=np.int64) for p in parts]
     raise SplitError(f"{what}: no Dirichlet draw in 1000 gave every one of {n_clients} clients {min_size} images (raise beta or lower min_per_client)")
 
 
