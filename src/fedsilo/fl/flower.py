@@ -46,6 +46,7 @@ run's lifetime), ``spectra``.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import uuid
@@ -70,7 +71,10 @@ try:  # the optional extra: pip install "fedsilo[flower]"
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError("fedsilo.fl.flower needs Flower: pip install 'fedsilo[flower]' (flwr[simulation])") from err
 
-__all__ = ["Card", "ClientFailed", "FlowerRun", "FlowerServer", "FlowerSpec", "client_app", "record_tensor_bytes", "simulate"]
+__all__ = ["Card", "ClientFailed", "FlowerRun", "FlowerServer", "FlowerSpec", "Roster", "SiteRefused", "client_app", "describe",
+           "record_tensor_bytes", "simulate"]
+
+log = logging.getLogger("fedsilo.flower")
 
 STORE = "fedsilo.store"  # the context.state record holding a site's store
 CONFIG = "fedsilo"  # the ConfigRecord / MetricRecord of every message
@@ -100,6 +104,20 @@ def record_tensor_bytes(record: ArrayRecord) -> int:
     """The tensor bytes an ArrayRecord carries: numel * itemsize of each Array, from its shape and dtype (the
     engine's payload_bytes of the same tensors; the .npy headers and key names are not counted)."""
     return int(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in record.values()))
+
+
+def describe(content: RecordDict) -> dict[str, Any]:
+    """What a message carries, without its values: each ArrayRecord's keys with dtype and shape and its tensor bytes,
+    the keys of each ConfigRecord and MetricRecord (a deployment's wire log, one line per message)."""
+    out: dict[str, Any] = {}
+    for name, rec in content.array_records.items():
+        out.setdefault("arrays", {})[name] = {k: [str(a.dtype), list(a.shape)] for k, a in rec.items()}
+        out.setdefault("tensor_bytes", {})[name] = record_tensor_bytes(rec)
+    for name, rec in content.config_records.items():
+        out.setdefault("config", {})[name] = sorted(rec.keys())
+    for name, rec in content.metric_records.items():
+        out.setdefault("metrics", {})[name] = sorted(rec.keys())
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------- cards
@@ -190,9 +208,10 @@ class FlowerServer(Engine):
 
     def __init__(self, spec: FlowerSpec, grid: Grid, nodes: dict[int, int], cards: list[Card],
                  observer: Optional[Observer] = None, on_round: Optional[Callable[[dict[str, Any]], None]] = None,
-                 device: str = "cpu"):
+                 device: str = "cpu", wire: Optional[Callable[[dict[str, Any]], None]] = None):
         spec.check()
         self.spec, self.grid, self.nodes = spec, grid, nodes  # nodes: client index -> Flower node id
+        self.wire = wire  # told of every message sent and received (describe(): keys, shapes, bytes; no values)
         self.train, self.seed = spec.train, spec.seed
         self.clients: list[ClientData] = list(cards)
         self.observer, self.on_round = observer, on_round
@@ -222,6 +241,9 @@ class FlowerServer(Engine):
         for i, content in contents.items():
             msgs.append(Message(content, dst_node_id=self.nodes[i], message_type=kind, group_id=str(rnd)))
             order.append(i)
+        if self.wire:
+            for i, m in zip(order, msgs):
+                self.wire({"round": rnd, "message": kind, "site": self.clients[i].name, "to": "site", **describe(m.content)})
         by_node = {m.metadata.src_node_id: m for m in self.grid.send_and_receive(msgs)}
         out = {}
         for i in order:
@@ -231,6 +253,8 @@ class FlowerServer(Engine):
                 raise ClientFailed(f"client {name}: no reply to {kind} in round {rnd}")
             if reply.has_error():
                 raise ClientFailed(f"client {name}: {kind} in round {rnd} failed: {reply.error.reason}")
+            if self.wire:
+                self.wire({"round": rnd, "message": kind, "site": name, "to": "server", **describe(reply.content)})
             out[i] = reply
         return out
 
@@ -328,15 +352,60 @@ class FlowerServer(Engine):
         return out
 
 
+class SiteRefused(ConfigError):
+    """A site registered with data the federation did not agree on (another fingerprint or contract), or under a
+    name the federation does not list."""
+
+
+@dataclass(frozen=True)
+class Roster:
+    """The sites a deployment's coordinator admits, in client-index order, each with the fingerprint of the data it
+    agreed to train on (``fedsilo site card``), and the contract they share (task, classes, image shape)."""
+
+    sites: tuple[str, ...]
+    fingerprints: tuple[str, ...]
+    contract: dict[str, Any]
+
+    def admit(self, card: dict[str, Any]) -> int:
+        """The client index of a registering site, or :class:`SiteRefused` naming what is wrong."""
+        from fedsilo.fl.site import contract_mismatch
+
+        name = str(card["name"])
+        if name not in self.sites:
+            raise SiteRefused(f"site {name!r} is not one of the federation's sites ({', '.join(self.sites)}): refused")
+        k = self.sites.index(name)
+        got, want = str(card.get("fingerprint", "")), self.fingerprints[k]
+        if got != want:
+            site_contract = {key: card.get(f"contract.{key}") for key in ("task", "classes", "image_shape")}
+            why = contract_mismatch(self.contract, site_contract)
+            raise SiteRefused(
+                f"site {name!r} refused: its data fingerprint {got[:16] or '(none)'} is not the one the federation "
+                f"pins for it (sites.{name}.fingerprint {want[:16]})"
+                + (f"; its contract differs: {'; '.join(why)}" if why else "; same contract, other images or split")
+                + ". The site re-runs the agreed harmonize and split (`fedsilo site card` prints its fingerprint), "
+                "or the coordinator pins the new fingerprint")
+        return k
+
+
 class FlowerRun:
     """A ServerApp for a federation of ``num_clients`` sites: it waits for them, asks each for its card
-    (``query.register``), builds :class:`FlowerServer` and runs every round. ``engine.history`` holds the rounds."""
+    (``query.register``), builds :class:`FlowerServer` and runs every round. ``engine.history`` holds the rounds.
+
+    With a ``roster`` (a deployment), a site's client index is its place in the roster and a site is admitted only
+    under a listed name with the data fingerprint pinned for it; a refused site is told why (``query.refused``) and
+    the run ends with :class:`SiteRefused` before any round. Without one (a simulation), each site reports its index
+    (its partition)."""
 
     def __init__(self, spec: FlowerSpec, num_clients: int, observer: Optional[Observer] = None,
-                 on_round: Optional[Callable[[dict[str, Any]], None]] = None, wait_s: float = 120.0):
+                 on_round: Optional[Callable[[dict[str, Any]], None]] = None, wait_s: float = 120.0,
+                 roster: Optional[Roster] = None, wire: Optional[Callable[[dict[str, Any]], None]] = None):
         spec.check()
+        if roster is not None and len(roster.sites) != num_clients:
+            raise ValueError(f"a roster of {len(roster.sites)} sites for a federation of {num_clients}")
         self.spec, self.num_clients, self.observer, self.on_round, self.wait_s = spec, num_clients, observer, on_round, wait_s
+        self.roster, self.wire = roster, wire
         self.engine: Optional[FlowerServer] = None
+        self.cards: list[dict[str, Any]] = []  # what each site registered with, in client order
         self.app = ServerApp()
         self.app.main()(self.main)
 
@@ -349,21 +418,37 @@ class FlowerRun:
         msgs = [Message(RecordDict(), dst_node_id=n, message_type="query.register", group_id="0") for n in nodes]
         cards: dict[int, Card] = {}
         where: dict[int, int] = {}
+        registered: dict[int, dict[str, Any]] = {}
+        refused: dict[int, str] = {}
         for reply in grid.send_and_receive(msgs):
+            node = reply.metadata.src_node_id
             if reply.has_error():
-                raise ClientFailed(f"node {reply.metadata.src_node_id}: registration failed: {reply.error.reason}")
-            cfg = reply.content.config_records[CONFIG]
-            card = Card(cfg["index"], cfg["name"], cfg["domain"], cfg["n_train"], tuple(cfg["shape"]))
+                raise ClientFailed(f"node {node}: registration failed: {reply.error.reason}")
+            cfg = dict(reply.content.config_records[CONFIG])
+            if self.wire:
+                self.wire({"round": 0, "message": "query.register", "site": str(cfg.get("name")), "to": "server", **describe(reply.content)})
+            try:
+                index = self.roster.admit(cfg) if self.roster is not None else int(cfg["index"])
+            except SiteRefused as err:
+                refused[node] = str(err)
+                continue
+            card = Card(index, cfg["name"], cfg["domain"], cfg["n_train"], tuple(cfg["shape"]))
             if card.index in cards:
                 raise ConfigError(f"clients {cards[card.index].name} and {card.name} both registered as client index {card.index}")
-            cards[card.index], where[card.index] = card, reply.metadata.src_node_id
+            cards[card.index], where[card.index], registered[card.index] = card, node, cfg
+        if refused:  # tell each refused site why, then end the run before any round
+            note = [Message(RecordDict({CONFIG: ConfigRecord({"reason": why})}), dst_node_id=n, message_type="query.refused",
+                            group_id="0") for n, why in refused.items()]
+            grid.send_and_receive(note)
+            raise SiteRefused(" | ".join(refused.values()))
         if sorted(cards) != list(range(len(cards))):
             raise ConfigError(f"registered client indices {sorted(cards)} are not 0..{len(cards) - 1}")
         shapes = {c.shape for c in cards.values()}
         if len(shapes) > 1:
             raise ConfigError(f"the sites' images differ in shape {sorted(shapes)}; one model needs one input shape")
         ordered = [cards[i] for i in range(len(cards))]
-        self.engine = FlowerServer(self.spec, grid, where, ordered, observer=self.observer, on_round=self.on_round)
+        self.cards = [registered[i] for i in range(len(cards))]
+        self.engine = FlowerServer(self.spec, grid, where, ordered, observer=self.observer, on_round=self.on_round, wire=self.wire)
         self.engine.run()
 
 
@@ -396,9 +481,12 @@ class _Site:
 _SITES: dict[tuple[str, int, int], _Site] = {}
 
 
-def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData]) -> ClientApp:
+def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
+               identify: Optional[Callable[[Context], dict[str, Any]]] = None) -> ClientApp:
     """The ClientApp of a site: ``load_client(context)`` gives the site's own data (in a simulation, the partition
-    named by ``context.node_config['partition-id']``; in a deployment, the site's split)."""
+    named by ``context.node_config['partition-id']``; in a deployment, the site's split). ``identify(context)``, in a
+    deployment, adds to the site's registration what the coordinator admits it by (its data fingerprint and
+    contract: hashes and names, no data). The site takes its client index from the federation's cards, by name."""
     spec.check()
     app = ClientApp()
     token = uuid.uuid4().hex  # this app's sites in the cache, apart from another app's in the same process
@@ -406,7 +494,12 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData]) -
     def site(context: Context, cfg: ConfigRecord) -> _Site:
         key = (token, int(context.run_id), int(context.node_id))
         if key not in _SITES:
-            _SITES[key] = _Site(spec, load_client(context), cards_from_config(cfg))
+            client, cards = load_client(context), cards_from_config(cfg)
+            mine = [c.index for c in cards if c.name == client.name]
+            if len(mine) != 1:
+                raise RuntimeError(f"client {client.name}: not among the federation's sites {[c.name for c in cards]}")
+            client.index = mine[0]
+            _SITES[key] = _Site(spec, client, cards)
         return _SITES[key]
 
     def store(context: Context, s: _Site, cfg: ConfigRecord) -> State:
@@ -422,8 +515,13 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData]) -
     def register(msg: Message, context: Context) -> Message:
         card = Card.of(load_client(context))
         cfg = ConfigRecord({"index": card.index, "name": card.name, "domain": card.domain, "n_train": card.n_train,
-                            "shape": list(card.shape)})
+                            "shape": list(card.shape), **(identify(context) if identify else {})})
         return Message(RecordDict({CONFIG: cfg}), reply_to=msg)
+
+    @app.query("refused")
+    def refused(msg: Message, context: Context) -> Message:
+        log.error("the federation refused this site: %s", msg.content.config_records[CONFIG]["reason"])
+        return Message(RecordDict(), reply_to=msg)
 
     @app.query("announce")
     def announce(msg: Message, context: Context) -> Message:

@@ -1,0 +1,311 @@
+"""A real cross-silo deployment on Flower: a SuperLink at the coordinator, one SuperNode per hospital, TLS on, only
+registered SuperNodes admitted, and each site training on the images it harmonized and split itself.
+
+Who holds what:
+
+- The **coordinator** writes ``federation.yaml`` (:class:`Federation`): the federation's name, the method (a
+  ``methods.<key>`` of its params file, whose typed params are used), ``train`` (an experiment's train section: the
+  model, rounds, local epochs, batch size, learning rate...), the seed, the **contract** every site's data must meet (task,
+  class names in label order, harmonized image shape) and the **sites**, in client-index order, each with the data
+  fingerprint it sent (``fedsilo site card``). ``fedsilo deploy app`` turns it into a Flower App folder
+  (:func:`write_app`) holding ``deployment.json``: the method's typed params and the train params, resolved and
+  validated once, so that every party builds the method and the model from the same file. ``flwr run`` ships that
+  folder, hashed, to the SuperLink and on to every SuperNode.
+- Each **site** keeps its params file (its own source, harmonize options and one-client split) and its data, and
+  starts ``flower-supernode`` with ``--node-config`` naming them (``fedsilo site supernode`` prints or runs the
+  command). Its ClientApp reads only that site's split; its store (private layers, personal model) lives in the
+  SuperNode's per-run state and never enters a message.
+
+The ServerApp (:func:`server_app`) admits a site only under a listed name and with its pinned fingerprint (anything
+else ends the run before round 1, naming the site and what differs), runs the rounds exactly as the in-process engine
+(fl/flower.py: same sampling, aggregation and evaluation), and writes into ``results-dir`` (a run-config key;
+default ``results/deploy/<federation>/<method>/seed<k>`` under the SuperLink's working directory):
+``metrics.json`` (the train stage's summary plus every site's fingerprint), ``history.json`` and ``wire.jsonl``: one
+line per message that crossed the network, with its direction, site, record keys, dtypes, shapes and tensor bytes
+(never values): what an auditor reads to see that only the method's shared tensors left a site.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from pydantic import Field
+
+from fedsilo.config import ConfigError, Params, Strict, TrainParams, format_validation_error
+from fedsilo.utils.io import atomic_dir, canonical_hash, write_json
+
+log = logging.getLogger("fedsilo.deploy")
+
+APP_FILE = "deployment.json"  # inside the Flower App: what every party builds the method and model from
+MODULE = "fedsilo_app"  # the App's module: two lines that build the apps from APP_FILE beside it
+
+
+class SiteEntry(Strict):
+    name: str = Field(..., min_length=1, description="the site's client name (its split's one client: `fedsilo site card` prints it)")
+    fingerprint: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="the sha256 `fedsilo site card` printed at the site")
+
+
+class Contract(Strict):
+    task: str
+    classes: tuple[str, ...] = Field(..., min_length=2)
+    image_shape: tuple[int, int, int] = Field(..., description="harmonized height, width, channels")
+
+
+class Federation(Strict):
+    """``federation.yaml``: what the coordinator and the sites agreed on."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$")
+    method: str = Field(..., description="a methods.<key> of the coordinator's params file (its typed params come from there)")
+    seed: int = 0
+    train: TrainParams = Field(..., description="the model and the optimisation, as an experiment's train section")
+    contract: Contract
+    sites: tuple[SiteEntry, ...] = Field(..., min_length=2)
+
+
+def load_federation(path: str | Path) -> Federation:
+    import yaml
+    from pydantic import ValidationError
+
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such federation file") from None
+    try:
+        fed = Federation.model_validate(raw or {})
+    except ValidationError as err:
+        raise ConfigError(f"{path}: {format_validation_error(err, '')}") from None
+    names = [s.name for s in fed.sites]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{path}: sites: a name is listed twice ({', '.join(names)})")
+    return fed
+
+
+# ---------------------------------------------------------------------------------------------------------- the app
+def resolve_deployment(fed: Federation, params: Params) -> dict[str, Any]:
+    """Everything the apps build the method and model from, resolved and validated once (the content of
+    ``deployment.json``)."""
+    from fedsilo.methods import method_base, resolve_method
+    from fedsilo.models import build_model
+
+    if fed.method not in params.methods:
+        raise ConfigError(f"method: {fed.method!r} is not a methods entry of the params file")
+    train = fed.train
+    algo = resolve_method(params, fed.method, train)
+    out = {
+        "federation": fed.name,
+        "method": {"key": fed.method, "base": method_base(fed.method, params.methods[fed.method]),
+                   "params": algo.params.model_dump(mode="json")},
+        "train": train.model_dump(mode="json"),
+        "seed": fed.seed,
+        "contract": fed.contract.model_dump(mode="json"),
+        "sites": [s.model_dump(mode="json") for s in fed.sites],
+    }
+    spec = deployment_spec(out)
+    spec.check()
+    h, w, ch = fed.contract.image_shape
+    if h != w:
+        raise ConfigError(f"contract.image_shape: {h} x {w}; fedsilo harmonizes to square images")
+    build_model(train.model, ch, len(fed.contract.classes), seed=fed.seed, image_size=h)  # a model that fits the contract
+    return out
+
+
+def deployment_spec(dep: dict[str, Any]):
+    """The FlowerSpec of a deployment file: the method's class and typed params, the train params, the seed, and a
+    model built for the contract's image shape and classes."""
+    from fedsilo.fl.flower import FlowerSpec
+    from fedsilo.methods import method_class
+    from fedsilo.models import build_model
+
+    cls = method_class(dep["method"]["base"])
+    train = TrainParams.model_validate(dep["train"])
+    h, _, ch = dep["contract"]["image_shape"]
+    n_cls, seed = len(dep["contract"]["classes"]), int(dep["seed"])
+
+    def make_model() -> torch.nn.Module:
+        return build_model(train.model, int(ch), n_cls, seed=seed, image_size=int(h))
+
+    return FlowerSpec(cls, cls.params_cls.model_validate(dep["method"]["params"]), train, seed, make_model, dep["method"]["key"])
+
+
+PYPROJECT = """\
+# A Flower App written by `fedsilo deploy app` from {federation_file}: run it with
+#   flwr run {out} <superlink connection> --stream
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "fedsilo-{name_dash}"
+version = "1.0.0"
+description = "fedsilo federation {name}: {method} ({base}), seed {seed}, {n} sites"
+license = "Apache-2.0"
+# every party runs the fedsilo it installed (the SuperLink and SuperNodes do not install anything at run time)
+dependencies = []
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "fedsilo"
+
+[tool.flwr.app.components]
+serverapp = "{module}:server"
+clientapp = "{module}:client"
+
+[tool.flwr.app.config]
+results-dir = "{results}"
+"""
+
+MODULE_TEXT = '''"""The Flower apps of federation {name}, built from deployment.json beside this file (fedsilo.fl.deploy)."""
+
+from pathlib import Path
+
+from fedsilo.fl.deploy import apps
+
+server, client = apps(Path(__file__).with_name("{app_file}"))
+'''
+
+
+def write_app(fed: Federation, params: Params, out: Path, federation_file: str = "federation.yaml",
+              results: Optional[str] = None) -> dict[str, Any]:
+    """A Flower App folder for ``fed``: pyproject.toml, the apps' module and deployment.json; written whole or not
+    at all. Returns the deployment."""
+    dep = resolve_deployment(fed, params)
+    results = results or f"results/deploy/{fed.name}/{fed.method}/seed{fed.seed}"
+    out = Path(out)
+    with atomic_dir(out) as tmp:
+        (tmp / "pyproject.toml").write_text(PYPROJECT.format(
+            federation_file=federation_file, out=out, name=fed.name, name_dash=fed.name.replace("_", "-").replace(".", "-").lower(),
+            method=fed.method, base=dep["method"]["base"], seed=fed.seed, n=len(fed.sites), module=MODULE, results=results))
+        (tmp / f"{MODULE}.py").write_text(MODULE_TEXT.format(name=fed.name, app_file=APP_FILE))
+        write_json(tmp / APP_FILE, dep)
+    return dep
+
+
+# ---------------------------------------------------------------------------------------------------------- the apps
+def site_client(context: Any):
+    """The site's one client, from the SuperNode's ``--node-config``: ``params`` (the site's params file), ``experiment``
+    (its one-client split) and ``root`` (the folder holding its data/, default the params file's folder)."""
+    from fedsilo.client.data import pick_device
+    from fedsilo.fl.params import load_params
+    from fedsilo.fl.site import load_site
+
+    params_file, experiment, root = _node(context)
+    params = load_params(params_file)
+    device = pick_device(params.experiments[experiment].train.device, f"experiments.{experiment}.train.device")
+    return load_site(params, experiment, root, device)
+
+
+def site_identity(context: Any) -> dict[str, Any]:
+    """What a site registers with beyond its card: its data fingerprint and contract (hashes and names only)."""
+    from fedsilo.fl.params import load_params
+    from fedsilo.fl.site import site_card
+
+    params_file, experiment, root = _node(context)
+    card = site_card(load_params(params_file), experiment, root)
+    return {"fingerprint": card["fingerprint"], "contract.task": card["contract"]["task"],
+            "contract.classes": list(card["contract"]["classes"]), "contract.image_shape": list(card["contract"]["image_shape"])}
+
+
+def _node(context: Any) -> tuple[Path, str, Path]:
+    cfg = context.node_config
+    missing = [k for k in ("params", "experiment") if k not in cfg]
+    if missing:
+        raise ConfigError(f"the SuperNode's --node-config lacks {', '.join(missing)} (e.g. --node-config "
+                          "'params=\"/site/params.yaml\" experiment=\"site\"'; `fedsilo site supernode` writes it)")
+    params_file = Path(str(cfg["params"])).expanduser()
+    root = Path(str(cfg.get("root", params_file.parent))).expanduser()
+    return params_file, str(cfg["experiment"]), root
+
+
+class WireLog:
+    """Appends one JSON line per message to ``path`` (flushed each line: what crossed so far survives a crash)."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.fh = open(path, "w")
+
+    def __call__(self, entry: dict[str, Any]) -> None:
+        self.fh.write(json.dumps(entry, sort_keys=True) + "\n")
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+def apps(app_file: Path):
+    """(ServerApp, ClientApp) of the deployment described by ``app_file`` (the App's deployment.json)."""
+    from flwr.app import Context
+    from flwr.serverapp import Grid, ServerApp
+
+    from fedsilo.fl.flower import FlowerRun, Roster, client_app
+
+    dep = json.loads(Path(app_file).read_text())
+    spec = deployment_spec(dep)
+    roster = Roster(tuple(s["name"] for s in dep["sites"]), tuple(s["fingerprint"] for s in dep["sites"]), dep["contract"])
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        _log_to_stderr()
+        out = Path(str(context.run_config.get("results-dir", f"results/deploy/{dep['federation']}/{spec.key}/seed{spec.seed}")))
+        staging = out.with_name(out.name + ".wire")  # the wire log as the run goes; moved into the results at the end
+        wire = WireLog(staging / "wire.jsonl")
+        progress = _RoundLog(spec.train.rounds, dep["federation"])
+        run = FlowerRun(spec, len(roster.sites), roster=roster, wire=wire, on_round=progress, wait_s=float(context.run_config.get("wait-s", 600)))
+        try:
+            run.main(grid, context)
+        finally:
+            wire.close()
+        _write_results(out, staging, dep, run)
+
+    client = client_app(spec, site_client, identify=site_identity)
+    return server, client
+
+
+class _RoundLog:
+    def __init__(self, rounds: int, name: str):
+        self.rounds, self.name = rounds, name
+
+    def __call__(self, entry: dict[str, Any]) -> None:
+        from fedsilo.fl.run import round_summary
+
+        log.warning("%s round %d/%d: %s", self.name, entry["round"], self.rounds, round_summary(entry))
+
+
+def _log_to_stderr() -> None:
+    """The ServerApp runs in a process of its own: its round lines go to its stderr (the SuperLink's log)."""
+    root = logging.getLogger("fedsilo")
+    if not root.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("fedsilo: %(message)s"))
+        root.addHandler(h)
+
+
+def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any) -> None:
+    from fedsilo.fl.run import summarize
+
+    history = run.engine.history
+    metrics = {
+        **summarize(history),
+        "federation": dep["federation"],
+        "method": dep["method"]["key"],
+        "seed": dep["seed"],
+        "clients": [c["name"] for c in run.cards],
+        "client_domains": {c["name"]: c["domain"] for c in run.cards},
+        "fingerprints": {c["name"]: c["fingerprint"] for c in run.cards},
+        "deployment_sha256": canonical_hash(dep),
+    }
+    with atomic_dir(out) as tmp:
+        write_json(tmp / "metrics.json", metrics)
+        (tmp / "history.json").write_text(json.dumps(history, indent=1) + "\n")
+        write_json(tmp / APP_FILE, dep)
+        os.replace(staging / "wire.jsonl", tmp / "wire.jsonl")
+    staging.rmdir()

@@ -1,0 +1,100 @@
+"""A site of a real deployment: its own images, harmonized and split by fedsilo's own stages on its own machine, and
+the card it registers with.
+
+A hospital never pools its images. It runs ``fedsilo fetch`` / ``harmonize`` / ``split`` (or ``dvc repro``) with a
+params file of its own whose dataset lists only its own source(s) and whose experiment splits them into one client
+(``domain_clients`` over its one domain: train, optional validation, test). :func:`site_card` then describes that
+client for the federation, from hashes and counts only:
+
+- ``contract``: what every site of a federation must share for one model to serve them all: the task, the class
+  names in label order, and the harmonized image shape (height, width, channels).
+- ``fingerprint``: sha256 over the contract, the sha256 of the harmonized arrays (recomputed from the files, not read
+  from the card harmonize wrote) and the sha256 of the split file. The coordinator pins each site's fingerprint in the
+  federation file; a site that starts with any other data (re-harmonized with other options, another split seed, a
+  different source) is refused at registration, and a run's results record the fingerprints it was trained on.
+
+Nothing here reads or sends an image: the card holds names, counts and hashes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedsilo.client.data import ClientData, load_clients
+from fedsilo.config import ConfigError, Params
+from fedsilo.utils.io import canonical_hash, file_sha256, read_json
+
+__all__ = ["contract_mismatch", "load_site", "site_card"]
+
+ARRAYS = ("images.npy", "records.parquet")
+
+
+def _site_files(params: Params, experiment: str, root: Path) -> tuple[Path, Path, dict[str, Any], dict[str, Any]]:
+    if experiment not in params.experiments:
+        raise ConfigError(f"experiments.{experiment}: not defined in the site's params file")
+    exp = params.experiments[experiment]
+    layout = params.layout(root)
+    harmonized, split_path = layout.harmonized(exp.dataset), layout.split(experiment)
+    for p in [harmonized / a for a in ARRAYS] + [harmonized / "card.json", split_path]:
+        if not p.exists():
+            raise FileNotFoundError(f"{p}: missing; run the site's harmonize and split stages first "
+                                    f"(`fedsilo harmonize --dataset {exp.dataset}`, `fedsilo split --experiment {experiment}`)")
+    split, card = read_json(split_path), read_json(harmonized / "card.json")
+    if exp.split.protocol != "domain_clients" or len(split["clients"]) != 1:
+        raise ConfigError(
+            f"experiments.{experiment}.split: a site's split holds its own data as one client (protocol domain_clients "
+            f"over the site's one domain); this one has protocol {exp.split.protocol} and {len(split['clients'])} clients "
+            f"({', '.join(c['name'] for c in split['clients'])})")
+    if split.get("data_sha256") != card["sha256"]:
+        raise ConfigError(f"{split_path}: built for other arrays than {harmonized} holds (re-harmonized since); rerun "
+                          f"`fedsilo split --experiment {experiment}`")
+    return harmonized, split_path, split, card
+
+
+def site_card(params: Params, experiment: str, root: Path = Path(".")) -> dict[str, Any]:
+    """The card of the site whose params are ``params``: its client's name and domain, its image counts, the
+    contract and the fingerprint (see the module). Hashes the harmonized arrays anew: a file changed after harmonize
+    is refused here, not trained on."""
+    harmonized, split_path, split, card = _site_files(params, experiment, Path(root))
+    data = {a: file_sha256(harmonized / a) for a in ARRAYS}
+    if data != card["sha256"]:
+        changed = [a for a in ARRAYS if data[a] != card["sha256"].get(a)]
+        raise ConfigError(f"{harmonized}: {', '.join(changed)} changed after harmonize wrote card.json; re-run "
+                          f"`fedsilo harmonize` and `fedsilo split` rather than editing the arrays")
+    contract = {"task": card["task"], "classes": list(card["classes"]), "image_shape": [int(s) for s in card["image_shape"]]}
+    split_sha = file_sha256(split_path)
+    client = split["clients"][0]
+    return {
+        "site": str(client["name"]),
+        "domain": str(client.get("domain", client["name"])),
+        "dataset": str(split.get("dataset", params.experiments[experiment].dataset)),
+        "experiment": experiment,
+        "n_train": len(client["train"]),
+        "n_val": len(client.get("val") or []),
+        "n_test": len(client["test"]),
+        "contract": contract,
+        "data_sha256": data,
+        "split_sha256": split_sha,
+        "fingerprint": canonical_hash({"contract": contract, "data": data, "split": split_sha}),
+    }
+
+
+def contract_mismatch(agreed: dict[str, Any], site: dict[str, Any]) -> list[str]:
+    """What differs between a federation's contract and a site's, in words (empty when they agree)."""
+    def norm(v: Any) -> Any:
+        return [norm(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+    return [f"{k} {site.get(k)} (agreed {agreed.get(k)})" for k in ("task", "classes", "image_shape")
+            if norm(agreed.get(k)) != norm(site.get(k))]
+
+
+def load_site(params: Params, experiment: str, root: Path, device: torch.device, index: int = -1) -> ClientData:
+    """The site's one client (train, validation where its split has one, test) as ``ClientData``; ``index`` is the
+    one the federation gave it (the coordinator's order of sites)."""
+    harmonized, _, split, _ = _site_files(params, experiment, Path(root))
+    (client,), _, _ = load_clients(harmonized, split, device)
+    client.index = int(index)
+    return client

@@ -1,0 +1,161 @@
+"""A real deployment's parts, in one process: each site's card and fingerprint (fl/site.py), the Flower App the
+coordinator builds (fl/deploy.py), and the ServerApp admitting only the sites and data the federation pins. The same
+apps over a real SuperLink and SuperNodes with TLS and node authentication: tests/test_deploy_processes.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("flwr")
+
+from flwr.app import Context, RecordDict  # noqa: E402
+
+from fedsilo.config import ConfigError  # noqa: E402
+from fedsilo.fl.deploy import load_federation, write_app  # noqa: E402
+from fedsilo.fl.engine import Engine  # noqa: E402
+from fedsilo.fl.flower import SiteRefused  # noqa: E402
+from fedsilo.fl.params import load_params  # noqa: E402
+from fedsilo.fl.site import load_site, site_card  # noqa: E402
+from tests.deploy_sites import SITE_SOURCES, make_site  # noqa: E402
+from tests.test_flower import LoopGrid, identity  # noqa: E402,F401 - the fixture
+
+REPO_PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"  # the coordinator's methods entries
+TRAIN = {"model": "simple_cnn", "rounds": 2, "batch_size": 8, "lr": 0.05, "device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("sites")
+    return {s: make_site(base / s, s) for s in SITE_SOURCES}
+
+
+def _card(params_file: Path) -> dict:
+    return site_card(load_params(params_file), "site", params_file.parent)
+
+
+def _federation(tmp: Path, sites: dict[str, Path], method: str = "fedbn", **pin) -> Path:
+    cards = [_card(p) for p in sites.values()]
+    fed = {"name": "three_hospitals", "method": method, "seed": 0, "train": TRAIN,
+           "contract": cards[0]["contract"],
+           "sites": [{"name": c["site"], "fingerprint": pin.get(c["site"], c["fingerprint"])} for c in cards]}
+    (tmp / "federation.yaml").write_text(yaml.safe_dump(fed, sort_keys=False))
+    return tmp / "federation.yaml"
+
+
+def test_a_site_card_holds_hashes_and_counts_and_its_fingerprint_follows_the_data(sites, tmp_path):
+    card = _card(sites["rsna"])
+    assert (card["site"], card["n_train"], card["n_test"]) == ("RSNA", 16, 10)
+    assert card["contract"] == {"task": card["contract"]["task"], "classes": ["Normal", "Lung Opacity"], "image_shape": [16, 16, 1]}
+    assert _card(sites["rsna"]) == card  # deterministic
+    # another split seed over the same images: another fingerprint
+    other = make_site(tmp_path / "rsna_seed1", "rsna", split_seed=1)
+    assert _card(other)["data_sha256"] == card["data_sha256"] and _card(other)["fingerprint"] != card["fingerprint"]
+    # images edited after harmonize are refused, not fingerprinted
+    edited = make_site(tmp_path / "rsna_edit", "rsna")
+    arr = np.load(tmp_path / "rsna_edit/data/harmonized/chest_xray4/images.npy")
+    arr[0] ^= 1
+    np.save(tmp_path / "rsna_edit/data/harmonized/chest_xray4/images.npy", arr)
+    with pytest.raises(ConfigError, match=r"images.npy changed after harmonize wrote card.json"):
+        _card(edited)
+
+
+def test_a_site_split_must_be_one_client(sites, tmp_path):
+    params = yaml.safe_load(sites["rsna"].read_text())
+    params["sources"]["chexpert"] = {"mode": "mirror", "mirror": {"patients": 40}}
+    params["datasets"]["chest_xray4"]["sources"] = ["rsna", "chexpert"]
+    params["pipeline"]["sources"] = ["rsna", "chexpert"]
+    folder = tmp_path / "two"
+    folder.mkdir()
+    (folder / "params.yaml").write_text(yaml.safe_dump(params))
+    from fedsilo.cli import main as fedsilo
+
+    common = ["-q", "--params", str(folder / "params.yaml"), "--root", str(folder)]
+    for cmd in (["fetch", "--source", "rsna"], ["fetch", "--source", "chexpert"], ["harmonize", "--dataset", "chest_xray4"], ["split", "--experiment", "site"]):
+        assert fedsilo(common + cmd) == 0
+    with pytest.raises(ConfigError, match=r"experiments.site.split: a site's split holds its own data as one client .* 2 clients"):
+        _card(folder / "params.yaml")
+
+
+def _deployed(tmp: Path, sites: dict[str, Path], **pin):
+    fed = load_federation(_federation(tmp, sites, **pin))
+    write_app(fed, load_params(REPO_PARAMS), tmp / "app", results=str(tmp / "results"))
+    return tmp / "app"
+
+
+class SiteGrid(LoopGrid):
+    """LoopGrid whose nodes are the sites: each node's config names its params file and experiment, as the
+    SuperNode's --node-config does."""
+
+    def __init__(self, app, sites: dict[str, Path]):
+        super().__init__(app, 0)
+        self.contexts = {100 + k: Context(run_id=1, node_id=100 + k, node_config={"params": str(p), "experiment": "site"},
+                                          state=RecordDict(), run_config={}) for k, p in enumerate(sites.values())}
+
+
+def _load_apps(app_dir: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"fedsilo_app_{abs(hash(app_dir))}", app_dir / "fedsilo_app.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.server, mod.client
+
+
+def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(identity, sites, tmp_path):
+    app = _deployed(tmp_path, sites)
+    server, client = _load_apps(app)
+    grid = SiteGrid(client, sites)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the reference below: a convolution summed over other thread counts differs in the last bit
+    try:
+        server._main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={"results-dir": str(tmp_path / "results")}))
+    finally:
+        torch.set_num_threads(threads)
+    metrics = json.loads((tmp_path / "results/metrics.json").read_text())
+    assert metrics["clients"] == ["CheXpert", "RSNA", "VinBigData"]
+    assert metrics["fingerprints"] == {c["site"]: c["fingerprint"] for c in map(_card, sites.values())}
+
+    # the in-process engine on the same three splits, the same model and seed: the same numbers
+    from fedsilo.fl.deploy import deployment_spec
+
+    dep = json.loads((app / "deployment.json").read_text())
+    spec = deployment_spec(dep)
+    clients = [load_site(load_params(p), "site", p.parent, torch.device("cpu"), index=k) for k, p in enumerate(sites.values())]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        reference = Engine(spec.method(), spec.make_model(), clients, spec.train, seed=0).run()
+    finally:
+        torch.set_num_threads(threads)
+    history = json.loads((tmp_path / "results/history.json").read_text())
+    assert [h["eval"] for h in history] == [h["eval"] for h in reference]
+    assert [h["bytes_up"] for h in history] == [h["bytes_up"] for h in reference]
+
+    # the wire log: every train reply carries the shared tensors only (FedBN: no BatchNorm key), with their bytes
+    from fedsilo.models import batchnorm_keys
+
+    wire = [json.loads(line) for line in (tmp_path / "results/wire.jsonl").read_text().splitlines()]
+    ups = [w for w in wire if w["message"] == "train" and w["to"] == "server"]
+    bn = batchnorm_keys(spec.make_model())
+    assert len(ups) == 2 * 3 and all(set(w["arrays"]["up"]) and not set(w["arrays"]["up"]) & bn for w in ups)
+    assert [w["tensor_bytes"]["up"] for w in ups] == [h["bytes_up"][s] for h in history for s in h["sampled"]]
+    registered = [w for w in wire if w["message"] == "query.register"]
+    assert len(registered) == 3 and all("arrays" not in w for w in registered)  # a registration carries no tensor
+
+
+def test_a_site_with_other_data_than_the_federation_pins_is_refused_by_name(identity, sites, tmp_path):
+    app = _deployed(tmp_path, sites, RSNA="0" * 64)
+    server, client = _load_apps(app)
+    grid = SiteGrid(client, sites)
+    with pytest.raises(SiteRefused, match=r"site 'RSNA' refused: its data fingerprint [0-9a-f]{16} is not the one the "
+                                          r"federation pins for it \(sites.RSNA.fingerprint 0{16}\); same contract"):
+        server._main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={"results-dir": str(tmp_path / "results")}))
+    assert not (tmp_path / "results").exists()
+    assert [kind for kind, _ in grid.replies].count("query.refused") == 1  # the refused site was told why
