@@ -195,6 +195,59 @@ def _check(args: argparse.Namespace) -> None:
     print(f"{args.params}: ok")
 
 
+def _site(args: argparse.Namespace) -> None:
+    import json
+    import os
+    import shutil
+
+    from fedsilo.fl.site import site_card
+    from fedsilo.utils.io import write_json
+
+    p = load_params(args.params)
+    card = site_card(p, args.experiment, Path(args.root))
+    if args.action == "card":
+        out = Path(args.root) / "data" / "site" / f"{args.experiment}.json"
+        write_json(out, card)
+        print(json.dumps(card, indent=1))
+        print(f"site {card['site']}: {card['n_train']} train / {card['n_val']} val / {card['n_test']} test images; "
+              f"fingerprint {card['fingerprint']} (send {out} to the coordinator)", file=sys.stderr)
+        return
+    from fedsilo.fl.deploy import supernode_command
+
+    missing = [f"--{k.replace('_', '-')}" for k in ("superlink", "root_certificates", "auth_key") if not getattr(args, k)]
+    if missing:
+        raise ConfigError(f"fedsilo site supernode: {', '.join(missing)} required")
+    cmd = supernode_command(Path(args.params), args.experiment, Path(args.root), args.superlink, Path(args.root_certificates),
+                            Path(args.auth_key), port=args.port)
+    print(f"site {card['site']} (fingerprint {card['fingerprint'][:16]}): {' '.join(cmd)}", file=sys.stderr)
+    if args.dry_run:
+        return
+    exe = shutil.which(cmd[0])
+    if exe is None:
+        raise ConfigError("flower-supernode: not installed; pip install 'fedsilo[flower]'")
+    os.execv(exe, cmd)  # the SuperNode replaces this process: a service manager stops it with SIGTERM
+
+
+def _deploy(args: argparse.Namespace) -> None:
+    from fedsilo.fl import deploy
+
+    if args.action == "certs":
+        made = deploy.make_certificates(Path(args.out), tuple(args.host or ("127.0.0.1", "localhost")), days=args.days)
+        print(f"deploy certs: {', '.join(str(v) for v in made.values())} (the sites and the coordinator's CLI trust ca.crt)")
+    elif args.action == "key":
+        if not args.name:
+            raise ConfigError("fedsilo deploy key: --name required (the site's name)")
+        made = deploy.make_node_key(Path(args.out), args.name)
+        print(f"deploy key: {made[args.name]} stays at the site; {made[args.name + '.pub']} goes to the coordinator (flwr supernode register)")
+    else:
+        if not args.federation:
+            raise ConfigError("fedsilo deploy app: --federation required")
+        fed = deploy.load_federation(args.federation)
+        dep = deploy.write_app(fed, load_params(args.params), Path(args.out), federation_file=args.federation, results=args.results)
+        print(f"deploy app: {args.out} ({dep['method']['key']} = {dep['method']['base']}, {len(dep['sites'])} sites, "
+              f"{dep['train']['rounds']} rounds); run it with: flwr run {args.out} <connection> --stream")
+
+
 def _known(argv: list[str]) -> dict[str, list[str]]:
     """What the params file named in ``argv`` (default params.yaml) defines, for the commands' --help: a plain YAML
     read, no validation (help must work on a file that does not validate yet)."""
@@ -312,6 +365,37 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    "with one) to time FedAvg with and without: the cost per round of host augmentation")
     s.add_argument("--json", help="also write the full result as JSON here")
     s.set_defaults(fn=_bench)
+    s = sub.add_parser(
+        "site", parents=[common], formatter_class=fmt,
+        help="a hospital's side of a deployment: its data card and fingerprint, its Flower SuperNode",
+        description="Run at a site, with the site's own params file (its source, harmonize options and a one-client "
+        "split of its own data, made by `fedsilo fetch / harmonize / split` there).\n"
+        "  card       print the site's card (counts, contract, data fingerprint: hashes only) and write it to "
+        "data/site/<experiment>.json: what the site sends the coordinator\n"
+        "  supernode  check the card, then run flower-supernode against the coordinator's SuperLink with TLS and "
+        "the site's authentication key (--dry-run prints the command)")
+    s.add_argument("action", choices=["card", "supernode"])
+    s.add_argument("--experiment", required=True, help="the site's one-client experiment")
+    s.add_argument("--superlink", help="the SuperLink's address, host:port")
+    s.add_argument("--root-certificates", help="the federation's CA certificate (ca.crt from the coordinator)")
+    s.add_argument("--auth-key", help="the site's private authentication key (fedsilo deploy key)")
+    s.add_argument("--port", type=int, default=9094, help="this SuperNode's Runtime API port on 127.0.0.1 (default 9094)")
+    s.add_argument("--dry-run", action="store_true", help="print the flower-supernode command, do not run it")
+    s.set_defaults(fn=_site)
+    s = sub.add_parser(
+        "deploy", parents=[common], formatter_class=fmt,
+        help="the coordinator's side of a deployment: TLS certificates, site keys, the Flower App of a federation",
+        description="  certs  a CA and the SuperLink's TLS certificate for --host names (default 127.0.0.1, localhost)\n"
+        "  key    a SuperNode authentication key pair named --name (private key to the site, .pub to the coordinator)\n"
+        "  app    the Flower App of --federation federation.yaml, method params from --params: flwr run it")
+    s.add_argument("action", choices=["certs", "key", "app"])
+    s.add_argument("--out", required=True, help="folder to write (certs, key) or the App folder (app)")
+    s.add_argument("--host", action="append", help="certs: an address or DNS name of the SuperLink (repeat)")
+    s.add_argument("--days", type=int, default=365, help="certs: validity in days")
+    s.add_argument("--name", help="key: the site's name")
+    s.add_argument("--federation", help="app: the federation file")
+    s.add_argument("--results", help="app: where the ServerApp writes its results (default results/deploy/<federation>/<method>/seed<k> under the SuperLink's folder)")
+    s.set_defaults(fn=_deploy)
     s = sub.add_parser("check-params", parents=[common], help="validate params.yaml")
     s.set_defaults(fn=_check)
     return ap

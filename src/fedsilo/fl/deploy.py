@@ -169,7 +169,9 @@ from pathlib import Path
 
 from fedsilo.fl.deploy import apps
 
-server, client = apps(Path(__file__).with_name("{app_file}"))
+APPS = apps(Path(__file__).with_name("{app_file}"))
+server = APPS[0]
+client = APPS[1]
 '''
 
 
@@ -309,3 +311,95 @@ def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any) -> N
         write_json(tmp / APP_FILE, dep)
         os.replace(staging / "wire.jsonl", tmp / "wire.jsonl")
     staging.rmdir()
+
+
+# ---------------------------------------------------------------------------------------------------------- credentials
+def make_certificates(out: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days: int = 365) -> dict[str, Path]:
+    """A certificate authority of the federation's own and the SuperLink's TLS certificate signed by it, valid for
+    ``hosts`` (IP addresses and DNS names the sites dial). Writes ``ca.crt`` (what every site and the coordinator's
+    CLI trust), ``ca.key``, ``server.pem`` and ``server.key`` (private keys 0600). The SuperLink serves its Fleet,
+    Control and Runtime APIs with them; ``ca.key`` stays with the coordinator (it signs a renewed server
+    certificate)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    if not hosts:
+        raise ConfigError("--host: the SuperLink's certificate needs at least one address or name")
+    sans: list[x509.GeneralName] = []
+    for h in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            sans.append(x509.DNSName(h))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, key = ec.generate_private_key(ec.SECP384R1()), ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedsilo federation CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                                       key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                       encipher_only=False, decipher_only=False), critical=True)
+          .sign(ca_key, hashes.SHA384()))
+    server = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+              .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+              .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days))
+              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+              .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+              .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+              .sign(ca_key, hashes.SHA384()))
+    pem = serialization.Encoding.PEM
+    files = {
+        "ca.crt": (ca.public_bytes(pem), False),
+        "server.pem": (server.public_bytes(pem), False),
+        "ca.key": (ca_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()), True),
+        "server.key": (key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()), True),
+    }
+    return _write_secret_files(Path(out), files)
+
+
+def make_node_key(out: Path, name: str) -> dict[str, Path]:
+    """A SuperNode's authentication key pair in the OpenSSH format Flower reads (ECDSA on NIST P-384): ``<name>``
+    (private, 0600, stays at the site: ``flower-supernode --auth-supernode-private-key``) and ``<name>.pub`` (sent to
+    the coordinator, who registers it: ``flwr supernode register``)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP384R1())
+    files = {
+        name: (key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()), True),
+        f"{name}.pub": (key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+                        + f" fedsilo-{name}\n".encode(), False),
+    }
+    return _write_secret_files(Path(out), files)
+
+
+def _write_secret_files(out: Path, files: dict[str, tuple[bytes, bool]]) -> dict[str, Path]:
+    """Write (file -> (bytes, private)); none when one exists already (a key in use is never replaced); private
+    keys readable by their owner only (0600)."""
+    out.mkdir(parents=True, exist_ok=True)
+    clash = [n for n in files if (out / n).exists()]
+    if clash:
+        raise ConfigError(f"{out}: {', '.join(clash)} already exist; remove them or choose another folder (a key in use is never replaced)")
+    paths = {}
+    for n, (data, private) in files.items():
+        fd = os.open(out / n, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o644)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        paths[n] = out / n
+    return paths
+
+
+def supernode_command(params_file: Path, experiment: str, root: Path, superlink: str, root_certificates: Path,
+                      auth_key: Path, port: int = 9094, host: str = "127.0.0.1") -> list[str]:
+    """The ``flower-supernode`` command of a site: TLS against the federation's CA, its authentication key, the
+    node config that tells the ClientApp where the site's params and data are, and its own Runtime API port."""
+    node_config = f'params="{Path(params_file).resolve()}" experiment="{experiment}" root="{Path(root).resolve()}"'
+    return ["flower-supernode", "--superlink", superlink, "--root-certificates", str(Path(root_certificates).resolve()),
+            "--auth-supernode-private-key", str(Path(auth_key).resolve()), "--node-config", node_config,
+            "--host", host, "--port", str(port)]

@@ -1,0 +1,236 @@
+"""A real deployment on loopback, as three hospitals and a coordinator run it: a SuperLink with TLS (certificates
+from `fedsilo deploy certs`) and SuperNode authentication, three SuperNodes started by `fedsilo site supernode`
+with the keys the coordinator registered (`fedsilo deploy key`, `flwr supernode register`), each site training on
+the images it harmonized and split itself; the App from `fedsilo deploy app`, run with `flwr run`.
+
+Checked: the run completes with the in-process engine's numbers on the same three splits; the wire log shows that
+only FedBN's shared tensors left a site; a federation pinning another fingerprint for a site is refused before any
+round, naming the site, and the site is told; a SuperNode whose key was not registered is not let in.
+
+Every process listens on 127.0.0.1 only and is stopped at the end (SIGTERM, then SIGKILL after 20 s). One run
+takes ~1-2 minutes on two cores: each SuperNode polls every 3 s and starts a fresh ClientApp process per message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("flwr")
+
+BIN = Path(sys.executable).parent
+if not (BIN / "flower-superlink").exists() or not (BIN / "fedsilo").exists():
+    pytest.skip("flower-superlink / fedsilo are not installed beside this Python", allow_module_level=True)
+
+from fedsilo.fl.deploy import deployment_spec, make_certificates, make_node_key  # noqa: E402
+from fedsilo.fl.engine import Engine  # noqa: E402
+from fedsilo.fl.params import load_params  # noqa: E402
+from fedsilo.fl.site import load_site, site_card  # noqa: E402
+from fedsilo.models import batchnorm_keys  # noqa: E402
+from tests.deploy_sites import SITE_SOURCES, make_site  # noqa: E402
+
+REPO_PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
+TRAIN = {"model": "simple_cnn", "rounds": 2, "batch_size": 8, "lr": 0.05, "device": "cpu"}
+CONNECTION = "fedsilo-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Federation:
+    """The processes of one loopback deployment and the commands the coordinator runs against it."""
+
+    def __init__(self, base: Path):
+        self.base = base
+        self.procs: list[tuple[subprocess.Popen, object]] = []
+        self.env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+                    "OMP_NUM_THREADS": "1",  # one thread per ClientApp: the engine it is compared with runs one
+                    "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+        self.cli_home = base / "coordinator" / "flwr"
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+
+    def start(self, name: str, cmd: list[str], cwd: Path, home: Path) -> subprocess.Popen:
+        home.mkdir(parents=True, exist_ok=True)
+        log = open(self.base / f"{name}.log", "w")
+        p = subprocess.Popen(cmd, cwd=cwd, env={**self.env, "FLWR_HOME": str(home)}, stdout=log, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL)
+        self.procs.append((p, log))
+        return p
+
+    def flwr(self, *args: str, timeout: float = 120) -> dict:
+        r = subprocess.run([str(BIN / "flwr"), *args, "--format", "json"], cwd=self.base, env={**self.env, "FLWR_HOME": str(self.cli_home)},
+                           capture_output=True, text=True, timeout=timeout)
+        assert r.returncode == 0, f"flwr {' '.join(args)}: {r.stdout}{r.stderr}"
+        return json.loads(r.stdout)
+
+    def fedsilo(self, *args: str, cwd: Path) -> str:
+        r = subprocess.run([str(BIN / "fedsilo"), *args], cwd=cwd, env=self.env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, f"fedsilo {' '.join(args)}: {r.stdout}{r.stderr}"
+        return r.stdout
+
+    def wait_healthy(self, ca: Path, limit: float = 60) -> None:
+        ctx = ssl.create_default_context(cafile=str(ca))  # verifies the certificate against the federation's CA
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                with urllib.request.urlopen(f"https://{self.address}/health", context=ctx, timeout=2):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    def wait_online(self, n: int, limit: float = 90) -> None:
+        deadline = time.monotonic() + limit
+        while sum(x["status"] == "online" for x in self.flwr("supernode", "list", CONNECTION)["nodes"]) < n:
+            assert time.monotonic() < deadline, f"fewer than {n} SuperNodes online after {limit:.0f} s"
+            time.sleep(1)
+
+    def run(self, app: Path, limit: float = 420) -> dict:
+        rid = self.flwr("run", str(app), CONNECTION)["run-id"]
+        deadline = time.monotonic() + limit
+        while True:
+            run = self.flwr("list", "--run-id", str(rid), CONNECTION)["runs"][0]
+            if run["status"].startswith("finished"):
+                return run
+            assert time.monotonic() < deadline, f"run {rid} not finished after {limit:.0f} s: {run['status']}"
+            time.sleep(2)
+
+    def stop(self) -> None:
+        for p, _ in reversed(self.procs):  # SuperNodes first, the SuperLink last
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p, log in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            log.close()
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    base = tmp_path_factory.mktemp("deployment")
+    fed = Federation(base)
+    try:
+        yield fed
+    finally:
+        fed.stop()
+
+
+def test_three_hospitals_train_over_tls_with_registered_nodes_and_only_shared_tensors_leave(federation):
+    fed, base = federation, federation.base
+    coordinator = base / "coordinator"
+    coordinator.mkdir()
+    # --- each hospital: its own data, harmonized and split there; its card; its key pair
+    sites = {s: make_site(base / s, s) for s in SITE_SOURCES}
+    cards = {}
+    for s, params in sites.items():
+        fed.fedsilo("--params", str(params), "--root", str(params.parent), "site", "card", "--experiment", "site", cwd=params.parent)
+        cards[s] = json.loads((params.parent / "data/site/site.json").read_text())
+        make_node_key(params.parent / "keys", s)
+    # --- the coordinator: certificates, the SuperLink (TLS, node authentication), its CLI connection, the registrations
+    certs = make_certificates(coordinator / "certs", ("127.0.0.1", "localhost"))
+    fed.start("superlink", [str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(certs["ca.crt"]), "--ssl-certfile", str(certs["server.pem"]),
+                            "--ssl-keyfile", str(certs["server.key"]), "--enable-supernode-auth", "--host", "127.0.0.1",
+                            "--port", str(fed.port), "--disable-runtime-dependency-installation"],
+              cwd=coordinator, home=coordinator / "superlink-home")
+    fed.wait_healthy(certs["ca.crt"])
+    fed.cli_home.mkdir(parents=True)
+    (fed.cli_home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{fed.address}"\n'
+        f'root-certificates = "{certs["ca.crt"]}"\n')
+    for s, params in sites.items():
+        assert fed.flwr("supernode", "register", str(params.parent / "keys" / f"{s}.pub"), CONNECTION)["success"]
+    # --- each hospital starts its SuperNode with fedsilo's command
+    for s, params in sites.items():
+        fed.start(f"supernode_{s}", [str(BIN / "fedsilo"), "--params", str(params), "--root", str(params.parent), "site", "supernode",
+                                     "--experiment", "site", "--superlink", fed.address, "--root-certificates", str(certs["ca.crt"]),
+                                     "--auth-key", str(params.parent / "keys" / s), "--port", str(_free_port())],
+                  cwd=params.parent, home=params.parent / "flwr-home")
+    # a SuperNode whose key nobody registered is turned away
+    stranger = make_node_key(base / "stranger", "stranger")
+    intruder = fed.start("supernode_stranger", [str(BIN / "flower-supernode"), "--superlink", fed.address, "--root-certificates",
+                                                str(certs["ca.crt"]), "--auth-supernode-private-key", str(stranger["stranger"]),
+                                                "--node-config", 'params="/nowhere" experiment="site"', "--port", str(_free_port()),
+                                                "--max-retries", "1"],
+                         cwd=base / "stranger", home=base / "stranger" / "flwr-home")
+    fed.wait_online(3)
+
+    # --- the federation file and its App; the run
+    fed_file = coordinator / "federation.yaml"
+    fed_file.write_text(yaml.safe_dump({
+        "name": "three_hospitals", "method": "fedbn", "seed": 0, "train": TRAIN, "contract": cards["rsna"]["contract"],
+        "sites": [{"name": cards[s]["site"], "fingerprint": cards[s]["fingerprint"]} for s in SITE_SOURCES]}, sort_keys=False))
+    results = coordinator / "results"
+    fed.fedsilo("--params", str(REPO_PARAMS), "deploy", "app", "--federation", str(fed_file), "--out", str(coordinator / "app"),
+                "--results", str(results), cwd=coordinator)
+    run = fed.run(coordinator / "app")
+    assert run["status"] == "finished:completed", run
+
+    metrics = json.loads((results / "metrics.json").read_text())
+    history = json.loads((results / "history.json").read_text())
+    assert metrics["clients"] == ["CheXpert", "RSNA", "VinBigData"] and len(history) == TRAIN["rounds"]
+    assert metrics["fingerprints"] == {c["site"]: c["fingerprint"] for c in cards.values()}
+
+    # the engine in this process, on the same three splits: the same evaluations and bytes
+    spec = deployment_spec(json.loads((coordinator / "app/deployment.json").read_text()))
+    clients = [load_site(load_params(p), "site", p.parent, torch.device("cpu"), index=k) for k, p in enumerate(sites.values())]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = Engine(spec.method(), spec.make_model(), clients, spec.train, seed=0).run()
+    finally:
+        torch.set_num_threads(threads)
+    assert [h["eval"] for h in history] == [h["eval"] for h in reference]
+    assert [h["bytes_up"] for h in history] == [h["bytes_up"] for h in reference]
+
+    # what crossed the wire: every upload holds FedBN's shared tensors only, none of the BatchNorm layers that stay home
+    wire = [json.loads(line) for line in (results / "wire.jsonl").read_text().splitlines()]
+    bn = batchnorm_keys(spec.make_model())
+    shared = set(spec.make_model().state_dict()) - bn
+    ups = [w for w in wire if w["to"] == "server" and w["message"] == "train"]
+    assert len(ups) == 3 * TRAIN["rounds"] and all(set(w["arrays"]["up"]) == shared for w in ups)
+    assert all(set(w) - {"round", "message", "site", "to", "config", "metrics"} == set() for w in wire
+               if w["to"] == "server" and w["message"] != "train")  # registrations and scores: no tensor at all
+    assert [w["tensor_bytes"]["up"] for w in ups] == [h["bytes_up"][s] for h in history for s in h["sampled"]]
+
+    # node authentication: the unregistered SuperNode gave up without being let in
+    assert intruder.wait(timeout=60) != 0
+    assert "Failed to activate SuperNode" in (base / "supernode_stranger.log").read_text()
+
+    # --- the same sites under a federation that pins another fingerprint for RSNA: refused before any round
+    pinned = yaml.safe_load(fed_file.read_text())
+    pinned["sites"][1]["fingerprint"] = site_card(load_params(sites["chexpert"]), "site", sites["chexpert"].parent)["fingerprint"]
+    bad = coordinator / "federation_wrong_rsna.yaml"
+    bad.write_text(yaml.safe_dump(pinned, sort_keys=False))
+    fed.fedsilo("--params", str(REPO_PARAMS), "deploy", "app", "--federation", str(bad), "--out", str(coordinator / "app_wrong"),
+                "--results", str(coordinator / "results_wrong"), cwd=coordinator)
+    run = fed.run(coordinator / "app_wrong")
+    assert run["status"] == "finished:failed"
+    assert "site 'RSNA' refused: its data fingerprint" in run["status-details"]
+    assert f"(sites.RSNA.fingerprint {pinned['sites'][1]['fingerprint'][:16]})" in run["status-details"]
+    assert not (coordinator / "results_wrong").exists()
+    deadline = time.monotonic() + 30  # the refused site was told why (its SuperNode's log)
+    while "the federation refused this site" not in (base / "supernode_rsna.log").read_text():
+        assert time.monotonic() < deadline, (base / "supernode_rsna.log").read_text()[-2000:]
+        time.sleep(1)
+    shutil.rmtree(coordinator / "results_wrong.wire", ignore_errors=True)
