@@ -76,7 +76,8 @@ def mirror_root(tmp_path_factory) -> Path:
     return root
 
 
-HEAVY_FIRST = ("test_dvc_pipeline.py", "test_resume_tracking.py", "test_run_integrity.py", "test_code_reaches_results.py")  # the files that run DVC and whole train stages
+HEAVY_FIRST = ("test_dvc_pipeline.py", "test_resume_tracking.py", "test_run_integrity.py", "test_code_reaches_results.py",
+               "test_deploy_processes.py")  # the files that run DVC, whole train stages, a SuperLink and SuperNodes
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -107,7 +107,8 @@ def _load_apps(app_dir: Path):
     return mod.server, mod.client
 
 
-def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(identity, sites, tmp_path):
+@pytest.mark.usefixtures("identity")
+def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(sites, tmp_path):
     app = _deployed(tmp_path, sites)
     server, client = _load_apps(app)
     grid = SiteGrid(client, sites)
@@ -150,7 +151,8 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(iden
     assert len(registered) == 3 and all("arrays" not in w for w in registered)  # a registration carries no tensor
 
 
-def test_a_site_with_other_data_than_the_federation_pins_is_refused_by_name(identity, sites, tmp_path):
+@pytest.mark.usefixtures("identity")
+def test_a_site_with_other_data_than_the_federation_pins_is_refused_by_name(sites, tmp_path):
     app = _deployed(tmp_path, sites, RSNA="0" * 64)
     server, client = _load_apps(app)
     grid = SiteGrid(client, sites)
@@ -159,3 +161,29 @@ def test_a_site_with_other_data_than_the_federation_pins_is_refused_by_name(iden
         server._main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={"results-dir": str(tmp_path / "results")}))
     assert not (tmp_path / "results").exists()
     assert [kind for kind, _ in grid.replies].count("query.refused") == 1  # the refused site was told why
+
+
+def test_the_shipped_site_params_and_federation_example_validate(tmp_path):
+    """deploy/site/params.yaml (a hospital's template) loads; deploy/federation.example.yaml resolves into an App
+    against the repository's params.yaml; a federation naming an unknown method or a bad fingerprint is refused by key."""
+    repo = REPO_PARAMS.parent
+    site = load_params(repo / "deploy/site/params.yaml")
+    assert site.experiments["site"].split.protocol == "domain_clients"
+    fed = load_federation(repo / "deploy/federation.example.yaml")
+    dep = write_app(fed, load_params(REPO_PARAMS), tmp_path / "app")
+    assert dep["method"]["base"] == "fedbn" and [s["name"] for s in dep["sites"]] == ["CheXpert", "RSNA", "VinBigData"]
+    assert sorted(p.name for p in (tmp_path / "app").iterdir()) == ["deployment.json", "fedsilo_app.py", "pyproject.toml"]
+    raw = yaml.safe_load((repo / "deploy/federation.example.yaml").read_text())
+    with pytest.raises(ConfigError, match=r"method: 'fedmagic' is not a methods entry"):
+        write_app(load_federation(_dump(tmp_path / "a.yaml", {**raw, "method": "fedmagic"})), load_params(REPO_PARAMS), tmp_path / "app2")
+    assert not (tmp_path / "app2").exists()  # nothing half-written
+    bad = {**raw, "sites": [{**raw["sites"][0], "fingerprint": "abc"}] + raw["sites"][1:]}
+    with pytest.raises(ConfigError, match=r"sites.0.fingerprint"):
+        load_federation(_dump(tmp_path / "b.yaml", bad))
+    with pytest.raises(ConfigError, match=r"train.rounds"):
+        load_federation(_dump(tmp_path / "c.yaml", {**raw, "train": {**raw["train"], "rounds": 0}}))
+
+
+def _dump(path: Path, obj: dict) -> Path:
+    path.write_text(yaml.safe_dump(obj))
+    return path

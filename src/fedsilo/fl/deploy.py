@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from fedsilo.config import ConfigError, Params, Strict, TrainParams, format_validation_error
 from fedsilo.utils.io import atomic_dir, canonical_hash, write_json
@@ -49,6 +49,13 @@ MODULE = "fedsilo_app"  # the App's module: two lines that build the apps from A
 class SiteEntry(Strict):
     name: str = Field(..., min_length=1, description="the site's client name (its split's one client: `fedsilo site card` prints it)")
     fingerprint: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="the sha256 `fedsilo site card` printed at the site")
+
+    @field_validator("fingerprint", mode="before")
+    @classmethod
+    def _quoted(cls, v: Any) -> Any:
+        if not isinstance(v, str):
+            raise ValueError("put the fingerprint in quotes (YAML reads a hex string of digits only as a number)")
+        return v
 
 
 class Contract(Strict):
