@@ -69,6 +69,7 @@ for _ in $(seq 90); do
   [[ "$online" == 3 ]] && break; sleep 1
 done
 echo "$online SuperNodes online"
+if [[ "$online" != 3 ]]; then echo "only $online of 3 SuperNodes came online; see $WORK/*/supernode.log" >&2; exit 1; fi
 
 echo "== the federation file (the fingerprints the sites sent), its App, the run"
 python - "$WORK" "$METHOD" > "$C/federation.yaml" <<'PY'
@@ -85,4 +86,6 @@ fedsilo --params "$REPO/params.yaml" deploy app --federation "$C/federation.yaml
 RUN=$(flwr run "$C/app" loopback --format json | python -c 'import json,sys; print(json.load(sys.stdin)["run-id"])')
 flwr log "$RUN" loopback || true   # the ServerApp's lines, until the run ends
 flwr list --run-id "$RUN" loopback
+STATUS=$(flwr list --run-id "$RUN" loopback --format json | python -c 'import json,sys; print(json.load(sys.stdin)["runs"][0]["status"])')
+if [[ "$STATUS" != finished:completed ]]; then echo "run $RUN ended $STATUS" >&2; exit 1; fi
 echo "results: $C/results (metrics.json, history.json, wire.jsonl: every message's keys and bytes)"

@@ -40,6 +40,7 @@ def _card(params_file: Path) -> dict:
 
 
 def _federation(tmp: Path, sites: dict[str, Path], method: str = "fedbn", **pin) -> Path:
+    """The federation of ``sites`` in their dict order (client index = place in it); ``pin``: site -> fingerprint."""
     cards = [_card(p) for p in sites.values()]
     fed = {"name": "three_hospitals", "method": method, "seed": 0, "train": TRAIN,
            "contract": cards[0]["contract"],
@@ -51,7 +52,7 @@ def _federation(tmp: Path, sites: dict[str, Path], method: str = "fedbn", **pin)
 def test_a_site_card_holds_hashes_and_counts_and_its_fingerprint_follows_the_data(sites, tmp_path):
     card = _card(sites["rsna"])
     assert (card["site"], card["n_train"], card["n_test"]) == ("RSNA", 16, 10)
-    assert card["contract"] == {"task": card["contract"]["task"], "classes": ["Normal", "Lung Opacity"], "image_shape": [16, 16, 1]}
+    assert card["contract"] == {"task": "binary: 1 = Lung Opacity, 0 = Normal", "classes": ["Normal", "Lung Opacity"], "image_shape": [16, 16, 1]}
     assert _card(sites["rsna"]) == card  # deterministic
     # another split seed over the same images: another fingerprint
     other = make_site(tmp_path / "rsna_seed1", "rsna", split_seed=1)
@@ -109,9 +110,10 @@ def _load_apps(app_dir: Path):
 
 @pytest.mark.usefixtures("identity")
 def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(sites, tmp_path):
-    app = _deployed(tmp_path, sites)
+    roster = {s: sites[s] for s in ("rsna", "chexpert", "vinbigdata")}  # client order is the federation file's, not the names'
+    app = _deployed(tmp_path, roster)
     server, client = _load_apps(app)
-    grid = SiteGrid(client, sites)
+    grid = SiteGrid(client, sites)  # the nodes connect in another order
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the reference below: a convolution summed over other thread counts differs in the last bit
     try:
@@ -119,7 +121,7 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(site
     finally:
         torch.set_num_threads(threads)
     metrics = json.loads((tmp_path / "results/metrics.json").read_text())
-    assert metrics["clients"] == ["CheXpert", "RSNA", "VinBigData"]
+    assert metrics["clients"] == ["RSNA", "CheXpert", "VinBigData"]
     assert metrics["fingerprints"] == {c["site"]: c["fingerprint"] for c in map(_card, sites.values())}
 
     # the in-process engine on the same three splits, the same model and seed: the same numbers
@@ -127,7 +129,7 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(site
 
     dep = json.loads((app / "deployment.json").read_text())
     spec = deployment_spec(dep)
-    clients = [load_site(load_params(p), "site", p.parent, torch.device("cpu"), index=k) for k, p in enumerate(sites.values())]
+    clients = [load_site(load_params(p), "site", p.parent, torch.device("cpu"), index=k) for k, p in enumerate(roster.values())]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -147,8 +149,9 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(site
     bn = batchnorm_keys(spec.make_model())
     assert len(ups) == 2 * 3 and all(set(w["arrays"]["up"]) and not set(w["arrays"]["up"]) & bn for w in ups)
     assert [w["tensor_bytes"]["up"] for w in ups] == [h["bytes_up"][s] for h in history for s in h["sampled"]]
-    registered = [w for w in wire if w["message"] == "query.register"]
+    registered = [w for w in wire if w["message"] == "query.register" and w["to"] == "server"]
     assert len(registered) == 3 and all("arrays" not in w for w in registered)  # a registration carries no tensor
+    assert sum(w["message"] == "query.register" and w["to"] == "site" for w in wire) == 3
 
 
 @pytest.mark.usefixtures("identity")
@@ -157,10 +160,31 @@ def test_a_site_with_other_data_than_the_federation_pins_is_refused_by_name(site
     server, client = _load_apps(app)
     grid = SiteGrid(client, sites)
     with pytest.raises(SiteRefused, match=r"site 'RSNA' refused: its data fingerprint [0-9a-f]{16} is not the one the "
-                                          r"federation pins for it \(sites.RSNA.fingerprint 0{16}\); same contract"):
+                                          r"federation pins for it \(sites\[1\], RSNA: 0{16}\); same contract"):
         server._main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={"results-dir": str(tmp_path / "results")}))
     assert not (tmp_path / "results").exists()
     assert [kind for kind, _ in grid.replies].count("query.refused") == 1  # the refused site was told why
+    wire = [json.loads(line) for line in (tmp_path / "results.wire/wire.jsonl").read_text().splitlines()]
+    assert [w for w in wire if w["message"] == "query.refused"][0]["reason"].startswith("site 'RSNA' refused")
+
+
+@pytest.mark.usefixtures("identity")
+def test_a_site_harmonized_to_another_contract_or_unlisted_or_twice_is_refused(sites, tmp_path):
+    app = _deployed(tmp_path, sites)
+    server, client = _load_apps(app)
+    ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={"results-dir": str(tmp_path / "results")})
+    # RSNA harmonized at 8 px instead of the agreed 16: the message says the contract differs, and how
+    small = make_site(tmp_path / "rsna8", "rsna", image_size=8)
+    with pytest.raises(SiteRefused, match=r"site 'RSNA' refused: .*its contract differs: image_shape \[8, 8, 1\] \(agreed \[16, 16, 1\]\)"):
+        server._main(SiteGrid(client, {**sites, "rsna": small}), ctx)
+    # a fourth node whose site the federation does not list, and a second node claiming CheXpert: both refused
+    other = make_site(tmp_path / "openi", "openi")
+    grid = SiteGrid(client, {**sites, "openi": other, "chexpert2": sites["chexpert"]})
+    with pytest.raises(SiteRefused) as err:
+        server._main(grid, ctx)
+    assert "site 'OpenI' is not one of the federation's 3 sites: refused" in str(err.value)
+    assert "site 'CheXpert' refused: another node registered under that name first" in str(err.value)
+    assert [kind for kind, _ in grid.replies].count("query.refused") == 2
 
 
 def test_the_shipped_site_params_and_federation_example_validate(tmp_path):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import ssl
@@ -227,10 +226,10 @@ def test_three_hospitals_train_over_tls_with_registered_nodes_and_only_shared_te
     run = fed.run(coordinator / "app_wrong")
     assert run["status"] == "finished:failed"
     assert "site 'RSNA' refused: its data fingerprint" in run["status-details"]
-    assert f"(sites.RSNA.fingerprint {pinned['sites'][1]['fingerprint'][:16]})" in run["status-details"]
-    assert not (coordinator / "results_wrong").exists()
+    assert f"(sites[1], RSNA: {pinned['sites'][1]['fingerprint'][:16]})" in run["status-details"]
+    assert not (coordinator / "results_wrong").exists()  # no results; what crossed before the refusal is kept
+    assert "query.refused" in (coordinator / "results_wrong.wire/wire.jsonl").read_text()
     deadline = time.monotonic() + 30  # the refused site was told why (its SuperNode's log)
     while "the federation refused this site" not in (base / "supernode_rsna.log").read_text():
         assert time.monotonic() < deadline, (base / "supernode_rsna.log").read_text()[-2000:]
         time.sleep(1)
-    shutil.rmtree(coordinator / "results_wrong.wire", ignore_errors=True)

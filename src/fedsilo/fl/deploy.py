@@ -89,8 +89,9 @@ def load_federation(path: str | Path) -> Federation:
     except ValidationError as err:
         raise ConfigError(f"{path}: {format_validation_error(err, '')}") from None
     names = [s.name for s in fed.sites]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"{path}: sites: a name is listed twice ({', '.join(names)})")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"{path}: sites: {', '.join(twice)} listed twice")
     return fed
 
 
@@ -168,6 +169,7 @@ clientapp = "{module}:client"
 
 [tool.flwr.app.config]
 results-dir = "{results}"
+wait-s = 600.0  # how long the ServerApp waits for every site to connect
 """
 
 MODULE_TEXT = '''"""The Flower apps of federation {name}, built from deployment.json beside this file (fedsilo.fl.deploy)."""
@@ -266,10 +268,10 @@ def apps(app_file: Path):
         _log_to_stderr()
         out = Path(str(context.run_config.get("results-dir", f"results/deploy/{dep['federation']}/{spec.key}/seed{spec.seed}")))
         staging = out.with_name(out.name + ".wire")  # the wire log as the run goes; moved into the results at the end
-        wire = WireLog(staging / "wire.jsonl")
-        progress = _RoundLog(spec.train.rounds, dep["federation"])
-        run = FlowerRun(spec, len(roster.sites), roster=roster, wire=wire, on_round=progress, wait_s=float(context.run_config.get("wait-s", 600)))
+        wire = WireLog(staging / "wire.jsonl")  # a run that fails leaves it there: what crossed before it ended
         try:
+            run = FlowerRun(spec, len(roster.sites), roster=roster, wire=wire, on_round=_RoundLog(spec.train.rounds, dep["federation"]),
+                            wait_s=float(context.run_config.get("wait-s", 600)))
             run.main(grid, context)
         finally:
             wire.close()
@@ -286,12 +288,13 @@ class _RoundLog:
     def __call__(self, entry: dict[str, Any]) -> None:
         from fedsilo.fl.run import round_summary
 
-        log.warning("%s round %d/%d: %s", self.name, entry["round"], self.rounds, round_summary(entry))
+        log.info("%s round %d/%d: %s", self.name, entry["round"], self.rounds, round_summary(entry))
 
 
 def _log_to_stderr() -> None:
     """The ServerApp runs in a process of its own: its round lines go to its stderr (the SuperLink's log)."""
     root = logging.getLogger("fedsilo")
+    root.setLevel(logging.INFO)
     if not root.handlers:
         h = logging.StreamHandler(sys.stderr)
         h.setFormatter(logging.Formatter("fedsilo: %(message)s"))
@@ -343,12 +346,15 @@ def make_certificates(out: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localho
             sans.append(x509.IPAddress(ipaddress.ip_address(h)))
         except ValueError:
             sans.append(x509.DNSName(h))
-    now = datetime.datetime.now(datetime.timezone.utc)
+    if days < 1:
+        raise ConfigError(f"--days: {days}; a certificate must be valid for at least a day")
+    now = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)  # a site's clock a little behind
     ca_key, key = ec.generate_private_key(ec.SECP384R1()), ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedsilo federation CA")])
     ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
           .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days))
           .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
           .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
                                        key_encipherment=False, data_encipherment=False, key_agreement=False,
                                        encipher_only=False, decipher_only=False), critical=True)
@@ -359,6 +365,8 @@ def make_certificates(out: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localho
               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
               .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+              .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+              .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
               .sign(ca_key, hashes.SHA384()))
     pem = serialization.Encoding.PEM
     files = {
@@ -374,9 +382,13 @@ def make_node_key(out: Path, name: str) -> dict[str, Path]:
     """A SuperNode's authentication key pair in the OpenSSH format Flower reads (ECDSA on NIST P-384): ``<name>``
     (private, 0600, stays at the site: ``flower-supernode --auth-supernode-private-key``) and ``<name>.pub`` (sent to
     the coordinator, who registers it: ``flwr supernode register``)."""
+    import re
+
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+        raise ConfigError(f"--name: {name!r}; a site's key name is letters, digits, '_', '.', '-' (it names files in --out)")
     key = ec.generate_private_key(ec.SECP384R1())
     files = {
         name: (key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()), True),

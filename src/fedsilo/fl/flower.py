@@ -371,8 +371,8 @@ class Roster:
         from fedsilo.fl.site import contract_mismatch
 
         name = str(card["name"])
-        if name not in self.sites:
-            raise SiteRefused(f"site {name!r} is not one of the federation's sites ({', '.join(self.sites)}): refused")
+        if name not in self.sites:  # the roster is not told to a node it does not list
+            raise SiteRefused(f"site {name!r} is not one of the federation's {len(self.sites)} sites: refused")
         k = self.sites.index(name)
         got, want = str(card.get("fingerprint", "")), self.fingerprints[k]
         if got != want:
@@ -380,7 +380,7 @@ class Roster:
             why = contract_mismatch(self.contract, site_contract)
             raise SiteRefused(
                 f"site {name!r} refused: its data fingerprint {got[:16] or '(none)'} is not the one the federation "
-                f"pins for it (sites.{name}.fingerprint {want[:16]})"
+                f"pins for it (sites[{k}], {name}: {want[:16]})"
                 + (f"; its contract differs: {'; '.join(why)}" if why else "; same contract, other images or split")
                 + ". The site re-runs the agreed harmonize and split (`fedsilo site card` prints its fingerprint), "
                 "or the coordinator pins the new fingerprint")
@@ -416,6 +416,9 @@ class FlowerRun:
                 raise TimeoutError(f"{len(nodes)} of {self.num_clients} sites connected after {self.wait_s:.0f} s")
             time.sleep(0.1)
         msgs = [Message(RecordDict(), dst_node_id=n, message_type="query.register", group_id="0") for n in nodes]
+        if self.wire:
+            for n in nodes:
+                self.wire({"round": 0, "message": "query.register", "node": int(n), "to": "site"})
         cards: dict[int, Card] = {}
         where: dict[int, int] = {}
         registered: dict[int, dict[str, Any]] = {}
@@ -429,6 +432,8 @@ class FlowerRun:
                 self.wire({"round": 0, "message": "query.register", "site": str(cfg.get("name")), "to": "server", **describe(reply.content)})
             try:
                 index = self.roster.admit(cfg) if self.roster is not None else int(cfg["index"])
+                if self.roster is not None and index in cards:  # a second node under an admitted name
+                    raise SiteRefused(f"site {cfg['name']!r} refused: another node registered under that name first")
             except SiteRefused as err:
                 refused[node] = str(err)
                 continue
@@ -439,7 +444,10 @@ class FlowerRun:
         if refused:  # tell each refused site why, then end the run before any round
             note = [Message(RecordDict({CONFIG: ConfigRecord({"reason": why})}), dst_node_id=n, message_type="query.refused",
                             group_id="0") for n, why in refused.items()]
-            grid.send_and_receive(note)
+            if self.wire:
+                for n, why in refused.items():
+                    self.wire({"round": 0, "message": "query.refused", "node": int(n), "to": "site", "reason": why})
+            grid.send_and_receive(note, timeout=60.0)  # a refused node that went away does not hold the run
             raise SiteRefused(" | ".join(refused.values()))
         if sorted(cards) != list(range(len(cards))):
             raise ConfigError(f"registered client indices {sorted(cards)} are not 0..{len(cards) - 1}")
