@@ -100,7 +100,6 @@ def resolve_deployment(fed: Federation, params: Params) -> dict[str, Any]:
     """Everything the apps build the method and model from, resolved and validated once (the content of
     ``deployment.json``)."""
     from fedsilo.methods import method_base, resolve_method
-    from fedsilo.models import build_model
 
     if fed.method not in params.methods:
         raise ConfigError(f"method: {fed.method!r} is not a methods entry of the params file")
@@ -115,12 +114,12 @@ def resolve_deployment(fed: Federation, params: Params) -> dict[str, Any]:
         "contract": fed.contract.model_dump(mode="json"),
         "sites": [s.model_dump(mode="json") for s in fed.sites],
     }
-    spec = deployment_spec(out)
-    spec.check()
-    h, w, ch = fed.contract.image_shape
+    h, w, _ = fed.contract.image_shape
     if h != w:
         raise ConfigError(f"contract.image_shape: {h} x {w}; fedsilo harmonizes to square images")
-    build_model(train.model, ch, len(fed.contract.classes), seed=fed.seed, image_size=h)  # a model that fits the contract
+    spec = deployment_spec(out)
+    spec.check()
+    spec.make_model()  # the apps' own model builder: a model that fits the contract, or its error now
     return out
 
 
