@@ -77,7 +77,7 @@ def mirror_root(tmp_path_factory) -> Path:
 
 
 HEAVY_FIRST = ("test_dvc_pipeline.py", "test_resume_tracking.py", "test_run_integrity.py", "test_code_reaches_results.py",
-               "test_deploy_processes.py")  # the files that run DVC, whole train stages, a SuperLink and SuperNodes
+               "test_deploy_processes.py", "test_grid.py", "test_grid_ray.py")  # DVC, whole train stages, a SuperLink, Ray
 
 
 def pytest_collection_modifyitems(session, config, items):

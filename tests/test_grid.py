@@ -66,6 +66,11 @@ def test_grid_trains_each_stage_once_on_two_workers_and_leaves_the_pipeline_up_t
     # nothing stale: a second grid queues nothing and trains nothing
     assert run_grid("dvc.yaml", repo, jobs=2, quiet=True)["queued"] == []
     assert len(log.read_text().split()) == 3
+    # an edit upstream of the train stages (a source, a split) makes them stale once prep reruns: all go to the queue
+    (repo / "dep.txt").write_text("2")
+    r = run_grid("dvc.yaml", repo, jobs=2, quiet=True, poll_s=0.5)
+    assert sorted(r["queued"]) == ["train_g@a", "train_g@b", "train_g@c"] and len(log.read_text().split()) == 6
+    assert (repo / "report.txt").read_text() == "a2b2c2"
 
 
 def test_a_failing_stage_stops_the_grid_naming_it(tmp_path, monkeypatch):

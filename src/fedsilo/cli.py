@@ -180,13 +180,22 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _grid(args: argparse.Namespace) -> None:
-    from fedsilo.grid import run_grid
-
     p = config.load_params(args.params)  # the tracking URI the workers log to; no method import
     pipeline = (Path(args.params).parent / "dvc.yaml").as_posix()
-    r = run_grid(pipeline, Path(args.root), args.jobs, pattern=args.stages, tracking_uri=p.tracking.uri if p.tracking.enabled else None,
-                 keep=args.keep, quiet=args.quiet)
-    print(f"grid {pipeline}: {len(r['queued'])} stages on {args.jobs} workers in {r['grid_s']:.0f} s "
+    uri = p.tracking.uri if p.tracking.enabled else None
+    if args.ray:
+        from fedsilo.grid_ray import run_grid_ray
+
+        r = run_grid_ray(pipeline, Path(args.root), args.ray, pattern=args.stages, tracking_uri=uri, cpus_per_run=args.cpus_per_run,
+                         gpus_per_run=args.gpus_per_run, worker_cache=args.worker_cache or None, quiet=args.quiet)
+        hosts = sorted({x["host"] for x in r["runs"]})
+        where = f"on Ray ({len(hosts)} host{'s' if len(hosts) != 1 else ''}: {', '.join(hosts)}; remote {r['remote']})" if hosts else "on Ray"
+    else:
+        from fedsilo.grid import run_grid
+
+        r = run_grid(pipeline, Path(args.root), args.jobs, pattern=args.stages, tracking_uri=uri, keep=args.keep, quiet=args.quiet)
+        where = f"on {args.jobs} workers"
+    print(f"grid {pipeline}: {len(r['queued'])} stages {where} in {r['grid_s']:.0f} s "
           f"(data and splits {r['prepare_s']:.0f} s, restore and reports {r['restore_and_report_s']:.0f} s)")
 
 
@@ -322,13 +331,19 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.set_defaults(fn=_report)
     s = sub.add_parser(
         "grid", parents=[common], formatter_class=fmt,
-        help="a pipeline's out-of-date train stages on several DVC queue workers, then dvc repro (nothing trains twice)",
+        help="a pipeline's out-of-date train stages on several DVC queue workers or a Ray cluster, then dvc repro (nothing trains twice)",
         description="Runs the dvc.yaml beside --params: its data and splits here, then every out-of-date stage matching "
         "--stages as a queued DVC experiment on --jobs workers (dvc exp run --queue, dvc queue start), then dvc repro, "
         "which restores those stages from DVC's run-cache and runs the reports. dvc status is clean afterwards.")
-    s.add_argument("--jobs", type=int, default=2, help="queue workers (runs at once)")
+    s.add_argument("--jobs", type=int, default=2, help="queue workers (runs at once; not with --ray)")
     s.add_argument("--stages", default="train_*", help="stage names to queue (shell pattern)")
     s.add_argument("--keep", action="store_true", help="keep the queued experiments (dvc exp show) after restoring them")
+    s.add_argument("--ray", metavar="ADDRESS", help="run the stages as tasks on the Ray cluster at ADDRESS (auto, host:6379, "
+                   "ray://host:10001) instead of DVC's queue; results travel through the default DVC remote")
+    s.add_argument("--cpus-per-run", type=float, default=1.0, help="with --ray: CPUs a run reserves (and its OMP_NUM_THREADS)")
+    s.add_argument("--gpus-per-run", type=float, default=0.0, help="with --ray: GPUs a run reserves (0.5: two runs share one)")
+    s.add_argument("--worker-cache", default="~/.cache/fedsilo/grid-dvc", help="with --ray: each node's DVC cache, shared by "
+                   "its runs ('' for one per run)")
     s.set_defaults(fn=_grid)
     s = sub.add_parser(
         "bench", parents=[common],

@@ -79,14 +79,18 @@ def upstream(pipeline: str, repo: Path, pattern: str) -> list[str]:
     return sorted(leaves)
 
 
-def queue_status(repo: Path) -> dict[str, str]:
-    """Experiment name -> status (Queued, Running, Success, Failed, ...) from ``dvc queue status``."""
+def queue_status(repo: Path, workers: Optional[list[int]] = None) -> dict[str, str]:
+    """Experiment name -> status (Queued, Running, Success, Failed, ...) from ``dvc queue status``; ``workers``, when
+    given, receives the number of live queue workers (active + idle)."""
     out = _dvc(["queue", "status"], repo).stdout
     found = {}
     for line in out.splitlines():
         parts = line.split()
         if len(parts) >= 4 and re.fullmatch(r"[0-9a-f]{7,}", parts[0]):
             found[parts[1]] = parts[-1]
+    m = re.search(r"Worker status: (\d+) active, (\d+) idle", out)
+    if workers is not None and m:
+        workers.append(int(m.group(1)) + int(m.group(2)))
     return found
 
 
@@ -103,6 +107,30 @@ def tracking_env(uri: Optional[str], repo: Path) -> dict[str, str]:
     return env
 
 
+def _prepare(pipeline: str, repo: Path, pattern: str, env: dict[str, str]) -> tuple[list[str], list[str]]:
+    """The out-of-date stages matching ``pattern``, after reproducing here, once, what they need (data, splits)."""
+    if not (repo / pipeline).exists():
+        raise GridError(f"{pipeline}: no such dvc.yaml under {repo}")
+    leaves = upstream(pipeline, repo, pattern)
+    for target in leaves:  # data and splits first, here, once: the workers find them cached (queue) or pulled (Ray)
+        _dvc(["repro", target], repo, env)
+    # only now: a changed input upstream (a source, a split's params) makes its train stages stale once it is rebuilt
+    return stale_stages(pipeline, repo, pattern), leaves
+
+
+def _restore(pipeline: str, repo: Path, stages: list[str], env: dict[str, str], pull: bool = False) -> list[str]:
+    """``dvc repro`` of the whole pipeline here: the grid's stages come from the run-cache (with ``pull``: the remote's,
+    fetched first), never trained again; the stages after them (onboarding, reports) run. Returns the stages run."""
+    if pull:
+        _dvc(["fetch", "--run-cache"], repo, env)
+    r = _dvc(["repro", *(["--pull"] if pull else []), pipeline], repo, env)
+    ran = re.findall(r"Running stage '([^']+)'", r.stdout)
+    rerun = [s for s in ran if s.rpartition(":")[2] in stages]
+    if rerun:  # the run-cache should have held them: say so rather than hide a second training
+        raise GridError(f"dvc repro trained again what the workers ran (not in the run-cache?): {', '.join(rerun)}")
+    return ran
+
+
 def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tracking_uri: Optional[str] = None,
              keep: bool = False, poll_s: float = 2.0, quiet: bool = False,
              log: Callable[[str], None] = print) -> dict[str, object]:
@@ -111,13 +139,9 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
     if jobs < 1:
         raise GridError("--jobs: at least 1")
     repo = Path(repo)
-    if not (repo / pipeline).exists():
-        raise GridError(f"{pipeline}: no such dvc.yaml under {repo}")
     env = tracking_env(tracking_uri, repo)
     t0 = time.monotonic()
-    stages = stale_stages(pipeline, repo, pattern)
-    for target in upstream(pipeline, repo, pattern):  # data and splits first, here, once: the workers find them cached
-        _dvc(["repro", target], repo, env)
+    stages, _ = _prepare(pipeline, repo, pattern, env)
     t_prep = time.monotonic() - t0
     tag = uuid.uuid4().hex[:6]
     names = {}
@@ -129,11 +153,19 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
     failed: dict[str, str] = {}
     if names:
         _dvc(["queue", "start", "--jobs", str(jobs)], repo, env)
-        bar = Progress(len(names), f"grid {pipeline} ({jobs} workers)", "runs", quiet=quiet)
+        bar = Progress(len(names), f"grid {pipeline} ({jobs} workers)", "run", quiet=quiet)
         done: set[str] = set()
+        idle_polls = 0
         try:
             while True:
-                st = {n: s for n, s in queue_status(repo).items() if n in names}
+                live: list[int] = []
+                st = {n: s for n, s in queue_status(repo, live).items() if n in names}
+                # DVC's workers exit when they find the queue empty; one that exits while a task is still being queued
+                # (seen after a `dvc queue stop` in the same repository) leaves it Queued with nobody to run it
+                idle_polls = idle_polls + 1 if live == [0] and any(s == "Queued" for s in st.values()) else 0
+                if idle_polls >= 3:
+                    _dvc(["queue", "start", "--jobs", str(jobs)], repo, env)
+                    idle_polls = 0
                 now = {n for n, s in st.items() if s in ("Success", "Failed")}
                 if now - done:
                     bar.update(len(now - done), info=f"{sum(s == 'Failed' for s in st.values())} failed", line=True)
@@ -151,11 +183,7 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
                          for n, stage in failed.items())
         raise GridError(f"{len(failed)} of {len(names)} queued stages failed: {', '.join(failed.values())}\n{logs}")
     t2 = time.monotonic()
-    r = _dvc(["repro", pipeline], repo, env)
-    ran = re.findall(r"Running stage '([^']+)'", r.stdout)
-    rerun = [s for s in ran if s.rpartition(":")[2] in stages]
-    if rerun:  # the run-cache should have held them: say so rather than hide a second training
-        raise GridError(f"dvc repro trained again what the workers ran (not in the run-cache?): {', '.join(rerun)}")
+    ran = _restore(pipeline, repo, stages, env)
     if names and not keep:
         _dvc(["exp", "remove", *names], repo, check=False)
     return {"queued": list(names.values()), "jobs": jobs, "prepare_s": t_prep, "grid_s": t_grid,

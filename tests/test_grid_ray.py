@@ -1,0 +1,130 @@
+"""`fedsilo grid --ray`: a pipeline's stages as Ray tasks on a two-node cluster on loopback (two raylets, two object
+stores; the second node declares one GPU), results through a DVC remote: each stage runs once, on a worker, then
+`dvc repro` here restores it from the remote's run-cache, runs the report, and leaves `dvc status` clean; a GPU run
+lands on the GPU node with CUDA_VISIBLE_DEVICES set by Ray; a failing stage stops the grid naming it; what travels
+to the workers is the workspace's code and params, never ignored data or .dvc/config.local."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from fedsilo.grid import GridError  # noqa: E402
+from fedsilo.grid_ray import bundle, run_grid_ray, worker_inputs  # noqa: E402
+
+PIPE = """
+stages:
+  raw:
+    cmd: python -c "open('raw.txt','w').write(open('dep.txt').read())"
+    deps: [dep.txt]
+    outs: [raw.txt]
+  prep:
+    cmd: python -c "open('prep.txt','w').write(open('raw.txt').read())"
+    deps: [raw.txt]
+    outs: [prep.txt]
+  train_g:
+    foreach: [a, b, c]
+    do:
+      cmd: python -c "import os, time; time.sleep(1); open('{log}', 'a').write('${item}\\\\n'); os.makedirs('out', exist_ok=True); open('out/${item}.txt', 'w').write('${item}' + open('prep.txt').read()); {fail}"
+      deps: [prep.txt]
+      outs:
+        - out/${item}.txt
+  report:
+    cmd: python -c "import glob; open('report.txt', 'w').write(''.join(sorted(open(f).read() for f in glob.glob('out/*.txt'))))"
+    deps: [out]
+    outs: [report.txt]
+"""
+
+
+def _dvc(*args: str, cwd: Path) -> str:
+    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+def _repo(tmp: Path, fail: str = "None") -> Path:
+    repo = tmp / "repo"
+    repo.mkdir()
+    git = ["git", "-c", "init.defaultBranch=main"]
+    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
+    for k, v in (("user.email", "grid@test"), ("user.name", "grid test")):
+        subprocess.run(["git", "config", k, v], cwd=repo, check=True)
+    _dvc("init", "-q", cwd=repo)
+    _dvc("remote", "add", "-d", "store", str(tmp / "remote"), cwd=repo)
+    (repo / "dep.txt").write_text("1")
+    (repo / "dvc.yaml").write_text(PIPE.replace("{fail}", fail).replace("{log}", str(tmp / "runs.log")))
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "commit", "-qm", "init"], cwd=repo, check=True)
+    # never sent to a worker: credentials of this machine, data git ignores
+    (repo / ".dvc" / "config.local").write_text("['remote \"vault\"']\n    url = https://dvc.example.invalid/store\n"
+                                                "    password = not-for-workers\n")
+    (repo / "ignored-data.bin").write_bytes(b"\0" * 64)
+    (repo / ".gitignore").write_text("/ignored-data.bin\n")
+    return repo
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    c.add_node(num_cpus=1, num_gpus=1, resources={"second_node": 1})  # a GPU Ray schedules; the stages never touch it
+    c.wait_for_nodes()
+    yield c
+    c.shutdown()
+
+
+def test_the_workspace_sent_to_workers_has_code_params_and_locks_but_no_credentials_or_data(tmp_path):
+    repo = _repo(tmp_path)
+    _dvc("repro", "prep", cwd=repo)
+    names = tarfile.open(fileobj=io.BytesIO(bundle(repo)), mode="r:gz").getnames()
+    assert {"dvc.yaml", "dep.txt", "dvc.lock", ".dvc/config", ".gitignore"} <= set(names)
+    assert not {".dvc/config.local", "ignored-data.bin", "prep.txt", "raw.txt"} & set(names)
+    assert not any(n.startswith(".dvc/cache") or n.startswith(".git/") for n in names)
+    # the workers pull what the stage needs, never the DAG's roots (the fetched sources)
+    assert worker_inputs("dvc.yaml", repo, ["train_g@a"]) == ["prep"]  # not "raw", the root
+
+
+def test_ray_grid_runs_each_stage_once_on_two_nodes_and_leaves_the_pipeline_up_to_date(tmp_path, cluster):
+    repo = _repo(tmp_path)
+    r = run_grid_ray("dvc.yaml", repo, cluster.address, worker_cache=str(tmp_path / "node-cache"), quiet=True)
+    assert sorted(r["queued"]) == ["train_g@a", "train_g@b", "train_g@c"]
+    assert sorted((tmp_path / "runs.log").read_text().split()) == ["a", "b", "c"]  # each once, by a worker
+    assert len({x["node"] for x in r["runs"]}) == 2  # one CPU a node, one a run: both nodes worked
+    assert all(x["omp_num_threads"] == "1" for x in r["runs"])  # a run's threads = the CPUs it reserved
+    assert not any(s.startswith("train_g") for s in r["ran_after"]) and "report" in r["ran_after"]
+    assert (repo / "report.txt").read_text() == "a1b1c1"
+    assert "up to date" in _dvc("status", cwd=repo)
+    assert run_grid_ray("dvc.yaml", repo, cluster.address, quiet=True)["queued"] == []  # nothing stale, nothing run
+    assert len((tmp_path / "runs.log").read_text().split()) == 3
+
+
+def test_a_gpu_run_lands_on_the_gpu_node_with_the_device_ray_granted(tmp_path, cluster):
+    repo = _repo(tmp_path)
+    r = run_grid_ray("dvc.yaml", repo, cluster.address, gpus_per_run=1, worker_cache=None, quiet=True)
+    gpu_node = next(n["node"] for n in r["nodes"] if n["resources"].get("GPU"))
+    assert {x["node"] for x in r["runs"]} == {gpu_node}
+    assert {x["cuda_visible_devices"] for x in r["runs"]} == {"0"}
+    assert "up to date" in _dvc("status", cwd=repo)
+    with pytest.raises(GridError, match="--gpus-per-run 2 but no node of the cluster has"):
+        (repo / "dep.txt").write_text("2")  # stale again
+        run_grid_ray("dvc.yaml", repo, cluster.address, gpus_per_run=2, quiet=True)
+
+
+def test_a_failing_ray_run_stops_the_grid_naming_it_and_leaves_the_lock_alone(tmp_path, cluster):
+    repo = _repo(tmp_path, fail="exit(3) if '${item}' == 'b' else None")
+    with pytest.raises(GridError, match=r"1 of 3 Ray runs failed: train_g@b") as e:
+        run_grid_ray("dvc.yaml", repo, cluster.address, worker_cache=None, quiet=True)
+    assert "dvc repro of train_g@b failed" in str(e.value)
+    assert "train_g" not in (repo / "dvc.lock").read_text() and not (repo / "report.txt").exists()
+
+
+def test_without_a_default_remote_the_ray_grid_says_how_to_add_one(tmp_path):
+    repo = _repo(tmp_path)
+    _dvc("remote", "default", "--unset", cwd=repo)
+    with pytest.raises(GridError, match="no default DVC remote.*dvc remote add -d"):
+        run_grid_ray("dvc.yaml", repo, "127.0.0.1:1", quiet=True)
