@@ -4,6 +4,7 @@ stops the grid with its log."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,9 @@ def _dvc(*args: str, cwd: Path) -> str:
     return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
 
 
-def _repo(tmp: Path, fail: str = "None") -> Path:
+def _repo(tmp: Path, fail: str = "None", sub: bool = False) -> Path:
+    """A repository with the pipeline at its root, or (``sub``) in pipelines/demo/dvc.yaml running at the root, as
+    the paper pipelines do."""
     repo = tmp / "repo"
     repo.mkdir()
     git = ["git", "-c", "init.defaultBranch=main"]
@@ -45,7 +48,11 @@ def _repo(tmp: Path, fail: str = "None") -> Path:
         subprocess.run(["git", "config", k, v], cwd=repo, check=True)
     _dvc("init", "-q", cwd=repo)
     (repo / "dep.txt").write_text("1")
-    (repo / "dvc.yaml").write_text(PIPE.replace("{fail}", fail))
+    text = PIPE.replace("{fail}", fail)
+    if sub:  # every stage runs at the repository root
+        text = re.sub(r"^( +)cmd:", lambda m: f"{m.group(1)}wdir: ../..\n{m.group(1)}cmd:", text, flags=re.M)
+        (repo / "pipelines" / "demo").mkdir(parents=True)
+    (repo / ("pipelines/demo/dvc.yaml" if sub else "dvc.yaml")).write_text(text)
     subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
     subprocess.run(["git", "commit", "-qm", "init"], cwd=repo, check=True)
     return repo
@@ -75,9 +82,9 @@ def test_grid_trains_each_stage_once_on_two_workers_and_leaves_the_pipeline_up_t
 
 def test_a_failing_stage_stops_the_grid_naming_it(tmp_path, monkeypatch):
     monkeypatch.setenv("GRID_LOG", str(tmp_path / "runs.log"))
-    repo = _repo(tmp_path, fail="exit(3) if '${item}' == 'b' else None")
+    repo = _repo(tmp_path, fail="exit(3) if '${item}' == 'b' else None", sub=True)  # a paper pipeline's place
     with pytest.raises(GridError, match=r"1 of 3 queued stages failed: train_g@b"):
-        run_grid("dvc.yaml", repo, jobs=2, quiet=True, poll_s=0.5)
+        run_grid("pipelines/demo/dvc.yaml", repo, jobs=2, quiet=True, poll_s=0.5)
     assert not (repo / "report.txt").exists()
 
 

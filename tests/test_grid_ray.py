@@ -7,6 +7,7 @@ to the workers is the workspace's code and params, never ignored data or .dvc/co
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 import tarfile
@@ -48,7 +49,9 @@ def _dvc(*args: str, cwd: Path) -> str:
     return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
 
 
-def _repo(tmp: Path, fail: str = "None") -> Path:
+def _repo(tmp: Path, fail: str = "None", sub: bool = False) -> Path:
+    """A repository with the pipeline at its root, or (``sub``) in pipelines/demo/dvc.yaml running at the root, as
+    the paper pipelines do."""
     repo = tmp / "repo"
     repo.mkdir()
     git = ["git", "-c", "init.defaultBranch=main"]
@@ -58,7 +61,11 @@ def _repo(tmp: Path, fail: str = "None") -> Path:
     _dvc("init", "-q", cwd=repo)
     _dvc("remote", "add", "-d", "store", str(tmp / "remote"), cwd=repo)
     (repo / "dep.txt").write_text("1")
-    (repo / "dvc.yaml").write_text(PIPE.replace("{fail}", fail).replace("{log}", str(tmp / "runs.log")))
+    text = PIPE.replace("{fail}", fail).replace("{log}", str(tmp / "runs.log"))
+    if sub:  # every stage runs at the repository root
+        text = re.sub(r"^( +)cmd:", lambda m: f"{m.group(1)}wdir: ../..\n{m.group(1)}cmd:", text, flags=re.M)
+        (repo / "pipelines" / "demo").mkdir(parents=True)
+    (repo / ("pipelines/demo/dvc.yaml" if sub else "dvc.yaml")).write_text(text)
     subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
     subprocess.run(["git", "commit", "-qm", "init"], cwd=repo, check=True)
     # never sent to a worker: credentials of this machine, data git ignores
@@ -90,16 +97,18 @@ def test_the_workspace_sent_to_workers_has_code_params_and_locks_but_no_credenti
 
 
 def test_ray_grid_runs_each_stage_once_on_two_nodes_and_leaves_the_pipeline_up_to_date(tmp_path, cluster):
-    repo = _repo(tmp_path)
-    r = run_grid_ray("dvc.yaml", repo, cluster.address, worker_cache=str(tmp_path / "node-cache"), quiet=True)
+    repo = _repo(tmp_path, sub=True)  # where a paper's pipeline lives: pipelines/<paper>/dvc.yaml, run at the root
+    pipe = "pipelines/demo/dvc.yaml"
+    r = run_grid_ray(pipe, repo, cluster.address, worker_cache=str(tmp_path / "node-cache"), quiet=True)
     assert sorted(r["queued"]) == ["train_g@a", "train_g@b", "train_g@c"]
     assert sorted((tmp_path / "runs.log").read_text().split()) == ["a", "b", "c"]  # each once, by a worker
     assert len({x["node"] for x in r["runs"]}) == 2  # one CPU a node, one a run: both nodes worked
     assert all(x["omp_num_threads"] == "1" for x in r["runs"])  # a run's threads = the CPUs it reserved
-    assert not any(s.startswith("train_g") for s in r["ran_after"]) and "report" in r["ran_after"]
+    assert all(x["cuda_visible_devices"] == "" for x in r["runs"])  # a CPU run sees no GPU, even on the GPU node
+    assert not any("train_g" in s for s in r["ran_after"]) and f"{pipe}:report" in r["ran_after"]
     assert (repo / "report.txt").read_text() == "a1b1c1"
-    assert "up to date" in _dvc("status", cwd=repo)
-    assert run_grid_ray("dvc.yaml", repo, cluster.address, quiet=True)["queued"] == []  # nothing stale, nothing run
+    assert "up to date" in _dvc("status", pipe, cwd=repo)
+    assert run_grid_ray(pipe, repo, cluster.address, quiet=True)["queued"] == []  # nothing stale, nothing run
     assert len((tmp_path / "runs.log").read_text().split()) == 3
 
 

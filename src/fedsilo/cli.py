@@ -199,6 +199,20 @@ def _grid(args: argparse.Namespace) -> None:
           f"(data and splits {r['prepare_s']:.0f} s, restore and reports {r['restore_and_report_s']:.0f} s)")
 
 
+def _bench_grid(args: argparse.Namespace) -> None:
+    from fedsilo.grid_bench import bench_grid, format_bench
+    from fedsilo.utils.io import write_json
+
+    p = config.load_params(args.params)
+    pipeline = (Path(args.params).parent / "dvc.yaml").as_posix()
+    r = bench_grid(pipeline, Path(args.root), Path(args.work), jobs=args.jobs, pattern=args.stages,
+                   tracking_uri=p.tracking.uri if p.tracking.enabled else None, ray_address=args.ray, cpus_per_run=args.cpus_per_run,
+                   log=(lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr)))
+    print(format_bench(r))
+    if args.json:
+        write_json(args.json, r)
+
+
 def _check(args: argparse.Namespace) -> None:
     load_params(args.params)
     print(f"{args.params}: ok")
@@ -345,6 +359,21 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--worker-cache", default="~/.cache/fedsilo/grid-dvc", help="with --ray: each node's DVC cache, shared by "
                    "its runs ('' for one per run)")
     s.set_defaults(fn=_grid)
+    s = sub.add_parser(
+        "bench-grid", parents=[common], formatter_class=fmt,
+        help="time a pipeline's grid (DVC queue, optionally Ray) against a sequential dvc repro, in copies of the workspace",
+        description="Copies the workspace to --work, builds the data and splits once there, then runs the dvc.yaml beside "
+        "--params three ways from that same state, one after the other: sequential dvc repro, fedsilo grid --jobs N, and "
+        "with --ray fedsilo grid --ray. Prints each arm's seconds, its speed-up over sequential, whether dvc status is "
+        "clean, and whether every run's metrics equal the sequential ones. Not a test: it reports numbers.")
+    s.add_argument("--work", required=True, help="an empty folder for the copies (several times the workspace's data)")
+    s.add_argument("--jobs", type=int, default=2, help="queue workers of the queue arm")
+    s.add_argument("--stages", default="train_*", help="the grid's stages (shell pattern)")
+    s.add_argument("--ray", metavar="ADDRESS", help="also run the Ray arm on the cluster at ADDRESS")
+    s.add_argument("--cpus-per-run", type=float, default=1.0, help="the Ray arm's CPUs (and threads) a run; the same "
+                   "thread count as the sequential arm gives equal metrics")
+    s.add_argument("--json", help="also write the result as JSON here")
+    s.set_defaults(fn=_bench_grid)
     s = sub.add_parser(
         "bench", parents=[common],
         help="engine throughput against the single-model loop, memory over rounds, harmonize throughput",

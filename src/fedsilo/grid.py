@@ -50,7 +50,8 @@ def _dvc(args: list[str], cwd: Path, env: Optional[dict[str, str]] = None, check
 def stale_stages(pipeline: str, repo: Path, pattern: str) -> list[str]:
     """The stages of ``pipeline`` matching ``pattern`` (shell-style, on the stage name without its file) that
     ``dvc status`` reports out of date, in dvc.yaml order."""
-    names = _dvc(["stage", "list", "--name-only", pipeline], repo).stdout.split()
+    # a dvc.yaml below the root lists its stages as "<file>:<name>", the root's as "<name>"
+    names = [n.rpartition(":")[2] for n in _dvc(["stage", "list", "--name-only", pipeline], repo).stdout.split()]
     status = json.loads(_dvc(["status", "--json", pipeline], repo).stdout or "{}")
     stale = {k.rpartition(":")[2] for k in status}
     return [n for n in names if fnmatch.fnmatch(n, pattern) and n in stale]

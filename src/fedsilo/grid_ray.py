@@ -207,7 +207,11 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = "train_
         workspace = bundle(repo)
         started = not ray.is_initialized()
         if started:
-            ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+            import warnings
+
+            with warnings.catch_warnings():  # Ray's note on a future default; CPU runs keep CUDA_VISIBLE_DEVICES="" today
+                warnings.simplefilter("ignore", FutureWarning)
+                ray.init(address=address, log_to_driver=False, logging_level="WARNING")
         try:
             nodes = [{"node": n["NodeID"], "address": n["NodeManagerAddress"], "resources": n["Resources"]}
                      for n in _check_cluster(ray, cpus_per_run, gpus_per_run, env.get("MLFLOW_TRACKING_URI"), log)]

@@ -1,0 +1,116 @@
+"""``fedsilo bench-grid``: a pipeline's grid against a sequential ``dvc repro``, measured in one run on one machine.
+
+The arms start from the same state in copies of the workspace under ``work``: a base copy builds the data and splits
+once (its own DVC cache), then each arm gets a full copy of it whose DVC run-cache is emptied, so no arm can restore a
+run another arm trained. The arms run one after the other on the same machine:
+
+- ``sequential``: ``dvc repro <pipeline>``;
+- ``queue``: :func:`fedsilo.grid.run_grid` with ``jobs`` DVC queue workers;
+- ``ray`` (with ``ray_address``): :func:`fedsilo.grid_ray.run_grid_ray` on that cluster, through a DVC remote in
+  ``work``.
+
+For each arm: its wall seconds (from the start of the pipeline's reproduction to ``dvc status`` clean), the speed-up
+``sequential / arm``, whether ``dvc status`` is clean, and whether every run's metrics equal the sequential arm's (every
+``metrics.json`` under ``results/`` but its MLflow run id, every ``history.json`` but its seconds per round).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from fedsilo.grid import GridError, _dvc, _prepare, run_grid, tracking_env
+from fedsilo.grid_ray import run_grid_ray, workspace_files
+
+VOLATILE = {"metrics.json": ("mlflow_run_id",), "history.json": ("seconds",)}
+
+
+def _strip(obj: Any, keys: tuple[str, ...]) -> Any:
+    if isinstance(obj, dict):
+        return {k: _strip(v, keys) for k, v in obj.items() if k not in keys}
+    if isinstance(obj, list):
+        return [_strip(v, keys) for v in obj]
+    return obj
+
+
+def run_numbers(root: Path) -> dict[str, Any]:
+    """Every run's metrics and history under ``root/results``, without what differs between equal runs."""
+    found = {}
+    for name, keys in VOLATILE.items():
+        for f in sorted((root / "results").rglob(name)):
+            found[f.relative_to(root).as_posix()] = _strip(json.loads(f.read_text()), keys)
+    return found
+
+
+def _copy_workspace(repo: Path, dest: Path) -> None:
+    for f in workspace_files(repo):
+        (dest / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repo / f, dest / f)
+    git = ["git", "-c", "user.name=fedsilo bench", "-c", "user.email=bench@fedsilo.invalid", "-c", "init.defaultBranch=main"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "--no-verify", "-m", "bench-grid base"]):
+        subprocess.run([*git, *args], cwd=dest, check=True, capture_output=True)
+
+
+def bench_grid(pipeline: str, repo: Path, work: Path, jobs: int = 2, pattern: str = "train_*",
+               tracking_uri: Optional[str] = None, ray_address: Optional[str] = None, cpus_per_run: float = 1.0,
+               log: Callable[[str], None] = print) -> dict[str, Any]:
+    repo, work = Path(repo).resolve(), Path(work).resolve()
+    if work.exists() and any(work.iterdir()):
+        raise GridError(f"bench-grid: {work} is not empty (the arms' copies go there)")
+    base = work / "base"
+    base.mkdir(parents=True)
+    _copy_workspace(repo, base)
+    log(f"bench-grid: building the data and splits once in {base}")
+    t0 = time.monotonic()
+    stages, _ = _prepare(pipeline, base, pattern, tracking_env(tracking_uri, base))
+    prep_s = time.monotonic() - t0
+    if not stages:
+        raise GridError(f"bench-grid: no stage of {pipeline} matching {pattern} is out of date in the copy")
+    arms = ["sequential", "queue"] + (["ray"] if ray_address else [])
+    result: dict[str, Any] = {"pipeline": pipeline, "stages": len(stages), "jobs": jobs, "cpu_count": os.cpu_count(),
+                              "data_and_splits_s": prep_s, "arms": {}}
+    numbers: dict[str, dict[str, Any]] = {}
+    for arm in arms:
+        d = work / arm
+        shutil.copytree(base, d, symlinks=True)
+        shutil.rmtree(d / ".dvc" / "cache" / "runs", ignore_errors=True)  # no arm restores another arm's runs
+        env = tracking_env(tracking_uri, d)
+        log(f"bench-grid: {arm} arm in {d} ({len(stages)} stages)")
+        t = time.monotonic()
+        if arm == "sequential":
+            _dvc(["repro", pipeline], d, env)
+        elif arm == "queue":
+            run_grid(pipeline, d, jobs, pattern=pattern, tracking_uri=tracking_uri, quiet=True)
+        else:
+            _dvc(["remote", "add", "-d", "benchstore", str(work / "remote")], d)
+            run_grid_ray(pipeline, d, ray_address, pattern=pattern, tracking_uri=tracking_uri, cpus_per_run=cpus_per_run,
+                         worker_cache=str(work / "ray-node-cache"), quiet=True, log=log)
+        secs = time.monotonic() - t
+        status = _dvc(["status", pipeline], d).stdout
+        numbers[arm] = run_numbers(d)
+        result["arms"][arm] = {"seconds": secs, "dvc_status_clean": "up to date" in status, "runs": len(numbers[arm])}
+        log(f"bench-grid: {arm}: {secs:.0f} s, dvc status {'clean' if 'up to date' in status else 'NOT clean'}")
+    seq = numbers["sequential"]
+    for arm in arms:
+        a = result["arms"][arm]
+        a["speedup_vs_sequential"] = result["arms"]["sequential"]["seconds"] / a["seconds"]
+        a["differing_files"] = sorted(k for k in set(seq) | set(numbers[arm]) if seq.get(k) != numbers[arm].get(k))
+        a["identical_metrics"] = not a["differing_files"]
+    result["python"] = sys.version.split()[0]
+    return result
+
+
+def format_bench(r: dict[str, Any]) -> str:
+    lines = [f"{r['pipeline']}: {r['stages']} stages, {r['cpu_count']} CPUs (data and splits built once: {r['data_and_splits_s']:.0f} s)",
+             f"{'arm':<12}{'seconds':>9}{'speed-up':>10}  dvc status  metrics = sequential"]
+    for arm, a in r["arms"].items():
+        lines.append(f"{arm:<12}{a['seconds']:>9.0f}{a['speedup_vs_sequential']:>9.2f}x  "
+                     f"{'clean' if a['dvc_status_clean'] else 'NOT clean':<11} "
+                     f"{'yes' if a['identical_metrics'] else 'NO: ' + ', '.join(a['differing_files'][:5])}")
+    return "\n".join(lines)
