@@ -54,7 +54,12 @@ default = "loopback"
 address = "127.0.0.1:$PORT"
 root-certificates = "$C/certs/ca.crt"
 TOML
-for s in "${SITES[@]}"; do flwr supernode register "$WORK/$s/keys/$s.pub" loopback --name "$s"; done
+# each registration's node-id is pinned in federation.yaml: the site's name is then only admitted from its own key
+for s in "${SITES[@]}"; do
+  flwr supernode register "$WORK/$s/keys/$s.pub" loopback --format json \
+    | python -c 'import json,sys; print(json.load(sys.stdin)["node-id"])' > "$WORK/$s/node-id"
+  echo "$s registered as node $(cat "$WORK/$s/node-id")"
+done
 
 echo "== each hospital starts its SuperNode"
 n=0
@@ -76,11 +81,14 @@ python - "$WORK" "$METHOD" > "$C/federation.yaml" <<'PY'
 import json, sys
 import yaml
 work, method = sys.argv[1], sys.argv[2]
-cards = [json.load(open(f"{work}/{s}/data/site/site.json")) for s in ("chexpert", "rsna", "vinbigdata")]
+names = ("chexpert", "rsna", "vinbigdata")
+cards = [json.load(open(f"{work}/{s}/data/site/site.json")) for s in names]
+nodes = [int(open(f"{work}/{s}/node-id").read()) for s in names]
 print(yaml.safe_dump({"name": "loopback_three_hospitals", "method": method, "seed": 0,
                       "train": {"model": "simple_cnn", "rounds": 3, "batch_size": 8, "lr": 0.05, "device": "cpu"},
                       "contract": cards[0]["contract"],
-                      "sites": [{"name": c["site"], "fingerprint": c["fingerprint"]} for c in cards]}, sort_keys=False))
+                      "sites": [{"name": c["site"], "fingerprint": c["fingerprint"], "node_id": n}
+                                for c, n in zip(cards, nodes)]}, sort_keys=False))
 PY
 fedsilo --params "$REPO/params.yaml" deploy app --federation "$C/federation.yaml" --out "$C/app" --results "$C/results"
 RUN=$(flwr run "$C/app" loopback --format json | python -c 'import json,sys; print(json.load(sys.stdin)["run-id"])')

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -39,12 +40,14 @@ def _card(params_file: Path) -> dict:
     return site_card(load_params(params_file), "site", params_file.parent)
 
 
-def _federation(tmp: Path, sites: dict[str, Path], method: str = "fedbn", **pin) -> Path:
-    """The federation of ``sites`` in their dict order (client index = place in it); ``pin``: site -> fingerprint."""
+def _federation(tmp: Path, sites: dict[str, Path], method: str = "fedbn", node_ids: Optional[dict[str, int]] = None, **pin) -> Path:
+    """The federation of ``sites`` in their dict order (client index = place in it); ``pin``: site -> fingerprint;
+    ``node_ids``: site -> the node it must connect as."""
     cards = [_card(p) for p in sites.values()]
     fed = {"name": "three_hospitals", "method": method, "seed": 0, "train": TRAIN,
            "contract": cards[0]["contract"],
-           "sites": [{"name": c["site"], "fingerprint": pin.get(c["site"], c["fingerprint"])} for c in cards]}
+           "sites": [{"name": c["site"], "fingerprint": pin.get(c["site"], c["fingerprint"]),
+                      **({"node_id": node_ids[c["site"]]} if node_ids and c["site"] in node_ids else {})} for c in cards]}
     (tmp / "federation.yaml").write_text(yaml.safe_dump(fed, sort_keys=False))
     return tmp / "federation.yaml"
 
@@ -83,8 +86,8 @@ def test_a_site_split_must_be_one_client(sites, tmp_path):
         _card(folder / "params.yaml")
 
 
-def _deployed(tmp: Path, sites: dict[str, Path], **pin):
-    fed = load_federation(_federation(tmp, sites, **pin))
+def _deployed(tmp: Path, sites: dict[str, Path], node_ids: Optional[dict[str, int]] = None, **pin):
+    fed = load_federation(_federation(tmp, sites, node_ids=node_ids, **pin))
     write_app(fed, load_params(REPO_PARAMS), tmp / "app", results=str(tmp / "results"))
     return tmp / "app"
 
@@ -185,6 +188,25 @@ def test_a_site_harmonized_to_another_contract_or_unlisted_or_twice_is_refused(s
     assert "site 'OpenI' is not one of the federation's 3 sites: refused" in str(err.value)
     assert "site 'CheXpert' refused: another node registered under that name first" in str(err.value)
     assert [kind for kind, _ in grid.replies].count("query.refused") == 2
+
+
+@pytest.mark.usefixtures("identity")
+def test_a_site_name_pinned_to_a_node_is_refused_from_any_other_node(sites, tmp_path):
+    """federation.yaml pins each site to the node-id `flwr supernode register` gave its key: a node registered with
+    another key cannot take the site's name (here RSNA's entry pins the node VinBigData connects as)."""
+    nodes = {_card(p)["site"]: 100 + k for k, p in enumerate(sites.values())}  # SiteGrid's node of each site
+    pins = {**nodes, "RSNA": nodes["VinBigData"]}
+    app = _deployed(tmp_path, sites, node_ids=pins)
+    server, client = _load_apps(app)
+    grid = SiteGrid(client, sites)
+    with pytest.raises(SiteRefused) as err:
+        server._main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={"results-dir": str(tmp_path / "results")}))
+    assert str(err.value) == (f"site 'RSNA' refused: it connected as node {nodes['RSNA']}, but the federation pins RSNA to node "
+                              f"{nodes['VinBigData']} (the node `flwr supernode register` created for RSNA's public key): another "
+                              "site's key, or a re-registered key whose new node-id the coordinator has not pinned")
+    assert [kind for kind, _ in grid.replies].count("query.refused") == 1  # CheXpert and VinBigData came from their nodes
+    with pytest.raises(ConfigError, match=r"sites.0.node_id"):
+        load_federation(_federation(tmp_path, sites, node_ids={"CheXpert": 0}))
 
 
 def test_the_shipped_site_params_and_federation_example_validate(tmp_path):

@@ -157,8 +157,11 @@ def test_three_hospitals_train_over_tls_with_registered_nodes_and_only_shared_te
     (fed.cli_home / "config.toml").write_text(
         f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{fed.address}"\n'
         f'root-certificates = "{certs["ca.crt"]}"\n')
+    node_ids = {}
     for s, params in sites.items():
-        assert fed.flwr("supernode", "register", str(params.parent / "keys" / f"{s}.pub"), CONNECTION)["success"]
+        reg = fed.flwr("supernode", "register", str(params.parent / "keys" / f"{s}.pub"), CONNECTION)
+        assert reg["success"]
+        node_ids[s] = int(reg["node-id"])  # pinned in federation.yaml: each name admitted only from its own key
     # --- each hospital starts its SuperNode with fedsilo's command
     for s, params in sites.items():
         fed.start(f"supernode_{s}", [str(BIN / "fedsilo"), "--params", str(params), "--root", str(params.parent), "site", "supernode",
@@ -178,7 +181,8 @@ def test_three_hospitals_train_over_tls_with_registered_nodes_and_only_shared_te
     fed_file = coordinator / "federation.yaml"
     fed_file.write_text(yaml.safe_dump({
         "name": "three_hospitals", "method": "fedbn", "seed": 0, "train": TRAIN, "contract": cards["rsna"]["contract"],
-        "sites": [{"name": cards[s]["site"], "fingerprint": cards[s]["fingerprint"]} for s in SITE_SOURCES]}, sort_keys=False))
+        "sites": [{"name": cards[s]["site"], "fingerprint": cards[s]["fingerprint"], "node_id": node_ids[s]} for s in SITE_SOURCES]},
+        sort_keys=False))
     results = coordinator / "results"
     fed.fedsilo("--params", str(REPO_PARAMS), "deploy", "app", "--federation", str(fed_file), "--out", str(coordinator / "app"),
                 "--results", str(results), cwd=coordinator)

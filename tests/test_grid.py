@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fedsilo.grid import GridError, run_grid, tracking_env, upstream
+from fedsilo.grid import GridError, batches, run_grid, tracking_env, upstream
 
 PIPE = """
 stages:
@@ -63,8 +63,8 @@ def test_grid_trains_each_stage_once_on_two_workers_and_leaves_the_pipeline_up_t
     monkeypatch.setenv("GRID_LOG", str(log))
     repo = _repo(tmp_path)
     assert upstream("dvc.yaml", repo, "train_*") == ["prep"]
-    r = run_grid("dvc.yaml", repo, jobs=2, quiet=True, poll_s=0.5)
-    assert sorted(r["queued"]) == ["train_g@a", "train_g@b", "train_g@c"]
+    r = run_grid("dvc.yaml", repo, jobs=2, quiet=True, poll_s=0.5, per_experiment=2)  # experiments of 2 stages and of 1
+    assert sorted(r["queued"]) == ["train_g@a", "train_g@b", "train_g@c"] and r["experiments"] == 2
     assert sorted(log.read_text().split()) == ["a", "b", "c"]  # each trained once, by a worker; none again by repro
     assert not any(s.startswith("train_g") for s in r["ran_after"]) and "report" in r["ran_after"]
     assert (repo / "report.txt").read_text() == "a1b1c1"
@@ -95,3 +95,13 @@ def test_workers_log_to_this_workspaces_mlflow_store(tmp_path, monkeypatch):
     assert tracking_env("http://mlflow.example:5000", tmp_path)["MLFLOW_TRACKING_URI"] == "http://mlflow.example:5000"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:///elsewhere")
     assert tracking_env("sqlite:///mlflow.db", tmp_path)["MLFLOW_TRACKING_URI"] == "file:///elsewhere"
+
+
+def test_stages_are_batched_into_about_four_experiments_a_worker():
+    stages = [f"s{i}" for i in range(55)]  # the pFedDB quickstart grid
+    b = batches(stages, jobs=2)
+    assert [len(x) for x in b] == [7] * 7 + [6] and sum(b, []) == stages
+    assert batches(stages[:3], jobs=2) == [["s0"], ["s1"], ["s2"]]
+    assert batches(stages[:3], jobs=2, per_experiment=2) == [["s0", "s1"], ["s2"]]
+    with pytest.raises(GridError, match="--runs-per-experiment"):
+        batches(stages, jobs=2, per_experiment=0)

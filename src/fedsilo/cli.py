@@ -193,8 +193,9 @@ def _grid(args: argparse.Namespace) -> None:
     else:
         from fedsilo.grid import run_grid
 
-        r = run_grid(pipeline, Path(args.root), args.jobs, pattern=args.stages, tracking_uri=uri, keep=args.keep, quiet=args.quiet)
-        where = f"on {args.jobs} workers"
+        r = run_grid(pipeline, Path(args.root), args.jobs, pattern=args.stages, tracking_uri=uri, keep=args.keep, quiet=args.quiet,
+                     per_experiment=args.runs_per_experiment)
+        where = f"on {args.jobs} workers ({r['experiments']} queued experiments)"
     print(f"grid {pipeline}: {len(r['queued'])} stages {where} in {r['grid_s']:.0f} s "
           f"(data and splits {r['prepare_s']:.0f} s, restore and reports {r['restore_and_report_s']:.0f} s)")
 
@@ -207,7 +208,7 @@ def _bench_grid(args: argparse.Namespace) -> None:
     pipeline = (Path(args.params).parent / "dvc.yaml").as_posix()
     r = bench_grid(pipeline, Path(args.root), Path(args.work), jobs=args.jobs, pattern=args.stages,
                    tracking_uri=p.tracking.uri if p.tracking.enabled else None, ray_address=args.ray, cpus_per_run=args.cpus_per_run,
-                   log=(lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr)))
+                   per_experiment=args.runs_per_experiment, log=(lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr)))
     print(format_bench(r))
     if args.json:
         write_json(args.json, r)
@@ -352,6 +353,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--jobs", type=int, default=2, help="queue workers (runs at once; not with --ray)")
     s.add_argument("--stages", default="train_*", help="stage names to queue (shell pattern)")
     s.add_argument("--keep", action="store_true", help="keep the queued experiments (dvc exp show) after restoring them")
+    s.add_argument("--runs-per-experiment", type=int, default=None, help="stages a queued experiment runs (default: "
+                   "about four experiments a worker; DVC's set-up of an experiment costs seconds of CPU)")
     s.add_argument("--ray", metavar="ADDRESS", help="run the stages as tasks on the Ray cluster at ADDRESS (auto, host:6379, "
                    "ray://host:10001) instead of DVC's queue; results travel through the default DVC remote")
     s.add_argument("--cpus-per-run", type=float, default=1.0, help="with --ray: CPUs a run reserves (and its OMP_NUM_THREADS)")
@@ -369,6 +372,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--work", required=True, help="an empty folder for the copies (several times the workspace's data)")
     s.add_argument("--jobs", type=int, default=2, help="queue workers of the queue arm")
     s.add_argument("--stages", default="train_*", help="the grid's stages (shell pattern)")
+    s.add_argument("--runs-per-experiment", type=int, default=None, help="the queue arm's stages a queued experiment "
+                   "(default: about four experiments a worker)")
     s.add_argument("--ray", metavar="ADDRESS", help="also run the Ray arm on the cluster at ADDRESS")
     s.add_argument("--cpus-per-run", type=float, default=1.0, help="the Ray arm's CPUs (and threads) a run; the same "
                    "thread count as the sequential arm gives equal metrics")

@@ -132,11 +132,23 @@ def _restore(pipeline: str, repo: Path, stages: list[str], env: dict[str, str], 
     return ran
 
 
+def batches(stages: list[str], jobs: int, per_experiment: Optional[int] = None) -> list[list[str]]:
+    """The stages in queued experiments of ``per_experiment`` stages each (default: about four experiments a worker,
+    so that DVC's cost of setting up an experiment is paid a few times per worker, not once per run, while the
+    workers still share the work evenly), in order."""
+    if per_experiment is None:
+        per_experiment = max(1, -(-len(stages) // (4 * jobs)))
+    if per_experiment < 1:
+        raise GridError("--runs-per-experiment: at least 1")
+    return [stages[i:i + per_experiment] for i in range(0, len(stages), per_experiment)]
+
+
 def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tracking_uri: Optional[str] = None,
-             keep: bool = False, poll_s: float = 2.0, quiet: bool = False,
+             keep: bool = False, poll_s: float = 2.0, quiet: bool = False, per_experiment: Optional[int] = None,
              log: Callable[[str], None] = print) -> dict[str, object]:
-    """Run ``pipeline``'s out-of-date stages matching ``pattern`` on ``jobs`` DVC queue workers, then ``dvc repro`` it
-    here (restoring them from the run-cache). Returns the stages queued, the seconds each phase took."""
+    """Run ``pipeline``'s out-of-date stages matching ``pattern`` on ``jobs`` DVC queue workers, ``per_experiment``
+    stages to a queued experiment (see :func:`batches`), then ``dvc repro`` it here (restoring them from the
+    run-cache). Returns the stages queued, the seconds each phase took."""
     if jobs < 1:
         raise GridError("--jobs: at least 1")
     repo = Path(repo)
@@ -145,16 +157,16 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
     stages, _ = _prepare(pipeline, repo, pattern, env)
     t_prep = time.monotonic() - t0
     tag = uuid.uuid4().hex[:6]
-    names = {}
-    for i, stage in enumerate(stages):
+    names: dict[str, str] = {}  # experiment -> its stages, comma-separated
+    for i, batch in enumerate(batches(stages, jobs, per_experiment) if stages else []):
         name = f"grid-{tag}-{i:03d}"
-        _dvc(["exp", "run", "--queue", "--name", name, f"{pipeline}:{stage}"], repo, env)
-        names[name] = stage
+        _dvc(["exp", "run", "--queue", "--name", name, *(f"{pipeline}:{stage}" for stage in batch)], repo, env)
+        names[name] = ", ".join(batch)
     t1 = time.monotonic()
     failed: dict[str, str] = {}
     if names:
         _dvc(["queue", "start", "--jobs", str(jobs)], repo, env)
-        bar = Progress(len(names), f"grid {pipeline} ({jobs} workers)", "run", quiet=quiet)
+        bar = Progress(len(stages), f"grid {pipeline} ({jobs} workers, {len(names)} experiments)", "run", quiet=quiet)
         done: set[str] = set()
         idle_polls = 0
         try:
@@ -169,7 +181,8 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
                     idle_polls = 0
                 now = {n for n, s in st.items() if s in ("Success", "Failed")}
                 if now - done:
-                    bar.update(len(now - done), info=f"{sum(s == 'Failed' for s in st.values())} failed", line=True)
+                    runs = sum(len(names[n].split(", ")) for n in now - done)
+                    bar.update(runs, info=f"{sum(s == 'Failed' for s in st.values())} experiments failed", line=True)
                     done |= now
                 failed = {n: names[n] for n, s in st.items() if s == "Failed"}
                 if len(done) == len(names):
@@ -182,10 +195,11 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
     if failed:
         logs = "\n".join(f"--- {stage} (dvc queue logs {n}):\n" + _dvc(["queue", "logs", n], repo, check=False).stdout[-2000:]
                          for n, stage in failed.items())
-        raise GridError(f"{len(failed)} of {len(names)} queued stages failed: {', '.join(failed.values())}\n{logs}")
+        what = "stages" if len(names) == len(stages) else f"experiments ({len(stages)} stages)"
+        raise GridError(f"{len(failed)} of {len(names)} queued {what} failed: {', '.join(failed.values())}\n{logs}")
     t2 = time.monotonic()
     ran = _restore(pipeline, repo, stages, env)
     if names and not keep:
         _dvc(["exp", "remove", *names], repo, check=False)
-    return {"queued": list(names.values()), "jobs": jobs, "prepare_s": t_prep, "grid_s": t_grid,
+    return {"queued": stages, "experiments": len(names), "jobs": jobs, "prepare_s": t_prep, "grid_s": t_grid,
             "restore_and_report_s": time.monotonic() - t2, "ran_after": ran}

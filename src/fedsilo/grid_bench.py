@@ -5,7 +5,8 @@ once (its own DVC cache), then each arm gets a full copy of it whose DVC run-cac
 run another arm trained. The arms run one after the other on the same machine:
 
 - ``sequential``: ``dvc repro <pipeline>``;
-- ``queue``: :func:`fedsilo.grid.run_grid` with ``jobs`` DVC queue workers;
+- ``queue``: :func:`fedsilo.grid.run_grid` with ``jobs`` DVC queue workers (``per_experiment`` stages a queued
+  experiment, default :func:`fedsilo.grid.batches`' choice);
 - ``ray`` (with ``ray_address``): :func:`fedsilo.grid_ray.run_grid_ray` on that cluster, through a DVC remote in
   ``work``.
 
@@ -59,7 +60,7 @@ def _copy_workspace(repo: Path, dest: Path) -> None:
 
 def bench_grid(pipeline: str, repo: Path, work: Path, jobs: int = 2, pattern: str = "train_*",
                tracking_uri: Optional[str] = None, ray_address: Optional[str] = None, cpus_per_run: float = 1.0,
-               log: Callable[[str], None] = print) -> dict[str, Any]:
+               per_experiment: Optional[int] = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     repo, work = Path(repo).resolve(), Path(work).resolve()
     if work.exists() and any(work.iterdir()):
         raise GridError(f"bench-grid: {work} is not empty (the arms' copies go there)")
@@ -86,7 +87,8 @@ def bench_grid(pipeline: str, repo: Path, work: Path, jobs: int = 2, pattern: st
         if arm == "sequential":
             _dvc(["repro", pipeline], d, env)
         elif arm == "queue":
-            run_grid(pipeline, d, jobs, pattern=pattern, tracking_uri=tracking_uri, quiet=True)
+            q = run_grid(pipeline, d, jobs, pattern=pattern, tracking_uri=tracking_uri, quiet=True, per_experiment=per_experiment)
+            result["queued_experiments"] = q["experiments"]
         else:
             _dvc(["remote", "add", "-d", "benchstore", str(work / "remote")], d)
             run_grid_ray(pipeline, d, ray_address, pattern=pattern, tracking_uri=tracking_uri, cpus_per_run=cpus_per_run,

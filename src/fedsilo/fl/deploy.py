@@ -16,8 +16,10 @@ Who holds what:
   command). Its ClientApp reads only that site's split; its store (private layers, personal model) lives in the
   SuperNode's per-run state and never enters a message.
 
-The ServerApp (:func:`server_app`) admits a site only under a listed name and with its pinned fingerprint (anything
-else ends the run before round 1, naming the site and what differs), runs the rounds exactly as the in-process engine
+The ServerApp (:func:`server_app`) admits a site only under a listed name, with its pinned fingerprint and, when the
+site's entry pins a ``node_id`` (the id ``flwr supernode register`` gave the site's public key), only from that node:
+a site cannot register under another's name (anything else ends the run before round 1, naming the site and what
+differs), runs the rounds exactly as the in-process engine
 (fl/flower.py: same sampling, aggregation and evaluation), and writes into ``results-dir`` (a run-config key;
 default ``results/deploy/<federation>/<method>/seed<k>`` under the SuperLink's working directory):
 ``metrics.json`` (the train stage's summary plus every site's fingerprint), ``history.json`` and ``wire.jsonl``: one
@@ -49,6 +51,8 @@ MODULE = "fedsilo_app"  # the App's module: two lines that build the apps from A
 class SiteEntry(Strict):
     name: str = Field(..., min_length=1, description="the site's client name (its split's one client: `fedsilo site card` prints it)")
     fingerprint: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="the sha256 `fedsilo site card` printed at the site")
+    node_id: Optional[int] = Field(None, gt=0, description="the node-id `flwr supernode register <site's .pub>` printed: "
+                                   "the site is admitted only from the node registered with its key")
 
     @field_validator("fingerprint", mode="before")
     @classmethod
@@ -259,7 +263,8 @@ def apps(app_file: Path):
 
     dep = json.loads(Path(app_file).read_text())
     spec = deployment_spec(dep)
-    roster = Roster(tuple(s["name"] for s in dep["sites"]), tuple(s["fingerprint"] for s in dep["sites"]), dep["contract"])
+    roster = Roster(tuple(s["name"] for s in dep["sites"]), tuple(s["fingerprint"] for s in dep["sites"]), dep["contract"],
+                    tuple(s.get("node_id") for s in dep["sites"]))
     server = ServerApp()
 
     @server.main()

@@ -365,15 +365,21 @@ class Roster:
     sites: tuple[str, ...]
     fingerprints: tuple[str, ...]
     contract: dict[str, Any]
+    node_ids: tuple[Optional[int], ...] = ()  # per site, the SuperLink node registered with its key (None: not pinned)
 
-    def admit(self, card: dict[str, Any]) -> int:
-        """The client index of a registering site, or :class:`SiteRefused` naming what is wrong."""
+    def admit(self, card: dict[str, Any], node: Optional[int] = None) -> int:
+        """The client index of a site registering from ``node``, or :class:`SiteRefused` naming what is wrong."""
         from fedsilo.fl.site import contract_mismatch
 
         name = str(card["name"])
         if name not in self.sites:  # the roster is not told to a node it does not list
             raise SiteRefused(f"site {name!r} is not one of the federation's {len(self.sites)} sites: refused")
         k = self.sites.index(name)
+        pinned = self.node_ids[k] if k < len(self.node_ids) else None
+        if pinned is not None and node != pinned:  # a name is only as good as the key it was registered with
+            raise SiteRefused(f"site {name!r} refused: it connected as node {node}, but the federation pins {name} to node "
+                              f"{pinned} (the node `flwr supernode register` created for {name}'s public key): another "
+                              "site's key, or a re-registered key whose new node-id the coordinator has not pinned")
         got, want = str(card.get("fingerprint", "")), self.fingerprints[k]
         if got != want:
             site_contract = {key: card.get(f"contract.{key}") for key in ("task", "classes", "image_shape")}
@@ -431,7 +437,7 @@ class FlowerRun:
             if self.wire:
                 self.wire({"round": 0, "message": "query.register", "site": str(cfg.get("name")), "to": "server", **describe(reply.content)})
             try:
-                index = self.roster.admit(cfg) if self.roster is not None else int(cfg["index"])
+                index = self.roster.admit(cfg, int(node)) if self.roster is not None else int(cfg["index"])
                 if self.roster is not None and index in cards:  # a second node under an admitted name
                     raise SiteRefused(f"site {cfg['name']!r} refused: another node registered under that name first")
             except SiteRefused as err:
