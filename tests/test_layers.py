@@ -24,6 +24,8 @@ LAYERS = {
     "fedsilo.fl": 4,
     "fedsilo.bench": 4,
     "fedsilo.grid": 4,
+    "fedsilo.grid_ray": 4,
+    "fedsilo.grid_bench": 4,
     "fedsilo.cli": 5,
 }
 

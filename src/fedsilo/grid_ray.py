@@ -60,10 +60,12 @@ def _dag(pipeline: str, repo: Path) -> tuple[set[str], dict[str, set[str]]]:
     return nodes, parents
 
 
-def worker_inputs(pipeline: str, repo: Path, stages: list[str]) -> list[str]:
+def worker_inputs(pipeline: str, repo: Path, stages: list[str],
+                  dag: Optional[tuple[set[str], dict[str, set[str]]]] = None) -> list[str]:
     """The stages whose outputs a worker needs to run ``stages`` (names as ``dvc stage list`` gives them, without the
-    file): every stage upstream of them except the DAG's roots (the fetched sources, ``dvc add``-ed files), sorted."""
-    nodes, parents = _dag(pipeline, repo)
+    file): every stage upstream of them except the DAG's roots (the fetched sources, ``dvc add``-ed files), sorted.
+    ``dag``: :func:`_dag`'s answer, when already at hand."""
+    nodes, parents = dag or _dag(pipeline, repo)
     wanted = {n for n in nodes if n.rpartition(":")[2] in stages}
     need: set[str] = set()
     todo = [p for n in wanted for p in parents.get(n, ())]
@@ -195,9 +197,11 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = "train_
     env = tracking_env(tracking_uri, repo)
     t0 = time.monotonic()
     stages, _ = _prepare(pipeline, repo, pattern, env)
-    inputs = worker_inputs(pipeline, repo, stages) if stages else []
+    dag = _dag(pipeline, repo) if stages else None
+    inputs = worker_inputs(pipeline, repo, stages, dag) if stages else []
     if inputs:
         _dvc(["push", *inputs], repo, env)
+    own = {s: worker_inputs(pipeline, repo, [s], dag) for s in stages}  # a run pulls its own experiment's data only
     t_prep = time.monotonic() - t0
     placed: list[dict[str, Any]] = []
     nodes: list[dict[str, Any]] = []
@@ -219,7 +223,7 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = "train_
             task = ray.remote(run_stage)
             env_vars = {k: env[k] for k in ("MLFLOW_TRACKING_URI",) if k in env}
             pending = {task.options(num_cpus=cpus_per_run, num_gpus=gpus_per_run, max_retries=0, name=f"fedsilo {s}")
-                       .remote(ref, pipeline, s, inputs, env_vars, worker_cache): s for s in stages}
+                       .remote(ref, pipeline, s, own[s], env_vars, worker_cache): s for s in stages}
             bar = Progress(len(stages), f"grid {pipeline} (Ray, {cpus_per_run:g} CPU / {gpus_per_run:g} GPU a run)", "run", quiet=quiet)
             try:
                 while pending:
