@@ -57,15 +57,21 @@ def stale_stages(pipeline: str, repo: Path, pattern: str) -> list[str]:
     return [n for n in names if fnmatch.fnmatch(n, pattern) and n in stale]
 
 
-def upstream(pipeline: str, repo: Path, pattern: str) -> list[str]:
-    """The stages the matching stages depend on, directly or not (never a matching stage, never one downstream of
-    one), from ``dvc dag --dot``: the targets to reproduce before the grid, each ``dvc repro``-able."""
+def dag(pipeline: str, repo: Path) -> tuple[set[str], dict[str, set[str]]]:
+    """``dvc dag --dot``'s stages and, for each, the stages it depends on."""
     dot = _dvc(["dag", "--dot", pipeline], repo).stdout
     edges = re.findall(r'"([^"]+)"\s*->\s*"([^"]+)"', dot)
     nodes = set(re.findall(r'^"([^"]+)";', dot, flags=re.M)) | {n for e in edges for n in e}
     parents: dict[str, set[str]] = {}
     for a, b in edges:
         parents.setdefault(b, set()).add(a)
+    return nodes, parents
+
+
+def upstream(pipeline: str, repo: Path, pattern: str) -> list[str]:
+    """The stages the matching stages depend on, directly or not (never a matching stage, never one downstream of
+    one), from ``dvc dag --dot``: the targets to reproduce before the grid, each ``dvc repro``-able."""
+    nodes, parents = dag(pipeline, repo)
     matched = {n for n in nodes if fnmatch.fnmatch(n.rpartition(":")[2], pattern)}
     need: set[str] = set()
     todo = [p for n in matched for p in parents.get(n, ())]

@@ -44,20 +44,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from fedsilo.grid import GridError, _dvc, _prepare, _restore, tracking_env
+from fedsilo.grid import dag as _dag
 from fedsilo.utils.progress import Progress
 
 DEFAULT_WORKER_CACHE = "~/.cache/fedsilo/grid-dvc"
 BUNDLE_LIMIT = 256 * 1024 * 1024  # a workspace (code, params, locks) is a few MiB; more means data is not ignored
-
-
-def _dag(pipeline: str, repo: Path) -> tuple[set[str], dict[str, set[str]]]:
-    dot = _dvc(["dag", "--dot", pipeline], repo).stdout
-    edges = re.findall(r'"([^"]+)"\s*->\s*"([^"]+)"', dot)
-    nodes = set(re.findall(r'^"([^"]+)";', dot, flags=re.M)) | {n for e in edges for n in e}
-    parents: dict[str, set[str]] = {}
-    for a, b in edges:
-        parents.setdefault(b, set()).add(a)
-    return nodes, parents
 
 
 def worker_inputs(pipeline: str, repo: Path, stages: list[str],
