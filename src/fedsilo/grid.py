@@ -68,19 +68,24 @@ def dag(pipeline: str, repo: Path) -> tuple[set[str], dict[str, set[str]]]:
     return nodes, parents
 
 
+def ancestors(parents: dict[str, set[str]], stages: set[str]) -> set[str]:
+    """Every stage ``stages`` depend on, directly or not, that is not one of them (``parents`` as :func:`dag` gives)."""
+    need: set[str] = set()
+    todo = [p for n in stages for p in parents.get(n, ())]
+    while todo:
+        n = todo.pop()
+        if n in need or n in stages:
+            continue
+        need.add(n)
+        todo.extend(parents.get(n, ()))
+    return need
+
+
 def upstream(pipeline: str, repo: Path, pattern: str) -> list[str]:
     """The stages the matching stages depend on, directly or not (never a matching stage, never one downstream of
     one), from ``dvc dag --dot``: the targets to reproduce before the grid, each ``dvc repro``-able."""
     nodes, parents = dag(pipeline, repo)
-    matched = {n for n in nodes if fnmatch.fnmatch(n.rpartition(":")[2], pattern)}
-    need: set[str] = set()
-    todo = [p for n in matched for p in parents.get(n, ())]
-    while todo:
-        n = todo.pop()
-        if n in need or n in matched:
-            continue
-        need.add(n)
-        todo.extend(parents.get(n, ()))
+    need = ancestors(parents, {n for n in nodes if fnmatch.fnmatch(n.rpartition(":")[2], pattern)})
     # only the stages nothing else in `need` depends on: reproducing them brings their own upstream
     leaves = {n for n in need if not any(n in parents.get(m, ()) for m in need)}
     return sorted(leaves)
@@ -114,15 +119,14 @@ def tracking_env(uri: Optional[str], repo: Path) -> dict[str, str]:
     return env
 
 
-def _prepare(pipeline: str, repo: Path, pattern: str, env: dict[str, str]) -> tuple[list[str], list[str]]:
+def _prepare(pipeline: str, repo: Path, pattern: str, env: dict[str, str]) -> list[str]:
     """The out-of-date stages matching ``pattern``, after reproducing here, once, what they need (data, splits)."""
     if not (repo / pipeline).exists():
         raise GridError(f"{pipeline}: no such dvc.yaml under {repo}")
-    leaves = upstream(pipeline, repo, pattern)
-    for target in leaves:  # data and splits first, here, once: the workers find them cached (queue) or pulled (Ray)
-        _dvc(["repro", target], repo, env)
+    for target in upstream(pipeline, repo, pattern):  # data and splits first, here, once: the workers find them
+        _dvc(["repro", target], repo, env)            # cached (queue) or pulled (Ray)
     # only now: a changed input upstream (a source, a split's params) makes its train stages stale once it is rebuilt
-    return stale_stages(pipeline, repo, pattern), leaves
+    return stale_stages(pipeline, repo, pattern)
 
 
 def _restore(pipeline: str, repo: Path, stages: list[str], env: dict[str, str], pull: bool = False) -> list[str]:
@@ -160,16 +164,16 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
     repo = Path(repo)
     env = tracking_env(tracking_uri, repo)
     t0 = time.monotonic()
-    stages, _ = _prepare(pipeline, repo, pattern, env)
+    stages = _prepare(pipeline, repo, pattern, env)
     t_prep = time.monotonic() - t0
     tag = uuid.uuid4().hex[:6]
-    names: dict[str, str] = {}  # experiment -> its stages, comma-separated
+    names: dict[str, list[str]] = {}  # experiment -> its stages
     for i, batch in enumerate(batches(stages, jobs, per_experiment) if stages else []):
         name = f"grid-{tag}-{i:03d}"
         _dvc(["exp", "run", "--queue", "--name", name, *(f"{pipeline}:{stage}" for stage in batch)], repo, env)
-        names[name] = ", ".join(batch)
+        names[name] = batch
     t1 = time.monotonic()
-    failed: dict[str, str] = {}
+    failed: dict[str, list[str]] = {}
     if names:
         _dvc(["queue", "start", "--jobs", str(jobs)], repo, env)
         bar = Progress(len(stages), f"grid {pipeline} ({jobs} workers, {len(names)} experiments)", "run", quiet=quiet)
@@ -187,8 +191,7 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
                     idle_polls = 0
                 now = {n for n, s in st.items() if s in ("Success", "Failed")}
                 if now - done:
-                    runs = sum(len(names[n].split(", ")) for n in now - done)
-                    bar.update(runs, info=f"{sum(s == 'Failed' for s in st.values())} experiments failed", line=True)
+                    bar.update(sum(len(names[n]) for n in now - done), info=f"{sum(s == 'Failed' for s in st.values())} experiments failed", line=True)
                     done |= now
                 failed = {n: names[n] for n, s in st.items() if s == "Failed"}
                 if len(done) == len(names):
@@ -199,10 +202,10 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
             _dvc(["queue", "stop"], repo, env, check=False)
     t_grid = time.monotonic() - t1
     if failed:
-        logs = "\n".join(f"--- {stage} (dvc queue logs {n}):\n" + _dvc(["queue", "logs", n], repo, check=False).stdout[-2000:]
-                         for n, stage in failed.items())
+        logs = "\n".join(f"--- {', '.join(batch)} (dvc queue logs {n}):\n" + _dvc(["queue", "logs", n], repo, check=False).stdout[-2000:]
+                         for n, batch in failed.items())
         what = "stages" if len(names) == len(stages) else f"experiments ({len(stages)} stages)"
-        raise GridError(f"{len(failed)} of {len(names)} queued {what} failed: {', '.join(failed.values())}\n{logs}")
+        raise GridError(f"{len(failed)} of {len(names)} queued {what} failed: {', '.join(s for b in failed.values() for s in b)}\n{logs}")
     t2 = time.monotonic()
     ran = _restore(pipeline, repo, stages, env)
     if names and not keep:

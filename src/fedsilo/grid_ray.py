@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from fedsilo.grid import GridError, _dvc, _prepare, _restore, tracking_env
+from fedsilo.grid import GridError, _dvc, _prepare, _restore, ancestors, tracking_env
 from fedsilo.grid import dag as _dag
 from fedsilo.utils.progress import Progress
 
@@ -57,15 +57,7 @@ def worker_inputs(pipeline: str, repo: Path, stages: list[str],
     file): every stage upstream of them except the DAG's roots (the fetched sources, ``dvc add``-ed files), sorted.
     ``dag``: :func:`_dag`'s answer, when already at hand."""
     nodes, parents = dag or _dag(pipeline, repo)
-    wanted = {n for n in nodes if n.rpartition(":")[2] in stages}
-    need: set[str] = set()
-    todo = [p for n in wanted for p in parents.get(n, ())]
-    while todo:
-        n = todo.pop()
-        if n in need or n in wanted:
-            continue
-        need.add(n)
-        todo.extend(parents.get(n, ()))
+    need = ancestors(parents, {n for n in nodes if n.rpartition(":")[2] in stages})
     return sorted(n for n in need if parents.get(n))
 
 
@@ -117,9 +109,8 @@ def run_stage(workspace: bytes, pipeline: str, stage: str, inputs: list[str], en
     try:
         with tarfile.open(fileobj=io.BytesIO(workspace), mode="r:gz") as tar:
             tar.extractall(tmp, filter="data")
-        env = dict(os.environ)
+        env = tracking_env(None, tmp)  # this node's environment, its interpreter's `dvc` / `fedsilo` first on PATH
         env.update(env_vars)
-        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         env["PYTHONPATH"] = os.pathsep.join([str(tmp / "src"), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
         git = ["git", "-c", "user.name=fedsilo grid", "-c", "user.email=grid@fedsilo.invalid", "-c", "init.defaultBranch=main"]
         _run([*git, "init", "-q"], tmp, env, "git init", log)
@@ -187,12 +178,12 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = "train_
                         "gs://, a shared folder), credentials in each machine's .dvc/config.local or environment")
     env = tracking_env(tracking_uri, repo)
     t0 = time.monotonic()
-    stages, _ = _prepare(pipeline, repo, pattern, env)
+    stages = _prepare(pipeline, repo, pattern, env)
     dag = _dag(pipeline, repo) if stages else None
-    inputs = worker_inputs(pipeline, repo, stages, dag) if stages else []
+    own = {s: worker_inputs(pipeline, repo, [s], dag) for s in stages}  # a run pulls its own experiment's data only
+    inputs = sorted({i for ins in own.values() for i in ins})
     if inputs:
         _dvc(["push", *inputs], repo, env)
-    own = {s: worker_inputs(pipeline, repo, [s], dag) for s in stages}  # a run pulls its own experiment's data only
     t_prep = time.monotonic() - t0
     placed: list[dict[str, Any]] = []
     nodes: list[dict[str, Any]] = []
