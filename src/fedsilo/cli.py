@@ -179,10 +179,14 @@ def _bench(args: argparse.Namespace) -> None:
         write_json(args.json, r)
 
 
+def _grid_target(args: argparse.Namespace) -> tuple[str, str | None]:
+    """The dvc.yaml beside --params, and the tracking URI its runs log to (None when tracking is off)."""
+    p = config.load_params(args.params)  # no method import
+    return (Path(args.params).parent / "dvc.yaml").as_posix(), (p.tracking.uri if p.tracking.enabled else None)
+
+
 def _grid(args: argparse.Namespace) -> None:
-    p = config.load_params(args.params)  # the tracking URI the workers log to; no method import
-    pipeline = (Path(args.params).parent / "dvc.yaml").as_posix()
-    uri = p.tracking.uri if p.tracking.enabled else None
+    pipeline, uri = _grid_target(args)
     if args.ray:
         from fedsilo.grid_ray import run_grid_ray
 
@@ -204,10 +208,9 @@ def _bench_grid(args: argparse.Namespace) -> None:
     from fedsilo.grid_bench import bench_grid, format_bench
     from fedsilo.utils.io import write_json
 
-    p = config.load_params(args.params)
-    pipeline = (Path(args.params).parent / "dvc.yaml").as_posix()
+    pipeline, uri = _grid_target(args)
     r = bench_grid(pipeline, Path(args.root), Path(args.work), jobs=args.jobs, pattern=args.stages,
-                   tracking_uri=p.tracking.uri if p.tracking.enabled else None, ray_address=args.ray, cpus_per_run=args.cpus_per_run,
+                   tracking_uri=uri, ray_address=args.ray, cpus_per_run=args.cpus_per_run,
                    per_experiment=args.runs_per_experiment, log=(lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr)))
     print(format_bench(r))
     if args.json:
@@ -316,6 +319,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     common.add_argument("--params", default=argparse.SUPPRESS, help="parameters file (default: params.yaml)")
     common.add_argument("--root", default=argparse.SUPPRESS, help="repository root (default: .)")
     common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress bars or lines")
+    # what `grid` and `bench-grid` both take: the queue's workers and batches, the stages, the Ray cluster and a run's CPUs
+    grid_opts = argparse.ArgumentParser(add_help=False)
+    grid_opts.add_argument("--jobs", type=int, default=2, help="DVC queue workers (runs at once; not with grid --ray)")
+    grid_opts.add_argument("--stages", default="train_*", help="the grid's stages (shell pattern)")
+    grid_opts.add_argument("--runs-per-experiment", type=int, default=None, help="stages a queued experiment runs (default: "
+                           "about four experiments a worker; DVC's set-up of an experiment costs seconds of CPU)")
+    grid_opts.add_argument("--ray", metavar="ADDRESS", help="the Ray cluster at ADDRESS (auto, host:6379, ray://host:10001): "
+                           "grid runs the stages there instead of DVC's queue, results through the default DVC remote; "
+                           "bench-grid times that as a third arm")
+    grid_opts.add_argument("--cpus-per-run", type=float, default=1.0, help="with --ray: CPUs a run reserves (and its "
+                           "OMP_NUM_THREADS; the sequential run's thread count gives equal metrics)")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="command")
     s = sub.add_parser("fetch", parents=[common], help="bring one raw source into data/raw/<source>/", formatter_class=fmt, epilog=_listing(known, "sources"))
     s.add_argument("--source", required=True)
@@ -345,38 +359,25 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    "pFedDIL's lambda (Table 6) and against the split's alpha (Fig. 2) -> results/.../report/sensitivity/")
     s.set_defaults(fn=_report)
     s = sub.add_parser(
-        "grid", parents=[common], formatter_class=fmt,
+        "grid", parents=[common, grid_opts], formatter_class=fmt,
         help="a pipeline's out-of-date train stages on several DVC queue workers or a Ray cluster, then dvc repro (nothing trains twice)",
         description="Runs the dvc.yaml beside --params: its data and splits here, then every out-of-date stage matching "
         "--stages as a queued DVC experiment on --jobs workers (dvc exp run --queue, dvc queue start), then dvc repro, "
-        "which restores those stages from DVC's run-cache and runs the reports. dvc status is clean afterwards.")
-    s.add_argument("--jobs", type=int, default=2, help="queue workers (runs at once; not with --ray)")
-    s.add_argument("--stages", default="train_*", help="stage names to queue (shell pattern)")
+        "which restores those stages from DVC's run-cache and runs the reports. dvc status is clean afterwards. With --ray "
+        "the stages run as Ray tasks on that cluster instead, their data and results through the default DVC remote.")
     s.add_argument("--keep", action="store_true", help="keep the queued experiments (dvc exp show) after restoring them")
-    s.add_argument("--runs-per-experiment", type=int, default=None, help="stages a queued experiment runs (default: "
-                   "about four experiments a worker; DVC's set-up of an experiment costs seconds of CPU)")
-    s.add_argument("--ray", metavar="ADDRESS", help="run the stages as tasks on the Ray cluster at ADDRESS (auto, host:6379, "
-                   "ray://host:10001) instead of DVC's queue; results travel through the default DVC remote")
-    s.add_argument("--cpus-per-run", type=float, default=1.0, help="with --ray: CPUs a run reserves (and its OMP_NUM_THREADS)")
     s.add_argument("--gpus-per-run", type=float, default=0.0, help="with --ray: GPUs a run reserves (0.5: two runs share one)")
     s.add_argument("--worker-cache", default="~/.cache/fedsilo/grid-dvc", help="with --ray: each node's DVC cache, shared by "
                    "its runs ('' for one per run)")
     s.set_defaults(fn=_grid)
     s = sub.add_parser(
-        "bench-grid", parents=[common], formatter_class=fmt,
+        "bench-grid", parents=[common, grid_opts], formatter_class=fmt,
         help="time a pipeline's grid (DVC queue, optionally Ray) against a sequential dvc repro, in copies of the workspace",
         description="Copies the workspace to --work, builds the data and splits once there, then runs the dvc.yaml beside "
         "--params three ways from that same state, one after the other: sequential dvc repro, fedsilo grid --jobs N, and "
         "with --ray fedsilo grid --ray. Prints each arm's seconds, its speed-up over sequential, whether dvc status is "
         "clean, and whether every run's metrics equal the sequential ones. Not a test: it reports numbers.")
     s.add_argument("--work", required=True, help="an empty folder for the copies (several times the workspace's data)")
-    s.add_argument("--jobs", type=int, default=2, help="queue workers of the queue arm")
-    s.add_argument("--stages", default="train_*", help="the grid's stages (shell pattern)")
-    s.add_argument("--runs-per-experiment", type=int, default=None, help="the queue arm's stages a queued experiment "
-                   "(default: about four experiments a worker)")
-    s.add_argument("--ray", metavar="ADDRESS", help="also run the Ray arm on the cluster at ADDRESS")
-    s.add_argument("--cpus-per-run", type=float, default=1.0, help="the Ray arm's CPUs (and threads) a run; the same "
-                   "thread count as the sequential arm gives equal metrics")
     s.add_argument("--json", help="also write the result as JSON here")
     s.set_defaults(fn=_bench_grid)
     s = sub.add_parser(

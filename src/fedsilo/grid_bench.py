@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from fedsilo.grid import GridError, _dvc, _prepare, run_grid, tracking_env
-from fedsilo.grid_ray import run_grid_ray, workspace_files
+from fedsilo.grid_ray import run_grid_ray, snapshot_commands, workspace_files
 
 VOLATILE = {"metrics.json": ("mlflow_run_id",), "history.json": ("seconds",)}
 
@@ -53,9 +53,8 @@ def _copy_workspace(repo: Path, dest: Path) -> None:
     for f in workspace_files(repo):
         (dest / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(repo / f, dest / f)
-    git = ["git", "-c", "user.name=fedsilo bench", "-c", "user.email=bench@fedsilo.invalid", "-c", "init.defaultBranch=main"]
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "--no-verify", "-m", "bench-grid base"]):
-        subprocess.run([*git, *args], cwd=dest, check=True, capture_output=True)
+    for _, cmd in snapshot_commands("bench", "bench-grid base"):
+        subprocess.run(cmd, cwd=dest, check=True, capture_output=True)
 
 
 def bench_grid(pipeline: str, repo: Path, work: Path, jobs: int = 2, pattern: str = "train_*",

@@ -90,6 +90,14 @@ def bundle(repo: Path) -> bytes:
     return buf.getvalue()
 
 
+def snapshot_commands(who: str, message: str) -> list[tuple[str, list[str]]]:
+    """(step, git command) that make a folder of workspace files a repository of one commit holding them (DVC wants a
+    git repository), committed as ``fedsilo <who>``."""
+    git = ["git", "-c", f"user.name=fedsilo {who}", "-c", f"user.email={who}@fedsilo.invalid", "-c", "init.defaultBranch=main"]
+    return [("git init", [*git, "init", "-q"]), ("git add", [*git, "add", "-A"]),
+            ("git commit", [*git, "commit", "-q", "--no-verify", "-m", message])]
+
+
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], what: str, log: list[str]) -> str:
     r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     log.append(f"$ {' '.join(cmd[2:] if cmd[:2] == [sys.executable, '-m'] else cmd)}\n{r.stdout}{r.stderr}")
@@ -112,10 +120,8 @@ def run_stage(workspace: bytes, pipeline: str, stage: str, inputs: list[str], en
         env = tracking_env(None, tmp)  # this node's environment, its interpreter's `dvc` / `fedsilo` first on PATH
         env.update(env_vars)
         env["PYTHONPATH"] = os.pathsep.join([str(tmp / "src"), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
-        git = ["git", "-c", "user.name=fedsilo grid", "-c", "user.email=grid@fedsilo.invalid", "-c", "init.defaultBranch=main"]
-        _run([*git, "init", "-q"], tmp, env, "git init", log)
-        _run([*git, "add", "-A"], tmp, env, "git add", log)
-        _run([*git, "commit", "-q", "--no-verify", "-m", "fedsilo grid workspace"], tmp, env, "git commit", log)
+        for step, cmd in snapshot_commands("grid", "fedsilo grid workspace"):
+            _run(cmd, tmp, env, step, log)
         dvc = [sys.executable, "-m", "dvc"]
         if worker_cache:
             cache = Path(os.path.expanduser(worker_cache))
