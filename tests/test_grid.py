@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -37,9 +38,9 @@ def _dvc(*args: str, cwd: Path) -> str:
     return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
 
 
-def _repo(tmp: Path, fail: str = "None", sub: bool = False) -> Path:
-    """A repository with the pipeline at its root, or (``sub``) in pipelines/demo/dvc.yaml running at the root, as
-    the paper pipelines do."""
+def _repo(tmp: Path, fail: str = "None", sub: bool = False, pipe: str = PIPE, remote: Optional[Path] = None) -> Path:
+    """A repository with the pipeline ``pipe`` (its ``{fail}`` replaced) at its root, or (``sub``) in
+    pipelines/demo/dvc.yaml running at the root, as the paper pipelines do; ``remote``: its default DVC remote."""
     repo = tmp / "repo"
     repo.mkdir()
     git = ["git", "-c", "init.defaultBranch=main"]
@@ -47,8 +48,10 @@ def _repo(tmp: Path, fail: str = "None", sub: bool = False) -> Path:
     for k, v in (("user.email", "grid@test"), ("user.name", "grid test")):
         subprocess.run(["git", "config", k, v], cwd=repo, check=True)
     _dvc("init", "-q", cwd=repo)
+    if remote is not None:
+        _dvc("remote", "add", "-d", "store", str(remote), cwd=repo)
     (repo / "dep.txt").write_text("1")
-    text = PIPE.replace("{fail}", fail)
+    text = pipe.replace("{fail}", fail)
     if sub:  # every stage runs at the repository root
         text = re.sub(r"^( +)cmd:", lambda m: f"{m.group(1)}wdir: ../..\n{m.group(1)}cmd:", text, flags=re.M)
         (repo / "pipelines" / "demo").mkdir(parents=True)

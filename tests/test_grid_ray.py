@@ -7,7 +7,6 @@ to the workers is the workspace's code and params, never ignored data or .dvc/co
 from __future__ import annotations
 
 import io
-import re
 import subprocess
 import sys
 import tarfile
@@ -20,6 +19,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from fedsilo.grid import GridError  # noqa: E402
 from fedsilo.grid_ray import bundle, run_grid_ray, worker_inputs  # noqa: E402
+from tests.test_grid import _repo as grid_repo  # noqa: E402
 
 PIPE = """
 stages:
@@ -50,24 +50,9 @@ def _dvc(*args: str, cwd: Path) -> str:
 
 
 def _repo(tmp: Path, fail: str = "None", sub: bool = False) -> Path:
-    """A repository with the pipeline at its root, or (``sub``) in pipelines/demo/dvc.yaml running at the root, as
-    the paper pipelines do."""
-    repo = tmp / "repo"
-    repo.mkdir()
-    git = ["git", "-c", "init.defaultBranch=main"]
-    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
-    for k, v in (("user.email", "grid@test"), ("user.name", "grid test")):
-        subprocess.run(["git", "config", k, v], cwd=repo, check=True)
-    _dvc("init", "-q", cwd=repo)
-    _dvc("remote", "add", "-d", "store", str(tmp / "remote"), cwd=repo)
-    (repo / "dep.txt").write_text("1")
-    text = PIPE.replace("{fail}", fail).replace("{log}", str(tmp / "runs.log"))
-    if sub:  # every stage runs at the repository root
-        text = re.sub(r"^( +)cmd:", lambda m: f"{m.group(1)}wdir: ../..\n{m.group(1)}cmd:", text, flags=re.M)
-        (repo / "pipelines" / "demo").mkdir(parents=True)
-    (repo / ("pipelines/demo/dvc.yaml" if sub else "dvc.yaml")).write_text(text)
-    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
-    subprocess.run(["git", "commit", "-qm", "init"], cwd=repo, check=True)
+    """test_grid's repository with this file's pipeline (its log in ``tmp``) and a local default remote, plus what must
+    never reach a worker."""
+    repo = grid_repo(tmp, fail, sub, pipe=PIPE.replace("{log}", str(tmp / "runs.log")), remote=tmp / "remote")
     # never sent to a worker: credentials of this machine, data git ignores
     (repo / ".dvc" / "config.local").write_text("['remote \"vault\"']\n    url = https://dvc.example.invalid/store\n"
                                                 "    password = not-for-workers\n")
