@@ -220,10 +220,12 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = "train_
                         stage = pending.pop(d)
                         try:
                             placed.append(ray.get(d))
+                            last = f"{stage} on {placed[-1]['host']}"
                         except Exception as err:  # noqa: BLE001 - a task's error: collected, reported after the rest
                             cause = getattr(err, "cause", None) or err
                             failed[stage] = str(cause)
-                        bar.update(1, info=f"{len(failed)} failed, last {stage} on {placed[-1]['host'] if placed else '?'}", line=True)
+                            last = f"{stage} failed"
+                        bar.update(1, info=f"{len(failed)} failed, last {last}", line=True)
             finally:
                 bar.close()
         finally:
