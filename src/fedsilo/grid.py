@@ -91,9 +91,9 @@ def upstream(pipeline: str, repo: Path, pattern: str) -> list[str]:
     return sorted(leaves)
 
 
-def queue_status(repo: Path, workers: Optional[list[int]] = None) -> dict[str, str]:
-    """Experiment name -> status (Queued, Running, Success, Failed, ...) from ``dvc queue status``; ``workers``, when
-    given, receives the number of live queue workers (active + idle)."""
+def queue_status(repo: Path) -> tuple[dict[str, str], Optional[int]]:
+    """Experiment name -> status (Queued, Running, Success, Failed, ...) from ``dvc queue status``, and the number of
+    live queue workers (active + idle; None when DVC does not say)."""
     out = _dvc(["queue", "status"], repo).stdout
     found = {}
     for line in out.splitlines():
@@ -101,9 +101,7 @@ def queue_status(repo: Path, workers: Optional[list[int]] = None) -> dict[str, s
         if len(parts) >= 4 and re.fullmatch(r"[0-9a-f]{7,}", parts[0]):
             found[parts[1]] = parts[-1]
     m = re.search(r"Worker status: (\d+) active, (\d+) idle", out)
-    if workers is not None and m:
-        workers.append(int(m.group(1)) + int(m.group(2)))
-    return found
+    return found, (int(m.group(1)) + int(m.group(2)) if m else None)
 
 
 def tracking_env(uri: Optional[str], repo: Path) -> dict[str, str]:
@@ -181,11 +179,11 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
         idle_polls = 0
         try:
             while True:
-                live: list[int] = []
-                st = {n: s for n, s in queue_status(repo, live).items() if n in names}
+                status, live = queue_status(repo)
+                st = {n: s for n, s in status.items() if n in names}
                 # DVC's workers exit when they find the queue empty; one that exits while a task is still being queued
                 # (seen after a `dvc queue stop` in the same repository) leaves it Queued with nobody to run it
-                idle_polls = idle_polls + 1 if live == [0] and any(s == "Queued" for s in st.values()) else 0
+                idle_polls = idle_polls + 1 if live == 0 and any(s == "Queued" for s in st.values()) else 0
                 if idle_polls >= 3:
                     _dvc(["queue", "start", "--jobs", str(jobs)], repo, env)
                     idle_polls = 0
