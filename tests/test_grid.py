@@ -12,7 +12,7 @@ from typing import Optional
 
 import pytest
 
-from fedsilo.grid import GridError, batches, run_grid, tracking_env, upstream
+from fedsilo.grid import GridError, batches, run_grid, stop_workers, tracking_env, upstream
 
 PIPE = """
 stages:
@@ -108,3 +108,23 @@ def test_stages_are_batched_into_about_four_experiments_a_worker():
     assert batches(stages[:3], jobs=2, per_experiment=2) == [["s0", "s1"], ["s2"]]
     with pytest.raises(GridError, match="--runs-per-experiment"):
         batches(stages, jobs=2, per_experiment=0)
+
+
+def test_a_queue_worker_that_misses_the_stop_is_ended_and_others_are_left_alone(tmp_path):
+    # DVC 3.67's worker started while `dvc queue stop` is broadcast idles forever; the grid must not leave it behind
+    repo, other = tmp_path / "repo", tmp_path / "other"
+    repo.mkdir()
+    other.mkdir()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)", "exp", "queue-worker", "dvc-exp-x-1@localhost"]
+    stuck = subprocess.Popen(sleeper, cwd=repo)
+    elsewhere = subprocess.Popen(sleeper, cwd=other)
+    try:
+        said: list[str] = []
+        assert stop_workers(repo, grace_s=1.0, log=said.append) == 1
+        assert stuck.wait(timeout=10) is not None
+        assert elsewhere.poll() is None
+        assert str(stuck.pid) in said[0]
+    finally:
+        for p in (stuck, elsewhere):
+            p.kill()
+            p.wait()

@@ -104,6 +104,36 @@ def queue_status(repo: Path) -> tuple[dict[str, str], Optional[int]]:
     return found, (int(m.group(1)) + int(m.group(2)) if m else None)
 
 
+def stop_workers(repo: Path, env: Optional[dict[str, str]] = None, grace_s: float = 30.0,
+                 log: Callable[[str], None] = print) -> int:
+    """``dvc queue stop``, then end this repository's DVC queue workers that outlive it by ``grace_s`` seconds: a
+    worker started while the stop was broadcast misses it and idles forever (seen with DVC 3.67's filesystem broker),
+    holding the repository's queue. Returns how many had to be terminated."""
+    import psutil
+
+    _dvc(["queue", "stop"], repo, env, check=False)
+    root = str(Path(repo).resolve())
+
+    def workers() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["cmdline", "cwd"]):
+            cmd = p.info["cmdline"] or []
+            if "queue-worker" in cmd and "exp" in cmd and p.info["cwd"] == root:
+                found.append(p)
+        return found
+
+    deadline = time.monotonic() + grace_s
+    left = workers()
+    while left and time.monotonic() < deadline:
+        time.sleep(1.0)
+        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for p in left:
+        log(f"grid: DVC queue worker {p.pid} ({' '.join(p.info['cmdline'][-2:])}) did not stop; terminating it")
+        p.terminate()
+    psutil.wait_procs(left, timeout=10)
+    return len(left)
+
+
 def tracking_env(uri: Optional[str], repo: Path) -> dict[str, str]:
     """The environment for the workers: a relative sqlite tracking URI made absolute against ``repo``."""
     env = dict(os.environ)
@@ -197,7 +227,7 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
                 time.sleep(poll_s)
         finally:
             bar.close()
-            _dvc(["queue", "stop"], repo, env, check=False)
+            stop_workers(repo, env, log=log)
     t_grid = time.monotonic() - t1
     if failed:
         logs = "\n".join(f"--- {', '.join(batch)} (dvc queue logs {n}):\n" + _dvc(["queue", "logs", n], repo, check=False).stdout[-2000:]
