@@ -134,3 +134,28 @@ def test_resolved_method_values_reach_metrics_and_mlflow_and_client_models_are_k
     assert len(final["stores"]) == 4 and all(any(k.startswith("private.") for k in s) for s in final["stores"])
     # keeping the stores changes what is saved, not what is trained: the same numbers
     assert json.loads((root / "results/quick/pfeddb/seed0/metrics.json").read_text())["mean_acc"] == met["mean_acc"]
+
+
+def test_parallel_runs_share_a_fresh_sqlite_store_that_the_grid_created_first(tmp_path):
+    # two grid workers starting at once on a store nobody created yet: MLflow builds its tables in both ("duplicate
+    # column name"); and both find no experiment of their name and create it (one fails on the unique name)
+    import sqlite3
+
+    from fedsilo.tracking import Tracker, init_store
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    init_store(uri)
+    tables = {r[0] for r in sqlite3.connect(tmp_path / "mlflow.db").execute("select name from sqlite_master where type='table'")}
+    assert {"experiments", "runs", "metrics", "alembic_version"} <= tables
+    first, second = Tracker(True, uri), Tracker(True, uri)
+    first.start("pfeddb_office", "a", {}, {})
+    real, looked = second.client.get_experiment_by_name, []
+
+    def late_lookup(name):  # the second worker looked before the first created the experiment
+        looked.append(name)
+        return None if len(looked) == 1 else real(name)
+
+    second.client.get_experiment_by_name = late_lookup
+    assert second.start("pfeddb_office", "b", {}, {})
+    runs = first.client.search_runs([first.client.get_experiment_by_name("pfeddb_office").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["a", "b"]

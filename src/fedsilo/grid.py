@@ -33,6 +33,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Optional
 
+from fedsilo.tracking import init_store
 from fedsilo.utils.progress import Progress
 
 
@@ -153,6 +154,7 @@ def _prepare(pipeline: str, repo: Path, pattern: str, env: dict[str, str]) -> li
         raise GridError(f"{pipeline}: no such dvc.yaml under {repo}")
     for target in upstream(pipeline, repo, pattern):  # data and splits first, here, once: the workers find them
         _dvc(["repro", target], repo, env)            # cached (queue) or pulled (Ray)
+    init_store(env.get("MLFLOW_TRACKING_URI"))  # the runs start together: the store's tables exist before they log
     # only now: a changed input upstream (a source, a split's params) makes its train stages stale once it is rebuilt
     return stale_stages(pipeline, repo, pattern)
 

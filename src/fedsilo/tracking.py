@@ -97,6 +97,15 @@ def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
     return {metric_key(k): float(v) for k, v in m.items()}
 
 
+def init_store(uri: Optional[str]) -> None:
+    """Create (or migrate) the tracking store at ``uri`` once, before parallel runs log to it: MLflow builds a new
+    sqlite store's tables on first use, and two runs doing that at the same time fail ("duplicate column name")."""
+    if uri:
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+
+
 class Tracker:
     """A thin wrapper over ``MlflowClient``; ``enabled=False`` makes every call a no-op (tests, dry runs)."""
 
@@ -122,8 +131,7 @@ class Tracker:
                 return run_id
             except Exception:  # noqa: BLE001 - the old run is gone (another tracking store): start a new one
                 pass
-        exp = self.client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        exp_id = self._experiment_id(experiment)
         run = self.client.create_run(exp_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
         items = [Param(k, str(v)[:6000]) for k, v in sorted(flatten(params).items())]
@@ -131,6 +139,18 @@ class Tracker:
             self.client.log_batch(self.run_id, params=items[i : i + 100])
         self.client.log_batch(self.run_id, tags=[RunTag("mlflow.runName", run_name)])
         return self.run_id
+
+    def _experiment_id(self, name: str) -> str:
+        exp = self.client.get_experiment_by_name(name)
+        if exp:
+            return exp.experiment_id
+        try:
+            return self.client.create_experiment(name)
+        except Exception:  # noqa: BLE001 - a run started beside this one (a grid worker) created it first
+            exp = self.client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+            return exp.experiment_id
 
     def log_round(self, entry: dict[str, Any]) -> None:
         if not self.enabled or self.run_id is None:
