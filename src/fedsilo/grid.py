@@ -48,6 +48,16 @@ def _dvc(args: list[str], cwd: Path, env: Optional[dict[str, str]] = None, check
     return r
 
 
+def lock_files(repo: Path) -> list[str]:
+    """Every ``dvc.lock`` of the workspace, tracked, untracked or ignored (this repository ignores the paper
+    pipelines'), not DVC's own temporary copies under ``.dvc/``: what says which data and splits the stages read."""
+    r = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--", "dvc.lock", "**/dvc.lock"], cwd=repo,
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise GridError(f"grid: `git ls-files` failed in {repo}: {r.stderr.strip()}")
+    return sorted({f for f in r.stdout.split("\0") if f and not f.startswith(".dvc/") and (Path(repo) / f).is_file()})
+
+
 def stale_stages(pipeline: str, repo: Path, pattern: str) -> list[str]:
     """The stages of ``pipeline`` matching ``pattern`` (shell-style, on the stage name without its file) that
     ``dvc status`` reports out of date, in dvc.yaml order."""
@@ -198,9 +208,14 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
     t_prep = time.monotonic() - t0
     tag = uuid.uuid4().hex[:6]
     names: dict[str, list[str]] = {}  # experiment -> its stages
+    locks = lock_files(repo)
     for i, batch in enumerate(batches(stages, jobs, per_experiment) if stages else []):
         name = f"grid-{tag}-{i:03d}"
-        _dvc(["exp", "run", "--queue", "--name", name, *(f"{pipeline}:{stage}" for stage in batch)], repo, env)
+        # each stage alone (--single-item): its data and splits were reproduced above, and the experiment's copy of
+        # the repository gets this workspace's dvc.lock files (-C; git stashes none that are ignored or untracked),
+        # so DVC checks them out there instead of re-hashing everything upstream of every stage
+        _dvc(["exp", "run", "--queue", "--single-item", *(a for f in locks for a in ("-C", f)), "--name", name,
+              *(f"{pipeline}:{stage}" for stage in batch)], repo, env)
         names[name] = batch
     t1 = time.monotonic()
     failed: dict[str, list[str]] = {}

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from fedsilo.grid import GridError, _dvc, _prepare, _restore, ancestors, tracking_env
+from fedsilo.grid import GridError, _dvc, _prepare, _restore, ancestors, lock_files, tracking_env
 from fedsilo.grid import dag as _dag
 from fedsilo.utils.progress import Progress
 
@@ -70,9 +70,7 @@ def workspace_files(repo: Path) -> list[str]:
             raise GridError(f"grid --ray: `git {' '.join(args)}` failed in {repo}: {r.stderr.strip()}")
         return [f for f in r.stdout.split("\0") if f]
 
-    files = set(git("ls-files", "-z", "--cached", "--others", "--exclude-standard"))
-    locks = git("ls-files", "-z", "--others", "--ignored", "--exclude-standard", "--", "dvc.lock", "**/dvc.lock")
-    files.update(locks)
+    files = set(git("ls-files", "-z", "--cached", "--others", "--exclude-standard")) | set(lock_files(repo))
     return sorted(f for f in files if (repo / f).is_file())
 
 
