@@ -4,6 +4,7 @@ stops the grid with its log."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from typing import Optional
 
 import pytest
 
-from fedsilo.grid import GridError, batches, run_grid, stop_workers, tracking_env, upstream
+from fedsilo.grid import GridError, batches, run_grid, stop_workers, threads_per_run, tracking_env, upstream
 
 PIPE = """
 stages:
@@ -23,7 +24,7 @@ stages:
   train_g:
     foreach: [a, b, c]
     do:
-      cmd: python -c "import os, time; time.sleep(1); open(os.environ['GRID_LOG'], 'a').write('${item}\\n'); os.makedirs('out', exist_ok=True); open('out/${item}.txt', 'w').write('${item}' + open('prep.txt').read()); {fail}"
+      cmd: python -c "import os, time; time.sleep(1); open(os.environ['GRID_LOG'], 'a').write('${item}:' + os.environ.get('OMP_NUM_THREADS', '-') + '\\n'); os.makedirs('out', exist_ok=True); open('out/${item}.txt', 'w').write('${item}' + open('prep.txt').read()); {fail}"
       deps: [prep.txt]
       outs:
         - out/${item}.txt
@@ -64,11 +65,15 @@ def _repo(tmp: Path, fail: str = "None", sub: bool = False, pipe: str = PIPE, re
 def test_grid_trains_each_stage_once_on_two_workers_and_leaves_the_pipeline_up_to_date(tmp_path, monkeypatch):
     log = tmp_path / "runs.log"
     monkeypatch.setenv("GRID_LOG", str(log))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     repo = _repo(tmp_path)
     assert upstream("dvc.yaml", repo, "train_*") == ["prep"]
     r = run_grid("dvc.yaml", repo, jobs=2, quiet=True, poll_s=0.5, per_experiment=2)  # experiments of 2 stages and of 1
     assert sorted(r["queued"]) == ["train_g@a", "train_g@b", "train_g@c"] and r["experiments"] == 2
-    assert sorted(log.read_text().split()) == ["a", "b", "c"]  # each trained once, by a worker; none again by repro
+    # each trained once, by a worker, with the machine's cores shared out as its threads; none again by repro
+    t = threads_per_run(2)
+    assert t == max(1, (os.cpu_count() or 1) // 2) and r["threads_per_run"] == str(t)
+    assert sorted(log.read_text().split()) == [f"a:{t}", f"b:{t}", f"c:{t}"]
     assert not any(s.startswith("train_g") for s in r["ran_after"]) and "report" in r["ran_after"]
     assert (repo / "report.txt").read_text() == "a1b1c1"
     assert "up to date" in _dvc("status", cwd=repo)
@@ -77,9 +82,12 @@ def test_grid_trains_each_stage_once_on_two_workers_and_leaves_the_pipeline_up_t
     assert run_grid("dvc.yaml", repo, jobs=2, quiet=True)["queued"] == []
     assert len(log.read_text().split()) == 3
     # an edit upstream of the train stages (a source, a split) makes them stale once prep reruns: all go to the queue
+    # (an OMP_NUM_THREADS the user set wins over the shared-out default)
     (repo / "dep.txt").write_text("2")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
     r = run_grid("dvc.yaml", repo, jobs=2, quiet=True, poll_s=0.5)
-    assert sorted(r["queued"]) == ["train_g@a", "train_g@b", "train_g@c"] and len(log.read_text().split()) == 6
+    assert sorted(r["queued"]) == ["train_g@a", "train_g@b", "train_g@c"]
+    assert sorted(log.read_text().split()[3:]) == ["a:3", "b:3", "c:3"]
     assert (repo / "report.txt").read_text() == "a2b2c2"
 
 
@@ -108,6 +116,9 @@ def test_stages_are_batched_into_about_four_experiments_a_worker():
     assert batches(stages[:3], jobs=2, per_experiment=2) == [["s0", "s1"], ["s2"]]
     with pytest.raises(GridError, match="--runs-per-experiment"):
         batches(stages, jobs=2, per_experiment=0)
+    assert threads_per_run(2, 4.0) == 4 and threads_per_run(2, 0.5) == 1  # Ray's rule for a fraction of a CPU
+    with pytest.raises(GridError, match="--cpus-per-run"):
+        threads_per_run(2, 0)
 
 
 def test_a_queue_worker_that_misses_the_stop_is_ended_and_others_are_left_alone(tmp_path):

@@ -190,7 +190,7 @@ def _grid(args: argparse.Namespace) -> None:
     if args.ray:
         from fedsilo.grid_ray import run_grid_ray
 
-        r = run_grid_ray(pipeline, Path(args.root), args.ray, pattern=args.stages, tracking_uri=uri, cpus_per_run=args.cpus_per_run,
+        r = run_grid_ray(pipeline, Path(args.root), args.ray, pattern=args.stages, tracking_uri=uri, cpus_per_run=args.cpus_per_run or 1.0,
                          gpus_per_run=args.gpus_per_run, worker_cache=args.worker_cache or None, quiet=args.quiet)
         hosts = sorted({x["host"] for x in r["runs"]})
         where = f"on Ray ({len(hosts)} host{'s' if len(hosts) != 1 else ''}: {', '.join(hosts)}; remote {r['remote']})" if hosts else "on Ray"
@@ -198,8 +198,8 @@ def _grid(args: argparse.Namespace) -> None:
         from fedsilo.grid import run_grid
 
         r = run_grid(pipeline, Path(args.root), args.jobs, pattern=args.stages, tracking_uri=uri, keep=args.keep, quiet=args.quiet,
-                     per_experiment=args.runs_per_experiment)
-        where = f"on {args.jobs} workers ({r['experiments']} queued experiments)"
+                     per_experiment=args.runs_per_experiment, threads=args.cpus_per_run)
+        where = f"on {args.jobs} workers x {r['threads_per_run']} threads ({r['experiments']} queued experiments)"
     print(f"grid {pipeline}: {len(r['queued'])} stages {where} in {r['grid_s']:.0f} s "
           f"(data and splits {r['prepare_s']:.0f} s, restore and reports {r['restore_and_report_s']:.0f} s)")
 
@@ -211,7 +211,7 @@ def _bench_grid(args: argparse.Namespace) -> None:
     pipeline, uri = _grid_target(args)
     r = bench_grid(pipeline, Path(args.root), Path(args.work), jobs=args.jobs, pattern=args.stages,
                    tracking_uri=uri, ray_address=args.ray, cpus_per_run=args.cpus_per_run,
-                   per_experiment=args.runs_per_experiment, log=(lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr)))
+                   per_experiment=args.runs_per_experiment, all_cores_sequential=args.all_cores_sequential, log=(lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr)))
     print(format_bench(r))
     if args.json:
         write_json(args.json, r)
@@ -328,8 +328,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     grid_opts.add_argument("--ray", metavar="ADDRESS", help="the Ray cluster at ADDRESS (auto, host:6379, ray://host:10001): "
                            "grid runs the stages there instead of DVC's queue, results through the default DVC remote; "
                            "bench-grid times that as a third arm")
-    grid_opts.add_argument("--cpus-per-run", type=float, default=1.0, help="with --ray: CPUs a run reserves (and its "
-                           "OMP_NUM_THREADS; the sequential run's thread count gives equal metrics)")
+    grid_opts.add_argument("--cpus-per-run", type=float, default=None, help="CPU threads a run uses (OMP_NUM_THREADS; a "
+                           "sequential run with as many threads gives equal metrics): on the queue default the cores / "
+                           "--jobs; with --ray the CPUs a run reserves, default 1")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="command")
     s = sub.add_parser("fetch", parents=[common], help="bring one raw source into data/raw/<source>/", formatter_class=fmt, epilog=_listing(known, "sources"))
     s.add_argument("--source", required=True)
@@ -375,9 +376,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         help="time a pipeline's grid (DVC queue, optionally Ray) against a sequential dvc repro, in copies of the workspace",
         description="Copies the workspace to --work, builds the data and splits once there, then runs the dvc.yaml beside "
         "--params three ways from that same state, one after the other: sequential dvc repro, fedsilo grid --jobs N, and "
-        "with --ray fedsilo grid --ray. Prints each arm's seconds, its speed-up over sequential, whether dvc status is "
-        "clean, and whether every run's metrics equal the sequential ones. Not a test: it reports numbers.")
+        "with --ray fedsilo grid --ray, every run with the same threads (--cpus-per-run). Prints each arm's seconds, its "
+        "speed-up over sequential, whether dvc status is clean, and whether every run's metrics equal the sequential "
+        "ones. Not a test: it reports numbers.")
     s.add_argument("--work", required=True, help="an empty folder for the copies (several times the workspace's data)")
+    s.add_argument("--all-cores-sequential", action="store_true", help="a fourth arm: sequential dvc repro with every "
+                   "core to each run (the fastest sequential run; its metrics differ in the last bits)")
     s.add_argument("--json", help="also write the result as JSON here")
     s.set_defaults(fn=_bench_grid)
     s = sub.add_parser(

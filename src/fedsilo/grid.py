@@ -193,16 +193,32 @@ def batches(stages: list[str], jobs: int, per_experiment: Optional[int] = None) 
     return [stages[i:i + per_experiment] for i in range(0, len(stages), per_experiment)]
 
 
+def threads_per_run(jobs: int, threads: Optional[float] = None) -> int:
+    """The threads (``OMP_NUM_THREADS``) each of ``jobs`` runs at once on this machine uses: ``threads`` when given
+    (Ray's rule for a fractional CPU count: at least one, the whole part), else this machine's cores shared out."""
+    if threads is not None:
+        if threads <= 0:
+            raise GridError("--cpus-per-run: more than 0")
+        return max(1, int(threads))
+    return max(1, (os.cpu_count() or 1) // jobs)
+
+
 def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tracking_uri: Optional[str] = None,
              keep: bool = False, poll_s: float = 2.0, quiet: bool = False, per_experiment: Optional[int] = None,
-             log: Callable[[str], None] = print) -> dict[str, object]:
+             threads: Optional[float] = None, log: Callable[[str], None] = print) -> dict[str, object]:
     """Run ``pipeline``'s out-of-date stages matching ``pattern`` on ``jobs`` DVC queue workers, ``per_experiment``
-    stages to a queued experiment (see :func:`batches`), then ``dvc repro`` it here (restoring them from the
-    run-cache). Returns the stages queued, the seconds each phase took."""
+    stages to a queued experiment (see :func:`batches`), each run with :func:`threads_per_run` threads (an
+    ``OMP_NUM_THREADS`` already set wins over the default, not over ``threads``), then ``dvc repro`` it here (restoring
+    them from the run-cache). Returns the stages queued, the threads a run used, the seconds each phase took."""
     if jobs < 1:
         raise GridError("--jobs: at least 1")
     repo = Path(repo)
     env = tracking_env(tracking_uri, repo)
+    # the workers': N runs at once, each with as many threads as the machine has cores, fight over the cores; the
+    # threads also decide the CPU kernels' sums, so a sequential run with the same OMP_NUM_THREADS has the same metrics
+    wenv = dict(env)
+    if threads is not None or "OMP_NUM_THREADS" not in wenv:
+        wenv["OMP_NUM_THREADS"] = str(threads_per_run(jobs, threads))
     t0 = time.monotonic()
     stages = _prepare(pipeline, repo, pattern, env)
     t_prep = time.monotonic() - t0
@@ -220,8 +236,9 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
     t1 = time.monotonic()
     failed: dict[str, list[str]] = {}
     if names:
-        _dvc(["queue", "start", "--jobs", str(jobs)], repo, env)
-        bar = Progress(len(stages), f"grid {pipeline} ({jobs} workers, {len(names)} experiments)", "run", quiet=quiet)
+        _dvc(["queue", "start", "--jobs", str(jobs)], repo, wenv)
+        bar = Progress(len(stages), f"grid {pipeline} ({jobs} workers x {wenv['OMP_NUM_THREADS']} threads, "
+                       f"{len(names)} experiments)", "run", quiet=quiet)
         done: set[str] = set()
         idle_polls = 0
         try:
@@ -232,7 +249,7 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
                 # (seen after a `dvc queue stop` in the same repository) leaves it Queued with nobody to run it
                 idle_polls = idle_polls + 1 if live == 0 and any(s == "Queued" for s in st.values()) else 0
                 if idle_polls >= 3:
-                    _dvc(["queue", "start", "--jobs", str(jobs)], repo, env)
+                    _dvc(["queue", "start", "--jobs", str(jobs)], repo, wenv)
                     idle_polls = 0
                 now = {n for n, s in st.items() if s in ("Success", "Failed")}
                 if now - done:
@@ -255,5 +272,6 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
     ran = _restore(pipeline, repo, stages, env)
     if names and not keep:
         _dvc(["exp", "remove", *names], repo, check=False)
-    return {"queued": stages, "experiments": len(names), "jobs": jobs, "prepare_s": t_prep, "grid_s": t_grid,
+    return {"queued": stages, "experiments": len(names), "jobs": jobs, "threads_per_run": wenv["OMP_NUM_THREADS"],
+            "prepare_s": t_prep, "grid_s": t_grid,
             "restore_and_report_s": time.monotonic() - t2, "ran_after": ran}

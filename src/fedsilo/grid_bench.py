@@ -10,6 +10,11 @@ run another arm trained. The arms run one after the other on the same machine:
 - ``ray`` (with ``ray_address``): :func:`fedsilo.grid_ray.run_grid_ray` on that cluster, through a DVC remote in
   ``work``.
 
+Every arm runs each stage with the same number of threads (``OMP_NUM_THREADS``: ``cpus_per_run``, by default the
+machine's cores / ``jobs``, :func:`fedsilo.grid.threads_per_run`): the CPU kernels' sums depend on it, and equal
+metrics are part of the result. With ``all_cores_sequential`` a fourth arm runs ``dvc repro`` with every core to
+each run (the fastest sequential run, its metrics not comparable bit for bit).
+
 For each arm: its wall seconds (from the start of the pipeline's reproduction to ``dvc status`` clean), the speed-up
 ``sequential / arm``, whether ``dvc status`` is clean, and whether every run's metrics equal the sequential arm's (every
 ``metrics.json`` under ``results/`` but its MLflow run id, every ``history.json`` but its seconds per round).
@@ -26,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from fedsilo.grid import GridError, _dvc, _prepare, run_grid, tracking_env
+from fedsilo.grid import GridError, _dvc, _prepare, run_grid, threads_per_run, tracking_env
 from fedsilo.grid_ray import run_grid_ray, snapshot_commands, workspace_files
 
 VOLATILE = {"metrics.json": ("mlflow_run_id",), "history.json": ("seconds",)}
@@ -58,8 +63,9 @@ def _copy_workspace(repo: Path, dest: Path) -> None:
 
 
 def bench_grid(pipeline: str, repo: Path, work: Path, jobs: int = 2, pattern: str = "train_*",
-               tracking_uri: Optional[str] = None, ray_address: Optional[str] = None, cpus_per_run: float = 1.0,
-               per_experiment: Optional[int] = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+               tracking_uri: Optional[str] = None, ray_address: Optional[str] = None, cpus_per_run: Optional[float] = None,
+               per_experiment: Optional[int] = None, all_cores_sequential: bool = False,
+               log: Callable[[str], None] = print) -> dict[str, Any]:
     repo, work = Path(repo).resolve(), Path(work).resolve()
     if work.exists() and any(work.iterdir()):
         raise GridError(f"bench-grid: {work} is not empty (the arms' copies go there)")
@@ -72,25 +78,28 @@ def bench_grid(pipeline: str, repo: Path, work: Path, jobs: int = 2, pattern: st
     prep_s = time.monotonic() - t0
     if not stages:
         raise GridError(f"bench-grid: no stage of {pipeline} matching {pattern} is out of date in the copy")
-    arms = ["sequential", "queue"] + (["ray"] if ray_address else [])
+    threads = threads_per_run(jobs, cpus_per_run)
+    arms = ["sequential", "queue"] + (["ray"] if ray_address else []) + (["sequential_all_cores"] if all_cores_sequential else [])
     result: dict[str, Any] = {"pipeline": pipeline, "stages": len(stages), "jobs": jobs, "cpu_count": os.cpu_count(),
-                              "data_and_splits_s": prep_s, "arms": {}}
+                              "threads_per_run": threads, "data_and_splits_s": prep_s, "arms": {}}
     numbers: dict[str, dict[str, Any]] = {}
     for arm in arms:
         d = work / arm
         shutil.copytree(base, d, symlinks=True)
         shutil.rmtree(d / ".dvc" / "cache" / "runs", ignore_errors=True)  # no arm restores another arm's runs
         env = tracking_env(tracking_uri, d)
-        log(f"bench-grid: {arm} arm in {d} ({len(stages)} stages)")
+        env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1) if arm == "sequential_all_cores" else str(threads)
+        log(f"bench-grid: {arm} arm in {d} ({len(stages)} stages, {env['OMP_NUM_THREADS']} threads a run)")
         t = time.monotonic()
-        if arm == "sequential":
+        if arm.startswith("sequential"):
             _dvc(["repro", pipeline], d, env)
         elif arm == "queue":
-            q = run_grid(pipeline, d, jobs, pattern=pattern, tracking_uri=tracking_uri, quiet=True, per_experiment=per_experiment)
+            q = run_grid(pipeline, d, jobs, pattern=pattern, tracking_uri=tracking_uri, quiet=True, per_experiment=per_experiment,
+                         threads=threads)
             result["queued_experiments"] = q["experiments"]
         else:
             _dvc(["remote", "add", "-d", "benchstore", str(work / "remote")], d)
-            run_grid_ray(pipeline, d, ray_address, pattern=pattern, tracking_uri=tracking_uri, cpus_per_run=cpus_per_run,
+            run_grid_ray(pipeline, d, ray_address, pattern=pattern, tracking_uri=tracking_uri, cpus_per_run=threads,
                          worker_cache=str(work / "ray-node-cache"), quiet=True, log=log)
         secs = time.monotonic() - t
         status = _dvc(["status", pipeline], d).stdout
@@ -108,7 +117,8 @@ def bench_grid(pipeline: str, repo: Path, work: Path, jobs: int = 2, pattern: st
 
 
 def format_bench(r: dict[str, Any]) -> str:
-    lines = [f"{r['pipeline']}: {r['stages']} stages, {r['cpu_count']} CPUs (data and splits built once: {r['data_and_splits_s']:.0f} s)",
+    lines = [f"{r['pipeline']}: {r['stages']} stages, {r['cpu_count']} CPUs, {r['threads_per_run']} threads a run "
+             f"(data and splits built once: {r['data_and_splits_s']:.0f} s)",
              f"{'arm':<12}{'seconds':>9}{'speed-up':>10}  dvc status  metrics = sequential"]
     for arm, a in r["arms"].items():
         lines.append(f"{arm:<12}{a['seconds']:>9.0f}{a['speedup_vs_sequential']:>9.2f}x  "
