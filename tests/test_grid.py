@@ -139,3 +139,40 @@ def test_a_queue_worker_that_misses_the_stop_is_ended_and_others_are_left_alone(
         for p in (stuck, elsewhere):
             p.kill()
             p.wait()
+
+
+BENCH_PIPE = """
+stages:
+  prep:
+    cmd: python -c "open('prep.txt','w').write(open('dep.txt').read())"
+    deps: [dep.txt]
+    outs: [prep.txt]
+  train_g:
+    foreach: [a, b]
+    do:
+      cmd: python -c "import json, os, uuid; os.makedirs('results/${item}', exist_ok=True); json.dump(dict(acc='${item}' + open('prep.txt').read(), threads=os.environ.get('OMP_NUM_THREADS'), mlflow_run_id=uuid.uuid4().hex), open('results/${item}/metrics.json', 'w'))"
+      deps: [prep.txt]
+      outs:
+        - results/${item}
+"""
+
+
+def test_bench_grid_times_each_arm_from_the_same_state_with_the_same_threads(tmp_path, monkeypatch):
+    from fedsilo.grid_bench import bench_grid, format_bench
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    repo = _repo(tmp_path, pipe=BENCH_PIPE)
+    r = bench_grid("dvc.yaml", repo, tmp_path / "work", jobs=2, all_cores_sequential=True, log=lambda m: None)
+    t = threads_per_run(2)
+    assert r["stages"] == 2 and r["threads_per_run"] == t and list(r["arms"]) == ["sequential", "queue", "sequential_all_cores"]
+    seq, queue, full = (r["arms"][a] for a in ("sequential", "queue", "sequential_all_cores"))
+    assert all(a["dvc_status_clean"] and a["runs"] == 2 for a in (seq, queue, full))
+    # the run ids differ run to run and are left out; the threads are part of the metrics here, as the kernels' sums are
+    assert queue["identical_metrics"] and queue["differing_files"] == []
+    assert full["identical_metrics"] == (os.cpu_count() == t)
+    assert "results/a/metrics.json" in full["differing_files"] or full["identical_metrics"]
+    assert seq["speedup_vs_sequential"] == 1.0 and queue["speedup_vs_sequential"] > 0
+    assert f"{t} threads a run" in format_bench(r)
+    assert not (repo / "results").exists()  # the workspace itself is left alone
+    with pytest.raises(GridError, match="not empty"):
+        bench_grid("dvc.yaml", repo, tmp_path / "work", jobs=2)
