@@ -112,20 +112,36 @@ def _load_apps(app_dir: Path):
 
 
 @pytest.mark.usefixtures("identity")
-def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(sites, tmp_path):
+def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(sites, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     roster = {s: sites[s] for s in ("rsna", "chexpert", "vinbigdata")}  # client order is the federation file's, not the names'
     app = _deployed(tmp_path, roster)
     server, client = _load_apps(app)
     grid = SiteGrid(client, sites)  # the nodes connect in another order
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the reference below: a convolution summed over other thread counts differs in the last bit
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     try:
-        server._main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={"results-dir": str(tmp_path / "results")}))
+        server._main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                   run_config={"results-dir": str(tmp_path / "results"), "tracking-uri": uri}))
     finally:
         torch.set_num_threads(threads)
     metrics = json.loads((tmp_path / "results/metrics.json").read_text())
     assert metrics["clients"] == ["RSNA", "CheXpert", "VinBigData"]
     assert metrics["fingerprints"] == {c["site"]: c["fingerprint"] for c in map(_card, sites.values())}
+
+    # the run in MLflow: tied to the deployment's hash and each site's pinned fingerprint, its rounds, its final numbers
+    from mlflow.tracking import MlflowClient
+
+    mc = MlflowClient(uri)
+    run = mc.get_run(metrics["mlflow_run_id"])
+    assert mc.get_experiment(run.info.experiment_id).name == "deploy/three_hospitals" and run.info.status == "FINISHED"
+    assert run.data.tags["deployment_sha256"] == metrics["deployment_sha256"]
+    assert {k: v for k, v in run.data.tags.items() if k.endswith(".fingerprint")} == {
+        f"site.{n}.fingerprint": f for n, f in metrics["fingerprints"].items()}
+    assert run.data.metrics["final.mean_acc"] == pytest.approx(metrics["mean_acc"])
+    assert run.data.params["train.rounds"] == "2" and run.data.params["seed"] == "0"
+    assert {a.path for a in mc.list_artifacts(run.info.run_id)} == {"metrics.json", "history.json", "wire.jsonl"}
 
     # the in-process engine on the same three splits, the same model and seed: the same numbers
     from fedsilo.fl.deploy import deployment_spec
@@ -158,14 +174,21 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(site
 
 
 @pytest.mark.usefixtures("identity")
-def test_a_site_with_other_data_than_the_federation_pins_is_refused_by_name(sites, tmp_path):
+def test_a_site_with_other_data_than_the_federation_pins_is_refused_by_name(sites, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     app = _deployed(tmp_path, sites, RSNA="0" * 64)
     server, client = _load_apps(app)
     grid = SiteGrid(client, sites)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.raises(SiteRefused, match=r"site 'RSNA' refused: its data fingerprint [0-9a-f]{16} is not the one the "
                                           r"federation pins for it \(sites\[1\], RSNA: 0{16}\); same contract"):
-        server._main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={"results-dir": str(tmp_path / "results")}))
+        server._main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                   run_config={"results-dir": str(tmp_path / "results"), "tracking-uri": uri}))
     assert not (tmp_path / "results").exists()
+    from mlflow.tracking import MlflowClient
+
+    runs = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name("deploy/three_hospitals").experiment_id])
+    assert [r.info.status for r in runs] == ["FAILED"]  # the refused run is not left RUNNING
     assert [kind for kind, _ in grid.replies].count("query.refused") == 1  # the refused site was told why
     wire = [json.loads(line) for line in (tmp_path / "results.wire/wire.jsonl").read_text().splitlines()]
     assert [w for w in wire if w["message"] == "query.refused"][0]["reason"].startswith("site 'RSNA' refused")

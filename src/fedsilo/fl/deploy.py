@@ -77,6 +77,10 @@ class Federation(Strict):
     train: TrainParams = Field(..., description="the model and the optimisation, as an experiment's train section")
     contract: Contract
     sites: tuple[SiteEntry, ...] = Field(..., min_length=2)
+    tracking_uri: str = Field("", description="the MLflow tracking URI the ServerApp logs the run to, from the SuperLink's "
+                              "machine (an `mlflow server` URL, or sqlite:///path); empty: the results folder only. "
+                              "Written into the App's run config (`tracking-uri`), not into deployment.json: where the "
+                              "run is logged is not part of what the sites agreed to")
 
 
 def load_federation(path: str | Path) -> Federation:
@@ -172,6 +176,7 @@ clientapp = "{module}:client"
 
 [tool.flwr.app.config]
 results-dir = "{results}"
+tracking-uri = "{tracking}"  # MLflow, from the SuperLink's machine ("": none; MLFLOW_TRACKING_URI there wins)
 wait-s = 600.0  # how long the ServerApp waits for every site to connect
 """
 
@@ -197,7 +202,8 @@ def write_app(fed: Federation, params: Params, out: Path, federation_file: str =
     with atomic_dir(out) as tmp:
         (tmp / "pyproject.toml").write_text(PYPROJECT.format(
             federation_file=federation_file, out=out, name=fed.name, name_dash=fed.name.replace("_", "-").replace(".", "-").lower(),
-            method=fed.method, base=dep["method"]["base"], seed=fed.seed, n=len(fed.sites), module=MODULE, results=results))
+            method=fed.method, base=dep["method"]["base"], seed=fed.seed, n=len(fed.sites), module=MODULE, results=results,
+            tracking=fed.tracking_uri))
         (tmp / f"{MODULE}.py").write_text(MODULE_TEXT.format(name=fed.name, app_file=APP_FILE))
         write_json(tmp / APP_FILE, dep)
     return dep
@@ -260,6 +266,7 @@ def apps(app_file: Path):
     from flwr.serverapp import Grid, ServerApp
 
     from fedsilo.fl.flower import FlowerRun, Roster, client_app
+    from fedsilo.fl.run import flat_summary
 
     dep = json.loads(Path(app_file).read_text())
     spec = deployment_spec(dep)
@@ -273,13 +280,28 @@ def apps(app_file: Path):
         out = Path(str(context.run_config.get("results-dir", f"results/deploy/{dep['federation']}/{spec.key}/seed{spec.seed}")))
         staging = out.with_name(out.name + ".wire")  # the wire log as the run goes; moved into the results at the end
         wire = WireLog(staging / "wire.jsonl")  # a run that fails leaves it there: what crossed before it ended
+        tracker = _start_tracking(dep, str(context.run_config.get("tracking-uri", "")))
+        round_log = _RoundLog(spec.train.rounds, dep["federation"])
+
+        def on_round(entry: dict[str, Any]) -> None:
+            tracker.log_round(entry)
+            round_log(entry)
+
         try:
-            run = FlowerRun(spec, len(roster.sites), roster=roster, wire=wire, on_round=_RoundLog(spec.train.rounds, dep["federation"]),
-                            wait_s=float(context.run_config.get("wait-s", 600)))
-            run.main(grid, context)
-        finally:
-            wire.close()
-        _write_results(out, staging, dep, run)
+            try:
+                run = FlowerRun(spec, len(roster.sites), roster=roster, wire=wire, on_round=on_round,
+                                wait_s=float(context.run_config.get("wait-s", 600)))
+                run.main(grid, context)
+            finally:
+                wire.close()
+            metrics = _write_results(out, staging, dep, run, tracker.run_id)
+            tracker.finish(flat_summary(metrics), [out / "metrics.json", out / "history.json", out / "wire.jsonl"])
+        except (KeyboardInterrupt, SystemExit):
+            tracker.fail("KILLED")
+            raise
+        except BaseException:  # a refused site, a lost node, a full disk
+            tracker.fail("FAILED")
+            raise
 
     client = client_app(spec, site_client, identify=site_identity)
     return server, client
@@ -305,7 +327,26 @@ def _log_to_stderr() -> None:
         root.addHandler(h)
 
 
-def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any) -> None:
+def _start_tracking(dep: dict[str, Any], uri: str):
+    """The deployed run in MLflow (when the App's ``tracking-uri`` or the SuperLink's ``MLFLOW_TRACKING_URI`` names a
+    store): experiment ``deploy/<federation>``, the method's and the train params, and as tags the deployment's hash
+    and every site's pinned fingerprint (and node id), so that the run is tied to the data each site hashed."""
+    from fedsilo.tracking import Tracker
+
+    tracker = Tracker(bool(uri or os.environ.get("MLFLOW_TRACKING_URI")), uri)
+    tags = {"federation": dep["federation"], "method": dep["method"]["key"], "method_base": dep["method"]["base"],
+            "seed": str(dep["seed"]), "deployment_sha256": canonical_hash(dep), "model": dep["train"]["model"],
+            "contract.task": dep["contract"]["task"]}
+    for site in dep["sites"]:
+        tags[f"site.{site['name']}.fingerprint"] = site["fingerprint"]
+        if site.get("node_id") is not None:
+            tags[f"site.{site['name']}.node_id"] = str(site["node_id"])
+    params = {"method": dep["method"]["params"], "train": dep["train"], "seed": dep["seed"], "contract": dep["contract"]}
+    tracker.start(f"deploy/{dep['federation']}", f"{dep['method']['key']}-seed{dep['seed']}", params, tags)
+    return tracker
+
+
+def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any, mlflow_run_id: Optional[str] = None) -> dict[str, Any]:
     from fedsilo.fl.run import summarize
 
     history = run.engine.history
@@ -318,6 +359,7 @@ def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any) -> N
         "client_domains": {c["name"]: c["domain"] for c in run.cards},
         "fingerprints": {c["name"]: c["fingerprint"] for c in run.cards},
         "deployment_sha256": canonical_hash(dep),
+        "mlflow_run_id": mlflow_run_id,
     }
     with atomic_dir(out) as tmp:
         write_json(tmp / "metrics.json", metrics)
@@ -325,6 +367,7 @@ def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any) -> N
         write_json(tmp / APP_FILE, dep)
         os.replace(staging / "wire.jsonl", tmp / "wire.jsonl")
     staging.rmdir()
+    return metrics
 
 
 # ---------------------------------------------------------------------------------------------------------- credentials

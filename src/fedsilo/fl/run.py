@@ -95,6 +95,22 @@ def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def flat_summary(summary: dict[str, Any]) -> dict[str, float]:
+    """A run's final numbers as MLflow metrics (``final.<key>``): mean and spread of accuracy (and AUC), each client's
+    accuracy, and the method-specific summaries the run has."""
+    flat = {"mean_acc": summary["mean_acc"], "std_acc": summary["std_acc"]}
+    if "mean_auc" in summary:
+        flat["mean_auc"] = summary["mean_auc"]
+    for key in ("train_flops_per_round", "ensemble_acc", "external_ensemble_acc", "external_global_acc", "avg_acc", "forgetting"):
+        if summary.get(key) is not None:
+            flat[key] = summary[key]
+    for c, v in summary["per_client"].items():
+        flat[f"acc.{c}"] = v["acc"]
+    for d, v in summary.get("acc_after_task", {}).items():
+        flat[f"acc_after.{d}"] = v
+    return flat
+
+
 def round_summary(entry: dict[str, Any]) -> str:
     """One round in a few words: mean local training loss, mean accuracy (evaluated rounds), seconds, bytes moved."""
     parts = []
@@ -258,17 +274,7 @@ def run_training(
                 if exp.train.keep_client_models:  # every client's private tensors / personal model: large, kept only when asked
                     final["stores"] = engine.stores
                 torch.save(final, tmp / "final_model.pt")
-                flat = {"mean_acc": summary["mean_acc"], "std_acc": summary["std_acc"]}
-                if "mean_auc" in summary:
-                    flat["mean_auc"] = summary["mean_auc"]
-                for key in ("train_flops_per_round", "ensemble_acc", "external_ensemble_acc", "external_global_acc", "avg_acc", "forgetting"):
-                    if summary.get(key) is not None:
-                        flat[key] = summary[key]
-                for c, v in summary["per_client"].items():
-                    flat[f"acc.{c}"] = v["acc"]
-                for d, v in summary.get("acc_after_task", {}).items():
-                    flat[f"acc_after.{d}"] = v
-                tracker.finish(flat, [tmp / "metrics.json", tmp / "history.json"])
+                tracker.finish(flat_summary(summary), [tmp / "metrics.json", tmp / "history.json"])
             ckpt.unlink(missing_ok=True)  # its work is done; a rerun of a finished run trains again
             (ckpt.parent / "mlflow_run.json").unlink(missing_ok=True)
             return metrics
