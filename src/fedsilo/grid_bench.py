@@ -17,7 +17,8 @@ each run (the fastest sequential run, its metrics not comparable bit for bit).
 
 For each arm: its wall seconds (from the start of the pipeline's reproduction to ``dvc status`` clean), the speed-up
 ``sequential / arm``, whether ``dvc status`` is clean, and whether every run's metrics equal the sequential arm's (every
-``metrics.json`` under ``results/`` but its MLflow run id, every ``history.json`` but its seconds per round).
+``metrics.json`` under ``results/`` but its MLflow run id, every ``history.json`` but its seconds per round, every
+``spectrum.json`` and ``onboarding.json``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from typing import Any, Callable, Optional
 from fedsilo.grid import GridError, _dvc, _prepare, run_grid, threads_per_run, tracking_env
 from fedsilo.grid_ray import run_grid_ray, snapshot_commands, workspace_files
 
-VOLATILE = {"metrics.json": ("mlflow_run_id",), "history.json": ("seconds",)}
+# every JSON a run writes, and what in it differs between equal runs (its MLflow run, the wall-clock seconds)
+VOLATILE = {"metrics.json": ("mlflow_run_id",), "history.json": ("seconds", "train_seconds"), "spectrum.json": (),
+            "onboarding.json": ()}
 
 
 def _strip(obj: Any, keys: tuple[str, ...]) -> Any:
