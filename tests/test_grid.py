@@ -148,6 +148,11 @@ BENCH_PIPE = PIPE.split("  train_g:")[0] + """  train_g:
       deps: [prep.txt]
       outs:
         - results/${item}
+  onboard:
+    cmd: python -c "import json, os; os.makedirs('results/after', exist_ok=True); json.dump(dict(threads=os.environ.get('OMP_NUM_THREADS')), open('results/after/onboarding.json', 'w'))"
+    deps: [results/a]
+    outs:
+      - results/after
 """
 
 
@@ -160,13 +165,14 @@ def test_bench_grid_times_each_arm_from_the_same_state_with_the_same_threads(tmp
     t = threads_per_run(2)
     assert r["stages"] == 2 and r["threads_per_run"] == t and list(r["arms"]) == ["sequential", "queue", "sequential_all_cores"]
     seq, queue, full = (r["arms"][a] for a in ("sequential", "queue", "sequential_all_cores"))
-    assert all(a["dvc_status_clean"] and a["runs"] == 2 for a in (seq, queue, full))
-    # the run ids differ run to run and are left out; the threads are part of the metrics here, as the kernels' sums are
+    assert all(a["dvc_status_clean"] and a["runs"] == 3 for a in (seq, queue, full))
+    # the run ids differ run to run and are left out; the threads are part of the metrics here, as the kernels' sums
+    # are; the stage that trains after the grid (onboard, restored by `dvc repro`) runs with the grid's threads too
     assert queue["identical_metrics"] and queue["differing_files"] == []
     assert full["identical_metrics"] == (os.cpu_count() == t)
     assert "results/a/metrics.json" in full["differing_files"] or full["identical_metrics"]
     assert seq["speedup_vs_sequential"] == 1.0 and queue["speedup_vs_sequential"] > 0
-    assert f"{t} threads a run" in format_bench(r)
+    assert f"OMP_NUM_THREADS={t} a run" in format_bench(r)
     assert not (repo / "results").exists()  # the workspace itself is left alone
     with pytest.raises(GridError, match="not empty"):
         bench_grid("dvc.yaml", repo, tmp_path / "work", jobs=2)

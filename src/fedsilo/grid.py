@@ -214,8 +214,8 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
         raise GridError("--jobs: at least 1")
     repo = Path(repo)
     env = tracking_env(tracking_uri, repo)
-    # the workers': N runs at once, each with as many threads as the machine has cores, fight over the cores; the
-    # threads also decide the CPU kernels' sums, so a sequential run with the same OMP_NUM_THREADS has the same metrics
+    # the runs': N at once, each with as many threads as the machine has cores, fight over the cores; the threads also
+    # decide the CPU kernels' sums, so the pipeline's numbers are those of a sequential `OMP_NUM_THREADS=t dvc repro`
     wenv = dict(env)
     if threads is not None or "OMP_NUM_THREADS" not in wenv:
         wenv["OMP_NUM_THREADS"] = str(threads_per_run(jobs, threads))
@@ -269,7 +269,7 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
         what = "stages" if len(names) == len(stages) else f"experiments ({len(stages)} stages)"
         raise GridError(f"{len(failed)} of {len(names)} queued {what} failed: {', '.join(s for b in failed.values() for s in b)}\n{logs}")
     t2 = time.monotonic()
-    ran = _restore(pipeline, repo, stages, env)
+    ran = _restore(pipeline, repo, stages, wenv)  # what trains after the grid (onboarding) with the runs' threads too
     if names and not keep:
         _dvc(["exp", "remove", *names], repo, check=False)
     return {"queued": stages, "experiments": len(names), "jobs": jobs, "threads_per_run": wenv["OMP_NUM_THREADS"],

@@ -92,7 +92,7 @@ def bench_grid(pipeline: str, repo: Path, work: Path, jobs: int = 2, pattern: st
         shutil.rmtree(d / ".dvc" / "cache" / "runs", ignore_errors=True)  # no arm restores another arm's runs
         env = tracking_env(tracking_uri, d)
         env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1) if arm == "sequential_all_cores" else str(threads)
-        log(f"bench-grid: {arm} arm in {d} ({len(stages)} stages, {env['OMP_NUM_THREADS']} threads a run)")
+        log(f"bench-grid: {arm} arm in {d} ({len(stages)} stages, OMP_NUM_THREADS={env['OMP_NUM_THREADS']})")
         t = time.monotonic()
         if arm.startswith("sequential"):
             _dvc(["repro", pipeline], d, env)
@@ -120,7 +120,7 @@ def bench_grid(pipeline: str, repo: Path, work: Path, jobs: int = 2, pattern: st
 
 
 def format_bench(r: dict[str, Any]) -> str:
-    lines = [f"{r['pipeline']}: {r['stages']} stages, {r['cpu_count']} CPUs, {r['threads_per_run']} threads a run "
+    lines = [f"{r['pipeline']}: {r['stages']} stages, {r['cpu_count']} CPUs, OMP_NUM_THREADS={r['threads_per_run']} a run "
              f"(data and splits built once: {r['data_and_splits_s']:.0f} s)",
              f"{'arm':<12}{'seconds':>9}{'speed-up':>10}  dvc status  metrics = sequential"]
     for arm, a in r["arms"].items():

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from fedsilo.grid import GridError, _dvc, _prepare, _restore, ancestors, lock_files, tracking_env
+from fedsilo.grid import GridError, _dvc, _prepare, _restore, ancestors, lock_files, threads_per_run, tracking_env
 from fedsilo.grid import dag as _dag
 from fedsilo.utils.progress import Progress
 
@@ -234,6 +234,7 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = "train_
         logs = "\n".join(f"--- {s}:\n{msg[-2000:]}" for s, msg in failed.items())
         raise GridError(f"{len(failed)} of {len(stages)} Ray runs failed: {', '.join(failed)}\n{logs}")
     t2 = time.monotonic()
-    ran = _restore(pipeline, repo, stages, env, pull=True)
+    # the stages that train after the grid (onboarding) with the threads the runs had (Ray's OMP_NUM_THREADS)
+    ran = _restore(pipeline, repo, stages, {**env, "OMP_NUM_THREADS": str(threads_per_run(1, cpus_per_run))}, pull=True)
     return {"queued": stages, "runs": sorted(placed, key=lambda r: r["stage"]), "nodes": nodes, "remote": remote, "inputs": inputs,
             "prepare_s": t_prep, "grid_s": t_grid, "restore_and_report_s": time.monotonic() - t2, "ran_after": ran}
