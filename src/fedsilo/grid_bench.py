@@ -107,7 +107,7 @@ def bench_grid(pipeline: str, repo: Path, work: Path, jobs: int = 2, pattern: st
         secs = time.monotonic() - t
         status = _dvc(["status", pipeline], d).stdout
         numbers[arm] = run_numbers(d)
-        result["arms"][arm] = {"seconds": secs, "dvc_status_clean": "up to date" in status, "runs": len(numbers[arm])}
+        result["arms"][arm] = {"seconds": secs, "dvc_status_clean": "up to date" in status, "files_compared": len(numbers[arm])}
         log(f"bench-grid: {arm}: {secs:.0f} s, dvc status {'clean' if 'up to date' in status else 'NOT clean'}")
     seq = numbers["sequential"]
     for arm in arms:
