@@ -251,6 +251,13 @@ def test_the_shipped_site_params_and_federation_example_validate(tmp_path):
         load_federation(_dump(tmp_path / "b.yaml", bad))
     with pytest.raises(ConfigError, match=r"train.rounds"):
         load_federation(_dump(tmp_path / "c.yaml", {**raw, "train": {**raw["train"], "rounds": 0}}))
+    # where the run is logged goes to the App's run config as written (any character), not into the deployment's hash
+    import tomllib
+
+    uri = 'sqlite:///C:\\runs\\"fed".db'
+    dep2 = write_app(load_federation(_dump(tmp_path / "d.yaml", {**raw, "tracking_uri": uri})), load_params(REPO_PARAMS), tmp_path / "app3")
+    config = tomllib.loads((tmp_path / "app3/pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert config["tracking-uri"] == uri and dep2 == dep
 
 
 def _dump(path: Path, obj: dict) -> Path:

@@ -176,7 +176,7 @@ clientapp = "{module}:client"
 
 [tool.flwr.app.config]
 results-dir = "{results}"
-tracking-uri = "{tracking}"  # MLflow, from the SuperLink's machine ("": none; MLFLOW_TRACKING_URI there wins)
+tracking-uri = {tracking}  # MLflow, from the SuperLink's machine ("": none; MLFLOW_TRACKING_URI there wins)
 wait-s = 600.0  # how long the ServerApp waits for every site to connect
 """
 
@@ -203,7 +203,7 @@ def write_app(fed: Federation, params: Params, out: Path, federation_file: str =
         (tmp / "pyproject.toml").write_text(PYPROJECT.format(
             federation_file=federation_file, out=out, name=fed.name, name_dash=fed.name.replace("_", "-").replace(".", "-").lower(),
             method=fed.method, base=dep["method"]["base"], seed=fed.seed, n=len(fed.sites), module=MODULE, results=results,
-            tracking=fed.tracking_uri))
+            tracking=json.dumps(fed.tracking_uri)))  # a TOML basic string: JSON's escapes
         (tmp / f"{MODULE}.py").write_text(MODULE_TEXT.format(name=fed.name, app_file=APP_FILE))
         write_json(tmp / APP_FILE, dep)
     return dep
