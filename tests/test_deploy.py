@@ -252,7 +252,10 @@ def test_the_shipped_site_params_and_federation_example_validate(tmp_path):
     with pytest.raises(ConfigError, match=r"train.rounds"):
         load_federation(_dump(tmp_path / "c.yaml", {**raw, "train": {**raw["train"], "rounds": 0}}))
     # where the run is logged goes to the App's run config as written (any character), not into the deployment's hash
-    import tomllib
+    try:
+        import tomllib  # Python 3.11+
+    except ModuleNotFoundError:  # 3.10: the same parser, as Flower's dependency
+        import tomli as tomllib
 
     uri = 'sqlite:///C:\\runs\\"fed".db'
     dep2 = write_app(load_federation(_dump(tmp_path / "d.yaml", {**raw, "tracking_uri": uri})), load_params(REPO_PARAMS), tmp_path / "app3")
