@@ -257,10 +257,16 @@ def test_the_shipped_site_params_and_federation_example_validate(tmp_path):
     except ModuleNotFoundError:  # 3.10: the same parser, as Flower's dependency
         import tomli as tomllib
 
-    uri = 'sqlite:///C:\\runs\\"fed".db'
+    uri = 'sqlite:///C:\\runs\\"fed"\x7f\t\U0001f600.db'
     dep2 = write_app(load_federation(_dump(tmp_path / "d.yaml", {**raw, "tracking_uri": uri})), load_params(REPO_PARAMS), tmp_path / "app3")
-    config = tomllib.loads((tmp_path / "app3/pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    config = tomllib.loads((tmp_path / "app3/pyproject.toml").read_text(encoding="utf-8"))["tool"]["flwr"]["app"]["config"]
     assert config["tracking-uri"] == uri and dep2 == dep
+
+
+@pytest.fixture(autouse=True)
+def _no_outside_tracking_store(monkeypatch):
+    """The ServerApp logs to MLFLOW_TRACKING_URI when it is set: never to a store outside the test's folder."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
 
 def _dump(path: Path, obj: dict) -> Path:

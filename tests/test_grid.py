@@ -108,6 +108,13 @@ def test_workers_log_to_this_workspaces_mlflow_store(tmp_path, monkeypatch):
     assert tracking_env("sqlite:///mlflow.db", tmp_path)["MLFLOW_TRACKING_URI"] == "file:///elsewhere"
 
 
+def test_matched_stages_that_depend_on_each_other_are_refused(tmp_path):
+    # each run goes alone (--single-item, a Ray task): one reading another matched run's output would read a stale one
+    repo = _repo(tmp_path)
+    with pytest.raises(GridError, match=r"--stages '\*': report depends on another matched stage"):
+        upstream("dvc.yaml", repo, "*")
+
+
 def test_stages_are_batched_into_about_four_experiments_a_worker():
     stages = [f"s{i}" for i in range(55)]  # the pFedDB quickstart grid
     b = batches(stages, jobs=2)
@@ -131,6 +138,9 @@ def test_a_queue_worker_that_misses_the_stop_is_ended_and_others_are_left_alone(
     elsewhere = subprocess.Popen(sleeper, cwd=other)
     try:
         said: list[str] = []
+        # interrupted (experiments still running): the workers are asked to stop, never terminated
+        assert stop_workers(repo, grace_s=1.0, terminate=False, log=said.append) == 0
+        assert stuck.poll() is None and "interrupted" in said.pop()
         assert stop_workers(repo, grace_s=1.0, log=said.append) == 1
         assert stuck.wait(timeout=10) is not None
         assert elsewhere.poll() is None

@@ -190,7 +190,7 @@ def _grid(args: argparse.Namespace) -> None:
     if args.ray:
         from fedsilo.grid_ray import run_grid_ray
 
-        r = run_grid_ray(pipeline, Path(args.root), args.ray, pattern=args.stages, tracking_uri=uri, cpus_per_run=args.cpus_per_run or 1.0,
+        r = run_grid_ray(pipeline, Path(args.root), args.ray, pattern=args.stages, tracking_uri=uri, cpus_per_run=1.0 if args.cpus_per_run is None else args.cpus_per_run,
                          gpus_per_run=args.gpus_per_run, worker_cache=args.worker_cache or None, quiet=args.quiet)
         hosts = sorted({x["host"] for x in r["runs"]})
         where = f"on Ray ({len(hosts)} host{'s' if len(hosts) != 1 else ''}: {', '.join(hosts)}; remote {r['remote']})" if hosts else "on Ray"

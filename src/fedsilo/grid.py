@@ -96,7 +96,13 @@ def upstream(pipeline: str, repo: Path, pattern: str) -> list[str]:
     """The stages the matching stages depend on, directly or not (never a matching stage, never one downstream of
     one), from ``dvc dag --dot``: the targets to reproduce before the grid, each ``dvc repro``-able."""
     nodes, parents = dag(pipeline, repo)
-    need = ancestors(parents, {n for n in nodes if fnmatch.fnmatch(n.rpartition(":")[2], pattern)})
+    matched = {n for n in nodes if fnmatch.fnmatch(n.rpartition(":")[2], pattern)}
+    # each run goes alone (--single-item, a Ray task): one that reads another run's output would read a stale one
+    chained = sorted(n for n in matched if ancestors(parents, {n}) & matched)
+    if chained:
+        raise GridError(f"--stages {pattern!r}: {chained[0]} depends on another matched stage; the grid runs each "
+                        "alone, so match only stages independent of each other (the default, train_*)")
+    need = ancestors(parents, matched)
     # only the stages nothing else in `need` depends on: reproducing them brings their own upstream
     leaves = {n for n in need if not any(n in parents.get(m, ()) for m in need)}
     return sorted(leaves)
@@ -115,14 +121,18 @@ def queue_status(repo: Path) -> tuple[dict[str, str], Optional[int]]:
     return found, (int(m.group(1)) + int(m.group(2)) if m else None)
 
 
-def stop_workers(repo: Path, env: Optional[dict[str, str]] = None, grace_s: float = 30.0,
+def stop_workers(repo: Path, env: Optional[dict[str, str]] = None, grace_s: float = 30.0, terminate: bool = True,
                  log: Callable[[str], None] = print) -> int:
-    """``dvc queue stop``, then end this repository's DVC queue workers that outlive it by ``grace_s`` seconds: a
-    worker started while the stop was broadcast misses it and idles forever (seen with DVC 3.67's filesystem broker),
-    holding the repository's queue. Returns how many had to be terminated."""
+    """``dvc queue stop``, then (``terminate``: every queued experiment has finished, so no worker is busy) end this
+    repository's DVC queue workers that outlive it by ``grace_s`` seconds: a worker started while the stop was
+    broadcast misses it and idles forever (seen with DVC 3.67's filesystem broker), holding the repository's queue.
+    Returns how many had to be terminated."""
     import psutil
 
     _dvc(["queue", "stop"], repo, env, check=False)
+    if not terminate:  # interrupted: the running experiments finish, then their workers stop
+        log("grid: interrupted; the running experiments finish first (`dvc queue kill <name>` stops them now)")
+        return 0
     root = str(Path(repo).resolve())
 
     def workers() -> list[psutil.Process]:
@@ -133,14 +143,23 @@ def stop_workers(repo: Path, env: Optional[dict[str, str]] = None, grace_s: floa
                 found.append(p)
         return found
 
+    def alive(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:  # gone (and reaped) between the two calls
+            return False
+
     deadline = time.monotonic() + grace_s
     left = workers()
     while left and time.monotonic() < deadline:
         time.sleep(1.0)
-        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        left = [p for p in left if alive(p)]
     for p in left:
         log(f"grid: DVC queue worker {p.pid} ({' '.join(p.info['cmdline'][-2:])}) did not stop; terminating it")
-        p.terminate()
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
     psutil.wait_procs(left, timeout=10)
     return len(left)
 
@@ -200,7 +219,8 @@ def threads_per_run(jobs: int, threads: Optional[float] = None) -> int:
         if threads <= 0:
             raise GridError("--cpus-per-run: more than 0")
         return max(1, int(threads))
-    return max(1, (os.cpu_count() or 1) // jobs)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # a CPU set
+    return max(1, cores // jobs)
 
 
 def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tracking_uri: Optional[str] = None,
@@ -261,7 +281,7 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
                 time.sleep(poll_s)
         finally:
             bar.close()
-            stop_workers(repo, env, log=log)
+            stop_workers(repo, env, terminate=len(done) == len(names), log=log)
     t_grid = time.monotonic() - t1
     if failed:
         logs = "\n".join(f"--- {', '.join(batch)} (dvc queue logs {n}):\n" + _dvc(["queue", "logs", n], repo, check=False).stdout[-2000:]

@@ -122,9 +122,9 @@ def bench_grid(pipeline: str, repo: Path, work: Path, jobs: int = 2, pattern: st
 def format_bench(r: dict[str, Any]) -> str:
     lines = [f"{r['pipeline']}: {r['stages']} stages, {r['cpu_count']} CPUs, OMP_NUM_THREADS={r['threads_per_run']} a run "
              f"(data and splits built once: {r['data_and_splits_s']:.0f} s)",
-             f"{'arm':<12}{'seconds':>9}{'speed-up':>10}  dvc status  metrics = sequential"]
+             f"{'arm':<22}{'seconds':>9}{'speed-up':>10}  dvc status  metrics = sequential"]
     for arm, a in r["arms"].items():
-        lines.append(f"{arm:<12}{a['seconds']:>9.0f}{a['speedup_vs_sequential']:>9.2f}x  "
+        lines.append(f"{arm:<22}{a['seconds']:>9.0f}{a['speedup_vs_sequential']:>9.2f}x  "
                      f"{'clean' if a['dvc_status_clean'] else 'NOT clean':<11} "
                      f"{'yes' if a['identical_metrics'] else 'NO: ' + ', '.join(a['differing_files'][:5])}")
     return "\n".join(lines)

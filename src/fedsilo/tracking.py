@@ -9,12 +9,15 @@ protocol, seed) and artifacts (metrics.json, history.json). No image is ever log
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
+
+log = logging.getLogger("fedsilo.tracking")
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -98,8 +101,8 @@ def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
 
 
 def init_store(uri: Optional[str]) -> None:
-    """Create (or migrate) the tracking store at ``uri`` once, before parallel runs log to it: MLflow builds a new
-    sqlite store's tables on first use, and two runs doing that at the same time fail ("duplicate column name")."""
+    """Create the tracking store at ``uri`` once, before parallel runs log to it: MLflow builds a new sqlite store's
+    tables on first use, and two runs doing that at the same time fail ("duplicate column name")."""
     if uri:
         from mlflow.tracking import MlflowClient
 
@@ -134,10 +137,14 @@ class Tracker:
         exp_id = self._experiment_id(experiment)
         run = self.client.create_run(exp_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
-        items = [Param(k, str(v)[:6000]) for k, v in sorted(flatten(params).items())]
-        for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i : i + 100])
-        self.client.log_batch(self.run_id, tags=[RunTag("mlflow.runName", run_name)])
+        try:
+            items = [Param(k, str(v)[:6000]) for k, v in sorted(flatten(params).items())]
+            for i in range(0, len(items), 100):
+                self.client.log_batch(self.run_id, params=items[i : i + 100])
+            self.client.log_batch(self.run_id, tags=[RunTag("mlflow.runName", run_name)])
+        except BaseException:  # the run exists: not left RUNNING
+            self.fail("FAILED")
+            raise
         return self.run_id
 
     def _experiment_id(self, name: str) -> str:
@@ -180,7 +187,10 @@ class Tracker:
     def fail(self, status: str = "FAILED") -> None:
         """End the run as FAILED (an error) or KILLED (SIGTERM, Ctrl-C); a SIGKILLed run is ended by :meth:`supersede`."""
         if self.enabled and self.run_id is not None:
-            self.client.set_terminated(self.run_id, status)
+            try:
+                self.client.set_terminated(self.run_id, status)
+            except Exception as err:  # noqa: BLE001 - called while another error propagates: that one is the story
+                log.warning("could not mark MLflow run %s %s: %s", self.run_id, status, err)
 
     def supersede(self, run_id: str) -> bool:
         """Mark ``run_id`` KILLED if it is still RUNNING: its process died without a word (SIGKILL, a lost machine)

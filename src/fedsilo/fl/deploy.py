@@ -78,7 +78,8 @@ class Federation(Strict):
     contract: Contract
     sites: tuple[SiteEntry, ...] = Field(..., min_length=2)
     tracking_uri: str = Field("", description="the MLflow tracking URI the ServerApp logs the run to, from the SuperLink's "
-                              "machine (an `mlflow server` URL, or sqlite:///path); empty: the results folder only. "
+                              "machine (an `mlflow server` URL, or sqlite:///path); MLFLOW_TRACKING_URI in the SuperLink's "
+                              "environment wins; neither: the results folder only. "
                               "Written into the App's run config (`tracking-uri`), not into deployment.json: where the "
                               "run is logged is not part of what the sites agreed to")
 
@@ -192,6 +193,16 @@ client = APPS[1]
 '''
 
 
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string: backslash, quote and control characters escaped, the rest as it is (UTF-8)."""
+    def esc(ch: str) -> str:
+        if ch in '"\\':
+            return "\\" + ch
+        return f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch
+
+    return '"' + "".join(esc(c) for c in text) + '"'
+
+
 def write_app(fed: Federation, params: Params, out: Path, federation_file: str = "federation.yaml",
               results: Optional[str] = None) -> dict[str, Any]:
     """A Flower App folder for ``fed``: pyproject.toml, the apps' module and deployment.json; written whole or not
@@ -203,7 +214,7 @@ def write_app(fed: Federation, params: Params, out: Path, federation_file: str =
         (tmp / "pyproject.toml").write_text(PYPROJECT.format(
             federation_file=federation_file, out=out, name=fed.name, name_dash=fed.name.replace("_", "-").replace(".", "-").lower(),
             method=fed.method, base=dep["method"]["base"], seed=fed.seed, n=len(fed.sites), module=MODULE, results=results,
-            tracking=json.dumps(fed.tracking_uri)))  # a TOML basic string: JSON's escapes
+            tracking=toml_string(fed.tracking_uri)), encoding="utf-8")
         (tmp / f"{MODULE}.py").write_text(MODULE_TEXT.format(name=fed.name, app_file=APP_FILE))
         write_json(tmp / APP_FILE, dep)
     return dep
@@ -267,6 +278,7 @@ def apps(app_file: Path):
 
     from fedsilo.fl.flower import FlowerRun, Roster, client_app
     from fedsilo.fl.run import flat_summary
+    from fedsilo.tracking import Tracker
 
     dep = json.loads(Path(app_file).read_text())
     spec = deployment_spec(dep)
@@ -280,7 +292,7 @@ def apps(app_file: Path):
         out = Path(str(context.run_config.get("results-dir", f"results/deploy/{dep['federation']}/{spec.key}/seed{spec.seed}")))
         staging = out.with_name(out.name + ".wire")  # the wire log as the run goes; moved into the results at the end
         wire = WireLog(staging / "wire.jsonl")  # a run that fails leaves it there: what crossed before it ended
-        tracker = _start_tracking(dep, str(context.run_config.get("tracking-uri", "")))
+        tracker = Tracker(False, "")  # no run yet: fail() below is a no-op until _start_tracking has one
         round_log = _RoundLog(spec.train.rounds, dep["federation"])
 
         def on_round(entry: dict[str, Any]) -> None:
@@ -289,6 +301,7 @@ def apps(app_file: Path):
 
         try:
             try:
+                tracker = _start_tracking(dep, str(context.run_config.get("tracking-uri", "")))
                 run = FlowerRun(spec, len(roster.sites), roster=roster, wire=wire, on_round=on_round,
                                 wait_s=float(context.run_config.get("wait-s", 600)))
                 run.main(grid, context)
