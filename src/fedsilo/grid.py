@@ -48,14 +48,19 @@ def _dvc(args: list[str], cwd: Path, env: Optional[dict[str, str]] = None, check
     return r
 
 
+def git_files(repo: Path, *args: str) -> list[str]:
+    """``git ls-files -z <args>`` in ``repo``: the paths it lists."""
+    r = subprocess.run(["git", "ls-files", "-z", *args], cwd=repo, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise GridError(f"grid: `git ls-files {' '.join(args)}` failed in {repo}: {r.stderr.strip()}")
+    return [f for f in r.stdout.split("\0") if f]
+
+
 def lock_files(repo: Path) -> list[str]:
     """Every ``dvc.lock`` of the workspace, tracked, untracked or ignored (this repository ignores the paper
     pipelines'), not DVC's own temporary copies under ``.dvc/``: what says which data and splits the stages read."""
-    r = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--", "dvc.lock", "**/dvc.lock"], cwd=repo,
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        raise GridError(f"grid: `git ls-files` failed in {repo}: {r.stderr.strip()}")
-    return sorted({f for f in r.stdout.split("\0") if f and not f.startswith(".dvc/") and (Path(repo) / f).is_file()})
+    found = git_files(repo, "--cached", "--others", "--", "dvc.lock", "**/dvc.lock")
+    return sorted({f for f in found if not f.startswith(".dvc/") and (Path(repo) / f).is_file()})
 
 
 def stale_stages(pipeline: str, repo: Path, pattern: str) -> list[str]:

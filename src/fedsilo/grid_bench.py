@@ -91,7 +91,7 @@ def bench_grid(pipeline: str, repo: Path, work: Path, jobs: int = 2, pattern: st
         shutil.copytree(base, d, symlinks=True)
         shutil.rmtree(d / ".dvc" / "cache" / "runs", ignore_errors=True)  # no arm restores another arm's runs
         env = tracking_env(tracking_uri, d)
-        env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1) if arm == "sequential_all_cores" else str(threads)
+        env["OMP_NUM_THREADS"] = str(threads_per_run(1) if arm == "sequential_all_cores" else threads)
         log(f"bench-grid: {arm} arm in {d} ({len(stages)} stages, OMP_NUM_THREADS={env['OMP_NUM_THREADS']})")
         t = time.monotonic()
         if arm.startswith("sequential"):

@@ -43,7 +43,17 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from fedsilo.grid import GridError, _dvc, _prepare, _restore, ancestors, lock_files, threads_per_run, tracking_env
+from fedsilo.grid import (
+    GridError,
+    _dvc,
+    _prepare,
+    _restore,
+    ancestors,
+    git_files,
+    lock_files,
+    threads_per_run,
+    tracking_env,
+)
 from fedsilo.grid import dag as _dag
 from fedsilo.utils.progress import Progress
 
@@ -64,13 +74,7 @@ def worker_inputs(pipeline: str, repo: Path, stages: list[str],
 def workspace_files(repo: Path) -> list[str]:
     """What a worker gets of the workspace: git-tracked files and untracked ones git does not ignore (as they are now,
     edits included), and every ``dvc.lock`` (ignored in this repository, but it says which data the stages read)."""
-    def git(*args: str) -> list[str]:
-        r = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise GridError(f"grid --ray: `git {' '.join(args)}` failed in {repo}: {r.stderr.strip()}")
-        return [f for f in r.stdout.split("\0") if f]
-
-    files = set(git("ls-files", "-z", "--cached", "--others", "--exclude-standard")) | set(lock_files(repo))
+    files = set(git_files(repo, "--cached", "--others", "--exclude-standard")) | set(lock_files(repo))
     return sorted(f for f in files if (repo / f).is_file())
 
 

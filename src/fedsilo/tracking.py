@@ -100,6 +100,22 @@ def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
     return {metric_key(k): float(v) for k, v in m.items()}
 
 
+def flat_summary(summary: dict[str, Any]) -> dict[str, float]:
+    """A run's final numbers as MLflow metrics (``final.<key>``): mean and spread of accuracy (and AUC), each client's
+    accuracy, and the method-specific summaries the run has."""
+    flat = {"mean_acc": summary["mean_acc"], "std_acc": summary["std_acc"]}
+    if "mean_auc" in summary:
+        flat["mean_auc"] = summary["mean_auc"]
+    for key in ("train_flops_per_round", "ensemble_acc", "external_ensemble_acc", "external_global_acc", "avg_acc", "forgetting"):
+        if summary.get(key) is not None:
+            flat[key] = summary[key]
+    for c, v in summary["per_client"].items():
+        flat[f"acc.{c}"] = v["acc"]
+    for d, v in summary.get("acc_after_task", {}).items():
+        flat[f"acc_after.{d}"] = v
+    return flat
+
+
 def init_store(uri: Optional[str]) -> None:
     """Create the tracking store at ``uri`` once, before parallel runs log to it: MLflow builds a new sqlite store's
     tables on first use, and two runs doing that at the same time fail ("duplicate column name")."""

@@ -277,8 +277,7 @@ def apps(app_file: Path):
     from flwr.serverapp import Grid, ServerApp
 
     from fedsilo.fl.flower import FlowerRun, Roster, client_app
-    from fedsilo.fl.run import flat_summary
-    from fedsilo.tracking import Tracker
+    from fedsilo.tracking import Tracker, flat_summary
 
     dep = json.loads(Path(app_file).read_text())
     spec = deployment_spec(dep)

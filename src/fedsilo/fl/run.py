@@ -38,7 +38,7 @@ from fedsilo.fl.continual import ContinualEngine, continual_summary
 from fedsilo.fl.engine import Engine, Observer
 from fedsilo.methods import method_base, resolve_method
 from fedsilo.models import build_model
-from fedsilo.tracking import Tracker, dvc_hashes, git_commit
+from fedsilo.tracking import Tracker, dvc_hashes, flat_summary, git_commit
 from fedsilo.utils.io import atomic_dir, canonical_hash, clean_stale, file_sha256, read_json, write_json
 from fedsilo.utils.progress import Progress, mib
 
@@ -93,22 +93,6 @@ def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
     if counted:
         out["train_flops_per_round"] = counted[-1]["train_flops"]
     return out
-
-
-def flat_summary(summary: dict[str, Any]) -> dict[str, float]:
-    """A run's final numbers as MLflow metrics (``final.<key>``): mean and spread of accuracy (and AUC), each client's
-    accuracy, and the method-specific summaries the run has."""
-    flat = {"mean_acc": summary["mean_acc"], "std_acc": summary["std_acc"]}
-    if "mean_auc" in summary:
-        flat["mean_auc"] = summary["mean_auc"]
-    for key in ("train_flops_per_round", "ensemble_acc", "external_ensemble_acc", "external_global_acc", "avg_acc", "forgetting"):
-        if summary.get(key) is not None:
-            flat[key] = summary[key]
-    for c, v in summary["per_client"].items():
-        flat[f"acc.{c}"] = v["acc"]
-    for d, v in summary.get("acc_after_task", {}).items():
-        flat[f"acc_after.{d}"] = v
-    return flat
 
 
 def round_summary(entry: dict[str, Any]) -> str:
