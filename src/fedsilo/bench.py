@@ -102,7 +102,9 @@ def single_model_loop(model: nn.Module, clients: list[ClientData], cfg: TrainPar
 BENCH_METHOD_PARAMS: dict[str, dict[str, Any]] = {"pfeddb": {"two_phase": False}}
 
 
-def engine_rounds(method: str, model: nn.Module, clients: list[ClientData], cfg: TrainParams, rounds: int, seed: int, checkpoint: Optional[Path]) -> list[float]:
+def engine_rounds(method: str, model: nn.Module, clients: list[ClientData], cfg: TrainParams, rounds: int, seed: int, checkpoint: Optional[Path],
+                  keep: Optional[dict[str, Any]] = None) -> list[float]:
+    """Seconds of each of ``rounds`` engine rounds; ``keep`` receives the final server state when given."""
     cls = method_class(method)
     times: list[float] = []
     device = clients[0].x_train.device
@@ -114,7 +116,13 @@ def engine_rounds(method: str, model: nn.Module, clients: list[ClientData], cfg:
         engine.step()
         _sync(device)
         times.append(time.perf_counter() - t0)
+    if keep is not None:
+        keep["server"] = engine.server
     return times
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _reset_peak(device: torch.device) -> None:
@@ -124,6 +132,45 @@ def _reset_peak(device: torch.device) -> None:
 
 def _peak_dev(device: torch.device) -> Optional[float]:
     return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
+def parallel_gain(widths: tuple[int, ...], measure: Any, result: dict[str, Any], sequential: dict[str, Any], model: str, channels: int,
+                  num_classes: int, image_size: int, data: list[ClientData], cfg: TrainParams, rounds: int, seed: int,
+                  tmp: Optional[Path]) -> dict[int, dict[str, Any]]:
+    """FedAvg with ``train.parallel_clients: K`` for each K, against FedAvg one client at a time (the ``fedavg`` arm,
+    measured before in the same process with the same data): the throughput ratio, and whether the final global model
+    is bit-equal to a one-at-a-time run with as many threads per client (on the CPU that run is timed too, as
+    ``fedavg[threads=T]``: it tells the gain of training clients at once from that of giving each fewer threads; on a
+    GPU the ``fedavg`` arm is that run)."""
+    dev = data[0].x_train.device
+    threads = torch.get_num_threads()
+    base = result["throughput"]["fedavg"]["samples_per_s"]
+    out: dict[int, dict[str, Any]] = {}
+
+    def build() -> nn.Module:
+        return build_model(model, channels, num_classes, seed=seed, image_size=image_size).to(dev)
+
+    for k in widths:
+        par: dict[str, Any] = {}
+        label = f"fedavg[parallel={k}]"
+        measure(label, lambda k=k, par=par: engine_rounds("fedavg", build(), data, cfg.model_copy(update={"parallel_clients": k}), rounds, seed,
+                                                         tmp / f"fedavg_p{k}.pt" if tmp else None, keep=par))
+        per = max(1, threads // k) if dev.type == "cpu" else None
+        row: dict[str, Any] = {"samples_per_s": result["throughput"][label]["samples_per_s"],
+                               "over_one_at_a_time": result["throughput"][label]["samples_per_s"] / base, "threads_per_client": per}
+        ref = sequential
+        if per is not None and per != threads:
+            ref = {}
+            torch.set_num_threads(per)
+            try:
+                measure(f"fedavg[threads={per}]", lambda per=per, ref=ref: engine_rounds(
+                    "fedavg", build(), data, cfg, rounds, seed, tmp / f"fedavg_t{per}.pt" if tmp else None, keep=ref))
+            finally:
+                torch.set_num_threads(threads)
+            row["over_one_at_a_time_same_threads"] = row["samples_per_s"] / result["throughput"][f"fedavg[threads={per}]"]["samples_per_s"]
+        row["identical_to_one_at_a_time"] = _same(par["server"], ref["server"])
+        out[k] = row
+    return out
 
 
 def harmonize_throughput(n_images: int, px: int, workers: int) -> dict[str, Any]:
@@ -176,12 +223,13 @@ def run_bench(
     harmonize_px: int = 1024,
     seed: int = 0,
     host_augment: tuple[dict[str, Any], ...] = (),
+    parallel_clients: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     from fedsilo.methods import REGISTRY
 
     if "all" in methods:
         methods = tuple(m for m, cls in REGISTRY.items() if m != "single" and not cls.stream_only)  # bench runs static clients
-    if host_augment and "fedavg" not in methods:  # a policy's cost is FedAvg with it against FedAvg without it
+    if (host_augment or parallel_clients) and "fedavg" not in methods:  # both are FedAvg with them against without
         methods = ("fedavg", *methods)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     cfg = TrainParams(
@@ -225,10 +273,15 @@ def run_bench(
             measure(label, lambda algo=algo: single_model_loop(
                 algo.transform_model(build_model(model, channels, num_classes, seed=seed, image_size=image_size).to(dev), example), data, cfg, warmup + rounds, seed))
             own_limit[m] = label
+    kept: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for m in methods:
             ck = Path(tmp) / f"{m}.pt" if checkpoint else None
-            measure(m, lambda m=m, ck=ck: engine_rounds(m, build_model(model, channels, num_classes, seed=seed, image_size=image_size).to(dev), data, cfg, warmup + rounds, seed, ck))
+            measure(m, lambda m=m, ck=ck: engine_rounds(m, build_model(model, channels, num_classes, seed=seed, image_size=image_size).to(dev), data, cfg, warmup + rounds, seed, ck,
+                                                        keep=kept if m == "fedavg" else None))
+        if parallel_clients:
+            result["parallel_clients"] = parallel_gain(parallel_clients, measure, result, kept, model, channels, num_classes, image_size, data, cfg,
+                                                       warmup + rounds, seed, Path(tmp) if checkpoint else None)
         if host_augment:  # what an albumentations policy (train.augment.host) costs: FedAvg with it against without it
             from fedsilo.config import AugmentParams
 
@@ -303,6 +356,13 @@ def format_result(r: dict[str, Any]) -> str:
         lines.append(
             f"host augmentation ({', '.join(p['name'] for p in h['policy'])}): +{h['seconds_per_round_added']:.3f} s per FedAvg round, "
             f"throughput x{h['throughput_with_over_without']:.3f} of FedAvg without it"
+        )
+    for k, p in r.get("parallel_clients", {}).items():
+        same = f", x{p['over_one_at_a_time_same_threads']:.3f} of one at a time with {p['threads_per_client']} thread(s)" if "over_one_at_a_time_same_threads" in p else ""
+        each = f" ({p['threads_per_client']} thread(s) each)" if p["threads_per_client"] else ""
+        lines.append(
+            f"parallel clients: FedAvg training {k} clients at once{each}: x{p['over_one_at_a_time']:.3f} the throughput of one at a "
+            f"time{same}; final global model {'bit-equal to' if p['identical_to_one_at_a_time'] else 'DIFFERENT from'} one at a time"
         )
     if "harmonize" in r:
         h = r["harmonize"]

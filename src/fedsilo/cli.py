@@ -173,6 +173,7 @@ def _bench(args: argparse.Namespace) -> None:
         memory_clients=args.memory_clients, memory_rounds=args.memory_rounds, memory_samples=args.memory_samples,
         memory_fraction=args.memory_fraction, harmonize_images=args.harmonize_images, harmonize_px=args.harmonize_px,
         host_augment=_host_policy_arg(args.host_augment),
+        parallel_clients=tuple(int(k) for k in args.parallel_clients.split(",") if k) if args.parallel_clients else (),
     )
     print(format_result(r))
     if args.json:
@@ -417,6 +418,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--harmonize-px", type=int, default=1024, help="edge of those DICOMs")
     s.add_argument("--host-augment", default=None, help="an albumentations policy (train.augment.host: a YAML list, or a file "
                    "with one) to time FedAvg with and without: the cost per round of host augmentation")
+    s.add_argument("--parallel-clients", default=None, metavar="K[,K...]",
+                   help="also time FedAvg with train.parallel_clients: K (clients trained at once, each on its own copy of "
+                   "the model) against one at a time, and check its final model is the same")
     s.add_argument("--json", help="also write the full result as JSON here")
     s.set_defaults(fn=_bench)
     s = sub.add_parser(

@@ -419,6 +419,13 @@ class TrainParams(Strict):
         "and convolutions, forward and backward, torch.utils.flop_counter; the last round is a method's steady state: "
         "its references, prototypes and phases are in place) into history and metrics.json (F²DC Table 4)",
     )
+    parallel_clients: int = Field(
+        1, ge=1, description="clients of a round trained at once, each on its own copy of the model (its own CUDA "
+        "stream on a GPU; on the CPU each gets threads / parallel_clients of the run's torch threads): several small "
+        "clients fill a device one leaves idle. Downloads, uploads and aggregation keep the clients' order, so the "
+        "numbers equal a one-at-a-time run with as many threads per client (on a GPU: the same numbers). Methods whose "
+        "local update keeps state on the method object train one at a time (recorded in metrics.json's engine block)",
+    )
     store_device: Literal["auto", "device", "host"] = Field(
         "auto", description="where client stores live: on the device when they fit, else pinned host memory"
     )
@@ -447,6 +454,9 @@ class TrainParams(Strict):
             raise ValueError("momentum: SGD's momentum (and nesterov) with optimizer: adam; Adam's moments are betas")
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas: each of Adam's betas must be in [0, 1), got {list(self.betas)}")
+        if self.parallel_clients > 1 and self.compile:
+            raise ValueError("parallel_clients: torch.compile'd models are not trained from several threads (TorchDynamo "
+                             "is not thread-safe); set compile: false or parallel_clients: 1")
         if self.client_fraction_range is not None:
             lo, hi = self.client_fraction_range
             if not 0 < lo <= hi <= 1:

@@ -14,8 +14,10 @@ the same configuration hash resumes after its last completed round; since every 
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -29,10 +31,11 @@ from fedsilo.client.data import ClientData, to_float
 from fedsilo.client.features import covariance_spectrum
 from fedsilo.client.local import evaluate, evaluate_client, make_generator, predict, score, use_channels_last
 from fedsilo.config import ConfigError, TrainParams
-from fedsilo.methods.base import Method, State, payload_bytes
+from fedsilo.methods.base import Method, State, payload_bytes, spare_copy
 from fedsilo.utils.io import atomic_file
 
 GC_EVERY = 10  # rounds between full garbage collections
+log = logging.getLogger(__name__)
 Observer = Callable[[int, str, str, State], None]  # (round, client name, "down"|"up", payload)
 
 
@@ -97,6 +100,7 @@ class Engine:
         model = self.model = method.transform_model(model, to_float(clients[0].x_train[:2]))
         self.method.setup(model)
         self.private = self.method.private_keys(model)
+        self.parallel = self._parallel_width()
         self.round = 0
         self.total_rounds = train.rounds  # a continual run: rounds per task x tasks
         self.history: list[dict[str, Any]] = []
@@ -113,6 +117,32 @@ class Engine:
             self.save()
         self.store_device = self._choose_store_device()
         self.stores = [self._place(s) for s in self.stores]
+
+    # ------------------------------------------------------------------ clients trained at once
+    def _parallel_width(self) -> int:
+        """How many clients train at once (``train.parallel_clients``): 1 for a method whose local update keeps
+        state on the method object (``Method.client_parallel`` False), said in the log and in :meth:`execution`."""
+        k = self.train.parallel_clients
+        if k > 1 and not type(self.method).client_parallel:
+            log.warning("%s trains its clients one at a time (its local update keeps state on the method object); "
+                        "train.parallel_clients: %d does not apply to it", self.method.name, k)
+            return 1
+        return k
+
+    def client_threads(self) -> Optional[int]:
+        """The CPU threads each client of a parallel wave trains with: the run's torch threads shared among the
+        wave's clients (None when clients train one at a time, or on a GPU, where each has its own CUDA stream)."""
+        if self.parallel == 1 or self._device().type != "cpu":
+            return None
+        return max(1, torch.get_num_threads() // self.parallel)
+
+    def execution(self) -> dict[str, Any]:
+        """How the clients were run, for metrics.json: the clients trained at once and, on the CPU, each one's
+        threads (the numbers equal a one-at-a-time run with that many threads)."""
+        out: dict[str, Any] = {"parallel_clients": self.parallel}
+        if self.client_threads() is not None:
+            out["threads_per_client"] = self.client_threads()
+        return out
 
     # ------------------------------------------------------------------ client state placement
     def _choose_store_device(self) -> torch.device:
@@ -201,9 +231,9 @@ class Engine:
         acc = self.method.agg_begin(self.server, rnd) if self.method.streaming else None
         flops = FlopCounterMode(display=False) if self.train.count_flops and rnd == self.total_rounds else None
         with flops if flops is not None else nullcontext():
-            self._clients_round(rnd, picked, entry, uploads, acc)
+            elsewhere = self._clients_round(rnd, picked, entry, uploads, acc, count_flops=flops is not None)
         if flops is not None:  # the last round's local training, every picked client, forward and backward
-            entry["train_flops"] = int(flops.get_total_flops())
+            entry["train_flops"] = int(flops.get_total_flops()) + elsewhere
         self.close_round(entry, rnd, start, acc, uploads)
         # the per-client optimizers of a round are reference cycles (their tensors are already released by
         # train_local): a full collection every few rounds keeps host memory level without paying its cost (a fifth
@@ -215,40 +245,69 @@ class Engine:
     def eval_due(self, rnd: int) -> bool:
         return rnd % self.train.eval_every == 0 or rnd == self.total_rounds
 
-    def _clients_round(self, rnd: int, picked: list[int], entry: dict[str, Any], uploads: list[tuple[ClientData, State]], acc: Any) -> None:
-        """Each picked client in turn: download, local update, upload (byte-counted, privacy-checked), into the
-        streaming aggregator ``acc`` or the ``uploads`` list."""
-        for i in picked:
-            c = self.clients[i]
-            # what the client tells the server before its download (pFedDIL: which of its models this task trains);
-            # an upload like any other: byte-counted and privacy-checked
-            said = self.method.announce(self.model, self.stores[i], c, rnd)
-            if said:
-                self._refuse_private(c, said)
-                said = transfer(said)
-                entry.setdefault("bytes_announce", {})[c.name] = payload_bytes(said)
-                if self.observer:
-                    self.observer(rnd, c.name, "up", transfer(said))
-                self.method.hear(c, said)
-            down = read_only(self.method.download(self.server, c, rnd))
-            entry["bytes_down"][c.name] = payload_bytes(down)
-            if self.observer:  # observers get copies: payloads may alias live model or server tensors
-                self.observer(rnd, c.name, "down", transfer(down))
-            up = self.method.local_update(self.model, self.stores[i], down, c, rnd, self.seed)
-            self.stores[i] = self._place(self.stores[i])
-            self._refuse_private(c, up)
-            # a streaming aggregator consumes the upload before the model is touched again, so no copy is needed;
-            # a method that aggregates the whole list gets independent copies
-            up = read_only(up) if acc is not None else transfer(up)
-            entry["bytes_up"][c.name] = payload_bytes(up) + entry.get("bytes_announce", {}).get(c.name, 0)
-            entry["train_loss"][c.name] = self.method.last_loss
+    def _clients_round(self, rnd: int, picked: list[int], entry: dict[str, Any], uploads: list[tuple[ClientData, State]], acc: Any,
+                       count_flops: bool = False) -> int:
+        """The picked clients in turn: download, local update, upload (byte-counted, privacy-checked), into the
+        streaming aggregator ``acc`` or the ``uploads`` list. With ``train.parallel_clients: K`` the clients go in
+        waves of K: the server hears and serves the wave's clients in order, they train at once on K copies of the
+        model, and their uploads are received in order, so sums are added in the same order as one at a time.
+        Returns the FLOPs counted in worker threads (FlopCounterMode counts the thread it is entered in only)."""
+        k = self.parallel
+        if k == 1:
+            for i in picked:
+                down = self._serve(rnd, i, entry)
+                self.method.last_loss = None
+                up = self.method.local_update(self.model, self.stores[i], down, self.clients[i], rnd, self.seed)
+                self._receive(rnd, i, up, self.method.last_loss, entry, uploads, acc)
+                del up, down
+            return 0
+        counted = 0
+        with _Wave(self, min(k, len(picked))) as wave:
+            for start in range(0, len(picked), k):
+                group = picked[start : start + k]
+                downs = [self._serve(rnd, i, entry) for i in group]
+                results = wave.train(rnd, group, downs, count_flops)
+                for i, (up, loss, flops) in zip(group, results):
+                    counted += flops
+                    self._receive(rnd, i, up, loss, entry, uploads, acc)
+                del results, downs
+        return counted
+
+    def _serve(self, rnd: int, i: int, entry: dict[str, Any]) -> State:
+        """Server side, for client ``i``: what it announces is heard (pFedDIL: which of its models this task trains; an
+        upload like any other, byte-counted and privacy-checked), and its download is made."""
+        c = self.clients[i]
+        said = self.method.announce(self.model, self.stores[i], c, rnd)
+        if said:
+            self._refuse_private(c, said)
+            said = transfer(said)
+            entry.setdefault("bytes_announce", {})[c.name] = payload_bytes(said)
             if self.observer:
-                self.observer(rnd, c.name, "up", transfer(up))
-            if acc is not None:
-                self.method.agg_add(acc, c, up)
-            else:
-                uploads.append((c, up))
-            del up, down
+                self.observer(rnd, c.name, "up", transfer(said))
+            self.method.hear(c, said)
+        down = read_only(self.method.download(self.server, c, rnd))
+        entry["bytes_down"][c.name] = payload_bytes(down)
+        if self.observer:  # observers get copies: payloads may alias live model or server tensors
+            self.observer(rnd, c.name, "down", transfer(down))
+        return down
+
+    def _receive(self, rnd: int, i: int, up: State, loss: Optional[float], entry: dict[str, Any], uploads: list[tuple[ClientData, State]], acc: Any) -> None:
+        """Client ``i``'s upload after its local update: refused if it holds a private key, counted, and handed to the
+        aggregator; its store goes back to where stores live."""
+        c = self.clients[i]
+        self.stores[i] = self._place(self.stores[i])
+        self._refuse_private(c, up)
+        # a streaming aggregator consumes the upload before the model is touched again, so no copy is needed;
+        # a method that aggregates the whole list gets independent copies
+        up = read_only(up) if acc is not None else transfer(up)
+        entry["bytes_up"][c.name] = payload_bytes(up) + entry.get("bytes_announce", {}).get(c.name, 0)
+        entry["train_loss"][c.name] = loss
+        if self.observer:
+            self.observer(rnd, c.name, "up", transfer(up))
+        if acc is not None:
+            self.method.agg_add(acc, c, up)
+        else:
+            uploads.append((c, up))
 
     def close_round(self, entry: dict[str, Any], rnd: int, start: float, acc: Any, uploads: list[tuple[ClientData, State]]) -> None:
         """The end of a round, after every picked client trained (here or on its site): the server aggregates (the
@@ -321,6 +380,65 @@ class Engine:
         while self.round < self.total_rounds:
             self.step()
         return self.history
+
+
+class _Wave:
+    """The clients of a round trained at once (``train.parallel_clients``): as many copies of the engine's model as
+    a wave has clients, made when the round's training starts (after ``on_round_start``, so a phase's frozen layers
+    are copied with it) and dropped at its end, each trained by its own thread: on a GPU on its own CUDA stream, which
+    waits for the work queued before the wave and which the default stream waits for after it; on the CPU with the
+    run's torch threads shared among them (``Engine.client_threads``)."""
+
+    def __init__(self, engine: Engine, width: int):
+        self.engine, self.width = engine, width
+        self.device = engine._device()
+
+    def __enter__(self) -> "_Wave":
+        self.models: list[nn.Module] = []
+        for _ in range(self.width):
+            m = spare_copy(self.engine.model)
+            for p in m.parameters():
+                p.grad = None  # the engine model's last gradients are not the copy's to keep
+            self.models.append(m)
+        cuda = self.device.type == "cuda"
+        self.streams = [torch.cuda.Stream(self.device) if cuda else None for _ in range(self.width)]
+        self.threads = torch.get_num_threads()
+        per = self.engine.client_threads()
+        if per is not None:
+            torch.set_num_threads(per)  # before the pool exists: each worker thread takes it up on its first op
+        self.pool = ThreadPoolExecutor(self.width, thread_name_prefix="fedsilo-client")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.pool.shutdown(wait=True)
+        torch.set_num_threads(self.threads)
+        self.models.clear()
+
+    def train(self, rnd: int, group: list[int], downs: list[State], count_flops: bool) -> list[tuple[State, Optional[float], int]]:
+        """The local updates of ``group``'s clients, at once; returns (upload, loss, FLOPs) per client in the group's
+        order. When one fails, the others are waited for and the first failure in client order is raised."""
+        current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        for s in self.streams:
+            if s is not None:
+                s.wait_stream(current)
+        futures = [self.pool.submit(self._one, j, rnd, i, down, count_flops) for j, (i, down) in enumerate(zip(group, downs))]
+        wait(futures)
+        for s in self.streams:
+            if s is not None:
+                current.wait_stream(s)
+        return [f.result() for f in futures]
+
+    def _one(self, j: int, rnd: int, i: int, down: State, count_flops: bool) -> tuple[State, Optional[float], int]:
+        e = self.engine
+        stream = self.streams[j]
+        where = nullcontext() if stream is None else torch.cuda.device(self.device)
+        with where, (nullcontext() if stream is None else torch.cuda.stream(stream)):
+            counter = FlopCounterMode(display=False) if count_flops else None
+            with counter if counter is not None else nullcontext():
+                e.method.last_loss = None
+                up = e.method.local_update(self.models[j], e.stores[i], down, e.clients[i], rnd, e.seed)
+                loss = e.method.last_loss
+        return up, loss, int(counter.get_total_flops()) if counter is not None else 0
 
 
 class _Ensemble:

@@ -245,6 +245,8 @@ def run_training(
                 # the backbone the method was built from: the paper's "full network" for Param / Ratio (Table 3)
                 "model_param_bytes": int(sum(p.numel() * p.element_size() for p in model.parameters())),
                 "method_resolved": method_resolved,
+                # clients trained at once, and each one's CPU threads (train.parallel_clients)
+                "engine": engine.execution(),
                 "params_hash": params_hash,
                 "config_hash": config_hash,
                 "code": code,

@@ -9,6 +9,8 @@ that contains a key the method declares private.
 from __future__ import annotations
 
 import copy
+import threading
+import weakref
 from typing import Any, ClassVar, Optional
 
 import torch
@@ -48,6 +50,12 @@ class Method:
     # True for a method defined on a stream only (pFedDIL, Source-only, Disjoint, Sharing, DANN + FL): the per-round
     # engine of static clients refuses it
     stream_only: ClassVar[bool] = False
+    # True when ``local_update`` may run for several clients at once, each on its own copy of the model, from several
+    # threads (``train.parallel_clients``): it keeps nothing on the method object between or during calls (but
+    # ``last_loss``, kept per thread, and spare models made with :class:`Spares`) and holds no reference to the model
+    # it was set up with. A method that stores per-call state on itself (a hook's capture, what the server heard
+    # from a client) sets it False and is trained one client at a time.
+    client_parallel: ClassVar[bool] = True
 
     def __init__(self, params: MethodParams, train: TrainParams, key: Optional[str] = None):
         self.params = params
@@ -55,9 +63,20 @@ class Method:
         # the params.yaml entry this method was resolved from (``methods.<key>``): a named variant such as
         # fedavg_two_phase has its own key; errors name it
         self.key = key or self.name
-        self.last_loss: Optional[float] = None  # mean training loss of the latest local_update
+        self._losses: dict[int, Optional[float]] = {}  # last_loss, per thread
+        self.last_loss = None
         self.federation: list[ClientData] = []
         self.run_seed = 0
+
+    @property
+    def last_loss(self) -> Optional[float]:
+        """The mean training loss of the latest ``local_update`` of this thread: clients trained in parallel
+        (``train.parallel_clients``) each report their own."""
+        return self._losses.get(threading.get_ident())
+
+    @last_loss.setter
+    def last_loss(self, value: Optional[float]) -> None:
+        self._losses[threading.get_ident()] = value
 
     def join(self, clients: list[ClientData], seed: int = 0) -> None:
         """The federation's clients as a server knows them at registration (name, domain, sample count) and the run's
@@ -221,6 +240,24 @@ class RunningMean:
             mean = acc / self.weight
             out[k] = mean.round().to(self.dtypes[k]) if not self.dtypes[k].is_floating_point else mean.to(self.dtypes[k])
         return out
+
+
+class Spares:
+    """``count`` spare copies of the model a client trains (a teacher, the downloaded global model), made on first use
+    and kept for later rounds, one set per model object: the engine's model, or each of its copies when clients train
+    in parallel (``train.parallel_clients``), so that two clients never share a spare."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self._sets: "weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, ...]]" = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def of(self, model: nn.Module) -> tuple[nn.Module, ...]:
+        with self._lock:
+            got = self._sets.get(model)
+            if got is None:
+                got = self._sets[model] = tuple(spare_copy(model) for _ in range(self.count))
+            return got
 
 
 def spare_copy(model: nn.Module) -> nn.Module:

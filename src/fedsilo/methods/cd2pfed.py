@@ -69,6 +69,8 @@ class CD2PFed(Method):
     fixed ratio."""
 
     name = "cd2pfed"
+    # the channel masks are forward hooks on the model the method was set up with, switched through the method
+    client_parallel = False
     params_cls = CD2PFedParams
     params: CD2PFedParams
 

@@ -125,6 +125,8 @@ class DANN(MeanAggregation):
     params: DANNParams
     task_stream = True
     stream_only = True
+    # the round's reversal strength and source data are set on the method by each local update
+    client_parallel = False
 
     # ------------------------------------------------------------------ structure
     def setup(self, model: LayeredNet) -> None:

@@ -148,7 +148,6 @@ class FDSE(PartialSharing):
     def setup(self, model: LayeredNet) -> None:
         super().setup(model)
         self.personal = [k for k in self.private if is_personal(k)]
-        self.bn_layers = [m for m in model.modules() if isinstance(m, DSEConv)]
 
     def private_keys(self, model: LayeredNet) -> set[str]:
         """What never leaves a client: the erasers' BatchNorm running statistics (the erasers themselves travel)."""
@@ -191,8 +190,10 @@ class FDSE(PartialSharing):
     def local_update(self, model, store, payload, client, rnd, seed):
         model.load_state_dict({**store, **payload}, strict=True)
         captured: list[torch.Tensor] = []
-        handles = [layer.dfe_bn.register_forward_pre_hook(lambda _m, inp: captured.append(inp[0])) for layer in self.bn_layers]
-        ref = [(layer.dfe_bn.running_mean.detach().clone().float(), layer.dfe_bn.running_var.detach().clone().float()) for layer in self.bn_layers]
+        # the DFE BatchNorms of the model this client trains (a copy of the engine's when clients train in parallel)
+        bn_layers = [m for m in model.modules() if isinstance(m, DSEConv)]
+        handles = [layer.dfe_bn.register_forward_pre_hook(lambda _m, inp: captured.append(inp[0])) for layer in bn_layers]
+        ref = [(layer.dfe_bn.running_mean.detach().clone().float(), layer.dfe_bn.running_var.detach().clone().float()) for layer in bn_layers]
         state: dict[str, Any] = {}
         lam = self.params.lam if rnd > 1 else 0.0
 

@@ -248,6 +248,8 @@ class FedCIL(Method):
     params: FedCILParams
     task_stream = True
     stream_only = True
+    # each local update logs its batches and device on the method
+    client_parallel = False
 
     # ------------------------------------------------------------------ structure
     def transform_model(self, model, example):

@@ -45,6 +45,8 @@ class FedLGF(FedAvg):
     directions come from the run's seeded generator (seed, round, client)."""
 
     name = "fedlgf"
+    # the feature hook writes the current batch's features onto the method
+    client_parallel = False
     task_stream = False  # not one of the continual papers' baselines
     params_cls = FedLGFParams
     params: FedLGFParams

@@ -64,9 +64,11 @@ class FedWon(FedAvg):
         super().setup(model)
         last = [m for m in model.head().modules() if isinstance(m, nn.Linear)]
         skip = {id(p) for p in last[-1].parameters()} if last else set()
-        self.clipped = [p for p in model.parameters() if id(p) not in skip]
+        # by name: the parameters are those of the model each client trains (a copy when clients train in parallel)
+        self.clipped = [n for n, p in model.named_parameters() if id(p) not in skip]
 
     def local_terms(self, model, payload, client, rnd, seed) -> dict[str, Any]:
-        clip, eps, params = self.params.clip, self.params.agc_eps, self.clipped
+        named = dict(model.named_parameters())
+        clip, eps, params = self.params.clip, self.params.agc_eps, [named[n] for n in self.clipped]
         hook: Callable[[], None] = lambda: adaptive_grad_clip(params, clip, eps)  # noqa: E731
         return {"grad_hook": hook}

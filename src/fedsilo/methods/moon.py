@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from pydantic import Field
-from torch import nn
 
 from fedsilo.client.features import features, representation
 from fedsilo.client.local import make_generator, train_local
-from fedsilo.methods.base import MethodParams, State, spare_copy
+from fedsilo.methods.base import MethodParams, Spares, State
 from fedsilo.methods.sharing import PartialSharing
 from fedsilo.models import LayeredNet
 
@@ -55,7 +52,7 @@ class MOON(PartialSharing):
         super().setup(model)
         self.keys = list(model.state_dict().keys())
         self._init = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self._refs: Optional[tuple[nn.Module, nn.Module]] = None
+        self._refs = Spares(2)  # the global and the previous model, beside each model a client trains
 
     def private_keys(self, model: LayeredNet) -> set[str]:
         return {PREVIOUS + k for k in model.state_dict()}
@@ -64,9 +61,7 @@ class MOON(PartialSharing):
         return {}  # no previous model until the client has trained once
 
     def local_update(self, model, store, payload, client, rnd, seed):
-        if self._refs is None:
-            self._refs = (spare_copy(model), spare_copy(model))
-        glob, prev = self._refs
+        glob, prev = self._refs.of(model)
         glob.load_state_dict(payload, strict=True)
         prev.load_state_dict({k: store[PREVIOUS + k] for k in self.keys} if store else self._init, strict=True)
         glob.eval()

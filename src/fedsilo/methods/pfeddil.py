@@ -73,6 +73,8 @@ class PFedDIL(Method):
     params: PFedDILParams
     task_stream = True
     stream_only = True
+    # what the server heard from each client this round is kept on the method
+    client_parallel = False
 
     # ------------------------------------------------------------------ structure
     def setup(self, model: LayeredNet) -> None:

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from pydantic import Field
-from torch import nn
 
 from fedsilo.client.local import make_generator, train_local
-from fedsilo.methods.base import MethodParams, spare_copy
+from fedsilo.methods.base import MethodParams, Spares
 from fedsilo.methods.personal import PersonalModels
 from fedsilo.methods.terms import distillation_kl
 from fedsilo.models import LayeredNet
@@ -40,7 +37,7 @@ class PFedSD(PersonalModels):
 
     def setup(self, model: LayeredNet) -> None:
         super().setup(model)
-        self._teacher: Optional[nn.Module] = None
+        self._teacher = Spares(1)  # the teacher, beside each model a client trains
 
     def init_client(self, model: LayeredNet, client) -> dict:
         return {}  # no personalized model before the client's first local training
@@ -49,9 +46,7 @@ class PFedSD(PersonalModels):
         model.load_state_dict(payload, strict=True)
         batch_loss = None
         if store:
-            if self._teacher is None:
-                self._teacher = spare_copy(model)
-            teacher = self._teacher
+            (teacher,) = self._teacher.of(model)
             teacher.load_state_dict(self.personal(store), strict=True)
             teacher.eval()
             lam, tau = self.params.lam, self.params.tau
