@@ -29,11 +29,12 @@ def test_bench_times_clients_trained_at_once_and_checks_their_model():
     torch.set_num_threads(2)
     try:
         r = run_bench(clients=4, samples=16, test_samples=8, batch_size=8, rounds=1, warmup=1, methods=("fedavg",),
-                      memory_clients=0, harmonize_images=0, device="cpu", parallel_clients=(2,))
+                      memory_clients=0, harmonize_images=0, device="cpu", parallel_clients=(2, 4))
     finally:
         torch.set_num_threads(before)
-    p = r["parallel_clients"][2]
-    assert p["threads_per_client"] == 1 and p["over_one_at_a_time"] > 0 and p["over_one_at_a_time_same_threads"] > 0
-    assert p["identical_to_one_at_a_time"] is True  # against one at a time with the same thread per client
-    assert {"fedavg", "fedavg[parallel=2]", "fedavg[threads=1]"} <= set(r["throughput"])
+    for k in (2, 4):  # both against one at a time with one thread, each from its own checkpoint (not a resumed one)
+        p = r["parallel_clients"][k]
+        assert p["threads_per_client"] == 1 and p["over_one_at_a_time"] > 0 and p["over_one_at_a_time_same_threads"] > 0
+        assert p["identical_to_one_at_a_time"] is True
+    assert {"fedavg", "fedavg[parallel=2]", "fedavg[parallel=4]", "fedavg[threads=1]"} <= set(r["throughput"])
     assert "2 clients at once (1 thread(s) each)" in format_result(r)

@@ -5,6 +5,7 @@ that keep per-call state on themselves train one at a time; FLOPs, threads and f
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import logging
 import threading
@@ -206,3 +207,28 @@ def test_methods_trained_in_parallel_keep_nothing_on_themselves_during_a_local_u
                         if isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and base.value.id == "self" and base.attr != "last_loss":
                             offenders.append(f"{klass.__name__}.{f.name}: self.{base.attr}")
     assert not offenders, offenders
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_each_client_of_a_wave_has_its_own_stream_and_the_numbers_do_not_change():
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    streams: list[int] = []
+
+    class OnStreams(FedAvg):
+        name = "on_streams"
+
+        def local_update(self, model, store, payload, client, rnd, seed):
+            streams.append(torch.cuda.current_stream().cuda_stream)
+            return super().local_update(model, store, payload, client, rnd, seed)
+
+    def run(k):
+        clients = [dataclasses.replace(c, x_train=c.x_train.cuda(), y_train=c.y_train.cuda(), x_test=c.x_test.cuda(), y_test=c.y_test.cuda())
+                   for c in style_shifted_federation(n_train=24, n_test=6, per_domain=2)]
+        tp = TrainParams(rounds=2, batch_size=8, lr=0.05, momentum=0.5, device="cuda", amp="off", parallel_clients=k, count_flops=False)
+        e = Engine(OnStreams(OnStreams.params_cls(), tp), tiny_net(1, 4).cuda(), clients, tp, seed=0)
+        return e, e.run()
+
+    (one, h1), (four, h4) = run(1), run(4)
+    default = torch.cuda.default_stream().cuda_stream
+    assert set(streams[:16]) == {default} and len(set(streams[16:])) == 4 and default not in streams[16:]
+    assert without_timing(h1) == without_timing(h4) and _same_state(one.server, four.server)

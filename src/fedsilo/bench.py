@@ -163,8 +163,8 @@ def parallel_gain(widths: tuple[int, ...], measure: Any, result: dict[str, Any],
             ref = {}
             torch.set_num_threads(per)
             try:
-                measure(f"fedavg[threads={per}]", lambda per=per, ref=ref: engine_rounds(
-                    "fedavg", build(), data, cfg, rounds, seed, tmp / f"fedavg_t{per}.pt" if tmp else None, keep=ref))
+                measure(f"fedavg[threads={per}]", lambda k=k, per=per, ref=ref: engine_rounds(
+                    "fedavg", build(), data, cfg, rounds, seed, tmp / f"fedavg_p{k}_t{per}.pt" if tmp else None, keep=ref))
             finally:
                 torch.set_num_threads(threads)
             row["over_one_at_a_time_same_threads"] = row["samples_per_s"] / result["throughput"][f"fedavg[threads={per}]"]["samples_per_s"]
@@ -306,7 +306,10 @@ def run_bench(
 
     if memory_clients > 0 and memory_rounds > 0:
         frac = memory_fraction if memory_fraction is not None else (1.0 if dev.type == "cuda" else 0.1)
-        mcfg = cfg.model_copy(update={"model": "simple_cnn", "rounds": memory_rounds, "client_fraction": frac, "eval_every": memory_rounds})
+        # with --parallel-clients, its widest: the copies of the model made every round must not add up either
+        width = max(parallel_clients, default=1)
+        mcfg = cfg.model_copy(update={"model": "simple_cnn", "rounds": memory_rounds, "client_fraction": frac, "eval_every": memory_rounds,
+                                      "parallel_clients": width})
         mdata = synthetic_clients(memory_clients, memory_samples, 8, 3, 28, 10, dev, seed + 1)
         rss, devmem = [], []
         cls = method_class("fedbn")
@@ -321,7 +324,7 @@ def run_bench(
         half = memory_rounds // 2
         marks = sorted({1, max(1, memory_rounds // 5), half, memory_rounds})
         result["memory"] = {
-            "method": "fedbn", "clients": memory_clients, "rounds": memory_rounds, "client_fraction": frac,
+            "method": "fedbn", "clients": memory_clients, "rounds": memory_rounds, "client_fraction": frac, "parallel_clients": width,
             "seconds": time.perf_counter() - t0,
             "host_rss_mib_at_round": {r: rss[r - 1] for r in marks},
             # a leak raises the second half's peak above the first half's; allocator jitter moves both a little
@@ -346,7 +349,8 @@ def format_result(r: dict[str, Any]) -> str:
     if "memory" in r:
         m = r["memory"]
         lines.append(
-            f"memory: {m['clients']} clients x {m['rounds']} rounds ({m['method']}, fraction {m['client_fraction']}) in {m['seconds']:.0f} s: "
+            f"memory: {m['clients']} clients x {m['rounds']} rounds ({m['method']}, fraction {m['client_fraction']}"
+            f"{', ' + str(m['parallel_clients']) + ' at once' if m.get('parallel_clients', 1) > 1 else ''}) in {m['seconds']:.0f} s: "
             "host RSS MiB at round " + ", ".join(f"{r}: {v:.0f}" for r, v in m["host_rss_mib_at_round"].items())
             + f" (peak of 2nd half / peak of 1st half x{m['host_rss_peak_second_half_over_first']:.3f}); device MiB at round "
             + ", ".join(f"{r}: {v:.0f}" for r, v in m["device_mib_at_round"].items())

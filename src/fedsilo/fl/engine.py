@@ -433,6 +433,12 @@ class _Wave:
         stream = self.streams[j]
         where = nullcontext() if stream is None else torch.cuda.device(self.device)
         with where, (nullcontext() if stream is None else torch.cuda.stream(stream)):
+            if stream is not None:
+                # the client's store and download were made on other streams (an earlier round's worker, the
+                # server's): when this update replaces or drops one, its memory must wait for this stream's reads
+                for t in (*e.stores[i].values(), *down.values()):
+                    if t.is_cuda:
+                        t.record_stream(stream)
             counter = FlopCounterMode(display=False) if count_flops else None
             with counter if counter is not None else nullcontext():
                 e.method.last_loss = None
