@@ -24,7 +24,7 @@ stages:
   train_g:
     foreach: [a, b, c]
     do:
-      cmd: python -c "import os, time; time.sleep(1); open(os.environ['GRID_LOG'], 'a').write('${item}:' + os.environ.get('OMP_NUM_THREADS', '-') + '\\n'); os.makedirs('out', exist_ok=True); open('out/${item}.txt', 'w').write('${item}' + open('prep.txt').read()); {fail}"
+      cmd: python -c "import os, time; time.sleep(1); open(os.environ['GRID_LOG'], 'a').write('${item}:' + os.environ.get('OMP_NUM_THREADS', '-') + '\\n'); open(os.environ['GRID_LOG'] + '.gpu', 'a').write(os.environ.get('FEDSILO_GPU_SLOTS', '-') + '\\n'); os.makedirs('out', exist_ok=True); open('out/${item}.txt', 'w').write('${item}' + open('prep.txt').read()); {fail}"
       deps: [prep.txt]
       outs:
         - out/${item}.txt
@@ -74,6 +74,9 @@ def test_grid_trains_each_stage_once_on_two_workers_and_leaves_the_pipeline_up_t
     t = threads_per_run(2)
     assert t == max(1, (os.cpu_count() or 1) // 2) and r["threads_per_run"] == str(t)
     assert sorted(log.read_text().split()) == [f"a:{t}", f"b:{t}", f"c:{t}"]
+    # where a run with train.device: auto claims its GPU on a machine with several (utils/slots.py): one folder of
+    # this repository for every worker
+    assert set(Path(str(log) + ".gpu").read_text().split()) == {str((repo / ".dvc" / "tmp" / "gpu-slots").resolve())}
     assert not any(s.startswith("train_g") for s in r["ran_after"]) and "report" in r["ran_after"]
     assert (repo / "report.txt").read_text() == "a1b1c1"
     assert "up to date" in _dvc("status", cwd=repo)

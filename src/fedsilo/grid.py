@@ -16,8 +16,10 @@ pipeline's params is made absolute and handed to them as ``MLFLOW_TRACKING_URI``
 temporary folder. The queued experiments are removed once their results are restored (``--keep`` keeps them for
 ``dvc exp show``). A failed stage stops the grid with its log (``dvc queue logs``) and leaves the workspace as it was.
 
-Workers on one machine share its CPU cores and GPU: on a GPU machine, ``--jobs`` runs of a small model share the
-device; ``CUDA_VISIBLE_DEVICES`` set for ``fedsilo grid`` reaches every worker.
+Workers on one machine share its CPU cores and GPUs. With one GPU, ``--jobs`` runs of a small model share it; with
+several, each run whose ``train.device`` is ``auto`` claims one (``FEDSILO_GPU_SLOTS``, :mod:`fedsilo.utils.slots`:
+the GPUs' first places, then their second, ...), so ``--jobs 4`` on four GPUs trains one run on each.
+``CUDA_VISIBLE_DEVICES`` set for ``fedsilo grid`` reaches every worker (the GPUs it lists are the ones shared out).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Callable, Optional
 
 from fedsilo.tracking import init_store
 from fedsilo.utils.progress import Progress
+from fedsilo.utils.slots import GPU_SLOTS_ENV
 
 
 class GridError(RuntimeError):
@@ -244,6 +247,9 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tra
     wenv = dict(env)
     if threads is not None or "OMP_NUM_THREADS" not in wenv:
         wenv["OMP_NUM_THREADS"] = str(threads_per_run(jobs, threads))
+    # on a machine with several GPUs each run with train.device: auto claims its own (utils/slots.py); the workers
+    # run in temporary copies, so the folder is this repository's, absolute
+    wenv.setdefault(GPU_SLOTS_ENV, str((repo / ".dvc" / "tmp" / "gpu-slots").resolve()))
     t0 = time.monotonic()
     stages = _prepare(pipeline, repo, pattern, env)
     t_prep = time.monotonic() - t0

@@ -16,6 +16,7 @@ import pandas as pd
 import torch
 
 from fedsilo.config import DEVICE_FORMS, DEVICE_RE, AugmentParams, ConfigError
+from fedsilo.utils.slots import claim_gpu
 
 
 @dataclass
@@ -99,10 +100,18 @@ def load_external(harmonized_dir: Path, split: dict[str, Any], device: torch.dev
 
 
 def pick_device(name: str, key: str = "train.device") -> torch.device:
-    """``auto`` = the first CUDA device when there is one, else the CPU; ``cpu``, ``cuda`` or ``cuda:N`` as named. A
+    """``auto`` = the first CUDA device when there is one (with ``FEDSILO_GPU_SLOTS`` set and several GPUs, the one
+    :func:`fedsilo.utils.slots.claim_gpu` gives this process), else the CPU; ``cpu``, ``cuda`` or ``cuda:N`` as named. A
     device this machine does not have is a :class:`ConfigError` naming ``key``, not a failure inside PyTorch."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        # several runs at once on a machine with several GPUs (fedsilo grid's queue workers): each claims its own
+        gpu = claim_gpu(torch.cuda.device_count())
+        if gpu is None:
+            return torch.device("cuda")
+        torch.cuda.set_device(gpu)  # code that asks for "the" CUDA device gets this one too
+        return torch.device("cuda", gpu)
     if not DEVICE_RE.match(name):
         raise ConfigError(f"{key}: '{name}' is not a device; use {DEVICE_FORMS}")
     dev = torch.device(name)
