@@ -83,3 +83,15 @@ def test_on_a_multi_gpu_machine_auto_picks_a_free_gpu(tmp_path, monkeypatch):
     dev = client_data.pick_device("auto")
     assert dev.index == 1 and torch.cuda.current_device() == 1
     busy[1].close()
+
+
+def test_places_are_named_by_the_gpus_cuda_visible_devices_lists(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    i, f = claim_slot(tmp_path, 2)
+    j, g = claim_slot(tmp_path, 2)
+    assert (i, j) == (0, 1) and sorted(p.name for p in tmp_path.glob("*.lock")) == ["cuda2.0.lock", "cuda3.0.lock"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,0")  # another grid shown GPUs 3 and 0: GPU 3 is taken, so 0 is its
+    k, h = claim_slot(tmp_path, 2)
+    assert k == 1 and (tmp_path / "cuda0.0.lock").exists()
+    for x in (f, g, h):
+        x.close()

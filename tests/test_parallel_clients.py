@@ -70,6 +70,23 @@ def test_every_method_gives_the_numbers_of_one_client_at_a_time(name, one_thread
     assert all(_same_state(s1, s2) for s1, s2 in zip(one.stores, two.stores))
 
 
+@pytest.mark.parametrize("case", ["host_augment", "decouple_finetune"])
+def test_options_that_draw_per_client_give_the_numbers_of_one_client_at_a_time(case, one_thread):
+    """An albumentations policy (re-seeded per batch: one per thread), and FT-FedAvg with F²DC's modules (the
+    fine-tuning's mask noise seeded per client, not left from whichever client trained last)."""
+    def run(k):
+        train = {"augment": {"host": [{"name": "Affine", "rotate": [-20, 20], "p": 1.0}]}} if case == "host_augment" else {}
+        params = {"decouple": {}, "finetune_epochs": 1} if case == "decouple_finetune" else {}
+        cls = method_class("fedavg")
+        tp = TrainParams(rounds=2, batch_size=6, lr=0.05, momentum=0.5, device="cpu", parallel_clients=k, count_flops=False, **train)
+        e = Engine(cls(cls.params_cls(**params), tp), tiny_net(1, 4), _clients(), tp, seed=0)
+        return e, e.run()
+
+    (one, h1), (two, h2) = run(1), run(2)
+    assert two.parallel == 2 and without_timing(h1) == without_timing(h2)
+    assert _same_state(one.server, two.server)
+
+
 @pytest.mark.parametrize("name", STREAM)
 def test_every_stream_method_gives_the_numbers_of_one_client_at_a_time(name, one_thread):
     """A stream of two domain tasks, a round each: what a task's start creates (a head, a model) is in the copies."""

@@ -27,11 +27,12 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 from torch import nn
 
 from fedsilo.client.data import ClientData, augment, to_float
 from fedsilo.client.local import _prep, batches, evaluate, make_generator, use_bf16, use_channels_last
-from fedsilo.config import TrainParams
+from fedsilo.config import ConfigError, TrainParams
 from fedsilo.fl.engine import Engine
 from fedsilo.methods import method_class
 from fedsilo.models import build_model
@@ -141,7 +142,8 @@ def parallel_gain(widths: tuple[int, ...], measure: Any, result: dict[str, Any],
     measured before in the same process with the same data): the throughput ratio, and whether the final global model
     is bit-equal to a one-at-a-time run with as many threads per client (on the CPU that run is timed too, as
     ``fedavg[threads=T]``: it tells the gain of training clients at once from that of giving each fewer threads; on a
-    GPU the ``fedavg`` arm is that run)."""
+    GPU the ``fedavg`` arm is that run, and "identical" needs deterministic kernels: cuDNN's autotuned convolutions may
+    differ between any two runs)."""
     dev = data[0].x_train.device
     threads = torch.get_num_threads()
     base = result["throughput"]["fedavg"]["samples_per_s"]
@@ -153,8 +155,10 @@ def parallel_gain(widths: tuple[int, ...], measure: Any, result: dict[str, Any],
     for k in widths:
         par: dict[str, Any] = {}
         label = f"fedavg[parallel={k}]"
-        measure(label, lambda k=k, par=par: engine_rounds("fedavg", build(), data, cfg.model_copy(update={"parallel_clients": k}), rounds, seed,
-                                                         tmp / f"fedavg_p{k}.pt" if tmp else None, keep=par))
+        # validated (model_copy would not: K < 1, or with compile, is refused as in params)
+        pcfg = TrainParams.model_validate({**cfg.model_dump(), "parallel_clients": k})
+        measure(label, lambda k=k, pcfg=pcfg, par=par: engine_rounds("fedavg", build(), data, pcfg, rounds, seed,
+                                                                     tmp / f"fedavg_p{k}.pt" if tmp else None, keep=par))
         per = max(1, threads // k) if dev.type == "cpu" else None
         row: dict[str, Any] = {"samples_per_s": result["throughput"][label]["samples_per_s"],
                                "over_one_at_a_time": result["throughput"][label]["samples_per_s"] / base, "threads_per_client": per}
@@ -237,6 +241,11 @@ def run_bench(
         device=str(dev), amp=amp, channels_last=channels_last, compile=compile,  # type: ignore[arg-type]
         count_flops=False,  # the FLOP counter's dispatch overhead would land in the last timed round
     )
+    for k in parallel_clients:  # before anything is timed: a K params would refuse is refused here too
+        try:
+            TrainParams.model_validate({**cfg.model_dump(), "parallel_clients": k})
+        except ValidationError as err:
+            raise ConfigError(f"--parallel-clients {k}: {err.errors()[0]['msg'].removeprefix('Value error, ')}") from None
     data = synthetic_clients(clients, samples, test_samples, channels, image_size, num_classes, dev, seed)
     per_round = clients * samples * local_epochs
     result: dict[str, Any] = {

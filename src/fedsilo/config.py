@@ -423,7 +423,7 @@ class TrainParams(Strict):
         1, ge=1, description="clients of a round trained at once, each on its own copy of the model (its own CUDA "
         "stream on a GPU; on the CPU each gets threads / parallel_clients of the run's torch threads): several small "
         "clients fill a device one leaves idle. Downloads, uploads and aggregation keep the clients' order, so the "
-        "numbers equal a one-at-a-time run with as many threads per client (on a GPU: the same numbers). Methods whose "
+        "numbers equal a one-at-a-time run with as many threads per client (on a GPU with deterministic kernels: the same numbers). Methods whose "
         "local update keeps state on the method object train one at a time (recorded in metrics.json's engine block)",
     )
     store_device: Literal["auto", "device", "host"] = Field(

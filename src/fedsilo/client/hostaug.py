@@ -9,8 +9,10 @@ nothing extra: its numbers are those of before policies existed."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
+import threading
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -45,12 +47,21 @@ def _compose(specs_json: str):
     return A.Compose(transforms, strict=True)
 
 
+_per_thread = threading.local()
+
+
 def host_policy(host: Sequence[Any]) -> Optional[Any]:
     """The ``albumentations.Compose`` of ``train.augment.host``, or None when it is empty. An unknown transform or
-    argument is a :class:`ConfigError` naming ``train.augment.host[i]``."""
+    argument is a :class:`ConfigError` naming ``train.augment.host[i]``. Each thread gets its own copy: the policy is
+    re-seeded per batch and draws per image, so clients trained at once (``train.parallel_clients``) must not share
+    one."""
     if not host:
         return None
-    return _compose(_specs(host))
+    key = _specs(host)
+    mine = _per_thread.__dict__.setdefault("policies", {})
+    if key not in mine:
+        mine[key] = copy.deepcopy(_compose(key))
+    return mine[key]
 
 
 def apply_host(policy: Any, x_u8: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

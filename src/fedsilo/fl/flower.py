@@ -219,6 +219,7 @@ class FlowerServer(Engine):
         example = torch.zeros((2, *cards[0].shape))  # only its shape matters to transform_model
         self.method, self.model, self.private = spec.build(example, torch.device(device), cards)
         self.round, self.total_rounds = 0, spec.train.rounds
+        self.parallel = 1  # each site trains its own client (train.parallel_clients is the in-process engine's)
         self.history: list[dict[str, Any]] = []
         self.server: State = self.method.init_server(self.model)
         self.stores: list[State] = []  # the sites hold them
@@ -561,6 +562,7 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
         down = {k: v.detach() for k, v in from_record(record, s.client.x_train.device).items()}
         mine = store(context, s, cfg)
         counter = FlopCounterMode(display=False) if cfg["count_flops"] else None
+        s.method.last_loss = None  # as the engine: a method that reports no loss this round reports none, not the last one
         if counter is not None:
             with counter:
                 up = s.method.local_update(s.model, mine, down, s.client, rnd, spec.seed)

@@ -63,8 +63,7 @@ class Method:
         # the params.yaml entry this method was resolved from (``methods.<key>``): a named variant such as
         # fedavg_two_phase has its own key; errors name it
         self.key = key or self.name
-        self._losses: dict[int, Optional[float]] = {}  # last_loss, per thread
-        self.last_loss = None
+        self._losses = threading.local()  # last_loss, per thread (a thread's value goes with the thread)
         self.federation: list[ClientData] = []
         self.run_seed = 0
 
@@ -72,11 +71,20 @@ class Method:
     def last_loss(self) -> Optional[float]:
         """The mean training loss of the latest ``local_update`` of this thread: clients trained in parallel
         (``train.parallel_clients``) each report their own."""
-        return self._losses.get(threading.get_ident())
+        return getattr(self._losses, "value", None)
 
     @last_loss.setter
     def last_loss(self, value: Optional[float]) -> None:
-        self._losses[threading.get_ident()] = value
+        self._losses.value = value
+
+    def __getstate__(self) -> dict[str, Any]:  # a thread-local does not pickle or copy: the copy starts without a loss
+        state = dict(self.__dict__)
+        state.pop("_losses", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._losses = threading.local()
 
     def join(self, clients: list[ClientData], seed: int = 0) -> None:
         """The federation's clients as a server knows them at registration (name, domain, sample count) and the run's
@@ -244,8 +252,9 @@ class RunningMean:
 
 class Spares:
     """``count`` spare copies of the model a client trains (a teacher, the downloaded global model), made on first use
-    and kept for later rounds, one set per model object: the engine's model, or each of its copies when clients train
-    in parallel (``train.parallel_clients``), so that two clients never share a spare."""
+    and kept while that model lives, one set per model object: the engine's model (so for the whole run), or each of
+    the copies made for a round when clients train in parallel (``train.parallel_clients``), so that two clients never
+    share a spare."""
 
     def __init__(self, count: int):
         self.count = count

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from fedsilo.client.local import make_generator, train_local
 from fedsilo.config import ConfigError
+from fedsilo.methods import decoupling
 from fedsilo.methods.base import MethodParams
 from fedsilo.methods.decoupling import DecouplingParams
 from fedsilo.methods.phased import TwoPhase
@@ -36,7 +37,9 @@ class FedAvg(TwoPhase):
     ``finetune_epochs: E_ft > 0`` is FT-FedAvg, the baseline of FedPAC's and FedeCouple's tables: training is FedAvg's,
     and to be evaluated each client fine-tunes the global model on its own training data for E_ft epochs (``train``'s
     optimizer, ``finetune_lr``), seeded by (seed, round, client); the fine-tuned model is thrown away, so evaluating
-    changes no later number. The global model is reported beside it."""
+    changes no later number. The global model is reported beside it. With F²DC's modules plugged in (``decouple``)
+    the fine-tuning's mask noise is seeded by (seed, round, client) too, so a client's evaluation never depends on
+    which client trained last."""
 
     name = "fedavg"
     params_cls = FedAvgParams
@@ -82,6 +85,8 @@ class FedAvg(TwoPhase):
         epochs = getattr(self.params, "finetune_epochs", 0)
         if epochs and self.federated():  # FT-FedAvg: the client's own fine-tuning of the global model
             tune = self.train.model_copy(update={"lr": self.params.finetune_lr or self.train.lr})
+            if self.decoupling() is not None:  # F²DC's masks in training mode draw noise: seeded by (seed, round, client)
+                decoupling.seed_noise(model, int(make_generator(self.run_seed, rnd, client.index, 11).initial_seed()), client.x_train.device)
             train_local(model, client, tune, make_generator(self.run_seed, rnd, client.index, 2), epochs=epochs)
 
     def global_state(self, server):
