@@ -18,7 +18,8 @@ def test_bench_reports_ratios_memory_and_harmonize():
 
 def test_bench_cli_help_documents_options():
     help_text = build_parser()._subparsers._group_actions[0].choices["bench"].format_help()
-    for opt in ("--model", "--image-size", "--clients", "--samples", "--local-epochs", "--methods", "--memory-clients", "--harmonize-images"):
+    for opt in ("--model", "--image-size", "--clients", "--samples", "--local-epochs", "--methods", "--memory-clients", "--harmonize-images",
+                "--parallel-clients"):
         assert opt in help_text
 
 
