@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
 import logging
 import threading
 from pathlib import Path
@@ -249,3 +250,32 @@ def test_on_a_gpu_each_client_of_a_wave_has_its_own_stream_and_the_numbers_do_no
     default = torch.cuda.default_stream().cuda_stream
     assert set(streams[:16]) == {default} and len(set(streams[16:])) == 4 and default not in streams[16:]
     assert without_timing(h1) == without_timing(h4) and _same_state(one.server, four.server)
+
+
+def test_a_train_stage_with_clients_at_once_records_it_and_gives_the_same_numbers(mirror_root, tmp_path, one_thread):
+    """Through ``run_training`` (what ``dvc repro`` runs): metrics.json's engine block says what ran, and the history
+    equals the one-at-a-time run's; K is a parameter, so the two runs have their own hash."""
+    import shutil
+
+    import yaml
+
+    from fedsilo.cli import main
+    from fedsilo.config import parse_params
+    from fedsilo.fl.run import run_training
+    from fedsilo.utils.io import read_json
+    from tests.conftest import small_params
+
+    out = {}
+    for k in (1, 2):
+        root = tmp_path / f"k{k}"
+        shutil.copytree(mirror_root / "data", root / "data")
+        raw = small_params(rounds=2, parallel_clients=k)
+        (root / "p.yaml").write_text(yaml.safe_dump(raw))
+        assert main(["--root", str(root), "--params", str(root / "p.yaml"), "split", "--experiment", "quick"]) == 0
+        run_training(parse_params(raw), "quick", "fedbn", 0, root, quiet=True)
+        run = root / "results" / "quick" / "fedbn" / "seed0"
+        out[k] = (read_json(run / "metrics.json"), json.loads((run / "history.json").read_text()))
+    assert out[1][0]["engine"] == {"parallel_clients": 1}
+    assert out[2][0]["engine"] == {"parallel_clients": 2, "threads_per_client": 1}
+    assert out[1][0]["params_hash"] != out[2][0]["params_hash"]
+    assert without_timing(out[1][1]) == without_timing(out[2][1]) and out[1][0]["mean_acc"] == out[2][0]["mean_acc"]
