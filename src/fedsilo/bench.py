@@ -23,7 +23,7 @@ import resource
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -135,28 +135,22 @@ def _peak_dev(device: torch.device) -> Optional[float]:
     return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
 
 
-def parallel_gain(widths: tuple[int, ...], measure: Any, result: dict[str, Any], sequential: dict[str, Any], model: str, channels: int,
-                  num_classes: int, image_size: int, data: list[ClientData], cfg: TrainParams, rounds: int, seed: int,
+def parallel_gain(widths: dict[int, TrainParams], measure: Any, result: dict[str, Any], sequential: dict[str, Any],
+                  build: Callable[[], nn.Module], data: list[ClientData], cfg: TrainParams, rounds: int, seed: int,
                   tmp: Optional[Path]) -> dict[int, dict[str, Any]]:
-    """FedAvg with ``train.parallel_clients: K`` for each K, against FedAvg one client at a time (the ``fedavg`` arm,
-    measured before in the same process with the same data): the throughput ratio, and whether the final global model
-    is bit-equal to a one-at-a-time run with as many threads per client (on the CPU that run is timed too, as
-    ``fedavg[threads=T]``: it tells the gain of training clients at once from that of giving each fewer threads; on a
-    GPU the ``fedavg`` arm is that run, and "identical" needs deterministic kernels: cuDNN's autotuned convolutions may
-    differ between any two runs)."""
+    """FedAvg with ``train.parallel_clients: K`` for each K (``widths``: K -> its validated training settings), against
+    FedAvg one client at a time (the ``fedavg`` arm, measured before in the same process with the same data): the
+    throughput ratio, and whether the final global model is bit-equal to a one-at-a-time run with as many threads per
+    client (on the CPU that run is timed too, as ``fedavg[threads=T]``: it tells the gain of training clients at once
+    from that of giving each fewer threads; on a GPU the ``fedavg`` arm is that run, and "identical" needs
+    deterministic kernels: cuDNN's autotuned convolutions may differ between any two runs)."""
     dev = data[0].x_train.device
     threads = torch.get_num_threads()
     base = result["throughput"]["fedavg"]["samples_per_s"]
     out: dict[int, dict[str, Any]] = {}
-
-    def build() -> nn.Module:
-        return build_model(model, channels, num_classes, seed=seed, image_size=image_size).to(dev)
-
-    for k in widths:
+    for k, pcfg in widths.items():
         par: dict[str, Any] = {}
         label = f"fedavg[parallel={k}]"
-        # validated (model_copy would not: K < 1, or with compile, is refused as in params)
-        pcfg = TrainParams.model_validate({**cfg.model_dump(), "parallel_clients": k})
         measure(label, lambda k=k, pcfg=pcfg, par=par: engine_rounds("fedavg", build(), data, pcfg, rounds, seed,
                                                                      tmp / f"fedavg_p{k}.pt" if tmp else None, keep=par))
         per = max(1, threads // k) if dev.type == "cpu" else None
@@ -241,11 +235,16 @@ def run_bench(
         device=str(dev), amp=amp, channels_last=channels_last, compile=compile,  # type: ignore[arg-type]
         count_flops=False,  # the FLOP counter's dispatch overhead would land in the last timed round
     )
-    for k in parallel_clients:  # before anything is timed: a K params would refuse is refused here too
+    widths: dict[int, TrainParams] = {}
+    for k in parallel_clients:  # validated before anything is timed (model_copy would not): K < 1, or with compile
         try:
-            TrainParams.model_validate({**cfg.model_dump(), "parallel_clients": k})
+            widths[k] = TrainParams.model_validate({**cfg.model_dump(), "parallel_clients": k})
         except ValidationError as err:
             raise ConfigError(f"--parallel-clients {k}: {err.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+
+    def build() -> nn.Module:
+        return build_model(model, channels, num_classes, seed=seed, image_size=image_size).to(dev)
+
     data = synthetic_clients(clients, samples, test_samples, channels, image_size, num_classes, dev, seed)
     per_round = clients * samples * local_epochs
     result: dict[str, Any] = {
@@ -269,34 +268,34 @@ def run_bench(
             "host_rss_mib": rss_mib(),
         }
 
-    measure("single_model_loop", lambda: single_model_loop(build_model(model, channels, num_classes, seed=seed, image_size=image_size).to(dev), data, cfg, warmup + rounds, seed))
+    measure("single_model_loop", lambda: single_model_loop(build(), data, cfg, warmup + rounds, seed))
     own_limit: dict[str, str] = {}
     example = to_float(data[0].x_train[:2])
     for m in methods:
         cls = method_class(m)
         algo = cls(cls.params_cls(**BENCH_METHOD_PARAMS.get(m, {})), cfg)
-        probe = build_model(model, channels, num_classes, seed=seed, image_size=image_size).to(dev)
+        probe = build()
         if algo.transform_model(probe, example) is not probe:
             # a method that trains another model (pFedDB's two extractors) also gets the loop over that model
             label = f"single_model_loop[{m}]"
             measure(label, lambda algo=algo: single_model_loop(
-                algo.transform_model(build_model(model, channels, num_classes, seed=seed, image_size=image_size).to(dev), example), data, cfg, warmup + rounds, seed))
+                algo.transform_model(build(), example), data, cfg, warmup + rounds, seed))
             own_limit[m] = label
     kept: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for m in methods:
             ck = Path(tmp) / f"{m}.pt" if checkpoint else None
-            measure(m, lambda m=m, ck=ck: engine_rounds(m, build_model(model, channels, num_classes, seed=seed, image_size=image_size).to(dev), data, cfg, warmup + rounds, seed, ck,
+            measure(m, lambda m=m, ck=ck: engine_rounds(m, build(), data, cfg, warmup + rounds, seed, ck,
                                                         keep=kept if m == "fedavg" else None))
-        if parallel_clients:
-            result["parallel_clients"] = parallel_gain(parallel_clients, measure, result, kept, model, channels, num_classes, image_size, data, cfg,
-                                                       warmup + rounds, seed, Path(tmp) if checkpoint else None)
+        if widths:
+            result["parallel_clients"] = parallel_gain(widths, measure, result, kept, build, data, cfg, warmup + rounds, seed,
+                                                       Path(tmp) if checkpoint else None)
         if host_augment:  # what an albumentations policy (train.augment.host) costs: FedAvg with it against without it
             from fedsilo.config import AugmentParams
 
             hcfg = cfg.model_copy(update={"augment": AugmentParams(host=tuple(host_augment))})
             measure("fedavg+host_augment", lambda: engine_rounds(
-                "fedavg", build_model(model, channels, num_classes, seed=seed, image_size=image_size).to(dev), data, hcfg,
+                "fedavg", build(), data, hcfg,
                 warmup + rounds, seed, Path(tmp) / "fedavg_host.pt" if checkpoint else None))
             plain, aug = result["throughput"]["fedavg"], result["throughput"]["fedavg+host_augment"]
             result["host_augment"] = {
@@ -316,7 +315,7 @@ def run_bench(
     if memory_clients > 0 and memory_rounds > 0:
         frac = memory_fraction if memory_fraction is not None else (1.0 if dev.type == "cuda" else 0.1)
         # with --parallel-clients, its widest: the copies of the model made every round must not add up either
-        width = max(parallel_clients, default=1)
+        width = max(widths, default=1)
         mcfg = cfg.model_copy(update={"model": "simple_cnn", "rounds": memory_rounds, "client_fraction": frac, "eval_every": memory_rounds,
                                       "parallel_clients": width})
         mdata = synthetic_clients(memory_clients, memory_samples, 8, 3, 28, 10, dev, seed + 1)

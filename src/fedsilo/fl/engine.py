@@ -256,9 +256,8 @@ class Engine:
         if k == 1:
             for i in picked:
                 down = self._serve(rnd, i, entry)
-                self.method.last_loss = None
-                up = self.method.local_update(self.model, self.stores[i], down, self.clients[i], rnd, self.seed)
-                self._receive(rnd, i, up, self.method.last_loss, entry, uploads, acc)
+                up, loss = self._update(self.model, i, down, rnd)
+                self._receive(rnd, i, up, loss, entry, uploads, acc)
                 del up, down
             return 0
         counted = 0
@@ -272,6 +271,13 @@ class Engine:
                     self._receive(rnd, i, up, loss, entry, uploads, acc)
                 del results, downs
         return counted
+
+    def _update(self, model: nn.Module, i: int, down: State, rnd: int) -> tuple[State, Optional[float]]:
+        """Client ``i``'s local update on ``model`` (the engine's, or a wave's copy in a worker thread): its upload and
+        the loss it reported (None when it reported none this round, never an earlier update's)."""
+        self.method.last_loss = None
+        up = self.method.local_update(model, self.stores[i], down, self.clients[i], rnd, self.seed)
+        return up, self.method.last_loss
 
     def _serve(self, rnd: int, i: int, entry: dict[str, Any]) -> State:
         """Server side, for client ``i``: what it announces is heard (pFedDIL: which of its models this task trains; an
@@ -441,9 +447,7 @@ class _Wave:
                         t.record_stream(stream)
             counter = FlopCounterMode(display=False) if count_flops else None
             with counter if counter is not None else nullcontext():
-                e.method.last_loss = None
-                up = e.method.local_update(self.models[j], e.stores[i], down, e.clients[i], rnd, e.seed)
-                loss = e.method.last_loss
+                up, loss = e._update(self.models[j], i, down, rnd)
         return up, loss, int(counter.get_total_flops()) if counter is not None else 0
 
 
