@@ -156,7 +156,7 @@ def test_the_source_is_the_global_model_at_the_end_of_the_previous_task_and_stay
     store, c = e.stores[0], e.clients[0]
     assert int(store["src_task"][0]) == 1 and torch.equal(take(store, "src.")["units.0.0.weight"], source["units.0.0.weight"])
     with pytest.raises(PrivacyViolation, match="src"):  # the client's copy is declared private: never uploaded
-        e._refuse_private(c, {"src.units.0.0.weight": store["src.units.0.0.weight"]})
+        e._refuse_private(c, {"src.units.0.0.weight": store["src.units.0.0.weight"]}, e.round)
     init = e.method._disc_init
     e.step()
     assert all(torch.equal(take(e.server, "src.")[k], end_of_task0[k]) for k in source)  # frozen through the task

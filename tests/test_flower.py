@@ -27,11 +27,15 @@ from fedsilo.models import batchnorm_keys  # noqa: E402
 from tests.tiny import style_shifted_federation, tiny_net, without_timing  # noqa: E402
 
 # method -> (its params, train params beyond _train's): FedAvg samples two of the three clients a round and counts
-# the last round's FLOPs; pFedDB trains one local round (Phase 1, its upload of psi under phi's names) then federates
+# the last round's FLOPs; pFedDB trains one local round (Phase 1, its upload of psi under phi's names) then federates;
+# LG-FedAvg starts with one FedAvg round
 CASES = {
     "fedavg": ({}, {"client_fraction": 0.67, "count_flops": True}),
     "fedbn": ({}, {}),
     "pfeddb": ({"local_rounds": 1, "cut_depth": 2}, {}),
+    # a private set that changes with the round: round 1 is FedAvg (every layer travels), then two of the three sites a
+    # round, so a site may be evaluated before it was sent the FedAvg start's lower layers
+    "lgfedavg": ({"fedavg_rounds": 1}, {"client_fraction": 0.67}),
 }
 
 
@@ -97,11 +101,14 @@ def test_flower_simulation_gives_the_engines_metrics_and_payloads(name):
             assert payload_bytes(up) < wire["up"][c] <= payload_bytes(up) + 256 * len(up)
             assert payload_bytes(down) <= wire["down"][c] <= payload_bytes(down) + 256 * len(down)
 
-    # nothing the method declares private reached the server
+    # nothing the method declares private reached the server (LG-FedAvg: once its FedAvg rounds are over)
     spec = FlowerSpec.of(cls(cls.params_cls(**params), tp), _model, 0)
     _, built, private = spec.build(torch.zeros(2, 1, 16, 16), torch.device("cpu"), [Card.of(c) for c in clients])
-    uploaded = set().union(*(set(p) for (_, _, w), p in pf.items() if w == "up"))
+    shared_all = params.get("fedavg_rounds", 0)
+    uploaded = set().union(*(set(p) for (r, _, w), p in pf.items() if w == "up" and r > shared_all))
     assert not uploaded & private
+    if shared_all:
+        assert set().union(*(set(p) for (r, _, w), p in pf.items() if w == "up" and r <= shared_all)) >= private
     if name == "fedbn":
         assert private == batchnorm_keys(_model())
     if name == "pfeddb":

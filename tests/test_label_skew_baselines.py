@@ -81,6 +81,76 @@ def test_lgfedavg_shares_the_top_layers_and_keeps_each_clients_lower_layers(clie
         _engine("lgfedavg", clients, rounds=1, global_layers=3).run()
 
 
+LOWER = "units.0."  # tiny_net's conv1: LG-FedAvg's local layer with global_layers 2
+
+
+def test_lgfedavg_starts_from_the_fedavg_model_then_keeps_the_lower_layers(clients):
+    """fedavg_rounds: R0 = 2 of 4: rounds 1-2 are FedAvg bit for bit (every layer travels both ways); a client's first
+    download after R0 carries the FedAvg model's lower layers once, later ones the top only; from R0 + 1 no upload
+    holds a lower layer."""
+    seen: list[tuple[int, str, str, dict]] = []
+    e = _engine("lgfedavg", clients, rounds=4, global_layers=2, fedavg_rounds=2,
+                observer=lambda r, c, d, p: seen.append((r, c, d, p)))
+    h = e.run()
+    fa = _engine("fedavg", clients, rounds=2)
+    hf = fa.run()
+    keys = set(tiny_net(1, 4).state_dict())
+    for r, c, d, p in seen:
+        lower = {k for k in p if k.startswith(LOWER)}
+        if r <= 2:
+            assert set(p) == keys, (r, c, d, "FedAvg rounds move every layer")
+        elif d == "up" or r == 4:
+            assert not lower, (r, c, d, "after R0 the lower layers stay on the client")
+        else:  # round 3: the start, once
+            assert lower and all(torch.equal(p[k], fa.server[k]) for k in lower), "the FedAvg model of round R0"
+    assert [x["eval"] for x in h[:2]] == [x["eval"] for x in hf], "rounds 1..R0 are FedAvg's, evaluation included"
+    assert h[2]["bytes_down_total"] > h[3]["bytes_down_total"], "the start's bytes are counted, once"
+    assert not torch.equal(e.stores[0][LOWER + "0.weight"], e.stores[1][LOWER + "0.weight"]), "then each its own"
+    # a client that has not been sampled since R0 is evaluated with the start's lower layers under the current top,
+    # and only such a client is sent them for evaluation
+    server = dict(e.server)
+    server["lgfedavg:started"] = server["lgfedavg:started"].clone()
+    server["lgfedavg:started"][1] = 0
+    st = e.method.eval_state(server, e.stores[1], clients[1])
+    assert torch.equal(st[LOWER + "0.weight"], fa.server[LOWER + "0.weight"])
+    assert torch.equal(st[HEAD + "2.weight"], e.server[HEAD + "2.weight"])
+    assert any(k.startswith(LOWER) for k in e.method.eval_download(server, clients[1]))
+    assert not any(k.startswith(LOWER) for k in e.method.eval_download(server, clients[0]))
+    sent = e.method.eval_download(server, clients[1])
+    assert torch.equal(e.method.eval_state(sent, e.stores[1], clients[1])[LOWER + "0.weight"], fa.server[LOWER + "0.weight"])
+
+
+def test_lgfedavg_lower_layers_may_travel_in_the_fedavg_rounds_only(clients):
+    from fedsilo.config import ConfigError
+    from fedsilo.fl.engine import PrivacyViolation
+
+    e = _engine("lgfedavg", clients, rounds=3, global_layers=2, fedavg_rounds=2)
+    real = e.method.local_update
+
+    def leaky(model, store, payload, client, rnd, seed):
+        return {**real(model, store, payload, client, rnd, seed), LOWER + "0.weight": model.state_dict()[LOWER + "0.weight"]}
+
+    e.method.local_update = leaky
+    e.step()
+    e.step()  # rounds 1-2: FedAvg, the lower layers are meant to travel
+    with pytest.raises(PrivacyViolation, match=LOWER):
+        e.step()
+    with pytest.raises(ConfigError, match="methods.lgfedavg.fedavg_rounds"):
+        _engine("lgfedavg", clients, rounds=2, fedavg_rounds=2)
+
+
+def test_lgfedavg_resumed_across_the_fedavg_start_ends_with_the_same_numbers(clients, tmp_path):
+    from tests.tiny import resume_mid_run, without_timing
+
+    def make(ckpt):
+        tp = TrainParams(rounds=4, batch_size=8, lr=0.05, momentum=0.5, local_epochs=1, device="cpu", count_flops=False, client_fraction=0.5)
+        cls = method_class("lgfedavg")
+        return Engine(cls(cls.params_cls(fedavg_rounds=2), tp), tiny_net(1, 4), clients, tp, seed=0, checkpoint=ckpt)
+
+    resumed, full = resume_mid_run(make, tmp_path, rounds=3)
+    assert without_timing(resumed.run()) == without_timing(full)
+
+
 def test_fedbabu_never_trains_the_head_and_fine_tunes_only_to_evaluate(clients):
     ups = []
     e = _engine("fedbabu", clients, rounds=2, finetune_epochs=2, observer=lambda r, c, d, p: ups.append(set(p)) if d == "up" else None)

@@ -43,7 +43,16 @@ class PrivacyViolation(RuntimeError):
     pass
 
 
-__all__ = ["Engine", "Observer", "PrivacyViolation", "payload_bytes", "read_only", "transfer"]
+def refuse_private(method: Method, client: ClientData, payload: State, private: set[str], rnd: int) -> None:
+    """Raise :class:`PrivacyViolation` when client ``client``'s payload of round ``rnd`` holds a key the method keeps
+    private in that round (``Method.private_in_round`` of the declared ``private`` set): the engine's and a Flower
+    site's check."""
+    leaked = sorted(set(payload) & method.private_in_round(rnd, private))
+    if leaked:
+        raise PrivacyViolation(f"{method.name}: client {client.name} tried to upload private tensors {leaked[:5]}")
+
+
+__all__ = ["Engine", "Observer", "PrivacyViolation", "payload_bytes", "read_only", "refuse_private", "transfer"]
 
 
 def transfer(payload: State) -> State:
@@ -285,7 +294,7 @@ class Engine:
         c = self.clients[i]
         said = self.method.announce(self.model, self.stores[i], c, rnd)
         if said:
-            self._refuse_private(c, said)
+            self._refuse_private(c, said, rnd)
             said = transfer(said)
             entry.setdefault("bytes_announce", {})[c.name] = payload_bytes(said)
             if self.observer:
@@ -302,7 +311,7 @@ class Engine:
         aggregator; its store goes back to where stores live."""
         c = self.clients[i]
         self.stores[i] = self._place(self.stores[i])
-        self._refuse_private(c, up)
+        self._refuse_private(c, up, rnd)
         # a streaming aggregator consumes the upload before the model is touched again, so no copy is needed;
         # a method that aggregates the whole list gets independent copies
         up = read_only(up) if acc is not None else transfer(up)
@@ -328,10 +337,8 @@ class Engine:
             entry.update(self.evaluate(rnd))
         entry["seconds"] = round(self._clock() - start, 4)
 
-    def _refuse_private(self, client: ClientData, payload: State) -> None:
-        leaked = sorted(set(payload) & self.private)
-        if leaked:
-            raise PrivacyViolation(f"{self.method.name}: client {client.name} tried to upload private tensors {leaked[:5]}")
+    def _refuse_private(self, client: ClientData, payload: State, rnd: int) -> None:
+        refuse_private(self.method, client, payload, self.private, rnd)
 
     def evaluate(self, rnd: Optional[int] = None) -> dict[str, Any]:
         rnd = self.round if rnd is None else rnd

@@ -61,7 +61,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fedsilo.client.data import ClientData, to_float
 from fedsilo.client.local import evaluate, evaluate_client, use_channels_last
 from fedsilo.config import ConfigError, TrainParams
-from fedsilo.fl.engine import Engine, Observer, PrivacyViolation, eval_summary
+from fedsilo.fl.engine import Engine, Observer, eval_summary, refuse_private
 from fedsilo.methods.base import Method, MethodParams, State
 
 try:  # the optional extra: pip install "fedsilo[flower]"
@@ -266,10 +266,10 @@ class FlowerServer(Engine):
             content[arrays[0]] = to_record(arrays[1])
         return content
 
-    def _received(self, c: ClientData, reply: Message, name: str) -> tuple[State, int]:
-        """An upload as the server received it: privacy-checked, with its tensor bytes."""
+    def _received(self, c: ClientData, reply: Message, name: str, rnd: int) -> tuple[State, int]:
+        """An upload of round ``rnd`` as the server received it: privacy-checked, with its tensor bytes."""
         record = reply.content.array_records[name]
-        self._refuse_private(c, dict.fromkeys(record.keys()))  # type: ignore[arg-type]
+        self._refuse_private(c, dict.fromkeys(record.keys()), rnd)  # type: ignore[arg-type]
         return from_record(record, self._device()), record_tensor_bytes(record)
 
     # ------------------------------------------------------------------ a round
@@ -287,7 +287,7 @@ class FlowerServer(Engine):
         for i in picked:
             c = self.clients[i]
             if self._announces and "said" in heard[i].content.array_records:
-                said, n = self._received(c, heard[i], "said")
+                said, n = self._received(c, heard[i], "said", rnd)
                 entry.setdefault("bytes_announce", {})[c.name] = n
                 if self.observer:
                     self.observer(rnd, c.name, "up", said)
@@ -307,7 +307,7 @@ class FlowerServer(Engine):
             c, reply = self.clients[i], replies[i]
             metrics = reply.content.metric_records[CONFIG]
             entry["bytes_down"][c.name] = int(metrics["received_bytes"])
-            up, n = self._received(c, reply, "up")
+            up, n = self._received(c, reply, "up", rnd)
             wire["up"][c.name] = reply.content.array_records["up"].count_bytes()
             entry["bytes_up"][c.name] = n + entry.get("bytes_announce", {}).get(c.name, 0)
             entry["train_loss"][c.name] = float(metrics["train_loss"]) if "train_loss" in metrics else None
@@ -486,9 +486,7 @@ class _Site:
             self.rnd = rnd
 
     def refuse_private(self, payload: State) -> None:
-        leaked = sorted(set(payload) & self.private)
-        if leaked:
-            raise PrivacyViolation(f"{self.method.name}: client {self.client.name} tried to upload private tensors {leaked[:5]}")
+        refuse_private(self.method, self.client, payload, self.private, self.rnd)
 
 
 # (app, run, node) -> the site's method and model, built once per process: a Ray worker keeps it across messages (the

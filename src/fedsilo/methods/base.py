@@ -106,6 +106,12 @@ class Method:
         """Keys that must never leave a client (the engine checks every upload)."""
         return set()
 
+    def private_in_round(self, rnd: int, private: set[str]) -> set[str]:
+        """The keys round ``rnd``'s uploads may not hold, given what ``private_keys`` declared: all of them in every
+        round by default. A method whose clients share every layer for a while before some become their own
+        (LG-FedAvg's FedAvg-trained start) returns less in those rounds; from then on the check is the full one."""
+        return private
+
     # --- state
     def init_server(self, model: LayeredNet) -> State:
         raise NotImplementedError

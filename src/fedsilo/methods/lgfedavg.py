@@ -5,15 +5,33 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from pydantic import Field
 
-from fedsilo.methods.base import MethodParams
+from fedsilo.client.data import ClientData
+from fedsilo.config import ConfigError
+from fedsilo.methods.base import MethodParams, RunningMean, State
 from fedsilo.methods.sharing import PartialSharing, top_units, unit_prefixes
 from fedsilo.models import LayeredNet
+
+# the server's record of which clients have received the FedAvg start's local layers (one entry per client; 1 = taken)
+STARTED = "lgfedavg:started"
 
 
 class LGFedAvgParams(MethodParams):
     global_layers: int = Field(2, ge=1, description="weighted layers at the top shared by every client (the code's num_layers_keep)")
+    fedavg_rounds: int = Field(
+        0, ge=0, description="rounds of plain FedAvg (every layer shared) before the lower layers become each client's "
+        "own: the paper's FedAvg-trained start, counted in train.rounds (0: start from the initialisation, as FedPAC's code)"
+    )
+
+
+class _Took(RunningMean):
+    """A round's mean, and which clients took part (the server hands the start to a client once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.took: list[int] = []
 
 
 class LGFedAvg(PartialSharing):
@@ -22,13 +40,26 @@ class LGFedAvg(PartialSharing):
     model (its local layers and g) jointly on cross-entropy for E epochs, and uploads g; the server averages the
     uploaded g and every client receives it. Clients are evaluated with their own lower layers plus the global top.
 
+    **The FedAvg-trained start** (``fedavg_rounds: R0``). The paper's experiments, and its code's recipe (the
+    repository's README: ``main_fed.py`` first, then ``main_lg.py --load_fed best_<N>.pt``), start LG-FedAvg from a
+    model trained by FedAvg: every client's local model is a copy of that global model. Here rounds 1..R0 are FedAvg:
+    a sampled client downloads every layer, trains, and uploads every layer (the check of uploads lets the lower layers
+    through in those rounds only, :meth:`private_in_round`); the server's weighted mean of whole models is the global
+    model, and every client is evaluated with it. From round R0+1 on the lower layers are private: a client's first
+    download after R0 carries, besides g, the lower layers of the FedAvg model of round R0, which become its own (the
+    server sends them once, when the client is first sampled, and records that it did; a client not yet sampled is
+    evaluated with them under the current g, as the code evaluates every client's copy). The bytes of that one
+    download are counted like any other. R0 is inside ``train.rounds`` (R0 FedAvg rounds, then ``rounds - R0``
+    LG-FedAvg rounds). The code loads ``best_<N>.pt``, the FedAvg model with the best *test* accuracy among the first
+    N rounds; here the model of round R0 is taken (no selection on the test set). The README's CIFAR-10 recipe is
+    1,200 FedAvg rounds, then 200 LG-FedAvg rounds; MNIST 400, then 200. ``fedavg_rounds: 0`` (the default) starts
+    from the run's initialisation, as FedPAC's code runs its LG-FedAvg baseline (the protocol FedeCouple follows).
+
     The paper's split is followed (local bottom, global top; 2 global layers as in its code's default); its CIFAR code
     instead keeps the *convolutions* global (an open issue in its repository), which is FedPer's direction, available
     here as ``fedper``. Aggregation is the sample-size-weighted mean (the code averages uniformly over the sampled
-    clients: the same with equal client sizes, as in its experiments). The paper's experiments start LG-FedAvg from a
-    FedAvg-trained model; this class starts from the run's initialisation (the pretrained start is not implemented
-    yet), and the code's choice of each client's best model by test accuracy is
-    not copied (it selects on the test set)."""
+    clients: the same with equal client sizes, as in its experiments). The code's choice of each client's best model
+    by test accuracy during the LG-FedAvg rounds is not copied (it selects on the test set)."""
 
     name = "lgfedavg"
     params_cls = LGFedAvgParams
@@ -39,6 +70,75 @@ class LGFedAvg(PartialSharing):
         self.local_units = model.unit_names[:k]
         top = unit_prefixes(k, len(model.units))
         return [key for key in model.state_dict() if key.startswith(top)]
+
+    def setup(self, model: LayeredNet) -> None:
+        super().setup(model)
+        if self.params.fedavg_rounds >= self.train.rounds:
+            raise ConfigError(f"methods.{self.key}.fedavg_rounds ({self.params.fedavg_rounds}) must be below train.rounds "
+                              f"({self.train.rounds}): the LG-FedAvg rounds come after the FedAvg ones")
+
+    def fedavg_round(self, rnd: int) -> bool:
+        return rnd <= self.params.fedavg_rounds
+
+    def private_in_round(self, rnd: int, private: set[str]) -> set[str]:
+        return set() if self.fedavg_round(rnd) else private
+
+    # --- server
+    def init_server(self, model: LayeredNet) -> State:
+        if not self.params.fedavg_rounds:
+            return super().init_server(model)
+        sd = model.state_dict()  # the whole model: FedAvg's global model until R0, its lower layers kept as the start
+        return {**{k: v.detach().clone() for k, v in sd.items()}, STARTED: torch.zeros(len(self.federation), dtype=torch.uint8)}
+
+    def takes_start(self, server: State, client: ClientData) -> bool:
+        """Whether the client is to take the FedAvg start's lower layers from ``server``: the whole server state says
+        whether it already has; what a site is sent for evaluation (:meth:`eval_download`) holds them only if it must."""
+        if STARTED in server:
+            return not bool(server[STARTED][client.index])
+        return any(k in server for k in self.private)
+
+    def download(self, server: State, client: ClientData, rnd: int) -> State:
+        if not self.params.fedavg_rounds:
+            return super().download(server, client, rnd)
+        if self.fedavg_round(rnd) or self.takes_start(server, client):  # FedAvg's whole model / g and the start
+            return {k: server[k] for k in (*self.shared, *self.private)}
+        return {k: server[k] for k in self.shared}
+
+    def agg_begin(self, server: State, rnd: int) -> _Took:
+        return _Took()
+
+    def agg_add(self, acc: _Took, client: ClientData, upload: State) -> None:
+        super().agg_add(acc, client, upload)
+        acc.took.append(client.index)
+
+    def agg_end(self, server: State, acc: _Took, rnd: int) -> State:
+        if not self.params.fedavg_rounds:
+            return super().agg_end(server, acc, rnd)
+        out = {**server, **acc.result()} if acc.weight > 0 else dict(server)
+        if not self.fedavg_round(rnd):  # these clients now hold their own lower layers
+            taken = out[STARTED].clone()
+            taken[acc.took] = 1
+            out[STARTED] = taken
+        return out
+
+    # --- client
+    def local_update(self, model, store, payload, client, rnd, seed):
+        up = super().local_update(model, store, payload, client, rnd, seed)
+        if self.fedavg_round(rnd):  # FedAvg: the lower layers travel too
+            sd = model.state_dict()
+            up = {k: sd[k].detach() for k in (*self.shared, *self.private)}
+        return up
+
+    def eval_state(self, server, store, client):
+        start = {k: server[k] for k in self.private} if self.takes_start(server, client) else {}
+        return {**store, **start, **{k: server[k] for k in self.shared}}
+
+    def eval_download(self, server: State, client: ClientData) -> State:
+        """The global top, with the FedAvg start's lower layers for a client that has not taken them yet."""
+        if STARTED not in server:
+            return server
+        keys = [*self.shared, *(self.private if self.takes_start(server, client) else [])]
+        return {k: server[k] for k in keys}
 
     def resolved(self) -> dict[str, Any]:
         return {**super().resolved(), "local_layers": getattr(self, "local_units", [])}
