@@ -95,10 +95,11 @@ def test_fedecouple_paper_scale_is_section_v_a_and_sets_every_published_table_be
     assert p.paper.scale == "paper" and list(p.pipeline.seeds) == [0, 1, 2, 3, 4]  # five runs
     for e in p.pipeline.experiments:
         x = p.experiments[e]
-        assert (x.split.clients, x.train.rounds, x.train.local_epochs, x.train.batch_size, x.train.lr, x.train.momentum) == (20, 200, 5, 50, 0.01, 0.5)
-        gray = p.datasets[x.dataset].kind in ("fmnist", "emnist")
+        clients = {"fc_femnist_80": 80, "fc_femnist_100": 100}.get(e, 20)  # Table V: one client per writer
+        assert (x.split.clients, x.train.rounds, x.train.local_epochs, x.train.batch_size, x.train.lr, x.train.momentum) == (clients, 200, 5, 50, 0.01, 0.5)
+        gray = p.datasets[x.dataset].kind in ("fmnist", "emnist", "femnist")
         assert x.train.model == ("fedecouple_cnn_gray" if gray else "fedecouple_cnn")
-        if x.split.scheme == "weak_pathological":  # 600 training and 300 test images per client
+        if getattr(x.split, "scheme", None) == "weak_pathological":  # 600 training and 300 test images per client
             assert x.split.samples_per_client * (1 - x.split.test_fraction) == pytest.approx(600)
     # every published accuracy table is some experiment's, whose dataset holds its domain, with the paper's methods run
     refs = {p.experiments[e].published.split("#")[1]: e for e in p.pipeline.experiments if p.experiments[e].published}
@@ -119,4 +120,5 @@ def test_fedecouple_paper_scale_is_section_v_a_and_sets_every_published_table_be
     assert len(combos) == 16
     # the project's own data under label skew, beside the papers' datasets
     kinds = {p.datasets[p.experiments[e].dataset].kind for e in p.pipeline.experiments}
-    assert {"digits5", "office_caltech10", "pacs", "chest_xray4", "cifar10", "cifar100", "cinic10", "fmnist", "emnist"} <= kinds
+    assert {"digits5", "office_caltech10", "pacs", "chest_xray4", "cifar10", "cifar100", "cinic10", "fmnist", "emnist", "femnist"} <= kinds
+    assert {p.experiments[e].split.protocol for e in ("fc_femnist_80", "fc_femnist_100")} == {"by_writer"}

@@ -35,7 +35,7 @@ def test_fedecouple_tables_have_the_report_shape_and_every_number_is_in_the_pape
     import re
 
     d = yaml.safe_load(FEDECOUPLE.read_text())
-    assert len(d["accuracy"]) == 23 and {"cifar10_s20", "cifar10_k3", "cifar100_dir0_01", "emnist_dir1"} <= set(d["accuracy"])
+    assert len(d["accuracy"]) == 25 and {"cifar10_s20", "cifar10_k3", "cifar100_dir0_01", "emnist_dir1", "femnist_80", "femnist_100"} <= set(d["accuracy"])
     paper = PAPER_002.read_text() if PAPER_002.exists() else None
     for name, table in d["accuracy"].items():
         assert len(table["domains"]) == 1, name

@@ -91,6 +91,8 @@ SOURCE_MODES: dict[str, tuple[str, ...]] = {
     "cinic10": ("mirror", "local", "download"),  # no published checksum: pin yours under checksums
     "office31": ("mirror", "local", "download"),  # no published checksum: pin yours under checksums
     "chest_xray4_released": ("mirror", "local"),  # the pFedDB authors' pre-processed copy (a Hugging Face dataset)
+    # LEAF's FEMNIST JSON: built by LEAF's preprocess.sh from NIST SD19; no pre-processed file is published to download
+    "femnist": ("mirror", "local"),
 }
 DIGIT_SOURCES = ("mnist", "svhn", "usps", "synthdigits", "mnist_m")
 DATASET_SOURCES: dict[str, tuple[str, ...]] = {
@@ -108,6 +110,7 @@ DATASET_SOURCES: dict[str, tuple[str, ...]] = {
     "fmnist": ("fmnist",),
     "emnist": ("emnist",),
     "cinic10": ("cinic10",),
+    "femnist": ("femnist",),  # one domain; its writers are the natural clients (split.protocol: by_writer)
 }
 
 
@@ -229,16 +232,16 @@ class BenchmarkDatasetParams(Strict):
         return tuple(self.sources or DATASET_SOURCES[self.kind])
 
 
-SINGLE_DOMAIN_KINDS = ("cifar10", "cifar100", "fmnist", "emnist", "cinic10")
+SINGLE_DOMAIN_KINDS = ("cifar10", "cifar100", "fmnist", "emnist", "cinic10", "femnist")
 
 
 class SingleDomainDatasetParams(BenchmarkDatasetParams):
-    """A single-domain classification dataset (CIFAR-10/100, Fashion-MNIST, EMNIST ByClass, CINIC-10): one domain
+    """A single-domain classification dataset (CIFAR-10/100, Fashion-MNIST, EMNIST ByClass, CINIC-10, FEMNIST): one domain
     named after the dataset, the distribution's train / test (/ val) kept in ``subset``, split by label skew. Images
     become ``image_size`` x ``image_size`` uint8 with the data's own channels (grey Fashion-MNIST and EMNIST: 1;
     CIFAR and CINIC-10: 3), or grey replicated to three with ``channels: rgb``."""
 
-    kind: Literal["cifar10", "cifar100", "fmnist", "emnist", "cinic10"]
+    kind: Literal["cifar10", "cifar100", "fmnist", "emnist", "cinic10", "femnist"]
     channels: Literal["native", "rgb"] = Field("native", description="native keeps the data's channels; rgb replicates grey to three")
 
 
@@ -348,9 +351,24 @@ class HoldoutDomainSplit(Strict):
     test_from: TestFrom = "auto"
 
 
-SPLIT_PROTOCOLS = ("domain_clients", "domain_multi_clients", "label_skew", "domain_incremental", "holdout_domain")
+class ByWriterSplit(Strict):
+    """The natural partition of data whose records name their writer (FEMNIST): each client is one writer and holds all
+    of that writer's images. ``clients`` writers are drawn at random (seeded) among those with at least
+    ``min_samples`` images (all of them when null). A writer whose images carry the distribution's own train and test
+    subsets (LEAF's ``-t sample`` split files) keeps them; the images of any other writer are split as LEAF's
+    ``split_data.py --by_sample`` splits them: max(1, floor((1 - test_fraction) x n)) train, the rest test (n = 2: one
+    each), writers with fewer than two images left out."""
+
+    protocol: Literal["by_writer"]
+    seed: int = 0
+    clients: Optional[int] = Field(None, ge=2, description="writers drawn as clients (null: every eligible writer)")
+    min_samples: int = Field(2, ge=2, description="writers with fewer images are never drawn (LEAF's -k)")
+    test_fraction: float = Field(0.1, gt=0, lt=1, description="each writer's test share where the data has no split of its own (LEAF's --tf 0.9)")
+
+
+SPLIT_PROTOCOLS = ("domain_clients", "domain_multi_clients", "label_skew", "domain_incremental", "holdout_domain", "by_writer")
 SplitParams = Annotated[
-    Union[DomainClientsSplit, DomainMultiClientsSplit, LabelSkewSplit, DomainIncrementalSplit, HoldoutDomainSplit],
+    Union[DomainClientsSplit, DomainMultiClientsSplit, LabelSkewSplit, DomainIncrementalSplit, HoldoutDomainSplit, ByWriterSplit],
     Field(discriminator="protocol"),
 ]
 DatasetParams = Annotated[Union[CXRDatasetParams, BenchmarkDatasetParams, SingleDomainDatasetParams], Field(discriminator="kind")]

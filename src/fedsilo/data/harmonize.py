@@ -13,7 +13,7 @@ one.
 Output folder (``data/harmonized/<dataset>/``):
 - ``records.parquet``: one row per kept image, row i <-> ``images.npy[i]``; columns ``id`` (``<source>/<source id>``),
   ``domain``, ``label``, ``original_label``, ``group`` (patient; the image itself for benchmarks), ``view``,
-  ``source_path``, ``subset``;
+  ``source_path``, ``subset``, and ``writer`` where the source names one (FEMNIST);
 - ``images.npy``: uint8 N x H x W x C, memory-mappable (``np.load(..., mmap_mode="r")``);
 - ``excluded.parquet``: every record the label rules excluded, with the reason;
 - ``quarantine.csv``: kept records whose image could not be decoded (or is missing), with the error;
@@ -324,13 +324,18 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
     _check_quarantine(kept["domain"], quarantine["domain"], quarantine, params.max_quarantine_fraction, f"raw files under {raw_root}")
 
     good = kept[ok].reset_index(drop=True)
-    table = good.rename(columns={"path": "source_path"})[["id", "domain", "label", "original_label", "group", "view", "source_path", "subset"]]
+    columns = ["id", "domain", "label", "original_label", "group", "view", "source_path", "subset"]
+    if "writer" in good.columns:  # FEMNIST's writers (only a dataset whose records name them has the column)
+        good = good.assign(writer=good["writer"].fillna("").astype(str))
+        columns.append("writer")
+    table = good.rename(columns={"path": "source_path"})[columns]
     tasks = {
         "digits5": "10 digit classes", "office_caltech10": "10 object classes", "pacs": "7 object classes",
         "domainnet10": "the 10-class DomainNet subset", "cifar10": "10 object classes", "cifar100": "100 object classes",
         "fmnist": "10 clothing classes", "emnist": "62 character classes (ByClass: digits, upper- and lower-case letters)",
         "cinic10": "10 object classes (CIFAR-10's)", "digit10": "10 digit classes (EMNIST: its digits only)",
         "office31": "31 office object classes",
+        "femnist": "62 character classes (LEAF's FEMNIST: digits, upper- and lower-case letters; one writer per record)",
     }
     return write_dataset(
         Path(out_dir), table, [img for img, _ in results if img is not None], excluded, quarantine,

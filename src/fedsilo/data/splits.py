@@ -16,6 +16,9 @@ patient never lands on both sides of a client's train/test split. Where a domain
   spread over the clients with Dirichlet(alpha) label skew, train and test with the same proportions.
 - ``holdout_domain``: ``domain_clients`` without one domain, which becomes a late-joining client (``newcomer``) or
   an ``external_test`` set, stored under ``holdout``.
+- ``by_writer`` (FEMNIST, FedeCouple's Table V): the natural partition, one client per writer (``records.writer``),
+  ``clients`` writers drawn; each writer's own train / test subsets where the data has them, else LEAF's per-writer
+  sample split.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from fedsilo.config import (
+    ByWriterSplit,
     DomainClientsSplit,
     DomainIncrementalSplit,
     DomainMultiClientsSplit,
@@ -391,6 +395,51 @@ def holdout_domain(records: pd.DataFrame, params: HoldoutDomainSplit, seed: int)
     return out
 
 
+# --------------------------------------------------------------------------- by_writer
+def _client_name(writer: str) -> str:
+    """A writer id as a client name (metric keys, MLflow): characters other than letters, digits, ``_ . -`` become ``_``."""
+    return "".join(ch if ch.isalnum() or ch in "_.-" else "_" for ch in writer) or "writer"
+
+
+def _leaf_sample_split(rows: np.ndarray, test_fraction: float, rng: np.random.Generator) -> tuple[list[int], list[int]]:
+    """LEAF's ``split_data.py --by_sample`` for one writer: max(1, floor((1 - test_fraction) x n)) images drawn for
+    training (one of two when n = 2), the rest for testing."""
+    n = len(rows)
+    n_train = 1 if n == 2 else max(1, int((1.0 - test_fraction) * n))
+    picked = np.zeros(n, dtype=bool)
+    picked[rng.choice(n, size=n_train, replace=False)] = True
+    return rows[picked].tolist(), rows[~picked].tolist()
+
+
+def by_writer(records: pd.DataFrame, params: ByWriterSplit, seed: int) -> dict[str, Any]:
+    if "writer" not in records.columns or not records["writer"].astype(bool).any():
+        raise SplitError("split.protocol: by_writer needs records that name their writer (a source such as femnist); "
+                         "this dataset's records have no writer column")
+    counts = records.groupby("writer", sort=True).size()
+    eligible = [str(w) for w, n in counts.items() if w and n >= params.min_samples]
+    want = params.clients if params.clients is not None else len(eligible)
+    if want > len(eligible):
+        raise SplitError(f"split.clients: {want} writers asked for, {len(eligible)} have at least split.min_samples = "
+                         f"{params.min_samples} images")
+    rng = _rng(seed, "by_writer")
+    chosen = [eligible[i] for i in sorted(rng.choice(len(eligible), size=want, replace=False))]
+    names = [_client_name(w) for w in chosen]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise SplitError(f"split: two writers become the client name {dup!r}")
+    by_w = records.groupby("writer", sort=False).indices
+    clients = []
+    for j, (w, name) in enumerate(zip(chosen, names)):
+        rows = np.sort(records.index.to_numpy()[by_w[w]])
+        subset = records.loc[rows, "subset"].to_numpy()
+        if (subset == "train").any() and (subset == "test").any():  # the data's own split (LEAF -t sample)
+            train, test = rows[subset == "train"].tolist(), rows[subset == "test"].tolist()
+        else:
+            train, test = _leaf_sample_split(rows, params.test_fraction, _rng(seed, "by_writer", w))
+        clients.append(_client(j, name, str(records.loc[rows[0], "domain"]), train, test))
+    return {"protocol": params.protocol, "seed": seed, "params": params.model_dump(mode="json"), "num_classes": _num_classes(records), "clients": clients}
+
+
 def make_split(records: pd.DataFrame, params: Any, seed: int) -> dict[str, Any]:
     fn = {
         "domain_clients": domain_clients,
@@ -398,6 +447,7 @@ def make_split(records: pd.DataFrame, params: Any, seed: int) -> dict[str, Any]:
         "label_skew": label_skew,
         "domain_incremental": domain_incremental,
         "holdout_domain": holdout_domain,
+        "by_writer": by_writer,
     }.get(params.protocol)
     if fn is None:  # pragma: no cover - config validation rejects other protocols
         raise SplitError(f"split.protocol: {params.protocol!r} is not implemented")

@@ -11,6 +11,9 @@
   (images stored transposed, as NIST stores them) and ``gzip/emnist-byclass-mapping.txt``.
 - CINIC-10: ``{train,valid,test}/<class>/`` PNGs named like the archive's (``cifar10-<split>-<n>.png`` and
   ``n<synset>_<n>.png``).
+- FEMNIST: LEAF's ``data/femnist/data/{train,test}/all_data_<k>_niid_1_keep_0_{train,test}_9.json`` (``-t sample``:
+  every writer in both, 90 % / 10 % of its images), pixels as grey / 255 with dark ink on white, labels 0-61. Each
+  writer has a hand of its own (font, stroke, slant, size), so the writers differ as real ones do.
 
 Images are synthetic and learnable: CIFAR, CINIC-10 and Fashion-MNIST draw class ``k``'s shape (``k % 10``; for
 CIFAR-100 the colour band ``k // 10`` too) over a textured (CIFAR, CINIC) or black (Fashion-MNIST) background; EMNIST
@@ -164,10 +167,47 @@ def write_cinic10(out: Path, p: MirrorParams) -> None:
                 _save(out / split / cls / name, colour_object(rng, k, len(CLASSES)))
 
 
+def write_femnist(out: Path, p: MirrorParams) -> None:
+    """16 writers (LEAF's ``f<hsf>_<n>`` ids) of 2 x ``per_class`` to 5 x ``per_class`` characters each, digits as
+    common as in NIST's forms; 8 writers per JSON file, as LEAF writes fewer, larger files."""
+    import json
+
+    from fedsilo.data.sources.emnist import CLASSES
+
+    folder = out / "data" / "femnist" / "data"
+    rng = _rng("femnist", p.seed, "writers")
+    writers = [f"f{1000 + 37 * i:04d}_{int(rng.integers(0, 100)):02d}" for i in range(16)]
+    weights = np.array([4.0] * 10 + [1.0] * 52)
+    for k in range(0, len(writers), 8):
+        parts: dict[str, dict] = {"train": {}, "test": {}}
+        for w in writers[k : k + 8]:
+            hand = _rng("femnist", p.seed, w)
+            font, thick = FONTS[int(hand.integers(0, 3))], int(hand.integers(2, 4))
+            slant, scale = hand.normal(0, 12), hand.uniform(0.7, 0.95)
+            n = int(hand.integers(2 * p.per_class, 5 * p.per_class + 1))
+            ys = hand.choice(len(CLASSES), size=n, p=weights / weights.sum())
+            xs = []
+            for y in ys:
+                g = glyph(hand, CLASSES[int(y)], 28, font, thick, scale * hand.uniform(0.9, 1.1), slant + hand.normal(0, 4))
+                ink = cv2.GaussianBlur(g, (0, 0), 0.5)
+                xs.append(np.round(1.0 - ink, 6).ravel().tolist())  # LEAF's grey / 255: white paper, dark ink
+            n_train = max(1, int(0.9 * n))
+            order = hand.permutation(n)
+            for side, idx in (("train", sorted(order[:n_train])), ("test", sorted(order[n_train:]))):
+                parts[side][w] = {"x": [xs[i] for i in idx], "y": [int(ys[i]) for i in idx]}
+        for side, data in parts.items():
+            users = list(data)
+            doc = {"users": users, "num_samples": [len(data[u]["y"]) for u in users], "user_data": data}
+            path = folder / side / f"all_data_{k // 8}_niid_1_keep_0_{side}_9.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(doc))
+
+
 WRITERS: dict[str, Callable[[Path, MirrorParams], None]] = {
     "cifar10": write_cifar10,
     "cifar100": write_cifar100,
     "fmnist": write_fmnist,
     "emnist": write_emnist,
     "cinic10": write_cinic10,
+    "femnist": write_femnist,
 }

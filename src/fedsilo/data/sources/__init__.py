@@ -15,6 +15,7 @@ from fedsilo.data.sources import (
     cinic10,
     domainnet,
     emnist,
+    femnist,
     fmnist,
     mnist,
     mnist_m,
@@ -49,6 +50,7 @@ SOURCES: dict[str, ModuleType] = {
     "fmnist": fmnist,
     "emnist": emnist,
     "cinic10": cinic10,
+    "femnist": femnist,  # LEAF's FEMNIST: EMNIST-style characters grouped by writer (FedeCouple's Table V)
     "chest_xray4_released": chest_xray4_released,  # the four CXR domains, as the pFedDB authors released them
 }
 

@@ -7,7 +7,9 @@ image, included or not:
 source's own label, verbatim enough to audit the mapping), ``group`` (patient id; one group never spans train and
 test), ``view`` (``frontal`` / ``lateral`` / ``unknown``), ``path`` (relative to the raw folder; empty when the label
 file names an image the raw folder does not hold), ``reader`` (``dicom`` or ``image``), ``excluded`` (empty, or the
-reason), ``subset`` (the distribution's own train / test / val partition, empty when it has none).
+reason), ``subset`` (the distribution's own train / test / val partition, empty when it has none); and, only where
+the data has it, ``writer`` (who produced the image: FEMNIST's writers, the natural clients of ``split.protocol:
+by_writer``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import numpy as np
 import pandas as pd
 
 RECORD_COLUMNS = ["id", "domain", "label", "original_label", "group", "view", "path", "reader", "excluded", "subset"]
+# columns a source adds only when its data has them (every other dataset's records stay byte for byte as they were)
+OPTIONAL_COLUMNS = ["writer"]
 
 
 class LabelFileError(ValueError):
@@ -79,12 +83,13 @@ def finalize(df: pd.DataFrame, domain: str) -> pd.DataFrame:
     df["excluded"] = df["excluded"].fillna("").astype(str)
     df.loc[df["excluded"] != "", "label"] = -1
     df["label"] = df["label"].astype("int64")
-    for col in ("id", "original_label", "group", "view", "path", "reader", "subset"):
+    optional = [c for c in OPTIONAL_COLUMNS if c in df.columns]
+    for col in ("id", "original_label", "group", "view", "path", "reader", "subset", *optional):
         df[col] = df[col].fillna("").astype(str)
     if df["id"].duplicated().any():
         dup = df.loc[df["id"].duplicated(), "id"].iloc[0]
         raise LabelFileError(f"{domain}: duplicate record id {dup!r}")
-    return df[RECORD_COLUMNS].reset_index(drop=True)
+    return df[RECORD_COLUMNS + optional].reset_index(drop=True)
 
 
 def summarize(df: pd.DataFrame) -> dict[str, object]:
