@@ -15,14 +15,15 @@ from fedsilo.report import build_report, collect, standard_errors, summary_table
 from fedsilo.utils.io import write_json
 
 
-def _write(root, method, seed, per, *, sampled=None, up=8, sizes=None, history=None):
+def _write(root, method, seed, per, *, sampled=None, up=8, sizes=None, history=None, sets=None):
     clients = list(per)
     hist = history or [{"round": r, "bytes_up_total": up * len(sampled or clients), "bytes_down_total": up * len(clients),
                         "sampled": sampled or clients, "bytes_up": {c: up for c in (sampled or clients)},
                         "eval": per, "mean_acc": 0.6, "train_seconds": 1.0} for r in (1, 2)]
     met = {"per_client": per, "clients": clients, "client_domains": {c: c.split("-")[0] for c in clients},
            "bytes_up_per_round": [h["bytes_up_total"] for h in hist], "bytes_down_per_round": [h["bytes_down_total"] for h in hist],
-           "model_param_bytes": up, "mean_acc": 0.6, **({"test_sizes": sizes} if sizes else {})}
+           "model_param_bytes": up, "mean_acc": 0.6, **({"test_sizes": sizes} if sizes else {}),
+           **({"test_set_of": sets} if sets else {})}
     write_json(root / method / f"seed{seed}" / "metrics.json", met)
     (root / method / f"seed{seed}" / "history.json").write_text(json.dumps(hist))
 
@@ -71,7 +72,7 @@ def test_partial_participation_does_not_shrink_the_communication_table(tmp_path)
 def test_standard_errors_are_binomial_at_the_mean_accuracy_with_the_test_set_size(tmp_path):
     res = tmp_path / "res"
     _write(res, "fedavg", 0, {"A-0": {"acc": 0.8}, "A-1": {"acc": 0.8}, "B-0": {"acc": 0.5}},
-           sizes={"A-0": 100, "A-1": 100, "B-0": 25})
+           sizes={"A-0": 100, "A-1": 100, "B-0": 25}, sets={"A-0": "A-0", "A-1": "A-0", "B-0": "B-0"})
     df, _ = collect(res, ["fedavg"], [0])
     se = standard_errors(df, summary_table(df, "acc", ["fedavg"]))
     assert se.loc["n", "A"] == 100 and se.loc["n", "B"] == 25  # clients of one domain share its test set
@@ -82,6 +83,23 @@ def test_standard_errors_are_binomial_at_the_mean_accuracy_with_the_test_set_siz
     md = (tmp_path / "out" / "e_standard_errors.md").read_text()
     assert "| test images n | 100 | 25 | 125 |" in md and "| fedavg | ± 4.0 | ± 10.0 | ± 5.4 |" in md
     assert md in (tmp_path / "out" / "e_accuracy.md").read_text()
+
+
+def test_a_domain_of_clients_with_their_own_test_sets_counts_every_image_behind_its_column(tmp_path):
+    """Label skew on a single-domain dataset: every client of the one domain has its own test set, so the column's
+    accuracy rests on all of them (F²DC's clients above share one). A run that predates test_set_of says n/a rather
+    than guess which."""
+    res = tmp_path / "res"
+    _write(res, "fedavg", 0, {"A-0": {"acc": 0.7}, "A-1": {"acc": 0.9}}, sizes={"A-0": 40, "A-1": 60},
+           sets={"A-0": "A-0", "A-1": "A-1"})
+    df, _ = collect(res, ["fedavg"], [0])
+    se = standard_errors(df, summary_table(df, "acc", ["fedavg"]))
+    assert se.loc["n", "A"] == 100 and se.loc["fedavg", "A"] == pytest.approx(100 * (0.8 * 0.2 / 100) ** 0.5)
+    old = tmp_path / "old"
+    _write(old, "fedavg", 0, {"A-0": {"acc": 0.7}, "A-1": {"acc": 0.9}}, sizes={"A-0": 40, "A-1": 60})
+    df, _ = collect(old, ["fedavg"], [0])
+    se = standard_errors(df, summary_table(df, "acc", ["fedavg"]))
+    assert se is None or np.isnan(se.loc["n", "A"])
 
 
 def test_runs_without_test_sizes_get_no_standard_error_table(tmp_path):

@@ -49,6 +49,13 @@ log = logging.getLogger("fedsilo.train")
 TRAIN_CODE = ("client", "fl", "methods", "models", "utils", "config.py")
 
 
+
+def _test_set_owners(clients: list) -> dict[str, str]:
+    """Client -> the first client whose test set is the same one (the loader hands clients that share a test set one
+    tensor)."""
+    first: dict[int, str] = {}
+    return {c.name: first.setdefault(id(c.y_test), c.name) for c in clients}
+
 def code_fingerprint(device: str) -> dict[str, str]:
     """sha256 over the source files of :data:`TRAIN_CODE` (path and bytes), and the versions and device type that
     compute: a run resumed from a checkpoint was trained by exactly this code."""
@@ -242,6 +249,9 @@ def run_training(
                 "clients": [c.name for c in clients],
                 "client_domains": {c.name: c.domain for c in clients},
                 "test_sizes": {c.name: int(len(c.y_test)) for c in clients},  # for the report's binomial standard errors
+                # the first client holding the same test set (F²DC's clients of a domain share one; label-skew clients
+                # each have their own): the report adds up distinct test sets only
+                "test_set_of": _test_set_owners(clients),
                 # the backbone the method was built from: the paper's "full network" for Param / Ratio (Table 3)
                 "model_param_bytes": int(sum(p.numel() * p.element_size() for p in model.parameters())),
                 "method_resolved": method_resolved,

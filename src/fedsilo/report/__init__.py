@@ -83,14 +83,22 @@ def collect(results: Path, methods: list[str], seeds: list[int]) -> tuple[pd.Dat
                              # NaN: a one-class test split (binary task); None: no AUC (more than two classes)
                              "auc": np.nan if v.get("auc") is None else v["auc"], "has_auc": "auc" in v,
                              "n_test": float((met.get("test_sizes") or {}).get(client, np.nan)),
+                             "test_set": (met.get("test_set_of") or {}).get(client),
                              # the test accuracy at the run's round of best mean validation accuracy (NaN: no validation set)
                              "acc_best_val": best["eval"][client]["acc"] if best else np.nan, **run_level})
     df = pd.DataFrame(rows)
     if not df.empty and df.duplicated(["method", "seed", "domain"]).any():
         order = list(dict.fromkeys(df["domain"]))
+        keys = ["method", "seed", "domain"]
+        # the test images behind a domain's column: its clients' distinct test sets added up (F²DC's clients of a
+        # domain share one; label-skew clients of a single-domain dataset each have their own); unknown (NaN) for runs
+        # that predate test_set_of in metrics.json
+        behind = {k: (g.drop_duplicates("test_set")["n_test"].sum() if g["test_set"].notna().all() else np.nan)
+                  for k, g in df.groupby(keys, sort=False)}
         # clients of one domain share its test set (F²DC's protocol): their NaN AUC stays NaN in the mean
-        df = df.groupby(["method", "seed", "domain"], sort=False, as_index=False).agg(
-            {c: (lambda x: x.mean(skipna=False)) for c in df.columns if c not in ("method", "seed", "domain", "client")})
+        df = df.groupby(keys, sort=False, as_index=False).agg(
+            {c: (lambda x: x.mean(skipna=False)) for c in df.columns if c not in ("method", "seed", "domain", "client", "test_set")})
+        df["n_test"] = [behind[k] for k in zip(df["method"], df["seed"], df["domain"])]
         df["domain"] = pd.Categorical(df["domain"], categories=order)
         df = df.sort_values(["method", "seed", "domain"], kind="stable")
         df["domain"] = df["domain"].astype(str)
@@ -130,8 +138,9 @@ def standard_errors_markdown(tab: pd.DataFrame, title: str) -> str:
     cols = list(tab.columns)
     lines = [f"### {title}", "",
              "Binomial standard error of the accuracy (points), sqrt(p (1 - p) / n) at the mean accuracy p over seeds, "
-             "for a test set of n images (first row; Avg: the domains' total, its SE combining the domains as "
-             "independent). Two numbers on one test set closer than about two of these are not told apart by it.", "",
+             "for a test set of n images (first row: the distinct test sets of a domain's clients added up; Avg: the "
+             "domains' total, its SE combining the domains as independent). Two numbers on one test set closer than "
+             "about two of these are not told apart by it.", "",
              "| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     lines.append("| test images n | " + " | ".join("n/a" if pd.isna(v) else f"{int(v)}" for v in tab.loc["n"]) + " |")
     for m, r in tab.drop(index="n").iterrows():
