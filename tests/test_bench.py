@@ -14,6 +14,11 @@ def test_bench_reports_ratios_memory_and_harmonize():
     assert r["harmonize"]["images"] == 4 and r["harmonize"]["images_per_s_all_cores"] > 0
     text = format_result(r)
     assert "vs loop" in text and "harmonize:" in text
+    # one checkpoint write per method, measured against its round (what train.checkpoint_every saves)
+    assert set(r["checkpoint"]) == {"fedavg", "pfeddb"}
+    assert all(c["seconds_per_write"] > 0 and c["mib"] > 0 and c["share_of_round"] > 0 for c in r["checkpoint"].values())
+    assert r["checkpoint"]["pfeddb"]["mib"] > r["checkpoint"]["fedavg"]["mib"], "pFedDB's clients keep their own branch"
+    assert "checkpoint per write" in text
 
 
 def test_bench_cli_help_documents_options():

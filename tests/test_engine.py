@@ -254,3 +254,29 @@ def test_spectra_count_the_directions_the_representations_span(clients):
     sp = e.spectra()
     assert set(sp) == {c.name for c in clients[0]} and all(len(v) == 512 for v in sp.values())  # simple_cnn: fc2 -> 512
     assert all(torch.equal(before[k], e.server[k]) for k in before)
+
+
+def test_checkpoint_every_k_rounds_resumes_from_the_last_one_with_the_same_numbers(tmp_path, monkeypatch):
+    """train.checkpoint_every: 3 of 5 rounds writes after rounds 3 and 5 only; a run killed after round 4 resumes
+    after round 3, trains round 4 again, and ends with the uninterrupted run's numbers."""
+    from fedsilo.methods import method_class
+    from tests.tiny import style_shifted_federation, tiny_net, without_timing
+
+    clients = style_shifted_federation(n_train=16, n_test=8, per_domain=1)
+    tp = TrainParams(rounds=5, batch_size=8, lr=0.05, device="cpu", count_flops=False, checkpoint_every=3, client_fraction=0.5)
+
+    def make(ck):
+        cls = method_class("fedbn")
+        return Engine(cls(cls.params_cls(), tp), tiny_net(1, 4), clients, tp, seed=0, checkpoint=ck, config_hash="h")
+
+    written = []
+    real = Engine.save
+    monkeypatch.setattr(Engine, "save", lambda self: (written.append(self.round), real(self)))
+    full = make(tmp_path / "a.pt").run()
+    assert written == [0, 3, 5], "the initial state, then every 3rd round and the last"
+    part = make(tmp_path / "b.pt")
+    for _ in range(4):
+        part.step()
+    resumed = make(tmp_path / "b.pt")
+    assert resumed.round == 3 and len(resumed.history) == 3
+    assert without_timing(resumed.run()) == without_timing(full)

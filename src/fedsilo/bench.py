@@ -7,7 +7,8 @@ For one backbone / image size / client count / samples per client / local epochs
     round), with no state swapping, payloads, aggregation or checkpoints;
 (b) fedsilo's FedAvg round throughput through the real engine (payload copies, byte accounting, client-store
     swapping, aggregation, evaluation and the per-round checkpoint on disk);
-(c) the same for every other method asked for (``--methods``);
+(c) the same for every other method asked for (``--methods``), and what one checkpoint write of each costs (seconds,
+    MiB, share of a round: what ``train.checkpoint_every`` saves);
 
 and prints samples/s for each, the ratios b/a and c/a, peak device and host memory, then a memory-flatness run (many
 Simple-CNN clients over many rounds: host RSS and device memory per round) and the harmonize throughput (DICOM decode
@@ -104,8 +105,9 @@ BENCH_METHOD_PARAMS: dict[str, dict[str, Any]] = {"pfeddb": {"two_phase": False}
 
 
 def engine_rounds(method: str, model: nn.Module, clients: list[ClientData], cfg: TrainParams, rounds: int, seed: int, checkpoint: Optional[Path],
-                  keep: Optional[dict[str, Any]] = None) -> list[float]:
-    """Seconds of each of ``rounds`` engine rounds; ``keep`` receives the final server state when given."""
+                  keep: Optional[dict[str, Any]] = None, saves: Optional[dict[str, float]] = None) -> list[float]:
+    """Seconds of each of ``rounds`` engine rounds; ``keep`` receives the final server state when given, ``saves`` what
+    one checkpoint of the final state costs (median seconds of three writes, MiB on disk) when a checkpoint is kept."""
     cls = method_class(method)
     times: list[float] = []
     device = clients[0].x_train.device
@@ -119,6 +121,13 @@ def engine_rounds(method: str, model: nn.Module, clients: list[ClientData], cfg:
         times.append(time.perf_counter() - t0)
     if keep is not None:
         keep["server"] = engine.server
+    if saves is not None and checkpoint is not None:
+        writes = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            engine.save()
+            writes.append(time.perf_counter() - t0)
+        saves.update(seconds=float(np.median(writes)), mib=checkpoint.stat().st_size / 2**20)
     return times
 
 
@@ -282,11 +291,16 @@ def run_bench(
                 algo.transform_model(build(), example), data, cfg, warmup + rounds, seed))
             own_limit[m] = label
     kept: dict[str, Any] = {}
+    saves: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for m in methods:
             ck = Path(tmp) / f"{m}.pt" if checkpoint else None
             measure(m, lambda m=m, ck=ck: engine_rounds(m, build(), data, cfg, warmup + rounds, seed, ck,
-                                                        keep=kept if m == "fedavg" else None))
+                                                        keep=kept if m == "fedavg" else None, saves=saves.setdefault(m, {})))
+        if checkpoint:  # what train.checkpoint_every saves: one write's seconds against the round it ends
+            result["checkpoint"] = {m: {"seconds_per_write": c["seconds"], "mib": c["mib"],
+                                        "share_of_round": c["seconds"] / result["throughput"][m]["sec_per_round"]}
+                                    for m, c in saves.items()}
         if widths:
             result["parallel_clients"] = parallel_gain(widths, measure, result, kept, build, data, cfg, warmup + rounds, seed,
                                                        Path(tmp) if checkpoint else None)
@@ -363,6 +377,10 @@ def format_result(r: dict[str, Any]) -> str:
             + f" (peak of 2nd half / peak of 1st half x{m['host_rss_peak_second_half_over_first']:.3f}); device MiB at round "
             + ", ".join(f"{r}: {v:.0f}" for r, v in m["device_mib_at_round"].items())
         )
+    if "checkpoint" in r:
+        lines.append("checkpoint per write (train.checkpoint_every: k writes every k rounds): " + "; ".join(
+            f"{m} {c['seconds_per_write']:.3f} s, {c['mib']:.1f} MiB ({100 * c['share_of_round']:.0f} % of a round)"
+            for m, c in r["checkpoint"].items()))
     if "host_augment" in r:
         h = r["host_augment"]
         lines.append(

@@ -444,6 +444,12 @@ class TrainParams(Strict):
         "numbers equal a one-at-a-time run with as many threads per client (on a GPU with deterministic kernels: the same numbers). Methods whose "
         "local update keeps state on the method object train one at a time (recorded in metrics.json's engine block)",
     )
+    checkpoint_every: int = Field(
+        1, ge=1, description="rounds between checkpoints (server state, client stores, history; the last round is "
+        "always written): a run killed between two resumes from the earlier and trains the rounds after it again, "
+        "ending with the same numbers. Raise it where writing every client's store each round costs more than the "
+        "rounds it could save (large personal models, many clients)",
+    )
     store_device: Literal["auto", "device", "host"] = Field(
         "auto", description="where client stores live: on the device when they fit, else pinned host memory"
     )

@@ -6,9 +6,10 @@ engine is the only thing that moves tensors between server and clients: a payloa
 Downloads are handed over without a copy (loading them into the model is the copy); uploads are consumed by a
 streaming aggregator before the model changes, or copied when a method aggregates the whole list.
 
-Every round ends with a checkpoint (server state, client stores, history) written atomically. A run restarted with
-the same configuration hash resumes after its last completed round; since every random draw of a round is seeded by
-(seed, round, client), the resumed run ends with exactly the numbers of an uninterrupted one.
+Every round ends with a checkpoint (server state, client stores, history) written atomically, or every
+``train.checkpoint_every`` rounds and after the last. A run restarted with the same configuration hash resumes after
+its last checkpointed round; since every random draw of a round is seeded by (seed, round, client), the resumed run
+ends with exactly the numbers of an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -380,13 +381,14 @@ class Engine:
         return out
 
     def step(self) -> dict[str, Any]:
-        """One round with its bookkeeping: report it, append it to the history, checkpoint."""
+        """One round with its bookkeeping: report it, append it to the history, checkpoint when due."""
         entry = self.run_round()
         if self.on_round:
             self.on_round(entry)
         self.history.append(entry)
         self.round = entry["round"]
-        self.save()
+        if self.round % self.train.checkpoint_every == 0 or self.round == self.total_rounds:
+            self.save()
         return entry
 
     def run(self) -> list[dict[str, Any]]:
