@@ -1,0 +1,204 @@
+"""Run a plan of paper-protocol runs on real Office-Caltech-10 images within a time budget, several at once on one
+machine, and pack what came out into one tarball: the acceptance runs of the paper issues on a lent GPU machine.
+
+    python scripts/gpu_plan.py PLAN.yaml OUT        (from the repository root; writes OUT.tgz)
+
+PLAN.yaml:
+
+    office_dir: .gpu/office_caltech_10   # the real images (four domain folders), carried to the machine
+    jobs: 10                             # runs at once
+    budget_s: 1500                       # wall-clock budget of the training; what is still running then is stopped
+    threads: 1                           # OMP / torch threads per run (runs packed on one GPU: 1)
+    entries:
+      - params: pipelines/f2dc/paper/params.yaml
+        experiment: f2dc_office
+        methods: [fedavg, fedheal, f2dc]
+        seeds: [0, 1, 2]
+        train: {}                        # optional overrides of experiments.<e>.train (a reduced schedule)
+
+What it does: a root params file with ``sources.office_caltech10`` in ``local`` mode at ``office_dir`` and MLflow off;
+per experiment, a copy of its paper params holding that experiment only (``scale: gpu``, so results go to
+``results/<paper>/gpu/<experiment>/`` and never mix with a paper-scale run), its train overrides applied; then
+``fedsilo fetch``, ``harmonize``, ``split`` and one ``fedsilo train`` per (method, seed), ``jobs`` at a time, longest
+plan entries first. At the budget the runs still training get SIGTERM (MLflow-off runs keep their checkpoint; a rerun
+of the plan resumes them). Each experiment's report is built over the (method, seed) runs that finished, every
+unfinished run's history is taken from its checkpoint, and OUT.tgz holds the reports, the finished runs' metrics and
+histories (no model files), the partial histories, every run's log, the exact plan and the params copies, and
+``manifest.json`` (date, git commit and state, device, the commands, each run's exit status and seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+WORK = Path(".gpu")
+CLI = [sys.executable, "-m", "fedsilo.cli"]
+
+
+def _sh(cmd: list[str], log: Path | None = None, env: dict[str, str] | None = None) -> int:
+    out = open(log, "w") if log else subprocess.DEVNULL
+    try:
+        return subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    finally:
+        if log:
+            out.close()
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+
+
+def _device() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.strip() or "no GPU"
+    except (OSError, subprocess.TimeoutExpired):
+        return "no GPU (nvidia-smi absent)"
+
+
+def prepare(plan: dict[str, Any]) -> tuple[Path, dict[tuple[str, str], Path]]:
+    """The root params copy and one params copy per (params, experiment)."""
+    WORK.mkdir(exist_ok=True)
+    root = yaml.safe_load(open("params.yaml"))
+    root["sources"]["office_caltech10"] = {"mode": "local", "path": str(plan["office_dir"])}
+    root.setdefault("tracking", {})["enabled"] = False
+    for d in root["datasets"].values():
+        if d.get("kind") == "office_caltech10":
+            d["workers"] = 0  # every core
+    root_file = WORK / "root.yaml"
+    yaml.safe_dump(root, open(root_file, "w"), sort_keys=False)
+    copies: dict[tuple[str, str], Path] = {}
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for e in plan["entries"]:
+        key = (e["params"], e["experiment"])
+        m = merged.setdefault(key, {"methods": [], "seeds": [], "train": {}})
+        m["methods"] += [x for x in e["methods"] if x not in m["methods"]]
+        m["seeds"] += [s for s in e["seeds"] if s not in m["seeds"]]
+        m["train"].update(e.get("train") or {})
+    for (params, exp), m in merged.items():
+        p = yaml.safe_load(open(params))
+        if exp not in p["experiments"]:
+            raise SystemExit(f"{params}: no experiment {exp!r}")
+        unknown = [x for x in m["methods"] if x not in p["methods"]]
+        if unknown:
+            raise SystemExit(f"{params}: methods {unknown} are not in its methods")
+        x = p["experiments"][exp]
+        x["train"] = {**x["train"], **m["train"]}
+        out = WORK / f"{p['paper']}_{exp}.yaml"
+        p.update(data=str(root_file), params_file=str(out), repo_root="..", scale="gpu", seeds=m["seeds"],
+                 experiments={exp: x}, runs={"gpu": {"experiments": [exp], "methods": m["methods"]}})
+        p.setdefault("tracking", {})["enabled"] = False
+        yaml.safe_dump(p, open(out, "w"), sort_keys=False)
+        copies[(params, exp)] = out
+    return root_file, copies
+
+
+def main(plan_path: str, out: str) -> int:
+    plan = yaml.safe_load(open(plan_path))
+    out_dir = Path(out)
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    root_file, copies = prepare(plan)
+    env = {**os.environ, "OMP_NUM_THREADS": str(plan.get("threads", 1)), "PYTHONUNBUFFERED": "1", "FEDSILO_PROGRESS": "0"}
+    manifest: dict[str, Any] = {"started": started, "commit": _git("rev-parse", "HEAD"), "git_status": _git("status", "--short"),
+                                "device": _device(), "plan": plan, "commands": [], "runs": {}}
+
+    def step(cmd: list[str], log: Path) -> int:
+        manifest["commands"].append(" ".join(cmd[2:]))
+        return _sh(cmd, log, env)
+
+    if step([*CLI, "--params", str(root_file), "fetch", "--source", "office_caltech10"], out_dir / "logs" / "fetch.log"):
+        raise SystemExit("fetch failed: see logs/fetch.log")
+    for dataset in sorted({yaml.safe_load(open(f))["experiments"][e]["dataset"] for (_, e), f in copies.items()}):
+        t0 = time.time()
+        rc = step([*CLI, "--params", str(root_file), "harmonize", "--dataset", dataset], out_dir / "logs" / f"harmonize-{dataset}.log")
+        manifest.setdefault("harmonize", {})[dataset] = {"rc": rc, "seconds": round(time.time() - t0, 1)}
+    for (_, exp), f in copies.items():
+        step([*CLI, "--params", str(f), "split", "--experiment", exp], out_dir / "logs" / f"split-{exp}.log")
+
+    jobs = [(f, exp, m, s) for e in plan["entries"] for f, exp in [(copies[(e["params"], e["experiment"])], e["experiment"])]
+            for s in e["seeds"] for m in e["methods"]]
+    deadline = time.time() + float(plan["budget_s"])
+    procs: dict[str, subprocess.Popen] = {}
+
+    def train(job: tuple[Path, str, str, int]) -> None:
+        f, exp, m, s = job
+        name = f"{exp}/{m}/seed{s}"
+        if time.time() >= deadline:
+            manifest["runs"][name] = {"rc": None, "seconds": 0, "note": "not started: budget spent"}
+            return
+        cmd = [*CLI, "--params", str(f), "train", "--experiment", exp, "--method", m, "--seed", str(s)]
+        manifest["commands"].append(" ".join(cmd[2:]))
+        t0 = time.time()
+        with open(out_dir / "logs" / f"{exp}-{m}-seed{s}.log", "w") as log:
+            p = procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            try:
+                rc = p.wait(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGTERM)  # the run ends KILLED with its checkpoint kept
+                rc = p.wait()
+        manifest["runs"][name] = {"rc": rc, "seconds": round(time.time() - t0, 1)}
+
+    with ThreadPoolExecutor(max_workers=int(plan["jobs"])) as pool:
+        list(pool.map(train, jobs))
+
+    # reports over the finished runs; the unfinished ones' histories from their checkpoints
+    import torch
+
+    for (params, exp), f in copies.items():
+        p = yaml.safe_load(open(f))
+        results = Path("results") / p["paper"] / "gpu" / exp
+        done = {(m, s) for m in p["runs"]["gpu"]["methods"] for s in p["seeds"] if (results / m / f"seed{s}" / "metrics.json").exists()}
+        methods = [m for m in p["runs"]["gpu"]["methods"] if all((m, s) in done for s in p["seeds"])]
+        if methods:
+            p["runs"]["gpu"]["methods"] = methods
+            rep = WORK / f"report_{f.name}"
+            p["params_file"] = str(rep)
+            yaml.safe_dump(p, open(rep, "w"), sort_keys=False)
+            step([*CLI, "--params", str(rep), "report", "--experiment", exp], out_dir / "logs" / f"report-{exp}.log")
+        if results.exists():
+            for path in results.rglob("*"):
+                if path.is_file() and path.suffix != ".pt":
+                    dst = out_dir / "results" / path.relative_to("results")
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(path, dst)
+        for ck in (Path("state")).rglob("checkpoint.pt"):
+            if f"/{exp}/" not in ck.as_posix() or "gpu" not in ck.as_posix():
+                continue
+            d = torch.load(ck, weights_only=False, map_location="cpu")
+            dst = out_dir / "partial" / ck.parent.relative_to("state")
+            dst.mkdir(parents=True, exist_ok=True)
+            (dst / "history.json").write_text(json.dumps(d.get("history"), default=str))
+            manifest["runs"].setdefault("/".join(ck.parent.parts[-3:]), {})["partial_round"] = d.get("round")
+        report = Path("results") / p["paper"] / "gpu" / "report" / exp
+        if report.exists():
+            shutil.copytree(report, out_dir / "report" / exp, dirs_exist_ok=True)
+    for f in [Path(plan_path), root_file, *copies.values()]:
+        shutil.copy2(f, out_dir / f.name)
+    manifest["ended"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str))
+    with tarfile.open(f"{out_dir}.tgz", "w:gz") as tar:
+        tar.add(out_dir, arcname=out_dir.name)
+    shutil.rmtree(out_dir)
+    finished = sum(1 for r in manifest["runs"].values() if r.get("rc") == 0)
+    print(f"{finished} of {len(jobs)} runs finished; {out_dir}.tgz")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        raise SystemExit(__doc__)
+    raise SystemExit(main(sys.argv[1], sys.argv[2]))
