@@ -126,11 +126,16 @@ def main(plan_path: str, out: str) -> int:
         t0 = time.time()
         rc = step([*CLI, "--params", str(root_file), "harmonize", "--dataset", dataset], out_dir / "logs" / f"harmonize-{dataset}.log")
         manifest.setdefault("harmonize", {})[dataset] = {"rc": rc, "seconds": round(time.time() - t0, 1)}
+    unsplit = set()
     for (_, exp), f in copies.items():
-        step([*CLI, "--params", str(f), "split", "--experiment", exp], out_dir / "logs" / f"split-{exp}.log")
-
+        if step([*CLI, "--params", str(f), "split", "--experiment", exp], out_dir / "logs" / f"split-{exp}.log"):
+            unsplit.add(exp)
     jobs = [(f, exp, m, s) for e in plan["entries"] for f, exp in [(copies[(e["params"], e["experiment"])], e["experiment"])]
             for s in e["seeds"] for m in e["methods"]]
+    for _, exp, m, s in jobs:
+        if exp in unsplit:
+            manifest["runs"][f"{exp}/{m}/seed{s}"] = {"rc": None, "seconds": 0, "note": f"not started: split failed (logs/split-{exp}.log)"}
+    jobs = [j for j in jobs if j[1] not in unsplit]
     deadline = time.time() + float(plan["budget_s"])
     procs: dict[str, subprocess.Popen] = {}
 
@@ -194,7 +199,10 @@ def main(plan_path: str, out: str) -> int:
         tar.add(out_dir, arcname=out_dir.name)
     shutil.rmtree(out_dir)
     finished = sum(1 for r in manifest["runs"].values() if r.get("rc") == 0)
-    print(f"{finished} of {len(jobs)} runs finished; {out_dir}.tgz")
+    print(f"{finished} of {len(manifest['runs'])} runs finished; {out_dir}.tgz")
+    for name, r in manifest["runs"].items():
+        if r.get("rc") != 0:
+            print(f"  {name}: {r.get('note') or 'exit status ' + str(r.get('rc'))}")
     return 0
 
 
