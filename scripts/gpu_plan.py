@@ -79,7 +79,6 @@ def prepare(plan: dict[str, Any]) -> tuple[Path, dict[tuple[str, str], Path]]:
         if d.get("kind") == "office_caltech10":
             d["workers"] = 0  # every core
     root_file = WORK / "root.yaml"
-    yaml.safe_dump(root, open(root_file, "w"), sort_keys=False)
     copies: dict[tuple[str, str], Path] = {}
     merged: dict[tuple[str, str], dict[str, Any]] = {}
     for e in plan["entries"]:
@@ -101,8 +100,13 @@ def prepare(plan: dict[str, Any]) -> tuple[Path, dict[tuple[str, str], Path]]:
         p.update(data=str(root_file), params_file=str(out), repo_root="..", scale="gpu", seeds=m["seeds"],
                  experiments={exp: x}, runs={"gpu": {"experiments": [exp], "methods": m["methods"]}})
         p.setdefault("tracking", {})["enabled"] = False
+        p.pop("onboarding", None)  # pFedDB's Fig. 6 runs name other experiments
         yaml.safe_dump(p, open(out, "w"), sort_keys=False)
         copies[(params, exp)] = out
+        built = root.setdefault("pipeline", {}).setdefault("datasets", [])
+        if x["dataset"] not in built:  # the split stage reads only datasets the root pipeline builds
+            built.append(x["dataset"])
+    yaml.safe_dump(root, open(root_file, "w"), sort_keys=False)
     return root_file, copies
 
 
