@@ -116,10 +116,20 @@ def test_all_data_without_a_split_is_split_per_writer_as_leafs_split_data(tmp_pa
     split = make_split(rec, ByWriterSplit(protocol="by_writer"), seed=0)  # every writer with two images or more
     sizes = {c["name"]: (len(c["train"]), len(c["test"])) for c in split["clients"]}
     assert sizes == {"w_ten": (9, 1), "w_two": (1, 1), "w_odd": (18, 2)}, "max(1, floor(0.9 n)) train, one of two"
-    # a later LEAF stage wins over all_data, as LEAF's scripts read it
+    # a later LEAF stage wins over all_data, as LEAF's scripts read it; another LEAF dataset's files are not read
     _leaf(raw / "data" / "train" / "all_data_0_train_9.json", {"w_ten": (imgs(9), list(range(9)))})
     _leaf(raw / "data" / "test" / "all_data_0_test_9.json", {"w_ten": (imgs(1), [9])})
+    (raw / "shakespeare" / "data" / "train").mkdir(parents=True)
+    (raw / "shakespeare" / "data" / "train" / "all_data_train_9.json").write_text('{"users": ["x"], "user_data": {"x": {"x": ["abc"], "y": ["d"]}}}')
     assert set(femnist.read_records(raw)["subset"]) == {"train", "test"}
+    # LEAF's -t user (whole writers on one side) is not a per-writer train / test split
+    _leaf(raw / "data" / "test" / "all_data_0_test_9.json", {"w_other": (imgs(3), [1, 2, 3])})
+    with pytest.raises(SplitError, match=r"writer 'w_other' has only \['test'\] images .*LEAF's -t user"):
+        make_split(femnist.read_records(raw), ByWriterSplit(protocol="by_writer"), seed=0)
+    # two LEAF runs' files in one folder put a writer twice
+    _leaf(raw / "data" / "train" / "all_data_0_train_8.json", {"w_ten": (imgs(8), list(range(8)))})
+    with pytest.raises(LabelFileError, match="writer 'w_ten' is in 2 train files"):
+        femnist.read_records(raw)
 
 
 @pytest.mark.parametrize("users,pattern", [

@@ -87,14 +87,20 @@ def test_standard_errors_are_binomial_at_the_mean_accuracy_with_the_test_set_siz
 
 def test_a_domain_of_clients_with_their_own_test_sets_counts_every_image_behind_its_column(tmp_path):
     """Label skew on a single-domain dataset: every client of the one domain has its own test set, so the column's
-    accuracy rests on all of them (F²DC's clients above share one). A run that predates test_set_of says n/a rather
+    accuracy (the unweighted mean over clients) rests on all of them, with the variance of a proportion on
+    S^2 / sum(1 / n_s) images (F²DC's clients above share one). A run that predates test_set_of says n/a rather
     than guess which."""
     res = tmp_path / "res"
-    _write(res, "fedavg", 0, {"A-0": {"acc": 0.7}, "A-1": {"acc": 0.9}}, sizes={"A-0": 40, "A-1": 60},
+    _write(res, "fedavg", 0, {"A-0": {"acc": 0.8}, "A-1": {"acc": 0.8}}, sizes={"A-0": 10, "A-1": 190},
            sets={"A-0": "A-0", "A-1": "A-1"})
     df, _ = collect(res, ["fedavg"], [0])
     se = standard_errors(df, summary_table(df, "acc", ["fedavg"]))
-    assert se.loc["n", "A"] == 100 and se.loc["fedavg", "A"] == pytest.approx(100 * (0.8 * 0.2 / 100) ** 0.5)
+    exact = 100 * ((0.16 / 10 + 0.16 / 190) ** 0.5) / 2  # the SE of the mean of two proportions, 6.5 points
+    assert se.loc["n", "A"] == pytest.approx(4 / (1 / 10 + 1 / 190)) and se.loc["fedavg", "A"] == pytest.approx(exact)
+    _write(res, "fedavg", 1, {"A-0": {"acc": 0.8}, "A-1": {"acc": 0.8}}, sizes={"A-0": 50, "A-1": 50},
+           sets={"A-0": "A-0", "A-1": "A-1"})
+    df, _ = collect(res, ["fedavg"], [1])
+    assert standard_errors(df, summary_table(df, "acc", ["fedavg"])).loc["n", "A"] == pytest.approx(100), "equal sets: the total"
     old = tmp_path / "old"
     _write(old, "fedavg", 0, {"A-0": {"acc": 0.7}, "A-1": {"acc": 0.9}}, sizes={"A-0": 40, "A-1": 60})
     df, _ = collect(old, ["fedavg"], [0])

@@ -355,9 +355,10 @@ class ByWriterSplit(Strict):
     """The natural partition of data whose records name their writer (FEMNIST): each client is one writer and holds all
     of that writer's images. ``clients`` writers are drawn at random (seeded) among those with at least
     ``min_samples`` images (all of them when null). A writer whose images carry the distribution's own train and test
-    subsets (LEAF's ``-t sample`` split files) keeps them; the images of any other writer are split as LEAF's
-    ``split_data.py --by_sample`` splits them: max(1, floor((1 - test_fraction) x n)) train, the rest test (n = 2: one
-    each), writers with fewer than two images left out."""
+    subsets (LEAF's ``-t sample`` split files) keeps them (data split by writer, LEAF's ``-t user``, is refused); in
+    data without such subsets each writer's images are split as LEAF's ``split_data.py --by_sample`` splits them:
+    max(1, floor((1 - test_fraction) x n)) train, the rest test (n = 2: one each), writers with fewer than two images
+    left out."""
 
     protocol: Literal["by_writer"]
     seed: int = 0

@@ -428,12 +428,17 @@ def by_writer(records: pd.DataFrame, params: ByWriterSplit, seed: int) -> dict[s
         dup = next(n for n in names if names.count(n) > 1)
         raise SplitError(f"split: two writers become the client name {dup!r}")
     by_w = records.groupby("writer", sort=False).indices
+    own_split = bool(records["subset"].isin(["train", "test"]).any())
     clients = []
     for j, (w, name) in enumerate(zip(chosen, names)):
         rows = np.sort(records.index.to_numpy()[by_w[w]])
         subset = records.loc[rows, "subset"].to_numpy()
         if (subset == "train").any() and (subset == "test").any():  # the data's own split (LEAF -t sample)
             train, test = rows[subset == "train"].tolist(), rows[subset == "test"].tolist()
+        elif own_split:  # LEAF's -t user: whole writers on one side, not a client's train and test
+            raise SplitError(f"split.protocol: by_writer: writer {w!r} has only {sorted(set(subset) - {''})} images in a "
+                             "dataset with its own train / test split (LEAF's -t user puts whole writers on one side); "
+                             "rebuild it with LEAF's -t sample, or from all_data")
         else:
             train, test = _leaf_sample_split(rows, params.test_fraction, _rng(seed, "by_writer", w))
         clients.append(_client(j, name, str(records.loc[rows[0], "domain"]), train, test))

@@ -61,7 +61,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fedsilo.client.data import ClientData, to_float
 from fedsilo.client.local import evaluate, evaluate_client, use_channels_last
 from fedsilo.config import ConfigError, TrainParams
-from fedsilo.fl.engine import Engine, Observer, eval_summary, refuse_private
+from fedsilo.fl.engine import Engine, Observer, PrivacyViolation, eval_summary, refuse_private
 from fedsilo.methods.base import Method, MethodParams, State
 
 try:  # the optional extra: pip install "fedsilo[flower]"
@@ -77,6 +77,7 @@ __all__ = ["Card", "ClientFailed", "FlowerRun", "FlowerServer", "FlowerSpec", "R
 log = logging.getLogger("fedsilo.flower")
 
 STORE = "fedsilo.store"  # the context.state record holding a site's store
+TRAINED = "fedsilo.trained"  # the context.state record holding the last round a site trained
 CONFIG = "fedsilo"  # the ConfigRecord / MetricRecord of every message
 
 
@@ -524,6 +525,15 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
     def keep(context: Context, state: State) -> None:
         context.state[STORE] = to_record(state)
 
+    def in_order(context: Context, s: _Site, rnd: int) -> None:
+        """A site trains rounds in order: a message for a round before the last one it trained is refused. The round
+        decides what may leave the site (LG-FedAvg's FedAvg rounds share every layer, Method.private_in_round), so
+        the site does not take the server's word for it once it has trained a later round."""
+        last = int(context.state.config_records[TRAINED]["round"]) if TRAINED in context.state.config_records else 0
+        if rnd < last:
+            raise PrivacyViolation(f"{s.method.name}: client {s.client.name} was asked to train round {rnd} after round {last}; refused")
+        context.state[TRAINED] = ConfigRecord({"round": rnd})
+
     @app.query("register")
     def register(msg: Message, context: Context) -> Message:
         card = Card.of(load_client(context))
@@ -540,6 +550,7 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
     def announce(msg: Message, context: Context) -> Message:
         cfg = msg.content.config_records[CONFIG]
         s = site(context, cfg)
+        in_order(context, s, int(cfg["round"]))
         s.at_round(int(cfg["round"]))
         mine = store(context, s, cfg)
         said = s.method.announce(s.model, mine, s.client, int(cfg["round"]))
@@ -552,6 +563,7 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
     def train(msg: Message, context: Context) -> Message:
         cfg = msg.content.config_records[CONFIG]
         s, rnd = site(context, cfg), int(cfg["round"])
+        in_order(context, s, rnd)
         s.at_round(rnd)
         record = msg.content.array_records["down"]
         received = record_tensor_bytes(record)

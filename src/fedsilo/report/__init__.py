@@ -90,11 +90,17 @@ def collect(results: Path, methods: list[str], seeds: list[int]) -> tuple[pd.Dat
     if not df.empty and df.duplicated(["method", "seed", "domain"]).any():
         order = list(dict.fromkeys(df["domain"]))
         keys = ["method", "seed", "domain"]
-        # the test images behind a domain's column: its clients' distinct test sets added up (F²DC's clients of a
-        # domain share one; label-skew clients of a single-domain dataset each have their own); unknown (NaN) for runs
-        # that predate test_set_of in metrics.json
-        behind = {k: (g.drop_duplicates("test_set")["n_test"].sum() if g["test_set"].notna().all() else np.nan)
-                  for k, g in df.groupby(keys, sort=False)}
+        # the test images behind a domain's column, whose accuracy is the unweighted mean over its clients: one test
+        # set shared by them (F²DC's clients of a domain) counts once; S distinct sets (label-skew clients of a
+        # single-domain dataset) give the mean the variance of a proportion on S^2 / sum(1 / n_s) images (their
+        # effective size: the total when the sets are equal); unknown (NaN) for runs that predate test_set_of
+        def effective(g: pd.DataFrame) -> float:
+            if not g["test_set"].notna().all():
+                return np.nan
+            sizes = g.drop_duplicates("test_set")["n_test"].to_numpy(dtype=float)
+            return float(len(sizes) ** 2 / np.sum(1.0 / sizes))
+
+        behind = {k: effective(g) for k, g in df.groupby(keys, sort=False)}
         # clients of one domain share its test set (F²DC's protocol): their NaN AUC stays NaN in the mean
         df = df.groupby(keys, sort=False, as_index=False).agg(
             {c: (lambda x: x.mean(skipna=False)) for c in df.columns if c not in ("method", "seed", "domain", "client", "test_set")})
@@ -138,11 +144,12 @@ def standard_errors_markdown(tab: pd.DataFrame, title: str) -> str:
     cols = list(tab.columns)
     lines = [f"### {title}", "",
              "Binomial standard error of the accuracy (points), sqrt(p (1 - p) / n) at the mean accuracy p over seeds, "
-             "for a test set of n images (first row: the distinct test sets of a domain's clients added up; Avg: the "
-             "domains' total, its SE combining the domains as independent). Two numbers on one test set closer than "
-             "about two of these are not told apart by it.", "",
+             "for a test set of n images (first row; a domain whose clients each have their own test set: the effective "
+             "size S^2 / sum(1 / n_s) of their mean, the total when the sets are equal; Avg: the domains' total, its SE "
+             "combining the domains as independent). Two numbers on one test set closer than about two of these are "
+             "not told apart by it.", "",
              "| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    lines.append("| test images n | " + " | ".join("n/a" if pd.isna(v) else f"{int(v)}" for v in tab.loc["n"]) + " |")
+    lines.append("| test images n | " + " | ".join("n/a" if pd.isna(v) else f"{round(v)}" for v in tab.loc["n"]) + " |")
     for m, r in tab.drop(index="n").iterrows():
         lines.append(f"| {m} | " + " | ".join("n/a" if pd.isna(v) else f"± {v:.1f}" for v in r) + " |")
     return "\n".join(lines) + "\n"

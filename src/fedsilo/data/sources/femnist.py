@@ -3,7 +3,9 @@
 {"x": [[784 pixel values], ...], "y": [labels]}}}``. Each image is a 28 x 28 grey thumbnail of the 128 x 128 scan, row
 by row, stored as grey / 255 (so 0-1, dark ink on a white background, as LEAF's models and FedeCouple's Table V read
 it); integer 0-255 values are read too. Labels 0-61: the digits, then upper-case, then lower-case letters (LEAF's
-``relabel_class``; EMNIST ByClass's order).
+``relabel_class``; EMNIST ByClass's order). Only FEMNIST's files are read: ``<stage>/*.json`` or ``data/<stage>/*.json`` in the folder, or
+``femnist/data/<stage>/*.json`` below it (another LEAF dataset's files beside them are not); a writer found in two
+files of one subset (two LEAF runs' outputs in one folder) is refused.
 
 LEAF's stages write to ``data/all_data/`` (every writer), ``data/sampled_data/`` (``--sf``), ``data/rem_user_data/``
 (``-k``) and ``data/train/`` + ``data/test/`` (``-t sample``: each writer's images split into train and test, so a
@@ -36,9 +38,17 @@ DOWNLOADS: list = []
 __all__ = ["read_records", "load_container", "DOMAINS", "DOWNLOADS", "CLASSES"]
 
 
+def _is_femnist(raw_dir: Path, path: Path) -> bool:
+    """A JSON of FEMNIST's stages: ``<stage>/<file>`` (the folder is LEAF's ``femnist/data``), ``data/<stage>/<file>``
+    (the folder is ``femnist``), or ``.../femnist/data/<stage>/<file>`` below it; not another LEAF dataset's
+    ``shakespeare/data/train/...`` beside it."""
+    rel = path.relative_to(raw_dir).parts
+    return len(rel) == 2 or (len(rel) == 3 and rel[0] == "data") or (len(rel) >= 4 and rel[-4] == "femnist" and rel[-3] == "data")
+
+
 def _stage_files(raw_dir: Path) -> list[tuple[Path, str]]:
     """(JSON file, subset) of the last LEAF stage present below ``raw_dir``."""
-    jsons = [p for p in walk(raw_dir, "*.json")]
+    jsons = [p for p in walk(raw_dir, "*.json") if _is_femnist(raw_dir, p)]
     for stage in STAGES:
         hits = [(p, p.parent.name if len(stage) == 2 else "") for p in jsons if p.parent.name in stage]
         if hits and all(any(sub == s for _, sub in hits) for s in (stage if len(stage) == 2 else ("",))):
@@ -115,4 +125,12 @@ def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
             "subset": subset,
             "writer": list(who),
         }))
-    return finalize(pd.concat(frames, ignore_index=True), DOMAIN)
+    records = pd.concat(frames, ignore_index=True)
+    # a writer in two files of one subset: two LEAF runs' outputs in one folder (another --tf, another sampling)
+    files = records.assign(file=records["path"].str.rpartition("#")[0]).groupby(["writer", "subset"])["file"].unique()
+    twice = files[files.map(len) > 1]
+    if len(twice):
+        (writer, subset), names = twice.index[0], twice.iloc[0]
+        raise LabelFileError(f"{raw_dir}: writer {writer!r} is in {len(names)} {subset or 'all_data'} files ({', '.join(sorted(names)[:2])}): "
+                             "the outputs of two LEAF runs? keep one run's files")
+    return finalize(records, DOMAIN)
