@@ -84,6 +84,9 @@ def test_cd2pfed_paper_scale_is_section_4_and_sets_the_published_tables_beside_o
     assert (c100.split.clients, c100.split.classes_per_client, c100.train.model, c100.train.local_epochs) == (30, 40, "resnet34", 4)
     assert all(p.experiments[e].train.rounds == 50 and p.experiments[e].train.batch_size in (128, 4) for e in p.experiments)
     published = yaml.safe_load((REPO / "pipelines" / "cd2pfed" / "published.yaml").read_text())["accuracy"]
+    h = p.experiments["cd2_histo_public"]  # HISTO-FED's two public centres: ResNet-32, 4 epochs, batch 4, 7,180 patches each
+    assert (h.train.model, h.train.local_epochs, h.train.batch_size, h.split.n_train + h.split.n_test) == ("resnet32", 4, 4, 7180)
+    assert published["histo_fed_public"]["domains"] == ["NCT-CRC-HE-100K", "CRC-VAL-HE-7K"]
     for e in ("cd2_cifar10_s2", "cd2_cifar100_s40"):
         table = published[p.experiments[e].published.split("#")[1]]
         assert set(table["domains"]) == {"local", "new"} and set(table["methods"]) <= set(p.experiment_methods(e))

@@ -93,6 +93,7 @@ SOURCE_MODES: dict[str, tuple[str, ...]] = {
     "chest_xray4_released": ("mirror", "local"),  # the pFedDB authors' pre-processed copy (a Hugging Face dataset)
     # LEAF's FEMNIST JSON: built by LEAF's preprocess.sh from NIST SD19; no pre-processed file is published to download
     "femnist": ("mirror", "local"),
+    "kather_crc": ("mirror", "local", "download"),  # Zenodo 1214456: HISTO-FED's public half (12.5 GB)
 }
 DIGIT_SOURCES = ("mnist", "svhn", "usps", "synthdigits", "mnist_m")
 DATASET_SOURCES: dict[str, tuple[str, ...]] = {
@@ -111,6 +112,7 @@ DATASET_SOURCES: dict[str, tuple[str, ...]] = {
     "emnist": ("emnist",),
     "cinic10": ("cinic10",),
     "femnist": ("femnist",),  # one domain; its writers are the natural clients (split.protocol: by_writer)
+    "kather_crc": ("kather_crc",),  # two centres' H&E patches, nine tissue classes
 }
 
 
@@ -203,13 +205,13 @@ class CXRDatasetParams(Strict):
         return tuple(self.sources)
 
 
-BENCHMARK_KINDS = ("digits5", "office_caltech10", "pacs", "domainnet10", "digit10", "office31")
+BENCHMARK_KINDS = ("digits5", "office_caltech10", "pacs", "domainnet10", "digit10", "office31", "kather_crc")
 
 
 class BenchmarkDatasetParams(Strict):
     """A multi-domain classification benchmark: every image becomes RGB ``image_size`` x ``image_size`` uint8."""
 
-    kind: Literal["digits5", "office_caltech10", "pacs", "domainnet10", "digit10", "office31"]
+    kind: Literal["digits5", "office_caltech10", "pacs", "domainnet10", "digit10", "office31", "kather_crc"]
     sources: Optional[tuple[str, ...]] = Field(None, description="default: every source of the kind")
     domains: Optional[tuple[str, ...]] = Field(None, description="keep only these domains (default: all)")
     image_size: int = Field(32, ge=8, le=1024)
@@ -406,7 +408,7 @@ def min_image_size(model: str) -> int:
 
 class TrainParams(Strict):
     model: Literal[
-        "simple_cnn", "alexnet_bn", "densenet121", "resnet10", "resnet10_cifar", "resnet18", "resnet34", "lenet5",
+        "simple_cnn", "alexnet_bn", "densenet121", "resnet10", "resnet10_cifar", "resnet18", "resnet34", "resnet32", "lenet5",
         "fedecouple_cnn", "fedecouple_cnn_gray", "vit_tiny",
     ] = "simple_cnn"
     rounds: int = Field(300, ge=1)

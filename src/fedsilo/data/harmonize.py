@@ -1,8 +1,8 @@
 """The harmonize stage: raw sources -> one canonical dataset (``harmonize_dataset`` dispatches on ``kind``).
 
 ``chest_xray4`` (``harmonize_cxr``): DICOM / JPEG / PNG radiographs -> grey uint8, the label rules of each source.
-Benchmarks (``harmonize_benchmark``: ``digits5``, ``office_caltech10``, ``pacs``, ``domainnet10``, and pFedDIL's
-``digit10`` and ``office31``): every image -> RGB uint8 ``image_size`` x ``image_size`` (grey digits replicated to
+Benchmarks (``harmonize_benchmark``: ``digits5``, ``office_caltech10``, ``pacs``, ``domainnet10``, ``kather_crc``, and
+pFedDIL's ``digit10`` and ``office31``): every image -> RGB uint8 ``image_size`` x ``image_size`` (grey digits replicated to
 three channels, as FedBN does), label = index in the dataset's class list, the distribution's own train / test / val
 partition kept in ``subset``. Sources are relabelled to the dataset's class list by class name; a source class the
 dataset lacks is excluded with its reason (``digit10`` keeps EMNIST ByClass's digits 0-9, not its letters).
@@ -336,6 +336,7 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
         "cinic10": "10 object classes (CIFAR-10's)", "digit10": "10 digit classes (EMNIST: its digits only)",
         "office31": "31 office object classes",
         "femnist": "62 character classes (LEAF's FEMNIST: digits, upper- and lower-case letters; one writer per record)",
+        "kather_crc": "9 colorectal tissue classes (H&E patches, two centres)",
     }
     return write_dataset(
         Path(out_dir), table, [img for img, _ in results if img is not None], excluded, quarantine,

@@ -360,6 +360,40 @@ def write_domainnet(out: Path, p: MirrorParams) -> None:
             (out / f"{domain}_{subset}.txt").write_text("\n".join(lines) + "\n")
 
 
+def tissue_patch(rng: np.random.Generator, k: int, px: int, stain: tuple[float, float]) -> np.ndarray:
+    """uint8 RGB px x px H&E-like patch of tissue class ``k``: eosin-pink stroma texture whose grain and the count and
+    size of the haematoxylin-purple nuclei follow the class; ``stain`` shifts the two stains' hues (a centre's look)."""
+    grain = 2 + (k % 3) * 3
+    eosin = np.array([0.92, 0.62 + stain[0], 0.78], np.float32)
+    haem = np.array([0.45 + stain[1], 0.28, 0.62], np.float32)
+    tex = _smooth_noise(rng, px, 1, cells=grain)[..., 0:1]
+    img = (0.55 + 0.45 * tex) * eosin
+    if k == 1:  # background: almost white
+        img = np.full((px, px, 3), 0.95, np.float32) + 0.02 * tex
+    n = int((4 + 9 * k) * (px / 64) ** 2)
+    radius = max(1, int(px * (0.02 + 0.012 * (k % 4))))
+    mask = np.zeros((px, px), np.uint8)
+    for _ in range(n if k != 1 else 0):
+        c = (int(rng.integers(0, px)), int(rng.integers(0, px)))
+        cv2.ellipse(mask, c, (radius, max(1, int(radius * rng.uniform(0.5, 1.0)))), float(rng.uniform(0, 180)), 0, 360, 255, -1)
+    m = cv2.GaussianBlur(mask, (0, 0), 0.8).astype(np.float32)[..., None] / 255
+    img = img * (1 - m) + haem * m + rng.normal(0, 0.02, (px, px, 3))
+    return (np.clip(img, 0, 1) * 255).astype(np.uint8)
+
+
+def write_kather_crc(out: Path, p: MirrorParams) -> None:
+    """The unpacked Zenodo zips: ``NCT-CRC-HE-100K/<class>/<class>-<8 letters>.tif`` and ``CRC-VAL-HE-7K/...``, the two
+    centres stained a little differently."""
+    from fedsilo.data.sources.kather_crc import CLASSES, NCT, VAL
+
+    for domain, stain in ((NCT, (0.0, 0.0)), (VAL, (-0.08, 0.1))):
+        rng = _rng("kather_crc", p.seed, domain)
+        for k, cls in enumerate(CLASSES):
+            for _ in range(p.per_class):
+                name = "".join(chr(ord("A") + int(v)) for v in rng.integers(0, 26, 8))
+                _save(out / domain / cls / f"{cls}-{name}.tif", tissue_patch(rng, k, p.image_px, stain))
+
+
 WRITERS: dict[str, Callable[[Path, MirrorParams], None]] = {
     "mnist": write_mnist,
     "svhn": write_svhn,
@@ -367,6 +401,7 @@ WRITERS: dict[str, Callable[[Path, MirrorParams], None]] = {
     "synthdigits": write_synthdigits,
     "mnist_m": write_mnist_m,
     "office_caltech10": write_office_caltech10,
+    "kather_crc": write_kather_crc,
     "pacs": write_pacs,
     "domainnet": write_domainnet,
     "office31": write_office31,

@@ -17,6 +17,7 @@ from fedsilo.data.sources import (
     emnist,
     femnist,
     fmnist,
+    kather_crc,
     mnist,
     mnist_m,
     office31,
@@ -50,7 +51,8 @@ SOURCES: dict[str, ModuleType] = {
     "fmnist": fmnist,
     "emnist": emnist,
     "cinic10": cinic10,
-    "femnist": femnist,  # LEAF's FEMNIST: EMNIST-style characters grouped by writer (FedeCouple's Table V)
+    "femnist": femnist,
+    "kather_crc": kather_crc,  # Kather et al.'s colorectal H&E patches: HISTO-FED's two public centres (CD2-pFed)  # LEAF's FEMNIST: EMNIST-style characters grouped by writer (FedeCouple's Table V)
     "chest_xray4_released": chest_xray4_released,  # the four CXR domains, as the pFedDB authors released them
 }
 
