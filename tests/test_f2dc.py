@@ -25,7 +25,7 @@ from fedsilo.methods.f2dc import domain_aware_weights
 from fedsilo.methods.fedheal import FedHEAL, FedHEALParams
 from fedsilo.methods.moon import model_contrastive_loss
 from fedsilo.models import build_model
-from tests.tiny import style_shifted_federation, tiny_net
+from tests.tiny import close_states, style_shifted_federation, tiny_net
 
 CONV = {"layers": ["conv2"]}  # the tiny net's last feature map
 
@@ -58,10 +58,6 @@ def _fedavg_uploads(clients, rounds: int) -> list:
     if rounds not in _FEDAVG:
         _FEDAVG[rounds] = _run("fedavg", clients, rounds=rounds)[2]
     return _FEDAVG[rounds]
-
-
-def _same(a: dict, b: dict, atol: float = 0.0) -> bool:
-    return a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), atol=atol, rtol=0) for k in a)
 
 
 # ----------------------------------------------------------------------------------------------- DFD / DFC
@@ -198,7 +194,7 @@ def test_f2dc_as_the_authors_code_runs_it_shares_the_modules_and_averages_by_siz
 def test_decoupling_losses_change_the_update(clients):
     _, _, on = _run("f2dc", clients, rounds=1, **CONV)
     _, _, off = _run("f2dc", clients, rounds=1, lambda1=0.0, lambda2=0.0, **CONV)
-    assert not any(_same(a[2], b[2], atol=1e-6) for a, b in zip(on, off))
+    assert not any(close_states(a[2], b[2], atol=1e-6) for a, b in zip(on, off))
 
 
 def test_fedavg_plus_dfd_and_dfc_by_configuration(clients):
@@ -224,7 +220,7 @@ def test_moon_contrast_acts_from_the_second_round_and_the_previous_model_stays_h
     avg = _fedavg_uploads(clients, 2)
     _, _, off = _run("moon", clients, mu=0.0)
     e, h, on = _run("moon", clients, mu=5.0)
-    assert all(_same(a[2], b[2]) for a, b in zip(avg, off)), "mu = 0 is FedAvg"
+    assert all(close_states(a[2], b[2]) for a, b in zip(avg, off)), "mu = 0 is FedAvg"
     def gap(a, b):
         return max(float((a[2][k].float() - b[2][k].float()).abs().max()) for k in a[2])
 
@@ -236,7 +232,7 @@ def test_moon_contrast_acts_from_the_second_round_and_the_previous_model_stays_h
     assert all(not any(k.startswith("moon_prev::") for k in u) for _, _, u in on)
     last = {c: u for r, c, u in on if r == 2}
     for c, store in zip(clients[0], e.stores):
-        assert _same({k[len("moon_prev::"):]: v for k, v in store.items()}, last[c.name])
+        assert close_states({k[len("moon_prev::"):]: v for k, v in store.items()}, last[c.name])
     assert "global" in h[-1]
 
 
@@ -341,9 +337,9 @@ def test_fpl_uploads_class_prototypes_with_the_model_and_contrasts_from_round_tw
         assert {f"proto::{c}" for c in torch.unique(client.y_train).tolist()} == protos
         assert set(u) - protos == model_keys
         if r == 1:  # no cluster prototypes yet: FedAvg's update
-            assert _same({k: u[k] for k in model_keys}, a, atol=1e-6)
+            assert close_states({k: u[k] for k in model_keys}, a, atol=1e-6)
     second = [(u, a) for (r, _, u), (_, _, a) in zip(ups, avg) if r == 2]
-    assert second and all(not _same({k: u[k] for k in model_keys}, a, atol=1e-5) for u, a in second)
+    assert second and all(not close_states({k: u[k] for k in model_keys}, a, atol=1e-5) for u, a in second)
     assert any(k.startswith("fpl_clusters::") for k in e.server)
     assert "global" in h[-1] and not any(k.startswith("fpl_clusters::") for k in e.method.global_state(e.server))
     # the prototype bytes are counted: the upload is the model plus d floats per class
@@ -398,8 +394,8 @@ def test_fedtgp_round_one_is_fedavg_then_the_prototypes_pull(clients):
         client = next(c for c in clients[0] if c.name == name)
         assert {k for k in u if k.startswith("proto::")} == {f"proto::{c}" for c in torch.unique(client.y_train).tolist()}
         if r == 1:
-            assert _same({k: u[k] for k in model_keys}, a, atol=1e-6)
-    assert all(not _same({k: u[k] for k in model_keys}, a, atol=1e-5) for (r, _, u), (_, _, a) in zip(ups, avg) if r == 2)
+            assert close_states({k: u[k] for k in model_keys}, a, atol=1e-6)
+    assert all(not close_states({k: u[k] for k in model_keys}, a, atol=1e-5) for (r, _, u), (_, _, a) in zip(ups, avg) if r == 2)
     down = e.method.download(e.server, clients[0][0], 3)
     assert not any(k.startswith("tgp_net::") for k in down) and sum(k.startswith("tgp_proto::") for k in down) == 2
     assert "global" in h[-1]
@@ -431,8 +427,8 @@ def test_fedsa_terms_change_the_update_from_round_one(clients):
     _, _, off = _run("fedsa", clients, rounds=1, lam=0.0, mcl=0.0, cc=0.0)
     _, _, on = _run("fedsa", clients, rounds=1)
     keys = set(avg[0][2])
-    assert all(_same({k: u[k] for k in keys}, a) for (_, _, u), (_, _, a) in zip(off, avg))
-    assert all(not _same({k: u[k] for k in keys}, a, atol=1e-5) for (_, _, u), (_, _, a) in zip(on, avg))
+    assert all(close_states({k: u[k] for k in keys}, a) for (_, _, u), (_, _, a) in zip(off, avg))
+    assert all(not close_states({k: u[k] for k in keys}, a, atol=1e-5) for (_, _, u), (_, _, a) in zip(on, avg))
 
 
 # ----------------------------------------------------------------------------------------------- FedRCL
@@ -485,8 +481,8 @@ def test_fedrcl_contrasts_five_pre_relu_levels_of_a_resnet(clients):
         got: list = ups.setdefault(f"{name}{len(kw)}", [])
         Engine(cls(cls.params_cls(**kw), tp), build_model("resnet10_cifar", two[1], two[2], seed=0), two[0], tp, seed=0,
                observer=lambda r, c, d, p, got=got: got.append(p) if d == "up" else None).run()
-    assert all(_same(a, b) for a, b in zip(ups["fedavg0"], ups["fedrcl2"]))
-    assert all(not _same(a, b, atol=1e-6) for a, b in zip(ups["fedavg0"], ups["fedrcl0"]))
+    assert all(close_states(a, b) for a, b in zip(ups["fedavg0"], ups["fedrcl2"]))
+    assert all(not close_states(a, b, atol=1e-6) for a, b in zip(ups["fedavg0"], ups["fedrcl0"]))
 
 
 # ----------------------------------------------------------------------------------------------- FDSE

@@ -19,6 +19,7 @@ from fedsilo.methods.fedlgf import FedLGF, FedLGFParams
 from fedsilo.methods.fedwon import adaptive_grad_clip, unitwise_norm
 from fedsilo.methods.terms import distillation_kl
 from fedsilo.models import WSConv2d, batchnorm_keys, build_model, normalization_free
+from tests.tiny import close_states
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +39,6 @@ def _run(name, clients, rounds=2, lr=0.02, local_epochs=1, **params):
     return e, e.run(), ups
 
 
-def _same(a: dict, b: dict, atol: float = 0.0) -> bool:
-    return a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), atol=atol, rtol=0) for k in a)
-
-
 def test_distillation_kl_is_tau_squared_kl_of_softened_predictions():
     s, t = torch.randn(5, 3), torch.randn(5, 3)
     tau = 3.0
@@ -55,16 +52,16 @@ def test_pfedsd_distils_from_the_clients_own_last_model_and_keeps_it_home(client
     _, _, avg = _run("fedavg", clients)
     e0, _, off = _run("pfedsd", clients, lam=0.0)
     e1, h1, on = _run("pfedsd", clients, lam=1.0)
-    assert all(_same(a[2], b[2]) for a, b in zip(avg, off)), "lambda = 0 is FedAvg"
+    assert all(close_states(a[2], b[2]) for a, b in zip(avg, off)), "lambda = 0 is FedAvg"
     first = [u for u in on if u[0] == 1]
-    assert all(_same(a[2], b[2]) for a, b in zip(avg, first)), "no teacher before a client's first training"
+    assert all(close_states(a[2], b[2]) for a, b in zip(avg, first)), "no teacher before a client's first training"
     second = [(a, b) for a, b in zip(avg, on) if b[0] == 2]
-    assert second and all(not _same(a[2], b[2], atol=1e-6) for a, b in second), "the teacher changes round 2"
+    assert second and all(not close_states(a[2], b[2], atol=1e-6) for a, b in second), "the teacher changes round 2"
     assert all(not any(k.startswith("personal::") for k in u[2]) for u in on)
     # the personalized model each client is evaluated with is the model it trained (and uploaded) last
     last = {c: p for r, c, p in on if r == 2}
     for client, store in zip(clients[0], e1.stores):
-        assert _same({k[len("personal::"):]: v for k, v in store.items()}, last[client.name])
+        assert close_states({k[len("personal::"):]: v for k, v in store.items()}, last[client.name])
     assert "global" in h1[-1]
 
 
@@ -73,9 +70,9 @@ def test_fedlgf_perturbation_is_adversarial_and_zero_radius_is_fedavg(clients):
     _, _, flat = _run("fedlgf", clients, rounds=1, init_scale=0.0, grad_scale=0.0, global_smooth=0.0)
     # a zero radius rebuilds the classifier from its SVD (U diag(S) V^T = W to ~1e-7), so the KL term's gradient is
     # ~1e-7, not 0, and a round of SGD carries that a little: 1e-5 failed once in a 2-worker CI-like run, passing alone
-    assert all(_same(a[2], b[2], atol=1e-4) for a, b in zip(avg, flat)), "a zero radius leaves the local target clean"
+    assert all(close_states(a[2], b[2], atol=1e-4) for a, b in zip(avg, flat)), "a zero radius leaves the local target clean"
     _, _, lgf = _run("fedlgf", clients, rounds=1)
-    assert not all(_same(a[2], b[2], atol=1e-4) for a, b in zip(avg, lgf))
+    assert not all(close_states(a[2], b[2], atol=1e-4) for a, b in zip(avg, lgf))
 
     torch.manual_seed(0)
     lin = nn.Linear(16, 4)

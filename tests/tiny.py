@@ -124,3 +124,10 @@ def finite_stream_summary(history: list, names: list, per_task: int) -> dict:
     assert math.isfinite(s["avg_acc"]) and math.isfinite(s["forgetting"])
     assert all(math.isfinite(v) for h in history for v in h["train_loss"].values())
     return s
+
+
+def close_states(a: dict, b: dict, atol: float = 0.0) -> bool:
+    """Two state dicts with the same keys, equal tensor by tensor within ``atol`` (0: exactly, compared in float)."""
+    import torch
+
+    return a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), atol=atol, rtol=0) for k in a)

@@ -50,6 +50,7 @@ import logging
 import math
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -573,10 +574,7 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
         mine = store(context, s, cfg)
         counter = FlopCounterMode(display=False) if cfg["count_flops"] else None
         s.method.last_loss = None  # as the engine: a method that reports no loss this round reports none, not the last one
-        if counter is not None:
-            with counter:
-                up = s.method.local_update(s.model, mine, down, s.client, rnd, spec.seed)
-        else:
+        with counter if counter is not None else nullcontext():
             up = s.method.local_update(s.model, mine, down, s.client, rnd, spec.seed)
         s.refuse_private(up)  # before anything is sent: the reply carries no private key
         keep(context, mine)
