@@ -19,6 +19,9 @@ def test_bench_reports_ratios_memory_and_harmonize():
     assert all(c["seconds_per_write"] > 0 and c["mib"] > 0 and c["share_of_round"] > 0 for c in r["checkpoint"].values())
     assert r["checkpoint"]["pfeddb"]["mib"] > r["checkpoint"]["fedavg"]["mib"], "pFedDB's clients keep their own branch"
     assert "checkpoint per write" in text
+    # where a round's seconds go: every part measured, none negative
+    assert set(r["round_parts"]) == {"fedavg", "pfeddb"} and all(v >= 0 for p in r["round_parts"].values() for v in p.values())
+    assert r["round_parts"]["fedavg"]["train_transfer_aggregate_s"] > 0 and "round parts, fedavg" in text
 
 
 def test_bench_cli_help_documents_options():

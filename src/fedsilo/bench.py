@@ -105,9 +105,11 @@ BENCH_METHOD_PARAMS: dict[str, dict[str, Any]] = {"pfeddb": {"two_phase": False}
 
 
 def engine_rounds(method: str, model: nn.Module, clients: list[ClientData], cfg: TrainParams, rounds: int, seed: int, checkpoint: Optional[Path],
-                  keep: Optional[dict[str, Any]] = None, saves: Optional[dict[str, float]] = None) -> list[float]:
-    """Seconds of each of ``rounds`` engine rounds; ``keep`` receives the final server state when given, ``saves`` what
-    one checkpoint of the final state costs (median seconds of three writes, MiB on disk) when a checkpoint is kept."""
+                  keep: Optional[dict[str, Any]] = None, saves: Optional[dict[str, Any]] = None) -> list[float]:
+    """Seconds of each of ``rounds`` engine rounds; ``keep`` receives the final server state when given; ``saves``
+    receives each round's parts (``parts``: the whole step, its local training with transfers and aggregation, and
+    the round with its evaluation, as the engine's history times them) and, when a checkpoint is kept, what one
+    checkpoint of the final state costs (median seconds of three writes, MiB on disk)."""
     cls = method_class(method)
     times: list[float] = []
     device = clients[0].x_train.device
@@ -121,6 +123,8 @@ def engine_rounds(method: str, model: nn.Module, clients: list[ClientData], cfg:
         times.append(time.perf_counter() - t0)
     if keep is not None:
         keep["server"] = engine.server
+    if saves is not None:
+        saves["parts"] = [(t, h["train_seconds"], h["seconds"]) for t, h in zip(times, engine.history[-rounds:])]
     if saves is not None and checkpoint is not None:
         writes = []
         for _ in range(3):
@@ -301,6 +305,14 @@ def run_bench(
             result["checkpoint"] = {m: {"seconds_per_write": c["seconds"], "mib": c["mib"],
                                         "share_of_round": c["seconds"] / result["throughput"][m]["sec_per_round"]}
                                     for m, c in saves.items()}
+        # where a round's seconds go (medians of the measured rounds): the clients' local training with the payload
+        # copies and the aggregation; the evaluation; the rest of the step (the checkpoint write, the history)
+        result["round_parts"] = {}
+        for m, c in saves.items():
+            step, train, whole = (np.array(v) for v in zip(*c["parts"][warmup:]))
+            result["round_parts"][m] = {"train_transfer_aggregate_s": float(np.median(train)),
+                                        "evaluate_s": float(np.median(whole - train)),
+                                        "checkpoint_and_bookkeeping_s": float(np.median(step - whole))}
         if widths:
             result["parallel_clients"] = parallel_gain(widths, measure, result, kept, build, data, cfg, warmup + rounds, seed,
                                                        Path(tmp) if checkpoint else None)
@@ -377,6 +389,9 @@ def format_result(r: dict[str, Any]) -> str:
             + f" (peak of 2nd half / peak of 1st half x{m['host_rss_peak_second_half_over_first']:.3f}); device MiB at round "
             + ", ".join(f"{r}: {v:.0f}" for r, v in m["device_mib_at_round"].items())
         )
+    for m, parts in r.get("round_parts", {}).items():
+        lines.append(f"round parts, {m}: train + transfers + aggregation {parts['train_transfer_aggregate_s']:.3f} s, evaluation "
+                     f"{parts['evaluate_s']:.3f} s, checkpoint + bookkeeping {parts['checkpoint_and_bookkeeping_s']:.3f} s")
     if "checkpoint" in r:
         lines.append("checkpoint per write (train.checkpoint_every: k writes every k rounds): " + "; ".join(
             f"{m} {c['seconds_per_write']:.3f} s, {c['mib']:.1f} MiB ({100 * c['share_of_round']:.0f} % of a round)"
