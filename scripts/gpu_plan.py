@@ -7,7 +7,8 @@ PLAN.yaml:
 
     office_dir: .gpu/office_caltech_10   # the real images (four domain folders), carried to the machine
     jobs: 10                             # runs at once
-    budget_s: 1500                       # wall-clock budget of the training; what is still running then is stopped
+    budget_s: 480                        # wall-clock budget of the training in this call (the device tool allows 600 s a
+                                         # call); what is still running then is stopped and resumes in the next call
     threads: 1                           # OMP / torch threads per run (runs packed on one GPU: 1)
     entries:
       - params: pipelines/f2dc/paper/params.yaml
@@ -19,9 +20,11 @@ PLAN.yaml:
 What it does: a root params file with ``sources.office_caltech10`` in ``local`` mode at ``office_dir`` and MLflow off;
 per experiment, a copy of its paper params holding that experiment only (``scale: gpu``, so results go to
 ``results/<paper>/gpu/<experiment>/`` and never mix with a paper-scale run), its train overrides applied; then
-``fedsilo fetch``, ``harmonize``, ``split`` and one ``fedsilo train`` per (method, seed), ``jobs`` at a time, longest
-plan entries first. At the budget the runs still training get SIGTERM (MLflow-off runs keep their checkpoint; a rerun
-of the plan resumes them). Each experiment's report is built over the (method, seed) runs that finished, every
+``fedsilo fetch``, ``harmonize``, ``split`` and one ``fedsilo train`` per (method, seed), ``jobs`` at a time, in plan
+order. At the budget (or when the driver itself gets SIGTERM / SIGINT) the runs still training get SIGTERM (they end
+KILLED with their checkpoint kept; after 60 s a run that has not stopped is killed). Calling the same plan again (the
+machine still warm) skips the runs it finished (``.gpu/plan_done.json``, keyed by the params copy's sha256) and
+resumes the others from their checkpoints. Each experiment's report is built over the (method, seed) runs that finished, every
 unfinished run's history is taken from its checkpoint, and OUT.tgz holds the reports, the finished runs' metrics and
 histories (no model files), the partial histories, every run's log, the exact plan and the params copies, and
 ``manifest.json`` (date, git commit and state, device, the commands, each run's exit status and seconds).
@@ -29,6 +32,7 @@ histories (no model files), the partial histories, every run's log, the exact pl
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -116,7 +120,7 @@ def main(plan_path: str, out: str) -> int:
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     root_file, copies = prepare(plan)
-    env = {**os.environ, "OMP_NUM_THREADS": str(plan.get("threads", 1)), "PYTHONUNBUFFERED": "1", "FEDSILO_PROGRESS": "0"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(plan.get("threads", 1)), "PYTHONUNBUFFERED": "1"}
     manifest: dict[str, Any] = {"started": started, "commit": _git("rev-parse", "HEAD"), "git_status": _git("status", "--short"),
                                 "device": _device(), "plan": plan, "commands": [], "runs": {}}
 
@@ -140,26 +144,45 @@ def main(plan_path: str, out: str) -> int:
         if exp in unsplit:
             manifest["runs"][f"{exp}/{m}/seed{s}"] = {"rc": None, "seconds": 0, "note": f"not started: split failed (logs/split-{exp}.log)"}
     jobs = [j for j in jobs if j[1] not in unsplit]
-    deadline = time.time() + float(plan["budget_s"])
-    procs: dict[str, subprocess.Popen] = {}
+    deadline = [time.time() + float(plan["budget_s"])]
+    done_file = WORK / "plan_done.json"
+    done_before = json.loads(done_file.read_text()) if done_file.exists() else {}
+    sha = {f: hashlib.sha256(f.read_bytes()).hexdigest()[:16] for f in copies.values()}
+
+    def stop(signum, frame) -> None:  # the driver is being stopped: end the training now, then report and pack
+        deadline[0] = 0.0
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
 
     def train(job: tuple[Path, str, str, int]) -> None:
         f, exp, m, s = job
         name = f"{exp}/{m}/seed{s}"
-        if time.time() >= deadline:
+        key = f"{sha[f]}:{name}"
+        if key in done_before:  # finished in an earlier call of this plan
+            manifest["runs"][name] = {**done_before[key], "note": "finished in an earlier call"}
+            return
+        if time.time() >= deadline[0]:
             manifest["runs"][name] = {"rc": None, "seconds": 0, "note": "not started: budget spent"}
             return
         cmd = [*CLI, "--params", str(f), "train", "--experiment", exp, "--method", m, "--seed", str(s)]
         manifest["commands"].append(" ".join(cmd[2:]))
         t0 = time.time()
         with open(out_dir / "logs" / f"{exp}-{m}-seed{s}.log", "w") as log:
-            p = procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-            try:
-                rc = p.wait(timeout=max(1.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
+            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            while p.poll() is None and time.time() < deadline[0]:
+                time.sleep(0.5)
+            if p.poll() is None:
                 p.send_signal(signal.SIGTERM)  # the run ends KILLED with its checkpoint kept
-                rc = p.wait()
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            rc = p.wait()
         manifest["runs"][name] = {"rc": rc, "seconds": round(time.time() - t0, 1)}
+        if rc == 0:
+            done_before[key] = manifest["runs"][name]
+            done_file.write_text(json.dumps(done_before, indent=1))
 
     with ThreadPoolExecutor(max_workers=int(plan["jobs"])) as pool:
         list(pool.map(train, jobs))
@@ -167,10 +190,11 @@ def main(plan_path: str, out: str) -> int:
     # reports over the finished runs; the unfinished ones' histories from their checkpoints
     import torch
 
-    for (params, exp), f in copies.items():
+    for (_, exp), f in copies.items():
         p = yaml.safe_load(open(f))
         results = Path("results") / p["paper"] / "gpu" / exp
-        done = {(m, s) for m in p["runs"]["gpu"]["methods"] for s in p["seeds"] if (results / m / f"seed{s}" / "metrics.json").exists()}
+        done = {(m, s) for m in p["runs"]["gpu"]["methods"] for s in p["seeds"]
+                if f"{sha[f]}:{exp}/{m}/seed{s}" in done_before}  # finished under this very params copy
         methods = [m for m in p["runs"]["gpu"]["methods"] if all((m, s) in done for s in p["seeds"])]
         if methods:
             p["runs"]["gpu"]["methods"] = methods

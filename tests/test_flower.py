@@ -254,28 +254,33 @@ def test_the_server_refuses_a_record_holding_a_private_key(identity):
 
 
 class _RelabelGrid(LoopGrid):
-    """A server that sends round 3's train messages as round 1: for LG-FedAvg with one FedAvg round, a round whose
-    uploads may carry every layer."""
+    """A server that sends round ``late``'s train messages as round 1: for LG-FedAvg with one FedAvg round, a round
+    whose uploads may carry every layer."""
+
+    late = 3
 
     def send_and_receive(self, messages, timeout=None):
         for m in messages:
-            if m.metadata.message_type == "train" and m.content.config_records[CONFIG]["round"] == 3:
+            if m.metadata.message_type == "train" and m.content.config_records[CONFIG]["round"] == self.late:
                 m.content.config_records[CONFIG]["round"] = 1
         return super().send_and_receive(messages, timeout)
 
 
-def test_a_site_refuses_to_train_a_round_before_one_it_has_trained(identity):
+@pytest.mark.parametrize("late", [2, 3])
+def test_a_site_refuses_to_train_a_round_it_has_trained_or_one_before(identity, late):
     """The round decides what may leave a site (LG-FedAvg shares its lower layers in its FedAvg rounds only): a server
-    that relabels a later round as a FedAvg round gets an error, not the site's own lower layers."""
+    that relabels a later round as the FedAvg round (a repeat of round 1, or a step back) gets an error, not the
+    sites' own lower layers."""
     tp, clients = _train(rounds=3), _clients()
     cls = method_class("lgfedavg")
     spec = FlowerSpec(cls, cls.params_cls(fedavg_rounds=1), tp, 0, _model, "lgfedavg")
     grid = _RelabelGrid(client_app(spec, lambda ctx: clients[int(ctx.node_config["partition-id"])]), len(clients))
+    grid.late = late
     run = FlowerRun(spec, len(clients))
-    with pytest.raises(ClientFailed, match=r"asked to train round 1 after round 2; refused"):
+    with pytest.raises(ClientFailed, match=rf"asked to train round 1 after round {late - 1}; refused"):
         run.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
     ups = [keys for kind, keys in grid.replies if kind == "train"]
-    assert len(ups) == 2 * len(clients) and not any(k.startswith("units.0.") for u in ups[len(clients):] for k in u["up"])
+    assert len(ups) == (late - 1) * len(clients) and not any(k.startswith("units.0.") for u in ups[len(clients):] for k in u["up"])
 
 
 def test_what_the_adapter_does_not_run_is_refused_by_key():

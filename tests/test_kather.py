@@ -56,7 +56,9 @@ def test_the_unnormalized_release_is_read_only_without_the_normalized_one(raw, t
     shutil.copytree(copy / "NCT-CRC-HE-100K", copy / "NCT-CRC-HE-100K-NONORM")
     assert set(kather_crc.read_records(copy)["domain"]) == {"NCT-CRC-HE-100K", "CRC-VAL-HE-7K"}, "the same patches once"
     shutil.rmtree(copy / "NCT-CRC-HE-100K")
-    assert set(kather_crc.read_records(copy)["domain"]) == {"NCT-CRC-HE-100K-NONORM", "CRC-VAL-HE-7K"}
+    rec = kather_crc.read_records(copy)
+    assert set(rec["domain"]) == {"NCT-CRC-HE-100K", "CRC-VAL-HE-7K"}, "the centre, whichever release"
+    assert rec.loc[rec["domain"] == "NCT-CRC-HE-100K", "path"].str.startswith("NCT-CRC-HE-100K-NONORM/").all()
     (copy / "CRC-VAL-HE-7K" / "FAT").mkdir()
     with pytest.raises(LabelFileError, match="class folder 'FAT' is not a class"):
         kather_crc.read_records(copy)

@@ -119,3 +119,41 @@ def test_paper_scale_office_and_domainnet_follow_fedbns_loaders_and_record_each_
     assert pub["digits5"]["methods"]["fedbn"]["selection"] == "final"
     assert pub["chest_xray4"]["methods"]["pfeddb"]["selection"] == "final"
     assert "selection" not in pub["office_caltech10"]["methods"]["pfeddb"]  # no released Office script: not recorded
+
+
+@pytest.mark.parametrize("preset", sorted(str(p.relative_to(REPO)) for p in REPO.glob("pipelines/*/**/params.yaml")))
+def test_every_run_of_every_preset_builds_its_method_on_its_backbone(preset):
+    """Each (backbone, method) a preset trains goes through the engine's set-up (join, transform_model, setup,
+    private_keys) on the backbone at the dataset's size and channels: a method value that cannot apply to a backbone
+    (LG-FedAvg's two top layers would cut inside a ResNet block) fails here, not hours into a paper-scale run."""
+    from fedsilo.fl.flower import Card
+    from fedsilo.methods.registry import resolve_method
+
+    root = yaml.safe_load((REPO / "params.yaml").read_text())
+    root["pipeline"]["datasets"] = list(root["datasets"])  # the paper scales' datasets, as the README says to add them
+    tmp_root = REPO / ".pytest_cache" / f"root_params_{preset.replace('/', '_')}"
+    tmp_root.parent.mkdir(exist_ok=True)
+    tmp_root.write_text(yaml.safe_dump(root))
+    raw = yaml.safe_load((REPO / preset).read_text())
+    raw["data"] = str(tmp_root.relative_to(REPO))
+    p = load_paper_params(REPO / preset, raw)
+    seen = set()
+    for e in p.pipeline.experiments:
+        x, d = p.experiments[e], p.datasets[p.experiments[e].dataset]
+        grey = d.kind == "chest_xray4" or (d.kind in ("fmnist", "emnist", "femnist") and getattr(d, "channels", "native") == "native")
+        channels, size = (1 if grey else 3), d.image_size
+        for key in p.experiment_methods(e):
+            if (x.train.model, size, channels, key) in seen:
+                continue
+            seen.add((x.train.model, size, channels, key))
+            algo = resolve_method(p, key, x.train)
+            cards = [Card(i, f"c{i}", "D", 8, (channels, size, size)) for i in range(3)]
+            algo.join(cards, 0)
+            if type(algo).task_stream and x.split.protocol == "domain_incremental":
+                algo.set_tasks(["A", "B"])
+            model = build_model(x.train.model, channels, 10, seed=0, image_size=size)
+            with torch.no_grad():
+                model = algo.transform_model(model, torch.zeros(2, channels, size, size))
+            algo.setup(model)
+            algo.private_keys(model)
+    assert seen

@@ -526,14 +526,16 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
     def keep(context: Context, state: State) -> None:
         context.state[STORE] = to_record(state)
 
-    def in_order(context: Context, s: _Site, rnd: int) -> None:
-        """A site trains rounds in order: a message for a round before the last one it trained is refused. The round
-        decides what may leave the site (LG-FedAvg's FedAvg rounds share every layer, Method.private_in_round), so
-        the site does not take the server's word for it once it has trained a later round."""
+    def in_order(context: Context, s: _Site, rnd: int, trains: bool) -> None:
+        """A site trains each round once and in order: an announce or train message for a round it has already
+        trained, or one before it, is refused. The round decides what may leave the site (LG-FedAvg's FedAvg rounds
+        share every layer, Method.private_in_round), so the site does not take the server's word for it once it has
+        trained that round or a later one. ``trains``: record the round as trained."""
         last = int(context.state.config_records[TRAINED]["round"]) if TRAINED in context.state.config_records else 0
-        if rnd < last:
+        if rnd <= last:
             raise PrivacyViolation(f"{s.method.name}: client {s.client.name} was asked to train round {rnd} after round {last}; refused")
-        context.state[TRAINED] = ConfigRecord({"round": rnd})
+        if trains:
+            context.state[TRAINED] = ConfigRecord({"round": rnd})
 
     @app.query("register")
     def register(msg: Message, context: Context) -> Message:
@@ -551,7 +553,7 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
     def announce(msg: Message, context: Context) -> Message:
         cfg = msg.content.config_records[CONFIG]
         s = site(context, cfg)
-        in_order(context, s, int(cfg["round"]))
+        in_order(context, s, int(cfg["round"]), trains=False)
         s.at_round(int(cfg["round"]))
         mine = store(context, s, cfg)
         said = s.method.announce(s.model, mine, s.client, int(cfg["round"]))
@@ -564,7 +566,7 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
     def train(msg: Message, context: Context) -> Message:
         cfg = msg.content.config_records[CONFIG]
         s, rnd = site(context, cfg), int(cfg["round"])
-        in_order(context, s, rnd)
+        in_order(context, s, rnd, trains=True)
         s.at_round(rnd)
         record = msg.content.array_records["down"]
         received = record_tensor_bytes(record)

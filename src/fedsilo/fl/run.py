@@ -163,7 +163,8 @@ def run_training(
         "experiment": experiment,
         "dataset": exp.dataset,
         "split": exp.split.model_dump(mode="json"),
-        "train": exp.train.model_dump(mode="json", exclude={"keep_client_models"}),
+        # what changes no number is not part of the run's identity (changing it keeps a checkpoint)
+        "train": exp.train.model_dump(mode="json", exclude={"keep_client_models", "checkpoint_every"}),
         "method": {"name": method, "base": method_base(method, params.methods[method]), **algo.params.model_dump(mode="json")},
         "seed": seed,
     }
@@ -316,7 +317,7 @@ def run_lock(path: Path, name: str) -> Iterator[None]:
 @contextlib.contextmanager
 def _sigterm_as_exit() -> Iterator[None]:
     """SIGTERM (a cancelled job, `kill`) ends the run through the same path as Ctrl-C, so its MLflow run is marked
-    KILLED and the checkpoint of its last round stays for a resume; exit status 143 as the shell reports it."""
+    KILLED and its last checkpoint stays for a resume; exit status 143 as the shell reports it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -6,9 +6,8 @@ from typing import Any, Union
 
 from pydantic import Field, PositiveInt
 
-from fedsilo.config import ConfigError
 from fedsilo.methods.base import MethodParams
-from fedsilo.methods.sharing import PartialSharing, top_units, unit_prefixes
+from fedsilo.methods.sharing import PartialSharing, per_backbone, top_units, unit_prefixes
 from fedsilo.models import LayeredNet
 
 
@@ -40,13 +39,7 @@ class FedPer(PartialSharing):
 
     def head_layers(self, model: LayeredNet) -> int:
         """K_P for the backbone being trained (``train.model`` picks the entry of a mapping)."""
-        k = self.params.head_layers
-        if not isinstance(k, dict):
-            return k
-        if self.train.model not in k:
-            raise ConfigError(f"methods.{self.key}.head_layers: no entry for the backbone {self.train.model} "
-                              f"(entries: {', '.join(k)})")
-        return k[self.train.model]
+        return per_backbone(self.params.head_layers, self.train.model, f"methods.{self.key}.head_layers")
 
     def shared_keys(self, model: LayeredNet) -> list[str]:
         self.cut = top_units(model, self.head_layers(model), f"methods.{self.key}.head_layers")

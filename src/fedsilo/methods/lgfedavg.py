@@ -3,15 +3,15 @@ Morency, 2020, "Think locally, act globally: federated learning with local and g
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import torch
-from pydantic import Field
+from pydantic import Field, PositiveInt
 
 from fedsilo.client.data import ClientData
 from fedsilo.config import ConfigError
 from fedsilo.methods.base import MethodParams, RunningMean, State
-from fedsilo.methods.sharing import PartialSharing, top_units, unit_prefixes
+from fedsilo.methods.sharing import PartialSharing, per_backbone, top_units, unit_prefixes
 from fedsilo.models import LayeredNet
 
 # the server's record of which clients have received the FedAvg start's local layers (one entry per client; 1 = taken)
@@ -19,7 +19,11 @@ STARTED = "lgfedavg:started"
 
 
 class LGFedAvgParams(MethodParams):
-    global_layers: int = Field(2, ge=1, description="weighted layers at the top shared by every client (the code's num_layers_keep)")
+    global_layers: Union[PositiveInt, dict[str, PositiveInt]] = Field(
+        2, description="weighted layers at the top shared by every client (the code's num_layers_keep); a mapping "
+        "backbone -> count for one methods block serving several backbones (a ResNet's unit holds two layers: "
+        "{lenet5: 2, resnet34: 1} shares LeNet's two top FC layers and a ResNet's classifier)",
+    )
     fedavg_rounds: int = Field(
         0, ge=0, description="rounds of plain FedAvg (every layer shared) before the lower layers become each client's "
         "own: the paper's FedAvg-trained start, counted in train.rounds (0: start from the initialisation, as FedPAC's code)"
@@ -66,7 +70,8 @@ class LGFedAvg(PartialSharing):
     params: LGFedAvgParams
 
     def shared_keys(self, model: LayeredNet) -> list[str]:
-        k = top_units(model, self.params.global_layers, f"methods.{self.key}.global_layers")
+        what = f"methods.{self.key}.global_layers"
+        k = top_units(model, per_backbone(self.params.global_layers, self.train.model, what), what)
         self.local_units = model.unit_names[:k]
         top = unit_prefixes(k, len(model.units))
         return [key for key in model.state_dict() if key.startswith(top)]

@@ -99,6 +99,10 @@ def check_methods(params: Params, source: str = "params.yaml") -> None:
             if key not in params.methods:
                 continue  # pipeline.methods names only defined entries (config checks it); a paper's groups too
             algo = resolve_method(params, key, train)
+            fedavg_start = getattr(algo.params, "fedavg_rounds", 0)  # LG-FedAvg's FedAvg-trained start
+            if fedavg_start >= train.rounds:
+                raise ConfigError(f"{source}: methods.{key}.fedavg_rounds: {fedavg_start} FedAvg rounds leave no LG-FedAvg "
+                                  f"round in experiments.{e}.train.rounds ({train.rounds}); set it below {train.rounds}")
             e0 = algo.phase_one_rounds() if hasattr(algo, "phase_one_rounds") else 0
             if e0 >= train.rounds:
                 raise ConfigError(

@@ -12,14 +12,24 @@ the model gets the modules, the local objective their loss, and the modules stay
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 from fedsilo.client.data import ClientData
 from fedsilo.client.local import ExtraLoss, make_generator, train_local
-from fedsilo.config import TrainParams
+from fedsilo.config import ConfigError, TrainParams
 from fedsilo.methods import decoupling
 from fedsilo.methods.base import MeanAggregation, State
 from fedsilo.models import LayeredNet
+
+
+def per_backbone(value: Union[int, dict[str, int]], model_name: str, what: str) -> int:
+    """A layer count given once or per backbone (``{simple_cnn: 3, resnet34: 1}``): the entry of ``train.model``;
+    ``what`` is the dotted params key, named when the backbone has no entry."""
+    if not isinstance(value, dict):
+        return value
+    if model_name not in value:
+        raise ConfigError(f"{what}: no entry for the backbone {model_name} (entries: {', '.join(value)})")
+    return value[model_name]
 
 
 def top_units(model: LayeredNet, layers: int, what: str) -> int:
@@ -27,7 +37,10 @@ def top_units(model: LayeredNet, layers: int, what: str) -> int:
     ``what`` is the dotted params key that set ``layers``, named when it leaves no layer below."""
     if layers >= model.num_layers:
         raise ValueError(f"{what} must be below the backbone's {model.num_layers} layers")
-    return model.cut_index(model.num_layers - layers)
+    try:
+        return model.cut_index(model.num_layers - layers)
+    except ValueError as err:  # the top `layers` end inside a unit (a ResNet block holds two)
+        raise ConfigError(f"{what}: {layers} top layers of this backbone end inside a unit ({err})") from None
 
 
 def unit_prefixes(first: int, last: int) -> tuple[str, ...]:

@@ -2,8 +2,8 @@
 224 x 224 H&E patches at 0.5 um/px, nine tissue classes, as the record's zips unpack:
 
 - ``NCT-CRC-HE-100K/<class>/<class>-<id>.tif``: 100,000 patches from 86 slides (NCT biobank, UMM pathology archive),
-  Macenko stain-normalized; ``NCT-CRC-HE-100K-NONORM/`` is the same patches without normalization (read only when the
-  normalized folder is absent, as its own domain);
+  Macenko stain-normalized; ``NCT-CRC-HE-100K-NONORM/`` is the same patches without normalization, read only when the
+  normalized folder is absent, under the same domain name (the centre; ``source_path`` shows which release);
 - ``CRC-VAL-HE-7K/<class>/<class>-<id>.tif``: 7,180 patches from 50 other patients (the record's validation set).
 
 Each archive is a domain (a centre of HISTO-FED: CD2-pFed's clients 1 and 2 use subsets of these two; its third
@@ -48,10 +48,11 @@ def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
         raise LabelFileError(f"{raw_dir}: no Kather colorectal folder ({NCT}/, {NONORM}/ or {VAL}/ with one folder per "
                              f"class: {', '.join(CLASSES)})")
     frames = []
-    for domain in (NCT, NONORM, VAL):
-        if domain in dirs:
-            rows = class_folder_records(dirs[domain], raw_dir, domain, CLASSES, CLASS_ALIASES)
+    for folder in (NCT, NONORM, VAL):
+        if folder in dirs:
+            domain = NCT if folder == NONORM else folder  # a centre is a domain, whichever release of its patches
+            rows = class_folder_records(dirs[folder], raw_dir, domain, CLASSES, CLASS_ALIASES)
             if not rows:
-                raise LabelFileError(f"{dirs[domain]}: no .tif patches in its class folders")
+                raise LabelFileError(f"{dirs[folder]}: no .tif patches in its class folders")
             frames.append(records_frame(rows, domain))
     return pd.concat(frames, ignore_index=True)
