@@ -208,8 +208,9 @@ def main(plan_path: str, out: str) -> int:
                     dst = out_dir / "results" / path.relative_to("results")
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(path, dst)
-        for ck in (Path("state")).rglob("checkpoint.pt"):
-            if f"/{exp}/" not in ck.as_posix() or "gpu" not in ck.as_posix():
+        planned = {f"{exp}/{m}/seed{s}" for _, e, m, s in jobs if e == exp}
+        for ck in (Path("state") / p["paper"] / "gpu" / exp).rglob("checkpoint.pt"):
+            if "/".join(ck.parent.parts[-3:]) not in planned:  # a run of another plan
                 continue
             d = torch.load(ck, weights_only=False, map_location="cpu")
             dst = out_dir / "partial" / ck.parent.relative_to("state")
