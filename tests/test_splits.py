@@ -236,3 +236,15 @@ def test_fedbn_sizes_come_from_the_smallest_domain(records):
         make_split(sub, DomainClientsSplit(n_train_of_smallest=0.5), 0)
     with pytest.raises(ValueError, match="n_train: not with n_train_of_smallest"):
         DomainClientsSplit(n_train=10, n_train_of_smallest=0.5)
+
+
+def test_label_skew_clients_are_draws_from_one_pool_and_name_it(records):
+    """Every label-skew client is a draw from the pooled domains: its domain is the pool's, also when it drew no image
+    of one of them (the report would otherwise give such a client a column of its own)."""
+    pool = records[records["domain"].isin(["A", "B"]) & (records["label"] < 2)].copy()
+    pool.loc[pool.index[(pool["domain"] == "B").to_numpy()], "label"] = 1  # B holds class 1 only
+    split = make_split(pool, LabelSkewSplit(protocol="label_skew", clients=4, scheme="pathological", classes_per_client=1,
+                                            domains=("A", "B"), min_per_client=1), seed=0)
+    drew = [set(pool.loc[c["train"] + c["test"], "domain"]) for c in split["clients"]]
+    assert {"A"} in drew, "a client holding class 0 drew from A only"
+    assert {c["domain"] for c in split["clients"]} == {"A+B"}

@@ -323,7 +323,9 @@ def label_skew(records: pd.DataFrame, params: LabelSkewSplit, seed: int) -> dict
         train, test = _train_test_by_group(records, rows, params.test_fraction, rng)
         if not train or not test:
             raise SplitError(f"split: client {j} has {len(rows)} images, too few for a train and a test side")
-        clients.append(_client(j, f"client{j:02d}", "+".join(sorted(records.loc[rows, "domain"].unique())), train, test))
+        # every client is a draw from the one pooled distribution: its domain is the pool's (a client that drew no image
+        # of some domain would otherwise get a column of its own in the report)
+        clients.append(_client(j, f"client{j:02d}", "+".join(sorted(doms)), train, test))
     return {"protocol": params.protocol, "seed": seed, "params": params.model_dump(mode="json"), "num_classes": _num_classes(records), "clients": clients}
 
 
