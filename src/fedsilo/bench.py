@@ -105,8 +105,8 @@ BENCH_METHOD_PARAMS: dict[str, dict[str, Any]] = {"pfeddb": {"two_phase": False}
 
 
 def engine_rounds(method: str, model: nn.Module, clients: list[ClientData], cfg: TrainParams, rounds: int, seed: int, checkpoint: Optional[Path],
-                  keep: Optional[dict[str, Any]] = None, saves: Optional[dict[str, Any]] = None) -> list[float]:
-    """Seconds of each of ``rounds`` engine rounds; ``keep`` receives the final server state when given; ``saves``
+                  keep: Optional[dict[str, Any]] = None, costs: Optional[dict[str, Any]] = None) -> list[float]:
+    """Seconds of each of ``rounds`` engine rounds; ``keep`` receives the final server state when given; ``costs``
     receives each round's parts (``parts``: the whole step, its local training with transfers and aggregation, and
     the round with its evaluation, as the engine's history times them) and, when a checkpoint is kept, what one
     checkpoint of the final state costs (median seconds of three writes, MiB on disk)."""
@@ -123,15 +123,15 @@ def engine_rounds(method: str, model: nn.Module, clients: list[ClientData], cfg:
         times.append(time.perf_counter() - t0)
     if keep is not None:
         keep["server"] = engine.server
-    if saves is not None:
-        saves["parts"] = [(t, h["train_seconds"], h["seconds"]) for t, h in zip(times, engine.history[-rounds:])]
-    if saves is not None and checkpoint is not None:
+    if costs is not None:
+        costs["parts"] = [(t, h["train_seconds"], h["seconds"]) for t, h in zip(times, engine.history[-rounds:])]
+    if costs is not None and checkpoint is not None:
         writes = []
         for _ in range(3):
             t0 = time.perf_counter()
             engine.save()
             writes.append(time.perf_counter() - t0)
-        saves.update(seconds=float(np.median(writes)), mib=checkpoint.stat().st_size / 2**20)
+        costs.update(seconds=float(np.median(writes)), mib=checkpoint.stat().st_size / 2**20)
     return times
 
 
@@ -295,20 +295,20 @@ def run_bench(
                 algo.transform_model(build(), example), data, cfg, warmup + rounds, seed))
             own_limit[m] = label
     kept: dict[str, Any] = {}
-    saves: dict[str, dict[str, float]] = {}
+    costs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for m in methods:
             ck = Path(tmp) / f"{m}.pt" if checkpoint else None
             measure(m, lambda m=m, ck=ck: engine_rounds(m, build(), data, cfg, warmup + rounds, seed, ck,
-                                                        keep=kept if m == "fedavg" else None, saves=saves.setdefault(m, {})))
+                                                        keep=kept if m == "fedavg" else None, costs=costs.setdefault(m, {})))
         if checkpoint:  # what train.checkpoint_every saves: one write's seconds against the round it ends
             result["checkpoint"] = {m: {"seconds_per_write": c["seconds"], "mib": c["mib"],
                                         "share_of_round": c["seconds"] / result["throughput"][m]["sec_per_round"]}
-                                    for m, c in saves.items()}
+                                    for m, c in costs.items()}
         # where a round's seconds go (medians of the measured rounds): the clients' local training with the payload
         # copies and the aggregation; the evaluation; the rest of the step (the checkpoint write, the history)
         result["round_parts"] = {}
-        for m, c in saves.items():
+        for m, c in costs.items():
             step, train, whole = (np.array(v) for v in zip(*c["parts"][warmup:]))
             result["round_parts"][m] = {"train_transfer_aggregate_s": float(np.median(train)),
                                         "evaluate_s": float(np.median(whole - train)),

@@ -417,8 +417,8 @@ def by_writer(records: pd.DataFrame, params: ByWriterSplit, seed: int) -> dict[s
     if "writer" not in records.columns or not records["writer"].astype(bool).any():
         raise SplitError("split.protocol: by_writer needs records that name their writer (a source such as femnist); "
                          "this dataset's records have no writer column")
-    counts = records.groupby("writer", sort=True).size()
-    eligible = [str(w) for w, n in counts.items() if w and n >= params.min_samples]
+    by_w = records.groupby("writer", sort=True).indices
+    eligible = [str(w) for w, rows in by_w.items() if w and len(rows) >= params.min_samples]
     want = params.clients if params.clients is not None else len(eligible)
     if want > len(eligible):
         raise SplitError(f"split.clients: {want} writers asked for, {len(eligible)} have at least split.min_samples = "
@@ -429,7 +429,6 @@ def by_writer(records: pd.DataFrame, params: ByWriterSplit, seed: int) -> dict[s
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
         raise SplitError(f"split: two writers become the client name {dup!r}")
-    by_w = records.groupby("writer", sort=False).indices
     own_split = bool(records["subset"].isin(["train", "test"]).any())
     clients = []
     for j, (w, name) in enumerate(zip(chosen, names)):

@@ -102,12 +102,16 @@ class LGFedAvg(PartialSharing):
             return not bool(server[STARTED][client.index])
         return any(k in server for k in self.private)
 
+    def sent(self, server: State, client: ClientData, whole: bool) -> State:
+        """The global top, with the lower layers when ``whole`` (a FedAvg round) or when the client has not taken the
+        FedAvg start's yet."""
+        keys = [*self.shared, *(self.private if whole or self.takes_start(server, client) else [])]
+        return {k: server[k] for k in keys}
+
     def download(self, server: State, client: ClientData, rnd: int) -> State:
         if not self.params.fedavg_rounds:
             return super().download(server, client, rnd)
-        if self.fedavg_round(rnd) or self.takes_start(server, client):  # FedAvg's whole model / g and the start
-            return {k: server[k] for k in (*self.shared, *self.private)}
-        return {k: server[k] for k in self.shared}
+        return self.sent(server, client, self.fedavg_round(rnd))
 
     def agg_begin(self, server: State, rnd: int) -> _Took:
         return _Took()
@@ -140,10 +144,7 @@ class LGFedAvg(PartialSharing):
 
     def eval_download(self, server: State, client: ClientData) -> State:
         """The global top, with the FedAvg start's lower layers for a client that has not taken them yet."""
-        if STARTED not in server:
-            return server
-        keys = [*self.shared, *(self.private if self.takes_start(server, client) else [])]
-        return {k: server[k] for k in keys}
+        return self.sent(server, client, whole=False) if STARTED in server else server
 
     def resolved(self) -> dict[str, Any]:
         return {**super().resolved(), "local_layers": getattr(self, "local_units", [])}
