@@ -171,12 +171,12 @@ def test_fedbabu_never_trains_the_head_and_fine_tunes_only_to_evaluate(clients):
     assert {c: v["acc"] for c, v in hp[-1]["eval"].items()} == hp[-1]["global"], "without it every client has the global model"
 
 
-OFF = {"glf": False, "gfa": False, "gpc": False, "da": False, "aggregation": "fedavg"}
+OFF = {"glf": False, "gfa": False, "gpc": False, "da": False, "aggregation": "fedavg", "reset": "before_classifier"}
 
 
 def test_fedecouple_with_every_module_off_is_fedrep_tensor_for_tensor(clients):
-    """glf, gfa, gpc, da off and FedAvg weights: FedRep with head_epochs = E_cl and body_epochs = E_fe gives the same
-    server representation and the same client heads after two rounds."""
+    """glf, gfa, gpc, da off, FedAvg weights and the reset before the classifier phase: FedRep with head_epochs = E_cl
+    and body_epochs = E_fe gives the same server representation and the same client heads after two rounds."""
     fc = _engine("fedecouple", clients, rounds=2, local_epochs=2, classifier_epochs=3, **OFF)
     fc.run()
     rep = _engine("fedrep", clients, rounds=2, head_epochs=3, body_epochs=2)
@@ -189,11 +189,69 @@ def test_fedecouple_with_every_module_off_is_fedrep_tensor_for_tensor(clients):
     # each module, switched on alone, changes the result
     ref = _engine("fedecouple", clients, rounds=1, **OFF)
     ref.run()
-    for switch in ("glf", "gfa", "gpc", "da"):
-        one = _engine("fedecouple", clients, rounds=1, **{**OFF, switch: True})
+    for switch, on in (("glf", True), ("gfa", True), ("gpc", True), ("da", True), ("aggregation", "similarity")):
+        one = _engine("fedecouple", clients, rounds=1, **{**OFF, switch: on})
         one.run()
         assert not torch.equal(one.server["units.0.0.weight"], ref.server["units.0.0.weight"]) or not torch.equal(
             one.server[HEAD + "2.weight"], ref.server[HEAD + "2.weight"]), switch
+
+
+def _spy_fedecouple(monkeypatch):
+    """Records, for every train_local call of FedeCouple, the model's state as the call starts and its epochs."""
+    import fedsilo.methods.fedecouple as fc
+
+    calls = []
+    real = fc.train_local
+
+    def spy(model, data, cfg, gen, epochs=None, **kw):
+        calls.append((data.name, epochs, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+        return real(model, data, cfg, gen, epochs=epochs, **kw)
+
+    monkeypatch.setattr(fc, "train_local", spy)
+    return calls
+
+
+@pytest.mark.parametrize("reset", ["before_extractor", "before_classifier"])
+def test_fedecouple_resets_the_extractor_where_algorithm_1_does(clients, monkeypatch, reset):
+    """Algorithm 1, line 24: theta_i <- theta^t after the classifier phase, which therefore trains phi_i on the
+    client's own extractor of its last round; FedRep's order (reset first) is the other value. The extractor phase
+    starts from theta^t in both."""
+    calls = _spy_fedecouple(monkeypatch)
+    downs: dict = {}
+    e = _engine("fedecouple", clients, rounds=2, classifier_epochs=1,
+                observer=lambda r, c, d, p: downs.__setitem__((r, c), p) if d == "down" else None,
+                **{**OFF, "glf": True, "reset": reset})
+    own = {}
+    for rnd in (1, 2):
+        if rnd == 2:  # each client's theta_i after round 1
+            own = {c.name: {k[len("personal::"):]: v.clone() for k, v in s.items() if k.startswith("personal::")}
+                   for c, s in zip(clients, e.stores)}
+        calls.clear()
+        e.step()
+        for name, ep, at_start in calls[::3]:  # the classifier phase
+            body = [k for k in at_start if not k.startswith(HEAD)]
+            theta = own[name] if rnd == 2 and reset == "before_extractor" else downs[(rnd, name)]
+            assert all(torch.equal(at_start[k], theta[k]) for k in body), (rnd, name)
+        for name, ep, at_start in calls[1::3]:  # GLF's epoch: theta^t and the frozen global classifier phi^t (weights;
+            # BatchNorm statistics follow the classifier phase's batches as in FedRep, the extractor being in train mode)
+            weights = [k for k in at_start if "running_" not in k and "num_batches" not in k]
+            assert all(torch.equal(at_start[k], downs[(rnd, name)][k]) for k in weights), (rnd, name)
+    assert own and any(not torch.equal(own[c.name]["units.0.0.weight"], downs[(2, c.name)]["units.0.0.weight"]) for c in clients)
+
+
+def test_fedecouple_server_model_is_the_similarity_weighted_mean_of_the_uploads(clients):
+    """Eq. 7 is what the server applies: the new global model is sum_i iota_i w_i with the uploads' cosine weights."""
+    from fedsilo.methods.fedecouple import similarity_weights
+
+    ups = []
+    e = _engine("fedecouple", clients, rounds=1, observer=lambda r, c, d, p: ups.append(p) if d == "up" else None)
+    e.run()
+    w = similarity_weights(ups, [c.n_train for c in clients])
+    sizes = torch.tensor([float(c.n_train) for c in clients])
+    assert w != pytest.approx((sizes / sizes.sum()).tolist()), "the tiny federation must tell the two rules apart"
+    for k, v in e.server.items():
+        if v.is_floating_point():
+            assert torch.allclose(v, sum(wi * u[k] for wi, u in zip(w, ups)), atol=1e-6), k
 
 
 def test_fedecouple_anchors_are_the_clients_class_means_and_never_travel(clients):

@@ -38,6 +38,11 @@ class FedeCoupleParams(MethodParams):
         "mse", description="Omega as the mean squared distance over batch and features (FedPAC's code) or Eq. 1's sum of squared distances per sample, averaged over the batch",
     )
     aggregation: Literal["similarity", "fedavg"] = Field("similarity", description="Eq. 7's cosine-similarity weights, or FedAvg's sample-size weights")
+    reset: Literal["before_extractor", "before_classifier"] = Field(
+        "before_extractor", description="when the client's extractor theta_i is replaced by the downloaded theta^t: after the "
+        "classifier phase, which trains phi_i on the client's own theta_i (Algorithm 1, line 24, and Sec. IV-A1: 'before "
+        "initiating local training of the feature extractor'), or before it, as FedRep does",
+    )
 
 
 def similarity_weights(uploads: list[State], sizes: list[int]) -> list[float]:
@@ -59,28 +64,31 @@ class FedeCouple(PersonalModels):
     phi (the last unit). Each round a sampled client downloads the global model (theta^t, phi^t) and keeps its personal
     classifier phi_i:
 
-    1. theta_i <- theta^t; the global feature anchors An_k = mean of f(theta^t; x) over its own images of class k
-       (GFA; clean images, eval mode; they never leave the client);
-    2. classifier phase, E_cl epochs with theta_i fixed: phi_i on CE + lambda tau^2 KL(p_T || p_S) (Eq. 2-3), the
-       teacher a copy of phi^t fine-tuned by CE on the same batches (Eq. 4; GPC);
-    3. extractor phase with the classifiers fixed: one epoch against the frozen global classifier phi^t (Eq. 5; GLF),
-       then E_fe epochs against the new phi_i (Eq. 6), both with mu * Omega, the center loss to the anchors (Eq. 1);
+    1. the global feature anchors An_k = mean of f(theta^t; x) over its own images of class k (GFA; the downloaded
+       extractor, clean images, eval mode; they never leave the client);
+    2. classifier phase, E_cl epochs with the client's own extractor theta_i fixed: phi_i on CE + lambda tau^2
+       KL(p_T || p_S) (Eq. 2-3), the teacher a copy of phi^t fine-tuned by CE on the same batches (Eq. 4; GPC);
+    3. theta_i <- theta^t (line 24); extractor phase with the classifiers fixed: one epoch against the frozen global
+       classifier phi^t (Eq. 5; GLF), then E_fe epochs against the new phi_i (Eq. 6), both with mu * Omega, the
+       center loss to the anchors (Eq. 1);
     4. uploads (theta_i, phi_i) and keeps them; the teacher and the anchors are dropped.
 
     The server weighs the uploads by their cosine similarity to the size-weighted mean (Eq. 7). A client is evaluated
     with its own theta_i and phi_i (the paper's personalized model {w_i}); before it has trained, with theta^t and
     its phi_i. The global model is reported as well.
 
-    No code of FedeCouple is public. Choices, each a param where the paper is open: theta_i is reset to theta^t
-    before the classifier phase (the text and FedRep, which the paper builds on; Algorithm 1 prints the reset after
-    it); the distillation carries tau^2 (Hinton); Eq. 3 and 4 step together on each batch (one backward, the
-    teacher's output detached in the KL); the fixed extractor runs in train mode as FedRep's code does (BatchNorm
+    No code of FedeCouple is public. Where the paper is open (a param where the choice is one): theta_i is reset to
+    theta^t after the classifier phase, as Algorithm 1 (line 24) and Sec. IV-A1 place it, so phi_i is fitted to the
+    client's own extractor of its last round (before its first round: theta^t); ``reset: before_classifier`` resets
+    first, as FedRep does. The rest are fixed choices: the distillation carries tau^2 (Hinton); Eq. 3 and 4 step
+    together on each batch (one backward, the teacher's output detached in the KL); the fixed extractor runs in train
+    mode as FedRep's code does (BatchNorm
     statistics, where the backbone has them, follow the batches); E_cl = 5 as the paper's "trained locally for 5
     epochs" reads (FedPAC's code, its authors' starting point, uses 1); Omega is FedPAC's mean squared error unless
     ``center_reduction: sum``; DA trains each batch together with one augmented copy of each image ("combine
     augmented data with the original"), magnitudes as ``fedsilo.client.data.one_random_op`` documents.
 
-    With ``glf``, ``gfa``, ``gpc`` and ``da`` off and ``aggregation: fedavg`` each round is FedRep's with
+    With ``glf``, ``gfa``, ``gpc`` and ``da`` off, ``aggregation: fedavg`` and ``reset: before_classifier`` each round is FedRep's with
     ``head_epochs = classifier_epochs`` and ``body_epochs = train.local_epochs``: the same representation on the
     server and the same heads on the clients, tensor for tensor (tested); FedeCouple also uploads phi_i and evaluates
     the local theta_i."""
@@ -145,7 +153,10 @@ class FedeCouple(PersonalModels):
         head, body = unit_parameters(model, self.cut, len(model.units)), unit_parameters(model, 0, self.cut)
         gen_da = make_generator(seed, rnd, client.index, 3)
         da = (lambda x, y: (torch.cat([x, one_random_op(x, gen_da)]), torch.cat([y, y]))) if self.params.da else None
-        anchors = self.anchors(model, client) if self.params.gfa else None
+        anchors = self.anchors(model, client) if self.params.gfa else None  # from theta^t
+        late_reset = self.params.reset == "before_extractor" and bool(store[TRAINED])
+        if late_reset:  # the classifier phase runs on the client's own theta_i (Algorithm 1: the reset is line 24)
+            model.load_state_dict({k: v for k, v in personal.items() if k not in self.head_keys}, strict=False)
 
         # classifier phase (GPC): phi_i with the extractor fixed, the teacher adapted on the same batches
         cl_train = self.train.model_copy(update={"lr": self.params.classifier_lr or self.train.lr})
@@ -170,6 +181,8 @@ class FedeCouple(PersonalModels):
                         params=head + teacher_params, batch_loss=kd, batch_transform=da)
         sd = model.state_dict()
         phi_i = {k: sd[k].detach().clone() for k in self.head_keys}
+        if late_reset:  # theta_i <- theta^t
+            model.load_state_dict({k: v for k, v in payload.items() if k not in self.head_keys}, strict=False)
 
         # extractor phase: GLF's epoch against the frozen global classifier, then E_fe epochs against phi_i
         with frozen(head), representation(model) as rep:
