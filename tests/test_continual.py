@@ -145,12 +145,48 @@ def test_lambda_zero_keeps_one_model_and_lambda_above_one_a_model_per_task():
     assert s2["bytes_kept_per_client"] == pytest.approx(3 * s1["bytes_kept_per_client"])
 
 
+def test_lambda_zero_without_migration_or_sharing_is_fedavg_task_after_task():
+    """Table 6: lambda = 0 "degenerates to the normal FedAvg". With one model, no migration and the auxiliary
+    classifier apart (so that its loss does not reach the model), each client's model after a task is the
+    federation's (the task-end download), the next task starts from it, and the scores are FedAvg's, task by task."""
+    _, h_dil, s_dil = _run("pfeddil", lam=0.0, migration=False, share_extractor=False)
+    e_avg, h_avg, s_avg = _run("fedavg")
+    for a, b in zip(h_dil, h_avg):
+        if "task_acc" in b:
+            assert a["task_acc"] == pytest.approx(b["task_acc"], abs=1e-6), a["round"]
+    assert [x for r in s_dil["accuracy_matrix"] for x in r] == pytest.approx([x for r in s_avg["accuracy_matrix"] for x in r], abs=1e-6)
+    # the task-end download is counted: one model per client at each task's end
+    one, names = payload_bytes(e_avg.server), {c.name for c in e_avg.clients}
+    ends = [x for x in h_dil if x.get("task_end")]
+    assert len(ends) == 3 and all(x["bytes_task_end"] == dict.fromkeys(names, one) for x in ends)
+    assert all(x["bytes_down_total"] == sum(x["bytes_down"].values()) + len(names) * one for x in ends)
+
+
+def test_inside_a_task_a_client_is_scored_with_the_federations_model_of_its_family():
+    """Between task ends the client's copy is its last local update; scoring uses the server's model of the family
+    it trains (what it would receive), so a client's own update never inflates its score."""
+    e = _engine("pfeddil", train=_train(rounds=3), lam=1.01)
+    for _ in range(2):
+        e.step()
+    store, c = e.stores[0], e.tasks[0][0]
+    fam = int(store["route"][0])
+    assert not torch.equal(take(store, f"slot{fam}.")["units.0.0.weight"], take(e.server, f"family{fam}.")["units.0.0.weight"])
+    _, probs = e.method.ensemble(e.model, store, c.x_test, e.server)
+    e.model.load_state_dict(take(e.server, f"family{fam}."))
+    e.model.eval()
+    with torch.no_grad():
+        from fedsilo.client.data import to_float
+
+        expect = e.model(to_float(c.x_test)).softmax(1)
+    assert torch.allclose(probs[0], expect, atol=1e-5)
+
+
 def test_strategy_reuses_the_best_matching_model_at_or_above_lambda():
     e = _engine("pfeddil", lam=1.01)
     e.run()
     store, c = e.stores[0], e.tasks[2][0]
     rho = e.method.intensities(e.model, store, c)
-    assert sorted(rho) == [0, 1, 2] and all(0.25 <= r <= 1 for r in rho.values())  # max softmax over 4 classes
+    assert sorted(rho) == [0, 1, 2] and all(0 <= r <= 1 for r in rho.values())
     # Eq. 2 by hand for model 1: mean of the auxiliary head's largest probability on the task's images
     e.model.load_state_dict(take(store, "slot1."))
     e.method.aux.load_state_dict(take(store, "aux1."))
@@ -161,7 +197,7 @@ def test_strategy_reuses_the_best_matching_model_at_or_above_lambda():
     e.method.aux.eval()
     with torch.no_grad(), head_input(e.model) as seen:
         e.model(to_float(c.x_train))
-        by_hand = e.method.aux(seen["z"]).softmax(1).amax(1).mean()
+        by_hand = ((e.method.aux(seen["z"]).softmax(1).amax(1) - 0.25) / 0.75).mean()  # 4 classes: [1/4, 1] -> [0, 1]
     assert rho[1] == pytest.approx(float(by_hand), abs=1e-5)
     # with lambda just below the best intensity, a fresh task-3 decision reuses that model
     best = max(rho, key=rho.get)
@@ -171,6 +207,14 @@ def test_strategy_reuses_the_best_matching_model_at_or_above_lambda():
     e.method.task = 2
     said = e.method.announce(e.model, store, c, 99)
     assert said["family"].tolist() == [best, 0] and int(store["route"][2]) == best
+
+
+def test_auxiliary_output_spans_zero_to_one_whatever_the_number_of_classes():
+    from fedsilo.methods.pfeddil import confidence
+
+    for c in (4, 10, 31):
+        out = confidence(torch.stack([torch.zeros(c), torch.full((c,), -30.0).index_fill(0, torch.tensor([1]), 30.0)]))
+        assert out[0] == pytest.approx(0.0, abs=1e-6) and out[1] == pytest.approx(1.0, abs=1e-6), c
 
 
 def test_ensemble_weights_are_normalized_auxiliary_outputs_or_equal_without_correlation():

@@ -231,10 +231,12 @@ def test_fedecouple_resets_the_extractor_where_algorithm_1_does(clients, monkeyp
         for name, ep, at_start in calls[::3]:  # the classifier phase
             body = [k for k in at_start if not k.startswith(HEAD)]
             theta = own[name] if rnd == 2 and reset == "before_extractor" else downs[(rnd, name)]
+            assert ep == 1  # classifier_epochs
             assert all(torch.equal(at_start[k], theta[k]) for k in body), (rnd, name)
         for name, ep, at_start in calls[1::3]:  # GLF's epoch: theta^t and the frozen global classifier phi^t (weights;
             # BatchNorm statistics follow the classifier phase's batches as in FedRep, the extractor being in train mode)
             weights = [k for k in at_start if "running_" not in k and "num_batches" not in k]
+            assert ep == 1  # GLF trains one epoch
             assert all(torch.equal(at_start[k], downs[(rnd, name)][k]) for k in weights), (rnd, name)
     assert own and any(not torch.equal(own[c.name]["units.0.0.weight"], downs[(2, c.name)]["units.0.0.weight"]) for c in clients)
 

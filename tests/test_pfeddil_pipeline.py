@@ -131,3 +131,12 @@ def test_sensitivity_report_finds_the_lambda_sweeps_and_alpha_families_and_tabul
     got = alpha[(alpha["stream"] == "office31") & (alpha["method"] == "fedavg")].set_index("alpha")["Avg"]
     assert list(got.index) == [0.1, 1.0, 10.0] and got[10.0] == pytest.approx(100 * (0.3 + 0.1 + 0.005))
     assert "paper Avg" in (out / "lambda.md").read_text() and "alpha 10" in (out / "alpha.md").read_text()
+
+
+def test_stream_versus_paper_says_both_sides_are_accuracies_at_each_tasks_end():
+    from fedsilo.report import load_published, selection_note
+
+    for table in ("digit10", "office31", "domainnet"):
+        paper = load_published(REPO, f"pipelines/pfeddil/published.yaml#{table}")
+        note = selection_note(paper, "task_end", list(paper["methods"]))
+        assert note.count("at that task's end") == 2 and "not recorded" not in note and "final round" not in note, note

@@ -34,7 +34,7 @@ import numpy as np
 from fedsilo.client.data import ClientData
 from fedsilo.client.local import score
 from fedsilo.config import ConfigError
-from fedsilo.fl.engine import Engine
+from fedsilo.fl.engine import Engine, payload_bytes, read_only, transfer
 
 
 class ContinualEngine(Engine):
@@ -79,6 +79,21 @@ class ContinualEngine(Engine):
             # what each client keeps after the task (pFedDIL's Table 6)
             entry["storage"] = {c.name: self.method.storage(self.server, s) for c, s in zip(self.clients, self.stores)}
         return entry
+
+    def after_aggregation(self, entry: dict[str, Any], rnd: int) -> None:
+        """At a task's last round, after the aggregation: the server sends each client what it keeps of the task
+        (``Method.task_end_download`` / ``task_end_keep``; pFedDIL: the federation's final model of the family the
+        client learned the task with), counted in ``bytes_task_end`` and in the round's download total."""
+        if rnd % self.per_task:
+            return
+        for c, store in zip(self.clients, self.stores):
+            down = read_only(self.method.task_end_download(self.server, c))
+            if not down:  # nothing for this client (pFedDIL: it took no part in the task)
+                continue
+            entry.setdefault("bytes_task_end", {})[c.name] = payload_bytes(down)
+            if self.observer:
+                self.observer(rnd, c.name, "down", transfer(down))
+            self.method.task_end_keep(store, c, transfer(down))
 
     def evaluate(self, rnd: Optional[int] = None) -> dict[str, Any]:
         rnd = self.round if rnd is None else rnd

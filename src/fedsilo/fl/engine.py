@@ -325,14 +325,19 @@ class Engine:
         else:
             uploads.append((c, up))
 
+    def after_aggregation(self, entry: dict[str, Any], rnd: int) -> None:
+        """Between the round's aggregation and its evaluation (the task stream sends each client its task's final
+        model here)."""
+
     def close_round(self, entry: dict[str, Any], rnd: int, start: float, acc: Any, uploads: list[tuple[ClientData, State]]) -> None:
         """The end of a round, after every picked client trained (here or on its site): the server aggregates (the
         streaming accumulator, or the uploads), the round's totals are written, and the clients are evaluated when due."""
         self.server = self.method.agg_end(self.server, acc, rnd) if acc is not None else self.method.aggregate(self.server, uploads, rnd)
+        self.after_aggregation(entry, rnd)
         # wall-clock seconds of the round's local training, transfers and aggregation (Table 4-style "train time"),
         # and of the whole round with its evaluation; they describe the machine, not the result (never compared)
         entry["train_seconds"] = round(self._clock() - start, 4)
-        entry["bytes_down_total"] = int(sum(entry["bytes_down"].values()))
+        entry["bytes_down_total"] = int(sum(entry["bytes_down"].values()) + sum(entry.get("bytes_task_end", {}).values()))
         entry["bytes_up_total"] = int(sum(entry["bytes_up"].values()))
         if self.eval_due(rnd):
             entry.update(self.evaluate(rnd))

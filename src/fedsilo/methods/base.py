@@ -129,6 +129,15 @@ class Method:
         """Server side, at the first round of task ``task`` (a new task's head or model is created here)."""
         return server
 
+    def task_end_download(self, server: State, client: ClientData) -> State:
+        """Server side, after a task's last aggregation: what client ``client`` receives to keep of the task (counted
+        as downloaded bytes). Default: nothing."""
+        return {}
+
+    def task_end_keep(self, store: State, client: ClientData, payload: State) -> None:
+        """Client side: keep what ``task_end_download`` sent."""
+        raise NotImplementedError(f"{self.name} sends a task-end download but does not say what the client keeps")
+
     def predict_task(self, model: nn.Module, server: State, store: State, client: ClientData, task: int, rnd: int) -> torch.Tensor:
         """Class probabilities of client ``client``'s test images of task ``task`` (``client`` is that task's data):
         by default the softmax of the model the client is evaluated with. Methods that choose a model by the task's

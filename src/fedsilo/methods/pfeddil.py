@@ -27,7 +27,15 @@ class PFedDILParams(MethodParams):
     migration_weight: float = Field(1.0, ge=0, description="factor on the migration loss (1 = Eq. 5 as printed)")
 
 
+def confidence(aux_logits: torch.Tensor) -> torch.Tensor:
+    """f(x; theta) in [0, 1] from the auxiliary classifier's logits: its largest softmax probability rescaled from
+    [1/C, 1] to [0, 1] (0: no idea which class, 1: certain), so that lambda means the same for 10 and 31 classes."""
+    c = aux_logits.shape[1]
+    return (aux_logits.softmax(1).amax(1) - 1.0 / c) / (1.0 - 1.0 / c)
+
+
 SLOT, AUX = "slot", "aux"
+WHO = "who."  # server state: the family each client trains in the current task, as its announce said
 
 
 class PFedDIL(Method):
@@ -55,13 +63,18 @@ class PFedDIL(Method):
       but trains it by Eq. 3, cross entropy with the class labels y_i, on the task's data alone; a client keeps no
       images of other tasks, so a binary head would see one class only and answer "yes" to everything (every task
       would then reuse one model, whatever lambda). Here the auxiliary classifier is a second fully connected head over
-      the classes trained by Eq. 3, and its output f(x; theta) is its confidence, the largest softmax probability:
-      high on the domains it was trained on, lower under a domain shift, in [0, 1] so that lambda keeps the paper's
-      meaning (Table 6: lambda = 0 one model, lambda = 1 about one per task).
+      the classes trained by Eq. 3, and its output f(x; theta) is its confidence: the largest softmax probability
+      rescaled from [1/C, 1] to [0, 1] (``confidence``), high on the domains it was trained on, lower under a domain
+      shift, so that lambda keeps the paper's range whatever the number of classes (Table 6: lambda = 0 one model,
+      lambda = 1 about one per task; the raw probability would make every lambda <= 1/C act as 0).
     - *Federation of personalized models.* Alg. 1 aggregates the uploaded models; clients whose strategies differ
-      train different models, so the server averages per family. lambda = 0 is then FedAvg over one model (the paper's
-      Table 6 states lambda = 0 "degenerates to the normal FedAvg"), lambda > 1 a new federation per task ("separately
-      train models for each domain with knowledge migration").
+      train different models, so the server averages per family, and a client's personalized model of a family is the
+      federation's: after a task's last aggregation each client that took part receives the family model it trained
+      (``task_end_download``, counted), which it keeps, reuses and migrates from; inside a task it is scored with the
+      server's model of that family (its own copy is then its last local update). lambda = 0 is then FedAvg over one
+      model (the paper's Table 6: lambda = 0 "degenerates to the normal FedAvg"; its task-1 column is the same for
+      FedAvg and pFedDIL), tested to the score with migration off and the auxiliary classifier apart; lambda > 1 is a
+      new federation per task ("separately train models for each domain with knowledge migration").
     - *Sharing* (Sec. 3.2 and 4.1): every layer before the last fully connected layer is shared by the two heads; "w/o
       Sharing" gives the auxiliary classifier a network of its own (same architecture), trained by Eq. 3 alone.
     - *Migration* anchors at the other models as they were when the task began (they are not trained during it);
@@ -107,9 +120,11 @@ class PFedDIL(Method):
 
     # ------------------------------------------------------------------ knowledge matching
     @torch.no_grad()
-    def _outputs(self, model: LayeredNet, store: State, j: int, x_u8: torch.Tensor, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-        """Model j's class probabilities and its auxiliary output f(x; theta_j) for uint8 images."""
-        model.load_state_dict(take(store, f"{SLOT}{j}."), strict=True)
+    def _outputs(self, model: LayeredNet, store: State, j: int, x_u8: torch.Tensor, batch_size: int = 256,
+                 weights: Optional[State] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model j's class probabilities and its auxiliary output f(x; theta_j) for uint8 images (``weights``: model j
+        as the federation holds it, in place of the client's copy)."""
+        model.load_state_dict(weights if weights is not None else take(store, f"{SLOT}{j}."), strict=True)
         self.aux.load_state_dict(take(store, f"{AUX}{j}."), strict=True)
         model.eval()
         self.aux.eval()
@@ -122,7 +137,7 @@ class PFedDIL(Method):
                     logits = model(x).float()
                     aux = self.aux(seen["z"] if self.params.share_extractor else x).float()
                 probs.append(logits.softmax(1))
-                conf.append(aux.softmax(1).amax(1))
+                conf.append(confidence(aux))
         return torch.cat(probs), torch.cat(conf)
 
     def intensities(self, model: LayeredNet, store: State, client: ClientData) -> dict[int, float]:
@@ -203,34 +218,61 @@ class PFedDIL(Method):
     # ------------------------------------------------------------------ server
     streaming = True
 
+    def on_task_start(self, server, model, task):
+        return {k: v for k, v in server.items() if not k.startswith(WHO)}  # a new task: every client chooses anew
+
     def agg_begin(self, server, rnd):
-        return {}
+        return {"means": {}, "who": {}}
 
     def agg_add(self, acc, client, upload):
-        acc.setdefault(self.heard[client.index][0], RunningMean()).add(client.n_train, upload)
+        family = self.heard[client.index][0]
+        acc["means"].setdefault(family, RunningMean()).add(client.n_train, upload)
+        acc["who"][client.index] = family
 
     def agg_end(self, server, acc, rnd):
         server = dict(server)
-        for family, mean in acc.items():
+        for family, mean in acc["means"].items():
             put(server, f"family{family}.", mean.result())
+        for index, family in acc["who"].items():
+            server[f"{WHO}{index}"] = torch.tensor(family, dtype=torch.int64)
         self.heard.clear()
         return server
 
+    def task_end_download(self, server, client):
+        """After the task's last aggregation, a client that took part in the task receives the federation's model of
+        the family it trained (its personalized model of that family from now on)."""
+        family = server.get(f"{WHO}{client.index}")
+        return take(server, f"family{int(family)}.") if family is not None else {}
+
+    def task_end_keep(self, store, client, payload):
+        family = int(store["route"][self.task])
+        put(store, f"{SLOT}{family}.", payload)
+
     # ------------------------------------------------------------------ inference
-    def ensemble(self, model: LayeredNet, store: State, x_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def ensemble(self, model: LayeredNet, store: State, x_u8: torch.Tensor,
+                 server: Optional[State] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 6-7's parts for each image: the weights (models x images; the auxiliary outputs normalized to sum to
-        1, or equal weights without correlation) and each model's class probabilities (models x images x classes)."""
-        outs = [self._outputs(model, store, j, x_u8) for j in self.slots(store)]
+        1, or equal weights without correlation) and each model's class probabilities (models x images x classes).
+        With ``server``, the family the client trains in the current task is the federation's model of it (what
+        the client would receive: inside a task, the client's copy is its last local update)."""
+        held: dict[int, State] = {}
+        family = int(store["route"][self.task]) if server is not None else -1
+        if family >= 0 and has(server, f"family{family}."):
+            held[family] = take(server, f"family{family}.")
+        outs = [self._outputs(model, store, j, x_u8, weights=held.get(j)) for j in self.slots(store)]
         probs = torch.stack([p for p, _ in outs])
         conf = torch.stack([c for _, c in outs])
-        alpha = conf / conf.sum(0, keepdim=True) if self.params.correlation else torch.full_like(conf, 1.0 / len(outs))
+        total = conf.sum(0, keepdim=True)
+        # an image on which every auxiliary classifier is exactly uniform (total 0) weighs the models equally
+        alpha = torch.where(total > 0, conf / total.clamp_min(1e-12), 1.0 / len(outs)) if self.params.correlation \
+            else torch.full_like(conf, 1.0 / len(outs))
         return alpha, probs
 
     def predict_task(self, model, server, store, client, task, rnd) -> torch.Tensor:
         if not self.slots(store):  # never trained: the initial model is all the client has
             model.load_state_dict(self._init, strict=True)
             return predict(model, client.x_test, cfg=self.train).softmax(1)
-        alpha, probs = self.ensemble(model, store, client.x_test)
+        alpha, probs = self.ensemble(model, store, client.x_test, server)
         return (alpha.unsqueeze(2) * probs).sum(0)  # Eq. 7
 
     def eval_state(self, server, store, client):

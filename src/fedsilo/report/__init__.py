@@ -600,6 +600,7 @@ def versus_markdown(tab: pd.DataFrame, title: str) -> str:
 SELECTION = {
     "final": "the final round's test accuracy",
     "best_validation": "the test accuracy at the round of best mean validation accuracy",
+    "task_end": "under each task, the mean accuracy over the tasks seen so far at that task's end (Avg: their mean)",
 }
 
 

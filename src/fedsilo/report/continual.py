@@ -146,7 +146,8 @@ def build_stream_report(results: Path, experiment: str, methods: list[str], seed
         cost.to_csv(tmp / f"{experiment}_cost.csv", float_format="%.6g")
         full = md + "\n" + cost_md + "\n" + mat
         if published:  # the stream's tasks are the published table's domains, its Avg the tables' Avg
-            full += "\n" + write_versus(tmp, experiment, versus_paper(tab, load_published(repo, published)), published)
+            paper = load_published(repo, published)
+            full += "\n" + write_versus(tmp, experiment, versus_paper(tab, paper), published, paper, ours="task_end")
         series = []
         for m in methods:
             ev = [[e for e in histories[(m, s)] if "seen_acc" in e] for s in seeds]
