@@ -207,6 +207,53 @@ def test_fedavg_plus_dfd_and_dfc_by_configuration(clients):
         _run("fedavg", clients, rounds=3, local_rounds=1, decouple=CONV)
 
 
+@pytest.mark.parametrize("name", ["fpl", "fedheal", "fdse"])
+def test_table3_methods_take_dfd_and_dfc_and_keep_them_home(clients, name):
+    """Table 3's FPL / FedHEAL / FDSE + DFD and DFC: the modules are in the model, never in an upload, and their
+    loss reaches the shared weights (zero lambdas give other uploads). FDSE converts BasicBlock ResNets only: it
+    runs on ResNet-10 with three small clients, the modules after the backbone's last feature map."""
+    if name == "fdse":
+        import dataclasses
+
+        small = [dataclasses.replace(c, x_train=c.x_train[:8, :, ::2, ::2], y_train=c.y_train[:8], x_test=c.x_test[:4, :, ::2, ::2],
+                                     y_test=c.y_test[:4]) for c in clients[0][:3]]
+        tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu")
+
+        def run(decouple):
+            ups: list = []
+            cls = method_class("fdse")
+            e = Engine(cls(cls.params_cls(decouple=decouple), tp), build_model("resnet10_cifar", clients[1], clients[2], seed=0),
+                       small, tp, seed=0, observer=lambda r, c, d, p: ups.append((r, c, dict(p))) if d == "up" else None)
+            e.run()
+            return e, ups
+
+        e, ups = run({})
+        _, quiet = run({"lambda1": 0.0, "lambda2": 0.0})
+    else:
+        e, _, ups = _run(name, clients, rounds=1, decouple=CONV)
+        _, _, quiet = _run(name, clients, rounds=1, decouple={**CONV, "lambda1": 0.0, "lambda2": 0.0})
+    keys = module_keys(e.model)
+    assert keys and all(not (set(u) & keys) for _, _, u in ups)
+    assert not any(close_states(a[2], b[2], atol=1e-6) for a, b in zip(ups, quiet))
+
+
+def test_eq9_averages_the_decoupling_losses_over_the_inserted_layers():
+    """(1/|L|) sum over the layers L_j: with the same unit inserted twice the loss is that unit's, not twice it."""
+    from fedsilo.methods.decoupling import decoupling_loss, units
+
+    net = insert_decoupling(tiny_net(1, 4), torch.rand(2, 1, 16, 16), DecouplingParams(layers=("conv1", "conv2")))
+    found = units(net)
+    assert len(found) == 2
+    torch.manual_seed(0)
+    logits = net(torch.rand(6, 1, 16, 16))
+    y = torch.tensor([0, 1, 2, 3, 0, 1])
+    from fedsilo.methods.decoupling import most_confident_wrong
+
+    wrong = most_confident_wrong(logits, y)
+    parts = [float(u.loss(y, wrong)) for u in found]
+    assert float(decoupling_loss(net, logits, y)) == pytest.approx(sum(parts) / 2, rel=1e-6)
+
+
 # ----------------------------------------------------------------------------------------------- MOON
 def test_model_contrastive_loss_is_eq3():
     torch.manual_seed(0)

@@ -35,6 +35,26 @@ def test_std_over_seeds_is_the_sample_std():
     assert tab["std"].loc["m", "A"] != pytest.approx(np.std([50, 60, 90], ddof=0))
 
 
+def test_std_over_domains_is_each_runs_sample_std_over_its_domain_columns_and_the_paper_sets_it_beside():
+    """F²DC's STD column: FedAvg's Office-Caltech row (59.82, 65.26, 51.72, 46.67) has STD 8.27, the ddof = 1 std over
+    the four domains; ours is that per run, then mean ± std over seeds, and the vs-paper table sets it beside."""
+    from fedsilo.report import versus_paper
+
+    paper_row = [59.82, 65.26, 51.72, 46.67]
+    assert np.std(paper_row, ddof=1) == pytest.approx(8.27, abs=0.01)
+    runs = {0: [0.5982, 0.6526, 0.5172, 0.4667], 1: [0.60, 0.70, 0.50, 0.40]}
+    rows = [{"method": "fedavg", "seed": s, "domain": d, "acc": a} for s, accs in runs.items() for d, a in zip("ABCD", accs)]
+    tab = summary_table(pd.DataFrame(rows), "acc", ["fedavg"], domain_std=True)
+    per_run = [np.std(np.array(a) * 100, ddof=1) for a in runs.values()]
+    assert list(tab["mean"].columns) == ["A", "B", "C", "D", "Avg", "STD"]
+    assert tab["mean"].loc["fedavg", "STD"] == pytest.approx(np.mean(per_run))
+    assert tab["std"].loc["fedavg", "STD"] == pytest.approx(np.std(per_run, ddof=1))
+    assert "STD" not in summary_table(pd.DataFrame(rows), "acc", ["fedavg"])["mean"].columns
+    vs = versus_paper(tab, {"domains": list("ABCD"), "methods": {"fedavg": {"mean": paper_row + [55.87], "std_over_domains": 8.27}}})
+    assert vs.loc["fedavg", ("STD", "paper")] == 8.27
+    assert vs.loc["fedavg", ("STD", "diff")] == pytest.approx(np.mean(per_run) - 8.27)
+
+
 def test_a_one_class_test_split_makes_its_auc_and_the_avg_n_a_with_a_warning(tmp_path, caplog):
     res = tmp_path / "res"
     for s in (0, 1):
@@ -130,3 +150,13 @@ def test_the_vs_paper_table_says_which_round_each_side_comes_from(tmp_path, sele
     build_report(res, "e", ["fedavg"], [0], tmp_path / "out", published="pub.yaml#t", repo=tmp_path)
     vs = (tmp_path / "out" / "e_vs_paper.md").read_text()
     assert "Ours: the final round's test accuracy." in vs and says in vs
+
+
+def test_the_curves_plot_the_tables_avg_over_domains_not_the_mean_over_clients():
+    """F²DC's Fig. 5: three clients of domain A at 0.9 and one of B at 0.5 give Avg 0.7 (the table's), not 0.8."""
+    from fedsilo.report import domain_avg
+
+    entry = {"eval": {"A-0": {"acc": 0.9}, "A-1": {"acc": 0.9}, "A-2": {"acc": 0.9}, "B-0": {"acc": 0.5}}}
+    domain_of = {"A-0": "A", "A-1": "A", "A-2": "A", "B-0": "B"}
+    assert domain_avg(entry, domain_of) == pytest.approx(0.7)
+    assert domain_avg(entry, {}) == pytest.approx(0.8), "every client its own domain: the mean over clients"

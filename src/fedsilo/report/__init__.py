@@ -12,7 +12,7 @@
 - ``<experiment>_standard_errors.{md,csv}``: each domain's test-set size and the binomial standard error of its
   accuracy, sqrt(p (1 - p) / n) in points at the mean accuracy p, and the Avg's (domains independent), so that a
   reader sees when a difference between methods or against the paper is inside the sampling noise of the test set;
-- ``<experiment>_curves.png``: mean accuracy per round, one line per method (mean over seeds);
+- ``<experiment>_curves.png``: the Avg over domains per round (the accuracy tables' Avg; F²DC's Fig. 5), one line per method (mean over seeds);
 - ``<experiment>_<method>_domains.png``: per-domain accuracy per round for each method;
 - ``<experiment>_bytes.png``: bytes sent per round (up + down) per method; the accuracy page's first communication
   table gives the MiB all clients send per round (up + down), averaged over every round (silent rounds included);
@@ -119,6 +119,11 @@ def upload_per_participant(history: list[dict]) -> float:
     return float(np.mean(per)) if per else 0.0
 
 
+def client_domains(results: Path, method: str, seed: int) -> dict[str, str]:
+    """The split's client -> domain map, as a run's metrics.json records it (every run of an experiment shares it)."""
+    return read_json(Path(results) / method / f"seed{seed}" / "metrics.json").get("client_domains") or {}
+
+
 def one_class_clients(df: pd.DataFrame) -> list[tuple[str, int, str]]:
     """(method, seed, client) of a binary task whose client had no AUC (its test split holds one class)."""
     bad = df[df["has_auc"].astype(bool) & df["auc"].isna()]
@@ -131,7 +136,7 @@ def standard_errors(df: pd.DataFrame, acc: pd.DataFrame) -> pd.DataFrame | None:
     one row ``n`` holding each domain's test-set size. None when the runs predate ``test_sizes`` in metrics.json."""
     if "n_test" not in df or df["n_test"].isna().all():
         return None
-    domains = [c for c in acc["mean"].columns if c != "Avg"]
+    domains = [c for c in acc["mean"].columns if c not in ("Avg", "STD")]
     n = df.groupby("domain")["n_test"].first().reindex(domains)
     p = acc["mean"][domains] / 100
     se = np.sqrt(p * (1 - p) / n) * 100
@@ -305,13 +310,18 @@ def over_seeds(seeds: list[int], latex: bool = False) -> str:
     return f"mean {pm} sample std (ddof = 1) over {len(seeds)} seeds {list(seeds)}"
 
 
-def summary_table(df: pd.DataFrame, metric: str, methods: list[str]) -> pd.DataFrame:
+def summary_table(df: pd.DataFrame, metric: str, methods: list[str], domain_std: bool = False) -> pd.DataFrame:
+    """Per method, each domain's column and Avg (the mean over domains), as mean and std over seeds. ``domain_std``
+    adds STD after Avg: each run's sample std (ddof = 1) over its domain columns, then its mean and std over seeds
+    (the STD column of F²DC's and FedHEAL's tables: how evenly a method serves the domains, lower is better)."""
     domains = list(dict.fromkeys(df["domain"]))
     # NaN stays NaN (dropna=False, skipna=False): a client with no AUC makes its cell and its Avg "n/a", never a
     # mean over the domains or seeds that happen to have one
     piv = df.pivot_table(index=["method", "seed"], columns="domain", values=metric, dropna=False,
                          aggfunc=lambda x: x.mean(skipna=False))[domains] * 100
     piv["Avg"] = piv[domains].mean(axis=1, skipna=False)
+    if domain_std:
+        piv["STD"] = piv[domains].std(axis=1, ddof=1, skipna=False)
     g = piv.groupby(level="method")
     missing = piv.isna().groupby(level="method").any().reindex(methods)
     mean = g.mean().reindex(methods).mask(missing)
@@ -325,6 +335,8 @@ def summary_table(df: pd.DataFrame, metric: str, methods: list[str]) -> pd.DataF
 def _cells(tab: pd.DataFrame, bold: str) -> pd.DataFrame:
     mean, std = tab["mean"], tab["std"]
     best = mean.max(axis=0)
+    if "STD" in mean.columns:  # the spread over domains: the lowest is the best
+        best["STD"] = mean["STD"].min()
     cells = mean.copy().astype(object)
     for col in mean.columns:
         for m in mean.index:
@@ -441,7 +453,17 @@ def _line_figure(path: Path, series: list[tuple[str, list[float], list[float]]],
     return path.name
 
 
-def _plots(out: Path, experiment: str, methods: list[str], seeds: list[int], histories: dict) -> list[str]:
+def domain_avg(entry: dict, domain_of: dict[str, str]) -> float:
+    """A round's Avg as the accuracy tables form it: the mean over domains of the mean over each domain's clients
+    (the mean over clients where every client is its own domain or all share one)."""
+    by: dict[str, list[float]] = {}
+    for client, v in entry["eval"].items():
+        by.setdefault(domain_of.get(client, client), []).append(v["acc"])
+    return float(np.mean([np.mean(v) for v in by.values()]))
+
+
+def _plots(out: Path, experiment: str, methods: list[str], seeds: list[int], histories: dict,
+           domain_of: dict[str, str] | None = None) -> list[str]:
     def evals(m: str, s: int) -> list[dict]:
         return [e for e in histories[(m, s)] if "eval" in e]
 
@@ -449,8 +471,9 @@ def _plots(out: Path, experiment: str, methods: list[str], seeds: list[int], his
     series = []
     for m in methods:
         rounds = [e["round"] for e in evals(m, seeds[0])]
-        series.append((m, rounds, list(np.mean([[e["mean_acc"] * 100 for e in evals(m, s)] for s in seeds], axis=0))))
-    made.append(_line_figure(out / f"{experiment}_curves.png", series, "mean client test accuracy (%)", experiment))
+        series.append((m, rounds, list(np.mean([[domain_avg(e, domain_of or {}) * 100 for e in evals(m, s)] for s in seeds], axis=0))))
+    # F²DC's Fig. 5 (convergence of the average accuracy): its last point is the accuracy table's Avg
+    made.append(_line_figure(out / f"{experiment}_curves.png", series, "Avg test accuracy over domains (%)", experiment))
 
     for m in methods:
         h0 = evals(m, seeds[0])
@@ -561,8 +584,9 @@ def efficiency_markdown(comm: pd.DataFrame, paper: dict[str, Any], title: str) -
 
 
 def versus_paper(acc: pd.DataFrame, published: dict[str, Any], avg: bool = True) -> pd.DataFrame:
-    """Ours beside the paper's, per method and domain (+ Avg): columns (<domain>, ours|paper|diff). ``avg=False``
-    for a table whose columns are metrics, not domains (CD2-pFed's local / new / external test)."""
+    """Ours beside the paper's, per method and domain (+ Avg, + STD where ours has it and the paper gives
+    ``std_over_domains``): columns (<domain>, ours|paper|diff). ``avg=False`` for a table whose columns are metrics,
+    not domains (CD2-pFed's local / new / external test)."""
     ours = acc["mean"]
     domains = list(published["domains"]) + (["Avg"] if avg else [])
     missing = [d for d in published["domains"] if d not in ours.columns]
@@ -583,7 +607,16 @@ def versus_paper(acc: pd.DataFrame, published: dict[str, Any], avg: bool = True)
         cols[(d, "ours")] = ours.loc[rows, d]
         cols[(d, "paper")] = paper
         cols[(d, "diff")] = ours.loc[rows, d] - paper
+    if avg and "STD" in ours.columns and has_domain_std(published):
+        paper = pd.Series({m: float(published["methods"][m].get("std_over_domains", np.nan)) for m in rows}, dtype=float)
+        cols[("STD", "ours")], cols[("STD", "paper")] = ours.loc[rows, "STD"], paper
+        cols[("STD", "diff")] = ours.loc[rows, "STD"] - paper
     return pd.DataFrame(cols)
+
+
+def has_domain_std(published: dict[str, Any] | None) -> bool:
+    """Whether a published accuracy table prints a STD over domains (``std_over_domains`` on a row)."""
+    return any("std_over_domains" in (row or {}) for row in ((published or {}).get("methods") or {}).values())
 
 
 def versus_markdown(tab: pd.DataFrame, title: str) -> str:
@@ -718,7 +751,10 @@ def build_report(
     with atomic_dir(out_dir) as tmp:
         for exp in [experiment]:
             df, histories = collect(results, methods, seeds)
-            acc = summary_table(df, "acc", methods)
+            entries = load_published_entries(repo, published) if published else {}
+            # the paper's tables print a STD over domains: ours gets the column too
+            domain_std = has_domain_std(entries.get("accuracy"))
+            acc = summary_table(df, "acc", methods, domain_std)
             md = to_markdown(acc, f"{exp}: test accuracy (%), {over_seeds(seeds)}")
             if df["has_auc"].astype(bool).any():
                 md += "\n" + to_markdown(summary_table(df, "auc", methods), f"{exp}: test AUC (%), {over_seeds(seeds)}")
@@ -730,7 +766,7 @@ def build_report(
                            + "; ".join(f"{m} seed {s} client {c}" for m, s, c in no_auc) + ".\n")
             best_acc = None
             if df["best_val_round"].notna().all():  # every run scored a validation set
-                best_acc = summary_table(df, "acc_best_val", methods)
+                best_acc = summary_table(df, "acc_best_val", methods, domain_std)
                 picked = df.groupby(["method", "seed"], sort=False)["best_val_round"].first()
                 bv_md = to_markdown(best_acc, f"{exp}: test accuracy (%) at the round of best mean validation accuracy, {over_seeds(seeds)}")
                 bv_md += "\nRound picked per run: " + "; ".join(f"{m} seed {s}: {int(r)}" for (m, s), r in picked.items()) + ".\n"
@@ -759,7 +795,7 @@ def build_report(
             (tmp / f"{exp}_accuracy.md").write_text(md)
             _write_flat_csv(acc, tmp / f"{exp}_accuracy.csv")
             (tmp / f"{exp}_accuracy.tex").write_text(to_latex(acc, f"{exp}: test accuracy (\\%), {over_seeds(seeds, latex=True)}"))
-            figs = _plots(tmp, exp, methods, seeds, histories)
+            figs = _plots(tmp, exp, methods, seeds, histories, client_domains(results, methods[0], seeds[0]))
             lne = local_new_external(results, methods, seeds)
             if lne is not None:
                 lne_md = local_new_external_markdown(lne, f"{exp}: local, new and external test accuracy (%), {over_seeds(seeds)}")
@@ -769,7 +805,6 @@ def build_report(
                 flat_lne.index.name = "method"
                 flat_lne.to_csv(tmp / f"{exp}_local_new_external.csv", float_format="%.4f")
                 md += "\n" + lne_md
-            entries = load_published_entries(repo, published) if published else {}
             paper_tta = entries.get("time_to_accuracy")
             if paper_tta is not None and paper_tta["target"] != target_accuracy:
                 raise ReportError(f"experiments.{exp}.target_accuracy: {target_accuracy} but {published}'s time_to_accuracy "
