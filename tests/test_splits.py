@@ -67,6 +67,18 @@ def test_domain_clients_uses_official_test_subset_when_present(records):
         make_split(records, DomainClientsSplit(n_train=6, test_from="official"), 0)
 
 
+def test_domain_clients_n_test_all_takes_the_whole_official_test_subset(records):
+    """FedBN's Digits protocol and the released Chest-X-Ray-4: the whole official test subset, whatever its size."""
+    s = make_split(records, DomainClientsSplit(n_train=60, n_test="all", domains=("A", "B")), 0)
+    for c in s["clients"]:
+        official = set(records.index[(records["domain"] == c["domain"]) & (records["subset"] == "test")])
+        assert set(c["test"]) == official and len(official) > 60
+    with pytest.raises(SplitError, match="split.n_test: 'all' takes domain 'C'"):
+        make_split(records, DomainClientsSplit(n_train=60, n_test="all"), 0)
+    with pytest.raises(ValueError, match="n_test"):
+        DomainClientsSplit(n_train=60, n_test="most")
+
+
 def test_domain_multi_clients_sizes_disjoint_and_shared_test(records):
     p = PROTOCOLS[1]
     s = make_split(records, p, 0)

@@ -126,3 +126,24 @@ def test_rows_selected_differently_by_the_paper_are_each_compared_like_for_like(
     assert ("fedavg: ours the test accuracy at the round of best mean validation accuracy, paper the test accuracy at the "
             "round of best mean validation accuracy; pfeddb: ours the final round's test accuracy, paper the final round's test accuracy") in vs
     assert "fedssd" not in vs  # the note names the rows compared only
+
+
+def test_per_client_best_validation_takes_each_clients_own_best_round_for_rows_the_paper_selected_so(tmp_path):
+    """The authors' Single scripts run one site at a time and keep each site's best-validation epoch: A's validation
+    peaks in round 1, B's in round 3, while the best MEAN validation round is 2."""
+    res = tmp_path / "res"
+    _run(res, "single", 0, [(0.0, {"A-0": 0.5, "B-0": 0.1}), (0.0, {"A-0": 0.6, "B-0": 0.2}), (0.0, {"A-0": 0.7, "B-0": 0.3})])
+    hist = json.loads((res / "single" / "seed0" / "history.json").read_text())
+    for e, (va, vb) in zip(hist, [(0.9, 0.1), (0.8, 0.6), (0.1, 0.7)]):
+        e["eval"]["A-0"]["val_acc"], e["eval"]["B-0"]["val_acc"] = va, vb
+        e["mean_val_acc"] = (va + vb) / 2
+    (res / "single" / "seed0" / "history.json").write_text(json.dumps(hist))
+    df, _ = collect(res, ["single"], [0])
+    assert dict(zip(df["domain"], df["acc_best_own_val"])) == {"A": 0.5, "B": 0.3}
+    assert dict(zip(df["domain"], df["acc_best_val"])) == {"A": 0.6, "B": 0.2}, "the mean rule: round 2 for both"
+    table = {"domains": ["A", "B"], "methods": {"single": {"mean": [50.0, 30.0, 40.0], "selection": "best_validation_per_client"}}}
+    (tmp_path / "pub.yaml").write_text(yaml.safe_dump({"accuracy": {"t": table}}))
+    build_report(res, "e", ["single"], [0], tmp_path / "out", published="pub.yaml#t", repo=tmp_path)
+    vs = (tmp_path / "out" / "e_vs_paper.md").read_text()
+    assert "50.0 / 50.0 (+0.0)" in vs and "30.0 / 30.0 (+0.0)" in vs
+    assert "each client's test accuracy at the round of its own best validation accuracy" in vs

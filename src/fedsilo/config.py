@@ -257,7 +257,10 @@ class DomainClientsSplit(Strict):
     n_train: int = Field(458, ge=1)
     n_val: int = Field(0, ge=0, description="validation images per client, drawn from the training pool apart from n_train "
                        "(FedBN's protocol: 0.4 x the smallest domain); scored every evaluated round for best-validation selection")
-    n_test: Optional[int] = Field(None, ge=1, description="default: equal to n_train")
+    n_test: Optional[Union[Annotated[int, Field(ge=1)], Literal["all"]]] = Field(
+        None, description="test images per client (default: equal to n_train); 'all': the domain's whole official test "
+        "subset (FedBN's test.pkl, a release's test folders)",
+    )
     n_test_per_domain: dict[str, int] = Field(default_factory=dict)
     domains: Optional[tuple[str, ...]] = None
     test_from: TestFrom = Field("auto", description="official: the dataset's own test subset; pooled: drawn from all images; auto: official when the domain has one")

@@ -153,6 +153,12 @@ def domain_clients(records: pd.DataFrame, params: DomainClientsSplit | HoldoutDo
     fedbn = _fedbn_sizes(records, params, doms) if getattr(params, "n_train_of_smallest", None) else {}
     for dom in doms:
         n_test = params.n_test_per_domain.get(dom, params.n_test or params.n_train)
+        if n_test == "all":  # the domain's whole official test subset
+            sub = records[records["domain"] == dom]
+            if not _uses_official(sub, params.test_from, dom):
+                raise SplitError(f"split.n_test: 'all' takes domain {dom!r}'s whole official test subset, and it has none "
+                                 f"(test_from: {params.test_from}); give a number")
+            n_test = int((sub["subset"] == "test").sum())
         n_train, n_test, n_val = fedbn.get(dom, (params.n_train, n_test, n_val))
         train, test, val = _draw_domain(records, dom, n_train, n_test, params.test_from, seed, n_val)
         clients.append(_client(len(clients), dom, dom, train, test, val))

@@ -85,7 +85,10 @@ def collect(results: Path, methods: list[str], seeds: list[int]) -> tuple[pd.Dat
                              "n_test": float((met.get("test_sizes") or {}).get(client, np.nan)),
                              "test_set": (met.get("test_set_of") or {}).get(client),
                              # the test accuracy at the run's round of best mean validation accuracy (NaN: no validation set)
-                             "acc_best_val": best["eval"][client]["acc"] if best else np.nan, **run_level})
+                             "acc_best_val": best["eval"][client]["acc"] if best else np.nan,
+                             # ... and at the client's own round of best validation accuracy (Single's scripts' rule)
+                             "acc_best_own_val": own_best_validation_acc(histories[(m, s)], client) if best else np.nan,
+                             **run_level})
     df = pd.DataFrame(rows)
     if not df.empty and df.duplicated(["method", "seed", "domain"]).any():
         order = list(dict.fromkeys(df["domain"]))
@@ -633,6 +636,7 @@ def versus_markdown(tab: pd.DataFrame, title: str) -> str:
 SELECTION = {
     "final": "the final round's test accuracy",
     "best_validation": "the test accuracy at the round of best mean validation accuracy",
+    "best_validation_per_client": "each client's test accuracy at the round of its own best validation accuracy",
     "task_end": "under each task, the mean accuracy over the tasks seen so far at that task's end (Avg: their mean)",
 }
 
@@ -665,6 +669,14 @@ def selection_note(paper: dict[str, Any] | None, ours: str | dict[str, str] = "f
         groups.setdefault((SELECTION[ours_of.get(m, "final")], theirs(m)), []).append(m)
     return "Which round each number comes from: " + "; ".join(
         f"{', '.join(ms)}: ours {o}, paper {p}" for (o, p), ms in groups.items()) + "."
+
+
+def own_best_validation_acc(history: list[dict], client: str) -> float:
+    """The client's test accuracy at the evaluated round where ITS validation accuracy was highest (the first such
+    round on ties): each site's own model selection, as the authors' single-site scripts (``single_office.py``,
+    ``single_domainnet.py``) choose the best epoch per site; NaN when the client scored no validation set."""
+    ev = [e["eval"][client] for e in history if "eval" in e and "val_acc" in e["eval"].get(client, {})]
+    return float(max(ev, key=lambda v: v["val_acc"])["acc"]) if ev else float("nan")
 
 
 def best_validation_round(history: list[dict]) -> dict | None:
@@ -845,12 +857,16 @@ def build_report(
                     vs = versus_paper(pd.concat({"mean": lne["mean"].rename(columns=METRIC_COLUMNS_INV)}, axis=1), paper, avg=False)
                     ours = "final"
                 else:  # like for like: a row the paper selected by validation is set beside ours selected so
-                    by_val = [m for m in methods if paper_selection(paper, m) == "best_validation"] if best_acc is not None else []
+                    rules = {m: paper_selection(paper, m) for m in methods} if best_acc is not None else {}
                     ours_tab = acc.copy()
-                    if by_val:
-                        ours_tab.loc[by_val] = best_acc.loc[by_val]
+                    ours = dict.fromkeys(methods, "final")
+                    for rule, metric in (("best_validation", "acc_best_val"), ("best_validation_per_client", "acc_best_own_val")):
+                        picked = [m for m in methods if rules.get(m) == rule]
+                        if picked:
+                            ours_tab.loc[picked] = summary_table(df, metric, methods, domain_std).loc[picked]
+                            ours.update(dict.fromkeys(picked, rule))
                     vs = versus_paper(ours_tab, paper)
-                    ours = {m: "best_validation" if m in by_val else "final" for m in vs.index}
+                    ours = {m: ours[m] for m in vs.index}
                 md += "\n" + write_versus(tmp, exp, vs, published, paper, ours)
                 made[exp + ":vs_paper"] = vs.to_dict(orient="index")
                 paper_eff = entries.get("efficiency")
