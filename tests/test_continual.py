@@ -63,6 +63,23 @@ def test_summary_of_a_task_relearned_at_the_end_forgets_nothing_of_it():
     assert s["forgetting"] == pytest.approx((0.0 + 0.1) / 2)
 
 
+def test_a_task_relearned_at_the_end_is_forgotten_by_about_nothing_and_a_repeated_domain_is_refused():
+    """FedAvg on S0 -> S1 -> S0 again (its own images; the engine's tasks need not be distinct domains): the first
+    task's forgetting is about 0, while the middle task's is what FedAvg forgets of it. A split naming a domain twice
+    is refused naming the key (its columns would overwrite each other)."""
+    from fedsilo.config import DomainIncrementalSplit
+
+    stream = style_stream(domains=2)
+    e = _engine("fedavg", train=_train(rounds=3), tasks=[stream[0], stream[1], stream[0]], names=["S0", "S1", "S0 again"])
+    h = e.run()
+    s = continual_summary(h, e.task_names, e.per_task)
+    m = s["accuracy_matrix"]
+    relearned = max(m[0][0], m[1][0]) - m[2][0]
+    assert relearned <= 0.05, m
+    with pytest.raises(ValueError, match="domain 'A' appears twice"):
+        DomainIncrementalSplit(protocol="domain_incremental", clients=2, domain_order=("A", "B", "A"))
+
+
 def test_a_static_method_is_refused_on_a_stream_naming_the_key():
     cls = REGISTRY["ditto"]
     with pytest.raises(ConfigError, match="methods.ditto: ditto does not learn a stream.*pfeddil"):

@@ -340,6 +340,14 @@ class DomainIncrementalSplit(Strict):
     test_fraction: float = Field(0.25, gt=0, lt=1)
     min_per_client: int = Field(2, ge=1)
 
+    @field_validator("domain_order")
+    @classmethod
+    def _each_domain_once(cls, v: Optional[tuple[str, ...]]) -> Optional[tuple[str, ...]]:
+        seen = [d for i, d in enumerate(v or ()) if d in (v or ())[:i]]
+        if seen:  # a task is named by its domain in every table, curve and metric: a repeat would overwrite one
+            raise ValueError(f"domain {seen[0]!r} appears twice; a stream learns each domain once")
+        return v
+
 
 class HoldoutDomainSplit(Strict):
     """``domain_clients`` over every domain but ``holdout``; the held-out domain becomes a late-joining client
