@@ -140,3 +140,15 @@ def test_stream_versus_paper_says_both_sides_are_accuracies_at_each_tasks_end():
         paper = load_published(REPO, f"pipelines/pfeddil/published.yaml#{table}")
         note = selection_note(paper, "task_end", list(paper["methods"]))
         assert note.count("at that task's end") == 2 and "not recorded" not in note and "final round" not in note, note
+
+
+def test_stream_cost_table_sets_the_papers_tables_4_and_5_beside_ours():
+    import pandas as pd
+
+    from fedsilo.report.continual import cost_markdown
+
+    tab = pd.DataFrame([{"train_s_per_round": 0.5, "rounds_to_best_total": 12.0, "models_per_client": 2.0, "MiB_kept_per_client": 1.0,
+                         "MiB_up_per_client_round": 0.1}], index=pd.Index(["pfeddil"], name="method"))
+    md = cost_markdown(tab, "t", 10, {"pfeddil": 34.91, "fedavg": 32.14}, {"pfeddil": 379})
+    assert "paper s / round (Table 4) | paper rounds to best (Table 5) |" in md and "| 34.91 | 379 |" in md
+    assert "paper" not in cost_markdown(tab, "t", 10)
