@@ -132,6 +132,27 @@ def test_office_caltech_both_namings_give_the_same_labels(bench_raw, tmp_path):
     assert set(b.loc[b["label"] == 5, "original_label"]) == {"laptop_computer"}
 
 
+def test_domainnet_fedbn_split_lists_set_the_subset_in_place_of_the_official_lists(bench_raw, tmp_path):
+    """FedBN's DomainNet copy (pFedDB's DomainNet scripts read it): ``<domain>_{train,test}.pkl`` beside the domain
+    folders decide the 10 classes' subsets; a domain without them keeps the official lists'."""
+    raw = tmp_path / "domainnet"
+    shutil.copytree(bench_raw / "domainnet", raw)
+    official = source_module("domainnet").read_records(raw)
+    files = sorted((raw / "clipart" / "bird").iterdir())
+    with open(raw / "clipart_train.pkl", "wb") as f:
+        pickle.dump((np.array([f"DomainNet/clipart/bird/{p.name}" for p in files[:3]]), np.array(["bird"] * 3)), f)
+    with open(raw / "clipart_test.pkl", "wb") as f:
+        pickle.dump((np.array([f"DomainNet/clipart/bird/{p.name}" for p in files[3:5]]), np.array(["bird"] * 2)), f)
+    fedbn = source_module("domainnet").read_records(raw)
+    clip = fedbn[(fedbn["domain"] == "clipart") & (fedbn["excluded"] == "")]
+    bird = clip[clip["label"] == 0]
+    assert bird["subset"].value_counts().to_dict() == {"train": 3, "test": 2, "": len(files) - 5}
+    assert set(clip.loc[clip["label"] != 0, "subset"]) == {""}, "an image in neither FedBN list has no subset"
+    same = lambda df: df[df["domain"] != "clipart"].sort_values("id")["subset"].tolist()  # noqa: E731
+    assert same(fedbn) == same(official), "the other domains keep the official lists"
+    assert fedbn["id"].tolist() == official["id"].tolist() and fedbn["label"].tolist() == official["label"].tolist()
+
+
 def test_pacs_reads_with_and_without_kfold_lists(bench_raw, tmp_path):
     with_lists = source_module("pacs").read_records(bench_raw / "pacs")
     assert set(with_lists["subset"]) == {"train", "val"}

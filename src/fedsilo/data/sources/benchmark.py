@@ -79,6 +79,26 @@ def class_root(domain_dir: Path) -> Path:
     return domain_dir / "images" if (domain_dir / "images").is_dir() else domain_dir
 
 
+def fedbn_split_lists(raw_dir: Path, domain: str, aliases: dict[str, str]) -> dict[str, str]:
+    """``<class folder>/<file>`` -> ``train`` / ``test`` from FedBN's split lists ``<site>_train.pkl`` /
+    ``<site>_test.pkl`` (a pickled (paths, labels) pair each; Office-Caltech-10 and DomainNet), for the domain the
+    site name maps to through ``aliases`` (normalized name -> domain); empty when the domain has none."""
+    out: dict[str, str] = {}
+    for subset in ("train", "test"):
+        hits = [p for p in walk(raw_dir, f"*_{subset}.pkl") if aliases.get(norm_name(p.stem[: -len(subset) - 1])) == domain]
+        if not hits:
+            continue
+        try:
+            paths, _ = np.load(hits[0], allow_pickle=True)
+        except (ValueError, OSError, EOFError) as err:
+            raise LabelFileError(f"{hits[0]}: cannot read FedBN split list: {err}") from err
+        for path in paths:
+            parts = Path(str(path)).parts
+            if len(parts) >= 2:
+                out[f"{parts[-2]}/{parts[-1]}"] = subset
+    return out
+
+
 def class_folder_records(
     domain_dir: Path,
     raw_dir: Path,

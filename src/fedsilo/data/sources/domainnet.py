@@ -6,6 +6,11 @@ The pFedDB / FedBN benchmark keeps a 10-class subset (``CLASSES``); images of th
 excluded (reason ``class not in the 10-class subset``) from the split lists, without touching their files. Images of
 the subset get ``subset`` train / test from the lists (empty for a file in no list); a listed file that is missing
 is kept and quarantined by harmonize.
+
+FedBN's DomainNet copy (its ``domainnet_dataset`` release, which pFedDB's DomainNet scripts read) carries its own split
+lists ``<domain>_train.pkl`` / ``<domain>_test.pkl`` (pickled (paths, class names)) beside the domain folders: where a
+domain has them, they set the subset of every image of the 10 classes (an image in neither list: empty), in place of
+the official lists, so that ``test_from: official`` and FedBN's sizes (``n_train_of_smallest``) follow FedBN's split.
 """
 
 from __future__ import annotations
@@ -16,7 +21,14 @@ import pandas as pd
 
 from fedsilo.data.download import Remote
 from fedsilo.data.sources.base import LabelFileError, is_hidden, walk
-from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES, find_dirs, list_lines, norm_name, records_frame
+from fedsilo.data.sources.benchmark import (
+    IMAGE_SUFFIXES,
+    fedbn_split_lists,
+    find_dirs,
+    list_lines,
+    norm_name,
+    records_frame,
+)
 
 DISTRIBUTED_ARCHIVES = "*.zip"  # a local folder of the per-domain zips is unpacked by fetch, as download mode does
 DOMAINS = ("clipart", "infograph", "painting", "quickdraw", "real", "sketch")
@@ -103,5 +115,10 @@ def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
                         "id": f"{domain}/{key}", "label": CLASSES.index(cls), "original_label": cdir.name, "group": "", "view": "",
                         "path": f.relative_to(raw_dir).as_posix(), "reader": "image", "excluded": "", "subset": "",
                     }
+        fedbn = fedbn_split_lists(raw_dir, domain, DOMAIN_ALIASES)
+        if fedbn:  # FedBN's lists decide the 10 classes' subsets (the other classes keep the official lists' record)
+            for key, row in rows.items():
+                if not row["excluded"]:
+                    row["subset"] = fedbn.get(key, "")
         frames.append(records_frame(list(rows.values()), domain))
     return pd.concat(frames, ignore_index=True)

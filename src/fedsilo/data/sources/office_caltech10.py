@@ -11,35 +11,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
-from fedsilo.data.sources.base import LabelFileError, walk
-from fedsilo.data.sources.benchmark import class_folder_records, find_dirs, norm_name, records_frame
+from fedsilo.data.sources.base import LabelFileError
+from fedsilo.data.sources.benchmark import class_folder_records, fedbn_split_lists, find_dirs, norm_name, records_frame
 
 DOMAINS = ("amazon", "caltech", "dslr", "webcam")
 CLASSES = ("backpack", "bike", "calculator", "headphones", "keyboard", "laptop", "monitor", "mouse", "mug", "projector")
 DOMAIN_ALIASES = {"amazon": "amazon", "caltech": "caltech", "caltech10": "caltech", "caltech256": "caltech", "dslr": "dslr", "webcam": "webcam"}
 CLASS_ALIASES = {norm_name(c): c for c in CLASSES} | {"backpack": "backpack", "laptopcomputer": "laptop", "bicycle": "bike"}
 DOWNLOADS: list = []  # FedBN's and the benchmark's copies live behind Google Drive / Dropbox links: use files or local
-
-
-def _fedbn_subsets(raw_dir: Path, domain: str, folder: Path) -> dict[str, str]:
-    """class-folder/file -> subset, from FedBN's ``<domain>_{train,test}.pkl`` when present."""
-    out: dict[str, str] = {}
-    for subset in ("train", "test"):
-        hits = [p for p in walk(raw_dir, f"*_{subset}.pkl") if DOMAIN_ALIASES.get(norm_name(p.stem[: -len(subset) - 1])) == domain]
-        if not hits:
-            continue
-        try:
-            paths, _ = np.load(hits[0], allow_pickle=True)
-        except (ValueError, OSError, EOFError) as err:
-            raise LabelFileError(f"{hits[0]}: cannot read FedBN split list: {err}") from err
-        for p in paths:
-            parts = Path(str(p)).parts
-            if len(parts) >= 2:
-                out[f"{parts[-2]}/{parts[-1]}"] = subset
-    return out
 
 
 def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
@@ -50,6 +31,6 @@ def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
     frames = []
     for domain in DOMAINS:
         if domain in dirs:
-            rows = class_folder_records(dirs[domain], raw_dir, domain, CLASSES, CLASS_ALIASES, _fedbn_subsets(raw_dir, domain, dirs[domain]))
+            rows = class_folder_records(dirs[domain], raw_dir, domain, CLASSES, CLASS_ALIASES, fedbn_split_lists(raw_dir, domain, DOMAIN_ALIASES))
             frames.append(records_frame(rows, domain))
     return pd.concat(frames, ignore_index=True)
