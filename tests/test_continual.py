@@ -80,6 +80,16 @@ def test_a_task_relearned_at_the_end_is_forgotten_by_about_nothing_and_a_repeate
         DomainIncrementalSplit(protocol="domain_incremental", clients=2, domain_order=("A", "B", "A"))
 
 
+def test_fedprox_is_fine_tuned_task_after_task_and_its_proximal_term_acts_on_a_stream():
+    """pFedDIL's FedProx baseline: FedAvg's stream protocol (one global model, fine-tuned task after task) with the
+    proximal term, which changes the updates."""
+    e_avg, h_avg, _ = _run("fedavg")
+    e1, h1, _ = _run("fedprox", mu=1.0)
+    ends = lambda h: [x["task_acc"] for x in h if x.get("task_end")]  # noqa: E731
+    assert not all(torch.equal(e1.server[k], e_avg.server[k]) for k in e_avg.server)
+    assert [x["task"] for x in h1] == [0, 0, 1, 1, 2, 2] and len(ends(h1)) == 3
+
+
 def test_a_static_method_is_refused_on_a_stream_naming_the_key():
     cls = REGISTRY["ditto"]
     with pytest.raises(ConfigError, match="methods.ditto: ditto does not learn a stream.*pfeddil"):
