@@ -129,6 +129,8 @@ def _tiny_pfeddb(repo) -> dict:
     }
     raw["runs"] = {
         "tables_1_2": {"experiments": ["pq_cxr"], "methods": ["fedavg", "fedprox"]},
+        "tables_1_2_pfeddr": {"experiments": ["pq_cxr"], "methods": ["pfeddr"]},
+        "tables_1_2_pfeddr_domainnet": {"experiments": ["pq_cxr"], "methods": ["pfeddr_domainnet"]},
         "table3_office": {"experiments": ["pq_cxr"], "methods": ["pfeddb_cut_a"]},
         "table3_cxr4": {"experiments": ["pq_cxr"], "methods": ["pfeddb"]},
         "table4": {"experiments": ["pq_cxr"], "methods": ["pfeddb_one_phase"]},

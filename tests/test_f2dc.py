@@ -238,7 +238,7 @@ def test_table3_methods_take_dfd_and_dfc_and_keep_them_home(clients, name):
 
 
 def test_eq9_averages_the_decoupling_losses_over_the_inserted_layers():
-    """(1/|L|) sum over the layers L_j: with the same unit inserted twice the loss is that unit's, not twice it."""
+    """(1/|L|) sum over the layers L_j: with units after conv1 and conv2 the loss is the mean of theirs, not the sum."""
     from fedsilo.methods.decoupling import decoupling_loss, units
 
     net = insert_decoupling(tiny_net(1, 4), torch.rand(2, 1, 16, 16), DecouplingParams(layers=("conv1", "conv2")))

@@ -76,6 +76,8 @@ def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
         m[f"bytes_up.{c}"] = b
     for c, b in entry["bytes_down"].items():
         m[f"bytes_down.{c}"] = b
+    for c, b in entry.get("bytes_task_end", {}).items():  # a task stream's end-of-task download (pFedDIL)
+        m[f"bytes_task_end.{c}"] = b
     for c, v in entry["train_loss"].items():
         if v is not None:
             m[f"train_loss.{c}"] = v

@@ -4,7 +4,8 @@ Every client learns the same sequence of domain tasks (a ``domain_incremental`` 
 domain's images spread over the clients with Dirichlet(alpha) label skew). Task t runs for ``train.rounds`` rounds
 (pFedDIL's T per task), rounds ``t*T+1 .. (t+1)*T`` of the run; each round a fraction ``train.client_fraction`` of the
 clients takes part (pFedDIL's active ratio k) and trains on the current task's data only: earlier tasks' images are
-out of reach. The server calls the method's ``on_task_start`` at each task's first round.
+out of reach. The server calls the method's ``on_task_start`` at each task's first round, and after a task's last aggregation
+sends each client what the method says it keeps of the task (``task_end_download``: pFedDIL's family model).
 
 Evaluation (every ``train.eval_every`` rounds and always at the end of each task) scores every client on the test
 sets of every task seen so far, with the prediction the method gives for that task (``Method.predict_task``: the
@@ -86,7 +87,7 @@ class ContinualEngine(Engine):
         client learned the task with), counted in ``bytes_task_end`` and in the round's download total."""
         if rnd % self.per_task:
             return
-        for c, store in zip(self.clients, self.stores):
+        for k, (c, store) in enumerate(zip(self.clients, self.stores)):
             down = read_only(self.method.task_end_download(self.server, c))
             if not down:  # nothing for this client (pFedDIL: it took no part in the task)
                 continue
@@ -94,6 +95,7 @@ class ContinualEngine(Engine):
             if self.observer:
                 self.observer(rnd, c.name, "down", transfer(down))
             self.method.task_end_keep(store, c, transfer(down))
+            self.stores[k] = self._place(store)  # where stores live (the host, with train.store_device: host)
 
     def evaluate(self, rnd: Optional[int] = None) -> dict[str, Any]:
         rnd = self.round if rnd is None else rnd

@@ -31,7 +31,7 @@ def confidence(aux_logits: torch.Tensor) -> torch.Tensor:
     """f(x; theta) in [0, 1] from the auxiliary classifier's logits: its largest softmax probability rescaled from
     [1/C, 1] to [0, 1] (0: no idea which class, 1: certain), so that lambda means the same for 10 and 31 classes."""
     c = aux_logits.shape[1]
-    return (aux_logits.softmax(1).amax(1) - 1.0 / c) / (1.0 - 1.0 / c)
+    return ((aux_logits.softmax(1).amax(1) - 1.0 / c) / (1.0 - 1.0 / c)).clamp(0.0, 1.0)
 
 
 SLOT, AUX = "slot", "aux"
@@ -47,10 +47,9 @@ class PFedDIL(Method):
     classifier it computes the *knowledge matching intensity* of the new task, the mean auxiliary output over the
     task's training images (Eq. 2), and picks a strategy (Eq. 4): reuse its model m with the highest intensity when
     that intensity reaches lambda, else start a new model from the initial parameters w-hat (Alg. 1 line 1). It tells
-    the server which *family* it trains (a model started at task j is family j; a reused model keeps its family) and
-    whether it needs a download. **Every round**: the client trains from the server's model of its family (on its
-    first round of a task: from its own reused model, or from the family's server model / w-hat when it starts a new
-    one), for E epochs on the current task with the task loss, the auxiliary loss (Eq. 3, trained jointly through the
+    the server which *family* it trains (a model started at task j is family j; a reused model keeps its family; the
+    announcement's second entry, once whether a download was wanted, is always 1 now). **Every round**: the client
+    trains from the server's current model of its family (w-hat for a family nobody has trained yet), for E epochs on the current task with the task loss, the auxiliary loss (Eq. 3, trained jointly through the
     shared layers, Eq. 8) and the knowledge migration loss sum_i rho_i ||w - w_i||^2 towards each of its *other* models
     weighted by their intensities (Eq. 5); it keeps the result as its personalized model of that family with its
     auxiliary classifier, and uploads the model. **Server**: the sample-size-weighted mean of the uploads of each
@@ -69,12 +68,16 @@ class PFedDIL(Method):
       lambda = 1 about one per task; the raw probability would make every lambda <= 1/C act as 0).
     - *Federation of personalized models.* Alg. 1 aggregates the uploaded models; clients whose strategies differ
       train different models, so the server averages per family, and a client's personalized model of a family is the
-      federation's: after a task's last aggregation each client that took part receives the family model it trained
+      federation's: every selected client trains from the server's current model of its family (Alg. 1, line 4),
+      and after a task's last aggregation each client that took part receives the family model it trained
       (``task_end_download``, counted), which it keeps, reuses and migrates from; inside a task it is scored with the
       server's model of that family (its own copy is then its last local update). lambda = 0 is then FedAvg over one
       model (the paper's Table 6: lambda = 0 "degenerates to the normal FedAvg"; its task-1 column is the same for
-      FedAvg and pFedDIL), tested to the score with migration off and the auxiliary classifier apart; lambda > 1 is a
-      new federation per task ("separately train models for each domain with knowledge migration").
+      FedAvg and pFedDIL), tested to the score with migration off and the auxiliary classifier apart, under full and
+      under partial participation for every client that has taken part in the task (a client not yet sampled in a
+      task holds, and is scored with, the models it received last); lambda > 1 is a new federation per task
+      ("separately train models for each domain with knowledge migration"). A family's auxiliary head stays the
+      client's own (it is never uploaded) and is applied to the federation's trunk of that family.
     - *Sharing* (Sec. 3.2 and 4.1): every layer before the last fully connected layer is shared by the two heads; "w/o
       Sharing" gives the auxiliary classifier a network of its own (same architecture), trained by Eq. 3 alone.
     - *Migration* anchors at the other models as they were when the task began (they are not trained during it);
@@ -154,17 +157,16 @@ class PFedDIL(Method):
             best = max(rho, key=lambda j: (rho[j], -j)) if rho else None
             store["route"][t] = best if best is not None and rho[best] >= self.params.lam else t
         family = int(store["route"][t])
-        reuse_own = first and has(store, f"{SLOT}{family}.")
-        return {"family": torch.tensor([family, 0 if reuse_own else 1], dtype=torch.int64)}
+        # every selected client receives the federation's current model of its family (Algorithm 1, line 4), the
+        # first round of a task too: its own copy dates from its last round with that family
+        return {"family": torch.tensor([family, 1], dtype=torch.int64)}
 
     def hear(self, client, said):
         family, download = (int(v) for v in said["family"])
         self.heard[client.index] = (family, bool(download))
 
     def download(self, server, client, rnd):
-        family, wanted = self.heard[client.index]
-        if not wanted:
-            return {}
+        family, _ = self.heard[client.index]
         model = take(server, f"family{family}.")
         return model if model else dict(self._init)  # a family nobody has trained yet starts at w-hat
 
@@ -173,12 +175,13 @@ class PFedDIL(Method):
         """Eq. 5: sum over the client's other models i of rho_i ||w - w_i||^2 (the model's weights)."""
         t = self.task
         anchors = []
+        device = next(model.parameters()).device  # the store may live on the host
         for j in self.slots(store):
             rho = float(store["rho"][t, j])
             if j == family or rho != rho or rho == 0:
                 continue
             old = take(store, f"{SLOT}{j}.")
-            anchors.append((rho * self.params.migration_weight, [old[n] for n in self.weights]))
+            anchors.append((rho * self.params.migration_weight, [old[n].to(device) for n in self.weights]))
         if not anchors or not self.params.migration or self.params.migration_weight == 0:
             return None
         live = dict(model.named_parameters())
