@@ -574,7 +574,7 @@ def test_fdse_server_mgda_step_similarity_mix_and_privacy(clients):
     e.step()
     m = e.method
     assert all(not (set(u) & e.private) for _, _, u in ups) and all(set(u) == set(m.shared) | set(m.personal) for _, _, u in ups)
-    assert all(is_personal(k) is False for k in m.private_keys(e.model))
+    assert all(is_personal(k) is False for k in m.private_keys(e.model) if not k.startswith("fdse_trained::"))
     # a shared weight moved by mean-norm x the min-norm combination of the unit updates
     from fedsilo.methods.fdse import min_norm_weights
 
@@ -593,6 +593,83 @@ def test_fdse_server_mgda_step_similarity_mix_and_privacy(clients):
     e.step()  # round 2: the regularizer acts, downloads carry the client's own mix
     assert [set(d) for r, _, d in downs if r == 2][0] == set(m.shared) | set(m.personal)
     assert "eval" in e.history[-1] and "global" not in e.history[-1]
+
+
+def _fdse_small(clients, n=3):
+    import dataclasses
+
+    return [dataclasses.replace(c, x_train=c.x_train[:8, :, ::2, ::2], y_train=c.y_train[:8], x_test=c.x_test[:4, :, ::2, ::2], y_test=c.y_test[:4])
+            for c in clients[0][:n]]
+
+
+def test_fdse_regularizer_pairs_each_layers_input_with_its_own_statistics(clients, monkeypatch):
+    """Layer l's batch statistics are compared with layer l's downloaded running statistics: a BasicBlock runs its
+    downsample layer too, and the inputs must land in the layers' slots whatever order the forward runs them in
+    (zipped in execution order, 9 of ResNet-10's 12 block layers met another layer's statistics)."""
+    from fedsilo.methods.fdse import FDSE, DSEConv
+
+    tp = TrainParams(rounds=2, batch_size=16, lr=0.02, device="cpu")
+    cls = method_class("fdse")
+    e = Engine(cls(cls.params_cls(lam=0.5), tp), build_model("resnet10_cifar", clients[1], clients[2], seed=0), _fdse_small(clients, 2), tp, seed=0)
+    layers = [m for m in e.model.modules() if isinstance(m, DSEConv)]
+    assert any(m.downsample is not None for m in e.model.modules() if hasattr(m, "downsample"))
+    seen: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(layers):
+        layer.dfe_bn.register_forward_pre_hook(lambda _m, inp, i=i: seen.__setitem__(i, inp[0]))
+    calls: list[tuple[list, list, dict]] = []
+    real = FDSE.regularizer
+
+    def spy(self, inputs, ref, state):
+        calls.append((list(inputs), list(ref), dict(seen)))  # what each layer saw in this step's forward
+        return real(self, inputs, ref, state)
+
+    monkeypatch.setattr(FDSE, "regularizer", spy)
+    e.step()
+    assert not calls  # round 1: no regularizer
+    server = {k: v.clone() for k, v in e.server.items()}
+    e.step()
+    assert calls
+    inputs, ref, saw = calls[-1]
+    assert len(inputs) == len(layers) == len(ref)
+    assert all(inputs[i] is saw[i] for i in range(len(layers)))  # each layer's own input ...
+    name = {id(m): n for n, m in e.model.named_modules()}
+    for i, layer in enumerate(layers):  # ... against that layer's downloaded running statistics
+        key = name[id(layer.dfe_bn)]
+        assert torch.equal(ref[i][0], server[f"{key}.running_mean"].float()), key
+        assert torch.equal(ref[i][1], server[f"{key}.running_var"].float()), key
+
+
+def test_fdse_evaluates_each_client_with_the_model_it_trained_as_the_code_does(clients):
+    tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu")
+    cls = method_class("fdse")
+    for evaluate in ("trained", "next_round"):
+        ups: dict[str, dict] = {}
+        e = Engine(cls(cls.params_cls(evaluate=evaluate), tp), build_model("resnet10_cifar", clients[1], clients[2], seed=0), _fdse_small(clients, 2), tp,
+                   seed=0, observer=lambda r, c, d, p, ups=ups: ups.__setitem__(c, p) if d == "up" else None)
+        e.step()
+        m = e.method
+        for c, store in zip(e.clients, e.stores):
+            got = m.eval_state(e.server, store, c)
+            assert set(got) == set(e.model.state_dict())
+            want = ups[c.name] if evaluate == "trained" else m.download(e.server, c, 0)
+            assert all(torch.equal(got[k], want[k]) for k in m.shared + m.personal), evaluate
+            assert all(torch.equal(got[k], store[k]) for k in m.private if k not in m.personal)  # its eraser statistics
+            assert not torch.equal(ups[c.name]["units.1.conv1.dfe_conv.weight"], m.download(e.server, c, 0)["units.1.conv1.dfe_conv.weight"])
+        assert (any(k.startswith("fdse_trained::") for k in e.stores[0])) == (evaluate == "trained")
+
+
+def test_fdse_regularizer_acts_from_round_two(clients):
+    ups: dict[float, list] = {}
+    tp = TrainParams(rounds=2, batch_size=16, lr=0.02, device="cpu")
+    cls = method_class("fdse")
+    for lam in (0.0, 0.5):
+        got = ups.setdefault(lam, [])
+        Engine(cls(cls.params_cls(lam=lam), tp), build_model("resnet10_cifar", clients[1], clients[2], seed=0), _fdse_small(clients), tp, seed=0,
+               observer=lambda r, c, d, p, got=got: got.append((r, p)) if d == "up" else None).run()
+    first = [(a, b) for (r, a), (_, b) in zip(ups[0.0], ups[0.5]) if r == 1]
+    second = [(a, b) for (r, a), (_, b) in zip(ups[0.0], ups[0.5]) if r == 2]
+    assert first and all(close_states(a, b) for a, b in first)
+    assert second and all(not close_states(a, b, atol=1e-6) for a, b in second)
 
 
 def test_fdse_regularizer_kl_mode_is_the_per_channel_gaussian_kl():

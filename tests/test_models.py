@@ -97,3 +97,15 @@ def test_label_skew_papers_cnns_have_their_published_shapes():
         m = build_model(name, c, 7, seed=0, image_size=size).eval()
         with torch.no_grad():
             assert m(torch.randn(2, c, size, size)).shape == (2, 7)
+
+
+def test_resnet10_cifar_starts_from_pytorch_default_init_as_the_f2dc_code():
+    # F²DC's backbones have no init code: every conv keeps PyTorch's Kaiming-uniform (a = sqrt 5), weight std
+    # 1 / sqrt(3 fan_in) -- 0.024 for a 64 -> 64 3x3 conv; torchvision's ResNet re-inits them Kaiming-normal (fan_out,
+    # std sqrt(2 / fan_out) = 0.059), which is what resnet10 (the ImageNet-style ResNet) keeps
+    convs = [m for m in build_model("resnet10_cifar", 3, 7, seed=0).modules() if isinstance(m, torch.nn.Conv2d)]
+    for conv in convs:
+        fan_in = conv.weight[0].numel()
+        assert abs(conv.weight.std().item() / (1 / (3 * fan_in) ** 0.5) - 1) < 0.15, conv
+    layer1_conv = [m for m in build_model("resnet10", 3, 7, seed=0).modules() if isinstance(m, torch.nn.Conv2d)][1]
+    assert layer1_conv.weight.std().item() > 2 * (1 / (3 * 576)) ** 0.5

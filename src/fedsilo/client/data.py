@@ -130,13 +130,15 @@ def to_float(x_u8: torch.Tensor) -> torch.Tensor:
 
 
 def augment(x: torch.Tensor, params: AugmentParams, gen: torch.Generator) -> torch.Tensor:
-    """Random crop with zero padding and horizontal flip, per sample, on the tensor's device.
+    """Random crop after padding with black and horizontal flip, per sample, on the tensor's device.
 
+    The padding is black (-1 on this [-1, 1] scale), as torchvision's ``RandomCrop(size, padding=p)`` pads an image
+    before ``ToTensor`` / ``Normalize`` in the papers' code (F²DC, FPL, MOON, FedBN): zero here would be mid-grey.
     ``gen`` is a CPU generator so that the draws are the same on every device."""
     b, _, h, w = x.shape
     if params.crop_pad > 0:
         p = params.crop_pad
-        xp = torch.nn.functional.pad(x, (p, p, p, p))
+        xp = torch.nn.functional.pad(x, (p, p, p, p), value=-1.0)
         oy = torch.randint(0, 2 * p + 1, (b,), generator=gen).to(x.device)
         ox = torch.randint(0, 2 * p + 1, (b,), generator=gen).to(x.device)
         iy = (torch.arange(h, device=x.device)[None, :] + oy[:, None])  # b x h

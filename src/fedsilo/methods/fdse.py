@@ -1,4 +1,4 @@
-"""FDSE: federated domain shift eraser (Wang, Zhou, Li et al., CVPR 2025)."""
+"""FDSE: federated domain shift eraser (Zheng Wang, Zihui Wang, Zheng Wang, Xiaoliang Fan, Cheng Wang; CVPR 2025)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from fedsilo.methods.sharing import PartialSharing
 from fedsilo.models import LayeredNet
 
 PERSONAL = "fdse::"  # the server's copy of each client's personalized tensors: fdse::<client>::<key>
+TRAINED = "fdse_trained::"  # a client's own copy of the model it last trained (``evaluate: trained``)
 
 
 class DSEConv(nn.Module):
@@ -59,8 +60,9 @@ class DSEBasicBlock(nn.Module):
         self.downsample = DSEConv.like(block.downsample[0], relu=False) if block.downsample is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = self.downsample(x) if self.downsample is not None else x
-        return F.relu(self.conv2(self.conv1(x)) + identity)
+        out = self.conv2(self.conv1(x))
+        identity = self.downsample(x) if self.downsample is not None else x  # after conv2, as torchvision's block runs
+        return F.relu(out + identity)
 
 
 def dse_resnet(model: LayeredNet) -> LayeredNet:
@@ -91,6 +93,11 @@ class FDSEParams(MethodParams):
         "code", description="code: the released code's formula; kl: the per-channel Gaussian KL(N(g, v) || N(mu, s^2))"
     )
     clip_grad: Optional[float] = Field(10.0, gt=0, description="gradient-norm clipping of the local steps (FDSE's configs: 10)")
+    evaluate: Literal["trained", "next_round"] = Field(
+        "trained", description="the model a client is evaluated with: trained = the model it trained in its last round, as "
+        "the authors' code tests each client's model before the server's step; next_round = the aggregated shared part, "
+        "the erasers the server mixed for it and its own statistics (the model it starts its next round with)",
+    )
     decouple: Optional[DecouplingParams] = Field(None, description="F²DC's DFD and DFC plugged in (F²DC Table 3)")
 
 
@@ -127,10 +134,12 @@ class FDSE(PartialSharing):
     Choices: ``regularizer: code`` is the released formula (channel-averaged batch means and their spread across
     channels, chained by a 0.1-momentum average across layers and steps, mean term (g^2 - f^2) / 2v), which is not
     a Gaussian KL; ``kl`` is the per-channel KL(N(g, v) || N(mu, s^2)) the paper describes. The code converts only
-    AlexNet; here FDSE's rule (every conv + BN, the classifier plain) is applied to ResNet's BasicBlocks. The code
-    evaluates personalized models; FDSE has no single global model (its erasers are per client), so a client is
-    evaluated with the shared part, the erasers the server mixed for it and its own eraser statistics — the model
-    it starts its next round with. The optimizer (momentum, weight decay, learning rate) is the preset's; the
+    AlexNet; here FDSE's rule (every conv + BN, the classifier plain) is applied to ResNet's BasicBlocks, with a
+    block's downsampling layer run after its two convolutions (torchvision's order; layer l of the regularizer's
+    softmax(beta l) counts conv1, conv2, downsample). FDSE has no single global model (its erasers are per client).
+    The code's logger tests each client's own model at the start of a round, before the server's step: the model
+    the client trained in its last round (``evaluate: trained``, the default); ``next_round`` evaluates the shared
+    part, the erasers the server mixed for the client and its own eraser statistics instead. The optimizer (momentum, weight decay, learning rate) is the preset's; the
     code's per-round learning-rate decay (0.9998) is not applied; the code sums BatchNorm's step counters across clients
     (K-fold growth a round), we average them (unused with BatchNorm's momentum 0.1)."""
 
@@ -150,8 +159,9 @@ class FDSE(PartialSharing):
         self.personal = [k for k in self.private if is_personal(k)]
 
     def private_keys(self, model: LayeredNet) -> set[str]:
-        """What never leaves a client: the erasers' BatchNorm running statistics (the erasers themselves travel)."""
-        return {k for k in self.private if not is_personal(k)}
+        """What never leaves a client: the erasers' BatchNorm running statistics (the erasers themselves travel) and
+        its copy of the model it last trained."""
+        return {k for k in self.private if not is_personal(k)} | {TRAINED + k for k in model.state_dict()}
 
     def init_server(self, model: LayeredNet) -> State:
         sd = model.state_dict()
@@ -188,19 +198,30 @@ class FDSE(PartialSharing):
         return total
 
     def local_update(self, model, store, payload, client, rnd, seed):
-        model.load_state_dict({**store, **payload}, strict=True)
-        captured: list[torch.Tensor] = []
-        # the DFE BatchNorms of the model this client trains (a copy of the engine's when clients train in parallel)
+        model.load_state_dict({**{k: store[k] for k in self.private}, **payload}, strict=True)
+        # the DFE BatchNorms of the model this client trains (a copy of the engine's when clients train in parallel),
+        # layer l in module order; each input lands in its own layer's slot, whatever order the forward runs them in
         bn_layers = [m for m in model.modules() if isinstance(m, DSEConv)]
-        handles = [layer.dfe_bn.register_forward_pre_hook(lambda _m, inp: captured.append(inp[0])) for layer in bn_layers]
+        slots: list[Optional[torch.Tensor]] = [None] * len(bn_layers)
+
+        def capture(i: int):
+            def hook(_m: nn.Module, inp: tuple[torch.Tensor, ...]) -> None:
+                slots[i] = inp[0]
+            return hook
+
+        handles = [layer.dfe_bn.register_forward_pre_hook(capture(i)) for i, layer in enumerate(bn_layers)]
         ref = [(layer.dfe_bn.running_mean.detach().clone().float(), layer.dfe_bn.running_var.detach().clone().float()) for layer in bn_layers]
         state: dict[str, Any] = {}
         lam = self.params.lam if rnd > 1 else 0.0
 
         def batch_loss(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-            inputs = list(captured)
-            captured.clear()
-            return lam * self.regularizer(inputs, ref, state) if lam > 0 else torch.zeros((), device=y.device)
+            inputs = list(slots)
+            slots[:] = [None] * len(slots)
+            if lam == 0:
+                return torch.zeros((), device=y.device)
+            if any(t is None for t in inputs):
+                raise RuntimeError("fdse: a DSE layer's BatchNorm saw no input in this step")
+            return lam * self.regularizer(inputs, ref, state)  # type: ignore[arg-type]
 
         params = [p for p in model.parameters() if p.requires_grad]
 
@@ -220,6 +241,9 @@ class FDSE(PartialSharing):
         sd = model.state_dict()
         for k in self.private:
             store[k] = sd[k].detach().clone()
+        if self.params.evaluate == "trained":
+            for k in self.shared + self.personal:
+                store[TRAINED + k] = sd[k].detach().clone()
         return {k: sd[k].detach() for k in self.shared + self.personal}
 
     # --- the server
@@ -256,7 +280,10 @@ class FDSE(PartialSharing):
         return {k: v for k, v in server.items() if not k.startswith(PERSONAL) or k.startswith(mine)}
 
     def eval_state(self, server, store, client):
-        return {**store, **self.download(server, client, 0)}
+        own = {k: v for k, v in store.items() if not k.startswith(TRAINED)}
+        if self.params.evaluate == "trained" and any(k.startswith(TRAINED) for k in store):
+            return {**own, **{k: store[TRAINED + k] for k in self.shared + self.personal}}
+        return {**own, **self.download(server, client, 0)}  # next_round, or a client that has not trained yet
 
     def global_state(self, server):
         return None

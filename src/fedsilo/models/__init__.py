@@ -181,8 +181,17 @@ def resnet10(in_channels: int, num_classes: int) -> LayeredNet:
 def resnet10_cifar(in_channels: int, num_classes: int) -> LayeredNet:
     """ResNet-10 as F²DC's, MOON's and FPL's code build it: one BasicBlock per stage (64, 128, 256, 512 channels, d =
     512) after a 3x3 stride-1 stem without max-pool, so the last stage's map is 1/8 of the image (4x4 at 32 px,
-    16x16 at 128 px: the 512 x 16 x 16 of F²DC's PACS)."""
-    return _resnet([1, 1, 1, 1], in_channels, num_classes, small_stem=True)
+    16x16 at 128 px: the 512 x 16 x 16 of F²DC's PACS).
+
+    Initialisation as F²DC's backbones have it (``backbone/ResNet.py``, ``ResNet_DC.py``: no init code of their own):
+    every convolution keeps PyTorch's default (Kaiming-uniform with a = sqrt(5), weight std 1 / sqrt(3 fan_in)), not
+    torchvision's Kaiming-normal (fan_out) of its ResNet, which starts the weights about 2.5x larger; BatchNorm (1, 0)
+    and the classifier are the same in both."""
+    net = _resnet([1, 1, 1, 1], in_channels, num_classes, small_stem=True)
+    for module in net.modules():
+        if isinstance(module, nn.Conv2d):
+            module.reset_parameters()
+    return net
 
 
 def resnet18(in_channels: int, num_classes: int) -> LayeredNet:
