@@ -79,11 +79,16 @@ def test_beta_ramps_up_as_eq_7():
     assert [round(m.beta_t(t), 4) for t in range(1, 8)] == [0.0204, 0.0826, 0.2247, 0.4094, 0.5, 0.5, 0.5]
 
 
-@pytest.mark.parametrize("make", [lambda: tiny_net(1, 4), tiny_resnet], ids=["conv-bn-chain", "resnet-blocks"])
-def test_subnets_use_only_their_own_channels(make):
+@pytest.mark.parametrize("make, ratio", [(lambda: tiny_net(1, 4), 0.5), (tiny_resnet, 0.5),
+                                         # option-A shortcuts move channel c to c + 8 (16 -> 32) and c + 16 (32 -> 64):
+                                         # at 0.5 the owners happen to line up, at 0.25 / 0.75 they do not
+                                         (lambda: build_model("resnet32", 1, 4, seed=0), 0.25),
+                                         (lambda: build_model("resnet32", 1, 4, seed=0), 0.75)],
+                         ids=["conv-bn-chain", "resnet-blocks", "resnet32-0.25", "resnet32-0.75"])
+def test_subnets_use_only_their_own_channels(make, ratio):
     net = make()
     part = ChannelPartition(net)
-    part.set_ratio(0.5)
+    part.set_ratio(ratio)
     assert part.subnets_complete()
     x = torch.randn(6, 1, 16, 16)
     net.train()  # batch statistics: a mask placed before BatchNorm would leak its beta into the other subnet
@@ -262,8 +267,10 @@ def test_cyclic_distillation_is_symmetric_kl_and_enters_the_loss(clients, monkey
     off = _engine(one, tp=tp, p=0.5, progressive=False, lam=2.0, temporal_averaging=False, cyclic_distillation=False)
     off.step()
     assert off.method.last_loss < expected[0] - 1e-4, "without CD the loss is the cross entropy alone"
-    # its gradient reaches the weights: the private rows train differently with and without it
+    # its gradient reaches the weights of both subnets: the private rows train differently with and without it, and
+    # so do the shared rows (a shared subnet's logits detached in the symmetric KL would leave them as without it)
     assert not torch.allclose(e.stores[0]["units.1.0.weight"][:8], off.stores[0]["units.1.0.weight"][:8])
+    assert not torch.allclose(e.server["units.1.0.weight"][8:], off.server["units.1.0.weight"][8:])
 
 
 def test_temporal_average_of_the_private_weights_follows_eq_6(clients, monkeypatch):

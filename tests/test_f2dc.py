@@ -283,6 +283,35 @@ def test_moon_contrast_acts_from_the_second_round_and_the_previous_model_stays_h
     assert "global" in h[-1]
 
 
+def test_moon_reference_models_and_first_previous_follow_their_switches(clients, monkeypatch):
+    import fedsilo.methods.moon as moon
+
+    seen: list[tuple[bool, torch.Tensor]] = []
+    real = moon.features
+
+    def spy(model, x):
+        seen.append((model.training, model.state_dict()["units.0.0.weight"].clone()))
+        return real(model, x)
+
+    monkeypatch.setattr(moon, "features", spy)
+    e, _, ups = _run("moon", clients, rounds=2, mu=5.0, reference_bn="batch")
+    assert seen and all(training for training, _ in seen), "batch: the references use the batch's statistics"
+    seen.clear()
+    e, _, ups = _run("moon", clients, rounds=2, mu=5.0)
+    assert seen and not any(training for training, _ in seen), "running: the references are in eval mode"
+    # each step asks the global model, then the previous one: the last step's second is a client's round-1 model
+    first = {c: u for r, c, u in ups if r == 1}
+    last_prev = seen[-1][1]
+    assert any(torch.equal(last_prev, first[c]["units.0.0.weight"]) for c in first), "round 2's previous model is round 1's"
+    # first_previous: initial -> no contrast in round 1 (FedAvg's update); own_init -> the contrast acts at once
+    avg = _fedavg_uploads(clients, 1)
+    monkeypatch.setattr(moon, "features", real)
+    _, _, initial = _run("moon", clients, rounds=1, mu=5.0)
+    _, _, own = _run("moon", clients, rounds=1, mu=5.0, first_previous="own_init")
+    assert all(close_states(a[2], b[2], atol=1e-3) for a, b in zip(avg, initial))
+    assert all(not close_states(a[2], b[2], atol=1e-4) for a, b in zip(avg, own))
+
+
 # ----------------------------------------------------------------------------------------------- FedHEAL
 def _heal(n_clients: int = 2, **kw) -> FedHEAL:
     m = FedHEAL(FedHEALParams(**kw), TrainParams(rounds=3))

@@ -293,3 +293,15 @@ def spare_copy(model: nn.Module) -> nn.Module:
     finally:
         if compiled is not None:
             model.__dict__["_fedsilo_compiled"] = compiled
+
+
+def fresh_copy(module: nn.Module, seed: int) -> nn.Module:
+    """A copy of ``module`` (same shapes, same device) whose parameters are drawn anew from PyTorch's default
+    initialisation under ``seed``: a new head beside an existing one."""
+    twin = spare_copy(module)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for m in twin.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+    return twin

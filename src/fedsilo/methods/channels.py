@@ -3,7 +3,8 @@ vertical channel decoupling, Shen et al. CVPR 2022, Sec. 3.2).
 
 A layer's output channel c is *private* when c < n_l and *shared* otherwise, with the same rule in every layer, so
 that (a) the private set only grows as the ratio grows (a channel never turns back to shared), (b) a ResNet's identity
-shortcut adds channel c to channel c of the same owner, and (c) the subnets are the width slices of slimmable
+shortcut adds channel c to channel c of the same owner (a parameter-free shortcut that moves channels, ResNet-32's
+zero-padding option A, c -> c + 8, is held to the rule by masking the block's output as well), and (c) the subnets are the width slices of slimmable
 networks, whose in-place distillation CD2-pFed's cyclic distillation follows.
 
 Ownership is by output channel, so the private share of the parameters is the ratio: a convolution's or a hidden
@@ -94,6 +95,12 @@ class ChannelPartition:
         self.mode = FULL
         for k, layer in enumerate(self.hidden):
             layer.masked.register_forward_hook(self._hook(k))  # type: ignore[union-attr]
+        # a residual block's output (after the shortcut is added) is masked like its last convolution's: a no-op
+        # where the shortcut keeps each channel's owner, and what keeps the subnets apart where it does not
+        index = {layer.name: k for k, layer in enumerate(self.hidden)}
+        for name, m in model.named_modules():
+            if hasattr(m, "conv2") and hasattr(m, "downsample") and f"{name}.conv2" in index:
+                m.register_forward_hook(self._hook(index[f"{name}.conv2"]))
         head = self.layers[-1]
         self.keys = {k for layer in self.hidden for k in layer.row_keys} | {head.column_key, *head.whole_keys}
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from fedsilo.client.data import ClientData
 from fedsilo.client.local import make_generator, train_local
-from fedsilo.methods.base import Method, RunningMean, State, spare_copy
+from fedsilo.methods.base import Method, RunningMean, State
 from fedsilo.models import LayeredNet
 
 
@@ -50,18 +50,6 @@ def head_keys(model: LayeredNet) -> list[str]:
     """The state_dict keys of the model's classifier head (its last unit)."""
     first = len(model.units) - model.head_units
     return [k for k in model.state_dict() if int(k.split(".")[1]) >= first]
-
-
-def fresh_copy(module: nn.Module, seed: int) -> nn.Module:
-    """A copy of ``module`` (same shapes, same device) whose parameters are drawn anew from PyTorch's default
-    initialisation under ``seed``: a new head beside an existing one."""
-    twin = spare_copy(module)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for m in twin.modules():
-            if hasattr(m, "reset_parameters"):
-                m.reset_parameters()
-    return twin
 
 
 @contextmanager

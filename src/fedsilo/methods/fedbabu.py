@@ -33,7 +33,11 @@ class FedBABU(PartialSharing):
     momentum 0.9, 5 epochs, the training batch size, no augmentation beyond ``train.augment``; the head is frozen
     by keeping it out of the optimizer (the code sets its learning rate to 0; the same update). BatchNorm statistics
     are part of the body and averaged (the code's CIFAR net tracks no running statistics). The fine-tuning batches
-    are seeded by (seed, round, client), so evaluating changes no later number."""
+    are seeded by (seed, round, client), so evaluating changes no later number.
+
+    Not copied from the code: its fine-tuning starts from the round with the best *test* accuracy (``best_model.pt``:
+    a selection on the test set; here the evaluated round's global model), and its federated training divides the
+    learning rate by 10 at T/2 and 3T/4 (the engine's learning rate is constant, as the paper states no schedule)."""
 
     name = "fedbabu"
     params_cls = FedBABUParams

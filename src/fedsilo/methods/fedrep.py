@@ -23,8 +23,9 @@ class FedRep(FedPer):
     mean of the uploaded representations. Clients are evaluated with phi plus their own head (FedPer's split and
     evaluation; FedRep differs in the alternating local schedule, which is what the tests pin down).
 
-    Defaults are the authors' code's (github:lgcollins/FedRep, ``main_fedrep.py``): 10 head epochs, then 1
-    representation epoch (5 on CIFAR-100 there: ``body_epochs``), head = the last linear layer. Each phase gets a
+    Defaults are the authors' run scripts' (github:lgcollins/FedRep): 10 head epochs, then 1 representation epoch (5
+    on CIFAR-100 there: ``body_epochs``), head = the last linear layer (``main_fedrep.py``'s argument defaults
+    differ: its ``local_ep`` counts both phases). Each phase gets a
     fresh SGD optimizer over its own parameters (``train`` gives lr, momentum, weight decay, batch size); the fixed
     part gets no gradient (``frozen``), while BatchNorm statistics, where the backbone has BatchNorm (the paper's CNNs do
     not), follow the batches of both phases as they do in the code's train-mode loops. ``train.local_epochs`` is not

@@ -59,8 +59,9 @@ class LGFedAvg(PartialSharing):
     1,200 FedAvg rounds, then 200 LG-FedAvg rounds; MNIST 400, then 200. ``fedavg_rounds: 0`` (the default) starts
     from the run's initialisation, as FedPAC's code runs its LG-FedAvg baseline (the protocol FedeCouple follows).
 
-    The paper's split is followed (local bottom, global top; 2 global layers as in its code's default); its CIFAR code
-    instead keeps the *convolutions* global (an open issue in its repository), which is FedPer's direction, available
+    The paper's split is followed (local bottom, global top; ``global_layers`` of them: the code's default
+    ``num_layers_keep`` is 1, its CIFAR-10 script passes 2); on its CIFAR CNN that count of 2 instead keeps the two
+    *convolutions* global (an open issue in its repository), which is FedPer's direction, available
     here as ``fedper``. Aggregation is the sample-size-weighted mean (the code averages uniformly over the sampled
     clients: the same with equal client sizes, as in its experiments). The code's choice of each client's best model
     by test accuracy during the LG-FedAvg rounds is not copied (it selects on the test set)."""

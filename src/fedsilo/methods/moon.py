@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 
 from fedsilo.client.features import features, representation
 from fedsilo.client.local import make_generator, train_local
-from fedsilo.methods.base import MethodParams, Spares, State
+from fedsilo.methods.base import MethodParams, Spares, State, fresh_copy
 from fedsilo.methods.sharing import PartialSharing
 from fedsilo.models import LayeredNet
 
@@ -18,6 +20,15 @@ PREVIOUS = "moon_prev::"
 class MOONParams(MethodParams):
     mu: float = Field(5.0, ge=0, description="weight of the model-contrastive loss (F²DC's runs: 5)")
     temperature: float = Field(0.5, gt=0, description="temperature of the contrastive softmax (F²DC's runs: 0.5)")
+    reference_bn: Literal["running", "batch"] = Field(
+        "running", description="BatchNorm of the global and previous models when they give z_glob and z_prev: running = "
+        "their running statistics (MOON's code); batch = the batch's statistics (F²DC's runs: never put in eval mode)",
+    )
+    first_previous: Literal["initial", "own_init"] = Field(
+        "initial", description="a client's previous model before it has trained: initial = the federation's initial "
+        "model (no contrast in its first round); own_init = a model of its own drawn from PyTorch's default "
+        "initialization (F²DC's code: each client's previous net is its own independently initialized net)",
+    )
 
 
 def model_contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -37,9 +48,16 @@ class MOON(PartialSharing):
 
     Choices: z is the input of the classifier (the pooled 512-d feature of ResNet-10), without the projection head
     MOON's own experiments add, as the F²DC authors' MOON runs it (their ``models/moon.py``); mu = 5 and T = 0.5 are
-    their settings. A client's "previous" model before its first participation is the initial model (MOON's code
-    starts every client's previous model from the same initialisation). The global and previous models are fixed
-    references in evaluation mode (no gradient, BatchNorm with running statistics)."""
+    their settings. The global and previous models are fixed references (no gradient). Two details differ between
+    MOON's code and F²DC's, and each is a parameter: (1) ``reference_bn``: MOON's code evaluates the references in
+    eval mode (BatchNorm with running statistics: ``running``, the default); F²DC's never puts them in eval mode, so
+    their features use the batch's statistics (``batch``, set in the F²DC presets). (2) ``first_previous``: before
+    a client has trained, ``initial`` takes the federation's initial model as its previous model, equal to the
+    global model in round 1, so the contrast has no gradient then (MOON's code has no negative in its first round);
+    F²DC's code starts each client's previous net from its own independent initialization (``own_init``, drawn
+    here from PyTorch's default initialization with a per-(seed, client) seed; set in the F²DC presets). F²DC's
+    code also runs two training forwards a step (the features, then the logits), updating BatchNorm's running
+    statistics twice; the gradient is the same as one forward's, which is what runs here."""
 
     name = "moon"
     params_cls = MOONParams
@@ -54,6 +72,12 @@ class MOON(PartialSharing):
         self._init = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self._refs = Spares(2)  # the global and the previous model, beside each model a client trains
 
+    def _first_previous(self, model: LayeredNet, client, seed: int) -> State:
+        if self.params.first_previous == "initial":
+            return self._init
+        # the client's own draw, the same in every round it could be needed (a client trains once before it has one)
+        return {k: v.detach() for k, v in fresh_copy(model, 1_000_003 * (seed + 1) + client.index).state_dict().items()}
+
     def private_keys(self, model: LayeredNet) -> set[str]:
         return {PREVIOUS + k for k in model.state_dict()}
 
@@ -63,9 +87,10 @@ class MOON(PartialSharing):
     def local_update(self, model, store, payload, client, rnd, seed):
         glob, prev = self._refs.of(model)
         glob.load_state_dict(payload, strict=True)
-        prev.load_state_dict({k: store[PREVIOUS + k] for k in self.keys} if store else self._init, strict=True)
-        glob.eval()
-        prev.eval()
+        prev.load_state_dict({k: store[PREVIOUS + k] for k in self.keys} if store else self._first_previous(model, client, seed), strict=True)
+        batch_stats = self.params.reference_bn == "batch"
+        glob.train(batch_stats)
+        prev.train(batch_stats)
         model.load_state_dict(payload, strict=True)
         mu, t = self.params.mu, self.params.temperature
         with representation(model) as rep:

@@ -10,8 +10,8 @@ from torch import nn
 
 from fedsilo.client.data import ClientData, to_float
 from fedsilo.client.local import make_generator, predict, train_local, use_bf16
-from fedsilo.methods.base import Method, MethodParams, RunningMean, State, payload_bytes
-from fedsilo.methods.continual import fresh_copy, has, head_input, put, take
+from fedsilo.methods.base import Method, MethodParams, RunningMean, State, fresh_copy, payload_bytes
+from fedsilo.methods.continual import has, head_input, put, take
 from fedsilo.models import LayeredNet
 
 
