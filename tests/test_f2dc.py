@@ -85,6 +85,20 @@ def test_mask_is_in_unit_interval_and_near_binary_as_sigma_goes_to_zero():
 
 
 @torch.no_grad()
+def test_training_mask_is_eq3_binary_concrete_for_given_noise(monkeypatch):
+    """With the noise g_a, g_b fixed, M = softmax([log s + g_a, log(1 - s) + g_b] / sigma)[0], s = sigmoid(S) (Eq. 3)."""
+    f = torch.rand(2, 8, 3, 3, generator=torch.Generator().manual_seed(2))
+    u = _unit(sigma=0.3).train()
+    gen = torch.Generator().manual_seed(5)
+    g_a, g_b = torch.randn(f.shape, generator=gen), torch.randn(f.shape, generator=gen)
+    draws = iter([g_a, g_b])
+    monkeypatch.setattr(u, "_noise", lambda like: next(draws))
+    s = torch.sigmoid(u.dfd(f))
+    want = torch.softmax(torch.stack([torch.log(s) + g_a, torch.log(1 - s) + g_b]) / 0.3, dim=0)[0]
+    assert torch.allclose(u.mask(f), want, atol=1e-5)
+
+
+@torch.no_grad()
 def test_decoupled_parts_sum_to_the_feature_and_the_corrector_is_residual_on_f_minus():
     f = torch.rand(4, 8, 5, 5, generator=torch.Generator().manual_seed(1))
     u = _unit().eval()

@@ -88,3 +88,14 @@ def test_bench_reports_what_a_policy_costs_per_round():
     assert "fedavg+host_augment" in r["throughput"] and 0 < h["throughput_with_over_without"]
     assert h["seconds_per_round_added"] == pytest.approx(
         r["throughput"]["fedavg+host_augment"]["sec_per_round"] - r["throughput"]["fedavg"]["sec_per_round"])
+
+
+def test_device_crop_pads_black_as_torchvision_randomcrop():
+    # a white image shifted by the crop shows the padding: black (-1 on the [-1, 1] scale), as RandomCrop(padding=p)
+    # pads the image before ToTensor / Normalize; zero would be mid-grey
+    from fedsilo.client.data import augment
+
+    x = torch.ones(16, 3, 8, 8)
+    out = augment(x, AugmentParams(crop_pad=4), torch.Generator().manual_seed(0))
+    values = set(out.unique().tolist())
+    assert values <= {-1.0, 1.0} and -1.0 in values

@@ -20,8 +20,9 @@ cross-entropy (Eq. 9). y^ is the most confident wrong class of the *main* classi
 Choices where the paper leaves a detail open or its code differs (authors' code github:mala-lab/F2DC, HEAD 7a4f060):
 
 - A_D and A_C are "a two-layer CNN with batch normalization and ReLU" (paper): conv3x3(C -> w), BN, ReLU,
-  conv3x3(w -> C), with w = 64 as in the code's first release; the code's last commit uses three convolutions of
-  width 50 (``convs: 3, width: 50`` reproduces it).
+  conv3x3(w -> C), with w = 64 as in the code's first release (which cannot run F²DC: its backbone returns five
+  values where the method unpacks seven); the code since commit 6b0a8ed uses three convolutions of width 50
+  (``convs: 3, width: 50`` reproduces it).
 - Noise: the code draws standard Gumbel noise for g_a and g_b (their difference is logistic); the paper's Eq. 3
   prints g = log u - log(1 - u) (logistic) for each. ``noise: gumbel`` (default, the code) or ``logistic`` (Eq. 3).
 - At test time the mask is its noise-free value M = sigmoid(S / sigma) (the code's ``is_eval=True`` branch; its
@@ -55,8 +56,8 @@ class DecouplingParams(Strict):
     tau: float = Field(0.06, gt=0, description="separability temperature (Eq. 5)")
     lambda1: float = Field(0.8, ge=0, description="weight of L_DFD (Eq. 9)")
     lambda2: float = Field(1.0, ge=0, description="weight of L_DFC (Eq. 9)")
-    width: int = Field(64, ge=1, description="hidden channels of A_D and A_C (the code's first release: 64; last: 50)")
-    convs: int = Field(2, ge=2, description="convolutions in A_D and A_C (paper: a two-layer CNN; the code's last commit: 3)")
+    width: int = Field(64, ge=1, description="hidden channels of A_D and A_C (the code's first release: 64; since 6b0a8ed: 50)")
+    convs: int = Field(2, ge=2, description="convolutions in A_D and A_C (paper: a two-layer CNN; the code since 6b0a8ed: 3)")
     noise: Literal["gumbel", "logistic"] = Field("gumbel", description="noise of g_a, g_b: the code's standard Gumbel or Eq. 3's logistic")
     layers: Optional[tuple[str, ...]] = Field(
         None, description="backbone units after which DFD/DFC are inserted (L_j); default: the last unit of the feature extractor"

@@ -45,12 +45,16 @@ class F2DC(PartialSharing):
     its clients (they share the domain's test set). The authors' released code instead averages A_D, A_C and m with
     the rest (``share_modules: true``) and evaluates the single server model, and it has no domain-aware
     aggregation (its ``agg_a``/``agg_b`` are parsed, never used): ``share_modules: true, domain_aware: false`` is that
-    code, which is Table 3's "FedAvg + DFD and DFC" row.
+    code (but for its random test-time masks). The paper's Table 3 "FedAvg + DFD and DFC" row prints the numbers of
+    Table 6's "w/o domain-aware aggregation" row; the preset runs it as ``fedavg_dc`` with the modules on the clients,
+    the same computation as ``f2dc_no_daa``.
 
     Q (domains) is the number of distinct domains in the federation; N sums the sample counts of the round's
     participants (the paper's N sums all K clients: the same under its full participation). The paper's optimizer
-    (SGD, lr 0.01, momentum 0.9, weight decay 1e-5) is the preset's ``train``; the code's last commit trains F²DC
-    with plain SGD at lr 0.1 instead (an inconsistency we do not copy)."""
+    (SGD, lr 0.01, momentum 0.9, weight decay 1e-5) is the preset's ``train``; the code since commit 6b0a8ed trains
+    F²DC with plain SGD at lr 0.1 instead (an inconsistency we do not copy). The code's first release could not run
+    F²DC (its backbone returns five values where ``models/f2dc.py`` unpacks seven), so the paper's optimizer and the
+    two-convolution, width-64 modules exist only in code that never ran; what ran is 6b0a8ed's and later."""
 
     name = "f2dc"
     params_cls = F2DCParams
