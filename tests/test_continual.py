@@ -51,6 +51,37 @@ def test_tasks_run_in_order_and_every_task_end_scores_all_tasks_seen():
     assert s["forgetting"] == pytest.approx(((max(m[0][0], m[1][0]) - m[2][0]) + (m[1][1] - m[2][1])) / 2)
     # task t's rounds train on task t's data: the clients of a round are that task's
     assert len(s["rounds_to_best"]) == 3 and all(1 <= r <= 2 for r in s["rounds_to_best"])
+    # the other reading of the paper's columns: each task right after learning it, the matrix's diagonal
+    assert s["acc_on_task"] == {"S0": m[0][0], "S1": m[1][1], "S2": m[2][2]}
+    assert s["avg_on_task"] == pytest.approx((m[0][0] + m[1][1] + m[2][2]) / 3)
+    # pooled: correct over all clients' test images of a task, per task end; a mean over the tasks seen like the above
+    p = s["accuracy_matrix_pooled"]
+    assert [len(r) for r in p] == [1, 2, 3] and s["acc_after_task_pooled"]["S2"] == pytest.approx(sum(p[2]) / 3)
+
+
+def test_pooled_accuracy_weighs_clients_by_their_test_images():
+    """A task's accuracy is the mean over clients; pooled, correct over images: two clients with 1 and 99 test images,
+    only the first right, give 0.5 and 0.01."""
+    import dataclasses
+
+    e = _engine("fedavg", train=_train(rounds=1))
+    a, b = e.tasks[0][0], e.tasks[0][1]
+    e.tasks[0][0] = dataclasses.replace(a, x_test=a.x_test[:1], y_test=a.y_test[:1])
+    e.tasks[0][1] = dataclasses.replace(b, x_test=b.x_test[:1].repeat(99, 1, 1, 1), y_test=b.y_test[:1].repeat(99))
+    e.tasks[0] = e.tasks[0][:2]
+    e.stores = e.stores[:2]
+    e.clients = e.clients[:2]
+    right = {e.tasks[0][0].name: True, e.tasks[0][1].name: False}
+
+    def predict_task(model, server, store, c, j, rnd):
+        probs = torch.zeros(len(c.y_test), 4)
+        wrong = (c.y_test + 1) % 4
+        probs[torch.arange(len(c.y_test)), c.y_test if right[c.name] else wrong] = 1.0
+        return probs
+
+    e.method.predict_task = predict_task
+    out = e.evaluate(1)
+    assert out["task_acc"]["S0"] == pytest.approx(0.5) and out["task_acc_pooled"]["S0"] == pytest.approx(0.01)
 
 
 def test_summary_of_a_task_relearned_at_the_end_forgets_nothing_of_it():
@@ -361,11 +392,14 @@ def test_train_stage_runs_a_hospital_stream_and_the_report_prints_the_papers_tab
     assert r.returncode == 0, r.stderr
     table = (root / "results" / "report" / "stream" / "stream_stream.md").read_text()
     assert "CheXpert | OpenI | RSNA | VinBigData | Avg | Delta | forgetting" in table and "| disjoint |" in table
+    on = (root / "results" / "report" / "stream" / "stream_on_task.md").read_text()
+    assert "CheXpert | OpenI | RSNA | VinBigData | Avg on task | Avg pooled" in on and "| pfeddil |" in on
+    assert f"{100 * met['avg_on_task']:.2f}" in on and f"{100 * met['avg_acc_pooled']:.2f}" in on
     import mlflow
 
     client = mlflow.tracking.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("stream").experiment_id], "tags.method = 'pfeddil'")[0]
-    assert {"final.avg_acc", "final.acc_after.VinBigData", "task_acc.CheXpert"} <= set(run.data.metrics)
+    assert {"final.avg_acc", "final.acc_after.VinBigData", "final.acc_on.RSNA", "final.avg_on_task", "task_acc.CheXpert"} <= set(run.data.metrics)
 
 
 def test_a_stream_only_method_is_refused_on_static_clients():

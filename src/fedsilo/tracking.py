@@ -108,13 +108,16 @@ def flat_summary(summary: dict[str, Any]) -> dict[str, float]:
     flat = {"mean_acc": summary["mean_acc"], "std_acc": summary["std_acc"]}
     if "mean_auc" in summary:
         flat["mean_auc"] = summary["mean_auc"]
-    for key in ("train_flops_per_round", "ensemble_acc", "external_ensemble_acc", "external_global_acc", "avg_acc", "forgetting"):
+    for key in ("train_flops_per_round", "ensemble_acc", "external_ensemble_acc", "external_global_acc", "avg_acc", "avg_on_task",
+                "avg_acc_pooled", "forgetting"):
         if summary.get(key) is not None:
             flat[key] = summary[key]
     for c, v in summary["per_client"].items():
         flat[f"acc.{c}"] = v["acc"]
     for d, v in summary.get("acc_after_task", {}).items():
         flat[f"acc_after.{d}"] = v
+    for d, v in summary.get("acc_on_task", {}).items():
+        flat[f"acc_on.{d}"] = v
     return flat
 
 
