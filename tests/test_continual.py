@@ -152,6 +152,11 @@ def test_source_only_never_changes_after_the_first_task():
 def test_disjoint_scores_each_domain_with_its_own_model():
     e, _, _ = _run("disjoint")
     assert sorted({k.split(".")[0] for k in e.server}) == ["task0", "task1", "task2"]
+    # every domain's federation starts from the run's initial parameters, not from the previous domain's model
+    started = e.method.on_task_start({k: v for k, v in e.server.items() if not k.startswith("task2.")}, e.model, 2)
+    init = e.method._init
+    assert all(torch.equal(take(started, "task2.")[k], init[k]) for k in init)
+    assert not all(torch.equal(take(started, "task1.")[k], init[k]) for k in init)
     store, c1 = e.stores[0], e.tasks[1][0]
     before = {j: e.method.predict_task(e.model, e.server, store, e.tasks[j][0], j, e.round) for j in range(3)}
     for k, v in e.server.items():  # spoil task 1's model only

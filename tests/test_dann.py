@@ -162,6 +162,8 @@ def test_the_source_is_the_global_model_at_the_end_of_the_previous_task_and_stay
     assert all(torch.equal(take(e.server, "src.")[k], end_of_task0[k]) for k in source)  # frozen through the task
     assert not torch.equal(take(e.server, "disc.")["0.weight"], init["0.weight"])  # G_d trained and averaged
     end_of_task1 = {k: v.clone() for k, v in e.server.items() if not k.startswith(("src.", "disc."))}
+    fresh = e.method.on_task_start(e.server, e.model, 2)  # a new task starts a new adaptation: G_d from its init
+    assert all(torch.equal(take(fresh, "disc.")[k], init[k]) for k in init)
     e.step()  # task 2: a new source and a fresh G_d
     assert all(torch.equal(take(e.server, "src.")[k], end_of_task1[k]) for k in end_of_task1)
     for c, store in zip(e.clients, e.stores):

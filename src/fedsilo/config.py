@@ -328,7 +328,9 @@ class LabelSkewSplit(Strict):
 
 class DomainIncrementalSplit(Strict):
     """pFedDIL: every client sees the same sequence of domain tasks; within each domain the images are spread over the
-    clients with Dirichlet(alpha) label skew (the same alpha for every domain)."""
+    clients with Dirichlet(alpha) label skew (the same alpha for every domain). One order for all clients, as the
+    paper's tables print one stream (A -> B -> C); its Fig. 1 caption has each client receive the domains in a random
+    order without replacement, which one shared task index per round (the engine's) cannot express."""
 
     protocol: Literal["domain_incremental"]
     seed: int = 0

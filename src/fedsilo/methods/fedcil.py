@@ -201,7 +201,9 @@ class FedCIL(Method):
     uniform over every class heard. The server never sees a client image: it has the uploaded weights and label sets.
 
     **Evaluated**: every client, on every task seen, with the global classifier (trunk + D_c) after the round's
-    consolidation.
+    consolidation, as pFedDIL compares every method's global model. The authors' code instead scores each client once
+    at the end with its own critic (``serverpFedCL.py``, ``userbase.py``), which is never the consolidated model, and
+    pools the images (correct over images: our ``*_pooled`` numbers).
 
     **Domain- instead of class-incremental** (pFedDIL: "we adopt it to our FDIL setting"). In the authors' setting a
     task brings new classes: G^{t-1} is drawn at earlier tasks' classes, which the current data lack, and the classes so
