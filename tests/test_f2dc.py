@@ -417,6 +417,26 @@ def test_fpl_loss_is_infonce_over_cluster_prototypes_plus_mse_to_the_unbiased_on
     assert float(fpl_loss(z, y, clusters, 0.5)) == pytest.approx(expect / 3, rel=1e-5)
 
 
+def test_fpl_server_clusters_each_class_prototypes_with_finch():
+    """Four clients' class-0 prototypes in two well-separated pairs: two cluster prototypes, each its pair's mean (a
+    plain mean over clients would give one row); a class one client holds keeps that client's prototype."""
+    from types import SimpleNamespace
+
+    from fedsilo.methods.fpl import FPL, FPLParams
+    from fedsilo.methods.prototypes import to_payload
+
+    m = FPL(FPLParams(), TrainParams())
+    m.shared, m.private = [], []
+    pts = [torch.tensor([1.0, 0.0, 0.1]), torch.tensor([1.0, 0.1, 0.0]), torch.tensor([0.0, 1.0, 0.1]), torch.tensor([0.1, 1.0, 0.0])]
+    uploads = [(SimpleNamespace(n_train=10), to_payload({0: p, **({1: torch.tensor([0.0, 0.0, 1.0])} if i == 0 else {})}))
+               for i, p in enumerate(pts)]
+    out = m.aggregate({}, uploads, 1)
+    rows = sorted(out["fpl_clusters::0"].tolist())
+    assert len(rows) == 2
+    assert rows[0] == pytest.approx(((pts[2] + pts[3]) / 2).tolist()) and rows[1] == pytest.approx(((pts[0] + pts[1]) / 2).tolist())
+    assert out["fpl_clusters::1"].tolist() == [[0.0, 0.0, 1.0]]
+
+
 def test_fpl_uploads_class_prototypes_with_the_model_and_contrasts_from_round_two(clients):
     avg = _fedavg_uploads(clients, 2)
     e, h, ups = _run("fpl", clients)
@@ -474,6 +494,22 @@ def test_fedtgp_server_generator_learns_separated_prototypes():
     assert torch.cdist(means, protos).argmin(1).tolist() == [0, 1, 2]
     again = m.train_generator(server, pairs, rnd=1)
     assert all(torch.equal(out[k], again[k]) for k in out), "the server's batches are seeded"
+
+
+def test_fedtgp_server_trains_with_the_adaptive_margin(monkeypatch):
+    import fedsilo.methods.fedtgp as tgp
+    from fedsilo.config import TrainParams as TP
+
+    m = tgp.FedTGP(tgp.FedTGPParams(server_epochs=2), TP(lr=0.05, batch_size=8))
+    m.num_classes, m.dim, m.run_seed = 3, 4, 0
+    server = {f"tgp_net::{k}": v for k, v in m.generator().state_dict().items()}
+    pairs = [(c, torch.eye(3, 4)[c] * (c + 1) + 0.01 * k) for c in range(3) for k in range(2)]
+    margins: list[float] = []
+    real = tgp.margin_contrastive_loss
+    monkeypatch.setattr(tgp, "margin_contrastive_loss", lambda z, y, centres, margin: margins.append(margin) or real(z, y, centres, margin))
+    m.train_generator(server, pairs, rnd=1)
+    want = tgp.adaptive_margin(pairs, 100.0)
+    assert margins and set(margins) == {want} and 0 < want < 100.0
 
 
 def test_fedtgp_round_one_is_fedavg_then_the_prototypes_pull(clients):

@@ -83,7 +83,8 @@ class FedRCL(PartialSharing):
 
     Where we differ from the code: the server takes FedAvg's sample-size-weighted mean (the code averages uniformly;
     F²DC's comparison weights by size), and the optimizer is the preset's (the code: SGD lr 0.1 without momentum,
-    weight decay 1e-3, a 0.998 decay per round, gradient clipping at 10). The paper writes its terms over all
+    weight decay 1e-3, a 0.998 learning-rate decay per round and again per local epoch, gradient clipping at 10).
+    The paper writes its terms over all
     positives and all pairs above the threshold; the code's hardest-pair form is what was run."""
 
     name = "fedrcl"

@@ -1,4 +1,5 @@
-"""FedSA: semantic-anchor regularization for federated learning (Zhou, Li, Wang et al., AAAI 2025)."""
+"""FedSA: a unified representation learning via semantic anchors for prototype-based federated learning (Y. Zhou,
+X. Qu, C. You et al., AAAI 2025; F²DC's reference [57]; code github:lokinko/FedSA)."""
 
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ def initial_anchors(num_classes: int, dim: int, seed: int) -> torch.Tensor:
 
 
 class FedSA(PartialSharing):
-    """Zhou et al. 2025 (AAAI), with the model shared as the F²DC comparison runs it. The server holds fixed semantic
-    anchors A (one per class, drawn once); a client downloads the global model and A and trains on
+    """Zhou et al. 2025 (AAAI), with the model shared as we take the F²DC comparison to run it (F²DC's repository ships
+    no FedSA). The server holds semantic anchors A (one per class, drawn once, then moved slowly by the EMA below); a client downloads the global model and A and trains on
     CE + cc CE(h(A), c) + lambda MSE(r(x), A_y) + mcl CE(-(||r(x) - A_c|| + m [c = y]), y), with the margin
     m = max(local gap, anchor gap), each the mean over classes of the distance to the nearest other class (the local
     gap from the client's prototypes of its previous participation, 0 at its first). It collects its class

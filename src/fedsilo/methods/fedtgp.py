@@ -1,5 +1,5 @@
-"""FedTGP: trainable global prototypes with adaptive-margin-enhanced contrastive learning (Zhang, Hua, Wang et al.,
-AAAI 2024)."""
+"""FedTGP: trainable global prototypes with adaptive-margin-enhanced contrastive learning (Jianqing Zhang, Yang Liu,
+Yang Hua, Jian Cao; AAAI 2024)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def prototype_mse(z: torch.Tensor, y: torch.Tensor, protos: dict[int, torch.Tens
 
 
 class FedTGP(PartialSharing):
-    """Zhang et al. 2024 (AAAI), with the model shared as the F²DC comparison runs it. A client downloads the global
+    """Zhang et al. 2024 (AAAI), with the model shared as we take the F²DC comparison to run it (F²DC's repository
+    ships no FedTGP: an assumption from its setting, one global ResNet-10 evaluated per domain). A client downloads the global
     model and the global prototypes P (from round 2), trains on CE + lambda * MSE(r(x), P_y), then computes its
     class prototypes (mean representation per class) over its training data in evaluation mode, and uploads the
     model and the prototypes. The server averages the models by sample size and trains its prototype generator
@@ -82,7 +83,7 @@ class FedTGP(PartialSharing):
 
     FedTGP's own code (github:TsingZ0/FedTGP) targets heterogeneous models: it never aggregates weights and
     evaluates each client's own model by its nearest global prototype. F²DC compares one global model on shared
-    ResNet-10s, so here the weights are FedAvg's and the global model's logits are evaluated; the client loss, the
+    ResNet-10s (its tables report the global model per domain), so here the weights are FedAvg's and the global model's logits are evaluated; the client loss, the
     prototypes and the server's generator are the code's (lambda = 10, tau = 100 and 100 server epochs from its
     scripts; the generator's SGD uses the clients' learning rate and batch size, as the code does; the generator is
     initialised from the run's seed). The code's prototype pass drops the last incomplete batch; ours uses every
