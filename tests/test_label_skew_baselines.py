@@ -171,6 +171,28 @@ def test_fedbabu_never_trains_the_head_and_fine_tunes_only_to_evaluate(clients):
     assert {c: v["acc"] for c, v in hp[-1]["eval"].items()} == hp[-1]["global"], "without it every client has the global model"
 
 
+def test_fedbabu_local_update_leaves_the_head_at_its_init_and_fine_tuning_trains_everything(clients, monkeypatch):
+    import fedsilo.methods.fedbabu as babu
+
+    calls: list[tuple[int | None, bool, bool]] = []  # (epochs, every parameter given, head unchanged)
+    real = babu.train_local
+
+    def spy(model, client, cfg, gen, epochs=None, params=None, **kw):
+        head = {k: v.clone() for k, v in model.state_dict().items() if k.startswith(HEAD)}
+        out = real(model, client, cfg, gen, epochs=epochs, params=params, **kw)
+        same = all(torch.equal(v, model.state_dict()[k]) for k, v in head.items())
+        calls.append((epochs, params is None, same))
+        return out
+
+    monkeypatch.setattr(babu, "train_local", spy)
+    e = _engine("fedbabu", clients, rounds=1, finetune_epochs=3)
+    e.run()
+    local = [c for c in calls if not c[1]]
+    tune = [c for c in calls if c[1]]
+    assert local and all(same for _, _, same in local), "the body trains with the head fixed"
+    assert tune and all(epochs == 3 and not same for epochs, _, same in tune), "fine-tuning: the whole model, tau_f epochs"
+
+
 OFF = {"glf": False, "gfa": False, "gpc": False, "da": False, "aggregation": "fedavg", "reset": "before_classifier"}
 
 
@@ -354,12 +376,29 @@ def test_fedpac_classifier_is_the_alpha_weighted_mean_and_features_align_to_glob
         assert torch.allclose(got.double(), want, atol=1e-6)
         assert not np.allclose(alpha, np.eye(len(clients))[names.index(c.name)]), "heads are combined, not kept"
     # round 2 aligns features to the global prototypes: the extractor phase's loss carries the MSE term
+    from fedsilo.client.features import features
+    from fedsilo.methods.prototypes import from_payload
+
     seen = []
+    checked: list[tuple[float, float]] = []  # (the term, lambda * MSE(z, c_y) recomputed) at each client's first step
+    protos = from_payload(e.server)  # the global prototypes round 2 downloads
     real = fedpac.train_local
 
     def spy(model, data, cfg, gen, batch_loss=None, **kw):
         seen.append(batch_loss)
-        return real(model, data, cfg, gen, batch_loss=batch_loss, **kw)
+        first = [True]
+
+        def wrapped(x, yb, logits):
+            val = batch_loss(x, yb, logits)
+            if first[0]:
+                first[0] = False
+                with torch.no_grad():
+                    z = features(model, x).float()
+                target = torch.stack([protos[int(c)] for c in yb]).float()
+                checked.append((float(val), e.method.params.lam * float(torch.nn.functional.mse_loss(z, target))))
+            return val
+
+        return real(model, data, cfg, gen, batch_loss=wrapped if batch_loss is not None else None, **kw)
 
     monkeypatch.setattr(fedpac, "train_local", spy)
     e.train = e.train.model_copy(update={"rounds": 2})
@@ -367,6 +406,7 @@ def test_fedpac_classifier_is_the_alpha_weighted_mean_and_features_align_to_glob
     e.step()
     assert all(b is None for b in seen[0::2]) and all(b is not None for b in seen[1::2])
     assert any(k.startswith("proto::") for k in e.server)
+    assert checked and all(v == pytest.approx(w, rel=1e-4) and v > 0 for v, w in checked), checked
 
 
 def test_ft_fedavg_fine_tunes_the_global_model_per_client_only_to_evaluate(clients):
