@@ -555,6 +555,31 @@ def test_fedsa_terms_change_the_update_from_round_one(clients):
     keys = set(avg[0][2])
     assert all(close_states({k: u[k] for k in keys}, a) for (_, _, u), (_, _, a) in zip(off, avg))
     assert all(not close_states({k: u[k] for k in keys}, a, atol=1e-5) for (_, _, u), (_, _, a) in zip(on, avg))
+    for alone in ({"lam": 10.0, "mcl": 0.0, "cc": 0.0}, {"lam": 0.0, "mcl": 1.0, "cc": 0.0}, {"lam": 0.0, "mcl": 0.0, "cc": 1.0}):
+        _, _, one = _run("fedsa", clients, rounds=1, **alone)  # each term moves the update by itself
+        assert all(not close_states({k: u[k] for k in keys}, a, atol=1e-6) for (_, _, u), (_, _, a) in zip(one, avg)), alone
+
+
+def test_fedsa_margin_is_the_larger_of_the_local_and_the_anchor_gap(clients, monkeypatch):
+    import fedsilo.methods.fedsa as fsa
+
+    margins: list[float] = []
+    real = fsa.margin_contrastive_loss
+    monkeypatch.setattr(fsa, "margin_contrastive_loss", lambda z, y, a, m: margins.append(m) or real(z, y, a, m))
+    e, _, _ = _run("fedsa", clients, rounds=1)
+    anchor_gap = fsa.mean_nearest_gap(fsa.initial_anchors(clients[2], 16, 0))
+    assert margins and set(margins) == {anchor_gap}  # round 1: no previous prototypes, local gap 0
+    # round 2: a client whose own prototypes of round 1 lie far apart trains with their gap; the others with the
+    # (EMA-moved) anchors' gap
+    prev = {k: v * 1000 for k, v in e.stores[0].items() if k.startswith("sa_prev::")}
+    e.stores[0].update(prev)
+    local_gap = fsa.mean_nearest_gap(torch.stack([prev[k] for k in sorted(prev, key=lambda k: int(k.split("::")[1]))]))
+    assert local_gap > 10 * anchor_gap
+    margins.clear()
+    e.train = e.train.model_copy(update={"rounds": 2})
+    e.method.train = e.train
+    e.step()
+    assert local_gap in margins and min(margins) == pytest.approx(anchor_gap, rel=1e-3)
 
 
 # ----------------------------------------------------------------------------------------------- FedRCL
@@ -609,6 +634,31 @@ def test_fedrcl_contrasts_five_pre_relu_levels_of_a_resnet(clients):
                observer=lambda r, c, d, p, got=got: got.append(p) if d == "up" else None).run()
     assert all(close_states(a, b) for a, b in zip(ups["fedavg0"], ups["fedrcl2"]))
     assert all(not close_states(a, b, atol=1e-6) for a, b in zip(ups["fedavg0"], ups["fedrcl0"]))
+
+
+def test_fedrcl_each_term_acts_alone_at_every_level(clients, monkeypatch):
+    """The relaxation alone (threshold -1: every same-class pair is penalized) moves the update off FedAvg's, and each
+    step computes both terms on all five levels."""
+    import dataclasses
+
+    import fedsilo.methods.fedrcl as rcl
+
+    small = [dataclasses.replace(c, x_train=c.x_train[:8, :, ::2, ::2], y_train=c.y_train[:8], x_test=c.x_test[:4, :, ::2, ::2], y_test=c.y_test[:4])
+             for c in clients[0][:2]]
+    tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu")
+    widths: dict[str, list[int]] = {"scl": [], "pen": []}
+    real_scl, real_pen = rcl.scl_loss, rcl.divergence_penalty
+    monkeypatch.setattr(rcl, "scl_loss", lambda z, *a: widths["scl"].append(z.shape[1]) or real_scl(z, *a))
+    monkeypatch.setattr(rcl, "divergence_penalty", lambda z, *a: widths["pen"].append(z.shape[1]) or real_pen(z, *a))
+    ups: dict[str, list] = {}
+    for name, kw in (("fedavg", {}), ("fedrcl", {"scl_weight": 0.0, "penalty_weight": 1.0, "threshold": -1.0})):
+        cls = method_class(name)
+        got: list = ups.setdefault(name, [])
+        Engine(cls(cls.params_cls(**kw), tp), build_model("resnet10_cifar", clients[1], clients[2], seed=0), small, tp, seed=0,
+               observer=lambda r, c, d, p, got=got: got.append(p) if d == "up" else None).run()
+    assert all(not close_states(a, b, atol=1e-6) for a, b in zip(ups["fedavg"], ups["fedrcl"]))
+    steps = len(widths["pen"]) // 5
+    assert steps >= 1 and widths["scl"] == widths["pen"] == [64, 64, 128, 256, 512] * steps
 
 
 # ----------------------------------------------------------------------------------------------- FDSE
