@@ -368,6 +368,24 @@ def test_fedheal_aggregation_is_fair_and_element_wise_not_fedavg():
     assert out2["w"][0].item() == pytest.approx(out["w"][0].item() - 4.0)
 
 
+def test_fedheal_distance_is_the_masked_update_of_parameters_only():
+    """dist_k sums ||m_k * Delta_k|| over parameter tensors: an element masked out (its sign flipped) and a BatchNorm
+    buffer do not count; the weight moves by beta * dist_k / sum_j dist_j."""
+    m = _heal(beta=0.4)
+    m.shared = ["w", "running_mean"]  # a buffer travels with the model but is no parameter
+    server = {"w": torch.zeros(2), "running_mean": torch.zeros(2)}
+    a, b = _C("a", 10), _C("b", 10)
+    out = m.aggregate(server, [(a, {"w": torch.tensor([-1.0, -1.0]), "running_mean": torch.tensor([-50.0, 0.0])}),
+                               (b, {"w": torch.tensor([-1.0, -1.0]), "running_mean": torch.tensor([0.0, 0.0])})], 1)
+    assert float(out["heal::a::delta_weight"]) == pytest.approx(0.4 * 0.5)  # equal parameter updates, the buffer ignored
+    # round 2: a's second element flips sign (masked out), b's does not
+    out2 = m.aggregate(out, [(a, {"w": out["w"] + torch.tensor([-3.0, 4.0]), "running_mean": out["running_mean"]}),
+                             (b, {"w": out["w"] + torch.tensor([-3.0, -4.0]), "running_mean": out["running_mean"]})], 2)
+    da, db = 3.0, 5.0  # ||m_a * Delta_a|| = |3| (4 masked out); ||Delta_b|| = 5
+    assert float(out2["heal::a::delta_weight"]) == pytest.approx(0.6 * 0.2 + 0.4 * da / (da + db))
+    assert float(out2["heal::b::delta_weight"]) == pytest.approx(0.6 * 0.2 + 0.4 * db / (da + db))
+
+
 def test_fedheal_runs_and_uploads_what_fedavg_uploads(clients):
     e, h, ups = _run("fedheal", clients)
     avg = _fedavg_uploads(clients, 2)
