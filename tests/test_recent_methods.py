@@ -65,6 +65,33 @@ def test_pfedsd_distils_from_the_clients_own_last_model_and_keeps_it_home(client
     assert "global" in h1[-1]
 
 
+def test_pfedsd_teacher_is_the_clients_own_last_model_in_the_mode_its_switch_names(clients, monkeypatch):
+    """Round 2's teacher holds the weights the client uploaded in round 1 (its own model, not the download), in
+    evaluation mode by default and in training mode (batch statistics) with ``teacher_bn: batch``."""
+    from fedsilo.methods.base import Spares
+
+    seen: list[tuple[bool, torch.Tensor]] = []
+    real_of = Spares.of
+
+    def of(self, model):
+        spares = real_of(self, model)
+        for t in spares:
+            if not getattr(t, "_spied", False):
+                t._spied = True
+                t.register_forward_pre_hook(lambda m, _i: seen.append((m.training, next(m.parameters()).detach().clone())))
+        return spares
+
+    monkeypatch.setattr(Spares, "of", of)
+    for mode in ("running", "batch"):
+        seen.clear()
+        e, _, ups = _run("pfedsd", clients, rounds=2, teacher_bn=mode)
+        own = [next(iter(u.values())) for r, _, u in ups if r == 1]  # each client's round-1 model (first tensor)
+        assert seen and all(training == (mode == "batch") for training, _ in seen), mode
+        assert all(any(torch.equal(w, o) for o in own) for _, w in seen)
+        download = next(iter(e.server.values()))
+        assert not any(torch.equal(w, download) for _, w in seen)
+
+
 def test_fedlgf_perturbation_is_adversarial_and_zero_radius_is_fedavg(clients):
     _, _, avg = _run("fedavg", clients, rounds=1)
     _, _, flat = _run("fedlgf", clients, rounds=1, init_scale=0.0, grad_scale=0.0, global_smooth=0.0)
@@ -73,6 +100,10 @@ def test_fedlgf_perturbation_is_adversarial_and_zero_radius_is_fedavg(clients):
     assert all(close_states(a[2], b[2], atol=1e-4) for a, b in zip(avg, flat)), "a zero radius leaves the local target clean"
     _, _, lgf = _run("fedlgf", clients, rounds=1)
     assert not all(close_states(a[2], b[2], atol=1e-4) for a, b in zip(avg, lgf))
+    # the global flatness term by itself (the local one off) moves the update too
+    _, _, glob_only = _run("fedlgf", clients, rounds=1, local_smooth=0.0)
+    assert not all(close_states(a[2], b[2], atol=1e-4) for a, b in zip(avg, glob_only))
+    assert not all(close_states(a[2], b[2], atol=1e-6) for a, b in zip(lgf, glob_only))
 
     torch.manual_seed(0)
     lin = nn.Linear(16, 4)
@@ -142,6 +173,24 @@ def test_fedwon_uploads_every_parameter_and_no_batchnorm(clients):
     assert keys == set(e.model.state_dict()) and any(k.endswith(".gain") for k in keys)
     assert not any("running_mean" in k for k in keys)
     assert h[-1]["bytes_up_total"] == sum(sum(v.numel() * v.element_size() for v in p.values()) for _, _, p in ups)
+
+
+def test_fedwon_clips_each_training_step(clients, monkeypatch):
+    """AGC acts inside local training: a tight clip changes the update, and the hook runs once per optimizer step on
+    every clipped parameter but the final classifier."""
+    import fedsilo.methods.fedwon as won
+
+    calls: list[int] = []
+    real = won.adaptive_grad_clip
+    monkeypatch.setattr(won, "adaptive_grad_clip", lambda params, clip, eps: calls.append(len(params)) or real(params, clip, eps))
+    e, _, loose = _run("fedwon", clients, rounds=1, clip=1e6)
+    steps = sum(math.ceil(len(c.y_train) / 16) for c in clients[0])
+    assert len(calls) == steps and set(calls) == {len(e.method.clipped)}
+    last = [m for m in e.model.head().modules() if isinstance(m, nn.Linear)][-1]
+    names = {id(p): n for n, p in e.model.named_parameters()}
+    assert {names[id(p)] for p in last.parameters()}.isdisjoint(e.method.clipped) and len(e.method.clipped) > 2
+    _, _, tight = _run("fedwon", clients, rounds=1, clip=1e-3)
+    assert all(not close_states(a[2], b[2], atol=1e-6) for a, b in zip(loose, tight))
 
 
 @pytest.mark.parametrize("name,lr", [("pfedsd", 0.02), ("fedlgf", 0.02), ("fedwon", 0.05)])

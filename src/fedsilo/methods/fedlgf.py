@@ -40,8 +40,9 @@ class FedLGF(FedAvg):
     The global model is evaluated on every client.
 
     Choices: the defaults are the authors' published command (singular values, normal noise, a_l = a_g = 0.1,
-    rho_0 = 10, rho = 0.1). The global model runs in evaluation mode; BatchNorm layers inside the head (DenseNet's
-    final norm) use batch statistics in the perturbed passes without touching the running statistics. The random
+    rho_0 = 10, rho = 0.1). The global model runs in evaluation mode, its head too (running statistics); BatchNorm
+    layers inside the local head (DenseNet's final norm) use batch statistics in its perturbed passes without
+    touching the running statistics. The random
     directions come from the run's seeded generator (seed, round, client)."""
 
     name = "fedlgf"

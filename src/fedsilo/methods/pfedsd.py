@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from pydantic import Field
 
@@ -15,6 +17,10 @@ from fedsilo.models import LayeredNet
 class PFedSDParams(MethodParams):
     lam: float = Field(1.0, ge=0, description="lambda: weight of the self-distillation term")
     tau: float = Field(1.0, gt=0, description="softmax temperature of the distillation")
+    teacher_bn: Literal["running", "batch"] = Field(
+        "running", description="BatchNorm of the teacher: running = its running statistics (evaluation mode); batch = "
+        "the batch's statistics, as the authors' code runs its deep-copied teacher (never put in eval mode)",
+    )
 
 
 class PFedSD(PersonalModels):
@@ -27,9 +33,14 @@ class PFedSD(PersonalModels):
     participation has no teacher and trains with the cross-entropy alone. Clients are evaluated with their
     personalized models (a client never sampled yet, with the global model); the global model is reported too.
 
-    Choices: lambda = 1 and tau = 1 are the defaults of the authors' code (``--lamda``, ``--KL_T``). The teacher runs
-    in evaluation mode (its BatchNorm uses its running statistics) and is never updated. The server's mean is
-    weighted by sample size like every FedAvg here (the authors' code averages uniformly over the sampled clients)."""
+    Choices: lambda = 1 and tau = 1 are the defaults of the authors' code (github:CGCL-codes/pFedSD, ``--lamda``,
+    ``--KL_T``). The teacher is never updated; by default it runs in evaluation mode (its BatchNorm uses its running
+    statistics); the authors' code never puts its deep-copied teacher in evaluation mode, so it normalizes with the
+    batch's statistics (``teacher_bn: batch``). The server's mean is weighted by sample size like every FedAvg here
+    (the authors' code averages uniformly over the sampled clients) and covers the whole state, BatchNorm running
+    statistics included; the authors' ``_average_model`` averages ``parameters()`` only, so their global model keeps
+    its initial statistics (0 / 1) and a client's start from them each round (not copied: with a few batches a round,
+    as on Office-Caltech-10, most of the statistics a client is evaluated with would be those initial values)."""
 
     name = "pfedsd"
     params_cls = PFedSDParams
@@ -48,7 +59,7 @@ class PFedSD(PersonalModels):
         if store:
             (teacher,) = self._teacher.of(model)
             teacher.load_state_dict(self.personal(store), strict=True)
-            teacher.eval()
+            teacher.train(self.params.teacher_bn == "batch")
             lam, tau = self.params.lam, self.params.tau
 
             def batch_loss(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
