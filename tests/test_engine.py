@@ -193,6 +193,37 @@ def test_two_phase_fedavg_resumed_inside_phase_one_matches_an_uninterrupted_run(
     assert [h["eval"] for h in resumed] == [h["eval"] for h in whole]
 
 
+def test_a_run_resumed_after_its_last_round_evaluates_as_the_uninterrupted_one(tmp_path):
+    """A run that died after its last checkpoint but before writing its outputs resumes at its last round: the
+    method's round state (FT-FedAvg's phase: fine-tuning and the global model) is restored, so the evaluation and the
+    spectra are the uninterrupted run's."""
+    from tests.tiny import style_shifted_federation, tiny_net
+
+    ck = tmp_path / "ck.pt"
+
+    def engine():
+        cl = style_shifted_federation(n_train=17, n_test=20, per_domain=1)
+        tp = TrainParams(rounds=3, batch_size=8, count_flops=False, device="cpu")
+        return Engine(FedAvg(FedAvg.params_cls(local_rounds=1, finetune_epochs=1), tp), tiny_net(1, 4, 0), cl, tp, seed=0,
+                      checkpoint=ck, config_hash="h")
+
+    whole = engine()
+    whole.run()
+    resumed = engine()
+    assert resumed.round == 3
+    ev_whole, ev_resumed = whole.evaluate(), resumed.evaluate()
+    assert "global" in ev_resumed and ev_resumed["eval"] == ev_whole["eval"] and ev_resumed["global"] == ev_whole["global"]
+    assert resumed.spectra() == whole.spectra()
+
+
+def test_phase_one_trains_every_client_whatever_the_sampling_fraction(clients):
+    cl, cin, nc = clients
+    tp = TrainParams(rounds=4, batch_size=16, lr=0.02, device="cpu", client_fraction=0.5)
+    e = Engine(FedAvg(FedAvg.params_cls(local_rounds=2), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0)
+    h = e.run()
+    assert [len(x["sampled"]) for x in h] == [len(cl), len(cl), max(1, len(cl) // 2), max(1, len(cl) // 2)]
+
+
 def test_a_last_batch_of_one_joins_the_previous_batch():
     from fedsilo.client.local import batches
 
@@ -280,3 +311,28 @@ def test_checkpoint_every_k_rounds_resumes_from_the_last_one_with_the_same_numbe
     resumed = make(tmp_path / "b.pt")
     assert resumed.round == 3 and len(resumed.history) == 3
     assert without_timing(resumed.run()) == without_timing(full)
+
+
+def test_eval_summary_names_the_clients_left_out_of_mean_auc():
+    from fedsilo.fl.engine import eval_summary
+
+    out = eval_summary({"a": {"acc": 0.5, "auc": 0.8}, "b": {"acc": 1.0, "auc": float("nan")}, "c": {"acc": 0.0, "auc": 0.6}})
+    assert out["mean_auc"] == pytest.approx(0.7) and out["auc_undefined"] == ["b"]
+    assert out["std_acc"] == pytest.approx(np.std([0.5, 1.0, 0.0]))  # population std over clients (ddof 0)
+    assert "auc_undefined" not in eval_summary({"a": {"acc": 0.5, "auc": 0.8}})
+
+
+def test_deterministic_switch_turns_on_deterministic_kernels(monkeypatch):
+    from fedsilo.fl import run
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        run.deterministic_kernels()
+        assert torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.benchmark
+        import os
+
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert TrainParams(deterministic=True).deterministic and not TrainParams().deterministic

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -429,9 +430,16 @@ def test_a_join_ratio_range_draws_each_rounds_share_of_clients(clients):
     e = Engine(cls(cls.params_cls(), tp), tiny_net(1, 4), many, tp, seed=0)
     sizes = [len(e.sample(r)) for r in range(1, 31)]
     assert min(sizes) >= 2 and max(sizes) <= 20 and len(set(sizes)) > 5, sizes
+    # the count is an integer drawn uniformly from floor(0.1 * 20) = 2 .. 20 (PFLlib's random join ratio): over many
+    # rounds both ends come up about as often as any other count
+    counts = np.bincount([len(e.sample(r)) for r in range(1, 3801)], minlength=21)[2:]
+    assert counts.min() > 0.6 * 200 and counts.max() < 1.4 * 200, counts
     assert sizes == [len(e.sample(r)) for r in range(1, 31)], "the same draws on a rerun or resume"
     fixed = TrainParams(rounds=30, batch_size=8, device="cpu", count_flops=False, client_fraction=0.5)
     f = Engine(cls(cls.params_cls(), fixed), tiny_net(1, 4), many, fixed, seed=0)
     assert {len(f.sample(r)) for r in range(1, 31)} == {10}
+    seven = many[:7]  # max(1, floor(C n)): 0.5 of 7 clients is 3 (rounding half to even gave 4 here, 2 for 5 clients)
+    g = Engine(cls(cls.params_cls(), fixed), tiny_net(1, 4), seven, fixed, seed=0)
+    assert {len(g.sample(r)) for r in range(1, 11)} == {3}
     with pytest.raises(ValueError, match="client_fraction_range"):
         TrainParams(client_fraction_range=(0.6, 0.5))

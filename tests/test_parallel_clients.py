@@ -252,16 +252,21 @@ def test_on_a_gpu_each_client_of_a_wave_has_its_own_stream_and_the_numbers_do_no
     assert without_timing(h1) == without_timing(h4) and _same_state(one.server, four.server)
 
 
-def test_a_train_stage_with_clients_at_once_records_it_and_gives_the_same_numbers(mirror_root, tmp_path, one_thread):
+def test_a_train_stage_with_clients_at_once_records_it_and_gives_the_same_numbers(mirror_root, tmp_path, one_thread, monkeypatch):
     """Through ``run_training`` (what ``dvc repro`` runs): metrics.json's engine block says what ran, and the history
-    equals the one-at-a-time run's; K is a parameter, so the two runs have their own hash."""
+    equals the one-at-a-time run's; K is a parameter, so the two runs have their own hash. The K = 2 run also asks for
+    deterministic kernels (``train.deterministic``), which the stage turns on (on the CPU: the same numbers)."""
     import shutil
 
     import yaml
 
     from fedsilo.cli import main
     from fedsilo.config import parse_params
+    from fedsilo.fl import run as run_module
     from fedsilo.fl.run import run_training
+
+    turned_on: list[bool] = []
+    monkeypatch.setattr(run_module, "deterministic_kernels", lambda: turned_on.append(True))  # process-wide: not in a test worker
     from fedsilo.utils.io import read_json
     from tests.conftest import small_params
 
@@ -269,7 +274,7 @@ def test_a_train_stage_with_clients_at_once_records_it_and_gives_the_same_number
     for k in (1, 2):
         root = tmp_path / f"k{k}"
         shutil.copytree(mirror_root / "data", root / "data")
-        raw = small_params(rounds=2, parallel_clients=k)
+        raw = small_params(rounds=2, parallel_clients=k, deterministic=k == 2)
         (root / "p.yaml").write_text(yaml.safe_dump(raw))
         assert main(["--root", str(root), "--params", str(root / "p.yaml"), "split", "--experiment", "quick"]) == 0
         run_training(parse_params(raw), "quick", "fedbn", 0, root, quiet=True)
@@ -278,4 +283,5 @@ def test_a_train_stage_with_clients_at_once_records_it_and_gives_the_same_number
     assert out[1][0]["engine"] == {"parallel_clients": 1}
     assert out[2][0]["engine"] == {"parallel_clients": 2, "threads_per_client": 1}
     assert out[1][0]["params_hash"] != out[2][0]["params_hash"]
+    assert turned_on == [True]
     assert without_timing(out[1][1]) == without_timing(out[2][1]) and out[1][0]["mean_acc"] == out[2][0]["mean_acc"]

@@ -260,3 +260,16 @@ def test_local_new_external_table_averages_each_column_over_seeds(tmp_path):
     for (m, s) in values:
         write_json(tmp_path / m / f"seed{s}" / "metrics.json", {"mean_acc": 0.5})
     assert local_new_external(tmp_path, ["cd2pfed", "fedavg"], [0, 1]) is None, "runs without an ensemble: no table"
+
+
+def test_per_domain_figure_draws_a_line_per_domain_the_mean_of_its_clients(tmp_path, monkeypatch):
+    import fedsilo.report as report
+
+    drawn: dict[str, list] = {}
+    monkeypatch.setattr(report, "_line_figure", lambda path, series, *a: drawn.__setitem__(path.name, series) or path.name)
+    hist = [{"round": r, "bytes_up_total": 0, "bytes_down_total": 0,
+             "eval": {"a1": {"acc": 0.2 * r}, "a2": {"acc": 0.4 * r}, "b1": {"acc": 0.1 * r}}} for r in (1, 2)]
+    report._plots(tmp_path, "x", ["fedavg"], [0], {("fedavg", 0): hist}, {"a1": "A", "a2": "A", "b1": "B"})
+    series = {name: ys for name, _, ys in drawn["x_fedavg_domains.png"]}
+    assert set(series) == {"A", "B"}
+    assert series["A"] == pytest.approx([30.0, 60.0]) and series["B"] == pytest.approx([10.0, 20.0])

@@ -448,6 +448,11 @@ class TrainParams(Strict):
     amp: Literal["auto", "off", "bf16"] = Field("auto", description="auto = bf16 autocast on CUDA, off on CPU")
     channels_last: Literal["auto", "on", "off"] = Field("auto", description="auto = on for CUDA convnets")
     compile: bool = Field(False, description="torch.compile the model once per run")
+    deterministic: bool = Field(
+        False, description="deterministic kernels (torch.use_deterministic_algorithms, cuDNN without autotuning, "
+        "cuBLAS's fixed workspace): the same numbers for the same seed on a GPU too, at some speed; on the CPU the "
+        "kernels already are; an op with no deterministic kernel stops the run naming it",
+    )
     count_flops: bool = Field(
         True, description="count the floating-point operations of the last round's local training (matrix products "
         "and convolutions, forward and backward, torch.utils.flop_counter; the last round is a method's steady state: "

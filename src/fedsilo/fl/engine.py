@@ -68,9 +68,10 @@ def read_only(payload: State) -> State:
 
 
 def eval_summary(per: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """A round's evaluation from its clients' scores: the scores, the mean and spread of the accuracies, the mean of
-    the validation accuracies (what best-validation selection ranks rounds by) and of the defined AUCs. The engine's
-    and the Flower server's."""
+    """A round's evaluation from its clients' scores: the scores, the mean and spread (population std, ddof 0) of the
+    accuracies over clients, the mean of the validation accuracies (what best-validation selection ranks rounds by)
+    and of the defined AUCs (``auc_undefined`` names the clients whose test split holds one class). The engine's and
+    the Flower server's."""
     accs = np.array([v["acc"] for v in per.values()])
     out: dict[str, Any] = {"eval": per, "mean_acc": float(accs.mean()), "std_acc": float(accs.std())}
     vals = [v["val_acc"] for v in per.values() if "val_acc" in v]
@@ -78,7 +79,10 @@ def eval_summary(per: dict[str, dict[str, float]]) -> dict[str, Any]:
         out["mean_val_acc"] = float(np.mean(vals))
     aucs = [v["auc"] for v in per.values() if "auc" in v and not math.isnan(v["auc"])]
     if aucs:
-        out["mean_auc"] = float(np.mean(aucs))
+        out["mean_auc"] = float(np.mean(aucs))  # over the clients whose test split holds both classes
+        undefined = [c for c, v in per.items() if "auc" in v and math.isnan(v["auc"])]
+        if undefined:
+            out["auc_undefined"] = undefined
     return out
 
 
@@ -125,6 +129,10 @@ class Engine:
             self.server = self.method.init_server(model)
             self.stores = [self.method.init_client(model, c) for c in clients]
             self.save()
+        elif self.round > 0:
+            # the method's round state as it was after its last round (a phase, a channel ratio): what evaluating
+            # the resumed run, or a run resumed after its last round, needs (the next round sets its own)
+            self.method.on_round_start(model, self.round)
         self.store_device = self._choose_store_device()
         self.stores = [self._place(s) for s in self.stores]
 
@@ -208,12 +216,15 @@ class Engine:
 
     # ------------------------------------------------------------------ loop
     def sample(self, rnd: int) -> list[int]:
+        """The round's clients: m = max(1, floor(C n)) of the n, drawn without replacement (McMahan et al.'s
+        max(C K, 1), floored as FedAvg's and PFLlib's code do); with ``client_fraction_range: [lo, hi]`` the count is
+        drawn uniformly among the integers floor(lo n) .. floor(hi n) each round (PFLlib's random join ratio)."""
         n = len(self.clients)
-        frac = self.train.client_fraction
         if self.train.client_fraction_range is not None:  # a join ratio drawn for this round
-            lo, hi = self.train.client_fraction_range
-            frac = lo + (hi - lo) * float(torch.rand((), generator=make_generator(self.seed, rnd, 1_000_005)))
-        m = max(1, int(round(frac * n)))
+            lo, hi = (max(1, math.floor(f * n + 1e-9)) for f in self.train.client_fraction_range)
+            m = int(torch.randint(lo, hi + 1, (), generator=make_generator(self.seed, rnd, 1_000_005)))
+        else:
+            m = max(1, math.floor(self.train.client_fraction * n + 1e-9))
         if m >= n:
             return list(range(n))
         perm = torch.randperm(n, generator=make_generator(self.seed, rnd, 1_000_003))

@@ -88,6 +88,10 @@ def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
     }
     if "mean_auc" in last:
         out["mean_auc"] = last["mean_auc"]
+        if last.get("auc_undefined"):
+            out["auc_undefined"] = last["auc_undefined"]
+            log.warning("mean_auc leaves out %d client(s) whose test split holds one class (AUC undefined): %s",
+                        len(last["auc_undefined"]), ", ".join(last["auc_undefined"]))
     if "global" in last:
         out["global_acc"] = last["global"]
     for key in ("ensemble", "external_ensemble", "external_global"):  # new test, external test (CD2-pFed Tables 1-4)
@@ -113,6 +117,13 @@ def round_summary(entry: dict[str, Any]) -> str:
     parts.append(f"{entry['seconds']:.1f} s")
     parts.append(f"up {mib(entry['bytes_up_total'])} down {mib(entry['bytes_down_total'])}")
     return ", ".join(parts)
+
+
+def deterministic_kernels() -> None:
+    """``train.deterministic``: the process uses deterministic kernels only (a train stage is one process)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts, before its first call
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 def run_training(
@@ -152,6 +163,11 @@ def run_training(
             f"`dvc repro split@{experiment}` (or `fedsilo split --experiment {experiment}`)"
         )
     device = pick_device(exp.train.device, f"experiments.{experiment}.train.device")
+    if exp.train.deterministic:
+        deterministic_kernels()
+    if exp.train.amp == "bf16" and device.type != "cuda":
+        log.warning("experiments.%s.train.amp: bf16 autocast applies on CUDA only; this run trains in float32 on %s",
+                    experiment, device.type)
     if stream:  # one list of clients per task (fl/continual.py)
         tasks, task_names, in_ch, num_classes = load_task_clients(harmonized, split, device)
         clients, external = tasks[0], None

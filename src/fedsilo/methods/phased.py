@@ -116,7 +116,9 @@ class TwoPhase(PartialSharing):
         self.rnd = rnd
 
     def sample_all(self, rnd: int) -> bool:
-        return 0 < self.e0 == rnd
+        # Phase 1 (rounds 1..E0): every client trains its own model, whatever the sampling fraction (nothing is sent
+        # but round E0's upload, which every client makes)
+        return 0 < rnd <= self.e0
 
     def download(self, server, client, rnd):
         return {} if self.phase(rnd) == 1 else super().download(server, client, rnd)

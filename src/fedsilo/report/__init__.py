@@ -481,11 +481,14 @@ def _plots(out: Path, experiment: str, methods: list[str], seeds: list[int], his
     for m in methods:
         h0 = evals(m, seeds[0])
         rounds = [e["round"] for e in h0]
+        groups: dict[str, list[str]] = {}  # a line per domain: the mean over its clients, as the tables form it
+        for client in h0[0]["eval"]:
+            groups.setdefault((domain_of or {}).get(client, client), []).append(client)
         series = [
-            (dom, rounds, list(np.mean([[e["eval"][dom]["acc"] * 100 for e in evals(m, s)] for s in seeds], axis=0)))
-            for dom in h0[0]["eval"]
+            (dom, rounds, list(np.mean([[np.mean([e["eval"][c]["acc"] for c in cs]) * 100 for e in evals(m, s)] for s in seeds], axis=0)))
+            for dom, cs in groups.items()
         ]
-        made.append(_line_figure(out / f"{experiment}_{m}_domains.png", series, "test accuracy (%)", f"{experiment}: {m}"))
+        made.append(_line_figure(out / f"{experiment}_{m}_domains.png", series, "test accuracy per domain (%)", f"{experiment}: {m}"))
 
     series = []
     for m in methods:
