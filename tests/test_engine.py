@@ -336,3 +336,11 @@ def test_deterministic_switch_turns_on_deterministic_kernels(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(before)
     assert TrainParams(deterministic=True).deterministic and not TrainParams().deterministic
+
+
+def test_generator_keys_with_a_trailing_zero_draw_the_same_stream_as_without():
+    # documented in make_generator: what Ditto's and FedRep's first phase rely on to draw FedAvg's batches
+    from fedsilo.client.local import make_generator
+
+    draw = lambda *k: torch.rand(4, generator=make_generator(*k))  # noqa: E731
+    assert torch.equal(draw(1, 2, 3, 0), draw(1, 2, 3)) and not torch.equal(draw(1, 2, 3, 1), draw(1, 2, 3))
