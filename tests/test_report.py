@@ -273,3 +273,20 @@ def test_per_domain_figure_draws_a_line_per_domain_the_mean_of_its_clients(tmp_p
     series = {name: ys for name, _, ys in drawn["x_fedavg_domains.png"]}
     assert set(series) == {"A", "B"}
     assert series["A"] == pytest.approx([30.0, 60.0]) and series["B"] == pytest.approx([10.0, 20.0])
+
+
+def test_versus_paper_warns_when_our_avg_covers_domains_the_paper_has_not(caplog):
+    import logging
+
+    from fedsilo.report import versus_paper
+
+    acc = pd.concat({"mean": pd.DataFrame({"A": [50.0], "B": [70.0], "C": [90.0], "Avg": [70.0]}, index=["fedavg"]),
+                     "std": pd.DataFrame({"A": [0.0], "B": [0.0], "C": [0.0], "Avg": [0.0]}, index=["fedavg"])}, axis=1)
+    same = {"domains": ["A", "B", "C"], "methods": {"fedavg": {"mean": [50, 70, 90, 70]}}}
+    with caplog.at_level(logging.WARNING, logger="fedsilo.report"):
+        versus_paper(acc, same)
+    assert not caplog.records
+    fewer = {"domains": ["A", "B"], "methods": {"fedavg": {"mean": [50, 70, 60]}}}
+    with caplog.at_level(logging.WARNING, logger="fedsilo.report"):
+        tab = versus_paper(acc, fewer)
+    assert "no column for C" in caplog.text and tab[("Avg", "diff")].iloc[0] == pytest.approx(10.0)

@@ -589,6 +589,9 @@ def efficiency_markdown(comm: pd.DataFrame, paper: dict[str, Any], title: str) -
     return "\n".join(lines) + "\n"
 
 
+NOT_DOMAINS = frozenset({"Avg", "STD", "Delta", "forgetting", "final"})  # the accuracy tables' other columns
+
+
 def versus_paper(acc: pd.DataFrame, published: dict[str, Any], avg: bool = True) -> pd.DataFrame:
     """Ours beside the paper's, per method and domain (+ Avg, + STD where ours has it and the paper gives
     ``std_over_domains``): columns (<domain>, ours|paper|diff). ``avg=False`` for a table whose columns are metrics,
@@ -598,6 +601,9 @@ def versus_paper(acc: pd.DataFrame, published: dict[str, Any], avg: bool = True)
     missing = [d for d in published["domains"] if d not in ours.columns]
     if missing:
         raise ReportError(f"published table domains {missing} are not domains of this experiment ({list(ours.columns)})")
+    extra = [c for c in ours.columns if c not in published["domains"] and c not in NOT_DOMAINS]
+    if avg and extra:  # our Avg is over every domain of ours, the paper's over its own
+        log.warning("the paper's table has no column for %s: its Avg and ours average different domains", ", ".join(map(str, extra)))
     cols = {}
     rows = [m for m in ours.index if m in published["methods"]]
     def paper_value(m: str, i: int) -> float:
