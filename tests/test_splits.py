@@ -260,3 +260,25 @@ def test_label_skew_clients_are_draws_from_one_pool_and_name_it(records):
     drew = [set(pool.loc[c["train"] + c["test"], "domain"]) for c in split["clients"]]
     assert {"A"} in drew, "a client holding class 0 drew from A only"
     assert {c["domain"] for c in split["clients"]} == {"A+B"}
+
+
+def test_domain_incremental_alpha_sets_the_label_skew_inside_every_domain(records):
+    """Dirichlet(alpha) per domain: a client's label entropy grows with alpha, and its test side follows its train
+    side's label distribution (the test images of a domain are spread with the same proportions)."""
+
+    def hist(rows):
+        return np.bincount(records.loc[rows, "label"].to_numpy(), minlength=10).astype(float)
+
+    def entropy(h):
+        p = h[h > 0] / h.sum()
+        return float(-(p * np.log(p)).sum())
+
+    mean_entropy, corr = {}, {}
+    for alpha in (0.1, 1.0, 100.0):
+        s = make_split(records, DomainIncrementalSplit(protocol="domain_incremental", clients=5, alpha=alpha, domain_order=("D", "B", "A", "C")), 0)
+        tasks = [t for c in s["clients"] for t in c["tasks"]]
+        mean_entropy[alpha] = np.mean([entropy(hist(t["train"])) for t in tasks])
+        corr[alpha] = np.mean([np.corrcoef(hist(t["train"]), hist(t["test"]))[0, 1] for t in tasks])
+    assert mean_entropy[0.1] < mean_entropy[1.0] < mean_entropy[100.0], mean_entropy
+    assert mean_entropy[100.0] > 0.9 * np.log(10)  # near uniform
+    assert corr[0.1] > 0.7, corr
