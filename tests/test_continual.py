@@ -225,8 +225,9 @@ def test_lambda_zero_without_migration_or_sharing_is_fedavg_task_after_task():
     assert all(x["bytes_down_total"] == sum(x["bytes_down"].values()) + len(names) * one for x in ends)
     # partial participation: every selected client trains from the federation's current model of its family, so
     # the family's model is FedAvg's global model round after round (scores differ only for a client not yet sampled
-    # in a task, which holds the models it received last)
-    part = _train(client_fraction=0.5)
+    # in a task, which holds the models it received last); two of the three clients a round (max(1, floor(C n))), so
+    # that every client has taken part in task 0 before task 1: a client with no model yet starts a family of its own
+    part = _train(client_fraction=0.67)
     e_dil = _engine("pfeddil", train=part, lam=0.0, migration=False, share_extractor=False)
     e_fa = _engine("fedavg", train=part)
     for _ in range(6):
