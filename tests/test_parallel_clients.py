@@ -71,14 +71,15 @@ def test_every_method_gives_the_numbers_of_one_client_at_a_time(name, one_thread
     assert all(_same_state(s1, s2) for s1, s2 in zip(one.stores, two.stores))
 
 
-@pytest.mark.parametrize("case", ["host_augment", "decouple_finetune"])
+@pytest.mark.parametrize("case", ["host_augment", "decouple_finetune", "moon_own_init"])
 def test_options_that_draw_per_client_give_the_numbers_of_one_client_at_a_time(case, one_thread):
-    """An albumentations policy (re-seeded per batch: one per thread), and FT-FedAvg with F²DC's modules (the
-    fine-tuning's mask noise seeded per client, not left from whichever client trained last)."""
+    """An albumentations policy (re-seeded per batch: one per thread), FT-FedAvg with F²DC's modules (the
+    fine-tuning's mask noise seeded per client, not left from whichever client trained last), and MOON's own-init
+    previous models (drawn per client, not from a generator two threads reseed at once)."""
     def run(k):
         train = {"augment": {"host": [{"name": "Affine", "rotate": [-20, 20], "p": 1.0}]}} if case == "host_augment" else {}
-        params = {"decouple": {}, "finetune_epochs": 1} if case == "decouple_finetune" else {}
-        cls = method_class("fedavg")
+        params = {"decouple_finetune": {"decouple": {}, "finetune_epochs": 1}, "moon_own_init": {"first_previous": "own_init"}}.get(case, {})
+        cls = method_class("moon" if case == "moon_own_init" else "fedavg")
         tp = TrainParams(rounds=2, batch_size=6, lr=0.05, momentum=0.5, device="cpu", parallel_clients=k, count_flops=False, **train)
         e = Engine(cls(cls.params_cls(**params), tp), tiny_net(1, 4), _clients(), tp, seed=0)
         return e, e.run()

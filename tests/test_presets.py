@@ -138,6 +138,7 @@ def test_every_run_of_every_preset_builds_its_method_on_its_backbone(preset):
     raw["data"] = str(tmp_root.relative_to(REPO))
     p = load_paper_params(REPO / preset, raw)
     seen = set()
+    built: dict[tuple, torch.nn.Module] = {}  # one build per backbone, size and channels (DenseNet-121's takes 2 s)
     for e in p.pipeline.experiments:
         x, d = p.experiments[e], p.datasets[p.experiments[e].dataset]
         grey = d.kind == "chest_xray4" or (d.kind in ("fmnist", "emnist", "femnist") and getattr(d, "channels", "native") == "native")
@@ -151,7 +152,10 @@ def test_every_run_of_every_preset_builds_its_method_on_its_backbone(preset):
             algo.join(cards, 0)
             if type(algo).task_stream and x.split.protocol == "domain_incremental":
                 algo.set_tasks(["A", "B"])
-            model = build_model(x.train.model, channels, 10, seed=0, image_size=size)
+            shape = (x.train.model, channels, size)
+            if shape not in built:
+                built[shape] = build_model(x.train.model, channels, 10, seed=0, image_size=size)
+            model = copy.deepcopy(built[shape])
             with torch.no_grad():
                 model = algo.transform_model(model, torch.zeros(2, channels, size, size))
             algo.setup(model)

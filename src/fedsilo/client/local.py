@@ -24,7 +24,8 @@ def make_generator(*keys: int) -> torch.Generator:
     """A CPU generator seeded from a tuple of integers (seed, round, client, ...): the randomness of every round
     is a pure function of these keys, so a resumed run draws exactly what an uninterrupted one draws.
 
-    NumPy's SeedSequence ignores trailing zeros: (s, r, c, 0) draws what (s, r, c) draws. Methods use that on purpose
+    NumPy's SeedSequence pads the keys with zeros up to four 32-bit words: (s, r, c, 0) draws what (s, r, c) draws
+    (but (s, r, c, 0, 0) does not). Methods use that on purpose
     (Ditto's global update and FedRep's head phase draw FedAvg's batches); two streams that must differ need keys that
     differ before their trailing zeros (a last key of 1, 2, ...). Changing the rule would change every number."""
     seq = np.random.SeedSequence([int(k) for k in keys])

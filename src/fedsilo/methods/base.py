@@ -299,7 +299,8 @@ def fresh_copy(module: nn.Module, seed: int) -> nn.Module:
     """A copy of ``module`` (same shapes, same device) whose parameters are drawn anew from PyTorch's default
     initialisation under ``seed``: a new head beside an existing one."""
     twin = spare_copy(module)
-    with torch.random.fork_rng(devices=[]):
+    cuda = sorted({p.device.index or 0 for p in twin.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):  # every generator the draws may use is put back afterwards
         torch.manual_seed(seed)
         for m in twin.modules():
             if hasattr(m, "reset_parameters"):

@@ -97,9 +97,12 @@ class ChannelPartition:
             layer.masked.register_forward_hook(self._hook(k))  # type: ignore[union-attr]
         # a residual block's output (after the shortcut is added) is masked like its last convolution's: a no-op
         # where the shortcut keeps each channel's owner, and what keeps the subnets apart where it does not
+        # (a torchvision BasicBlock, whose output is its conv2's; a Bottleneck's conv3 and downsample are masked layers)
+        from torchvision.models.resnet import BasicBlock
+
         index = {layer.name: k for k, layer in enumerate(self.hidden)}
         for name, m in model.named_modules():
-            if hasattr(m, "conv2") and hasattr(m, "downsample") and f"{name}.conv2" in index:
+            if isinstance(m, BasicBlock) and f"{name}.conv2" in index:
                 m.register_forward_hook(self._hook(index[f"{name}.conv2"]))
         head = self.layers[-1]
         self.keys = {k for layer in self.hidden for k in layer.row_keys} | {head.column_key, *head.whole_keys}

@@ -138,7 +138,7 @@ class FDSE(PartialSharing):
     block's downsampling layer run after its two convolutions (torchvision's order; layer l of the regularizer's
     softmax(beta l) counts conv1, conv2, downsample). FDSE has no single global model (its erasers are per client).
     The code's logger tests each client's own model at the start of a round, before the server's step: the model
-    the client trained in its last round (``evaluate: trained``, the default); ``next_round`` evaluates the shared
+    the client trained in its last round, the initial model before it has trained (``evaluate: trained``, the default); ``next_round`` evaluates the shared
     part, the erasers the server mixed for the client and its own eraser statistics instead. The optimizer (momentum, weight decay, learning rate) is the preset's; the
     code's per-round learning-rate decay (0.9998) is not applied; the code sums BatchNorm's step counters across clients
     (K-fold growth a round), we average them (unused with BatchNorm's momentum 0.1)."""
@@ -162,6 +162,13 @@ class FDSE(PartialSharing):
         """What never leaves a client: the erasers' BatchNorm running statistics (the erasers themselves travel) and
         its copy of the model it last trained."""
         return {k for k in self.private if not is_personal(k)} | {TRAINED + k for k in model.state_dict()}
+
+    def init_client(self, model: LayeredNet, client) -> State:
+        store = super().init_client(model, client)
+        if self.params.evaluate == "trained":  # before it trains, a client holds the initial model (as in the code)
+            sd = model.state_dict()
+            store.update({TRAINED + k: sd[k].detach().clone() for k in self.shared + self.personal})
+        return store
 
     def init_server(self, model: LayeredNet) -> State:
         sd = model.state_dict()
@@ -281,9 +288,9 @@ class FDSE(PartialSharing):
 
     def eval_state(self, server, store, client):
         own = {k: v for k, v in store.items() if not k.startswith(TRAINED)}
-        if self.params.evaluate == "trained" and any(k.startswith(TRAINED) for k in store):
+        if self.params.evaluate == "trained":
             return {**own, **{k: store[TRAINED + k] for k in self.shared + self.personal}}
-        return {**own, **self.download(server, client, 0)}  # next_round, or a client that has not trained yet
+        return {**own, **self.download(server, client, 0)}
 
     def global_state(self, server):
         return None

@@ -70,7 +70,8 @@ class FPL(PartialSharing):
 
     def local_update(self, model, store, payload, client, rnd, seed):
         clusters = from_payload(payload, CLUSTERS)
-        model.load_state_dict({**store, **{k: v for k, v in payload.items() if k in set(self.shared)}}, strict=True)
+        shared = set(self.shared)
+        model.load_state_dict({**store, **{k: v for k, v in payload.items() if k in shared}}, strict=True)
         sums = PrototypeSums()
         epochs = self.train.local_epochs
         seen = {"batches": 0}

@@ -72,22 +72,22 @@ class MOON(PartialSharing):
         self._init = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self._refs = Spares(2)  # the global and the previous model, beside each model a client trains
 
-    def _first_previous(self, model: LayeredNet, client, seed: int) -> State:
-        if self.params.first_previous == "initial":
-            return self._init
-        # the client's own draw, the same in every round it could be needed (a client trains once before it has one)
-        return {k: v.detach() for k, v in fresh_copy(model, 1_000_003 * (seed + 1) + client.index).state_dict().items()}
 
     def private_keys(self, model: LayeredNet) -> set[str]:
         return {PREVIOUS + k for k in model.state_dict()}
 
     def init_client(self, model: LayeredNet, client) -> State:
-        return {}  # no previous model until the client has trained once
+        if self.params.first_previous == "initial":
+            return {}  # no previous model until the client has trained once: the initial model stands in
+        # own_init: the client's own random net, drawn once here (on the engine's thread, from the initial model the
+        # engine holds now, seeded by (run seed, client)), so that clients trained at once draw what one at a time do
+        twin = fresh_copy(model, 1_000_003 * (self.run_seed + 1) + client.index)
+        return {PREVIOUS + k: v.detach().clone() for k, v in twin.state_dict().items()}
 
     def local_update(self, model, store, payload, client, rnd, seed):
         glob, prev = self._refs.of(model)
         glob.load_state_dict(payload, strict=True)
-        prev.load_state_dict({k: store[PREVIOUS + k] for k in self.keys} if store else self._first_previous(model, client, seed), strict=True)
+        prev.load_state_dict({k: store[PREVIOUS + k] for k in self.keys} if store else self._init, strict=True)
         batch_stats = self.params.reference_bn == "batch"
         glob.train(batch_stats)
         prev.train(batch_stats)

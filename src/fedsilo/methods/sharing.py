@@ -90,10 +90,12 @@ class PartialSharing(MeanAggregation):
         keys = list(model.state_dict().keys())
         dc = self.decoupling()
         kept = decoupling.module_keys(model) if dc is not None and not dc.share_modules else set()
-        self.shared = [k for k in keys if k in set(self.shared_keys(model)) and k not in kept]
-        self.private = [k for k in keys if k not in set(self.shared)]
+        wanted = set(self.shared_keys(model))  # once: a method's shared_keys may walk the whole model
+        self.shared = [k for k in keys if k in wanted and k not in kept]
+        shared = set(self.shared)
+        self.private = [k for k in keys if k not in shared]
         sizes = {n: p.numel() for n, p in model.named_parameters()}
-        self._param_share = sum(v for n, v in sizes.items() if n in set(self.shared)) / max(sum(sizes.values()), 1)
+        self._param_share = sum(v for n, v in sizes.items() if n in shared) / max(sum(sizes.values()), 1)
 
     def private_keys(self, model: LayeredNet) -> set[str]:
         return set(self.private)
