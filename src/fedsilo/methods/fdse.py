@@ -138,8 +138,9 @@ class FDSE(PartialSharing):
     block's downsampling layer run after its two convolutions (torchvision's order; layer l of the regularizer's
     softmax(beta l) counts conv1, conv2, downsample). FDSE has no single global model (its erasers are per client).
     The code's logger tests each client's own model at the start of a round, before the server's step: the model
-    the client trained in its last round, the initial model before it has trained (``evaluate: trained``, the default); ``next_round`` evaluates the shared
-    part, the erasers the server mixed for the client and its own eraser statistics instead. The optimizer (momentum, weight decay, learning rate) is the preset's; the
+    the client trained in its last round, the initial model before it has trained (``evaluate: trained``, the
+    default); ``next_round`` evaluates the shared part, the erasers the server mixed for the client and its own
+    eraser statistics instead. The optimizer (momentum, weight decay, learning rate) is the preset's; the
     code's per-round learning-rate decay (0.9998) is not applied; the code sums BatchNorm's step counters across clients
     (K-fold growth a round), we average them (unused with BatchNorm's momentum 0.1)."""
 

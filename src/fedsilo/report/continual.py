@@ -73,6 +73,11 @@ def stream_table(metrics: dict, methods: list[str], seeds: list[int], reference:
     else:
         df["Delta"] = np.nan
     cols = [*tasks, "Avg", "Delta", "forgetting", "final"]
+    return _over_seeds(df, cols, methods, seeds)
+
+
+def _over_seeds(df: pd.DataFrame, cols: list[str], methods: list[str], seeds: list[int]) -> pd.DataFrame:
+    """Columns (stat, column): the mean and the std (ddof = 1; NaN for one seed) over a method's rows (its seeds)."""
     g = df.groupby("method", sort=False)[cols]
     std = g.std(ddof=1) if len(seeds) > 1 else g.mean() * np.nan
     return pd.concat({"mean": g.mean().reindex(methods), "std": std.reindex(methods)}, axis=1)
@@ -105,9 +110,7 @@ def on_task_table(metrics: dict, methods: list[str], seeds: list[int]) -> pd.Dat
                          "Avg pooled": 100 * met["avg_acc_pooled"] if met.get("avg_acc_pooled") is not None else np.nan})
     df = pd.DataFrame(rows)
     cols = [c for c in df.columns if c != "method"]
-    g = df.groupby("method", sort=False)[cols]
-    std = g.std(ddof=1) if len(seeds) > 1 else g.mean() * np.nan
-    return pd.concat({"mean": g.mean().reindex(methods), "std": std.reindex(methods)}, axis=1)
+    return _over_seeds(df, cols, methods, seeds)
 
 
 def on_task_markdown(tab: pd.DataFrame, title: str) -> str:
