@@ -19,7 +19,8 @@ from fedsilo.methods.sharing import PartialSharing
 from fedsilo.models import LayeredNet
 
 PERSONAL = "fdse::"  # the server's copy of each client's personalized tensors: fdse::<client>::<key>
-TRAINED = "fdse_trained::"  # a client's own copy of the model it last trained (``evaluate: trained``)
+TRAINED = "fdse_trained::"  # a client's copy of the shared tensors it last trained (``evaluate: trained``; its
+# trained erasers are its store's own personal tensors)
 
 
 class DSEConv(nn.Module):
@@ -168,7 +169,7 @@ class FDSE(PartialSharing):
         store = super().init_client(model, client)
         if self.params.evaluate == "trained":  # before it trains, a client holds the initial model (as in the code)
             sd = model.state_dict()
-            store.update({TRAINED + k: sd[k].detach().clone() for k in self.shared + self.personal})
+            store.update({TRAINED + k: sd[k].detach().clone() for k in self.shared})
         return store
 
     def init_server(self, model: LayeredNet) -> State:
@@ -250,7 +251,7 @@ class FDSE(PartialSharing):
         for k in self.private:
             store[k] = sd[k].detach().clone()
         if self.params.evaluate == "trained":
-            for k in self.shared + self.personal:
+            for k in self.shared:  # the personal tensors are in the store already (self.private, above)
                 store[TRAINED + k] = sd[k].detach().clone()
         return {k: sd[k].detach() for k in self.shared + self.personal}
 
@@ -290,7 +291,7 @@ class FDSE(PartialSharing):
     def eval_state(self, server, store, client):
         own = {k: v for k, v in store.items() if not k.startswith(TRAINED)}
         if self.params.evaluate == "trained":
-            return {**own, **{k: store[TRAINED + k] for k in self.shared + self.personal}}
+            return {**own, **{k: store[TRAINED + k] for k in self.shared}}
         return {**own, **self.download(server, client, 0)}
 
     def global_state(self, server):
