@@ -10,7 +10,7 @@ from fedsilo.config import TrainParams
 from fedsilo.fl.continual import ContinualEngine
 from fedsilo.methods.base import RunningMean, payload_bytes
 from fedsilo.methods.continual import take
-from fedsilo.methods.fedcil import PREV, ACGANGenerator, FedCIL, running_stats_frozen
+from fedsilo.methods.fedcil import PREV, ACGANGenerator, FedCIL, feature_tap, last_linear, running_stats_frozen
 from fedsilo.methods.registry import REGISTRY
 from tests.tiny import finite_stream_summary, resume_mid_run, style_stream, tiny_net, without_timing
 
@@ -192,3 +192,72 @@ def test_a_three_task_stream_runs_end_to_end_with_finite_metrics():
 def test_a_run_killed_mid_task_resumes_to_the_same_numbers(tmp_path):
     resumed, full = resume_mid_run(lambda ck: _engine(checkpoint=ck), tmp_path)  # task 1's first round done, the second not
     assert without_timing(resumed.run()) == without_timing(full)
+
+
+def test_the_discriminator_loss_weighs_current_and_replayed_data_by_the_importance(monkeypatch):
+    # L_D = r * l(current batch) + (1 - r) * l(replayed batch): every l the clients' discriminators computed in task 1's
+    # first round, recorded in order (current, replayed, current, ...), gives back each client's mean loss of the round
+    r = 0.3
+    calls: dict[str, list[tuple[int, float]]] = {}
+    means: dict[str, float] = {}
+    d_loss, local_update = FedCIL._d_loss, FedCIL.local_update
+    who: list[str] = []
+
+    def spy_d_loss(self, d, g, x, y, pool, rng):
+        loss, c = d_loss(self, d, g, x, y, pool, rng)
+        if who:
+            calls.setdefault(who[-1], []).append((len(x), float(loss)))
+        return loss, c
+
+    def spy_update(self, model, store, payload, client, rnd, seed):
+        who.append(client.name)
+        try:
+            return local_update(self, model, store, payload, client, rnd, seed)
+        finally:
+            who.pop()
+            means[client.name] = self.last_loss
+
+    monkeypatch.setattr(FedCIL, "_d_loss", spy_d_loss)
+    monkeypatch.setattr(FedCIL, "local_update", spy_update)
+    e = _engine(importance=r, consistency_weight=0.0)
+    close = lambda a, b: abs(a - b) < 1e-5 * max(1.0, abs(b))  # noqa: E731  (the round's mean sums in float32)
+    for _ in range(2):  # task 0: no replayed batch, one l per batch
+        calls.clear()
+        e.step()
+        assert all(close(means[n], sum(b * v for b, v in calls[n]) / sum(b for b, _ in calls[n])) for n in calls)
+    calls.clear()
+    e.step()  # task 1's first round: a replayed batch beside every current one
+    assert len(calls) == 3
+    for name, seen in calls.items():
+        assert len(seen) % 2 == 0
+        pairs = list(zip(seen[0::2], seen[1::2]))
+        assert all(b == b_r for (b, _), (b_r, _) in pairs)
+        expect = sum(b * (r * cur + (1 - r) * rep) for (b, cur), (_, rep) in pairs) / sum(b for (b, _), _ in pairs)
+        assert close(means[name], expect)
+        unweighted = sum(b * (cur + rep) for (b, cur), (_, rep) in pairs) / sum(b for (b, _), _ in pairs)
+        assert abs(means[name] - unweighted) > 1e-3
+
+
+def test_the_consistency_terms_are_the_two_divergences_and_the_global_generators_cross_entropy():
+    # with D_c's weights zero its logits are its bias b on any image: KD_g1 = KL(softmax b || softmax b) = 0,
+    # KD_g2 = CE(b, y'') = -log softmax(b)[0] at labels drawn from {0} only, and KD_d = KL(softmax b || softmax o)
+    # against the client's logits o on its real batch (the direction the docstring states)
+    e = _engine()
+    e.step()
+    m, model = e.method, e.model
+    head = last_linear(model)
+    b = torch.tensor([2.0, -1.0, 0.5, 0.0])
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.copy_(b)
+    m.glob.load_state_dict(m.gen.state_dict())
+    m.glob.eval()
+    o = torch.tensor([[0.0, 1.0, -2.0, 0.5]]).repeat(6, 1)
+    y = torch.tensor([0, 1, 2, 3, 0, 1])
+    rng = torch.Generator().manual_seed(0)
+    model.train()
+    with feature_tap(model) as seen:
+        got = m._consistency(m._disc(model, m.rf, seen), o, y, torch.tensor([0]), rng)
+    pb, po = b.softmax(0), o[0].softmax(0)
+    expect = float((pb * (pb.log() - po.log())).sum()) + 0.0 + float(-pb[0].log())
+    assert abs(float(got) - expect) < 1e-5
