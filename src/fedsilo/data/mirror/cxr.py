@@ -26,23 +26,7 @@ import pandas as pd
 
 from fedsilo.config import MirrorParams
 from fedsilo.data.mirror.synth import STYLES, frontal, lateral
-
-CHEXPERT_OBS = (
-    "No Finding",
-    "Enlarged Cardiomediastinum",
-    "Cardiomegaly",
-    "Lung Opacity",
-    "Lung Lesion",
-    "Edema",
-    "Consolidation",
-    "Pneumonia",
-    "Atelectasis",
-    "Pneumothorax",
-    "Pleural Effusion",
-    "Pleural Other",
-    "Fracture",
-    "Support Devices",
-)
+from fedsilo.data.sources.chexpert import OBSERVATIONS as CHEXPERT_OBS
 
 
 def _rng(source: str, seed: int) -> np.random.Generator:
