@@ -12,9 +12,9 @@ from torch import nn
 
 from fedsilo.client.features import classifier, representation
 from fedsilo.client.local import make_generator, train_local
-from fedsilo.methods.base import MethodParams, RunningMean, State
+from fedsilo.methods.base import MethodParams, State
 from fedsilo.methods.fedtgp import margin_contrastive_loss
-from fedsilo.methods.prototypes import PROTO, PrototypeSums, from_payload, to_payload
+from fedsilo.methods.prototypes import PrototypeSums, by_class, from_payload, mean_and_prototypes, to_payload
 from fedsilo.methods.sharing import PartialSharing
 from fedsilo.models import LayeredNet
 
@@ -120,16 +120,12 @@ class FedSA(PartialSharing):
     def aggregate(self, server: State, uploads: list[tuple[Any, State]], rnd: int) -> State:
         if not uploads:
             return server
-        mean = RunningMean()
-        per_class: dict[int, list[torch.Tensor]] = {}
-        for c, up in uploads:
-            mean.add(c.n_train, {k: up[k] for k in self.shared})
-            for cls, v in from_payload(up, PROTO).items():
-                per_class.setdefault(cls, []).append(v.float())
+        mean, pairs = mean_and_prototypes(uploads, self.shared)
         anchors = server[ANCHORS].clone()
-        for cls, ps in per_class.items():
-            anchors[cls] = self.params.ema * anchors[cls] + (1 - self.params.ema) * torch.stack(ps).mean(0).to(anchors.device)
-        return {**mean.result(), ANCHORS: anchors}
+        for cls, ps in by_class(pairs).items():
+            mean_c = torch.stack([v.float() for v in ps]).mean(0).to(anchors.device)
+            anchors[cls] = self.params.ema * anchors[cls] + (1 - self.params.ema) * mean_c
+        return {**mean, ANCHORS: anchors}
 
     def eval_state(self, server, store, client):
         return {**{k: v for k, v in store.items() if not k.startswith(PREVIOUS)}, **{k: server[k] for k in self.shared}}

@@ -13,8 +13,8 @@ from torch import nn
 from fedsilo.client.data import to_float
 from fedsilo.client.features import classifier, features, representation
 from fedsilo.client.local import make_generator, train_local
-from fedsilo.methods.base import MethodParams, RunningMean, State
-from fedsilo.methods.prototypes import PROTO, PrototypeSums, from_payload, to_payload
+from fedsilo.methods.base import MethodParams, State
+from fedsilo.methods.prototypes import PrototypeSums, from_payload, mean_and_prototypes, to_payload
 from fedsilo.methods.sharing import PartialSharing
 from fedsilo.models import LayeredNet
 
@@ -156,12 +156,8 @@ class FedTGP(PartialSharing):
     def aggregate(self, server: State, uploads: list[tuple[Any, State]], rnd: int) -> State:
         if not uploads:
             return server
-        mean = RunningMean()
-        pairs: list[tuple[int, torch.Tensor]] = []
-        for c, up in uploads:
-            mean.add(c.n_train, {k: up[k] for k in self.shared})
-            pairs += sorted(from_payload(up, PROTO).items())
-        return {**mean.result(), **self.train_generator(server, pairs, rnd)}
+        mean, pairs = mean_and_prototypes(uploads, self.shared)
+        return {**mean, **self.train_generator(server, pairs, rnd)}
 
     def eval_state(self, server, store, client):
         return {**store, **{k: server[k] for k in self.shared}}

@@ -11,9 +11,16 @@ from pydantic import Field
 
 from fedsilo.client.features import representation
 from fedsilo.client.local import batches_per_epoch, make_generator, train_local
-from fedsilo.methods.base import MethodParams, RunningMean, State
+from fedsilo.methods.base import MethodParams, State
 from fedsilo.methods.decoupling import DecouplingParams
-from fedsilo.methods.prototypes import PROTO, PrototypeSums, cluster_prototypes, from_payload, to_payload
+from fedsilo.methods.prototypes import (
+    PrototypeSums,
+    by_class,
+    cluster_prototypes,
+    from_payload,
+    mean_and_prototypes,
+    to_payload,
+)
 from fedsilo.methods.sharing import PartialSharing
 from fedsilo.models import LayeredNet
 
@@ -98,14 +105,8 @@ class FPL(PartialSharing):
     def aggregate(self, server: State, uploads: list[tuple[Any, State]], rnd: int) -> State:
         if not uploads:
             return server
-        mean = RunningMean()
-        per_class: dict[int, list[torch.Tensor]] = {}
-        for c, up in uploads:
-            mean.add(c.n_train, {k: up[k] for k in self.shared})
-            for cls, p in from_payload(up, PROTO).items():
-                per_class.setdefault(cls, []).append(p)
-        out = mean.result()
-        out.update({f"{CLUSTERS}{cls}": cluster_prototypes(ps) for cls, ps in sorted(per_class.items())})
+        out, pairs = mean_and_prototypes(uploads, self.shared)
+        out.update({f"{CLUSTERS}{cls}": cluster_prototypes(ps) for cls, ps in sorted(by_class(pairs).items())})
         return out
 
     def eval_state(self, server, store, client):

@@ -7,12 +7,14 @@ Sharma, Stiefelhagen, CVPR 2019) is the parameter-free clustering FPL runs over 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from scipy.sparse import csr_matrix, identity
 from scipy.sparse.csgraph import connected_components
 
-from fedsilo.methods.base import State
+from fedsilo.methods.base import RunningMean, State
 
 PROTO = "proto::"
 
@@ -42,6 +44,25 @@ def to_payload(protos: dict[int, torch.Tensor], prefix: str = PROTO) -> State:
 
 def from_payload(payload: State, prefix: str = PROTO) -> dict[int, torch.Tensor]:
     return {int(k[len(prefix):]): v for k, v in payload.items() if k.startswith(prefix)}
+
+
+def mean_and_prototypes(uploads: list[tuple[Any, State]], shared: list[str]) -> tuple[State, list[tuple[int, torch.Tensor]]]:
+    """What a prototype method's server reads from a round's uploads: the sample-size-weighted mean of the shared
+    tensors, and every uploaded prototype as (class, prototype) in upload order, each client's in class order."""
+    mean = RunningMean()
+    pairs: list[tuple[int, torch.Tensor]] = []
+    for c, up in uploads:
+        mean.add(c.n_train, {k: up[k] for k in shared})
+        pairs += sorted(from_payload(up, PROTO).items())
+    return mean.result(), pairs
+
+
+def by_class(pairs: list[tuple[int, torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+    """The prototypes of each class, in the order of ``pairs``."""
+    out: dict[int, list[torch.Tensor]] = {}
+    for cls, v in pairs:
+        out.setdefault(cls, []).append(v)
+    return out
 
 
 def _first_neighbour_clusters(x: np.ndarray) -> np.ndarray:
