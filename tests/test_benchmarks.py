@@ -227,7 +227,7 @@ def test_domain_styles_differ_while_labels_are_learnable(bench_harmonized, tmp_p
     assert max(means.values()) - min(means.values()) > 30
     split = make_split(rec, DomainClientsSplit(n_train=80, n_test=80), seed=0)
     clients, cin, nc = load_clients(h, split, torch.device("cpu"))
-    tp = TrainParams(rounds=12, batch_size=16, lr=0.05, momentum=0.9, device="cpu")
+    tp = TrainParams(rounds=12, batch_size=16, lr=0.05, momentum=0.9, device="cpu", count_flops=False)
     cls = method_class("fedbn")
     algo = cls(cls.params_cls(), tp)
     engine = Engine(algo, build_model("simple_cnn", cin, nc, seed=0), clients, tp, seed=0)

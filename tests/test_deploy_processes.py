@@ -14,6 +14,7 @@ takes ~1-2 minutes on two cores: each SuperNode polls every 3 s and starts a fre
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -58,6 +60,7 @@ class Federation:
     def __init__(self, base: Path):
         self.base = base
         self.procs: list[tuple[subprocess.Popen, object]] = []
+        self.names: list[str] = []
         self.env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
                     "OMP_NUM_THREADS": "1",  # one thread per ClientApp: the engine it is compared with runs one
                     "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -71,6 +74,7 @@ class Federation:
         p = subprocess.Popen(cmd, cwd=cwd, env={**self.env, "FLWR_HOME": str(home)}, stdout=log, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL)
         self.procs.append((p, log))
+        self.names.append(name)
         return p
 
     def flwr(self, *args: str, timeout: float = 120) -> dict:
@@ -96,21 +100,42 @@ class Federation:
                     raise
                 time.sleep(0.5)
 
-    def wait_online(self, n: int, limit: float = 90) -> None:
+    def poll(self, check: Callable[[], Any], limit: float, hint: Callable[[], bool], what: str) -> Any:
+        """``check()`` (a `flwr` CLI call: a second or two of CPU each, which a 2-core machine takes from the
+        processes it waits for) until it returns something true: every 2 s once ``hint()`` (a cheap look at a log or
+        a file) says the awaited state is likely reached, every 15 s before."""
         deadline = time.monotonic() + limit
-        while sum(x["status"] == "online" for x in self.flwr("supernode", "list", CONNECTION)["nodes"]) < n:
-            assert time.monotonic() < deadline, f"fewer than {n} SuperNodes online after {limit:.0f} s"
-            time.sleep(1)
-
-    def run(self, app: Path, limit: float = 420) -> dict:
-        rid = self.flwr("run", str(app), CONNECTION)["run-id"]
-        deadline = time.monotonic() + limit
+        last = -math.inf
         while True:
+            now = time.monotonic()
+            if now - last >= (2 if hint() else 15):
+                last = now
+                out = check()
+                if out:
+                    return out
+            assert now < deadline, f"{what} after {limit:.0f} s"
+            time.sleep(0.5)
+
+    def wait_online(self, n: int, limit: float = 90) -> None:
+        def started() -> bool:  # each SuperNode logs its node ID once the SuperLink has let it in
+            logs = [self.base / f"{name}.log" for name in self.names if name.startswith("supernode_")]
+            return sum("SuperNode ID:" in f.read_text() for f in logs if f.exists()) >= n
+
+        def online() -> bool:
+            return sum(x["status"] == "online" for x in self.flwr("supernode", "list", CONNECTION)["nodes"]) >= n
+
+        self.poll(online, limit, started, f"fewer than {n} SuperNodes online")
+
+    def run(self, app: Path, ended: Callable[[], bool], limit: float = 420) -> dict:
+        """Starts the App and waits until the SuperLink says the run finished; ``ended()`` is a local sign that it
+        did (the results written, a refusal recorded)."""
+        rid = self.flwr("run", str(app), CONNECTION)["run-id"]
+
+        def finished() -> Optional[dict]:
             run = self.flwr("list", "--run-id", str(rid), CONNECTION)["runs"][0]
-            if run["status"].startswith("finished"):
-                return run
-            assert time.monotonic() < deadline, f"run {rid} not finished after {limit:.0f} s: {run['status']}"
-            time.sleep(2)
+            return run if run["status"].startswith("finished") else None
+
+        return self.poll(finished, limit, ended, f"run {rid} not finished")
 
     def stop(self) -> None:
         for p, _ in reversed(self.procs):  # SuperNodes first, the SuperLink last
@@ -186,7 +211,7 @@ def test_three_hospitals_train_over_tls_with_registered_nodes_and_only_shared_te
     results = coordinator / "results"
     fed.fedsilo("--params", str(REPO_PARAMS), "deploy", "app", "--federation", str(fed_file), "--out", str(coordinator / "app"),
                 "--results", str(results), cwd=coordinator)
-    run = fed.run(coordinator / "app")
+    run = fed.run(coordinator / "app", ended=lambda: (results / "metrics.json").exists())
     assert run["status"] == "finished:completed", run
 
     metrics = json.loads((results / "metrics.json").read_text())
@@ -227,12 +252,13 @@ def test_three_hospitals_train_over_tls_with_registered_nodes_and_only_shared_te
     bad.write_text(yaml.safe_dump(pinned, sort_keys=False))
     fed.fedsilo("--params", str(REPO_PARAMS), "deploy", "app", "--federation", str(bad), "--out", str(coordinator / "app_wrong"),
                 "--results", str(coordinator / "results_wrong"), cwd=coordinator)
-    run = fed.run(coordinator / "app_wrong")
+    wire_wrong = coordinator / "results_wrong.wire" / "wire.jsonl"
+    run = fed.run(coordinator / "app_wrong", ended=lambda: wire_wrong.exists() and "query.refused" in wire_wrong.read_text())
     assert run["status"] == "finished:failed"
     assert "site 'RSNA' refused: its data fingerprint" in run["status-details"]
     assert f"(sites[1], RSNA: {pinned['sites'][1]['fingerprint'][:16]})" in run["status-details"]
     assert not (coordinator / "results_wrong").exists()  # no results; what crossed before the refusal is kept
-    assert "query.refused" in (coordinator / "results_wrong.wire/wire.jsonl").read_text()
+    assert "query.refused" in wire_wrong.read_text()
     deadline = time.monotonic() + 30  # the refused site was told why (its SuperNode's log)
     while "the federation refused this site" not in (base / "supernode_rsna.log").read_text():
         assert time.monotonic() < deadline, (base / "supernode_rsna.log").read_text()[-2000:]

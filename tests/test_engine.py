@@ -25,7 +25,7 @@ def clients(mirror_root):
 
 def _engine(name, clients, rounds=2, observer=None, **kw):
     cl, cin, nc = clients
-    tp = TrainParams(rounds=rounds, batch_size=16, lr=0.02, device="cpu", **kw)
+    tp = TrainParams(**{"rounds": rounds, "batch_size": 16, "lr": 0.02, "device": "cpu", "count_flops": False, **kw})
     cls = method_class(name)
     return Engine(cls(cls.params_cls(), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0, observer=observer)
 
@@ -63,7 +63,7 @@ def test_an_upload_of_private_state_is_refused(clients):
             return {"units.0.0.weight"}
 
     cl, cin, nc = clients
-    tp = TrainParams(rounds=1, batch_size=16, device="cpu")
+    tp = TrainParams(rounds=1, batch_size=16, device="cpu", count_flops=False)
     with pytest.raises(PrivacyViolation, match="units.0.0.weight"):
         Engine(Leaky(Leaky.params_cls(), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0).run()
 
@@ -88,7 +88,7 @@ def test_fedprox_term_pulls_towards_the_global_model(clients):
     cl, cin, nc = clients
     far = []
     for mu in (1e-6, 5.0):
-        tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu")
+        tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu", count_flops=False)
         cls = method_class("fedprox")
         ups = []
         e = Engine(cls(cls.params_cls(mu=mu), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0,
@@ -122,7 +122,7 @@ def test_ditto_personal_models_stay_home_and_follow_lambda(clients):
     dist = {}
     for lam in (0.0, 50.0):
         seen = []
-        tp = TrainParams(rounds=2, batch_size=16, lr=0.02, device="cpu")
+        tp = TrainParams(rounds=2, batch_size=16, lr=0.02, device="cpu", count_flops=False)
         cls = method_class("ditto")
         e = Engine(cls(cls.params_cls(lam=lam), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0,
                    observer=lambda r, c, d, p, seen=seen: seen.append((d, set(p))))
@@ -138,7 +138,7 @@ def test_compiled_model_gives_the_same_numbers_and_keys(clients):
     cl, cin, nc = clients
     evals = []
     for comp in (False, True):
-        tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu", compile=comp)
+        tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu", count_flops=False, compile=comp)
         cls = method_class("fedavg")
         e = Engine(cls(cls.params_cls(), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0)
         evals.append(e.run()[-1]["eval"])
@@ -151,7 +151,7 @@ def test_fedavg_two_phase_is_single_then_fedavg_from_the_weighted_mean(clients):
     """pFedDB Fig. 5's "FedAvg under the two-phase protocol": rounds 1..E0 are exactly Single (same numbers, nothing
     sent); round E0 uploads every client's model and the server becomes their sample-size-weighted mean."""
     cl, cin, nc = clients
-    tp = TrainParams(rounds=4, batch_size=16, lr=0.02, device="cpu")
+    tp = TrainParams(rounds=4, batch_size=16, lr=0.02, device="cpu", count_flops=False)
     ups: dict[str, dict] = {}
 
     def observer(rnd, name, direction, payload):
@@ -180,7 +180,7 @@ def test_two_phase_fedavg_resumed_inside_phase_one_matches_an_uninterrupted_run(
     """A run stopped during Phase 1 and restarted from its checkpoint (a fresh method object, init_server skipped)
     must still start the clients that have no local model yet from the seeded initialisation."""
     cl, cin, nc = clients
-    tp = TrainParams(rounds=3, batch_size=16, lr=0.02, device="cpu")
+    tp = TrainParams(rounds=3, batch_size=16, lr=0.02, device="cpu", count_flops=False)
 
     def engine(ck=None):
         return Engine(FedAvg(FedAvg.params_cls(local_rounds=2), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp,
@@ -218,7 +218,7 @@ def test_a_run_resumed_after_its_last_round_evaluates_as_the_uninterrupted_one(t
 
 def test_phase_one_trains_every_client_whatever_the_sampling_fraction(clients):
     cl, cin, nc = clients
-    tp = TrainParams(rounds=4, batch_size=16, lr=0.02, device="cpu", client_fraction=0.5)
+    tp = TrainParams(rounds=4, batch_size=16, lr=0.02, device="cpu", count_flops=False, client_fraction=0.5)
     e = Engine(FedAvg(FedAvg.params_cls(local_rounds=2), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0)
     h = e.run()
     assert [len(x["sampled"]) for x in h] == [len(cl), len(cl), max(1, len(cl) // 2), max(1, len(cl) // 2)]
@@ -251,13 +251,13 @@ def test_each_round_records_its_training_and_total_seconds(clients):
 
 def test_flops_of_the_last_round_scale_with_the_work_and_change_no_number(clients):
     plain = _engine("fedavg", clients, rounds=2, count_flops=False).run()
-    one = _engine("fedavg", clients, rounds=2).run()
-    two = _engine("fedavg", clients, rounds=2, local_epochs=2).run()
+    one = _engine("fedavg", clients, rounds=2, count_flops=True).run()
+    two = _engine("fedavg", clients, rounds=2, local_epochs=2, count_flops=True).run()
     assert [x["eval"] for x in plain] == [x["eval"] for x in one], "counting must not change training"
     assert "train_flops" not in plain[-1] and "train_flops" not in one[0]  # only the last round is counted
     assert one[-1]["train_flops"] > 0
     assert two[-1]["train_flops"] == 2 * one[-1]["train_flops"]  # the same batches, twice
-    moon = _engine("moon", clients, rounds=2).run()  # forwards the global and the previous model beside the local one
+    moon = _engine("moon", clients, rounds=2, count_flops=True).run()  # forwards the global and the previous model beside the local one
     assert moon[-1]["train_flops"] > one[-1]["train_flops"]
 
 

@@ -352,10 +352,10 @@ def test_a_diverging_local_training_stops_with_the_key_to_change():
     from tests.tiny import label_skewed_federation, tiny_net
 
     client = label_skewed_federation(n_clients=1)[0]
-    cfg = TrainParams(model="simple_cnn", rounds=1, local_epochs=3, batch_size=8, lr=1e30, device="cpu")
+    cfg = TrainParams(model="simple_cnn", rounds=1, local_epochs=3, batch_size=8, lr=1e30, device="cpu", count_flops=False)
     with pytest.raises(ConfigError, match=r"train\.lr: local training diverged .* local epoch 1 "):
         train_local(tiny_net(1, 4), client, cfg, torch.Generator().manual_seed(0))
-    cfg = TrainParams(model="simple_cnn", rounds=1, local_epochs=1, batch_size=8, lr=0.01, device="cpu")
+    cfg = TrainParams(model="simple_cnn", rounds=1, local_epochs=1, batch_size=8, lr=0.01, device="cpu", count_flops=False)
     assert math.isfinite(train_local(tiny_net(1, 4), client, cfg, torch.Generator().manual_seed(0)))
 
 

@@ -42,7 +42,7 @@ def clients(mirror_root):
 
 def _run(name, clients, rounds=2, **params):
     cl, cin, nc = clients
-    tp = TrainParams(rounds=rounds, batch_size=16, lr=0.02, local_epochs=1, device="cpu")
+    tp = TrainParams(rounds=rounds, batch_size=16, lr=0.02, local_epochs=1, device="cpu", count_flops=False)
     cls = method_class(name)
     ups: list[tuple[int, str, dict]] = []
     e = Engine(cls(cls.params_cls(**params), tp), tiny_net(cin, nc), cl, tp, seed=0,
@@ -231,7 +231,7 @@ def test_table3_methods_take_dfd_and_dfc_and_keep_them_home(clients, name):
 
         small = [dataclasses.replace(c, x_train=c.x_train[:8, :, ::2, ::2], y_train=c.y_train[:8], x_test=c.x_test[:4, :, ::2, ::2],
                                      y_test=c.y_test[:4]) for c in clients[0][:3]]
-        tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu")
+        tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu", count_flops=False)
 
         def run(decouple):
             ups: list = []
@@ -643,7 +643,7 @@ def test_fedrcl_contrasts_five_pre_relu_levels_of_a_resnet(clients):
     small = [dataclasses.replace(c, x_train=c.x_train[:8, :, ::2, ::2], y_train=c.y_train[:8], x_test=c.x_test[:4, :, ::2, ::2], y_test=c.y_test[:4])
              for c in clients[0][:2]]  # 16 px, 8 images: a ResNet-10 round in a second
     two = (small, clients[1], clients[2])
-    tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu")
+    tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu", count_flops=False)
     ups: dict[str, list] = {}
     for name, kw in (("fedavg", {}), ("fedrcl", {"scl_weight": 0.0, "penalty_weight": 0.0}), ("fedrcl", {})):
         cls = method_class(name)
@@ -663,7 +663,7 @@ def test_fedrcl_each_term_acts_alone_at_every_level(clients, monkeypatch):
 
     small = [dataclasses.replace(c, x_train=c.x_train[:8, :, ::2, ::2], y_train=c.y_train[:8], x_test=c.x_test[:4, :, ::2, ::2], y_test=c.y_test[:4])
              for c in clients[0][:2]]
-    tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu")
+    tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu", count_flops=False)
     widths: dict[str, list[int]] = {"scl": [], "pen": []}
     real_scl, real_pen = rcl.scl_loss, rcl.divergence_penalty
     monkeypatch.setattr(rcl, "scl_loss", lambda z, *a: widths["scl"].append(z.shape[1]) or real_scl(z, *a))
@@ -711,7 +711,7 @@ def test_fdse_server_mgda_step_similarity_mix_and_privacy(clients):
 
     small = [dataclasses.replace(c, x_train=c.x_train[:8, :, ::2, ::2], y_train=c.y_train[:8], x_test=c.x_test[:4, :, ::2, ::2], y_test=c.y_test[:4])
              for c in clients[0][:3]]
-    tp = TrainParams(rounds=2, batch_size=16, lr=0.02, device="cpu")
+    tp = TrainParams(rounds=2, batch_size=16, lr=0.02, device="cpu", count_flops=False)
     cls = method_class("fdse")
     ups: list = []
     downs: list = []
@@ -755,7 +755,7 @@ def test_fdse_regularizer_pairs_each_layers_input_with_its_own_statistics(client
     (zipped in execution order, 9 of ResNet-10's 12 block layers met another layer's statistics)."""
     from fedsilo.methods.fdse import FDSE, DSEConv
 
-    tp = TrainParams(rounds=2, batch_size=16, lr=0.02, device="cpu")
+    tp = TrainParams(rounds=2, batch_size=16, lr=0.02, device="cpu", count_flops=False)
     cls = method_class("fdse")
     e = Engine(cls(cls.params_cls(lam=0.5), tp), build_model("resnet10_cifar", clients[1], clients[2], seed=0), _fdse_small(clients, 2), tp, seed=0)
     layers = [m for m in e.model.modules() if isinstance(m, DSEConv)]
@@ -787,7 +787,7 @@ def test_fdse_regularizer_pairs_each_layers_input_with_its_own_statistics(client
 
 
 def test_fdse_evaluates_each_client_with_the_model_it_trained_as_the_code_does(clients):
-    tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu")
+    tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu", count_flops=False)
     cls = method_class("fdse")
     for evaluate in ("trained", "next_round"):
         ups: dict[str, dict] = {}
@@ -807,7 +807,7 @@ def test_fdse_evaluates_each_client_with_the_model_it_trained_as_the_code_does(c
 
 def test_fdse_regularizer_acts_from_round_two(clients):
     ups: dict[float, list] = {}
-    tp = TrainParams(rounds=2, batch_size=16, lr=0.02, device="cpu")
+    tp = TrainParams(rounds=2, batch_size=16, lr=0.02, device="cpu", count_flops=False)
     cls = method_class("fdse")
     for lam in (0.0, 0.5):
         got = ups.setdefault(lam, [])

@@ -21,7 +21,7 @@ CXR_POLICY = [{"name": "CLAHE", "p": 1.0, "clip_limit": 2.0}, {"name": "Affine",
 
 
 def _train(clients, host=()):
-    tp = TrainParams(rounds=2, batch_size=8, lr=0.05, local_epochs=1, device="cpu", augment=AugmentParams(host=tuple(host)))
+    tp = TrainParams(rounds=2, batch_size=8, lr=0.05, local_epochs=1, device="cpu", count_flops=False, augment=AugmentParams(host=tuple(host)))
     cls = method_class("fedavg")
     e = Engine(cls(cls.params_cls(), tp), tiny_net(1, 4), clients, tp, seed=0)
     e.run()

@@ -26,7 +26,7 @@ def clients(mirror_root):
 
 def _engine(clients, observer=None, rounds=4, model="simple_cnn", **kw):
     cl, cin, nc = clients
-    tp = TrainParams(rounds=rounds, batch_size=8, lr=0.02, device="cpu")
+    tp = TrainParams(rounds=rounds, batch_size=8, lr=0.02, device="cpu", count_flops=False)
     algo = PFedDB(PFedDBParams(**kw), tp)
     return Engine(algo, build_model(model, cin, nc, seed=0), cl, tp, seed=0, observer=observer)
 

@@ -31,7 +31,7 @@ def clients(mirror_root):
 
 def _run(name, clients, rounds=2, lr=0.02, local_epochs=1, **params):
     cl, cin, nc = clients
-    tp = TrainParams(rounds=rounds, batch_size=16, lr=lr, local_epochs=local_epochs, device="cpu")
+    tp = TrainParams(rounds=rounds, batch_size=16, lr=lr, local_epochs=local_epochs, device="cpu", count_flops=False)
     cls = method_class(name)
     ups: list[tuple[int, str, dict]] = []
     e = Engine(cls(cls.params_cls(**params), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0,

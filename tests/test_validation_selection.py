@@ -50,7 +50,7 @@ def test_the_engine_scores_the_validation_set_of_every_client_each_evaluated_rou
     for c in clients[:2]:  # two clients get a validation set (their own training images' style, other draws)
         pick = rng.choice(len(c.x_train), 8, replace=False)
         c.x_val, c.y_val = c.x_train[pick], c.y_train[pick]
-    tp = TrainParams(rounds=2, batch_size=8, lr=0.05, local_epochs=1, device="cpu")
+    tp = TrainParams(rounds=2, batch_size=8, lr=0.05, local_epochs=1, device="cpu", count_flops=False)
     cls = method_class("fedavg")
     hist = Engine(cls(cls.params_cls(), tp), tiny_net(1, 4), clients, tp, seed=0).run()
     for e in hist:

@@ -59,8 +59,9 @@ def _test_set_owners(clients: list) -> dict[str, str]:
 def code_fingerprint(device: str) -> dict[str, str]:
     """sha256 over the source files of :data:`TRAIN_CODE` (path and bytes), and the versions and device type that
     compute: a run resumed from a checkpoint was trained by exactly this code."""
+    from importlib.metadata import version
+
     import numpy
-    import torchvision
 
     pkg = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
@@ -70,7 +71,8 @@ def code_fingerprint(device: str) -> dict[str, str]:
         for f in files:
             h.update(f.relative_to(pkg).as_posix().encode() + b"\0")
             h.update(f.read_bytes() + b"\0")
-    return {"source_sha256": h.hexdigest(), "torch": torch.__version__, "torchvision": torchvision.__version__,
+    # torchvision's version from its package metadata (importing it for __version__ costs seconds per run)
+    return {"source_sha256": h.hexdigest(), "torch": torch.__version__, "torchvision": version("torchvision"),
             "numpy": numpy.__version__, "device": device}
 
 
