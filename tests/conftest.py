@@ -76,11 +76,32 @@ def mirror_root(tmp_path_factory) -> Path:
     return root
 
 
-HEAVY_FIRST = ("test_dvc_pipeline.py", "test_resume_tracking.py", "test_run_integrity.py", "test_code_reaches_results.py",
-               "test_deploy_processes.py", "test_grid.py", "test_grid_ray.py")  # DVC, whole train stages, a SuperLink, Ray
+# the files that take longest on two idle cores, longest first (seconds measured 2026-11-27): DVC repros, a SuperLink with
+# three SuperNodes, whole train stages killed and resumed, grids of stages, Ray; the in-memory files follow
+HEAVY_FIRST = ("test_dvc_pipeline.py", "test_deploy_processes.py", "test_resume_tracking.py", "test_grid.py",
+               "test_run_integrity.py", "test_grid_ray.py", "test_continual.py", "test_engine.py", "test_recent_methods.py",
+               "test_flower.py", "test_code_reaches_results.py")
 
 
-def pytest_collection_modifyitems(session, config, items):
-    """The longest files first (a stable sort keeps each file's own order), so that under pytest-xdist they start at
-    once on their own workers instead of being left to one worker at the end."""
-    items.sort(key=lambda item: 0 if item.path.name in HEAVY_FIRST else 1)
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's file scheduling (``--dist loadfile``) hands out files with the most tests first, so a long file
+    of one test (the SuperLink deployment) started last and the other worker idled minutes at the end. This one hands
+    out :data:`HEAVY_FIRST` first, in its order, then the rest as xdist orders them."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class HeavyFilesFirst(LoadFileScheduling):
+        ordered = False
+
+        def _assign_work_unit(self, node):
+            if not self.ordered:
+                rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+                queue = sorted(self.workqueue.items(), key=lambda kv: rank.get(Path(kv[0]).name, len(rank)))
+                self.workqueue.clear()
+                self.workqueue.update(queue)
+                self.ordered = True
+            super()._assign_work_unit(node)
+
+    return HeavyFilesFirst(config, log)

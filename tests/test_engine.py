@@ -80,7 +80,7 @@ def test_fedavg_server_is_the_size_weighted_mean(clients):
 
 def test_single_and_fedbn_learn_well_above_chance(clients):
     for name in ("single", "fedbn"):
-        h = _engine(name, clients, rounds=8, local_epochs=3).run()
+        h = _engine(name, clients, rounds=6, local_epochs=3).run()  # measured: 0.89 and 0.89 after round 6
         assert h[-1]["mean_acc"] > 0.75, (name, [round(x["mean_acc"], 3) for x in h])
 
 

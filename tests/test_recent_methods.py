@@ -191,8 +191,10 @@ def test_fedwon_clips_each_training_step(clients, monkeypatch):
     assert all(not close_states(a[2], b[2], atol=1e-6) for a, b in zip(loose, tight))
 
 
-@pytest.mark.parametrize("name,lr", [("pfedsd", 0.02), ("fedlgf", 0.02), ("fedwon", 0.05)])
-def test_recent_methods_learn_above_chance(clients, name, lr):
-    _, h, _ = _run(name, clients, rounds=8, lr=lr, local_epochs=3)
+# rounds: pFedSD and FedLGF are well above 0.6 from round 4 (0.75 to 0.91 over rounds 4-6); FedWon's curve swings
+# (0.41 to 0.98 over rounds 4-8), so it keeps eight
+@pytest.mark.parametrize("name,lr,rounds", [("pfedsd", 0.02, 6), ("fedlgf", 0.02, 6), ("fedwon", 0.05, 8)])
+def test_recent_methods_learn_above_chance(clients, name, lr, rounds):
+    _, h, _ = _run(name, clients, rounds=rounds, lr=lr, local_epochs=3)
     last = [x["mean_acc"] for x in h[-3:]]
     assert sum(last) / 3 > 0.6, (name, [round(x["mean_acc"], 3) for x in h])
