@@ -14,6 +14,7 @@ from fedsilo.fl.engine import Engine, PrivacyViolation, payload_bytes
 from fedsilo.methods import method_class
 from fedsilo.methods.fedavg import FedAvg
 from fedsilo.models import batchnorm_keys, build_model
+from tests.tiny import small_cnn
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +24,12 @@ def clients(mirror_root):
     return load_clients(h, split, torch.device("cpu"))
 
 
-def _engine(name, clients, rounds=2, observer=None, **kw):
+def _engine(name, clients, rounds=2, observer=None, model=None, **kw):
     cl, cin, nc = clients
     tp = TrainParams(**{"rounds": rounds, "batch_size": 16, "lr": 0.02, "device": "cpu", "count_flops": False, **kw})
     cls = method_class(name)
-    return Engine(cls(cls.params_cls(), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0, observer=observer)
+    model = model or build_model("simple_cnn", cin, nc, seed=0)
+    return Engine(cls(cls.params_cls(), tp), model, cl, tp, seed=0, observer=observer)
 
 
 def test_fedbn_uploads_no_batchnorm_and_fedavg_does(clients):
@@ -80,7 +82,8 @@ def test_fedavg_server_is_the_size_weighted_mean(clients):
 
 def test_single_and_fedbn_learn_well_above_chance(clients):
     for name in ("single", "fedbn"):
-        h = _engine(name, clients, rounds=6, local_epochs=3).run()  # measured: 0.89 and 0.89 after round 6
+        # Simple-CNN's 14 M parameters are not the point here: a 33 k one, 12 rounds (measured: 0.95 and 0.94)
+        h = _engine(name, clients, rounds=12, local_epochs=3, momentum=0.9, model=small_cnn(clients[1], clients[2])).run()
         assert h[-1]["mean_acc"] > 0.75, (name, [round(x["mean_acc"], 3) for x in h])
 
 
