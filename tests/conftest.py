@@ -13,9 +13,13 @@ SAMPLES = REPO.parent / "shared" / "samples"
 os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # under pytest-xdist: the cores shared among the workers, not each taking all
+    _PER_WORKER = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    # and the processes a test starts (train stages, DVC, grids) inherit it: two workers' subprocesses with all cores'
+    # threads each oversubscribe the machine (measured on 2 cores: the resume and run-integrity files 154 s -> 139 s)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_PER_WORKER))
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    torch.set_num_threads(_PER_WORKER)
 
 
 def needs_samples(sub: str = "") -> pytest.MarkDecorator:
