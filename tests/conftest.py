@@ -80,8 +80,8 @@ def mirror_root(tmp_path_factory) -> Path:
     return root
 
 
-# the files that take longest on two idle cores, longest first (seconds measured 2026-11-27): DVC repros, a SuperLink with
-# three SuperNodes, whole train stages killed and resumed, grids of stages, Ray; the in-memory files follow
+# the files that take longest on two cores, longest first (`pytest --durations`, 2026-11-27): DVC repros, a SuperLink
+# with three SuperNodes, whole train stages killed and resumed, grids of stages, Ray; the in-memory files follow
 HEAVY_FIRST = ("test_dvc_pipeline.py", "test_deploy_processes.py", "test_resume_tracking.py", "test_grid.py",
                "test_run_integrity.py", "test_grid_ray.py", "test_continual.py", "test_engine.py", "test_recent_methods.py",
                "test_flower.py", "test_code_reaches_results.py")
