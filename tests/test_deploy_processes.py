@@ -24,7 +24,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TextIO
 
 import pytest
 import torch
@@ -59,8 +59,7 @@ class Federation:
 
     def __init__(self, base: Path):
         self.base = base
-        self.procs: list[tuple[subprocess.Popen, object]] = []
-        self.names: list[str] = []
+        self.procs: list[tuple[subprocess.Popen, TextIO]] = []
         self.env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
                     "OMP_NUM_THREADS": "1",  # one thread per ClientApp: the engine it is compared with runs one
                     "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -74,7 +73,6 @@ class Federation:
         p = subprocess.Popen(cmd, cwd=cwd, env={**self.env, "FLWR_HOME": str(home)}, stdout=log, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL)
         self.procs.append((p, log))
-        self.names.append(name)
         return p
 
     def flwr(self, *args: str, timeout: float = 120) -> dict:
@@ -118,8 +116,8 @@ class Federation:
 
     def wait_online(self, n: int, limit: float = 90) -> None:
         def started() -> bool:  # each SuperNode logs its node ID once the SuperLink has let it in
-            logs = [self.base / f"{name}.log" for name in self.names if name.startswith("supernode_")]
-            return sum("SuperNode ID:" in f.read_text() for f in logs if f.exists()) >= n
+            logs = [Path(log.name) for _, log in self.procs if Path(log.name).name.startswith("supernode_")]
+            return sum("SuperNode ID:" in f.read_text() for f in logs) >= n
 
         def online() -> bool:
             return sum(x["status"] == "online" for x in self.flwr("supernode", "list", CONNECTION)["nodes"]) >= n

@@ -28,7 +28,7 @@ def _engine(name, clients, rounds=2, observer=None, model=None, **kw):
     cl, cin, nc = clients
     tp = TrainParams(**{"rounds": rounds, "batch_size": 16, "lr": 0.02, "device": "cpu", "count_flops": False, **kw})
     cls = method_class(name)
-    model = model or build_model("simple_cnn", cin, nc, seed=0)
+    model = build_model("simple_cnn", cin, nc, seed=0) if model is None else model
     return Engine(cls(cls.params_cls(), tp), model, cl, tp, seed=0, observer=observer)
 
 

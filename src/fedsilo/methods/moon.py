@@ -72,7 +72,6 @@ class MOON(PartialSharing):
         self._init = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self._refs = Spares(2)  # the global and the previous model, beside each model a client trains
 
-
     def private_keys(self, model: LayeredNet) -> set[str]:
         return {PREVIOUS + k for k in model.state_dict()}
 
