@@ -18,7 +18,7 @@ pytest.importorskip("flwr")
 from flwr.app import Context, RecordDict  # noqa: E402
 
 from fedsilo.config import ConfigError  # noqa: E402
-from fedsilo.fl.deploy import load_federation, write_app  # noqa: E402
+from fedsilo.fl.deploy import deployment_spec, load_federation, write_app  # noqa: E402
 from fedsilo.fl.engine import Engine  # noqa: E402
 from fedsilo.fl.flower import SiteRefused  # noqa: E402
 from fedsilo.fl.params import load_params  # noqa: E402
@@ -40,11 +40,12 @@ def _card(params_file: Path) -> dict:
     return site_card(load_params(params_file), "site", params_file.parent)
 
 
-def _federation(tmp: Path, sites: dict[str, Path], method: str = "fedbn", node_ids: Optional[dict[str, int]] = None, **pin) -> Path:
+def _federation(tmp: Path, sites: dict[str, Path], method: str = "fedbn", node_ids: Optional[dict[str, int]] = None,
+                train: Optional[dict] = None, **pin) -> Path:
     """The federation of ``sites`` in their dict order (client index = place in it); ``pin``: site -> fingerprint;
     ``node_ids``: site -> the node it must connect as."""
     cards = [_card(p) for p in sites.values()]
-    fed = {"name": "three_hospitals", "method": method, "seed": 0, "train": TRAIN,
+    fed = {"name": "three_hospitals", "method": method, "seed": 0, "train": train or TRAIN,
            "contract": cards[0]["contract"],
            "sites": [{"name": c["site"], "fingerprint": pin.get(c["site"], c["fingerprint"]),
                       **({"node_id": node_ids[c["site"]]} if node_ids and c["site"] in node_ids else {})} for c in cards]}
@@ -96,10 +97,37 @@ class SiteGrid(LoopGrid):
     """LoopGrid whose nodes are the sites: each node's config names its params file and experiment, as the
     SuperNode's --node-config does."""
 
-    def __init__(self, app, sites: dict[str, Path]):
+    def __init__(self, app, sites: dict[str, Path], run_id: int = 1):
         super().__init__(app, 0)
-        self.contexts = {100 + k: Context(run_id=1, node_id=100 + k, node_config={"params": str(p), "experiment": "site"},
+        self.contexts = {100 + k: Context(run_id=run_id, node_id=100 + k, node_config={"params": str(p), "experiment": "site"},
                                           state=RecordDict(), run_config={}) for k, p in enumerate(sites.values())}
+
+
+class NodeRestartsAt(SiteGrid):
+    """SiteGrid whose first node's SuperNode restarts before round ``rnd``: its node state (its store) is gone."""
+
+    def __init__(self, app, sites: dict[str, Path], rnd: int, run_id: int):
+        super().__init__(app, sites, run_id)
+        self.rnd, self.restarted = rnd, False
+
+    def send_and_receive(self, messages, timeout=None):
+        if not self.restarted and any(m.metadata.group_id == str(self.rnd) for m in messages):
+            self.contexts[100].state = RecordDict()
+            self.restarted = True
+        return super().send_and_receive(messages, timeout)
+
+
+class DownAt(SiteGrid):
+    """SiteGrid whose SuperLink goes down as round ``rnd``'s train messages are sent: none of them is delivered."""
+
+    def __init__(self, app, sites: dict[str, Path], rnd: int, run_id: int):
+        super().__init__(app, sites, run_id)
+        self.rnd = rnd
+
+    def send_and_receive(self, messages, timeout=None):
+        if any(m.metadata.message_type == "train" and m.metadata.group_id == str(self.rnd) for m in messages):
+            raise ConnectionError("the SuperLink went down")
+        return super().send_and_receive(messages, timeout)
 
 
 def _load_apps(app_dir: Path):
@@ -144,7 +172,6 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(site
     assert {a.path for a in mc.list_artifacts(run.info.run_id)} == {"metrics.json", "history.json", "wire.jsonl"}
 
     # the in-process engine on the same three splits, the same model and seed: the same numbers
-    from fedsilo.fl.deploy import deployment_spec
 
     dep = json.loads((app / "deployment.json").read_text())
     spec = deployment_spec(dep)
@@ -171,6 +198,102 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(site
     registered = [w for w in wire if w["message"] == "query.register" and w["to"] == "server"]
     assert len(registered) == 3 and all("arrays" not in w for w in registered)  # a registration carries no tensor
     assert sum(w["message"] == "query.register" and w["to"] == "site" for w in wire) == 3
+
+
+@pytest.mark.usefixtures("identity")
+def test_a_deployed_run_that_went_down_resumes_after_its_checkpoint_to_the_uninterrupted_numbers(sites, tmp_path):
+    """FedBN keeps each site's BatchNorm layers at the site: the resumed run has the uninterrupted run's numbers only
+    if every site takes them from the store it kept on its disk (a fresh store gives others). The run it is compared
+    with loses one site's node state between its rounds (its SuperNode restarted): that site too reads its disk."""
+    from mlflow.tracking import MlflowClient
+
+    from fedsilo.fl.deploy import peek_checkpoint, resume_key
+    from fedsilo.models import batchnorm_keys
+
+    app = _deployed(tmp_path, sites)
+    dep = json.loads((app / "deployment.json").read_text())
+    server, client = _load_apps(app)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+    def ctx(name: str) -> Context:
+        return Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                       run_config={"results-dir": str(tmp_path / name), "state-dir": str(tmp_path / f"{name}.state"), "tracking-uri": uri})
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        restarts = NodeRestartsAt(client, sites, rnd=2, run_id=1)
+        server._main(restarts, ctx("whole"))
+        assert restarts.restarted
+        with pytest.raises(ConnectionError, match="went down"):
+            server._main(DownAt(client, sites, rnd=2, run_id=2), ctx("resumed"))
+        checkpoint = tmp_path / "resumed.state/checkpoint.pt"
+        assert peek_checkpoint(checkpoint, resume_key(dep))["round"] == 1 and not (tmp_path / "resumed").exists()
+        server._main(SiteGrid(client, sites, run_id=3), ctx("resumed"))  # `flwr run` again: a new run, fresh node state
+    finally:
+        torch.set_num_threads(threads)
+    whole = json.loads((tmp_path / "whole/history.json").read_text())
+    resumed = json.loads((tmp_path / "resumed/history.json").read_text())
+    for key in ("sampled", "eval", "bytes_up", "bytes_down", "train_loss"):
+        assert [h[key] for h in resumed] == [h[key] for h in whole], key
+    assert not checkpoint.exists()  # finished: running the App again trains again
+
+    # the wire log holds both attempts: round 1 from the first, round 2 from the second, each site's upload once
+    wire = [json.loads(line) for line in (tmp_path / "resumed/wire.jsonl").read_text().splitlines()]
+    ups = [(w["round"], w["site"]) for w in wire if w["message"] == "train" and w["to"] == "server"]
+    assert sorted(ups) == sorted((r, s) for r in (1, 2) for s in ("CheXpert", "RSNA", "VinBigData"))
+    # one MLflow run, continued by the resumed attempt, FINISHED
+    metrics = json.loads((tmp_path / "resumed/metrics.json").read_text())
+    mc = MlflowClient(uri)
+    runs = mc.search_runs([mc.get_experiment_by_name("deploy/three_hospitals").experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"] and metrics["mlflow_run_id"] in {r.info.run_id for r in runs}
+    assert [m.step for m in mc.get_metric_history(metrics["mlflow_run_id"], "mean_acc")] == [1, 2]
+    # each site keeps its stores (FedBN: its BatchNorm layers only) on its own disk, the newest two rounds
+    bn = batchnorm_keys(deployment_spec(dep).make_model())
+    for p in sites.values():
+        folder = p.parent / "state/deploy/three_hospitals" / resume_key(dep, code=False)[:16] / _card(p)["site"]
+        assert sorted(f.name for f in folder.iterdir()) == ["store-r000001.pt", "store-r000002.pt"]
+        assert set(torch.load(folder / "store-r000002.pt", weights_only=True)["store"]) == bn
+
+
+def test_kept_stores_give_only_the_round_the_server_names_and_no_later_one(tmp_path):
+    from fedsilo.fl.engine import PrivacyViolation
+    from fedsilo.fl.flower import KeptStores
+
+    kept = KeptStores(tmp_path, "Site A/1")
+    for r in (1, 2, 3):
+        kept.save(r, {"bn.weight": torch.full((2,), float(r))})
+    assert kept.folder == tmp_path / "Site_A_1" and kept.rounds() == [1, 2, 3]
+    cpu = torch.device("cpu")
+    assert torch.equal(kept.load(2, limit=2, device=cpu)["bn.weight"], torch.full((2,), 2.0))
+    # a train message of round 2 may use the store after round 1 at most, whatever the server names
+    with pytest.raises(PrivacyViolation, match=r"store of round 2 for a message that allows round 1 at most"):
+        kept.load(2, limit=1, device=cpu)
+    # another site's file under this site's name is refused; a missing round is named with what is kept
+    torch.save({"round": 2, "site": "Site B", "store": {}}, kept.path(2))
+    with pytest.raises(RuntimeError, match=r"holds round 2 of site 'Site B', not round 2 of 'Site A/1'"):
+        kept.load(2, limit=3, device=cpu)
+    kept.drop_before(2)  # a resume after round 2 needs round 2's store or a later one
+    assert kept.rounds() == [2, 3]
+    kept.drop_before(0)  # no checkpoint yet: nothing can go
+    assert kept.rounds() == [2, 3]
+    with pytest.raises(FileNotFoundError, match=r"store-r000001.pt is missing \(kept: rounds \[2, 3\]\)"):
+        kept.load(1, limit=3, device=cpu)
+
+
+def test_a_checkpoint_resumes_only_the_same_deployment_and_code(tmp_path):
+    from fedsilo.fl.deploy import peek_checkpoint, resume_key
+
+    dep = {"federation": "f", "method": {"key": "fedbn"}, "train": {"lr": 0.05, "checkpoint_every": 1}, "sites": []}
+    key = resume_key(dep)
+    # how often it is written is not what is trained; the learning rate is; the sites' folder key has no code in it
+    assert resume_key({**dep, "train": {"lr": 0.05, "checkpoint_every": 5}}) == key
+    assert resume_key({**dep, "train": {"lr": 0.01, "checkpoint_every": 1}}) != key
+    assert resume_key(dep, code=False) != key
+    torch.save({"config_hash": key, "round": 3, "meta": {"mlflow_run_id": "abc"}}, tmp_path / "checkpoint.pt")
+    assert peek_checkpoint(tmp_path / "checkpoint.pt", key) == {"round": 3, "mlflow_run_id": "abc"}
+    assert peek_checkpoint(tmp_path / "checkpoint.pt", resume_key({**dep, "seed": 1})) is None
+    assert peek_checkpoint(tmp_path / "absent.pt", key) is None
 
 
 @pytest.mark.usefixtures("identity")

@@ -271,7 +271,8 @@ def _deploy(args: argparse.Namespace) -> None:
         if not args.federation:
             raise ConfigError("fedsilo deploy app: --federation required")
         fed = deploy.load_federation(args.federation)
-        dep = deploy.write_app(fed, load_params(args.params), Path(args.out), federation_file=args.federation, results=args.results)
+        dep = deploy.write_app(fed, load_params(args.params), Path(args.out), federation_file=args.federation, results=args.results,
+                               state=args.state)
         print(f"deploy app: {args.out} ({dep['method']['key']} = {dep['method']['base']}, {len(dep['sites'])} sites, "
               f"{dep['train']['rounds']} rounds); run it with: flwr run {args.out} <connection> --stream")
 
@@ -453,6 +454,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--name", help="key: the site's name")
     s.add_argument("--federation", help="app: the federation file")
     s.add_argument("--results", help="app: where the ServerApp writes its results (default results/deploy/<federation>/<method>/seed<k> under the SuperLink's folder)")
+    s.add_argument("--state", help="app: where the ServerApp keeps its checkpoint, from which a run started again resumes "
+                   "(default state/deploy/<federation>/<method>/seed<k> under the SuperLink's folder)")
     s.set_defaults(fn=_deploy)
     s = sub.add_parser("check-params", parents=[common], help="validate params.yaml")
     s.set_defaults(fn=_check)

@@ -25,6 +25,14 @@ default ``results/deploy/<federation>/<method>/seed<k>`` under the SuperLink's w
 ``metrics.json`` (the train stage's summary plus every site's fingerprint), ``history.json`` and ``wire.jsonl``: one
 line per message that crossed the network, with its direction, site, record keys, dtypes, shapes and tensor bytes
 (never values): what an auditor reads to see that only the method's shared tensors left a site.
+
+A deployed run is checkpointed as a train stage is: the ServerApp writes its state and history to ``state-dir`` (a
+run-config key; default ``state/deploy/<federation>/<method>/seed<k>``) every ``train.checkpoint_every`` rounds, and
+each site keeps its store after every round it trains under ``<site root>/state/deploy/<federation>/<key>/<site>/``
+(:class:`~fedsilo.fl.flower.KeptStores`). ``flwr run`` of the same App after the SuperLink, the ServerApp or a site
+went down resumes after the last checkpoint, with the same numbers as an uninterrupted run, in the same MLflow run;
+another deployment or another fedsilo on the coordinator starts afresh (:func:`resume_key`). A finished run removes
+its checkpoint (running the App again trains again); each site's last store stays: its personal model.
 """
 
 from __future__ import annotations
@@ -177,6 +185,7 @@ clientapp = "{module}:client"
 
 [tool.flwr.app.config]
 results-dir = "{results}"
+state-dir = "{state}"  # the ServerApp's checkpoint: a run started again resumes after its last round
 tracking-uri = {tracking}  # MLflow, from the SuperLink's machine ("": none; MLFLOW_TRACKING_URI there wins)
 wait-s = 600.0  # how long the ServerApp waits for every site to connect
 """
@@ -204,16 +213,17 @@ def toml_string(text: str) -> str:
 
 
 def write_app(fed: Federation, params: Params, out: Path, federation_file: str = "federation.yaml",
-              results: Optional[str] = None) -> dict[str, Any]:
+              results: Optional[str] = None, state: Optional[str] = None) -> dict[str, Any]:
     """A Flower App folder for ``fed``: pyproject.toml, the apps' module and deployment.json; written whole or not
     at all. Returns the deployment."""
     dep = resolve_deployment(fed, params)
     results = results or f"results/deploy/{fed.name}/{fed.method}/seed{fed.seed}"
+    state = state or f"state/deploy/{fed.name}/{fed.method}/seed{fed.seed}"
     out = Path(out)
     with atomic_dir(out) as tmp:
         (tmp / "pyproject.toml").write_text(PYPROJECT.format(
             federation_file=federation_file, out=out, name=fed.name, name_dash=fed.name.replace("_", "-").replace(".", "-").lower(),
-            method=fed.method, base=dep["method"]["base"], seed=fed.seed, n=len(fed.sites), module=MODULE, results=results,
+            method=fed.method, base=dep["method"]["base"], seed=fed.seed, n=len(fed.sites), module=MODULE, results=results, state=state,
             tracking=toml_string(fed.tracking_uri)), encoding="utf-8")
         (tmp / f"{MODULE}.py").write_text(MODULE_TEXT.format(name=fed.name, app_file=APP_FILE))
         write_json(tmp / APP_FILE, dep)
@@ -232,6 +242,27 @@ def site_client(context: Any):
     params = load_params(params_file)
     device = pick_device(params.experiments[experiment].train.device, f"experiments.{experiment}.train.device")
     return load_site(params, experiment, root, device)
+
+
+def site_keep_dir(dep: dict[str, Any]):
+    """The folder where a site keeps its stores for this deployment: under its root (``--node-config root``, default
+    its params file's folder), ``state/deploy/<federation>/<first 16 hex of the deployment's key>``."""
+    key = resume_key(dep, code=False)[:16]
+
+    def keep_dir(context: Any) -> Path:
+        return _node(context)[2] / "state" / "deploy" / dep["federation"] / key
+
+    return keep_dir
+
+
+def resume_key(dep: dict[str, Any], code: bool = True) -> str:
+    """What a resumed deployment must share with the run it resumes: the deployment (but ``checkpoint_every`` and
+    ``keep_client_models``, which change what is written, not what is trained) and, for the coordinator's checkpoint
+    (``code``), the fedsilo code that trains, as a train stage's checkpoint (fl/run.py)."""
+    from fedsilo.fl.run import code_fingerprint
+
+    train = {k: v for k, v in dep["train"].items() if k not in ("checkpoint_every", "keep_client_models")}
+    return canonical_hash({"deployment": {**dep, "train": train}, **({"code": code_fingerprint("cpu")} if code else {})})
 
 
 def site_identity(context: Any) -> dict[str, Any]:
@@ -259,9 +290,9 @@ def _node(context: Any) -> tuple[Path, str, Path]:
 class WireLog:
     """Appends one JSON line per message to ``path`` (flushed each line: what crossed so far survives a crash)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, append: bool = False):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.fh = open(path, "w")
+        self.fh = open(path, "a" if append else "w")
 
     def __call__(self, entry: dict[str, Any]) -> None:
         self.fh.write(json.dumps(entry, sort_keys=True) + "\n")
@@ -287,10 +318,21 @@ def apps(app_file: Path):
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
+        from fedsilo.fl.run import run_lock
+
         _log_to_stderr()
-        out = Path(str(context.run_config.get("results-dir", f"results/deploy/{dep['federation']}/{spec.key}/seed{spec.seed}")))
+        default = f"{dep['federation']}/{spec.key}/seed{spec.seed}"
+        out = Path(str(context.run_config.get("results-dir", f"results/deploy/{default}")))
+        state = Path(str(context.run_config.get("state-dir", f"state/deploy/{default}")))
+        with run_lock(state / "run.lock", f"federation {dep['federation']} ({state})"):
+            _main(grid, context, out, state)
+
+    def _main(grid: Grid, context: Context, out: Path, state: Path) -> None:
+        checkpoint, key = state / "checkpoint.pt", resume_key(dep)
+        resumed = peek_checkpoint(checkpoint, key)  # None: a fresh run (no checkpoint, or another deployment's / code's)
         staging = out.with_name(out.name + ".wire")  # the wire log as the run goes; moved into the results at the end
-        wire = WireLog(staging / "wire.jsonl")  # a run that fails leaves it there: what crossed before it ended
+        # a run that fails leaves it there: what crossed before it ended; a resumed run adds to it
+        wire = WireLog(staging / "wire.jsonl", append=resumed is not None)
         tracker = Tracker(False, "")  # no run yet: fail() below is a no-op until _start_tracking has one
         round_log = _RoundLog(spec.train.rounds, dep["federation"])
 
@@ -300,14 +342,17 @@ def apps(app_file: Path):
 
         try:
             try:
-                tracker = _start_tracking(dep, str(context.run_config.get("tracking-uri", "")))
+                tracker = _start_tracking(dep, str(context.run_config.get("tracking-uri", "")),
+                                          run_id=(resumed or {}).get("mlflow_run_id"))
                 run = FlowerRun(spec, len(roster.sites), roster=roster, wire=wire, on_round=on_round,
-                                wait_s=float(context.run_config.get("wait-s", 600)))
+                                wait_s=float(context.run_config.get("wait-s", 600)), checkpoint=checkpoint,
+                                config_hash=key, meta={"mlflow_run_id": tracker.run_id})
                 run.main(grid, context)
             finally:
                 wire.close()
             metrics = _write_results(out, staging, dep, run, tracker.run_id)
             tracker.finish(flat_summary(metrics), [out / "metrics.json", out / "history.json", out / "wire.jsonl"])
+            checkpoint.unlink(missing_ok=True)  # its work is done: running the App again trains again
         except (KeyboardInterrupt, SystemExit):
             tracker.fail("KILLED")
             raise
@@ -315,8 +360,21 @@ def apps(app_file: Path):
             tracker.fail("FAILED")
             raise
 
-    client = client_app(spec, site_client, identify=site_identity)
+    client = client_app(spec, site_client, identify=site_identity, keep_dir=site_keep_dir(dep))
     return server, client
+
+
+def peek_checkpoint(path: Path, key: str) -> Optional[dict[str, Any]]:
+    """The round and meta of the coordinator's checkpoint at ``path`` if it was written under ``key``
+    (:func:`resume_key`), else None (no checkpoint, or one of another deployment or code: the run starts afresh and
+    overwrites it)."""
+    if not path.exists():
+        return None
+    ck = torch.load(path, map_location="cpu", weights_only=False)
+    if ck.get("config_hash") != key:
+        log.info("%s: written by another deployment or fedsilo; this run starts afresh", path)
+        return None
+    return {"round": int(ck["round"]), **ck.get("meta", {})}
 
 
 class _RoundLog:
@@ -339,10 +397,11 @@ def _log_to_stderr() -> None:
         root.addHandler(h)
 
 
-def _start_tracking(dep: dict[str, Any], uri: str):
+def _start_tracking(dep: dict[str, Any], uri: str, run_id: Optional[str] = None):
     """The deployed run in MLflow (when the App's ``tracking-uri`` or the SuperLink's ``MLFLOW_TRACKING_URI`` names a
     store): experiment ``deploy/<federation>``, the method's and the train params, and as tags the deployment's hash
-    and every site's pinned fingerprint (and node id), so that the run is tied to the data each site hashed."""
+    and every site's pinned fingerprint (and node id), so that the run is tied to the data each site hashed. A
+    resumed run continues ``run_id``, the MLflow run its checkpoint names."""
     from fedsilo.tracking import Tracker
 
     tracker = Tracker(bool(uri or os.environ.get("MLFLOW_TRACKING_URI")), uri)
@@ -354,7 +413,7 @@ def _start_tracking(dep: dict[str, Any], uri: str):
         if site.get("node_id") is not None:
             tags[f"site.{site['name']}.node_id"] = str(site["node_id"])
     params = {"method": dep["method"]["params"], "train": dep["train"], "seed": dep["seed"], "contract": dep["contract"]}
-    tracker.start(f"deploy/{dep['federation']}", f"{dep['method']['key']}-seed{dep['seed']}", params, tags)
+    tracker.start(f"deploy/{dep['federation']}", f"{dep['method']['key']}-seed{dep['seed']}", params, tags, run_id=run_id)
     return tracker
 
 

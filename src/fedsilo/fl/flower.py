@@ -39,19 +39,30 @@ of the same records (``ArrayRecord.count_bytes``: the arrays' ``.npy`` serialisa
 names) is recorded beside them as ``flower_record_bytes``; the server state sent for evaluation as
 ``bytes_eval_down`` (the engine moves nothing to evaluate).
 
+Checkpoints and resume (a deployment: ``checkpoint`` given to :class:`FlowerRun`): the server writes its state and
+history every ``train.checkpoint_every`` rounds, as the engine does, and each site keeps its own store on its own disk
+after each round it trains (``keep_dir`` of :func:`client_app`; :class:`KeptStores`), since a store in Flower's
+node state lives only as long as the run (or its SuperNode's process). Every message of a checkpointed run carries
+``last_trained``, each site's last trained round in the server's history, and a site with no store in its node state
+(the first message of a run started again after the SuperLink or the ServerApp went down, which resumes after the
+server's last checkpoint; or after its SuperNode restarted between rounds) loads exactly that round's store, never one
+of a later round than the message allows (:meth:`KeptStores.load`). ``checkpointed`` in every message lets the sites
+drop the stores no resume can need.
+
 Not carried over from the engine: task streams (``fl/continual.py``), the ensemble "new test" and external test site
-(``train.ensemble_test``), per-round checkpoints and resume (a site's store lives in Flower's node state for the
-run's lifetime), ``spectra``.
+(``train.ensemble_test``), ``spectra``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -72,8 +83,8 @@ try:  # the optional extra: pip install "fedsilo[flower]"
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError("fedsilo.fl.flower needs Flower: pip install 'fedsilo[flower]' (flwr[simulation])") from err
 
-__all__ = ["Card", "ClientFailed", "FlowerRun", "FlowerServer", "FlowerSpec", "Roster", "SiteRefused", "client_app", "describe",
-           "record_tensor_bytes", "simulate"]
+__all__ = ["Card", "ClientFailed", "FlowerRun", "FlowerServer", "FlowerSpec", "KeptStores", "Roster", "SiteRefused", "client_app",
+           "describe", "record_tensor_bytes", "simulate"]
 
 log = logging.getLogger("fedsilo.flower")
 
@@ -210,14 +221,16 @@ class FlowerServer(Engine):
 
     def __init__(self, spec: FlowerSpec, grid: Grid, nodes: dict[int, int], cards: list[Card],
                  observer: Optional[Observer] = None, on_round: Optional[Callable[[dict[str, Any]], None]] = None,
-                 device: str = "cpu", wire: Optional[Callable[[dict[str, Any]], None]] = None):
+                 device: str = "cpu", wire: Optional[Callable[[dict[str, Any]], None]] = None,
+                 checkpoint: Optional[Path] = None, config_hash: str = "", meta: Optional[dict[str, Any]] = None):
         spec.check()
         self.spec, self.grid, self.nodes = spec, grid, nodes  # nodes: client index -> Flower node id
         self.wire = wire  # told of every message sent and received (describe(): keys, shapes, bytes; no values)
         self.train, self.seed = spec.train, spec.seed
         self.clients: list[ClientData] = list(cards)
         self.observer, self.on_round = observer, on_round
-        self.checkpoint, self.config_hash, self.meta, self.external = None, "", {}, None
+        # the engine's checkpoint (server state and history; the stores are the sites'), None: not checkpointed
+        self.checkpoint, self.config_hash, self.meta, self.external = checkpoint, config_hash, dict(meta or {}), None
         example = torch.zeros((2, *cards[0].shape))  # only its shape matters to transform_model
         self.method, self.model, self.private = spec.build(example, torch.device(device), cards)
         self.round, self.total_rounds = 0, spec.train.rounds
@@ -227,12 +240,33 @@ class FlowerServer(Engine):
         self.stores: list[State] = []  # the sites hold them
         self._config = cards_config(cards)
         self._announces = type(self.method).announce is not Method.announce
+        if self._resume():
+            self.meta.update(meta or {})  # this run's (its MLflow run), over what the checkpoint held
+            if self.stores:
+                raise RuntimeError(f"{checkpoint}: holds client stores; a Flower run's stores are the sites'")
+            if self.round > 0:  # as the engine: the method's round state as it was after that round
+                self.method.on_round_start(self.model, self.round)
+        self.checkpointed = self.round  # the last round the checkpoint holds
+        self._trained_now: tuple[int, list[str]] = (0, [])  # the round in progress and its sites, once they trained
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def last_trained(self) -> list[int]:
+        """Per client index, the last round of the history in which that site trained (0: none): the store a site
+        without one in its node state takes from its disk."""
+        last = [0] * len(self.clients)
+        index = {c.name: i for i, c in enumerate(self.clients)}
+        for rnd, names in [(int(e["round"]), e["sampled"]) for e in self.history] + [self._trained_now]:
+            for name in names:
+                last[index[name]] = rnd
+        return last
+
     def save(self) -> None:
-        """Nothing: a Flower run is not checkpointed (the stores live on the sites)."""
+        """The engine's checkpoint (server state, history, meta; no store: the sites keep theirs), when the run has
+        one; the sites are told the round in the next message (``checkpointed``)."""
+        super().save()
+        self.checkpointed = self.round
 
     def spectra(self) -> dict[str, list[float]]:
         raise NotImplementedError("spectra need every client's representations in one place; not run on Flower")
@@ -262,6 +296,8 @@ class FlowerServer(Engine):
         return out
 
     def _content(self, rnd: int, arrays: Optional[tuple[str, State]] = None, **extra: Any) -> RecordDict:
+        if self.checkpoint is not None:  # where each site's kept store is, and which ones a resume can still need
+            extra = {"last_trained": self.last_trained(), "checkpointed": self.checkpointed, **extra}
         cfg = ConfigRecord({"round": int(rnd), **self._config, **extra})
         content = RecordDict({CONFIG: cfg})
         if arrays is not None:
@@ -302,6 +338,7 @@ class FlowerServer(Engine):
             sent = record_tensor_bytes(downs[i]["down"])
             downs[i][CONFIG]["sent_bytes"] = sent
         replies = self._exchange("train", rnd, downs)
+        self._trained_now = (rnd, list(entry["sampled"]))  # this round's evaluation finds these sites' stores at rnd
         acc = self.method.agg_begin(self.server, rnd) if self.method.streaming else None
         uploads: list[tuple[ClientData, State]] = []
         flops = 0
@@ -407,12 +444,15 @@ class FlowerRun:
 
     def __init__(self, spec: FlowerSpec, num_clients: int, observer: Optional[Observer] = None,
                  on_round: Optional[Callable[[dict[str, Any]], None]] = None, wait_s: float = 120.0,
-                 roster: Optional[Roster] = None, wire: Optional[Callable[[dict[str, Any]], None]] = None):
+                 roster: Optional[Roster] = None, wire: Optional[Callable[[dict[str, Any]], None]] = None,
+                 checkpoint: Optional[Path] = None, config_hash: str = "", meta: Optional[dict[str, Any]] = None):
         spec.check()
         if roster is not None and len(roster.sites) != num_clients:
             raise ValueError(f"a roster of {len(roster.sites)} sites for a federation of {num_clients}")
         self.spec, self.num_clients, self.observer, self.on_round, self.wait_s = spec, num_clients, observer, on_round, wait_s
         self.roster, self.wire = roster, wire
+        # with a checkpoint, the run resumes after the last round it holds under the same config_hash (FlowerServer)
+        self.checkpoint, self.config_hash, self.meta = checkpoint, config_hash, meta
         self.engine: Optional[FlowerServer] = None
         self.cards: list[dict[str, Any]] = []  # what each site registered with, in client order
         self.app = ServerApp()
@@ -465,7 +505,10 @@ class FlowerRun:
             raise ConfigError(f"the sites' images differ in shape {sorted(shapes)}; one model needs one input shape")
         ordered = [cards[i] for i in range(len(cards))]
         self.cards = [registered[i] for i in range(len(cards))]
-        self.engine = FlowerServer(self.spec, grid, where, ordered, observer=self.observer, on_round=self.on_round, wire=self.wire)
+        self.engine = FlowerServer(self.spec, grid, where, ordered, observer=self.observer, on_round=self.on_round, wire=self.wire,
+                                   checkpoint=self.checkpoint, config_hash=self.config_hash, meta=self.meta)
+        if self.engine.round:
+            log.info("resuming after round %d of %d (checkpoint %s)", self.engine.round, self.engine.total_rounds, self.checkpoint)
         self.engine.run()
 
 
@@ -491,17 +534,77 @@ class _Site:
         refuse_private(self.method, self.client, payload, self.private, self.rnd)
 
 
+class KeptStores:
+    """A site's stores on its own disk, one file per round it trained (``store-r000007.pt``: the store after that
+    round), in the site's folder under the deployment's (``keep_dir`` of :func:`client_app`). The private tensors
+    never leave the site; a store here is also the site's personal model when the run is over.
+
+    :meth:`load` gives the store of exactly the round the server names, and only a round the site may have reached
+    before the message at hand (before round ``rnd`` for a train or announce message, up to ``rnd`` for an evaluation):
+    a server naming a later round cannot make a site send, in a round whose rules share more (LG-FedAvg's FedAvg
+    rounds), what it learnt after that round. :meth:`drop_before` removes the files no resume can ask for."""
+
+    PATTERN = re.compile(r"^store-r(\d{6})\.pt$")
+
+    def __init__(self, folder: Path, site: str):
+        # one folder per site: two sites kept under one root do not mix their stores
+        self.folder, self.site = Path(folder) / re.sub(r"[^A-Za-z0-9_.-]", "_", site), site
+
+    def path(self, rnd: int) -> Path:
+        return self.folder / f"store-r{rnd:06d}.pt"
+
+    def rounds(self) -> list[int]:
+        if not self.folder.is_dir():
+            return []
+        return sorted(int(m.group(1)) for f in self.folder.iterdir() if (m := self.PATTERN.match(f.name)))
+
+    def save(self, rnd: int, state: State) -> None:
+        from fedsilo.utils.io import atomic_file
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with atomic_file(self.path(rnd)) as tmp:
+            torch.save({"round": rnd, "site": self.site, "store": {k: v.detach().cpu() for k, v in state.items()}}, tmp)
+
+    def load(self, rnd: int, limit: int, device: torch.device) -> State:
+        """The store after round ``rnd`` (the server's word for this site's last trained round), where ``rnd`` <=
+        ``limit``, the last round the message at hand allows."""
+        if rnd > limit:
+            raise PrivacyViolation(f"client {self.site}: asked to resume from its store of round {rnd} for a message that allows "
+                                   f"round {limit} at most; refused")
+        f = self.path(rnd)
+        if not f.exists():
+            raise FileNotFoundError(f"client {self.site}: the federation resumes from this site's store "
+                                    f"of round {rnd}, but {f} is missing (kept: rounds {self.rounds() or 'none'}); the run "
+                                    "cannot resume with this site: start it afresh (remove the coordinator's checkpoint)")
+        kept = torch.load(f, map_location=device, weights_only=True)
+        if kept.get("round") != rnd or kept.get("site") != self.site:
+            raise RuntimeError(f"{f}: holds round {kept.get('round')} of site {kept.get('site')!r}, not round {rnd} of {self.site!r}")
+        return kept["store"]
+
+    def drop_before(self, checkpointed: int) -> None:
+        """Remove the stores older than the newest one at or before the server's last checkpoint (a resume starts
+        from that checkpoint, so it needs that store or a later one)."""
+        rounds = self.rounds()
+        floor = max((r for r in rounds if r <= checkpointed), default=None)
+        for r in rounds:
+            if floor is not None and r < floor:
+                self.path(r).unlink(missing_ok=True)
+
+
 # (app, run, node) -> the site's method and model, built once per process: a Ray worker keeps it across messages (the
 # ClientApp itself is shipped anew with each message, so the cache cannot live in it)
 _SITES: dict[tuple[str, int, int], _Site] = {}
 
 
 def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
-               identify: Optional[Callable[[Context], dict[str, Any]]] = None) -> ClientApp:
+               identify: Optional[Callable[[Context], dict[str, Any]]] = None,
+               keep_dir: Optional[Callable[[Context], Path]] = None) -> ClientApp:
     """The ClientApp of a site: ``load_client(context)`` gives the site's own data (in a simulation, the partition
     named by ``context.node_config['partition-id']``; in a deployment, the site's split). ``identify(context)``, in a
     deployment, adds to the site's registration what the coordinator admits it by (its data fingerprint and
-    contract: hashes and names, no data). The site takes its client index from the federation's cards, by name."""
+    contract: hashes and names, no data). ``keep_dir(context)``, in a deployment, is the site's folder for its
+    stores (:class:`KeptStores`): written after each round it trains when the server checkpoints, read when a run
+    resumes. The site takes its client index from the federation's cards, by name."""
     spec.check()
     app = ClientApp()
     token = uuid.uuid4().hex  # this app's sites in the cache, apart from another app's in the same process
@@ -517,11 +620,22 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
             _SITES[key] = _Site(spec, client, cards)
         return _SITES[key]
 
-    def store(context: Context, s: _Site, cfg: ConfigRecord) -> State:
-        if STORE not in context.state.array_records:  # the site's first round: the engine's init_client, on a fresh model
-            method, model, _ = spec.build(to_float(s.client.x_train[:2]), s.client.x_train.device, cards_from_config(cfg))
-            return method.init_client(model, s.client)
-        return from_record(context.state.array_records[STORE], s.client.x_train.device)
+    def kept(context: Context, s: _Site) -> KeptStores:
+        if keep_dir is None:
+            raise RuntimeError(f"client {s.client.name}: the server resumes a checkpointed run, but this ClientApp keeps no stores")
+        return KeptStores(keep_dir(context), s.client.name)
+
+    def store(context: Context, s: _Site, cfg: ConfigRecord, limit: int) -> State:
+        """The site's store: the one in its node state, else (a resumed run's first message here, or one after its
+        SuperNode restarted) the one it kept after the round the server names, else (its first round) the engine's
+        init_client on a fresh model. ``limit``: the last round whose store the message may use."""
+        if STORE in context.state.array_records:
+            return from_record(context.state.array_records[STORE], s.client.x_train.device)
+        last = int(cfg["last_trained"][s.client.index]) if "last_trained" in cfg else 0
+        if last > 0:
+            return kept(context, s).load(last, limit, s.client.x_train.device)
+        method, model, _ = spec.build(to_float(s.client.x_train[:2]), s.client.x_train.device, cards_from_config(cfg))
+        return method.init_client(model, s.client)
 
     def keep(context: Context, state: State) -> None:
         context.state[STORE] = to_record(state)
@@ -555,7 +669,7 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
         s = site(context, cfg)
         in_order(context, s, int(cfg["round"]), trains=False)
         s.at_round(int(cfg["round"]))
-        mine = store(context, s, cfg)
+        mine = store(context, s, cfg, limit=int(cfg["round"]) - 1)
         said = s.method.announce(s.model, mine, s.client, int(cfg["round"]))
         keep(context, mine)
         s.refuse_private(said)
@@ -573,13 +687,17 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
         if received != int(cfg["sent_bytes"]):
             raise RuntimeError(f"client {s.client.name}: received {received} tensor bytes of the {cfg['sent_bytes']} sent")
         down = {k: v.detach() for k, v in from_record(record, s.client.x_train.device).items()}
-        mine = store(context, s, cfg)
+        mine = store(context, s, cfg, limit=rnd - 1)
         counter = FlopCounterMode(display=False) if cfg["count_flops"] else None
         s.method.last_loss = None  # as the engine: a method that reports no loss this round reports none, not the last one
         with counter if counter is not None else nullcontext():
             up = s.method.local_update(s.model, mine, down, s.client, rnd, spec.seed)
         s.refuse_private(up)  # before anything is sent: the reply carries no private key
         keep(context, mine)
+        if "checkpointed" in cfg:  # the server checkpoints: the store after this round, on the site's disk
+            stores = kept(context, s)
+            stores.save(rnd, mine)
+            stores.drop_before(int(cfg["checkpointed"]))
         metrics: dict[str, Any] = {"received_bytes": received}
         if s.method.last_loss is not None:
             metrics["train_loss"] = float(s.method.last_loss)
@@ -593,7 +711,7 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
         s, rnd = site(context, cfg), int(cfg["round"])
         s.at_round(rnd)
         server = from_record(msg.content.array_records["server"], s.client.x_train.device)
-        mine = store(context, s, cfg)
+        mine = store(context, s, cfg, limit=rnd)
         m, c, train_p = s.method, s.client, spec.train
         m.load_eval_model(s.model, server, mine, c, rnd)
         scores = evaluate_client(s.model, c, cfg=train_p)
