@@ -90,10 +90,12 @@ print(yaml.safe_dump({"name": "loopback_three_hospitals", "method": method, "see
                       "sites": [{"name": c["site"], "fingerprint": c["fingerprint"], "node_id": n}
                                 for c, n in zip(cards, nodes)]}, sort_keys=False))
 PY
-fedsilo --params "$REPO/params.yaml" deploy app --federation "$C/federation.yaml" --out "$C/app" --results "$C/results"
+fedsilo --params "$REPO/params.yaml" deploy app --federation "$C/federation.yaml" --out "$C/app" --results "$C/results" \
+  --state "$C/state"   # the ServerApp's checkpoint: `flwr run` of the same App after a restart resumes from it
 RUN=$(flwr run "$C/app" loopback --format json | python -c 'import json,sys; print(json.load(sys.stdin)["run-id"])')
 flwr log "$RUN" loopback || true   # the ServerApp's lines, until the run ends
 flwr list --run-id "$RUN" loopback
 STATUS=$(flwr list --run-id "$RUN" loopback --format json | python -c 'import json,sys; print(json.load(sys.stdin)["runs"][0]["status"])')
 if [[ "$STATUS" != finished:completed ]]; then echo "run $RUN ended $STATUS" >&2; exit 1; fi
 echo "results: $C/results (metrics.json, history.json, wire.jsonl: every message's keys and bytes)"
+echo "each site's store (its personal model): $WORK/<site>/state/deploy/loopback_three_hospitals/"
