@@ -1,0 +1,132 @@
+"""A deployed run survives its SuperLink: a loopback deployment as tests/test_deploy_processes.py builds it (TLS,
+SuperNode authentication, three sites on their own mirrors, FedBN for 3 rounds), its SuperLink SIGKILLed once the
+ServerApp's checkpoint holds round 1, restarted on the same database, then `flwr run` of the same App again. Checks
+that the second run resumes (the wire log holds both attempts' registrations and each round's uploads once) and ends
+with the in-process engine's numbers, and that the checkpoint is gone. About 5 minutes on 2 cores; not part of the
+suite (README, "Checkpoints and resume").
+
+    python scripts/check_deploy_resume.py /tmp/resume-check      # a folder that does not exist yet
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.deploy_sites import SITE_SOURCES, make_site  # noqa: E402
+from tests.test_deploy_processes import BIN, CONNECTION, REPO_PARAMS, Federation, _free_port  # noqa: E402
+
+from fedsilo.fl.deploy import deployment_spec, make_certificates, make_node_key, peek_checkpoint, resume_key  # noqa: E402
+from fedsilo.fl.engine import Engine  # noqa: E402
+from fedsilo.fl.params import load_params  # noqa: E402
+from fedsilo.fl.site import load_site  # noqa: E402
+
+TRAIN = {"model": "simple_cnn", "rounds": 3, "batch_size": 8, "lr": 0.05, "device": "cpu"}
+T0 = time.monotonic()
+
+
+def say(*args: object) -> None:
+    print(f"[{time.monotonic() - T0:6.1f}s]", *args, flush=True)
+
+
+def check(base: Path, fed: Federation) -> bool:
+    coordinator = base / "coordinator"
+    coordinator.mkdir()
+    sites = {s: make_site(base / s, s) for s in SITE_SOURCES}
+    cards = {}
+    for s, params in sites.items():
+        fed.fedsilo("--params", str(params), "--root", str(params.parent), "site", "card", "--experiment", "site", cwd=params.parent)
+        cards[s] = json.loads((params.parent / "data/site/site.json").read_text())
+        make_node_key(params.parent / "keys", s)
+    certs = make_certificates(coordinator / "certs", ("127.0.0.1", "localhost"))
+    superlink = [str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(certs["ca.crt"]), "--ssl-certfile", str(certs["server.pem"]),
+                 "--ssl-keyfile", str(certs["server.key"]), "--enable-supernode-auth", "--database", "superlink.db",
+                 "--host", "127.0.0.1", "--port", str(fed.port), "--disable-runtime-dependency-installation"]
+    link = fed.start("superlink", superlink, cwd=coordinator, home=coordinator / "superlink-home")
+    fed.wait_healthy(certs["ca.crt"])
+    fed.cli_home.mkdir(parents=True)
+    (fed.cli_home / "config.toml").write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+                                              f'address = "{fed.address}"\nroot-certificates = "{certs["ca.crt"]}"\n')
+    node_ids = {s: int(fed.flwr("supernode", "register", str(p.parent / "keys" / f"{s}.pub"), CONNECTION)["node-id"])
+                for s, p in sites.items()}
+    for s, params in sites.items():
+        fed.start(f"supernode_{s}", [str(BIN / "fedsilo"), "--params", str(params), "--root", str(params.parent), "site", "supernode",
+                                     "--experiment", "site", "--superlink", fed.address, "--root-certificates", str(certs["ca.crt"]),
+                                     "--auth-key", str(params.parent / "keys" / s), "--port", str(_free_port())],
+                  cwd=params.parent, home=params.parent / "flwr-home")
+    fed.wait_online(3)
+    say("3 SuperNodes online")
+
+    fed_file = coordinator / "federation.yaml"
+    fed_file.write_text(yaml.safe_dump({
+        "name": "three_hospitals", "method": "fedbn", "seed": 0, "train": TRAIN, "contract": cards["rsna"]["contract"],
+        "sites": [{"name": cards[s]["site"], "fingerprint": cards[s]["fingerprint"], "node_id": node_ids[s]} for s in SITE_SOURCES]},
+        sort_keys=False))
+    results, app = coordinator / "results", coordinator / "app"
+    fed.fedsilo("--params", str(REPO_PARAMS), "deploy", "app", "--federation", str(fed_file), "--out", str(app),
+                "--results", str(results), "--state", str(coordinator / "state"), cwd=coordinator)
+    dep = json.loads((app / "deployment.json").read_text())
+    ckpt, key = coordinator / "state" / "checkpoint.pt", resume_key(dep)
+
+    say("run", fed.flwr("run", str(app), CONNECTION)["run-id"], "started")
+    while (peek_checkpoint(ckpt, key) or {}).get("round", 0) < 1:
+        time.sleep(0.5)
+    link.send_signal(signal.SIGKILL)
+    link.wait()
+    say("SuperLink SIGKILLed; the checkpoint holds round", peek_checkpoint(ckpt, key)["round"])
+    for _ in range(120):  # the ServerApp process of the first run ends (it holds the run's lock)
+        if subprocess.run(["pgrep", "-f", "flwr-serverapp"], capture_output=True).returncode != 0:
+            break
+        time.sleep(1)
+    fed.start("superlink_restarted", superlink, cwd=coordinator, home=coordinator / "superlink-home")
+    fed.wait_healthy(certs["ca.crt"])
+    fed.wait_online(3, limit=180)
+    say("SuperLink restarted on its database; 3 SuperNodes back online")
+    rid = fed.flwr("run", str(app), CONNECTION)["run-id"]
+    say("run", rid, "started")
+    run = fed.poll(lambda: next((r for r in fed.flwr("list", "--run-id", str(rid), CONNECTION)["runs"]
+                                 if r["status"].startswith("finished")), None), 600, lambda: (results / "metrics.json").exists(),
+                   f"run {rid} not finished")
+    say("second run:", run["status"])
+
+    history = json.loads((results / "history.json").read_text())
+    spec = deployment_spec(dep)
+    clients = [load_site(load_params(p), "site", p.parent, torch.device("cpu"), index=k) for k, p in enumerate(sites.values())]
+    torch.set_num_threads(1)  # as each ClientApp (OMP_NUM_THREADS=1)
+    reference = Engine(spec.method(), spec.make_model(), clients, spec.train, seed=0).run()
+    same = [h["eval"] for h in history] == [h["eval"] for h in reference] and \
+        [h["bytes_up"] for h in history] == [h["bytes_up"] for h in reference]
+    say("rounds", [h["round"] for h in history], "equal to the in-process engine's:", same)
+    wire = [json.loads(line) for line in (results / "wire.jsonl").read_text().splitlines()]
+    registrations = sum(w["message"] == "query.register" and w["to"] == "server" for w in wire)
+    ups = sorted((w["round"], w["site"]) for w in wire if w["message"] == "train" and w["to"] == "server")
+    resumed = registrations == 6 and ups == sorted((r, c["site"]) for r in (1, 2, 3) for c in cards.values())
+    say("registrations", registrations, "(two attempts: 6); each round's uploads once:", resumed)
+    for s, p in sites.items():
+        say(s, "keeps", sorted(f.name for f in (p.parent / "state/deploy/three_hospitals").rglob("*.pt")))
+    say("checkpoint left:", ckpt.exists())
+    return same and resumed and not ckpt.exists() and run["status"] == "finished:completed"
+
+
+def main() -> int:
+    base = Path(sys.argv[1])
+    base.mkdir(parents=True, exist_ok=False)
+    fed = Federation(base)
+    try:
+        ok = check(base, fed)
+    finally:
+        fed.stop()
+    print("OK: the run resumed after its checkpoint with the engine's numbers" if ok else "FAILED", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
