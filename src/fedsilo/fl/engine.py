@@ -125,10 +125,9 @@ class Engine:
             model.__dict__["_fedsilo_compiled"] = torch.compile(model)
         if use_channels_last(train, self._device()):
             model.to(memory_format=torch.channels_last)
-        if not self._resume():
+        if not self._resume():  # no round-0 checkpoint: a run killed before its first one starts again identically
             self.server = self.method.init_server(model)
             self.stores = [self.method.init_client(model, c) for c in clients]
-            self.save()
         elif self.round > 0:
             # the method's round state as it was after its last round (a phase, a channel ratio): what evaluating
             # the resumed run, or a run resumed after its last round, needs (the next round sets its own)
