@@ -203,57 +203,99 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(site
 @pytest.mark.usefixtures("identity")
 def test_a_deployed_run_that_went_down_resumes_after_its_checkpoint_to_the_uninterrupted_numbers(sites, tmp_path):
     """FedBN keeps each site's BatchNorm layers at the site: the resumed run has the uninterrupted run's numbers only
-    if every site takes them from the store it kept on its disk (a fresh store gives others). The run it is compared
-    with loses one site's node state between its rounds (its SuperNode restarted): that site too reads its disk."""
+    if every site takes them from the store it kept on its disk (a fresh store gives others). Two sites of three
+    train each round, so a site resumes from the last round it trained, not the last round. The run it is compared
+    with loses one site's node state between its rounds (its SuperNode restarted): that site too reads its disk.
+    Then a server that names a later store than a message allows, or an earlier round than a site last trained, is
+    refused by the site."""
+    from flwr.app import ConfigRecord, Message
     from mlflow.tracking import MlflowClient
 
     from fedsilo.fl.deploy import peek_checkpoint, resume_key
     from fedsilo.models import batchnorm_keys
 
-    app = _deployed(tmp_path, sites)
-    dep = json.loads((app / "deployment.json").read_text())
-    server, client = _load_apps(app)
+    fed = load_federation(_federation(tmp_path, sites, train={**TRAIN, "rounds": 3, "client_fraction": 0.67}))
+    write_app(fed, load_params(REPO_PARAMS), tmp_path / "app")
+    dep = json.loads((tmp_path / "app/deployment.json").read_text())
+    server, client = _load_apps(tmp_path / "app")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
 
-    def ctx(name: str) -> Context:
-        return Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+    def ctx(name: str, run_id: int) -> Context:
+        return Context(run_id=run_id, node_id=0, node_config={}, state=RecordDict(),
                        run_config={"results-dir": str(tmp_path / name), "state-dir": str(tmp_path / f"{name}.state"), "tracking-uri": uri})
+
+    class Recording(SiteGrid):
+        sent: list = []
+
+        def send_and_receive(self, messages, timeout=None):
+            self.sent.extend(messages)
+            return super().send_and_receive(messages, timeout)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         restarts = NodeRestartsAt(client, sites, rnd=2, run_id=1)
-        server._main(restarts, ctx("whole"))
+        server._main(restarts, ctx("whole", 1))
         assert restarts.restarted
         with pytest.raises(ConnectionError, match="went down"):
-            server._main(DownAt(client, sites, rnd=2, run_id=2), ctx("resumed"))
+            server._main(DownAt(client, sites, rnd=3, run_id=2), ctx("resumed", 2))
         checkpoint = tmp_path / "resumed.state/checkpoint.pt"
-        assert peek_checkpoint(checkpoint, resume_key(dep))["round"] == 1 and not (tmp_path / "resumed").exists()
-        server._main(SiteGrid(client, sites, run_id=3), ctx("resumed"))  # `flwr run` again: a new run, fresh node state
+        assert peek_checkpoint(checkpoint, resume_key(dep))["round"] == 2 and not (tmp_path / "resumed").exists()
+        grid = Recording(client, sites, run_id=3)
+        server._main(grid, ctx("resumed", 3))  # `flwr run` again: a new run, fresh node state
     finally:
         torch.set_num_threads(threads)
     whole = json.loads((tmp_path / "whole/history.json").read_text())
     resumed = json.loads((tmp_path / "resumed/history.json").read_text())
     for key in ("sampled", "eval", "bytes_up", "bytes_down", "train_loss"):
         assert [h[key] for h in resumed] == [h[key] for h in whole], key
+    assert all(len(h["sampled"]) == 2 for h in whole) and len({tuple(h["sampled"]) for h in whole}) > 1
     assert not checkpoint.exists()  # finished: running the App again trains again
 
-    # the wire log holds both attempts: round 1 from the first, round 2 from the second, each site's upload once
+    # the wire log holds both attempts, each line with its Flower run: rounds 1-2 from the first, 3 from the second
     wire = [json.loads(line) for line in (tmp_path / "resumed/wire.jsonl").read_text().splitlines()]
-    ups = [(w["round"], w["site"]) for w in wire if w["message"] == "train" and w["to"] == "server"]
-    assert sorted(ups) == sorted((r, s) for r in (1, 2) for s in ("CheXpert", "RSNA", "VinBigData"))
+    ups = sorted((w["flower_run"], w["round"], w["site"]) for w in wire if w["message"] == "train" and w["to"] == "server")
+    assert ups == sorted((2 if h["round"] < 3 else 3, h["round"], s) for h in whole for s in h["sampled"])
     # one MLflow run, continued by the resumed attempt, FINISHED
     metrics = json.loads((tmp_path / "resumed/metrics.json").read_text())
     mc = MlflowClient(uri)
     runs = mc.search_runs([mc.get_experiment_by_name("deploy/three_hospitals").experiment_id])
     assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"] and metrics["mlflow_run_id"] in {r.info.run_id for r in runs}
-    assert [m.step for m in mc.get_metric_history(metrics["mlflow_run_id"], "mean_acc")] == [1, 2]
-    # each site keeps its stores (FedBN: its BatchNorm layers only) on its own disk, the newest two rounds
+    assert [m.step for m in mc.get_metric_history(metrics["mlflow_run_id"], "mean_acc")] == [1, 2, 3]
+    # each site keeps its stores (FedBN: its BatchNorm layers only), owner-readable, the newest at its last round
     bn = batchnorm_keys(deployment_spec(dep).make_model())
+    last = {s: max(h["round"] for h in whole if s in h["sampled"]) for s in ("CheXpert", "RSNA", "VinBigData")}
     for p in sites.values():
-        folder = p.parent / "state/deploy/three_hospitals" / resume_key(dep, code=False)[:16] / _card(p)["site"]
-        assert sorted(f.name for f in folder.iterdir()) == ["store-r000001.pt", "store-r000002.pt"]
-        assert set(torch.load(folder / "store-r000002.pt", weights_only=True)["store"]) == bn
+        name = _card(p)["site"]
+        folder = p.parent / "state/deploy/three_hospitals" / resume_key(dep, code=False)[:16] / name
+        newest = max(folder.glob("store-r*.pt"))
+        assert newest.name == f"store-r{last[name]:06d}.pt" and (newest.stat().st_mode & 0o777) == 0o600
+        assert set(torch.load(newest, weights_only=True)["store"]) == bn
+
+    # a server replaying recorded messages in yet another run: the sites refuse what a resume never asks for
+    site = next(s for s in ("CheXpert", "RSNA", "VinBigData") if last[s] == 3)
+    k = [c["site"] for c in map(_card, sites.values())].index(site)  # its node: 100 + k
+    train3 = next(m for m in grid.sent if m.metadata.message_type == "train" and m.metadata.dst_node_id == 100 + k)
+    index = list(train3.content.config_records["fedsilo"]["name"]).index(site)
+
+    def crafted(kind: str, rnd: int, last_trained: int) -> Message:
+        cfg = dict(train3.content.config_records["fedsilo"])
+        cfg["round"], cfg["last_trained"] = rnd, [last_trained if i == index else 0 for i in range(len(cfg["name"]))]
+        content = RecordDict({"fedsilo": ConfigRecord(cfg), **({"down": train3.content.array_records["down"]} if kind == "train" else {})})
+        return Message(content, dst_node_id=100 + k, message_type=kind, group_id=str(rnd))
+
+    replay = SiteGrid(client, sites, run_id=4)
+    # an announce of a later round loads the store of round 3; a train of round 2 may not use it
+    (said,) = replay.send_and_receive([crafted("query.announce", 4, 3)])
+    assert not said.has_error(), said.error.reason if said.has_error() else ""
+    (reply,) = replay.send_and_receive([crafted("train", 2, 3)])
+    assert reply.has_error() and f"client {site}: its store is of round 3; this message may use round 1 at most" in reply.error.reason
+    # a fresh node state: a train of round 2 from the kept store of round 1, after the site trained round 3
+    (reply,) = SiteGrid(client, sites, run_id=5).send_and_receive([crafted("train", 2, 1)])
+    assert reply.has_error() and f"client {site}: asked to train round 2 from its kept store of round 1, but it trained round 3" in reply.error.reason
+    # nor a store of a later round than the message allows
+    (reply,) = SiteGrid(client, sites, run_id=6).send_and_receive([crafted("train", 3, 3)])
+    assert reply.has_error() and "store of round 3 for a message that allows round 2 at most" in reply.error.reason
 
 
 def test_kept_stores_give_only_the_round_the_server_names_and_no_later_one(tmp_path):
@@ -279,6 +321,9 @@ def test_kept_stores_give_only_the_round_the_server_names_and_no_later_one(tmp_p
     assert kept.rounds() == [2, 3]
     with pytest.raises(FileNotFoundError, match=r"store-r000001.pt is missing \(kept: rounds \[2, 3\]\)"):
         kept.load(1, limit=3, device=cpu)
+    # a store written after round 2 replaces those of later rounds (an attempt that did not reach them, an earlier run)
+    kept.save(2, {"bn.weight": torch.zeros(2)})
+    assert kept.rounds() == [2]
 
 
 def test_a_checkpoint_resumes_only_the_same_deployment_and_code(tmp_path):

@@ -235,7 +235,7 @@ def test_three_hospitals_train_over_tls_with_registered_nodes_and_only_shared_te
     shared = set(spec.make_model().state_dict()) - bn
     ups = [w for w in wire if w["to"] == "server" and w["message"] == "train"]
     assert len(ups) == 3 * TRAIN["rounds"] and all(set(w["arrays"]["up"]) == shared for w in ups)
-    assert all(set(w) - {"round", "message", "site", "to", "config", "metrics"} == set() for w in wire
+    assert all(set(w) - {"round", "message", "site", "to", "config", "metrics", "flower_run"} == set() for w in wire
                if w["to"] == "server" and w["message"] != "train")  # registrations and scores: no tensor at all
     assert [w["tensor_bytes"]["up"] for w in ups] == [h["bytes_up"][s] for h in history for s in h["sampled"]]
 

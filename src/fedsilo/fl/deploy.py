@@ -26,13 +26,13 @@ default ``results/deploy/<federation>/<method>/seed<k>`` under the SuperLink's w
 line per message that crossed the network, with its direction, site, record keys, dtypes, shapes and tensor bytes
 (never values): what an auditor reads to see that only the method's shared tensors left a site.
 
-A deployed run is checkpointed as a train stage is: the ServerApp writes its state and history to ``state-dir`` (a
-run-config key; default ``state/deploy/<federation>/<method>/seed<k>``) every ``train.checkpoint_every`` rounds, and
-each site keeps its store after every round it trains under ``<site root>/state/deploy/<federation>/<key>/<site>/``
-(:class:`~fedsilo.fl.flower.KeptStores`). ``flwr run`` of the same App after the SuperLink, the ServerApp or a site
-went down resumes after the last checkpoint, with the same numbers as an uninterrupted run, in the same MLflow run;
-another deployment or another fedsilo on the coordinator starts afresh (:func:`resume_key`). A finished run removes
-its checkpoint (running the App again trains again); each site's last store stays: its personal model.
+A deployed run is checkpointed: the ServerApp writes its state and history to ``state-dir`` (a run-config key;
+default ``state/deploy/<federation>/<method>/seed<k>``) every round, and each site keeps its store after every round
+it trains under ``<site root>/state/deploy/<federation>/<key>/<site>/`` (:class:`~fedsilo.fl.flower.KeptStores`).
+``flwr run`` of the same App after the SuperLink, the ServerApp or a site went down resumes after the last
+checkpoint, with the same numbers as an uninterrupted run, in the same MLflow run; another deployment or another
+fedsilo on the coordinator starts afresh (:func:`resume_key`). A finished run removes its checkpoint (running the App
+again trains again, from fresh stores); each site's last store stays until then: its personal model.
 """
 
 from __future__ import annotations
@@ -288,14 +288,17 @@ def _node(context: Any) -> tuple[Path, str, Path]:
 
 
 class WireLog:
-    """Appends one JSON line per message to ``path`` (flushed each line: what crossed so far survives a crash)."""
+    """Appends one JSON line per message to ``path`` (flushed each line: what crossed so far survives a crash), each
+    with the Flower run it crossed in (``flower_run``): the attempts of one results folder (a run that failed or was
+    stopped, the run that resumed it) follow one another in one log."""
 
-    def __init__(self, path: Path, append: bool = False):
+    def __init__(self, path: Path, flower_run: int):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.fh = open(path, "a" if append else "w")
+        self.fh = open(path, "a")
+        self.flower_run = int(flower_run)
 
     def __call__(self, entry: dict[str, Any]) -> None:
-        self.fh.write(json.dumps(entry, sort_keys=True) + "\n")
+        self.fh.write(json.dumps({**entry, "flower_run": self.flower_run}, sort_keys=True) + "\n")
         self.fh.flush()
 
     def close(self) -> None:
@@ -328,11 +331,17 @@ def apps(app_file: Path):
             _main(grid, context, out, state)
 
     def _main(grid: Grid, context: Context, out: Path, state: Path) -> None:
+        from fedsilo.utils.io import read_json
+
         checkpoint, key = state / "checkpoint.pt", resume_key(dep)
         resumed = peek_checkpoint(checkpoint, key)  # None: a fresh run (no checkpoint, or another deployment's / code's)
         staging = out.with_name(out.name + ".wire")  # the wire log as the run goes; moved into the results at the end
-        # a run that fails leaves it there: what crossed before it ended; a resumed run adds to it
-        wire = WireLog(staging / "wire.jsonl", append=resumed is not None)
+        # a run that fails leaves it there (what crossed before it ended); the next attempt adds to it
+        wire = WireLog(staging / "wire.jsonl", context.run_id)
+        # the MLflow run this state folder last served: if the run now is another, that one's process died without
+        # ending it (SIGKILL, a lost machine) before its first checkpoint, or it is not resumed: marked KILLED
+        sidecar = state / "mlflow_run.json"
+        earlier = read_json(sidecar).get("run_id") if sidecar.exists() else None
         tracker = Tracker(False, "")  # no run yet: fail() below is a no-op until _start_tracking has one
         round_log = _RoundLog(spec.train.rounds, dep["federation"])
 
@@ -344,6 +353,10 @@ def apps(app_file: Path):
             try:
                 tracker = _start_tracking(dep, str(context.run_config.get("tracking-uri", "")),
                                           run_id=(resumed or {}).get("mlflow_run_id"))
+                if earlier and earlier != tracker.run_id and tracker.supersede(earlier):
+                    log.info("MLflow run %s of a stopped, not resumed, attempt marked KILLED", earlier)
+                if tracker.run_id:
+                    write_json(sidecar, {"run_id": tracker.run_id})
                 run = FlowerRun(spec, len(roster.sites), roster=roster, wire=wire, on_round=on_round,
                                 wait_s=float(context.run_config.get("wait-s", 600)), checkpoint=checkpoint,
                                 config_hash=key, meta={"mlflow_run_id": tracker.run_id})
@@ -351,8 +364,10 @@ def apps(app_file: Path):
             finally:
                 wire.close()
             metrics = _write_results(out, staging, dep, run, tracker.run_id)
+            # its work is done: running the App again trains again (and never resumes into results already moved)
+            checkpoint.unlink(missing_ok=True)
+            sidecar.unlink(missing_ok=True)
             tracker.finish(flat_summary(metrics), [out / "metrics.json", out / "history.json", out / "wire.jsonl"])
-            checkpoint.unlink(missing_ok=True)  # its work is done: running the App again trains again
         except (KeyboardInterrupt, SystemExit):
             tracker.fail("KILLED")
             raise

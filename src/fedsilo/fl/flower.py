@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import time
 import uuid
@@ -90,6 +91,7 @@ log = logging.getLogger("fedsilo.flower")
 
 STORE = "fedsilo.store"  # the context.state record holding a site's store
 TRAINED = "fedsilo.trained"  # the context.state record holding the last round a site trained
+STORE_ROUND = "fedsilo.store_round"  # the context.state record holding the round the store in it is of
 CONFIG = "fedsilo"  # the ConfigRecord / MetricRecord of every message
 
 
@@ -229,8 +231,12 @@ class FlowerServer(Engine):
         self.train, self.seed = spec.train, spec.seed
         self.clients: list[ClientData] = list(cards)
         self.observer, self.on_round = observer, on_round
-        # the engine's checkpoint (server state and history; the stores are the sites'), None: not checkpointed
+        # the engine's checkpoint (server state and history; the stores are the sites'), None: not checkpointed. A
+        # checkpointed run writes it every round (one server state: cheap), whatever train.checkpoint_every says: a
+        # site trains again no round before the last it trained (KeptStores.load), so a resume starts one round back
         self.checkpoint, self.config_hash, self.meta, self.external = checkpoint, config_hash, dict(meta or {}), None
+        if checkpoint is not None:
+            self.train = spec.train.model_copy(update={"checkpoint_every": 1})
         example = torch.zeros((2, *cards[0].shape))  # only its shape matters to transform_model
         self.method, self.model, self.private = spec.build(example, torch.device(device), cards)
         self.round, self.total_rounds = 0, spec.train.rounds
@@ -246,6 +252,8 @@ class FlowerServer(Engine):
                 raise RuntimeError(f"{checkpoint}: holds client stores; a Flower run's stores are the sites'")
             if self.round > 0:  # as the engine: the method's round state as it was after that round
                 self.method.on_round_start(self.model, self.round)
+        if self.checkpoint is not None and self.round == 0:
+            self.save()  # round 0 with this run's meta (its MLflow run): a stop in round 1 resumes into the same run
         self.checkpointed = self.round  # the last round the checkpoint holds
         self._trained_now: tuple[int, list[str]] = (0, [])  # the round in progress and its sites, once they trained
 
@@ -542,7 +550,12 @@ class KeptStores:
     :meth:`load` gives the store of exactly the round the server names, and only a round the site may have reached
     before the message at hand (before round ``rnd`` for a train or announce message, up to ``rnd`` for an evaluation):
     a server naming a later round cannot make a site send, in a round whose rules share more (LG-FedAvg's FedAvg
-    rounds), what it learnt after that round. :meth:`drop_before` removes the files no resume can ask for."""
+    rounds), what it learnt after that round. Nor does a kept store serve a round before the last one the site
+    trained (the newest file): a restarted run may train again the round whose upload the stop may have lost, and
+    the rounds after it, never an earlier one (a deployment's server checkpoints every round, so a resume starts at
+    most one round back). A run started afresh (the server names no round) starts from a fresh store, which holds
+    nothing the site learnt. :meth:`drop_before` removes the files no resume can ask for. The files are readable by
+    their owner only."""
 
     PATTERN = re.compile(r"^store-r(\d{6})\.pt$")
 
@@ -564,13 +577,22 @@ class KeptStores:
         self.folder.mkdir(parents=True, exist_ok=True)
         with atomic_file(self.path(rnd)) as tmp:
             torch.save({"round": rnd, "site": self.site, "store": {k: v.detach().cpu() for k, v in state.items()}}, tmp)
+            os.chmod(tmp, 0o600)  # private tensors: the site's own, not other accounts' on its machine
+        for later in [r for r in self.rounds() if r > rnd]:  # of an attempt that did not reach them, or of an earlier run
+            self.path(later).unlink(missing_ok=True)
 
-    def load(self, rnd: int, limit: int, device: torch.device) -> State:
+    def load(self, rnd: int, limit: int, device: torch.device, trains: Optional[int] = None) -> State:
         """The store after round ``rnd`` (the server's word for this site's last trained round), where ``rnd`` <=
-        ``limit``, the last round the message at hand allows."""
+        ``limit``, the last round the message at hand allows, and where the message trains round ``trains`` (a
+        train or announce message), no earlier than the last round this site trained."""
         if rnd > limit:
             raise PrivacyViolation(f"client {self.site}: asked to resume from its store of round {rnd} for a message that allows "
                                    f"round {limit} at most; refused")
+        done = max(self.rounds(), default=0)
+        if trains is not None and trains < done:
+            raise PrivacyViolation(f"client {self.site}: asked to train round {trains} from its kept store of round {rnd}, but it "
+                                   f"trained round {done} of this deployment already; a restarted run trains that round or a "
+                                   "later one; refused (to run the deployment again from round 1, start it afresh)")
         f = self.path(rnd)
         if not f.exists():
             raise FileNotFoundError(f"client {self.site}: the federation resumes from this site's store "
@@ -620,25 +642,32 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
             _SITES[key] = _Site(spec, client, cards)
         return _SITES[key]
 
-    def kept(context: Context, s: _Site) -> KeptStores:
-        if keep_dir is None:
-            raise RuntimeError(f"client {s.client.name}: the server resumes a checkpointed run, but this ClientApp keeps no stores")
-        return KeptStores(keep_dir(context), s.client.name)
-
-    def store(context: Context, s: _Site, cfg: ConfigRecord, limit: int) -> State:
-        """The site's store: the one in its node state, else (a resumed run's first message here, or one after its
-        SuperNode restarted) the one it kept after the round the server names, else (its first round) the engine's
-        init_client on a fresh model. ``limit``: the last round whose store the message may use."""
+    def store(context: Context, s: _Site, cfg: ConfigRecord, limit: int, trains: Optional[int] = None) -> tuple[State, int]:
+        """The site's store and the round it is of: the one in its node state, else (a resumed run's first message
+        here, or one after its SuperNode restarted) the one it kept on its disk after the round the server names,
+        else (its first round, or a run started afresh) the engine's init_client on a fresh model. ``limit``: the
+        last round whose store the message may use; ``trains``: the round a train or announce message is for (a
+        kept store serves no round before the last this site trained: :meth:`KeptStores.load`)."""
         if STORE in context.state.array_records:
-            return from_record(context.state.array_records[STORE], s.client.x_train.device)
+            of = int(context.state.config_records[STORE_ROUND]["round"]) if STORE_ROUND in context.state.config_records else 0
+            if of > limit:  # e.g. an announce of a later round loaded it, and a train of an earlier round follows
+                raise PrivacyViolation(f"client {s.client.name}: its store is of round {of}; this message may use round {limit} "
+                                       "at most; refused")
+            return from_record(context.state.array_records[STORE], s.client.x_train.device), of
         last = int(cfg["last_trained"][s.client.index]) if "last_trained" in cfg else 0
         if last > 0:
-            return kept(context, s).load(last, limit, s.client.x_train.device)
+            if keep_dir is None:
+                raise RuntimeError(f"client {s.client.name}: the server names its store of round {last}, but this ClientApp keeps none")
+            kept = KeptStores(keep_dir(context), s.client.name)
+            state = kept.load(last, limit, s.client.x_train.device, trains=trains)
+            log.warning("client %s: resumed from its store of round %d (kept at %s)", s.client.name, last, kept.folder)
+            return state, last
         method, model, _ = spec.build(to_float(s.client.x_train[:2]), s.client.x_train.device, cards_from_config(cfg))
-        return method.init_client(model, s.client)
+        return method.init_client(model, s.client), 0
 
-    def keep(context: Context, state: State) -> None:
+    def keep(context: Context, state: State, of: int) -> None:
         context.state[STORE] = to_record(state)
+        context.state[STORE_ROUND] = ConfigRecord({"round": int(of)})
 
     def in_order(context: Context, s: _Site, rnd: int, trains: bool) -> None:
         """A site trains each round once and in order: an announce or train message for a round it has already
@@ -669,9 +698,9 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
         s = site(context, cfg)
         in_order(context, s, int(cfg["round"]), trains=False)
         s.at_round(int(cfg["round"]))
-        mine = store(context, s, cfg, limit=int(cfg["round"]) - 1)
+        mine, of = store(context, s, cfg, limit=int(cfg["round"]) - 1, trains=int(cfg["round"]))
         said = s.method.announce(s.model, mine, s.client, int(cfg["round"]))
-        keep(context, mine)
+        keep(context, mine, of)  # still the store of round `of`: this round's training follows
         s.refuse_private(said)
         content = RecordDict({"said": to_record(said)}) if said else RecordDict()
         return Message(content, reply_to=msg)
@@ -687,17 +716,18 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
         if received != int(cfg["sent_bytes"]):
             raise RuntimeError(f"client {s.client.name}: received {received} tensor bytes of the {cfg['sent_bytes']} sent")
         down = {k: v.detach() for k, v in from_record(record, s.client.x_train.device).items()}
-        mine = store(context, s, cfg, limit=rnd - 1)
+        mine, _ = store(context, s, cfg, limit=rnd - 1, trains=rnd)
         counter = FlopCounterMode(display=False) if cfg["count_flops"] else None
         s.method.last_loss = None  # as the engine: a method that reports no loss this round reports none, not the last one
         with counter if counter is not None else nullcontext():
             up = s.method.local_update(s.model, mine, down, s.client, rnd, spec.seed)
         s.refuse_private(up)  # before anything is sent: the reply carries no private key
-        keep(context, mine)
-        if "checkpointed" in cfg:  # the server checkpoints: the store after this round, on the site's disk
-            stores = kept(context, s)
+        keep(context, mine, rnd)
+        if keep_dir is not None:  # a deployment: the store after this round, on the site's disk, whatever the server says
+            stores = KeptStores(keep_dir(context), s.client.name)
             stores.save(rnd, mine)
-            stores.drop_before(int(cfg["checkpointed"]))
+            if "checkpointed" in cfg:
+                stores.drop_before(int(cfg["checkpointed"]))
         metrics: dict[str, Any] = {"received_bytes": received}
         if s.method.last_loss is not None:
             metrics["train_loss"] = float(s.method.last_loss)
@@ -711,7 +741,7 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
         s, rnd = site(context, cfg), int(cfg["round"])
         s.at_round(rnd)
         server = from_record(msg.content.array_records["server"], s.client.x_train.device)
-        mine = store(context, s, cfg, limit=rnd)
+        mine, _ = store(context, s, cfg, limit=rnd)
         m, c, train_p = s.method, s.client, spec.train
         m.load_eval_model(s.model, server, mine, c, rnd)
         scores = evaluate_client(s.model, c, cfg=train_p)
