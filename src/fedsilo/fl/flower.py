@@ -625,8 +625,8 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
     named by ``context.node_config['partition-id']``; in a deployment, the site's split). ``identify(context)``, in a
     deployment, adds to the site's registration what the coordinator admits it by (its data fingerprint and
     contract: hashes and names, no data). ``keep_dir(context)``, in a deployment, is the site's folder for its
-    stores (:class:`KeptStores`): written after each round it trains when the server checkpoints, read when a run
-    resumes. The site takes its client index from the federation's cards, by name."""
+    stores (:class:`KeptStores`): written after each round it trains, read when its node state has none (a resumed
+    run, a restarted SuperNode). The site takes its client index from the federation's cards, by name."""
     spec.check()
     app = ClientApp()
     token = uuid.uuid4().hex  # this app's sites in the cache, apart from another app's in the same process
