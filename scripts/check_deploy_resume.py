@@ -21,10 +21,10 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.deploy_sites import SITE_SOURCES, make_site  # noqa: E402
-from tests.test_deploy_processes import BIN, CONNECTION, REPO_PARAMS, Federation, _free_port  # noqa: E402
+from tests.deploy_sites import SITE_SOURCES  # noqa: E402
+from tests.test_deploy_processes import CONNECTION, REPO_PARAMS, Federation  # noqa: E402
 
-from fedsilo.fl.deploy import deployment_spec, make_certificates, make_node_key, peek_checkpoint, resume_key  # noqa: E402
+from fedsilo.fl.deploy import deployment_spec, make_certificates, peek_checkpoint, resume_key  # noqa: E402
 from fedsilo.fl.engine import Engine  # noqa: E402
 from fedsilo.fl.params import load_params  # noqa: E402
 from fedsilo.fl.site import load_site  # noqa: E402
@@ -40,28 +40,11 @@ def say(*args: object) -> None:
 def check(base: Path, fed: Federation) -> bool:
     coordinator = base / "coordinator"
     coordinator.mkdir()
-    sites = {s: make_site(base / s, s) for s in SITE_SOURCES}
-    cards = {}
-    for s, params in sites.items():
-        fed.fedsilo("--params", str(params), "--root", str(params.parent), "site", "card", "--experiment", "site", cwd=params.parent)
-        cards[s] = json.loads((params.parent / "data/site/site.json").read_text())
-        make_node_key(params.parent / "keys", s)
+    sites, cards = fed.hospitals()
     certs = make_certificates(coordinator / "certs", ("127.0.0.1", "localhost"))
-    superlink = [str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(certs["ca.crt"]), "--ssl-certfile", str(certs["server.pem"]),
-                 "--ssl-keyfile", str(certs["server.key"]), "--enable-supernode-auth", "--database", "superlink.db",
-                 "--host", "127.0.0.1", "--port", str(fed.port), "--disable-runtime-dependency-installation"]
-    link = fed.start("superlink", superlink, cwd=coordinator, home=coordinator / "superlink-home")
-    fed.wait_healthy(certs["ca.crt"])
-    fed.cli_home.mkdir(parents=True)
-    (fed.cli_home / "config.toml").write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-                                              f'address = "{fed.address}"\nroot-certificates = "{certs["ca.crt"]}"\n')
-    node_ids = {s: int(fed.flwr("supernode", "register", str(p.parent / "keys" / f"{s}.pub"), CONNECTION)["node-id"])
-                for s, p in sites.items()}
-    for s, params in sites.items():
-        fed.start(f"supernode_{s}", [str(BIN / "fedsilo"), "--params", str(params), "--root", str(params.parent), "site", "supernode",
-                                     "--experiment", "site", "--superlink", fed.address, "--root-certificates", str(certs["ca.crt"]),
-                                     "--auth-key", str(params.parent / "keys" / s), "--port", str(_free_port())],
-                  cwd=params.parent, home=params.parent / "flwr-home")
+    link = fed.start_superlink(coordinator, certs, database="superlink.db")  # registrations survive a restart
+    node_ids = fed.register(sites)
+    fed.start_supernodes(sites, certs)
     fed.wait_online(3)
     say("3 SuperNodes online")
 
@@ -86,8 +69,7 @@ def check(base: Path, fed: Federation) -> bool:
         if subprocess.run(["pgrep", "-f", "flwr-serverapp"], capture_output=True).returncode != 0:
             break
         time.sleep(1)
-    fed.start("superlink_restarted", superlink, cwd=coordinator, home=coordinator / "superlink-home")
-    fed.wait_healthy(certs["ca.crt"])
+    fed.start_superlink(coordinator, certs, name="superlink_restarted", database="superlink.db")
     fed.wait_online(3, limit=180)
     say("SuperLink restarted on its database; 3 SuperNodes back online")
     rid = fed.flwr("run", str(app), CONNECTION)["run-id"]

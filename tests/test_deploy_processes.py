@@ -135,6 +135,51 @@ class Federation:
 
         return self.poll(finished, limit, ended, f"run {rid} not finished")
 
+    # --- the steps of a deployment, as the hospitals and the coordinator take them
+    def hospitals(self) -> tuple[dict[str, Path], dict[str, dict]]:
+        """Each hospital's folder: its own data, harmonized and split there; its card; its key pair. Returns the
+        sites' params files and cards by source."""
+        sites = {s: make_site(self.base / s, s) for s in SITE_SOURCES}
+        cards = {}
+        for s, params in sites.items():
+            self.fedsilo("--params", str(params), "--root", str(params.parent), "site", "card", "--experiment", "site", cwd=params.parent)
+            cards[s] = json.loads((params.parent / "data/site/site.json").read_text())
+            make_node_key(params.parent / "keys", s)
+        return sites, cards
+
+    def start_superlink(self, coordinator: Path, certs: dict[str, Path], name: str = "superlink",
+                        database: Optional[str] = None) -> subprocess.Popen:
+        """The SuperLink with TLS and SuperNode authentication (its state in memory, or in ``database``), once it
+        answers its health check; the coordinator's flwr CLI connection to it."""
+        p = self.start(name, [str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(certs["ca.crt"]), "--ssl-certfile",
+                              str(certs["server.pem"]), "--ssl-keyfile", str(certs["server.key"]), "--enable-supernode-auth",
+                              *(["--database", database] if database else []), "--host", "127.0.0.1", "--port", str(self.port),
+                              "--disable-runtime-dependency-installation"],
+                       cwd=coordinator, home=coordinator / "superlink-home")
+        self.wait_healthy(certs["ca.crt"])
+        self.cli_home.mkdir(parents=True, exist_ok=True)
+        (self.cli_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{self.address}"\n'
+            f'root-certificates = "{certs["ca.crt"]}"\n')
+        return p
+
+    def register(self, sites: dict[str, Path]) -> dict[str, int]:
+        """The coordinator registers each site's public key; the node ids it pins in federation.yaml, by source."""
+        node_ids = {}
+        for s, params in sites.items():
+            reg = self.flwr("supernode", "register", str(params.parent / "keys" / f"{s}.pub"), CONNECTION)
+            assert reg["success"]
+            node_ids[s] = int(reg["node-id"])  # pinned in federation.yaml: each name admitted only from its own key
+        return node_ids
+
+    def start_supernodes(self, sites: dict[str, Path], certs: dict[str, Path]) -> None:
+        """Each hospital starts its SuperNode with fedsilo's command."""
+        for s, params in sites.items():
+            self.start(f"supernode_{s}", [str(BIN / "fedsilo"), "--params", str(params), "--root", str(params.parent), "site",
+                                          "supernode", "--experiment", "site", "--superlink", self.address, "--root-certificates",
+                                          str(certs["ca.crt"]), "--auth-key", str(params.parent / "keys" / s), "--port", str(_free_port())],
+                       cwd=params.parent, home=params.parent / "flwr-home")
+
     def stop(self) -> None:
         for p, _ in reversed(self.procs):  # SuperNodes first, the SuperLink last
             if p.poll() is None:
@@ -162,35 +207,12 @@ def test_three_hospitals_train_over_tls_with_registered_nodes_and_only_shared_te
     fed, base = federation, federation.base
     coordinator = base / "coordinator"
     coordinator.mkdir()
-    # --- each hospital: its own data, harmonized and split there; its card; its key pair
-    sites = {s: make_site(base / s, s) for s in SITE_SOURCES}
-    cards = {}
-    for s, params in sites.items():
-        fed.fedsilo("--params", str(params), "--root", str(params.parent), "site", "card", "--experiment", "site", cwd=params.parent)
-        cards[s] = json.loads((params.parent / "data/site/site.json").read_text())
-        make_node_key(params.parent / "keys", s)
+    sites, cards = fed.hospitals()
     # --- the coordinator: certificates, the SuperLink (TLS, node authentication), its CLI connection, the registrations
     certs = make_certificates(coordinator / "certs", ("127.0.0.1", "localhost"))
-    fed.start("superlink", [str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(certs["ca.crt"]), "--ssl-certfile", str(certs["server.pem"]),
-                            "--ssl-keyfile", str(certs["server.key"]), "--enable-supernode-auth", "--host", "127.0.0.1",
-                            "--port", str(fed.port), "--disable-runtime-dependency-installation"],
-              cwd=coordinator, home=coordinator / "superlink-home")
-    fed.wait_healthy(certs["ca.crt"])
-    fed.cli_home.mkdir(parents=True)
-    (fed.cli_home / "config.toml").write_text(
-        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{fed.address}"\n'
-        f'root-certificates = "{certs["ca.crt"]}"\n')
-    node_ids = {}
-    for s, params in sites.items():
-        reg = fed.flwr("supernode", "register", str(params.parent / "keys" / f"{s}.pub"), CONNECTION)
-        assert reg["success"]
-        node_ids[s] = int(reg["node-id"])  # pinned in federation.yaml: each name admitted only from its own key
-    # --- each hospital starts its SuperNode with fedsilo's command
-    for s, params in sites.items():
-        fed.start(f"supernode_{s}", [str(BIN / "fedsilo"), "--params", str(params), "--root", str(params.parent), "site", "supernode",
-                                     "--experiment", "site", "--superlink", fed.address, "--root-certificates", str(certs["ca.crt"]),
-                                     "--auth-key", str(params.parent / "keys" / s), "--port", str(_free_port())],
-                  cwd=params.parent, home=params.parent / "flwr-home")
+    fed.start_superlink(coordinator, certs)
+    node_ids = fed.register(sites)
+    fed.start_supernodes(sites, certs)
     # a SuperNode whose key nobody registered is turned away
     stranger = make_node_key(base / "stranger", "stranger")
     intruder = fed.start("supernode_stranger", [str(BIN / "flower-supernode"), "--superlink", fed.address, "--root-certificates",
