@@ -130,6 +130,12 @@ class DownAt(SiteGrid):
         return super().send_and_receive(messages, timeout)
 
 
+def _server_context(tmp: Path, **run_config) -> Context:
+    """The ServerApp's context: its results and state folders in the test's folder (never the working directory's)."""
+    return Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                   run_config={"results-dir": str(tmp / "results"), "state-dir": str(tmp / "state"), **run_config})
+
+
 def _load_apps(app_dir: Path):
     import importlib.util
 
@@ -150,8 +156,7 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(site
     torch.set_num_threads(1)  # as the reference below: a convolution summed over other thread counts differs in the last bit
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     try:
-        server._main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
-                                   run_config={"results-dir": str(tmp_path / "results"), "tracking-uri": uri}))
+        server._main(grid, _server_context(tmp_path, **{"tracking-uri": uri}))
     finally:
         torch.set_num_threads(threads)
     metrics = json.loads((tmp_path / "results/metrics.json").read_text())
@@ -350,8 +355,7 @@ def test_a_site_with_other_data_than_the_federation_pins_is_refused_by_name(site
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.raises(SiteRefused, match=r"site 'RSNA' refused: its data fingerprint [0-9a-f]{16} is not the one the "
                                           r"federation pins for it \(sites\[1\], RSNA: 0{16}\); same contract"):
-        server._main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
-                                   run_config={"results-dir": str(tmp_path / "results"), "tracking-uri": uri}))
+        server._main(grid, _server_context(tmp_path, **{"tracking-uri": uri}))
     assert not (tmp_path / "results").exists()
     from mlflow.tracking import MlflowClient
 
@@ -366,7 +370,7 @@ def test_a_site_with_other_data_than_the_federation_pins_is_refused_by_name(site
 def test_a_site_harmonized_to_another_contract_or_unlisted_or_twice_is_refused(sites, tmp_path):
     app = _deployed(tmp_path, sites)
     server, client = _load_apps(app)
-    ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={"results-dir": str(tmp_path / "results")})
+    ctx = _server_context(tmp_path)
     # RSNA harmonized at 8 px instead of the agreed 16: the message says the contract differs, and how
     small = make_site(tmp_path / "rsna8", "rsna", image_size=8)
     with pytest.raises(SiteRefused, match=r"site 'RSNA' refused: .*its contract differs: image_shape \[8, 8, 1\] \(agreed \[16, 16, 1\]\)"):
@@ -391,7 +395,7 @@ def test_a_site_name_pinned_to_a_node_is_refused_from_any_other_node(sites, tmp_
     server, client = _load_apps(app)
     grid = SiteGrid(client, sites)
     with pytest.raises(SiteRefused) as err:
-        server._main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={"results-dir": str(tmp_path / "results")}))
+        server._main(grid, _server_context(tmp_path))
     assert str(err.value) == (f"site 'RSNA' refused: it connected as node {nodes['RSNA']}, but the federation pins RSNA to node "
                               f"{nodes['VinBigData']} (the node `flwr supernode register` created for RSNA's public key): another "
                               "site's key, or a re-registered key whose new node-id the coordinator has not pinned")

@@ -19,6 +19,8 @@ import yaml
 
 log = logging.getLogger("fedsilo.tracking")
 
+RUN_SIDECAR = "mlflow_run.json"  # in a run's state folder: the MLflow run it last served (Tracker.start_in)
+
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -167,6 +169,27 @@ class Tracker:
             self.fail("FAILED")
             raise
         return self.run_id
+
+    def start_in(self, folder: Path, experiment: str, run_name: str, params: dict[str, Any], tags: dict[str, str],
+                 run_id: Optional[str] = None) -> Optional[str]:
+        """:meth:`start` for a run whose state lives in ``folder`` (a train stage's, a deployment's), which records the
+        MLflow run it serves (``mlflow_run.json``). The run it last served, if it is not the one continued now
+        (``run_id``), died without ending it (SIGKILL, a lost machine) and nothing will resume it: marked KILLED."""
+        from fedsilo.utils.io import read_json, write_json
+
+        sidecar = Path(folder) / RUN_SIDECAR
+        earlier = read_json(sidecar).get("run_id") if sidecar.exists() else None
+        if earlier and earlier != run_id and self.supersede(earlier):
+            log.info("MLflow run %s of an interrupted, not resumed, run marked KILLED", earlier)
+        started = self.start(experiment, run_name, params, tags, run_id=run_id)
+        if started:
+            write_json(sidecar, {"run_id": started})
+        return started
+
+    @staticmethod
+    def forget(folder: Path) -> None:
+        """The run in ``folder`` ended (its outputs are written): nothing is left to supersede or resume."""
+        (Path(folder) / RUN_SIDECAR).unlink(missing_ok=True)
 
     def _experiment_id(self, name: str) -> str:
         exp = self.client.get_experiment_by_name(name)

@@ -331,17 +331,11 @@ def apps(app_file: Path):
             _main(grid, context, out, state)
 
     def _main(grid: Grid, context: Context, out: Path, state: Path) -> None:
-        from fedsilo.utils.io import read_json
-
         checkpoint, key = state / "checkpoint.pt", resume_key(dep)
         resumed = peek_checkpoint(checkpoint, key)  # None: a fresh run (no checkpoint, or another deployment's / code's)
         staging = out.with_name(out.name + ".wire")  # the wire log as the run goes; moved into the results at the end
         # a run that fails leaves it there (what crossed before it ended); the next attempt adds to it
         wire = WireLog(staging / "wire.jsonl", context.run_id)
-        # the MLflow run this state folder last served: if the run now is another, that one's process died without
-        # ending it (SIGKILL, a lost machine) before its first checkpoint, or it is not resumed: marked KILLED
-        sidecar = state / "mlflow_run.json"
-        earlier = read_json(sidecar).get("run_id") if sidecar.exists() else None
         tracker = Tracker(False, "")  # no run yet: fail() below is a no-op until _start_tracking has one
         round_log = _RoundLog(spec.train.rounds, dep["federation"])
 
@@ -351,12 +345,9 @@ def apps(app_file: Path):
 
         try:
             try:
-                tracker = _start_tracking(dep, str(context.run_config.get("tracking-uri", "")),
+                # the MLflow run resumed with the checkpoint; an attempt SIGKILLed before its first is marked KILLED
+                tracker = _start_tracking(dep, str(context.run_config.get("tracking-uri", "")), state,
                                           run_id=(resumed or {}).get("mlflow_run_id"))
-                if earlier and earlier != tracker.run_id and tracker.supersede(earlier):
-                    log.info("MLflow run %s of a stopped, not resumed, attempt marked KILLED", earlier)
-                if tracker.run_id:
-                    write_json(sidecar, {"run_id": tracker.run_id})
                 run = FlowerRun(spec, len(roster.sites), roster=roster, wire=wire, on_round=on_round,
                                 wait_s=float(context.run_config.get("wait-s", 600)), checkpoint=checkpoint,
                                 config_hash=key, meta={"mlflow_run_id": tracker.run_id})
@@ -366,7 +357,7 @@ def apps(app_file: Path):
             metrics = _write_results(out, staging, dep, run, tracker.run_id)
             # its work is done: running the App again trains again (and never resumes into results already moved)
             checkpoint.unlink(missing_ok=True)
-            sidecar.unlink(missing_ok=True)
+            Tracker.forget(state)
             tracker.finish(flat_summary(metrics), [out / "metrics.json", out / "history.json", out / "wire.jsonl"])
         except (KeyboardInterrupt, SystemExit):
             tracker.fail("KILLED")
@@ -385,7 +376,7 @@ def peek_checkpoint(path: Path, key: str) -> Optional[dict[str, Any]]:
     overwrites it)."""
     if not path.exists():
         return None
-    ck = torch.load(path, map_location="cpu", weights_only=False)
+    ck = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # mapped: the tensors are not read
     if ck.get("config_hash") != key:
         log.info("%s: written by another deployment or fedsilo; this run starts afresh", path)
         return None
@@ -412,11 +403,12 @@ def _log_to_stderr() -> None:
         root.addHandler(h)
 
 
-def _start_tracking(dep: dict[str, Any], uri: str, run_id: Optional[str] = None):
+def _start_tracking(dep: dict[str, Any], uri: str, state: Path, run_id: Optional[str] = None):
     """The deployed run in MLflow (when the App's ``tracking-uri`` or the SuperLink's ``MLFLOW_TRACKING_URI`` names a
     store): experiment ``deploy/<federation>``, the method's and the train params, and as tags the deployment's hash
     and every site's pinned fingerprint (and node id), so that the run is tied to the data each site hashed. A
-    resumed run continues ``run_id``, the MLflow run its checkpoint names."""
+    resumed run continues ``run_id``, the MLflow run its checkpoint names (``state``: the ServerApp's state folder,
+    :meth:`~fedsilo.tracking.Tracker.start_in`)."""
     from fedsilo.tracking import Tracker
 
     tracker = Tracker(bool(uri or os.environ.get("MLFLOW_TRACKING_URI")), uri)
@@ -428,7 +420,7 @@ def _start_tracking(dep: dict[str, Any], uri: str, run_id: Optional[str] = None)
         if site.get("node_id") is not None:
             tags[f"site.{site['name']}.node_id"] = str(site["node_id"])
     params = {"method": dep["method"]["params"], "train": dep["train"], "seed": dep["seed"], "contract": dep["contract"]}
-    tracker.start(f"deploy/{dep['federation']}", f"{dep['method']['key']}-seed{dep['seed']}", params, tags, run_id=run_id)
+    tracker.start_in(state, f"deploy/{dep['federation']}", f"{dep['method']['key']}-seed{dep['seed']}", params, tags, run_id=run_id)
     return tracker
 
 

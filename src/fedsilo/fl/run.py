@@ -230,17 +230,10 @@ def run_training(
         # what the method derived from its params and the model (a resolved cut depth, private layers, shared fraction),
         # known once the engine has set it up; logged beside the params, not hashed (it follows from them)
         method_resolved = algo.resolved()
-        # the MLflow run this state folder last served: if it is not the one resumed now, its process died without
-        # ending it (SIGKILL, a lost machine) and nothing will resume it
-        sidecar = ckpt.parent / "mlflow_run.json"
-        earlier = read_json(sidecar).get("run_id") if sidecar.exists() else None
+        # the MLflow run resumed with the checkpoint; one of an interrupted, not resumed, training is marked KILLED
         resumed = engine.meta.get("mlflow_run_id")
-        if earlier and earlier != resumed and tracker.supersede(earlier):
-            log.info("MLflow run %s of an interrupted, not resumed, training marked KILLED", earlier)
-        run_id = tracker.start(layout.tracking_experiment(experiment), f"{method}-seed{seed}", {**resolved, "method_resolved": method_resolved}, tags,
-                               run_id=resumed)
-        if run_id:
-            write_json(sidecar, {"run_id": run_id})
+        run_id = tracker.start_in(ckpt.parent, layout.tracking_experiment(experiment), f"{method}-seed{seed}",
+                                  {**resolved, "method_resolved": method_resolved}, tags, run_id=resumed)
         if run_id and resumed != run_id:
             engine.meta["mlflow_run_id"] = run_id
             engine.save()
@@ -291,7 +284,7 @@ def run_training(
                 torch.save(final, tmp / "final_model.pt")
                 tracker.finish(flat_summary(summary), [tmp / "metrics.json", tmp / "history.json"])
             ckpt.unlink(missing_ok=True)  # its work is done; a rerun of a finished run trains again
-            (ckpt.parent / "mlflow_run.json").unlink(missing_ok=True)
+            Tracker.forget(ckpt.parent)
             return metrics
         except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM (a cancelled job, `kill`)
             tracker.fail("KILLED")
