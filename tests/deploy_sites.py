@@ -18,7 +18,7 @@ def site_params(source: str, image_size: int = 16, n_train: int = 16, n_test: in
         "datasets": {"chest_xray4": {"sources": [source], "image_size": image_size, "workers": 1}},
         "experiments": {"site": {"dataset": "chest_xray4",
                                  "split": {"protocol": "domain_clients", "seed": split_seed, "n_train": n_train, "n_test": n_test},
-                                 "train": {"model": "simple_cnn", "rounds": 2, "batch_size": 8, "lr": 0.05, "device": "cpu"}}},
+                                 "train": {"model": "simple_cnn", "model_width": 0.25, "rounds": 2, "batch_size": 8, "lr": 0.05, "device": "cpu"}}},
         "methods": {"single": {}},
         "pipeline": {"sources": [source], "datasets": ["chest_xray4"], "splits": {"site": "chest_xray4"},
                      "experiments": ["site"], "methods": ["single"], "seeds": [0]},

@@ -230,7 +230,9 @@ def test_domain_styles_differ_while_labels_are_learnable(bench_harmonized, tmp_p
     tp = TrainParams(rounds=12, batch_size=16, lr=0.05, momentum=0.9, device="cpu", count_flops=False)
     cls = method_class("fedbn")
     algo = cls(cls.params_cls(), tp)
-    engine = Engine(algo, build_model("simple_cnn", cin, nc, seed=0), clients, tp, seed=0)
+    # simple_cnn at half width: round 12 at 0.57-0.60 with one or two torch threads, as the full width (0.57-0.59)
+    # at a third of its time; a quarter width reaches only 0.53-0.54
+    engine = Engine(algo, build_model("simple_cnn", cin, nc, seed=0, width=0.5), clients, tp, seed=0)
     history = engine.run()
     assert history[-1]["mean_acc"] > 0.5, history[-1]
 

@@ -27,7 +27,7 @@ from tests.deploy_sites import SITE_SOURCES, make_site  # noqa: E402
 from tests.test_flower import LoopGrid, identity  # noqa: E402,F401 - the fixture
 
 REPO_PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"  # the coordinator's methods entries
-TRAIN = {"model": "simple_cnn", "rounds": 2, "batch_size": 8, "lr": 0.05, "device": "cpu"}
+TRAIN = {"model": "simple_cnn", "model_width": 0.25, "rounds": 2, "batch_size": 8, "lr": 0.05, "device": "cpu"}
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,7 @@ from fedsilo.models import batchnorm_keys  # noqa: E402
 from tests.deploy_sites import SITE_SOURCES, make_site  # noqa: E402
 
 REPO_PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
-TRAIN = {"model": "simple_cnn", "rounds": 2, "batch_size": 8, "lr": 0.05, "device": "cpu"}
+TRAIN = {"model": "simple_cnn", "model_width": 0.25, "rounds": 2, "batch_size": 8, "lr": 0.05, "device": "cpu"}
 CONNECTION = "fedsilo-test"
 
 

@@ -121,7 +121,7 @@ PFEDDB = "pipelines/pfeddb/dvc.yaml"
 def _tiny_pfeddb(repo) -> dict:
     """pipelines/pfeddb/params.yaml cut down to one tiny run per group, on the copy's root datasets."""
     raw = yaml.safe_load((repo / "pipelines" / "pfeddb" / "params.yaml").read_text())
-    train = {"model": "simple_cnn", "rounds": 2, "batch_size": 16, "lr": 0.02, "device": "cpu", "count_flops": False}
+    train = {"model": "simple_cnn", "model_width": 0.25, "rounds": 2, "batch_size": 16, "lr": 0.02, "device": "cpu", "count_flops": False}
     raw["experiments"] = {
         "pq_cxr": {"dataset": "chest_xray4", "split": {"protocol": "domain_clients", "n_train": 16, "n_test": 8}, "train": train},
         "pq_hold": {"dataset": "chest_xray4", "split": {"protocol": "holdout_domain", "holdout": "OpenI", "n_train": 16, "n_test": 8},

@@ -28,7 +28,7 @@ def _engine(name, clients, rounds=2, observer=None, model=None, **kw):
     cl, cin, nc = clients
     tp = TrainParams(**{"rounds": rounds, "batch_size": 16, "lr": 0.02, "device": "cpu", "count_flops": False, **kw})
     cls = method_class(name)
-    model = build_model("simple_cnn", cin, nc, seed=0) if model is None else model
+    model = build_model("simple_cnn", cin, nc, seed=0, width=0.25) if model is None else model
     return Engine(cls(cls.params_cls(), tp), model, cl, tp, seed=0, observer=observer)
 
 
@@ -36,7 +36,7 @@ def test_fedbn_uploads_no_batchnorm_and_fedavg_does(clients):
     seen: dict[str, list] = {"fedbn": [], "fedavg": []}
     for name in seen:
         _engine(name, clients, rounds=1, observer=lambda r, c, d, p, n=name: seen[n].append((d, set(p)))).run()
-    bn = batchnorm_keys(build_model("simple_cnn", 1, 2))
+    bn = batchnorm_keys(build_model("simple_cnn", 1, 2, width=0.25))
     ups_bn = [keys for d, keys in seen["fedbn"] if d == "up"]
     ups_avg = [keys for d, keys in seen["fedavg"] if d == "up"]
     assert ups_bn and all(not (k & bn) for k in ups_bn)
@@ -47,7 +47,7 @@ def test_bytes_are_the_tensors_moved(clients):
     log = []
     e = _engine("fedbn", clients, rounds=1, observer=lambda r, c, d, p: log.append((c, d, payload_bytes(p))))
     h = e.run()[0]
-    m = build_model("simple_cnn", 1, 2)
+    m = build_model("simple_cnn", 1, 2, width=0.25)
     bn = batchnorm_keys(m)
     expected = sum(t.numel() * t.element_size() for k, t in m.state_dict().items() if k not in bn)
     assert all(b == expected for _, _, b in log)
@@ -67,7 +67,7 @@ def test_an_upload_of_private_state_is_refused(clients):
     cl, cin, nc = clients
     tp = TrainParams(rounds=1, batch_size=16, device="cpu", count_flops=False)
     with pytest.raises(PrivacyViolation, match="units.0.0.weight"):
-        Engine(Leaky(Leaky.params_cls(), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0).run()
+        Engine(Leaky(Leaky.params_cls(), tp), build_model("simple_cnn", cin, nc, seed=0, width=0.25), cl, tp, seed=0).run()
 
 
 def test_fedavg_server_is_the_size_weighted_mean(clients):
@@ -94,7 +94,7 @@ def test_fedprox_term_pulls_towards_the_global_model(clients):
         tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu", count_flops=False)
         cls = method_class("fedprox")
         ups = []
-        e = Engine(cls(cls.params_cls(mu=mu), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0,
+        e = Engine(cls(cls.params_cls(mu=mu), tp), build_model("simple_cnn", cin, nc, seed=0, width=0.25), cl, tp, seed=0,
                    observer=lambda r, c, d, p, ups=ups: ups.append((d, p)))
         e.run()
         start = [p for d, p in ups if d == "down"][0]
@@ -127,7 +127,7 @@ def test_ditto_personal_models_stay_home_and_follow_lambda(clients):
         seen = []
         tp = TrainParams(rounds=2, batch_size=16, lr=0.02, device="cpu", count_flops=False)
         cls = method_class("ditto")
-        e = Engine(cls(cls.params_cls(lam=lam), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0,
+        e = Engine(cls(cls.params_cls(lam=lam), tp), build_model("simple_cnn", cin, nc, seed=0, width=0.25), cl, tp, seed=0,
                    observer=lambda r, c, d, p, seen=seen: seen.append((d, set(p))))
         h = e.run()
         assert all(not any(k.startswith("personal::") for k in keys) for d, keys in seen)
@@ -143,7 +143,7 @@ def test_compiled_model_gives_the_same_numbers_and_keys(clients):
     for comp in (False, True):
         tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu", count_flops=False, compile=comp)
         cls = method_class("fedavg")
-        e = Engine(cls(cls.params_cls(), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0)
+        e = Engine(cls(cls.params_cls(), tp), build_model("simple_cnn", cin, nc, seed=0, width=0.25), cl, tp, seed=0)
         evals.append(e.run()[-1]["eval"])
         assert all(not k.startswith("_orig_mod") for k in e.server)
     for c in evals[0]:
@@ -161,7 +161,7 @@ def test_fedavg_two_phase_is_single_then_fedavg_from_the_weighted_mean(clients):
         if rnd == 2 and direction == "up":
             ups[name] = payload
 
-    two = Engine(FedAvg(FedAvg.params_cls(local_rounds=2), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0, observer=observer)
+    two = Engine(FedAvg(FedAvg.params_cls(local_rounds=2), tp), build_model("simple_cnn", cin, nc, seed=0, width=0.25), cl, tp, seed=0, observer=observer)
     h2 = two.run()
     single = _engine("single", clients, rounds=4).run()
     assert [h["eval"] for h in h2[:1]] == [h["eval"] for h in single[:1]]
@@ -173,7 +173,7 @@ def test_fedavg_two_phase_is_single_then_fedavg_from_the_weighted_mean(clients):
     key = next(k for k in ups[cl[0].name] if k.endswith("weight"))
     mean = sum(ups[c][key].float() * n[c] for c in ups) / sum(n.values())
     assert not torch.equal(ups[cl[0].name][key], ups[cl[1].name][key])  # the clients trained apart in Phase 1
-    two_b = Engine(FedAvg(FedAvg.params_cls(local_rounds=2), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0)
+    two_b = Engine(FedAvg(FedAvg.params_cls(local_rounds=2), tp), build_model("simple_cnn", cin, nc, seed=0, width=0.25), cl, tp, seed=0)
     two_b.step()
     two_b.step()
     assert torch.allclose(two_b.server[key].float(), mean, atol=1e-6)
@@ -186,7 +186,7 @@ def test_two_phase_fedavg_resumed_inside_phase_one_matches_an_uninterrupted_run(
     tp = TrainParams(rounds=3, batch_size=16, lr=0.02, device="cpu", count_flops=False)
 
     def engine(ck=None):
-        return Engine(FedAvg(FedAvg.params_cls(local_rounds=2), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp,
+        return Engine(FedAvg(FedAvg.params_cls(local_rounds=2), tp), build_model("simple_cnn", cin, nc, seed=0, width=0.25), cl, tp,
                       seed=0, checkpoint=ck, config_hash="h")
 
     whole = engine().run()
@@ -222,7 +222,7 @@ def test_a_run_resumed_after_its_last_round_evaluates_as_the_uninterrupted_one(t
 def test_phase_one_trains_every_client_whatever_the_sampling_fraction(clients):
     cl, cin, nc = clients
     tp = TrainParams(rounds=4, batch_size=16, lr=0.02, device="cpu", count_flops=False, client_fraction=0.5)
-    e = Engine(FedAvg(FedAvg.params_cls(local_rounds=2), tp), build_model("simple_cnn", cin, nc, seed=0), cl, tp, seed=0)
+    e = Engine(FedAvg(FedAvg.params_cls(local_rounds=2), tp), build_model("simple_cnn", cin, nc, seed=0, width=0.25), cl, tp, seed=0)
     h = e.run()
     assert [len(x["sampled"]) for x in h] == [len(cl), len(cl), max(1, len(cl) // 2), max(1, len(cl) // 2)]
 
@@ -286,7 +286,7 @@ def test_spectra_count_the_directions_the_representations_span(clients):
     e.run()
     before = {k: v.clone() for k, v in e.server.items()}
     sp = e.spectra()
-    assert set(sp) == {c.name for c in clients[0]} and all(len(v) == 512 for v in sp.values())  # simple_cnn: fc2 -> 512
+    assert set(sp) == {c.name for c in clients[0]} and all(len(v) == 128 for v in sp.values())  # simple_cnn at width 0.25: fc2 -> 128
     assert all(torch.equal(before[k], e.server[k]) for k in before)
 
 

@@ -113,7 +113,7 @@ def test_resolved_method_values_reach_metrics_and_mlflow_and_client_models_are_k
     (root / "params.yaml").write_text(yaml.safe_dump(raw))
     _cli(root, "train", "--experiment", "quick", "--method", "pfeddb", "--seed", "0")
     met = json.loads((root / "results/quick/pfeddb/seed0/metrics.json").read_text())
-    expected = closest_to_70(build_model("simple_cnn", 1, 2, seed=0))
+    expected = closest_to_70(build_model("simple_cnn", 1, 2, seed=0, width=0.25))
     res = met["method_resolved"]
     assert res["cut_depth"] == expected and 0.0 < res["backbone_shared_fraction"] < 1.0
     assert 0.0 < res["shared_param_fraction"] < 1.0 and res["shared_tensors"] > 0
@@ -124,7 +124,7 @@ def test_resolved_method_values_reach_metrics_and_mlflow_and_client_models_are_k
     assert float(run.data.params["method_resolved.backbone_shared_fraction"]) == res["backbone_shared_fraction"]
     assert run.data.metrics["final.train_flops_per_round"] == met["train_flops_per_round"] > 0
     spectra = json.loads((root / "results/quick/pfeddb/seed0/spectrum.json").read_text())["clients"]
-    assert set(spectra) == set(met["per_client"]) and all(len(v) == 512 for v in spectra.values())
+    assert set(spectra) == set(met["per_client"]) and all(len(v) == 128 for v in spectra.values())
     final = torch.load(root / "results/quick/pfeddb/seed0/final_model.pt", weights_only=False)
     assert "stores" not in final and final["server"]
     raw["experiments"]["quick"]["train"]["keep_client_models"] = True

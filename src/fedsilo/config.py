@@ -411,6 +411,8 @@ class AugmentParams(Strict):
 # The smallest image edge (px) each backbone's strides and poolings still leave a feature map at (measured by a
 # forward pass; tests/test_errors_and_hygiene.py checks the table); the other backbones take any image_size >= 8.
 MIN_IMAGE_SIZE = {"alexnet_bn": 63, "densenet121": 29, "lenet5": 16, "fedecouple_cnn": 16, "fedecouple_cnn_gray": 12}
+# the backbones train.model_width builds at another width (the others are their papers' fixed architectures)
+WIDTH_SCALED = frozenset({"simple_cnn"})
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
 DEVICE_FORMS = "auto, cpu, cuda or cuda:N (N = 0, 1, ...)"
 
@@ -424,6 +426,11 @@ class TrainParams(Strict):
         "simple_cnn", "alexnet_bn", "densenet121", "resnet10", "resnet10_cifar", "resnet18", "resnet34", "resnet32", "lenet5",
         "fedecouple_cnn", "fedecouple_cnn_gray", "vit_tiny",
     ] = "simple_cnn"
+    model_width: float = Field(
+        1.0, gt=0, le=4, description="simple_cnn's channels and hidden units times this (1.0: FedBN's DigitModel; 0.25: "
+        "the same layers with 16x fewer weights, for CPU quickstarts and pipeline checks); the other models have "
+        "their papers' fixed widths",
+    )
     rounds: int = Field(300, ge=1)
     local_epochs: int = Field(1, ge=1)
     batch_size: int = Field(32, ge=1)
@@ -493,6 +500,9 @@ class TrainParams(Strict):
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> "TrainParams":
+        if self.model_width != 1.0 and self.model not in WIDTH_SCALED:
+            raise ValueError(f"model_width: {self.model_width}, but {self.model} is built at its paper's width only "
+                             f"(model_width applies to {', '.join(sorted(WIDTH_SCALED))}); set it to 1.0")
         if self.nesterov and self.momentum <= 0:
             raise ValueError("nesterov: Nesterov momentum needs momentum > 0")
         if self.optimizer == "adam" and (self.momentum > 0 or self.nesterov):

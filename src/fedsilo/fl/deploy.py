@@ -153,7 +153,7 @@ def deployment_spec(dep: dict[str, Any]):
     n_cls, seed = len(dep["contract"]["classes"]), int(dep["seed"])
 
     def make_model() -> torch.nn.Module:
-        return build_model(train.model, int(ch), n_cls, seed=seed, image_size=int(h))
+        return build_model(train.model, int(ch), n_cls, seed=seed, image_size=int(h), width=train.model_width)
 
     return FlowerSpec(cls, cls.params_cls.model_validate(dep["method"]["params"]), train, seed, make_model, dep["method"]["key"])
 

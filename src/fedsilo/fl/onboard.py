@@ -45,7 +45,8 @@ def run_onboarding(params: Params, experiment: str, seed: int, root: Path = Path
     phi = global_shared_branch(torch.load(final, map_location=device, weights_only=False)["server"])
 
     def backbone(init_seed: int):
-        return build_model(exp.train.model, in_ch, num_classes, seed=init_seed, image_size=client.x_train.shape[-1])
+        return build_model(exp.train.model, in_ch, num_classes, seed=init_seed, image_size=client.x_train.shape[-1],
+                           width=exp.train.model_width)
 
     res = onboard_newcomer(algo, backbone, client, phi, ob.pretrain_rounds, ob.rounds, seed)
     out = {

@@ -196,7 +196,8 @@ def run_training(
         for stale in clean_stale(out_dir):  # a run killed while writing its outputs
             log.info("removed %s (left by an interrupted run)", stale)
         torch.manual_seed(seed)
-        model = build_model(exp.train.model, in_ch, num_classes, seed=seed, image_size=clients[0].x_train.shape[-1]).to(device)
+        model = build_model(exp.train.model, in_ch, num_classes, seed=seed, image_size=clients[0].x_train.shape[-1],
+                            width=exp.train.model_width).to(device)
         tracker = Tracker(params.tracking.enabled, params.tracking.uri)
         common = {"checkpoint": ckpt, "config_hash": config_hash, "observer": observer}
         if stream:

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from fedsilo.config import ConfigError, min_image_size
+from fedsilo.config import WIDTH_SCALED, ConfigError, min_image_size
 
 
 class LayeredNet(nn.Module):
@@ -72,10 +72,17 @@ class LayeredNet(nn.Module):
         return nn.Sequential(*self.units[:k]), nn.Sequential(*self.units[k:])
 
 
-def simple_cnn(in_channels: int, num_classes: int) -> LayeredNet:
+def simple_cnn(in_channels: int, num_classes: int, width: float = 1.0) -> LayeredNet:
     """FedBN's digit model (Li et al. 2021, ``DigitModel``): three 5x5 convs (64, 64, 128) with BN, ReLU and max
     pooling after the first two, then FC 2048 -> 512 -> classes with BN. An adaptive average pool to 7x7 before
-    the first FC keeps the model exactly FedBN's at 28 px and lets it take other image sizes."""
+    the first FC keeps the model exactly FedBN's at 28 px and lets it take other image sizes.
+
+    ``width`` (``train.model_width``) scales every conv's channels and hidden FC's units (rounded, at least 1):
+    1.0 is FedBN's model (14.2 M weights for 3-channel images and 10 classes); 0.25 keeps its units, layers and BatchNorm sets with 16x
+    fewer weights (the first FC holds most of them): a CPU quickstart or test that checks a pipeline, not a paper."""
+
+    def w(n: int) -> int:
+        return max(1, int(round(n * width)))
 
     def conv(cin: int, cout: int, pool: bool) -> nn.Sequential:
         layers: list[nn.Module] = [nn.Conv2d(cin, cout, 5, 1, 2), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
@@ -85,12 +92,12 @@ def simple_cnn(in_channels: int, num_classes: int) -> LayeredNet:
 
     return LayeredNet(
         [
-            ("conv1", conv(in_channels, 64, True), 1),
-            ("conv2", conv(64, 64, True), 1),
-            ("conv3", nn.Sequential(*conv(64, 128, False), nn.AdaptiveAvgPool2d(7), nn.Flatten()), 1),
-            ("fc1", nn.Sequential(nn.Linear(128 * 7 * 7, 2048), nn.BatchNorm1d(2048), nn.ReLU(inplace=True)), 1),
-            ("fc2", nn.Sequential(nn.Linear(2048, 512), nn.BatchNorm1d(512), nn.ReLU(inplace=True)), 1),
-            ("fc3", nn.Linear(512, num_classes), 1),
+            ("conv1", conv(in_channels, w(64), True), 1),
+            ("conv2", conv(w(64), w(64), True), 1),
+            ("conv3", nn.Sequential(*conv(w(64), w(128), False), nn.AdaptiveAvgPool2d(7), nn.Flatten()), 1),
+            ("fc1", nn.Sequential(nn.Linear(w(128) * 7 * 7, w(2048)), nn.BatchNorm1d(w(2048)), nn.ReLU(inplace=True)), 1),
+            ("fc2", nn.Sequential(nn.Linear(w(2048), w(512)), nn.BatchNorm1d(w(512)), nn.ReLU(inplace=True)), 1),
+            ("fc3", nn.Linear(w(512), num_classes), 1),
         ]
     )
 
@@ -355,10 +362,15 @@ MODELS: dict[str, Callable[[int, int], LayeredNet]] = {
 SIZED = {"vit_tiny", "lenet5", "fedecouple_cnn", "fedecouple_cnn_gray"}
 
 
-def build_model(name: str, in_channels: int, num_classes: int, seed: int | None = None, image_size: int | None = None) -> LayeredNet:
-    """The backbone ``name``; ``image_size`` (the harmonized images' side) is used by the models that need it."""
+def build_model(name: str, in_channels: int, num_classes: int, seed: int | None = None, image_size: int | None = None,
+                width: float = 1.0) -> LayeredNet:
+    """The backbone ``name``; ``image_size`` (the harmonized images' side) is used by the models that need it;
+    ``width`` (``train.model_width``) by the models of :data:`WIDTH_SCALED`."""
     if name not in MODELS:
         raise KeyError(f"unknown model {name!r} (known: {', '.join(MODELS)})")
+    if width != 1.0 and name not in WIDTH_SCALED:
+        raise ConfigError(f"train.model_width: {width}, but {name} is built at its paper's width only (model_width "
+                          f"applies to {', '.join(sorted(WIDTH_SCALED))}); set it to 1.0")
     if image_size is not None and image_size < min_image_size(name):
         raise ConfigError(
             f"model {name} needs images of at least {min_image_size(name)} px, these are {image_size} px: raise the "
@@ -370,6 +382,8 @@ def build_model(name: str, in_channels: int, num_classes: int, seed: int | None 
         if image_size is None:
             raise ValueError(f"model {name!r} needs the image size")
         return MODELS[name](in_channels, num_classes, image_size=image_size)  # type: ignore[call-arg]
+    if name in WIDTH_SCALED:
+        return MODELS[name](in_channels, num_classes, width=width)  # type: ignore[call-arg]
     return MODELS[name](in_channels, num_classes)
 
 

@@ -131,7 +131,8 @@ class PFedDB(TwoPhase):
         seed = int(make_generator(self.run_seed, BRANCH_SEED).initial_seed())
         cuda = [example.device.index or 0] if example.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):
-            other = build_model(self.train.model, example.shape[1], num_classes, seed=seed, image_size=example.shape[-1])
+            other = build_model(self.train.model, example.shape[1], num_classes, seed=seed, image_size=example.shape[-1],
+                                width=self.train.model_width)
         shapes = {k: v.shape for k, v in model.state_dict().items()}
         if {k: v.shape for k, v in other.state_dict().items()} != shapes:
             raise ConfigError(
