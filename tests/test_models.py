@@ -16,6 +16,29 @@ def test_layer_counts_and_interface(name, layers):
     assert len(m.layers()) == len(m.units)
 
 
+def test_model_width_scales_simple_cnn_only_and_keeps_its_layers():
+    """train.model_width: the same units, layers, state keys and BatchNorm sets with every conv's channels and hidden
+    unit scaled; FedBN's model at 1.0; a model of fixed width refuses another, naming the key."""
+    from fedsilo.config import ConfigError, parse_params
+    from tests.conftest import small_params
+
+    full, quarter = build_model("simple_cnn", 3, 10, seed=0), build_model("simple_cnn", 3, 10, seed=0, width=0.25)
+    assert list(full.state_dict()) == list(quarter.state_dict()) and full.unit_names == quarter.unit_names
+    assert batchnorm_keys(full) == batchnorm_keys(quarter) and full.num_layers == quarter.num_layers == 6
+    shapes = {k: tuple(v.shape) for k, v in quarter.state_dict().items()}
+    assert shapes["units.0.0.weight"] == (16, 3, 5, 5) and shapes["units.3.0.weight"] == (512, 32 * 7 * 7)
+    assert sum(p.numel() for p in full.parameters()) == 14_219_210 and sum(p.numel() for p in quarter.parameters()) == 892_154
+    with torch.no_grad():
+        assert quarter.eval()(torch.zeros(2, 3, 28, 28)).shape == (2, 10)
+    with pytest.raises(ConfigError, match=r"train.model_width: 0.5, but resnet18"):
+        build_model("resnet18", 3, 10, width=0.5)
+    raw = small_params(model="resnet18")
+    assert "model_width" not in raw["experiments"]["quick"]["train"]
+    raw["experiments"]["quick"]["train"]["model_width"] = 0.5
+    with pytest.raises(ConfigError, match=r"experiments.quick.train.*model_width: 0.5, but resnet18 is built at its paper's width"):
+        parse_params(raw)
+
+
 def _share(m, depth):
     f, _ = m.cut(depth)
     return sum(p.numel() for p in f.parameters()) / sum(p.numel() for p in m.parameters())
