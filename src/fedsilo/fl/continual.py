@@ -43,10 +43,19 @@ from fedsilo.config import ConfigError
 from fedsilo.fl.engine import Engine, payload_bytes, read_only, transfer
 
 
-class ContinualEngine(Engine):
-    stream = True
+class TaskStream:
+    """The task bookkeeping of a stream, shared by the in-process :class:`ContinualEngine` and the Flower server of a
+    stream (``fl/flower.py``): which task a round belongs to, the method's ``on_task_start`` at a task's first round,
+    evaluation at every task's end, and the round entry's task, domain, task end and storage. Mixed in before the
+    engine class whose ``run_round`` trains the round's clients; ``self.tasks[t]`` are task t's clients (or, on
+    Flower, the sites' cards of task t)."""
 
-    def __init__(self, method, model, tasks: list[list[ClientData]], task_names: list[str], train, seed: int, **kw: Any):
+    stream = True
+    tasks: list
+    task_names: list[str]
+    per_task: int
+
+    def _stream(self, method, tasks: list, task_names: list[str], rounds: int) -> None:
         if not type(method).task_stream:
             raise ConfigError(
                 f"methods.{method.key}: {method.name} does not learn a stream of domain tasks; on a domain_incremental "
@@ -54,12 +63,7 @@ class ContinualEngine(Engine):
             )
         if len(tasks) != len(task_names) or not tasks:
             raise ValueError("one list of clients per task is needed")
-        self.tasks, self.task_names = tasks, list(task_names)
-        self.per_task = train.rounds
-        method.set_tasks(self.task_names)
-        super().__init__(method, model, tasks[0], train, seed, **kw)
-        self.total_rounds = self.per_task * len(tasks)
-        self._enter(self.task_of(max(self.round, 1)))
+        self.tasks, self.task_names, self.per_task = tasks, list(task_names), rounds
 
     def task_of(self, rnd: int) -> int:
         return (rnd - 1) // self.per_task
@@ -71,20 +75,67 @@ class ContinualEngine(Engine):
     def eval_due(self, rnd: int) -> bool:
         return rnd % self.train.eval_every == 0 or rnd % self.per_task == 0
 
+    def task_storage(self) -> dict[str, dict[str, int]]:
+        """At a task's end, after its evaluation: what each client keeps (pFedDIL's Table 6), by client name."""
+        raise NotImplementedError
+
     def run_round(self) -> dict[str, Any]:
         rnd = self.round + 1
         task = self.task_of(rnd)
         self._enter(task)
         if (rnd - 1) % self.per_task == 0:
             self.server = self.method.on_task_start(self.server, self.model, task)
-        entry = super().run_round()
+        entry = super().run_round()  # type: ignore[misc]
         entry["task"] = task
         entry["domain"] = self.task_names[task]
         if rnd % self.per_task == 0:
             entry["task_end"] = True
-            # what each client keeps after the task (pFedDIL's Table 6)
-            entry["storage"] = {c.name: self.method.storage(self.server, s) for c, s in zip(self.clients, self.stores)}
+            entry["storage"] = self.task_storage()
         return entry
+
+
+def stream_eval(names: list[str], task_names: list[str], scores: list[list[tuple[str, Optional[float], int]]]) -> dict[str, Any]:
+    """An evaluation of a stream from ``scores[j][k]``: client k's (name, accuracy, test images) on task j, in client
+    order, for every task j seen so far (accuracy None where the client holds no test image of task j); ``names``:
+    the clients of the current task in order. The per-client accuracy is the mean over the tasks it was scored on; a
+    task's accuracy the mean over its scored clients, its pooled accuracy correct over images."""
+    by_client: dict[str, list[float]] = {n: [] for n in names}
+    task_acc: dict[str, float] = {}
+    task_acc_pooled: dict[str, float] = {}
+    for j, row in enumerate(scores):
+        accs, correct, seen_images = [], 0.0, 0
+        for name, acc, n_test in row:
+            if acc is None:
+                continue
+            accs.append(acc)
+            correct += acc * n_test
+            seen_images += n_test
+            by_client[name].append(acc)
+        task_acc[task_names[j]] = float(np.mean(accs)) if accs else float("nan")
+        task_acc_pooled[task_names[j]] = correct / seen_images if seen_images else float("nan")
+    per = {name: {"acc": float(np.mean(v)) if v else float("nan")} for name, v in by_client.items()}
+    client_means = np.array([v["acc"] for v in per.values() if not np.isnan(v["acc"])])
+    seen = float(np.nanmean(list(task_acc.values())))
+    return {
+        "eval": per,
+        "mean_acc": seen,
+        "std_acc": float(client_means.std()) if len(client_means) else float("nan"),
+        "task_acc": task_acc,
+        "task_acc_pooled": task_acc_pooled,
+        "seen_acc": seen,
+    }
+
+
+class ContinualEngine(TaskStream, Engine):
+    def __init__(self, method, model, tasks: list[list[ClientData]], task_names: list[str], train, seed: int, **kw: Any):
+        self._stream(method, tasks, task_names, train.rounds)
+        method.set_tasks(self.task_names)
+        Engine.__init__(self, method, model, tasks[0], train, seed, **kw)
+        self.total_rounds = self.per_task * len(tasks)
+        self._enter(self.task_of(max(self.round, 1)))
+
+    def task_storage(self) -> dict[str, dict[str, int]]:
+        return {c.name: self.method.storage(self.server, s) for c, s in zip(self.clients, self.stores)}
 
     def after_aggregation(self, entry: dict[str, Any], rnd: int) -> None:
         """At a task's last round, after the aggregation: the server sends each client what it keeps of the task
@@ -104,35 +155,18 @@ class ContinualEngine(Engine):
 
     def evaluate(self, rnd: Optional[int] = None) -> dict[str, Any]:
         rnd = self.round if rnd is None else rnd
-        task = self.task_of(rnd)
-        by_client: dict[str, list[float]] = {c.name: [] for c in self.clients}
-        task_acc: dict[str, float] = {}
-        task_acc_pooled: dict[str, float] = {}
-        for j in range(task + 1):
-            accs, correct, seen_images = [], 0.0, 0
+        scores = []
+        for j in range(self.task_of(rnd) + 1):
+            row: list[tuple[str, Optional[float], int]] = []
             for k, store in enumerate(self.stores):
                 c = self.tasks[j][k]
                 if len(c.y_test) == 0:
+                    row.append((c.name, None, 0))
                     continue
                 probs = self.method.predict_task(self.model, self.server, store, c, j, rnd)
-                acc = score(probs, c.y_test, probabilities=True)["acc"]
-                accs.append(acc)
-                correct += acc * len(c.y_test)
-                seen_images += len(c.y_test)
-                by_client[c.name].append(acc)
-            task_acc[self.task_names[j]] = float(np.mean(accs)) if accs else float("nan")
-            task_acc_pooled[self.task_names[j]] = correct / seen_images if seen_images else float("nan")
-        per = {name: {"acc": float(np.mean(v)) if v else float("nan")} for name, v in by_client.items()}
-        client_means = np.array([v["acc"] for v in per.values() if not np.isnan(v["acc"])])
-        seen = float(np.nanmean(list(task_acc.values())))
-        return {
-            "eval": per,
-            "mean_acc": seen,
-            "std_acc": float(client_means.std()) if len(client_means) else float("nan"),
-            "task_acc": task_acc,
-            "task_acc_pooled": task_acc_pooled,
-            "seen_acc": seen,
-        }
+                row.append((c.name, score(probs, c.y_test, probabilities=True)["acc"], len(c.y_test)))
+            scores.append(row)
+        return stream_eval([c.name for c in self.clients], self.task_names, scores)
 
 
 def stream_methods() -> list[str]:

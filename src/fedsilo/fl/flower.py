@@ -49,8 +49,13 @@ server's last checkpoint; or after its SuperNode restarted between rounds) loads
 of a later round than the message allows (:meth:`KeptStores.load`). ``checkpointed`` in every message lets the sites
 drop the stores no resume can need.
 
-Not carried over from the engine: task streams (``fl/continual.py``), the ensemble "new test" and external test site
-(``train.ensemble_test``), ``spectra``.
+Task streams (``fl/continual.py``): a site whose data is a stream (one client per task: its ``domain_incremental``
+split) registers its tasks; the run is then a :class:`FlowerStream`, whose messages name each round's task and which
+adds a ``query.task_end`` message and per-task evaluation (the :class:`~fedsilo.fl.continual.ContinualEngine`'s
+numbers).
+
+Not carried over from the engine: the ensemble "new test" and external test site (``train.ensemble_test``),
+``spectra``.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -72,10 +77,11 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from fedsilo.client.data import ClientData, to_float
-from fedsilo.client.local import evaluate, evaluate_client, use_channels_last
+from fedsilo.client.local import evaluate, evaluate_client, score, use_channels_last
 from fedsilo.config import ConfigError, TrainParams
+from fedsilo.fl.continual import TaskStream, stream_eval
 from fedsilo.fl.engine import Engine, Observer, PrivacyViolation, eval_summary, refuse_private
-from fedsilo.methods.base import Method, MethodParams, State
+from fedsilo.methods.base import Method, MethodParams, State, payload_bytes
 
 try:  # the optional extra: pip install "fedsilo[flower]"
     from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -84,7 +90,7 @@ try:  # the optional extra: pip install "fedsilo[flower]"
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError("fedsilo.fl.flower needs Flower: pip install 'fedsilo[flower]' (flwr[simulation])") from err
 
-__all__ = ["Card", "ClientFailed", "FlowerRun", "FlowerServer", "FlowerSpec", "KeptStores", "Roster", "SiteRefused", "client_app",
+__all__ = ["Card", "ClientFailed", "FlowerRun", "FlowerServer", "FlowerSpec", "FlowerStream", "KeptStores", "Roster", "SiteRefused", "client_app",
            "describe", "record_tensor_bytes", "simulate"]
 
 log = logging.getLogger("fedsilo.flower")
@@ -194,19 +200,29 @@ class FlowerSpec:
     def method(self) -> Method:
         return self.method_cls(self.params, self.train, key=self.key)
 
-    def check(self) -> None:
-        """The engine's refusals, and what the adapter does not carry over, named by key."""
+    def check(self, stream: Optional[bool] = None) -> None:
+        """The engine's refusals, and what the adapter does not carry over, named by key. ``stream``: whether the
+        sites hold task streams (None: not known yet, as when the apps are built before any site registered)."""
         m = self.method_cls
-        if m.stream_only:
-            raise ConfigError(f"methods.{self.key or m.name}: {m.name} learns a stream of domain tasks only; the Flower "
-                              "adapter runs the per-round engine (static clients)")
+        if stream is False and m.stream_only:
+            raise ConfigError(f"methods.{self.key or m.name}: {m.name} learns a stream of domain tasks only; these sites "
+                              "hold static data (a domain_incremental split at each site gives each a stream)")
+        if stream and not m.task_stream:
+            from fedsilo.fl.continual import stream_methods
+
+            raise ConfigError(f"methods.{self.key or m.name}: {m.name} does not learn a stream of domain tasks; the sites "
+                              f"hold task streams: use one of {', '.join(stream_methods())}")
         if self.train.ensemble_test:
             raise ConfigError("train.ensemble_test: the ensemble 'new test' is not run on Flower (it needs every "
                               "site's evaluation model in one place); set it to false")
 
-    def build(self, example: torch.Tensor, device: torch.device, cards: list[Card]) -> tuple[Method, nn.Module, set[str]]:
-        """A fresh method and model, in the engine's order: join, transform_model, setup, private_keys."""
+    def build(self, example: torch.Tensor, device: torch.device, cards: list[Card],
+              tasks: Optional[list[str]] = None) -> tuple[Method, nn.Module, set[str]]:
+        """A fresh method and model, in the engine's order: set_tasks (a stream's task names), join, transform_model,
+        setup, private_keys."""
         method = self.method()
+        if tasks is not None:
+            method.set_tasks(list(tasks))
         method.join(list(cards), self.seed)
         torch.manual_seed(self.seed)
         model = self.make_model().to(device)
@@ -224,8 +240,9 @@ class FlowerServer(Engine):
     def __init__(self, spec: FlowerSpec, grid: Grid, nodes: dict[int, int], cards: list[Card],
                  observer: Optional[Observer] = None, on_round: Optional[Callable[[dict[str, Any]], None]] = None,
                  device: str = "cpu", wire: Optional[Callable[[dict[str, Any]], None]] = None,
-                 checkpoint: Optional[Path] = None, config_hash: str = "", meta: Optional[dict[str, Any]] = None):
-        spec.check()
+                 checkpoint: Optional[Path] = None, config_hash: str = "", meta: Optional[dict[str, Any]] = None,
+                 tasks: Optional[list[str]] = None):
+        spec.check(stream=tasks is not None)
         self.spec, self.grid, self.nodes = spec, grid, nodes  # nodes: client index -> Flower node id
         self.wire = wire  # told of every message sent and received (describe(): keys, shapes, bytes; no values)
         self.train, self.seed = spec.train, spec.seed
@@ -238,8 +255,8 @@ class FlowerServer(Engine):
         if checkpoint is not None:
             self.train = spec.train.model_copy(update={"checkpoint_every": 1})
         example = torch.zeros((2, *cards[0].shape))  # only its shape matters to transform_model
-        self.method, self.model, self.private = spec.build(example, torch.device(device), cards)
-        self.round, self.total_rounds = 0, spec.train.rounds
+        self.method, self.model, self.private = spec.build(example, torch.device(device), cards, tasks=tasks)
+        self.round, self.total_rounds = 0, spec.train.rounds * (len(tasks) if tasks is not None else 1)
         self.parallel = 1  # each site trains its own client (train.parallel_clients is the in-process engine's)
         self.history: list[dict[str, Any]] = []
         self.server: State = self.method.init_server(self.model)
@@ -265,7 +282,9 @@ class FlowerServer(Engine):
         without one in its node state takes from its disk."""
         last = [0] * len(self.clients)
         index = {c.name: i for i, c in enumerate(self.clients)}
-        for rnd, names in [(int(e["round"]), e["sampled"]) for e in self.history] + [self._trained_now]:
+        # a round's trained sites, and in a stream the sites that kept a task's end in that round (their store changed)
+        rounds = [(int(e["round"]), [*e["sampled"], *e.get("bytes_task_end", {})]) for e in self.history]
+        for rnd, names in rounds + [self._trained_now]:
             for name in names:
                 last[index[name]] = rnd
         return last
@@ -400,6 +419,80 @@ class FlowerServer(Engine):
         return out
 
 
+class FlowerStream(TaskStream, FlowerServer):
+    """A stream of domain tasks over Flower (``fl/continual.py``'s protocol, the :class:`ContinualEngine`'s numbers):
+    each site holds its data of every task (its ``domain_incremental`` split), and every message names the task of
+    its round (``task`` in the config). Beside the static rounds' messages:
+
+    - ``query.task_end`` (after a task's last aggregation, to each site the method sends something to keep of the
+      task, ``Method.task_end_download``; pFedDIL: the federation's model of the family the site learned the task
+      with): ArrayRecord ``keep``; the site adds it to its store (``Method.task_end_keep``) and keeps that store as
+      the round's (on its disk too, in a deployment).
+    - ``evaluate`` asks each site to score every task seen so far with the method's prediction for that task
+      (``Method.predict_task``); the site replies per task its accuracy and test-image count, and at a task's end
+      what it keeps (``Method.storage``: models and bytes). The server forms the stream's evaluation as the engine
+      does (:func:`~fedsilo.fl.continual.stream_eval`).
+
+    ``task_cards[t]`` are the sites' cards of task t (their training-sample counts of that task)."""
+
+    def __init__(self, spec: FlowerSpec, grid: Grid, nodes: dict[int, int], task_cards: list[list[Card]],
+                 task_names: list[str], **kw: Any):
+        FlowerServer.__init__(self, spec, grid, nodes, task_cards[0], tasks=list(task_names), **kw)
+        self._stream(self.method, task_cards, task_names, spec.train.rounds)
+        self._storage: dict[str, dict[str, int]] = {}
+        self._enter(self.task_of(max(self.round, 1)))
+
+    def _content(self, rnd: int, arrays: Optional[tuple[str, State]] = None, **extra: Any) -> RecordDict:
+        return super()._content(rnd, arrays, task=int(self.method.task), **extra)
+
+    def task_storage(self) -> dict[str, dict[str, int]]:
+        return dict(self._storage)  # the sites' answers to this task end's evaluation
+
+    def after_aggregation(self, entry: dict[str, Any], rnd: int) -> None:
+        if rnd % self.per_task:
+            return
+        contents: dict[int, RecordDict] = {}
+        for i, c in enumerate(self.clients):
+            down = self.method.task_end_download(self.server, c)
+            if not down:  # nothing for this site (pFedDIL: it took no part in the task)
+                continue
+            entry.setdefault("bytes_task_end", {})[c.name] = payload_bytes(down)
+            if self.observer:
+                self.observer(rnd, c.name, "down", {k: v.detach().clone() for k, v in down.items()})
+            contents[i] = self._content(rnd, ("keep", down))
+            contents[i][CONFIG]["sent_bytes"] = record_tensor_bytes(contents[i]["keep"])
+        if contents:
+            self._exchange("query.task_end", rnd, contents)
+            # their stores are of this round now: this round's evaluation (and a resume) finds them there
+            kept = [self.clients[i].name for i in contents]
+            self._trained_now = (rnd, [*self._trained_now[1], *(n for n in kept if n not in self._trained_now[1])])
+
+    def evaluate(self, rnd: Optional[int] = None) -> dict[str, Any]:
+        rnd = self.round if rnd is None else rnd
+        task, end = self.task_of(rnd), rnd % self.per_task == 0
+        built: dict[int, tuple[State, RecordDict]] = {}
+        contents = {}
+        for i, c in enumerate(self.clients):
+            state = self.method.eval_download(self.server, c)
+            if id(state) not in built:
+                built[id(state)] = (state, self._content(rnd, ("server", state), task_end=end))
+            contents[i] = built[id(state)][1]
+        eval_bytes = {c.name: record_tensor_bytes(contents[i]["server"]) for i, c in enumerate(self.clients)}
+        replies = self._exchange("evaluate", rnd, contents)
+        scores: list[list[tuple[str, Optional[float], int]]] = [[] for _ in range(task + 1)]
+        self._storage = {}
+        for i, c in enumerate(self.clients):
+            m = replies[i].content.metric_records[CONFIG]
+            for j in range(task + 1):
+                n = int(m[f"task.{j}.n_test"])
+                scores[j].append((c.name, float(m[f"task.{j}.acc"]) if n else None, n))
+            if end:
+                self._storage[c.name] = {"models": int(m["storage.models"]), "bytes": int(m["storage.bytes"])}
+        out = stream_eval([c.name for c in self.clients], self.task_names, scores)
+        out["bytes_eval_down"] = eval_bytes
+        return out
+
+
 class SiteRefused(ConfigError):
     """A site registered with data the federation did not agree on (another fingerprint or contract), or under a
     name the federation does not list."""
@@ -495,6 +588,7 @@ class FlowerRun:
                 refused[node] = str(err)
                 continue
             card = Card(index, cfg["name"], cfg["domain"], cfg["n_train"], tuple(cfg["shape"]))
+            card.stream = (list(cfg["tasks"]), list(cfg["n_train_tasks"])) if "tasks" in cfg else None  # type: ignore[attr-defined]
             if card.index in cards:
                 raise ConfigError(f"clients {cards[card.index].name} and {card.name} both registered as client index {card.index}")
             cards[card.index], where[card.index], registered[card.index] = card, node, cfg
@@ -513,8 +607,20 @@ class FlowerRun:
             raise ConfigError(f"the sites' images differ in shape {sorted(shapes)}; one model needs one input shape")
         ordered = [cards[i] for i in range(len(cards))]
         self.cards = [registered[i] for i in range(len(cards))]
-        self.engine = FlowerServer(self.spec, grid, where, ordered, observer=self.observer, on_round=self.on_round, wire=self.wire,
-                                   checkpoint=self.checkpoint, config_hash=self.config_hash, meta=self.meta)
+        common = {"observer": self.observer, "on_round": self.on_round, "wire": self.wire, "checkpoint": self.checkpoint,
+                  "config_hash": self.config_hash, "meta": self.meta}
+        streams = {c.name: c.stream for c in ordered}  # type: ignore[attr-defined]
+        if all(v is None for v in streams.values()):
+            self.engine = FlowerServer(self.spec, grid, where, ordered, **common)
+        else:
+            names = {tuple(v[0]) if v else None for v in streams.values()}
+            if len(names) > 1:  # one stream of tasks for the federation: every site learns the same domains in order
+                raise ConfigError("the sites' task streams differ: " + "; ".join(
+                    f"{n}: {' -> '.join(v[0]) if v else 'static data'}" for n, v in streams.items()))
+            task_names = list(next(iter(streams.values()))[0])  # type: ignore[index]
+            task_cards = [[Card(c.index, c.name, task_names[t], streams[c.name][1][t], c.shape) for c in ordered]  # type: ignore[index]
+                          for t in range(len(task_names))]
+            self.engine = FlowerStream(self.spec, grid, where, task_cards, task_names, **common)
         if self.engine.round:
             log.info("resuming after round %d of %d (checkpoint %s)", self.engine.round, self.engine.total_rounds, self.checkpoint)
         self.engine.run()
@@ -522,16 +628,32 @@ class FlowerRun:
 
 # ---------------------------------------------------------------------------------------------------------- client
 class _Site:
-    """A site's method and model, built once per process and node (the store is not here: it is in context.state)."""
+    """A site's method and model, built once per process and node (the store is not here: it is in context.state).
+    ``data``: the site's client, or its stream (one client per task, in task order; ``client`` is the current
+    task's)."""
 
-    def __init__(self, spec: FlowerSpec, client: ClientData, cards: list[Card]):
+    def __init__(self, spec: FlowerSpec, data: "SiteData", cards: list[Card]):
+        self.stream = list(data) if isinstance(data, (list, tuple)) else None
+        client = self.stream[0] if self.stream is not None else data
         self.spec, self.client = spec, client
-        self.method, self.model, self.private = spec.build(to_float(client.x_train[:2]), client.x_train.device, cards)
+        tasks = [c.domain for c in self.stream] if self.stream is not None else None
+        self.method, self.model, self.private = spec.build(to_float(client.x_train[:2]), client.x_train.device, cards, tasks=tasks)
         if spec.train.compile:
             self.model.__dict__["_fedsilo_compiled"] = torch.compile(self.model)
         if use_channels_last(spec.train, client.x_train.device):
             self.model.to(memory_format=torch.channels_last)
         self.rnd = -1
+
+    def at_task(self, cfg: ConfigRecord) -> None:
+        """The task a message's round belongs to: the method's and the site's current client."""
+        if ("task" in cfg) != (self.stream is not None):
+            raise RuntimeError(f"client {self.client.name}: " + ("the federation runs a task stream, but this site holds static data"
+                                                                if "task" in cfg else "this site holds a task stream, but the federation runs static rounds"))
+        if self.stream is not None:
+            t = int(cfg["task"])
+            if not 0 <= t < len(self.stream):
+                raise RuntimeError(f"client {self.client.name}: asked for task {t}; its stream holds {len(self.stream)} tasks")
+            self.client, self.method.task = self.stream[t], t
 
     def at_round(self, rnd: int) -> None:
         if rnd != self.rnd:  # once per round: a train and an evaluate message of the same round share it
@@ -613,12 +735,14 @@ class KeptStores:
                 self.path(r).unlink(missing_ok=True)
 
 
+SiteData = Union[ClientData, Sequence[ClientData]]  # a site's client, or its task stream (one client per task)
+
 # (app, run, node) -> the site's method and model, built once per process: a Ray worker keeps it across messages (the
 # ClientApp itself is shipped anew with each message, so the cache cannot live in it)
 _SITES: dict[tuple[str, int, int], _Site] = {}
 
 
-def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
+def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
                identify: Optional[Callable[[Context], dict[str, Any]]] = None,
                keep_dir: Optional[Callable[[Context], Path]] = None) -> ClientApp:
     """The ClientApp of a site: ``load_client(context)`` gives the site's own data (in a simulation, the partition
@@ -626,7 +750,10 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
     deployment, adds to the site's registration what the coordinator admits it by (its data fingerprint and
     contract: hashes and names, no data). ``keep_dir(context)``, in a deployment, is the site's folder for its
     stores (:class:`KeptStores`): written after each round it trains, read when its node state has none (a resumed
-    run, a restarted SuperNode). The site takes its client index from the federation's cards, by name."""
+    run, a restarted SuperNode). The site takes its client index from the federation's cards, by name.
+
+    ``load_client`` may give a task stream (a list of the site's clients, one per task in task order, each with its
+    task's domain): the site then registers its tasks, and takes part in a :class:`FlowerStream`."""
     spec.check()
     app = ClientApp()
     token = uuid.uuid4().hex  # this app's sites in the cache, apart from another app's in the same process
@@ -634,13 +761,17 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
     def site(context: Context, cfg: ConfigRecord) -> _Site:
         key = (token, int(context.run_id), int(context.node_id))
         if key not in _SITES:
-            client, cards = load_client(context), cards_from_config(cfg)
-            mine = [c.index for c in cards if c.name == client.name]
+            data, cards = load_client(context), cards_from_config(cfg)
+            clients = list(data) if isinstance(data, (list, tuple)) else [data]
+            mine = [c.index for c in cards if c.name == clients[0].name]
             if len(mine) != 1:
-                raise RuntimeError(f"client {client.name}: not among the federation's sites {[c.name for c in cards]}")
-            client.index = mine[0]
-            _SITES[key] = _Site(spec, client, cards)
-        return _SITES[key]
+                raise RuntimeError(f"client {clients[0].name}: not among the federation's sites {[c.name for c in cards]}")
+            for c in clients:
+                c.index = mine[0]
+            _SITES[key] = _Site(spec, data, cards)
+        s = _SITES[key]
+        s.at_task(cfg)
+        return s
 
     def store(context: Context, s: _Site, cfg: ConfigRecord, limit: int, trains: Optional[int] = None) -> tuple[State, int]:
         """The site's store and the round it is of: the one in its node state, else (a resumed run's first message
@@ -662,8 +793,10 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
             state = kept.load(last, limit, s.client.x_train.device, trains=trains)
             log.warning("client %s: resumed from its store of round %d (kept at %s)", s.client.name, last, kept.folder)
             return state, last
-        method, model, _ = spec.build(to_float(s.client.x_train[:2]), s.client.x_train.device, cards_from_config(cfg))
-        return method.init_client(model, s.client), 0
+        first = s.stream[0] if s.stream is not None else s.client  # as the engine: a stream's stores start at task 0's client
+        tasks = [c.domain for c in s.stream] if s.stream is not None else None
+        method, model, _ = spec.build(to_float(first.x_train[:2]), first.x_train.device, cards_from_config(cfg), tasks=tasks)
+        return method.init_client(model, first), 0
 
     def keep(context: Context, state: State, of: int) -> None:
         context.state[STORE] = to_record(state)
@@ -682,9 +815,12 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
 
     @app.query("register")
     def register(msg: Message, context: Context) -> Message:
-        card = Card.of(load_client(context))
+        data = load_client(context)
+        stream = list(data) if isinstance(data, (list, tuple)) else None
+        card = Card.of(stream[0] if stream is not None else data)
+        tasks = {"tasks": [c.domain for c in stream], "n_train_tasks": [c.n_train for c in stream]} if stream is not None else {}
         cfg = ConfigRecord({"index": card.index, "name": card.name, "domain": card.domain, "n_train": card.n_train,
-                            "shape": list(card.shape), **(identify(context) if identify else {})})
+                            "shape": list(card.shape), **tasks, **(identify(context) if identify else {})})
         return Message(RecordDict({CONFIG: cfg}), reply_to=msg)
 
     @app.query("refused")
@@ -735,6 +871,23 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
             metrics["train_flops"] = int(counter.get_total_flops())
         return Message(RecordDict({"up": to_record(up), CONFIG: MetricRecord(metrics)}), reply_to=msg)
 
+    @app.query("task_end")
+    def task_end(msg: Message, context: Context) -> Message:
+        """A stream's task ended: keep what the server sends of it (Method.task_end_keep) in the store of this round."""
+        cfg = msg.content.config_records[CONFIG]
+        s, rnd = site(context, cfg), int(cfg["round"])
+        s.at_round(rnd)
+        record = msg.content.array_records["keep"]
+        received = record_tensor_bytes(record)
+        if received != int(cfg["sent_bytes"]):
+            raise RuntimeError(f"client {s.client.name}: received {received} tensor bytes of the {cfg['sent_bytes']} sent")
+        mine, _ = store(context, s, cfg, limit=rnd)
+        s.method.task_end_keep(mine, s.client, from_record(record, s.client.x_train.device))
+        keep(context, mine, rnd)
+        if keep_dir is not None:  # the store of this round now holds the task's end, on the site's disk too
+            KeptStores(keep_dir(context), s.client.name).save(rnd, mine)
+        return Message(RecordDict({CONFIG: MetricRecord({"received_bytes": received})}), reply_to=msg)
+
     @app.evaluate()
     def evaluate_(msg: Message, context: Context) -> Message:
         cfg = msg.content.config_records[CONFIG]
@@ -742,6 +895,8 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
         s.at_round(rnd)
         server = from_record(msg.content.array_records["server"], s.client.x_train.device)
         mine, _ = store(context, s, cfg, limit=rnd)
+        if s.stream is not None:
+            return Message(RecordDict({CONFIG: MetricRecord(stream_scores(s, server, mine, cfg, rnd))}), reply_to=msg)
         m, c, train_p = s.method, s.client, spec.train
         m.load_eval_model(s.model, server, mine, c, rnd)
         scores = evaluate_client(s.model, c, cfg=train_p)
@@ -756,13 +911,32 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], ClientData],
     return app
 
 
+def stream_scores(s: _Site, server: State, store: State, cfg: ConfigRecord, rnd: int) -> dict[str, Any]:
+    """A stream site's evaluation: its accuracy on the test images of every task seen so far, with the method's
+    prediction for that task, and each task's test-image count; at a task's end, what it keeps (models, bytes)."""
+    out: dict[str, Any] = {}
+    assert s.stream is not None
+    for j in range(int(cfg["task"]) + 1):
+        c = s.stream[j]
+        out[f"task.{j}.n_test"] = len(c.y_test)
+        if len(c.y_test):
+            probs = s.method.predict_task(s.model, server, store, c, j, rnd)
+            out[f"task.{j}.acc"] = float(score(probs, c.y_test, probabilities=True)["acc"])
+    if cfg.get("task_end"):
+        kept = s.method.storage(server, store)
+        out["storage.models"], out["storage.bytes"] = int(kept["models"]), int(kept["bytes"])
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------- simulation
-def simulate(method: Method, make_model: Callable[[], nn.Module], clients: list[ClientData], seed: int,
+def simulate(method: Method, make_model: Callable[[], nn.Module], clients: Sequence[SiteData], seed: int,
              observer: Optional[Observer] = None, backend_config: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
     """Run ``method`` (its class, params, train and key; the object itself is not used) on Flower's simulation
     runtime (Ray): one SuperNode per client, the node with ``partition-id`` k holding ``clients[k]`` (Flower ships the
-    ClientApp, and with it the clients' tensors, to its Ray workers; each node uses its own partition only). Returns
-    the history, one entry per round with the engine's keys (plus ``flower_record_bytes`` and ``bytes_eval_down``)."""
+    ClientApp, and with it the clients' tensors, to its Ray workers; each node uses its own partition only). A
+    client given as a list is a task stream (client k's data of each task, in task order: ``[tasks[t][k] for t]`` of
+    a ``domain_incremental`` split), run as :class:`FlowerStream`. Returns the history, one entry per round with the
+    engine's keys (plus ``flower_record_bytes`` and ``bytes_eval_down``)."""
     from flwr.simulation import run_simulation
 
     spec = FlowerSpec.of(method, make_model, seed)
@@ -772,6 +946,6 @@ def simulate(method: Method, make_model: Callable[[], nn.Module], clients: list[
     # a Ray instance of its own ("local"), never a cluster that happens to run on this machine; one CPU per client
     config = backend_config or {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"address": "local"}}
     run_simulation(server_app=run.app, client_app=app, num_supernodes=len(clients), backend_config=config)
-    if run.engine is None or run.engine.round < spec.train.rounds:
+    if run.engine is None or run.engine.round < run.engine.total_rounds:
         raise RuntimeError("the Flower simulation ended before its last round")
     return run.engine.history
