@@ -285,8 +285,8 @@ def test_a_site_refuses_to_train_a_round_it_has_trained_or_one_before(identity, 
 
 def test_what_the_adapter_does_not_run_is_refused_by_key():
     tp = _train()
-    with pytest.raises(ConfigError, match=r"methods.pfeddil: .* stream of domain tasks only"):
+    with pytest.raises(ConfigError, match=r"methods.pfeddil: .* stream of domain tasks only; these sites hold static data"):
         cls = method_class("pfeddil")
-        FlowerSpec(cls, cls.params_cls(), tp, 0, _model, "pfeddil").check()
+        FlowerSpec(cls, cls.params_cls(), tp, 0, _model, "pfeddil").check(stream=False)
     with pytest.raises(ConfigError, match=r"train.ensemble_test"):
         FlowerSpec(FedBN, FedBN.params_cls(), _train(ensemble_test=True), 0, _model, "fedbn").check()
