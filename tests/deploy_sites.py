@@ -35,3 +35,21 @@ def make_site(folder: Path, source: str, **kw) -> Path:
     for cmd in (["fetch", "--source", source], ["harmonize", "--dataset", "chest_xray4"], ["split", "--experiment", "site"]):
         assert fedsilo(common + cmd) == 0, cmd
     return params
+
+
+def make_stream_site(folder: Path, name: str, mirror_seed: int, sources: tuple[str, ...] = ("chexpert", "openi")) -> Path:
+    """A hospital whose images come in a stream of domains (here two mirrors, one domain each, drawn with the site's
+    own seed): its split is its one client's stream (``domain_incremental``, ``clients: 1``) under its own name."""
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = site_params(sources[0])
+    raw["sources"] = {s: {"mode": "mirror", "mirror": {"patients": 24, "seed": mirror_seed}} for s in sources}
+    raw["datasets"]["chest_xray4"]["sources"] = list(sources)
+    raw["pipeline"]["sources"] = list(sources)
+    raw["experiments"]["site"]["split"] = {"protocol": "domain_incremental", "clients": 1, "names": [name], "alpha": 1.0}
+    params = folder / "params.yaml"
+    params.write_text(yaml.safe_dump(raw, sort_keys=False))
+    common = ["-q", "--params", str(params), "--root", str(folder)]
+    for cmd in ([*(["fetch", "--source", s] for s in sources)], [["harmonize", "--dataset", "chest_xray4"]], [["split", "--experiment", "site"]]):
+        for c in cmd:
+            assert fedsilo(common + c) == 0, c
+    return params

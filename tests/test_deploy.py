@@ -444,3 +444,45 @@ def _no_outside_tracking_store(monkeypatch):
 def _dump(path: Path, obj: dict) -> Path:
     path.write_text(yaml.safe_dump(obj))
     return path
+
+
+@pytest.mark.usefixtures("identity")
+def test_hospitals_with_a_stream_of_domains_learn_it_as_the_continual_engine_does(tmp_path, monkeypatch):
+    """Three hospitals whose images come as a stream of domains, each split by its own `domain_incremental`
+    (one client, its own name): the cards list each task's counts, the deployed pFedDIL run gives the continual
+    engine's numbers on the same streams, and metrics.json holds the stream's accuracy matrix and forgetting."""
+    from fedsilo.fl.continual import ContinualEngine
+    from tests.deploy_sites import make_stream_site
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    sites = {n: make_stream_site(tmp_path / n.replace(" ", "_"), n, mirror_seed=k) for k, n in enumerate(("Hospital A", "Hospital B", "Hospital C"))}
+    card = _card(sites["Hospital B"])
+    assert card["site"] == "Hospital B" and [t["domain"] for t in card["tasks"]] == ["CheXpert", "OpenI"]
+    assert card["n_train"] == sum(t["n_train"] for t in card["tasks"]) and all(t["n_train"] and t["n_test"] for t in card["tasks"])
+    coordinator = yaml.safe_load(REPO_PARAMS.read_text())
+    coordinator["methods"]["pfeddil"] = {"lam": 0.5}
+    (tmp_path / "coordinator.yaml").write_text(yaml.safe_dump(coordinator, sort_keys=False))
+    train = {**TRAIN, "client_fraction": 0.67}
+    fed = load_federation(_federation(tmp_path, sites, method="pfeddil", train=train))
+    write_app(fed, load_params(tmp_path / "coordinator.yaml"), tmp_path / "app", results=str(tmp_path / "results"))
+    server, client = _load_apps(tmp_path / "app")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        server._main(SiteGrid(client, sites), _server_context(tmp_path))
+        spec = deployment_spec(json.loads((tmp_path / "app/deployment.json").read_text()))
+        streams = [load_site(load_params(p), "site", p.parent, torch.device("cpu"), index=k) for k, p in enumerate(sites.values())]
+        tasks = [[s[t] for s in streams] for t in range(2)]
+        reference = ContinualEngine(spec.method(), spec.make_model(), tasks, ["CheXpert", "OpenI"], spec.train, 0).run()
+    finally:
+        torch.set_num_threads(threads)
+    history = json.loads((tmp_path / "results/history.json").read_text())
+    assert [h["domain"] for h in history] == ["CheXpert", "CheXpert", "OpenI", "OpenI"]
+    for key in ("sampled", "eval", "task_acc", "bytes_up", "bytes_task_end", "storage"):
+        assert [h.get(key) for h in history] == [h.get(key) for h in reference], key
+    metrics = json.loads((tmp_path / "results/metrics.json").read_text())
+    assert len(metrics["accuracy_matrix"]) == 2 and metrics["forgetting"] is not None
+    assert metrics["mean_acc"] == metrics["final_acc"] and metrics["clients"] == ["Hospital A", "Hospital B", "Hospital C"]
+    wire = [json.loads(line) for line in (tmp_path / "results/wire.jsonl").read_text().splitlines()]
+    ends = [w for w in wire if w["message"] == "query.task_end"]
+    assert ends and all(set(w.get("arrays", {})) <= {"keep"} for w in ends)  # the family model to the site, nothing back

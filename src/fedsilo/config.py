@@ -334,7 +334,11 @@ class DomainIncrementalSplit(Strict):
 
     protocol: Literal["domain_incremental"]
     seed: int = 0
-    clients: int = Field(..., ge=2)
+    clients: int = Field(..., ge=1, description="clients learning the stream (1: a hospital's own stream, a deployment site)")
+    names: Optional[tuple[str, ...]] = Field(
+        None, description="the clients' names, one per client (default client00, client01, ...): a deployment site's "
+        "one-client stream carries its hospital's name"
+    )
     alpha: float = Field(1.0, gt=0)
     domain_order: Optional[tuple[str, ...]] = Field(None, description="task order (default: the dataset's domain order)")
     n_per_domain: Optional[int] = Field(None, ge=1, description="cap on a domain's pooled images before spreading")
@@ -349,6 +353,15 @@ class DomainIncrementalSplit(Strict):
         if seen:  # a task is named by its domain in every table, curve and metric: a repeat would overwrite one
             raise ValueError(f"domain {seen[0]!r} appears twice; a stream learns each domain once")
         return v
+
+    @model_validator(mode="after")
+    def _one_name_per_client(self) -> "DomainIncrementalSplit":
+        if self.names is not None:
+            if len(self.names) != self.clients:
+                raise ValueError(f"names: {len(self.names)} names for {self.clients} clients")
+            if len(set(self.names)) != len(self.names) or not all(n.strip() for n in self.names):
+                raise ValueError(f"names: each client needs a name of its own, got {list(self.names)}")
+        return self
 
 
 class HoldoutDomainSplit(Strict):

@@ -364,7 +364,8 @@ def domain_incremental(records: pd.DataFrame, params: DomainIncrementalSplit, se
         test_parts = _cut_by_shares(test_pool, shares, params.clients, rng)
         for j in range(params.clients):
             tasks_per_client[j].append({"task": t, "domain": dom, "train": sorted(train_parts[j]), "test": sorted(test_parts[j])})
-    clients = [{"client": j, "name": f"client{j:02d}", "tasks": tasks} for j, tasks in enumerate(tasks_per_client)]
+    names = list(params.names) if params.names else [f"client{j:02d}" for j in range(params.clients)]
+    clients = [{"client": j, "name": names[j], "tasks": tasks} for j, tasks in enumerate(tasks_per_client)]
     return {
         "protocol": params.protocol, "seed": seed, "params": params.model_dump(mode="json"), "num_classes": _num_classes(records),
         "task_order": order, "clients": clients,

@@ -341,6 +341,7 @@ def apps(app_file: Path):
 
         def on_round(entry: dict[str, Any]) -> None:
             tracker.log_round(entry)
+            round_log.rounds = run.engine.total_rounds  # a stream's rounds are its tasks' (known once the sites registered)
             round_log(entry)
 
         try:
@@ -425,11 +426,16 @@ def _start_tracking(dep: dict[str, Any], uri: str, state: Path, run_id: Optional
 
 
 def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any, mlflow_run_id: Optional[str] = None) -> dict[str, Any]:
+    from fedsilo.fl.continual import continual_summary
     from fedsilo.fl.run import summarize
 
     history = run.engine.history
+    summary = summarize(history)
+    if getattr(run.engine, "stream", False):  # the stream's accuracy matrix, accuracy after each task, forgetting, as a train stage
+        summary.update(continual_summary(history, run.engine.task_names, run.engine.per_task))
+        summary["mean_acc"] = summary["final_acc"]
     metrics = {
-        **summarize(history),
+        **summary,
         "federation": dep["federation"],
         "method": dep["method"]["key"],
         "seed": dep["seed"],

@@ -3,7 +3,9 @@ the card it registers with.
 
 A hospital never pools its images. It runs ``fedsilo fetch`` / ``harmonize`` / ``split`` (or ``dvc repro``) with a
 params file of its own whose dataset lists only its own source(s) and whose experiment splits them into one client
-(``domain_clients`` over its one domain: train, optional validation, test). :func:`site_card` then describes that
+(``domain_clients`` over its one domain: train, optional validation, test), or, for a federation that learns a
+stream of domain tasks, into one client's stream (``domain_incremental`` with ``clients: 1`` and the hospital's name
+in ``names``: its images of each domain, a task each, in the agreed order). :func:`site_card` then describes that
 client for the federation, from hashes and counts only:
 
 - ``contract``: what every site of a federation must share for one model to serve them all: the task, the class
@@ -19,11 +21,11 @@ Nothing here reads or sends an image: the card holds names, counts and hashes.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import torch
 
-from fedsilo.client.data import ClientData, load_clients
+from fedsilo.client.data import ClientData, load_clients, load_task_clients
 from fedsilo.config import ConfigError, Params
 from fedsilo.utils.io import canonical_hash, file_sha256, read_json
 
@@ -43,10 +45,11 @@ def _site_files(params: Params, experiment: str, root: Path) -> tuple[Path, Path
             raise FileNotFoundError(f"{p}: missing; run the site's harmonize and split stages first "
                                     f"(`fedsilo harmonize --dataset {exp.dataset}`, `fedsilo split --experiment {experiment}`)")
     split, card = read_json(split_path), read_json(harmonized / "card.json")
-    if exp.split.protocol != "domain_clients" or len(split["clients"]) != 1:
+    if exp.split.protocol not in ("domain_clients", "domain_incremental") or len(split["clients"]) != 1:
         raise ConfigError(
             f"experiments.{experiment}.split: a site's split holds its own data as one client (protocol domain_clients "
-            f"over the site's one domain); this one has protocol {exp.split.protocol} and {len(split['clients'])} clients "
+            f"over the site's one domain, or domain_incremental with clients: 1 for a stream of tasks); this one has "
+            f"protocol {exp.split.protocol} and {len(split['clients'])} clients "
             f"({', '.join(c['name'] for c in split['clients'])})")
     if split.get("data_sha256") != card["sha256"]:
         raise ConfigError(f"{split_path}: built for other arrays than {harmonized} holds (re-harmonized since); rerun "
@@ -67,14 +70,16 @@ def site_card(params: Params, experiment: str, root: Path = Path(".")) -> dict[s
     contract = {"task": card["task"], "classes": list(card["classes"]), "image_shape": [int(s) for s in card["image_shape"]]}
     split_sha = file_sha256(split_path)
     client = split["clients"][0]
+    tasks = client.get("tasks")  # a stream: the site's images of each domain, in task order
+    counts = {"n_train": sum(len(t["train"]) for t in tasks), "n_val": 0, "n_test": sum(len(t["test"]) for t in tasks),
+              "tasks": [{"domain": str(t["domain"]), "n_train": len(t["train"]), "n_test": len(t["test"])} for t in tasks]} \
+        if tasks is not None else {"n_train": len(client["train"]), "n_val": len(client.get("val") or []), "n_test": len(client["test"])}
     return {
         "site": str(client["name"]),
-        "domain": str(client.get("domain", client["name"])),
+        "domain": str(client.get("domain", tasks[0]["domain"] if tasks else client["name"])),
         "dataset": str(split.get("dataset", params.experiments[experiment].dataset)),
         "experiment": experiment,
-        "n_train": len(client["train"]),
-        "n_val": len(client.get("val") or []),
-        "n_test": len(client["test"]),
+        **counts,
         "contract": contract,
         "data_sha256": data,
         "split_sha256": split_sha,
@@ -91,10 +96,17 @@ def contract_mismatch(agreed: dict[str, Any], site: dict[str, Any]) -> list[str]
             if norm(agreed.get(k)) != norm(site.get(k))]
 
 
-def load_site(params: Params, experiment: str, root: Path, device: torch.device, index: int = -1) -> ClientData:
-    """The site's one client (train, validation where its split has one, test) as ``ClientData``; ``index`` is the
-    one the federation gave it (the coordinator's order of sites)."""
+def load_site(params: Params, experiment: str, root: Path, device: torch.device, index: int = -1) -> Union[ClientData, list[ClientData]]:
+    """The site's one client (train, validation where its split has one, test) as ``ClientData``, or for a stream
+    split its client of each task in task order; ``index`` is the one the federation gave it (the coordinator's order
+    of sites)."""
     harmonized, _, split, _ = _site_files(params, experiment, Path(root))
+    if split.get("protocol") == "domain_incremental":
+        tasks, _, _, _ = load_task_clients(harmonized, split, device)
+        stream = [row[0] for row in tasks]
+        for c in stream:
+            c.index = int(index)
+        return stream
     (client,), _, _ = load_clients(harmonized, split, device)
     client.index = int(index)
     return client
