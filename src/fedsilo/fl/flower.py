@@ -588,7 +588,6 @@ class FlowerRun:
                 refused[node] = str(err)
                 continue
             card = Card(index, cfg["name"], cfg["domain"], cfg["n_train"], tuple(cfg["shape"]))
-            card.stream = (list(cfg["tasks"]), list(cfg["n_train_tasks"])) if "tasks" in cfg else None  # type: ignore[attr-defined]
             if card.index in cards:
                 raise ConfigError(f"clients {cards[card.index].name} and {card.name} both registered as client index {card.index}")
             cards[card.index], where[card.index], registered[card.index] = card, node, cfg
@@ -609,15 +608,15 @@ class FlowerRun:
         self.cards = [registered[i] for i in range(len(cards))]
         common = {"observer": self.observer, "on_round": self.on_round, "wire": self.wire, "checkpoint": self.checkpoint,
                   "config_hash": self.config_hash, "meta": self.meta}
-        streams = {c.name: c.stream for c in ordered}  # type: ignore[attr-defined]
+        # a stream site registers its tasks' domains and training counts (client_app's register)
+        streams = {c.name: (list(r["tasks"]), list(r["n_train_tasks"])) if "tasks" in r else None for c, r in zip(ordered, self.cards)}
         if all(v is None for v in streams.values()):
             self.engine = FlowerServer(self.spec, grid, where, ordered, **common)
         else:
-            names = {tuple(v[0]) if v else None for v in streams.values()}
-            if len(names) > 1:  # one stream of tasks for the federation: every site learns the same domains in order
+            if len({tuple(v[0]) if v else None for v in streams.values()}) > 1:  # one stream: the same domains, one order
                 raise ConfigError("the sites' task streams differ: " + "; ".join(
                     f"{n}: {' -> '.join(v[0]) if v else 'static data'}" for n, v in streams.items()))
-            task_names = list(next(iter(streams.values()))[0])  # type: ignore[index]
+            task_names = next(v for v in streams.values() if v)[0]
             task_cards = [[Card(c.index, c.name, task_names[t], streams[c.name][1][t], c.shape) for c in ordered]  # type: ignore[index]
                           for t in range(len(task_names))]
             self.engine = FlowerStream(self.spec, grid, where, task_cards, task_names, **common)
