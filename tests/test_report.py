@@ -37,7 +37,7 @@ def test_communication_table_matches_the_tensors_each_method_uploads(mirror_root
     made = build_report(root / "results" / "quick", "quick", list(raw["pipeline"]["methods"]), [0], root / "results" / "report" / "quick",
                         published=raw["experiments"]["quick"]["published"], method_entries=raw["methods"], repo=root)
     comm = pd.read_csv(root / "results" / "report" / "quick" / "quick_communication.csv", index_col=0)
-    model = build_model("simple_cnn", 1, 2, seed=0)
+    model = build_model("simple_cnn", 1, 2, seed=0, width=raw["experiments"]["quick"]["train"]["model_width"])  # the runs' model
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     param_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     assert comm.loc["single", "upload_MiB"] == 0.0
