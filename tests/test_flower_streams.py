@@ -167,3 +167,21 @@ def test_a_stream_resumed_after_a_task_end_on_restarted_sites_ends_with_the_unin
     assert sat_out and sat_out <= set(whole[1]["bytes_task_end"])  # the case this test is for
     for key in ("sampled", "eval", "task_acc", "task_acc_pooled", "bytes_up", "bytes_down", "bytes_task_end", "storage", "train_loss"):
         assert [h.get(key) for h in resumed.engine.history] == [h.get(key) for h in whole], key
+
+
+def test_a_stream_on_flowers_simulation_runtime_gives_the_engines_numbers():
+    """`simulate` with each client given as its stream: pFedDIL on Flower's simulation runtime (Ray, one process per
+    site) has the continual engine's history, bit for bit (both on one thread per client)."""
+    from fedsilo.fl.flower import simulate
+
+    train = TrainParams(**{**TRAIN, "rounds": 1})
+    tasks = style_stream(n_clients=3, n_train=24, n_test=12, domains=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = without_timing(ContinualEngine(_method("pfeddil", train), _model(), tasks, NAMES[:2], train, 0).run())
+    finally:
+        torch.set_num_threads(threads)
+    history = simulate(_method("pfeddil", train), _model, [[tasks[t][k] for t in range(2)] for k in range(3)], seed=0)
+    got = [{k: v for k, v in h.items() if k not in ("flower_record_bytes", "bytes_eval_down")} for h in without_timing(history)]
+    assert got == expected and [h["domain"] for h in history] == ["S0", "S1"] and history[-1]["storage"]
