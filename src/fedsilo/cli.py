@@ -237,7 +237,8 @@ def _site(args: argparse.Namespace) -> None:
         out = Path(args.root) / "data" / "site" / f"{args.experiment}.json"
         write_json(out, card)
         print(json.dumps(card, indent=1))
-        print(f"site {card['site']}: {card['n_train']} train / {card['n_val']} val / {card['n_test']} test images; "
+        stream = f" in {len(card['tasks'])} tasks ({' -> '.join(t['domain'] for t in card['tasks'])})" if "tasks" in card else ""
+        print(f"site {card['site']}: {card['n_train']} train / {card['n_val']} val / {card['n_test']} test images{stream}; "
               f"fingerprint {card['fingerprint']} (send {out} to the coordinator)", file=sys.stderr)
         return
     from fedsilo.fl.deploy import supernode_command
