@@ -416,3 +416,14 @@ def test_a_stream_only_method_is_refused_on_static_clients():
         cls = REGISTRY[name]
         with pytest.raises(ConfigError, match=f"methods.{name}: {name} learns a stream of domain tasks only"):
             Engine(cls(cls.params_cls(), _train()), tiny_net(1, 4), style_shifted_federation(), _train(), 0)
+
+
+def test_a_stream_split_names_its_clients_one_name_each():
+    """`names` gives a stream's clients their names (a deployment site's one-client stream carries its hospital's)."""
+    from fedsilo.config import DomainIncrementalSplit
+
+    assert DomainIncrementalSplit(protocol="domain_incremental", clients=1, names=("Hospital A",)).names == ("Hospital A",)
+    for names, why in (((("A", "B"),), "2 names for 1 clients"), ((("A", "A"),), "each client needs a name of its own"),
+                       ((("A", " "),), "each client needs a name of its own")):
+        with pytest.raises(ValueError, match=why):
+            DomainIncrementalSplit(protocol="domain_incremental", clients=1 if why.startswith("2") else 2, names=names[0])

@@ -478,8 +478,11 @@ def test_hospitals_with_a_stream_of_domains_learn_it_as_the_continual_engine_doe
         torch.set_num_threads(threads)
     history = json.loads((tmp_path / "results/history.json").read_text())
     assert [h["domain"] for h in history] == ["CheXpert", "CheXpert", "OpenI", "OpenI"]
-    for key in ("sampled", "eval", "task_acc", "bytes_up", "bytes_task_end", "storage"):
+    # train_flops: the last round's training and announcements (pFedDIL's Eq. 2 passes), counted on the sites
+    for key in ("sampled", "eval", "task_acc", "bytes_up", "bytes_task_end", "storage", "train_flops"):
         assert [h.get(key) for h in history] == [h.get(key) for h in reference], key
+    assert history[-1]["train_flops"] > 0 and json.loads((tmp_path / "results/metrics.json").read_text())["client_domains"] == {
+        n: ["CheXpert", "OpenI"] for n in sites}
     metrics = json.loads((tmp_path / "results/metrics.json").read_text())
     assert len(metrics["accuracy_matrix"]) == 2 and metrics["forgetting"] is not None
     assert metrics["mean_acc"] == metrics["final_acc"] and metrics["clients"] == ["Hospital A", "Hospital B", "Hospital C"]

@@ -93,17 +93,21 @@ def test_a_stream_site_keeps_its_models_home_and_the_server_holds_cards():
     for ctx in grid.contexts.values():
         store = ctx.state.array_records["fedsilo.store"]
         assert {"route", "rho"} <= set(store.keys()) and any(k.startswith("slot") for k in store.keys())
-    assert all(x.numel() == 0 for c in run.engine.clients for x in (c.x_train, c.x_test))  # cards: no image
+    assert all(x.numel() == 0 for task in run.engine.tasks for c in task for x in (c.x_train, c.x_test))  # cards: no image
 
 
-def test_sites_with_different_streams_or_static_data_are_refused():
+def test_sites_with_different_streams_or_static_data_are_refused(caplog):
+    """Refused once the sites registered, before any round, and every site is told why."""
     train = TrainParams(**TRAIN)
     tasks = _stream()
     sites = [[tasks[t][k] for t in range(len(NAMES))] for k in range(len(tasks[0]))]
     spec = FlowerSpec.of(_method("fedavg", train), _model, 0)
     reordered = [sites[0], sites[1], [sites[2][1], sites[2][0], sites[2][2]]]
-    with pytest.raises(ConfigError, match=r"the sites' task streams differ: C0: S0 -> S1 -> S2; C1: S0 -> S1 -> S2; C2: S1 -> S0 -> S2"):
+    with caplog.at_level("ERROR", logger="fedsilo.flower"), \
+            pytest.raises(ConfigError, match=r"the sites' task streams differ: C0: S0 -> S1 -> S2; C1: S0 -> S1 -> S2; C2: S1 -> S0 -> S2"):
         _loop(spec, reordered)
+    told = [r.getMessage() for r in caplog.records if "the federation refused this site" in r.getMessage()]
+    assert len(told) == 3 and all("the sites' task streams differ" in t for t in told)
     with pytest.raises(ConfigError, match=r"C2: static data"):
         _loop(spec, [sites[0], sites[1], sites[2][0]])
     static = FlowerSpec.of(_method("pfeddil", train), _model, 0)
@@ -134,7 +138,7 @@ def test_a_stream_site_refuses_a_task_its_stream_does_not_hold():
     assert torch.is_tensor(sites[0][0].x_train)
 
 
-def test_a_stream_resumed_after_a_task_end_on_restarted_sites_ends_with_the_uninterrupted_numbers(tmp_path):
+def test_a_stream_resumed_after_a_task_end_on_restarted_sites_ends_with_the_uninterrupted_numbers(tmp_path, caplog):
     """pFedDIL, checkpointed, each site keeping its stores on its disk: the run goes down in task 1's first round,
     after task 0's end, and runs again on sites whose node state is gone (restarted SuperNodes). A site that sat out
     task 0's last round still kept the task's end in that round: it resumes from that store (its training store of
@@ -159,11 +163,34 @@ def test_a_stream_resumed_after_a_task_end_on_restarted_sites_ends_with_the_unin
         return run
 
     whole = attempt("whole", 1).engine.history
+    # the same run where the site that sat out task 0's last round restarts between that round's task end and its
+    # evaluation: its node state is gone, and it scores with the store it kept of the task end (the server names
+    # round 2 for it), not its training store of round 1
+    sat_out = set(whole[0]["sampled"]) - set(whole[1]["sampled"])
+    node = 100 + int(sorted(sat_out)[0][1:])
+
+    class RestartsBeforeEvaluate(LoopGrid):
+        restarted = False
+
+        def send_and_receive(self, messages, timeout=None):
+            if not self.restarted and any(m.metadata.message_type == "evaluate" and m.metadata.group_id == "2" for m in messages):
+                self.contexts[node].state = RecordDict()
+                self.restarted = True
+            return super().send_and_receive(messages, timeout)
+
+    run = FlowerRun(spec, len(sites), checkpoint=tmp_path / "restart" / "checkpoint.pt", config_hash="h")
+    grid = RestartsBeforeEvaluate(client_app(spec, lambda ctx: sites[int(ctx.node_config["partition-id"])],
+                                             keep_dir=lambda ctx: tmp_path / "restart" / "sites" / str(ctx.node_id)), len(sites))
+    with caplog.at_level("WARNING", logger="fedsilo.flower"):
+        run.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
+    assert grid.restarted and [h["eval"] for h in run.engine.history] == [h["eval"] for h in whole]
+    # (pFedDIL scores a task's end with the federation's model of the family either way: the store it loaded tells)
+    loaded = [r.getMessage() for r in caplog.records if "resumed from its store" in r.getMessage()]
+    assert loaded and loaded[0].startswith(f"client {sorted(sat_out)[0]}: resumed from its store of round 2 ")
     with pytest.raises(ConnectionError, match="went down"):
         attempt("resumed", 2, down_at=3)
     resumed = attempt("resumed", 3)
     assert resumed.engine.history[0]["round"] == 1 and len(resumed.engine.history) == len(whole)
-    sat_out = set(whole[0]["sampled"]) - set(whole[1]["sampled"])
     assert sat_out and sat_out <= set(whole[1]["bytes_task_end"])  # the case this test is for
     for key in ("sampled", "eval", "task_acc", "task_acc_pooled", "bytes_up", "bytes_down", "bytes_task_end", "storage", "train_loss"):
         assert [h.get(key) for h in resumed.engine.history] == [h.get(key) for h in whole], key
@@ -185,3 +212,54 @@ def test_a_stream_on_flowers_simulation_runtime_gives_the_engines_numbers():
     history = simulate(_method("pfeddil", train), _model, [[tasks[t][k] for t in range(2)] for k in range(3)], seed=0)
     got = [{k: v for k, v in h.items() if k not in ("flower_record_bytes", "bytes_eval_down")} for h in without_timing(history)]
     assert got == expected and [h["domain"] for h in history] == ["S0", "S1"] and history[-1]["storage"]
+
+
+def test_a_stream_site_takes_the_task_from_the_round_and_refuses_a_task_end_out_of_place(tmp_path):
+    """A server cannot make a site train a round on another task's images, send a task end in a round that ends no
+    task, or replay an old task end over the stores a site kept since."""
+    train = TrainParams(**TRAIN)
+    tasks = _stream()
+    sites = [[tasks[t][k] for t in range(len(NAMES))] for k in range(len(tasks[0]))]
+    spec = FlowerSpec.of(_method("pfeddil", train), _model, 0)
+
+    class Tampering(LoopGrid):
+        def __init__(self, app, n, tamper):
+            super().__init__(app, n)
+            self.tamper = tamper
+
+        def send_and_receive(self, messages, timeout=None):
+            for m in messages:
+                self.tamper(m)
+            return super().send_and_receive(messages, timeout)
+
+    def run(tamper, keep=None):
+        app = client_app(spec, lambda ctx: sites[int(ctx.node_config["partition-id"])], keep_dir=keep)
+        FlowerRun(spec, len(sites)).main(Tampering(app, len(sites), tamper),
+                                         Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
+
+    def earlier_task(m):  # task 1's first round (3) announced and trained as task 0
+        cfg = m.content.config_records.get("fedsilo")
+        if cfg is not None and m.metadata.group_id == "3" and m.metadata.message_type in ("query.announce", "train"):
+            cfg["task"] = 0
+
+    with pytest.raises(ClientFailed, match=r"round 3 belongs to task 1 \(2 rounds per task\), not task 0; refused"):
+        run(earlier_task)
+
+    def early_end(m):  # a task end after round 1 of a two-round task
+        if m.metadata.message_type == "train" and m.metadata.group_id == "1":
+            m.metadata.message_type = "query.task_end"
+
+    with pytest.raises(ClientFailed, match=r"a task end in round 1, which ends no task \(2 rounds per task\); refused"):
+        run(early_end)
+
+    seen: dict = {}
+
+    def replay(m):  # round 2's task end kept aside, sent again in round 4's place
+        if m.metadata.message_type == "query.task_end" and m.metadata.group_id == "2":
+            seen.setdefault(m.metadata.dst_node_id, m.content)
+        if m.metadata.message_type == "query.task_end" and m.metadata.group_id == "4" and m.metadata.dst_node_id in seen:
+            m.content = seen[m.metadata.dst_node_id]
+            m.metadata.group_id = "2"
+
+    with pytest.raises(ClientFailed, match=r"a task end of round 2, but it kept its store of round [34] already; refused"):
+        run(replay, keep=lambda ctx: tmp_path / str(ctx.node_id))

@@ -440,7 +440,8 @@ def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any, mlfl
         "method": dep["method"]["key"],
         "seed": dep["seed"],
         "clients": [c["name"] for c in run.cards],
-        "client_domains": {c["name"]: c["domain"] for c in run.cards},
+        # a stream site: its tasks' domains in order
+        "client_domains": {c["name"]: list(c["tasks"]) if "tasks" in c else c["domain"] for c in run.cards},
         "fingerprints": {c["name"]: c["fingerprint"] for c in run.cards},
         "deployment_sha256": canonical_hash(dep),
         "mlflow_run_id": mlflow_run_id,

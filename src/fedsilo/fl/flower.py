@@ -346,8 +346,9 @@ class FlowerServer(Engine):
         entry: dict[str, Any] = {"round": rnd, "sampled": [self.clients[i].name for i in picked],
                                  "bytes_down": {}, "bytes_up": {}, "train_loss": {}}
         wire: dict[str, dict[str, int]] = {"down": {}, "up": {}}
-        if self._announces:
-            heard = self._exchange("query.announce", rnd, {i: self._content(rnd) for i in picked})
+        count_flops = bool(self.train.count_flops and rnd == self.total_rounds)
+        if self._announces:  # counted with the training, as the engine counts a client's announce and update together
+            heard = self._exchange("query.announce", rnd, {i: self._content(rnd, count_flops=count_flops) for i in picked})
         downs: dict[int, RecordDict] = {}
         for i in picked:
             c = self.clients[i]
@@ -360,7 +361,7 @@ class FlowerServer(Engine):
             down = self.method.download(self.server, c, rnd)
             if self.observer:
                 self.observer(rnd, c.name, "down", {k: v.detach().clone() for k, v in down.items()})
-            downs[i] = self._content(rnd, ("down", down), count_flops=bool(self.train.count_flops and rnd == self.total_rounds))
+            downs[i] = self._content(rnd, ("down", down), count_flops=count_flops)
             wire["down"][c.name] = downs[i]["down"].count_bytes()
             sent = record_tensor_bytes(downs[i]["down"])
             downs[i][CONFIG]["sent_bytes"] = sent
@@ -378,6 +379,8 @@ class FlowerServer(Engine):
             entry["bytes_up"][c.name] = n + entry.get("bytes_announce", {}).get(c.name, 0)
             entry["train_loss"][c.name] = float(metrics["train_loss"]) if "train_loss" in metrics else None
             flops += int(metrics.get("train_flops", 0))
+            if self._announces and CONFIG in heard[i].content.metric_records:
+                flops += int(heard[i].content.metric_records[CONFIG].get("announce_flops", 0))
             if self.observer:
                 self.observer(rnd, c.name, "up", {k: v.clone() for k, v in up.items()})
             if acc is not None:
@@ -440,7 +443,15 @@ class FlowerStream(TaskStream, FlowerServer):
         FlowerServer.__init__(self, spec, grid, nodes, task_cards[0], tasks=list(task_names), **kw)
         self._stream(self.method, task_cards, task_names, spec.train.rounds)
         self._storage: dict[str, dict[str, int]] = {}
+        self._task_end_wire: dict[str, int] = {}  # Flower's count of the task-end records of the round in progress
         self._enter(self.task_of(max(self.round, 1)))
+
+    def run_round(self) -> dict[str, Any]:
+        entry = super().run_round()
+        if self._task_end_wire:
+            entry["flower_record_bytes"]["task_end"] = self._task_end_wire
+            self._task_end_wire = {}
+        return entry
 
     def _content(self, rnd: int, arrays: Optional[tuple[str, State]] = None, **extra: Any) -> RecordDict:
         return super()._content(rnd, arrays, task=int(self.method.task), **extra)
@@ -462,7 +473,11 @@ class FlowerStream(TaskStream, FlowerServer):
             contents[i] = self._content(rnd, ("keep", down))
             contents[i][CONFIG]["sent_bytes"] = record_tensor_bytes(contents[i]["keep"])
         if contents:
-            self._exchange("query.task_end", rnd, contents)
+            replies = self._exchange("query.task_end", rnd, contents)
+            for i, reply in replies.items():  # as a download's: the tensor bytes the site measured on arrival
+                name = self.clients[i].name
+                entry["bytes_task_end"][name] = int(reply.content.metric_records[CONFIG]["received_bytes"])
+                self._task_end_wire[name] = contents[i]["keep"].count_bytes()
             # their stores are of this round now: this round's evaluation (and a resume) finds them there
             kept = [self.clients[i].name for i in contents]
             self._trained_now = (rnd, [*self._trained_now[1], *(n for n in kept if n not in self._trained_now[1])])
@@ -592,12 +607,7 @@ class FlowerRun:
                 raise ConfigError(f"clients {cards[card.index].name} and {card.name} both registered as client index {card.index}")
             cards[card.index], where[card.index], registered[card.index] = card, node, cfg
         if refused:  # tell each refused site why, then end the run before any round
-            note = [Message(RecordDict({CONFIG: ConfigRecord({"reason": why})}), dst_node_id=n, message_type="query.refused",
-                            group_id="0") for n, why in refused.items()]
-            if self.wire:
-                for n, why in refused.items():
-                    self.wire({"round": 0, "message": "query.refused", "node": int(n), "to": "site", "reason": why})
-            grid.send_and_receive(note, timeout=60.0)  # a refused node that went away does not hold the run
+            self._tell_refused(grid, refused)
             raise SiteRefused(" | ".join(refused.values()))
         if sorted(cards) != list(range(len(cards))):
             raise ConfigError(f"registered client indices {sorted(cards)} are not 0..{len(cards) - 1}")
@@ -606,23 +616,39 @@ class FlowerRun:
             raise ConfigError(f"the sites' images differ in shape {sorted(shapes)}; one model needs one input shape")
         ordered = [cards[i] for i in range(len(cards))]
         self.cards = [registered[i] for i in range(len(cards))]
+        try:
+            self.engine = self._server(grid, where, ordered)
+        except ConfigError as err:  # the sites' data and the method do not fit together (streams): every site is told
+            self._tell_refused(grid, {where[i]: str(err) for i in range(len(ordered))})
+            raise
+        if self.engine.round:
+            log.info("resuming after round %d of %d (checkpoint %s)", self.engine.round, self.engine.total_rounds, self.checkpoint)
+        self.engine.run()
+
+    def _tell_refused(self, grid: Grid, refused: dict[int, str]) -> None:
+        """Each node in ``refused`` is told why the run ends before any round (``query.refused``)."""
+        note = [Message(RecordDict({CONFIG: ConfigRecord({"reason": why})}), dst_node_id=n, message_type="query.refused",
+                        group_id="0") for n, why in refused.items()]
+        if self.wire:
+            for n, why in refused.items():
+                self.wire({"round": 0, "message": "query.refused", "node": int(n), "to": "site", "reason": why})
+        grid.send_and_receive(note, timeout=60.0)  # a refused node that went away does not hold the run
+
+    def _server(self, grid: Grid, where: dict[int, int], ordered: list[Card]) -> FlowerServer:
+        """The server of the registered sites: static rounds, or a stream when the sites registered task streams."""
         common = {"observer": self.observer, "on_round": self.on_round, "wire": self.wire, "checkpoint": self.checkpoint,
                   "config_hash": self.config_hash, "meta": self.meta}
         # a stream site registers its tasks' domains and training counts (client_app's register)
         streams = {c.name: (list(r["tasks"]), list(r["n_train_tasks"])) if "tasks" in r else None for c, r in zip(ordered, self.cards)}
         if all(v is None for v in streams.values()):
-            self.engine = FlowerServer(self.spec, grid, where, ordered, **common)
-        else:
-            if len({tuple(v[0]) if v else None for v in streams.values()}) > 1:  # one stream: the same domains, one order
-                raise ConfigError("the sites' task streams differ: " + "; ".join(
-                    f"{n}: {' -> '.join(v[0]) if v else 'static data'}" for n, v in streams.items()))
-            task_names = next(v for v in streams.values() if v)[0]
-            task_cards = [[Card(c.index, c.name, task_names[t], streams[c.name][1][t], c.shape) for c in ordered]  # type: ignore[index]
-                          for t in range(len(task_names))]
-            self.engine = FlowerStream(self.spec, grid, where, task_cards, task_names, **common)
-        if self.engine.round:
-            log.info("resuming after round %d of %d (checkpoint %s)", self.engine.round, self.engine.total_rounds, self.checkpoint)
-        self.engine.run()
+            return FlowerServer(self.spec, grid, where, ordered, **common)
+        if len({tuple(v[0]) if v else None for v in streams.values()}) > 1:  # one stream: the same domains, one order
+            raise ConfigError("the sites' task streams differ: " + "; ".join(
+                f"{n}: {' -> '.join(v[0]) if v else 'static data'}" for n, v in streams.items()))
+        task_names = next(v for v in streams.values() if v)[0]
+        task_cards = [[Card(c.index, c.name, task_names[t], streams[c.name][1][t], c.shape) for c in ordered]  # type: ignore[index]
+                      for t in range(len(task_names))]
+        return FlowerStream(self.spec, grid, where, task_cards, task_names, **common)
 
 
 # ---------------------------------------------------------------------------------------------------------- client
@@ -644,14 +670,19 @@ class _Site:
         self.rnd = -1
 
     def at_task(self, cfg: ConfigRecord) -> None:
-        """The task a message's round belongs to: the method's and the site's current client."""
+        """The task a message's round belongs to: the method's and the site's current client. The site takes the task
+        from the round itself (``train.rounds`` per task), not from the server's word: a server cannot make it train
+        or score a round on another task's images."""
         if ("task" in cfg) != (self.stream is not None):
             raise RuntimeError(f"client {self.client.name}: " + ("the federation runs a task stream, but this site holds static data"
                                                                 if "task" in cfg else "this site holds a task stream, but the federation runs static rounds"))
         if self.stream is not None:
-            t = int(cfg["task"])
+            t, rnd = int(cfg["task"]), int(cfg["round"])
             if not 0 <= t < len(self.stream):
-                raise RuntimeError(f"client {self.client.name}: asked for task {t}; its stream holds {len(self.stream)} tasks")
+                raise PrivacyViolation(f"client {self.client.name}: asked for task {t}; its stream holds {len(self.stream)} tasks; refused")
+            if t != (rnd - 1) // self.spec.train.rounds:
+                raise PrivacyViolation(f"client {self.client.name}: round {rnd} belongs to task {(rnd - 1) // self.spec.train.rounds} "
+                                       f"({self.spec.train.rounds} rounds per task), not task {t}; refused")
             self.client, self.method.task = self.stream[t], t
 
     def at_round(self, rnd: int) -> None:
@@ -834,10 +865,14 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
         in_order(context, s, int(cfg["round"]), trains=False)
         s.at_round(int(cfg["round"]))
         mine, of = store(context, s, cfg, limit=int(cfg["round"]) - 1, trains=int(cfg["round"]))
-        said = s.method.announce(s.model, mine, s.client, int(cfg["round"]))
+        counter = FlopCounterMode(display=False) if cfg.get("count_flops") else None
+        with counter if counter is not None else nullcontext():  # pFedDIL's Eq. 2 passes are part of the round's work
+            said = s.method.announce(s.model, mine, s.client, int(cfg["round"]))
         keep(context, mine, of)  # still the store of round `of`: this round's training follows
         s.refuse_private(said)
         content = RecordDict({"said": to_record(said)}) if said else RecordDict()
+        if counter is not None:
+            content[CONFIG] = MetricRecord({"announce_flops": int(counter.get_total_flops())})
         return Message(content, reply_to=msg)
 
     @app.train()
@@ -875,6 +910,13 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
         """A stream's task ended: keep what the server sends of it (Method.task_end_keep) in the store of this round."""
         cfg = msg.content.config_records[CONFIG]
         s, rnd = site(context, cfg), int(cfg["round"])
+        if rnd % spec.train.rounds:
+            raise PrivacyViolation(f"client {s.client.name}: a task end in round {rnd}, which ends no task "
+                                   f"({spec.train.rounds} rounds per task); refused")
+        kept = KeptStores(keep_dir(context), s.client.name) if keep_dir is not None else None
+        if kept is not None and max(kept.rounds(), default=0) > rnd:  # it would replace the stores of later rounds
+            raise PrivacyViolation(f"client {s.client.name}: a task end of round {rnd}, but it kept its store of round "
+                                   f"{max(kept.rounds())} already; refused")
         s.at_round(rnd)
         record = msg.content.array_records["keep"]
         received = record_tensor_bytes(record)
@@ -883,8 +925,8 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
         mine, _ = store(context, s, cfg, limit=rnd)
         s.method.task_end_keep(mine, s.client, from_record(record, s.client.x_train.device))
         keep(context, mine, rnd)
-        if keep_dir is not None:  # the store of this round now holds the task's end, on the site's disk too
-            KeptStores(keep_dir(context), s.client.name).save(rnd, mine)
+        if kept is not None:  # the store of this round now holds the task's end, on the site's disk too
+            kept.save(rnd, mine)
         return Message(RecordDict({CONFIG: MetricRecord({"received_bytes": received})}), reply_to=msg)
 
     @app.evaluate()
