@@ -393,20 +393,24 @@ class FlowerServer(Engine):
         entry["flower_record_bytes"] = wire
         return entry
 
-    def evaluate(self, rnd: Optional[int] = None) -> dict[str, Any]:
-        """Every site scores the model it is evaluated with on its test set (and the global model, where the method
-        has one); the mean, spread and global accuracies are formed as in ``Engine.evaluate``."""
-        rnd = self.round if rnd is None else rnd
-        # one record per distinct state: the whole server state (the default eval_download) is converted once and
-        # sent to every site, as before eval_download existed
+    def _eval_contents(self, rnd: int, **extra: Any) -> tuple[dict[int, RecordDict], dict[str, int]]:
+        """Each site's ``evaluate`` message content (``Method.eval_download`` as ArrayRecord ``server``) and its tensor
+        bytes by site name. One record per distinct state: the whole server state (the default eval_download) is
+        converted once and sent to every site."""
         built: dict[int, tuple[State, RecordDict]] = {}
         contents = {}
         for i, c in enumerate(self.clients):
             state = self.method.eval_download(self.server, c)
             if id(state) not in built:  # the state is kept in `built`, so its id is not reused while we look
-                built[id(state)] = (state, self._content(rnd, ("server", state)))
+                built[id(state)] = (state, self._content(rnd, ("server", state), **extra))
             contents[i] = built[id(state)][1]
-        eval_bytes = {c.name: record_tensor_bytes(contents[i]["server"]) for i, c in enumerate(self.clients)}
+        return contents, {c.name: record_tensor_bytes(contents[i]["server"]) for i, c in enumerate(self.clients)}
+
+    def evaluate(self, rnd: Optional[int] = None) -> dict[str, Any]:
+        """Every site scores the model it is evaluated with on its test set (and the global model, where the method
+        has one); the mean, spread and global accuracies are formed as in ``Engine.evaluate``."""
+        rnd = self.round if rnd is None else rnd
+        contents, eval_bytes = self._eval_contents(rnd)
         replies = self._exchange("evaluate", rnd, contents)
         per: dict[str, dict[str, float]] = {}
         glob: dict[str, float] = {}
@@ -485,14 +489,7 @@ class FlowerStream(TaskStream, FlowerServer):
     def evaluate(self, rnd: Optional[int] = None) -> dict[str, Any]:
         rnd = self.round if rnd is None else rnd
         task, end = self.task_of(rnd), rnd % self.per_task == 0
-        built: dict[int, tuple[State, RecordDict]] = {}
-        contents = {}
-        for i, c in enumerate(self.clients):
-            state = self.method.eval_download(self.server, c)
-            if id(state) not in built:
-                built[id(state)] = (state, self._content(rnd, ("server", state), task_end=end))
-            contents[i] = built[id(state)][1]
-        eval_bytes = {c.name: record_tensor_bytes(contents[i]["server"]) for i, c in enumerate(self.clients)}
+        contents, eval_bytes = self._eval_contents(rnd, task_end=end)
         replies = self._exchange("evaluate", rnd, contents)
         scores: list[list[tuple[str, Optional[float], int]]] = [[] for _ in range(task + 1)]
         self._storage = {}
@@ -658,7 +655,7 @@ class _Site:
     task's)."""
 
     def __init__(self, spec: FlowerSpec, data: "SiteData", cards: list[Card]):
-        self.stream = list(data) if isinstance(data, (list, tuple)) else None
+        self.stream = as_stream(data)
         client = self.stream[0] if self.stream is not None else data
         self.spec, self.client = spec, client
         tasks = [c.domain for c in self.stream] if self.stream is not None else None
@@ -767,6 +764,11 @@ class KeptStores:
 
 SiteData = Union[ClientData, Sequence[ClientData]]  # a site's client, or its task stream (one client per task)
 
+
+def as_stream(data: SiteData) -> Optional[list[ClientData]]:
+    """A site's task stream (its clients in task order), or None for a site with static data."""
+    return list(data) if isinstance(data, (list, tuple)) else None
+
 # (app, run, node) -> the site's method and model, built once per process: a Ray worker keeps it across messages (the
 # ClientApp itself is shipped anew with each message, so the cache cannot live in it)
 _SITES: dict[tuple[str, int, int], _Site] = {}
@@ -792,7 +794,7 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
         key = (token, int(context.run_id), int(context.node_id))
         if key not in _SITES:
             data, cards = load_client(context), cards_from_config(cfg)
-            clients = list(data) if isinstance(data, (list, tuple)) else [data]
+            clients = as_stream(data) or [data]
             mine = [c.index for c in cards if c.name == clients[0].name]
             if len(mine) != 1:
                 raise RuntimeError(f"client {clients[0].name}: not among the federation's sites {[c.name for c in cards]}")
@@ -846,7 +848,7 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
     @app.query("register")
     def register(msg: Message, context: Context) -> Message:
         data = load_client(context)
-        stream = list(data) if isinstance(data, (list, tuple)) else None
+        stream = as_stream(data)
         card = Card.of(stream[0] if stream is not None else data)
         tasks = {"tasks": [c.domain for c in stream], "n_train_tasks": [c.n_train for c in stream]} if stream is not None else {}
         cfg = ConfigRecord({"index": card.index, "name": card.name, "domain": card.domain, "n_train": card.n_train,
@@ -882,9 +884,7 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
         in_order(context, s, rnd, trains=True)
         s.at_round(rnd)
         record = msg.content.array_records["down"]
-        received = record_tensor_bytes(record)
-        if received != int(cfg["sent_bytes"]):
-            raise RuntimeError(f"client {s.client.name}: received {received} tensor bytes of the {cfg['sent_bytes']} sent")
+        received = arrived(s, record, cfg)
         down = {k: v.detach() for k, v in from_record(record, s.client.x_train.device).items()}
         mine, _ = store(context, s, cfg, limit=rnd - 1, trains=rnd)
         counter = FlopCounterMode(display=False) if cfg["count_flops"] else None
@@ -919,9 +919,7 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
                                    f"{max(kept.rounds())} already; refused")
         s.at_round(rnd)
         record = msg.content.array_records["keep"]
-        received = record_tensor_bytes(record)
-        if received != int(cfg["sent_bytes"]):
-            raise RuntimeError(f"client {s.client.name}: received {received} tensor bytes of the {cfg['sent_bytes']} sent")
+        received = arrived(s, record, cfg)
         mine, _ = store(context, s, cfg, limit=rnd)
         s.method.task_end_keep(mine, s.client, from_record(record, s.client.x_train.device))
         keep(context, mine, rnd)
@@ -950,6 +948,14 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
         return Message(RecordDict({CONFIG: MetricRecord(metrics)}), reply_to=msg)
 
     return app
+
+
+def arrived(s: _Site, record: ArrayRecord, cfg: ConfigRecord) -> int:
+    """The tensor bytes of a record as the site received it, checked against what the server says it sent."""
+    received = record_tensor_bytes(record)
+    if received != int(cfg["sent_bytes"]):
+        raise RuntimeError(f"client {s.client.name}: received {received} tensor bytes of the {cfg['sent_bytes']} sent")
+    return received
 
 
 def stream_scores(s: _Site, server: State, store: State, cfg: ConfigRecord, rnd: int) -> dict[str, Any]:
