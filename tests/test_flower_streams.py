@@ -4,6 +4,8 @@ tests/test_deploy.py runs a stream with the deployment's own apps)."""
 
 from __future__ import annotations
 
+from typing import Any, Callable, Optional
+
 import pytest
 import torch
 
@@ -36,12 +38,16 @@ def _stream(n_clients: int = 3):
     return style_stream(n_clients=n_clients, n_train=24, n_test=12, domains=len(NAMES))
 
 
-def _loop(spec: FlowerSpec, sites: list) -> tuple[FlowerRun, LoopGrid]:
-    """The run over a stand-in Grid: node k holds ``sites[k]`` (a stream: its client of each task)."""
-    run = FlowerRun(spec, len(sites))
-    grid = LoopGrid(client_app(spec, lambda ctx: sites[int(ctx.node_config["partition-id"])]), len(sites))
-    run.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
-    return run, grid
+def _loop(spec: FlowerSpec, sites: list, grid: Callable[..., LoopGrid] = LoopGrid, keep: Optional[Callable] = None,
+          run_id: int = 1, **run_kw: Any) -> tuple[FlowerRun, LoopGrid]:
+    """The run (``FlowerRun(spec, ..., **run_kw)``) over a stand-in Grid (``grid(app, n)``) in Flower run ``run_id``:
+    node k holds ``sites[k]`` (a stream: its client of each task); ``keep``: the sites' folders for their stores."""
+    run = FlowerRun(spec, len(sites), **run_kw)
+    g = grid(client_app(spec, lambda ctx: sites[int(ctx.node_config["partition-id"])], keep_dir=keep), len(sites))
+    for c in g.contexts.values():
+        c.run_id = run_id
+    run.main(g, Context(run_id=run_id, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
+    return run, g
 
 
 def _method(name: str, train: TrainParams):
@@ -61,10 +67,8 @@ def test_a_stream_over_flower_gives_the_continual_engines_numbers(name):
     expected = without_timing(reference.run())
     sites = [[tasks[t][k] for t in range(len(NAMES))] for k in range(len(tasks[0]))]
     seen: list = []
-    run = FlowerRun(FlowerSpec.of(_method(name, train), _model, 0), len(sites),
-                    observer=lambda r, c, d, p: seen.append((r, c, sorted(p))) if d == "down" else None)
-    grid = LoopGrid(client_app(run.spec, lambda ctx: sites[int(ctx.node_config["partition-id"])]), len(sites))
-    run.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
+    run, grid = _loop(FlowerSpec.of(_method(name, train), _model, 0), sites,
+                      observer=lambda r, c, d, p: seen.append((r, c, sorted(p))) if d == "down" else None)
     assert isinstance(run.engine, FlowerStream) and run.engine.round == 3 * train.rounds
     got = [{k: v for k, v in h.items() if k not in ("flower_record_bytes", "bytes_eval_down")} for h in without_timing(run.engine.history)]
     assert got == expected
@@ -123,8 +127,6 @@ def test_a_stream_site_refuses_a_task_its_stream_does_not_hold():
     tasks = _stream()
     sites = [[tasks[t][k] for t in range(2)] for k in range(len(tasks[0]))]  # two tasks each
     spec = FlowerSpec.of(_method("fedavg", train), _model, 0)
-    run = FlowerRun(spec, len(sites))
-    app = client_app(spec, lambda ctx: sites[int(ctx.node_config["partition-id"])])
 
     class ThirdTask(LoopGrid):  # a server that asks for a task beyond the sites' streams
         def send_and_receive(self, messages, timeout=None):
@@ -134,7 +136,7 @@ def test_a_stream_site_refuses_a_task_its_stream_does_not_hold():
             return super().send_and_receive(messages, timeout)
 
     with pytest.raises(ClientFailed, match=r"client C0: asked for task 2; its stream holds 2 tasks"):
-        run.main(ThirdTask(app, len(sites)), Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
+        _loop(spec, sites, grid=ThirdTask)
     assert torch.is_tensor(sites[0][0].x_train)
 
 
@@ -153,14 +155,8 @@ def test_a_stream_resumed_after_a_task_end_on_restarted_sites_ends_with_the_unin
             if entry["round"] == down_at:
                 raise ConnectionError("the SuperLink went down")
 
-        run = FlowerRun(spec, len(sites), checkpoint=tmp_path / folder / "checkpoint.pt", config_hash="h", on_round=on_round)
-        app = client_app(spec, lambda ctx: sites[int(ctx.node_config["partition-id"])],
-                         keep_dir=lambda ctx: tmp_path / folder / "sites" / str(ctx.node_id))
-        grid = LoopGrid(app, len(sites))
-        for c in grid.contexts.values():
-            c.run_id = run_id
-        run.main(grid, Context(run_id=run_id, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
-        return run
+        return _loop(spec, sites, keep=lambda ctx: tmp_path / folder / "sites" / str(ctx.node_id), run_id=run_id,
+                     checkpoint=tmp_path / folder / "checkpoint.pt", config_hash="h", on_round=on_round)[0]
 
     whole = attempt("whole", 1).engine.history
     # the same run where the site that sat out task 0's last round restarts between that round's task end and its
@@ -178,11 +174,9 @@ def test_a_stream_resumed_after_a_task_end_on_restarted_sites_ends_with_the_unin
                 self.restarted = True
             return super().send_and_receive(messages, timeout)
 
-    run = FlowerRun(spec, len(sites), checkpoint=tmp_path / "restart" / "checkpoint.pt", config_hash="h")
-    grid = RestartsBeforeEvaluate(client_app(spec, lambda ctx: sites[int(ctx.node_config["partition-id"])],
-                                             keep_dir=lambda ctx: tmp_path / "restart" / "sites" / str(ctx.node_id)), len(sites))
     with caplog.at_level("WARNING", logger="fedsilo.flower"):
-        run.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
+        run, grid = _loop(spec, sites, grid=RestartsBeforeEvaluate, keep=lambda ctx: tmp_path / "restart" / "sites" / str(ctx.node_id),
+                          checkpoint=tmp_path / "restart" / "checkpoint.pt", config_hash="h")
     assert grid.restarted and [h["eval"] for h in run.engine.history] == [h["eval"] for h in whole]
     # (pFedDIL scores a task's end with the federation's model of the family either way: the store it loaded tells)
     loaded = [r.getMessage() for r in caplog.records if "resumed from its store" in r.getMessage()]
@@ -233,9 +227,7 @@ def test_a_stream_site_takes_the_task_from_the_round_and_refuses_a_task_end_out_
             return super().send_and_receive(messages, timeout)
 
     def run(tamper, keep=None):
-        app = client_app(spec, lambda ctx: sites[int(ctx.node_config["partition-id"])], keep_dir=keep)
-        FlowerRun(spec, len(sites)).main(Tampering(app, len(sites), tamper),
-                                         Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
+        _loop(spec, sites, grid=lambda app, n: Tampering(app, n, tamper), keep=keep)
 
     def earlier_task(m):  # task 1's first round (3) announced and trained as task 0
         cfg = m.content.config_records.get("fedsilo")
