@@ -14,9 +14,9 @@ pytest.importorskip("flwr")
 from flwr.app import Context, RecordDict  # noqa: E402
 
 from fedsilo.config import ConfigError, TrainParams  # noqa: E402
-from fedsilo.fl.continual import ContinualEngine, continual_summary, stream_methods  # noqa: E402
+from fedsilo.fl.continual import ContinualEngine, continual_summary  # noqa: E402
 from fedsilo.fl.flower import ClientFailed, FlowerRun, FlowerSpec, FlowerStream, client_app  # noqa: E402
-from fedsilo.methods.registry import REGISTRY  # noqa: E402
+from fedsilo.methods.registry import REGISTRY, stream_methods  # noqa: E402
 from tests.test_flower import LoopGrid, identity  # noqa: E402,F401 - the fixture
 from tests.tiny import style_stream, tiny_net, without_timing  # noqa: E402
 

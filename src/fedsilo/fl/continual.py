@@ -39,8 +39,8 @@ import numpy as np
 
 from fedsilo.client.data import ClientData
 from fedsilo.client.local import score
-from fedsilo.config import ConfigError
 from fedsilo.fl.engine import Engine, payload_bytes, read_only, transfer
+from fedsilo.methods.registry import check_stream_fit
 
 
 class TaskStream:
@@ -56,11 +56,7 @@ class TaskStream:
     per_task: int
 
     def _stream(self, method, tasks: list, task_names: list[str], rounds: int) -> None:
-        if not type(method).task_stream:
-            raise ConfigError(
-                f"methods.{method.key}: {method.name} does not learn a stream of domain tasks; on a domain_incremental "
-                f"split use {', '.join(stream_methods())}"
-            )
+        check_stream_fit(type(method), True, method.key, "the clients hold one (a domain_incremental split)")
         if len(tasks) != len(task_names) or not tasks:
             raise ValueError("one list of clients per task is needed")
         self.tasks, self.task_names, self.per_task = tasks, list(task_names), rounds
@@ -167,12 +163,6 @@ class ContinualEngine(TaskStream, Engine):
                 row.append((c.name, score(probs, c.y_test, probabilities=True)["acc"], len(c.y_test)))
             scores.append(row)
         return stream_eval([c.name for c in self.clients], self.task_names, scores)
-
-
-def stream_methods() -> list[str]:
-    from fedsilo.methods.registry import REGISTRY
-
-    return sorted(n for n, cls in REGISTRY.items() if cls.task_stream)
 
 
 def continual_summary(history: list[dict[str, Any]], task_names: list[str], per_task: int) -> dict[str, Any]:

@@ -32,7 +32,10 @@ it trains under ``<site root>/state/deploy/<federation>/<key>/<site>/`` (:class:
 ``flwr run`` of the same App after the SuperLink, the ServerApp or a site went down resumes after the last
 checkpoint, with the same numbers as an uninterrupted run, in the same MLflow run; another deployment or another
 fedsilo on the coordinator starts afresh (:func:`resume_key`). A finished run removes its checkpoint (running the App
-again trains again, from fresh stores); each site's last store stays until then: its personal model.
+again trains again, from fresh stores); each site's last store stays until then: its personal model. A site whose
+SuperNode goes away during a run (a restart, a lost link: the SuperLink answers for it once it missed its heartbeats)
+is waited for up to ``rejoin-s`` (a run-config key, default 600 s) and sent the round's message again once the
+SuperLink lists it online (the node id its key was registered with); it answers from the store the message names.
 """
 
 from __future__ import annotations
@@ -188,6 +191,7 @@ results-dir = "{results}"
 state-dir = "{state}"  # the ServerApp's checkpoint: a run started again resumes after its last round
 tracking-uri = {tracking}  # MLflow, from the SuperLink's machine ("": none; MLFLOW_TRACKING_URI there wins)
 wait-s = 600.0  # how long the ServerApp waits for every site to connect
+rejoin-s = 600.0  # how long a round waits for a site whose SuperNode went away to come back (0: the run ends)
 """
 
 MODULE_TEXT = '''"""The Flower apps of federation {name}, built from deployment.json beside this file (fedsilo.fl.deploy)."""
@@ -351,6 +355,7 @@ def apps(app_file: Path):
                                           run_id=(resumed or {}).get("mlflow_run_id"))
                 run = FlowerRun(spec, len(roster.sites), roster=roster, wire=wire, on_round=on_round,
                                 wait_s=float(context.run_config.get("wait-s", 600)), checkpoint=checkpoint,
+                                rejoin_s=float(context.run_config.get("rejoin-s", 600)),
                                 config_hash=key, meta={"mlflow_run_id": tracker.run_id})
                 run.main(grid, context)
             finally:

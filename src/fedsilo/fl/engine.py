@@ -31,8 +31,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from fedsilo.client.data import ClientData, to_float
 from fedsilo.client.features import covariance_spectrum
 from fedsilo.client.local import evaluate, evaluate_client, make_generator, predict, score, use_channels_last
-from fedsilo.config import ConfigError, TrainParams
+from fedsilo.config import TrainParams
 from fedsilo.methods.base import Method, State, payload_bytes, spare_copy
+from fedsilo.methods.registry import check_stream_fit
 from fedsilo.utils.io import atomic_file
 
 GC_EVERY = 10  # rounds between full garbage collections
@@ -102,9 +103,8 @@ class Engine:
         meta: Optional[dict[str, Any]] = None,
         external: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ):
-        if type(method).stream_only and not self.stream:
-            raise ConfigError(f"methods.{method.key}: {method.name} learns a stream of domain tasks only; train it on a "
-                              "domain_incremental split")
+        if not self.stream:
+            check_stream_fit(type(method), False, method.key, "these clients hold static data: train it on a domain_incremental split")
         self.method, self.model, self.clients, self.train = method, model, clients, train
         self.external = external  # (uint8 images, labels) of a site that never trains: the external test
         self.seed, self.checkpoint, self.config_hash = seed, checkpoint, config_hash

@@ -82,6 +82,7 @@ from fedsilo.config import ConfigError, TrainParams
 from fedsilo.fl.continual import TaskStream, stream_eval
 from fedsilo.fl.engine import Engine, Observer, PrivacyViolation, eval_summary, refuse_private
 from fedsilo.methods.base import Method, MethodParams, State, payload_bytes
+from fedsilo.methods.registry import check_stream_fit
 
 try:  # the optional extra: pip install "fedsilo[flower]"
     from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -94,6 +95,14 @@ __all__ = ["Card", "ClientFailed", "FlowerRun", "FlowerServer", "FlowerSpec", "F
            "describe", "record_tensor_bytes", "simulate"]
 
 log = logging.getLogger("fedsilo.flower")
+REJOIN_POLL_S = 2.0  # how often a run waiting for a site that went away asks the SuperLink which nodes are online
+
+
+def _node_gone(reply: Message) -> bool:
+    """The SuperLink's error reply for a node that missed its heartbeats (down, or its link lost)."""
+    from flwr.common.constant import ErrorCode
+
+    return reply.has_error() and reply.error.code == ErrorCode.NODE_UNAVAILABLE
 
 STORE = "fedsilo.store"  # the context.state record holding a site's store
 TRAINED = "fedsilo.trained"  # the context.state record holding the last round a site trained
@@ -204,14 +213,9 @@ class FlowerSpec:
         """The engine's refusals, and what the adapter does not carry over, named by key. ``stream``: whether the
         sites hold task streams (None: not known yet, as when the apps are built before any site registered)."""
         m = self.method_cls
-        if stream is False and m.stream_only:
-            raise ConfigError(f"methods.{self.key or m.name}: {m.name} learns a stream of domain tasks only; these sites "
-                              "hold static data (a domain_incremental split at each site gives each a stream)")
-        if stream and not m.task_stream:
-            from fedsilo.fl.continual import stream_methods
-
-            raise ConfigError(f"methods.{self.key or m.name}: {m.name} does not learn a stream of domain tasks; the sites "
-                              f"hold task streams: use one of {', '.join(stream_methods())}")
+        if stream is not None:
+            check_stream_fit(m, stream, self.key or m.name, "the sites hold task streams" if stream else
+                             "these sites hold static data (a domain_incremental split at each site gives each a stream)")
         if self.train.ensemble_test:
             raise ConfigError("train.ensemble_test: the ensemble 'new test' is not run on Flower (it needs every "
                               "site's evaluation model in one place); set it to false")
@@ -241,8 +245,12 @@ class FlowerServer(Engine):
                  observer: Optional[Observer] = None, on_round: Optional[Callable[[dict[str, Any]], None]] = None,
                  device: str = "cpu", wire: Optional[Callable[[dict[str, Any]], None]] = None,
                  checkpoint: Optional[Path] = None, config_hash: str = "", meta: Optional[dict[str, Any]] = None,
-                 tasks: Optional[list[str]] = None):
+                 tasks: Optional[list[str]] = None, rejoin_s: float = 0.0):
         spec.check(stream=tasks is not None)
+        # how long a message waits for a site whose SuperNode went away (a restart, a lost link) to come back online
+        # before the run ends; only a checkpointed run waits: its sites keep their stores on disk, so a restarted site
+        # answers the message again from the store the message names
+        self.rejoin_s = rejoin_s if checkpoint is not None else 0.0
         self.spec, self.grid, self.nodes = spec, grid, nodes  # nodes: client index -> Flower node id
         self.wire = wire  # told of every message sent and received (describe(): keys, shapes, bytes; no values)
         self.train, self.seed = spec.train, spec.seed
@@ -300,27 +308,66 @@ class FlowerServer(Engine):
 
     # ------------------------------------------------------------------ messages
     def _exchange(self, kind: str, rnd: int, contents: dict[int, RecordDict]) -> dict[int, Message]:
-        """Send one message per client index, return the replies by client index; a site's error is raised."""
-        msgs, order = [], []
-        for i, content in contents.items():
-            msgs.append(Message(content, dst_node_id=self.nodes[i], message_type=kind, group_id=str(rnd)))
-            order.append(i)
-        if self.wire:
-            for i, m in zip(order, msgs):
-                self.wire({"round": rnd, "message": kind, "site": self.clients[i].name, "to": "site", **describe(m.content)})
-        by_node = {m.metadata.src_node_id: m for m in self.grid.send_and_receive(msgs)}
+        """Send one message per client index, return the replies by client index; a site's error is raised. A site
+        whose SuperNode went away (the SuperLink answers for it) is waited for up to ``rejoin_s`` and sent the
+        message again once it is back online."""
+        replies = self._send(kind, rnd, contents)
+        deadline = time.monotonic() + self.rejoin_s
+        while gone := [i for i, r in replies.items() if r is not None and _node_gone(r)]:
+            if not self._rejoined(gone, kind, rnd, deadline):
+                break
+            replies.update(self._send(kind, rnd, {i: contents[i] for i in gone}))
         out = {}
-        for i in order:
-            reply = by_node.get(self.nodes[i])
+        for i, reply in replies.items():
             name = self.clients[i].name
             if reply is None:
                 raise ClientFailed(f"client {name}: no reply to {kind} in round {rnd}")
             if reply.has_error():
-                raise ClientFailed(f"client {name}: {kind} in round {rnd} failed: {reply.error.reason}")
+                raise ClientFailed(f"client {name}: {kind} in round {rnd} failed: {reply.error.reason}{self._unavailable(reply)}")
             if self.wire:
                 self.wire({"round": rnd, "message": kind, "site": name, "to": "server", **describe(reply.content)})
             out[i] = reply
         return out
+
+    def _send(self, kind: str, rnd: int, contents: dict[int, RecordDict]) -> dict[int, Optional[Message]]:
+        """One message per client index; each reply matched to the message it answers (None: none came)."""
+        order = list(contents)
+        msgs = [Message(contents[i], dst_node_id=self.nodes[i], message_type=kind, group_id=str(rnd)) for i in order]
+        if self.wire:
+            for i, m in zip(order, msgs):
+                self.wire({"round": rnd, "message": kind, "site": self.clients[i].name, "to": "site", **describe(m.content)})
+        replies = list(self.grid.send_and_receive(msgs))
+        # a reply answers its message; the SuperLink's own error replies (a node that stopped reporting) come from
+        # the SuperLink's node id, so they are matched by the message they answer
+        by_message = {m.metadata.reply_to_message_id: m for m in replies if m.metadata.reply_to_message_id}
+        by_node = {m.metadata.src_node_id: m for m in replies}
+        return {i: (by_message.get(sent.metadata.message_id) if sent.metadata.message_id else None) or by_node.get(self.nodes[i])
+                for i, sent in zip(order, msgs)}
+
+    def _rejoined(self, gone: list[int], kind: str, rnd: int, deadline: float) -> bool:
+        """Waits until the SuperLink lists every site of ``gone`` online again (True) or ``deadline`` passes (False)."""
+        if self.rejoin_s <= 0:
+            return False
+        names = ", ".join(self.clients[i].name for i in gone)
+        log.warning("%s: gone in round %d (%s): the SuperLink heard nothing from its SuperNode; waiting up to %.0f s for it "
+                    "to come back online", names, rnd, kind, max(0.0, deadline - time.monotonic()))
+        while not {self.nodes[i] for i in gone} <= set(self.grid.get_node_ids()):
+            if time.monotonic() > deadline:
+                log.warning("%s: not back online after %.0f s", names, self.rejoin_s)
+                return False
+            time.sleep(REJOIN_POLL_S)
+        log.warning("%s: back online; %s of round %d sent again", names, kind, rnd)
+        return True
+
+    def _unavailable(self, reply: Message) -> str:
+        """What the coordinator does when the SuperLink answered for a site whose SuperNode stopped reporting."""
+        if not _node_gone(reply):
+            return ""
+        waited = f"; not back online within {self.rejoin_s:.0f} s" if self.rejoin_s > 0 else ""
+        again = ("`flwr run` the App again: it resumes after its last checkpoint" if self.checkpoint is not None else
+                 "`flwr run` the App again (it starts afresh: the deployment keeps no checkpoint)")
+        return (f" (the site's SuperNode went down or lost its connection{waited}; once `flwr supernode list` shows it "
+                f"online again, {again})")
 
     def _content(self, rnd: int, arrays: Optional[tuple[str, State]] = None, **extra: Any) -> RecordDict:
         if self.checkpoint is not None:  # where each site's kept store is, and which ones a resume can still need
@@ -457,6 +504,16 @@ class FlowerStream(TaskStream, FlowerServer):
             self._task_end_wire = {}
         return entry
 
+    def _unavailable(self, reply: Message) -> str:
+        """What the coordinator does when the SuperLink answered for a site whose SuperNode stopped reporting."""
+        if not _node_gone(reply):
+            return ""
+        waited = f"; not back online within {self.rejoin_s:.0f} s" if self.rejoin_s > 0 else ""
+        again = ("`flwr run` the App again: it resumes after its last checkpoint" if self.checkpoint is not None else
+                 "`flwr run` the App again (it starts afresh: the deployment keeps no checkpoint)")
+        return (f" (the site's SuperNode went down or lost its connection{waited}; once `flwr supernode list` shows it "
+                f"online again, {again})")
+
     def _content(self, rnd: int, arrays: Optional[tuple[str, State]] = None, **extra: Any) -> RecordDict:
         return super()._content(rnd, arrays, task=int(self.method.task), **extra)
 
@@ -558,14 +615,15 @@ class FlowerRun:
     def __init__(self, spec: FlowerSpec, num_clients: int, observer: Optional[Observer] = None,
                  on_round: Optional[Callable[[dict[str, Any]], None]] = None, wait_s: float = 120.0,
                  roster: Optional[Roster] = None, wire: Optional[Callable[[dict[str, Any]], None]] = None,
-                 checkpoint: Optional[Path] = None, config_hash: str = "", meta: Optional[dict[str, Any]] = None):
+                 checkpoint: Optional[Path] = None, config_hash: str = "", meta: Optional[dict[str, Any]] = None,
+                 rejoin_s: float = 0.0):
         spec.check()
         if roster is not None and len(roster.sites) != num_clients:
             raise ValueError(f"a roster of {len(roster.sites)} sites for a federation of {num_clients}")
         self.spec, self.num_clients, self.observer, self.on_round, self.wait_s = spec, num_clients, observer, on_round, wait_s
         self.roster, self.wire = roster, wire
         # with a checkpoint, the run resumes after the last round it holds under the same config_hash (FlowerServer)
-        self.checkpoint, self.config_hash, self.meta = checkpoint, config_hash, meta
+        self.checkpoint, self.config_hash, self.meta, self.rejoin_s = checkpoint, config_hash, meta, rejoin_s
         self.engine: Optional[FlowerServer] = None
         self.cards: list[dict[str, Any]] = []  # what each site registered with, in client order
         self.app = ServerApp()
@@ -585,8 +643,10 @@ class FlowerRun:
         where: dict[int, int] = {}
         registered: dict[int, dict[str, Any]] = {}
         refused: dict[int, str] = {}
-        for reply in grid.send_and_receive(msgs):
-            node = reply.metadata.src_node_id
+        replies = list(grid.send_and_receive(msgs))
+        sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in msgs if m.metadata.message_id}
+        for reply in replies:
+            node = sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)  # the SuperLink answers for a node gone
             if reply.has_error():
                 raise ClientFailed(f"node {node}: registration failed: {reply.error.reason}")
             cfg = dict(reply.content.config_records[CONFIG])
@@ -634,7 +694,7 @@ class FlowerRun:
     def _server(self, grid: Grid, where: dict[int, int], ordered: list[Card]) -> FlowerServer:
         """The server of the registered sites: static rounds, or a stream when the sites registered task streams."""
         common = {"observer": self.observer, "on_round": self.on_round, "wire": self.wire, "checkpoint": self.checkpoint,
-                  "config_hash": self.config_hash, "meta": self.meta}
+                  "config_hash": self.config_hash, "meta": self.meta, "rejoin_s": self.rejoin_s}
         # a stream site registers its tasks' domains and training counts (client_app's register)
         streams = {c.name: (list(r["tasks"]), list(r["n_train_tasks"])) if "tasks" in r else None for c, r in zip(ordered, self.cards)}
         if all(v is None for v in streams.values()):

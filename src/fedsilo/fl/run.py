@@ -37,6 +37,7 @@ from fedsilo.config import ConfigError, Params
 from fedsilo.fl.continual import ContinualEngine, continual_summary
 from fedsilo.fl.engine import Engine, Observer
 from fedsilo.methods import method_base, resolve_method
+from fedsilo.methods.registry import check_stream_fit
 from fedsilo.models import build_model
 from fedsilo.tracking import Tracker, dvc_hashes, flat_summary, git_commit
 from fedsilo.utils.io import atomic_dir, canonical_hash, clean_stale, file_sha256, read_json, write_json
@@ -151,13 +152,8 @@ def run_training(
             raise FileNotFoundError(f"{p}: missing; run the upstream stages first (`dvc repro`)")
     split = read_json(split_path)
     stream = split.get("protocol") == "domain_incremental"
-    if stream and not type(algo).task_stream:
-        from fedsilo.fl.continual import stream_methods
-
-        raise ConfigError(
-            f"methods.{method}: {method_base(method, params.methods[method])} does not learn a stream of domain tasks; "
-            f"experiments.{experiment} has a domain_incremental split: use one of {', '.join(stream_methods())}"
-        )
+    if stream:
+        check_stream_fit(type(algo), True, method, f"experiments.{experiment} has a domain_incremental split")
     card = read_json(harmonized / "card.json")
     if "data_sha256" in split and split["data_sha256"] != card["sha256"]:
         raise ConfigError(

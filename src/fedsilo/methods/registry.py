@@ -52,6 +52,22 @@ REGISTRY: dict[str, type[Method]] = {
 }
 
 
+def stream_methods() -> list[str]:
+    """The methods that learn a stream of domain tasks (``Method.task_stream``)."""
+    return sorted(n for n, cls in REGISTRY.items() if cls.task_stream)
+
+
+def check_stream_fit(cls: type[Method], stream: bool, key: str, where: str) -> None:
+    """Refuses, naming ``methods.<key>``, a method the data does not fit: a static method on a stream of domain
+    tasks, a stream-only method (``Method.stream_only``) on static clients. ``where`` says what holds the data
+    (engine, train stage, Flower sites each phrase it for their user)."""
+    if stream and not cls.task_stream:
+        raise ConfigError(f"methods.{key}: {cls.name} does not learn a stream of domain tasks; {where}: use one of "
+                          f"{', '.join(stream_methods())}")
+    if not stream and cls.stream_only:
+        raise ConfigError(f"methods.{key}: {cls.name} learns a stream of domain tasks only; {where}")
+
+
 def method_class(name: str) -> type[Method]:
     try:
         return REGISTRY[name]
