@@ -57,15 +57,15 @@ def _free_port() -> int:
 class Federation:
     """The processes of one loopback deployment and the commands the coordinator runs against it."""
 
-    def __init__(self, base: Path):
-        self.base = base
+    def __init__(self, base: Path, host: str = "127.0.0.1"):
+        self.base, self.host = base, host  # the SuperLink's address: loopback here, a network's in scripts/check_deploy_hosts.py
         self.procs: list[tuple[subprocess.Popen, TextIO]] = []
         self.env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
                     "OMP_NUM_THREADS": "1",  # one thread per ClientApp: the engine it is compared with runs one
                     "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
         self.cli_home = base / "coordinator" / "flwr"
         self.port = _free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = f"{host}:{self.port}"
 
     def start(self, name: str, cmd: list[str], cwd: Path, home: Path) -> subprocess.Popen:
         home.mkdir(parents=True, exist_ok=True)
@@ -153,7 +153,7 @@ class Federation:
         answers its health check; the coordinator's flwr CLI connection to it."""
         p = self.start(name, [str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(certs["ca.crt"]), "--ssl-certfile",
                               str(certs["server.pem"]), "--ssl-keyfile", str(certs["server.key"]), "--enable-supernode-auth",
-                              *(["--database", database] if database else []), "--host", "127.0.0.1", "--port", str(self.port),
+                              *(["--database", database] if database else []), "--host", self.host, "--port", str(self.port),
                               "--disable-runtime-dependency-installation"],
                        cwd=coordinator, home=coordinator / "superlink-home")
         self.wait_healthy(certs["ca.crt"])
@@ -175,10 +175,14 @@ class Federation:
     def start_supernodes(self, sites: dict[str, Path], certs: dict[str, Path]) -> None:
         """Each hospital starts its SuperNode with fedsilo's command."""
         for s, params in sites.items():
-            self.start(f"supernode_{s}", [str(BIN / "fedsilo"), "--params", str(params), "--root", str(params.parent), "site",
-                                          "supernode", "--experiment", "site", "--superlink", self.address, "--root-certificates",
-                                          str(certs["ca.crt"]), "--auth-key", str(params.parent / "keys" / s), "--port", str(_free_port())],
-                       cwd=params.parent, home=params.parent / "flwr-home")
+            self.start_supernode(s, params, certs)
+
+    def start_supernode(self, s: str, params: Path, certs: dict[str, Path], log: str = "") -> subprocess.Popen:
+        """Site ``s``'s SuperNode (its key ``keys/<s>``), logging to ``<log or supernode_<s>>.log``."""
+        return self.start(log or f"supernode_{s}", [
+            str(BIN / "fedsilo"), "--params", str(params), "--root", str(params.parent), "site", "supernode", "--experiment", "site",
+            "--superlink", self.address, "--root-certificates", str(certs["ca.crt"]), "--auth-key", str(params.parent / "keys" / s),
+            "--port", str(_free_port())], cwd=params.parent, home=params.parent / "flwr-home")
 
     def stop(self) -> None:
         for p, _ in reversed(self.procs):  # SuperNodes first, the SuperLink last

@@ -1,0 +1,215 @@
+"""A deployment across hosts of their own: the coordinator and three hospitals each in a Linux network namespace
+(its own interfaces, addresses, routes and loopback), joined as a star of point-to-point links (veth pairs), the
+coordinator's SuperLink on an address of its own (10.231.0.1, the certificate's only name), each hospital reaching
+it through its link and nothing else: the coordinator does not forward, so no hospital can reach another.
+
+The deployment is tests/test_deploy_processes.py's (TLS, SuperNode authentication, `fedsilo site supernode`, FedBN
+on three sites' own CheXpert / RSNA / VinBigData mirrors), each process started inside its host's namespace. Checks:
+a hospital reaches the SuperLink and not another hospital; the run completes with the in-process engine's numbers;
+and it reports, per hospital, the bytes that crossed its link (the interface counters on the coordinator's end,
+headers, TLS and Flower's polling included) beside the tensor bytes the run counted for that site, in each direction.
+
+Needs root and iproute2 (`ip netns`). About 3 minutes on 2 cores; not part of the suite (README, "Deploying across
+hospitals", **Across hosts**).
+
+    python scripts/check_deploy_hosts.py /tmp/hosts-check      # a folder that does not exist yet
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.deploy_sites import SITE_SOURCES, make_site  # noqa: E402
+from tests.test_deploy_processes import BIN, REPO_PARAMS, TRAIN, Federation  # noqa: E402
+
+from fedsilo.fl.deploy import deployment_spec, make_certificates, make_node_key  # noqa: E402
+from fedsilo.fl.engine import Engine  # noqa: E402
+from fedsilo.fl.params import load_params  # noqa: E402
+from fedsilo.fl.site import load_site  # noqa: E402
+
+SUPERLINK_IP = "10.231.0.1"
+T0 = time.monotonic()
+
+
+def say(*args: object) -> None:
+    print(f"[{time.monotonic() - T0:6.1f}s]", *args, flush=True)
+
+
+def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(list(cmd), capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+    return r
+
+
+class Hosts:
+    """The namespaces and links: ``coord`` and one namespace per site, site k on 10.231.<k+1>.0/24."""
+
+    def __init__(self, sites: tuple[str, ...]):
+        tag = os.getpid() % 100000
+        self.coord = f"fs{tag}-coord"
+        self.ns = {s: f"fs{tag}-{s[:6]}" for s in sites}
+        self.link = {s: f"fs{tag}c{k}" for k, s in enumerate(sites)}  # the coordinator's end of site s's link
+        self.ip = {s: f"10.231.{k + 1}.2" for k, s in enumerate(sites)}
+
+    def up(self) -> None:
+        sh("ip", "netns", "add", self.coord)
+        sh("ip", "-n", self.coord, "link", "set", "lo", "up")
+        sh("ip", "-n", self.coord, "addr", "add", f"{SUPERLINK_IP}/32", "dev", "lo")  # the SuperLink's own address
+        sh("ip", "netns", "exec", self.coord, "sysctl", "-qw", "net.ipv4.ip_forward=0")
+        for k, (s, ns) in enumerate(self.ns.items()):
+            far = f"{self.link[s]}h"
+            sh("ip", "netns", "add", ns)
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("ip", "link", "add", self.link[s], "netns", self.coord, "type", "veth", "peer", "name", far, "netns", ns)
+            sh("ip", "-n", self.coord, "addr", "add", f"10.231.{k + 1}.1/24", "dev", self.link[s])
+            sh("ip", "-n", ns, "addr", "add", f"{self.ip[s]}/24", "dev", far)
+            sh("ip", "-n", self.coord, "link", "set", self.link[s], "up")
+            sh("ip", "-n", ns, "link", "set", far, "up")
+            sh("ip", "-n", ns, "route", "add", "default", "via", f"10.231.{k + 1}.1")
+
+    def down(self) -> None:
+        for ns in (*self.ns.values(), self.coord):
+            sh("ip", "netns", "del", ns, check=False)
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Bytes on each site's link, seen from the coordinator's end: rx = from the site (up), tx = to it (down)."""
+        out = {}
+        for s, dev in self.link.items():
+            stats = json.loads(sh("ip", "-n", self.coord, "-s", "-j", "link", "show", "dev", dev).stdout)[0]["stats64"]
+            out[s] = {"up": int(stats["rx"]["bytes"]), "down": int(stats["tx"]["bytes"])}
+        return out
+
+    def connects(self, ns: str, ip: str, port: int) -> str:
+        """What a TCP connection from namespace ``ns`` to ip:port gets: 'connected', 'refused' or 'no route'."""
+        code = ("import socket,sys\ntry:\n socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3); print('connected')\n"
+                "except ConnectionRefusedError: print('refused')\nexcept OSError: print('no route')")
+        return sh("ip", "netns", "exec", ns, sys.executable, "-c", code, ip, str(port)).stdout.strip()
+
+
+class HostsFederation(Federation):
+    """Federation whose processes run in the hosts' namespaces: the SuperLink and the coordinator's CLI in
+    ``coord``, each SuperNode in its site's."""
+
+    def __init__(self, base: Path, hosts: Hosts):
+        super().__init__(base, host=SUPERLINK_IP)
+        self.hosts = hosts
+
+    def _ns(self, name: str) -> str:
+        for s, ns in self.hosts.ns.items():
+            if name.startswith(f"supernode_{s}"):
+                return ns
+        return self.hosts.coord
+
+    def start(self, name: str, cmd: list[str], cwd: Path, home: Path) -> subprocess.Popen:
+        return super().start(name, ["ip", "netns", "exec", self._ns(name), *cmd], cwd, home)
+
+    def flwr(self, *args: str, timeout: float = 120) -> dict:
+        r = subprocess.run(["ip", "netns", "exec", self.hosts.coord, str(BIN / "flwr"), *args, "--format", "json"], cwd=self.base,
+                           env={**self.env, "FLWR_HOME": str(self.cli_home)}, capture_output=True, text=True, timeout=timeout)
+        assert r.returncode == 0, f"flwr {' '.join(args)}: {r.stdout}{r.stderr}"
+        return json.loads(r.stdout)
+
+    def wait_healthy(self, ca: Path, limit: float = 60) -> None:
+        deadline = time.monotonic() + limit
+        while sh("ip", "netns", "exec", self.hosts.coord, "curl", "-sf", "--cacert", str(ca), f"https://{self.address}/health",
+                 check=False).returncode != 0:
+            assert time.monotonic() < deadline, f"the SuperLink at {self.address} not healthy after {limit:.0f} s"
+            time.sleep(0.5)
+
+
+def check(base: Path, fed: HostsFederation, hosts: Hosts) -> bool:
+    coordinator = base / "coordinator"
+    coordinator.mkdir()
+    sites = {s: make_site(base / s, s) for s in SITE_SOURCES}
+    cards = {}
+    for s, params in sites.items():
+        fed.fedsilo("--params", str(params), "--root", str(params.parent), "site", "card", "--experiment", "site", cwd=params.parent)
+        cards[s] = json.loads((params.parent / "data/site/site.json").read_text())
+        make_node_key(params.parent / "keys", s)
+    hosts.up()
+    say("hosts:", {"coordinator": SUPERLINK_IP, **hosts.ip})
+    certs = make_certificates(coordinator / "certs", (SUPERLINK_IP,))
+    fed.start_superlink(coordinator, certs)
+    a, b = SITE_SOURCES[0], SITE_SOURCES[1]
+    reach = {"superlink": hosts.connects(hosts.ns[a], SUPERLINK_IP, fed.port)}
+    # something listens on hospital b's address (so 'refused' or 'connected' would mean a's host reaches it)
+    listener = subprocess.Popen(["ip", "netns", "exec", hosts.ns[b], sys.executable, "-c",
+                                 "import socket,time\ns=socket.socket();s.bind(('0.0.0.0',9));s.listen();time.sleep(30)"])
+    time.sleep(1.0)
+    reach["hospital"] = hosts.connects(hosts.ns[a], hosts.ip[b], 9)
+    listener.kill()
+    say(f"from {a}'s host: the SuperLink {reach['superlink']}, {b}'s host: {reach['hospital']}")
+    node_ids = fed.register(sites)
+    fed.start_supernodes(sites, certs)
+    fed.wait_online(3)
+    say("3 SuperNodes online across their links")
+
+    fed_file = coordinator / "federation.yaml"
+    fed_file.write_text(yaml.safe_dump({
+        "name": "three_hosts", "method": "fedbn", "seed": 0, "train": TRAIN, "contract": cards[a]["contract"],
+        "sites": [{"name": cards[s]["site"], "fingerprint": cards[s]["fingerprint"], "node_id": node_ids[s]} for s in SITE_SOURCES]},
+        sort_keys=False))
+    results, app = coordinator / "results", coordinator / "app"
+    fed.fedsilo("--params", str(REPO_PARAMS), "deploy", "app", "--federation", str(fed_file), "--out", str(app),
+                "--results", str(results), "--state", str(coordinator / "state"), cwd=coordinator)
+    before = hosts.counters()
+    t = time.monotonic()
+    run = fed.run(app, ended=lambda: (results / "metrics.json").exists())
+    after, seconds = hosts.counters(), time.monotonic() - t
+    say("run:", run["status"], f"in {seconds:.0f} s")
+    if run["status"] != "finished:completed":
+        say(run.get("status-details"))
+        return False
+
+    history = json.loads((results / "history.json").read_text())
+    spec = deployment_spec(json.loads((app / "deployment.json").read_text()))
+    clients = [load_site(load_params(p), "site", p.parent, torch.device("cpu"), index=k) for k, p in enumerate(sites.values())]
+    torch.set_num_threads(1)  # as each ClientApp (OMP_NUM_THREADS=1)
+    reference = Engine(spec.method(), spec.make_model(), clients, spec.train, seed=0).run()
+    same = [h["eval"] for h in history] == [h["eval"] for h in reference] and \
+        [h["bytes_up"] for h in history] == [h["bytes_up"] for h in reference]
+    say("evaluations and upload bytes equal to the in-process engine's:", same)
+
+    say("per hospital: bytes on its link during the run (from `flwr run` to finished) vs tensor bytes the run counted")
+    for s in SITE_SOURCES:
+        name = cards[s]["site"]
+        up = sum(h["bytes_up"].get(name, 0) for h in history)
+        down = sum(h["bytes_down"].get(name, 0) + h.get("bytes_eval_down", {}).get(name, 0) for h in history)
+        link = {d: after[s][d] - before[s][d] for d in ("up", "down")}
+        say(f"  {name:11s} up: link {link['up']:>10,d}  tensors {up:>10,d}  ({link['up'] / max(up, 1):.2f}x)   "
+            f"down: link {link['down']:>10,d}  tensors {down:>10,d}  ({link['down'] / max(down, 1):.2f}x)")
+    return same and reach == {"superlink": "connected", "hospital": "no route"} and run["status"] == "finished:completed"
+
+
+def main() -> int:
+    if os.geteuid() != 0:
+        print("needs root (ip netns)", file=sys.stderr)
+        return 2
+    base = Path(sys.argv[1])
+    base.mkdir(parents=True, exist_ok=False)
+    hosts = Hosts(SITE_SOURCES)
+    fed = HostsFederation(base, hosts)
+    try:
+        ok = check(base, fed, hosts)
+    finally:
+        parents = [p.pid for p, _ in fed.procs]
+        fed.stop()
+        for pid in parents:
+            subprocess.run(["pkill", "-f", f"flwr-clientapp .*--parent-pid {pid}( |$)"], check=False)
+        hosts.down()
+    print("OK: three hospitals on hosts of their own trained with the engine's numbers" if ok else "FAILED", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
