@@ -195,6 +195,8 @@ class Federation:
                 p.kill()
                 p.wait()
             log.close()
+        for p, _ in self.procs:  # ClientApp processes a SuperNode started while the SuperLink died outlive it: end them
+            subprocess.run(["pkill", "-f", f"flwr-clientapp .*--parent-pid {p.pid}( |$)"], check=False)
 
 
 @pytest.fixture(scope="module")

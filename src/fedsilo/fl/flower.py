@@ -504,16 +504,6 @@ class FlowerStream(TaskStream, FlowerServer):
             self._task_end_wire = {}
         return entry
 
-    def _unavailable(self, reply: Message) -> str:
-        """What the coordinator does when the SuperLink answered for a site whose SuperNode stopped reporting."""
-        if not _node_gone(reply):
-            return ""
-        waited = f"; not back online within {self.rejoin_s:.0f} s" if self.rejoin_s > 0 else ""
-        again = ("`flwr run` the App again: it resumes after its last checkpoint" if self.checkpoint is not None else
-                 "`flwr run` the App again (it starts afresh: the deployment keeps no checkpoint)")
-        return (f" (the site's SuperNode went down or lost its connection{waited}; once `flwr supernode list` shows it "
-                f"online again, {again})")
-
     def _content(self, rnd: int, arrays: Optional[tuple[str, State]] = None, **extra: Any) -> RecordDict:
         return super()._content(rnd, arrays, task=int(self.method.task), **extra)
 
