@@ -40,9 +40,8 @@ echo "== the coordinator: certificates, SuperLink, CLI connection, registrations
 C=$WORK/coordinator
 mkdir -p "$C/flwr"
 fedsilo deploy certs --out "$C/certs" --host 127.0.0.1 --host localhost
-(cd "$C" && FLWR_HOME=$C/superlink-home exec flower-superlink --ssl-ca-certfile certs/ca.crt --ssl-certfile certs/server.pem \
-   --ssl-keyfile certs/server.key --enable-supernode-auth --database superlink.db --host 127.0.0.1 --port "$PORT" \
-   --disable-runtime-dependency-installation) > "$C/superlink.log" 2>&1 &
+(cd "$C" && FLWR_HOME=$C/superlink-home exec fedsilo deploy superlink --certs certs --database superlink.db \
+   --listen "127.0.0.1:$PORT") > "$C/superlink.log" 2>&1 &
 PIDS+=($!)
 for _ in $(seq 60); do curl -sf --cacert "$C/certs/ca.crt" "https://127.0.0.1:$PORT/health" > /dev/null && break; sleep 0.5; done
 export FLWR_HOME=$C/flwr

@@ -29,6 +29,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.deploy_sites import SITE_SOURCES, make_site  # noqa: E402
+from tests.netns_hosts import COORD_IP as SUPERLINK_IP  # noqa: E402
+from tests.netns_hosts import Hosts, sh  # noqa: E402
 from tests.test_deploy_processes import BIN, REPO_PARAMS, TRAIN, Federation  # noqa: E402
 
 from fedsilo.fl.deploy import deployment_spec, make_certificates, make_node_key  # noqa: E402
@@ -36,64 +38,11 @@ from fedsilo.fl.engine import Engine  # noqa: E402
 from fedsilo.fl.params import load_params  # noqa: E402
 from fedsilo.fl.site import load_site  # noqa: E402
 
-SUPERLINK_IP = "10.231.0.1"
 T0 = time.monotonic()
 
 
 def say(*args: object) -> None:
     print(f"[{time.monotonic() - T0:6.1f}s]", *args, flush=True)
-
-
-def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run(list(cmd), capture_output=True, text=True)
-    if check and r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
-    return r
-
-
-class Hosts:
-    """The namespaces and links: ``coord`` and one namespace per site, site k on 10.231.<k+1>.0/24."""
-
-    def __init__(self, sites: tuple[str, ...]):
-        tag = os.getpid() % 100000
-        self.coord = f"fs{tag}-coord"
-        self.ns = {s: f"fs{tag}-{s[:6]}" for s in sites}
-        self.link = {s: f"fs{tag}c{k}" for k, s in enumerate(sites)}  # the coordinator's end of site s's link
-        self.ip = {s: f"10.231.{k + 1}.2" for k, s in enumerate(sites)}
-
-    def up(self) -> None:
-        sh("ip", "netns", "add", self.coord)
-        sh("ip", "-n", self.coord, "link", "set", "lo", "up")
-        sh("ip", "-n", self.coord, "addr", "add", f"{SUPERLINK_IP}/32", "dev", "lo")  # the SuperLink's own address
-        sh("ip", "netns", "exec", self.coord, "sysctl", "-qw", "net.ipv4.ip_forward=0")
-        for k, (s, ns) in enumerate(self.ns.items()):
-            far = f"{self.link[s]}h"
-            sh("ip", "netns", "add", ns)
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-            sh("ip", "link", "add", self.link[s], "netns", self.coord, "type", "veth", "peer", "name", far, "netns", ns)
-            sh("ip", "-n", self.coord, "addr", "add", f"10.231.{k + 1}.1/24", "dev", self.link[s])
-            sh("ip", "-n", ns, "addr", "add", f"{self.ip[s]}/24", "dev", far)
-            sh("ip", "-n", self.coord, "link", "set", self.link[s], "up")
-            sh("ip", "-n", ns, "link", "set", far, "up")
-            sh("ip", "-n", ns, "route", "add", "default", "via", f"10.231.{k + 1}.1")
-
-    def down(self) -> None:
-        for ns in (*self.ns.values(), self.coord):
-            sh("ip", "netns", "del", ns, check=False)
-
-    def counters(self) -> dict[str, dict[str, int]]:
-        """Bytes on each site's link, seen from the coordinator's end: rx = from the site (up), tx = to it (down)."""
-        out = {}
-        for s, dev in self.link.items():
-            stats = json.loads(sh("ip", "-n", self.coord, "-s", "-j", "link", "show", "dev", dev).stdout)[0]["stats64"]
-            out[s] = {"up": int(stats["rx"]["bytes"]), "down": int(stats["tx"]["bytes"])}
-        return out
-
-    def connects(self, ns: str, ip: str, port: int) -> str:
-        """What a TCP connection from namespace ``ns`` to ip:port gets: 'connected', 'refused' or 'no route'."""
-        code = ("import socket,sys\ntry:\n socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3); print('connected')\n"
-                "except ConnectionRefusedError: print('refused')\nexcept OSError: print('no route')")
-        return sh("ip", "netns", "exec", ns, sys.executable, "-c", code, ip, str(port)).stdout.strip()
 
 
 class HostsFederation(Federation):

@@ -5,6 +5,7 @@ apps over a real SuperLink and SuperNodes with TLS and node authentication: test
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -489,3 +490,87 @@ def test_hospitals_with_a_stream_of_domains_learn_it_as_the_continual_engine_doe
     wire = [json.loads(line) for line in (tmp_path / "results/wire.jsonl").read_text().splitlines()]
     ends = [w for w in wire if w["message"] == "query.task_end"]
     assert ends and all(set(w.get("arrays", {})) <= {"keep"} for w in ends)  # the family model to the site, nothing back
+
+
+def _unit(path: Path) -> dict[str, dict[str, str]]:
+    import configparser
+
+    cp = configparser.ConfigParser(interpolation=None, strict=True)
+    cp.optionxform = str  # systemd keys are case-sensitive
+    cp.read_string(path.read_text())
+    return {s: dict(cp[s]) for s in cp.sections()}
+
+
+def _words(line: str) -> list[str]:
+    """A systemd command line or Environment= value back into its words (systemd's quoting, %% and $$ undone)."""
+    import shlex
+
+    return [w.replace("%%", "%").replace("$$", "$") for w in shlex.split(line)]
+
+
+def test_a_site_and_the_superlink_install_as_systemd_services_of_the_commands_they_run(sites, tmp_path, capsys):
+    """`--systemd-unit FILE` writes a service whose command is the fedsilo command itself, with this Python and
+    absolute paths: run from elsewhere, without PATH, it checks the site's data and gives the same flower-supernode
+    command. The SuperNode restarts only once the SuperLink lets its key in again (after Flower's heartbeat patience),
+    never after fedsilo refused its input (exit 2). Missing files are refused by flag and write no unit."""
+    import os
+    import subprocess
+    import sys
+
+    from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
+
+    from fedsilo.cli import main
+    from fedsilo.fl.deploy import make_certificates, make_node_key
+
+    params, root = sites["rsna"], sites["rsna"].parent
+    certs = make_certificates(tmp_path / "certs", ("coordinator.example.org",))
+    key = make_node_key(tmp_path / "keys", "rsna")["rsna"]
+    site = ["--params", str(params), "--root", str(root), "site", "supernode", "--experiment", "site", "--superlink",
+            "coordinator.example.org:9093", "--root-certificates", str(certs["ca.crt"]), "--auth-key", str(key)]
+    unit = tmp_path / "fedsilo-site-rsna.service"
+    assert main([*site, "--systemd-unit", str(unit)]) == 0
+    u = _unit(unit)["Service"]
+    assert _words(u["ExecStart"]) == [sys.executable, "-m", "fedsilo.cli", "--params", str(params.resolve()), "--root",
+                                      str(root.resolve()), *site[4:], "--port", "9094"]
+    assert u["WorkingDirectory"] == str(root.resolve()) and u["User"] == root.owner() and u["Type"] == "exec"
+    assert int(u["RestartSec"]) == HEARTBEAT_PATIENCE * HEARTBEAT_DEFAULT_INTERVAL + 10 > 60
+    assert (u["Restart"], u["RestartPreventExitStatus"]) == ("on-failure", "2")
+    assert dict(w.split("=", 1) for w in _words(u["Environment"])) == {"FLWR_HOME": str(root.resolve() / ".flwr"), "FLWR_TELEMETRY_ENABLED": "0"}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PATH"}
+    r = subprocess.run([*_words(u["ExecStart"]), "--dry-run"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    capsys.readouterr()
+    assert main([*site, "--dry-run"]) == 0
+    assert r.stderr.strip().splitlines()[-1] == capsys.readouterr().err.strip().splitlines()[-1]  # the same flower-supernode command
+
+    # the coordinator's SuperLink: TLS from the certificates, node authentication, its state on disk
+    link = tmp_path / "fedsilo-superlink.service"
+    assert main(["deploy", "superlink", "--certs", str(tmp_path / "certs"), "--database", str(tmp_path / "superlink.db"),
+                 "--systemd-unit", str(link)]) == 0
+    cmd = _words(_unit(link)["Service"]["ExecStart"])
+    assert cmd == [sys.executable, "-m", "fedsilo.cli", "deploy", "superlink", "--certs", str(tmp_path / "certs"), "--database",
+                   str(tmp_path / "superlink.db"), "--listen", "0.0.0.0:9093"]
+    r = subprocess.run([*cmd, "--dry-run"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr.strip().endswith(
+        f"--enable-supernode-auth --database {tmp_path / 'superlink.db'} --host 0.0.0.0 --port 9093 --disable-runtime-dependency-installation"), r.stderr
+
+    # systemd reads both without a complaint (where systemd-analyze is installed)
+    import shutil
+
+    if shutil.which("systemd-analyze"):
+        for f in (unit, link):
+            v = subprocess.run(["systemd-analyze", "verify", str(f)], capture_output=True, text=True, timeout=60)
+            assert str(f) not in v.stdout + v.stderr, v.stdout + v.stderr
+
+    # refused by flag, nothing written
+    for bad, match in (([*site[:-1], str(tmp_path / "keys/nokey")], r"--auth-key: .*nokey: no such file"),
+                       (["deploy", "superlink", "--certs", str(tmp_path / "keys")], r"--certs: .*keys lacks ca.crt, server.pem, server.key"),
+                       (["deploy", "superlink", "--certs", str(tmp_path / "certs"), "--listen", "9093"], r"--listen: '9093'; give host:port")):
+        out = tmp_path / "bad.service"
+        capsys.readouterr()
+        assert main([*bad, "--systemd-unit", str(out)]) == 2
+        assert re.search(match, capsys.readouterr().err) and not out.exists()
+    assert main([*site, "--systemd-unit", str(tmp_path / "no/such/folder/x.service")]) == 2
+    assert "--systemd-unit: " in capsys.readouterr().err

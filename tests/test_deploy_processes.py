@@ -149,12 +149,10 @@ class Federation:
 
     def start_superlink(self, coordinator: Path, certs: dict[str, Path], name: str = "superlink",
                         database: Optional[str] = None) -> subprocess.Popen:
-        """The SuperLink with TLS and SuperNode authentication (its state in memory, or in ``database``), once it
-        answers its health check; the coordinator's flwr CLI connection to it."""
-        p = self.start(name, [str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(certs["ca.crt"]), "--ssl-certfile",
-                              str(certs["server.pem"]), "--ssl-keyfile", str(certs["server.key"]), "--enable-supernode-auth",
-                              *(["--database", database] if database else []), "--host", self.host, "--port", str(self.port),
-                              "--disable-runtime-dependency-installation"],
+        """The SuperLink, started by `fedsilo deploy superlink`: TLS and SuperNode authentication, its state in memory
+        or in ``database``; once it answers its health check, the coordinator's flwr CLI connection to it."""
+        p = self.start(name, [str(BIN / "fedsilo"), "deploy", "superlink", "--certs", str(certs["ca.crt"].parent), "--database",
+                              database or ":memory:", "--listen", f"{self.host}:{self.port}"],  # becomes flower-superlink
                        cwd=coordinator, home=coordinator / "superlink-home")
         self.wait_healthy(certs["ca.crt"])
         self.cli_home.mkdir(parents=True, exist_ok=True)

@@ -225,8 +225,6 @@ def _check(args: argparse.Namespace) -> None:
 
 def _site(args: argparse.Namespace) -> None:
     import json
-    import os
-    import shutil
 
     from fedsilo.fl.site import site_card
     from fedsilo.utils.io import write_json
@@ -241,25 +239,66 @@ def _site(args: argparse.Namespace) -> None:
         print(f"site {card['site']}: {card['n_train']} train / {card['n_val']} val / {card['n_test']} test images{stream}; "
               f"fingerprint {card['fingerprint']} (send {out} to the coordinator)", file=sys.stderr)
         return
-    from fedsilo.fl.deploy import supernode_command
+    from fedsilo.fl.deploy import fedsilo_command, restart_after_s, supernode_command
 
     missing = [f"--{k.replace('_', '-')}" for k in ("superlink", "root_certificates", "auth_key") if not getattr(args, k)]
     if missing:
         raise ConfigError(f"fedsilo site supernode: {', '.join(missing)} required")
+    for flag, f in (("--root-certificates", args.root_certificates), ("--auth-key", args.auth_key)):
+        if not Path(f).is_file():
+            raise ConfigError(f"{flag}: {f}: no such file")
     cmd = supernode_command(Path(args.params), args.experiment, Path(args.root), args.superlink, Path(args.root_certificates),
                             Path(args.auth_key), port=args.port)
     print(f"site {card['site']} (fingerprint {card['fingerprint'][:16]}): {' '.join(cmd)}", file=sys.stderr)
+    root = Path(args.root).resolve()
+    service = fedsilo_command("--params", str(Path(args.params).resolve()), "--root", str(root), "site", "supernode", "--experiment",
+                              args.experiment, "--superlink", args.superlink, "--root-certificates", str(Path(args.root_certificates).resolve()),
+                              "--auth-key", str(Path(args.auth_key).resolve()), "--port", str(args.port))
+    _run_or_install(args, cmd, service, root, f"fedsilo site {card['site']}: Flower SuperNode of the federation at {args.superlink}",
+                    f"site {card['site']}, data fingerprint {card['fingerprint']}; fedsilo checks the data against it at every start",
+                    restart_after_s())
+
+
+def _run_or_install(args: argparse.Namespace, cmd: list[str], service: list[str], workdir: Path, description: str, note: str,
+                    restart_s: int) -> None:
+    """``--systemd-unit FILE``: write a service that runs ``service`` (the fedsilo command that checks, then runs
+    ``cmd``); ``--dry-run``: stop here; else become ``cmd`` (a service manager stops it with SIGTERM)."""
+    import os
+    import shutil
+
+    from fedsilo.fl.deploy import systemd_unit, write_unit
+
+    if args.systemd_unit:
+        env = {"FLWR_HOME": str(workdir / ".flwr"), "FLWR_TELEMETRY_ENABLED": "0"}
+        out = write_unit(Path(args.systemd_unit), systemd_unit(description, service, workdir, restart_s, env, note=note))
+        print(f"{out}: a systemd service ({description}) run as {workdir.owner()} in {workdir}; install: sudo cp {out} "
+              f"/etc/systemd/system/ && sudo systemctl daemon-reload && sudo systemctl enable --now {out.name}")
+        return
     if args.dry_run:
         return
     exe = shutil.which(cmd[0])
     if exe is None:
-        raise ConfigError("flower-supernode: not installed; pip install 'fedsilo[flower]'")
-    os.execv(exe, cmd)  # the SuperNode replaces this process: a service manager stops it with SIGTERM
+        raise ConfigError(f"{cmd[0]}: not installed; pip install 'fedsilo[flower]'")
+    os.execv(exe, cmd)
 
 
 def _deploy(args: argparse.Namespace) -> None:
     from fedsilo.fl import deploy
 
+    if args.action == "superlink":
+        host, _, port = args.listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"--listen: {args.listen!r}; give host:port (0.0.0.0:9093 listens on every address)")
+        database = None if args.database == ":memory:" else Path(args.database)
+        cmd = deploy.superlink_command(Path(args.certs), database, host, int(port))
+        print(f"superlink: {' '.join(cmd)}", file=sys.stderr)
+        certs, state = Path(args.certs).resolve(), str(database.resolve()) if database is not None else ":memory:"
+        service = deploy.fedsilo_command("deploy", "superlink", "--certs", str(certs), "--database", state, "--listen", args.listen)
+        _run_or_install(args, cmd, service, Path.cwd(), f"fedsilo federation SuperLink on {args.listen}",
+                        f"certificates in {certs}; state in {state}", 5)
+        return
+    if not args.out:
+        raise ConfigError(f"fedsilo deploy {args.action}: --out required")
     if args.action == "certs":
         made = deploy.make_certificates(Path(args.out), tuple(args.host or ("127.0.0.1", "localhost")), days=args.days)
         print(f"deploy certs: {', '.join(str(v) for v in made.values())} (the sites and the coordinator's CLI trust ca.crt)")
@@ -433,7 +472,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "  card       print the site's card (counts, contract, data fingerprint: hashes only) and write it to "
         "data/site/<experiment>.json: what the site sends the coordinator\n"
         "  supernode  check the card, then run flower-supernode against the coordinator's SuperLink with TLS and "
-        "the site's authentication key (--dry-run prints the command)")
+        "the site's authentication key (--dry-run prints the command; --systemd-unit FILE writes a service that runs "
+        "this command, restarted after a failure once the SuperLink lets the node in again)")
     s.add_argument("action", choices=["card", "supernode"])
     s.add_argument("--experiment", required=True, help="the site's one-client experiment")
     s.add_argument("--superlink", help="the SuperLink's address, host:port")
@@ -441,15 +481,18 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--auth-key", help="the site's private authentication key (fedsilo deploy key)")
     s.add_argument("--port", type=int, default=9094, help="this SuperNode's Runtime API port on 127.0.0.1 (default 9094)")
     s.add_argument("--dry-run", action="store_true", help="print the flower-supernode command, do not run it")
+    s.add_argument("--systemd-unit", metavar="FILE", help="write a systemd service running this command here, do not run it")
     s.set_defaults(fn=_site)
     s = sub.add_parser(
         "deploy", parents=[common], formatter_class=fmt,
         help="the coordinator's side of a deployment: TLS certificates, site keys, the Flower App of a federation",
         description="  certs  a CA and the SuperLink's TLS certificate for --host names (default 127.0.0.1, localhost)\n"
         "  key    a SuperNode authentication key pair named --name (private key to the site, .pub to the coordinator)\n"
-        "  app    the Flower App of --federation federation.yaml, method params from --params: flwr run it")
-    s.add_argument("action", choices=["certs", "key", "app"])
-    s.add_argument("--out", required=True, help="folder to write (certs, key) or the App folder (app)")
+        "  app    the Flower App of --federation federation.yaml, method params from --params: flwr run it\n"
+        "  superlink  run flower-superlink with TLS from --certs, SuperNode authentication and its state in --database "
+        "(--dry-run prints the command; --systemd-unit FILE writes a service that runs it)")
+    s.add_argument("action", choices=["certs", "key", "app", "superlink"])
+    s.add_argument("--out", help="folder to write (certs, key) or the App folder (app)")
     s.add_argument("--host", action="append", help="certs: an address or DNS name of the SuperLink (repeat)")
     s.add_argument("--days", type=int, default=365, help="certs: validity in days")
     s.add_argument("--name", help="key: the site's name")
@@ -457,6 +500,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--results", help="app: where the ServerApp writes its results (default results/deploy/<federation>/<method>/seed<k> under the SuperLink's folder)")
     s.add_argument("--state", help="app: where the ServerApp keeps its checkpoint, from which a run started again resumes "
                    "(default state/deploy/<federation>/<method>/seed<k> under the SuperLink's folder)")
+    s.add_argument("--certs", default="certs", help="superlink: the folder `deploy certs` wrote (default certs)")
+    s.add_argument("--database", default="superlink.db", help="superlink: the SuperLink's state file, registrations and "
+                   "runs kept across restarts (default superlink.db; ':memory:' keeps none)")
+    s.add_argument("--listen", default="0.0.0.0:9093", help="superlink: host:port of its Fleet and Control APIs (default 0.0.0.0:9093)")
+    s.add_argument("--dry-run", action="store_true", help="superlink: print the flower-superlink command, do not run it")
+    s.add_argument("--systemd-unit", metavar="FILE", help="superlink: write a systemd service running this command here, do not run it")
     s.set_defaults(fn=_deploy)
     s = sub.add_parser("check-params", parents=[common], help="validate params.yaml")
     s.set_defaults(fn=_check)
