@@ -40,8 +40,9 @@ def say(*args: object) -> None:
 
 def ray_start(ns: str, *args: str) -> None:
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    r = subprocess.run(["ip", "netns", "exec", ns, str(BIN / "ray"), "start", "--disable-usage-stats", "--include-dashboard=false",
-                        *args], capture_output=True, text=True, env=env, timeout=180)
+    head = ["--include-dashboard=false"] if "--head" in args else []
+    r = subprocess.run(["ip", "netns", "exec", ns, str(BIN / "ray"), "start", "--disable-usage-stats", *head, *args],
+                       capture_output=True, text=True, env=env, timeout=180)
     if r.returncode != 0:
         raise RuntimeError(f"ray start {' '.join(args)} in {ns}: {r.stdout[-2000:]}{r.stderr[-2000:]}")
 

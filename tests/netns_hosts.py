@@ -27,7 +27,7 @@ class Hosts:
     def __init__(self, members: tuple[str, ...]):
         tag = os.getpid() % 100000
         self.coord = f"fs{tag}-coord"
-        self.ns = {s: f"fs{tag}-{s[:6]}" for s in members}
+        self.ns = {s: f"fs{tag}-{s}" for s in members}
         self.link = {s: f"fs{tag}c{k}" for k, s in enumerate(members)}  # the coordinator's end of member s's link
         self.ip = {s: f"10.231.{k + 1}.2" for k, s in enumerate(members)}
 
