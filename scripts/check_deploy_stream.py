@@ -102,6 +102,10 @@ def check(base: Path, fed: Federation) -> bool:
     fed.poll(lambda: any(n["node-id"] == str(node_ids[RESTARTED]) and n["status"] == "offline"
                          for n in fed.flwr("supernode", "list", CONNECTION)["nodes"]), 180, lambda: False, f"{name} not offline")
     say(name, "listed offline by the SuperLink")
+    status = json.loads(fed.fedsilo("deploy", "status", "--app", str(app), "--connection", CONNECTION, "--json", cwd=coordinator, cli=True))
+    seen = {x["site"]: x["status"] for x in status["sites"]}
+    say("fedsilo deploy status:", seen, "; checkpoint round", (status["checkpoint"] or {}).get("round"))
+    print(fed.fedsilo("deploy", "status", "--app", str(app), "--connection", CONNECTION, cwd=coordinator, cli=True), flush=True)
     fed.start_supernode(RESTARTED, sites[RESTARTED], certs, log=f"supernode_{RESTARTED}_restarted")
     say(name, "SuperNode started again")
 
@@ -138,7 +142,8 @@ def check(base: Path, fed: Federation) -> bool:
     say("the ServerApp's log (flwr log):", waited)
     log = (base / f"supernode_{RESTARTED}_restarted.log").read_text()
     say(name, "restarted SuperNode log mentions its store:", [ln for ln in log.splitlines() if "store" in ln.lower()][:3])
-    return all(same.values()) and only_keep and bool(after) and len(waited) == 2
+    told = seen == {n: "offline" if n == name else "online" for n in HOSPITALS.values()}
+    return all(same.values()) and only_keep and bool(after) and len(waited) == 2 and told
 
 
 def main() -> int:

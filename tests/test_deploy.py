@@ -574,3 +574,36 @@ def test_a_site_and_the_superlink_install_as_systemd_services_of_the_commands_th
         assert re.search(match, capsys.readouterr().err) and not out.exists()
     assert main([*site, "--systemd-unit", str(tmp_path / "no/such/folder/x.service")]) == 2
     assert "--systemd-unit: " in capsys.readouterr().err
+
+
+def test_deployment_status_names_each_sites_node_state_and_the_round_a_run_resumes_after(sites, tmp_path):
+    """Each site as the SuperLink lists its pinned node (online since / offline since, not registered, not pinned),
+    the registered nodes of no site, the checkpoint's round only when it is this deployment's, the results once
+    written; relative folders are the SuperLink's."""
+    from fedsilo.fl.deploy import deployment_status, resume_key
+
+    fed = load_federation(_federation(tmp_path, sites, node_ids={"CheXpert": 11, "RSNA": 12}))
+    write_app(fed, load_params(REPO_PARAMS), tmp_path / "app", results="out/results", state="out/state")
+    nodes = [{"node-id": "11", "status": "online", "online-at": "2026-11-27T10:00:00", "offline-at": ""},
+             {"node-id": "12", "status": "offline", "online-at": "2026-11-27T10:00:00", "offline-at": "2026-11-27T10:05:00"},
+             {"node-id": "99", "status": "registered", "online-at": "", "offline-at": ""},
+             {"node-id": "98", "status": "deleted", "online-at": "", "offline-at": ""}]
+    st = deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)
+    assert [(x["site"], x["node_id"], x["status"], x["since"]) for x in st["sites"]] == [
+        ("CheXpert", 11, "online", "2026-11-27T10:00:00"), ("RSNA", 12, "offline", "2026-11-27T10:05:00"),
+        ("VinBigData", None, "not pinned", None)]
+    assert st["unlisted_nodes"] == [{"node_id": 99, "status": "registered"}] and st["checkpoint"] is None and st["results"] is None
+    assert deployment_status(tmp_path / "app", nodes[2:], superlink_dir=tmp_path)["sites"][0]["status"] == "not registered"
+
+    dep = json.loads((tmp_path / "app/deployment.json").read_text())
+    ckpt = tmp_path / "out/state/checkpoint.pt"
+    ckpt.parent.mkdir(parents=True)
+    torch.save({"config_hash": resume_key(dep), "round": 2, "meta": {}}, ckpt)
+    assert deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)["checkpoint"] == {"round": 2, "path": str(ckpt)}
+    torch.save({"config_hash": "another deployment", "round": 5, "meta": {}}, ckpt)
+    assert deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)["checkpoint"]["other"]
+    (tmp_path / "out/results").mkdir(parents=True)
+    (tmp_path / "out/results/metrics.json").write_text("{}")
+    assert deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)["results"] == str(tmp_path / "out/results")
+    with pytest.raises(ConfigError, match=r"--app: .* holds no deployment.json"):
+        deployment_status(tmp_path, nodes)

@@ -81,8 +81,10 @@ class Federation:
         assert r.returncode == 0, f"flwr {' '.join(args)}: {r.stdout}{r.stderr}"
         return json.loads(r.stdout)
 
-    def fedsilo(self, *args: str, cwd: Path) -> str:
-        r = subprocess.run([str(BIN / "fedsilo"), *args], cwd=cwd, env=self.env, capture_output=True, text=True, timeout=120)
+    def fedsilo(self, *args: str, cwd: Path, cli: bool = False) -> str:
+        """A fedsilo command; ``cli``: with the coordinator's flwr CLI configuration (its SuperLink connection)."""
+        env = {**self.env, "FLWR_HOME": str(self.cli_home)} if cli else self.env
+        r = subprocess.run([str(BIN / "fedsilo"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, f"fedsilo {' '.join(args)}: {r.stdout}{r.stderr}"
         return r.stdout
 
@@ -242,6 +244,13 @@ def test_three_hospitals_train_over_tls_with_registered_nodes_and_only_shared_te
     history = json.loads((results / "history.json").read_text())
     assert metrics["clients"] == ["CheXpert", "RSNA", "VinBigData"] and len(history) == TRAIN["rounds"]
     assert metrics["fingerprints"] == {c["site"]: c["fingerprint"] for c in cards.values()}
+
+    # the coordinator's view: each site's pinned node online at the SuperLink, no checkpoint left, the results written
+    status = json.loads(fed.fedsilo("deploy", "status", "--app", str(coordinator / "app"), "--connection", CONNECTION, "--json",
+                                    cwd=coordinator, cli=True))
+    assert [(x["site"], x["node_id"], x["status"]) for x in status["sites"]] == [
+        (cards[s]["site"], node_ids[s], "online") for s in SITE_SOURCES]
+    assert status["checkpoint"] is None and status["results"] == str(results) and status["unlisted_nodes"] == []
 
     # the engine in this process, on the same three splits: the same evaluations and bytes
     spec = deployment_spec(json.loads((coordinator / "app/deployment.json").read_text()))

@@ -297,6 +297,9 @@ def _deploy(args: argparse.Namespace) -> None:
         _run_or_install(args, cmd, service, Path.cwd(), f"fedsilo federation SuperLink on {args.listen}",
                         f"certificates in {certs}; state in {state}", 5)
         return
+    if args.action == "status":
+        _deploy_status(args)
+        return
     if not args.out:
         raise ConfigError(f"fedsilo deploy {args.action}: --out required")
     if args.action == "certs":
@@ -315,6 +318,44 @@ def _deploy(args: argparse.Namespace) -> None:
                                state=args.state)
         print(f"deploy app: {args.out} ({dep['method']['key']} = {dep['method']['base']}, {len(dep['sites'])} sites, "
               f"{dep['train']['rounds']} rounds); run it with: flwr run {args.out} <connection> --stream")
+
+
+def _deploy_status(args: argparse.Namespace) -> None:
+    import json
+    import shutil
+    import subprocess
+
+    from fedsilo.fl.deploy import deployment_status
+
+    if not args.app:
+        raise ConfigError("fedsilo deploy status: --app required (the App folder `deploy app` wrote)")
+    flwr = shutil.which("flwr")
+    if flwr is None:
+        raise ConfigError("flwr: not installed; pip install 'fedsilo[flower]'")
+    r = subprocess.run([flwr, "supernode", "list", *([args.connection] if args.connection else []), "--format", "json"],
+                       capture_output=True, text=True, timeout=120)
+    try:
+        listed = json.loads(r.stdout)
+    except json.JSONDecodeError:
+        listed = {}
+    if r.returncode != 0 or not listed.get("success"):
+        raise ConfigError(f"flwr supernode list: {(listed.get('error-message') or r.stderr or r.stdout).strip()[-500:]}")
+    st = deployment_status(Path(args.app), listed["nodes"], Path(args.superlink_dir))
+    if args.json:
+        print(json.dumps(st, indent=1))
+        return
+    print(f"federation {st['federation']}: {st['method']}, seed {st['seed']}, {st['rounds']} rounds (per task for a stream)")
+    width = max(len(x["site"]) for x in st["sites"])
+    for x in st["sites"]:
+        since = f" since {x['since']}" if x["since"] else ""
+        print(f"  {x['site']:<{width}}  node {x['node_id'] if x['node_id'] is not None else '-':<20}  {x['status']}{since}")
+    for x in st["unlisted_nodes"]:
+        print(f"  {'(no site)':<{width}}  node {x['node_id']:<20}  {x['status']}: registered, not in this federation")
+    ck = st["checkpoint"]
+    print("checkpoint: " + ("none (not started, or finished)" if ck is None else
+                            f"{ck['path']} written by another deployment or fedsilo (a run starts afresh)" if ck.get("other") else
+                            f"round {ck['round']} ({ck['path']}): `flwr run` of this App resumes after it"))
+    print(f"results: {st['results'] or 'not written yet'}")
 
 
 def _known(argv: list[str]) -> dict[str, list[str]]:
@@ -490,8 +531,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "  key    a SuperNode authentication key pair named --name (private key to the site, .pub to the coordinator)\n"
         "  app    the Flower App of --federation federation.yaml, method params from --params: flwr run it\n"
         "  superlink  run flower-superlink with TLS from --certs, SuperNode authentication and its state in --database "
-        "(--dry-run prints the command; --systemd-unit FILE writes a service that runs it)")
-    s.add_argument("action", choices=["certs", "key", "app", "superlink"])
+        "(--dry-run prints the command; --systemd-unit FILE writes a service that runs it)\n"
+        "  status     where the deployment of --app stands: each site's node online or offline (the SuperLink's, through "
+        "flwr supernode list), the ServerApp's checkpoint round, whether the results are written")
+    s.add_argument("action", choices=["certs", "key", "app", "superlink", "status"])
     s.add_argument("--out", help="folder to write (certs, key) or the App folder (app)")
     s.add_argument("--host", action="append", help="certs: an address or DNS name of the SuperLink (repeat)")
     s.add_argument("--days", type=int, default=365, help="certs: validity in days")
@@ -504,6 +547,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--database", default="superlink.db", help="superlink: the SuperLink's state file, registrations and "
                    "runs kept across restarts (default superlink.db; ':memory:' keeps none)")
     s.add_argument("--listen", default="0.0.0.0:9093", help="superlink: host:port of its Fleet and Control APIs (default 0.0.0.0:9093)")
+    s.add_argument("--app", help="status: the App folder `deploy app` wrote")
+    s.add_argument("--connection", help="status: the flwr CLI's SuperLink connection (default: its default one)")
+    s.add_argument("--superlink-dir", default=".", help="status: the SuperLink's working folder, where a relative state-dir "
+                   "or results-dir is (default .)")
+    s.add_argument("--json", action="store_true", help="status: print JSON")
     s.add_argument("--dry-run", action="store_true", help="superlink: print the flower-superlink command, do not run it")
     s.add_argument("--systemd-unit", metavar="FILE", help="superlink: write a systemd service running this command here, do not run it")
     s.set_defaults(fn=_deploy)

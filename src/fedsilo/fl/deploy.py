@@ -389,6 +389,44 @@ def peek_checkpoint(path: Path, key: str) -> Optional[dict[str, Any]]:
     return {"round": int(ck["round"]), **ck.get("meta", {})}
 
 
+def deployment_status(app: Path, nodes: list[dict[str, Any]], superlink_dir: Path = Path(".")) -> dict[str, Any]:
+    """Where a deployment stands, for its coordinator: each site of the App's ``deployment.json`` with the status the
+    SuperLink gives its pinned node (``nodes``: ``flwr supernode list --format json``'s list), the registered nodes
+    no site is pinned to, the ServerApp's checkpoint (the round a run started again resumes after) and whether the
+    results are written. Relative ``state-dir`` / ``results-dir`` are the SuperLink's: under ``superlink_dir``."""
+    try:
+        import tomllib  # Python 3.11+
+    except ModuleNotFoundError:  # 3.10: the same parser, as Flower's dependency
+        import tomli as tomllib
+
+    app = Path(app)
+    if not (app / "deployment.json").is_file():
+        raise ConfigError(f"--app: {app} holds no deployment.json (make the App with `fedsilo deploy app`)")
+    dep = json.loads((app / "deployment.json").read_text())
+    config = tomllib.loads((app / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["flwr"]["app"]["config"]
+    by_id = {str(n["node-id"]): n for n in nodes}
+    sites = []
+    for s in dep["sites"]:
+        node = by_id.pop(str(s["node_id"]), None) if s.get("node_id") is not None else None
+        status = node["status"] if node else ("not pinned" if s.get("node_id") is None else "not registered")
+        since = (node.get("online-at") if status == "online" else node.get("offline-at")) if node else None
+        sites.append({"site": s["name"], "node_id": s.get("node_id"), "status": status, "since": since or None})
+    other = [{"node_id": int(k), "status": n["status"]} for k, n in by_id.items() if n["status"] != "deleted"]
+
+    def where(key: str) -> Path:
+        path = Path(str(config[key]))
+        return path if path.is_absolute() else Path(superlink_dir) / path
+
+    state, results = where("state-dir"), where("results-dir")
+    ckpt = state / "checkpoint.pt"
+    held = peek_checkpoint(ckpt, resume_key(dep)) if ckpt.exists() else None
+    checkpoint = ({"round": held["round"], "path": str(ckpt)} if held else
+                  {"round": None, "path": str(ckpt), "other": True} if ckpt.exists() else None)
+    return {"federation": dep["federation"], "method": dep["method"]["key"], "seed": dep["seed"], "rounds": dep["train"]["rounds"],
+            "sites": sites, "unlisted_nodes": other, "checkpoint": checkpoint,
+            "results": str(results) if (results / "metrics.json").exists() else None}
+
+
 class _RoundLog:
     def __init__(self, rounds: int, name: str):
         self.rounds, self.name = rounds, name
