@@ -205,6 +205,25 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(site
     assert len(registered) == 3 and all("arrays" not in w for w in registered)  # a registration carries no tensor
     assert sum(w["message"] == "query.register" and w["to"] == "site" for w in wire) == 3
 
+    # each site's own wire log, on its disk: every message it received and every reply it sent, as the coordinator
+    # recorded them for that site (the coordinator's register lines name a node, not yet a site)
+    from fedsilo.fl.deploy import site_keep_dir
+
+    def seen(lines):
+        return [(w["round"], w["message"], w["to"], w.get("arrays"), w.get("tensor_bytes"), w.get("config"), w.get("metrics"))
+                for w in lines]
+
+    keep = site_keep_dir(dep)
+    for ctx in grid.contexts.values():
+        own = [json.loads(x) for x in (keep(ctx) / "wire.jsonl").read_text().splitlines()]
+        name = _card(Path(ctx.node_config["params"]))["site"]
+        assert seen(w for w in own if w["message"] != "query.register") == seen(
+            w for w in wire if w.get("site") == name and w["message"] != "query.register"), name
+        assert [w["to"] for w in own if w["message"] == "query.register"] == ["site", "server"]
+        sent = [w for w in own if w["message"] == "train" and w["to"] == "server"]
+        assert len(sent) == 2 and all(set(w["arrays"]["up"]) and not set(w["arrays"]["up"]) & bn for w in sent)  # no BatchNorm left
+        assert all(w["flower_run"] == 1 for w in own) and len(own) == len([w for w in wire if w.get("site") == name]) + 1
+
 
 @pytest.mark.usefixtures("identity")
 def test_a_deployed_run_that_went_down_resumes_after_its_checkpoint_to_the_uninterrupted_numbers(sites, tmp_path):

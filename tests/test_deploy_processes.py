@@ -274,6 +274,15 @@ def test_three_hospitals_train_over_tls_with_registered_nodes_and_only_shared_te
                if w["to"] == "server" and w["message"] != "train")  # registrations and scores: no tensor at all
     assert [w["tensor_bytes"]["up"] for w in ups] == [h["bytes_up"][s] for h in history for s in h["sampled"]]
 
+    # each hospital's own wire log on its disk (written by its ClientApp processes): its uploads hold the shared keys only
+    for s in SITE_SOURCES:
+        logs = list((sites[s].parent / "state/deploy/three_hospitals").glob("*/wire.jsonl"))
+        assert len(logs) == 1, logs
+        own = [json.loads(line) for line in logs[0].read_text().splitlines()]
+        sent = [w for w in own if w["message"] == "train" and w["to"] == "server"]
+        assert len(sent) == TRAIN["rounds"] and all(set(w["arrays"]["up"]) == shared for w in sent)
+        assert [w["tensor_bytes"]["up"] for w in sent] == [w["tensor_bytes"]["up"] for w in ups if w["site"] == cards[s]["site"]]
+
     # node authentication: the unregistered SuperNode gave up without being let in
     assert intruder.wait(timeout=60) != 0
     assert "Failed to activate SuperNode" in (base / "supernode_stranger.log").read_text()

@@ -372,7 +372,9 @@ def apps(app_file: Path):
             tracker.fail("FAILED")
             raise
 
-    client = client_app(spec, site_client, identify=site_identity, keep_dir=site_keep_dir(dep))
+    keep_dir = site_keep_dir(dep)
+    client = client_app(spec, site_client, identify=site_identity, keep_dir=keep_dir,
+                        wire_log=lambda context: keep_dir(context) / "wire.jsonl")  # the site's own record of what crossed
     return server, client
 
 

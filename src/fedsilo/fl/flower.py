@@ -60,6 +60,7 @@ Not carried over from the engine: the ensemble "new test" and external test site
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -92,7 +93,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     raise ImportError("fedsilo.fl.flower needs Flower: pip install 'fedsilo[flower]' (flwr[simulation])") from err
 
 __all__ = ["Card", "ClientFailed", "FlowerRun", "FlowerServer", "FlowerSpec", "FlowerStream", "KeptStores", "Roster", "SiteRefused", "client_app",
-           "describe", "record_tensor_bytes", "simulate"]
+           "describe", "record_tensor_bytes", "simulate", "site_wire_log"]
 
 log = logging.getLogger("fedsilo.flower")
 REJOIN_POLL_S = 2.0  # how often a run waiting for a site that went away asks the SuperLink which nodes are online
@@ -148,6 +149,35 @@ def describe(content: RecordDict) -> dict[str, Any]:
     for name, rec in content.metric_records.items():
         out.setdefault("metrics", {})[name] = sorted(rec.keys())
     return out
+
+
+def site_wire_log(path_of: Callable[[Context], Path]) -> Callable[..., Message]:
+    """A ClientApp mod (Flower's middleware around every message a site handles) that appends the site's own record
+    of what crossed its link to ``path_of(context)``: one JSON line per message received and per reply sent, as the
+    coordinator's wire log writes them (round, message type, direction, :func:`describe`: keys, dtypes, shapes and
+    tensor bytes, never values; an error reply's reason). A hospital audits what left it from its own disk, without
+    trusting the coordinator's copy."""
+
+    def write(path: Path, line: dict[str, Any]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as fh:  # one write per line, appended: each message is a process of its own on a SuperNode
+            fh.write(json.dumps(line, sort_keys=True) + "\n")
+
+    def mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+        path = path_of(context)
+        group = msg.metadata.group_id
+        head = {"round": int(group) if group.isdigit() else 0, "message": msg.metadata.message_type,
+                "flower_run": int(context.run_id)}
+        write(path, {**head, "to": "site", **(describe(msg.content) if msg.has_content() else {})})
+        try:
+            reply = call_next(msg, context)
+        except BaseException as err:
+            write(path, {**head, "to": "server", "error": f"{type(err).__name__}: {err}"})
+            raise
+        write(path, {**head, "to": "server", **(describe(reply.content) if reply.has_content() else {"error": reply.error.reason})})
+        return reply
+
+    return mod
 
 
 # ---------------------------------------------------------------------------------------------------------- cards
@@ -826,7 +856,8 @@ _SITES: dict[tuple[str, int, int], _Site] = {}
 
 def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
                identify: Optional[Callable[[Context], dict[str, Any]]] = None,
-               keep_dir: Optional[Callable[[Context], Path]] = None) -> ClientApp:
+               keep_dir: Optional[Callable[[Context], Path]] = None,
+               wire_log: Optional[Callable[[Context], Path]] = None) -> ClientApp:
     """The ClientApp of a site: ``load_client(context)`` gives the site's own data (in a simulation, the partition
     named by ``context.node_config['partition-id']``; in a deployment, the site's split). ``identify(context)``, in a
     deployment, adds to the site's registration what the coordinator admits it by (its data fingerprint and
@@ -835,9 +866,10 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
     run, a restarted SuperNode). The site takes its client index from the federation's cards, by name.
 
     ``load_client`` may give a task stream (a list of the site's clients, one per task in task order, each with its
-    task's domain): the site then registers its tasks, and takes part in a :class:`FlowerStream`."""
+    task's domain): the site then registers its tasks, and takes part in a :class:`FlowerStream`. ``wire_log(context)``,
+    in a deployment, is the file of the site's own wire log (:func:`site_wire_log`)."""
     spec.check()
-    app = ClientApp()
+    app = ClientApp(mods=[site_wire_log(wire_log)] if wire_log is not None else None)
     token = uuid.uuid4().hex  # this app's sites in the cache, apart from another app's in the same process
 
     def site(context: Context, cfg: ConfigRecord) -> _Site:
