@@ -603,16 +603,19 @@ def test_deployment_status_names_each_sites_node_state_and_the_round_a_run_resum
 
     fed = load_federation(_federation(tmp_path, sites, node_ids={"CheXpert": 11, "RSNA": 12}))
     write_app(fed, load_params(REPO_PARAMS), tmp_path / "app", results="out/results", state="out/state")
-    nodes = [{"node-id": "11", "status": "online", "online-at": "2026-11-27T10:00:00", "offline-at": ""},
+    nodes = [{"node-id": "11", "status": "online", "online-at": "2026-11-27T10:00:00", "offline-at": "N/A"},
              {"node-id": "12", "status": "offline", "online-at": "2026-11-27T10:00:00", "offline-at": "2026-11-27T10:05:00"},
-             {"node-id": "99", "status": "registered", "online-at": "", "offline-at": ""},
-             {"node-id": "98", "status": "deleted", "online-at": "", "offline-at": ""}]
+             {"node-id": "99", "status": "registered", "online-at": "N/A", "offline-at": "N/A"},
+             {"node-id": "98", "status": "unregistered", "online-at": "N/A", "offline-at": "N/A"}]  # flwr's N/A: no time yet
     st = deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)
     assert [(x["site"], x["node_id"], x["status"], x["since"]) for x in st["sites"]] == [
         ("CheXpert", 11, "online", "2026-11-27T10:00:00"), ("RSNA", 12, "offline", "2026-11-27T10:05:00"),
         ("VinBigData", None, "not pinned", None)]
     assert st["unlisted_nodes"] == [{"node_id": 99, "status": "registered"}] and st["checkpoint"] is None and st["results"] is None
     assert deployment_status(tmp_path / "app", nodes[2:], superlink_dir=tmp_path)["sites"][0]["status"] == "not registered"
+    never = [{**nodes[0], "status": "registered", "online-at": "N/A"}]  # registered, never online yet
+    assert deployment_status(tmp_path / "app", never, superlink_dir=tmp_path)["sites"][0] == {
+        "site": "CheXpert", "node_id": 11, "status": "registered", "since": None}
 
     dep = json.loads((tmp_path / "app/deployment.json").read_text())
     ckpt = tmp_path / "out/state/checkpoint.pt"

@@ -287,12 +287,13 @@ def test_a_site_refuses_to_train_a_round_it_has_trained_or_one_before(identity, 
 
 
 class _GoneGrid(LoopGrid):
-    """Message ids as a real grid sets them when it pushes. Node ``gone``'s SuperNode dies in round ``at``'s training
-    after the site trained and kept its store but before its reply left: the SuperLink answers for it with its own
-    error reply (from the SuperLink's node id, Flower's function) and lists it offline for ``away`` calls of
-    ``get_node_ids``; it comes back with its node state gone (a restarted SuperNode) and only its disk."""
+    """Message ids as a real grid sets them when it pushes. Node ``gone``'s SuperNode dies while it handles round
+    ``at``'s ``kind`` message, after it acted on it (trained and kept its store; scored) but before its reply left:
+    the SuperLink answers for it with its own error reply (from the SuperLink's node id, Flower's function) and
+    lists it offline for ``away`` calls of ``get_node_ids``; it comes back with its node state gone (a restarted
+    SuperNode) and only its disk."""
 
-    gone, at, away = 101, 2, 3
+    gone, at, away, kind = 101, 2, 3, "evaluate"
 
     def __init__(self, app, n: int):
         super().__init__(app, n)
@@ -311,8 +312,8 @@ class _GoneGrid(LoopGrid):
         for m in messages:
             m.metadata.__dict__["_message_id"] = m.object_id
             cfg = m.content.config_records.get(CONFIG, {})
-            if not self.died and m.metadata.dst_node_id == self.gone and m.metadata.message_type == "train" and cfg.get("round") == self.at:
-                super().send_and_receive([m], timeout)  # it trained and kept its store; the reply never left
+            if not self.died and m.metadata.dst_node_id == self.gone and m.metadata.message_type == self.kind and cfg.get("round") == self.at:
+                super().send_and_receive([m], timeout)  # it acted on the message; the reply never left
                 self.died, self.contexts[self.gone].state = True, RecordDict()
                 out.append(create_message_error_unavailable_res_message(m.metadata, "node_unavail"))
             else:
@@ -331,10 +332,11 @@ def _gone_run(tmp_path: Path, name: str, grid_cls=_GoneGrid, **kw) -> tuple[Flow
 
 
 def test_a_site_whose_supernode_went_away_is_waited_for_and_answers_again_from_its_disk(identity, tmp_path, monkeypatch, caplog):
-    """FedBN, checkpointed, sites keeping their stores on disk: a site's SuperNode dies after training round 2, before
-    its reply left. The run waits for the SuperLink to list it again, sends it round 2's training again, and the site,
-    restarted with its node state gone, trains round 2 again from its store of round 1: the uninterrupted run's numbers.
-    The SuperLink's error reply names no site (its sender is the SuperLink): it is matched to the message it answers."""
+    """FedBN, checkpointed, sites keeping their stores on disk: a site's SuperNode dies while it scores round 2,
+    before its reply left. The run waits for the SuperLink to list it again and sends it round 2's evaluation again;
+    the site, restarted with its node state gone, scores with its store of round 2 from its disk: the uninterrupted
+    run's numbers. The SuperLink's error reply names no site (its sender is the SuperLink): it is matched to the
+    message it answers."""
     import fedsilo.fl.flower as flower
 
     monkeypatch.setattr(flower, "REJOIN_POLL_S", 0.01)
@@ -343,19 +345,26 @@ def test_a_site_whose_supernode_went_away_is_waited_for_and_answers_again_from_i
         run, grid = _gone_run(tmp_path, "gone", checkpoint=tmp_path / "gone.pt", config_hash="h", rejoin_s=60)
     assert grid.died and grid.asked == grid.away
     said = [r.getMessage() for r in caplog.records]
-    assert any(m.startswith("D1-0: gone in round 2 (train)") for m in said) and "D1-0: back online; train of round 2 sent again" in said
+    assert any(m.startswith("D1-0: gone in round 2 (evaluate)") for m in said) and "D1-0: back online; evaluate of round 2 sent again" in said
+    assert any(m.startswith("client D1-0: resumed from its store of round 2") for m in said)  # from its disk
     for key in ("sampled", "eval", "bytes_up", "bytes_down", "train_loss"):
         assert [h[key] for h in run.engine.history] == [h[key] for h in whole.engine.history], key
-    assert [k for k, _ in grid.replies].count("train") == 3 * 3 + 1  # the lost reply's training ran twice at the site
+    assert [k for k, _ in grid.replies].count("evaluate") == 3 * 3 + 1  # the lost reply's scoring ran twice at the site
 
-    # not back in time, or not waited for at all (rejoin_s 0; a run without checkpoint never waits: a restarted site
-    # would have lost its store): the run ends naming the site, the round, the reason and what the coordinator does
-    for kw, waited, again in (({"rejoin_s": 0.05}, "; not back online within 0 s", "resumes after its last checkpoint"),
-                              ({"rejoin_s": 0}, "", "resumes after its last checkpoint"), ({"rejoin_s": 60}, "", "starts afresh")):
+    # a training is never sent again within a run (an announce's effect lives in node state, and a site whose link
+    # dropped after it trained refuses the round again); not back in time; rejoin_s 0; a run without checkpoint (a
+    # restarted site would have lost its store: never waited for): the run ends naming the site, the round, the
+    # reason and what the coordinator does
+    for kind, kw, waited, again in (
+            ("train", {"rejoin_s": 60}, "; a site's training is not sent again within a run", "resumes after its last checkpoint"),
+            ("evaluate", {"rejoin_s": 0.05}, "; not back online within 0 s", "resumes after its last checkpoint"),
+            ("evaluate", {"rejoin_s": 0}, "", "resumes after its last checkpoint"),
+            ("evaluate", {"rejoin_s": 60}, "", "starts afresh")):
         monkeypatch.setattr(_GoneGrid, "away", 10**6)
-        checkpoint = {"checkpoint": tmp_path / f"c{len(kw)}{waited[:3]}.pt", "config_hash": "h"} if "afresh" not in again else {}
-        folder = f"fail{kw['rejoin_s']}{again[:3]}"
-        with pytest.raises(ClientFailed, match=r"client D1-0: train in round 2 failed: Error: Node Unavailable .*"
+        monkeypatch.setattr(_GoneGrid, "kind", kind)
+        folder = f"fail-{kind}-{kw['rejoin_s']}-{again[:3]}"
+        checkpoint = {"checkpoint": tmp_path / f"{folder}.pt", "config_hash": "h"} if "afresh" not in again else {}
+        with pytest.raises(ClientFailed, match=rf"client D1-0: {kind} in round 2 failed: Error: Node Unavailable .*"
                                                rf"lost its connection{re.escape(waited)}; once `flwr supernode list` shows it online "
                                                rf"again, `flwr run` the App again.*{again}"):
             _gone_run(tmp_path, folder, **checkpoint, **kw)

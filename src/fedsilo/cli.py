@@ -287,6 +287,7 @@ def _deploy(args: argparse.Namespace) -> None:
 
     if args.action == "superlink":
         host, _, port = args.listen.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")  # [::]:9093: Flower adds the brackets of an IPv6 address itself
         if not host or not port.isdigit():
             raise ConfigError(f"--listen: {args.listen!r}; give host:port (0.0.0.0:9093 listens on every address)")
         database = None if args.database == ":memory:" else Path(args.database)
@@ -332,8 +333,12 @@ def _deploy_status(args: argparse.Namespace) -> None:
     flwr = shutil.which("flwr")
     if flwr is None:
         raise ConfigError("flwr: not installed; pip install 'fedsilo[flower]'")
-    r = subprocess.run([flwr, "supernode", "list", *([args.connection] if args.connection else []), "--format", "json"],
-                       capture_output=True, text=True, timeout=120)
+    try:
+        r = subprocess.run([flwr, "supernode", "list", *([args.connection] if args.connection else []), "--format", "json"],
+                           capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise ConfigError("flwr supernode list: no answer from the SuperLink in 120 s (is it running, and is the "
+                          "connection's address right?)") from None
     try:
         listed = json.loads(r.stdout)
     except json.JSONDecodeError:

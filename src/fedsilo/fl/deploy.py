@@ -34,8 +34,9 @@ checkpoint, with the same numbers as an uninterrupted run, in the same MLflow ru
 fedsilo on the coordinator starts afresh (:func:`resume_key`). A finished run removes its checkpoint (running the App
 again trains again, from fresh stores); each site's last store stays until then: its personal model. A site whose
 SuperNode goes away during a run (a restart, a lost link: the SuperLink answers for it once it missed its heartbeats)
-is waited for up to ``rejoin-s`` (a run-config key, default 600 s) and sent the round's message again once the
-SuperLink lists it online (the node id its key was registered with); it answers from the store the message names.
+is waited for up to ``rejoin-s`` (a run-config key, default 600 s) and sent an evaluation, task end or announcement
+again once the SuperLink lists it online (the node id its key was registered with); it answers from the store the
+message names. A training lost that way ends the run: ``flwr run`` again redoes the round from the checkpoint.
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ results-dir = "{results}"
 state-dir = "{state}"  # the ServerApp's checkpoint: a run started again resumes after its last round
 tracking-uri = {tracking}  # MLflow, from the SuperLink's machine ("": none; MLFLOW_TRACKING_URI there wins)
 wait-s = 600.0  # how long the ServerApp waits for every site to connect
-rejoin-s = 600.0  # how long a round waits for a site whose SuperNode went away to come back (0: the run ends)
+rejoin-s = 600.0  # how long an evaluation / task end waits for a site whose SuperNode went away (0: the run ends)
 """
 
 MODULE_TEXT = '''"""The Flower apps of federation {name}, built from deployment.json beside this file (fedsilo.fl.deploy)."""
@@ -412,8 +413,10 @@ def deployment_status(app: Path, nodes: list[dict[str, Any]], superlink_dir: Pat
         node = by_id.pop(str(s["node_id"]), None) if s.get("node_id") is not None else None
         status = node["status"] if node else ("not pinned" if s.get("node_id") is None else "not registered")
         since = (node.get("online-at") if status == "online" else node.get("offline-at")) if node else None
-        sites.append({"site": s["name"], "node_id": s.get("node_id"), "status": status, "since": since or None})
-    other = [{"node_id": int(k), "status": n["status"]} for k, n in by_id.items() if n["status"] != "deleted"]
+        sites.append({"site": s["name"], "node_id": s.get("node_id"), "status": status,
+                      "since": since if since and since != "N/A" else None})  # flwr writes N/A for a time not reached
+    # a node whose key was unregistered is listed until the SuperLink forgets it: it is no one's
+    other = [{"node_id": int(k), "status": n["status"]} for k, n in by_id.items() if n["status"] not in ("unregistered", "deleted")]
 
     def where(key: str) -> Path:
         path = Path(str(config[key]))
@@ -619,6 +622,8 @@ def _unit_word(arg: str, command: bool = True) -> str:
     double-quoted; ``%`` (a specifier) doubled, and in a command line ``$`` (a variable) too, as systemd reads them."""
     import re
 
+    if "\n" in arg or "\r" in arg:
+        raise ConfigError(f"{arg!r}: a line break cannot be written into a systemd unit")
     arg = arg.replace("%", "%%")
     if command:
         arg = arg.replace("$", "$$")

@@ -97,6 +97,12 @@ __all__ = ["Card", "ClientFailed", "FlowerRun", "FlowerServer", "FlowerSpec", "F
 
 log = logging.getLogger("fedsilo.flower")
 REJOIN_POLL_S = 2.0  # how often a run waiting for a site that went away asks the SuperLink which nodes are online
+# the messages a run sends again to a site that went away and came back: they read the store the message names from
+# the site's disk (evaluate) or write it there whole (task_end), or are repeated as they are (announce). Never a
+# train message: a site that restarted after the round's announce lost what the announce changed (pFedDIL's route),
+# and one whose link dropped after it trained has already trained the round (and refuses it again); the round is
+# redone from the checkpoint by running the App again, as the error says
+RESENDABLE = frozenset({"evaluate", "query.task_end", "query.announce"})
 
 
 def _node_gone(reply: Message) -> bool:
@@ -343,7 +349,7 @@ class FlowerServer(Engine):
         message again once it is back online."""
         replies = self._send(kind, rnd, contents)
         deadline = time.monotonic() + self.rejoin_s
-        while gone := [i for i, r in replies.items() if r is not None and _node_gone(r)]:
+        while (gone := [i for i, r in replies.items() if r is not None and _node_gone(r)]) and kind in RESENDABLE:
             if not self._rejoined(gone, kind, rnd, deadline):
                 break
             replies.update(self._send(kind, rnd, {i: contents[i] for i in gone}))
@@ -353,7 +359,7 @@ class FlowerServer(Engine):
             if reply is None:
                 raise ClientFailed(f"client {name}: no reply to {kind} in round {rnd}")
             if reply.has_error():
-                raise ClientFailed(f"client {name}: {kind} in round {rnd} failed: {reply.error.reason}{self._unavailable(reply)}")
+                raise ClientFailed(f"client {name}: {kind} in round {rnd} failed: {reply.error.reason}{self._unavailable(reply, kind)}")
             if self.wire:
                 self.wire({"round": rnd, "message": kind, "site": name, "to": "server", **describe(reply.content)})
             out[i] = reply
@@ -376,7 +382,7 @@ class FlowerServer(Engine):
 
     def _rejoined(self, gone: list[int], kind: str, rnd: int, deadline: float) -> bool:
         """Waits until the SuperLink lists every site of ``gone`` online again (True) or ``deadline`` passes (False)."""
-        if self.rejoin_s <= 0:
+        if self.rejoin_s <= 0 or time.monotonic() > deadline:  # a node that keeps dropping is not sent the message forever
             return False
         names = ", ".join(self.clients[i].name for i in gone)
         log.warning("%s: gone in round %d (%s): the SuperLink heard nothing from its SuperNode; waiting up to %.0f s for it "
@@ -389,11 +395,12 @@ class FlowerServer(Engine):
         log.warning("%s: back online; %s of round %d sent again", names, kind, rnd)
         return True
 
-    def _unavailable(self, reply: Message) -> str:
+    def _unavailable(self, reply: Message, kind: str) -> str:
         """What the coordinator does when the SuperLink answered for a site whose SuperNode stopped reporting."""
         if not _node_gone(reply):
             return ""
-        waited = f"; not back online within {self.rejoin_s:.0f} s" if self.rejoin_s > 0 else ""
+        waited = (f"; not back online within {self.rejoin_s:.0f} s" if self.rejoin_s > 0 and kind in RESENDABLE
+                  else "; a site's training is not sent again within a run" if self.rejoin_s > 0 else "")
         again = ("`flwr run` the App again: it resumes after its last checkpoint" if self.checkpoint is not None else
                  "`flwr run` the App again (it starts afresh: the deployment keeps no checkpoint)")
         return (f" (the site's SuperNode went down or lost its connection{waited}; once `flwr supernode list` shows it "
