@@ -25,15 +25,14 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.deploy_sites import SITE_SOURCES, make_site  # noqa: E402
+from tests.deploy_sites import SITE_SOURCES  # noqa: E402
 from tests.netns_hosts import COORD_IP as SUPERLINK_IP  # noqa: E402
 from tests.netns_hosts import Hosts, sh  # noqa: E402
-from tests.test_deploy_processes import BIN, REPO_PARAMS, TRAIN, Federation  # noqa: E402
+from tests.test_deploy_processes import BIN, TRAIN, Federation  # noqa: E402
 
-from fedsilo.fl.deploy import deployment_spec, make_certificates, make_node_key  # noqa: E402
+from fedsilo.fl.deploy import deployment_spec, make_certificates  # noqa: E402
 from fedsilo.fl.engine import Engine  # noqa: E402
 from fedsilo.fl.params import load_params  # noqa: E402
 from fedsilo.fl.site import load_site  # noqa: E402
@@ -79,12 +78,7 @@ class HostsFederation(Federation):
 def check(base: Path, fed: HostsFederation, hosts: Hosts) -> bool:
     coordinator = base / "coordinator"
     coordinator.mkdir()
-    sites = {s: make_site(base / s, s) for s in SITE_SOURCES}
-    cards = {}
-    for s, params in sites.items():
-        fed.fedsilo("--params", str(params), "--root", str(params.parent), "site", "card", "--experiment", "site", cwd=params.parent)
-        cards[s] = json.loads((params.parent / "data/site/site.json").read_text())
-        make_node_key(params.parent / "keys", s)
+    sites, cards = fed.hospitals()
     hosts.up()
     say("hosts:", {"coordinator": SUPERLINK_IP, **hosts.ip})
     certs = make_certificates(coordinator / "certs", (SUPERLINK_IP,))
@@ -103,14 +97,8 @@ def check(base: Path, fed: HostsFederation, hosts: Hosts) -> bool:
     fed.wait_online(3)
     say("3 SuperNodes online across their links")
 
-    fed_file = coordinator / "federation.yaml"
-    fed_file.write_text(yaml.safe_dump({
-        "name": "three_hosts", "method": "fedbn", "seed": 0, "train": TRAIN, "contract": cards[a]["contract"],
-        "sites": [{"name": cards[s]["site"], "fingerprint": cards[s]["fingerprint"], "node_id": node_ids[s]} for s in SITE_SOURCES]},
-        sort_keys=False))
-    results, app = coordinator / "results", coordinator / "app"
-    fed.fedsilo("--params", str(REPO_PARAMS), "deploy", "app", "--federation", str(fed_file), "--out", str(app),
-                "--results", str(results), "--state", str(coordinator / "state"), cwd=coordinator)
+    results = coordinator / "results"
+    app = fed.app(coordinator, "three_hosts", "fedbn", cards, node_ids, TRAIN, results=str(results), state=str(coordinator / "state"))
     before = hosts.counters()
     t = time.monotonic()
     run = fed.run(app, ended=lambda: (results / "metrics.json").exists())

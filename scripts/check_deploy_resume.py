@@ -18,11 +18,9 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.deploy_sites import SITE_SOURCES  # noqa: E402
-from tests.test_deploy_processes import CONNECTION, REPO_PARAMS, Federation  # noqa: E402
+from tests.test_deploy_processes import CONNECTION, Federation  # noqa: E402
 
 from fedsilo.fl.deploy import deployment_spec, make_certificates, peek_checkpoint, resume_key  # noqa: E402
 from fedsilo.fl.engine import Engine  # noqa: E402
@@ -48,14 +46,8 @@ def check(base: Path, fed: Federation) -> bool:
     fed.wait_online(3)
     say("3 SuperNodes online")
 
-    fed_file = coordinator / "federation.yaml"
-    fed_file.write_text(yaml.safe_dump({
-        "name": "three_hospitals", "method": "fedbn", "seed": 0, "train": TRAIN, "contract": cards["rsna"]["contract"],
-        "sites": [{"name": cards[s]["site"], "fingerprint": cards[s]["fingerprint"], "node_id": node_ids[s]} for s in SITE_SOURCES]},
-        sort_keys=False))
-    results, app = coordinator / "results", coordinator / "app"
-    fed.fedsilo("--params", str(REPO_PARAMS), "deploy", "app", "--federation", str(fed_file), "--out", str(app),
-                "--results", str(results), "--state", str(coordinator / "state"), cwd=coordinator)
+    results = coordinator / "results"
+    app = fed.app(coordinator, "three_hospitals", "fedbn", cards, node_ids, TRAIN, results=str(results), state=str(coordinator / "state"))
     dep = json.loads((app / "deployment.json").read_text())
     ckpt, key = coordinator / "state" / "checkpoint.pt", resume_key(dep)
 

@@ -73,14 +73,9 @@ def check(base: Path, fed: Federation) -> bool:
     params = yaml.safe_load(REPO_PARAMS.read_text())
     params["methods"]["pfeddil"] = {"lam": 0.5}
     (coordinator / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    fed_file = coordinator / "federation.yaml"
-    fed_file.write_text(yaml.safe_dump({
-        "name": "stream_hospitals", "method": "pfeddil", "seed": 0, "train": TRAIN, "contract": cards["hospital_a"]["contract"],
-        "sites": [{"name": c["site"], "fingerprint": c["fingerprint"], "node_id": node_ids[s]} for s, c in cards.items()]},
-        sort_keys=False))
-    results, app = coordinator / "results", coordinator / "app"
-    fed.fedsilo("--params", str(coordinator / "params.yaml"), "deploy", "app", "--federation", str(fed_file), "--out", str(app),
-                "--results", str(results), "--state", str(coordinator / "state"), cwd=coordinator)
+    results = coordinator / "results"
+    app = fed.app(coordinator, "stream_hospitals", "pfeddil", cards, node_ids, TRAIN, params=coordinator / "params.yaml",
+                  results=str(results), state=str(coordinator / "state"))
     rid = fed.flwr("run", str(app), CONNECTION)["run-id"]
     say("run", rid, "started")
 

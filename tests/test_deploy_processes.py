@@ -184,6 +184,20 @@ class Federation:
             "--superlink", self.address, "--root-certificates", str(certs["ca.crt"]), "--auth-key", str(params.parent / "keys" / s),
             "--port", str(_free_port())], cwd=params.parent, home=params.parent / "flwr-home")
 
+    def app(self, coordinator: Path, name: str, method: str, cards: dict[str, dict], node_ids: dict[str, int], train: dict,
+            params: Path = REPO_PARAMS, **out: str) -> Path:
+        """The coordinator's federation.yaml (the sites in ``cards``' order, each pinned to its registered node) and
+        the App `fedsilo deploy app` builds from it into ``coordinator/app``; ``out``: --results, --state."""
+        fed_file = coordinator / "federation.yaml"
+        fed_file.write_text(yaml.safe_dump({
+            "name": name, "method": method, "seed": 0, "train": train, "contract": next(iter(cards.values()))["contract"],
+            "sites": [{"name": c["site"], "fingerprint": c["fingerprint"], "node_id": node_ids[s]} for s, c in cards.items()]},
+            sort_keys=False))
+        flags = [a for k, v in out.items() for a in (f"--{k}", v)]
+        self.fedsilo("--params", str(params), "deploy", "app", "--federation", str(fed_file), "--out", str(coordinator / "app"),
+                     *flags, cwd=coordinator)
+        return coordinator / "app"
+
     def stop(self) -> None:
         for p, _ in reversed(self.procs):  # SuperNodes first, the SuperLink last
             if p.poll() is None:
@@ -229,14 +243,9 @@ def test_three_hospitals_train_over_tls_with_registered_nodes_and_only_shared_te
     fed.wait_online(3)
 
     # --- the federation file and its App; the run
-    fed_file = coordinator / "federation.yaml"
-    fed_file.write_text(yaml.safe_dump({
-        "name": "three_hospitals", "method": "fedbn", "seed": 0, "train": TRAIN, "contract": cards["rsna"]["contract"],
-        "sites": [{"name": cards[s]["site"], "fingerprint": cards[s]["fingerprint"], "node_id": node_ids[s]} for s in SITE_SOURCES]},
-        sort_keys=False))
     results = coordinator / "results"
-    fed.fedsilo("--params", str(REPO_PARAMS), "deploy", "app", "--federation", str(fed_file), "--out", str(coordinator / "app"),
-                "--results", str(results), cwd=coordinator)
+    fed.app(coordinator, "three_hospitals", "fedbn", cards, node_ids, TRAIN, results=str(results))
+    fed_file = coordinator / "federation.yaml"
     run = fed.run(coordinator / "app", ended=lambda: (results / "metrics.json").exists())
     assert run["status"] == "finished:completed", run
 
