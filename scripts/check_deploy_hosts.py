@@ -24,18 +24,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.deploy_sites import SITE_SOURCES  # noqa: E402
 from tests.netns_hosts import COORD_IP as SUPERLINK_IP  # noqa: E402
 from tests.netns_hosts import Hosts, sh  # noqa: E402
-from tests.test_deploy_processes import BIN, TRAIN, Federation  # noqa: E402
+from tests.test_deploy_processes import BIN, TRAIN, Federation, engine_history  # noqa: E402
 
-from fedsilo.fl.deploy import deployment_spec, make_certificates  # noqa: E402
-from fedsilo.fl.engine import Engine  # noqa: E402
-from fedsilo.fl.params import load_params  # noqa: E402
-from fedsilo.fl.site import load_site  # noqa: E402
+from fedsilo.fl.deploy import make_certificates  # noqa: E402
 
 T0 = time.monotonic()
 
@@ -109,10 +104,7 @@ def check(base: Path, fed: HostsFederation, hosts: Hosts) -> bool:
         return False
 
     history = json.loads((results / "history.json").read_text())
-    spec = deployment_spec(json.loads((app / "deployment.json").read_text()))
-    clients = [load_site(load_params(p), "site", p.parent, torch.device("cpu"), index=k) for k, p in enumerate(sites.values())]
-    torch.set_num_threads(1)  # as each ClientApp (OMP_NUM_THREADS=1)
-    reference = Engine(spec.method(), spec.make_model(), clients, spec.train, seed=0).run()
+    reference = engine_history(app, sites)
     same = [h["eval"] for h in history] == [h["eval"] for h in reference] and \
         [h["bytes_up"] for h in history] == [h["bytes_up"] for h in reference]
     say("evaluations and upload bytes equal to the in-process engine's:", same)

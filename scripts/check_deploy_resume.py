@@ -17,15 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.test_deploy_processes import CONNECTION, Federation  # noqa: E402
+from tests.test_deploy_processes import CONNECTION, Federation, engine_history  # noqa: E402
 
-from fedsilo.fl.deploy import deployment_spec, make_certificates, peek_checkpoint, resume_key  # noqa: E402
-from fedsilo.fl.engine import Engine  # noqa: E402
-from fedsilo.fl.params import load_params  # noqa: E402
-from fedsilo.fl.site import load_site  # noqa: E402
+from fedsilo.fl.deploy import make_certificates, peek_checkpoint, resume_key  # noqa: E402
 
 TRAIN = {"model": "simple_cnn", "rounds": 3, "batch_size": 8, "lr": 0.05, "device": "cpu"}
 T0 = time.monotonic()
@@ -72,10 +67,7 @@ def check(base: Path, fed: Federation) -> bool:
     say("second run:", run["status"])
 
     history = json.loads((results / "history.json").read_text())
-    spec = deployment_spec(dep)
-    clients = [load_site(load_params(p), "site", p.parent, torch.device("cpu"), index=k) for k, p in enumerate(sites.values())]
-    torch.set_num_threads(1)  # as each ClientApp (OMP_NUM_THREADS=1)
-    reference = Engine(spec.method(), spec.make_model(), clients, spec.train, seed=0).run()
+    reference = engine_history(app, sites)
     same = [h["eval"] for h in history] == [h["eval"] for h in reference] and \
         [h["bytes_up"] for h in history] == [h["bytes_up"] for h in reference]
     say("rounds", [h["round"] for h in history], "equal to the in-process engine's:", same)

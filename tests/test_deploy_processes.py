@@ -54,6 +54,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def engine_history(app: Path, sites: dict[str, Path]) -> list[dict]:
+    """The in-process engine's history of the App's deployment on the sites' own splits (in ``sites``' order, the
+    federation's), on one thread as each ClientApp runs (OMP_NUM_THREADS=1): what a deployed run must equal."""
+    spec = deployment_spec(json.loads((app / "deployment.json").read_text()))
+    clients = [load_site(load_params(p), "site", p.parent, torch.device("cpu"), index=k) for k, p in enumerate(sites.values())]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return Engine(spec.method(), spec.make_model(), clients, spec.train, seed=0).run()
+    finally:
+        torch.set_num_threads(threads)
+
+
 class Federation:
     """The processes of one loopback deployment and the commands the coordinator runs against it."""
 
@@ -262,14 +275,8 @@ def test_three_hospitals_train_over_tls_with_registered_nodes_and_only_shared_te
     assert status["checkpoint"] is None and status["results"] == str(results) and status["unlisted_nodes"] == []
 
     # the engine in this process, on the same three splits: the same evaluations and bytes
+    reference = engine_history(coordinator / "app", sites)
     spec = deployment_spec(json.loads((coordinator / "app/deployment.json").read_text()))
-    clients = [load_site(load_params(p), "site", p.parent, torch.device("cpu"), index=k) for k, p in enumerate(sites.values())]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        reference = Engine(spec.method(), spec.make_model(), clients, spec.train, seed=0).run()
-    finally:
-        torch.set_num_threads(threads)
     assert [h["eval"] for h in history] == [h["eval"] for h in reference]
     assert [h["bytes_up"] for h in history] == [h["bytes_up"] for h in reference]
 
