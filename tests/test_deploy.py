@@ -629,3 +629,132 @@ def test_deployment_status_names_each_sites_node_state_and_the_round_a_run_resum
     assert deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)["results"] == str(tmp_path / "out/results")
     with pytest.raises(ConfigError, match=r"--app: .* holds no deployment.json"):
         deployment_status(tmp_path, nodes)
+
+
+def _tls_handshake(cert: Path, key: Path, ca: Path, hostname: str) -> str:
+    """A TLS server on loopback with ``cert``/``key``; a client trusting ``ca`` only dials it as ``hostname`` (the
+    name check included, as a SuperNode's gRPC channel does). Returns the subject the client saw."""
+    import socket
+    import ssl
+    import threading
+
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+    client_ctx = ssl.create_default_context(cafile=str(ca))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def serve():
+            conn, _ = listener.accept()
+            try:
+                with server_ctx.wrap_socket(conn, server_side=True) as tls:
+                    tls.recv(1)
+            except (ssl.SSLError, OSError):
+                pass
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+                    client_ctx.wrap_socket(raw, server_hostname=hostname) as tls:
+                subject = dict(x[0] for x in tls.getpeercert()["subject"])["commonName"]
+                tls.send(b"x")
+        finally:
+            t.join(timeout=10)
+    return subject
+
+
+def test_credentials_are_checked_before_flower_starts_and_the_superlinks_certificate_renews_without_touching_the_sites(
+        sites, tmp_path, capsys):
+    """Flower ends every failed start with exit status 1, so fedsilo checks the credentials first and refuses by flag
+    (exit 2, which its systemd units never restart): an expired or not-yet-valid certificate, a server key that is
+    not the certificate's, a certificate not signed by the CA, a site given server.pem as its CA, a key that is no
+    OpenSSH elliptic-curve key. Within 30 days of an expiry both parties warn. `deploy certs --renew` signs a new
+    SuperLink certificate with the CA in the folder (same names, the old pair kept as .old) and a client that trusts
+    only the unchanged ca.crt completes a real TLS handshake with it."""
+    import datetime
+    import shutil
+    import ssl
+
+    from cryptography import x509
+
+    from fedsilo.cli import _certificates_status, main
+    from fedsilo.fl.deploy import (
+        check_site_credentials,
+        check_superlink_certificates,
+        make_certificates,
+        make_node_key,
+        renew_server_certificate,
+    )
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certs = tmp_path / "certs"
+    assert main(["deploy", "certs", "--out", str(certs), "--host", "coordinator.example.org", "--host", "10.0.0.5",
+                 "--days", "20"]) == 0
+    ca_bytes, old_pem = (certs / "ca.crt").read_bytes(), (certs / "server.pem").read_bytes()
+    ca = x509.load_pem_x509_certificate(ca_bytes)
+    assert 3649 <= (ca.not_valid_after_utc - now).days <= 3650  # the CA outlives many server certificates
+    checked = check_superlink_certificates(certs)
+    assert len(checked["warnings"]) == 1 and "the SuperLink's certificate" in checked["warnings"][0]
+    assert "expires in 19 days" in checked["warnings"][0] and "fedsilo deploy certs --renew" in checked["warnings"][0]
+    capsys.readouterr()
+    superlink = ["deploy", "superlink", "--certs", str(certs), "--database", ":memory:", "--dry-run"]
+    assert main(superlink) == 0 and "warning: the SuperLink's certificate" in capsys.readouterr().err
+    assert _tls_handshake(certs / "server.pem", certs / "server.key", certs / "ca.crt", "coordinator.example.org") == "coordinator.example.org"
+
+    # renewed: the same names, a year, the CA untouched; a client trusting the old ca.crt accepts it, by name
+    assert main(["deploy", "certs", "--renew", "--out", str(certs)]) == 0
+    assert "restart the SuperLink" in capsys.readouterr().out
+    assert (certs / "ca.crt").read_bytes() == ca_bytes and (certs / "server.pem.old").read_bytes() == old_pem
+    new = x509.load_pem_x509_certificate((certs / "server.pem").read_bytes())
+    names = new.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["coordinator.example.org"]
+    assert [str(a) for a in names.get_values_for_type(x509.IPAddress)] == ["10.0.0.5"]
+    assert (certs / "server.key").stat().st_mode & 0o777 == 0o600 and not list(certs.glob(".*renewing"))
+    assert check_superlink_certificates(certs)["warnings"] == []
+    assert _tls_handshake(certs / "server.pem", certs / "server.key", tmp_path / "certs" / "ca.crt", "coordinator.example.org")
+    with pytest.raises(ssl.SSLCertVerificationError):  # the name check is real
+        _tls_handshake(certs / "server.pem", certs / "server.key", certs / "ca.crt", "elsewhere.example.org")
+
+    # refused by flag, at the coordinator
+    with pytest.raises(ConfigError, match=r"--certs: .*server\.pem expired on"):
+        check_superlink_certificates(certs, now=now + datetime.timedelta(days=400))
+    with pytest.raises(ConfigError, match=r"--certs: .*ca\.crt is valid only from .*clock"):
+        check_superlink_certificates(certs, now=now - datetime.timedelta(days=1))
+    assert _certificates_status(certs)["warnings"] == [] and _certificates_status(tmp_path / "keys") is None
+    good_key = (certs / "server.key").read_bytes()
+    shutil.copy(certs / "server.key.old", certs / "server.key")
+    capsys.readouterr()
+    assert main(superlink) == 2 and re.search(r"--certs: .*server\.key is not the key of .*server\.pem", capsys.readouterr().err)
+    assert "is not the key of" in _certificates_status(certs)["problem"]
+    (certs / "server.key").write_bytes(good_key)
+    other = make_certificates(tmp_path / "other", ("coordinator.example.org",))
+    shutil.copy(other["ca.crt"], certs / "ca.crt")
+    with pytest.raises(ConfigError, match=r"--certs: .*server\.pem is not signed by .*ca\.crt"):
+        check_superlink_certificates(certs)
+    (certs / "ca.crt").write_bytes(ca_bytes)
+    # the CA must outlive what it signs
+    short = make_certificates(tmp_path / "short", ("localhost",), days=5, ca_days=10)
+    with pytest.raises(ConfigError, match=r"--days: 30; the federation CA .* expires on"):
+        renew_server_certificate(short["ca.crt"].parent, days=30)
+    with pytest.raises(ConfigError, match=r"--ca-days: 10; the CA must stay valid"):
+        make_certificates(tmp_path / "short2", ("localhost",), days=30, ca_days=10)
+
+    # at a site
+    key = make_node_key(tmp_path / "keys", "rsna")["rsna"]
+    assert check_site_credentials(certs / "ca.crt", key) == []
+    assert "the federation CA" in check_site_credentials(certs / "ca.crt", key, now=now + datetime.timedelta(days=3640))[0]
+    with pytest.raises(ConfigError, match=r"--root-certificates: .*ca\.crt expired on"):
+        check_site_credentials(certs / "ca.crt", key, now=now + datetime.timedelta(days=3651))
+    with pytest.raises(ConfigError, match=r"--root-certificates: .*server\.pem is not a CA certificate"):
+        check_site_credentials(certs / "server.pem", key)
+    with pytest.raises(ConfigError, match=r"--auth-key: .*is not an unencrypted OpenSSH private key"):
+        check_site_credentials(certs / "ca.crt", certs / "server.key")  # a PEM key, not the node key
+    garbage = tmp_path / "garbage.key"
+    garbage.write_text("not a key\n")
+    site = ["--params", str(sites["rsna"]), "--root", str(sites["rsna"].parent), "site", "supernode", "--experiment", "site",
+            "--superlink", "coordinator.example.org:9093", "--root-certificates", str(certs / "ca.crt"), "--auth-key", str(garbage),
+            "--dry-run"]
+    capsys.readouterr()
+    assert main(site) == 2 and re.search(r"--auth-key: .*garbage\.key is not an unencrypted OpenSSH", capsys.readouterr().err)
+    assert main([*site[:-2], str(key), "--dry-run"]) == 0

@@ -273,6 +273,7 @@ def test_three_hospitals_train_over_tls_with_registered_nodes_and_only_shared_te
     assert [(x["site"], x["node_id"], x["status"]) for x in status["sites"]] == [
         (cards[s]["site"], node_ids[s], "online") for s in SITE_SOURCES]
     assert status["checkpoint"] is None and status["results"] == str(results) and status["unlisted_nodes"] == []
+    assert status["certificates"]["folder"] == "certs" and status["certificates"]["warnings"] == []  # a year left
 
     # the engine in this process, on the same three splits: the same evaluations and bytes
     reference = engine_history(coordinator / "app", sites)

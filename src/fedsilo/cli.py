@@ -239,7 +239,7 @@ def _site(args: argparse.Namespace) -> None:
         print(f"site {card['site']}: {card['n_train']} train / {card['n_val']} val / {card['n_test']} test images{stream}; "
               f"fingerprint {card['fingerprint']} (send {out} to the coordinator)", file=sys.stderr)
         return
-    from fedsilo.fl.deploy import fedsilo_command, restart_after_s, supernode_command
+    from fedsilo.fl.deploy import check_site_credentials, fedsilo_command, restart_after_s, supernode_command
 
     missing = [f"--{k.replace('_', '-')}" for k in ("superlink", "root_certificates", "auth_key") if not getattr(args, k)]
     if missing:
@@ -247,6 +247,8 @@ def _site(args: argparse.Namespace) -> None:
     for flag, f in (("--root-certificates", args.root_certificates), ("--auth-key", args.auth_key)):
         if not Path(f).is_file():
             raise ConfigError(f"{flag}: {f}: no such file")
+    for warning in check_site_credentials(Path(args.root_certificates), Path(args.auth_key)):
+        print(warning, file=sys.stderr)
     cmd = supernode_command(Path(args.params), args.experiment, Path(args.root), args.superlink, Path(args.root_certificates),
                             Path(args.auth_key), port=args.port)
     print(f"site {card['site']} (fingerprint {card['fingerprint'][:16]}): {' '.join(cmd)}", file=sys.stderr)
@@ -292,6 +294,8 @@ def _deploy(args: argparse.Namespace) -> None:
             raise ConfigError(f"--listen: {args.listen!r}; give host:port (0.0.0.0:9093 listens on every address)")
         database = None if args.database == ":memory:" else Path(args.database)
         cmd = deploy.superlink_command(Path(args.certs), database, host, int(port))
+        for warning in deploy.check_superlink_certificates(Path(args.certs))["warnings"]:
+            print(warning, file=sys.stderr)
         print(f"superlink: {' '.join(cmd)}", file=sys.stderr)
         certs, state = Path(args.certs).resolve(), str(database.resolve()) if database is not None else ":memory:"
         service = deploy.fedsilo_command("deploy", "superlink", "--certs", str(certs), "--database", state, "--listen", args.listen)
@@ -303,8 +307,13 @@ def _deploy(args: argparse.Namespace) -> None:
         return
     if not args.out:
         raise ConfigError(f"fedsilo deploy {args.action}: --out required")
-    if args.action == "certs":
-        made = deploy.make_certificates(Path(args.out), tuple(args.host or ("127.0.0.1", "localhost")), days=args.days)
+    if args.action == "certs" and args.renew:
+        r = deploy.renew_server_certificate(Path(args.out), tuple(args.host) if args.host else None, days=args.days)
+        before = f" (the old one, valid until {r['previous_until']:%Y-%m-%d}, is {r['server.pem']}.old)" if r["previous_until"] else ""
+        print(f"deploy certs --renew: {r['server.pem']} for {', '.join(r['hosts'])}, valid until {r['valid_until']:%Y-%m-%d}{before}; "
+              f"restart the SuperLink to serve it (the sites keep their ca.crt)")
+    elif args.action == "certs":
+        made = deploy.make_certificates(Path(args.out), tuple(args.host or ("127.0.0.1", "localhost")), days=args.days, ca_days=args.ca_days)
         print(f"deploy certs: {', '.join(str(v) for v in made.values())} (the sites and the coordinator's CLI trust ca.crt)")
     elif args.action == "key":
         if not args.name:
@@ -346,6 +355,7 @@ def _deploy_status(args: argparse.Namespace) -> None:
     if r.returncode != 0 or not listed.get("success"):
         raise ConfigError(f"flwr supernode list: {(listed.get('error-message') or r.stderr or r.stdout).strip()[-500:]}")
     st = deployment_status(Path(args.app), listed["nodes"], Path(args.superlink_dir))
+    st["certificates"] = _certificates_status(Path(args.certs))
     if args.json:
         print(json.dumps(st, indent=1))
         return
@@ -361,6 +371,24 @@ def _deploy_status(args: argparse.Namespace) -> None:
                             f"{ck['path']} written by another deployment or fedsilo (a run starts afresh)" if ck.get("other") else
                             f"round {ck['round']} ({ck['path']}): `flwr run` of this App resumes after it"))
     print(f"results: {st['results'] or 'not written yet'}")
+    c = st["certificates"]
+    if c is not None:
+        print(f"certificates ({c['folder']}): " + (c["problem"] if "problem" in c else
+                                                  f"SuperLink's until {c['server.pem'][:10]}, CA until {c['ca.crt'][:10]}"))
+        for w in c.get("warnings", []):
+            print(f"  {w}")
+
+
+def _certificates_status(certs: Path) -> dict | None:
+    """The coordinator's certificates as `deploy superlink` checks them (None where --certs holds none)."""
+    from fedsilo.fl.deploy import check_superlink_certificates
+
+    if not (certs / "server.pem").is_file():
+        return None
+    try:
+        return {"folder": str(certs), **check_superlink_certificates(certs)}
+    except ConfigError as e:
+        return {"folder": str(certs), "problem": str(e)}
 
 
 def _known(argv: list[str]) -> dict[str, list[str]]:
@@ -532,23 +560,29 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s = sub.add_parser(
         "deploy", parents=[common], formatter_class=fmt,
         help="the coordinator's side of a deployment: TLS certificates, site keys, the Flower App of a federation",
-        description="  certs  a CA and the SuperLink's TLS certificate for --host names (default 127.0.0.1, localhost)\n"
+        description="  certs  a CA and the SuperLink's TLS certificate for --host names (default 127.0.0.1, localhost); with "
+        "--renew, a new SuperLink certificate signed by the CA in --out\n"
         "  key    a SuperNode authentication key pair named --name (private key to the site, .pub to the coordinator)\n"
         "  app    the Flower App of --federation federation.yaml, method params from --params: flwr run it\n"
         "  superlink  run flower-superlink with TLS from --certs, SuperNode authentication and its state in --database "
         "(--dry-run prints the command; --systemd-unit FILE writes a service that runs it)\n"
         "  status     where the deployment of --app stands: each site's node online or offline (the SuperLink's, through "
-        "flwr supernode list), the ServerApp's checkpoint round, whether the results are written")
+        "flwr supernode list), the ServerApp's checkpoint round, whether the results are written, when the certificates in "
+        "--certs expire")
     s.add_argument("action", choices=["certs", "key", "app", "superlink", "status"])
     s.add_argument("--out", help="folder to write (certs, key) or the App folder (app)")
     s.add_argument("--host", action="append", help="certs: an address or DNS name of the SuperLink (repeat)")
-    s.add_argument("--days", type=int, default=365, help="certs: validity in days")
+    s.add_argument("--days", type=int, default=365, help="certs: validity of the SuperLink's certificate in days (default 365)")
+    s.add_argument("--ca-days", type=int, default=3650, help="certs: validity of the federation CA, the ca.crt every site "
+                   "trusts, in days (default 3650)")
+    s.add_argument("--renew", action="store_true", help="certs: a new SuperLink certificate in --out, signed by the CA there "
+                   "(names from the old one unless --host); the sites keep their ca.crt")
     s.add_argument("--name", help="key: the site's name")
     s.add_argument("--federation", help="app: the federation file")
     s.add_argument("--results", help="app: where the ServerApp writes its results (default results/deploy/<federation>/<method>/seed<k> under the SuperLink's folder)")
     s.add_argument("--state", help="app: where the ServerApp keeps its checkpoint, from which a run started again resumes "
                    "(default state/deploy/<federation>/<method>/seed<k> under the SuperLink's folder)")
-    s.add_argument("--certs", default="certs", help="superlink: the folder `deploy certs` wrote (default certs)")
+    s.add_argument("--certs", default="certs", help="superlink, status: the folder `deploy certs` wrote (default certs)")
     s.add_argument("--database", default="superlink.db", help="superlink: the SuperLink's state file, registrations and "
                    "runs kept across restarts (default superlink.db; ':memory:' keeps none)")
     s.add_argument("--listen", default="0.0.0.0:9093", help="superlink: host:port of its Fleet and Control APIs (default 0.0.0.0:9093)")

@@ -504,19 +504,59 @@ def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any, mlfl
 
 
 # ---------------------------------------------------------------------------------------------------------- credentials
-def make_certificates(out: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days: int = 365) -> dict[str, Path]:
-    """A certificate authority of the federation's own and the SuperLink's TLS certificate signed by it, valid for
-    ``hosts`` (IP addresses and DNS names the sites dial). Writes ``ca.crt`` (what every site and the coordinator's
-    CLI trust), ``ca.key``, ``server.pem`` and ``server.key`` (private keys 0600). The SuperLink serves its Fleet,
-    Control and Runtime APIs with them; ``ca.key`` stays with the coordinator (it signs a renewed server
-    certificate)."""
+CA_DAYS = 3650  # the federation CA outlives many server certificates: renewing the SuperLink's touches no site
+EXPIRY_WARN_DAYS = 30
+
+
+def make_certificates(out: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days: int = 365,
+                      ca_days: int = CA_DAYS) -> dict[str, Path]:
+    """A certificate authority of the federation's own (valid ``ca_days``) and the SuperLink's TLS certificate signed
+    by it (valid ``days``), valid for ``hosts`` (IP addresses and DNS names the sites dial). Writes ``ca.crt`` (what
+    every site and the coordinator's CLI trust), ``ca.key``, ``server.pem`` and ``server.key`` (private keys 0600).
+    The SuperLink serves its Fleet, Control and Runtime APIs with them; ``ca.key`` stays with the coordinator: it
+    signs the renewed server certificate (:func:`renew_server_certificate`), so the sites keep their ``ca.crt``."""
     import datetime
-    import ipaddress
 
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import NameOID
+
+    sans = _subject_alt_names(hosts)
+    if ca_days < days:
+        raise ConfigError(f"--ca-days: {ca_days}; the CA must stay valid at least as long as the SuperLink's certificate (--days {days})")
+    now = _cert_start()
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedsilo federation CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=ca_days))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                                       key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                       encipher_only=False, decipher_only=False), critical=True)
+          .sign(ca_key, hashes.SHA384()))
+    server, key = _server_certificate(ca, ca_key, hosts, sans, days, now)
+    pem = serialization.Encoding.PEM
+    files = {
+        "ca.crt": (ca.public_bytes(pem), False),
+        "server.pem": (server.public_bytes(pem), False),
+        "ca.key": (ca_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()), True),
+        "server.key": (key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()), True),
+    }
+    return _write_secret_files(Path(out), files)
+
+
+def _cert_start():
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)  # a site's clock a little behind
+
+
+def _subject_alt_names(hosts: tuple[str, ...]) -> list:
+    import ipaddress
+
+    from cryptography import x509
 
     if not hosts:
         raise ConfigError("--host: the SuperLink's certificate needs at least one address or name")
@@ -526,21 +566,23 @@ def make_certificates(out: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localho
             sans.append(x509.IPAddress(ipaddress.ip_address(h)))
         except ValueError:
             sans.append(x509.DNSName(h))
+    return sans
+
+
+def _server_certificate(ca, ca_key, hosts: tuple[str, ...], sans: list, days: int, now) -> tuple[Any, Any]:
+    """The SuperLink's certificate for ``hosts`` and its new key, signed by the CA, valid ``days`` from ``now``."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
     if days < 1:
         raise ConfigError(f"--days: {days}; a certificate must be valid for at least a day")
-    now = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)  # a site's clock a little behind
-    ca_key, key = ec.generate_private_key(ec.SECP384R1()), ec.generate_private_key(ec.SECP384R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedsilo federation CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                                       key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                       encipher_only=False, decipher_only=False), critical=True)
-          .sign(ca_key, hashes.SHA384()))
+    key = ec.generate_private_key(ec.SECP384R1())
     server = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
-              .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+              .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
               .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days))
               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
@@ -548,14 +590,153 @@ def make_certificates(out: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localho
               .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
               .sign(ca_key, hashes.SHA384()))
+    return server, key
+
+
+def renew_server_certificate(certs: Path, hosts: Optional[tuple[str, ...]] = None, days: int = 365) -> dict[str, Any]:
+    """A new SuperLink certificate and key in ``certs`` (``server.pem``, ``server.key``), signed by the federation CA
+    kept there (``ca.crt``, ``ca.key``), for ``hosts`` (default: the names the old certificate holds). The sites'
+    ``ca.crt`` stays valid: nothing is sent to them; the SuperLink serves the new certificate once restarted. The old
+    pair is kept as ``server.pem.old`` / ``server.key.old``. Refused when the CA would expire first (a new CA means a
+    new ``ca.crt`` at every site: ``deploy certs`` into a new folder)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    certs = Path(certs)
+    missing = [n for n in ("ca.crt", "ca.key") if not (certs / n).is_file()]
+    if missing:
+        raise ConfigError(f"--out: {certs} lacks {', '.join(missing)}: the federation CA that signs the SuperLink's certificate "
+                          "(made by `fedsilo deploy certs`; only the coordinator holds ca.key)")
+    ca = _load_certificate(certs / "ca.crt", "--out")
+    try:
+        ca_key = serialization.load_pem_private_key((certs / "ca.key").read_bytes(), password=None)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"--out: {certs / 'ca.key'} is not an unencrypted PEM private key ({e})") from e
+    if ca_key.public_key().public_numbers() != ca.public_key().public_numbers():
+        raise ConfigError(f"--out: {certs / 'ca.key'} is not the key of {certs / 'ca.crt'}")
+    old = _load_certificate(certs / "server.pem", "--out") if (certs / "server.pem").is_file() else None
+    if hosts is None:
+        if old is None:
+            raise ConfigError(f"--host: {certs} holds no server.pem to take the SuperLink's names from; give --host")
+        names = old.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        hosts = tuple([str(v) for v in names.get_values_for_type(x509.IPAddress)] + names.get_values_for_type(x509.DNSName))
+    now = _cert_start()
+    if now + datetime.timedelta(days=days) > ca.not_valid_after_utc:
+        raise ConfigError(f"--days: {days}; the federation CA ({certs / 'ca.crt'}) expires on {ca.not_valid_after_utc:%Y-%m-%d}, "
+                          "before the new certificate would: make a new CA with `fedsilo deploy certs --out <new folder>` and "
+                          "send its ca.crt to every site, or give fewer --days")
+    server, key = _server_certificate(ca, ca_key, tuple(hosts), _subject_alt_names(tuple(hosts)), days, now)
     pem = serialization.Encoding.PEM
-    files = {
-        "ca.crt": (ca.public_bytes(pem), False),
-        "server.pem": (server.public_bytes(pem), False),
-        "ca.key": (ca_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()), True),
-        "server.key": (key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()), True),
-    }
-    return _write_secret_files(Path(out), files)
+    new = {"server.key": (key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()), 0o600),
+           "server.pem": (server.public_bytes(pem), 0o644)}
+    staged = {n: certs / f".{n}.renewing" for n in new}
+    try:  # both new files written before either old one moves
+        for n, (data, mode) in new.items():
+            staged[n].unlink(missing_ok=True)
+            with os.fdopen(os.open(staged[n], os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as fh:
+                fh.write(data)
+        for n in new:
+            if (certs / n).is_file():
+                os.replace(certs / n, certs / f"{n}.old")
+        for n in new:
+            os.replace(staged[n], certs / n)
+    finally:
+        for tmp in staged.values():
+            tmp.unlink(missing_ok=True)
+    return {"server.pem": certs / "server.pem", "server.key": certs / "server.key", "hosts": list(hosts),
+            "valid_until": server.not_valid_after_utc, "previous_until": old.not_valid_after_utc if old is not None else None}
+
+
+# ----------------------------------------------------- the checks each party makes before it becomes a Flower process
+# Flower ends every failed start with exit status 1 (its own exit code is only logged), so a service manager cannot
+# tell an unreadable key or an expired certificate, which no restart mends, from a SuperLink that is not up yet. fedsilo
+# checks what it can before it becomes flower-supernode / flower-superlink and refuses with exit status 2, which the
+# systemd units it writes never restart.
+def _load_certificate(path: Path, flag: str):
+    from cryptography import x509
+
+    try:
+        return x509.load_pem_x509_certificate(Path(path).read_bytes())
+    except ValueError as e:
+        raise ConfigError(f"{flag}: {path} is not a PEM certificate ({e})") from e
+
+
+def _check_dates(cert, path: Path, flag: str, now) -> None:
+    if now < cert.not_valid_before_utc:
+        raise ConfigError(f"{flag}: {path} is valid only from {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC (is this machine's clock right?)")
+    if now > cert.not_valid_after_utc:
+        raise ConfigError(f"{flag}: {path} expired on {cert.not_valid_after_utc:%Y-%m-%d}")
+
+
+def check_site_credentials(root_certificates: Path, auth_key: Path, now=None) -> list[str]:
+    """A site's TLS trust (``ca.crt``: a CA certificate, valid now) and its SuperNode key (an OpenSSH elliptic-curve
+    private key, as ``deploy key`` writes it), each refused by flag. Returns warnings (the CA expires within 30 days)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    ca = _load_certificate(root_certificates, "--root-certificates")
+    try:
+        is_ca = ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    except x509.ExtensionNotFound:
+        is_ca = False
+    if not is_ca:
+        raise ConfigError(f"--root-certificates: {root_certificates} is not a CA certificate (give the federation's ca.crt, "
+                          "not the SuperLink's server.pem)")
+    _check_dates(ca, root_certificates, "--root-certificates", now)
+    try:
+        key = load_ssh_private_key(Path(auth_key).read_bytes(), password=None)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"--auth-key: {auth_key} is not an unencrypted OpenSSH private key ({e}); make one with `fedsilo deploy key`") from e
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ConfigError(f"--auth-key: {auth_key} is a {type(key).__name__.lstrip('_')}; Flower's node authentication takes an "
+                          "elliptic-curve key (`fedsilo deploy key`)")
+    return _expiry_warnings({"the federation CA": (root_certificates, ca)}, now, "ask the coordinator for the new ca.crt")
+
+
+def check_superlink_certificates(certs: Path, now=None) -> dict[str, Any]:
+    """The coordinator's ``certs``: ``server.pem`` signed by ``ca.crt``, ``server.key`` its key, both valid now;
+    refused by ``--certs`` naming the file. Returns when each expires and warnings (within 30 days)."""
+    import datetime
+
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives import serialization
+
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    certs = Path(certs)
+    ca, server = _load_certificate(certs / "ca.crt", "--certs"), _load_certificate(certs / "server.pem", "--certs")
+    try:
+        server.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature) as e:
+        raise ConfigError(f"--certs: {certs / 'server.pem'} is not signed by {certs / 'ca.crt'} ({e or 'bad signature'}); "
+                          "the sites would refuse it") from e
+    try:
+        key = serialization.load_pem_private_key((certs / "server.key").read_bytes(), password=None)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"--certs: {certs / 'server.key'} is not an unencrypted PEM private key ({e})") from e
+    if key.public_key().public_numbers() != server.public_key().public_numbers():
+        raise ConfigError(f"--certs: {certs / 'server.key'} is not the key of {certs / 'server.pem'} (renewed one without the other?)")
+    for name, cert in (("ca.crt", ca), ("server.pem", server)):
+        _check_dates(cert, certs / name, "--certs", now)
+    warnings = _expiry_warnings({"the SuperLink's certificate": (certs / "server.pem", server)}, now,
+                                f"renew it: fedsilo deploy certs --renew --out {certs}, then restart the SuperLink")
+    warnings += _expiry_warnings({"the federation CA": (certs / "ca.crt", ca)}, now,
+                                 "make a new CA (`fedsilo deploy certs --out <new folder>`) and send its ca.crt to every site")
+    return {"ca.crt": ca.not_valid_after_utc.isoformat(), "server.pem": server.not_valid_after_utc.isoformat(), "warnings": warnings}
+
+
+def _expiry_warnings(certs: dict[str, tuple[Path, Any]], now, what_to_do: str) -> list[str]:
+    out = []
+    for what, (path, cert) in certs.items():
+        left = cert.not_valid_after_utc - now
+        if left.days < EXPIRY_WARN_DAYS:
+            out.append(f"warning: {what} ({path}) expires in {left.days} days, on {cert.not_valid_after_utc:%Y-%m-%d}: {what_to_do}")
+    return out
 
 
 def make_node_key(out: Path, name: str) -> dict[str, Path]:
@@ -636,8 +817,8 @@ def systemd_unit(description: str, command: list[str], workdir: Path, restart_s:
                  note: str = "") -> str:
     """A systemd service that runs ``command`` (a fedsilo command line with absolute paths: a service has no shell,
     PATH or virtual environment) in ``workdir`` as the account owning it, restarted ``restart_s`` s after a failure,
-    at most 5 times in 15 minutes, never after fedsilo refused its input (exit status 2: data or files that no
-    longer match, which a restart does not mend)."""
+    at most 5 times in 15 minutes, never after fedsilo refused its input (exit status 2: data, files or credentials
+    that no longer match or have expired, which a restart does not mend; Flower's own failures all exit 1)."""
     workdir = Path(workdir).resolve()
     lines = [*([f"# {note}"] if note else []),
              "# written by fedsilo; install: copy it to /etc/systemd/system/, `systemctl daemon-reload`, `systemctl enable --now <its name>`",
