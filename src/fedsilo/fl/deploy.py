@@ -621,7 +621,7 @@ def renew_server_certificate(certs: Path, hosts: Optional[tuple[str, ...]] = Non
         if old is None:
             raise ConfigError(f"--host: {certs} holds no server.pem to take the SuperLink's names from; give --host")
         names = old.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        hosts = tuple([str(v) for v in names.get_values_for_type(x509.IPAddress)] + names.get_values_for_type(x509.DNSName))
+        hosts = tuple(str(n.value) for n in names if isinstance(n, (x509.IPAddress, x509.DNSName)))  # in order: CN first
     now = _cert_start()
     if now + datetime.timedelta(days=days) > ca.not_valid_after_utc:
         raise ConfigError(f"--days: {days}; the federation CA ({certs / 'ca.crt'}) expires on {ca.not_valid_after_utc:%Y-%m-%d}, "
