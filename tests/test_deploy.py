@@ -323,6 +323,72 @@ def test_a_deployed_run_that_went_down_resumes_after_its_checkpoint_to_the_unint
     assert reply.has_error() and "store of round 3 for a message that allows round 2 at most" in reply.error.reason
 
 
+@pytest.mark.usefixtures("identity")
+def test_a_site_given_a_new_key_mid_run_resumes_under_its_new_node_from_the_stores_on_its_disk(sites, tmp_path):
+    """A hospital's key is replaced mid-run (a reinstalled machine, a key that leaked): the coordinator registers the
+    new key and pins the new node in a new App. The node id is who may speak for the site, not what is trained, so
+    the new App resumes the old App's checkpoint; the site, now a new node with fresh node state, reads its FedBN
+    layers from its disk, and the run ends with the uninterrupted numbers; its old node is refused; the MLflow run
+    carries the new node id. Another fingerprint would not resume (tested above)."""
+    from mlflow.tracking import MlflowClient
+
+    from fedsilo.fl.deploy import peek_checkpoint, resume_key, site_keep_dir
+    from fedsilo.fl.flower import SiteRefused
+
+    train = {**TRAIN, "rounds": 3}
+    old_ids = {"CheXpert": 100, "RSNA": 101, "VinBigData": 102}  # by site name, in the sites' order
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    write_app(load_federation(_federation(tmp_path / "a", sites, node_ids=old_ids, train=train)), load_params(REPO_PARAMS), tmp_path / "app")
+    rekeyed = {**old_ids, "RSNA": 201}
+    write_app(load_federation(_federation(tmp_path / "b", sites, node_ids=rekeyed, train=train)), load_params(REPO_PARAMS), tmp_path / "app2")
+    dep, dep2 = (json.loads((tmp_path / a / "deployment.json").read_text()) for a in ("app", "app2"))
+    assert dep != dep2 and resume_key(dep) == resume_key(dep2) and resume_key(dep, code=False) == resume_key(dep2, code=False)
+    ctx = Context(run_id=0, node_id=0, node_config={"params": str(sites["rsna"]), "experiment": "site"}, state=RecordDict(), run_config={})
+    assert site_keep_dir(dep)(ctx) == site_keep_dir(dep2)(ctx)  # the site's stores stay where it kept them
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+    def run_config(name: str) -> dict:
+        return {"results-dir": str(tmp_path / name), "state-dir": str(tmp_path / f"{name}.state"), "tracking-uri": uri}
+
+    def grid(app, run_id: int, nodes: dict[str, int], down_at: Optional[int] = None) -> SiteGrid:
+        g = DownAt(app, sites, rnd=down_at, run_id=run_id) if down_at else SiteGrid(app, sites, run_id=run_id)
+        ids = list(nodes.values())
+        g.contexts = {ids[k]: Context(run_id=run_id, node_id=ids[k], node_config={"params": str(p), "experiment": "site"},
+                                      state=RecordDict(), run_config={}) for k, p in enumerate(sites.values())}
+        return g
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        server, client = _load_apps(tmp_path / "app")
+        server._main(grid(client, 1, old_ids), Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config("whole")))
+        with pytest.raises(ConnectionError, match="went down"):
+            server._main(grid(client, 2, old_ids, down_at=3),
+                         Context(run_id=2, node_id=0, node_config={}, state=RecordDict(), run_config=run_config("resumed")))
+        assert peek_checkpoint(tmp_path / "resumed.state/checkpoint.pt", resume_key(dep2))["round"] == 2
+        server2, client2 = _load_apps(tmp_path / "app2")
+        # RSNA's old node, still registered, is not let in under the new App
+        with pytest.raises(SiteRefused, match=r"site 'RSNA' refused: it connected as node 101, but the federation pins RSNA to node 201"):
+            server2._main(grid(client2, 3, old_ids), Context(run_id=3, node_id=0, node_config={}, state=RecordDict(),
+                                                             run_config=run_config("resumed")))
+        server2._main(grid(client2, 4, rekeyed), Context(run_id=4, node_id=0, node_config={}, state=RecordDict(),
+                                                         run_config=run_config("resumed")))
+    finally:
+        torch.set_num_threads(threads)
+    whole = json.loads((tmp_path / "whole/history.json").read_text())
+    resumed = json.loads((tmp_path / "resumed/history.json").read_text())
+    for key in ("eval", "bytes_up", "bytes_down", "train_loss"):
+        assert [h[key] for h in resumed] == [h[key] for h in whole], key
+    # resumed, not started again: rounds 1-2 were trained under the old App (Flower run 2), round 3 under the new one
+    wire = [json.loads(line) for line in (tmp_path / "resumed/wire.jsonl").read_text().splitlines()]
+    assert sorted({(w["round"], w["flower_run"]) for w in wire if w["message"] == "train" and w["to"] == "server"}) == [(1, 2), (2, 2), (3, 4)]
+    metrics = json.loads((tmp_path / "resumed/metrics.json").read_text())
+    run = MlflowClient(uri).get_run(metrics["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["site.RSNA.node_id"] == "201"
+    assert [m.step for m in MlflowClient(uri).get_metric_history(run.info.run_id, "mean_acc")] == [1, 2, 3]
+
+
 def test_kept_stores_give_only_the_round_the_server_names_and_no_later_one(tmp_path):
     from fedsilo.fl.engine import PrivacyViolation
     from fedsilo.fl.flower import KeptStores

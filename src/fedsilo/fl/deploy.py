@@ -262,12 +262,15 @@ def site_keep_dir(dep: dict[str, Any]):
 
 def resume_key(dep: dict[str, Any], code: bool = True) -> str:
     """What a resumed deployment must share with the run it resumes: the deployment (but ``checkpoint_every`` and
-    ``keep_client_models``, which change what is written, not what is trained) and, for the coordinator's checkpoint
+    ``keep_client_models``, which change what is written, not what is trained, and each site's ``node_id``, which
+    says which registered key may speak for the site, not what it trains on: a site given a new key mid-run, its
+    new node pinned in a new App, resumes with the stores on its disk) and, for the coordinator's checkpoint
     (``code``), the fedsilo code that trains, as a train stage's checkpoint (fl/run.py)."""
     from fedsilo.fl.run import code_fingerprint
 
     train = {k: v for k, v in dep["train"].items() if k not in ("checkpoint_every", "keep_client_models")}
-    return canonical_hash({"deployment": {**dep, "train": train}, **({"code": code_fingerprint("cpu")} if code else {})})
+    sites = [{k: v for k, v in s.items() if k != "node_id"} for s in dep.get("sites", [])]
+    return canonical_hash({"deployment": {**dep, "train": train, "sites": sites}, **({"code": code_fingerprint("cpu")} if code else {})})
 
 
 def site_identity(context: Any) -> dict[str, Any]:
