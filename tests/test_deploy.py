@@ -147,7 +147,7 @@ def _load_apps(app_dir: Path):
 
 
 @pytest.mark.usefixtures("identity")
-def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(sites, tmp_path, monkeypatch):
+def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(sites, tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     roster = {s: sites[s] for s in ("rsna", "chexpert", "vinbigdata")}  # client order is the federation file's, not the names'
     app = _deployed(tmp_path, roster)
@@ -223,6 +223,33 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(site
         sent = [w for w in own if w["message"] == "train" and w["to"] == "server"]
         assert len(sent) == 2 and all(set(w["arrays"]["up"]) and not set(w["arrays"]["up"]) & bn for w in sent)  # no BatchNorm left
         assert all(w["flower_run"] == 1 for w in own) and len(own) == len([w for w in wire if w.get("site") == name]) + 1
+
+    # `fedsilo site audit` sums up that log at the site: what it sent (FedBN's shared tensors, their bytes as the
+    # coordinator counted them), what it received, and the BatchNorm layers it keeps, which never left
+    from fedsilo.cli import main
+    from fedsilo.fl.deploy import site_audit
+
+    for ctx in grid.contexts.values():
+        root, name = Path(ctx.node_config["params"]).parent, _card(Path(ctx.node_config["params"]))["site"]
+        (audit,) = site_audit(root)
+        theirs = [w for w in wire if w.get("site") == name]
+        assert (audit["federation"], audit["deployment"], audit["rounds"], audit["flower_runs"]) == (
+            "three_hospitals", keep(ctx).name, [1, 2], [1])
+        train = audit["sent"]["train"]
+        assert train["messages"] == 2 and set(train["arrays"]["up"]) == set(spec.make_model().state_dict()) - bn
+        assert train["tensor_bytes"] == sum(w["tensor_bytes"]["up"] for w in theirs if w["message"] == "train" and w["to"] == "server")
+        assert audit["sent_tensor_bytes"] == train["tensor_bytes"]  # scores and registration: no tensor
+        assert audit["received_tensor_bytes"] == sum(sum(w.get("tensor_bytes", {}).values()) for w in theirs if w["to"] == "site")
+        assert set(audit["sent"]) == {"query.register", "train", "evaluate"} and audit["errors"] == []
+        assert audit["kept"][name]["keys"] == sorted(bn) and audit["kept"][name]["rounds"][-1] == 2
+        capsys.readouterr()
+        assert main(["--root", str(root), "site", "audit", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == [audit]
+        assert main(["--root", str(root), "site", "audit"]) == 0
+        text = capsys.readouterr().out
+        assert f"sent train x2: up: {len(train['arrays']['up'])} tensors" in text and f"kept here for {name}: rounds" in text
+    assert main(["--root", str(tmp_path), "site", "audit"]) == 2
+    assert "holds no site wire log" in capsys.readouterr().err
 
 
 @pytest.mark.usefixtures("identity")

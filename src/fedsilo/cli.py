@@ -229,6 +229,11 @@ def _site(args: argparse.Namespace) -> None:
     from fedsilo.fl.site import site_card
     from fedsilo.utils.io import write_json
 
+    if args.action == "audit":
+        _site_audit(args)
+        return
+    if not args.experiment:
+        raise ConfigError(f"fedsilo site {args.action}: --experiment required (the site's one-client experiment)")
     p = load_params(args.params)
     card = site_card(p, args.experiment, Path(args.root))
     if args.action == "card":
@@ -328,6 +333,36 @@ def _deploy(args: argparse.Namespace) -> None:
                                state=args.state)
         print(f"deploy app: {args.out} ({dep['method']['key']} = {dep['method']['base']}, {len(dep['sites'])} sites, "
               f"{dep['train']['rounds']} rounds); run it with: flwr run {args.out} <connection> --stream")
+
+
+def _site_audit(args: argparse.Namespace) -> None:
+    import json
+
+    from fedsilo.fl.deploy import site_audit
+
+    audits = site_audit(Path(args.root))
+    if args.json:
+        print(json.dumps(audits, indent=1))
+        return
+
+    def mb(n: int) -> str:
+        return f"{n / 1e6:.3f} MB"
+
+    for a in audits:
+        rounds = f"rounds {a['rounds'][0]}-{a['rounds'][-1]}" if a["rounds"] else "no round"
+        print(f"federation {a['federation']} (deployment {a['deployment']}): Flower runs {', '.join(map(str, a['flower_runs']))}; "
+              f"{rounds}; received {mb(a['received_tensor_bytes'])} of tensors, sent {mb(a['sent_tensor_bytes'])}")
+        for kind, v in sorted(a["sent"].items()):
+            tensors = "; ".join(f"{rec}: {len(names)} tensors ({', '.join(list(names)[:4])}{', ...' if len(names) > 4 else ''})"
+                                for rec, names in v["arrays"].items()) or "no tensor"
+            keys = ", ".join(v["metrics"] + v["config"])
+            print(f"  sent {kind} x{v['messages']}: {tensors}, {mb(v['tensor_bytes'])}" + (f"; keys {keys}" if keys else "")
+                  + (f"; {v['errors']} errors" if v["errors"] else ""))
+        for site, k in a["kept"].items():
+            print(f"  kept here for {site}: rounds {k['rounds']}, {k['tensors']} tensors, {mb(k['tensor_bytes'])} ({k['folder']})")
+        for e in a["errors"][-3:]:
+            print(f"  error in round {e['round']} ({e['message']}, Flower run {e['flower_run']}): {e['error'][:300]}")
+        print(f"  wire log: {a['wire_log']}")
 
 
 def _deploy_status(args: argparse.Namespace) -> None:
@@ -547,15 +582,19 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "data/site/<experiment>.json: what the site sends the coordinator\n"
         "  supernode  check the card, then run flower-supernode against the coordinator's SuperLink with TLS and "
         "the site's authentication key (--dry-run prints the command; --systemd-unit FILE writes a service that runs "
-        "this command, restarted after a failure once the SuperLink lets the node in again)")
-    s.add_argument("action", choices=["card", "supernode"])
-    s.add_argument("--experiment", required=True, help="the site's one-client experiment")
+        "this command, restarted after a failure once the SuperLink lets the node in again)\n"
+        "  audit      what crossed this site's link, from its own wire logs under --root: per deployment and message "
+        "type, what it received and sent (tensor names, dtypes, shapes, bytes; metric and config keys; errors; never "
+        "values) and the stores it keeps (--json for scripts)")
+    s.add_argument("action", choices=["card", "supernode", "audit"])
+    s.add_argument("--experiment", help="card, supernode: the site's one-client experiment")
     s.add_argument("--superlink", help="the SuperLink's address, host:port")
     s.add_argument("--root-certificates", help="the federation's CA certificate (ca.crt from the coordinator)")
     s.add_argument("--auth-key", help="the site's private authentication key (fedsilo deploy key)")
     s.add_argument("--port", type=int, default=9094, help="this SuperNode's Runtime API port on 127.0.0.1 (default 9094)")
     s.add_argument("--dry-run", action="store_true", help="print the flower-supernode command, do not run it")
     s.add_argument("--systemd-unit", metavar="FILE", help="write a systemd service running this command here, do not run it")
+    s.add_argument("--json", action="store_true", help="audit: print JSON")
     s.set_defaults(fn=_site)
     s = sub.add_parser(
         "deploy", parents=[common], formatter_class=fmt,

@@ -395,6 +395,63 @@ def peek_checkpoint(path: Path, key: str) -> Optional[dict[str, Any]]:
     return {"round": int(ck["round"]), **ck.get("meta", {})}
 
 
+def site_audit(root: Path) -> list[dict[str, Any]]:
+    """What crossed a site's link, read from its own disk: for each deployment it took part in (the folders
+    ``<root>/state/deploy/<federation>/<first 16 hex of the deployment's key>/`` its ClientApps write), its wire log
+    summed up per message type, received and sent: messages, tensor bytes, the tensors by record with dtype and
+    shape (their union over the run), the config and metric keys; the errors its replies carried; the Flower runs and
+    rounds; and the stores it keeps there (rounds, tensors, bytes: what the method keeps at the site). Values never
+    appear in a wire log, so none appear here."""
+    base = Path(root) / "state" / "deploy"
+    logs = sorted(base.glob("*/*/wire.jsonl")) if base.is_dir() else []
+    if not logs:
+        raise ConfigError(f"--root: {Path(root).resolve()} holds no site wire log (state/deploy/<federation>/<key>/wire.jsonl): "
+                          "a site's ClientApps write it under the root its SuperNode's --node-config names")
+    out = []
+    for log in logs:
+        summary: dict[str, Any] = {"federation": log.parent.parent.name, "deployment": log.parent.name, "wire_log": str(log),
+                                   "flower_runs": set(), "rounds": set(), "received": {}, "sent": {}, "errors": [], "kept": {}}
+        for n, line in enumerate(log.read_text().splitlines(), 1):
+            try:
+                w = json.loads(line)
+                kind, to = w["message"], w["to"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ConfigError(f"{log}:{n}: not a wire log line ({e})") from e
+            summary["flower_runs"].add(int(w.get("flower_run", 0)))
+            if w.get("round"):
+                summary["rounds"].add(int(w["round"]))
+            side = summary["sent" if to == "server" else "received"].setdefault(
+                kind, {"messages": 0, "tensor_bytes": 0, "arrays": {}, "config": set(), "metrics": set(), "errors": 0})
+            side["messages"] += 1
+            side["tensor_bytes"] += sum(int(b) for b in w.get("tensor_bytes", {}).values())
+            for rec, keys in w.get("arrays", {}).items():
+                side["arrays"].setdefault(rec, {}).update(keys)
+            for field in ("config", "metrics"):
+                for rec, keys in w.get(field, {}).items():
+                    side[field].update(f"{rec}.{k}" for k in keys)
+            if "error" in w:
+                side["errors"] += 1
+                summary["errors"].append({"round": w.get("round"), "message": kind, "flower_run": w.get("flower_run"), "error": w["error"]})
+        for folder in sorted(p for p in log.parent.iterdir() if p.is_dir()):
+            files = sorted(folder.glob("store-r*.pt"))
+            if not files:
+                continue
+            newest = torch.load(files[-1], map_location="cpu", weights_only=True)
+            store = newest.get("store", {})
+            summary["kept"][newest.get("site", folder.name)] = {
+                "rounds": [int(f.stem[len("store-r"):]) for f in files], "folder": str(folder),
+                "tensors": len(store), "tensor_bytes": sum(t.numel() * t.element_size() for t in store.values() if torch.is_tensor(t)),
+                "keys": sorted(store)}
+        for side in ("received", "sent"):
+            for v in summary[side].values():
+                v["config"], v["metrics"] = sorted(v["config"]), sorted(v["metrics"])
+        summary["flower_runs"], summary["rounds"] = sorted(summary["flower_runs"]), sorted(summary["rounds"])
+        summary["sent_tensor_bytes"] = sum(v["tensor_bytes"] for v in summary["sent"].values())
+        summary["received_tensor_bytes"] = sum(v["tensor_bytes"] for v in summary["received"].values())
+        out.append(summary)
+    return out
+
+
 def deployment_status(app: Path, nodes: list[dict[str, Any]], superlink_dir: Path = Path(".")) -> dict[str, Any]:
     """Where a deployment stands, for its coordinator: each site of the App's ``deployment.json`` with the status the
     SuperLink gives its pinned node (``nodes``: ``flwr supernode list --format json``'s list), the registered nodes
