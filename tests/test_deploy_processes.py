@@ -299,6 +299,10 @@ def test_three_hospitals_train_over_tls_with_registered_nodes_and_only_shared_te
         sent = [w for w in own if w["message"] == "train" and w["to"] == "server"]
         assert len(sent) == TRAIN["rounds"] and all(set(w["arrays"]["up"]) == shared for w in sent)
         assert [w["tensor_bytes"]["up"] for w in sent] == [w["tensor_bytes"]["up"] for w in ups if w["site"] == cards[s]["site"]]
+    # and `fedsilo site audit` at one hospital sums it up: its two uploads, the shared keys, the bytes the coordinator counted
+    (audit,) = json.loads(fed.fedsilo("--root", str(sites["rsna"].parent), "site", "audit", "--json", cwd=sites["rsna"].parent))
+    assert audit["sent"]["train"]["messages"] == TRAIN["rounds"] and set(audit["sent"]["train"]["arrays"]["up"]) == shared
+    assert audit["sent_tensor_bytes"] == sum(w["tensor_bytes"]["up"] for w in ups if w["site"] == "RSNA")
 
     # node authentication: the unregistered SuperNode gave up without being let in
     assert intruder.wait(timeout=60) != 0
