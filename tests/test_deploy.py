@@ -227,7 +227,8 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(site
     # `fedsilo site audit` sums up that log at the site: what it sent (FedBN's shared tensors, their bytes as the
     # coordinator counted them), what it received, and the BatchNorm layers it keeps, which never left
     from fedsilo.cli import main
-    from fedsilo.fl.deploy import site_audit
+    from fedsilo.client.local import evaluate_client
+    from fedsilo.fl.deploy import load_site_model, site_audit
 
     for ctx in grid.contexts.values():
         root, name = Path(ctx.node_config["params"]).parent, _card(Path(ctx.node_config["params"]))["site"]
@@ -242,6 +243,14 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(site
         assert audit["received_tensor_bytes"] == sum(sum(w.get("tensor_bytes", {}).values()) for w in theirs if w["to"] == "site")
         assert set(audit["sent"]) == {"query.register", "train", "evaluate"} and audit["errors"] == []
         assert audit["kept"][name]["keys"] == sorted(bn) and audit["kept"][name]["rounds"][-1] == 2
+        # the model it takes home: the one it was evaluated with in the last round, rebuilt from the file alone, scores
+        # on its own test images what the coordinator recorded for it
+        assert audit["kept"][name]["model"]["round"] == 2
+        model, info = load_site_model(Path(audit["kept"][name]["model"]["path"]))
+        assert (info["round"], info["site"], info["deployment"]) == (2, name, dep)
+        assert (Path(audit["kept"][name]["model"]["path"]).stat().st_mode & 0o777) == 0o600
+        own_data = load_site(load_params(Path(ctx.node_config["params"])), "site", root, torch.device("cpu"))
+        assert evaluate_client(model, own_data, cfg=spec.train) == pytest.approx(history[-1]["eval"][name])
         capsys.readouterr()
         assert main(["--root", str(root), "site", "audit", "--json"]) == 0
         assert json.loads(capsys.readouterr().out) == [audit]

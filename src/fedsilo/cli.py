@@ -360,6 +360,8 @@ def _site_audit(args: argparse.Namespace) -> None:
                   + (f"; {v['errors']} errors" if v["errors"] else ""))
         for site, k in a["kept"].items():
             print(f"  kept here for {site}: rounds {k['rounds']}, {k['tensors']} tensors, {mb(k['tensor_bytes'])} ({k['folder']})")
+            if k["model"]:
+                print(f"  its model, as evaluated in round {k['model']['round']}: {k['model']['path']}")
         for e in a["errors"][-3:]:
             print(f"  error in round {e['round']} ({e['message']}, Flower run {e['flower_run']}): {e['error'][:300]}")
         print(f"  wire log: {a['wire_log']}")

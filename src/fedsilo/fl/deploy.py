@@ -378,8 +378,21 @@ def apps(app_file: Path):
 
     keep_dir = site_keep_dir(dep)
     client = client_app(spec, site_client, identify=site_identity, keep_dir=keep_dir,
-                        wire_log=lambda context: keep_dir(context) / "wire.jsonl")  # the site's own record of what crossed
+                        wire_log=lambda context: keep_dir(context) / "wire.jsonl",  # the site's own record of what crossed
+                        model_meta={"deployment": dep})  # what rebuilds the model the site keeps (load_site_model)
     return server, client
+
+
+def load_site_model(path: Path, device: str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model a site kept from a deployment (``model.pt`` beside its stores: the model it was evaluated with in
+    its last evaluated round), rebuilt from the deployment it was trained in, in eval mode; and what the file says
+    (round, site, deployment)."""
+    kept = torch.load(Path(path), map_location=device, weights_only=True)
+    if "deployment" not in kept or "model" not in kept:
+        raise ConfigError(f"{path}: not a site model kept by a fedsilo deployment (no deployment / model in it)")
+    model = deployment_spec(kept["deployment"]).make_model().to(device)
+    model.load_state_dict(kept.pop("model"), strict=True)
+    return model.eval(), kept
 
 
 def peek_checkpoint(path: Path, key: str) -> Optional[dict[str, Any]]:
@@ -400,7 +413,8 @@ def site_audit(root: Path) -> list[dict[str, Any]]:
     ``<root>/state/deploy/<federation>/<first 16 hex of the deployment's key>/`` its ClientApps write), its wire log
     summed up per message type, received and sent: messages, tensor bytes, the tensors by record with dtype and
     shape (their union over the run), the config and metric keys; the errors its replies carried; the Flower runs and
-    rounds; and the stores it keeps there (rounds, tensors, bytes: what the method keeps at the site). Values never
+    rounds; the stores it keeps there (rounds, tensors, bytes: what the method keeps at the site) and the model it
+    was last evaluated with (``model.pt``: :func:`load_site_model`). Values never
     appear in a wire log, so none appear here."""
     base = Path(root) / "state" / "deploy"
     logs = sorted(base.glob("*/*/wire.jsonl")) if base.is_dir() else []
@@ -433,15 +447,18 @@ def site_audit(root: Path) -> list[dict[str, Any]]:
                 side["errors"] += 1
                 summary["errors"].append({"round": w.get("round"), "message": kind, "flower_run": w.get("flower_run"), "error": w["error"]})
         for folder in sorted(p for p in log.parent.iterdir() if p.is_dir()):
-            files = sorted(folder.glob("store-r*.pt"))
-            if not files:
+            files, model = sorted(folder.glob("store-r*.pt")), folder / "model.pt"
+            if not files and not model.is_file():
                 continue
-            newest = torch.load(files[-1], map_location="cpu", weights_only=True)
+            newest = torch.load(files[-1], map_location="cpu", weights_only=True) if files else {}
+            taken = torch.load(model, map_location="cpu", weights_only=True) if model.is_file() else None
             store = newest.get("store", {})
-            summary["kept"][newest.get("site", folder.name)] = {
+            summary["kept"][newest.get("site") or (taken or {}).get("site") or folder.name] = {
                 "rounds": [int(f.stem[len("store-r"):]) for f in files], "folder": str(folder),
                 "tensors": len(store), "tensor_bytes": sum(t.numel() * t.element_size() for t in store.values() if torch.is_tensor(t)),
-                "keys": sorted(store)}
+                "keys": sorted(store),
+                # the model it was evaluated with last: what it takes home (load_site_model)
+                "model": {"path": str(model), "round": int(taken["round"])} if taken is not None else None}
         for side in ("received", "sent"):
             for v in summary[side].values():
                 v["config"], v["metrics"] = sorted(v["config"]), sorted(v["metrics"])

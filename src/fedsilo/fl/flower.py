@@ -817,6 +817,22 @@ class KeptStores:
         for later in [r for r in self.rounds() if r > rnd]:  # of an attempt that did not reach them, or of an earlier run
             self.path(later).unlink(missing_ok=True)
 
+    @property
+    def model_path(self) -> Path:
+        return self.folder / "model.pt"
+
+    def save_model(self, rnd: int, model: torch.nn.Module, meta: dict[str, Any]) -> None:
+        """The model the site was evaluated with in round ``rnd`` (``Method.load_eval_model``: its personal model, or
+        the shared part with what it keeps), replacing the one of an earlier evaluation: when the run is over, the
+        model the site takes home, with ``meta`` (the deployment it was trained in) to rebuild it."""
+        from fedsilo.utils.io import atomic_file
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with atomic_file(self.model_path) as tmp:
+            torch.save({"round": rnd, "site": self.site, **meta,
+                        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()}}, tmp)
+            os.chmod(tmp, 0o600)
+
     def load(self, rnd: int, limit: int, device: torch.device, trains: Optional[int] = None) -> State:
         """The store after round ``rnd`` (the server's word for this site's last trained round), where ``rnd`` <=
         ``limit``, the last round the message at hand allows, and where the message trains round ``trains`` (a
@@ -864,7 +880,8 @@ _SITES: dict[tuple[str, int, int], _Site] = {}
 def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
                identify: Optional[Callable[[Context], dict[str, Any]]] = None,
                keep_dir: Optional[Callable[[Context], Path]] = None,
-               wire_log: Optional[Callable[[Context], Path]] = None) -> ClientApp:
+               wire_log: Optional[Callable[[Context], Path]] = None,
+               model_meta: Optional[dict[str, Any]] = None) -> ClientApp:
     """The ClientApp of a site: ``load_client(context)`` gives the site's own data (in a simulation, the partition
     named by ``context.node_config['partition-id']``; in a deployment, the site's split). ``identify(context)``, in a
     deployment, adds to the site's registration what the coordinator admits it by (its data fingerprint and
@@ -874,7 +891,9 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
 
     ``load_client`` may give a task stream (a list of the site's clients, one per task in task order, each with its
     task's domain): the site then registers its tasks, and takes part in a :class:`FlowerStream`. ``wire_log(context)``,
-    in a deployment, is the file of the site's own wire log (:func:`site_wire_log`)."""
+    in a deployment, is the file of the site's own wire log (:func:`site_wire_log`). With ``keep_dir``, every
+    evaluation also keeps the model the site was evaluated with (:meth:`KeptStores.save_model`, with ``model_meta``),
+    so the site has its trained model when the run ends (a site of a task stream predicts with what its store holds)."""
     spec.check()
     app = ClientApp(mods=[site_wire_log(wire_log)] if wire_log is not None else None)
     token = uuid.uuid4().hex  # this app's sites in the cache, apart from another app's in the same process
@@ -1028,6 +1047,8 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
         m, c, train_p = s.method, s.client, spec.train
         m.load_eval_model(s.model, server, mine, c, rnd)
         scores = evaluate_client(s.model, c, cfg=train_p)
+        if keep_dir is not None:
+            KeptStores(keep_dir(context), c.name).save_model(rnd, s.model, model_meta or {})
         metrics: dict[str, Any] = {f"eval.{k}": float(v) for k, v in scores.items()}
         if m.eval_is_global():
             metrics["global_acc"] = float(scores["acc"])
