@@ -860,3 +860,62 @@ def test_credentials_are_checked_before_flower_starts_and_the_superlinks_certifi
     capsys.readouterr()
     assert main(site) == 2 and re.search(r"--auth-key: .*garbage\.key is not an unencrypted OpenSSH", capsys.readouterr().err)
     assert main([*site[:-2], str(key), "--dry-run"]) == 0
+
+
+def test_a_site_scores_new_image_files_with_the_model_it_kept_as_it_scores_its_harmonized_images(sites, tmp_path, capsys):
+    """`fedsilo site predict` harmonizes each file with the site's own dataset options and scores it with the kept
+    model: on the raw files behind a site's harmonized images (RSNA's DICOMs, one without its suffix; CheXpert's
+    JPEGs) it gives the probabilities the model gives those harmonized images; an unreadable file is a row with its
+    error; a model of another image size, a missing file and no file at all are refused by name."""
+    import pandas as pd
+
+    from fedsilo.cli import main
+    from fedsilo.client.local import predict
+    from fedsilo.fl.flower import KeptStores
+
+    dep = json.loads((_deployed(tmp_path, sites) / "deployment.json").read_text())
+    model = deployment_spec(dep).make_model()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # not the initialisation: a model whose outputs differ per image
+    kept = KeptStores(tmp_path / "keep", "RSNA")
+    kept.save_model(2, model, {"deployment": dep})
+    for source in ("rsna", "chexpert"):
+        root = sites[source].parent
+        table = pd.read_parquet(root / "data/harmonized/chest_xray4/records.parquet").head(6)
+        files = [root / "data/raw" / source / p for p in table["source_path"]]
+        if source == "rsna":
+            bare = tmp_path / "export" / "image_without_suffix"
+            bare.parent.mkdir(exist_ok=True)
+            bare.write_bytes(files[0].read_bytes())
+            (tmp_path / "export" / "notes.txt").write_text("not an image\n")
+            files = [*files, bare, tmp_path / "export" / "notes.txt"]
+        out = tmp_path / f"{source}.csv"
+        capsys.readouterr()
+        assert main(["--params", str(sites[source]), "--root", str(root), "site", "predict", "--experiment", "site",
+                     "--model", str(kept.model_path), "--out", str(out), "--images", *map(str, files)]) == 0
+        assert "images scored by" in capsys.readouterr().err
+        rows = pd.read_csv(out)
+        rows[["predicted", "error"]] = rows[["predicted", "error"]].fillna("")
+        x = torch.from_numpy(np.load(root / "data/harmonized/chest_xray4/images.npy")[:6]).permute(0, 3, 1, 2).contiguous()
+        want = predict(model.eval(), x).softmax(1).numpy()
+        got = rows[["prob.Normal", "prob.Lung Opacity"]].to_numpy(dtype=float)
+        assert np.allclose(got[:6], want, atol=1e-6) and list(rows["predicted"][:6]) == [dep["contract"]["classes"][j] for j in want.argmax(1)]
+        assert (rows["error"][:6] == "").all()
+        if source == "rsna":
+            assert np.allclose(got[6], want[0], atol=1e-6)  # DICOM known by its preamble
+            assert rows["predicted"][7] == "" and "notes.txt" in rows["error"][7] and np.isnan(got[7]).all()
+    # refused by name
+    other = tmp_path / "other_size.yaml"
+    raw = yaml.safe_load(sites["rsna"].read_text())
+    raw["datasets"]["chest_xray4"]["image_size"] = 32
+    other.write_text(yaml.safe_dump(raw))
+    capsys.readouterr()
+    args = ["--root", str(sites["rsna"].parent), "site", "predict", "--experiment", "site", "--model", str(kept.model_path)]
+    assert main(["--params", str(other), *args, "--images", str(files[0])]) == 2
+    assert "datasets.chest_xray4.image_size: 32; the model takes 16 px images" in capsys.readouterr().err
+    assert main(["--params", str(sites["rsna"]), *args, "--images", str(tmp_path / "nowhere.dcm")]) == 2
+    assert "nowhere.dcm: no such file or folder" in capsys.readouterr().err
+    assert main(["--params", str(sites["rsna"]), *args]) == 2
+    assert "no image file given" in capsys.readouterr().err

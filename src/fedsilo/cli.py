@@ -232,6 +232,9 @@ def _site(args: argparse.Namespace) -> None:
     if args.action == "audit":
         _site_audit(args)
         return
+    if args.action == "predict":
+        _site_predict(args)
+        return
     if not args.experiment:
         raise ConfigError(f"fedsilo site {args.action}: --experiment required (the site's one-client experiment)")
     p = load_params(args.params)
@@ -333,6 +336,33 @@ def _deploy(args: argparse.Namespace) -> None:
                                state=args.state)
         print(f"deploy app: {args.out} ({dep['method']['key']} = {dep['method']['base']}, {len(dep['sites'])} sites, "
               f"{dep['train']['rounds']} rounds); run it with: flwr run {args.out} <connection> --stream")
+
+
+def _site_predict(args: argparse.Namespace) -> None:
+    from fedsilo.fl.predict import image_files, predict_images
+    from fedsilo.utils.io import atomic_file
+
+    if not args.experiment:
+        raise ConfigError("fedsilo site predict: --experiment required (the site's experiment: its dataset's harmonize options)")
+    model = Path(args.model) if args.model else None
+    if model is None:
+        kept = sorted(Path(args.root).glob("state/deploy/*/*/*/model.pt"))
+        if len(kept) != 1:
+            raise ConfigError(f"--model required: this site keeps {len(kept)} models ({', '.join(map(str, kept)) or 'none'}; "
+                              "`fedsilo site audit` lists them)")
+        model = kept[0]
+    elif not model.is_file():
+        raise ConfigError(f"--model: {model}: no such file")
+    rows = predict_images(load_params(args.params), args.experiment, model, image_files(args.images))
+    bad = int((rows["error"] != "").sum())
+    if args.out:
+        with atomic_file(Path(args.out)) as tmp:
+            rows.to_csv(tmp, index=False)
+    else:
+        rows.to_csv(sys.stdout, index=False)
+    counts = rows.loc[rows["error"] == "", "predicted"].value_counts().to_dict()
+    print(f"site predict: {len(rows) - bad} images scored by {model} ({counts}), {bad} not read"
+          + (f"; {args.out}" if args.out else ""), file=sys.stderr)
 
 
 def _site_audit(args: argparse.Namespace) -> None:
@@ -587,9 +617,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "this command, restarted after a failure once the SuperLink lets the node in again)\n"
         "  audit      what crossed this site's link, from its own wire logs under --root: per deployment and message "
         "type, what it received and sent (tensor names, dtypes, shapes, bytes; metric and config keys; errors; never "
-        "values) and the stores it keeps (--json for scripts)")
-    s.add_argument("action", choices=["card", "supernode", "audit"])
-    s.add_argument("--experiment", help="card, supernode: the site's one-client experiment")
+        "values) and the stores it keeps (--json for scripts)\n"
+        "  predict    score image files with the model the site kept from a deployment, each harmonized as the "
+        "site's training images were (--experiment's dataset): path, predicted class, class probabilities, error")
+    s.add_argument("action", choices=["card", "supernode", "audit", "predict"])
+    s.add_argument("--images", nargs="+", default=[], metavar="FILE_OR_FOLDER",
+                   help="predict: image files (DICOM, PNG, JPEG) or folders of them")
+    s.add_argument("--experiment", help="card, supernode, predict: the site's one-client experiment")
     s.add_argument("--superlink", help="the SuperLink's address, host:port")
     s.add_argument("--root-certificates", help="the federation's CA certificate (ca.crt from the coordinator)")
     s.add_argument("--auth-key", help="the site's private authentication key (fedsilo deploy key)")
@@ -597,6 +631,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="print the flower-supernode command, do not run it")
     s.add_argument("--systemd-unit", metavar="FILE", help="write a systemd service running this command here, do not run it")
     s.add_argument("--json", action="store_true", help="audit: print JSON")
+    s.add_argument("--model", help="predict: the model.pt the site kept (default: the only one under --root)")
+    s.add_argument("--out", help="predict: the CSV to write (default: standard output)")
     s.set_defaults(fn=_site)
     s = sub.add_parser(
         "deploy", parents=[common], formatter_class=fmt,

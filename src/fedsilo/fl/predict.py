@@ -1,0 +1,100 @@
+"""A site's trained model on new images: each file harmonized exactly as the site's training images were (the same
+decoder, intensity rule, squaring and size, from the site's own params file), then scored by the model the site kept
+from a deployment (``model.pt``: :func:`fedsilo.fl.deploy.load_site_model`).
+
+A file that cannot be read is reported on its row (its error), as harmonize quarantines it; the others are scored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import pandas as pd
+import torch
+
+from fedsilo.config import BenchmarkDatasetParams, ConfigError, CXRDatasetParams, Params, TrainParams
+
+__all__ = ["image_files", "predict_images"]
+
+DICOM_SUFFIXES = {".dcm", ".dicom"}
+
+
+def image_files(paths: Iterable[str | Path]) -> list[Path]:
+    """The files named, and every file under the folders named (sorted; hidden files and folders left out)."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out += sorted(f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts))
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise ConfigError(f"{p}: no such file or folder")
+    if not out:
+        raise ConfigError("no image file given (name files or folders that hold them)")
+    return out
+
+
+def _is_dicom(path: Path) -> bool:
+    """DICOM by suffix or by its preamble ("DICM" at byte 128), as hospital exports often have no suffix."""
+    if path.suffix.lower() in DICOM_SUFFIXES:
+        return True
+    with open(path, "rb") as fh:
+        head = fh.read(132)
+    return len(head) == 132 and head[128:] == b"DICM"
+
+
+def _decoder(params: Params, experiment: str, contract: dict[str, Any]):
+    """The harmonize job of one file for the site's dataset, checked against the model's contract."""
+    if experiment not in params.experiments:
+        raise ConfigError(f"experiments.{experiment}: not defined in the site's params file")
+    name = params.experiments[experiment].dataset
+    ds = params.datasets[name]
+    h, _, channels = contract["image_shape"]
+    if ds.image_size != h:
+        raise ConfigError(f"datasets.{name}.image_size: {ds.image_size}; the model takes {h} px images (its deployment's contract)")
+    if isinstance(ds, CXRDatasetParams) and channels == 1:
+        def job(path: Path) -> tuple:
+            return (str(path), "dicom" if _is_dicom(path) else "standard", ds.image_size, ds.square, ds.intensity, ds.percentiles)
+    elif isinstance(ds, BenchmarkDatasetParams) and channels == 3:
+        def job(path: Path) -> tuple:
+            return (str(path), "rgb", ds.image_size, ds.square, "", (0.0, 100.0))
+    else:
+        raise ConfigError(f"datasets.{name}: kind {ds.kind} with {channels}-channel images: predict reads image files of "
+                          "chest_xray4 (grayscale) and the multi-domain benchmarks (RGB)")
+    return job
+
+
+def predict_images(params: Params, experiment: str, model_path: Path, files: list[Path], device: str = "cpu",
+                   batch_size: int = 64) -> pd.DataFrame:
+    """One row per file: ``path``, ``predicted`` (a class name of the contract), ``prob.<class>`` for each class,
+    ``error`` (empty where the file was read). The files are harmonized with the site's dataset options
+    (``experiments.<experiment>.dataset``), which must give the image shape the model was trained on."""
+    from fedsilo.client.local import predict
+    from fedsilo.data.harmonize import decode_one
+    from fedsilo.fl.deploy import load_site_model
+
+    model, info = load_site_model(model_path, device)
+    contract = info["deployment"]["contract"]
+    classes = list(contract["classes"])
+    job = _decoder(params, experiment, contract)
+    images, errors = [], []
+    for f in files:
+        try:
+            images.append(decode_one(job(f)))
+            errors.append("")
+        except Exception as err:  # noqa: BLE001 - any decoder failure is the file's row, as harmonize quarantines it
+            images.append(None)
+            errors.append(f"{type(err).__name__}: {err}")
+    rows = pd.DataFrame({"path": [str(f) for f in files], "predicted": "", "error": errors})
+    for c in classes:
+        rows[f"prob.{c}"] = np.nan
+    read = [i for i, img in enumerate(images) if img is not None]
+    if read:
+        x = torch.from_numpy(np.stack([images[i] for i in read])).permute(0, 3, 1, 2).contiguous().to(device)
+        probs = predict(model, x, batch_size, TrainParams.model_validate(info["deployment"]["train"])).softmax(1).cpu().numpy()
+        for k, c in enumerate(classes):
+            rows.loc[read, f"prob.{c}"] = probs[:, k]
+        rows.loc[read, "predicted"] = [classes[j] for j in probs.argmax(1)]
+    return rows[["path", "predicted", *[f"prob.{c}" for c in classes], "error"]]
