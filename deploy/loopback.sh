@@ -97,4 +97,8 @@ flwr list --run-id "$RUN" loopback
 STATUS=$(flwr list --run-id "$RUN" loopback --format json | python -c 'import json,sys; print(json.load(sys.stdin)["runs"][0]["status"])')
 if [[ "$STATUS" != finished:completed ]]; then echo "run $RUN ended $STATUS" >&2; exit 1; fi
 echo "results: $C/results (metrics.json, history.json, wire.jsonl: every message's keys and bytes)"
-echo "each site's store (its personal model): $WORK/<site>/state/deploy/loopback_three_hospitals/"
+echo "== each hospital: what crossed its link (its own wire log), and its trained model on images it has"
+(cd "$WORK/rsna" && fedsilo site audit)
+(cd "$WORK/rsna" && fedsilo site predict --experiment site --images data/raw/rsna/stage_2_train_images --out predictions.csv)
+head -4 "$WORK/rsna/predictions.csv"
+echo "each site's stores and model: $WORK/<site>/state/deploy/loopback_three_hospitals/"

@@ -234,8 +234,8 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(site
         root, name = Path(ctx.node_config["params"]).parent, _card(Path(ctx.node_config["params"]))["site"]
         (audit,) = site_audit(root)
         theirs = [w for w in wire if w.get("site") == name]
-        assert (audit["federation"], audit["deployment"], audit["rounds"], audit["flower_runs"]) == (
-            "three_hospitals", keep(ctx).name, [1, 2], [1])
+        assert (audit["federation"], audit["deployment"], audit["runs"], audit["unreadable_lines"]) == (
+            "three_hospitals", keep(ctx).name, {"1": [1, 2]}, [])
         train = audit["sent"]["train"]
         assert train["messages"] == 2 and set(train["arrays"]["up"]) == set(spec.make_model().state_dict()) - bn
         assert train["tensor_bytes"] == sum(w["tensor_bytes"]["up"] for w in theirs if w["message"] == "train" and w["to"] == "server")
@@ -423,6 +423,35 @@ def test_a_site_given_a_new_key_mid_run_resumes_under_its_new_node_from_the_stor
     run = MlflowClient(uri).get_run(metrics["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["site.RSNA.node_id"] == "201"
     assert [m.step for m in MlflowClient(uri).get_metric_history(run.info.run_id, "mean_acc")] == [1, 2, 3]
+
+
+def test_a_site_audit_reads_each_flower_run_apart_counts_error_replies_apart_and_names_a_cut_line(tmp_path, capsys):
+    """A log of two Flower runs (the second started afresh from round 1), a refused train (an error reply), and a
+    last line cut short (a SuperNode killed while writing): each run with its rounds, the error beside the real
+    uploads, the cut line named by number; a stray copy of a store file is not taken for one."""
+    from fedsilo.cli import main
+    from fedsilo.fl.deploy import site_audit
+    from fedsilo.fl.flower import KeptStores
+
+    folder = tmp_path / "state/deploy/fed/0123456789abcdef"
+    up = {"arrays": {"up": {"w": ["float32", [4]]}}, "tensor_bytes": {"up": 16}}
+    lines = [{"round": r, "message": "train", "to": "server", "flower_run": run, **up} for run, rs in ((1, (1, 2)), (2, (1,))) for r in rs]
+    lines.append({"round": 2, "message": "train", "to": "server", "flower_run": 2, "error": "PrivacyViolation: refused"})
+    folder.mkdir(parents=True)
+    (folder / "wire.jsonl").write_text("".join(json.dumps(w) + "\n" for w in lines) + '{"round": 3, "message": "tr')
+    kept = KeptStores(folder, "Site A")
+    kept.save(1, {"bn": torch.zeros(3)})
+    (kept.folder / "store-r000001-copy.pt").write_bytes(kept.path(1).read_bytes())
+    (audit,) = site_audit(tmp_path)
+    assert audit["runs"] == {"1": [1, 2], "2": [1, 2]} and audit["unreadable_lines"] == [len(lines) + 1]
+    assert (audit["sent"]["train"]["messages"], audit["sent"]["train"]["errors"], audit["sent_tensor_bytes"]) == (3, 1, 48)
+    assert audit["errors"] == [{"round": 2, "message": "train", "flower_run": 2, "error": "PrivacyViolation: refused"}]
+    assert audit["kept"]["Site A"]["rounds"] == [1] and audit["kept"]["Site A"]["tensor_bytes"] == 12
+    capsys.readouterr()
+    assert main(["--root", str(tmp_path), "site", "audit"]) == 0
+    text = capsys.readouterr().out
+    assert "Flower runs 1 (rounds 1-2), 2 (rounds 1-2)" in text and "sent train x3" in text and "1 errors" in text
+    assert "1 lines cannot be read" in text
 
 
 def test_kept_stores_give_only_the_round_the_server_names_and_no_later_one(tmp_path):
@@ -775,6 +804,7 @@ def test_credentials_are_checked_before_flower_starts_and_the_superlinks_certifi
     SuperLink certificate with the CA in the folder (same names, the old pair kept as .old) and a client that trusts
     only the unchanged ca.crt completes a real TLS handshake with it."""
     import datetime
+    import os
     import shutil
     import ssl
 
@@ -842,13 +872,68 @@ def test_credentials_are_checked_before_flower_starts_and_the_superlinks_certifi
     with pytest.raises(ConfigError, match=r"--ca-days: 10; the CA must stay valid"):
         make_certificates(tmp_path / "short2", ("localhost",), days=30, ca_days=10)
 
+    # a missing file is named, not a traceback; a renewal that fails while swapping leaves the old pair in place
+    (certs / "server.key").rename(certs / "server.key.away")
+    with pytest.raises(ConfigError, match=r"--certs: .*server\.key: No such file"):
+        check_superlink_certificates(certs)
+    assert "server.key: No such file" in _certificates_status(certs)["problem"]
+    (certs / "server.key.away").rename(certs / "server.key")
+    before = {n: (certs / n).read_bytes() for n in ("server.pem", "server.key")}
+    real_replace, calls = os.replace, []
+
+    def failing_replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 3:  # server.key is in place, server.pem is not yet
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "replace", failing_replace)
+        with pytest.raises(OSError, match="No space left"):
+            renew_server_certificate(certs)
+    assert {n: (certs / n).read_bytes() for n in ("server.pem", "server.key")} == before and not list(certs.glob(".*renewing"))
+    check_superlink_certificates(certs)
+    if os.getuid() == 0:  # renewed with sudo: the new key keeps the SuperLink account's ownership, the old key stays private
+        os.chown(certs / "server.key", 4321, 4321)
+        os.chmod(certs / "server.key", 0o640)
+        renew_server_certificate(certs)
+        st = (certs / "server.key").stat()
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (4321, 4321, 0o600)
+        assert (certs / "server.key.old").stat().st_mode & 0o777 == 0o600
+        check_superlink_certificates(certs)
+    # a CA bundle (the coordinator's while sites move to a new CA): the CA that signed server.pem may come second
+    bundle = tmp_path / "bundle"
+    shutil.copytree(certs, bundle)
+    (bundle / "ca.crt").write_bytes(other["ca.crt"].read_bytes() + ca_bytes)
+    assert check_superlink_certificates(bundle)["warnings"] == []
+    (bundle / "ca.crt").write_bytes(other["ca.crt"].read_bytes())
+    with pytest.raises(ConfigError, match=r"--certs: .*server\.pem is not signed by a CA of .*ca\.crt \(.+\)"):
+        check_superlink_certificates(bundle)
+
     # at a site
     key = make_node_key(tmp_path / "keys", "rsna")["rsna"]
     assert check_site_credentials(certs / "ca.crt", key) == []
+    # a bundle with an expired old CA and the valid new one is taken (the valid one counts)
+    expired = make_certificates(tmp_path / "expired", ("localhost",), days=1, ca_days=1)["ca.crt"]
+    site_bundle = tmp_path / "site_bundle.crt"
+    site_bundle.write_bytes(expired.read_bytes() + ca_bytes)
+    assert check_site_credentials(site_bundle, key, now=now + datetime.timedelta(days=3)) == []
+    with pytest.raises(ConfigError, match=r"--root-certificates: .*ca\.crt expired on"):
+        check_site_credentials(expired, key, now=now + datetime.timedelta(days=3))
+    with pytest.raises(ConfigError, match=r"--root-certificates: .*valid only from .*clock"):
+        check_site_credentials(certs / "ca.crt", key, now=now - datetime.timedelta(days=1))
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    ed = tmp_path / "ed25519.key"
+    ed.write_bytes(ed25519.Ed25519PrivateKey.generate().private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                                                      serialization.NoEncryption()))
+    with pytest.raises(ConfigError, match=r"--auth-key: .*ed25519\.key is a Ed25519PrivateKey; Flower's node authentication takes an elliptic-curve key"):
+        check_site_credentials(certs / "ca.crt", ed)
     assert "the federation CA" in check_site_credentials(certs / "ca.crt", key, now=now + datetime.timedelta(days=3640))[0]
     with pytest.raises(ConfigError, match=r"--root-certificates: .*ca\.crt expired on"):
         check_site_credentials(certs / "ca.crt", key, now=now + datetime.timedelta(days=3651))
-    with pytest.raises(ConfigError, match=r"--root-certificates: .*server\.pem is not a CA certificate"):
+    with pytest.raises(ConfigError, match=r"--root-certificates: .*server\.pem holds no CA certificate"):
         check_site_credentials(certs / "server.pem", key)
     with pytest.raises(ConfigError, match=r"--auth-key: .*is not an unencrypted OpenSSH private key"):
         check_site_credentials(certs / "ca.crt", certs / "server.key")  # a PEM key, not the node key

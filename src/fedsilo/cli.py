@@ -379,9 +379,9 @@ def _site_audit(args: argparse.Namespace) -> None:
         return f"{n / 1e6:.3f} MB"
 
     for a in audits:
-        rounds = f"rounds {a['rounds'][0]}-{a['rounds'][-1]}" if a["rounds"] else "no round"
-        print(f"federation {a['federation']} (deployment {a['deployment']}): Flower runs {', '.join(map(str, a['flower_runs']))}; "
-              f"{rounds}; received {mb(a['received_tensor_bytes'])} of tensors, sent {mb(a['sent_tensor_bytes'])}")
+        runs = ", ".join(f"{r} (rounds {x[0]}-{x[-1]})" if x else f"{r} (no round)" for r, x in a["runs"].items())
+        print(f"federation {a['federation']} (deployment {a['deployment']}): Flower runs {runs}; "
+              f"received {mb(a['received_tensor_bytes'])} of tensors, sent {mb(a['sent_tensor_bytes'])}")
         for kind, v in sorted(a["sent"].items()):
             tensors = "; ".join(f"{rec}: {len(names)} tensors ({', '.join(list(names)[:4])}{', ...' if len(names) > 4 else ''})"
                                 for rec, names in v["arrays"].items()) or "no tensor"
@@ -392,6 +392,8 @@ def _site_audit(args: argparse.Namespace) -> None:
             print(f"  kept here for {site}: rounds {k['rounds']}, {k['tensors']} tensors, {mb(k['tensor_bytes'])} ({k['folder']})")
             if k["model"]:
                 print(f"  its model, as evaluated in round {k['model']['round']}: {k['model']['path']}")
+        if a["unreadable_lines"]:
+            print(f"  {len(a['unreadable_lines'])} lines cannot be read (lines {a['unreadable_lines'][:5]}): cut short by a stop?")
         for e in a["errors"][-3:]:
             print(f"  error in round {e['round']} ({e['message']}, Flower run {e['flower_run']}): {e['error'][:300]}")
         print(f"  wire log: {a['wire_log']}")
@@ -615,9 +617,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "  supernode  check the card, then run flower-supernode against the coordinator's SuperLink with TLS and "
         "the site's authentication key (--dry-run prints the command; --systemd-unit FILE writes a service that runs "
         "this command, restarted after a failure once the SuperLink lets the node in again)\n"
-        "  audit      what crossed this site's link, from its own wire logs under --root: per deployment and message "
-        "type, what it received and sent (tensor names, dtypes, shapes, bytes; metric and config keys; errors; never "
-        "values) and the stores it keeps (--json for scripts)\n"
+        "  audit      what crossed this site's link, from its own wire logs under --root: per deployment, the bytes "
+        "it received and sent, and per message type what it sent (tensor names, dtypes, shapes, bytes; metric and "
+        "config keys; errors; never values), the stores and the model it keeps (--json: the received side too)\n"
         "  predict    score image files with the model the site kept from a deployment, each harmonized as the "
         "site's training images were (--experiment's dataset): path, predicted class, class probabilities, error")
     s.add_argument("action", choices=["card", "supernode", "audit", "predict"])

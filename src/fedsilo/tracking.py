@@ -154,8 +154,6 @@ class Tracker:
                 self.client.get_run(run_id)
                 self.run_id = run_id
                 self.client.update_run(run_id, status="RUNNING")
-                # the tags say what the run now runs under (a deployment resumed with a site's new node: its node id)
-                self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in sorted(tags.items())])
                 return run_id
             except Exception:  # noqa: BLE001 - the old run is gone (another tracking store): start a new one
                 pass

@@ -412,8 +412,8 @@ def site_audit(root: Path) -> list[dict[str, Any]]:
     """What crossed a site's link, read from its own disk: for each deployment it took part in (the folders
     ``<root>/state/deploy/<federation>/<first 16 hex of the deployment's key>/`` its ClientApps write), its wire log
     summed up per message type, received and sent: messages, tensor bytes, the tensors by record with dtype and
-    shape (their union over the run), the config and metric keys; the errors its replies carried; the Flower runs and
-    rounds; the stores it keeps there (rounds, tensors, bytes: what the method keeps at the site) and the model it
+    shape (their union over the log), the config and metric keys; the error replies (counted apart); each Flower run
+    with its rounds; the line numbers of lines that cannot be read (one cut short when a SuperNode was killed); the stores it keeps there (rounds, tensors, bytes: what the method keeps at the site) and the model it
     was last evaluated with (``model.pt``: :func:`load_site_model`). Values never
     appear in a wire log, so none appear here."""
     base = Path(root) / "state" / "deploy"
@@ -421,21 +421,29 @@ def site_audit(root: Path) -> list[dict[str, Any]]:
     if not logs:
         raise ConfigError(f"--root: {Path(root).resolve()} holds no site wire log (state/deploy/<federation>/<key>/wire.jsonl): "
                           "a site's ClientApps write it under the root its SuperNode's --node-config names")
+    from fedsilo.fl.flower import KeptStores
+
     out = []
     for log in logs:
         summary: dict[str, Any] = {"federation": log.parent.parent.name, "deployment": log.parent.name, "wire_log": str(log),
-                                   "flower_runs": set(), "rounds": set(), "received": {}, "sent": {}, "errors": [], "kept": {}}
+                                   "runs": {}, "received": {}, "sent": {}, "errors": [], "unreadable_lines": [], "kept": {}}
         for n, line in enumerate(log.read_text().splitlines(), 1):
             try:
                 w = json.loads(line)
-                kind, to = w["message"], w["to"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ConfigError(f"{log}:{n}: not a wire log line ({e})") from e
-            summary["flower_runs"].add(int(w.get("flower_run", 0)))
+                kind, to, run = w["message"], w["to"], int(w.get("flower_run", 0))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                # a line cut short (a SuperNode killed while writing, a full disk): named, the rest still read
+                summary["unreadable_lines"].append(n)
+                continue
+            summary["runs"].setdefault(run, set())
             if w.get("round"):
-                summary["rounds"].add(int(w["round"]))
+                summary["runs"][run].add(int(w["round"]))
             side = summary["sent" if to == "server" else "received"].setdefault(
                 kind, {"messages": 0, "tensor_bytes": 0, "arrays": {}, "config": set(), "metrics": set(), "errors": 0})
+            if "error" in w:  # a reply that says why the site did not do what it was asked: counted apart
+                side["errors"] += 1
+                summary["errors"].append({"round": w.get("round"), "message": kind, "flower_run": run, "error": w["error"]})
+                continue
             side["messages"] += 1
             side["tensor_bytes"] += sum(int(b) for b in w.get("tensor_bytes", {}).values())
             for rec, keys in w.get("arrays", {}).items():
@@ -443,11 +451,8 @@ def site_audit(root: Path) -> list[dict[str, Any]]:
             for field in ("config", "metrics"):
                 for rec, keys in w.get(field, {}).items():
                     side[field].update(f"{rec}.{k}" for k in keys)
-            if "error" in w:
-                side["errors"] += 1
-                summary["errors"].append({"round": w.get("round"), "message": kind, "flower_run": w.get("flower_run"), "error": w["error"]})
         for folder in sorted(p for p in log.parent.iterdir() if p.is_dir()):
-            files, model = sorted(folder.glob("store-r*.pt")), folder / "model.pt"
+            files, model = sorted(f for f in folder.iterdir() if KeptStores.PATTERN.match(f.name)), folder / "model.pt"
             if not files and not model.is_file():
                 continue
             newest = torch.load(files[-1], map_location="cpu", weights_only=True) if files else {}
@@ -462,7 +467,8 @@ def site_audit(root: Path) -> list[dict[str, Any]]:
         for side in ("received", "sent"):
             for v in summary[side].values():
                 v["config"], v["metrics"] = sorted(v["config"]), sorted(v["metrics"])
-        summary["flower_runs"], summary["rounds"] = sorted(summary["flower_runs"]), sorted(summary["rounds"])
+        # each Flower run with the rounds it carried (a run started afresh counts from round 1 again)
+        summary["runs"] = {str(r): sorted(rounds) for r, rounds in sorted(summary["runs"].items())}
         summary["sent_tensor_bytes"] = sum(v["tensor_bytes"] for v in summary["sent"].values())
         summary["received_tensor_bytes"] = sum(v["tensor_bytes"] for v in summary["received"].values())
         out.append(summary)
@@ -547,6 +553,15 @@ def _start_tracking(dep: dict[str, Any], uri: str, state: Path, run_id: Optional
             tags[f"site.{site['name']}.node_id"] = str(site["node_id"])
     params = {"method": dep["method"]["params"], "train": dep["train"], "seed": dep["seed"], "contract": dep["contract"]}
     tracker.start_in(state, f"deploy/{dep['federation']}", f"{dep['method']['key']}-seed{dep['seed']}", params, tags, run_id=run_id)
+    if tracker.enabled and run_id and tracker.run_id == run_id:
+        # resumed, perhaps by a new App that pins a site's new node (resume_key leaves node ids out): the run's tags
+        # say what it now runs under, and a node pin the new App dropped is no longer claimed
+        from mlflow.entities import RunTag
+
+        stale = [k for k in tracker.client.get_run(run_id).data.tags if k.startswith("site.") and k.endswith(".node_id") and k not in tags]
+        for k in stale:
+            tracker.client.delete_tag(run_id, k)
+        tracker.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in sorted(tags.items())])
     return tracker
 
 
@@ -658,7 +673,8 @@ def _server_certificate(ca, ca_key, hosts: tuple[str, ...], sans: list, days: in
     if days < 1:
         raise ConfigError(f"--days: {days}; a certificate must be valid for at least a day")
     key = ec.generate_private_key(ec.SECP384R1())
-    server = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+    cn = hosts[0] if len(hosts[0]) <= 64 else "fedsilo SuperLink"  # X.509 caps a common name at 64; the SANs are what TLS checks
+    server = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
               .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
               .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days))
               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
@@ -686,13 +702,14 @@ def renew_server_certificate(certs: Path, hosts: Optional[tuple[str, ...]] = Non
     if missing:
         raise ConfigError(f"--out: {certs} lacks {', '.join(missing)}: the federation CA that signs the SuperLink's certificate "
                           "(made by `fedsilo deploy certs`; only the coordinator holds ca.key)")
-    ca = _load_certificate(certs / "ca.crt", "--out")
     try:
-        ca_key = serialization.load_pem_private_key((certs / "ca.key").read_bytes(), password=None)
+        ca_key = serialization.load_pem_private_key(_read(certs / "ca.key", "--out"), password=None)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"--out: {certs / 'ca.key'} is not an unencrypted PEM private key ({e})") from e
-    if ca_key.public_key().public_numbers() != ca.public_key().public_numbers():
+    mine = [c for c in _load_certificates(certs / "ca.crt", "--out") if c.public_key().public_numbers() == ca_key.public_key().public_numbers()]
+    if not mine:
         raise ConfigError(f"--out: {certs / 'ca.key'} is not the key of {certs / 'ca.crt'}")
+    ca = mine[0]
     old = _load_certificate(certs / "server.pem", "--out") if (certs / "server.pem").is_file() else None
     if hosts is None:
         if old is None:
@@ -708,22 +725,40 @@ def renew_server_certificate(certs: Path, hosts: Optional[tuple[str, ...]] = Non
     pem = serialization.Encoding.PEM
     new = {"server.key": (key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()), 0o600),
            "server.pem": (server.public_bytes(pem), 0o644)}
-    staged = {n: certs / f".{n}.renewing" for n in new}
-    try:  # both new files written before either old one moves
+    _swap_in(certs, new)
+    return {"server.pem": certs / "server.pem", "server.key": certs / "server.key", "hosts": list(hosts),
+            "valid_until": server.not_valid_after_utc, "previous_until": old.not_valid_after_utc if old is not None else None}
+
+
+def _swap_in(folder: Path, new: dict[str, tuple[bytes, int]]) -> None:
+    """Put the files ``new`` (name -> (bytes, mode)) in ``folder``, the ones they replace kept as ``<name>.old``: every
+    new file is written before any old one moves, each gets the owner of the file it replaces (a renewal run with
+    sudo leaves the SuperLink's account able to read its key), and a failure while swapping puts the old files back."""
+    staged = {n: folder / f".{n}.renewing" for n in new}
+    moved: list[str] = []
+    try:
         for n, (data, mode) in new.items():
             staged[n].unlink(missing_ok=True)
             with os.fdopen(os.open(staged[n], os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as fh:
                 fh.write(data)
+            if (folder / n).is_file():
+                st = (folder / n).stat()
+                if (st.st_uid, st.st_gid) != (os.getuid(), os.getgid()):
+                    os.chown(staged[n], st.st_uid, st.st_gid)
         for n in new:
-            if (certs / n).is_file():
-                os.replace(certs / n, certs / f"{n}.old")
-        for n in new:
-            os.replace(staged[n], certs / n)
+            if (folder / n).is_file():
+                os.replace(folder / n, folder / f"{n}.old")
+                os.chmod(folder / f"{n}.old", new[n][1])  # an old private key stays as private as the new one
+            moved.append(n)
+            os.replace(staged[n], folder / n)
+    except BaseException:
+        for n in moved:  # back as they were: the old pair, never half of each
+            if (folder / f"{n}.old").is_file():
+                os.replace(folder / f"{n}.old", folder / n)
+        raise
     finally:
         for tmp in staged.values():
             tmp.unlink(missing_ok=True)
-    return {"server.pem": certs / "server.pem", "server.key": certs / "server.key", "hosts": list(hosts),
-            "valid_until": server.not_valid_after_utc, "previous_until": old.not_valid_after_utc if old is not None else None}
 
 
 # ----------------------------------------------------- the checks each party makes before it becomes a Flower process
@@ -731,13 +766,45 @@ def renew_server_certificate(certs: Path, hosts: Optional[tuple[str, ...]] = Non
 # tell an unreadable key or an expired certificate, which no restart mends, from a SuperLink that is not up yet. fedsilo
 # checks what it can before it becomes flower-supernode / flower-superlink and refuses with exit status 2, which the
 # systemd units it writes never restart.
+def _read(path: Path, flag: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:  # missing, or not readable by this account (a key is its owner's only)
+        raise ConfigError(f"{flag}: {path}: {e.strerror or e}") from e
+
+
 def _load_certificate(path: Path, flag: str):
+    return _load_certificates(path, flag)[0]
+
+
+def _load_certificates(path: Path, flag: str) -> list:
+    """Every certificate of a PEM file (a CA bundle holds several: the old CA and the new one while sites change)."""
     from cryptography import x509
 
     try:
-        return x509.load_pem_x509_certificate(Path(path).read_bytes())
+        return x509.load_pem_x509_certificates(_read(path, flag))
     except ValueError as e:
         raise ConfigError(f"{flag}: {path} is not a PEM certificate ({e})") from e
+
+
+def _is_ca(cert) -> bool:
+    from cryptography import x509
+
+    try:
+        return bool(cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca)
+    except x509.ExtensionNotFound:
+        return False
+
+
+def _valid_ca(path: Path, flag: str, now):
+    """The CA certificate of ``path`` valid now that lasts longest (a bundle during a change of CA holds several)."""
+    cas = [c for c in _load_certificates(path, flag) if _is_ca(c)]
+    if not cas:
+        raise ConfigError(f"{flag}: {path} holds no CA certificate (give the federation's ca.crt, not the SuperLink's server.pem)")
+    valid = [c for c in cas if c.not_valid_before_utc <= now <= c.not_valid_after_utc]
+    if not valid:
+        _check_dates(cas[0], path, flag, now)  # the reason, dated
+    return max(valid, key=lambda c: c.not_valid_after_utc)
 
 
 def _check_dates(cert, path: Path, flag: str, now) -> None:
@@ -752,22 +819,13 @@ def check_site_credentials(root_certificates: Path, auth_key: Path, now=None) ->
     private key, as ``deploy key`` writes it), each refused by flag. Returns warnings (the CA expires within 30 days)."""
     import datetime
 
-    from cryptography import x509
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 
     now = now or datetime.datetime.now(datetime.timezone.utc)
-    ca = _load_certificate(root_certificates, "--root-certificates")
+    ca = _valid_ca(root_certificates, "--root-certificates", now)
     try:
-        is_ca = ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
-    except x509.ExtensionNotFound:
-        is_ca = False
-    if not is_ca:
-        raise ConfigError(f"--root-certificates: {root_certificates} is not a CA certificate (give the federation's ca.crt, "
-                          "not the SuperLink's server.pem)")
-    _check_dates(ca, root_certificates, "--root-certificates", now)
-    try:
-        key = load_ssh_private_key(Path(auth_key).read_bytes(), password=None)
+        key = load_ssh_private_key(_read(auth_key, "--auth-key"), password=None)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"--auth-key: {auth_key} is not an unencrypted OpenSSH private key ({e}); make one with `fedsilo deploy key`") from e
     if not isinstance(key, ec.EllipticCurvePrivateKey):
@@ -786,14 +844,20 @@ def check_superlink_certificates(certs: Path, now=None) -> dict[str, Any]:
 
     now = now or datetime.datetime.now(datetime.timezone.utc)
     certs = Path(certs)
-    ca, server = _load_certificate(certs / "ca.crt", "--certs"), _load_certificate(certs / "server.pem", "--certs")
+    server = _load_certificate(certs / "server.pem", "--certs")
+    signers, reasons = [], []
+    for c in (c for c in _load_certificates(certs / "ca.crt", "--certs") if _is_ca(c)):  # a bundle: the CA that signed it
+        try:
+            server.verify_directly_issued_by(c)
+            signers.append(c)
+        except (ValueError, TypeError, InvalidSignature) as e:
+            reasons.append(str(e) or type(e).__name__)
+    if not signers:
+        raise ConfigError(f"--certs: {certs / 'server.pem'} is not signed by a CA of {certs / 'ca.crt'} "
+                          f"({'; '.join(reasons) or 'it holds no CA certificate'}); the sites would refuse it")
+    ca = signers[0]
     try:
-        server.verify_directly_issued_by(ca)
-    except (ValueError, TypeError, InvalidSignature) as e:
-        raise ConfigError(f"--certs: {certs / 'server.pem'} is not signed by {certs / 'ca.crt'} ({e or 'bad signature'}); "
-                          "the sites would refuse it") from e
-    try:
-        key = serialization.load_pem_private_key((certs / "server.key").read_bytes(), password=None)
+        key = serialization.load_pem_private_key(_read(certs / "server.key", "--certs"), password=None)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"--certs: {certs / 'server.key'} is not an unencrypted PEM private key ({e})") from e
     if key.public_key().public_numbers() != server.public_key().public_numbers():
