@@ -1004,3 +1004,52 @@ def test_a_site_scores_new_image_files_with_the_model_it_kept_as_it_scores_its_h
     assert "nowhere.dcm: no such file or folder" in capsys.readouterr().err
     assert main(["--params", str(sites["rsna"]), *args]) == 2
     assert "no image file given" in capsys.readouterr().err
+
+
+def test_site_predict_reads_rgb_benchmark_files_as_harmonize_does(tmp_path, capsys):
+    """The multi-domain benchmarks' files (RGB JPEGs: an Office-Caltech-10 mirror here) are harmonized for a
+    prediction as harmonize wrote them (stretched to the dataset's size), so the model scores them as it scores the
+    harmonized arrays; a model made for grayscale images is refused for this dataset by key."""
+    import pandas as pd
+
+    from fedsilo.cli import main
+    from fedsilo.client.local import predict
+    from fedsilo.config import parse_params
+    from fedsilo.data.fetch import fetch
+    from fedsilo.data.harmonize import harmonize_dataset
+    from fedsilo.fl.flower import KeptStores
+    from tests.conftest import add_benchmarks, small_params
+
+    raw = add_benchmarks(small_params())
+    raw.update(sources={"office_caltech10": raw["sources"]["office_caltech10"]}, datasets={"office_caltech10": raw["datasets"]["office_caltech10"]},
+               experiments={"site": {"dataset": "office_caltech10", "split": {"protocol": "domain_clients", "n_train": 4, "n_test": 4}}},
+               pipeline={"sources": ["office_caltech10"], "datasets": ["office_caltech10"], "splits": {"site": "office_caltech10"},
+                         "experiments": ["site"], "methods": ["fedavg"], "seeds": [0]})
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    p = parse_params(raw)
+    fetch("office_caltech10", p.sources["office_caltech10"], tmp_path / "data/raw/office_caltech10")
+    harmonized = tmp_path / "data/harmonized/office_caltech10"
+    card = harmonize_dataset(p.datasets["office_caltech10"], tmp_path / "data/raw", harmonized, quiet=True)
+    table = pd.read_parquet(harmonized / "records.parquet").iloc[::7].head(8)
+    files = [tmp_path / "data/raw/office_caltech10" / f for f in table["source_path"]]
+    classes = list(card["classes"])
+    dep = {"method": {"key": "fedavg", "base": "fedavg", "params": {}}, "seed": 0,
+           "train": {"model": "simple_cnn", "model_width": 0.25, "device": "cpu"},
+           "contract": {"task": card["task"], "classes": classes, "image_shape": [16, 16, 3]}}
+    model = deployment_spec(dep).make_model()
+    kept = KeptStores(tmp_path / "keep", "amazon")
+    kept.save_model(1, model, {"deployment": dep})
+    out = tmp_path / "predictions.csv"
+    args = ["--params", str(tmp_path / "params.yaml"), "--root", str(tmp_path), "site", "predict", "--experiment", "site"]
+    assert main([*args, "--model", str(kept.model_path), "--out", str(out), "--images", *map(str, files)]) == 0
+    rows = pd.read_csv(out)
+    x = torch.from_numpy(np.load(harmonized / "images.npy")[table.index.to_numpy()]).permute(0, 3, 1, 2).contiguous()
+    want = predict(model.eval(), x).softmax(1).numpy()
+    assert np.allclose(rows[[f"prob.{c}" for c in classes]].to_numpy(dtype=float), want, atol=1e-6)
+    assert list(rows["predicted"]) == [classes[j] for j in want.argmax(1)]
+    gray = KeptStores(tmp_path / "keep", "gray")
+    gray.save_model(1, deployment_spec({**dep, "contract": {**dep["contract"], "image_shape": [16, 16, 1]}}).make_model(),
+                    {"deployment": {**dep, "contract": {**dep["contract"], "image_shape": [16, 16, 1]}}})
+    capsys.readouterr()
+    assert main([*args, "--model", str(gray.model_path), "--images", str(files[0])]) == 2
+    assert "datasets.office_caltech10: kind office_caltech10 with 1-channel images" in capsys.readouterr().err
