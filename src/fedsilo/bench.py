@@ -186,7 +186,7 @@ def parallel_gain(widths: dict[int, TrainParams], measure: Any, result: dict[str
 
 def harmonize_throughput(n_images: int, px: int, workers: int) -> dict[str, Any]:
     from fedsilo.config import MirrorParams
-    from fedsilo.data.harmonize import _decode_all
+    from fedsilo.data.harmonize import decode_all
     from fedsilo.data.mirror.cxr import write_rsna, write_vinbigdata
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -199,7 +199,7 @@ def harmonize_throughput(n_images: int, px: int, workers: int) -> dict[str, Any]
         out = {"images": len(jobs), "source_px": px, "workers": workers}
         for label, w in (("one_core", 1), ("all_cores", workers)):
             t0 = time.perf_counter()
-            res = _decode_all(jobs, w)
+            res = decode_all(jobs, w)
             dt = time.perf_counter() - t0
             bad = [e for img, e in res if img is None]
             if bad:

@@ -353,7 +353,7 @@ def _site_predict(args: argparse.Namespace) -> None:
         model = kept[0]
     elif not model.is_file():
         raise ConfigError(f"--model: {model}: no such file")
-    rows = predict_images(load_params(args.params), args.experiment, model, image_files(args.images))
+    rows = predict_images(load_params(args.params), args.experiment, model, image_files(args.images), quiet=args.quiet)
     bad = int((rows["error"] != "").sum())
     if args.out:
         with atomic_file(Path(args.out)) as tmp:

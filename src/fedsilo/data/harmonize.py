@@ -108,7 +108,7 @@ def _decode_safe(args: tuple) -> tuple[np.ndarray | None, str]:
         return None, str(decode_error(args[0], err, f"{type(err).__name__}: "))
 
 
-def _decode_all(jobs: list[tuple], workers: int, domains: Optional[list[str]] = None, desc: str = "harmonize",
+def decode_all(jobs: list[tuple], workers: int, domains: Optional[list[str]] = None, desc: str = "harmonize",
                 quiet: bool = False) -> list[tuple[np.ndarray | None, str]]:
     """Decode every job (in worker processes when there are enough), in order, showing images done and images/s
     per domain (``domains[i]`` is job i's; jobs of a domain are contiguous)."""
@@ -159,7 +159,7 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
         if not kept["abs_path"].iloc[i]:
             results[i] = (None, f"image file missing for {kept['id'].iloc[i]}")
     doms = [str(kept["domain"].iloc[i]) for i in todo]
-    for i, res in zip(todo, _decode_all([jobs[i] for i in todo], workers, doms, f"harmonize {params.kind}", quiet)):
+    for i, res in zip(todo, decode_all([jobs[i] for i in todo], workers, doms, f"harmonize {params.kind}", quiet)):
         results[i] = res
     errors = [e for _, e in results]
     ok = np.array([img is not None for img, _ in results], dtype=bool)
@@ -316,7 +316,7 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
         else:
             file_jobs.append((i, (str(raw_dir / path), "rgb", params.image_size, params.square, "", (0.0, 100.0))))
     doms = [str(kept["domain"].iloc[i]) for i, _ in file_jobs]
-    for (i, _), res in zip(file_jobs, _decode_all([j for _, j in file_jobs], workers, doms, f"harmonize {params.kind}", quiet)):
+    for (i, _), res in zip(file_jobs, decode_all([j for _, j in file_jobs], workers, doms, f"harmonize {params.kind}", quiet)):
         results[i] = res
     ok = np.array([img is not None for img, _ in results], dtype=bool)
     quarantine = kept.loc[~ok, ["id", "domain", "path"]].copy()

@@ -7,6 +7,7 @@ A file that cannot be read is reported on its row (its error), as harmonize quar
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -63,31 +64,26 @@ def _decoder(params: Params, experiment: str, contract: dict[str, Any]):
     else:
         raise ConfigError(f"datasets.{name}: kind {ds.kind} with {channels}-channel images: predict reads image files of "
                           "chest_xray4 (grayscale) and the multi-domain benchmarks (RGB)")
-    return job
+    return job, ds.workers or os.cpu_count() or 1
 
 
 def predict_images(params: Params, experiment: str, model_path: Path, files: list[Path], device: str = "cpu",
-                   batch_size: int = 64) -> pd.DataFrame:
+                   batch_size: int = 64, quiet: bool = False) -> pd.DataFrame:
     """One row per file: ``path``, ``predicted`` (a class name of the contract), ``prob.<class>`` for each class,
     ``error`` (empty where the file was read). The files are harmonized with the site's dataset options
     (``experiments.<experiment>.dataset``), which must give the image shape the model was trained on."""
     from fedsilo.client.local import predict
-    from fedsilo.data.harmonize import decode_one
+    from fedsilo.data.harmonize import decode_all
     from fedsilo.fl.deploy import load_site_model
 
     model, info = load_site_model(model_path, device)
     contract = info["deployment"]["contract"]
     classes = list(contract["classes"])
-    job = _decoder(params, experiment, contract)
-    images, errors = [], []
-    for f in files:
-        try:
-            images.append(decode_one(job(f)))
-            errors.append("")
-        except Exception as err:  # noqa: BLE001 - any decoder failure is the file's row, as harmonize quarantines it
-            images.append(None)
-            errors.append(f"{type(err).__name__}: {err}")
-    rows = pd.DataFrame({"path": [str(f) for f in files], "predicted": "", "error": errors})
+    job, workers = _decoder(params, experiment, contract)
+    # harmonize's own decoding: worker processes, images/s shown, a file that fails is its row's error
+    decoded = decode_all([job(f) for f in files], workers, desc="predict: harmonize", quiet=quiet)
+    images = [img for img, _ in decoded]
+    rows = pd.DataFrame({"path": [str(f) for f in files], "predicted": "", "error": [e for _, e in decoded]})
     for c in classes:
         rows[f"prob.{c}"] = np.nan
     read = [i for i, img in enumerate(images) if img is not None]
