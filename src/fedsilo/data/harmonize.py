@@ -109,7 +109,7 @@ def _decode_safe(args: tuple) -> tuple[np.ndarray | None, str]:
 
 
 def decode_all(jobs: list[tuple], workers: int, domains: Optional[list[str]] = None, desc: str = "harmonize",
-                quiet: bool = False) -> list[tuple[np.ndarray | None, str]]:
+               quiet: bool = False) -> list[tuple[np.ndarray | None, str]]:
     """Decode every job (in worker processes when there are enough), in order, showing images done and images/s
     per domain (``domains[i]`` is job i's; jobs of a domain are contiguous)."""
     domains = domains if domains is not None else [""] * len(jobs)

@@ -807,13 +807,18 @@ class KeptStores:
             return []
         return sorted(int(m.group(1)) for f in self.folder.iterdir() if (m := self.PATTERN.match(f.name)))
 
-    def save(self, rnd: int, state: State) -> None:
+    def _write(self, path: Path, content: dict[str, Any]) -> None:
+        """A file of this site's, whole or not at all, readable by its owner only (private tensors: the site's own,
+        not other accounts' on its machine)."""
         from fedsilo.utils.io import atomic_file
 
         self.folder.mkdir(parents=True, exist_ok=True)
-        with atomic_file(self.path(rnd)) as tmp:
-            torch.save({"round": rnd, "site": self.site, "store": {k: v.detach().cpu() for k, v in state.items()}}, tmp)
-            os.chmod(tmp, 0o600)  # private tensors: the site's own, not other accounts' on its machine
+        with atomic_file(path) as tmp:
+            torch.save({"site": self.site, **content}, tmp)
+            os.chmod(tmp, 0o600)
+
+    def save(self, rnd: int, state: State) -> None:
+        self._write(self.path(rnd), {"round": rnd, "store": {k: v.detach().cpu() for k, v in state.items()}})
         for later in [r for r in self.rounds() if r > rnd]:  # of an attempt that did not reach them, or of an earlier run
             self.path(later).unlink(missing_ok=True)
 
@@ -825,13 +830,7 @@ class KeptStores:
         """The model the site was evaluated with in round ``rnd`` (``Method.load_eval_model``: its personal model, or
         the shared part with what it keeps), replacing the one of an earlier evaluation: when the run is over, the
         model the site takes home, with ``meta`` (the deployment it was trained in) to rebuild it."""
-        from fedsilo.utils.io import atomic_file
-
-        self.folder.mkdir(parents=True, exist_ok=True)
-        with atomic_file(self.model_path) as tmp:
-            torch.save({"round": rnd, "site": self.site, **meta,
-                        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()}}, tmp)
-            os.chmod(tmp, 0o600)
+        self._write(self.model_path, {"round": rnd, **meta, "model": {k: v.detach().cpu() for k, v in model.state_dict().items()}})
 
     def load(self, rnd: int, limit: int, device: torch.device, trains: Optional[int] = None) -> State:
         """The store after round ``rnd`` (the server's word for this site's last trained round), where ``rnd`` <=
