@@ -232,11 +232,11 @@ def _site(args: argparse.Namespace) -> None:
     if args.action == "audit":
         _site_audit(args)
         return
+    if not args.experiment:
+        raise ConfigError(f"fedsilo site {args.action}: --experiment required (the site's one-client experiment)")
     if args.action == "predict":
         _site_predict(args)
         return
-    if not args.experiment:
-        raise ConfigError(f"fedsilo site {args.action}: --experiment required (the site's one-client experiment)")
     p = load_params(args.params)
     card = site_card(p, args.experiment, Path(args.root))
     if args.action == "card":
@@ -342,8 +342,6 @@ def _site_predict(args: argparse.Namespace) -> None:
     from fedsilo.fl.predict import image_files, predict_images
     from fedsilo.utils.io import atomic_file
 
-    if not args.experiment:
-        raise ConfigError("fedsilo site predict: --experiment required (the site's experiment: its dataset's harmonize options)")
     model = Path(args.model) if args.model else None
     if model is None:
         kept = sorted(Path(args.root).glob("state/deploy/*/*/*/model.pt"))
