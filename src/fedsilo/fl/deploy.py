@@ -614,7 +614,7 @@ def make_certificates(out: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localho
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    sans = _subject_alt_names(hosts)
+    _subject_alt_names(hosts)  # refused before anything is made
     if ca_days < days:
         raise ConfigError(f"--ca-days: {ca_days}; the CA must stay valid at least as long as the SuperLink's certificate (--days {days})")
     now = _cert_start()
@@ -628,7 +628,7 @@ def make_certificates(out: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localho
                                        key_encipherment=False, data_encipherment=False, key_agreement=False,
                                        encipher_only=False, decipher_only=False), critical=True)
           .sign(ca_key, hashes.SHA384()))
-    server, key = _server_certificate(ca, ca_key, hosts, sans, days, now)
+    server, key = _server_certificate(ca, ca_key, hosts, days, now)
     pem = serialization.Encoding.PEM
     files = {
         "ca.crt": (ca.public_bytes(pem), False),
@@ -661,7 +661,7 @@ def _subject_alt_names(hosts: tuple[str, ...]) -> list:
     return sans
 
 
-def _server_certificate(ca, ca_key, hosts: tuple[str, ...], sans: list, days: int, now) -> tuple[Any, Any]:
+def _server_certificate(ca, ca_key, hosts: tuple[str, ...], days: int, now) -> tuple[Any, Any]:
     """The SuperLink's certificate for ``hosts`` and its new key, signed by the CA, valid ``days`` from ``now``."""
     import datetime
 
@@ -679,7 +679,7 @@ def _server_certificate(ca, ca_key, hosts: tuple[str, ...], sans: list, days: in
               .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days))
               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-              .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+              .add_extension(x509.SubjectAlternativeName(_subject_alt_names(hosts)), critical=False)
               .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
               .sign(ca_key, hashes.SHA384()))
@@ -721,7 +721,7 @@ def renew_server_certificate(certs: Path, hosts: Optional[tuple[str, ...]] = Non
         raise ConfigError(f"--days: {days}; the federation CA ({certs / 'ca.crt'}) expires on {ca.not_valid_after_utc:%Y-%m-%d}, "
                           "before the new certificate would: make a new CA with `fedsilo deploy certs --out <new folder>` and "
                           "send its ca.crt to every site, or give fewer --days")
-    server, key = _server_certificate(ca, ca_key, tuple(hosts), _subject_alt_names(tuple(hosts)), days, now)
+    server, key = _server_certificate(ca, ca_key, tuple(hosts), days, now)
     pem = serialization.Encoding.PEM
     new = {"server.key": (key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()), 0o600),
            "server.pem": (server.public_bytes(pem), 0o644)}
@@ -831,7 +831,7 @@ def check_site_credentials(root_certificates: Path, auth_key: Path, now=None) ->
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise ConfigError(f"--auth-key: {auth_key} is a {type(key).__name__.lstrip('_')}; Flower's node authentication takes an "
                           "elliptic-curve key (`fedsilo deploy key`)")
-    return _expiry_warnings({"the federation CA": (root_certificates, ca)}, now, "ask the coordinator for the new ca.crt")
+    return _expiry_warning("the federation CA", root_certificates, ca, now, "ask the coordinator for the new ca.crt")
 
 
 def check_superlink_certificates(certs: Path, now=None) -> dict[str, Any]:
@@ -864,20 +864,19 @@ def check_superlink_certificates(certs: Path, now=None) -> dict[str, Any]:
         raise ConfigError(f"--certs: {certs / 'server.key'} is not the key of {certs / 'server.pem'} (renewed one without the other?)")
     for name, cert in (("ca.crt", ca), ("server.pem", server)):
         _check_dates(cert, certs / name, "--certs", now)
-    warnings = _expiry_warnings({"the SuperLink's certificate": (certs / "server.pem", server)}, now,
-                                f"renew it: fedsilo deploy certs --renew --out {certs}, then restart the SuperLink")
-    warnings += _expiry_warnings({"the federation CA": (certs / "ca.crt", ca)}, now,
-                                 "make a new CA (`fedsilo deploy certs --out <new folder>`) and send its ca.crt to every site")
+    warnings = _expiry_warning("the SuperLink's certificate", certs / "server.pem", server, now,
+                               f"renew it: fedsilo deploy certs --renew --out {certs}, then restart the SuperLink")
+    warnings += _expiry_warning("the federation CA", certs / "ca.crt", ca, now,
+                                "make a new CA (`fedsilo deploy certs --out <new folder>`) and send its ca.crt to every site")
     return {"ca.crt": ca.not_valid_after_utc.isoformat(), "server.pem": server.not_valid_after_utc.isoformat(), "warnings": warnings}
 
 
-def _expiry_warnings(certs: dict[str, tuple[Path, Any]], now, what_to_do: str) -> list[str]:
-    out = []
-    for what, (path, cert) in certs.items():
-        left = cert.not_valid_after_utc - now
-        if left.days < EXPIRY_WARN_DAYS:
-            out.append(f"warning: {what} ({path}) expires in {left.days} days, on {cert.not_valid_after_utc:%Y-%m-%d}: {what_to_do}")
-    return out
+def _expiry_warning(what: str, path: Path, cert, now, what_to_do: str) -> list[str]:
+    """A warning, when ``cert`` expires within :data:`EXPIRY_WARN_DAYS`."""
+    left = cert.not_valid_after_utc - now
+    if left.days >= EXPIRY_WARN_DAYS:
+        return []
+    return [f"warning: {what} ({path}) expires in {left.days} days, on {cert.not_valid_after_utc:%Y-%m-%d}: {what_to_do}"]
 
 
 def make_node_key(out: Path, name: str) -> dict[str, Path]:
