@@ -20,8 +20,9 @@ PLAN.yaml:
 What it does: a root params file with ``sources.office_caltech10`` in ``local`` mode at ``office_dir`` and MLflow off;
 per experiment, a copy of its paper params holding that experiment only (``scale: gpu``, so results go to
 ``results/<paper>/gpu/<experiment>/`` and never mix with a paper-scale run), its train overrides applied; then
-``fedsilo fetch``, ``harmonize``, ``split`` and one ``fedsilo train`` per (method, seed), ``jobs`` at a time, in plan
-order. At the budget (or when the driver itself gets SIGTERM / SIGINT) the runs still training get SIGTERM (they end
+``fedsilo fetch``, ``harmonize``, ``split`` and one ``fedsilo train`` per (method, seed), ``jobs`` at a time, seed
+by seed across the entries (every entry's first seed, in plan order, before any second seed: a call cut short still
+gives every table one seed of each method). At the budget (or when the driver itself gets SIGTERM / SIGINT) the runs still training get SIGTERM (they end
 KILLED with their checkpoint kept; after 60 s a run that has not stopped is killed). Calling the same plan again (the
 machine still warm) skips the runs it finished (``.gpu/plan_done.json``, keyed by the params copy's sha256) and
 resumes the others from their checkpoints. Each experiment's report is built over the (method, seed) runs that finished, every
@@ -138,8 +139,11 @@ def main(plan_path: str, out: str) -> int:
     for (_, exp), f in copies.items():
         if step([*CLI, "--params", str(f), "split", "--experiment", exp], out_dir / "logs" / f"split-{exp}.log"):
             unsplit.add(exp)
-    jobs = [(f, exp, m, s) for e in plan["entries"] for f, exp in [(copies[(e["params"], e["experiment"])], e["experiment"])]
-            for s in e["seeds"] for m in e["methods"]]
+    # seed-major across the entries: every entry's first seed before any entry's second, so a campaign cut short by
+    # the device time still gives each table one seed of every method (device time is scarce: one call may be all)
+    jobs = [(copies[(e["params"], e["experiment"])], e["experiment"], m, e["seeds"][k])
+            for k in range(max(len(e["seeds"]) for e in plan["entries"])) for e in plan["entries"] if k < len(e["seeds"])
+            for m in e["methods"]]
     for _, exp, m, s in jobs:
         if exp in unsplit:
             manifest["runs"][f"{exp}/{m}/seed{s}"] = {"rc": None, "seconds": 0, "note": f"not started: split failed (logs/split-{exp}.log)"}
