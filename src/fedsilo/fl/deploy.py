@@ -702,10 +702,7 @@ def renew_server_certificate(certs: Path, hosts: Optional[tuple[str, ...]] = Non
     if missing:
         raise ConfigError(f"--out: {certs} lacks {', '.join(missing)}: the federation CA that signs the SuperLink's certificate "
                           "(made by `fedsilo deploy certs`; only the coordinator holds ca.key)")
-    try:
-        ca_key = serialization.load_pem_private_key(_read(certs / "ca.key", "--out"), password=None)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"--out: {certs / 'ca.key'} is not an unencrypted PEM private key ({e})") from e
+    ca_key = _load_pem_key(certs / "ca.key", "--out")
     mine = [c for c in _load_certificates(certs / "ca.crt", "--out") if c.public_key().public_numbers() == ca_key.public_key().public_numbers()]
     if not mine:
         raise ConfigError(f"--out: {certs / 'ca.key'} is not the key of {certs / 'ca.crt'}")
@@ -771,6 +768,15 @@ def _read(path: Path, flag: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as e:  # missing, or not readable by this account (a key is its owner's only)
         raise ConfigError(f"{flag}: {path}: {e.strerror or e}") from e
+
+
+def _load_pem_key(path: Path, flag: str):
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        return serialization.load_pem_private_key(_read(path, flag), password=None)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{flag}: {path} is not an unencrypted PEM private key ({e})") from e
 
 
 def _load_certificate(path: Path, flag: str):
@@ -840,7 +846,6 @@ def check_superlink_certificates(certs: Path, now=None) -> dict[str, Any]:
     import datetime
 
     from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives import serialization
 
     now = now or datetime.datetime.now(datetime.timezone.utc)
     certs = Path(certs)
@@ -856,10 +861,7 @@ def check_superlink_certificates(certs: Path, now=None) -> dict[str, Any]:
         raise ConfigError(f"--certs: {certs / 'server.pem'} is not signed by a CA of {certs / 'ca.crt'} "
                           f"({'; '.join(reasons) or 'it holds no CA certificate'}); the sites would refuse it")
     ca = signers[0]
-    try:
-        key = serialization.load_pem_private_key(_read(certs / "server.key", "--certs"), password=None)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"--certs: {certs / 'server.key'} is not an unencrypted PEM private key ({e})") from e
+    key = _load_pem_key(certs / "server.key", "--certs")
     if key.public_key().public_numbers() != server.public_key().public_numbers():
         raise ConfigError(f"--certs: {certs / 'server.key'} is not the key of {certs / 'server.pem'} (renewed one without the other?)")
     for name, cert in (("ca.crt", ca), ("server.pem", server)):
