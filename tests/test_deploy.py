@@ -96,12 +96,13 @@ def _deployed(tmp: Path, sites: dict[str, Path], node_ids: Optional[dict[str, in
 
 class SiteGrid(LoopGrid):
     """LoopGrid whose nodes are the sites: each node's config names its params file and experiment, as the
-    SuperNode's --node-config does."""
+    SuperNode's --node-config does; ``node_ids``: each site's node in the sites' order (default 100, 101, ...)."""
 
-    def __init__(self, app, sites: dict[str, Path], run_id: int = 1):
+    def __init__(self, app, sites: dict[str, Path], run_id: int = 1, node_ids: Optional[list[int]] = None):
         super().__init__(app, 0)
-        self.contexts = {100 + k: Context(run_id=run_id, node_id=100 + k, node_config={"params": str(p), "experiment": "site"},
-                                          state=RecordDict(), run_config={}) for k, p in enumerate(sites.values())}
+        ids = node_ids or [100 + k for k in range(len(sites))]
+        self.contexts = {n: Context(run_id=run_id, node_id=n, node_config={"params": str(p), "experiment": "site"},
+                                    state=RecordDict(), run_config={}) for n, p in zip(ids, sites.values())}
 
 
 class NodeRestartsAt(SiteGrid):
@@ -121,8 +122,8 @@ class NodeRestartsAt(SiteGrid):
 class DownAt(SiteGrid):
     """SiteGrid whose SuperLink goes down as round ``rnd``'s train messages are sent: none of them is delivered."""
 
-    def __init__(self, app, sites: dict[str, Path], rnd: int, run_id: int):
-        super().__init__(app, sites, run_id)
+    def __init__(self, app, sites: dict[str, Path], rnd: int, run_id: int, node_ids: Optional[list[int]] = None):
+        super().__init__(app, sites, run_id, node_ids)
         self.rnd = rnd
 
     def send_and_receive(self, messages, timeout=None):
@@ -388,11 +389,8 @@ def test_a_site_given_a_new_key_mid_run_resumes_under_its_new_node_from_the_stor
         return {"results-dir": str(tmp_path / name), "state-dir": str(tmp_path / f"{name}.state"), "tracking-uri": uri}
 
     def grid(app, run_id: int, nodes: dict[str, int], down_at: Optional[int] = None) -> SiteGrid:
-        g = DownAt(app, sites, rnd=down_at, run_id=run_id) if down_at else SiteGrid(app, sites, run_id=run_id)
         ids = list(nodes.values())
-        g.contexts = {ids[k]: Context(run_id=run_id, node_id=ids[k], node_config={"params": str(p), "experiment": "site"},
-                                      state=RecordDict(), run_config={}) for k, p in enumerate(sites.values())}
-        return g
+        return DownAt(app, sites, down_at, run_id, ids) if down_at else SiteGrid(app, sites, run_id, ids)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
