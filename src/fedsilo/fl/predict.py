@@ -23,11 +23,14 @@ DICOM_SUFFIXES = {".dcm", ".dicom"}
 
 
 def image_files(paths: Iterable[str | Path]) -> list[Path]:
-    """The files named, and every file under the folders named (sorted; hidden files and folders left out)."""
+    """The files named, and every file under the folders named (sorted; hidden files and folders left out, as the
+    sources' readers leave them: :func:`~fedsilo.data.sources.base.walk`)."""
+    from fedsilo.data.sources.base import walk
+
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            out += sorted(f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            out += [f for f in walk(p) if f.is_file()]
         elif p.is_file():
             out.append(p)
         else:
