@@ -64,6 +64,8 @@ def _harmonize(args: argparse.Namespace) -> None:
     card = harmonize_dataset(p.datasets[args.dataset], Path(args.root) / "data" / "raw", Path(args.root) / "data" / "harmonized" / args.dataset, quiet=args.quiet)
     for dom, d in card["domains"].items():
         print(f"{args.dataset} {dom}: {d['images']} images ({d['by_class']}), {d['excluded']} excluded, {d['quarantined']} quarantined")
+    for w in card.get("warnings", []):
+        print(f"warning: datasets.{args.dataset}: {w}", file=sys.stderr)
 
 
 def _split(args: argparse.Namespace) -> None:

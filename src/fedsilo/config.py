@@ -20,6 +20,12 @@ from pydantic_core import PydanticCustomError
 from fedsilo.layout import Layout
 
 CXR_SOURCES = ("chexpert", "openi", "rsna", "vinbigdata")
+CXR_DOMAINS = ("CheXpert", "OpenI", "RSNA", "VinBigData")  # the domains of the four sources, in their order
+# readers for a source of the user's own (any name not among SOURCE_MODES): its files plus a label table the user
+# describes in the dataset's params (``datasets.<d>.tables.<source>``), and the fetch modes they offer
+TABLE_READERS: dict[str, tuple[str, ...]] = {"cxr_table": ("mirror", "local")}
+SOURCE_NAME = re.compile(r"[a-z0-9][a-z0-9_]{0,63}")  # a source name is a folder (data/raw/<name>) and a DVC stage key
+DOMAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}")  # a domain names clients and MLflow metric keys
 
 
 class ConfigError(ValueError):
@@ -132,6 +138,9 @@ class RemoteFileParams(Strict):
 
 class SourceParams(Strict):
     mode: Literal["mirror", "local", "download", "kaggle", "physionet", "aimi"] = "mirror"
+    reader: Optional[Literal["cxr_table"]] = Field(
+        None, description="a source of your own (any name): 'cxr_table' = chest X-rays (DICOM, PNG, JPEG) with a label "
+        "table, read by the rules under datasets.<dataset>.tables.<source>; leave unset for the named public sources")
     path: Optional[str] = Field(None, description="folder or archive for mode=local")
     files: tuple[RemoteFileParams, ...] = Field((), description="download mode: the files to fetch instead of the official list")
     checksums: dict[str, str] = Field(default_factory=dict, description="file name -> 'sha256:<hex>' pins for files with no published checksum")
@@ -170,9 +179,45 @@ class ReleasedCXR4Rules(Strict):
     )
 
 
+class CXRTableRules(Strict):
+    """How to read a hospital's own label table (a source with ``reader: cxr_table``): one row per image; each rule
+    names a column of the table or the values that map to the task's labels and views (compared case-blind, trimmed)."""
+
+    file: str = Field("labels.csv", description="the label table (CSV), relative to the source's folder")
+    domain: Optional[str] = Field(None, description="the domain (client / site name) its images form; default: the source's name")
+    path: str = Field("path", description="column: the image file, relative to the source's folder (DICOM, PNG or JPEG)")
+    label: str = Field("label", description="column: the finding")
+    positive: tuple[str, ...] = Field(("Lung Opacity",), min_length=1, description="label values meaning Lung Opacity (label 1)")
+    negative: tuple[str, ...] = Field(("Normal", "No Finding"), min_length=1, description="label values meaning Normal (label 0)")
+    patient: Optional[str] = Field("patient_id", description="column: the patient (a patient's images stay on one side of "
+                                   "every split); null: each image its own patient (warned: repeat images of a patient may then "
+                                   "land on both sides)")
+    view: Optional[str] = Field("view", description="column: the view position; null: every image is frontal")
+    frontal: tuple[str, ...] = Field(("PA", "AP", "frontal", "AP supine", "AP erect"), description="view values of frontal images (kept)")
+    lateral: tuple[str, ...] = Field(("LL", "RL", "LAT", "lateral"), description="view values of lateral images (excluded)")
+    subset: Optional[str] = Field(None, description="column: your own partition, train / val / test per image (splits' test_from: auto)")
+
+    @field_validator("domain")
+    @classmethod
+    def _domain_name(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not DOMAIN_NAME.fullmatch(v):
+            raise ValueError(f"{v!r}: a domain name is letters, digits, spaces, '.', '_' and '-' (it names a client in "
+                             "splits, reports and MLflow metric keys)")
+        return v
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> "CXRTableRules":
+        for a, b in (("positive", "negative"), ("frontal", "lateral")):
+            both = {v.strip().casefold() for v in getattr(self, a)} & {v.strip().casefold() for v in getattr(self, b)}
+            if both:
+                raise ValueError(f"{a} and {b} share {', '.join(sorted(both))}")
+        return self
+
+
 class CXRDatasetParams(Strict):
     kind: Literal["chest_xray4"] = "chest_xray4"
-    sources: tuple[Literal["chexpert", "openi", "rsna", "vinbigdata", "chest_xray4_released"], ...] = CXR_SOURCES
+    sources: tuple[str, ...] = Field(CXR_SOURCES, description="chexpert, openi, rsna, vinbigdata; chest_xray4_released alone; "
+                                     "and sources of your own with reader: cxr_table")
     image_size: int = Field(224, ge=8, le=1024)
     square: Literal["crop", "pad"] = "crop"
     intensity: Literal["bit_depth", "percentile"] = "bit_depth"
@@ -184,13 +229,39 @@ class CXRDatasetParams(Strict):
     rsna: RSNARules = RSNARules()
     vinbigdata: VinBigDataRules = VinBigDataRules()
     chest_xray4_released: ReleasedCXR4Rules = ReleasedCXR4Rules()
+    tables: dict[str, CXRTableRules] = Field(default_factory=dict, description="per source of your own (reader: cxr_table): "
+                                             "how to read its label table (default: CXRTableRules' defaults)")
 
     @field_validator("sources")
     @classmethod
     def _released_alone(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         if "chest_xray4_released" in v and len(v) > 1:
             raise ValueError("chest_xray4_released holds all four domains: use it alone, or the raw sources without it")
+        twice = sorted({s for s in v if v.count(s) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed twice")
         return v
+
+    @model_validator(mode="after")
+    def _tables_listed(self) -> "CXRDatasetParams":
+        for s in self.tables:
+            if s not in self.sources:
+                raise ValueError(f"tables.{s}: '{s}' is not among this dataset's sources ({', '.join(self.sources)})")
+        return self
+
+    def own_sources(self) -> tuple[str, ...]:
+        """The sources of the user's own (a label table: ``reader: cxr_table``), in the dataset's order."""
+        return tuple(s for s in self.sources if s not in CXR_SOURCES and s != "chest_xray4_released")
+
+    def rules(self, source: str) -> Any:
+        """The rules a source's reader takes: a public source's (``chexpert``, ...) or a table's."""
+        return self.tables.get(source, CXRTableRules()) if source in self.own_sources() else getattr(self, source)
+
+    def domain_of(self, source: str) -> str:
+        """The domain a source's images form (a table's ``domain``, default its name)."""
+        if source in self.own_sources():
+            return self.tables.get(source, CXRTableRules()).domain or source
+        return CXR_DOMAINS[CXR_SOURCES.index(source)] if source in CXR_SOURCES else "(the four domains)"
 
     @field_validator("percentiles")
     @classmethod
@@ -631,14 +702,28 @@ class Params(Strict):
     @model_validator(mode="after")
     def _cross_refs(self) -> "Params":
         for s, sp in self.sources.items():
+            if sp.reader is not None:
+                if s in SOURCE_MODES:
+                    raise ValueError(f"sources.{s}.reader: {s} is a public source with its own reader; give your own "
+                                     f"source another name (e.g. {s}_site) or drop 'reader'")
+                if not SOURCE_NAME.fullmatch(s):
+                    raise ValueError(f"sources.{s}: a source of your own needs a name of lower-case letters, digits and _ "
+                                     "(it names the folder data/raw/<name> and the DVC stage fetch@<name>)")
+                modes = TABLE_READERS[sp.reader]
+                if sp.mode not in modes:
+                    raise ValueError(f"sources.{s}.mode: {sp.mode!r} is not offered by reader {sp.reader} (its modes: {', '.join(modes)})")
+                continue
             if s not in SOURCE_MODES:
-                raise ValueError(f"sources.{s}: unknown source (known: {', '.join(SOURCE_MODES)})")
+                raise ValueError(f"sources.{s}: unknown source (known: {', '.join(SOURCE_MODES)}; a source of your own "
+                                 "needs 'reader: cxr_table')")
             if sp.mode not in SOURCE_MODES[s]:
                 raise ValueError(f"sources.{s}.mode: {sp.mode!r} is not offered by {s} (its modes: {', '.join(SOURCE_MODES[s])})")
         for name, ds in self.datasets.items():
             for s in ds.source_list:
                 if s not in self.sources:
                     raise ValueError(f"datasets.{name}.sources: '{s}' has no entry under 'sources'")
+            if isinstance(ds, CXRDatasetParams):
+                _check_cxr_sources(name, ds, self.sources)
         for name, ex in self.experiments.items():
             if ex.dataset not in self.datasets:
                 raise ValueError(f"experiments.{name}.dataset: '{ex.dataset}' is not under 'datasets'")
@@ -668,6 +753,22 @@ class Params(Strict):
                 if item not in known:
                     raise ValueError(f"pipeline.{key}: '{item}' is not defined under '{key}'")
         return self
+
+
+def _check_cxr_sources(name: str, ds: CXRDatasetParams, sources: dict[str, SourceParams]) -> None:
+    """A chest X-ray dataset's sources are the public ones or tables of the user's own, each a domain of its own."""
+    for s in ds.own_sources():
+        if sources[s].reader != "cxr_table":
+            raise ValueError(f"datasets.{name}.sources: '{s}' is not a chest X-ray source (chexpert, openi, rsna, vinbigdata, "
+                             f"chest_xray4_released) nor one with reader: cxr_table (sources.{s}.reader)")
+    domains: dict[str, str] = {}
+    for s in ds.sources:
+        dom = ds.domain_of(s)
+        key = dom.strip().casefold()
+        if key in domains:
+            raise ValueError(f"datasets.{name}.tables.{s}.domain: {dom!r} is also the domain of {domains[key]}; every source "
+                             "forms a domain of its own (set a distinct 'domain')")
+        domains[key] = s
 
 
 def _check_model_fits(experiment: str, ex: ExperimentParams, dataset: str, size: int) -> None:

@@ -51,6 +51,19 @@ def _voi_range(ds: Any) -> tuple[float, float]:
     return _modality_range(ds)
 
 
+DICOM_SUFFIXES = {".dcm", ".dicom"}
+
+
+def is_dicom_file(path: str | Path) -> bool:
+    """DICOM by suffix or by its preamble ("DICM" at byte 128), as hospital exports often have no suffix."""
+    path = Path(path)
+    if path.suffix.lower() in DICOM_SUFFIXES:
+        return True
+    with open(path, "rb") as fh:
+        head = fh.read(132)
+    return len(head) == 132 and head[128:] == b"DICM"
+
+
 def has_voi(ds: Any) -> bool:
     return bool(("VOILUTSequence" in ds and ds.VOILUTSequence) or "WindowCenter" in ds)
 

@@ -278,7 +278,7 @@ def fetch(source: str, params: SourceParams, out_dir: Path, root: Path = Path(".
     extra: dict[str, Any] = {}
     with atomic_dir(out_dir) as tmp:
         if params.mode == "mirror":
-            mirror_writer(source)(tmp, params.mirror)
+            mirror_writer(params.reader or source)(tmp, params.mirror)  # a source of your own: its reader's mirror
             origin = f"offline mirror (seed {params.mirror.seed})"
         elif params.mode == "local":
             src = Path(params.path or "").expanduser()
@@ -286,7 +286,8 @@ def fetch(source: str, params: SourceParams, out_dir: Path, root: Path = Path(".
                 raise FetchError(f"sources.{source}.path: {src} does not exist")
             if src.is_dir():
                 shutil.copytree(src, tmp, dirs_exist_ok=True, symlinks=False)
-                _unpack_distributed_zips(source, tmp)
+                if params.reader is None:  # a public source distributed as zips inside its folder
+                    _unpack_distributed_zips(source, tmp)
             else:
                 _unpack(src, tmp)
             origin = str(src.resolve())

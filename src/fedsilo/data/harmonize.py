@@ -47,7 +47,7 @@ from fedsilo.data.imageops import (
     resize_area,
     square,
 )
-from fedsilo.data.sources import source_module
+from fedsilo.data.sources import cxr_table, source_module
 from fedsilo.utils.io import atomic_dir, file_sha256, write_json
 from fedsilo.utils.progress import Progress
 
@@ -138,12 +138,17 @@ def decode_all(jobs: list[tuple], workers: int, domains: Optional[list[str]] = N
 def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:
     raw_root = Path(raw_root)
     workers = params.workers or os.cpu_count() or 1
-    all_records = []
+    all_records, warnings = [], []
     for src in params.sources:
         raw_dir = raw_root / src
         if not raw_dir.is_dir():
             raise HarmonizeError(f"{raw_dir}: raw source folder missing (run `dvc repro fetch@{src}`)")
-        rec = source_module(src).read_records(raw_dir, getattr(params, src))
+        if src in params.own_sources():  # a hospital's own export and its label table
+            rec = cxr_table.read_records(raw_dir, params.rules(src), params.domain_of(src), f"datasets.{Path(out_dir).name}.tables.{src}")
+            if params.rules(src).patient is None:
+                warnings.append(f"{src} ({params.domain_of(src)}) {cxr_table.NO_PATIENT_WARNING}")
+        else:
+            rec = source_module(src).read_records(raw_dir, params.rules(src))
         rec["source"] = src
         rec["abs_path"] = [str(raw_dir / p) if p else "" for p in rec["path"]]
         all_records.append(rec)
@@ -177,7 +182,9 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
     table["group"] = table["domain"] + "/" + table["group"]
     return write_dataset(
         Path(out_dir), table, images, excluded, quarantine,
-        {"dataset": params.kind, "task": "binary: 1 = Lung Opacity, 0 = Normal", "classes": ["Normal", "Lung Opacity"], "rules": params.model_dump(mode="json")},
+        {"dataset": params.kind, "task": "binary: 1 = Lung Opacity, 0 = Normal", "classes": ["Normal", "Lung Opacity"],
+         "rules": params.model_dump(mode="json", exclude=None if params.tables else {"tables"}),
+         **({"warnings": warnings} if warnings else {})},
     )
 
 
@@ -375,6 +382,7 @@ def _card(meta: dict[str, Any], table: pd.DataFrame, excluded: pd.DataFrame, qua
         "total_images": int(len(table)),
         "domains": per_domain,
         "rules": meta["rules"],
+        **({"warnings": list(meta["warnings"])} if meta.get("warnings") else {}),
         "sha256": {
             "records.parquet": file_sha256(folder / "records.parquet"),
             "images.npy": file_sha256(folder / "images.npy"),
@@ -398,7 +406,10 @@ def card_markdown(card: dict[str, Any]) -> str:
             f"| {dom} | {d['images']} | " + " | ".join(str(d["by_class"][c]) for c in classes)
             + f" | {subsets} | {d['groups']} | {d['excluded']} | {d['quarantined']} |"
         )
-    lines += ["", "Groups are patients for chest X-rays and single images for the benchmarks.", "", "## Exclusions by reason", ""]
+    lines += ["", "Groups are patients for chest X-rays and single images for the benchmarks."]
+    if card.get("warnings"):
+        lines += ["", "## Warnings", ""] + [f"- {w}" for w in card["warnings"]]
+    lines += ["", "## Exclusions by reason", ""]
     for dom, d in card["domains"].items():
         reasons = ", ".join(f"{k}: {v}" for k, v in d["excluded_by_reason"].items()) or "none"
         lines.append(f"- {dom}: {reasons}")

@@ -16,11 +16,9 @@ import pandas as pd
 import torch
 
 from fedsilo.config import BenchmarkDatasetParams, ConfigError, CXRDatasetParams, Params, TrainParams
+from fedsilo.data.dicom import is_dicom_file
 
 __all__ = ["image_files", "predict_images"]
-
-DICOM_SUFFIXES = {".dcm", ".dicom"}
-
 
 def image_files(paths: Iterable[str | Path]) -> list[Path]:
     """The files named, and every file under the folders named (sorted; hidden files and folders left out, as the
@@ -40,15 +38,6 @@ def image_files(paths: Iterable[str | Path]) -> list[Path]:
     return out
 
 
-def _is_dicom(path: Path) -> bool:
-    """DICOM by suffix or by its preamble ("DICM" at byte 128), as hospital exports often have no suffix."""
-    if path.suffix.lower() in DICOM_SUFFIXES:
-        return True
-    with open(path, "rb") as fh:
-        head = fh.read(132)
-    return len(head) == 132 and head[128:] == b"DICM"
-
-
 def _decoder(params: Params, experiment: str, contract: dict[str, Any]):
     """The harmonize job of one file for the site's dataset, checked against the model's contract."""
     if experiment not in params.experiments:
@@ -60,7 +49,7 @@ def _decoder(params: Params, experiment: str, contract: dict[str, Any]):
         raise ConfigError(f"datasets.{name}.image_size: {ds.image_size}; the model takes {h} px images (its deployment's contract)")
     if isinstance(ds, CXRDatasetParams) and channels == 1:
         def job(path: Path) -> tuple:
-            return (str(path), "dicom" if _is_dicom(path) else "standard", ds.image_size, ds.square, ds.intensity, ds.percentiles)
+            return (str(path), "dicom" if is_dicom_file(path) else "standard", ds.image_size, ds.square, ds.intensity, ds.percentiles)
     elif isinstance(ds, BenchmarkDatasetParams) and channels == 3:
         def job(path: Path) -> tuple:
             return (str(path), "rgb", ds.image_size, ds.square, "", (0.0, 100.0))

@@ -10,6 +10,9 @@
   (lossless) compressed, some with a VOI window; ``train.csv`` with one row per radiologist finding and three
   radiologists per image.
 - The released Chest-X-Ray-4 (the pFedDB authors' pre-processed copy): ``OVCR_<source>/{train,test}/<class>/*.png``.
+- A hospital's own export (``reader: cxr_table``): ``export/<patient>/<study>/<n>`` DICOMs (no suffix, as PACS
+  exports write them, or ``.dcm``; 12–16 bits, some MONOCHROME1, some JPEG 2000) and 8-bit PNGs, with ``labels.csv``
+  in the reader's default columns (``path``, ``label``, ``patient_id``, ``view``).
 
 Labels are drawn first; images follow from labels (an opacity blob for positives), so the mirror is learnable.
 """
@@ -329,10 +332,50 @@ def write_chest_xray4_released(out: Path, p: MirrorParams) -> None:
             Image.fromarray(_u8(img), mode="L").save(path)
 
 
+# --------------------------------------------------------------------------- a hospital's own export (cxr_table)
+TABLE_OTHER = ("Pleural Effusion", "Cardiomegaly", "Atelectasis")
+
+
+def write_cxr_table(out: Path, p: MirrorParams) -> None:
+    """What a hospital's PACS export and its report labels look like to ``reader: cxr_table`` (the reader's default
+    rules): ``patients`` patients with one or two studies, a frontal image per study (view PA / AP, in either case)
+    and for some a lateral one (LL); labels ``Lung Opacity``, ``Normal`` / ``No Finding``, other findings and blanks;
+    some paths written with backslashes; from 40 patients on, one row names a file the export lacks (harmonize
+    quarantines it)."""
+    from PIL import Image
+
+    rng = _rng("cxr_table", p.seed)
+    rows, k = [], 0
+    for i in range(p.patients):
+        pid = f"H{p.seed:02d}{i:05d}"
+        for study in range(1, int(rng.integers(1, 3)) + 1):
+            kind = _kind(rng)
+            label = {"pos": "Lung Opacity", "neg": str(rng.choice(["Normal", "No Finding"])),
+                     "other": str(rng.choice(TABLE_OTHER)), "uncertain": ""}[kind]
+            views = [str(rng.choice(["PA", "AP", "pa"]))] + (["LL"] if rng.random() < 0.3 else [])
+            for n, view in enumerate(views, start=1):
+                img = (frontal(rng, p.image_px, kind == "pos", STYLES["cxr_table"]) if view != "LL"
+                       else lateral(rng, p.image_px, STYLES["cxr_table"]))
+                rel = f"export/{pid}/{study}/{n}" + ("" if k % 3 == 0 else ".dcm" if k % 3 == 1 else ".png")
+                path = out / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                if rel.endswith(".png"):
+                    Image.fromarray(_u8(img), mode="L").save(path)
+                else:
+                    _write_vin_dicom(path, f"{pid}-{study}-{n}", img, rng, k)
+                rows.append({"path": rel.replace("/", "\\") if k % 7 == 6 else rel, "label": label, "patient_id": pid, "view": view})
+                k += 1
+    if p.patients >= 40:
+        rows.append({"path": "export/H-missing/1/1.dcm", "label": "Normal", "patient_id": "H-missing", "view": "PA"})
+    out.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows, columns=["path", "label", "patient_id", "view"]).to_csv(out / "labels.csv", index=False)
+
+
 WRITERS: dict[str, Callable[[Path, MirrorParams], None]] = {
     "chexpert": write_chexpert,
     "openi": write_openi,
     "rsna": write_rsna,
     "vinbigdata": write_vinbigdata,
     "chest_xray4_released": write_chest_xray4_released,
+    "cxr_table": write_cxr_table,  # the mirror of a source of your own with reader: cxr_table
 }

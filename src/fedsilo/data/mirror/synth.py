@@ -31,6 +31,7 @@ STYLES: dict[str, Style] = {
     "openi": Style(gamma=1.25, exposure=-0.04, contrast=0.9, noise=0.015, border=0.07),
     "rsna": Style(gamma=1.0, exposure=0.05, contrast=0.85, noise=0.035, blur=1.0),
     "vinbigdata": Style(gamma=0.7, exposure=-0.02, contrast=1.15, noise=0.02, marker=True, opacity_gain=0.9),
+    "cxr_table": Style(gamma=1.1, exposure=0.02, contrast=1.0, noise=0.03, blur=0.8, border=0.03),  # a hospital's export
 }
 
 
