@@ -15,7 +15,7 @@ from fedsilo.cli import main as fedsilo
 from fedsilo.config import ConfigError, CXRTableRules, MirrorParams, SourceParams, parse_params
 from fedsilo.data.dicom import dicom_to_uint8
 from fedsilo.data.fetch import fetch
-from fedsilo.data.harmonize import decode_one, harmonize_cxr
+from fedsilo.data.harmonize import HarmonizeError, decode_one, harmonize_cxr
 from fedsilo.data.imageops import finish
 from fedsilo.data.sources import cxr_table
 from fedsilo.data.sources.base import LabelFileError
@@ -41,9 +41,15 @@ def test_a_hospitals_export_is_a_domain_of_its_own_harmonized_as_the_public_sour
     raw = tmp_path / "raw"
     for s in ("rsna", "st_marys"):
         fetch(s, p.sources[s], raw / s)
+    table = pd.read_csv(raw / "st_marys" / "labels.csv", dtype=str, keep_default_na=False)
+    # as a table typed by hand: one row in another case than its file, one naming a file the export lacks
+    png = table.index[table["path"].str.endswith(".png")][0]
+    real_png = table.loc[png, "path"]
+    table.loc[png, "path"] = real_png.upper()
+    table.loc[len(table)] = {"path": "export/H-missing/1/1.dcm", "label": "Normal", "patient_id": "H-missing", "view": "PA"}
+    table.to_csv(raw / "st_marys" / "labels.csv", index=False)
     card = harmonize_cxr(p.datasets["chest_xray4"], raw, tmp_path / "h" / "chest_xray4", quiet=True)
 
-    table = pd.read_csv(raw / "st_marys" / "labels.csv", dtype=str, keep_default_na=False)
     rec = cxr_table.read_records(raw / "st_marys", CXRTableRules(), "St Marys")
     # every row is a record, its reason the rules': other findings under their own name, blanks, laterals
     assert len(rec) == len(table)
@@ -56,7 +62,9 @@ def test_a_hospitals_export_is_a_domain_of_its_own_harmonized_as_the_public_sour
     # DICOMs told by their preamble when the export gives them no suffix
     suffixless = kept[~kept["id"].str.contains(".", regex=False) & (kept["path"] != "")]
     assert len(suffixless) and set(suffixless["reader"]) == {"dicom"}
-    assert set(kept.loc[kept["id"].str.endswith(".png"), "reader"]) == {"image"}
+    assert set(kept.loc[kept["id"].str.lower().str.endswith(".png"), "reader"]) == {"image"}
+    upper = rec.set_index("id").loc[table.loc[png, "path"]]  # read from the one file it names but for case
+    assert upper["path"] == real_png and upper["reader"] == "image"
     # the row naming a file the export lacks is quarantined, not dropped
     assert card["domains"]["St Marys"]["quarantined"] == 1
 
@@ -74,6 +82,8 @@ def test_a_hospitals_export_is_a_domain_of_its_own_harmonized_as_the_public_sour
     split = make_split(recs, p.experiments["quick"].split, 0)
     check_patient_disjoint(recs, split)
     assert "warnings" not in card
+    # the card records the rules the table was read with, its defaults spelled out
+    assert card["rules"]["tables"]["st_marys"]["positive"] == ["Lung Opacity"] and card["rules"]["tables"]["st_marys"]["domain"] == "St Marys"
 
 
 @needs_samples("cxr/dicom")
@@ -133,8 +143,10 @@ ROW = {"path": "a/1.png", "label": "Normal", "patient_id": "p1", "view": "PA"}
     ([ROW, {**ROW, "path": "a/./1.png", "label": "Lung Opacity"}], {}, "row 3: a/1.png is listed again (first on row 2)"),
     ([{**ROW, "view": "OBLIQUE"}], {}, "row 2: view 'OBLIQUE' is neither frontal nor lateral; add it to K.frontal or K.lateral"),
     ([{**ROW, "split": "holdout"}], {"subset": "split"}, "split 'holdout' is not one of train, val, test"),
-    ([{**ROW, "split": "train"}, {**ROW, "path": "a/2.png", "split": "test"}], {"subset": "split"},
-     "row 3: patient 'p1' is in subset test, and in train on row 2"),
+    ([{**ROW, "split": "train"}, {**ROW, "path": "a/2.png", "split": "TEST"}], {"subset": "split"},
+     "row 3: patient 'p1' is test here and outside test on row 2"),
+    ([{**ROW, "split": "test"}, {**ROW, "path": "a/2.png", "split": ""}], {"subset": "split"},  # blank goes to training
+     "row 3: patient 'p1' is outside test here and test on row 2"),
     ([], {}, "the label table has no row"),
 ])
 def test_label_table_mistakes_are_refused_naming_row_and_key(tmp_path, rows, rules, needle):
@@ -147,13 +159,23 @@ def test_label_table_mistakes_are_refused_naming_row_and_key(tmp_path, rows, rul
 
 
 def test_a_table_reads_the_hospitals_own_words_and_a_missing_table_is_named(tmp_path):
-    root = _export(tmp_path, [{"path": "a\\1.png", "label": " lung opacity ", "patient_id": "p1", "view": "ap"},
-                              {"path": "a/2.png", "label": "Effusion", "patient_id": "", "view": "LL"},
-                              {"path": "a/3.png", "label": "", "patient_id": "p3", "view": ""}])
-    rec = cxr_table.read_records(root, CXRTableRules(), "H").set_index("id")
-    assert rec.loc["a/1.png", ["label", "view", "group", "excluded"]].tolist() == [1, "frontal", "p1", ""]
+    root = _export(tmp_path, [{"path": "a\\1.png", "label": " lung opacity ", "patient_id": "p1", "view": "ap", "set": "Test"},
+                              {"path": "a/2.png", "label": "Effusion", "patient_id": "", "view": "LL", "set": ""},
+                              {"path": "a/3.png", "label": "", "patient_id": "p3", "view": "", "set": ""},
+                              {"path": "a/4.png", "label": "1.0", "patient_id": "N/A", "view": "PA", "set": ""},
+                              {"path": "a/5.png", "label": "Normal", "patient_id": "p1", "view": "LL", "set": "train"}],
+                   files=("a/1.png", "a/2.png", "a/4.png", "a/5.png"))
+    rec = cxr_table.read_records(root, CXRTableRules(subset="set"), "H").set_index("id")
+    assert rec.loc["a/1.png", ["label", "view", "group", "excluded", "subset"]].tolist() == [1, "frontal", "p1", "", "test"]
     assert rec.loc["a/2.png", "excluded"] == "label Effusion"  # the finding first, then the view and patient
     assert rec.loc["a/3.png", ["excluded", "path"]].tolist() == ["no label", ""]  # not in the export: no path
+    assert rec.loc["a/4.png", "excluded"] == "label 1.0"  # not a word of the default rules
+    # an excluded (lateral) image of p1 outside test is no leak: it never reaches a split
+    assert rec.loc["a/5.png", "excluded"] == "lateral view"
+    numeric = cxr_table.read_records(root, CXRTableRules(positive=("1",), negative=("0",), subset="set"), "H").set_index("id")
+    assert numeric.loc["a/4.png", ["original_label", "excluded"]].tolist() == ["1.0", "no patient id"]  # a patient written N/A is none
+    anyone = cxr_table.read_records(root, CXRTableRules(positive=("1",), negative=("0",), patient=None, subset="set"), "H")
+    assert anyone.set_index("id").loc["a/4.png", ["label", "excluded"]].tolist() == [1, ""]  # 1.0 is the word 1
     no_patient = cxr_table.read_records(root, CXRTableRules(patient=None, view=None), "H").set_index("id")
     assert no_patient["group"].tolist() == no_patient.index.tolist() and set(no_patient["view"]) == {"frontal"}
     with pytest.raises(LabelFileError, match=r"labels2.csv: the label table is missing \(K.file: 'labels2.csv'"):
@@ -174,6 +196,7 @@ def test_without_a_patient_column_harmonize_warns_in_the_card_and_on_stderr(tmp_
     assert "warning: datasets.chest_xray4: st_marys (st_marys) has no patient column" in err
     card = (tmp_path / "data" / "harmonized" / "chest_xray4" / "card.md").read_text()
     assert "## Warnings" in card and "two images of one patient may land on both sides" in card
+    assert "has no view column" not in err  # the view column is there
 
 
 @pytest.mark.parametrize("edit,needle", [
@@ -189,6 +212,18 @@ def test_without_a_patient_column_harmonize_warns_in_the_card_and_on_stderr(tmp_
     (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"negative": ["Normal", "lung opacity"]}),
      "positive and negative share lung opacity"),
     (lambda r: r["datasets"]["chest_xray4"].update(sources=["rsna", "st_marys", "rsna"]), "rsna listed twice"),
+    (lambda r: r["datasets"]["chest_xray4"]["tables"].update(rsna={}), "tables.rsna: rsna is a public source read by its own rules"),
+    (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"file": "/srv/labels.csv"}), "the label table is a file inside the source's folder"),
+    (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"file": "../labels.csv"}), "the label table is a file inside the source's folder"),
+    (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"encoding": "klingon"}), "'klingon' is not a text encoding"),
+    (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"domain": "Avg"}), "'Avg' is a column of the report's tables"),
+    (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"lateral": ["LL", "pa"]}), "frontal and lateral share pa"),
+    (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"positive": [1], "negative": ["1.0"]}), "positive and negative share 1"),
+    (lambda r: (r["sources"].update(mnist={"mode": "mirror"}), r["datasets"]["chest_xray4"].update(sources=["mnist"])),
+     "datasets.chest_xray4.sources: 'mnist' is not a chest X-ray source"),
+    (lambda r: (r["sources"].update(chest_xray4_released={"mode": "mirror"}),
+                r["datasets"]["chest_xray4"].update(sources=["chest_xray4_released", "st_marys"], tables={"st_marys": {"domain": "RSNA"}})),
+     "datasets.chest_xray4.tables.st_marys.domain: 'RSNA' is also the domain of chest_xray4_released"),
 ])
 def test_a_table_source_is_refused_by_key_where_it_cannot_work(edit, needle):
     raw = _params()
@@ -204,3 +239,49 @@ def test_a_public_source_still_has_no_reader_and_digits_refuse_a_table():
     raw["datasets"]["digits5"] = {"kind": "digits5", "sources": ["st_marys"]}
     with pytest.raises(ConfigError, match="'st_marys' is not a source of digits5"):
         parse_params(raw)
+    # the released Chest-X-Ray-4 may take a hospital of its own beside its four domains
+    raw = _params()
+    raw["sources"]["chest_xray4_released"] = {"mode": "mirror"}
+    raw["datasets"]["chest_xray4"]["sources"] = ["chest_xray4_released", "st_marys"]
+    assert parse_params(raw).datasets["chest_xray4"].own_sources() == ("st_marys",)
+
+
+def test_a_papers_pipeline_refuses_a_dataset_that_holds_a_hospitals_own_source(tmp_path):
+    from fedsilo.config import load_paper_params
+    from tests.conftest import REPO
+
+    root = yaml.safe_load((REPO / "params.yaml").read_text())
+    root["sources"]["st_marys"] = {"mode": "mirror", "reader": "cxr_table"}
+    root["datasets"]["chest_xray4"]["sources"] = list(root["datasets"]["chest_xray4"].get("sources", ["chexpert", "openi", "rsna", "vinbigdata"])) + ["st_marys"]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(root))
+    paper = REPO / "pipelines" / "pfeddb" / "params.yaml"
+    raw = yaml.safe_load(paper.read_text())
+    raw["data"] = str(tmp_path / "params.yaml")
+    with pytest.raises(ConfigError, match=r"experiments\.pfeddb_cxr4\.dataset: 'chest_xray4' holds sources of your own .*\(st_marys\)"):
+        load_paper_params(paper, raw)
+
+
+def test_two_hospitals_mirrors_differ_and_an_all_excluded_table_says_why(tmp_path):
+    raw = _params({"st_marys": {"positive": ["Pneumonia"], "negative": ["Healthy"]}})
+    raw["sources"]["st_anne"] = {**raw["sources"]["st_marys"]}
+    p = parse_params(raw)
+    fetch("st_marys", p.sources["st_marys"], tmp_path / "raw" / "st_marys")
+    fetch("st_anne", p.sources["st_anne"], tmp_path / "raw" / "st_anne")
+    assert (tmp_path / "raw" / "st_marys" / "labels.csv").read_bytes() != (tmp_path / "raw" / "st_anne" / "labels.csv").read_bytes()
+    fetch("rsna", p.sources["rsna"], tmp_path / "raw" / "rsna")
+    with pytest.raises(HarmonizeError, match=r"st_marys: no image passes the label rules \(excluded: label Lung Opacity: \d+.*datasets\.chest_xray4\.tables\.st_marys"):
+        harmonize_cxr(p.datasets["chest_xray4"], tmp_path / "raw", tmp_path / "h" / "chest_xray4", quiet=True)
+
+
+def test_a_semicolon_table_or_another_encoding_is_named_with_the_key_to_set(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "1.png").write_bytes(b"")
+    (tmp_path / "labels.csv").write_text("path;label;patient_id;view\na/1.png;Normal;p1;PA\n")
+    with pytest.raises(LabelFileError, match=r"the header holds ';': set K.sep to it"):
+        cxr_table.read_records(tmp_path, CXRTableRules(), "H", key="K")
+    assert len(cxr_table.read_records(tmp_path, CXRTableRules(sep=";"), "H", key="K")) == 1
+    (tmp_path / "labels.csv").write_bytes("path,label,patient_id,view\na/1.png,Épanchement,p1,PA\n".encode("cp1252"))
+    with pytest.raises(LabelFileError, match=r"set K.encoding to the table's encoding"):
+        cxr_table.read_records(tmp_path, CXRTableRules(), "H", key="K")
+    rec = cxr_table.read_records(tmp_path, CXRTableRules(encoding="cp1252"), "H", key="K")
+    assert rec["excluded"].tolist() == ["label Épanchement"]

@@ -8,6 +8,8 @@ this module does not import the methods.
 
 from __future__ import annotations
 
+import codecs
+import math
 import re
 import types
 from pathlib import Path
@@ -26,6 +28,20 @@ CXR_DOMAINS = ("CheXpert", "OpenI", "RSNA", "VinBigData")  # the domains of the 
 TABLE_READERS: dict[str, tuple[str, ...]] = {"cxr_table": ("mirror", "local")}
 SOURCE_NAME = re.compile(r"[a-z0-9][a-z0-9_]{0,63}")  # a source name is a folder (data/raw/<name>) and a DVC stage key
 DOMAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}")  # a domain names clients and MLflow metric keys
+RESERVED_DOMAINS = frozenset({"Avg", "STD", "Delta", "forgetting", "final"})  # the report tables' columns beside the domains
+
+
+def table_word(value: Any) -> str:
+    """A label-table value as the ``cxr_table`` rules compare it: trimmed and case-blind, and a number by its value
+    (``1``, ``1.0`` and ``"1"`` are one word, as a table that went through a spreadsheet or pandas writes them)."""
+    text = str(value).strip().casefold()
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    if not math.isfinite(number):
+        return text
+    return str(int(number)) if number.is_integer() else repr(number)
 
 
 class ConfigError(ValueError):
@@ -183,7 +199,9 @@ class CXRTableRules(Strict):
     """How to read a hospital's own label table (a source with ``reader: cxr_table``): one row per image; each rule
     names a column of the table or the values that map to the task's labels and views (compared case-blind, trimmed)."""
 
-    file: str = Field("labels.csv", description="the label table (CSV), relative to the source's folder")
+    file: str = Field("labels.csv", description="the label table (CSV), relative to the source's folder (fetched and hashed with it)")
+    sep: str = Field(",", min_length=1, max_length=1, description="the table's column separator (';' for a European spreadsheet's CSV, '\\t' for TSV)")
+    encoding: str = Field("utf-8", description="the table's text encoding (a BOM is skipped); e.g. cp1252 or utf-16 for a Windows export")
     domain: Optional[str] = Field(None, description="the domain (client / site name) its images form; default: the source's name")
     path: str = Field("path", description="column: the image file, relative to the source's folder (DICOM, PNG or JPEG)")
     label: str = Field("label", description="column: the finding")
@@ -203,12 +221,40 @@ class CXRTableRules(Strict):
         if v is not None and not DOMAIN_NAME.fullmatch(v):
             raise ValueError(f"{v!r}: a domain name is letters, digits, spaces, '.', '_' and '-' (it names a client in "
                              "splits, reports and MLflow metric keys)")
+        if v is not None and v in RESERVED_DOMAINS:
+            raise ValueError(f"{v!r} is a column of the report's tables ({', '.join(sorted(RESERVED_DOMAINS))}): choose another name")
+        return v
+
+    @field_validator("file")
+    @classmethod
+    def _inside(cls, v: str) -> str:
+        parts = v.replace("\\", "/").split("/")
+        if v.startswith(("/", "\\")) or (len(v) > 1 and v[1] == ":") or ".." in parts or not v.strip():
+            raise ValueError(f"{v!r}: the label table is a file inside the source's folder (relative, no '..'), so it is "
+                             "fetched and hashed with the images; copy it there")
+        return v
+
+    @field_validator("encoding")
+    @classmethod
+    def _codec(cls, v: str) -> str:
+        try:
+            codecs.lookup(v)
+        except LookupError:
+            raise ValueError(f"{v!r} is not a text encoding Python knows (e.g. utf-8, cp1252, latin-1, utf-16)") from None
+        return v
+
+    @field_validator("positive", "negative", "frontal", "lateral", mode="before")
+    @classmethod
+    def _numbers_as_words(cls, v: Any) -> Any:
+        """YAML reads ``positive: [1]`` as a number: a table's 1 / 0 labels are words here like any other."""
+        if isinstance(v, (list, tuple)):
+            return [str(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x for x in v]
         return v
 
     @model_validator(mode="after")
     def _disjoint(self) -> "CXRTableRules":
         for a, b in (("positive", "negative"), ("frontal", "lateral")):
-            both = {v.strip().casefold() for v in getattr(self, a)} & {v.strip().casefold() for v in getattr(self, b)}
+            both = {table_word(v) for v in getattr(self, a)} & {table_word(v) for v in getattr(self, b)}
             if both:
                 raise ValueError(f"{a} and {b} share {', '.join(sorted(both))}")
         return self
@@ -235,8 +281,9 @@ class CXRDatasetParams(Strict):
     @field_validator("sources")
     @classmethod
     def _released_alone(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if "chest_xray4_released" in v and len(v) > 1:
-            raise ValueError("chest_xray4_released holds all four domains: use it alone, or the raw sources without it")
+        if "chest_xray4_released" in v and any(s in CXR_SOURCES for s in v):
+            raise ValueError("chest_xray4_released holds all four domains: use it without the raw sources (sources of "
+                             "your own may join it), or the raw sources without it")
         twice = sorted({s for s in v if v.count(s) > 1})
         if twice:
             raise ValueError(f"{', '.join(twice)} listed twice")
@@ -247,6 +294,9 @@ class CXRDatasetParams(Strict):
         for s in self.tables:
             if s not in self.sources:
                 raise ValueError(f"tables.{s}: '{s}' is not among this dataset's sources ({', '.join(self.sources)})")
+            if s not in self.own_sources():
+                raise ValueError(f"tables.{s}: {s} is a public source read by its own rules (datasets.<d>.{s}); tables "
+                                 "are for sources of your own (reader: cxr_table)")
         return self
 
     def own_sources(self) -> tuple[str, ...]:
@@ -258,10 +308,18 @@ class CXRDatasetParams(Strict):
         return self.tables.get(source, CXRTableRules()) if source in self.own_sources() else getattr(self, source)
 
     def domain_of(self, source: str) -> str:
-        """The domain a source's images form (a table's ``domain``, default its name)."""
+        """The domain a source of your own forms (its table's ``domain``, default its name), or a public source's."""
         if source in self.own_sources():
             return self.tables.get(source, CXRTableRules()).domain or source
         return CXR_DOMAINS[CXR_SOURCES.index(source)] if source in CXR_SOURCES else "(the four domains)"
+
+    def domains_of(self, source: str) -> tuple[str, ...]:
+        """Every domain a source's images form (the released Chest-X-Ray-4: all four)."""
+        return CXR_DOMAINS if source == "chest_xray4_released" else (self.domain_of(source),)
+
+    def table_rules_used(self) -> dict[str, Any]:
+        """The rules each source of your own was read with (its defaults spelled out), for the data card."""
+        return {s: self.rules(s).model_dump(mode="json") for s in self.own_sources()}
 
     @field_validator("percentiles")
     @classmethod
@@ -763,12 +821,13 @@ def _check_cxr_sources(name: str, ds: CXRDatasetParams, sources: dict[str, Sourc
                              f"chest_xray4_released) nor one with reader: cxr_table (sources.{s}.reader)")
     domains: dict[str, str] = {}
     for s in ds.sources:
-        dom = ds.domain_of(s)
-        key = dom.strip().casefold()
-        if key in domains:
-            raise ValueError(f"datasets.{name}.tables.{s}.domain: {dom!r} is also the domain of {domains[key]}; every source "
-                             "forms a domain of its own (set a distinct 'domain')")
-        domains[key] = s
+        for dom in ds.domains_of(s):
+            key = dom.strip().casefold()
+            if key in domains:
+                mine = s if s in ds.own_sources() else domains[key]
+                raise ValueError(f"datasets.{name}.tables.{mine}.domain: {dom!r} is also the domain of "
+                                 f"{domains[key] if mine == s else s}; every source forms a domain of its own (set a distinct 'domain')")
+            domains[key] = s
 
 
 def _check_model_fits(experiment: str, ex: ExperimentParams, dataset: str, size: int) -> None:
@@ -904,6 +963,14 @@ def load_paper_params(path: Path, raw: dict[str, Any]) -> Params:
             raise ConfigError(
                 f"{path}: experiments.{e}.dataset: '{ex.dataset}' is not built by {pp.data} "
                 f"(define it under datasets there and add it to pipeline.datasets)"
+            )
+        ds = root.datasets[ex.dataset]
+        if isinstance(ds, CXRDatasetParams) and ds.own_sources():
+            raise ConfigError(
+                f"{path}: experiments.{e}.dataset: '{ex.dataset}' holds sources of your own in {pp.data} "
+                f"({', '.join(ds.own_sources())}); a paper's pipeline reproduces its published tables on the public domains: "
+                f"give your sources a dataset of their own there (datasets.<name>: {{kind: chest_xray4, sources: [...]}}) "
+                f"and keep datasets.{ex.dataset} to the public sources"
             )
     methods: dict[str, None] = {}
     for grp in pp.runs.values():

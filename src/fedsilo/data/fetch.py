@@ -278,7 +278,10 @@ def fetch(source: str, params: SourceParams, out_dir: Path, root: Path = Path(".
     extra: dict[str, Any] = {}
     with atomic_dir(out_dir) as tmp:
         if params.mode == "mirror":
-            mirror_writer(params.reader or source)(tmp, params.mirror)  # a source of your own: its reader's mirror
+            if params.reader is not None:  # a source of your own: its reader's mirror, drawn under the source's name
+                mirror_writer(params.reader)(tmp, params.mirror, name=source)
+            else:
+                mirror_writer(source)(tmp, params.mirror)
             origin = f"offline mirror (seed {params.mirror.seed})"
         elif params.mode == "local":
             src = Path(params.path or "").expanduser()

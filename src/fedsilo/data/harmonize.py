@@ -145,8 +145,9 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
             raise HarmonizeError(f"{raw_dir}: raw source folder missing (run `dvc repro fetch@{src}`)")
         if src in params.own_sources():  # a hospital's own export and its label table
             rec = cxr_table.read_records(raw_dir, params.rules(src), params.domain_of(src), f"datasets.{Path(out_dir).name}.tables.{src}")
-            if params.rules(src).patient is None:
-                warnings.append(f"{src} ({params.domain_of(src)}) {cxr_table.NO_PATIENT_WARNING}")
+            for missing, warning in ((params.rules(src).patient, cxr_table.NO_PATIENT_WARNING), (params.rules(src).view, cxr_table.NO_VIEW_WARNING)):
+                if missing is None:
+                    warnings.append(f"{src} ({params.domain_of(src)}) {warning}")
         else:
             rec = source_module(src).read_records(raw_dir, params.rules(src))
         rec["source"] = src
@@ -173,7 +174,10 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
     quarantine["error"] = [e for e, good in zip(errors, ok) if not good]
     for src in params.sources:
         if not (kept["source"] == src).any():
-            raise HarmonizeError(f"{src}: no image passes the label rules; check the raw files under {raw_root / src}")
+            reasons = excluded.loc[excluded["source"] == src, "excluded"].value_counts().head(5)
+            why = "; ".join(f"{k}: {v}" for k, v in reasons.items()) or "no record"
+            raise HarmonizeError(f"{src}: no image passes the label rules (excluded: {why}); check the raw files under "
+                                 f"{raw_root / src}" + (f" and datasets.{Path(out_dir).name}.tables.{src}" if src in params.own_sources() else ""))
     _check_quarantine(kept["source"], kept.loc[~ok, "source"], quarantine, params.max_quarantine_fraction, f"raw files under {raw_root}")
 
     good = kept[ok].reset_index(drop=True)
@@ -183,7 +187,7 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
     return write_dataset(
         Path(out_dir), table, images, excluded, quarantine,
         {"dataset": params.kind, "task": "binary: 1 = Lung Opacity, 0 = Normal", "classes": ["Normal", "Lung Opacity"],
-         "rules": params.model_dump(mode="json", exclude=None if params.tables else {"tables"}),
+         "rules": {**params.model_dump(mode="json", exclude={"tables"}), **({"tables": params.table_rules_used()} if params.own_sources() else {})},
          **({"warnings": warnings} if warnings else {})},
     )
 

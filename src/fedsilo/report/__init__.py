@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from fedsilo.config import RESERVED_DOMAINS
 from fedsilo.utils.io import atomic_dir, read_json
 
 log = logging.getLogger(__name__)
@@ -589,7 +590,7 @@ def efficiency_markdown(comm: pd.DataFrame, paper: dict[str, Any], title: str) -
     return "\n".join(lines) + "\n"
 
 
-NOT_DOMAINS = frozenset({"Avg", "STD", "Delta", "forgetting", "final"})  # the accuracy tables' other columns
+NOT_DOMAINS = RESERVED_DOMAINS  # the accuracy tables' other columns (config refuses them as domain names)
 
 
 def versus_paper(acc: pd.DataFrame, published: dict[str, Any], avg: bool = True) -> pd.DataFrame:

@@ -336,15 +336,14 @@ def write_chest_xray4_released(out: Path, p: MirrorParams) -> None:
 TABLE_OTHER = ("Pleural Effusion", "Cardiomegaly", "Atelectasis")
 
 
-def write_cxr_table(out: Path, p: MirrorParams) -> None:
+def write_cxr_table(out: Path, p: MirrorParams, name: str = "cxr_table") -> None:
     """What a hospital's PACS export and its report labels look like to ``reader: cxr_table`` (the reader's default
     rules): ``patients`` patients with one or two studies, a frontal image per study (view PA / AP, in either case)
     and for some a lateral one (LL); labels ``Lung Opacity``, ``Normal`` / ``No Finding``, other findings and blanks;
-    some paths written with backslashes; from 40 patients on, one row names a file the export lacks (harmonize
-    quarantines it)."""
+    some paths written with backslashes. Drawn from the seed and the source's ``name``: two hospitals' mirrors differ."""
     from PIL import Image
 
-    rng = _rng("cxr_table", p.seed)
+    rng = _rng(f"cxr_table/{name}", p.seed)
     rows, k = [], 0
     for i in range(p.patients):
         pid = f"H{p.seed:02d}{i:05d}"
@@ -365,8 +364,6 @@ def write_cxr_table(out: Path, p: MirrorParams) -> None:
                     _write_vin_dicom(path, f"{pid}-{study}-{n}", img, rng, k)
                 rows.append({"path": rel.replace("/", "\\") if k % 7 == 6 else rel, "label": label, "patient_id": pid, "view": view})
                 k += 1
-    if p.patients >= 40:
-        rows.append({"path": "export/H-missing/1/1.dcm", "label": "Normal", "patient_id": "H-missing", "view": "PA"})
     out.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows, columns=["path", "label", "patient_id", "view"]).to_csv(out / "labels.csv", index=False)
 

@@ -5,42 +5,85 @@ domain of the binary Chest-X-Ray-4 task, harmonized exactly as the four public s
 VOI / intensity rule, squaring and size), so a hospital joins a federation, or a study, with the export its PACS and
 its radiology reports give it.
 
-Row by row (a row's line number counts the header as line 1):
+Row by row (row N is the table's N-th line as a spreadsheet numbers it, the header being row 1; the CSV reader skips
+blank lines, so after one the numbers run one short of the file's line numbers). Values are compared trimmed,
+case-blind, and numbers by their value (``1``, ``1.0``: :func:`~fedsilo.config.table_word`):
 
 - ``path``: the image file relative to the source's folder (``\\`` read as ``/``, as a Windows export writes it).
-  A path that is absolute or leaves the folder is an error; a file the folder does not hold is kept and quarantined
-  by harmonize as "image file missing" (the share of missing files counts against ``max_quarantine_fraction``).
-  An image listed twice is an error naming both rows. DICOM is told by its suffix or by its preamble.
+  A path that is absolute or leaves the folder is an error. A path that matches no file exactly but exactly one file
+  of the folder when case and Unicode normalization are ignored (a table typed on Windows, a folder copied from a
+  Mac) is read from that file; otherwise the row is kept and quarantined by harmonize as "image file missing" (the
+  share of missing files counts against ``max_quarantine_fraction``). An image listed twice is an error naming both
+  rows. DICOM is told by its suffix or by its preamble; a file that cannot be opened is left to the decoder, which
+  quarantines it with the operating system's reason.
 - ``label``: a value among ``positive`` -> 1, among ``negative`` -> 0 (case-blind, trimmed); a blank -> excluded as
   "no label"; any other value (another finding) -> excluded under that value, so the card counts every finding left
   out.
 - ``view`` (when the rules name a column): a ``frontal`` value is kept, a ``lateral`` one excluded as "lateral view"
   (DESIGN §3), a blank excluded as "no view"; any other value is an error naming it and the two rules that could
   take it, never a silent exclusion.
-- ``patient`` (when named): the group a split keeps on one side; a blank -> excluded as "no patient id". Without a
-  patient column each image is its own group, and the reader says so (:data:`NO_PATIENT_WARNING`).
+- ``patient`` (when named): the group a split keeps on one side; a blank (or ``NA``, ``N/A``, ``nan``, ``none``,
+  ``null``, ``-``) -> excluded as "no patient id". Without a patient column each image is its own group, and
+  harmonize says so (:data:`NO_PATIENT_WARNING`); without a view column every image is taken as frontal, and it
+  says that too (:data:`NO_VIEW_WARNING`).
 - ``subset`` (when named): the hospital's own partition, ``train`` / ``val`` / ``test`` (blank: none); another
-  value is an error, and so is a patient with images on two sides of it.
+  value is an error. The splits draw test images from ``test`` and training images from the rest (train, val and
+  blank alike), so a kept patient with images in ``test`` and outside it is an error naming both rows.
 """
 
 from __future__ import annotations
 
+import unicodedata
 from pathlib import Path, PurePosixPath
+from typing import Optional
 
 import pandas as pd
 
-from fedsilo.config import CXRTableRules
+from fedsilo.config import CXRTableRules, table_word
 from fedsilo.data.dicom import is_dicom_file
-from fedsilo.data.sources.base import LabelFileError, finalize, read_csv, show
+from fedsilo.data.sources.base import LabelFileError, finalize, read_csv, show, walk
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 SUBSETS = ("train", "val", "test")
+NO_PATIENT = {"", "na", "n/a", "nan", "none", "null", "-"}  # how exports write a missing patient id
 NO_PATIENT_WARNING = ("has no patient column (patient: null): each image is its own group, so two images of one "
                       "patient may land on both sides of a split; name the column that identifies patients if the table has one")
+NO_VIEW_WARNING = ("has no view column (view: null): every image is taken as frontal, so a lateral view in the export "
+                   "would be trained on; name the column that gives the view if the table has one")
 
 
 def _folded(values: tuple[str, ...]) -> set[str]:
-    return {v.strip().casefold() for v in values}
+    return {table_word(v) for v in values}
+
+
+def _fold_path(rel: str) -> str:
+    return unicodedata.normalize("NFC", rel).casefold()
+
+
+class _Files:
+    """The folder's files by their case- and normalization-blind path, listed once and only when a row needs it."""
+
+    def __init__(self, root: Path):
+        self.root, self._index = root, None
+
+    def find(self, rel: str) -> Optional[str]:
+        """The one file whose path is ``rel`` but for case and Unicode normalization, else None."""
+        if self._index is None:
+            self._index = {}
+            for f in walk(self.root):
+                if f.is_file():
+                    self._index.setdefault(_fold_path(f.relative_to(self.root).as_posix()), []).append(f.relative_to(self.root).as_posix())
+        hits = self._index.get(_fold_path(rel), [])
+        return hits[0] if len(hits) == 1 else None
+
+
+def _reader(file: Path) -> str:
+    if file.suffix.lower() in IMAGE_SUFFIXES:
+        return "image"
+    try:
+        return "dicom" if is_dicom_file(file) else "image"
+    except OSError:  # unreadable here: the decoder quarantines it with the reason
+        return "image"
 
 
 def _relative(raw_dir: Path, value: str, where: str) -> str:
@@ -70,16 +113,24 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
     table_path = raw_dir / rules.file
     if not table_path.is_file():
         raise LabelFileError(f"{table_path}: the label table is missing ({key}.file: {rules.file!r}, relative to the source's folder)")
-    df = read_csv(table_path, dtype=str, keep_default_na=False)
+    try:
+        df = read_csv(table_path, dtype=str, keep_default_na=False, sep=rules.sep, encoding=rules.encoding)
+    except LabelFileError as err:
+        hint = f" (set {key}.encoding to the table's encoding, e.g. cp1252 or utf-16)" if "codec" in str(err) else ""
+        raise LabelFileError(f"{err}{hint}") from err
     columns = {"path": rules.path, "label": rules.label, "patient": rules.patient, "view": rules.view, "subset": rules.subset}
     named = {role: col for role, col in columns.items() if col is not None}
     missing = [f"{col!r} ({key}.{role})" for role, col in named.items() if col not in df.columns]
     if missing:
-        raise LabelFileError(f"{table_path}: missing column(s) {', '.join(missing)}; its columns are {', '.join(map(repr, df.columns))}")
+        header = ",".join(map(str, df.columns))
+        other = next((c for c in (";", "\t", "|") if c != rules.sep and c in header), None)
+        hint = f"; the header holds {other!r}: set {key}.sep to it" if other else ""
+        raise LabelFileError(f"{table_path}: missing column(s) {', '.join(missing)}; its columns are {', '.join(map(repr, df.columns))}{hint}")
     positive, negative = _folded(rules.positive), _folded(rules.negative)
     frontal, lateral = _folded(rules.frontal), _folded(rules.lateral)
 
-    rows, first_row, patient_sides = [], {}, {}
+    files = _Files(raw_dir)
+    rows, first_row, sides = [], {}, {}
     for i, rec in enumerate(df.to_dict("records")):
         where = f"{table_path}: row {i + 2}"
         rel = _relative(raw_dir, str(rec[rules.path]), where)
@@ -88,7 +139,7 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
         first_row[rel] = i + 2
         value = str(rec[rules.label]).strip()
         why = "" if value else "no label"
-        label = 1 if value.casefold() in positive else 0 if value.casefold() in negative else -1
+        label = 1 if table_word(value) in positive else 0 if table_word(value) in negative else -1
         if label == -1 and not why:
             why = f"label {value}"
         view = "frontal"
@@ -96,9 +147,9 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
             v = str(rec[rules.view]).strip()
             if not v:
                 view, why = "unknown", why or "no view"
-            elif v.casefold() in frontal:
+            elif table_word(v) in frontal:
                 view = "frontal"
-            elif v.casefold() in lateral:
+            elif table_word(v) in lateral:
                 view, why = "lateral", why or "lateral view"
             else:
                 raise LabelFileError(f"{where}: view {show(v)} is neither frontal nor lateral; add it to {key}.frontal or "
@@ -106,29 +157,31 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
         group = rel
         if rules.patient is not None:
             group = str(rec[rules.patient]).strip()
-            if not group:
+            if group.casefold() in NO_PATIENT:
                 group, why = rel, why or "no patient id"
         subset = ""
         if rules.subset is not None:
-            subset = str(rec[rules.subset]).strip().casefold()
+            subset = table_word(rec[rules.subset])
             if subset and subset not in SUBSETS:
                 raise LabelFileError(f"{where}: {rules.subset} {show(str(rec[rules.subset]))} is not one of {', '.join(SUBSETS)} "
                                      f"(or blank) ({key}.subset)")
-            if subset and rules.patient is not None and not why:
-                seen = patient_sides.setdefault(group, (subset, i + 2))
-                if seen[0] != subset:
-                    raise LabelFileError(f"{where}: patient {group!r} is in subset {subset}, and in {seen[0]} on row {seen[1]}: "
-                                         "the table's own partition would put one patient on two sides")
-        file = raw_dir / rel
-        exists = file.is_file()
+            if rules.patient is not None and not why:  # the splits' two sides: test, and everything else
+                side = "test" if subset == "test" else "outside test"
+                mine = sides.setdefault(group, {})
+                mine.setdefault(side, i + 2)
+                if len(mine) == 2:
+                    other = "outside test" if side == "test" else "test"
+                    raise LabelFileError(f"{where}: patient {group!r} is {side} here and {other} on row {mine[other]}: "
+                                         f"the table's own partition ({rules.subset}) would put one patient on both sides of a split")
+        found = rel if (raw_dir / rel).is_file() else files.find(rel)
         rows.append({
             "id": rel,
             "label": label,
             "original_label": value,
             "group": group,
             "view": view,
-            "path": rel if exists else "",
-            "reader": ("image" if file.suffix.lower() in IMAGE_SUFFIXES else "dicom" if is_dicom_file(file) else "image") if exists else "",
+            "path": found or "",
+            "reader": _reader(raw_dir / found) if found else "",
             "excluded": why,
             "subset": subset,
         })
