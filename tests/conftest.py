@@ -27,6 +27,29 @@ def needs_samples(sub: str = "") -> pytest.MarkDecorator:
     return pytest.mark.skipif(not path.exists(), reason=f"{path} absent (real samples live in ../shared/samples)")
 
 
+def paper_params(paper: str, scale: str, check: bool = True):
+    """``pipelines/<paper>/params.yaml`` (quickstart) or ``pipelines/<paper>/paper/params.yaml`` joined with the root
+    params.yaml, every root dataset added to pipeline.datasets (as a paper-scale preset's header tells a user to; the
+    root copy goes to .pytest_cache); its method entries checked against their params classes unless ``check`` is off."""
+    import yaml
+
+    from fedsilo.config import load_paper_params
+    from fedsilo.methods.registry import check_methods
+
+    root = yaml.safe_load((REPO / "params.yaml").read_text())
+    root["pipeline"]["datasets"] = list(root["datasets"])
+    tmp = REPO / ".pytest_cache" / f"root_params_{paper}_{scale}.yaml"
+    tmp.parent.mkdir(exist_ok=True)
+    tmp.write_text(yaml.safe_dump(root))
+    path = REPO / "pipelines" / paper / ("paper" if scale == "paper" else "") / "params.yaml"
+    raw = yaml.safe_load(path.read_text())
+    raw["data"] = str(tmp.relative_to(REPO))
+    p = load_paper_params(path, raw)
+    if check:
+        check_methods(p, str(path))
+    return p
+
+
 BENCHMARK_SOURCES = ("mnist", "svhn", "usps", "synthdigits", "mnist_m", "office_caltech10", "pacs", "domainnet")
 
 

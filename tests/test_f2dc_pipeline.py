@@ -6,27 +6,17 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from fedsilo.config import load_paper_params
 from fedsilo.data.sources import pacs
 from fedsilo.fl.params import load_params
-from fedsilo.methods.registry import check_methods, method_base
-from tests.conftest import REPO
+from fedsilo.methods.registry import method_base
+from tests.conftest import REPO, paper_params
 
 PAPER = REPO / "pipelines" / "f2dc"
 SCALES = {"quickstart": PAPER / "params.yaml", "paper": PAPER / "paper" / "params.yaml"}
 
 
 def _load(scale: str):
-    root = yaml.safe_load((REPO / "params.yaml").read_text())
-    root["pipeline"]["datasets"] = list(root["datasets"])  # the paper scale's datasets added, as the README says
-    tmp = REPO / ".pytest_cache" / f"root_params_f2dc_{scale}.yaml"
-    tmp.parent.mkdir(exist_ok=True)
-    tmp.write_text(yaml.safe_dump(root))
-    raw = yaml.safe_load(SCALES[scale].read_text())
-    raw["data"] = str(tmp.relative_to(REPO))
-    p = load_paper_params(SCALES[scale], raw)
-    check_methods(p, str(SCALES[scale]))
-    return p
+    return paper_params("f2dc", scale)
 
 
 @pytest.mark.parametrize("scale", ["quickstart", "paper"])

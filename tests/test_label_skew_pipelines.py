@@ -9,7 +9,7 @@ import yaml
 
 from fedsilo.fl.params import load_params
 from fedsilo.methods.registry import check_methods, method_base
-from tests.conftest import REPO
+from tests.conftest import REPO, paper_params
 
 
 def _load(paper: str):
@@ -59,20 +59,8 @@ def test_fedecouple_runs_its_baselines_on_each_skew_and_times_table_vii():
 
 
 def _paper_scale(paper: str):
-    """The paper-scale preset joined with the root params.yaml, its datasets added to pipeline.datasets as the
-    preset's header tells a user to; both scales share one dvc.yaml."""
-    from fedsilo.config import load_paper_params
-
-    root = yaml.safe_load((REPO / "params.yaml").read_text())
-    root["pipeline"]["datasets"] = list(root["datasets"])
-    tmp = REPO / ".pytest_cache" / f"root_params_{paper}_paper.yaml"
-    tmp.parent.mkdir(exist_ok=True)
-    tmp.write_text(yaml.safe_dump(root))
-    path = REPO / "pipelines" / paper / "paper" / "params.yaml"
-    raw = yaml.safe_load(path.read_text())
-    raw["data"] = str(tmp.relative_to(REPO))
-    p = load_paper_params(path, raw)
-    check_methods(p, str(path))
+    """The paper-scale preset (both scales share one dvc.yaml)."""
+    p = paper_params(paper, "paper")
     assert (REPO / "pipelines" / paper / "paper" / "dvc.yaml").read_text() == (REPO / "pipelines" / paper / "dvc.yaml").read_text()
     return p
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from fedsilo.config import load_paper_params
 from fedsilo.fl.params import load_params
-from fedsilo.methods.registry import check_methods, method_base
-from tests.conftest import REPO
+from fedsilo.methods.registry import method_base
+from tests.conftest import REPO, paper_params
 
 PAPER = REPO / "pipelines" / "pfeddil"
 SCALES = {"quickstart": PAPER / "params.yaml", "paper": PAPER / "paper" / "params.yaml"}
@@ -18,16 +17,7 @@ TABLE1 = {"fedavg", "fedprox", "fedcil", "dann", "source_only", "sharing", "disj
 
 
 def _load(scale: str):
-    root = yaml.safe_load((REPO / "params.yaml").read_text())
-    root["pipeline"]["datasets"] = list(root["datasets"])  # the paper scale's datasets added, as the README says
-    tmp = REPO / ".pytest_cache" / f"root_params_pfeddil_{scale}.yaml"
-    tmp.parent.mkdir(exist_ok=True)
-    tmp.write_text(yaml.safe_dump(root))
-    raw = yaml.safe_load(SCALES[scale].read_text())
-    raw["data"] = str(tmp.relative_to(REPO))
-    p = load_paper_params(SCALES[scale], raw)
-    check_methods(p, str(SCALES[scale]))
-    return p
+    return paper_params("pfeddil", scale)
 
 
 @pytest.mark.parametrize("scale", ["quickstart", "paper"])

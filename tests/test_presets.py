@@ -13,23 +13,14 @@ from fedsilo.config import ConfigError, TrainParams, load_paper_params
 from fedsilo.fl.params import load_params
 from fedsilo.methods.pfeddb import PFedDB
 from fedsilo.models import build_model
-from tests.conftest import REPO
+from tests.conftest import REPO, paper_params
 
 PAPER = REPO / "pipelines" / "pfeddb"
 SCALES = {"quickstart": PAPER / "params.yaml", "paper": PAPER / "paper" / "params.yaml"}
 
 
 def _load(scale: str):
-    """The preset joined with the root params.yaml, the paper-scale datasets added to pipeline.datasets as the
-    README tells a user to."""
-    root = yaml.safe_load((REPO / "params.yaml").read_text())
-    root["pipeline"]["datasets"] = list(root["datasets"])
-    tmp_root = REPO / ".pytest_cache" / f"root_params_{scale}.yaml"
-    tmp_root.parent.mkdir(exist_ok=True)
-    tmp_root.write_text(yaml.safe_dump(root))
-    raw = yaml.safe_load(SCALES[scale].read_text())
-    raw["data"] = str(tmp_root.relative_to(REPO))
-    return load_paper_params(SCALES[scale], raw)
+    return paper_params("pfeddb", scale, check=False)
 
 
 @pytest.mark.parametrize("scale", ["quickstart", "paper"])
