@@ -285,3 +285,39 @@ def test_a_semicolon_table_or_another_encoding_is_named_with_the_key_to_set(tmp_
         cxr_table.read_records(tmp_path, CXRTableRules(), "H", key="K")
     rec = cxr_table.read_records(tmp_path, CXRTableRules(encoding="cp1252"), "H", key="K")
     assert rec["excluded"].tolist() == ["label Épanchement"]
+
+
+def test_a_dry_run_counts_what_harmonize_keeps_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    """`fedsilo harmonize --dry-run` reads the label files only: its counts per domain are harmonize's (kept = images
+    + quarantined), for a hospital's table beside RSNA and for a benchmark; no file is written."""
+    from fedsilo.data.harmonize import harmonize_dataset, preview_dataset
+
+    raw = _params({"st_marys": {"domain": "St Marys"}})
+    raw["sources"]["office_caltech10"] = {"mode": "mirror", "mirror": {"per_class": 2, "image_px": 32}}
+    raw["datasets"]["office"] = {"kind": "office_caltech10", "image_size": 16, "workers": 1, "max_per_domain": 15}
+    raw["pipeline"]["sources"] = ["rsna", "st_marys", "office_caltech10"]
+    raw["pipeline"]["datasets"] = ["chest_xray4", "office"]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(tmp_path)
+    for s in raw["pipeline"]["sources"]:
+        assert fedsilo(["fetch", "--source", s, "-q"]) == 0
+    table = pd.read_csv("data/raw/st_marys/labels.csv", dtype=str, keep_default_na=False)
+    table.loc[len(table)] = {"path": "export/gone.dcm", "label": "Normal", "patient_id": "P9", "view": "PA"}
+    table.to_csv("data/raw/st_marys/labels.csv", index=False)
+    capsys.readouterr()
+    assert fedsilo(["harmonize", "--dataset", "chest_xray4", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "1 kept rows name no file (e.g. st_marys/export/gone.dcm)" in out and "nothing written" in out
+    assert not Path("data/harmonized").exists()
+    p = parse_params(raw)
+    for name in ("chest_xray4", "office"):
+        pv = preview_dataset(p.datasets[name], Path("data/raw"), name)
+        card = harmonize_dataset(p.datasets[name], Path("data/raw"), Path("data/harmonized") / name, quiet=True)
+        assert set(pv["domains"]) == set(card["domains"])
+        for dom, d in card["domains"].items():
+            v = pv["domains"][dom]
+            assert v["kept"] == d["images"] + d["quarantined"] and v["excluded"] == d["excluded"], (name, dom)
+            assert v["excluded_by_reason"] == d["excluded_by_reason"]
+            if d["quarantined"] == 0:
+                assert v["by_class"] == d["by_class"]
+    assert pv["domains"]["amazon"]["kept"] == 15  # max_per_domain as harmonize applies it

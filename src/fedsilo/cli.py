@@ -56,11 +56,23 @@ def _fingerprint(args: argparse.Namespace) -> None:
 
 
 def _harmonize(args: argparse.Namespace) -> None:
-    from fedsilo.data.harmonize import harmonize_dataset
+    from fedsilo.data.harmonize import harmonize_dataset, preview_dataset
 
     p = config.load_params(args.params)  # no method entries: no PyTorch import
     if args.dataset not in p.datasets:
         raise ConfigError(f"datasets.{args.dataset}: not defined in {args.params}")
+    if args.dry_run:
+        pv = preview_dataset(p.datasets[args.dataset], Path(args.root) / "data" / "raw", args.dataset)
+        for dom, d in pv["domains"].items():
+            classes = ", ".join(f"{c} {n}" for c, n in d["by_class"].items())
+            reasons = "; ".join(f"{r} {n}" for r, n in d["excluded_by_reason"].items()) or "none"
+            missing = f"; {d['missing_files']} kept rows name no file (e.g. {', '.join(d['missing_examples'])})" if d["missing_files"] else ""
+            print(f"{args.dataset} {dom}: {d['rows']} rows, {d['kept']} kept ({classes}), {d['excluded']} excluded ({reasons}){missing}")
+        for w in pv["warnings"]:
+            print(f"warning: datasets.{args.dataset}: {w}", file=sys.stderr)
+        print(f"dry run: no image decoded, nothing written (`fedsilo harmonize --dataset {args.dataset}` decodes and writes; "
+              "an undecodable file is quarantined then)")
+        return
     card = harmonize_dataset(p.datasets[args.dataset], Path(args.root) / "data" / "raw", Path(args.root) / "data" / "harmonized" / args.dataset, quiet=args.quiet)
     for dom, d in card["domains"].items():
         print(f"{args.dataset} {dom}: {d['images']} images ({d['by_class']}), {d['excluded']} excluded, {d['quarantined']} quarantined")
@@ -525,6 +537,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.set_defaults(fn=_fingerprint)
     s = sub.add_parser("harmonize", parents=[common], help="raw sources -> data/harmonized/<dataset>/", formatter_class=fmt, epilog=_listing(known, "datasets"))
     s.add_argument("--dataset", required=True)
+    s.add_argument("--dry-run", action="store_true", help="read the label files only: print what would be kept, excluded (by "
+                   "reason) and found missing per domain, in seconds; decode nothing, write nothing (for trying label rules)")
     s.set_defaults(fn=_harmonize)
     s = sub.add_parser("split", parents=[common], help="harmonized dataset -> data/splits/<experiment>.json", formatter_class=fmt, epilog=_listing(known, "experiments"))
     s.add_argument("--experiment", required=True)

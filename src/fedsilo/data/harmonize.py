@@ -135,16 +135,17 @@ def decode_all(jobs: list[tuple], workers: int, domains: Optional[list[str]] = N
     return out
 
 
-def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:
+def cxr_records(params: CXRDatasetParams, raw_root: Path, name: str) -> tuple[pd.DataFrame, list[str]]:
+    """Every record of a chest X-ray dataset's sources (kept or excluded, with its source and absolute path) and the
+    warnings the rules call for; ``name`` is the dataset's key in params (for messages)."""
     raw_root = Path(raw_root)
-    workers = params.workers or os.cpu_count() or 1
     all_records, warnings = [], []
     for src in params.sources:
         raw_dir = raw_root / src
         if not raw_dir.is_dir():
             raise HarmonizeError(f"{raw_dir}: raw source folder missing (run `dvc repro fetch@{src}`)")
         if src in params.own_sources():  # a hospital's own export and its label table
-            rec = cxr_table.read_records(raw_dir, params.rules(src), params.domain_of(src), f"datasets.{Path(out_dir).name}.tables.{src}")
+            rec = cxr_table.read_records(raw_dir, params.rules(src), params.domain_of(src), f"datasets.{name}.tables.{src}")
             for missing, warning in ((params.rules(src).patient, cxr_table.NO_PATIENT_WARNING), (params.rules(src).view, cxr_table.NO_VIEW_WARNING)):
                 if missing is None:
                     warnings.append(f"{src} ({params.domain_of(src)}) {warning}")
@@ -155,7 +156,13 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
         all_records.append(rec)
     records = pd.concat(all_records, ignore_index=True)
     records["id"] = records["source"] + "/" + records["id"]
+    return records, warnings
 
+
+def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:
+    raw_root = Path(raw_root)
+    workers = params.workers or os.cpu_count() or 1
+    records, warnings = cxr_records(params, raw_root, Path(out_dir).name)
     kept = records[records["excluded"] == ""].reset_index(drop=True)
     excluded = records[records["excluded"] != ""].reset_index(drop=True)
     jobs = [(p, r, params.image_size, params.square, params.intensity, params.percentiles) for p, r in zip(kept["abs_path"], kept["reader"])]
@@ -278,11 +285,10 @@ def to_dataset_classes(rec: pd.DataFrame, names: list[str], classes: list[str], 
     return rec
 
 
-def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:
-    from fedsilo.data.sources import source_module
-
+def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path) -> tuple[pd.DataFrame, list[str], dict[str, Any]]:
+    """Every record of a benchmark dataset's sources (its ``domains`` only), the dataset's classes and the source
+    modules that read them."""
     raw_root = Path(raw_root)
-    workers = params.workers or os.cpu_count() or 1
     frames = []
     modules = {}
     classes: list[str] = list(KIND_CLASSES.get(params.kind, ()))
@@ -304,6 +310,13 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
             raise HarmonizeError(f"domains: {unknown} not found in the raw data (have: {sorted(records['domain'].unique())})")
         records = records[records["domain"].isin(params.domains)].reset_index(drop=True)
     records["id"] = records["source"] + "/" + records["id"]
+    return records, classes, modules
+
+
+def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:
+    raw_root = Path(raw_root)
+    workers = params.workers or os.cpu_count() or 1
+    records, classes, modules = benchmark_records(params, raw_root)
     excluded = records[records["excluded"] != ""].reset_index(drop=True)
     kept = _cap(records[records["excluded"] == ""], params.max_per_domain, params.sample_seed).reset_index(drop=True)
 
@@ -353,6 +366,34 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
         Path(out_dir), table, [img for img, _ in results if img is not None], excluded, quarantine,
         {"dataset": params.kind, "task": tasks[params.kind], "classes": classes, "rules": params.model_dump(mode="json")},
     )
+
+
+def preview_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root: Path, name: str) -> dict[str, Any]:
+    """What harmonize would keep, exclude and find missing, from the label files alone (no image is decoded, nothing
+    is written): per domain the rows read, the images kept by class, the exclusions by reason and the kept rows whose
+    file the raw folder lacks; and the rules' warnings. Seconds where harmonize takes minutes: for trying label rules."""
+    if isinstance(params, CXRDatasetParams):
+        records, warnings = cxr_records(params, raw_root, name)
+        classes = ["Normal", "Lung Opacity"]
+        kept = records[records["excluded"] == ""]
+    else:
+        records, classes, _ = benchmark_records(params, raw_root)
+        warnings = []
+        kept = _cap(records[records["excluded"] == ""], params.max_per_domain, params.sample_seed)
+    domains: dict[str, Any] = {}
+    for dom in dict.fromkeys(records["domain"]):
+        rows, k = records[records["domain"] == dom], kept[kept["domain"] == dom]
+        reasons = rows.loc[rows["excluded"] != "", "excluded"].value_counts()
+        domains[str(dom)] = {
+            "rows": int(len(rows)),
+            "kept": int(len(k)),
+            "by_class": {c: int((k["label"] == i).sum()) for i, c in enumerate(classes)},
+            "excluded": int(reasons.sum()),
+            "excluded_by_reason": {str(r): int(n) for r, n in reasons.items()},
+            "missing_files": int((k["path"] == "").sum()),
+            "missing_examples": k.loc[k["path"] == "", "id"].head(3).tolist(),
+        }
+    return {"dataset": name, "domains": domains, "warnings": warnings}
 
 
 def harmonize_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:
