@@ -122,6 +122,10 @@ def test_real_dicoms_and_pngs_read_through_a_hand_written_label_table(tmp_path):
         else:
             want = decode_one((str(orig), "image", 32, "crop", "bit_depth", (0.5, 99.5)))
         np.testing.assert_array_equal(images[i], want)
+    # the same files by their headers' View Position: the Philips CR and SIIM files say PA, the NIH conversion nothing
+    views = cxr_table.read_records(raw / "st_marys", CXRTableRules(**{**rules, "view": None, "dicom_view": True}), "General")
+    said = dict(zip(views["id"].map(lambda r: originals[r].name), views["excluded"]))
+    assert said == {f.name: "" if f.name.startswith(("RG1", "1.2.276")) else "no view" for f in files}
 
 
 def _export(tmp_path: Path, rows: list[dict], files: tuple[str, ...] = ("a/1.png", "a/2.png")) -> Path:
@@ -321,3 +325,44 @@ def test_a_dry_run_counts_what_harmonize_keeps_and_writes_nothing(tmp_path, caps
             if d["quarantined"] == 0:
                 assert v["by_class"] == d["by_class"]
     assert pv["domains"]["amazon"]["kept"] == 15  # max_per_domain as harmonize applies it
+
+
+def test_dicom_view_takes_the_view_from_each_headers_view_position(tmp_path):
+    """``dicom_view``: without a view column each DICOM's View Position decides (the mirror's headers record each
+    image's view), a PNG has none; an unmapped header value is refused naming the file; an unreadable header is left
+    to the decoder."""
+    from fedsilo.data.mirror.cxr import _write_vin_dicom
+
+    p = parse_params(_params())
+    fetch("st_marys", p.sources["st_marys"], tmp_path / "raw")
+    with_column = cxr_table.read_records(tmp_path / "raw", CXRTableRules(), "H").set_index("id")
+    table = pd.read_csv(tmp_path / "raw" / "labels.csv", dtype=str, keep_default_na=False)
+    table.drop(columns="view").to_csv(tmp_path / "raw" / "labels.csv", index=False)
+    from_headers = cxr_table.read_records(tmp_path / "raw", CXRTableRules(view=None, dicom_view=True), "H").set_index("id")
+    dicom = with_column["reader"] == "dicom"
+    assert dicom.sum() > 10 and (with_column.loc[dicom, "view"] == "lateral").any()
+    pd.testing.assert_frame_equal(from_headers.loc[dicom, ["view", "excluded"]], with_column.loc[dicom, ["view", "excluded"]])
+    png = with_column["reader"] == "image"
+    by_label = with_column.loc[png, "excluded"].str.startswith("label") | (with_column.loc[png, "excluded"] == "no label")
+    assert set(from_headers.loc[png, "view"]) == {"unknown"}  # a PNG has no header: no view, unless its label went first
+    assert from_headers.loc[png, "excluded"].tolist() == with_column.loc[png, "excluded"].where(by_label, "no view").tolist()
+
+    rng = np.random.default_rng(0)
+    _write_vin_dicom(tmp_path / "raw" / "odd.dcm", "odd", rng.random((32, 32)), rng, 0, view="OBL")
+    (tmp_path / "raw" / "broken.dcm").write_bytes(b"not a dicom")
+    extra = pd.DataFrame([{"path": "odd.dcm", "label": "Normal", "patient_id": "Z1"}])
+    pd.concat([table.drop(columns="view"), extra]).to_csv(tmp_path / "raw" / "labels.csv", index=False)
+    with pytest.raises(LabelFileError, match=r"the DICOM header's View Position \(odd.dcm\) 'OBL' is neither frontal nor lateral; add it to K.frontal"):
+        cxr_table.read_records(tmp_path / "raw", CXRTableRules(view=None, dicom_view=True), "H", key="K")
+    extra = pd.DataFrame([{"path": "broken.dcm", "label": "Normal", "patient_id": "Z2"}])
+    pd.concat([table.drop(columns="view"), extra]).to_csv(tmp_path / "raw" / "labels.csv", index=False)
+    broken = cxr_table.read_records(tmp_path / "raw", CXRTableRules(view=None, dicom_view=True), "H").set_index("id").loc["broken.dcm"]
+    assert broken["excluded"] == "" and broken["view"] == "unknown"  # kept: harmonize's decoder quarantines it, named
+    img, err = decode_one_safe(tmp_path / "raw" / "broken.dcm")
+    assert img is None and "broken.dcm" in err
+
+
+def decode_one_safe(path: Path):
+    from fedsilo.data.harmonize import _decode_safe
+
+    return _decode_safe((str(path), "dicom", 32, "crop", "bit_depth", (0.5, 99.5)))

@@ -210,7 +210,9 @@ class CXRTableRules(Strict):
     patient: Optional[str] = Field("patient_id", description="column: the patient (a patient's images stay on one side of "
                                    "every split); null: each image its own patient (warned: repeat images of a patient may then "
                                    "land on both sides)")
-    view: Optional[str] = Field("view", description="column: the view position; null: every image is frontal")
+    view: Optional[str] = Field("view", description="column: the view position; null: every image is frontal (unless dicom_view)")
+    dicom_view: bool = Field(False, description="where the view column is blank, or there is none (view: null), take a DICOM's "
+                             "view from its header's View Position (0018,5101); a PNG / JPEG then has no view (excluded)")
     frontal: tuple[str, ...] = Field(("PA", "AP", "frontal", "AP supine", "AP erect"), description="view values of frontal images (kept)")
     lateral: tuple[str, ...] = Field(("LL", "RL", "LAT", "lateral"), description="view values of lateral images (excluded)")
     subset: Optional[str] = Field(None, description="column: your own partition, train / val / test per image (splits' test_from: auto)")

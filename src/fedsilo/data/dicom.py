@@ -64,6 +64,19 @@ def is_dicom_file(path: str | Path) -> bool:
     return len(head) == 132 and head[128:] == b"DICM"
 
 
+def view_position(path: str | Path) -> str:
+    """The View Position (0018,5101) a DICOM file's header records ("" when it has none), read without its pixels;
+    an unreadable or non-DICOM file is an :class:`ImageDecodeError` naming it."""
+    import pydicom
+    from pydicom.errors import InvalidDicomError
+
+    try:
+        ds = pydicom.dcmread(str(path), stop_before_pixels=True, specific_tags=["ViewPosition"])
+    except (InvalidDicomError, OSError, EOFError, ValueError) as err:
+        raise decode_error(path, err, "cannot read the DICOM header: ") from err
+    return str(ds.get("ViewPosition", "") or "").strip()
+
+
 def has_voi(ds: Any) -> bool:
     return bool(("VOILUTSequence" in ds and ds.VOILUTSequence) or "WindowCenter" in ds)
 

@@ -146,7 +146,8 @@ def cxr_records(params: CXRDatasetParams, raw_root: Path, name: str) -> tuple[pd
             raise HarmonizeError(f"{raw_dir}: raw source folder missing (run `dvc repro fetch@{src}`)")
         if src in params.own_sources():  # a hospital's own export and its label table
             rec = cxr_table.read_records(raw_dir, params.rules(src), params.domain_of(src), f"datasets.{name}.tables.{src}")
-            for missing, warning in ((params.rules(src).patient, cxr_table.NO_PATIENT_WARNING), (params.rules(src).view, cxr_table.NO_VIEW_WARNING)):
+            rules = params.rules(src)
+            for missing, warning in ((rules.patient, cxr_table.NO_PATIENT_WARNING), (rules.view or rules.dicom_view or None, cxr_table.NO_VIEW_WARNING)):
                 if missing is None:
                     warnings.append(f"{src} ({params.domain_of(src)}) {warning}")
         else:

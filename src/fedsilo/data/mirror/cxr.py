@@ -252,14 +252,14 @@ def write_rsna(out: Path, p: MirrorParams) -> None:
 VIN_OTHER = [("Aortic enlargement", 0), ("Cardiomegaly", 3), ("Pleural thickening", 11), ("Pulmonary fibrosis", 13)]
 
 
-def _write_vin_dicom(path: Path, image_id: str, img: np.ndarray, rng: np.random.Generator, k: int) -> None:
+def _write_vin_dicom(path: Path, image_id: str, img: np.ndarray, rng: np.random.Generator, k: int, view: str = "PA") -> None:
     from pydicom.uid import JPEG2000Lossless
 
     bits = (12, 14, 16)[k % 3]
     mono1 = k % 4 == 1
     j2k = k % 5 in (2, 3)
     windowed = k % 3 == 0 and not mono1
-    ds = _dicom_dataset(image_id, image_id, "PA", "DX")
+    ds = _dicom_dataset(image_id, image_id, view, "DX")
     ds.PhotometricInterpretation = "MONOCHROME1" if mono1 else "MONOCHROME2"
     ds.Rows, ds.Columns = img.shape
     ds.BitsAllocated = 16
@@ -340,7 +340,8 @@ def write_cxr_table(out: Path, p: MirrorParams, name: str = "cxr_table") -> None
     """What a hospital's PACS export and its report labels look like to ``reader: cxr_table`` (the reader's default
     rules): ``patients`` patients with one or two studies, a frontal image per study (view PA / AP, in either case)
     and for some a lateral one (LL); labels ``Lung Opacity``, ``Normal`` / ``No Finding``, other findings and blanks;
-    some paths written with backslashes. Drawn from the seed and the source's ``name``: two hospitals' mirrors differ."""
+    some paths written with backslashes; each DICOM's header records its view (View Position). Drawn from the seed and
+    the source's ``name``: two hospitals' mirrors differ."""
     from PIL import Image
 
     rng = _rng(f"cxr_table/{name}", p.seed)
@@ -361,7 +362,7 @@ def write_cxr_table(out: Path, p: MirrorParams, name: str = "cxr_table") -> None
                 if rel.endswith(".png"):
                     Image.fromarray(_u8(img), mode="L").save(path)
                 else:
-                    _write_vin_dicom(path, f"{pid}-{study}-{n}", img, rng, k)
+                    _write_vin_dicom(path, f"{pid}-{study}-{n}", img, rng, k, view=view.upper())  # its header says its view
                 rows.append({"path": rel.replace("/", "\\") if k % 7 == 6 else rel, "label": label, "patient_id": pid, "view": view})
                 k += 1
     out.mkdir(parents=True, exist_ok=True)

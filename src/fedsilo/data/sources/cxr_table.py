@@ -21,7 +21,10 @@ case-blind, and numbers by their value (``1``, ``1.0``: :func:`~fedsilo.config.t
   out.
 - ``view`` (when the rules name a column): a ``frontal`` value is kept, a ``lateral`` one excluded as "lateral view"
   (DESIGN §3), a blank excluded as "no view"; any other value is an error naming it and the two rules that could
-  take it, never a silent exclusion.
+  take it, never a silent exclusion. With ``dicom_view`` a blank cell (or every row, with no view column) takes the
+  View Position of the DICOM's header, mapped by the same two rules; an image with none (a PNG, a header without the
+  tag) is excluded as "no view", one whose header cannot be read is left to the decoder (quarantined). Headers can
+  be wrong (OpenI's record PA for many lateral images): a table's view column, where there is one, comes first.
 - ``patient`` (when named): the group a split keeps on one side; a blank (or ``NA``, ``N/A``, ``nan``, ``none``,
   ``null``, ``-``) -> excluded as "no patient id". Without a patient column each image is its own group, and
   harmonize says so (:data:`NO_PATIENT_WARNING`); without a view column every image is taken as frontal, and it
@@ -40,7 +43,8 @@ from typing import Optional
 import pandas as pd
 
 from fedsilo.config import CXRTableRules, table_word
-from fedsilo.data.dicom import is_dicom_file
+from fedsilo.data.dicom import is_dicom_file, view_position
+from fedsilo.data.imageops import ImageDecodeError
 from fedsilo.data.sources.base import LabelFileError, finalize, read_csv, show, walk
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
@@ -142,17 +146,26 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
         label = 1 if table_word(value) in positive else 0 if table_word(value) in negative else -1
         if label == -1 and not why:
             why = f"label {value}"
+        found = rel if (raw_dir / rel).is_file() else files.find(rel)
+        reader = _reader(raw_dir / found) if found else ""
         view = "frontal"
-        if rules.view is not None:
-            v = str(rec[rules.view]).strip()
-            if not v:
+        if rules.view is not None or rules.dicom_view:
+            v, told, unreadable = (str(rec[rules.view]).strip() if rules.view is not None else ""), "view", False
+            if not v and rules.dicom_view and reader == "dicom":
+                try:
+                    v, told = view_position(raw_dir / found), f"the DICOM header's View Position ({found})"
+                except ImageDecodeError:
+                    unreadable = True  # kept for the decoder, which quarantines the file with the reason
+            if unreadable:
+                view = "unknown"
+            elif not v:
                 view, why = "unknown", why or "no view"
             elif table_word(v) in frontal:
                 view = "frontal"
             elif table_word(v) in lateral:
                 view, why = "lateral", why or "lateral view"
             else:
-                raise LabelFileError(f"{where}: view {show(v)} is neither frontal nor lateral; add it to {key}.frontal or "
+                raise LabelFileError(f"{where}: {told} {show(v)} is neither frontal nor lateral; add it to {key}.frontal or "
                                      f"{key}.lateral")
         group = rel
         if rules.patient is not None:
@@ -173,7 +186,6 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
                     other = "outside test" if side == "test" else "test"
                     raise LabelFileError(f"{where}: patient {group!r} is {side} here and {other} on row {mine[other]}: "
                                          f"the table's own partition ({rules.subset}) would put one patient on both sides of a split")
-        found = rel if (raw_dir / rel).is_file() else files.find(rel)
         rows.append({
             "id": rel,
             "label": label,
@@ -181,7 +193,7 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
             "group": group,
             "view": view,
             "path": found or "",
-            "reader": _reader(raw_dir / found) if found else "",
+            "reader": reader,
             "excluded": why,
             "subset": subset,
         })
