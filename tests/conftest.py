@@ -40,7 +40,9 @@ def paper_params(paper: str, scale: str, check: bool = True):
     root["pipeline"]["datasets"] = list(root["datasets"])
     tmp = REPO / ".pytest_cache" / f"root_params_{paper}_{scale}.yaml"
     tmp.parent.mkdir(exist_ok=True)
-    tmp.write_text(yaml.safe_dump(root))
+    part = tmp.with_name(f"{tmp.name}.{os.getpid()}")
+    part.write_text(yaml.safe_dump(root))
+    os.replace(part, tmp)  # whole: another worker may read it meanwhile
     path = REPO / "pipelines" / paper / ("paper" if scale == "paper" else "") / "params.yaml"
     raw = yaml.safe_load(path.read_text())
     raw["data"] = str(tmp.relative_to(REPO))

@@ -201,6 +201,14 @@ def test_without_a_patient_column_harmonize_warns_in_the_card_and_on_stderr(tmp_
     card = (tmp_path / "data" / "harmonized" / "chest_xray4" / "card.md").read_text()
     assert "## Warnings" in card and "two images of one patient may land on both sides" in card
     assert "has no view column" not in err  # the view column is there
+    for dicom_view in (False, True):  # without a view column: warned, unless the headers give the views
+        raw["datasets"]["chest_xray4"]["tables"]["st_marys"] = {"view": None, "dicom_view": dicom_view}
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+        assert fedsilo(["harmonize", "--dataset", "chest_xray4", "-q"]) == 0
+        err = capsys.readouterr().err
+        assert ("st_marys (st_marys) has no view column (view: null): every image is taken as frontal" in err) is not dicom_view
+        card = (tmp_path / "data" / "harmonized" / "chest_xray4" / "card.md").read_text()
+        assert ("every image is taken as frontal" in card) is not dicom_view
 
 
 @pytest.mark.parametrize("edit,needle", [
@@ -220,6 +228,9 @@ def test_without_a_patient_column_harmonize_warns_in_the_card_and_on_stderr(tmp_
     (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"file": "/srv/labels.csv"}), "the label table is a file inside the source's folder"),
     (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"file": "../labels.csv"}), "the label table is a file inside the source's folder"),
     (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"encoding": "klingon"}), "'klingon' is not a text encoding"),
+    (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"encoding": "base64"}), "'base64' is not a text encoding"),
+    (lambda r: r["sources"].update({"final": r["sources"].pop("st_marys")}) or r["datasets"]["chest_xray4"].update(sources=["rsna", "final"]),
+     "datasets.chest_xray4.tables.final.domain: 'final' (the source's name) is a column of the report's tables"),
     (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"domain": "Avg"}), "'Avg' is a column of the report's tables"),
     (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"lateral": ["LL", "pa"]}), "frontal and lateral share pa"),
     (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"positive": [1], "negative": ["1.0"]}), "positive and negative share 1"),
@@ -296,7 +307,7 @@ def test_a_dry_run_counts_what_harmonize_keeps_and_writes_nothing(tmp_path, caps
     + quarantined), for a hospital's table beside RSNA and for a benchmark; no file is written."""
     from fedsilo.data.harmonize import harmonize_dataset, preview_dataset
 
-    raw = _params({"st_marys": {"domain": "St Marys"}})
+    raw = _params()  # no tables entry: the reader's defaults, which the card spells out
     raw["sources"]["office_caltech10"] = {"mode": "mirror", "mirror": {"per_class": 2, "image_px": 32}}
     raw["datasets"]["office"] = {"kind": "office_caltech10", "image_size": 16, "workers": 1, "max_per_domain": 15}
     raw["pipeline"]["sources"] = ["rsna", "st_marys", "office_caltech10"]
@@ -325,6 +336,19 @@ def test_a_dry_run_counts_what_harmonize_keeps_and_writes_nothing(tmp_path, caps
             if d["quarantined"] == 0:
                 assert v["by_class"] == d["by_class"]
     assert pv["domains"]["amazon"]["kept"] == 15  # max_per_domain as harmonize applies it
+    rules = yaml.safe_load(Path("data/harmonized/chest_xray4/card.json").read_text())["rules"]["tables"]["st_marys"]
+    assert rules["positive"] == ["Lung Opacity"] and rules["view"] == "view" and rules["dicom_view"] is False
+    # what harmonize would refuse, the dry run refuses already: too many files missing, nothing kept
+    table = pd.read_csv("data/raw/st_marys/labels.csv", dtype=str, keep_default_na=False)
+    table.loc[:40, "path"] = [f"gone/{i}.dcm" for i in range(41)]
+    table.to_csv("data/raw/st_marys/labels.csv", index=False)
+    capsys.readouterr()
+    assert fedsilo(["harmonize", "--dataset", "chest_xray4", "--dry-run"]) == 2
+    assert "error: harmonize would fail: st_marys:" in capsys.readouterr().err
+    raw["datasets"]["chest_xray4"]["tables"] = {"st_marys": {"positive": ["Pneumonia"], "negative": ["Healthy"]}}
+    Path("params.yaml").write_text(yaml.safe_dump(raw))
+    assert fedsilo(["harmonize", "--dataset", "chest_xray4", "--dry-run"]) == 2
+    assert "harmonize would fail: st_marys: no image passes the label rules" in capsys.readouterr().err
 
 
 def test_dicom_view_takes_the_view_from_each_headers_view_position(tmp_path):
@@ -341,7 +365,9 @@ def test_dicom_view_takes_the_view_from_each_headers_view_position(tmp_path):
     from_headers = cxr_table.read_records(tmp_path / "raw", CXRTableRules(view=None, dicom_view=True), "H").set_index("id")
     dicom = with_column["reader"] == "dicom"
     assert dicom.sum() > 10 and (with_column.loc[dicom, "view"] == "lateral").any()
-    pd.testing.assert_frame_equal(from_headers.loc[dicom, ["view", "excluded"]], with_column.loc[dicom, ["view", "excluded"]])
+    pd.testing.assert_series_equal(from_headers.loc[dicom, "excluded"], with_column.loc[dicom, "excluded"])
+    seen = dicom & ~with_column["excluded"].str.startswith("label") & (with_column["excluded"] != "no label")
+    pd.testing.assert_series_equal(from_headers.loc[seen, "view"], with_column.loc[seen, "view"])  # headers read for these only
     png = with_column["reader"] == "image"
     by_label = with_column.loc[png, "excluded"].str.startswith("label") | (with_column.loc[png, "excluded"] == "no label")
     assert set(from_headers.loc[png, "view"]) == {"unknown"}  # a PNG has no header: no view, unless its label went first
@@ -366,3 +392,62 @@ def decode_one_safe(path: Path):
     from fedsilo.data.harmonize import _decode_safe
 
     return _decode_safe((str(path), "dicom", 32, "crop", "bit_depth", (0.5, 99.5)))
+
+
+def test_a_view_cell_comes_before_the_header_and_a_blank_one_takes_it(tmp_path):
+    from fedsilo.data.mirror.cxr import _write_vin_dicom
+
+    rng = np.random.default_rng(0)
+    for name, view in (("pa_header", "PA"), ("ll_header", "LL"), ("twice", ["AP", "AP"]), ("two", ["AP", "LL"])):
+        _write_vin_dicom(tmp_path / f"{name}.dcm", name, rng.random((32, 32)), rng, 0, view=view)
+    rows = [{"path": "pa_header.dcm", "label": "Normal", "patient_id": "p1", "view": "LL"},   # the table says lateral
+            {"path": "ll_header.dcm", "label": "Normal", "patient_id": "p2", "view": ""},     # the header says lateral
+            {"path": "twice.dcm", "label": "Normal", "patient_id": "p3", "view": ""}]         # AP\\AP is AP
+    pd.DataFrame(rows).to_csv(tmp_path / "labels.csv", index=False)
+    rec = cxr_table.read_records(tmp_path, CXRTableRules(dicom_view=True), "H").set_index("id")
+    assert rec["view"].tolist() == ["lateral", "lateral", "frontal"] and rec["excluded"].tolist() == ["lateral view"] * 2 + [""]
+    pd.DataFrame(rows + [{"path": "two.dcm", "label": "Normal", "patient_id": "p4", "view": ""}]).to_csv(tmp_path / "labels.csv", index=False)
+    with pytest.raises(LabelFileError, match=r"View Position \(two.dcm\) 'AP\\\\LL' is neither frontal nor lateral"):
+        cxr_table.read_records(tmp_path, CXRTableRules(dicom_view=True), "H")
+
+
+def test_a_header_pydicom_cannot_parse_is_a_decode_error_and_an_unopenable_file_goes_to_the_decoder(tmp_path, monkeypatch):
+    import pydicom
+
+    from fedsilo.data.dicom import view_position
+    from fedsilo.data.imageops import ImageDecodeError
+
+    def damaged(*a, **k):
+        raise NotImplementedError("Unknown Value Representation 'C\\x1e'")
+
+    (tmp_path / "x.dcm").write_bytes(b"")
+    monkeypatch.setattr(pydicom, "dcmread", damaged)
+    with pytest.raises(ImageDecodeError, match=r"x.dcm.*NotImplementedError: Unknown Value Representation"):
+        view_position(tmp_path / "x.dcm")
+    monkeypatch.undo()
+
+    def unopenable(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(cxr_table, "is_dicom_file", unopenable)
+    _export(tmp_path, [ROW], files=("a/1.png", "a/2"))
+    pd.DataFrame([ROW, {**ROW, "path": "a/2", "patient_id": "p2"}]).to_csv(tmp_path / "labels.csv", index=False)
+    rec = cxr_table.read_records(tmp_path, CXRTableRules(), "H").set_index("id")
+    assert rec.loc["a/2", ["reader", "excluded", "path"]].tolist() == ["image", "", "a/2"]  # the decoder says why
+
+
+def test_paths_match_a_file_blind_to_case_and_unicode_form_only_when_one_file_does(tmp_path):
+    import unicodedata
+
+    nfd = unicodedata.normalize("NFD", "José")
+    for f in ("a/X.png", "a/x.png", f"b/{nfd}.png", "c/only.png"):
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_bytes(b"")
+    rows = [{**ROW, "path": "A/X.PNG"}, {**ROW, "path": f"b/{unicodedata.normalize('NFC', 'José')}.png", "patient_id": "p2"},
+            {**ROW, "path": "C/Only.png", "patient_id": "p3"}]
+    pd.DataFrame(rows).to_csv(tmp_path / "labels.csv", index=False)
+    rec = cxr_table.read_records(tmp_path, CXRTableRules(), "H")
+    assert rec["path"].tolist() == ["", f"b/{nfd}.png", "c/only.png"]  # X.png and x.png: two candidates, none taken
+    pd.DataFrame(rows + [{**ROW, "path": "c/only.png", "patient_id": "p9", "label": "Lung Opacity"}]).to_csv(tmp_path / "labels.csv", index=False)
+    with pytest.raises(LabelFileError, match=r"row 5: c/only.png is listed again \(first on row 4\)"):
+        cxr_table.read_records(tmp_path, CXRTableRules(), "H")

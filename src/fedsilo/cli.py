@@ -56,7 +56,7 @@ def _fingerprint(args: argparse.Namespace) -> None:
 
 
 def _harmonize(args: argparse.Namespace) -> None:
-    from fedsilo.data.harmonize import harmonize_dataset, preview_dataset
+    from fedsilo.data.harmonize import HarmonizeError, harmonize_dataset, preview_dataset
 
     p = config.load_params(args.params)  # no method entries: no PyTorch import
     if args.dataset not in p.datasets:
@@ -72,6 +72,8 @@ def _harmonize(args: argparse.Namespace) -> None:
             print(f"warning: datasets.{args.dataset}: {w}", file=sys.stderr)
         print(f"dry run: no image decoded, nothing written (`fedsilo harmonize --dataset {args.dataset}` decodes and writes; "
               "an undecodable file is quarantined then)")
+        if pv["would_fail"]:
+            raise HarmonizeError("harmonize would fail: " + "; ".join(pv["would_fail"]))
         return
     card = harmonize_dataset(p.datasets[args.dataset], Path(args.root) / "data" / "raw", Path(args.root) / "data" / "harmonized" / args.dataset, quiet=args.quiet)
     for dom, d in card["domains"].items():

@@ -8,7 +8,6 @@ this module does not import the methods.
 
 from __future__ import annotations
 
-import codecs
 import math
 import re
 import types
@@ -240,7 +239,7 @@ class CXRTableRules(Strict):
     @classmethod
     def _codec(cls, v: str) -> str:
         try:
-            codecs.lookup(v)
+            "x".encode(v)  # a text encoding: base64, zlib, ... are codecs, not encodings (LookupError here)
         except LookupError:
             raise ValueError(f"{v!r} is not a text encoding Python knows (e.g. utf-8, cp1252, latin-1, utf-16)") from None
         return v
@@ -264,8 +263,8 @@ class CXRTableRules(Strict):
 
 class CXRDatasetParams(Strict):
     kind: Literal["chest_xray4"] = "chest_xray4"
-    sources: tuple[str, ...] = Field(CXR_SOURCES, description="chexpert, openi, rsna, vinbigdata; chest_xray4_released alone; "
-                                     "and sources of your own with reader: cxr_table")
+    sources: tuple[str, ...] = Field(CXR_SOURCES, description="chexpert, openi, rsna, vinbigdata, or chest_xray4_released "
+                                     "without them; beside either, sources of your own with reader: cxr_table")
     image_size: int = Field(224, ge=8, le=1024)
     square: Literal["crop", "pad"] = "crop"
     intensity: Literal["bit_depth", "percentile"] = "bit_depth"
@@ -297,8 +296,8 @@ class CXRDatasetParams(Strict):
             if s not in self.sources:
                 raise ValueError(f"tables.{s}: '{s}' is not among this dataset's sources ({', '.join(self.sources)})")
             if s not in self.own_sources():
-                raise ValueError(f"tables.{s}: {s} is a public source read by its own rules (datasets.<d>.{s}); tables "
-                                 "are for sources of your own (reader: cxr_table)")
+                raise ValueError(f"tables.{s}: {s} is a public source read by its own rules (this dataset's '{s}' key); "
+                                 "tables are for sources of your own (reader: cxr_table)")
         return self
 
     def own_sources(self) -> tuple[str, ...]:
@@ -823,6 +822,9 @@ def _check_cxr_sources(name: str, ds: CXRDatasetParams, sources: dict[str, Sourc
                              f"chest_xray4_released) nor one with reader: cxr_table (sources.{s}.reader)")
     domains: dict[str, str] = {}
     for s in ds.sources:
+        if ds.domain_of(s) in RESERVED_DOMAINS:  # a source named like a report column, with no domain of its own set
+            raise ValueError(f"datasets.{name}.tables.{s}.domain: {ds.domain_of(s)!r} (the source's name) is a column of the "
+                             f"report's tables ({', '.join(sorted(RESERVED_DOMAINS))}): set another 'domain'")
         for dom in ds.domains_of(s):
             key = dom.strip().casefold()
             if key in domains:

@@ -65,16 +65,22 @@ def is_dicom_file(path: str | Path) -> bool:
 
 
 def view_position(path: str | Path) -> str:
-    """The View Position (0018,5101) a DICOM file's header records ("" when it has none), read without its pixels;
-    an unreadable or non-DICOM file is an :class:`ImageDecodeError` naming it."""
+    """The View Position (0018,5101) a DICOM file's header records ("" when it has none; several values joined by
+    ``\\``, as DICOM writes them), read without its pixels; a header that cannot be read is an
+    :class:`ImageDecodeError` naming the file and why."""
     import pydicom
     from pydicom.errors import InvalidDicomError
 
     try:
         ds = pydicom.dcmread(str(path), stop_before_pixels=True, specific_tags=["ViewPosition"])
-    except (InvalidDicomError, OSError, EOFError, ValueError) as err:
+        value = ds.get("ViewPosition", "") or ""
+    except InvalidDicomError as err:
         raise decode_error(path, err, "cannot read the DICOM header: ") from err
-    return str(ds.get("ViewPosition", "") or "").strip()
+    except Exception as err:  # noqa: BLE001 - a damaged header (unknown VR, bad lengths): the decoder's reasons too
+        raise decode_error(path, err, f"cannot read the DICOM header: {type(err).__name__}: ") from err
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "MultiValue":  # several values: DICOM's backslash
+        return "\\".join(str(v).strip() for v in value)
+    return str(value).strip()
 
 
 def has_voi(ds: Any) -> bool:

@@ -372,7 +372,10 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
 def preview_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root: Path, name: str) -> dict[str, Any]:
     """What harmonize would keep, exclude and find missing, from the label files alone (no image is decoded, nothing
     is written): per domain the rows read, the images kept by class, the exclusions by reason and the kept rows whose
-    file the raw folder lacks; and the rules' warnings. Seconds where harmonize takes minutes: for trying label rules."""
+    file the raw folder lacks; the rules' warnings; and ``would_fail``, harmonize's own refusals that the label files
+    already decide (a source or domain with nothing kept, or more files missing than ``max_quarantine_fraction``).
+    Seconds where harmonize takes minutes (more with ``dicom_view``, which opens each DICOM's header): for trying
+    label rules."""
     if isinstance(params, CXRDatasetParams):
         records, warnings = cxr_records(params, raw_root, name)
         classes = ["Normal", "Lung Opacity"]
@@ -381,6 +384,15 @@ def preview_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root:
         records, classes, _ = benchmark_records(params, raw_root)
         warnings = []
         kept = _cap(records[records["excluded"] == ""], params.max_per_domain, params.sample_seed)
+    unit = "source" if isinstance(params, CXRDatasetParams) else "domain"  # what harmonize checks, as it checks it
+    fails = []
+    for u in dict.fromkeys(records[unit]):
+        k = kept[kept[unit] == u]
+        if k.empty:
+            fails.append(f"{u}: no image passes the label rules")
+        elif (k["path"] == "").mean() > params.max_quarantine_fraction:
+            fails.append(f"{u}: {int((k['path'] == '').sum())} of {len(k)} kept rows name no file, more than "
+                         f"max_quarantine_fraction {params.max_quarantine_fraction:.1%} (before any undecodable file)")
     domains: dict[str, Any] = {}
     for dom in dict.fromkeys(records["domain"]):
         rows, k = records[records["domain"] == dom], kept[kept["domain"] == dom]
@@ -394,7 +406,7 @@ def preview_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root:
             "missing_files": int((k["path"] == "").sum()),
             "missing_examples": k.loc[k["path"] == "", "id"].head(3).tolist(),
         }
-    return {"dataset": name, "domains": domains, "warnings": warnings}
+    return {"dataset": name, "domains": domains, "warnings": warnings, "would_fail": fails}
 
 
 def harmonize_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:

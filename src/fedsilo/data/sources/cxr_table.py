@@ -126,8 +126,8 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
     named = {role: col for role, col in columns.items() if col is not None}
     missing = [f"{col!r} ({key}.{role})" for role, col in named.items() if col not in df.columns]
     if missing:
-        header = ",".join(map(str, df.columns))
-        other = next((c for c in (";", "\t", "|") if c != rules.sep and c in header), None)
+        header = rules.sep.join(map(str, df.columns))
+        other = next((c for c in (",", ";", "\t", "|") if c != rules.sep and c in header), None)
         hint = f"; the header holds {other!r}: set {key}.sep to it" if other else ""
         raise LabelFileError(f"{table_path}: missing column(s) {', '.join(missing)}; its columns are {', '.join(map(repr, df.columns))}{hint}")
     positive, negative = _folded(rules.positive), _folded(rules.negative)
@@ -138,25 +138,32 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
     for i, rec in enumerate(df.to_dict("records")):
         where = f"{table_path}: row {i + 2}"
         rel = _relative(raw_dir, str(rec[rules.path]), where)
-        if rel in first_row:
-            raise LabelFileError(f"{where}: {rel} is listed again (first on row {first_row[rel]}); one row per image")
-        first_row[rel] = i + 2
+        found = rel if (raw_dir / rel).is_file() else files.find(rel)
+        for name in dict.fromkeys(x for x in (rel, found) if x):  # as typed, and the file it reads
+            if name in first_row:
+                what = "is listed again" if name == rel else f"reads the file {name}, listed already"
+                raise LabelFileError(f"{where}: {rel} {what} (first on row {first_row[name]}); one row per image")
+            first_row[name] = i + 2
         value = str(rec[rules.label]).strip()
         why = "" if value else "no label"
         label = 1 if table_word(value) in positive else 0 if table_word(value) in negative else -1
         if label == -1 and not why:
             why = f"label {value}"
-        found = rel if (raw_dir / rel).is_file() else files.find(rel)
         reader = _reader(raw_dir / found) if found else ""
         view = "frontal"
         if rules.view is not None or rules.dicom_view:
-            v, told, unreadable = (str(rec[rules.view]).strip() if rules.view is not None else ""), "view", False
-            if not v and rules.dicom_view and reader == "dicom":
-                try:
-                    v, told = view_position(raw_dir / found), f"the DICOM header's View Position ({found})"
-                except ImageDecodeError:
-                    unreadable = True  # kept for the decoder, which quarantines the file with the reason
-            if unreadable:
+            v, told, unseen = (str(rec[rules.view]).strip() if rules.view is not None else ""), "view", False
+            if not v and rules.dicom_view and not why:
+                if not found:  # kept: harmonize quarantines it as missing
+                    unseen = True
+                elif reader == "dicom":
+                    try:
+                        v, told = view_position(raw_dir / found), f"the DICOM header's View Position ({found})"
+                    except ImageDecodeError:
+                        unseen = True  # kept for the decoder, which quarantines the file with the reason
+                    words = {table_word(x) for x in v.split("\\")}
+                    v = v.split("\\")[0] if len(words) == 1 else v  # the same view repeated is that view
+            if unseen:
                 view = "unknown"
             elif not v:
                 view, why = "unknown", why or "no view"
