@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A whole fedsilo deployment on one machine, to try before the real one: a coordinator (SuperLink with TLS and
 # SuperNode authentication) and three hospitals (one SuperNode each, on the chest X-rays it harmonized and split
-# itself: offline mirrors of CheXpert, RSNA and VinBigData here). Every process listens on 127.0.0.1 and is stopped
+# itself: offline mirrors of CheXpert and RSNA, and a hospital's own PACS export with its label table, `reader:
+# cxr_table`, as "St Marys"). Every process listens on 127.0.0.1 and is stopped
 # at the end. Each step is the command the real coordinator or site runs (README, "Deploying across hospitals").
 #
 #   bash deploy/loopback.sh [WORK_DIR] [METHOD]      # default /tmp/fedsilo-loopback, fedbn; ~2-3 minutes on 2 cores
@@ -10,7 +11,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK=$(mkdir -p "${1:-/tmp/fedsilo-loopback}" && cd "${1:-/tmp/fedsilo-loopback}" && pwd)
 METHOD=${2:-fedbn}
 PORT=${PORT:-9093}
-SITES=(chexpert rsna vinbigdata)
+SITES=(chexpert rsna st_marys)
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
 PIDS=()
 stop() {  # SuperNodes first, then the SuperLink; SIGTERM lets each deactivate cleanly
@@ -23,9 +24,11 @@ if [[ -e "$WORK/coordinator" ]]; then echo "$WORK already holds a deployment; gi
 echo "== each hospital: its own data, harmonized and split there; its card; its key pair"
 for s in "${SITES[@]}"; do
   mkdir -p "$WORK/$s"
+  own=""; tables=""
+  if [[ $s == st_marys ]]; then own="reader: cxr_table, "; tables=", tables: {st_marys: {domain: St Marys}}"; fi
   cat > "$WORK/$s/params.yaml" <<YAML
-sources: {$s: {mode: mirror, mirror: {patients: 40}}}
-datasets: {chest_xray4: {sources: [$s], image_size: 16}}
+sources: {$s: {mode: mirror, ${own}mirror: {patients: 40}}}
+datasets: {chest_xray4: {sources: [$s], image_size: 16${tables}}}
 experiments: {site: {dataset: chest_xray4, split: {protocol: domain_clients, n_train: 16, n_test: 10}, train: {model: simple_cnn, device: cpu}}}
 methods: {single: {}}
 pipeline: {sources: [$s], datasets: [chest_xray4], splits: {site: chest_xray4}, experiments: [site], methods: [single], seeds: [0]}
@@ -80,7 +83,7 @@ python - "$WORK" "$METHOD" > "$C/federation.yaml" <<'PY'
 import json, sys
 import yaml
 work, method = sys.argv[1], sys.argv[2]
-names = ("chexpert", "rsna", "vinbigdata")
+names = ("chexpert", "rsna", "st_marys")
 cards = [json.load(open(f"{work}/{s}/data/site/site.json")) for s in names]
 nodes = [int(open(f"{work}/{s}/node-id").read()) for s in names]
 print(yaml.safe_dump({"name": "loopback_three_hospitals", "method": method, "seed": 0,
@@ -98,7 +101,8 @@ STATUS=$(flwr list --run-id "$RUN" loopback --format json | python -c 'import js
 if [[ "$STATUS" != finished:completed ]]; then echo "run $RUN ended $STATUS" >&2; exit 1; fi
 echo "results: $C/results (metrics.json, history.json, wire.jsonl: every message's keys and bytes)"
 echo "== each hospital: what crossed its link (its own wire log), and its trained model on images it has"
-(cd "$WORK/rsna" && fedsilo site audit)
-(cd "$WORK/rsna" && fedsilo site predict --experiment site --images data/raw/rsna/stage_2_train_images --out predictions.csv)
-head -4 "$WORK/rsna/predictions.csv"
+(cd "$WORK/st_marys" && fedsilo site audit)
+# its export's files as they are (DICOMs without a suffix, PNGs), harmonized as its training images were
+(cd "$WORK/st_marys" && fedsilo site predict --experiment site --images data/raw/st_marys/export --out predictions.csv)
+head -4 "$WORK/st_marys/predictions.csv"
 echo "each site's stores and model: $WORK/<site>/state/deploy/loopback_three_hospitals/"

@@ -451,3 +451,24 @@ def test_paths_match_a_file_blind_to_case_and_unicode_form_only_when_one_file_do
     pd.DataFrame(rows + [{**ROW, "path": "c/only.png", "patient_id": "p9", "label": "Lung Opacity"}]).to_csv(tmp_path / "labels.csv", index=False)
     with pytest.raises(LabelFileError, match=r"row 5: c/only.png is listed again \(first on row 4\)"):
         cxr_table.read_records(tmp_path, CXRTableRules(), "H")
+
+
+def test_a_hospital_with_its_own_export_makes_the_site_card_a_federation_admits(tmp_path, monkeypatch, capsys):
+    """A deployed site on its own export (deploy/site/params.yaml's commented route): fetch, harmonize, split and
+    `fedsilo site card` give the card the coordinator pins, under the site's own domain name."""
+    import json
+
+    raw = _params({"st_marys": {"domain": "St Marys"}})
+    raw["sources"].pop("rsna")
+    raw["datasets"]["chest_xray4"]["sources"] = ["st_marys"]
+    raw["experiments"] = {"site": {"dataset": "chest_xray4", "split": {"protocol": "domain_clients", "n_train": 12, "n_test": 8}}}
+    raw["pipeline"].update(sources=["st_marys"], splits={"site": "chest_xray4"}, experiments=["site"])
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(tmp_path)
+    for cmd in (["fetch", "--source", "st_marys"], ["harmonize", "--dataset", "chest_xray4"], ["split", "--experiment", "site"],
+                ["site", "card", "--experiment", "site"]):
+        assert fedsilo([*cmd, "-q"]) == 0, cmd
+    card = json.loads((tmp_path / "data" / "site" / "site.json").read_text())
+    assert card["site"] == card["domain"] == "St Marys" and (card["n_train"], card["n_test"]) == (12, 8)
+    assert card["contract"]["classes"] == ["Normal", "Lung Opacity"] and card["contract"]["image_shape"] == [32, 32, 1]
+    assert len(card["fingerprint"]) == 64
