@@ -35,6 +35,14 @@ def repo_copy(tmp_path_factory):
     raw = add_benchmarks(small_params(rounds=1))
     raw["pipeline"]["methods"] = ["single", "fedprox", "fedbn"]
     raw["tracking"] = {"enabled": True, "uri": "sqlite:///mlflow.db"}
+    # a hospital's own export (reader: cxr_table) as a dataset of its own, split but not trained
+    raw["sources"]["st_marys"] = {"mode": "mirror", "reader": "cxr_table", "mirror": {"patients": 24, "image_px": 64}}
+    raw["datasets"]["cxr_sites"] = {"kind": "chest_xray4", "sources": ["st_marys"], "image_size": 16, "workers": 1,
+                                    "tables": {"st_marys": {"domain": "St Marys"}}}
+    raw["experiments"]["sites_split"] = {"dataset": "cxr_sites", "split": {"protocol": "domain_clients", "n_train": 8, "n_test": 6}}
+    raw["pipeline"]["sources"].append("st_marys")
+    raw["pipeline"]["datasets"].append("cxr_sites")
+    raw["pipeline"]["splits"]["sites_split"] = "cxr_sites"
     (dest / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     _run(dest, "git", "init", "-q")
     _run(dest, "git", "add", "-A")
@@ -190,6 +198,27 @@ def test_a_method_edit_in_a_papers_params_reruns_only_its_runs_and_that_papers_r
     finally:
         params.write_text(original)
     assert _stale(paper_repo, PFEDDB) == set()
+
+
+def test_a_hospitals_table_rules_reharmonize_its_dataset_and_its_folder_refetches(repo_copy):
+    """A label-table rule is a harmonize param: editing it leaves the export's fetch alone and makes only that
+    dataset's fingerprint and harmonize stale; editing the source (its path; here its mirror) re-fetches it."""
+    params = repo_copy / "params.yaml"
+    original = params.read_text()
+    card = json.loads((repo_copy / "data" / "harmonized" / "cxr_sites" / "card.json").read_text())
+    assert card["domains"]["St Marys"]["images"] > 0 and card["rules"]["tables"]["st_marys"]["domain"] == "St Marys"
+    try:
+        raw = yaml.safe_load(original)
+        raw["datasets"]["cxr_sites"]["tables"]["st_marys"]["negative"] = ["Normal"]
+        params.write_text(yaml.safe_dump(raw, sort_keys=False))
+        assert _stale(repo_copy) == {"fingerprint@cxr_sites", "harmonize@cxr_sites"}
+        raw = yaml.safe_load(original)
+        raw["sources"]["st_marys"]["mirror"]["seed"] = 5
+        params.write_text(yaml.safe_dump(raw, sort_keys=False))
+        assert _stale(repo_copy) == {"fetch@st_marys"}
+    finally:
+        params.write_text(original)
+    assert _stale(repo_copy) == set()
 
 
 def test_refetching_one_source_reharmonizes_only_the_datasets_built_on_it(repo_copy):
