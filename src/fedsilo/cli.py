@@ -248,6 +248,9 @@ def _site(args: argparse.Namespace) -> None:
     if args.action == "audit":
         _site_audit(args)
         return
+    if args.action == "evaluate":
+        _site_evaluate(args)
+        return
     if not args.experiment:
         raise ConfigError(f"fedsilo site {args.action}: --experiment required (the site's one-client experiment)")
     if args.action == "predict":
@@ -354,10 +357,8 @@ def _deploy(args: argparse.Namespace) -> None:
               f"{dep['train']['rounds']} rounds); run it with: flwr run {args.out} <connection> --stream")
 
 
-def _site_predict(args: argparse.Namespace) -> None:
-    from fedsilo.fl.predict import image_files, predict_images
-    from fedsilo.utils.io import atomic_file
-
+def _site_model(args: argparse.Namespace) -> Path:
+    """--model, or the only model.pt the site keeps under --root."""
     model = Path(args.model) if args.model else None
     if model is None:
         kept = sorted(Path(args.root).glob("state/deploy/*/*/*/model.pt"))
@@ -367,6 +368,34 @@ def _site_predict(args: argparse.Namespace) -> None:
         model = kept[0]
     elif not model.is_file():
         raise ConfigError(f"--model: {model}: no such file")
+    return model
+
+
+def _site_evaluate(args: argparse.Namespace) -> None:
+    import json
+
+    from fedsilo.fl.evaluate import evaluate_site_model, evaluation_markdown
+    from fedsilo.utils.io import atomic_dir
+
+    if not args.dataset:
+        raise ConfigError("fedsilo site evaluate: --dataset required (a labelled dataset this site harmonized)")
+    model = _site_model(args)
+    summary, rows = evaluate_site_model(load_params(args.params), args.dataset, model, Path(args.root), args.bootstrap, args.seed)
+    out = Path(args.out) if args.out else Path(args.root) / "evaluation" / args.dataset
+    with atomic_dir(out) as tmp:
+        (tmp / "evaluation.json").write_text(json.dumps(summary, indent=1))
+        (tmp / "evaluation.md").write_text(evaluation_markdown(summary))
+        rows.to_csv(tmp / "predictions.csv", index=False)
+    print(evaluation_markdown(summary), end="")
+    print(f"site evaluate: {summary['all']['images']} images of {args.dataset} scored by {model}; {out}/evaluation.md, "
+          "evaluation.json, predictions.csv", file=sys.stderr)
+
+
+def _site_predict(args: argparse.Namespace) -> None:
+    from fedsilo.fl.predict import image_files, predict_images
+    from fedsilo.utils.io import atomic_file
+
+    model = _site_model(args)
     rows = predict_images(load_params(args.params), args.experiment, model, image_files(args.images), quiet=args.quiet)
     bad = int((rows["error"] != "").sum())
     if args.out:
@@ -637,8 +666,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "it received and sent, and per message type what it sent (tensor names, dtypes, shapes, bytes; metric and "
         "config keys; errors; never values), the stores and the model it keeps (--json: the received side too)\n"
         "  predict    score image files with the model the site kept from a deployment, each harmonized as the "
-        "site's training images were (--experiment's dataset): path, predicted class, class probabilities, error")
-    s.add_argument("action", choices=["card", "supernode", "audit", "predict"])
+        "site's training images were (--experiment's dataset): path, predicted class, class probabilities, error\n"
+        "  evaluate   external validation: the kept model on every image of a labelled --dataset the site harmonized "
+        "(per domain and overall: accuracy, AUC with a patient-level bootstrap interval, sensitivity, specificity, "
+        "PPV, NPV, confusion; one row per image) -> --out folder (default evaluation/<dataset>)")
+    s.add_argument("action", choices=["card", "supernode", "audit", "predict", "evaluate"])
+    s.add_argument("--dataset", help="evaluate: the labelled dataset (datasets.<name>, harmonized here) to score")
+    s.add_argument("--bootstrap", type=int, default=1000, help="evaluate: patient-level bootstrap samples for the AUC's interval (default 1000)")
+    s.add_argument("--seed", type=int, default=0, help="evaluate: the bootstrap's seed (default 0)")
     s.add_argument("--images", nargs="+", default=[], metavar="FILE_OR_FOLDER",
                    help="predict: image files (DICOM, PNG, JPEG) or folders of them")
     s.add_argument("--experiment", help="card, supernode, predict: the site's one-client experiment")
@@ -649,8 +684,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="print the flower-supernode command, do not run it")
     s.add_argument("--systemd-unit", metavar="FILE", help="write a systemd service running this command here, do not run it")
     s.add_argument("--json", action="store_true", help="audit: print JSON")
-    s.add_argument("--model", help="predict: the model.pt the site kept (default: the only one under --root)")
-    s.add_argument("--out", help="predict: the CSV to write (default: standard output)")
+    s.add_argument("--model", help="predict, evaluate: the model.pt the site kept (default: the only one under --root)")
+    s.add_argument("--out", help="predict: the CSV to write (default: standard output); evaluate: the folder to write")
     s.set_defaults(fn=_site)
     s = sub.add_parser(
         "deploy", parents=[common], formatter_class=fmt,
