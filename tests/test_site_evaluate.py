@@ -17,8 +17,9 @@ from fedsilo.client.local import binary_auc, predict
 from fedsilo.config import ConfigError, parse_params
 from fedsilo.data.fetch import fetch
 from fedsilo.data.harmonize import harmonize_dataset
+from fedsilo.fl import evaluate as ev
 from fedsilo.fl.deploy import deployment_spec
-from fedsilo.fl.evaluate import evaluate_site_model, patient_bootstrap_auc, wilson
+from fedsilo.fl.evaluate import evaluate_site_model, patient_bootstrap
 from fedsilo.fl.flower import KeptStores
 
 CLASSES = ["Normal", "Lung Opacity"]
@@ -49,15 +50,20 @@ def _site(tmp_path: Path, size: int = 32) -> tuple[dict, Path, torch.nn.Module]:
     return raw, kept.model_path, model.eval()
 
 
-def test_the_kept_model_is_scored_on_every_image_with_its_metrics_per_domain(tmp_path, capsys):
+def test_the_kept_model_is_scored_on_every_image_with_its_metrics_per_domain(tmp_path, capsys, monkeypatch):
     raw, model_path, model = _site(tmp_path)
+    monkeypatch.setattr(ev, "CHUNK", 16)  # the arrays read a chunk at a time: several chunks here
+    out = tmp_path / "reports"
+    (out / "other_study.xlsx").parent.mkdir()
+    (out / "other_study.xlsx").write_text("kept")
     args = ["--params", str(tmp_path / "params.yaml"), "--root", str(tmp_path), "site", "evaluate", "--dataset", "external",
-            "--bootstrap", "200"]
+            "--bootstrap", "200", "--out", str(out)]
     assert fedsilo(args) == 0  # the only model.pt the site keeps
-    out = tmp_path / "evaluation" / "external"
+    assert (out / "other_study.xlsx").read_text() == "kept"  # the folder's other files are left alone
     summary = json.loads((out / "evaluation.json").read_text())
     rows = pd.read_csv(out / "predictions.csv")
-    assert "| all |" in capsys.readouterr().out and "External validation: external" in (out / "evaluation.md").read_text()
+    md = (out / "evaluation.md").read_text()
+    assert md in capsys.readouterr().out and "External validation: external" in md
 
     h = tmp_path / "data" / "harmonized" / "external"
     images = torch.from_numpy(np.load(h / "images.npy")).permute(0, 3, 1, 2).contiguous()
@@ -74,39 +80,106 @@ def test_the_kept_model_is_scored_on_every_image_with_its_metrics_per_domain(tmp
         tp, fn = int(((y == 1) & (yhat == 1)).sum()), int(((y == 1) & (yhat == 0)).sum())
         tn, fp = int(((y == 0) & (yhat == 0)).sum()), int(((y == 0) & (yhat == 1)).sum())
         assert m["images"] == len(part) and m["patients"] == part["patient"].nunique()
+        assert m["by_class"] == {"Normal": int((y == 0).sum()), "Lung Opacity": int((y == 1).sum())}
         assert m["confusion"] == [[tn, fp], [fn, tp]] and m["accuracy"] == pytest.approx((tp + tn) / len(part))
-        assert m["sensitivity"] == pytest.approx(tp / (tp + fn)) and m["specificity"] == pytest.approx(tn / (tn + fp))
+        for key, (a, b) in {"sensitivity": (tp, tp + fn), "specificity": (tn, tn + fp), "ppv": (tp, tp + fp), "npv": (tn, tn + fn)}.items():
+            assert m[key] == (pytest.approx(a / b) if b else None), key
         assert m["auc"] == pytest.approx(binary_auc(y, part["prob.Lung Opacity"].to_numpy()))
-        ci = m["auc_ci"]
-        assert ci["samples"] + ci["one_class"] == 200 and 0 <= ci["ci"][0] <= ci["ci"][1] <= 1
-        assert m["sensitivity_ci"] == list(wilson(tp, tp + fn))
+        assert m["bootstrap"]["samples"] == 200
+        ci = patient_bootstrap(y, yhat, part["prob.Lung Opacity"].to_numpy(), part["patient"].to_numpy(), 2, 200, seed=0)
+        assert [m["accuracy_ci"], m["auc_ci"], m["sensitivity_ci"], m["specificity_ci"]] == [ci["accuracy"], ci["auc"], ci["recall.1"], ci["recall.0"]]
+        for key in ("accuracy", "auc", "sensitivity", "specificity"):
+            lo, hi = m[f"{key}_ci"]
+            assert 0 <= lo <= hi <= 1, key
+        cells = next(line for line in md.splitlines() if line.startswith(f"| {name} |")).split(" | ")
+        assert cells[3:5] == [str(m["by_class"]["Normal"]), str(m["by_class"]["Lung Opacity"])]
+        shown = {k: "n/a" if m[k] is None else f"{100 * m[k]:.1f}" for k in ("ppv", "npv", "sensitivity", "specificity")}
+        assert cells[-2:] == [shown["ppv"], shown["npv"] + " |"]
+        assert cells[7].split(" (")[0] == shown["sensitivity"] and cells[8].split(" (")[0] == shown["specificity"]
+        assert cells[8].endswith(f"({100 * m['specificity_ci'][0]:.1f}–{100 * m['specificity_ci'][1]:.1f})")
 
 
-def test_wilson_and_the_patient_bootstrap():
-    lo, hi = wilson(8, 10)
-    assert (round(lo, 4), round(hi, 4)) == (0.4902, 0.9433) and wilson(0, 0) is None and wilson(0, 5)[0] == 0.0
+def test_the_bootstrap_resamples_patients_within_strata():
     rng = np.random.default_rng(1)
     y = np.array([0, 1] * 20)
     p = np.clip(y * 0.3 + rng.random(40) * 0.7, 0, 1)
+    pred = (p > 0.5).astype(int)
     patients = np.arange(40)
-    one = patient_bootstrap_auc(y, p, patients, 300, seed=2)
-    # every patient imaged three times: resampling patients draws the same patients, so the interval is the same;
-    # resampling the 120 images as if independent would narrow it
-    y3, p3, g3 = np.repeat(y, 3), np.repeat(p, 3), np.repeat(patients, 3)
-    assert patient_bootstrap_auc(y3, p3, g3, 300, seed=2)["ci"] == pytest.approx(one["ci"])
-    naive = patient_bootstrap_auc(y3, p3, np.arange(120), 300, seed=2)["ci"]
-    assert naive[1] - naive[0] < 0.8 * (one["ci"][1] - one["ci"][0])
+    one = patient_bootstrap(y, pred, p, patients, 2, 300, seed=2)
+    # every patient imaged three times: resampling patients draws the same patients, so every interval is the same;
+    # resampling the 120 images as if independent would narrow them
+    y3, p3, pred3, g3 = np.repeat(y, 3), np.repeat(p, 3), np.repeat(pred, 3), np.repeat(patients, 3)
+    three = patient_bootstrap(y3, pred3, p3, g3, 2, 300, seed=2)
+    naive = patient_bootstrap(y3, pred3, p3, np.arange(120), 2, 300, seed=2)
+    for k in ("accuracy", "auc", "recall.0", "recall.1"):
+        assert three[k] == pytest.approx(one[k]), k
+        assert naive[k][1] - naive[k][0] < 0.8 * (one[k][1] - one[k][0]), k
+    # the weighted rank AUC of a sample is the AUC of its images repeated as drawn
+    w = rng.integers(0, 3, size=40).astype(float)
+    _, bins = np.unique(p, return_inverse=True)
+    idx = np.repeat(np.arange(40), w.astype(int))
+    assert ev._weighted_auc(bins, y == 1, w, int(bins.max()) + 1) == pytest.approx(binary_auc(y[idx], p[idx]))
+    # strata: with one positive patient (three images) no interval is claimed; a sample never lacks a class
+    yy = np.array([1, 1, 1] + [0] * 9)
+    few = patient_bootstrap(yy, yy, yy * 0.9, np.repeat(np.arange(4), 3), 2, 100)
+    assert few["samples"] == 0 and "fewer than 2 patients" in few["why"]
+    many = patient_bootstrap(np.r_[yy, 1], np.r_[yy, 0], np.r_[yy * 0.9, 0.2], np.r_[np.repeat(np.arange(4), 3), 9], 2, 200)
+    assert many["samples"] == 200 and many["auc"] is not None
+
+
+def test_a_ten_class_benchmark_model_gets_accuracy_recall_and_their_intervals(tmp_path):
+    from fedsilo.config import parse_params
+    from tests.conftest import add_benchmarks, small_params
+
+    raw = add_benchmarks(small_params())
+    raw.update(sources={"office_caltech10": raw["sources"]["office_caltech10"]}, datasets={"office": raw["datasets"]["office_caltech10"]},
+               experiments={}, pipeline={"sources": ["office_caltech10"], "datasets": ["office"], "splits": {}, "experiments": [],
+                                         "methods": [], "seeds": [0]})
+    p = parse_params(raw)
+    fetch("office_caltech10", p.sources["office_caltech10"], tmp_path / "data/raw/office_caltech10")
+    card = harmonize_dataset(p.datasets["office"], tmp_path / "data/raw", tmp_path / "data/harmonized/office", quiet=True)
+    classes = list(card["classes"])
+    dep = {"name": "offices", "method": {"key": "fedavg", "base": "fedavg", "params": {}}, "seed": 0,
+           "train": {"model": "simple_cnn", "model_width": 0.25, "device": "cpu"},
+           "contract": {"task": card["task"], "classes": classes, "image_shape": [16, 16, 3]}}
+    kept = KeptStores(tmp_path / "keep", "amazon")
+    kept.save_model(1, deployment_spec(dep).make_model(), {"deployment": dep})
+    summary, rows = evaluate_site_model(p, "office", kept.model_path, tmp_path, bootstrap=50)
+    m = summary["all"]
+    assert len(classes) == 10 and "auc" not in m and set(m["recall"]) == set(classes)
+    for c in classes:
+        mine = rows[rows["label"] == c]
+        assert m["recall"][c] == pytest.approx((mine["predicted"] == c).mean() if len(mine) else None)
+    assert m["accuracy_ci"] is not None and set(m["recall_ci"]) == set(classes)
+    md = ev.evaluation_markdown(summary)
+    assert "recall % by class" in md and "AUC" not in md
+    # a grayscale model for these RGB images: refused by the dataset's key, naming channels, not the size
+    gray = {**dep, "contract": {**dep["contract"], "image_shape": [16, 16, 1]}}
+    kept.save_model(1, deployment_spec(gray).make_model(), {"deployment": gray})
+    with pytest.raises(ConfigError, match=r"datasets.office: its images have 3 channel\(s\), the model's 1"):
+        evaluate_site_model(p, "office", kept.model_path, tmp_path)
+    cxr = {**dep, "contract": {"task": "t", "classes": CLASSES, "image_shape": [16, 16, 3]}}
+    kept.save_model(1, deployment_spec(cxr).make_model(), {"deployment": cxr})
+    with pytest.raises(ConfigError, match=r"datasets.office: its classes .* are not the model's \['Normal', 'Lung Opacity'\]"):
+        evaluate_site_model(p, "office", kept.model_path, tmp_path)
 
 
 def test_a_dataset_the_model_was_not_made_for_is_refused_by_key(tmp_path):
     raw, model_path, _ = _site(tmp_path, size=16)
     p = parse_params(raw)
-    with pytest.raises(ConfigError, match=r"datasets.external.image_size: the harmonized images are \(16, 16, 1\); the model takes \(32, 32, 1\)"):
+    with pytest.raises(ConfigError, match=r"datasets.external.image_size: the harmonized images are 16 px; the model takes 32 px"):
         evaluate_site_model(p, "external", model_path, tmp_path)
     with pytest.raises(ConfigError, match=r"datasets.other: not defined"):
         evaluate_site_model(p, "other", model_path, tmp_path)
     with pytest.raises(ConfigError, match=r"--bootstrap: 0"):
         evaluate_site_model(p, "external", model_path, tmp_path, bootstrap=0)
+    records = tmp_path / "data" / "harmonized" / "external" / "records.parquet"
+    table = pd.read_parquet(records)
+    original = records.read_bytes()
+    table.assign(label=1 - table["label"]).to_parquet(records, index=False)  # labels flipped after harmonize
+    with pytest.raises(ConfigError, match=r"records.parquet changed after harmonize wrote card.json"):
+        evaluate_site_model(p, "external", model_path, tmp_path)
+    records.write_bytes(original)
     images = tmp_path / "data" / "harmonized" / "external" / "images.npy"
     arr = np.load(images)
     arr[0, 0, 0, 0] ^= 1
@@ -117,3 +190,26 @@ def test_a_dataset_the_model_was_not_made_for_is_refused_by_key(tmp_path):
     with pytest.raises(ConfigError, match=r"images.npy: missing; run `fedsilo harmonize --dataset external` first"):
         evaluate_site_model(p, "external", model_path, tmp_path)
     assert not (tmp_path / "evaluation").exists()
+
+
+@pytest.mark.parametrize("method", sorted(m for m in __import__("fedsilo.methods.registry", fromlist=["REGISTRY"]).REGISTRY if m != "pfeddil"))
+def test_every_methods_kept_model_is_rebuilt_from_its_file(tmp_path, method):
+    """A site keeps the model it was evaluated with as its method built it (pFedDB's two branches, pFedDR's dual
+    BatchNorm, FedWon's standardised convolutions, F²DC's modules, ...): `load_site_model` rebuilds each from the file
+    alone, with the same outputs. (pFedDIL's sites learn a stream and keep no model.pt.)"""
+    from fedsilo.fl.deploy import load_site_model
+
+    train = {"model": "resnet10_cifar"} if method in ("f2dc", "fdse") else {"model": "simple_cnn", "model_width": 0.25}
+    dep = {"name": "f", "method": {"key": method, "base": method, "params": {}}, "seed": 0, "train": {**train, "device": "cpu"},
+           "contract": {"task": "t", "classes": CLASSES, "image_shape": [32, 32, 1]}}
+    _, model, _ = deployment_spec(dep).build(torch.zeros(2, 1, 32, 32), torch.device("cpu"), [])
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                t.add_(torch.randn_like(t) * 0.01)  # a trained model differs from the fresh one the loader builds
+    kept = KeptStores(tmp_path, "A")
+    kept.save_model(2, model, {"deployment": dep})
+    loaded, info = load_site_model(kept.model_path)
+    x = torch.rand(3, 1, 32, 32)
+    assert info["round"] == 2 and torch.allclose(predict(loaded, (x * 255).to(torch.uint8)), predict(model.eval(), (x * 255).to(torch.uint8)))

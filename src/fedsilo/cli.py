@@ -374,19 +374,25 @@ def _site_model(args: argparse.Namespace) -> Path:
 def _site_evaluate(args: argparse.Namespace) -> None:
     import json
 
+    from fedsilo.client.data import pick_device
     from fedsilo.fl.evaluate import evaluate_site_model, evaluation_markdown
-    from fedsilo.utils.io import atomic_dir
+    from fedsilo.utils.io import atomic_file
 
     if not args.dataset:
         raise ConfigError("fedsilo site evaluate: --dataset required (a labelled dataset this site harmonized)")
     model = _site_model(args)
-    summary, rows = evaluate_site_model(load_params(args.params), args.dataset, model, Path(args.root), args.bootstrap, args.seed)
+    device = str(pick_device(args.device, "--device"))
+    summary, rows = evaluate_site_model(load_params(args.params), args.dataset, model, Path(args.root), args.bootstrap,
+                                        args.seed, device=device)
     out = Path(args.out) if args.out else Path(args.root) / "evaluation" / args.dataset
-    with atomic_dir(out) as tmp:
-        (tmp / "evaluation.json").write_text(json.dumps(summary, indent=1))
-        (tmp / "evaluation.md").write_text(evaluation_markdown(summary))
-        rows.to_csv(tmp / "predictions.csv", index=False)
-    print(evaluation_markdown(summary), end="")
+    md = evaluation_markdown(summary)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, write in (("evaluation.json", lambda f: f.write_text(json.dumps(summary, indent=1))),
+                        ("evaluation.md", lambda f: f.write_text(md)),
+                        ("predictions.csv", lambda f: rows.to_csv(f, index=False))):
+        with atomic_file(out / name) as tmp:  # each file whole; nothing else in the folder is touched
+            write(tmp)
+    print(md, end="")
     print(f"site evaluate: {summary['all']['images']} images of {args.dataset} scored by {model}; {out}/evaluation.md, "
           "evaluation.json, predictions.csv", file=sys.stderr)
 
@@ -668,12 +674,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "  predict    score image files with the model the site kept from a deployment, each harmonized as the "
         "site's training images were (--experiment's dataset): path, predicted class, class probabilities, error\n"
         "  evaluate   external validation: the kept model on every image of a labelled --dataset the site harmonized "
-        "(per domain and overall: accuracy, AUC with a patient-level bootstrap interval, sensitivity, specificity, "
-        "PPV, NPV, confusion; one row per image) -> --out folder (default evaluation/<dataset>)")
+        "(per domain and overall: accuracy, AUC, sensitivity, specificity with patient-level bootstrap intervals, PPV, "
+        "NPV, confusion; one row per image) -> evaluation.md/.json and predictions.csv in --out (default "
+        "evaluation/<dataset>; a later evaluation replaces these three files)")
     s.add_argument("action", choices=["card", "supernode", "audit", "predict", "evaluate"])
     s.add_argument("--dataset", help="evaluate: the labelled dataset (datasets.<name>, harmonized here) to score")
     s.add_argument("--bootstrap", type=int, default=1000, help="evaluate: patient-level bootstrap samples for the AUC's interval (default 1000)")
     s.add_argument("--seed", type=int, default=0, help="evaluate: the bootstrap's seed (default 0)")
+    s.add_argument("--device", default="cpu", help="evaluate: where the model runs (cpu, cuda, cuda:1, auto; default cpu)")
     s.add_argument("--images", nargs="+", default=[], metavar="FILE_OR_FOLDER",
                    help="predict: image files (DICOM, PNG, JPEG) or folders of them")
     s.add_argument("--experiment", help="card, supernode, predict: the site's one-client experiment")

@@ -390,7 +390,11 @@ def load_site_model(path: Path, device: str = "cpu") -> tuple[torch.nn.Module, d
     kept = torch.load(Path(path), map_location=device, weights_only=True)
     if "deployment" not in kept or "model" not in kept:
         raise ConfigError(f"{path}: not a site model kept by a fedsilo deployment (no deployment / model in it)")
-    model = deployment_spec(kept["deployment"]).make_model().to(device)
+    dep = kept["deployment"]
+    h, w, ch = (int(v) for v in dep["contract"]["image_shape"])
+    # as the site built it (FlowerSpec.build): the backbone as the method transforms it (pFedDB's two branches,
+    # pFedDR's dual BatchNorm, FedWon's weight-standardised convolutions, ...), from an example of the contract's shape
+    _, model, _ = deployment_spec(dep).build(torch.zeros(2, ch, h, w), torch.device(device), [])
     model.load_state_dict(kept.pop("model"), strict=True)
     return model.eval(), kept
 

@@ -5,16 +5,17 @@ a public set), with what a clinical reader asks of such a check:
 - per domain and over all images: the images, the patients, the images per class;
 - accuracy, and for a two-class task ROC AUC, sensitivity and specificity at the model's decision (the class of the
   larger probability, as the federation's accuracy counts it), positive and negative predictive values and the
-  confusion matrix ``[[TN, FP], [FN, TP]]`` (the positive class is the contract's second, Lung Opacity for
+  confusion matrix ``[[TN, FP], [FN, TP]]`` (the positive class is the contract's second: Lung Opacity for
   Chest-X-Ray-4); for more classes, each class's recall and the confusion matrix (rows: true class);
-- 95 % intervals: Wilson score intervals for the proportions, and for the AUC a percentile interval from a
-  bootstrap that resamples *patients* (the records' groups), not images, since a patient's images are not
-  independent; a resample holding one class only has no AUC and is left out, counted (``one_class``);
+- 95 % percentile intervals for each of them from one bootstrap that resamples *patients* (the records' groups),
+  not images, since a patient's images are not independent: each sample draws, with replacement, as many patients
+  as there are within each stratum (for two classes: the patients with a positive image, and the others; for more:
+  all patients), so a sample never lacks a class; where a stratum holds fewer than two patients no interval is given;
 - one row per image (id, domain, patient, label, prediction, class probabilities).
 
 The dataset is read as harmonize wrote it, after checking that its arrays still hash to its card's sha256 and that
 its contract (classes, image shape) is the model's; every image of it is scored (no split is needed: an external set
-is all test).
+is all test). The card's warnings (a table without patient ids makes each image its own patient) come along.
 """
 
 from __future__ import annotations
@@ -31,40 +32,63 @@ from fedsilo.client.local import binary_auc, predict
 from fedsilo.config import ConfigError, Params, TrainParams
 from fedsilo.utils.io import file_sha256
 
-__all__ = ["evaluate_site_model", "patient_bootstrap_auc", "wilson", "evaluation_markdown"]
+__all__ = ["evaluate_site_model", "patient_bootstrap", "evaluation_markdown"]
 
-Z95 = 1.959963984540054
-
-
-def wilson(k: int, n: int) -> Optional[tuple[float, float]]:
-    """The 95 % Wilson score interval of the proportion k / n (None when n is 0)."""
-    if n == 0:
-        return None
-    p, z2 = k / n, Z95 * Z95
-    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
-    half = Z95 * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-    return float(max(0.0, centre - half)), float(min(1.0, centre + half))
+CHUNK = 4096  # images read from the memory-mapped array at a time
+MIN_PATIENTS = 2  # per stratum, for an interval
 
 
-def patient_bootstrap_auc(y: np.ndarray, p: np.ndarray, groups: np.ndarray, n: int = 1000, seed: int = 0) -> dict[str, Any]:
-    """The AUC's 95 % percentile interval over ``n`` bootstrap samples of the patients (``groups``): each sample
-    draws as many patients as there are, with replacement, and takes all their images. Samples with one class only
-    have no AUC and are counted (``one_class``), not redrawn."""
-    codes, uniq = pd.factorize(pd.Series(groups), sort=False)
-    members = [np.flatnonzero(codes == g) for g in range(len(uniq))]
+def _weighted_auc(bins: np.ndarray, pos: np.ndarray, w: np.ndarray, n_bins: int) -> float:
+    """The Mann-Whitney AUC of images weighted by ``w`` (a bootstrap's draw counts), ties counting one half; ``bins``
+    are the images' ranks among the distinct scores."""
+    wp = np.bincount(bins[pos], weights=w[pos], minlength=n_bins)
+    wn = np.bincount(bins[~pos], weights=w[~pos], minlength=n_bins)
+    total = wp.sum() * wn.sum()
+    if total == 0:
+        return float("nan")
+    below = np.cumsum(wn) - wn
+    return float((wp * (below + 0.5 * wn)).sum() / total)
+
+
+def patient_bootstrap(y: np.ndarray, pred: np.ndarray, prob: Optional[np.ndarray], groups: np.ndarray, n_classes: int,
+                      samples: int = 1000, seed: int = 0) -> dict[str, Any]:
+    """95 % percentile intervals of accuracy, per-class recall and, for two classes, sensitivity, specificity and the
+    AUC (``prob``: the positive class's probability), over ``samples`` stratified bootstrap samples of the patients
+    (see the module). None for each where a stratum has fewer than :data:`MIN_PATIENTS` patients."""
+    codes, _ = pd.factorize(pd.Series(groups), sort=False)
+    n_groups = int(codes.max()) + 1 if len(codes) else 0
+    per = lambda mask: np.bincount(codes, weights=mask.astype(float), minlength=n_groups)  # noqa: E731 - counts per patient
+    correct, total = per(y == pred), per(np.ones_like(y, dtype=bool))
+    hits = [per((y == c) & (pred == c)) for c in range(n_classes)]
+    sizes = [per(y == c) for c in range(n_classes)]
+    if n_classes == 2:
+        has_pos = per(y == 1) > 0
+        strata = [np.flatnonzero(has_pos), np.flatnonzero(~has_pos)]
+    else:
+        strata = [np.arange(n_groups)]
+    if any(len(s) < MIN_PATIENTS for s in strata):
+        return {"samples": 0, "why": f"fewer than {MIN_PATIENTS} patients {'with and without a positive image' if n_classes == 2 else ''}".rstrip()}
+    if prob is not None:
+        _, bins = np.unique(prob, return_inverse=True)
+        n_bins, pos = int(bins.max()) + 1, y == 1
     rng = np.random.default_rng(seed)
-    aucs, one_class = [], 0
-    for _ in range(n):
-        idx = np.concatenate([members[g] for g in rng.integers(0, len(members), size=len(members))])
-        a = binary_auc(y[idx], p[idx])
-        if np.isnan(a):
-            one_class += 1
-        else:
-            aucs.append(a)
-    if not aucs:
-        return {"ci": None, "samples": 0, "one_class": one_class}
-    lo, hi = np.percentile(aucs, [2.5, 97.5])
-    return {"ci": [float(lo), float(hi)], "samples": len(aucs), "one_class": one_class}
+    draws: dict[str, list[float]] = {"accuracy": [], **{f"recall.{c}": [] for c in range(n_classes)}, "auc": []}
+    for _ in range(samples):
+        count = np.zeros(n_groups)
+        for s in strata:
+            np.add.at(count, s[rng.integers(0, len(s), size=len(s))], 1.0)
+        draws["accuracy"].append(float(count @ correct / (count @ total)))
+        for c in range(n_classes):
+            n_c = count @ sizes[c]
+            draws[f"recall.{c}"].append(float(count @ hits[c] / n_c) if n_c else float("nan"))
+        if prob is not None:
+            draws["auc"].append(_weighted_auc(bins, pos, count[codes], n_bins))
+    out: dict[str, Any] = {"samples": samples}
+    for k, v in draws.items():
+        v = np.asarray(v, dtype=float)
+        v = v[~np.isnan(v)]
+        out[k] = [float(np.percentile(v, 2.5)), float(np.percentile(v, 97.5))] if len(v) else None
+    return out
 
 
 def _metrics(rows: pd.DataFrame, classes: list[str], bootstrap: int, seed: int) -> dict[str, Any]:
@@ -72,24 +96,26 @@ def _metrics(rows: pd.DataFrame, classes: list[str], bootstrap: int, seed: int) 
     n, correct = len(rows), int((y == pred).sum())
     k = len(classes)
     confusion = [[int(((y == t) & (pred == q)).sum()) for q in range(k)] for t in range(k)]
+    prob = rows[f"prob.{classes[1]}"].to_numpy(dtype=float) if k == 2 else None
+    ci = patient_bootstrap(y, pred, prob, rows["group"].to_numpy(), k, bootstrap, seed)
     out: dict[str, Any] = {
         "images": n, "patients": int(rows["group"].nunique()),
         "by_class": {c: int((y == i).sum()) for i, c in enumerate(classes)},
-        "accuracy": correct / n if n else None, "accuracy_ci": wilson(correct, n), "confusion": confusion,
+        "accuracy": correct / n if n else None, "accuracy_ci": ci.get("accuracy"), "confusion": confusion,
+        "bootstrap": {"samples": ci["samples"], **({"why_none": ci["why"]} if "why" in ci else {})},
     }
     if k == 2:
         (tn, fp), (fn, tp) = confusion
-        prob = rows[f"prob.{classes[1]}"].to_numpy(dtype=float)
         auc = binary_auc(y, prob)
         out.update({
-            "auc": None if np.isnan(auc) else auc,
-            "auc_ci": patient_bootstrap_auc(y, prob, rows["group"].to_numpy(), bootstrap, seed) if not np.isnan(auc) else None,
-            "sensitivity": tp / (tp + fn) if tp + fn else None, "sensitivity_ci": wilson(tp, tp + fn),
-            "specificity": tn / (tn + fp) if tn + fp else None, "specificity_ci": wilson(tn, tn + fp),
+            "auc": None if np.isnan(auc) else auc, "auc_ci": ci.get("auc"),
+            "sensitivity": tp / (tp + fn) if tp + fn else None, "sensitivity_ci": ci.get("recall.1"),
+            "specificity": tn / (tn + fp) if tn + fp else None, "specificity_ci": ci.get("recall.0"),
             "ppv": tp / (tp + fp) if tp + fp else None, "npv": tn / (tn + fn) if tn + fn else None,
         })
     else:
         out["recall"] = {c: (confusion[i][i] / sum(confusion[i]) if sum(confusion[i]) else None) for i, c in enumerate(classes)}
+        out["recall_ci"] = {c: ci.get(f"recall.{i}") for i, c in enumerate(classes)}
     return out
 
 
@@ -118,15 +144,19 @@ def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Pa
     classes = list(contract["classes"])
     if list(card["classes"]) != classes:
         raise ConfigError(f"datasets.{dataset}: its classes {list(card['classes'])} are not the model's {classes} (its deployment's contract)")
-    if [int(s) for s in card["image_shape"]] != [int(s) for s in contract["image_shape"]]:
-        raise ConfigError(f"datasets.{dataset}.image_size: the harmonized images are {tuple(card['image_shape'])}; the model "
-                          f"takes {tuple(contract['image_shape'])} (its deployment's contract): harmonize at the federation's size")
+    (h, _, ch), (mh, _, mch) = ([int(v) for v in card["image_shape"]], [int(v) for v in contract["image_shape"]])
+    if h != mh:
+        raise ConfigError(f"datasets.{dataset}.image_size: the harmonized images are {h} px; the model takes {mh} px "
+                          "(its deployment's contract): harmonize at the federation's size")
+    if ch != mch:
+        raise ConfigError(f"datasets.{dataset}: its images have {ch} channel(s), the model's {mch} (its deployment's "
+                          f"contract): a dataset of the kind the federation trained on")
     records = pd.read_parquet(files[1])
     images = np.load(files[0], mmap_mode="r")
     cfg = TrainParams.model_validate(info["deployment"]["train"])
     probs = []
-    for i in range(0, len(images), 4096):  # the memory-mapped arrays a chunk at a time
-        x = torch.from_numpy(np.array(images[i : i + 4096])).permute(0, 3, 1, 2).contiguous().to(device)
+    for i in range(0, len(images), CHUNK):  # the memory-mapped arrays a chunk at a time
+        x = torch.from_numpy(np.array(images[i : i + CHUNK])).permute(0, 3, 1, 2).contiguous().to(device)
         probs.append(predict(model, x, batch_size, cfg).softmax(1).cpu().numpy())
     prob = np.concatenate(probs) if probs else np.zeros((0, len(classes)))
     rows = pd.DataFrame({"id": records["id"], "domain": records["domain"], "group": records["group"],
@@ -138,7 +168,7 @@ def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Pa
     summary = {
         "dataset": dataset, "model": str(model_path), "round": info.get("round"), "site": info.get("site"),
         "federation": info["deployment"].get("name"), "method": info["deployment"]["method"]["key"],
-        "classes": classes, "bootstrap": bootstrap, "seed": seed,
+        "classes": classes, "bootstrap": bootstrap, "seed": seed, "warnings": list(card.get("warnings", [])),
         "domains": {str(d): _metrics(g, classes, bootstrap, seed) for d, g in rows.groupby("domain", sort=False)},
         "all": _metrics(rows, classes, bootstrap, seed),
     }
@@ -150,30 +180,39 @@ def _pct(v: Optional[float]) -> str:
     return "n/a" if v is None else f"{100 * v:.1f}"
 
 
-def _ci(ci: Optional[list[float] | tuple[float, float]]) -> str:
+def _ci(ci: Optional[list[float]]) -> str:
     return "" if ci is None else f" ({100 * ci[0]:.1f}–{100 * ci[1]:.1f})"
 
 
 def evaluation_markdown(summary: dict[str, Any]) -> str:
     """The summary as a table a reader takes in at once: one row per domain and one over all images."""
-    two = len(summary["classes"]) == 2
-    head = "| domain | images | patients | accuracy % | " + ("AUC % | sensitivity % | specificity % | PPV % | NPV % |" if two else "recall % by class |")
+    classes = summary["classes"]
+    two = len(classes) == 2
+    per_class = " | ".join(f"{c}" for c in classes)
+    head = f"| domain | images | patients | {per_class} | accuracy % | " + (
+        "AUC % | sensitivity % | specificity % | PPV % | NPV % |" if two else "recall % by class |")
     lines = [f"# External validation: {summary['dataset']}", "",
              f"Model: {summary['model']} ({summary['method']}, federation {summary['federation']}, site {summary['site']}, "
-             f"round {summary['round']}). Every image of the dataset scored; 95 % intervals in brackets (Wilson for "
-             f"proportions; AUC: {summary['bootstrap']} bootstrap samples of the patients, seed {summary['seed']}). "
-             + (f"Positive class: {summary['classes'][1]}." if two else ""), "", head,
-             "|---|---|---|---|" + ("---|---|---|---|---|" if two else "---|")]
+             f"round {summary['round']}). Every image of the dataset scored; 95 % intervals in parentheses, from "
+             f"{summary['bootstrap']} bootstrap samples of the patients (seed {summary['seed']})"
+             + (f". Positive class: {classes[1]}; sensitivity, specificity, PPV and NPV at the model's decision." if two else "."),
+             "", head, "|---|---|---|" + "---|" * len(classes) + "---|" + ("---|---|---|---|---|" if two else "---|")]
     for name, m in [*summary["domains"].items(), ("all", summary["all"])]:
-        cells = [name, str(m["images"]), str(m["patients"]), _pct(m["accuracy"]) + _ci(m["accuracy_ci"])]
+        cells = [name, str(m["images"]), str(m["patients"]), *[str(m["by_class"][c]) for c in classes],
+                 _pct(m["accuracy"]) + _ci(m["accuracy_ci"])]
         if two:
-            auc_ci = (m["auc_ci"] or {}).get("ci")
-            cells += [_pct(m["auc"]) + _ci(auc_ci), _pct(m["sensitivity"]) + _ci(m["sensitivity_ci"]),
+            cells += [_pct(m["auc"]) + _ci(m["auc_ci"]), _pct(m["sensitivity"]) + _ci(m["sensitivity_ci"]),
                       _pct(m["specificity"]) + _ci(m["specificity_ci"]), _pct(m["ppv"]), _pct(m["npv"])]
         else:
-            cells.append(", ".join(f"{c} {_pct(r)}" for c, r in m["recall"].items()))
+            cells.append(", ".join(f"{c} {_pct(r)}{_ci(m['recall_ci'][c])}" for c, r in m["recall"].items()))
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Confusion matrices (rows: true class, columns: predicted; " + ", ".join(summary["classes"]) + "):", ""]
+    none = [f"{name}: {m['bootstrap']['why_none']}" for name, m in [*summary["domains"].items(), ("all", summary["all"])]
+            if "why_none" in m["bootstrap"]]
+    if none:
+        lines += ["", "No interval for " + "; ".join(none) + "."]
+    lines += ["", "Confusion matrices (rows: true class, columns: predicted; " + ", ".join(classes) + "):", ""]
     for name, m in [*summary["domains"].items(), ("all", summary["all"])]:
         lines.append(f"- {name}: {m['confusion']}")
+    if summary.get("warnings"):
+        lines += ["", "## Warnings (from the dataset's card)", ""] + [f"- {w}" for w in summary["warnings"]]
     return "\n".join(lines) + "\n"
