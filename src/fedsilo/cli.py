@@ -245,11 +245,8 @@ def _site(args: argparse.Namespace) -> None:
     from fedsilo.fl.site import site_card
     from fedsilo.utils.io import write_json
 
-    if args.action == "audit":
-        _site_audit(args)
-        return
-    if args.action == "evaluate":
-        _site_evaluate(args)
+    if args.action in ("audit", "evaluate"):  # no --experiment: the site's wire logs, or a dataset of its own
+        {"audit": _site_audit, "evaluate": _site_evaluate}[args.action](args)
         return
     if not args.experiment:
         raise ConfigError(f"fedsilo site {args.action}: --experiment required (the site's one-client experiment)")

@@ -30,7 +30,6 @@ import torch
 
 from fedsilo.client.local import binary_auc, predict
 from fedsilo.config import ConfigError, Params, TrainParams
-from fedsilo.utils.io import file_sha256
 
 __all__ = ["evaluate_site_model", "patient_bootstrap", "evaluation_markdown"]
 
@@ -57,7 +56,10 @@ def patient_bootstrap(y: np.ndarray, pred: np.ndarray, prob: Optional[np.ndarray
     (see the module). None for each where a stratum has fewer than :data:`MIN_PATIENTS` patients."""
     codes, _ = pd.factorize(pd.Series(groups), sort=False)
     n_groups = int(codes.max()) + 1 if len(codes) else 0
-    per = lambda mask: np.bincount(codes, weights=mask.astype(float), minlength=n_groups)  # noqa: E731 - counts per patient
+
+    def per(mask: np.ndarray) -> np.ndarray:  # per patient, how many of its images the mask holds
+        return np.bincount(codes, weights=mask.astype(float), minlength=n_groups)
+
     correct, total = per(y == pred), per(np.ones_like(y, dtype=bool))
     hits = [per((y == c) & (pred == c)) for c in range(n_classes)]
     sizes = [per(y == c) for c in range(n_classes)]
@@ -67,7 +69,8 @@ def patient_bootstrap(y: np.ndarray, pred: np.ndarray, prob: Optional[np.ndarray
     else:
         strata = [np.arange(n_groups)]
     if any(len(s) < MIN_PATIENTS for s in strata):
-        return {"samples": 0, "why": f"fewer than {MIN_PATIENTS} patients {'with and without a positive image' if n_classes == 2 else ''}".rstrip()}
+        which = "with a positive image or without one" if n_classes == 2 else "in all"
+        return {"samples": 0, "why": f"fewer than {MIN_PATIENTS} patients {which}"}
     if prob is not None:
         _, bins = np.unique(prob, return_inverse=True)
         n_bins, pos = int(bins.max()) + 1, y == 1
@@ -124,6 +127,7 @@ def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Pa
     """The evaluation of the model at ``model_path`` on every image of the harmonized ``dataset`` (see the module):
     the summary (per domain and ``all``) and one row per image."""
     from fedsilo.fl.deploy import load_site_model
+    from fedsilo.fl.site import changed_arrays
 
     if dataset not in params.datasets:
         raise ConfigError(f"datasets.{dataset}: not defined in the site's params file")
@@ -135,7 +139,7 @@ def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Pa
     if missing:
         raise ConfigError(f"{missing[0]}: missing; run `fedsilo harmonize --dataset {dataset}` first")
     card = json.loads(files[2].read_text())
-    changed = [f.name for f in files[:2] if file_sha256(f) != card["sha256"].get(f.name)]
+    changed = changed_arrays(folder, card)
     if changed:
         raise ConfigError(f"{folder}: {', '.join(changed)} changed after harmonize wrote card.json; re-run `fedsilo harmonize "
                           f"--dataset {dataset}` rather than editing the arrays")

@@ -29,9 +29,15 @@ from fedsilo.client.data import ClientData, load_clients, load_task_clients
 from fedsilo.config import ConfigError, Params
 from fedsilo.utils.io import canonical_hash, file_sha256, read_json
 
-__all__ = ["contract_mismatch", "load_site", "site_card"]
+__all__ = ["changed_arrays", "contract_mismatch", "load_site", "site_card"]
 
 ARRAYS = ("images.npy", "records.parquet")
+
+
+def changed_arrays(harmonized: Path, card: dict[str, Any]) -> list[str]:
+    """The harmonized arrays (``images.npy``, ``records.parquet``) whose sha256, hashed anew, is no longer the one
+    harmonize wrote into ``card``: a file edited after harmonize."""
+    return [a for a in ARRAYS if file_sha256(harmonized / a) != card["sha256"].get(a)]
 
 
 def _site_files(params: Params, experiment: str, root: Path) -> tuple[Path, Path, dict[str, Any], dict[str, Any]]:
@@ -62,11 +68,11 @@ def site_card(params: Params, experiment: str, root: Path = Path(".")) -> dict[s
     contract and the fingerprint (see the module). Hashes the harmonized arrays anew: a file changed after harmonize
     is refused here, not trained on."""
     harmonized, split_path, split, card = _site_files(params, experiment, Path(root))
-    data = {a: file_sha256(harmonized / a) for a in ARRAYS}
-    if data != card["sha256"]:
-        changed = [a for a in ARRAYS if data[a] != card["sha256"].get(a)]
+    changed = changed_arrays(harmonized, card)
+    if changed:
         raise ConfigError(f"{harmonized}: {', '.join(changed)} changed after harmonize wrote card.json; re-run "
                           f"`fedsilo harmonize` and `fedsilo split` rather than editing the arrays")
+    data = {a: card["sha256"][a] for a in ARRAYS}  # as just hashed anew
     contract = {"task": card["task"], "classes": list(card["classes"]), "image_shape": [int(s) for s in card["image_shape"]]}
     split_sha = file_sha256(split_path)
     client = split["clients"][0]
