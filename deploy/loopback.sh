@@ -24,11 +24,15 @@ if [[ -e "$WORK/coordinator" ]]; then echo "$WORK already holds a deployment; gi
 echo "== each hospital: its own data, harmonized and split there; its card; its key pair"
 for s in "${SITES[@]}"; do
   mkdir -p "$WORK/$s"
-  own=""; tables=""
-  if [[ $s == st_marys ]]; then own="reader: cxr_table, "; tables=", tables: {st_marys: {domain: St Marys}}"; fi
+  own=""; tables=""; later=""; external=""
+  if [[ $s == st_marys ]]; then  # and a later export, never trained on, to validate the model with at the end
+    own="reader: cxr_table, "; tables=", tables: {st_marys: {domain: St Marys}}"
+    later=", st_marys_later: {mode: mirror, reader: cxr_table, mirror: {patients: 30, seed: 1}}"
+    external=", external: {sources: [st_marys_later], image_size: 16}"
+  fi
   cat > "$WORK/$s/params.yaml" <<YAML
-sources: {$s: {mode: mirror, ${own}mirror: {patients: 40}}}
-datasets: {chest_xray4: {sources: [$s], image_size: 16${tables}}}
+sources: {$s: {mode: mirror, ${own}mirror: {patients: 40}}${later}}
+datasets: {chest_xray4: {sources: [$s], image_size: 16${tables}}${external}}
 experiments: {site: {dataset: chest_xray4, split: {protocol: domain_clients, n_train: 16, n_test: 10}, train: {model: simple_cnn, device: cpu}}}
 methods: {single: {}}
 pipeline: {sources: [$s], datasets: [chest_xray4], splits: {site: chest_xray4}, experiments: [site], methods: [single], seeds: [0]}
@@ -105,4 +109,7 @@ echo "== each hospital: what crossed its link (its own wire log), and its traine
 # its export's files as they are (DICOMs without a suffix, PNGs), harmonized as its training images were
 (cd "$WORK/st_marys" && fedsilo site predict --experiment site --images data/raw/st_marys/export --out predictions.csv)
 head -4 "$WORK/st_marys/predictions.csv"
+echo "== St Marys validates its model on a later labelled export it never trained on"
+(cd "$WORK/st_marys" && fedsilo -q fetch --source st_marys_later && fedsilo -q harmonize --dataset external \
+   && fedsilo site evaluate --dataset external --bootstrap 500)
 echo "each site's stores and model: $WORK/<site>/state/deploy/loopback_three_hospitals/"

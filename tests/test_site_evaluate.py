@@ -40,7 +40,7 @@ def _site(tmp_path: Path, size: int = 32) -> tuple[dict, Path, torch.nn.Module]:
     for s in ("rsna", "st_marys"):
         fetch(s, p.sources[s], tmp_path / "data" / "raw" / s)
     harmonize_dataset(p.datasets["external"], tmp_path / "data" / "raw", tmp_path / "data" / "harmonized" / "external", quiet=True)
-    dep = {"name": "three_hospitals", "method": {"key": "fedbn", "base": "fedbn", "params": {}}, "seed": 0,
+    dep = {"federation": "three_hospitals", "method": {"key": "fedbn", "base": "fedbn", "params": {}}, "seed": 0,
            "train": {"model": "simple_cnn", "model_width": 0.25, "device": "cpu"},
            "contract": {"task": "binary: 1 = Lung Opacity, 0 = Normal", "classes": CLASSES, "image_shape": [32, 32, 1]}}
     torch.manual_seed(3)
@@ -72,6 +72,7 @@ def test_the_kept_model_is_scored_on_every_image_with_its_metrics_per_domain(tmp
     records = pd.read_parquet(h / "records.parquet")
     assert rows["id"].tolist() == records["id"].tolist() and rows["patient"].tolist() == records["group"].tolist()
     assert summary["round"] == 4 and summary["method"] == "fedbn" and set(summary["domains"]) == {"RSNA", "st_marys"}
+    assert summary["federation"] == "three_hospitals" and summary["site"] == "RSNA" and "federation three_hospitals" in md
 
     for name, part in [*((d, rows[rows["domain"] == d]) for d in summary["domains"]), ("all", rows)]:
         m = summary["all"] if name == "all" else summary["domains"][name]
@@ -139,7 +140,7 @@ def test_a_ten_class_benchmark_model_gets_accuracy_recall_and_their_intervals(tm
     fetch("office_caltech10", p.sources["office_caltech10"], tmp_path / "data/raw/office_caltech10")
     card = harmonize_dataset(p.datasets["office"], tmp_path / "data/raw", tmp_path / "data/harmonized/office", quiet=True)
     classes = list(card["classes"])
-    dep = {"name": "offices", "method": {"key": "fedavg", "base": "fedavg", "params": {}}, "seed": 0,
+    dep = {"federation": "offices", "method": {"key": "fedavg", "base": "fedavg", "params": {}}, "seed": 0,
            "train": {"model": "simple_cnn", "model_width": 0.25, "device": "cpu"},
            "contract": {"task": card["task"], "classes": classes, "image_shape": [16, 16, 3]}}
     kept = KeptStores(tmp_path / "keep", "amazon")
@@ -200,7 +201,7 @@ def test_every_methods_kept_model_is_rebuilt_from_its_file(tmp_path, method):
     from fedsilo.fl.deploy import load_site_model
 
     train = {"model": "resnet10_cifar"} if method in ("f2dc", "fdse") else {"model": "simple_cnn", "model_width": 0.25}
-    dep = {"name": "f", "method": {"key": method, "base": method, "params": {}}, "seed": 0, "train": {**train, "device": "cpu"},
+    dep = {"federation": "f", "method": {"key": method, "base": method, "params": {}}, "seed": 0, "train": {**train, "device": "cpu"},
            "contract": {"task": "t", "classes": CLASSES, "image_shape": [32, 32, 1]}}
     _, model, _ = deployment_spec(dep).build(torch.zeros(2, 1, 32, 32), torch.device("cpu"), [])
     torch.manual_seed(1)

@@ -171,7 +171,7 @@ def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Pa
         rows[f"prob.{c}"] = prob[:, k]
     summary = {
         "dataset": dataset, "model": str(model_path), "round": info.get("round"), "site": info.get("site"),
-        "federation": info["deployment"].get("name"), "method": info["deployment"]["method"]["key"],
+        "federation": info["deployment"].get("federation"), "method": info["deployment"]["method"]["key"],
         "classes": classes, "bootstrap": bootstrap, "seed": seed, "warnings": list(card.get("warnings", [])),
         "domains": {str(d): _metrics(g, classes, bootstrap, seed) for d, g in rows.groupby("domain", sort=False)},
         "all": _metrics(rows, classes, bootstrap, seed),
