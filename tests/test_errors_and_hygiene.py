@@ -377,3 +377,10 @@ def test_help_lists_what_the_params_file_defines_and_bare_fedsilo_shows_the_comm
     assert cli.main([]) == 2
     err = capsys.readouterr().err
     assert "fetch" in err and "train" in err and "check-params" in err
+    # every command's help renders (argparse formats help with %: a bare "95 %" in a help text broke `site --help`)
+    commands = next(a for a in cli.build_parser([])._actions if a.choices and "train" in a.choices).choices
+    for name in commands:
+        with pytest.raises(SystemExit) as done:
+            cli.main(["--params", str(params), name, "--help"])
+        assert done.value.code == 0, name
+        assert capsys.readouterr().out.startswith("usage: "), name

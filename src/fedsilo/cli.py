@@ -676,7 +676,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "evaluation/<dataset>; a later evaluation replaces these three files)")
     s.add_argument("action", choices=["card", "supernode", "audit", "predict", "evaluate"])
     s.add_argument("--dataset", help="evaluate: the labelled dataset (datasets.<name>, harmonized here) to score")
-    s.add_argument("--bootstrap", type=int, default=1000, help="evaluate: patient-level bootstrap samples for the AUC's interval (default 1000)")
+    s.add_argument("--bootstrap", type=int, default=1000, help="evaluate: patient-level bootstrap samples for the 95 %% intervals (default 1000)")
     s.add_argument("--seed", type=int, default=0, help="evaluate: the bootstrap's seed (default 0)")
     s.add_argument("--device", default="cpu", help="evaluate: where the model runs (cpu, cuda, cuda:1, auto; default cpu)")
     s.add_argument("--images", nargs="+", default=[], metavar="FILE_OR_FOLDER",
