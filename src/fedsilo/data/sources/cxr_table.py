@@ -146,7 +146,8 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
             first_row[name] = i + 2
         value = str(rec[rules.label]).strip()
         why = "" if value else "no label"
-        label = 1 if table_word(value) in positive else 0 if table_word(value) in negative else -1
+        word = table_word(value)
+        label = 1 if word in positive else 0 if word in negative else -1
         if label == -1 and not why:
             why = f"label {value}"
         reader = _reader(raw_dir / found) if found else ""
