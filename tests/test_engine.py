@@ -292,7 +292,10 @@ def test_spectra_count_the_directions_the_representations_span(clients):
 
 def test_checkpoint_every_k_rounds_resumes_from_the_last_one_with_the_same_numbers(tmp_path, monkeypatch):
     """train.checkpoint_every: 3 of 5 rounds writes after rounds 3 and 5 only; a run killed after round 4 resumes
-    after round 3, trains round 4 again, and ends with the uninterrupted run's numbers."""
+    after round 3, trains round 4 again, and ends with the uninterrupted run's numbers. A stop asked for (a first
+    SIGTERM) writes the round in flight."""
+    import threading
+
     from fedsilo.methods import method_class
     from tests.tiny import style_shifted_federation, tiny_net, without_timing
 
@@ -314,6 +317,69 @@ def test_checkpoint_every_k_rounds_resumes_from_the_last_one_with_the_same_numbe
     resumed = make(tmp_path / "b.pt")
     assert resumed.round == 3 and len(resumed.history) == 3
     assert without_timing(resumed.run()) == without_timing(full)
+    # Engine.stop set during round 2 (a first SIGTERM): run() returns after it with round 2 written although no write
+    # was due; the run resumed after it ends with the same numbers
+    written.clear()
+    stopped = make(tmp_path / "c.pt")
+    stopped.stop = threading.Event()
+    stopped.on_round = lambda entry: entry["round"] == 2 and stopped.stop.set()
+    assert len(stopped.run()) == 2 and written == [2]
+    resumed = make(tmp_path / "c.pt")
+    assert resumed.round == 2 and without_timing(resumed.run()) == without_timing(full)
+
+
+def test_auto_checkpoint_writes_once_the_time_since_the_last_write_reaches_twenty_writes(monkeypatch, tmp_path):
+    """train.checkpoint_every: auto (the default) on a fake clock: rounds of 5 s, writes of 1 s. The first round is
+    written (nothing measured yet); the next write comes with the first round ending 20 s (20 x 1 s) after the last
+    write ended, and the last round is always written. Free writes: every round."""
+    from fedsilo.fl import engine as engine_mod
+    from fedsilo.methods import method_class
+    from tests.tiny import style_shifted_federation, tiny_net
+
+    clients = style_shifted_federation(n_train=8, n_test=4, per_domain=1)
+    tp = TrainParams(rounds=6, batch_size=8, lr=0.05, device="cpu", count_flops=False, client_fraction=0.5, eval_every=100)
+    assert tp.checkpoint_every == "auto"
+    clock = [0.0]
+    monkeypatch.setattr(engine_mod, "_now", lambda: clock[0])
+    written: list[int] = []
+
+    def run(write_s: float) -> Engine:
+        written.clear()
+        cls = method_class("fedavg")
+        e = Engine(cls(cls.params_cls(), tp), tiny_net(1, 4), clients, tp, seed=0, checkpoint=tmp_path / "never_written.pt", config_hash="h",
+                   on_round=lambda entry: clock.__setitem__(0, clock[0] + 5.0))
+
+        def write() -> None:
+            written.append(e.round)
+            clock[0] += write_s
+
+        e._write_checkpoint = write
+        e.run()
+        return e
+
+    run(1.0)
+    # round k ends at 6 + 5 (k - 1) s, the first write having ended at 6 s: 26 s, the first >= 6 + 20, is round 5
+    assert written == [1, 5, 6]
+    clock[0] = 0.0
+    run(0.0)
+    assert written == list(range(1, 7))
+
+
+def test_graceful_stop_defers_a_first_sigterm_only_while_the_rounds_run():
+    import signal
+
+    from fedsilo.fl.run import GracefulStop
+
+    g = GracefulStop()
+    with pytest.raises(SystemExit) as outside:  # loading data, writing outputs: at once
+        g.handler(signal.SIGTERM, None)
+    assert outside.value.code == 143 and not g.requested.is_set()
+    with g.rounds():
+        g.handler(signal.SIGTERM, None)  # the first: the engine's stop
+        assert g.requested.is_set()
+        with pytest.raises(SystemExit) as second:  # the second: at once
+            g.handler(signal.SIGTERM, None)
+        assert second.value.code == 143
 
 
 def test_eval_summary_names_the_clients_left_out_of_mean_auc():

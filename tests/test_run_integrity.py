@@ -66,18 +66,24 @@ def test_a_second_process_is_refused_sigkill_is_marked_killed_when_superseded_an
     (killed,) = _runs(root)
     assert _runs(root)[killed] == "RUNNING"  # nobody could say otherwise yet
 
-    # the configuration changes, so the interrupted run will never be resumed: its MLflow run is ended KILLED
-    raw["experiments"]["quick"]["train"]["rounds"] = 31
+    # the configuration changes, so the interrupted run will never be resumed: its MLflow run is ended KILLED. This
+    # one writes no checkpoint of its own before its last round (checkpoint_every: 1000) but the one of round 0
+    raw["experiments"]["quick"]["train"].update({"rounds": 200, "checkpoint_every": 1000})
     (root / "params.yaml").write_text(yaml.safe_dump(raw))
     third = _train(root, wait=False)
-    _wait_round(third, ckpt, not_hash=old_hash)
+    _wait_round(third, ckpt, rnd=0, not_hash=old_hash)
+    time.sleep(1.5)  # into its rounds
     third.send_signal(signal.SIGTERM)  # a cancelled job
     assert third.wait() == 128 + signal.SIGTERM
-    assert "Traceback" not in third.stderr.read()
+    err = third.stderr.read()
+    assert "Traceback" not in err and "SIGTERM: ending after the round in flight" in err
     runs = _runs(root)
     assert runs[killed] == "KILLED" and len(runs) == 2
     assert [s for r, s in runs.items() if r != killed] == ["KILLED"]
     assert ckpt.exists(), "a SIGTERMed run keeps its checkpoint for a resume"
+    ck = torch.load(ckpt, weights_only=False)
+    # the round in flight ended and was written: a resume loses no finished round
+    assert 1 <= ck["round"] < 200 and len(ck["history"]) == ck["round"]
 
 
 def test_dvc_lock_files_rewritten_by_a_repro_do_not_make_the_checkout_dirty(tmp_path):

@@ -393,7 +393,7 @@ def format_result(r: dict[str, Any]) -> str:
         lines.append(f"round parts, {m}: train + transfers + aggregation {parts['train_transfer_aggregate_s']:.3f} s, evaluation "
                      f"{parts['evaluate_s']:.3f} s, checkpoint + bookkeeping {parts['checkpoint_and_bookkeeping_s']:.3f} s")
     if "checkpoint" in r:
-        lines.append("checkpoint per write (train.checkpoint_every: k writes every k rounds): " + "; ".join(
+        lines.append("checkpoint per write (train.checkpoint_every: auto writes once 20 writes' time has passed since the last, k every k rounds): " + "; ".join(
             f"{m} {c['seconds_per_write']:.3f} s, {c['mib']:.1f} MiB ({100 * c['share_of_round']:.0f} % of its round, the write included)"
             for m, c in r["checkpoint"].items()))
     if "host_augment" in r:

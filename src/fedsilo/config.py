@@ -615,11 +615,13 @@ class TrainParams(Strict):
         "numbers equal a one-at-a-time run with as many threads per client (on a GPU with deterministic kernels: the same numbers). Methods whose "
         "local update keeps state on the method object train one at a time (recorded in metrics.json's engine block)",
     )
-    checkpoint_every: int = Field(
-        1, ge=1, description="rounds between checkpoints (server state, client stores, history; the last round is "
-        "always written): a run killed between two resumes from the earlier and trains the rounds after it again, "
-        "ending with the same numbers. Raise it where writing every client's store each round costs more than the "
-        "rounds it could save (large personal models, many clients)",
+    checkpoint_every: Union[int, Literal["auto"]] = Field(
+        "auto", description="when the checkpoint (server state, client stores, history) is written; the last round "
+        "always is. auto: after a round that ends once the wall time since the last write has reached 20 times what "
+        "that write took (a small model's every round, a large personal-model store's every minute or so: the writes "
+        "take at most ~5 % of the run); k: every k rounds. A run killed between two writes resumes from the earlier "
+        "and trains the rounds after it again, ending with the same numbers; a SIGTERM ends the round in flight and "
+        "writes it first",
     )
     store_device: Literal["auto", "device", "host"] = Field(
         "auto", description="where client stores live: on the device when they fit, else pinned host memory"
@@ -633,6 +635,13 @@ class TrainParams(Strict):
         False, description="also save every client's store (private tensors, personal models) in final_model.pt; the "
         "server state is always saved. Not part of the run's hash: it changes what is saved, not what is trained"
     )
+
+    @field_validator("checkpoint_every", mode="before")
+    @classmethod
+    def _checkpoint_every(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        raise ValueError(f"expected auto or a whole number of rounds >= 1, got {v!r}")
 
     @field_validator("device")
     @classmethod

@@ -27,7 +27,7 @@ from the evaluations at the end of each task:
   ``eval_every``;
 - per-round curves in ``history.json`` (``seen_acc``, ``task_acc`` per domain).
 
-The run checkpoints like a static one (every round, or every train.checkpoint_every); the task of a round follows from its number, so a run killed
+The run checkpoints like a static one (train.checkpoint_every); the task of a round follows from its number, so a run killed
 mid-task resumes inside that task and ends with the numbers of an uninterrupted run.
 """
 

@@ -6,10 +6,14 @@ engine is the only thing that moves tensors between server and clients: a payloa
 Downloads are handed over without a copy (loading them into the model is the copy); uploads are consumed by a
 streaming aggregator before the model changes, or copied when a method aggregates the whole list.
 
-Every round ends with a checkpoint (server state, client stores, history) written atomically, or every
-``train.checkpoint_every`` rounds and after the last. A run restarted with the same configuration hash resumes after
-its last checkpointed round; since every random draw of a round is seeded by (seed, round, client), the resumed run
-ends with exactly the numbers of an uninterrupted one.
+A checkpoint (server state, client stores, history) is written atomically after the last round and, by default
+(``train.checkpoint_every: auto``), after any round that ends once the wall time since the last write reaches
+:data:`AUTO_CHECKPOINT_RATIO` times what that write took (a small model's after every round, a large personal-model
+store's every minute or so: the writes cost at most ~5 % of the run); ``checkpoint_every: k`` writes every k rounds.
+A stop asked for through :attr:`Engine.stop` (a first SIGTERM) ends the round in flight, writes the checkpoint and
+returns. A run restarted with the same configuration hash resumes after its last checkpointed round; since every
+random draw of a round is seeded by (seed, round, client), the resumed run ends with exactly the numbers of an
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import nullcontext
@@ -37,6 +42,10 @@ from fedsilo.methods.registry import check_stream_fit
 from fedsilo.utils.io import atomic_file
 
 GC_EVERY = 10  # rounds between full garbage collections
+# train.checkpoint_every: auto writes once the wall time since the last write is this many times what it took, so the
+# writes take at most 1 / (1 + 20), ~5 %, of a run's time; a killed run loses at most ~20 writes' worth of rounds
+AUTO_CHECKPOINT_RATIO = 20
+_now = time.monotonic  # the clock of the checkpoint schedule (a test replaces it)
 log = logging.getLogger(__name__)
 Observer = Callable[[int, str, str, State], None]  # (round, client name, "down"|"up", payload)
 
@@ -89,6 +98,9 @@ def eval_summary(per: dict[str, dict[str, float]]) -> dict[str, Any]:
 
 class Engine:
     stream = False  # the continual engine (fl/continual.py) runs task streams
+    # set (a first SIGTERM, fl/run.py): the round in flight ends, is checkpointed, and run() returns; None: no stop
+    stop: Optional[threading.Event] = None
+    _last_save: Optional[tuple[float, float]] = None  # (when the last checkpoint write ended, its seconds)
     def __init__(
         self,
         method: Method,
@@ -195,8 +207,15 @@ class Engine:
         return True
 
     def save(self) -> None:
+        """Write the checkpoint (when the run has one), timing the write for ``checkpoint_every: auto``."""
         if self.checkpoint is None:
             return
+        start = _now()
+        self._write_checkpoint()
+        end = _now()
+        self._last_save = (end, end - start)
+
+    def _write_checkpoint(self) -> None:
         with atomic_file(self.checkpoint) as tmp:
             torch.save(
                 {
@@ -402,12 +421,32 @@ class Engine:
             self.on_round(entry)
         self.history.append(entry)
         self.round = entry["round"]
-        if self.round % self.train.checkpoint_every == 0 or self.round == self.total_rounds:
+        if self.checkpoint_due() or self.stopping():
             self.save()
         return entry
 
+    def checkpoint_due(self) -> bool:
+        """Whether the round just ended is checkpointed (``train.checkpoint_every``): the last round always; every
+        k-th with an integer k; with ``auto`` once the wall time since the last write has reached
+        :data:`AUTO_CHECKPOINT_RATIO` times that write's seconds (the first round when nothing was written yet)."""
+        every = self.train.checkpoint_every
+        if self.round == self.total_rounds:
+            return True
+        if every != "auto":
+            return self.round % every == 0
+        if self._last_save is None:
+            return True
+        ended, took = self._last_save
+        return _now() - ended >= AUTO_CHECKPOINT_RATIO * took
+
+    def stopping(self) -> bool:
+        """A stop was asked for (:attr:`stop`): the round in flight ends, is checkpointed, and :meth:`run` returns."""
+        return self.stop is not None and self.stop.is_set()
+
     def run(self) -> list[dict[str, Any]]:
-        while self.round < self.total_rounds:
+        """The rounds left; the whole history, or the history so far when a stop was asked for (the caller tells the
+        two apart by ``round < total_rounds``)."""
+        while self.round < self.total_rounds and not self.stopping():
             self.step()
         return self.history
 

@@ -188,7 +188,8 @@ def run_training(
     config_hash = canonical_hash({"params": resolved, "data": data_hashes, "code": code})
 
     out_dir, ckpt = layout.run(experiment, method, seed), layout.checkpoint(experiment, method, seed)
-    with run_lock(ckpt.parent / "train.lock", f"{experiment}/{method}/seed{seed}"), _sigterm_as_exit():
+    stop = GracefulStop()
+    with run_lock(ckpt.parent / "train.lock", f"{experiment}/{method}/seed{seed}"), stop.installed():
         for stale in clean_stale(out_dir):  # a run killed while writing its outputs
             log.info("removed %s (left by an interrupted run)", stale)
         torch.manual_seed(seed)
@@ -243,8 +244,13 @@ def run_training(
             progress.update(1, round_summary(entry), line="eval" in entry)
 
         engine.on_round = on_round
+        engine.stop = stop.requested
         try:
-            history = engine.run()
+            with stop.rounds():
+                history = engine.run()
+            if engine.round < engine.total_rounds:  # a first SIGTERM: the round in flight ended and was checkpointed
+                log.info("stopped after round %d of %d; `fedsilo train` again resumes after it", engine.round, engine.total_rounds)
+                raise SystemExit(128 + signal.SIGTERM)
             summary = summarize(history)
             if stream:  # the stream's accuracy matrix, accuracy after each task, forgetting, rounds to best
                 summary.update(continual_summary(history, task_names, exp.train.rounds))
@@ -322,19 +328,41 @@ def run_lock(path: Path, name: str) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-@contextlib.contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
-    """SIGTERM (a cancelled job, `kill`) ends the run through the same path as Ctrl-C, so its MLflow run is marked
-    KILLED and its last checkpoint stays for a resume; exit status 143 as the shell reports it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+class GracefulStop:
+    """How one run answers SIGTERM (a cancelled job, `kill`, a scheduler's preemption, ``scripts/gpu_plan.py``'s
+    budget). While the rounds run (:meth:`rounds`), a first SIGTERM only sets :attr:`requested`, the engine's
+    ``stop``: the round in flight ends, its checkpoint is written, and the run then exits like a killed one (MLflow
+    KILLED, exit status 143) having lost no finished round. Outside the rounds (loading data, writing the outputs),
+    or at a second SIGTERM, it exits at once through the same path as Ctrl-C, the last checkpoint kept for a resume."""
 
-    def handler(signum: int, frame: Any) -> None:
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self._armed = False
+
+    @contextlib.contextmanager
+    def rounds(self) -> Iterator[None]:
+        self._armed = True
+        try:
+            yield
+        finally:
+            self._armed = False
+
+    def handler(self, signum: int, frame: Any) -> None:
+        if self._armed and not self.requested.is_set():
+            self.requested.set()
+            log.warning("SIGTERM: ending after the round in flight, with its checkpoint written (a second SIGTERM "
+                        "stops at once, losing the rounds after the last checkpoint)")
+            return
         raise SystemExit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """The handler, for the calling block (the main thread only: a signal is delivered there)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGTERM, self.handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
