@@ -75,6 +75,17 @@ def add_benchmarks(p: dict) -> dict:
     return p
 
 
+@pytest.fixture(autouse=True)
+def _auto_checkpoints_every_round(monkeypatch):
+    """``train.checkpoint_every: auto`` spaces its writes by what one takes; the in-process tests that stop a run after
+    some rounds and resume it need a checkpoint after every round whatever this machine's speed, so in the tests auto
+    writes after every round (its schedule is tested on a fake clock with the real ratio, test_engine.py). Runs in a
+    subprocess that get interrupted set ``checkpoint_every: 1`` themselves."""
+    from fedsilo.fl import engine
+
+    monkeypatch.setattr(engine, "AUTO_CHECKPOINT_RATIO", 0)
+
+
 def small_params(patients: int = 90, image_size: int = 32, **train) -> dict:
     """A params.yaml dict for tests: small mirror, tiny images, few rounds, tracking off."""
     # FLOPs are counted by the tests that check them (the counter's dispatch slows a CPU round several-fold)

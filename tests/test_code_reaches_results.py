@@ -59,7 +59,8 @@ def test_a_code_edit_is_never_resumed_from_an_old_checkpoint_and_a_finished_run_
     root = tmp_path / "proj"
     (root / "data").mkdir(parents=True)
     shutil.copytree(mirror_root / "data" / "harmonized", root / "data" / "harmonized")
-    (root / "params.yaml").write_text(yaml.safe_dump(small_params(rounds=4, count_flops=False)))
+    # a checkpoint after every round (not auto's timed schedule): the run is interrupted after round 1
+    (root / "params.yaml").write_text(yaml.safe_dump(small_params(rounds=4, count_flops=False, checkpoint_every=1)))
     _cli(root, pkg, "split", "--experiment", "quick")
     train = ("train", "--experiment", "quick", "--method", "fedavg", "--seed", "0")
     ckpt = root / "state" / "quick" / "fedavg" / "seed0" / "checkpoint.pt"

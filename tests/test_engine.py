@@ -341,6 +341,7 @@ def test_auto_checkpoint_writes_once_the_time_since_the_last_write_reaches_twent
     assert tp.checkpoint_every == "auto"
     clock = [0.0]
     monkeypatch.setattr(engine_mod, "_now", lambda: clock[0])
+    monkeypatch.setattr(engine_mod, "AUTO_CHECKPOINT_RATIO", 20)  # conftest sets 0 for the other tests
     written: list[int] = []
 
     def run(write_s: float) -> Engine:

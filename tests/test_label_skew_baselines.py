@@ -344,6 +344,60 @@ def test_one_random_op_augmentation_applies_one_seeded_op_per_image():
     assert sum(bool(torch.equal(a[i], x[i])) for i in range(200)) < 20
 
 
+def _one_random_op_per_image(x, gen, max_crop=4, max_degrees=30.0, max_brightness=0.5):
+    """The augmentation image by image, with torchvision's rotate: what the batched one_random_op must equal."""
+    from torchvision.transforms.v2 import functional as TF
+
+    from fedsilo.client.data import ONE_OP_NAMES
+
+    b, _, h, w = x.shape
+    ops = torch.randint(0, len(ONE_OP_NAMES), (b,), generator=gen)
+    strength = torch.rand(b, generator=gen).clamp_min(1e-3)
+    sign = torch.where(torch.rand(b, generator=gen) < 0.5, -1.0, 1.0)
+    offsets = torch.rand(b, 2, generator=gen)
+    out = []
+    for i in range(b):
+        img, op, m = x[i], ONE_OP_NAMES[int(ops[i])], float(strength[i])
+        if op == "crop":
+            p = max(1, int(round(max_crop * m)))
+            padded = torch.nn.functional.pad(img, (p, p, p, p))
+            oy, ox = int(offsets[i, 0] * (2 * p + 1)), int(offsets[i, 1] * (2 * p + 1))
+            img = padded[:, min(oy, 2 * p) : min(oy, 2 * p) + h, min(ox, 2 * p) : min(ox, 2 * p) + w]
+        elif op == "flip":
+            img = img.flip(2)
+        elif op == "rotate":
+            img = TF.rotate(img, float(sign[i]) * max_degrees * m, fill=-1.0)
+        elif op == "brightness":
+            img = (img + 2.0 * max_brightness * m * float(sign[i])).clamp(-1.0, 1.0)
+        else:
+            img = -img
+        out.append(img)
+    return torch.stack(out)
+
+
+def test_batched_one_random_op_equals_the_per_image_loop_with_torchvision_rotate_bit_for_bit():
+    """The batched augmentation (one gather, one grid_sample) against the loop over images it replaced, on the CPU:
+    the same generator draws, the same images, bit for bit, over batch sizes, channels, non-square images and other
+    ranges; and its rotation against torchvision's at the quarter turns its shortcuts take."""
+    from torchvision.transforms.v2 import functional as TF
+
+    from fedsilo.client.data import _rotate_into, one_random_op
+
+    data = torch.Generator().manual_seed(0)
+    cases = [(50, 3, 32, 32, {}), (7, 1, 28, 28, {}), (33, 3, 20, 24, {}), (64, 3, 32, 32, {"max_crop": 6, "max_degrees": 90.0, "max_brightness": 0.3}),
+             (1, 3, 16, 16, {}), (40, 1, 9, 13, {"max_crop": 0})]
+    for seed, (b, c, h, w, kw) in enumerate(cases * 4):
+        x = torch.rand(b, c, h, w, generator=data) * 2 - 1
+        got = one_random_op(x, torch.Generator().manual_seed(seed), **kw)
+        want = _one_random_op_per_image(x, torch.Generator().manual_seed(seed), **kw)
+        assert got.shape == want.shape and torch.equal(got, want), (seed, b, c, h, w, kw)
+    x = torch.rand(5, 3, 16, 16, generator=data) * 2 - 1
+    angles = [90.0, 180.0, -90.0, 360.0, 47.5]
+    out = torch.empty_like(x)
+    _rotate_into(out, x, torch.ones(5, dtype=torch.bool), angles)
+    assert all(torch.equal(out[i], TF.rotate(x[i], a, fill=-1.0)) for i, a in enumerate(angles))
+
+
 def test_fedpac_combination_weights_pick_the_clients_with_the_same_label_distribution():
     from fedsilo.methods.fedpac import combination_weights
 

@@ -19,7 +19,8 @@ from tests.conftest import small_params
 def _project(mirror_root, dest, tracking: bool):
     (dest / "data").mkdir(parents=True)
     shutil.copytree(mirror_root / "data" / "harmonized", dest / "data" / "harmonized")
-    raw = small_params(rounds=6, local_epochs=1)
+    # a checkpoint after every round (not auto's timed schedule): the tests interrupt the run after a given round
+    raw = small_params(rounds=6, local_epochs=1, checkpoint_every=1)
     raw["tracking"] = {"enabled": tracking, "uri": f"sqlite:///{dest / 'mlflow.db'}"}
     (dest / "params.yaml").write_text(yaml.safe_dump(raw))
     _cli(dest, "split", "--experiment", "quick")

@@ -7,6 +7,7 @@ per-round disk reads.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -159,29 +160,83 @@ def one_random_op(x: torch.Tensor, gen: torch.Generator, max_crop: int = 4, max_
     rotation, brightness and pixel inversion, with a strength drawn uniformly from (0, 1] of the operation's range:
     a random crop after zero padding of up to ``max_crop`` pixels, a horizontal flip, a rotation of up to
     ``max_degrees`` either way, a brightness shift of up to ``max_brightness`` (of the [0, 1] range) either way, an
-    inversion. Works on a float batch in [-1, 1]; the draws come from the CPU generator ``gen``."""
-    from torchvision.transforms.v2 import functional as TF
+    inversion. Works on a float batch in [-1, 1]; the draws come from the CPU generator ``gen``.
 
-    b, _, h, w = x.shape
+    The whole batch at once: each image's crop window and flip are one gather from a padded copy, brightness and
+    inversion two element-wise ops, and the rotated images one ``grid_sample`` over torchvision's rotation grid (its
+    inverse rotation matrix about the centre, its base grid, nearest sampling, the fill -1 where the rotation leaves
+    the image), so each image is what ``torchvision.transforms.v2.functional.rotate(img, angle, fill=-1.0)`` gives it
+    (torchvision's exact-quarter-turn shortcuts included). The scalars (window offsets, angles, shifts) are computed in
+    double precision as Python computes them per image. A test holds the result bit for bit to a loop over the images
+    with torchvision's rotate on the CPU; on a GPU the batched grid product may round a grid coordinate differently,
+    which can move a rotated pixel at an exact tie of the nearest sampling."""
+    b, c, h, w = x.shape
+    dev = x.device
     ops = torch.randint(0, len(ONE_OP_NAMES), (b,), generator=gen)
     strength = torch.rand(b, generator=gen).clamp_min(1e-3)
     sign = torch.where(torch.rand(b, generator=gen) < 0.5, -1.0, 1.0)
     offsets = torch.rand(b, 2, generator=gen)
-    out = []
-    for i in range(b):
-        img, op, m = x[i], ONE_OP_NAMES[int(ops[i])], float(strength[i])
-        if op == "crop":
-            p = max(1, int(round(max_crop * m)))
-            padded = torch.nn.functional.pad(img, (p, p, p, p))
-            oy, ox = int(offsets[i, 0] * (2 * p + 1)), int(offsets[i, 1] * (2 * p + 1))
-            img = padded[:, min(oy, 2 * p) : min(oy, 2 * p) + h, min(ox, 2 * p) : min(ox, 2 * p) + w]
-        elif op == "flip":
-            img = img.flip(2)
-        elif op == "rotate":
-            img = TF.rotate(img, float(sign[i]) * max_degrees * m, fill=-1.0)
-        elif op == "brightness":
-            img = (img + 2.0 * max_brightness * m * float(sign[i])).clamp(-1.0, 1.0)
-        else:  # invert: 1 - v on [0, 1] is -v on [-1, 1]
-            img = -img
-        out.append(img)
-    return torch.stack(out)
+    crop, flip, rot, bright, invert = (ops == k for k in range(len(ONE_OP_NAMES)))
+    m = strength.double()
+    # crop: image i is padded by p_i = max(1, round(max_crop m_i)) and cut at offset min(floor(u (2 p_i + 1)), 2 p_i);
+    # taken here from one copy padded by P >= every p_i, the window starting at offset - p_i + P (P: the identity)
+    big = max(1, max_crop)
+    p = torch.round(max_crop * m).clamp_min(1).long()
+    off = (offsets.double() * (2 * p + 1)[:, None]).long().minimum((2 * p)[:, None]) - p[:, None] + big
+    off = torch.where(crop[:, None], off, torch.full_like(off, big))
+    iy = torch.arange(h)[None, :] + off[:, :1]
+    ix = torch.arange(w)[None, :] + off[:, 1:]
+    ix = torch.where(flip[:, None], ix.flip(1), ix)  # the flip: the window read right to left
+    iy, ix = iy.to(dev, non_blocking=True), ix.to(dev, non_blocking=True)
+    padded = torch.nn.functional.pad(x, (big, big, big, big))
+    out = padded.permute(0, 2, 3, 1)[torch.arange(b, device=dev)[:, None, None], iy[:, :, None], ix[:, None, :]]
+    out = out.permute(0, 3, 1, 2).contiguous()
+    # brightness: the shift as a Python float, 2 s m_i max_brightness, added in the images' dtype; inversion: -v
+    shift = (2.0 * max_brightness * m * sign.double()).to(x.dtype)
+    if bool(bright.any()):
+        i = bright.nonzero().flatten().to(dev)
+        out[i] = (out[i] + shift[bright].to(dev)[:, None, None, None]).clamp(-1.0, 1.0)
+    if bool(invert.any()):
+        i = invert.nonzero().flatten().to(dev)
+        out[i] = -out[i]
+    if bool(rot.any()):
+        _rotate_into(out, x, rot, [float(sign[i]) * max_degrees * float(strength[i]) for i in rot.nonzero().flatten().tolist()])
+    return out
+
+
+def _rotate_into(out: torch.Tensor, x: torch.Tensor, which: torch.Tensor, angles: list[float]) -> None:
+    """``out[i] = rotate(x[i], angle_i, fill=-1)`` for the images ``which`` marks, as torchvision's tensor rotate
+    does it (nearest, no expansion, about the centre): angle mod 360, its quarter-turn shortcuts, else the inverse
+    matrix [cos a, sin a, 0; -sin a, cos a, 0] of -angle in radians, its normalised base grid, one grid_sample of the
+    images with a mask channel, -1 where the mask falls under 0.5."""
+    _, c, h, w = x.shape
+    dev, dtype = x.device, x.dtype
+    idx = which.nonzero().flatten().tolist()
+    grid_idx, thetas = [], []
+    for i, angle in zip(idx, angles):
+        angle = angle % 360
+        if angle == 0:
+            out[i] = x[i]
+        elif angle == 180:
+            out[i] = torch.rot90(x[i], k=2, dims=(-2, -1))
+        elif h == w and angle in (90, 270):
+            out[i] = torch.rot90(x[i], k=1 if angle == 90 else 3, dims=(-2, -1))
+        else:
+            a = math.radians(-angle)
+            grid_idx.append(i)
+            thetas.append([math.cos(a), math.sin(a), 0.0, -math.sin(a), math.cos(a), 0.0])
+    if not grid_idx:
+        return
+    k = len(grid_idx)
+    theta = torch.tensor(thetas, dtype=dtype, device=dev).reshape(k, 2, 3)
+    base = torch.empty(1, h, w, 3, dtype=dtype, device=dev)
+    base[..., 0].copy_(torch.linspace((1.0 - w) * 0.5, (w - 1.0) * 0.5, steps=w, device=dev))
+    base[..., 1].copy_(torch.linspace((1.0 - h) * 0.5, (h - 1.0) * 0.5, steps=h, device=dev).unsqueeze_(-1))
+    base[..., 2].fill_(1)
+    scaled = theta.transpose(1, 2).div_(torch.tensor([0.5 * w, 0.5 * h], dtype=dtype, device=dev))
+    grid = base.view(1, h * w, 3).expand(k, -1, -1).bmm(scaled).view(k, h, w, 2)
+    sel = torch.tensor(grid_idx, device=dev)
+    img = torch.cat([x[sel], torch.ones(k, 1, h, w, dtype=dtype, device=dev)], dim=1)
+    img = torch.nn.functional.grid_sample(img, grid, mode="nearest", padding_mode="zeros", align_corners=False)
+    img, mask = img[:, :c], img[:, c:].expand(-1, c, -1, -1)
+    out[sel] = torch.where(mask < 0.5, torch.full_like(img, -1.0), img)
