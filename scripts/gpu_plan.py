@@ -22,8 +22,8 @@ per experiment, a copy of its paper params holding that experiment only (``scale
 ``results/<paper>/gpu/<experiment>/`` and never mix with a paper-scale run), its train overrides applied; then
 ``fedsilo fetch``, ``harmonize``, ``split`` and one ``fedsilo train`` per (method, seed), ``jobs`` at a time, seed
 by seed across the entries (every entry's first seed, in plan order, before any second seed: a call cut short still
-gives every table one seed of each method). At the budget (or when the driver itself gets SIGTERM / SIGINT) the runs still training get SIGTERM (they end
-KILLED with their checkpoint kept; after 60 s a run that has not stopped is killed). Calling the same plan again (the
+gives every table one seed of each method). At the budget (or when the driver itself gets SIGTERM / SIGINT) the runs still training get SIGTERM (each ends
+the round in flight, writes its checkpoint and ends KILLED; after 60 s a run that has not stopped is killed). Calling the same plan again (the
 machine still warm) skips the runs it finished (``.gpu/plan_done.json``, keyed by the params copy's sha256) and
 resumes the others from their checkpoints. Each experiment's report is built over the (method, seed) runs that finished, every
 unfinished run's history is taken from its checkpoint, and OUT.tgz holds the reports, the finished runs' metrics and
@@ -177,7 +177,7 @@ def main(plan_path: str, out: str) -> int:
             while p.poll() is None and time.time() < deadline[0]:
                 time.sleep(0.5)
             if p.poll() is None:
-                p.send_signal(signal.SIGTERM)  # the run ends KILLED with its checkpoint kept
+                p.send_signal(signal.SIGTERM)  # the run ends its round, writes its checkpoint and ends KILLED
                 try:
                     p.wait(timeout=60)
                 except subprocess.TimeoutExpired:
