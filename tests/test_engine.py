@@ -326,6 +326,13 @@ def test_checkpoint_every_k_rounds_resumes_from_the_last_one_with_the_same_numbe
     assert len(stopped.run()) == 2 and written == [2]
     resumed = make(tmp_path / "c.pt")
     assert resumed.round == 2 and without_timing(resumed.run()) == without_timing(full)
+    # a stop asked for after a round's write check, before run() looks again: run() writes that round itself
+    written.clear()
+    late = make(tmp_path / "d.pt")
+    late.stop = threading.Event()
+    step = late.step
+    late.step = lambda: (step(), late.stop.set())[0]
+    assert len(late.run()) == 1 and written == [1]
 
 
 def test_auto_checkpoint_writes_once_the_time_since_the_last_write_reaches_twenty_writes(monkeypatch, tmp_path):

@@ -381,7 +381,7 @@ def test_batched_one_random_op_equals_the_per_image_loop_with_torchvision_rotate
     ranges; and its rotation against torchvision's at the quarter turns its shortcuts take."""
     from torchvision.transforms.v2 import functional as TF
 
-    from fedsilo.client.data import _rotate_into, one_random_op
+    from fedsilo.client.data import _rotate_into, crop_windows, one_random_op
 
     data = torch.Generator().manual_seed(0)
     cases = [(50, 3, 32, 32, {}), (7, 1, 28, 28, {}), (33, 3, 20, 24, {}), (64, 3, 32, 32, {"max_crop": 6, "max_degrees": 90.0, "max_brightness": 0.3}),
@@ -391,6 +391,15 @@ def test_batched_one_random_op_equals_the_per_image_loop_with_torchvision_rotate
         got = one_random_op(x, torch.Generator().manual_seed(seed), **kw)
         want = _one_random_op_per_image(x, torch.Generator().manual_seed(seed), **kw)
         assert got.shape == want.shape and torch.equal(got, want), (seed, b, c, h, w, kw)
+    # the crop window's start in float32, as the loop's int(u * (2 p + 1)) on a float32 draw: every p of max_crop 8
+    # over offsets near each boundary k / (2 p + 1), among them the one that double precision moves (p = 5)
+    u = torch.tensor([7626007 * 2**-24] + [k / (2 * q + 1) + d for q in range(1, 9) for k in range(2 * q + 2) for d in (-3e-8, 0.0, 3e-8)])
+    u = u.clamp(0.0, 1.0 - 2**-24).float()
+    for q in range(1, 9):
+        m = torch.full((len(u),), q / 8, dtype=torch.float64)
+        p, start = crop_windows(m, u[:, None].expand(-1, 2).contiguous(), 8)
+        assert (p == max(1, int(round(8 * (q / 8))))).all()
+        assert start[:, 0].tolist() == [min(int(v * (2 * int(p[0]) + 1)), 2 * int(p[0])) for v in u]
     x = torch.rand(5, 3, 16, 16, generator=data) * 2 - 1
     angles = [90.0, 180.0, -90.0, 360.0, 47.5]
     out = torch.empty_like(x)

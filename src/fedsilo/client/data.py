@@ -166,8 +166,9 @@ def one_random_op(x: torch.Tensor, gen: torch.Generator, max_crop: int = 4, max_
     inversion two element-wise ops, and the rotated images one ``grid_sample`` over torchvision's rotation grid (its
     inverse rotation matrix about the centre, its base grid, nearest sampling, the fill -1 where the rotation leaves
     the image), so each image is what ``torchvision.transforms.v2.functional.rotate(img, angle, fill=-1.0)`` gives it
-    (torchvision's exact-quarter-turn shortcuts included). The scalars (window offsets, angles, shifts) are computed in
-    double precision as Python computes them per image. A test holds the result bit for bit to a loop over the images
+    (torchvision's exact-quarter-turn shortcuts included). Each scalar (padding, window offset, angle, shift) is
+    computed in the precision the per-image arithmetic had: Python floats, or float32 where a draw stayed a tensor.
+    A test holds the result bit for bit to a loop over the images
     with torchvision's rotate on the CPU; on a GPU the batched grid product may round a grid coordinate differently,
     which can move a rotated pixel at an exact tie of the nearest sampling."""
     b, c, h, w = x.shape
@@ -181,8 +182,8 @@ def one_random_op(x: torch.Tensor, gen: torch.Generator, max_crop: int = 4, max_
     # crop: image i is padded by p_i = max(1, round(max_crop m_i)) and cut at offset min(floor(u (2 p_i + 1)), 2 p_i);
     # taken here from one copy padded by P >= every p_i, the window starting at offset - p_i + P (P: the identity)
     big = max(1, max_crop)
-    p = torch.round(max_crop * m).clamp_min(1).long()
-    off = (offsets.double() * (2 * p + 1)[:, None]).long().minimum((2 * p)[:, None]) - p[:, None] + big
+    p, start = crop_windows(m, offsets, max_crop)
+    off = start - p[:, None] + big
     off = torch.where(crop[:, None], off, torch.full_like(off, big))
     iy = torch.arange(h)[None, :] + off[:, :1]
     ix = torch.arange(w)[None, :] + off[:, 1:]
@@ -202,6 +203,15 @@ def one_random_op(x: torch.Tensor, gen: torch.Generator, max_crop: int = 4, max_
     if bool(rot.any()):
         _rotate_into(out, x, rot, [float(sign[i]) * max_degrees * float(strength[i]) for i in rot.nonzero().flatten().tolist()])
     return out
+
+
+def crop_windows(m: torch.Tensor, u: torch.Tensor, max_crop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One_random_op's crop of strength ``m`` (double) with offset draws ``u`` (float32, b x 2): the padding
+    p = max(1, round(max_crop m)) (Python's round: half to even, on doubles) and the window's start (y, x) in the
+    p-padded image, min(floor(u (2 p + 1)), 2 p), the product in float32 as a float32 draw times a Python int is
+    (in double some starts move: p = 5, u = 7626007 / 2**24 gives 4 instead of 5)."""
+    p = torch.round(max_crop * m).clamp_min(1).long()
+    return p, (u * (2 * p + 1)[:, None].float()).long().minimum((2 * p)[:, None])
 
 
 def _rotate_into(out: torch.Tensor, x: torch.Tensor, which: torch.Tensor, angles: list[float]) -> None:

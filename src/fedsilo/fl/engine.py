@@ -101,6 +101,7 @@ class Engine:
     # set (a first SIGTERM, fl/run.py): the round in flight ends, is checkpointed, and run() returns; None: no stop
     stop: Optional[threading.Event] = None
     _last_save: Optional[tuple[float, float]] = None  # (when the last checkpoint write ended, its seconds)
+    _saved_round: Optional[int] = None  # the round the last checkpoint write holds
     def __init__(
         self,
         method: Method,
@@ -214,6 +215,7 @@ class Engine:
         self._write_checkpoint()
         end = _now()
         self._last_save = (end, end - start)
+        self._saved_round = self.round
 
     def _write_checkpoint(self) -> None:
         with atomic_file(self.checkpoint) as tmp:
@@ -448,6 +450,8 @@ class Engine:
         two apart by ``round < total_rounds``)."""
         while self.round < self.total_rounds and not self.stopping():
             self.step()
+        if self.stopping() and self._saved_round != self.round:  # a stop asked for between a round's write check and here
+            self.save()
         return self.history
 
 

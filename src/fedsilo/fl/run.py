@@ -350,8 +350,8 @@ class GracefulStop:
     def handler(self, signum: int, frame: Any) -> None:
         if self._armed and not self.requested.is_set():
             self.requested.set()
-            log.warning("SIGTERM: ending after the round in flight, with its checkpoint written (a second SIGTERM "
-                        "stops at once, losing the rounds after the last checkpoint)")
+            log.warning("SIGTERM: ending after the round in flight, with its checkpoint written (the last round: the "
+                        "run ends with its outputs; a second SIGTERM stops at once, losing the rounds after the last checkpoint)")
             return
         raise SystemExit(128 + signum)
 
