@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import os
 import threading
 from typing import Any, Optional, Sequence
 
@@ -31,10 +30,7 @@ def _specs(host: Sequence[Any]) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _compose(specs_json: str):
-    # albumentations asks PyPI for its latest version on import unless told not to: a training process (a hospital's
-    # site among them) makes no network call of its own, so it is told not to (a value the user set is kept)
-    os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-    import albumentations as A
+    import albumentations as A  # without its version check: fedsilo/__init__.py sets NO_ALBUMENTATIONS_UPDATE
     from pydantic import ValidationError
 
     transforms = []

@@ -1,0 +1,57 @@
+"""fedsilo reaches only the addresses a user names: the libraries it drives are told not to phone home (MLflow's
+telemetry, albumentations' version check, DVC's analytics and update check, Flower's telemetry). A hospital's site
+and an offline GPU machine make no call of their own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# MLflow keeps its telemetry off where any of these is set (CI, pytest): a user's shell has none of them
+MLFLOW_CI_MARKERS = ("PYTEST_CURRENT_TEST", "GITHUB_ACTIONS", "CI", "CIRCLECI", "GITLAB_CI", "JENKINS_URL", "TRAVIS", "TF_BUILD",
+                     "BITBUCKET_BUILD_NUMBER", "CODEBUILD_BUILD_ARN", "BUILDKITE", "TEAMCITY_VERSION", "CLOUD_RUN_EXECUTION")
+
+
+def _lookups(tmp_path: Path, first_import: str) -> list[str]:
+    """The host names a fresh interpreter looks up while it logs an MLflow run (local SQLite) and builds an
+    albumentations policy, after ``first_import``; its name lookups and connections are recorded and refused."""
+    record = tmp_path / f"lookups-{first_import.replace(' ', '_')}.txt"
+    code = (
+        "import socket, time\n"
+        "def refuse(*a, **k):\n"
+        f"    open({str(record)!r}, 'a').write(str(a[0]) + '\\n')\n"
+        "    raise OSError('offline')\n"
+        "socket.getaddrinfo = socket.create_connection = refuse\n"
+        f"{first_import}\n"
+        "import albumentations, mlflow\n"
+        f"mlflow.set_tracking_uri('sqlite:///{tmp_path / (record.stem + '.db')}')\n"
+        "with mlflow.start_run():\n"
+        "    mlflow.log_metric('acc', 0.5)\n"
+        "time.sleep(1)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in MLFLOW_CI_MARKERS and k not in ("MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK",
+                                                                                        "NO_ALBUMENTATIONS_UPDATE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return record.read_text().split() if record.exists() else []
+
+
+def test_training_libraries_make_no_network_call_once_fedsilo_is_imported(tmp_path):
+    # the control: without fedsilo, the same work looks up MLflow's telemetry host and PyPI (the recorder works)
+    assert _lookups(tmp_path, "pass"), "MLflow / albumentations no longer phone home: the control has nothing to catch"
+    assert _lookups(tmp_path, "import fedsilo") == []
+
+
+def test_the_repository_dvc_config_turns_off_dvc_analytics_and_its_update_check(monkeypatch):
+    from dvc import analytics
+    from dvc.updater import Updater
+
+    for name in ("DVC_TEST", "DVC_NO_ANALYTICS"):  # the committed .dvc/config alone
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(ROOT)
+    assert analytics.is_enabled() is False
+    assert Updater(str(ROOT / ".dvc" / "tmp")).is_enabled() is False
