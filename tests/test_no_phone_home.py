@@ -30,7 +30,7 @@ def _lookups(tmp_path: Path, first_import: str) -> list[str]:
         f"mlflow.set_tracking_uri('sqlite:///{tmp_path / (record.stem + '.db')}')\n"
         "with mlflow.start_run():\n"
         "    mlflow.log_metric('acc', 0.5)\n"
-        "time.sleep(1)\n"
+        "time.sleep(0.2)\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in MLFLOW_CI_MARKERS and k not in ("MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK",
                                                                                         "NO_ALBUMENTATIONS_UPDATE")}
