@@ -10,6 +10,9 @@ PLAN.yaml:
     budget_s: 480                        # wall-clock budget of the training in this call (the device tool allows 600 s a
                                          # call); what is still running then is stopped and resumes in the next call
     threads: 1                           # OMP / torch threads per run (runs packed on one GPU: 1)
+    checks:                              # optional: commands run (from the repository root, src and the root on
+      - python scripts/check_da_cuda.py  # PYTHONPATH) before the training; output in logs/check-<k>.log, status in
+                                         # manifest.json (a failing check is reported, the plan goes on)
     entries:
       - params: pipelines/f2dc/paper/params.yaml
         experiment: f2dc_office
@@ -115,6 +118,17 @@ def prepare(plan: dict[str, Any]) -> tuple[Path, dict[tuple[str, str], Path]]:
     return root_file, copies
 
 
+def _pack(out_dir: Path, manifest: dict[str, Any], files: list[Path]) -> None:
+    """The plan, its params copies and manifest.json into ``out_dir``, then ``out_dir`` into ``<out_dir>.tgz``."""
+    for f in files:
+        shutil.copy2(f, out_dir / f.name)
+    manifest["ended"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str))
+    with tarfile.open(f"{out_dir}.tgz", "w:gz") as tar:
+        tar.add(out_dir, arcname=out_dir.name)
+    shutil.rmtree(out_dir)
+
+
 def main(plan_path: str, out: str) -> int:
     plan = yaml.safe_load(open(plan_path))
     out_dir = Path(out)
@@ -129,8 +143,17 @@ def main(plan_path: str, out: str) -> int:
         manifest["commands"].append(" ".join(cmd[2:]))
         return _sh(cmd, log, env)
 
+    for k, check in enumerate(plan.get("checks") or []):  # seconds each: what a device should confirm before the runs
+        t0 = time.time()
+        path = os.pathsep.join(p for p in ("src", ".", env.get("PYTHONPATH", "")) if p)
+        check_cmd = [sys.executable if check.split()[0] == "python" else check.split()[0], *check.split()[1:]]
+        rc = _sh(check_cmd, out_dir / "logs" / f"check-{k}.log", {**env, "PYTHONPATH": path})
+        manifest.setdefault("checks", []).append({"command": check, "rc": rc, "seconds": round(time.time() - t0, 1),
+                                                  "log": f"logs/check-{k}.log"})
     if step([*CLI, "--params", str(root_file), "fetch", "--source", "office_caltech10"], out_dir / "logs" / "fetch.log"):
-        raise SystemExit("fetch failed: see logs/fetch.log")
+        manifest["error"] = "fetch failed: see logs/fetch.log"  # the tarball still comes back with the logs and checks
+        _pack(out_dir, manifest, [Path(plan_path), root_file, *copies.values()])
+        raise SystemExit(f"fetch failed: see logs/fetch.log in {out_dir}.tgz")
     for dataset in sorted({yaml.safe_load(open(f))["experiments"][e]["dataset"] for (_, e), f in copies.items()}):
         t0 = time.time()
         rc = step([*CLI, "--params", str(root_file), "harmonize", "--dataset", dataset], out_dir / "logs" / f"harmonize-{dataset}.log")
@@ -224,13 +247,7 @@ def main(plan_path: str, out: str) -> int:
         report = Path("results") / p["paper"] / "gpu" / "report" / exp
         if report.exists():
             shutil.copytree(report, out_dir / "report" / exp, dirs_exist_ok=True)
-    for f in [Path(plan_path), root_file, *copies.values()]:
-        shutil.copy2(f, out_dir / f.name)
-    manifest["ended"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str))
-    with tarfile.open(f"{out_dir}.tgz", "w:gz") as tar:
-        tar.add(out_dir, arcname=out_dir.name)
-    shutil.rmtree(out_dir)
+    _pack(out_dir, manifest, [Path(plan_path), root_file, *copies.values()])
     finished = sum(1 for r in manifest["runs"].values() if r.get("rc") == 0)
     print(f"{finished} of {len(manifest['runs'])} runs finished; {out_dir}.tgz")
     for name, r in manifest["runs"].items():
