@@ -102,3 +102,32 @@ def test_dvc_lock_files_rewritten_by_a_repro_do_not_make_the_checkout_dirty(tmp_
     assert git_commit(tmp_path)[1] is False
     (tmp_path / "params.yaml").write_text("x: 2\n")
     assert git_commit(tmp_path)[1] is True
+
+
+def test_a_stop_right_after_the_mlflow_run_starts_marks_it_killed(mirror_root, tmp_path, monkeypatch):
+    """A SIGTERM (or Ctrl-C) landing just after the MLflow run started, before the first round (here: while the
+    progress bar is made), ends that run KILLED, not RUNNING until some later run supersedes it."""
+    import shutil
+
+    import pytest
+
+    from fedsilo.cli import main
+    from fedsilo.config import parse_params
+    from fedsilo.fl import run as run_module
+    from tests.conftest import small_params
+
+    root = tmp_path / "p"
+    shutil.copytree(mirror_root / "data" / "harmonized", root / "data" / "harmonized")
+    raw = small_params(rounds=2)
+    raw["tracking"] = {"enabled": True, "uri": f"sqlite:///{root / 'mlflow.db'}"}
+    (root / "params.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["--root", str(root), "--params", str(root / "params.yaml"), "split", "--experiment", "quick"]) == 0
+
+    def sigterm(*a, **k):
+        raise SystemExit(128 + signal.SIGTERM)
+
+    monkeypatch.setattr(run_module, "Progress", sigterm)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(SystemExit):
+        run_module.run_training(parse_params(raw), "quick", "fedavg", 0, root, quiet=True)
+    assert list(_runs(root).values()) == ["KILLED"]

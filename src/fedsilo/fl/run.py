@@ -232,20 +232,22 @@ def run_training(
         resumed = engine.meta.get("mlflow_run_id")
         run_id = tracker.start_in(ckpt.parent, layout.tracking_experiment(experiment), f"{method}-seed{seed}",
                                   {**resolved, "method_resolved": method_resolved}, tags, run_id=resumed)
-        if run_id and resumed != run_id:
-            engine.meta["mlflow_run_id"] = run_id
-            engine.save()
-        if engine.round:
-            log.info("resuming %s/%s/seed%d after round %d", experiment, method, seed, engine.round)
-        progress = Progress(engine.total_rounds, f"train {experiment}/{method}/seed{seed}", "round", quiet=quiet, initial=engine.round)
+        progress: Optional[Progress] = None
+        try:  # from the MLflow run's start: whatever ends the process from here marks it (KILLED, FAILED) on the way out
+            if run_id and resumed != run_id:
+                engine.meta["mlflow_run_id"] = run_id
+                engine.save()
+            if engine.round:
+                log.info("resuming %s/%s/seed%d after round %d", experiment, method, seed, engine.round)
+            progress = bar = Progress(engine.total_rounds, f"train {experiment}/{method}/seed{seed}", "round", quiet=quiet,
+                                      initial=engine.round)
 
-        def on_round(entry: dict[str, Any]) -> None:
-            tracker.log_round(entry)
-            progress.update(1, round_summary(entry), line="eval" in entry)
+            def on_round(entry: dict[str, Any]) -> None:
+                tracker.log_round(entry)
+                bar.update(1, round_summary(entry), line="eval" in entry)
 
-        engine.on_round = on_round
-        engine.stop = stop.requested
-        try:
+            engine.on_round = on_round
+            engine.stop = stop.requested
             with stop.rounds():
                 history = engine.run()
             if engine.round < engine.total_rounds:  # a first SIGTERM: the round in flight ended and was checkpointed
@@ -296,7 +298,8 @@ def run_training(
             tracker.fail("FAILED")
             raise
         finally:
-            progress.close()
+            if progress is not None:
+                progress.close()
 
 
 class RunInProgress(ConfigError):
