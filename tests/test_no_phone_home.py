@@ -15,35 +15,44 @@ MLFLOW_CI_MARKERS = ("PYTEST_CURRENT_TEST", "GITHUB_ACTIONS", "CI", "CIRCLECI", 
                      "BITBUCKET_BUILD_NUMBER", "CODEBUILD_BUILD_ARN", "BUILDKITE", "TEAMCITY_VERSION", "CLOUD_RUN_EXECUTION")
 
 
-def _lookups(tmp_path: Path, first_import: str) -> list[str]:
-    """The host names a fresh interpreter looks up while it logs an MLflow run (local SQLite) and builds an
-    albumentations policy, after ``first_import``; its name lookups and connections are recorded and refused."""
-    record = tmp_path / f"lookups-{first_import.replace(' ', '_')}.txt"
-    code = (
-        "import socket, time\n"
-        "def refuse(*a, **k):\n"
-        f"    open({str(record)!r}, 'a').write(str(a[0]) + '\\n')\n"
-        "    raise OSError('offline')\n"
-        "socket.getaddrinfo = socket.create_connection = refuse\n"
-        f"{first_import}\n"
-        "import albumentations, mlflow\n"
-        f"mlflow.set_tracking_uri('sqlite:///{tmp_path / (record.stem + '.db')}')\n"
-        "with mlflow.start_run():\n"
-        "    mlflow.log_metric('acc', 0.5)\n"
-        "time.sleep(0.2)\n"
-    )
+def _lookups(tmp_path: Path, first_imports: tuple[str, ...]) -> list[list[str]]:
+    """Per entry of ``first_imports``, the host names a fresh interpreter looks up while it logs an MLflow run (local
+    SQLite) and builds an albumentations policy after that import; its name lookups and connections are recorded and
+    refused. The interpreters run at once (each mostly imports and makes its store)."""
     env = {k: v for k, v in os.environ.items() if k not in MLFLOW_CI_MARKERS and k not in ("MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK",
                                                                                         "NO_ALBUMENTATIONS_UPDATE")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return record.read_text().split() if record.exists() else []
+    started = []
+    for k, first_import in enumerate(first_imports):
+        record = tmp_path / f"lookups-{k}.txt"
+        code = (
+            "import socket, time\n"
+            "def refuse(*a, **k):\n"
+            f"    open({str(record)!r}, 'a').write(str(a[0]) + '\\n')\n"
+            "    raise OSError('offline')\n"
+            "socket.getaddrinfo = socket.create_connection = refuse\n"
+            f"{first_import}\n"
+            "import albumentations, mlflow\n"
+            f"mlflow.set_tracking_uri('sqlite:///{tmp_path / f'store-{k}.db'}')\n"
+            "with mlflow.start_run():\n"
+            "    mlflow.log_metric('acc', 0.5)\n"
+            "time.sleep(0.2)\n"
+        )
+        started.append((record, subprocess.Popen([sys.executable, "-c", code], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                                 stderr=subprocess.PIPE, text=True)))
+    out = []
+    for record, proc in started:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        out.append(record.read_text().split() if record.exists() else [])
+    return out
 
 
 def test_training_libraries_make_no_network_call_once_fedsilo_is_imported(tmp_path):
     # the control: without fedsilo, the same work looks up MLflow's telemetry host and PyPI (the recorder works)
-    assert _lookups(tmp_path, "pass"), "MLflow / albumentations no longer phone home: the control has nothing to catch"
-    assert _lookups(tmp_path, "import fedsilo") == []
+    control, with_fedsilo = _lookups(tmp_path, ("pass", "import fedsilo"))
+    assert control, "MLflow / albumentations no longer phone home: the control has nothing to catch"
+    assert with_fedsilo == []
 
 
 def test_the_repository_dvc_config_turns_off_dvc_analytics_and_its_update_check(monkeypatch):
