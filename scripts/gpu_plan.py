@@ -11,8 +11,9 @@ PLAN.yaml:
                                          # call); what is still running then is stopped and resumes in the next call
     threads: 1                           # OMP / torch threads per run (runs packed on one GPU: 1)
     checks:                              # optional: commands run (from the repository root, src and the root on
-      - python scripts/check_da_cuda.py  # PYTHONPATH) before the training; output in logs/check-<k>.log, status in
-                                         # manifest.json (a failing check is reported, the plan goes on)
+      - python scripts/check_da_cuda.py  # PYTHONPATH; 120 s at most each) before the training; output in
+                                         # logs/check-<k>.log, status in manifest.json (a failing check, or one that
+                                         # cannot run, is reported, the plan goes on)
     entries:
       - params: pipelines/f2dc/paper/params.yaml
         experiment: f2dc_office
@@ -39,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -53,6 +55,7 @@ from typing import Any
 import yaml
 
 WORK = Path(".gpu")
+CHECK_TIMEOUT_S = 120  # a plan's check: seconds at most (the device call's 600 s hold the training too)
 CLI = [sys.executable, "-m", "fedsilo.cli"]
 
 
@@ -63,6 +66,29 @@ def _sh(cmd: list[str], log: Path | None = None, env: dict[str, str] | None = No
     finally:
         if log:
             out.close()
+
+
+def _check(check: str, log: Path, env: dict[str, str]) -> dict[str, Any]:
+    """One of a plan's checks: its command (``python`` / ``python3``: this interpreter; ``src`` and the repository
+    root on PYTHONPATH), at most CHECK_TIMEOUT_S seconds; its exit status, or why it could not run, never an exception
+    that would end the plan before anything is packed."""
+    t0 = time.time()
+    path = os.pathsep.join(p for p in ("src", ".", env.get("PYTHONPATH", "")) if p)
+    try:
+        cmd = shlex.split(check)
+        if not cmd:
+            raise ValueError("an empty command")
+        if cmd[0] in ("python", "python3"):
+            cmd[0] = sys.executable
+        with open(log, "w") as out:
+            rc: Any = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env={**env, "PYTHONPATH": path},
+                                     timeout=CHECK_TIMEOUT_S).returncode
+    except subprocess.TimeoutExpired:
+        rc = f"stopped after {CHECK_TIMEOUT_S} s"
+    except (OSError, ValueError) as err:
+        rc = f"could not run: {err}"
+        log.write_text(f"{rc}\n")
+    return {"rc": rc, "seconds": round(time.time() - t0, 1)}
 
 
 def _git(*args: str) -> str:
@@ -144,11 +170,7 @@ def main(plan_path: str, out: str) -> int:
         return _sh(cmd, log, env)
 
     for k, check in enumerate(plan.get("checks") or []):  # seconds each: what a device should confirm before the runs
-        t0 = time.time()
-        path = os.pathsep.join(p for p in ("src", ".", env.get("PYTHONPATH", "")) if p)
-        check_cmd = [sys.executable if check.split()[0] == "python" else check.split()[0], *check.split()[1:]]
-        rc = _sh(check_cmd, out_dir / "logs" / f"check-{k}.log", {**env, "PYTHONPATH": path})
-        manifest.setdefault("checks", []).append({"command": check, "rc": rc, "seconds": round(time.time() - t0, 1),
+        manifest.setdefault("checks", []).append({"command": check, **_check(str(check), out_dir / "logs" / f"check-{k}.log", env),
                                                   "log": f"logs/check-{k}.log"})
     if step([*CLI, "--params", str(root_file), "fetch", "--source", "office_caltech10"], out_dir / "logs" / "fetch.log"):
         manifest["error"] = "fetch failed: see logs/fetch.log"  # the tarball still comes back with the logs and checks

@@ -15,7 +15,7 @@ MLFLOW_CI_MARKERS = ("PYTEST_CURRENT_TEST", "GITHUB_ACTIONS", "CI", "CIRCLECI", 
                      "BITBUCKET_BUILD_NUMBER", "CODEBUILD_BUILD_ARN", "BUILDKITE", "TEAMCITY_VERSION", "CLOUD_RUN_EXECUTION")
 
 
-def _lookups(tmp_path: Path, first_imports: tuple[str, ...]) -> list[list[str]]:
+def _lookups(tmp_path: Path, first_imports: tuple[str, ...]) -> list[set[str]]:
     """Per entry of ``first_imports``, the host names a fresh interpreter looks up while it logs an MLflow run (local
     SQLite) and builds an albumentations policy after that import; its name lookups and connections are recorded and
     refused. The interpreters run at once (each mostly imports and makes its store)."""
@@ -28,7 +28,7 @@ def _lookups(tmp_path: Path, first_imports: tuple[str, ...]) -> list[list[str]]:
         code = (
             "import socket, time\n"
             "def refuse(*a, **k):\n"
-            f"    open({str(record)!r}, 'a').write(str(a[0]) + '\\n')\n"
+            f"    open({str(record)!r}, 'a').write(str(a[0][0] if isinstance(a[0], tuple) else a[0]) + '\\n')\n"
             "    raise OSError('offline')\n"
             "socket.getaddrinfo = socket.create_connection = refuse\n"
             f"{first_import}\n"
@@ -36,23 +36,30 @@ def _lookups(tmp_path: Path, first_imports: tuple[str, ...]) -> list[list[str]]:
             f"mlflow.set_tracking_uri('sqlite:///{tmp_path / f'store-{k}.db'}')\n"
             "with mlflow.start_run():\n"
             "    mlflow.log_metric('acc', 0.5)\n"
-            "time.sleep(0.2)\n"
+            "time.sleep(0.5)\n"
         )
         started.append((record, subprocess.Popen([sys.executable, "-c", code], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
                                                  stderr=subprocess.PIPE, text=True)))
     out = []
-    for record, proc in started:
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-2000:]
-        out.append(record.read_text().split() if record.exists() else [])
+    try:
+        for record, proc in started:
+            _, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-2000:]
+            out.append(set(record.read_text().split()) if record.exists() else set())
+    finally:
+        for _, proc in started:  # one that failed or hung ends with the test
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return out
 
 
 def test_training_libraries_make_no_network_call_once_fedsilo_is_imported(tmp_path):
     # the control: without fedsilo, the same work looks up MLflow's telemetry host and PyPI (the recorder works)
     control, with_fedsilo = _lookups(tmp_path, ("pass", "import fedsilo"))
-    assert control, "MLflow / albumentations no longer phone home: the control has nothing to catch"
-    assert with_fedsilo == []
+    # each library's own host, by name (MLflow's lookup runs in a thread of its own: named, it cannot pass unseen)
+    assert control >= {"config.mlflow-telemetry.io", "pypi.org"}, f"the control looked up {control}: nothing left to catch?"
+    assert with_fedsilo == set()
 
 
 def test_the_repository_dvc_config_turns_off_dvc_analytics_and_its_update_check(monkeypatch):
