@@ -99,4 +99,3 @@ def test_device_crop_pads_black_as_torchvision_randomcrop():
     out = augment(x, AugmentParams(crop_pad=4), torch.Generator().manual_seed(0))
     values = set(out.unique().tolist())
     assert values <= {-1.0, 1.0} and -1.0 in values
-

@@ -130,6 +130,13 @@ def to_float(x_u8: torch.Tensor) -> torch.Tensor:
     return x_u8.float().div_(127.5).sub_(1.0)
 
 
+def _windows(padded: torch.Tensor, iy: torch.Tensor, ix: torch.Tensor) -> torch.Tensor:
+    """Image i of ``padded`` (b x c x H x W) read at rows ``iy[i]`` (h) and columns ``ix[i]`` (w): one gather for the
+    whole batch (a crop window per image; a column order read backwards is a flip)."""
+    bi = torch.arange(padded.shape[0], device=padded.device)[:, None, None]
+    return padded.permute(0, 2, 3, 1)[bi, iy[:, :, None], ix[:, None, :]].permute(0, 3, 1, 2)
+
+
 def augment(x: torch.Tensor, params: AugmentParams, gen: torch.Generator) -> torch.Tensor:
     """Random crop after padding with black and horizontal flip, per sample, on the tensor's device.
 
@@ -144,8 +151,7 @@ def augment(x: torch.Tensor, params: AugmentParams, gen: torch.Generator) -> tor
         ox = torch.randint(0, 2 * p + 1, (b,), generator=gen).to(x.device)
         iy = (torch.arange(h, device=x.device)[None, :] + oy[:, None])  # b x h
         ix = (torch.arange(w, device=x.device)[None, :] + ox[:, None])  # b x w
-        bi = torch.arange(b, device=x.device)[:, None, None]
-        x = xp.permute(0, 2, 3, 1)[bi, iy[:, :, None], ix[:, None, :]].permute(0, 3, 1, 2)
+        x = _windows(xp, iy, ix)
     if params.hflip:
         flip = (torch.rand(b, generator=gen) < 0.5).to(x.device)
         x = torch.where(flip[:, None, None, None], x.flip(3), x)
@@ -190,8 +196,7 @@ def one_random_op(x: torch.Tensor, gen: torch.Generator, max_crop: int = 4, max_
     ix = torch.where(flip[:, None], ix.flip(1), ix)  # the flip: the window read right to left
     iy, ix = iy.to(dev, non_blocking=True), ix.to(dev, non_blocking=True)
     padded = torch.nn.functional.pad(x, (big, big, big, big))
-    out = padded.permute(0, 2, 3, 1)[torch.arange(b, device=dev)[:, None, None], iy[:, :, None], ix[:, None, :]]
-    out = out.permute(0, 3, 1, 2).contiguous()
+    out = _windows(padded, iy, ix).contiguous()
     # brightness: the shift as a Python float, 2 s m_i max_brightness, added in the images' dtype; inversion: -v
     shift = (2.0 * max_brightness * m * sign.double()).to(x.dtype)
     if bool(bright.any()):
