@@ -100,6 +100,9 @@ def _split(args: argparse.Namespace) -> None:
     card = read_json(rec_path.parent / "card.json")
     split = make_split(records, exp.split, exp.split.seed)
     split["data_sha256"] = card["sha256"]  # ties the split to the exact arrays it indexes
+    # the model's outputs: the dataset's class list, even where its last classes have no image in these records (a
+    # class list given in params, a domain filter)
+    split["num_classes"] = max(split["num_classes"], len(card.get("classes") or ()))
     check_patient_disjoint(records, split)
     split["experiment"] = args.experiment
     split["dataset"] = exp.dataset

@@ -12,7 +12,7 @@ import math
 import re
 import types
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -22,9 +22,10 @@ from fedsilo.layout import Layout
 
 CXR_SOURCES = ("chexpert", "openi", "rsna", "vinbigdata")
 CXR_DOMAINS = ("CheXpert", "OpenI", "RSNA", "VinBigData")  # the domains of the four sources, in their order
-# readers for a source of the user's own (any name not among SOURCE_MODES): its files plus a label table the user
-# describes in the dataset's params (``datasets.<d>.tables.<source>``), and the fetch modes they offer
-TABLE_READERS: dict[str, tuple[str, ...]] = {"cxr_table": ("mirror", "local")}
+# readers for a source of the user's own (any name not among SOURCE_MODES), and the fetch modes they offer:
+# ``cxr_table``: chest X-ray files plus a label table the user describes (``datasets.<d>.tables.<source>``);
+# ``image_folder``: images in one folder per class (``datasets.<d>.folders.<source>``), for the benchmark kinds
+OWN_READERS: dict[str, tuple[str, ...]] = {"cxr_table": ("mirror", "local"), "image_folder": ("mirror", "local")}
 SOURCE_NAME = re.compile(r"[a-z0-9][a-z0-9_]{0,63}")  # a source name is a folder (data/raw/<name>) and a DVC stage key
 DOMAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}")  # a domain names clients and MLflow metric keys
 RESERVED_DOMAINS = frozenset({"Avg", "STD", "Delta", "forgetting", "final"})  # the report tables' columns beside the domains
@@ -134,6 +135,7 @@ DATASET_SOURCES: dict[str, tuple[str, ...]] = {
     "cinic10": ("cinic10",),
     "femnist": ("femnist",),  # one domain; its writers are the natural clients (split.protocol: by_writer)
     "kather_crc": ("kather_crc",),  # two centres' H&E patches, nine tissue classes
+    "image_folder": (),  # only sources of your own (reader: image_folder)
 }
 
 
@@ -153,9 +155,11 @@ class RemoteFileParams(Strict):
 
 class SourceParams(Strict):
     mode: Literal["mirror", "local", "download", "kaggle", "physionet", "aimi"] = "mirror"
-    reader: Optional[Literal["cxr_table"]] = Field(
+    reader: Optional[Literal["cxr_table", "image_folder"]] = Field(
         None, description="a source of your own (any name): 'cxr_table' = chest X-rays (DICOM, PNG, JPEG) with a label "
-        "table, read by the rules under datasets.<dataset>.tables.<source>; leave unset for the named public sources")
+        "table, read by the rules under datasets.<dataset>.tables.<source>; 'image_folder' = images in one folder per "
+        "class (a benchmark kind's dataset, or kind image_folder), read by datasets.<dataset>.folders.<source>; leave "
+        "unset for the named public sources")
     path: Optional[str] = Field(None, description="folder or archive for mode=local")
     files: tuple[RemoteFileParams, ...] = Field((), description="download mode: the files to fetch instead of the official list")
     checksums: dict[str, str] = Field(default_factory=dict, description="file name -> 'sha256:<hex>' pins for files with no published checksum")
@@ -194,6 +198,15 @@ class ReleasedCXR4Rules(Strict):
     )
 
 
+def check_domain_name(v: str) -> None:
+    """Raise when ``v`` cannot name a domain (a client in splits, reports and MLflow metric keys)."""
+    if not DOMAIN_NAME.fullmatch(v):
+        raise ValueError(f"{v!r}: a domain name is letters, digits, spaces, '.', '_' and '-' (it names a client in "
+                         "splits, reports and MLflow metric keys)")
+    if v in RESERVED_DOMAINS:
+        raise ValueError(f"{v!r} is a column of the report's tables ({', '.join(sorted(RESERVED_DOMAINS))}): choose another name")
+
+
 class CXRTableRules(Strict):
     """How to read a hospital's own label table (a source with ``reader: cxr_table``): one row per image; each rule
     names a column of the table or the values that map to the task's labels and views (compared case-blind, trimmed)."""
@@ -219,11 +232,8 @@ class CXRTableRules(Strict):
     @field_validator("domain")
     @classmethod
     def _domain_name(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None and not DOMAIN_NAME.fullmatch(v):
-            raise ValueError(f"{v!r}: a domain name is letters, digits, spaces, '.', '_' and '-' (it names a client in "
-                             "splits, reports and MLflow metric keys)")
-        if v is not None and v in RESERVED_DOMAINS:
-            raise ValueError(f"{v!r} is a column of the report's tables ({', '.join(sorted(RESERVED_DOMAINS))}): choose another name")
+        if v is not None:
+            check_domain_name(v)
         return v
 
     @field_validator("file")
@@ -335,14 +345,71 @@ class CXRDatasetParams(Strict):
         return tuple(self.sources)
 
 
-BENCHMARK_KINDS = ("digits5", "office_caltech10", "pacs", "domainnet10", "digit10", "office31", "kather_crc")
+FOLDER_LAYOUTS = ("class", "subset/class", "domain/class", "domain/subset/class")
+
+
+class ImageFolderRules(Strict):
+    """How to read a folder of your own images sorted into one folder per class (a source with ``reader:
+    image_folder``), torchvision's ``ImageFolder`` layout and its common variants: below the source's folder an
+    optional domain level (several sites in one folder), an optional subset level (your own train / val / test),
+    then one folder per class; images may sit at any depth below their class folder (``<class>/<slide>/<patch>``)."""
+
+    layout: Literal["class", "subset/class", "domain/class", "domain/subset/class"] = Field(
+        "class", description="the folder levels above the images: class = <class>/<image>; subset/class = "
+        "<train|val|test>/<class>/<image>; domain/class and domain/subset/class = one folder per domain (site) first")
+    domain: Optional[str] = Field(None, description="the domain (client / site name) the images form; default: the "
+                                  "source's name (not with a domain/... layout, whose domain folders name the domains)")
+    classes: dict[str, str] = Field(default_factory=dict, description="class folder name -> the dataset's class, for "
+                                    "folders named otherwise (default: folder names matched to the classes, ignoring "
+                                    "case, spaces, '_' and '-')")
+    skip: tuple[str, ...] = Field((), description="class folders left out (each image excluded with the reason, counted in card.md)")
+    group: Optional[str] = Field(None, description="what keeps images together on one side of every split (a patient, a "
+                                 "slide): null = each image its own group (warned); 'folder' = the first folder below the "
+                                 "class folder (<class>/<slide>/<patch>); otherwise a regular expression whose one capture "
+                                 "group, searched in the file name, is the group (e.g. '^(TCGA-..-....)')")
+
+    @field_validator("domain")
+    @classmethod
+    def _domain_name(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            check_domain_name(v)
+        return v
+
+    @field_validator("group")
+    @classmethod
+    def _group(cls, v: Optional[str]) -> Optional[str]:
+        if v is None or v == "folder":
+            return v
+        try:
+            pattern = re.compile(v)
+        except re.error as err:
+            raise ValueError(f"{v!r} is not a regular expression ({err}); 'folder' takes the folder below the class folder") from None
+        if pattern.groups != 1:
+            raise ValueError(f"{v!r} has {pattern.groups} capture groups: it needs exactly one, the part of the file name "
+                             "that names the group (e.g. '^(P[0-9]+)_')")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ImageFolderRules":
+        if self.domain is not None and self.layout.startswith("domain/"):
+            raise ValueError(f"domain: not with layout {self.layout} (its domain folders name the domains)")
+        both = sorted(set(self.skip) & set(self.classes))
+        if both:
+            raise ValueError(f"skip and classes both name {', '.join(both)}")
+        return self
+
+
+BENCHMARK_KINDS = ("digits5", "office_caltech10", "pacs", "domainnet10", "digit10", "office31", "kather_crc", "image_folder")
 
 
 class BenchmarkDatasetParams(Strict):
-    """A multi-domain classification benchmark: every image becomes RGB ``image_size`` x ``image_size`` uint8."""
+    """A multi-domain classification benchmark: every image becomes RGB ``image_size`` x ``image_size`` uint8. Beside
+    (or, with ``kind: image_folder``, instead of) the kind's public sources, sources of your own with ``reader:
+    image_folder`` add domains, their class folders mapped to the dataset's classes (``folders``)."""
 
-    kind: Literal["digits5", "office_caltech10", "pacs", "domainnet10", "digit10", "office31", "kather_crc"]
-    sources: Optional[tuple[str, ...]] = Field(None, description="default: every source of the kind")
+    kind: Literal["digits5", "office_caltech10", "pacs", "domainnet10", "digit10", "office31", "kather_crc", "image_folder"]
+    sources: Optional[tuple[str, ...]] = Field(None, description="default: every source of the kind; beside them, or "
+                                               "alone with kind image_folder, sources of your own with reader: image_folder")
     domains: Optional[tuple[str, ...]] = Field(None, description="keep only these domains (default: all)")
     image_size: int = Field(32, ge=8, le=1024)
     square: Literal["stretch", "crop", "pad"] = Field("stretch", description="stretch resizes directly, as FedBN does")
@@ -350,18 +417,59 @@ class BenchmarkDatasetParams(Strict):
     sample_seed: int = 0
     max_quarantine_fraction: float = Field(0.05, ge=0.0, le=1.0)
     workers: int = Field(0, ge=0, description="decode processes; 0 = all cores")
+    classes: Optional[tuple[str, ...]] = Field(None, description="kind image_folder: the class list, in label order "
+                                               "(default: the class folders' names, sorted, as torchvision's ImageFolder does)")
+    folders: dict[str, ImageFolderRules] = Field(default_factory=dict, description="per source of your own (reader: "
+                                                 "image_folder): how its folders are laid out (default: ImageFolderRules' defaults)")
+    _own_allowed: ClassVar[bool] = True  # sources of your own may join (not a single-domain dataset's one domain)
 
     @model_validator(mode="after")
     def _sources(self) -> "BenchmarkDatasetParams":
         allowed = DATASET_SOURCES[self.kind]
         for s in self.sources or ():
-            if s not in allowed:
-                raise ValueError(f"sources: '{s}' is not a source of {self.kind} (its sources: {', '.join(allowed)})")
+            if s not in allowed and (s in SOURCE_MODES or not self._own_allowed):
+                raise ValueError(f"sources: '{s}' is not a source of {self.kind} (its sources: {', '.join(allowed)}"
+                                 + (")" if not self._own_allowed else "; or a source of your own with reader: image_folder)"))
+        twice = sorted({s for s in self.sources or () if self.sources.count(s) > 1})
+        if twice:
+            raise ValueError(f"sources: {', '.join(twice)} listed twice")
+        if self.kind == "image_folder" and not self.sources:
+            raise ValueError("sources: kind image_folder needs your own sources (reader: image_folder) listed")
+        if self.classes is not None:
+            if self.kind != "image_folder":
+                raise ValueError(f"classes: only for kind image_folder ({self.kind}'s classes are its public sources')")
+            dup = sorted({c for c in self.classes if self.classes.count(c) > 1})
+            if len(self.classes) < 2 or dup or not all(c.strip() for c in self.classes):
+                raise ValueError("classes: two or more distinct, non-blank class names"
+                                 + (f" ({', '.join(dup)} listed twice)" if dup else ""))
+            for s, rules in self.folders.items():
+                for folder, cls in rules.classes.items():
+                    if cls not in self.classes:
+                        raise ValueError(f"folders.{s}.classes.{folder}: {cls!r} is not among classes ({', '.join(self.classes)})")
+        for s in self.folders:
+            if s not in self.source_list:
+                raise ValueError(f"folders.{s}: '{s}' is not among this dataset's sources ({', '.join(self.source_list)})")
+            if s not in self.own_sources():
+                raise ValueError(f"folders.{s}: {s} is a public source with its own layout; folders are for sources of "
+                                 "your own (reader: image_folder)")
         return self
 
     @property
     def source_list(self) -> tuple[str, ...]:
         return tuple(self.sources or DATASET_SOURCES[self.kind])
+
+    def own_sources(self) -> tuple[str, ...]:
+        """The sources of the user's own (``reader: image_folder``), in the dataset's order."""
+        return tuple(s for s in self.source_list if s not in DATASET_SOURCES[self.kind])
+
+    def rules(self, source: str) -> ImageFolderRules:
+        return self.folders.get(source, ImageFolderRules())
+
+    def domain_of(self, source: str) -> Optional[str]:
+        """The one domain a source of your own forms (its rules' ``domain``, default its name); None when its folders
+        name several (a ``domain/...`` layout)."""
+        rules = self.rules(source)
+        return None if rules.layout.startswith("domain/") else rules.domain or source
 
 
 SINGLE_DOMAIN_KINDS = ("cifar10", "cifar100", "fmnist", "emnist", "cinic10", "femnist")
@@ -375,6 +483,14 @@ class SingleDomainDatasetParams(BenchmarkDatasetParams):
 
     kind: Literal["cifar10", "cifar100", "fmnist", "emnist", "cinic10", "femnist"]
     channels: Literal["native", "rgb"] = Field("native", description="native keeps the data's channels; rgb replicates grey to three")
+    _own_allowed: ClassVar[bool] = False
+
+    @model_validator(mode="after")
+    def _no_folders(self) -> "SingleDomainDatasetParams":
+        if self.folders:
+            raise ValueError(f"folders: {self.kind} is one public domain; give sources of your own a dataset of kind "
+                             "image_folder (or join them to a multi-domain kind)")
+        return self
 
 
 # --------------------------------------------------------------------------- split
@@ -777,13 +893,14 @@ class Params(Strict):
                 if not SOURCE_NAME.fullmatch(s):
                     raise ValueError(f"sources.{s}: a source of your own needs a name of lower-case letters, digits and _ "
                                      "(it names the folder data/raw/<name> and the DVC stage fetch@<name>)")
-                modes = TABLE_READERS[sp.reader]
+                modes = OWN_READERS[sp.reader]
                 if sp.mode not in modes:
                     raise ValueError(f"sources.{s}.mode: {sp.mode!r} is not offered by reader {sp.reader} (its modes: {', '.join(modes)})")
                 continue
             if s not in SOURCE_MODES:
                 raise ValueError(f"sources.{s}: unknown source (known: {', '.join(SOURCE_MODES)}; a source of your own "
-                                 "needs 'reader: cxr_table')")
+                                 "needs 'reader: cxr_table' (chest X-rays and a label table) or 'reader: image_folder' (one "
+                                 "folder per class))")
             if sp.mode not in SOURCE_MODES[s]:
                 raise ValueError(f"sources.{s}.mode: {sp.mode!r} is not offered by {s} (its modes: {', '.join(SOURCE_MODES[s])})")
         for name, ds in self.datasets.items():
@@ -792,6 +909,8 @@ class Params(Strict):
                     raise ValueError(f"datasets.{name}.sources: '{s}' has no entry under 'sources'")
             if isinstance(ds, CXRDatasetParams):
                 _check_cxr_sources(name, ds, self.sources)
+            else:
+                _check_folder_sources(name, ds, self.sources)
         for name, ex in self.experiments.items():
             if ex.dataset not in self.datasets:
                 raise ValueError(f"experiments.{name}.dataset: '{ex.dataset}' is not under 'datasets'")
@@ -841,6 +960,27 @@ def _check_cxr_sources(name: str, ds: CXRDatasetParams, sources: dict[str, Sourc
                 raise ValueError(f"datasets.{name}.tables.{mine}.domain: {dom!r} is also the domain of "
                                  f"{domains[key] if mine == s else s}; every source forms a domain of its own (set a distinct 'domain')")
             domains[key] = s
+
+
+def _check_folder_sources(name: str, ds: BenchmarkDatasetParams, sources: dict[str, SourceParams]) -> None:
+    """A benchmark dataset's sources of your own are image folders, and the domains they name are their own."""
+    seen: dict[str, str] = {}
+    for s in ds.own_sources():
+        if sources[s].reader != "image_folder":
+            raise ValueError(f"datasets.{name}.sources: '{s}' is not a source of {ds.kind} nor one with reader: image_folder "
+                             f"(sources.{s}.reader is {sources[s].reader}" + ("; chest X-rays with a label table join a "
+                             "kind: chest_xray4 dataset)" if sources[s].reader == "cxr_table" else ")"))
+        dom = ds.domain_of(s)
+        if dom is None:
+            continue
+        if dom in RESERVED_DOMAINS:  # the source's name, no domain of its own set
+            raise ValueError(f"datasets.{name}.folders.{s}.domain: {dom!r} (the source's name) is a column of the report's "
+                             f"tables ({', '.join(sorted(RESERVED_DOMAINS))}): set another 'domain'")
+        key = dom.strip().casefold()
+        if key in seen:
+            raise ValueError(f"datasets.{name}.folders.{s}.domain: {dom!r} is also the domain of {seen[key]}; every source "
+                             "forms a domain of its own (set a distinct 'domain')")
+        seen[key] = s
 
 
 def _check_model_fits(experiment: str, ex: ExperimentParams, dataset: str, size: int) -> None:
@@ -978,11 +1118,12 @@ def load_paper_params(path: Path, raw: dict[str, Any]) -> Params:
                 f"(define it under datasets there and add it to pipeline.datasets)"
             )
         ds = root.datasets[ex.dataset]
-        if isinstance(ds, CXRDatasetParams) and ds.own_sources():
+        if ds.own_sources():
+            kind = "chest_xray4" if isinstance(ds, CXRDatasetParams) else ds.kind
             raise ConfigError(
                 f"{path}: experiments.{e}.dataset: '{ex.dataset}' holds sources of your own in {pp.data} "
                 f"({', '.join(ds.own_sources())}); a paper's pipeline reproduces its published tables on the public domains: "
-                f"give your sources a dataset of their own there (datasets.<name>: {{kind: chest_xray4, sources: [...]}}) "
+                f"give your sources a dataset of their own there (datasets.<name>: {{kind: {kind}, sources: [...]}}) "
                 f"and keep datasets.{ex.dataset} to the public sources"
             )
     methods: dict[str, None] = {}

@@ -47,7 +47,7 @@ from fedsilo.data.imageops import (
     resize_area,
     square,
 )
-from fedsilo.data.sources import cxr_table, source_module
+from fedsilo.data.sources import cxr_table, image_folder, source_module
 from fedsilo.utils.io import atomic_dir, file_sha256, write_json
 from fedsilo.utils.progress import Progress
 
@@ -286,38 +286,65 @@ def to_dataset_classes(rec: pd.DataFrame, names: list[str], classes: list[str], 
     return rec
 
 
-def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path) -> tuple[pd.DataFrame, list[str], dict[str, Any]]:
-    """Every record of a benchmark dataset's sources (its ``domains`` only), the dataset's classes and the source
-    modules that read them."""
+def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str = "") -> tuple[pd.DataFrame, list[str], dict[str, Any], list[str]]:
+    """Every record of a benchmark dataset's sources (its ``domains`` only), the dataset's classes, the source
+    modules that read them and the warnings the rules call for. Sources of your own (``reader: image_folder``) are
+    read after the public ones, whose class list (the first public source's, unless the kind has its own) they map
+    to; a ``kind: image_folder`` dataset's classes are its ``classes`` or its folders' sorted names. ``name`` is the
+    dataset's key in params (for messages)."""
     raw_root = Path(raw_root)
-    frames = []
+    frames: dict[str, pd.DataFrame] = {}
     modules = {}
     classes: list[str] = list(KIND_CLASSES.get(params.kind, ()))
     for src in params.source_list:
+        if not (raw_root / src).is_dir():
+            raise HarmonizeError(f"{raw_root / src}: raw source folder missing (run `dvc repro fetch@{src}`)")
+    own = params.own_sources()
+    for src in params.source_list:
+        if src in own:
+            continue
         raw_dir = raw_root / src
-        if not raw_dir.is_dir():
-            raise HarmonizeError(f"{raw_dir}: raw source folder missing (run `dvc repro fetch@{src}`)")
         mod = modules[src] = source_module(src)
         rec = mod.read_records(raw_dir, None)
         names = source_classes(mod, raw_dir)
         classes = classes or names  # the first source's class list is the dataset's unless the kind has its own
         rec = to_dataset_classes(rec, names, classes, params.kind)
         rec["source"] = src
-        frames.append(rec)
-    records = pd.concat(frames, ignore_index=True)
+        frames[src] = rec
+    keys = {src: f"datasets.{name or '<dataset>'}.folders.{src}" for src in own}
+    scans = {src: image_folder.scan(raw_root / src, params.rules(src), params.domain_of(src), keys[src]) for src in own}
+    if not classes:  # kind image_folder: its own list, or the folders' names as torchvision's ImageFolder sorts them
+        classes = list(params.classes or image_folder.one_spelling(set().union(*(image_folder.class_names(scans[s], params.rules(s)) for s in own))))
+        if len(classes) < 2:
+            raise HarmonizeError(f"{name or params.kind}: the class folders name {len(classes)} class ({', '.join(classes)}); "
+                                 "a classification task needs two or more")
+    warnings = []
+    for src in own:
+        rec = image_folder.read_records(raw_root / src, scans[src], params.rules(src), classes, keys[src])
+        theirs = set(rec["domain"])
+        for other, frame in frames.items():
+            clash = sorted(theirs & set(frame["domain"]))
+            if clash:
+                raise HarmonizeError(f"{src}: domain {clash[0]!r} is also a domain of {other}; every source forms domains of "
+                                     f"its own (set {keys[src]}.domain, or rename its domain folder)")
+        rec["source"] = src
+        frames[src] = rec
+        if params.rules(src).group is None:
+            warnings.append(f"{src} ({', '.join(sorted(theirs))}) {image_folder.NO_GROUP_WARNING}")
+    records = pd.concat([frames[s] for s in params.source_list], ignore_index=True)
     if params.domains:
         unknown = sorted(set(params.domains) - set(records["domain"]))
         if unknown:
             raise HarmonizeError(f"domains: {unknown} not found in the raw data (have: {sorted(records['domain'].unique())})")
         records = records[records["domain"].isin(params.domains)].reset_index(drop=True)
     records["id"] = records["source"] + "/" + records["id"]
-    return records, classes, modules
+    return records, classes, modules, warnings
 
 
 def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:
     raw_root = Path(raw_root)
     workers = params.workers or os.cpu_count() or 1
-    records, classes, modules = benchmark_records(params, raw_root)
+    records, classes, modules, warnings = benchmark_records(params, raw_root, Path(out_dir).name)
     excluded = records[records["excluded"] != ""].reset_index(drop=True)
     kept = _cap(records[records["excluded"] == ""], params.max_per_domain, params.sample_seed).reset_index(drop=True)
 
@@ -362,10 +389,16 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
         "office31": "31 office object classes",
         "femnist": "62 character classes (LEAF's FEMNIST: digits, upper- and lower-case letters; one writer per record)",
         "kather_crc": "9 colorectal tissue classes (H&E patches, two centres)",
+        "image_folder": f"{len(classes)} classes of your own",
     }
+    own = params.own_sources()
+    task = tasks[params.kind] + (f", with domains of your own ({', '.join(own)})" if own and params.kind != "image_folder" else "")
     return write_dataset(
         Path(out_dir), table, [img for img, _ in results if img is not None], excluded, quarantine,
-        {"dataset": params.kind, "task": tasks[params.kind], "classes": classes, "rules": params.model_dump(mode="json")},
+        {"dataset": params.kind, "task": task, "classes": classes,
+         "rules": {**params.model_dump(mode="json", exclude={"folders"} | ({"classes"} if params.kind != "image_folder" else set())),
+                   **({"folders": {s: params.rules(s).model_dump(mode="json") for s in own}} if own else {})},
+         **({"warnings": warnings} if warnings else {})},
     )
 
 
@@ -381,8 +414,7 @@ def preview_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root:
         classes = ["Normal", "Lung Opacity"]
         kept = records[records["excluded"] == ""]
     else:
-        records, classes, _ = benchmark_records(params, raw_root)
-        warnings = []
+        records, classes, _, warnings = benchmark_records(params, raw_root, name)
         kept = _cap(records[records["excluded"] == ""], params.max_per_domain, params.sample_seed)
     unit = "source" if isinstance(params, CXRDatasetParams) else "domain"  # what harmonize checks, as it checks it
     fails = []

@@ -394,6 +394,28 @@ def write_kather_crc(out: Path, p: MirrorParams) -> None:
                 _save(out / domain / cls / f"{cls}-{name}.tif", tissue_patch(rng, k, p.image_px, stain))
 
 
+def write_image_folder(out: Path, p: MirrorParams, name: str = "image_folder") -> None:
+    """What a pathology department's own patches look like to ``reader: image_folder`` at its defaults (layout
+    ``class``): one folder per tissue class, named by Kather's codes in the department's lower case (``tum/``, ``str/``;
+    matched to kather_crc's classes loosely), the patches in one folder per slide below it
+    (``<class>/<slide>/<slide>_<x>_<y>.png``: ``group: folder`` keeps a slide's patches together), a slide's patches
+    spread over several classes, a ``README.txt`` beside the class folders and a Windows ``Thumbs.db`` in one of them.
+    The stain is drawn from the seed and the source's name (each department its own look)."""
+    from fedsilo.data.sources.kather_crc import CLASSES
+
+    rng = _rng(f"image_folder/{name}", p.seed)
+    stain = (float(rng.uniform(-0.1, 0.1)), float(rng.uniform(-0.1, 0.12)))
+    slides = [f"S{int(v):05d}" for v in rng.choice(100000, 4, replace=False)]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "README.txt").write_text("H&E patches, 0.5 um/px, one folder per tissue class, one folder per slide below it\n")
+    for k, cls in enumerate(CLASSES):
+        for i in range(p.per_class):
+            slide = slides[(i + k) % len(slides)]
+            x, y = 224 * i, 224 * int(rng.integers(0, 200))
+            _save(out / cls.lower() / slide / f"{slide}_{x}_{y}.png", tissue_patch(rng, k, p.image_px, stain))
+    (out / CLASSES[0].lower() / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0" + bytes(60))
+
+
 WRITERS: dict[str, Callable[[Path, MirrorParams], None]] = {
     "mnist": write_mnist,
     "svhn": write_svhn,
@@ -405,4 +427,5 @@ WRITERS: dict[str, Callable[[Path, MirrorParams], None]] = {
     "pacs": write_pacs,
     "domainnet": write_domainnet,
     "office31": write_office31,
+    "image_folder": write_image_folder,  # the mirror of a source of your own with reader: image_folder
 }

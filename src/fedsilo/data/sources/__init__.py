@@ -51,8 +51,8 @@ SOURCES: dict[str, ModuleType] = {
     "fmnist": fmnist,
     "emnist": emnist,
     "cinic10": cinic10,
-    "femnist": femnist,
-    "kather_crc": kather_crc,  # Kather et al.'s colorectal H&E patches: HISTO-FED's two public centres (CD2-pFed)  # LEAF's FEMNIST: EMNIST-style characters grouped by writer (FedeCouple's Table V)
+    "femnist": femnist,  # LEAF's FEMNIST: EMNIST-style characters grouped by writer (FedeCouple's Table V)
+    "kather_crc": kather_crc,  # Kather et al.'s colorectal H&E patches: HISTO-FED's two public centres (CD2-pFed)
     "chest_xray4_released": chest_xray4_released,  # the four CXR domains, as the pFedDB authors released them
 }
 

@@ -1,0 +1,219 @@
+"""Your own images in one folder per class (``reader: image_folder``): a pathology department's patches join Kather's
+two centres as a domain of their own, or a dataset of several sites stands alone (``kind: image_folder``); groups
+(slides, patients) stay whole in every split; the folders' mistakes are refused by path and key."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from fedsilo.cli import main as fedsilo
+from fedsilo.config import ConfigError, parse_params
+from fedsilo.data.fetch import fetch
+from fedsilo.data.harmonize import HarmonizeError, decode_one, harmonize_benchmark, preview_dataset
+from fedsilo.data.sources.base import LabelFileError
+from fedsilo.data.sources.kather_crc import CLASSES as KATHER
+from fedsilo.data.splits import check_patient_disjoint, make_split
+from fedsilo.utils.io import read_json
+
+
+def _joined(folders: dict | None = None, **own) -> dict:
+    """kather_crc's mirror and a department's own patches (its mirror unless ``own`` says otherwise)."""
+    return {
+        "sources": {"kather_crc": {"mode": "mirror", "mirror": {"per_class": 3, "image_px": 32}},
+                    "path_lab": {"mode": "mirror", "reader": "image_folder", "mirror": {"per_class": 4, "image_px": 32}, **own}},
+        "datasets": {"crc": {"kind": "kather_crc", "sources": ["kather_crc", "path_lab"], "image_size": 16, "workers": 1,
+                             "folders": folders if folders is not None else {"path_lab": {"domain": "Path Lab", "group": "folder"}}}},
+        "experiments": {"quick": {"dataset": "crc", "split": {"protocol": "domain_clients", "n_train": 10, "n_test": 6}}},
+        "methods": {"fedavg": {}},
+        "pipeline": {"sources": ["kather_crc", "path_lab"], "datasets": ["crc"], "splits": {"quick": "crc"},
+                     "experiments": ["quick"], "methods": ["fedavg"], "seeds": [0]},
+        "tracking": {"enabled": False},
+    }
+
+
+def _write(path: Path, seed: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    assert cv2.imwrite(str(path), rng.integers(0, 256, (20, 24, 3), dtype=np.uint8))
+
+
+def test_a_departments_patches_join_kather_as_a_domain_of_their_own_and_slides_stay_whole(tmp_path):
+    p = parse_params(_joined())
+    raw = tmp_path / "raw"
+    for s in ("kather_crc", "path_lab"):
+        fetch(s, p.sources[s], raw / s)
+    ds = p.datasets["crc"]
+    card = harmonize_benchmark(ds, raw, tmp_path / "h" / "crc", quiet=True)
+    assert list(card["domains"]) == ["NCT-CRC-HE-100K", "CRC-VAL-HE-7K", "Path Lab"]
+    assert card["classes"] == list(KATHER)  # the department's lower-case folders mapped to Kather's codes by name
+    mine = card["domains"]["Path Lab"]
+    assert mine["images"] == 4 * len(KATHER) and mine["excluded_by_reason"] == {"not an image file (.db)": 1}
+    assert card["rules"]["folders"]["path_lab"]["group"] == "folder" and "warnings" not in card
+
+    h = tmp_path / "h" / "crc"
+    recs, images = pd.read_parquet(h / "records.parquet"), np.load(h / "images.npy")
+    own = recs[recs["domain"] == "Path Lab"]
+    folder = own["source_path"].str.split("/").str[0]
+    assert (own["label"].to_numpy() == [KATHER.index(f.upper()) for f in folder]).all()
+    assert (own["original_label"] == folder).all()
+    for i in own.index[:6]:  # each image is its own file's, decoded as every benchmark image
+        src = raw / "path_lab" / own.loc[i, "source_path"]
+        np.testing.assert_array_equal(images[i], decode_one((str(src), "rgb", 16, "stretch", "", (0.0, 100.0))))
+    # a slide is a group across classes, and a split keeps it on one side
+    slides = own["source_path"].str.split("/").str[1]
+    assert (own["group"] == "Path Lab/" + slides).all() and slides.nunique() == 4 and own.groupby("group")["label"].nunique().min() > 1
+    split = make_split(recs, p.experiments["quick"].split.model_copy(update={"domains": ("Path Lab",), "n_train": 18, "n_test": 9}), 0)
+    check_patient_disjoint(recs, split)
+    client = next(c for c in split["clients"] if c["domain"] == "Path Lab")
+    assert not set(recs.loc[client["train"], "group"]) & set(recs.loc[client["test"], "group"])
+
+    # without a group rule each patch is its own group, and harmonize says so
+    p2 = parse_params(_joined({"path_lab": {"domain": "Path Lab"}}))
+    pv = preview_dataset(p2.datasets["crc"], raw, "crc")
+    assert pv["domains"]["Path Lab"]["kept"] == 4 * len(KATHER) and "no group rule" in pv["warnings"][0]
+
+
+def test_several_sites_in_one_folder_with_their_own_partition_form_a_dataset_of_their_own(tmp_path):
+    site = tmp_path / "derm_export"
+    classes_seen = {"Site A": ("Benign", "malignant"), "Site B": ("benign", "Malignant", "Scar")}
+    n = 0
+    for dom, folders in classes_seen.items():
+        for subset in ("Training", "Testing"):
+            for f in folders:
+                for k in range(3):
+                    n += 1
+                    _write(site / dom / subset / f / f"P{n % 5}_{subset}_{k}.jpg", n)
+    (site / "labels_legend.txt").write_text("the folders are the classes\n")
+    raw_params = {
+        "sources": {"derm": {"mode": "local", "reader": "image_folder", "path": str(site)}},
+        "datasets": {"derm": {"kind": "image_folder", "sources": ["derm"], "image_size": 16, "workers": 1,
+                              "folders": {"derm": {"layout": "domain/subset/class", "skip": ["scar"], "group": r"^(P\d)_"}}}},
+        "experiments": {"quick": {"dataset": "derm", "split": {"protocol": "domain_clients", "n_train": 4, "n_test": "all"}}},
+        "methods": {"fedavg": {}},
+        "pipeline": {"sources": ["derm"], "datasets": ["derm"], "splits": {"quick": "derm"}, "experiments": ["quick"],
+                     "methods": ["fedavg"], "seeds": [0]},
+        "tracking": {"enabled": False},
+    }
+    p = parse_params(raw_params)
+    raw = tmp_path / "raw"
+    fetch("derm", p.sources["derm"], raw / "derm")
+    # the patients (P0..P4) span train and test folders here: refused, naming a patient and both sides
+    with pytest.raises(LabelFileError, match=r"group 'Site A/P\d' has images in test .* and outside it .*datasets\.derm\.folders\.derm\.group"):
+        harmonize_benchmark(p.datasets["derm"], raw, tmp_path / "h" / "derm", quiet=True)
+    assert not (tmp_path / "h" / "derm").exists()
+
+    raw_params["datasets"]["derm"]["folders"]["derm"]["group"] = r"^(P\d_\w+?)_"  # a patient per partition
+    p = parse_params(raw_params)
+    card = harmonize_benchmark(p.datasets["derm"], raw, tmp_path / "h" / "derm", quiet=True)
+    assert card["classes"] == ["Benign", "Malignant"]  # the folders' names, one spelling each, sorted; Scar skipped
+    assert list(card["domains"]) == ["Site A", "Site B"]
+    assert card["domains"]["Site B"]["excluded_by_reason"] == {"class folder skipped (datasets.derm.folders.derm.skip)": 6}
+    recs = pd.read_parquet(tmp_path / "h" / "derm" / "records.parquet")
+    assert set(recs["subset"]) == {"train", "test"} and (recs["subset"] == np.where(recs["source_path"].str.contains("Testing"), "test", "train")).all()
+    assert set(recs.loc[recs["domain"] == "Site A", "group"].str.split("/").str[0]) == {"Site A"}
+
+    # a class list in params fixes the label order, and the model's outputs count a class no site has an image of
+    raw_params["datasets"]["derm"]["classes"] = ["malignant", "benign", "naevus"]
+    root = tmp_path / "repo"
+    (root / "data" / "raw").mkdir(parents=True)
+    shutil.copytree(raw / "derm", root / "data" / "raw" / "derm")
+    (root / "params.yaml").write_text(yaml.safe_dump(raw_params))
+    for argv in (["harmonize", "--dataset", "derm"], ["split", "--experiment", "quick"]):
+        assert fedsilo(["--root", str(root), "--params", str(root / "params.yaml"), "--quiet", *argv]) in (0, None)
+    card = read_json(root / "data" / "harmonized" / "derm" / "card.json")
+    recs = pd.read_parquet(root / "data" / "harmonized" / "derm" / "records.parquet")
+    assert card["classes"] == ["malignant", "benign", "naevus"]
+    assert (recs["label"] == np.where(recs["original_label"].str.lower() == "malignant", 0, 1)).all()
+    assert read_json(root / "data" / "splits" / "quick.json")["num_classes"] == 3
+
+
+def test_the_folders_mistakes_are_refused_by_path_and_key(tmp_path):
+    p = parse_params(_joined({"path_lab": {"group": "folder"}}))
+    raw = tmp_path / "raw"
+    for s in ("kather_crc", "path_lab"):
+        fetch(s, p.sources[s], raw / s)
+    ds = p.datasets["crc"]
+
+    def harmonize(rules: dict | None = None):
+        d = ds.model_copy(update={"folders": parse_params(_joined({"path_lab": rules or {}})).datasets["crc"].folders})
+        return harmonize_benchmark(d, raw, tmp_path / "h" / "crc", quiet=True)
+
+    lab = raw / "path_lab"
+    shutil.move(lab / "tum", lab / "Tumour")  # a folder named otherwise: named with both keys that would take it
+    with pytest.raises(LabelFileError, match=r"class folder 'Tumour' is not a class .*datasets\.crc\.folders\.path_lab\.classes: "
+                       r"\{Tumour: <class>\} or leave it out with datasets\.crc\.folders\.path_lab\.skip: \[Tumour\]"):
+        harmonize()
+    with pytest.raises(LabelFileError, match=r"classes maps it to 'TUMOR', which is not among them"):
+        harmonize({"classes": {"Tumour": "TUMOR"}})
+    card = harmonize({"classes": {"tumour": "TUM"}, "group": "folder"})  # keys compared as folder names are
+    assert card["domains"]["path_lab"]["by_class"]["TUM"] == 4
+    # an image where the layout expects a folder
+    _write(lab / "stray.png", 1)
+    with pytest.raises(LabelFileError, match=r"stray\.png: an image outside any class folder: .*layout is 'class'"):
+        harmonize({"classes": {"tumour": "TUM"}})
+    (lab / "stray.png").unlink()
+    # a subset level the layout does not name reads as a class folder, with the hint
+    (lab / "train").mkdir()
+    shutil.move(lab / "adi", lab / "train" / "adi")
+    with pytest.raises(LabelFileError, match=r"class folder 'train' .*is 'train' a subset folder \(layout subset/class\)\?"):
+        harmonize({"classes": {"tumour": "TUM"}})
+    with pytest.raises(LabelFileError, match=r"'(adi|back|Tumour)' is not a subset folder \(train, val or test"):
+        harmonize({"classes": {"tumour": "TUM"}, "layout": "subset/class"})
+    shutil.move(lab / "train" / "adi", lab / "adi")
+    (lab / "train").rmdir()
+    # group rules: a patch directly in its class folder has no slide folder; a pattern a name misses
+    _write(lab / "adi" / "loose.png", 2)
+    card = harmonize({"classes": {"tumour": "TUM"}, "group": "folder"})
+    assert card["domains"]["path_lab"]["excluded_by_reason"]["not in a group folder (group: folder)"] == 1
+    card = harmonize({"classes": {"tumour": "TUM"}, "group": r"^(S\d+)_"})
+    assert card["domains"]["path_lab"]["excluded_by_reason"]["file name does not match the group pattern"] == 1
+    # a domain a public source already forms
+    with pytest.raises(HarmonizeError, match=r"path_lab: domain 'CRC-VAL-HE-7K' is also a domain of kather_crc"):
+        harmonize({"classes": {"tumour": "TUM"}, "domain": "CRC-VAL-HE-7K"})
+    # nothing written by any refusal
+    assert not (tmp_path / "h" / "crc.tmp").exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"sources": {"path_lab": {"mode": "download"}}}, r"sources\.path_lab\.mode: 'download' is not offered by reader image_folder"),
+    ({"datasets": {"crc": {"folders": {"kather_crc": {}}}}}, r"datasets\.crc: folders\.kather_crc: kather_crc is a public source"),
+    ({"datasets": {"crc": {"folders": {"elsewhere": {}}}}}, r"datasets\.crc: folders\.elsewhere: 'elsewhere' is not among"),
+    ({"datasets": {"crc": {"classes": ["a", "b"]}}}, r"datasets\.crc: classes: only for kind image_folder"),
+    ({"datasets": {"crc": {"folders": {"path_lab": {"group": "^P\\d_"}}}}}, r"folders\.path_lab\.group: .*0 capture groups"),
+    ({"datasets": {"crc": {"folders": {"path_lab": {"group": "(["}}}}}, r"folders\.path_lab\.group: .*not a regular expression"),
+    ({"datasets": {"crc": {"folders": {"path_lab": {"domain": "x", "layout": "domain/class"}}}}}, r"domain: not with layout domain/class"),
+    ({"datasets": {"crc": {"folders": {"path_lab": {"domain": "Avg"}}}}}, r"folders\.path_lab\.domain: 'Avg' is a column"),
+    ({"datasets": {"crc": {"folders": {"path_lab": {"skip": ["x"], "classes": {"x": "TUM"}}}}}}, r"skip and classes both name x"),
+    ({"sources": {"path_lab": {"reader": "cxr_table"}}}, r"datasets\.crc\.sources: 'path_lab' is not a source of kather_crc nor one with "
+     r"reader: image_folder .*join a kind: chest_xray4 dataset"),
+    ({"datasets": {"crc": {"kind": "cifar10", "sources": ["cifar10", "path_lab"]}}}, r"sources: 'path_lab' is not a source of cifar10"),
+    ({"datasets": {"crc": {"kind": "image_folder", "sources": None}}}, r"kind image_folder needs your own sources"),
+    ({"datasets": {"crc": {"kind": "image_folder", "sources": ["path_lab"], "classes": ["a", "a"]}}}, r"a listed twice"),
+])
+def test_params_refuse_what_the_reader_cannot_read(change, message):
+    raw = _joined()
+    for section, entries in change.items():
+        for k, v in entries.items():
+            raw[section][k] = {**raw[section][k], **v}
+    with pytest.raises(ConfigError, match=message):
+        parse_params(raw)
+
+
+def test_two_folders_of_your_own_form_two_domains_and_a_paper_keeps_to_the_public_ones(tmp_path):
+    raw = _joined()
+    raw["sources"]["gp_lab"] = {"mode": "mirror", "reader": "image_folder"}
+    raw["datasets"]["crc"]["sources"].append("gp_lab")
+    raw["datasets"]["crc"]["folders"]["gp_lab"] = {"domain": "path lab"}
+    with pytest.raises(ConfigError, match=r"folders\.gp_lab\.domain: 'path lab' is also the domain of path_lab"):
+        parse_params(raw)
+    raw["datasets"]["crc"]["folders"]["gp_lab"] = {"domain": "GP Lab"}
+    assert parse_params(raw).datasets["crc"].own_sources() == ("path_lab", "gp_lab")
+    with pytest.raises(ConfigError, match=r"sources\.mystery: unknown source .*'reader: image_folder' \(one folder per class\)"):
+        parse_params({**raw, "sources": {**raw["sources"], "mystery": {"mode": "local", "path": "/x"}}})
