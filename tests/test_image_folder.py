@@ -21,6 +21,7 @@ from fedsilo.data.sources.base import LabelFileError
 from fedsilo.data.sources.kather_crc import CLASSES as KATHER
 from fedsilo.data.splits import check_patient_disjoint, make_split
 from fedsilo.utils.io import read_json
+from tests.conftest import SAMPLES, needs_samples
 
 
 def _joined(folders: dict | None = None, **own) -> dict:
@@ -217,3 +218,36 @@ def test_two_folders_of_your_own_form_two_domains_and_a_paper_keeps_to_the_publi
     assert parse_params(raw).datasets["crc"].own_sources() == ("path_lab", "gp_lab")
     with pytest.raises(ConfigError, match=r"sources\.mystery: unknown source .*'reader: image_folder' \(one folder per class\)"):
         parse_params({**raw, "sources": {**raw["sources"], "mystery": {"mode": "local", "path": "/x"}}})
+
+
+@needs_samples("office_caltech_10")
+def test_real_office_caltech_read_as_your_own_class_folders_matches_its_public_reader(tmp_path):
+    """The real Office-Caltech-10 copy (``images/<domain>/<class>/*.jpg``) read as a folder of your own with layout
+    domain/class: every image the public reader keeps, each with the same class, one domain per folder."""
+    from fedsilo.config import BenchmarkDatasetParams
+    from fedsilo.data.harmonize import benchmark_records
+
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "office_caltech10").symlink_to(SAMPLES / "office_caltech_10")
+    (tmp_path / "raw" / "ours").symlink_to(SAMPLES / "office_caltech_10" / "images")
+    public, public_classes, _, _ = benchmark_records(BenchmarkDatasetParams(kind="office_caltech10"), tmp_path / "raw")
+    ours_params = BenchmarkDatasetParams(kind="image_folder", sources=("ours",), folders={"ours": {"layout": "domain/class"}})
+    pv = preview_dataset(ours_params, tmp_path / "raw", "oc")
+    assert {d: v["kept"] for d, v in pv["domains"].items()} == {"amazon": 958, "caltech10": 1123, "dslr": 157, "webcam": 295}
+    ours, classes, _, warnings = benchmark_records(ours_params, tmp_path / "raw", "oc")
+    assert classes == sorted(public_classes) and "no group rule" in warnings[0]
+    by_file = {Path(p).relative_to("images").as_posix(): public_classes[label] for p, label in zip(public["path"], public["label"])}
+    assert {p: classes[label] for p, label in zip(ours["path"], ours["label"])} == by_file
+
+
+@needs_samples("pacs")
+def test_real_pacs_sample_read_as_your_own_class_folders(tmp_path):
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "ours").symlink_to(SAMPLES / "pacs" / "PACS")
+    from fedsilo.config import BenchmarkDatasetParams
+
+    ds = BenchmarkDatasetParams(kind="image_folder", sources=("ours",), image_size=16, workers=1, folders={"ours": {"layout": "domain/class"}})
+    card = harmonize_benchmark(ds, tmp_path / "raw", tmp_path / "h", quiet=True)
+    assert card["total_images"] == 140 and sorted(card["domains"]) == ["art_painting", "cartoon", "photo", "sketch"]
+    assert card["classes"] == ["dog", "elephant", "giraffe", "guitar", "horse", "house", "person"]
+    assert all(v["by_class"] == {c: 5 for c in card["classes"]} for v in card["domains"].values())
