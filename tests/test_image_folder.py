@@ -75,6 +75,10 @@ def test_a_departments_patches_join_kather_as_a_domain_of_their_own_and_slides_s
     client = next(c for c in split["clients"] if c["domain"] == "Path Lab")
     assert not set(recs.loc[client["train"], "group"]) & set(recs.loc[client["test"], "group"])
 
+    # a deployed site's dataset holds its own folder only: the kind's classes all the same, and the task its sites compare
+    alone = harmonize_benchmark(ds.model_copy(update={"sources": ("path_lab",)}), raw, tmp_path / "h" / "site", quiet=True)
+    assert alone["classes"] == list(KATHER) and alone["task"] == card["task"] and list(alone["domains"]) == ["Path Lab"]
+
     # without a group rule each patch is its own group, and harmonize says so
     p2 = parse_params(_joined({"path_lab": {"domain": "Path Lab"}}))
     pv = preview_dataset(p2.datasets["crc"], raw, "crc")

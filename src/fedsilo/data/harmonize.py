@@ -37,7 +37,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import pandas as pd
 
-from fedsilo.config import BenchmarkDatasetParams, CXRDatasetParams
+from fedsilo.config import DATASET_SOURCES, BenchmarkDatasetParams, CXRDatasetParams
 from fedsilo.data.imageops import (
     ImageDecodeError,
     decode_error,
@@ -311,6 +311,8 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
         rec = to_dataset_classes(rec, names, classes, params.kind)
         rec["source"] = src
         frames[src] = rec
+    if not classes and params.kind != "image_folder":  # a kind's own sources only (a deployed site): the kind's classes
+        classes = list(getattr(source_module(DATASET_SOURCES[params.kind][0]), "CLASSES", DIGITS))
     keys = {src: f"datasets.{name or '<dataset>'}.folders.{src}" for src in own}
     scans = {src: image_folder.scan(raw_root / src, params.rules(src), params.domain_of(src), keys[src]) for src in own}
     if not classes:  # kind image_folder: its own list, or the folders' names as torchvision's ImageFolder sorts them
@@ -392,10 +394,9 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
         "image_folder": f"{len(classes)} classes of your own",
     }
     own = params.own_sources()
-    task = tasks[params.kind] + (f", with domains of your own ({', '.join(own)})" if own and params.kind != "image_folder" else "")
-    return write_dataset(
+    return write_dataset(  # the task names the kind and its classes only: a federation's sites compare it (contract)
         Path(out_dir), table, [img for img, _ in results if img is not None], excluded, quarantine,
-        {"dataset": params.kind, "task": task, "classes": classes,
+        {"dataset": params.kind, "task": tasks[params.kind], "classes": classes,
          "rules": {**params.model_dump(mode="json", exclude={"folders"} | ({"classes"} if params.kind != "image_folder" else set())),
                    **({"folders": {s: params.rules(s).model_dump(mode="json") for s in own}} if own else {})},
          **({"warnings": warnings} if warnings else {})},
