@@ -255,3 +255,22 @@ def test_real_pacs_sample_read_as_your_own_class_folders(tmp_path):
     assert card["total_images"] == 140 and sorted(card["domains"]) == ["art_painting", "cartoon", "photo", "sketch"]
     assert card["classes"] == ["dog", "elephant", "giraffe", "guitar", "horse", "house", "person"]
     assert all(v["by_class"] == {c: 5 for c in card["classes"]} for v in card["domains"].values())
+
+
+def test_a_pathology_site_with_its_own_folders_makes_the_site_card_a_federation_admits(tmp_path, monkeypatch):
+    """A deployed site on its class folders only (deploy/site/params.yaml's commented image_folder route): fetch,
+    harmonize, split and `fedsilo site card` give a contract with the kind's classes, under the site's domain."""
+    raw = _joined()
+    raw["sources"].pop("kather_crc")
+    raw["datasets"]["crc"]["sources"] = ["path_lab"]
+    raw["experiments"] = {"site": {"dataset": "crc", "split": {"protocol": "domain_clients", "n_train": 18, "n_test": 9}}}
+    raw["pipeline"].update(sources=["path_lab"], splits={"site": "crc"}, experiments=["site"])
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(tmp_path)
+    for cmd in (["fetch", "--source", "path_lab"], ["harmonize", "--dataset", "crc"], ["split", "--experiment", "site"],
+                ["site", "card", "--experiment", "site"]):
+        assert fedsilo([*cmd, "-q"]) == 0, cmd
+    card = read_json(tmp_path / "data" / "site" / "site.json")
+    assert card["site"] == card["domain"] == "Path Lab" and (card["n_train"], card["n_test"]) == (18, 9)
+    assert card["contract"]["classes"] == list(KATHER) and card["contract"]["image_shape"] == [16, 16, 3]
+    assert card["contract"]["task"].startswith("9 colorectal tissue classes")
