@@ -36,20 +36,17 @@ case-blind, and numbers by their value (``1``, ``1.0``: :func:`~fedsilo.config.t
 
 from __future__ import annotations
 
-import unicodedata
-from pathlib import Path, PurePosixPath
-from typing import Optional
+from pathlib import Path
 
 import pandas as pd
 
 from fedsilo.config import CXRTableRules, table_word
 from fedsilo.data.dicom import is_dicom_file, view_position
 from fedsilo.data.imageops import ImageDecodeError
-from fedsilo.data.sources.base import LabelFileError, finalize, read_csv, show, walk
+from fedsilo.data.sources.base import LabelFileError, finalize, show
+from fedsilo.data.sources.tables import NO_PATIENT, SUBSETS, Rows, load_table, relative_path
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
-SUBSETS = ("train", "val", "test")
-NO_PATIENT = {"", "na", "n/a", "nan", "none", "null", "-"}  # how exports write a missing patient id
 NO_PATIENT_WARNING = ("has no patient column (patient: null): each image is its own group, so two images of one "
                       "patient may land on both sides of a split; name the column that identifies patients if the table has one")
 NO_VIEW_WARNING = ("has no view column (view: null): every image is taken as frontal, so a lateral view in the export "
@@ -58,27 +55,6 @@ NO_VIEW_WARNING = ("has no view column (view: null): every image is taken as fro
 
 def _folded(values: tuple[str, ...]) -> set[str]:
     return {table_word(v) for v in values}
-
-
-def _fold_path(rel: str) -> str:
-    return unicodedata.normalize("NFC", rel).casefold()
-
-
-class _Files:
-    """The folder's files by their case- and normalization-blind path, listed once and only when a row needs it."""
-
-    def __init__(self, root: Path):
-        self.root, self._index = root, None
-
-    def find(self, rel: str) -> Optional[str]:
-        """The one file whose path is ``rel`` but for case and Unicode normalization, else None."""
-        if self._index is None:
-            self._index = {}
-            for f in walk(self.root):
-                if f.is_file():
-                    self._index.setdefault(_fold_path(f.relative_to(self.root).as_posix()), []).append(f.relative_to(self.root).as_posix())
-        hits = self._index.get(_fold_path(rel), [])
-        return hits[0] if len(hits) == 1 else None
 
 
 def _reader(file: Path) -> str:
@@ -90,60 +66,20 @@ def _reader(file: Path) -> str:
         return "image"
 
 
-def _relative(raw_dir: Path, value: str, where: str) -> str:
-    """The image's path below the source folder, as a POSIX relative path, or an error naming the row."""
-    text = value.strip().replace("\\", "/")
-    if not text:
-        raise LabelFileError(f"{where}: no image path")
-    rel = PurePosixPath(text)
-    if rel.is_absolute() or (len(text) > 1 and text[1] == ":"):
-        raise LabelFileError(f"{where}: {show(value)} is an absolute path; paths are relative to the source's folder {raw_dir}")
-    parts: list[str] = []
-    for part in rel.parts:
-        if part == "..":
-            if not parts:
-                raise LabelFileError(f"{where}: {show(value)} leaves the source's folder {raw_dir}")
-            parts.pop()
-        elif part not in ("", "."):
-            parts.append(part)
-    if not parts:
-        raise LabelFileError(f"{where}: {show(value)} names the source's folder itself, not an image")
-    return str(PurePosixPath(*parts))
-
-
 def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "tables") -> pd.DataFrame:
     """The record table of one hospital's export (``key``: the dotted params key of ``rules``, for messages)."""
     raw_dir = Path(raw_dir)
-    table_path = raw_dir / rules.file
-    if not table_path.is_file():
-        raise LabelFileError(f"{table_path}: the label table is missing ({key}.file: {rules.file!r}, relative to the source's folder)")
-    try:
-        df = read_csv(table_path, dtype=str, keep_default_na=False, sep=rules.sep, encoding=rules.encoding)
-    except LabelFileError as err:
-        hint = f" (set {key}.encoding to the table's encoding, e.g. cp1252 or utf-16)" if "codec" in str(err) else ""
-        raise LabelFileError(f"{err}{hint}") from err
     columns = {"path": rules.path, "label": rules.label, "patient": rules.patient, "view": rules.view, "subset": rules.subset}
-    named = {role: col for role, col in columns.items() if col is not None}
-    missing = [f"{col!r} ({key}.{role})" for role, col in named.items() if col not in df.columns]
-    if missing:
-        header = rules.sep.join(map(str, df.columns))
-        other = next((c for c in (",", ";", "\t", "|") if c != rules.sep and c in header), None)
-        hint = f"; the header holds {other!r}: set {key}.sep to it" if other else ""
-        raise LabelFileError(f"{table_path}: missing column(s) {', '.join(missing)}; its columns are {', '.join(map(repr, df.columns))}{hint}")
+    table_path, df = load_table(raw_dir, rules, columns, key)
     positive, negative = _folded(rules.positive), _folded(rules.negative)
     frontal, lateral = _folded(rules.frontal), _folded(rules.lateral)
 
-    files = _Files(raw_dir)
-    rows, first_row, sides = [], {}, {}
+    table = Rows(raw_dir)
+    rows = []
     for i, rec in enumerate(df.to_dict("records")):
         where = f"{table_path}: row {i + 2}"
-        rel = _relative(raw_dir, str(rec[rules.path]), where)
-        found = rel if (raw_dir / rel).is_file() else files.find(rel)
-        for name in dict.fromkeys(x for x in (rel, found) if x):  # as typed, and the file it reads
-            if name in first_row:
-                what = "is listed again" if name == rel else f"reads the file {name}, listed already"
-                raise LabelFileError(f"{where}: {rel} {what} (first on row {first_row[name]}); one row per image")
-            first_row[name] = i + 2
+        rel = relative_path(raw_dir, str(rec[rules.path]), where)
+        found = table.locate(rel, i + 2, where)
         value = str(rec[rules.label]).strip()
         why = "" if value else "no label"
         word = table_word(value)
@@ -187,13 +123,7 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
                 raise LabelFileError(f"{where}: {rules.subset} {show(str(rec[rules.subset]))} is not one of {', '.join(SUBSETS)} "
                                      f"(or blank) ({key}.subset)")
             if rules.patient is not None and not why:  # the splits' two sides: test, and everything else
-                side = "test" if subset == "test" else "outside test"
-                mine = sides.setdefault(group, {})
-                mine.setdefault(side, i + 2)
-                if len(mine) == 2:
-                    other = "outside test" if side == "test" else "test"
-                    raise LabelFileError(f"{where}: patient {group!r} is {side} here and {other} on row {mine[other]}: "
-                                         f"the table's own partition ({rules.subset}) would put one patient on both sides of a split")
+                table.side(group, subset, i + 2, where, rules.subset)
         rows.append({
             "id": rel,
             "label": label,
@@ -205,6 +135,4 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
             "excluded": why,
             "subset": subset,
         })
-    if not rows:
-        raise LabelFileError(f"{table_path}: the label table has no row")
     return finalize(pd.DataFrame(rows), domain)

@@ -1,0 +1,116 @@
+"""What the readers of a label table of your own share (``reader: cxr_table`` for chest X-rays, ``reader:
+image_table`` for the benchmark kinds): the table read with its separator and encoding (a missing column named
+with its key, and the separator to set when the header holds another), each row's image path made relative to the
+source's folder and found there (case- and Unicode-normalization-blind when it names no file exactly; one row per
+image), and the check that a patient's rows stay on one side of the table's own test partition.
+
+Row N is the table's N-th line as a spreadsheet numbers it, the header being row 1.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from pathlib import Path, PurePosixPath
+from typing import Optional
+
+import pandas as pd
+
+from fedsilo.data.sources.base import LabelFileError, read_csv, show, walk
+
+SUBSETS = ("train", "val", "test")
+NO_PATIENT = {"", "na", "n/a", "nan", "none", "null", "-"}  # how exports write a missing patient id
+
+
+def load_table(raw_dir: Path, rules, columns: dict[str, Optional[str]], key: str) -> tuple[Path, pd.DataFrame]:
+    """The table ``rules.file`` below ``raw_dir``, every cell a string; ``columns`` maps each rule (``path``,
+    ``label``, ...) to the column it names (None: not used). ``key`` is the dotted params key of ``rules``."""
+    table_path = Path(raw_dir) / rules.file
+    if not table_path.is_file():
+        raise LabelFileError(f"{table_path}: the label table is missing ({key}.file: {rules.file!r}, relative to the source's folder)")
+    try:
+        df = read_csv(table_path, dtype=str, keep_default_na=False, sep=rules.sep, encoding=rules.encoding)
+    except LabelFileError as err:
+        hint = f" (set {key}.encoding to the table's encoding, e.g. cp1252 or utf-16)" if "codec" in str(err) else ""
+        raise LabelFileError(f"{err}{hint}") from err
+    named = {role: col for role, col in columns.items() if col is not None}
+    missing = [f"{col!r} ({key}.{role})" for role, col in named.items() if col not in df.columns]
+    if missing:
+        header = rules.sep.join(map(str, df.columns))
+        other = next((c for c in (",", ";", "\t", "|") if c != rules.sep and c in header), None)
+        hint = f"; the header holds {other!r}: set {key}.sep to it" if other else ""
+        raise LabelFileError(f"{table_path}: missing column(s) {', '.join(missing)}; its columns are {', '.join(map(repr, df.columns))}{hint}")
+    if df.empty:
+        raise LabelFileError(f"{table_path}: the label table has no row")
+    return table_path, df
+
+
+def _fold_path(rel: str) -> str:
+    return unicodedata.normalize("NFC", rel).casefold()
+
+
+class FoldedFiles:
+    """The folder's files by their case- and normalization-blind path, listed once and only when a row needs it."""
+
+    def __init__(self, root: Path):
+        self.root, self._index = root, None
+
+    def find(self, rel: str) -> Optional[str]:
+        """The one file whose path is ``rel`` but for case and Unicode normalization, else None."""
+        if self._index is None:
+            self._index = {}
+            for f in walk(self.root):
+                if f.is_file():
+                    self._index.setdefault(_fold_path(f.relative_to(self.root).as_posix()), []).append(f.relative_to(self.root).as_posix())
+        hits = self._index.get(_fold_path(rel), [])
+        return hits[0] if len(hits) == 1 else None
+
+
+def relative_path(raw_dir: Path, value: str, where: str) -> str:
+    """The image's path below the source folder, as a POSIX relative path (``\\`` read as ``/``), or an error
+    naming the row: absolute, leaving the folder, or naming the folder itself."""
+    text = value.strip().replace("\\", "/")
+    if not text:
+        raise LabelFileError(f"{where}: no image path")
+    rel = PurePosixPath(text)
+    if rel.is_absolute() or (len(text) > 1 and text[1] == ":"):
+        raise LabelFileError(f"{where}: {show(value)} is an absolute path; paths are relative to the source's folder {raw_dir}")
+    parts: list[str] = []
+    for part in rel.parts:
+        if part == "..":
+            if not parts:
+                raise LabelFileError(f"{where}: {show(value)} leaves the source's folder {raw_dir}")
+            parts.pop()
+        elif part not in ("", "."):
+            parts.append(part)
+    if not parts:
+        raise LabelFileError(f"{where}: {show(value)} names the source's folder itself, not an image")
+    return str(PurePosixPath(*parts))
+
+
+class Rows:
+    """Each row's image found once: ``locate`` gives the file a row's path reads (None when the folder lacks it) and
+    refuses a second row reaching a file a row already named; ``side`` refuses a patient in the table's ``test``
+    partition on one row and outside it on another."""
+
+    def __init__(self, raw_dir: Path):
+        self.raw_dir, self.files = Path(raw_dir), FoldedFiles(Path(raw_dir))
+        self.first_row: dict[str, int] = {}
+        self.sides: dict[str, dict[str, int]] = {}
+
+    def locate(self, rel: str, row: int, where: str) -> Optional[str]:
+        found = rel if (self.raw_dir / rel).is_file() else self.files.find(rel)
+        for name in dict.fromkeys(x for x in (rel, found) if x):  # as typed, and the file it reads
+            if name in self.first_row:
+                what = "is listed again" if name == rel else f"reads the file {name}, listed already"
+                raise LabelFileError(f"{where}: {rel} {what} (first on row {self.first_row[name]}); one row per image")
+            self.first_row[name] = row
+        return found
+
+    def side(self, patient: str, subset: str, row: int, where: str, column: str) -> None:
+        side = "test" if subset == "test" else "outside test"
+        mine = self.sides.setdefault(patient, {})
+        mine.setdefault(side, row)
+        if len(mine) == 2:
+            other = "outside test" if side == "test" else "test"
+            raise LabelFileError(f"{where}: patient {patient!r} is {side} here and {other} on row {mine[other]}: "
+                                 f"the table's own partition ({column}) would put one patient on both sides of a split")
