@@ -56,7 +56,7 @@ def test_a_departments_patches_join_kather_as_a_domain_of_their_own_and_slides_s
     assert card["classes"] == list(KATHER)  # the department's lower-case folders mapped to Kather's codes by name
     mine = card["domains"]["Path Lab"]
     assert mine["images"] == 4 * len(KATHER) and mine["excluded_by_reason"] == {"not an image file (.db)": 1}
-    assert card["rules"]["folders"]["path_lab"]["group"] == "folder" and "warnings" not in card
+    assert card["rules"]["own_sources"]["path_lab"]["group"] == "folder" and "warnings" not in card
 
     h = tmp_path / "h" / "crc"
     recs, images = pd.read_parquet(h / "records.parquet"), np.load(h / "images.npy")
@@ -274,3 +274,43 @@ def test_a_pathology_site_with_its_own_folders_makes_the_site_card_a_federation_
     assert card["site"] == card["domain"] == "Path Lab" and (card["n_train"], card["n_test"]) == (18, 9)
     assert card["contract"]["classes"] == list(KATHER) and card["contract"]["image_shape"] == [16, 16, 3]
     assert card["contract"]["task"].startswith("9 colorectal tissue classes")
+
+
+def test_what_real_copies_bring_wrappers_spellings_digits_and_strays(tmp_path):
+    """An archive's top-level folder (root), a mapping onto a class the other site spells otherwise, one name written
+    composed and decomposed, digit folders, case-only twin domains and a stray domain folder the dataset leaves out."""
+    import unicodedata
+
+    def ds(folders: dict, **kw):
+        raw = {"sources": {"s": {"mode": "local", "reader": "image_folder", "path": "/x"}},
+               "datasets": {"d": {"kind": "image_folder", "sources": ["s"], "image_size": 8, "workers": 1, "folders": {"s": folders}, **kw}},
+               "experiments": {}, "methods": {},
+               "pipeline": {"sources": ["s"], "datasets": ["d"], "splits": {}, "experiments": [], "methods": [], "seeds": [0]},
+               "tracking": {"enabled": False}}
+        return parse_params(raw).datasets["d"]
+
+    src = tmp_path / "raw" / "s"
+    tumour = unicodedata.normalize("NFC", "Tumör")
+    for dom, names in {"Site A": ("Benign", tumour), "Site B": ("benign_lesions", unicodedata.normalize("NFD", tumour)),
+                       "old copy": ("x",)}.items():
+        for k, name in enumerate(names):
+            for i in range(2):
+                _write(src / "export_2026" / dom / name / f"{k}_{i}.png", 10 * k + i)
+    with pytest.raises(LabelFileError, match=r"'export_2026' is not a subset folder .*set datasets\.d\.folders\.s\.root: export_2026"):
+        harmonize_benchmark(ds({"layout": "subset/class"}), tmp_path / "raw", tmp_path / "h" / "d", quiet=True)
+    pv = preview_dataset(ds({"layout": "domain/class"}), tmp_path / "raw", "d")
+    assert list(pv["domains"]) == ["export_2026"] and "set datasets.d.folders.s.root: export_2026" in pv["warnings"][-1]
+    card = harmonize_benchmark(ds({"layout": "domain/class", "root": "export_2026", "classes": {"benign_lesions": "benign"}},
+                                  domains=["Site A", "Site B"]), tmp_path / "raw", tmp_path / "h" / "d", quiet=True)
+    assert card["classes"] == ["Benign", tumour]  # 'benign' mapped onto Site A's spelling; the two Tumör one class
+    assert {d: v["by_class"] for d, v in card["domains"].items()} == {s: {"Benign": 2, tumour: 2} for s in ("Site A", "Site B")}
+
+    digits = tmp_path / "raw2" / "s"
+    for c in ("0", "1", "9"):
+        _write(digits / c / "a.png", int(c))
+    card = harmonize_benchmark(ds({"classes": {9: 1}, "skip": []}, classes=[0, 1]), tmp_path / "raw2", tmp_path / "h2" / "d", quiet=True)
+    assert card["classes"] == ["0", "1"] and card["domains"]["s"]["by_class"] == {"0": 1, "1": 2}
+    _write(tmp_path / "raw3" / "s" / "SiteC" / "x" / "a.png", 1)
+    _write(tmp_path / "raw3" / "s" / "sitec" / "y" / "b.png", 2)
+    with pytest.raises(LabelFileError, match=r"domain folders 'SiteC' and 'sitec' differ only in case"):
+        harmonize_benchmark(ds({"layout": "domain/class"}), tmp_path / "raw3", tmp_path / "h3" / "d", quiet=True)

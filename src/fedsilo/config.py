@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 import types
+import unicodedata
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union, get_args, get_origin
 
@@ -24,11 +25,31 @@ CXR_SOURCES = ("chexpert", "openi", "rsna", "vinbigdata")
 CXR_DOMAINS = ("CheXpert", "OpenI", "RSNA", "VinBigData")  # the domains of the four sources, in their order
 # readers for a source of the user's own (any name not among SOURCE_MODES), and the fetch modes they offer:
 # ``cxr_table``: chest X-ray files plus a label table the user describes (``datasets.<d>.tables.<source>``);
-# ``image_folder``: images in one folder per class (``datasets.<d>.folders.<source>``), for the benchmark kinds
-OWN_READERS: dict[str, tuple[str, ...]] = {"cxr_table": ("mirror", "local"), "image_folder": ("mirror", "local")}
+# ``image_folder``: images in one folder per class (``datasets.<d>.folders.<source>``), and ``image_table``: images
+# with a label table of their classes (``datasets.<d>.tables.<source>``), for the benchmark kinds
+OWN_READERS: dict[str, tuple[str, ...]] = {"cxr_table": ("mirror", "local"), "image_folder": ("mirror", "local"),
+                                            "image_table": ("mirror", "local")}
 SOURCE_NAME = re.compile(r"[a-z0-9][a-z0-9_]{0,63}")  # a source name is a folder (data/raw/<name>) and a DVC stage key
 DOMAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}")  # a domain names clients and MLflow metric keys
 RESERVED_DOMAINS = frozenset({"Avg", "STD", "Delta", "forgetting", "final"})  # the report tables' columns beside the domains
+
+
+def loose_name(name: str) -> str:
+    """A class or folder name compared loosely: case, spaces, dashes and underscores do not matter, nor Unicode
+    normalization (``Tumör`` written composed on one disk and decomposed on a Mac's)."""
+    return re.sub(r"[\s_\-]+", "", unicodedata.normalize("NFC", name).lower())
+
+
+def numbers_as_words(v: Any) -> Any:
+    """YAML reads ``[0, 1]`` (or a key ``0:``) as numbers: folder names and table values are words here like any other."""
+    def word(x: Any) -> Any:
+        return str(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x
+
+    if isinstance(v, dict):
+        return {word(k): word(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [word(x) for x in v]
+    return v
 
 
 def table_word(value: Any) -> str:
@@ -155,10 +176,11 @@ class RemoteFileParams(Strict):
 
 class SourceParams(Strict):
     mode: Literal["mirror", "local", "download", "kaggle", "physionet", "aimi"] = "mirror"
-    reader: Optional[Literal["cxr_table", "image_folder"]] = Field(
+    reader: Optional[Literal["cxr_table", "image_folder", "image_table"]] = Field(
         None, description="a source of your own (any name): 'cxr_table' = chest X-rays (DICOM, PNG, JPEG) with a label "
         "table, read by the rules under datasets.<dataset>.tables.<source>; 'image_folder' = images in one folder per "
-        "class (a benchmark kind's dataset, or kind image_folder), read by datasets.<dataset>.folders.<source>; leave "
+        "class (a benchmark kind's dataset, or kind image_folder), read by datasets.<dataset>.folders.<source>; "
+        "'image_table' = images and a label table of their classes, read by datasets.<dataset>.tables.<source>; leave "
         "unset for the named public sources")
     path: Optional[str] = Field(None, description="folder or archive for mode=local")
     files: tuple[RemoteFileParams, ...] = Field((), description="download mode: the files to fetch instead of the official list")
@@ -207,26 +229,17 @@ def check_domain_name(v: str) -> None:
         raise ValueError(f"{v!r} is a column of the report's tables ({', '.join(sorted(RESERVED_DOMAINS))}): choose another name")
 
 
-class CXRTableRules(Strict):
-    """How to read a hospital's own label table (a source with ``reader: cxr_table``): one row per image; each rule
-    names a column of the table or the values that map to the task's labels and views (compared case-blind, trimmed)."""
+class TableFileRules(Strict):
+    """A label table of your own (CSV) in the source's folder and the columns every table reader takes: one row per
+    image; values compared trimmed and case-blind, numbers by their value (:func:`table_word`)."""
 
     file: str = Field("labels.csv", description="the label table (CSV), relative to the source's folder (fetched and hashed with it)")
     sep: str = Field(",", min_length=1, max_length=1, description="the table's column separator (';' for a European spreadsheet's CSV, '\\t' for TSV)")
     encoding: str = Field("utf-8", description="the table's text encoding (a BOM is skipped); e.g. cp1252 or utf-16 for a Windows export")
     domain: Optional[str] = Field(None, description="the domain (client / site name) its images form; default: the source's name")
-    path: str = Field("path", description="column: the image file, relative to the source's folder (DICOM, PNG or JPEG)")
-    label: str = Field("label", description="column: the finding")
-    positive: tuple[str, ...] = Field(("Lung Opacity",), min_length=1, description="label values meaning Lung Opacity (label 1)")
-    negative: tuple[str, ...] = Field(("Normal", "No Finding"), min_length=1, description="label values meaning Normal (label 0)")
-    patient: Optional[str] = Field("patient_id", description="column: the patient (a patient's images stay on one side of "
-                                   "every split); null: each image its own patient (warned: repeat images of a patient may then "
-                                   "land on both sides)")
-    view: Optional[str] = Field("view", description="column: the view position; null: every image is frontal (unless dicom_view)")
-    dicom_view: bool = Field(False, description="where the view column is blank, or there is none (view: null), take a DICOM's "
-                             "view from its header's View Position (0018,5101); a PNG / JPEG then has no view (excluded)")
-    frontal: tuple[str, ...] = Field(("PA", "AP", "frontal", "AP supine", "AP erect"), description="view values of frontal images (kept)")
-    lateral: tuple[str, ...] = Field(("LL", "RL", "LAT", "lateral"), description="view values of lateral images (excluded)")
+    path: str = Field("path", description="column: the image file, relative to the source's folder")
+    patient: Optional[str] = Field(None, description="column: the patient (a patient's images stay on one side of every split); "
+                                   "null: each image its own patient (warned: repeat images of a patient may then land on both sides)")
     subset: Optional[str] = Field(None, description="column: your own partition, train / val / test per image (splits' test_from: auto)")
 
     @field_validator("domain")
@@ -253,6 +266,24 @@ class CXRTableRules(Strict):
         except LookupError:
             raise ValueError(f"{v!r} is not a text encoding Python knows (e.g. utf-8, cp1252, latin-1, utf-16)") from None
         return v
+
+
+class CXRTableRules(TableFileRules):
+    """How to read a hospital's own label table (a source with ``reader: cxr_table``): one row per image; each rule
+    names a column of the table or the values that map to the task's labels and views (compared case-blind, trimmed)."""
+
+    path: str = Field("path", description="column: the image file, relative to the source's folder (DICOM, PNG or JPEG)")
+    label: str = Field("label", description="column: the finding")
+    positive: tuple[str, ...] = Field(("Lung Opacity",), min_length=1, description="label values meaning Lung Opacity (label 1)")
+    negative: tuple[str, ...] = Field(("Normal", "No Finding"), min_length=1, description="label values meaning Normal (label 0)")
+    patient: Optional[str] = Field("patient_id", description="column: the patient (a patient's images stay on one side of "
+                                   "every split); null: each image its own patient (warned: repeat images of a patient may then "
+                                   "land on both sides)")
+    view: Optional[str] = Field("view", description="column: the view position; null: every image is frontal (unless dicom_view)")
+    dicom_view: bool = Field(False, description="where the view column is blank, or there is none (view: null), take a DICOM's "
+                             "view from its header's View Position (0018,5101); a PNG / JPEG then has no view (excluded)")
+    frontal: tuple[str, ...] = Field(("PA", "AP", "frontal", "AP supine", "AP erect"), description="view values of frontal images (kept)")
+    lateral: tuple[str, ...] = Field(("LL", "RL", "LAT", "lateral"), description="view values of lateral images (excluded)")
 
     @field_validator("positive", "negative", "frontal", "lateral", mode="before")
     @classmethod
@@ -363,6 +394,8 @@ class ImageFolderRules(Strict):
                                     "folders named otherwise (default: folder names matched to the classes, ignoring "
                                     "case, spaces, '_' and '-')")
     skip: tuple[str, ...] = Field((), description="class folders left out (each image excluded with the reason, counted in card.md)")
+    root: Optional[str] = Field(None, description="the folder inside the source's folder that holds the layout (an "
+                                "archive's top-level folder, say); default: the source's folder itself")
     group: Optional[str] = Field(None, description="what keeps images together on one side of every split (a patient, a "
                                  "slide): null = each image its own group (warned); 'folder' = the first folder below the "
                                  "class folder (<class>/<slide>/<patch>); otherwise a regular expression whose one capture "
@@ -389,14 +422,70 @@ class ImageFolderRules(Strict):
                              "that names the group (e.g. '^(P[0-9]+)_')")
         return v
 
+    @field_validator("classes", "skip", mode="before")
+    @classmethod
+    def _numbers(cls, v: Any) -> Any:
+        return numbers_as_words(v)
+
+    @field_validator("root")
+    @classmethod
+    def _root_inside(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            parts = v.replace("\\", "/").split("/")
+            if v.startswith(("/", "\\")) or (len(v) > 1 and v[1] == ":") or ".." in parts or not v.strip():
+                raise ValueError(f"{v!r}: a folder inside the source's folder (relative, no '..')")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> "ImageFolderRules":
         if self.domain is not None and self.layout.startswith("domain/"):
             raise ValueError(f"domain: not with layout {self.layout} (its domain folders name the domains)")
-        both = sorted(set(self.skip) & set(self.classes))
+        both = sorted({loose_name(v) for v in self.skip} & {loose_name(v) for v in self.classes})
         if both:
             raise ValueError(f"skip and classes both name {', '.join(both)}")
         return self
+
+
+class ImageTableRules(TableFileRules):
+    """How to read a label table of your own for a benchmark kind (a source with ``reader: image_table``): one row per
+    image, its class in one column (``label``) or one column per class holding 1 for the row's class (``label_columns``,
+    the one-hot layout of ISIC's ground truth). A value is the dataset's class of the same name (case, spaces, '_' and
+    '-' aside), or the class ``classes`` maps it to; ``skip`` leaves values out; any other value is an error."""
+
+    path_format: str = Field("{}", description="the file a path cell names, '{}' standing for the cell (e.g. "
+                             "'ISIC_2019_Training_Input/{}.jpg' for a table of image ids)")
+    label: Optional[str] = Field("label", description="column: the row's class (not with label_columns)")
+    label_columns: tuple[str, ...] = Field((), description="one column per class, 1 in the row's class and 0 (or blank) "
+                                           "elsewhere; a column's name is its class (through classes)")
+    classes: dict[str, str] = Field(default_factory=dict, description="label value (or label column) -> the dataset's class, "
+                                    "where the names differ")
+    skip: tuple[str, ...] = Field((), description="label values (or label columns) left out: their rows excluded with the reason")
+
+    @field_validator("skip", "label_columns", "classes", mode="before")
+    @classmethod
+    def _numbers(cls, v: Any) -> Any:
+        return numbers_as_words(v)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ImageTableRules":
+        if self.path_format.count("{}") != 1 or self.path_format.replace("{}", "").count("{") or self.path_format.count("}") != 1:
+            raise ValueError(f"path_format: {self.path_format!r} needs exactly one '{{}}' (where the cell's value goes) and no other braces")
+        if self.label_columns and "label" in self.model_fields_set and self.label is not None:
+            raise ValueError("label and label_columns: the class is in one column (label) or spread over several "
+                             "(label_columns), not both; set label: null")
+        if not self.label_columns and self.label is None:
+            raise ValueError("label: null needs label_columns (one column per class)")
+        if len(set(self.label_columns)) != len(self.label_columns):
+            raise ValueError("label_columns: a column listed twice")
+        both = sorted({loose_name(table_word(v)) for v in self.skip} & {loose_name(table_word(v)) for v in self.classes})
+        if both:
+            raise ValueError(f"skip and classes both name {', '.join(both)}")
+        return self
+
+    @property
+    def label_column(self) -> Optional[str]:
+        """The one label column, or None when the class is spread over ``label_columns``."""
+        return None if self.label_columns else self.label
 
 
 BENCHMARK_KINDS = ("digits5", "office_caltech10", "pacs", "domainnet10", "digit10", "office31", "kather_crc", "image_folder")
@@ -421,7 +510,14 @@ class BenchmarkDatasetParams(Strict):
                                                "(default: the class folders' names, sorted, as torchvision's ImageFolder does)")
     folders: dict[str, ImageFolderRules] = Field(default_factory=dict, description="per source of your own (reader: "
                                                  "image_folder): how its folders are laid out (default: ImageFolderRules' defaults)")
+    tables: dict[str, ImageTableRules] = Field(default_factory=dict, description="per source of your own with reader: "
+                                               "image_table (required for each): how to read its label table")
     _own_allowed: ClassVar[bool] = True  # sources of your own may join (not a single-domain dataset's one domain)
+
+    @field_validator("classes", mode="before")
+    @classmethod
+    def _numbers(cls, v: Any) -> Any:
+        return numbers_as_words(v)
 
     @model_validator(mode="after")
     def _sources(self) -> "BenchmarkDatasetParams":
@@ -438,20 +534,26 @@ class BenchmarkDatasetParams(Strict):
         if self.classes is not None:
             if self.kind != "image_folder":
                 raise ValueError(f"classes: only for kind image_folder ({self.kind}'s classes are its public sources')")
-            dup = sorted({c for c in self.classes if self.classes.count(c) > 1})
+            folded = [loose_name(c) for c in self.classes]
+            dup = sorted({c for c, f in zip(self.classes, folded) if folded.count(f) > 1})
             if len(self.classes) < 2 or dup or not all(c.strip() for c in self.classes):
                 raise ValueError("classes: two or more distinct, non-blank class names"
-                                 + (f" ({', '.join(dup)} listed twice)" if dup else ""))
-            for s, rules in self.folders.items():
-                for folder, cls in rules.classes.items():
-                    if cls not in self.classes:
-                        raise ValueError(f"folders.{s}.classes.{folder}: {cls!r} is not among classes ({', '.join(self.classes)})")
-        for s in self.folders:
-            if s not in self.source_list:
-                raise ValueError(f"folders.{s}: '{s}' is not among this dataset's sources ({', '.join(self.source_list)})")
-            if s not in self.own_sources():
-                raise ValueError(f"folders.{s}: {s} is a public source with its own layout; folders are for sources of "
-                                 "your own (reader: image_folder)")
+                                 + (f" ({', '.join(dup)} listed twice, case, spaces, '_' and '-' aside)" if dup else ""))
+            for section in ("folders", "tables"):
+                for s, rules in getattr(self, section).items():
+                    for value, cls in rules.classes.items():
+                        if cls not in self.classes:
+                            raise ValueError(f"{section}.{s}.classes.{value}: {cls!r} is not among classes ({', '.join(self.classes)})")
+        for section, reader in (("folders", "image_folder"), ("tables", "image_table")):
+            for s in getattr(self, section):
+                if s not in self.source_list:
+                    raise ValueError(f"{section}.{s}: '{s}' is not among this dataset's sources ({', '.join(self.source_list)})")
+                if s not in self.own_sources():
+                    raise ValueError(f"{section}.{s}: {s} is a public source with its own layout; {section} are for sources of "
+                                     f"your own (reader: {reader})")
+        both = sorted(set(self.folders) & set(self.tables))
+        if both:
+            raise ValueError(f"folders.{both[0]} and tables.{both[0]}: a source is read from its folders or from a table, not both")
         return self
 
     @property
@@ -462,14 +564,25 @@ class BenchmarkDatasetParams(Strict):
         """The sources of the user's own (``reader: image_folder``), in the dataset's order."""
         return tuple(s for s in self.source_list if s not in DATASET_SOURCES[self.kind])
 
-    def rules(self, source: str) -> ImageFolderRules:
-        return self.folders.get(source, ImageFolderRules())
+    def reader_of(self, source: str) -> str:
+        """How a source of your own is read: ``image_table`` when ``tables`` holds it (its sources with that reader
+        must have an entry), else ``image_folder``."""
+        return "image_table" if source in self.tables else "image_folder"
+
+    def rules(self, source: str) -> ImageFolderRules | ImageTableRules:
+        return self.tables[source] if source in self.tables else self.folders.get(source, ImageFolderRules())
+
+    def rules_key(self, source: str, name: str) -> str:
+        """The dotted params key of a source's rules (``name``: the dataset's key), for messages."""
+        return f"datasets.{name or '<dataset>'}.{'tables' if source in self.tables else 'folders'}.{source}"
 
     def domain_of(self, source: str) -> Optional[str]:
         """The one domain a source of your own forms (its rules' ``domain``, default its name); None when its folders
         name several (a ``domain/...`` layout)."""
         rules = self.rules(source)
-        return None if rules.layout.startswith("domain/") else rules.domain or source
+        if isinstance(rules, ImageFolderRules) and rules.layout.startswith("domain/"):
+            return None
+        return rules.domain or source
 
 
 SINGLE_DOMAIN_KINDS = ("cifar10", "cifar100", "fmnist", "emnist", "cinic10", "femnist")
@@ -483,14 +596,7 @@ class SingleDomainDatasetParams(BenchmarkDatasetParams):
 
     kind: Literal["cifar10", "cifar100", "fmnist", "emnist", "cinic10", "femnist"]
     channels: Literal["native", "rgb"] = Field("native", description="native keeps the data's channels; rgb replicates grey to three")
-    _own_allowed: ClassVar[bool] = False
-
-    @model_validator(mode="after")
-    def _no_folders(self) -> "SingleDomainDatasetParams":
-        if self.folders:
-            raise ValueError(f"folders: {self.kind} is one public domain; give sources of your own a dataset of kind "
-                             "image_folder (or join them to a multi-domain kind)")
-        return self
+    _own_allowed: ClassVar[bool] = False  # one public domain: its sources, folders and tables refused by the checks above
 
 
 # --------------------------------------------------------------------------- split
@@ -899,8 +1005,8 @@ class Params(Strict):
                 continue
             if s not in SOURCE_MODES:
                 raise ValueError(f"sources.{s}: unknown source (known: {', '.join(SOURCE_MODES)}; a source of your own "
-                                 "needs 'reader: cxr_table' (chest X-rays and a label table) or 'reader: image_folder' (one "
-                                 "folder per class))")
+                                 "needs 'reader: cxr_table' (chest X-rays and a label table), 'reader: image_folder' (one "
+                                 "folder per class) or 'reader: image_table' (images and a table of their classes))")
             if sp.mode not in SOURCE_MODES[s]:
                 raise ValueError(f"sources.{s}.mode: {sp.mode!r} is not offered by {s} (its modes: {', '.join(SOURCE_MODES[s])})")
         for name, ds in self.datasets.items():
@@ -966,21 +1072,29 @@ def _check_folder_sources(name: str, ds: BenchmarkDatasetParams, sources: dict[s
     """A benchmark dataset's sources of your own are image folders, and the domains they name are their own."""
     seen: dict[str, str] = {}
     for s in ds.own_sources():
-        if sources[s].reader != "image_folder":
+        reader = sources[s].reader
+        if reader not in ("image_folder", "image_table"):
             raise ValueError(f"datasets.{name}.sources: '{s}' is not a source of {ds.kind} nor one with reader: image_folder "
-                             f"(sources.{s}.reader is {sources[s].reader}" + ("; chest X-rays with a label table join a "
-                             "kind: chest_xray4 dataset)" if sources[s].reader == "cxr_table" else ")"))
+                             f"or image_table (sources.{s}.reader is {reader}" + ("; chest X-rays with a label table join a "
+                             "kind: chest_xray4 dataset)" if reader == "cxr_table" else ")"))
+        if reader == "image_table" and s not in ds.tables:
+            raise ValueError(f"datasets.{name}.tables.{s}: missing; a source with reader: image_table needs its table's "
+                             "rules (at least the label column: label, or label_columns)")
+        if reader == "image_folder" and s in ds.tables:
+            raise ValueError(f"datasets.{name}.tables.{s}: {s} has reader: image_folder (its rules go under folders.{s}); "
+                             f"a table of its classes needs sources.{s}.reader: image_table")
         dom = ds.domain_of(s)
         if dom is None:
             continue
+        key = ds.rules_key(s, name)
         if dom in RESERVED_DOMAINS:  # the source's name, no domain of its own set
-            raise ValueError(f"datasets.{name}.folders.{s}.domain: {dom!r} (the source's name) is a column of the report's "
+            raise ValueError(f"{key}.domain: {dom!r} (the source's name) is a column of the report's "
                              f"tables ({', '.join(sorted(RESERVED_DOMAINS))}): set another 'domain'")
-        key = dom.strip().casefold()
-        if key in seen:
-            raise ValueError(f"datasets.{name}.folders.{s}.domain: {dom!r} is also the domain of {seen[key]}; every source "
+        folded = dom.strip().casefold()
+        if folded in seen:
+            raise ValueError(f"{key}.domain: {dom!r} is also the domain of {seen[folded]}; every source "
                              "forms a domain of its own (set a distinct 'domain')")
-        seen[key] = s
+        seen[folded] = s
 
 
 def _check_model_fits(experiment: str, ex: ExperimentParams, dataset: str, size: int) -> None:

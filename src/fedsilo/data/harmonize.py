@@ -47,7 +47,7 @@ from fedsilo.data.imageops import (
     resize_area,
     square,
 )
-from fedsilo.data.sources import cxr_table, image_folder, source_module
+from fedsilo.data.sources import cxr_table, image_folder, image_table, source_module
 from fedsilo.utils.io import atomic_dir, file_sha256, write_json
 from fedsilo.utils.progress import Progress
 
@@ -313,26 +313,40 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
         frames[src] = rec
     if not classes and params.kind != "image_folder":  # a kind's own sources only (a deployed site): the kind's classes
         classes = list(getattr(source_module(DATASET_SOURCES[params.kind][0]), "CLASSES", DIGITS))
-    keys = {src: f"datasets.{name or '<dataset>'}.folders.{src}" for src in own}
-    scans = {src: image_folder.scan(raw_root / src, params.rules(src), params.domain_of(src), keys[src]) for src in own}
-    if not classes:  # kind image_folder: its own list, or the folders' names as torchvision's ImageFolder sorts them
-        classes = list(params.classes or image_folder.one_spelling(set().union(*(image_folder.class_names(scans[s], params.rules(s)) for s in own))))
+    keys = {src: params.rules_key(src, name) for src in own}
+    scans, maps = {}, {}
+    for src in own:
+        if params.reader_of(src) == "image_table":
+            scans[src] = image_table.scan(raw_root / src, params.rules(src), params.domain_of(src), keys[src])
+            maps[src] = image_table.table_classes(params.rules(src), keys[src])
+        else:
+            scans[src] = image_folder.scan(raw_root / src, params.rules(src), params.domain_of(src), keys[src], params.domains)
+            maps[src] = image_folder.folder_classes(raw_root / src, params.rules(src), keys[src])
+    if not classes:  # kind image_folder: its own list, or its sources' class names as torchvision's ImageFolder sorts them
+        classes = list(params.classes or image_folder.one_spelling(set().union(*(image_folder.class_names(scans[s], maps[s]) for s in own))))
         if len(classes) < 2:
-            raise HarmonizeError(f"{name or params.kind}: the class folders name {len(classes)} class ({', '.join(classes)}); "
-                                 "a classification task needs two or more")
+            raise HarmonizeError(f"{name or params.kind}: its sources name {len(classes)} class ({', '.join(classes)}); "
+                                 f"a classification task needs two or more (list them in datasets.{name or '<dataset>'}.classes, "
+                                 "or check the sources' class folders / label columns)")
     warnings = []
     for src in own:
-        rec = image_folder.read_records(raw_root / src, scans[src], params.rules(src), classes, keys[src])
+        table = params.reader_of(src) == "image_table"
+        rec = image_folder.read_records(scans[src], maps[src], classes, check_groups=not table)
         theirs = set(rec["domain"])
         for other, frame in frames.items():
-            clash = sorted(theirs & set(frame["domain"]))
+            clash = sorted(d for d in theirs if d.casefold() in {x.casefold() for x in frame["domain"]})
             if clash:
                 raise HarmonizeError(f"{src}: domain {clash[0]!r} is also a domain of {other}; every source forms domains of "
-                                     f"its own (set {keys[src]}.domain, or rename its domain folder)")
+                                     f"its own (set {keys[src]}.domain" + (")" if table else ", or rename its domain folder)"))
         rec["source"] = src
         frames[src] = rec
-        if params.rules(src).group is None:
+        if table and params.rules(src).patient is None:
+            warnings.append(f"{src} ({', '.join(sorted(theirs))}) {image_table.NO_PATIENT_WARNING}")
+        elif not table and params.rules(src).group is None:
             warnings.append(f"{src} ({', '.join(sorted(theirs))}) {image_folder.NO_GROUP_WARNING}")
+        if not table and params.domain_of(src) is None and len(theirs) == 1:
+            warnings.append(f"{src} has one domain folder, {min(theirs)!r}: if it only wraps the sites' folders (an "
+                            f"archive's top-level folder), set {keys[src]}.root: {min(theirs)}")
     records = pd.concat([frames[s] for s in params.source_list], ignore_index=True)
     if params.domains:
         unknown = sorted(set(params.domains) - set(records["domain"]))
@@ -397,8 +411,8 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
     return write_dataset(  # the task names the kind and its classes only: a federation's sites compare it (contract)
         Path(out_dir), table, [img for img, _ in results if img is not None], excluded, quarantine,
         {"dataset": params.kind, "task": tasks[params.kind], "classes": classes,
-         "rules": {**params.model_dump(mode="json", exclude={"folders"} | ({"classes"} if params.kind != "image_folder" else set())),
-                   **({"folders": {s: params.rules(s).model_dump(mode="json") for s in own}} if own else {})},
+         "rules": {**params.model_dump(mode="json", exclude={"folders", "tables"} | ({"classes"} if params.kind != "image_folder" else set())),
+                   **({"own_sources": {s: {"reader": params.reader_of(s), **params.rules(s).model_dump(mode="json")} for s in own}} if own else {})},
          **({"warnings": warnings} if warnings else {})},
     )
 
@@ -497,7 +511,8 @@ def card_markdown(card: dict[str, Any]) -> str:
             f"| {dom} | {d['images']} | " + " | ".join(str(d["by_class"][c]) for c in classes)
             + f" | {subsets} | {d['groups']} | {d['excluded']} | {d['quarantined']} |"
         )
-    lines += ["", "Groups are patients for chest X-rays and single images for the benchmarks."]
+    lines += ["", "Groups are patients for chest X-rays, and single images for the benchmarks unless a source of your own "
+              "names them (image_folder's group rule, image_table's patient column)."]
     if card.get("warnings"):
         lines += ["", "## Warnings", ""] + [f"- {w}" for w in card["warnings"]]
     lines += ["", "## Exclusions by reason", ""]

@@ -416,6 +416,34 @@ def write_image_folder(out: Path, p: MirrorParams, name: str = "image_folder") -
     (out / CLASSES[0].lower() / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0" + bytes(60))
 
 
+def write_image_table(out: Path, p: MirrorParams, name: str = "image_table") -> None:
+    """What a pathology archive's patch list looks like to ``reader: image_table`` at its defaults: ``labels.csv``
+    with ``path`` (``patches/<slide>/<slide>_<n>.png``) and ``label`` (Kather's class codes as the archive types them:
+    any case, a stray space), plus a ``patient`` and a ``slide`` column (``patient: patient`` keeps a patient's slides
+    together); one row with a blank label, one naming a patch the folder lacks. Stained by the seed and the source's
+    name."""
+    from fedsilo.data.sources.kather_crc import CLASSES
+
+    rng = _rng(f"image_table/{name}", p.seed)
+    stain = (float(rng.uniform(-0.1, 0.1)), float(rng.uniform(-0.1, 0.12)))
+    slides = [f"T{int(v):04d}" for v in rng.choice(10000, 6, replace=False)]
+    lines = ["path,label,patient,slide"]
+    n = 0
+    for k, cls in enumerate(CLASSES):
+        for i in range(p.per_class):
+            slide = slides[(i + 2 * k) % len(slides)]
+            n += 1
+            rel = f"patches/{slide}/{slide}_{n:05d}.png"
+            _save(out / rel, tissue_patch(rng, k, p.image_px, stain))
+            label = (cls.lower() if i % 2 else f" {cls}") if i % 3 else cls
+            lines.append(f"{rel},{label},P{slides.index(slide) // 2},{slide}")
+    blank = f"patches/{slides[0]}/{slides[0]}_{n + 1:05d}.png"
+    _save(out / blank, tissue_patch(rng, 0, p.image_px, stain))
+    lines.append(f"{blank},,P0,{slides[0]}")
+    lines.append(f"patches/{slides[1]}/{slides[1]}_{n + 2:05d}.png,TUM,P0,{slides[1]}")  # the patch was never exported
+    (out / "labels.csv").write_text("\n".join(lines) + "\n")
+
+
 WRITERS: dict[str, Callable[[Path, MirrorParams], None]] = {
     "mnist": write_mnist,
     "svhn": write_svhn,
@@ -428,4 +456,5 @@ WRITERS: dict[str, Callable[[Path, MirrorParams], None]] = {
     "domainnet": write_domainnet,
     "office31": write_office31,
     "image_folder": write_image_folder,  # the mirror of a source of your own with reader: image_folder
+    "image_table": write_image_table,  # ... and with reader: image_table
 }

@@ -24,14 +24,16 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import pandas as pd
 
+from fedsilo.config import loose_name
 from fedsilo.data.sources.base import LabelFileError, finalize, is_hidden, show, walk
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff")
 
 
 def norm_name(name: str) -> str:
-    """Folder names compared loosely: case, spaces, dashes and underscores do not matter."""
-    return re.sub(r"[\s_\-]+", "", name.lower())
+    """Folder names compared loosely (:func:`fedsilo.config.loose_name`): case, spaces, dashes, underscores and
+    Unicode normalization do not matter."""
+    return loose_name(name)
 
 
 def list_lines(path: Path, expected: str) -> Iterator[tuple[int, str, str, str]]:

@@ -69,7 +69,7 @@ def _reader(file: Path) -> str:
 def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "tables") -> pd.DataFrame:
     """The record table of one hospital's export (``key``: the dotted params key of ``rules``, for messages)."""
     raw_dir = Path(raw_dir)
-    columns = {"path": rules.path, "label": rules.label, "patient": rules.patient, "view": rules.view, "subset": rules.subset}
+    columns = [("path", rules.path), ("label", rules.label), ("patient", rules.patient), ("view", rules.view), ("subset", rules.subset)]
     table_path, df = load_table(raw_dir, rules, columns, key)
     positive, negative = _folded(rules.positive), _folded(rules.negative)
     frontal, lateral = _folded(rules.frontal), _folded(rules.lateral)

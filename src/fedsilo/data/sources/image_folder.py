@@ -8,9 +8,15 @@ and its common variants (:class:`~fedsilo.config.ImageFolderRules`, ``datasets.<
   domain folder is a domain, its name the client's). Images may sit at any depth below their class folder
   (``<class>/<slide>/<patch>.png``). An image above the class level is an error naming the layout (an image where a
   folder is expected means the layout is not the one set); other files there (a README, a list) are not read.
+  ``root`` steps into a folder that wraps the layout (an archive's top-level folder); when the layout's first level
+  is one lone folder, the errors and the card say so. With the dataset's ``domains`` filter, domain folders it leaves
+  out are not read at all (a stray ``old copy/`` beside the sites); two domain folders differing only in case are an
+  error.
 - class folders: a folder's name is the dataset's class it matches ignoring case, spaces, ``_`` and ``-``, or the
-  class ``classes`` maps it to; a folder in ``skip`` is left out (its images excluded with the reason, so the card counts
-  them); any other folder is an error naming it and both keys, never a silent exclusion. With ``kind: image_folder``
+  class ``classes`` maps it to (itself matched to the class list as loosely); a folder in ``skip`` is left out (its
+  images excluded with the reason, so the card counts them); any other folder is an error naming it and both keys,
+  never a silent exclusion. Names are compared in one Unicode normalization (a Mac's decomposed ``Tumör`` is the
+  composed one). With ``kind: image_folder``
   and no ``classes`` list the class list is the folders' (mapped) names, sorted, as ``ImageFolder`` builds it, names
   that differ only in case, spaces, ``_`` and ``-`` one class (:func:`one_spelling`).
 - files: ``.png``, ``.jpg`` / ``.jpeg``, ``.bmp``, ``.gif``, ``.tif`` / ``.tiff`` are images (decoded to RGB, grey
@@ -27,14 +33,15 @@ and its common variants (:class:`~fedsilo.config.ImageFolderRules`, ``datasets.<
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections import defaultdict
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import pandas as pd
 
 from fedsilo.config import ImageFolderRules, check_domain_name
-from fedsilo.data.sources.base import LabelFileError, walk
+from fedsilo.data.sources.base import LabelFileError, is_hidden, walk
 from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES, norm_name, records_frame
 
 SUBSET_WORDS = {"train": "train", "training": "train", "val": "val", "valid": "val", "validation": "val",
@@ -47,129 +54,194 @@ def _level_names(layout: str) -> list[str]:
     return layout.split("/")
 
 
-def scan(raw_dir: Path, rules: ImageFolderRules, domain: Optional[str], key: str) -> list[dict]:
-    """Every file below ``raw_dir`` at or below a class folder, as a dict: ``rel`` (posix path from ``raw_dir``),
-    ``domain``, ``subset``, ``folder`` (the class folder's name), ``image`` (an image suffix), ``group`` (None where
-    the rule finds none). ``domain`` is the source's one domain (None with a ``domain/...`` layout); ``key`` is the
-    dotted params key of the rules (for messages)."""
+def wrapper_hint(raw_dir: Path, rules: ImageFolderRules, key: str) -> str:
+    """A sentence for a layout error when the source's folder holds one folder and nothing else to read: the folder
+    an archive (or a copy) wraps everything in, which ``root`` steps into."""
+    base = Path(raw_dir) / (rules.root or "")
+    if not base.is_dir():
+        return ""
+    entries = [c for c in base.iterdir() if not is_hidden(c.name) and (c.is_dir() or c.suffix.lower() in IMAGE_SUFFIXES)]
+    if len(entries) == 1 and entries[0].is_dir():
+        inner = f"{rules.root}/{entries[0].name}" if rules.root else entries[0].name
+        return f"; if {entries[0].name!r} only wraps the layout (an archive's top-level folder), set {key}.root: {inner}"
+    return ""
+
+
+def scan(raw_dir: Path, rules: ImageFolderRules, domain: Optional[str], key: str,
+         domains: Optional[Iterable[str]] = None) -> list[dict]:
+    """Every file at or below a class folder (below ``raw_dir``, or its ``root``), as an entry for
+    :func:`read_records`: ``id`` and ``path`` (posix path from ``raw_dir``), ``where`` (the file), ``domain``,
+    ``subset``, ``value`` (the class folder's name), ``group`` (None where the rule finds none), ``reason`` (not an
+    image, no group). ``domain`` is the source's one domain (None with a ``domain/...`` layout); a domain folder not
+    among ``domains`` (the dataset's filter) is not read at all; ``key`` is the dotted params key of the rules."""
     raw_dir = Path(raw_dir)
+    base = raw_dir / rules.root if rules.root else raw_dir
+    if not base.is_dir():
+        raise LabelFileError(f"{base}: no such folder in the source ({key}.root: {rules.root!r})")
     levels = _level_names(rules.layout)
     pattern = re.compile(rules.group) if rules.group not in (None, "folder") else None
     expected = "/".join(f"<{level}>" for level in levels) + "/<image>"
-    checked_domains: set[str] = set()
+    wanted = set(domains) if domains is not None else None
+    seen_domains: dict[str, str] = {}
     out: list[dict] = []
-    for f in walk(raw_dir):
+    for f in walk(base):
         if not f.is_file():
             continue
-        parts = f.relative_to(raw_dir).parts
+        parts = f.relative_to(base).parts
         image = f.suffix.lower() in IMAGE_SUFFIXES
+        named = dict(zip(levels, parts))
+        if wanted is not None and "domain" in named and len(parts) > 1 and named["domain"] not in wanted:
+            continue  # a domain folder the dataset leaves out
         if len(parts) <= len(levels):  # above the class folders
             if image:
                 raise LabelFileError(f"{f}: an image outside any class folder: {key}.layout is {rules.layout!r}, "
                                      f"which expects {expected}")
             continue
-        named = dict(zip(levels, parts))
         dom = domain
         if "domain" in named:
             dom = named["domain"]
-            if dom not in checked_domains:
+            if dom not in seen_domains:
                 try:
                     check_domain_name(dom)
                 except ValueError as err:
-                    raise LabelFileError(f"{raw_dir / dom}: domain folder {err} ({key}.layout is {rules.layout!r})") from None
-                checked_domains.add(dom)
+                    raise LabelFileError(f"{base / dom}: domain folder {err} ({key}.layout is {rules.layout!r})") from None
+                twin = next((d for d in seen_domains if d.casefold() == dom.casefold()), None)
+                if twin is not None:
+                    raise LabelFileError(f"{base / dom}: domain folders {twin!r} and {dom!r} differ only in case; one site "
+                                         "is one folder (merge them, or rename one)")
+                seen_domains[dom] = dom
         subset = ""
         if "subset" in named:
             subset = SUBSET_WORDS.get(norm_name(named["subset"]), "")
             if not subset:
-                where = raw_dir.joinpath(*parts[: levels.index("subset") + 1])
+                where = base.joinpath(*parts[: levels.index("subset") + 1])
                 raise LabelFileError(f"{where}: {named['subset']!r} is not a subset folder (train, val or test: "
-                                     f"{key}.layout is {rules.layout!r}, which expects {expected})")
+                                     f"{key}.layout is {rules.layout!r}, which expects {expected}){wrapper_hint(raw_dir, rules, key)}")
         below = parts[len(levels):]  # the file's path below its class folder
+        rel = f.relative_to(raw_dir).as_posix()
         if rules.group is None:
-            group: Optional[str] = f.relative_to(raw_dir).as_posix()
+            group: Optional[str] = rel
         elif rules.group == "folder":
             group = below[0] if len(below) >= 2 else None
         else:
             assert pattern is not None
             m = pattern.search(f.name)
             group = m.group(1) if m and m.group(1) else None
-        out.append({"rel": f.relative_to(raw_dir).as_posix(), "domain": dom, "subset": subset, "folder": named["class"],
-                    "image": image, "group": group})
-    if not any(e["image"] for e in out):
-        raise LabelFileError(f"{raw_dir}: no image ({', '.join(IMAGE_SUFFIXES)}) in class folders laid out as {expected} "
-                             f"({key}.layout)")
+        reason = ""
+        if not image:
+            reason = f"not an image file ({f.suffix.lower() or 'no suffix'})"
+        elif group is None:
+            reason = "not in a group folder (group: folder)" if rules.group == "folder" else "file name does not match the group pattern"
+        out.append({"id": rel, "path": rel, "where": str(f), "domain": dom, "subset": subset, "value": named["class"],
+                    "group": group, "reason": reason})
+    if not any(not e["reason"].startswith("not an image") for e in out):
+        raise LabelFileError(f"{base}: no image ({', '.join(IMAGE_SUFFIXES)}) in class folders laid out as {expected} "
+                             f"({key}.layout){wrapper_hint(raw_dir, rules, key)}")
     return out
 
 
-def _mapped(folder: str, rules: ImageFolderRules) -> Optional[str]:
-    """The class a folder's name maps to through ``classes`` (its key compared loosely), or None."""
-    loose = {norm_name(k): v for k, v in rules.classes.items()}
-    return rules.classes.get(folder, loose.get(norm_name(folder)))
+class ClassMap:
+    """A source's class names (class folders, a table's label values) -> the dataset's classes: through the rules'
+    ``classes`` (keys compared by ``fold``), else the class of the same name (``fold`` of both equal); ``None`` for
+    a value in ``skip``; any other value an error naming it and the two keys that would take it. ``what`` names a value
+    in messages (``class folder``, ``label``); ``hint`` adds a sentence for a value (the folder layout's)."""
+
+    def __init__(self, rules, key: str, what: str, fold: Callable[[str], str] = norm_name,
+                 hint: Callable[[str], str] = lambda value: ""):
+        self.rules, self.key, self.what, self.fold, self.hint = rules, key, what, fold, hint
+        self._map = {fold(k): v for k, v in rules.classes.items()}
+        self._skip = {fold(v) for v in rules.skip}
+
+    def mapped(self, value: str) -> Optional[str]:
+        """The class ``classes`` maps ``value`` to, or None."""
+        return self._map.get(self.fold(value))
+
+    def skipped(self, value: str) -> bool:
+        return self.fold(value) in self._skip
+
+    def names(self, values: Iterable[str]) -> set[str]:
+        """The class names the values give (mapped through ``classes``; skipped ones left out): the class list of a
+        ``kind: image_folder`` dataset that names none."""
+        return {self.mapped(v) or v for v in values if not self.skipped(v)}
+
+    def resolver(self, classes: Sequence[str]) -> Callable[[str, str], Optional[str]]:
+        """``resolve(value, where)``: the dataset class ``value`` is (None when skipped), or the error naming ``where``."""
+        index = {c: i for i, c in enumerate(classes)}
+        loose: dict[str, str] = {}
+        for c in classes:
+            loose.setdefault(self.fold(c), c)
+        memo: dict[str, Optional[str]] = {}
+
+        def resolve(value: str, where: str) -> Optional[str]:
+            if value in memo:
+                return memo[value]
+            if self.skipped(value):
+                memo[value] = None
+                return None
+            cls = self.mapped(value)
+            target = cls if cls is not None else value  # a mapped class is matched to the list as loosely as a name
+            cls = target if target in index else loose.get(self.fold(target))
+            if cls not in index:
+                cls = target
+                target = (f"{self.key}.classes maps it to {cls!r}, which is not among them" if self.mapped(value) is not None else
+                          f"map it with {self.key}.classes: {{{value}: <class>}} or leave it out with {self.key}.skip: [{value}]")
+                raise LabelFileError(f"{where}: {self.what} {value!r} is not a class of this dataset (classes: "
+                                     f"{', '.join(classes)}); {target}{self.hint(value)}")
+            memo[value] = cls
+            return cls
+
+        return resolve
 
 
-def _skipped(folder: str, rules: ImageFolderRules) -> bool:
-    return folder in rules.skip or norm_name(folder) in {norm_name(s) for s in rules.skip}
+def folder_classes(raw_dir: Path, rules: ImageFolderRules, key: str) -> ClassMap:
+    """The class map of a source's class folders (names compared ignoring case, spaces, '_' and '-'), with the hints
+    that a folder named like a subset means a layout with a subset level, and that one lone folder may wrap it all."""
+    def hint(folder: str) -> str:
+        if norm_name(folder) in SUBSET_WORDS and "subset" not in rules.layout:
+            return f"; {key}.layout is {rules.layout!r}: is {folder!r} a subset folder (layout subset/class)?"
+        return wrapper_hint(raw_dir, rules, key)
+
+    return ClassMap(rules, key, "class folder", norm_name, hint)
 
 
-def class_names(entries: list[dict], rules: ImageFolderRules) -> set[str]:
-    """The class names a scan's class folders give (mapped through ``classes``; skipped folders left out): the
-    class list of a ``kind: image_folder`` dataset that names none."""
-    return {_mapped(e["folder"], rules) or e["folder"] for e in entries if e["image"] and not _skipped(e["folder"], rules)}
+def class_names(entries: list[dict], classmap: ClassMap) -> set[str]:
+    """The class names a source's kept images give (:meth:`ClassMap.names`; a file that is no image left out)."""
+    return classmap.names(e["value"] for e in entries if e["value"] and not e["reason"].startswith("not an image"))
 
 
 def one_spelling(names: set[str]) -> list[str]:
     """Class names sorted (as ``ImageFolder`` sorts its folders), names that differ only in case, spaces, ``_`` and
     ``-`` taken as one class under the first of their spellings (``Benign`` at one site, ``benign`` at another)."""
     out: dict[str, str] = {}
-    for n in sorted(names):
+    for n in sorted(unicodedata.normalize("NFC", n) for n in names):  # a class name in its composed form
         out.setdefault(norm_name(n), n)
     return list(out.values())
 
 
-def read_records(raw_dir: Path, entries: list[dict], rules: ImageFolderRules, classes: Sequence[str], key: str) -> pd.DataFrame:
-    """The record table of a scan (:func:`scan`): ``label`` the index of the folder's class in ``classes``,
-    ``original_label`` the folder's name, ``group`` ``<domain>/<group>``."""
+def read_records(entries: list[dict], classmap: ClassMap, classes: Sequence[str], check_groups: bool = True) -> pd.DataFrame:
+    """The record table of a source's entries (:func:`scan`, or a table's rows: ``id``, ``path`` (empty: the file is
+    missing), ``where``, ``domain``, ``subset``, ``value`` (empty: no label), ``group`` (None: none), ``reason`` (an
+    exclusion the reader found)): ``label`` the index of the value's class in ``classes``, ``original_label`` the
+    value, ``group`` ``<domain>/<group>``. A value in ``skip`` is excluded as such; every other value must resolve."""
     index = {c: i for i, c in enumerate(classes)}
-    loose: dict[str, list[str]] = defaultdict(list)
-    for c in classes:
-        loose[norm_name(c)].append(c)
-    resolved: dict[str, Optional[str]] = {}
+    resolve = classmap.resolver(classes)
     rows: dict[str, list[dict]] = defaultdict(list)
     for e in entries:
-        folder = e["folder"]
-        if folder not in resolved:
-            if _skipped(folder, rules):
-                resolved[folder] = None
-            else:
-                cls = _mapped(folder, rules)
-                if cls is None:
-                    cls = folder if folder in index else (loose[norm_name(folder)] or [None])[0]
-                if cls not in index:
-                    hint = (f"; {key}.layout is {rules.layout!r}: is {folder!r} a subset folder (layout subset/class)?"
-                            if norm_name(folder) in SUBSET_WORDS and "subset" not in rules.layout else "")
-                    target = (f"{key}.classes maps it to {cls!r}, which is not among them"
-                              if _mapped(folder, rules) is not None else
-                              f"map it with {key}.classes: {{{folder}: <class>}} or leave it out with {key}.skip: [{folder}]")
-                    raise LabelFileError(f"{Path(raw_dir) / e['rel']}: class folder {folder!r} is not a class of this dataset "
-                                         f"(classes: {', '.join(classes)}); {target}{hint}")
-                resolved[folder] = cls
-        cls = resolved[folder]
-        reason = ""
-        if cls is None:
-            reason = f"class folder skipped ({key}.skip)"
-        elif not e["image"]:
-            suffix = Path(e["rel"]).suffix.lower()
-            reason = f"not an image file ({suffix or 'no suffix'})"
-        elif e["group"] is None:
-            reason = "not in a group folder (group: folder)" if rules.group == "folder" else "file name does not match the group pattern"
+        reason, cls = e["reason"], None
+        if e["value"] and not reason:
+            cls = resolve(e["value"], e["where"])
+            if cls is None:
+                reason = f"{classmap.what} skipped ({classmap.key}.skip)"
+        elif e["value"] and classmap.skipped(e["value"]):  # excluded already (not an image, no group): the skip comes first
+            reason = f"{classmap.what} skipped ({classmap.key}.skip)"
         rows[e["domain"]].append({
-            "id": e["rel"], "label": index[cls] if not reason else -1, "original_label": folder,
-            "group": f"{e['domain']}/{e['group']}" if e["group"] is not None else "", "view": "", "path": e["rel"],
+            "id": e["id"], "label": index[cls] if cls is not None and not reason else -1, "original_label": e["value"],
+            "group": f"{e['domain']}/{e['group']}" if e["group"] is not None else "", "view": "", "path": e["path"],
             "reader": "image", "excluded": reason, "subset": e["subset"],
         })
     frame = pd.concat([records_frame(r, d) for d, r in rows.items()], ignore_index=True)
-    _check_test_groups(frame, key)
+    if check_groups:
+        _check_test_groups(frame, classmap.key)
     return frame
 
 

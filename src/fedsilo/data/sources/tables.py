@@ -21,9 +21,9 @@ SUBSETS = ("train", "val", "test")
 NO_PATIENT = {"", "na", "n/a", "nan", "none", "null", "-"}  # how exports write a missing patient id
 
 
-def load_table(raw_dir: Path, rules, columns: dict[str, Optional[str]], key: str) -> tuple[Path, pd.DataFrame]:
-    """The table ``rules.file`` below ``raw_dir``, every cell a string; ``columns`` maps each rule (``path``,
-    ``label``, ...) to the column it names (None: not used). ``key`` is the dotted params key of ``rules``."""
+def load_table(raw_dir: Path, rules, columns: list[tuple[str, Optional[str]]], key: str) -> tuple[Path, pd.DataFrame]:
+    """The table ``rules.file`` below ``raw_dir``, every cell a string; ``columns`` pairs each rule (``path``,
+    ``label``, ...) with the column it names (None: not used). ``key`` is the dotted params key of ``rules``."""
     table_path = Path(raw_dir) / rules.file
     if not table_path.is_file():
         raise LabelFileError(f"{table_path}: the label table is missing ({key}.file: {rules.file!r}, relative to the source's folder)")
@@ -32,8 +32,7 @@ def load_table(raw_dir: Path, rules, columns: dict[str, Optional[str]], key: str
     except LabelFileError as err:
         hint = f" (set {key}.encoding to the table's encoding, e.g. cp1252 or utf-16)" if "codec" in str(err) else ""
         raise LabelFileError(f"{err}{hint}") from err
-    named = {role: col for role, col in columns.items() if col is not None}
-    missing = [f"{col!r} ({key}.{role})" for role, col in named.items() if col not in df.columns]
+    missing = [f"{col!r} ({key}.{role})" for role, col in columns if col is not None and col not in df.columns]
     if missing:
         header = rules.sep.join(map(str, df.columns))
         other = next((c for c in (",", ";", "\t", "|") if c != rules.sep and c in header), None)

@@ -1,0 +1,97 @@
+"""Your own images with a label table of their classes (a source with ``reader: image_table``): a dermatology
+clinic's photographs and its ground-truth CSV (ISIC's one-hot layout among them), a pathology archive's patch list.
+Read by :class:`~fedsilo.config.ImageTableRules` (``datasets.<dataset>.tables.<source>``) through the machinery every
+table of your own shares (:mod:`fedsilo.data.sources.tables`: separator, encoding, paths found case-blind, one row
+per image, a patient on one side of the table's test partition).
+
+Row by row (the header is row 1), values trimmed and compared case-blind, numbers by their value:
+
+- ``path`` (with ``path_format``, ``{}`` standing for the cell: ``ISIC_2019_Training_Input/{}.jpg`` for a column of
+  image ids): the image file, relative to the source's folder. A file the folder lacks is kept and quarantined by
+  harmonize as "image file missing" (it counts against ``max_quarantine_fraction``); a path that is absolute, leaves
+  the folder or is listed twice is an error naming the row.
+- the class: the ``label`` column's value, or with ``label_columns`` the one column holding 1 (0 or blank elsewhere;
+  ``1.0`` is 1); a blank label, or no column holding 1, is excluded as "no label", several columns holding 1 as
+  "several labels (A, B)", any other cell is an error naming the row and the column. A value is the dataset's class of
+  the same name (case, spaces, ``_`` and ``-`` aside), or the class ``classes`` maps it to; a value in ``skip`` is
+  excluded with the reason; any other value is an error naming it and both keys.
+- ``patient`` (when named): the group every split keeps whole; a blank (or ``NA``, ``N/A``, ``nan``, ``none``,
+  ``null``, ``-``) is excluded as "no patient id". Without it each image is its own group and harmonize warns
+  (:data:`NO_PATIENT_WARNING`).
+- ``subset`` (when named): ``train`` / ``val`` / ``test`` or blank; another value is an error; a patient both in
+  ``test`` and outside it is an error naming both rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fedsilo.config import ImageTableRules, table_word
+from fedsilo.data.sources.base import LabelFileError, show
+from fedsilo.data.sources.benchmark import norm_name
+from fedsilo.data.sources.image_folder import ClassMap
+from fedsilo.data.sources.tables import NO_PATIENT, SUBSETS, Rows, load_table, relative_path
+
+NO_PATIENT_WARNING = ("has no patient column (patient: null): each image is its own group, so two images of one patient "
+                      "(or lesion, or slide) may land on both sides of a split; name the column that identifies them if the table has one")
+
+
+def fold(value: str) -> str:
+    """A label value as the rules compare it: trimmed, case-blind, numbers by their value, spaces, '_' and '-' aside."""
+    return norm_name(table_word(value))
+
+
+def table_classes(rules: ImageTableRules, key: str) -> ClassMap:
+    return ClassMap(rules, key, "label column" if rules.label_columns else "label", fold)
+
+
+def _label(rec: dict, rules: ImageTableRules, where: str) -> tuple[str, str]:
+    """(the row's class value, an exclusion reason): the label column's value, or the one label column holding 1."""
+    if rules.label_column is not None:
+        value = str(rec[rules.label_column]).strip()
+        return value, "" if value else "no label"
+    ones = []
+    for col in rules.label_columns:
+        word = table_word(rec[col])
+        if word == "1":
+            ones.append(col)
+        elif word not in ("0", ""):
+            raise LabelFileError(f"{where}: {col} {show(str(rec[col]))} is not 1, 0 or blank (label_columns: one column "
+                                 "per class, 1 in the row's class)")
+    if len(ones) > 1:
+        return "", f"several labels ({', '.join(ones)})"
+    return (ones[0], "") if ones else ("", "no label")
+
+
+def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str) -> list[dict]:
+    """The table's rows as entries for :func:`fedsilo.data.sources.image_folder.read_records`: ``id`` (the path the
+    row names), ``path`` (the file it reads, empty when the folder lacks it), ``where`` (file and row), ``domain``,
+    ``subset``, ``value`` (the class as the table writes it), ``group``, ``reason``."""
+    raw_dir = Path(raw_dir)
+    columns = [("path", rules.path), ("label", rules.label_column), ("patient", rules.patient), ("subset", rules.subset)]
+    columns += [("label_columns", c) for c in rules.label_columns]
+    table_path, df = load_table(raw_dir, rules, columns, key)
+    table = Rows(raw_dir)
+    out = []
+    for i, rec in enumerate(df.to_dict("records")):
+        where = f"{table_path}: row {i + 2}"
+        cell = str(rec[rules.path]).strip()
+        rel = relative_path(raw_dir, rules.path_format.replace("{}", cell) if cell else "", where)
+        found = table.locate(rel, i + 2, where)
+        value, reason = _label(rec, rules, where)
+        group = rel
+        if rules.patient is not None:
+            group = str(rec[rules.patient]).strip()
+            if group.casefold() in NO_PATIENT:
+                group, reason = rel, reason or "no patient id"
+        subset = ""
+        if rules.subset is not None:
+            subset = table_word(rec[rules.subset])
+            if subset and subset not in SUBSETS:
+                raise LabelFileError(f"{where}: {rules.subset} {show(str(rec[rules.subset]))} is not one of {', '.join(SUBSETS)} "
+                                     f"(or blank) ({key}.subset)")
+            if rules.patient is not None and not reason:
+                table.side(group, subset, i + 2, where, rules.subset)
+        out.append({"id": rel, "path": found or "", "where": where, "domain": domain, "subset": subset, "value": value,
+                    "group": group, "reason": reason})
+    return out

@@ -1,0 +1,191 @@
+"""Your own images with a label table of their classes (``reader: image_table``): a pathology archive's patch list
+joins Kather's centres as a domain of its own, an ISIC-style one-hot ground truth forms a dataset of its own; the
+table's mistakes are refused by row and key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pandas as pd
+import pytest
+
+from fedsilo.config import ConfigError, parse_params
+from fedsilo.data.fetch import fetch
+from fedsilo.data.harmonize import HarmonizeError, decode_one, harmonize_benchmark
+from fedsilo.data.sources.base import LabelFileError
+from fedsilo.data.sources.kather_crc import CLASSES as KATHER
+from fedsilo.data.splits import check_patient_disjoint, make_split
+
+
+def _joined(tables: dict | None = None, **own) -> dict:
+    return {
+        "sources": {"kather_crc": {"mode": "mirror", "mirror": {"per_class": 3, "image_px": 32}},
+                    "archive": {"mode": "mirror", "reader": "image_table", "mirror": {"per_class": 4, "image_px": 32}, **own}},
+        "datasets": {"crc": {"kind": "kather_crc", "sources": ["kather_crc", "archive"], "image_size": 16, "workers": 1,
+                             "tables": tables if tables is not None else {"archive": {"domain": "Archive", "patient": "patient"}}}},
+        "experiments": {"quick": {"dataset": "crc", "split": {"protocol": "domain_clients", "n_train": 10, "n_test": 6}}},
+        "methods": {"fedavg": {}},
+        "pipeline": {"sources": ["kather_crc", "archive"], "datasets": ["crc"], "splits": {"quick": "crc"},
+                     "experiments": ["quick"], "methods": ["fedavg"], "seeds": [0]},
+        "tracking": {"enabled": False},
+    }
+
+
+@pytest.fixture(scope="module")
+def raw(tmp_path_factory) -> Path:
+    p = parse_params(_joined())
+    out = tmp_path_factory.mktemp("table") / "raw"
+    for s in ("kather_crc", "archive"):
+        fetch(s, p.sources[s], out / s)
+    return out
+
+
+def test_an_archives_patch_list_joins_kather_as_a_domain_of_its_own_and_patients_stay_whole(raw, tmp_path):
+    p = parse_params(_joined())
+    card = harmonize_benchmark(p.datasets["crc"], raw, tmp_path / "h", quiet=True)
+    mine = card["domains"]["Archive"]
+    assert card["classes"] == list(KATHER) and mine["excluded_by_reason"] == {"no label": 1}
+    assert mine["quarantined"] == 1 and mine["images"] == 4 * len(KATHER)  # the listed patch never exported: quarantined
+    table = pd.read_csv(raw / "archive" / "labels.csv", dtype=str, keep_default_na=False)
+    recs, images = pd.read_parquet(tmp_path / "h" / "records.parquet"), np.load(tmp_path / "h" / "images.npy")
+    own = recs[recs["domain"] == "Archive"].set_index("source_path")
+    written = table.set_index("path").loc[own.index]
+    assert (own["label"] == [KATHER.index(v.strip().upper()) for v in written["label"]]).all()  # " TUM", "tum": TUM
+    assert (own["group"] == "Archive/" + written["patient"]).all() and own["group"].nunique() == 3
+    for rel in own.index[:5]:
+        np.testing.assert_array_equal(images[recs.index[recs["source_path"] == rel][0]],
+                                      decode_one((str(raw / "archive" / rel), "rgb", 16, "stretch", "", (0.0, 100.0))))
+    split = make_split(recs, p.experiments["quick"].split.model_copy(update={"domains": ("Archive",), "n_train": 10, "n_test": 6}), 0)
+    check_patient_disjoint(recs, split)
+    assert card["rules"]["own_sources"]["archive"]["reader"] == "image_table" and "warnings" not in card
+
+
+def _isic(root: Path, rows: list[tuple[str, str]]) -> None:
+    """An ISIC-2019-like release: images by id and a one-hot ground truth (1.0 / 0.0)."""
+    cols = ["MEL", "NV", "BCC", "UNK"]
+    lines = ["image," + ",".join(cols)]
+    for i, (image, hot) in enumerate(rows):
+        path = root / "ISIC_2019_Training_Input" / f"{image}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        assert cv2.imwrite(str(path), np.random.default_rng(i).integers(0, 256, (30, 40, 3), dtype=np.uint8))
+        lines.append(image + "," + ",".join(("1.0" if c in hot.split("+") else "0.0") if hot != "?" else "0.5" for c in cols))
+    (root / "ISIC_2019_Training_GroundTruth.csv").write_text("\n".join(lines) + "\n")
+
+
+def _isic_params(root: Path, **rules) -> dict:
+    return {
+        "sources": {"isic": {"mode": "local", "reader": "image_table", "path": str(root)}},
+        "datasets": {"derm": {"kind": "image_folder", "sources": ["isic"], "classes": ["NV", "MEL", "BCC"], "image_size": 16,
+                              "workers": 1, "tables": {"isic": {"file": "ISIC_2019_Training_GroundTruth.csv", "path": "image",
+                                                                "path_format": "ISIC_2019_Training_Input/{}.jpg", "label": None,
+                                                                "label_columns": ["MEL", "NV", "BCC", "UNK"], "skip": ["UNK"],
+                                                                "domain": "ISIC", **rules}}}},
+        "experiments": {}, "methods": {},
+        "pipeline": {"sources": ["isic"], "datasets": ["derm"], "splits": {}, "experiments": [], "methods": [], "seeds": [0]},
+        "tracking": {"enabled": False},
+    }
+
+
+def test_a_one_hot_ground_truth_of_image_ids_forms_a_dataset_of_its_own(tmp_path):
+    rows = [(f"ISIC_{i:07d}", ["MEL", "NV", "BCC"][i % 3]) for i in range(9)] + [
+        ("ISIC_0000009", "UNK"), ("ISIC_0000010", ""), ("ISIC_0000011", "MEL+NV")]
+    _isic(tmp_path / "isic", rows)
+    p = parse_params(_isic_params(tmp_path / "isic"))
+    fetch("isic", p.sources["isic"], tmp_path / "raw" / "isic")
+    card = harmonize_benchmark(p.datasets["derm"], tmp_path / "raw", tmp_path / "h" / "derm", quiet=True)
+    assert card["classes"] == ["NV", "MEL", "BCC"]  # the params' order, not the table's columns'
+    assert card["domains"]["ISIC"]["by_class"] == {"NV": 3, "MEL": 3, "BCC": 3}
+    assert card["domains"]["ISIC"]["excluded_by_reason"] == {
+        "label column skipped (datasets.derm.tables.isic.skip)": 1, "no label": 1, "several labels (MEL, NV)": 1}
+    assert "no patient column" in card["warnings"][0]
+    recs = pd.read_parquet(tmp_path / "h" / "derm" / "records.parquet")
+    assert (recs["label"] == [["NV", "MEL", "BCC"].index(["MEL", "NV", "BCC"][i % 3]) for i in range(9)]).all()
+    # a soft label is no one-hot cell: refused by row and column
+    _isic(tmp_path / "soft", rows[:3] + [("ISIC_0000099", "?")])
+    with pytest.raises(LabelFileError, match=r"row 5: MEL '0.5' is not 1, 0 or blank"):
+        _harmonize_at(tmp_path / "soft", "isic", _isic_params(tmp_path / "soft"), tmp_path / "h2")
+
+
+def _harmonize_at(folder: Path, source: str, raw_params: dict, out: Path):
+    """Harmonize with the source's raw folder being ``folder`` itself (no copy)."""
+    link = out.parent / f"raw_{out.name}"
+    link.mkdir(parents=True)
+    (link / source).symlink_to(folder)
+    (name, ds), = parse_params(raw_params).datasets.items()
+    return harmonize_benchmark(ds, link, out / name, quiet=True)  # the dataset's own folder name: its key in messages
+
+
+def _table(root: Path, text: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for i, line in enumerate(text.strip().splitlines()[1:]):
+        rel = line.split(",")[0].strip()
+        if rel and not rel.startswith(("/", "..")) and "gone" not in rel:
+            path = root / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not any(q.name.casefold() == path.name.casefold() for q in path.parent.iterdir()):  # as typed, once
+                assert cv2.imwrite(str(path), np.full((8, 8, 3), 40 + i, np.uint8) + np.eye(8, dtype=np.uint8)[:, :, None] * 90)
+    (root / "labels.csv").write_text(text.strip() + "\n")
+    return root
+
+
+@pytest.mark.parametrize("text, rules, message", [
+    ("path,label\na.png,tum\nb.png,Tumour\n", {}, r"labels\.csv: row 3: label 'Tumour' is not a class of this dataset .*map it with "
+     r"datasets\.crc\.tables\.archive\.classes: \{Tumour: <class>\} or leave it out with datasets\.crc\.tables\.archive\.skip: \[Tumour\]"),
+    ("path,label\na.png,tum\n", {"classes": {"tum": "TUMOR"}}, r"classes maps it to 'TUMOR', which is not among them"),
+    ("file,label\na.png,tum\n", {}, r"missing column\(s\) 'path' \(datasets\.crc\.tables\.archive\.path\)"),
+    ("path;label\na.png;tum\n", {}, r"the header holds ';': set datasets\.crc\.tables\.archive\.sep to it"),
+    ("path,label\n/data/a.png,tum\n", {}, r"row 2: '/data/a.png' is an absolute path"),
+    ("path,label\na.png,tum\nA.PNG,adi\n", {}, r"row 3: A.PNG reads the file a.png, listed already \(first on row 2\)"),
+    ("path,label,part\na.png,tum,holdout\n", {"subset": "part"}, r"row 2: part 'holdout' is not one of train, val, test"),
+    ("path,label,pid,part\na.png,tum,p1,test\nb.png,adi,p1,train\n", {"subset": "part", "patient": "pid"},
+     r"row 3: patient 'p1' is outside test here and test on row 2"),
+])
+def test_the_tables_mistakes_are_refused_by_row_and_key(tmp_path, text, rules, message):
+    raw = _joined({"archive": rules})
+    raw["sources"]["archive"] = {"mode": "local", "reader": "image_table", "path": "/x"}
+    with pytest.raises(LabelFileError, match=message):
+        _harmonize_at(_table(tmp_path / "archive", text), "archive",
+                      {**raw, "datasets": {"crc": {**raw["datasets"]["crc"], "sources": ["archive"]}}}, tmp_path / "h")
+    assert not (tmp_path / "h").exists()
+
+
+def test_a_patch_the_folder_lacks_is_quarantined_and_too_many_fail_the_domain(tmp_path):
+    raw = _joined({"archive": {}})
+    raw["sources"]["archive"] = {"mode": "local", "reader": "image_table", "path": "/x"}
+    raw = {**raw, "datasets": {"crc": {**raw["datasets"]["crc"], "sources": ["archive"]}}}
+    text = "path,label\n" + "".join(f"p{i}.png,{KATHER[i % 9]}\n" for i in range(18)) + "gone.png,TUM\n"
+    with pytest.raises(HarmonizeError, match=r"archive: 1 of 19 images could not be decoded .*image file missing for archive/gone.png"):
+        _harmonize_at(_table(tmp_path / "a", text), "archive", raw, tmp_path / "h")
+    raw["datasets"]["crc"]["max_quarantine_fraction"] = 0.1
+    card = _harmonize_at(tmp_path / "a", "archive", raw, tmp_path / "h2")
+    assert card["domains"]["archive"]["quarantined"] == 1 and card["domains"]["archive"]["images"] == 18
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"datasets": {"crc": {"tables": {}}}}, r"datasets\.crc\.tables\.archive: missing; a source with reader: image_table needs"),
+    ({"datasets": {"crc": {"tables": {"archive": {"label": "dx", "label_columns": ["a", "b"]}}}}}, r"label and label_columns: .*set label: null"),
+    ({"datasets": {"crc": {"tables": {"archive": {"label": None}}}}}, r"label: null needs label_columns"),
+    ({"datasets": {"crc": {"tables": {"archive": {"path_format": "images/x.jpg"}}}}}, r"path_format: 'images/x.jpg' needs exactly one"),
+    ({"datasets": {"crc": {"tables": {"archive": {"skip": [1], "classes": {"1.0": "TUM"}}}}}}, r"skip and classes both name 1"),
+    ({"datasets": {"crc": {"folders": {"archive": {}}}}}, r"folders\.archive and tables\.archive: .*not both"),
+    ({"sources": {"archive": {"reader": "image_folder"}}}, r"tables\.archive: archive has reader: image_folder .*reader: image_table"),
+    ({"datasets": {"crc": {"tables": {"archive": {"domain": "CRC-VAL-HE-7K"}}}}}, None),  # a public domain: caught at harmonize
+])
+def test_params_refuse_what_the_table_reader_cannot_read(change, message):
+    raw = _joined()
+    for section, entries in change.items():
+        for k, v in entries.items():
+            raw[section][k] = {**raw[section][k], **v}
+    if message is None:
+        assert parse_params(raw).datasets["crc"].domain_of("archive") == "CRC-VAL-HE-7K"
+        return
+    with pytest.raises(ConfigError, match=message):
+        parse_params(raw)
+
+
+def test_a_domain_a_public_source_forms_is_refused_at_harmonize(raw, tmp_path):
+    p = parse_params(_joined({"archive": {"domain": "crc-val-he-7k"}}))
+    with pytest.raises(HarmonizeError, match=r"archive: domain 'crc-val-he-7k' is also a domain of kather_crc"):
+        harmonize_benchmark(p.datasets["crc"], raw, tmp_path / "h", quiet=True)
