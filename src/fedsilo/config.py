@@ -16,7 +16,16 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from fedsilo.layout import Layout
@@ -229,6 +238,22 @@ def check_domain_name(v: str) -> None:
         raise ValueError(f"{v!r} is a column of the report's tables ({', '.join(sorted(RESERVED_DOMAINS))}): choose another name")
 
 
+def _domain_name(v: str) -> str:
+    check_domain_name(v)
+    return v
+
+
+def _inside(v: str, what: str) -> str:
+    """``v`` as a path inside the source's folder (relative, no '..'), or the error saying what it is for."""
+    parts = v.replace("\\", "/").split("/")
+    if v.startswith(("/", "\\")) or (len(v) > 1 and v[1] == ":") or ".." in parts or not v.strip():
+        raise ValueError(f"{v!r}: {what}")
+    return v
+
+
+DomainName = Annotated[str, AfterValidator(_domain_name)]  # a domain a source of your own forms (a client's name)
+
+
 class TableFileRules(Strict):
     """A label table of your own (CSV) in the source's folder and the columns every table reader takes: one row per
     image; values compared trimmed and case-blind, numbers by their value (:func:`table_word`)."""
@@ -236,27 +261,17 @@ class TableFileRules(Strict):
     file: str = Field("labels.csv", description="the label table (CSV), relative to the source's folder (fetched and hashed with it)")
     sep: str = Field(",", min_length=1, max_length=1, description="the table's column separator (';' for a European spreadsheet's CSV, '\\t' for TSV)")
     encoding: str = Field("utf-8", description="the table's text encoding (a BOM is skipped); e.g. cp1252 or utf-16 for a Windows export")
-    domain: Optional[str] = Field(None, description="the domain (client / site name) its images form; default: the source's name")
+    domain: Optional[DomainName] = Field(None, description="the domain (client / site name) its images form; default: the source's name")
     path: str = Field("path", description="column: the image file, relative to the source's folder")
     patient: Optional[str] = Field(None, description="column: the patient (a patient's images stay on one side of every split); "
                                    "null: each image its own patient (warned: repeat images of a patient may then land on both sides)")
     subset: Optional[str] = Field(None, description="column: your own partition, train / val / test per image (splits' test_from: auto)")
 
-    @field_validator("domain")
-    @classmethod
-    def _domain_name(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None:
-            check_domain_name(v)
-        return v
-
     @field_validator("file")
     @classmethod
-    def _inside(cls, v: str) -> str:
-        parts = v.replace("\\", "/").split("/")
-        if v.startswith(("/", "\\")) or (len(v) > 1 and v[1] == ":") or ".." in parts or not v.strip():
-            raise ValueError(f"{v!r}: the label table is a file inside the source's folder (relative, no '..'), so it is "
-                             "fetched and hashed with the images; copy it there")
-        return v
+    def _file_inside(cls, v: str) -> str:
+        return _inside(v, "the label table is a file inside the source's folder (relative, no '..'), so it is fetched "
+                       "and hashed with the images; copy it there")
 
     @field_validator("encoding")
     @classmethod
@@ -388,8 +403,8 @@ class ImageFolderRules(Strict):
     layout: Literal["class", "subset/class", "domain/class", "domain/subset/class"] = Field(
         "class", description="the folder levels above the images: class = <class>/<image>; subset/class = "
         "<train|val|test>/<class>/<image>; domain/class and domain/subset/class = one folder per domain (site) first")
-    domain: Optional[str] = Field(None, description="the domain (client / site name) the images form; default: the "
-                                  "source's name (not with a domain/... layout, whose domain folders name the domains)")
+    domain: Optional[DomainName] = Field(None, description="the domain (client / site name) the images form; default: the "
+                                         "source's name (not with a domain/... layout, whose domain folders name the domains)")
     classes: dict[str, str] = Field(default_factory=dict, description="class folder name -> the dataset's class, for "
                                     "folders named otherwise (default: folder names matched to the classes, ignoring "
                                     "case, spaces, '_' and '-')")
@@ -400,13 +415,6 @@ class ImageFolderRules(Strict):
                                  "slide): null = each image its own group (warned); 'folder' = the first folder below the "
                                  "class folder (<class>/<slide>/<patch>); otherwise a regular expression whose one capture "
                                  "group, searched in the file name, is the group (e.g. '^(TCGA-..-....)')")
-
-    @field_validator("domain")
-    @classmethod
-    def _domain_name(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None:
-            check_domain_name(v)
-        return v
 
     @field_validator("group")
     @classmethod
@@ -430,11 +438,7 @@ class ImageFolderRules(Strict):
     @field_validator("root")
     @classmethod
     def _root_inside(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None:
-            parts = v.replace("\\", "/").split("/")
-            if v.startswith(("/", "\\")) or (len(v) > 1 and v[1] == ":") or ".." in parts or not v.strip():
-                raise ValueError(f"{v!r}: a folder inside the source's folder (relative, no '..')")
-        return v
+        return v if v is None else _inside(v, "a folder inside the source's folder (relative, no '..')")
 
     @model_validator(mode="after")
     def _consistent(self) -> "ImageFolderRules":

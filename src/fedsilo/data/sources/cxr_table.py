@@ -44,7 +44,7 @@ from fedsilo.config import CXRTableRules, table_word
 from fedsilo.data.dicom import is_dicom_file, view_position
 from fedsilo.data.imageops import ImageDecodeError
 from fedsilo.data.sources.base import LabelFileError, finalize, show
-from fedsilo.data.sources.tables import NO_PATIENT, SUBSETS, Rows, load_table, relative_path
+from fedsilo.data.sources.tables import Rows, load_table, relative_path
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 NO_PATIENT_WARNING = ("has no patient column (patient: null): each image is its own group, so two images of one "
@@ -111,19 +111,7 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
             else:
                 raise LabelFileError(f"{where}: {told} {show(v)} is neither frontal nor lateral; add it to {key}.frontal or "
                                      f"{key}.lateral")
-        group = rel
-        if rules.patient is not None:
-            group = str(rec[rules.patient]).strip()
-            if group.casefold() in NO_PATIENT:
-                group, why = rel, why or "no patient id"
-        subset = ""
-        if rules.subset is not None:
-            subset = table_word(rec[rules.subset])
-            if subset and subset not in SUBSETS:
-                raise LabelFileError(f"{where}: {rules.subset} {show(str(rec[rules.subset]))} is not one of {', '.join(SUBSETS)} "
-                                     f"(or blank) ({key}.subset)")
-            if rules.patient is not None and not why:  # the splits' two sides: test, and everything else
-                table.side(group, subset, i + 2, where, rules.subset)
+        group, subset, why = table.group_and_subset(rec, rules, rel, why, i + 2, where, key)
         rows.append({
             "id": rel,
             "label": label,

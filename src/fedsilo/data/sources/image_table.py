@@ -30,7 +30,7 @@ from fedsilo.config import ImageTableRules, table_word
 from fedsilo.data.sources.base import LabelFileError, show
 from fedsilo.data.sources.benchmark import norm_name
 from fedsilo.data.sources.image_folder import ClassMap
-from fedsilo.data.sources.tables import NO_PATIENT, SUBSETS, Rows, load_table, relative_path
+from fedsilo.data.sources.tables import Rows, load_table, relative_path
 
 NO_PATIENT_WARNING = ("has no patient column (patient: null): each image is its own group, so two images of one patient "
                       "(or lesion, or slide) may land on both sides of a split; name the column that identifies them if the table has one")
@@ -79,19 +79,7 @@ def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str) -> list[d
         rel = relative_path(raw_dir, rules.path_format.replace("{}", cell) if cell else "", where)
         found = table.locate(rel, i + 2, where)
         value, reason = _label(rec, rules, where)
-        group = rel
-        if rules.patient is not None:
-            group = str(rec[rules.patient]).strip()
-            if group.casefold() in NO_PATIENT:
-                group, reason = rel, reason or "no patient id"
-        subset = ""
-        if rules.subset is not None:
-            subset = table_word(rec[rules.subset])
-            if subset and subset not in SUBSETS:
-                raise LabelFileError(f"{where}: {rules.subset} {show(str(rec[rules.subset]))} is not one of {', '.join(SUBSETS)} "
-                                     f"(or blank) ({key}.subset)")
-            if rules.patient is not None and not reason:
-                table.side(group, subset, i + 2, where, rules.subset)
+        group, subset, reason = table.group_and_subset(rec, rules, rel, reason, i + 2, where, key)
         out.append({"id": rel, "path": found or "", "where": where, "domain": domain, "subset": subset, "value": value,
                     "group": group, "reason": reason})
     return out

@@ -15,6 +15,7 @@ from typing import Optional
 
 import pandas as pd
 
+from fedsilo.config import table_word
 from fedsilo.data.sources.base import LabelFileError, read_csv, show, walk
 
 SUBSETS = ("train", "val", "test")
@@ -104,6 +105,25 @@ class Rows:
                 raise LabelFileError(f"{where}: {rel} {what} (first on row {self.first_row[name]}); one row per image")
             self.first_row[name] = row
         return found
+
+    def group_and_subset(self, rec: dict, rules, rel: str, why: str, row: int, where: str, key: str) -> tuple[str, str, str]:
+        """A row's group (its ``patient`` cell; the image itself without the column), its ``subset`` and its
+        exclusion reason (``why``, else "no patient id" for a blank patient); a subset other than train / val / test
+        is an error, and so is a kept patient on both sides of the table's test partition."""
+        group = rel
+        if rules.patient is not None:
+            group = str(rec[rules.patient]).strip()
+            if group.casefold() in NO_PATIENT:
+                group, why = rel, why or "no patient id"
+        subset = ""
+        if rules.subset is not None:
+            subset = table_word(rec[rules.subset])
+            if subset and subset not in SUBSETS:
+                raise LabelFileError(f"{where}: {rules.subset} {show(str(rec[rules.subset]))} is not one of {', '.join(SUBSETS)} "
+                                     f"(or blank) ({key}.subset)")
+            if rules.patient is not None and not why:  # the splits' two sides: test, and everything else
+                self.side(group, subset, row, where, rules.subset)
+        return group, subset, why
 
     def side(self, patient: str, subset: str, row: int, where: str, column: str) -> None:
         side = "test" if subset == "test" else "outside test"
