@@ -121,7 +121,7 @@ def _table(root: Path, text: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for i, line in enumerate(text.strip().splitlines()[1:]):
         rel = line.split(",")[0].strip()
-        if rel and not rel.startswith(("/", "..")) and "gone" not in rel:
+        if rel.endswith((".png", ".jpg")) and not rel.startswith(("/", "..")) and "gone" not in rel:
             path = root / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             if not any(q.name.casefold() == path.name.casefold() for q in path.parent.iterdir()):  # as typed, once
@@ -134,6 +134,7 @@ def _table(root: Path, text: str) -> Path:
     ("path,label\na.png,tum\nb.png,Tumour\n", {}, r"labels\.csv: row 3: label 'Tumour' is not a class of this dataset .*map it with "
      r"datasets\.crc\.tables\.archive\.classes: \{Tumour: <class>\} or leave it out with datasets\.crc\.tables\.archive\.skip: \[Tumour\]"),
     ("path,label\na.png,tum\n", {"classes": {"tum": "TUMOR"}}, r"classes maps it to 'TUMOR', which is not among them"),
+    ("path,label\na.png,tum\n,\nb.png,Tumour\n", {}, r"row 4: label 'Tumour'"),  # an empty row keeps the rows' numbers
     ("file,label\na.png,tum\n", {}, r"missing column\(s\) 'path' \(datasets\.crc\.tables\.archive\.path\)"),
     ("path;label\na.png;tum\n", {}, r"the header holds ';': set datasets\.crc\.tables\.archive\.sep to it"),
     ("path,label\n/data/a.png,tum\n", {}, r"row 2: '/data/a.png' is an absolute path"),
@@ -189,3 +190,55 @@ def test_a_domain_a_public_source_forms_is_refused_at_harmonize(raw, tmp_path):
     p = parse_params(_joined({"archive": {"domain": "crc-val-he-7k"}}))
     with pytest.raises(HarmonizeError, match=r"archive: domain 'crc-val-he-7k' is also a domain of kather_crc"):
         harmonize_benchmark(p.datasets["crc"], raw, tmp_path / "h", quiet=True)
+
+
+def _own_table(root: Path, text: str, **rules) -> dict:
+    _table(root, text)
+    return {"sources": {"t": {"mode": "local", "reader": "image_table", "path": str(root)}},
+            "datasets": {"d": {"kind": "image_folder", "sources": ["t"], "image_size": 8, "workers": 1,
+                               "max_quarantine_fraction": 0.5, "tables": {"t": rules}}},
+            "experiments": {}, "methods": {},
+            "pipeline": {"sources": ["t"], "datasets": ["d"], "splits": {}, "experiments": [], "methods": [], "seeds": [0]},
+            "tracking": {"enabled": False}}
+
+
+def test_what_real_tables_bring(tmp_path):
+    """Labels written 1 and 1.0 by two exports, R's NA, a skipped row in a patient's test images, a spreadsheet's
+    empty rows, a DICOM listed among the images, HAM10000's two image folders, a one-hot column no row uses yet."""
+    text = ("path,label,pid,part\na.png,1,p1,train\nb.png,1.0,p1,train\nc.png,0,p2,train\nd.png,NA,p2,train\n"
+            "e.png,unsure,p1,test\n,,,\nf.dcm,0,p3,train\n,,,\n")
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "f.dcm").write_bytes(b"\0" * 200)
+    card = _harmonize_at(tmp_path / "t", "t", _own_table(tmp_path / "t", text, patient="pid", subset="part", skip=["unsure"]), tmp_path / "h")
+    assert card["classes"] == ["0", "1"] and card["domains"]["t"]["by_class"] == {"0": 1, "1": 2}
+    assert card["domains"]["t"]["excluded_by_reason"] == {"no label": 1, "label skipped (datasets.d.tables.t.skip)": 1,
+                                                          "not an image file (.dcm)": 1}
+    # a label no class takes is refused even on a row excluded for another reason (a blank patient here)
+    with pytest.raises(LabelFileError, match=r"row 3: label 'WHATEVER' is not a class of this dataset"):
+        _harmonize_at(tmp_path / "t2", "t", _own_table(tmp_path / "t2", "path,label,pid\na.png,x,p1\nb.png,WHATEVER,\n"
+                                                       "c.png,y,p2\n", patient="pid"), tmp_path / "h2")
+    # HAM10000: ids in two image folders; the first format that names a file
+    for part, ids in (("part_1", ("ISIC_1", "ISIC_2")), ("part_2", ("ISIC_3",))):
+        (tmp_path / "ham" / f"HAM10000_images_{part}").mkdir(parents=True)
+        for n in ids:
+            assert cv2.imwrite(str(tmp_path / "ham" / f"HAM10000_images_{part}" / f"{n}.jpg"), np.full((8, 8, 3), 99, np.uint8))
+    raw = _own_table(tmp_path / "ham", "image_id,dx,lesion_id\nISIC_1,nv,L1\nISIC_2,mel,L2\nISIC_3,nv,L3\n", path="image_id",
+                     label="dx", patient="lesion_id",
+                     path_format=["HAM10000_images_part_1/{}.jpg", "HAM10000_images_part_2/{}.jpg"])
+    card = _harmonize_at(tmp_path / "ham", "t", raw, tmp_path / "h3")
+    assert card["domains"]["t"]["by_class"] == {"mel": 1, "nv": 2} and card["domains"]["t"]["quarantined"] == 0
+    # one-hot columns declare the classes, also one no row holds 1 in yet; a yes / no column must be quoted
+    raw = _own_table(tmp_path / "oh", "path,A,B,C\na.png,1,0,0\nb.png,0,1,0\n", label=None, label_columns=["A", "B", "C"])
+    assert _harmonize_at(tmp_path / "oh", "t", raw, tmp_path / "h4")["classes"] == ["A", "B", "C"]
+    raw["datasets"]["d"]["tables"]["t"]["skip"] = [True]
+    with pytest.raises(ConfigError, match=r"datasets\.d\.tables\.t\.skip: .*quote the value"):
+        parse_params(raw)
+
+
+def test_an_empty_table_is_refused_by_name(tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "labels.csv").write_bytes(b"\xef\xbb\xbf")
+    raw = _own_table(tmp_path / "t", "path,label\n")
+    (tmp_path / "t" / "labels.csv").write_bytes(b"\xef\xbb\xbf")
+    with pytest.raises(LabelFileError, match=r"labels\.csv: cannot parse"):
+        _harmonize_at(tmp_path / "t", "t", raw, tmp_path / "h")

@@ -50,9 +50,13 @@ def loose_name(name: str) -> str:
 
 
 def numbers_as_words(v: Any) -> Any:
-    """YAML reads ``[0, 1]`` (or a key ``0:``) as numbers: folder names and table values are words here like any other."""
+    """YAML reads ``[0, 1]`` (or a key ``0:``) as numbers: folder names and table values are words here like any other.
+    ``yes`` / ``no`` / ``on`` / ``off`` unquoted are booleans to YAML, whose spelling is lost: refused, asking for quotes."""
     def word(x: Any) -> Any:
-        return str(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x
+        if isinstance(x, bool):
+            raise ValueError(f"{x}: YAML reads an unquoted yes / no / on / off / true / false as a boolean; quote the "
+                             "value as your folders or table write it ('yes')")
+        return str(x) if isinstance(x, (int, float)) else x
 
     if isinstance(v, dict):
         return {word(k): word(x) for k, x in v.items()}
@@ -456,8 +460,9 @@ class ImageTableRules(TableFileRules):
     the one-hot layout of ISIC's ground truth). A value is the dataset's class of the same name (case, spaces, '_' and
     '-' aside), or the class ``classes`` maps it to; ``skip`` leaves values out; any other value is an error."""
 
-    path_format: str = Field("{}", description="the file a path cell names, '{}' standing for the cell (e.g. "
-                             "'ISIC_2019_Training_Input/{}.jpg' for a table of image ids)")
+    path_format: Union[str, tuple[str, ...]] = Field("{}", description="the file a path cell names, '{}' standing for the "
+                                                     "cell (e.g. 'ISIC_2019_Training_Input/{}.jpg' for a table of image ids); "
+                                                     "several: the first that names a file (HAM10000's two image folders)")
     label: Optional[str] = Field("label", description="column: the row's class (not with label_columns)")
     label_columns: tuple[str, ...] = Field((), description="one column per class, 1 in the row's class and 0 (or blank) "
                                            "elsewhere; a column's name is its class (through classes)")
@@ -472,8 +477,11 @@ class ImageTableRules(TableFileRules):
 
     @model_validator(mode="after")
     def _consistent(self) -> "ImageTableRules":
-        if self.path_format.count("{}") != 1 or self.path_format.replace("{}", "").count("{") or self.path_format.count("}") != 1:
-            raise ValueError(f"path_format: {self.path_format!r} needs exactly one '{{}}' (where the cell's value goes) and no other braces")
+        for fmt in self.path_formats:
+            if fmt.count("{}") != 1 or fmt.replace("{}", "").count("{") or fmt.count("}") != 1:
+                raise ValueError(f"path_format: {fmt!r} needs exactly one '{{}}' (where the cell's value goes) and no other braces")
+        if not self.path_formats:
+            raise ValueError("path_format: an empty list (default '{}': the cell is the path)")
         if self.label_columns and "label" in self.model_fields_set and self.label is not None:
             raise ValueError("label and label_columns: the class is in one column (label) or spread over several "
                              "(label_columns), not both; set label: null")
@@ -485,6 +493,10 @@ class ImageTableRules(TableFileRules):
         if both:
             raise ValueError(f"skip and classes both name {', '.join(both)}")
         return self
+
+    @property
+    def path_formats(self) -> tuple[str, ...]:
+        return (self.path_format,) if isinstance(self.path_format, str) else tuple(self.path_format)
 
     @property
     def label_column(self) -> Optional[str]:
@@ -543,10 +555,11 @@ class BenchmarkDatasetParams(Strict):
             if len(self.classes) < 2 or dup or not all(c.strip() for c in self.classes):
                 raise ValueError("classes: two or more distinct, non-blank class names"
                                  + (f" ({', '.join(dup)} listed twice, case, spaces, '_' and '-' aside)" if dup else ""))
+            loose = {loose_name(table_word(c)) for c in self.classes}
             for section in ("folders", "tables"):
                 for s, rules in getattr(self, section).items():
                     for value, cls in rules.classes.items():
-                        if cls not in self.classes:
+                        if loose_name(table_word(cls)) not in loose:  # as harmonize matches it
                             raise ValueError(f"{section}.{s}.classes.{value}: {cls!r} is not among classes ({', '.join(self.classes)})")
         for section, reader in (("folders", "image_folder"), ("tables", "image_table")):
             for s in getattr(self, section):

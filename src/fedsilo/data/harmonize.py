@@ -323,7 +323,11 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
             scans[src] = image_folder.scan(raw_root / src, params.rules(src), params.domain_of(src), keys[src], params.domains)
             maps[src] = image_folder.folder_classes(raw_root / src, params.rules(src), keys[src])
     if not classes:  # kind image_folder: its own list, or its sources' class names as torchvision's ImageFolder sorts them
-        classes = list(params.classes or image_folder.one_spelling(set().union(*(image_folder.class_names(scans[s], maps[s]) for s in own))))
+        names = set().union(*(image_folder.class_names(scans[s], maps[s]) for s in own))
+        for s in own:
+            if params.reader_of(s) == "image_table":
+                names |= image_table.declared_classes(params.rules(s), maps[s])
+        classes = list(params.classes or image_folder.one_spelling(names))
         if len(classes) < 2:
             raise HarmonizeError(f"{name or params.kind}: its sources name {len(classes)} class ({', '.join(classes)}); "
                                  f"a classification task needs two or more (list them in datasets.{name or '<dataset>'}.classes, "
@@ -344,7 +348,7 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
             warnings.append(f"{src} ({', '.join(sorted(theirs))}) {image_table.NO_PATIENT_WARNING}")
         elif not table and params.rules(src).group is None:
             warnings.append(f"{src} ({', '.join(sorted(theirs))}) {image_folder.NO_GROUP_WARNING}")
-        if not table and params.domain_of(src) is None and len(theirs) == 1:
+        if not table and params.domain_of(src) is None and len(theirs) == 1 and params.domains is None:
             warnings.append(f"{src} has one domain folder, {min(theirs)!r}: if it only wraps the sites' folders (an "
                             f"archive's top-level folder), set {keys[src]}.root: {min(theirs)}")
     records = pd.concat([frames[s] for s in params.source_list], ignore_index=True)
@@ -365,12 +369,15 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
     kept = _cap(records[records["excluded"] == ""], params.max_per_domain, params.sample_seed).reset_index(drop=True)
 
     rgb = getattr(params, "channels", "rgb") == "rgb"
+    hints = {s: f" (the path its row names through {params.rules_key(s, Path(out_dir).name)}.path_format "
+                f"{params.rules(s).path_format!r})" for s in params.own_sources()
+             if params.reader_of(s) == "image_table" and params.rules(s).path_format != "{}"}
     results: list[tuple[np.ndarray | None, str]] = [(None, "")] * len(kept)
     file_jobs: list[tuple[int, tuple]] = []
     for i, (src, path, reader) in enumerate(zip(kept["source"], kept["path"], kept["reader"])):
         raw_dir = raw_root / src
         if not path:
-            results[i] = (None, f"image file missing for {kept['id'].iloc[i]}")
+            results[i] = (None, f"image file missing for {kept['id'].iloc[i]}" + hints.get(src, ""))
         elif reader == "array":
             container, _, row = path.rpartition("#")
             try:

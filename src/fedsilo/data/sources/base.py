@@ -71,7 +71,7 @@ def find_one(root: Path, names: Iterable[str], what: str) -> Path:
 def read_csv(path: Path, **kw) -> pd.DataFrame:
     try:
         return pd.read_csv(path, **kw)
-    except (pd.errors.ParserError, UnicodeDecodeError, EOFError, OSError) as err:
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, EOFError, OSError) as err:
         raise LabelFileError(f"{path}: cannot parse: {err}") from err
 
 

@@ -76,7 +76,7 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
 
     table = Rows(raw_dir)
     rows = []
-    for i, rec in enumerate(df.to_dict("records")):
+    for i, rec in zip(df.index, df.to_dict("records")):
         where = f"{table_path}: row {i + 2}"
         rel = relative_path(raw_dir, str(rec[rules.path]), where)
         found = table.locate(rel, i + 2, where)

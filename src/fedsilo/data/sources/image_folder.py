@@ -40,7 +40,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import pandas as pd
 
-from fedsilo.config import ImageFolderRules, check_domain_name
+from fedsilo.config import ImageFolderRules, check_domain_name, table_word
 from fedsilo.data.sources.base import LabelFileError, is_hidden, walk
 from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES, norm_name, records_frame
 
@@ -140,13 +140,19 @@ def scan(raw_dir: Path, rules: ImageFolderRules, domain: Optional[str], key: str
     return out
 
 
+def class_key(name: str) -> str:
+    """A class name as every source of your own compares it: case, spaces, '_', '-' and Unicode normalization aside,
+    and a number by its value (``1`` and ``1.0``: a label column that went through pandas with a blank in it)."""
+    return norm_name(table_word(name))
+
+
 class ClassMap:
     """A source's class names (class folders, a table's label values) -> the dataset's classes: through the rules'
     ``classes`` (keys compared by ``fold``), else the class of the same name (``fold`` of both equal); ``None`` for
     a value in ``skip``; any other value an error naming it and the two keys that would take it. ``what`` names a value
     in messages (``class folder``, ``label``); ``hint`` adds a sentence for a value (the folder layout's)."""
 
-    def __init__(self, rules, key: str, what: str, fold: Callable[[str], str] = norm_name,
+    def __init__(self, rules, key: str, what: str, fold: Callable[[str], str] = class_key,
                  hint: Callable[[str], str] = lambda value: ""):
         self.rules, self.key, self.what, self.fold, self.hint = rules, key, what, fold, hint
         self._map = {fold(k): v for k, v in rules.classes.items()}
@@ -201,20 +207,20 @@ def folder_classes(raw_dir: Path, rules: ImageFolderRules, key: str) -> ClassMap
             return f"; {key}.layout is {rules.layout!r}: is {folder!r} a subset folder (layout subset/class)?"
         return wrapper_hint(raw_dir, rules, key)
 
-    return ClassMap(rules, key, "class folder", norm_name, hint)
+    return ClassMap(rules, key, "class folder", class_key, hint)
 
 
 def class_names(entries: list[dict], classmap: ClassMap) -> set[str]:
-    """The class names a source's kept images give (:meth:`ClassMap.names`; a file that is no image left out)."""
-    return classmap.names(e["value"] for e in entries if e["value"] and not e["reason"].startswith("not an image"))
+    """The class names a source's kept images give (:meth:`ClassMap.names`; excluded entries left out)."""
+    return classmap.names(e["value"] for e in entries if e["value"] and not e["reason"])
 
 
 def one_spelling(names: set[str]) -> list[str]:
-    """Class names sorted (as ``ImageFolder`` sorts its folders), names that differ only in case, spaces, ``_`` and
-    ``-`` taken as one class under the first of their spellings (``Benign`` at one site, ``benign`` at another)."""
+    """Class names sorted (as ``ImageFolder`` sorts its folders), names :func:`class_key` takes as one (``Benign`` at
+    one site, ``benign`` at another; ``1`` and ``1.0``) one class under the first of their spellings."""
     out: dict[str, str] = {}
     for n in sorted(unicodedata.normalize("NFC", n) for n in names):  # a class name in its composed form
-        out.setdefault(norm_name(n), n)
+        out.setdefault(class_key(n), n)
     return list(out.values())
 
 
@@ -222,13 +228,15 @@ def read_records(entries: list[dict], classmap: ClassMap, classes: Sequence[str]
     """The record table of a source's entries (:func:`scan`, or a table's rows: ``id``, ``path`` (empty: the file is
     missing), ``where``, ``domain``, ``subset``, ``value`` (empty: no label), ``group`` (None: none), ``reason`` (an
     exclusion the reader found)): ``label`` the index of the value's class in ``classes``, ``original_label`` the
-    value, ``group`` ``<domain>/<group>``. A value in ``skip`` is excluded as such; every other value must resolve."""
+    value, ``group`` ``<domain>/<group>``. A value in ``skip`` is excluded as such; every other value of a kept entry
+    must resolve, and of an excluded one too where the entry is ``strict`` (a table's row: every label it writes is
+    checked; a class folder holding only a ``Thumbs.db`` is not)."""
     index = {c: i for i, c in enumerate(classes)}
     resolve = classmap.resolver(classes)
     rows: dict[str, list[dict]] = defaultdict(list)
     for e in entries:
         reason, cls = e["reason"], None
-        if e["value"] and not reason:
+        if e["value"] and (not reason or e.get("strict")):
             cls = resolve(e["value"], e["where"])
             if cls is None:
                 reason = f"{classmap.what} skipped ({classmap.key}.skip)"

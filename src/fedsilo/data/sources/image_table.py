@@ -28,28 +28,30 @@ from pathlib import Path
 
 from fedsilo.config import ImageTableRules, table_word
 from fedsilo.data.sources.base import LabelFileError, show
-from fedsilo.data.sources.benchmark import norm_name
+from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES
 from fedsilo.data.sources.image_folder import ClassMap
-from fedsilo.data.sources.tables import Rows, load_table, relative_path
+from fedsilo.data.sources.tables import MISSING, Rows, load_table, relative_path
 
 NO_PATIENT_WARNING = ("has no patient column (patient: null): each image is its own group, so two images of one patient "
                       "(or lesion, or slide) may land on both sides of a split; name the column that identifies them if the table has one")
 
 
-def fold(value: str) -> str:
-    """A label value as the rules compare it: trimmed, case-blind, numbers by their value, spaces, '_' and '-' aside."""
-    return norm_name(table_word(value))
-
-
 def table_classes(rules: ImageTableRules, key: str) -> ClassMap:
-    return ClassMap(rules, key, "label column" if rules.label_columns else "label", fold)
+    return ClassMap(rules, key, "label column" if rules.label_columns else "label")
+
+
+def declared_classes(rules: ImageTableRules, classmap: ClassMap) -> set[str]:
+    """The classes a one-hot table declares by its columns (mapped, skipped ones left out), whether or not a row holds
+    1 in them: every site with the same columns gets the same class list."""
+    return classmap.names(rules.label_columns)
 
 
 def _label(rec: dict, rules: ImageTableRules, where: str) -> tuple[str, str]:
-    """(the row's class value, an exclusion reason): the label column's value, or the one label column holding 1."""
+    """(the row's class value, an exclusion reason): the label column's value, or the one label column holding 1; a
+    blank (or NA, N/A, nan, none, null, -: how R and pandas write a missing value) is "no label"."""
     if rules.label_column is not None:
         value = str(rec[rules.label_column]).strip()
-        return value, "" if value else "no label"
+        return (value, "") if value.casefold() not in MISSING else ("", "no label")
     ones = []
     for col in rules.label_columns:
         word = table_word(rec[col])
@@ -63,23 +65,40 @@ def _label(rec: dict, rules: ImageTableRules, where: str) -> tuple[str, str]:
     return (ones[0], "") if ones else ("", "no label")
 
 
+def _path(raw_dir: Path, rules: ImageTableRules, table: Rows, cell: str, where: str) -> str:
+    """The path a cell names through ``path_format``: with several formats, the first that names a file (exactly or
+    case-blind), else the first (the file is then missing)."""
+    if not cell:
+        return relative_path(raw_dir, "", where)  # the error: no image path
+    candidates = [relative_path(raw_dir, fmt.replace("{}", cell), where) for fmt in rules.path_formats]
+    for rel in candidates:
+        if (raw_dir / rel).is_file() or table.files.find(rel):
+            return rel
+    return candidates[0]
+
+
 def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str) -> list[dict]:
-    """The table's rows as entries for :func:`fedsilo.data.sources.image_folder.read_records`: ``id`` (the path the
-    row names), ``path`` (the file it reads, empty when the folder lacks it), ``where`` (file and row), ``domain``,
-    ``subset``, ``value`` (the class as the table writes it), ``group``, ``reason``."""
+    """The table's rows as entries for :func:`fedsilo.data.sources.image_folder.read_records` (``strict``: every label
+    a row writes is checked): ``id`` (the path the row names), ``path`` (the file it reads, empty when the folder lacks
+    it), ``where`` (file and row), ``domain``, ``subset``, ``value`` (the class as the table writes it), ``group``,
+    ``reason`` (no label, several labels, skipped, no patient id, not an image file)."""
     raw_dir = Path(raw_dir)
     columns = [("path", rules.path), ("label", rules.label_column), ("patient", rules.patient), ("subset", rules.subset)]
     columns += [("label_columns", c) for c in rules.label_columns]
     table_path, df = load_table(raw_dir, rules, columns, key)
+    classmap = table_classes(rules, key)
     table = Rows(raw_dir)
     out = []
-    for i, rec in enumerate(df.to_dict("records")):
+    for i, rec in zip(df.index, df.to_dict("records")):
         where = f"{table_path}: row {i + 2}"
-        cell = str(rec[rules.path]).strip()
-        rel = relative_path(raw_dir, rules.path_format.replace("{}", cell) if cell else "", where)
+        rel = _path(raw_dir, rules, table, str(rec[rules.path]).strip(), where)
         found = table.locate(rel, i + 2, where)
         value, reason = _label(rec, rules, where)
+        if value and classmap.skipped(value):  # before the partition check: a skipped row is no image of its patient's
+            reason = f"{classmap.what} skipped ({key}.skip)"
+        elif found and Path(found).suffix.lower() not in IMAGE_SUFFIXES:
+            reason = reason or f"not an image file ({Path(found).suffix.lower() or 'no suffix'})"
         group, subset, reason = table.group_and_subset(rec, rules, rel, reason, i + 2, where, key)
         out.append({"id": rel, "path": found or "", "where": where, "domain": domain, "subset": subset, "value": value,
-                    "group": group, "reason": reason})
+                    "group": group, "reason": reason, "strict": True})
     return out

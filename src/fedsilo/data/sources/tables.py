@@ -19,12 +19,14 @@ from fedsilo.config import table_word
 from fedsilo.data.sources.base import LabelFileError, read_csv, show, walk
 
 SUBSETS = ("train", "val", "test")
-NO_PATIENT = {"", "na", "n/a", "nan", "none", "null", "-"}  # how exports write a missing patient id
+MISSING = {"", "na", "n/a", "nan", "none", "null", "-"}  # how exports write a missing value (a patient id, a label)
 
 
 def load_table(raw_dir: Path, rules, columns: list[tuple[str, Optional[str]]], key: str) -> tuple[Path, pd.DataFrame]:
-    """The table ``rules.file`` below ``raw_dir``, every cell a string; ``columns`` pairs each rule (``path``,
-    ``label``, ...) with the column it names (None: not used). ``key`` is the dotted params key of ``rules``."""
+    """The table ``rules.file`` below ``raw_dir``, every cell a string, without the rows whose every cell is blank
+    (a spreadsheet's trailing ``,,,``); its index is each row's place (row ``index + 2`` as a spreadsheet numbers it).
+    ``columns`` pairs each rule (``path``, ``label``, ...) with the column it names (None: not used). ``key`` is the
+    dotted params key of ``rules``."""
     table_path = Path(raw_dir) / rules.file
     if not table_path.is_file():
         raise LabelFileError(f"{table_path}: the label table is missing ({key}.file: {rules.file!r}, relative to the source's folder)")
@@ -39,6 +41,8 @@ def load_table(raw_dir: Path, rules, columns: list[tuple[str, Optional[str]]], k
         other = next((c for c in (",", ";", "\t", "|") if c != rules.sep and c in header), None)
         hint = f"; the header holds {other!r}: set {key}.sep to it" if other else ""
         raise LabelFileError(f"{table_path}: missing column(s) {', '.join(missing)}; its columns are {', '.join(map(repr, df.columns))}{hint}")
+    if not df.empty:  # a spreadsheet's empty rows (",,,") are no image; the index keeps each row's place for messages
+        df = df[(df.apply(lambda column: column.astype(str).str.strip()) != "").any(axis=1)]
     if df.empty:
         raise LabelFileError(f"{table_path}: the label table has no row")
     return table_path, df
@@ -113,7 +117,7 @@ class Rows:
         group = rel
         if rules.patient is not None:
             group = str(rec[rules.patient]).strip()
-            if group.casefold() in NO_PATIENT:
+            if group.casefold() in MISSING:
                 group, why = rel, why or "no patient id"
         subset = ""
         if rules.subset is not None:
