@@ -204,15 +204,15 @@ def _own_table(root: Path, text: str, **rules) -> dict:
 
 def test_what_real_tables_bring(tmp_path):
     """Labels written 1 and 1.0 by two exports, R's NA, a skipped row in a patient's test images, a spreadsheet's
-    empty rows, a DICOM listed among the images, HAM10000's two image folders, a one-hot column no row uses yet."""
+    empty rows, a report listed among the images, HAM10000's two image folders, a one-hot column no row uses yet."""
     text = ("path,label,pid,part\na.png,1,p1,train\nb.png,1.0,p1,train\nc.png,0,p2,train\nd.png,NA,p2,train\n"
-            "e.png,unsure,p1,test\n,,,\nf.dcm,0,p3,train\n,,,\n")
+            "e.png,unsure,p1,test\n,,,\nf.xml,0,p3,train\n,,,\n")
     (tmp_path / "t").mkdir()
-    (tmp_path / "t" / "f.dcm").write_bytes(b"\0" * 200)
+    (tmp_path / "t" / "f.xml").write_text("<report/>")
     card = _harmonize_at(tmp_path / "t", "t", _own_table(tmp_path / "t", text, patient="pid", subset="part", skip=["unsure"]), tmp_path / "h")
     assert card["classes"] == ["0", "1"] and card["domains"]["t"]["by_class"] == {"0": 1, "1": 2}
     assert card["domains"]["t"]["excluded_by_reason"] == {"no label": 1, "label skipped (datasets.d.tables.t.skip)": 1,
-                                                          "not an image file (.dcm)": 1}
+                                                          "not an image file (.xml)": 1}
     # a label no class takes is refused even on a row excluded for another reason (a blank patient here)
     with pytest.raises(LabelFileError, match=r"row 3: label 'WHATEVER' is not a class of this dataset"):
         _harmonize_at(tmp_path / "t2", "t", _own_table(tmp_path / "t2", "path,label,pid\na.png,x,p1\nb.png,WHATEVER,\n"
@@ -242,3 +242,70 @@ def test_an_empty_table_is_refused_by_name(tmp_path):
     (tmp_path / "t" / "labels.csv").write_bytes(b"\xef\xbb\xbf")
     with pytest.raises(LabelFileError, match=r"labels\.csv: cannot parse"):
         _harmonize_at(tmp_path / "t", "t", raw, tmp_path / "h")
+
+
+def _colour_dicom(path: Path, rgb: np.ndarray, photometric: str = "RGB", frames: int = 1) -> None:
+    """An uncompressed colour DICOM (a dermatology photograph, an ultrasound cine of ``frames`` frames)."""
+    from pydicom.dataset import Dataset, FileMetaDataset
+    from pydicom.pixels import convert_color_space
+    from pydicom.uid import ExplicitVRLittleEndian, generate_uid
+
+    data = convert_color_space(rgb, "RGB", photometric) if photometric != "RGB" else rgb
+    ds = Dataset()
+    ds.file_meta = FileMetaDataset()
+    ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds.file_meta.MediaStorageSOPClassUID = ds.SOPClassUID = "1.2.840.10008.5.1.4.1.1.77.1.4"  # VL photographic image
+    ds.file_meta.MediaStorageSOPInstanceUID = ds.SOPInstanceUID = generate_uid()
+    ds.Rows, ds.Columns = rgb.shape[:2]
+    ds.SamplesPerPixel, ds.PhotometricInterpretation, ds.PlanarConfiguration = 3, photometric, 0
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 8, 8, 7, 0
+    if frames > 1:
+        ds.NumberOfFrames = frames
+        data = np.stack([data] + [255 - data] * (frames - 1))
+    ds.PixelData = np.ascontiguousarray(data).tobytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ds.save_as(path, enforce_file_format=True)
+
+
+def test_a_sites_dicoms_grey_and_colour_read_as_rgb_beside_its_pngs(tmp_path):
+    """DICOMs listed in a table or lying in class folders (with a suffix or none, as PACS exports write them): colour
+    (RGB, YBR, a cine's first frame) as the pixels are, greyscale through the chest X-ray decoder's LUTs, replicated."""
+    from fedsilo.config import BenchmarkDatasetParams
+    from fedsilo.data.dicom import dicom_to_rgb, dicom_to_uint8
+    from fedsilo.data.harmonize import to_rgb_square
+
+    rng = np.random.default_rng(0)
+    photo = rng.integers(0, 256, (24, 20, 3), dtype=np.uint8)
+    root = tmp_path / "raw" / "clinic"
+    _colour_dicom(root / "lesion" / "IMG0001", photo)  # no suffix: told by its preamble
+    _colour_dicom(root / "lesion" / "IMG0002.dcm", photo, "YBR_FULL")
+    _colour_dicom(root / "normal" / "cine.dcm", photo[::-1], frames=3)
+    assert cv2.imwrite(str(root / "normal" / "a.png"), photo[:, ::-1, ::-1])
+    np.testing.assert_array_equal(dicom_to_rgb(root / "lesion" / "IMG0001"), photo)
+    np.testing.assert_allclose(dicom_to_rgb(root / "lesion" / "IMG0002.dcm").astype(int), photo.astype(int), atol=2)  # YBR round trip
+    np.testing.assert_array_equal(dicom_to_rgb(root / "normal" / "cine.dcm"), photo[::-1])
+    ds = BenchmarkDatasetParams(kind="image_folder", sources=("clinic",), image_size=16, workers=1)
+    card = harmonize_benchmark(ds, tmp_path / "raw", tmp_path / "h" / "d", quiet=True)
+    assert card["domains"]["clinic"]["by_class"] == {"lesion": 2, "normal": 2} and card["domains"]["clinic"]["quarantined"] == 0
+    recs, images = pd.read_parquet(tmp_path / "h" / "d" / "records.parquet"), np.load(tmp_path / "h" / "d" / "images.npy")
+    row = recs.index[recs["source_path"] == "lesion/IMG0001"][0]
+    np.testing.assert_array_equal(images[row], to_rgb_square(photo, 16, "stretch"))
+    assert set(pd.read_parquet(tmp_path / "h" / "d" / "records.parquet")["source_path"]) >= {"lesion/IMG0001", "normal/a.png"}
+
+    sample = Path(__file__).resolve().parents[2] / "shared" / "samples" / "cxr" / "dicom"
+    grey = sorted(sample.glob("*.dcm"))
+    if not grey:
+        pytest.skip(f"{sample} absent (the real chest DICOMs)")
+    table = tmp_path / "raw" / "grey"
+    table.mkdir()
+    lines = ["path,label"]
+    for k, f in enumerate(grey):
+        (table / f.name).symlink_to(f)
+        lines.append(f"{f.name},{['lesion', 'normal'][k % 2]}")
+    (table / "labels.csv").write_text("\n".join(lines) + "\n")
+    ds = BenchmarkDatasetParams(kind="image_folder", sources=("grey",), image_size=16, workers=1, tables={"grey": {}})
+    card = harmonize_benchmark(ds, tmp_path / "raw", tmp_path / "h2" / "d", quiet=True)
+    assert card["total_images"] == len(grey) and card["domains"]["grey"]["quarantined"] == 0
+    recs, images = pd.read_parquet(tmp_path / "h2" / "d" / "records.parquet"), np.load(tmp_path / "h2" / "d" / "images.npy")
+    for i, rel in zip(recs.index, recs["source_path"]):  # the radiograph decoder's pixels, replicated to RGB
+        np.testing.assert_array_equal(images[i], to_rgb_square(dicom_to_uint8(table / rel)[0], 16, "stretch"))

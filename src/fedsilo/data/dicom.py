@@ -134,3 +134,38 @@ def dicom_to_uint8(
         "cols": int(arr.shape[1]),
     }
     return unit_to_uint8(unit), facts
+
+
+def dicom_to_rgb(path: str | Path) -> np.ndarray:
+    """Decode one DICOM file of any photometric interpretation to uint8 (HxW for greyscale, HxWx3 for colour): a
+    site's own images outside chest X-rays (a dermatology photograph, an ultrasound frame, a slide's snapshot).
+    MONOCHROME1/2 go through :func:`dicom_to_uint8` (modality and VOI LUTs, the stored bit depth); RGB and YBR are
+    taken as pydicom gives them in RGB (YBR converted), PALETTE COLOR through its lookup table, more than 8 bits
+    scaled to 8. A multi-frame file (an ultrasound cine) gives its first frame. Raises ImageDecodeError on any failure."""
+    import pydicom
+    from pydicom.errors import InvalidDicomError
+    from pydicom.pixels import apply_color_lut
+
+    try:
+        ds = pydicom.dcmread(str(path))
+        photometric = str(ds.get("PhotometricInterpretation", "")).upper()
+        if photometric in ("MONOCHROME1", "MONOCHROME2"):
+            return dicom_to_uint8(path)[0]
+        if photometric != "RGB" and not photometric.startswith("YBR") and photometric != "PALETTE COLOR":
+            raise ImageDecodeError(f"{path}: photometric interpretation {photometric!r} is neither greyscale nor colour")
+        arr = ds.pixel_array  # pydicom 3 gives YBR (native or compressed) as RGB: its as_rgb default
+        if int(ds.get("NumberOfFrames", 1) or 1) > 1:
+            arr = arr[0]
+        if photometric == "PALETTE COLOR":
+            arr = apply_color_lut(arr, ds)
+    except ImageDecodeError:
+        raise
+    except (InvalidDicomError, AttributeError, ValueError, RuntimeError, OSError, EOFError, KeyError, NotImplementedError) as err:
+        raise decode_error(path, err, "cannot decode DICOM pixels: ") from err
+    if arr.ndim != 3 or arr.shape[2] != 3 or min(arr.shape[:2]) < 8:
+        raise ImageDecodeError(f"{path}: unexpected colour pixel array shape {arr.shape}")
+    if arr.dtype != np.uint8:  # 16-bit colour, or a palette's 16-bit entries: scaled to 8 bits over their range
+        bits = int(ds.RedPaletteColorLookupTableDescriptor[2]) if photometric == "PALETTE COLOR" else int(ds.get("BitsStored", 16) or 16)
+        arr = np.clip(np.round(arr.astype(np.float64) * 255.0 / (2**bits - 1)), 0, 255).astype(np.uint8)
+    return np.ascontiguousarray(arr)
+

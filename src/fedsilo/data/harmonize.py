@@ -87,6 +87,10 @@ def decode_one(args: tuple) -> np.ndarray:
         if arr.dtype != np.uint8:
             arr = (arr.astype(np.float64) / 257.0).round().astype(np.uint8)  # 16-bit PNG -> 8 bit
         return to_rgb_square(arr, size, square)
+    if reader == "dicom_rgb":  # a site's own DICOM beside the benchmark images: grey or colour, to RGB
+        from fedsilo.data.dicom import dicom_to_rgb
+
+        return to_rgb_square(dicom_to_rgb(path), size, square)
     if reader == "dicom":
         from fedsilo.data.dicom import dicom_to_uint8
 
@@ -389,7 +393,8 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
             except (ImageDecodeError, IndexError) as err:
                 results[i] = (None, str(err))
         else:
-            file_jobs.append((i, (str(raw_dir / path), "rgb", params.image_size, params.square, "", (0.0, 100.0))))
+            decoder = "dicom_rgb" if reader == "dicom" else "rgb"  # a DICOM of your own, or any image file
+            file_jobs.append((i, (str(raw_dir / path), decoder, params.image_size, params.square, "", (0.0, 100.0))))
     doms = [str(kept["domain"].iloc[i]) for i, _ in file_jobs]
     for (i, _), res in zip(file_jobs, decode_all([j for _, j in file_jobs], workers, doms, f"harmonize {params.kind}", quiet)):
         results[i] = res

@@ -20,8 +20,10 @@ and its common variants (:class:`~fedsilo.config.ImageFolderRules`, ``datasets.<
   and no ``classes`` list the class list is the folders' (mapped) names, sorted, as ``ImageFolder`` builds it, names
   that differ only in case, spaces, ``_`` and ``-`` one class (:func:`one_spelling`).
 - files: ``.png``, ``.jpg`` / ``.jpeg``, ``.bmp``, ``.gif``, ``.tif`` / ``.tiff`` are images (decoded to RGB, grey
-  replicated, as every benchmark image); another file inside a class folder is excluded as "not an image file" (a
-  DICOM belongs to ``reader: cxr_table``); hidden files (``.DS_Store``, macOS's ``._`` twins) are not files at all.
+  replicated, as every benchmark image), and so are DICOMs, by their ``.dcm`` / ``.dicom`` suffix or their preamble (a
+  PACS export's suffix-less files): colour ones as their pixels are, greyscale ones through the radiograph decoder's
+  LUTs (:func:`fedsilo.data.dicom.dicom_to_rgb`); another file inside a class folder is excluded as "not an image
+  file"; hidden files (``.DS_Store``, macOS's ``._`` twins) are not files at all.
 - ``group``: what a split keeps on one side (a patient, a slide): none (each image its own group, and harmonize warns:
   :data:`NO_GROUP_WARNING`), ``folder`` (the first folder below the class folder; an image directly in its class folder
   is then excluded as "not in a group folder"), or a regular expression whose one capture group, searched in the file
@@ -41,6 +43,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import pandas as pd
 
 from fedsilo.config import ImageFolderRules, check_domain_name, table_word
+from fedsilo.data.dicom import is_dicom_file
 from fedsilo.data.sources.base import LabelFileError, is_hidden, walk
 from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES, norm_name, records_frame
 
@@ -52,6 +55,15 @@ NO_GROUP_WARNING = ("has no group rule (group: null): each image is its own grou
 
 def _level_names(layout: str) -> list[str]:
     return layout.split("/")
+
+
+def is_dicom(path: Path) -> bool:
+    """A DICOM file, by its suffix or its preamble (a PACS export's files often have no suffix); a file that cannot be
+    opened is no DICOM here (it is then "not an image file", with its suffix)."""
+    try:
+        return is_dicom_file(path)
+    except OSError:
+        return False
 
 
 def wrapper_hint(raw_dir: Path, rules: ImageFolderRules, key: str) -> str:
@@ -88,7 +100,8 @@ def scan(raw_dir: Path, rules: ImageFolderRules, domain: Optional[str], key: str
         if not f.is_file():
             continue
         parts = f.relative_to(base).parts
-        image = f.suffix.lower() in IMAGE_SUFFIXES
+        reader = "image" if f.suffix.lower() in IMAGE_SUFFIXES else "dicom" if is_dicom(f) else ""
+        image = bool(reader)
         named = dict(zip(levels, parts))
         if wanted is not None and "domain" in named and len(parts) > 1 and named["domain"] not in wanted:
             continue  # a domain folder the dataset leaves out
@@ -133,7 +146,7 @@ def scan(raw_dir: Path, rules: ImageFolderRules, domain: Optional[str], key: str
         elif group is None:
             reason = "not in a group folder (group: folder)" if rules.group == "folder" else "file name does not match the group pattern"
         out.append({"id": rel, "path": rel, "where": str(f), "domain": dom, "subset": subset, "value": named["class"],
-                    "group": group, "reason": reason})
+                    "group": group, "reason": reason, "reader": reader or "image"})
     if not any(not e["reason"].startswith("not an image") for e in out):
         raise LabelFileError(f"{base}: no image ({', '.join(IMAGE_SUFFIXES)}) in class folders laid out as {expected} "
                              f"({key}.layout){wrapper_hint(raw_dir, rules, key)}")
@@ -245,7 +258,7 @@ def read_records(entries: list[dict], classmap: ClassMap, classes: Sequence[str]
         rows[e["domain"]].append({
             "id": e["id"], "label": index[cls] if cls is not None and not reason else -1, "original_label": e["value"],
             "group": f"{e['domain']}/{e['group']}" if e["group"] is not None else "", "view": "", "path": e["path"],
-            "reader": "image", "excluded": reason, "subset": e["subset"],
+            "reader": e.get("reader", "image"), "excluded": reason, "subset": e["subset"],
         })
     frame = pd.concat([records_frame(r, d) for d, r in rows.items()], ignore_index=True)
     if check_groups:

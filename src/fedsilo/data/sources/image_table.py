@@ -9,7 +9,8 @@ Row by row (the header is row 1), values trimmed and compared case-blind, number
 - ``path`` (with ``path_format``, ``{}`` standing for the cell: ``ISIC_2019_Training_Input/{}.jpg`` for a column of
   image ids): the image file, relative to the source's folder. A file the folder lacks is kept and quarantined by
   harmonize as "image file missing" (it counts against ``max_quarantine_fraction``); a path that is absolute, leaves
-  the folder or is listed twice is an error naming the row.
+  the folder or is listed twice is an error naming the row. A listed DICOM (by suffix or preamble) is read as
+  ``image_folder`` reads one; a listed file that is neither an image nor a DICOM is excluded as "not an image file".
 - the class: the ``label`` column's value, or with ``label_columns`` the one column holding 1 (0 or blank elsewhere;
   ``1.0`` is 1); a blank label, or no column holding 1, is excluded as "no label", several columns holding 1 as
   "several labels (A, B)", any other cell is an error naming the row and the column. A value is the dataset's class of
@@ -29,7 +30,7 @@ from pathlib import Path
 from fedsilo.config import ImageTableRules, table_word
 from fedsilo.data.sources.base import LabelFileError, show
 from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES
-from fedsilo.data.sources.image_folder import ClassMap
+from fedsilo.data.sources.image_folder import ClassMap, is_dicom
 from fedsilo.data.sources.tables import MISSING, Rows, load_table, relative_path
 
 NO_PATIENT_WARNING = ("has no patient column (patient: null): each image is its own group, so two images of one patient "
@@ -96,9 +97,13 @@ def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str) -> list[d
         value, reason = _label(rec, rules, where)
         if value and classmap.skipped(value):  # before the partition check: a skipped row is no image of its patient's
             reason = f"{classmap.what} skipped ({key}.skip)"
-        elif found and Path(found).suffix.lower() not in IMAGE_SUFFIXES:
-            reason = reason or f"not an image file ({Path(found).suffix.lower() or 'no suffix'})"
+        reader = "image"
+        if found and Path(found).suffix.lower() not in IMAGE_SUFFIXES:
+            if is_dicom(raw_dir / found):
+                reader = "dicom"
+            elif not reason:
+                reason = f"not an image file ({Path(found).suffix.lower() or 'no suffix'})"
         group, subset, reason = table.group_and_subset(rec, rules, rel, reason, i + 2, where, key)
         out.append({"id": rel, "path": found or "", "where": where, "domain": domain, "subset": subset, "value": value,
-                    "group": group, "reason": reason, "strict": True})
+                    "group": group, "reason": reason, "strict": True, "reader": reader})
     return out
