@@ -309,3 +309,22 @@ def test_a_sites_dicoms_grey_and_colour_read_as_rgb_beside_its_pngs(tmp_path):
     recs, images = pd.read_parquet(tmp_path / "h2" / "d" / "records.parquet"), np.load(tmp_path / "h2" / "d" / "images.npy")
     for i, rel in zip(recs.index, recs["source_path"]):  # the radiograph decoder's pixels, replicated to RGB
         np.testing.assert_array_equal(images[i], to_rgb_square(dicom_to_uint8(table / rel)[0], 16, "stretch"))
+
+
+def test_a_study_level_table_labels_every_image_of_the_studys_folder(tmp_path):
+    root = tmp_path / "pacs_export"
+    for study, n in (("S001", 3), ("S002", 2), ("S003", 2)):
+        (root / "studies" / study).mkdir(parents=True)
+        for k in range(n):
+            assert cv2.imwrite(str(root / "studies" / study / f"{k}.png"), np.full((8, 8, 3), 30 * k + 5, np.uint8))
+    _colour_dicom(root / "studies" / "S002" / "IM3", np.full((8, 8, 3), 200, np.uint8))
+    (root / "labels.csv").write_text("study,finding\nstudies/S001,benign\nstudies/S002,malignant\nstudies/S003,benign\n")
+    raw = _own_table(root, (root / "labels.csv").read_text(), path="study", label="finding")
+    card = _harmonize_at(root, "t", raw, tmp_path / "h")
+    assert card["domains"]["t"]["by_class"] == {"benign": 5, "malignant": 3}
+    recs = pd.read_parquet(tmp_path / "h" / "d" / "records.parquet")
+    assert (recs["group"] == "t/" + recs["source_path"].str.rsplit("/", n=1).str[0]).all()  # a study is its images' group
+    assert recs["group"].nunique() == 3 and "studies/S002/IM3" in set(recs["source_path"])
+    (root / "labels.csv").write_text("study,finding\nstudies/S001,benign\nstudies/S001/1.png,malignant\n")
+    with pytest.raises(LabelFileError, match=r"row 3: studies/S001/1.png is listed again \(first on row 2\)"):
+        _harmonize_at(root, "t", raw, tmp_path / "h2")

@@ -9,7 +9,9 @@ Row by row (the header is row 1), values trimmed and compared case-blind, number
 - ``path`` (with ``path_format``, ``{}`` standing for the cell: ``ISIC_2019_Training_Input/{}.jpg`` for a column of
   image ids): the image file, relative to the source's folder. A file the folder lacks is kept and quarantined by
   harmonize as "image file missing" (it counts against ``max_quarantine_fraction``); a path that is absolute, leaves
-  the folder or is listed twice is an error naming the row. A listed DICOM (by suffix or preamble) is read as
+  the folder or is listed twice is an error naming the row. A path may name a folder instead (a study-level table:
+  one row per study, its images in the study's folder): every file below it takes the row's label, and the study is
+  their group unless a ``patient`` column names one; a folder without files is an error. A listed DICOM (by suffix or preamble) is read as
   ``image_folder`` reads one; a listed file that is neither an image nor a DICOM is excluded as "not an image file".
 - the class: the ``label`` column's value, or with ``label_columns`` the one column holding 1 (0 or blank elsewhere;
   ``1.0`` is 1); a blank label, or no column holding 1, is excluded as "no label", several columns holding 1 as
@@ -26,15 +28,17 @@ Row by row (the header is row 1), values trimmed and compared case-blind, number
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from fedsilo.config import ImageTableRules, table_word
-from fedsilo.data.sources.base import LabelFileError, show
+from fedsilo.data.sources.base import LabelFileError, show, walk
 from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES
 from fedsilo.data.sources.image_folder import ClassMap, is_dicom
 from fedsilo.data.sources.tables import MISSING, Rows, load_table, relative_path
 
-NO_PATIENT_WARNING = ("has no patient column (patient: null): each image is its own group, so two images of one patient "
-                      "(or lesion, or slide) may land on both sides of a split; name the column that identifies them if the table has one")
+NO_PATIENT_WARNING = ("has no patient column (patient: null): each row's image (or study folder) is its own group, so two "
+                      "images of one patient (or lesion, or slide) may land on both sides of a split; name the column that "
+                      "identifies them if the table has one")
 
 
 def table_classes(rules: ImageTableRules, key: str) -> ClassMap:
@@ -93,17 +97,29 @@ def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str) -> list[d
     for i, rec in zip(df.index, df.to_dict("records")):
         where = f"{table_path}: row {i + 2}"
         rel = _path(raw_dir, rules, table, str(rec[rules.path]).strip(), where)
-        found = table.locate(rel, i + 2, where)
         value, reason = _label(rec, rules, where)
         if value and classmap.skipped(value):  # before the partition check: a skipped row is no image of its patient's
             reason = f"{classmap.what} skipped ({key}.skip)"
-        reader = "image"
-        if found and Path(found).suffix.lower() not in IMAGE_SUFFIXES:
-            if is_dicom(raw_dir / found):
-                reader = "dicom"
-            elif not reason:
-                reason = f"not an image file ({Path(found).suffix.lower() or 'no suffix'})"
+        # the group is the row's: its patient, else the file, or the folder a study's row names (all its images)
         group, subset, reason = table.group_and_subset(rec, rules, rel, reason, i + 2, where, key)
-        out.append({"id": rel, "path": found or "", "where": where, "domain": domain, "subset": subset, "value": value,
-                    "group": group, "reason": reason, "strict": True, "reader": reader})
+        for found in _files(raw_dir, rel, table, i + 2, where):
+            row_reason, reader = reason, "image"
+            if found and Path(found).suffix.lower() not in IMAGE_SUFFIXES:
+                if is_dicom(raw_dir / found):
+                    reader = "dicom"
+                elif not row_reason:
+                    row_reason = f"not an image file ({Path(found).suffix.lower() or 'no suffix'})"
+            out.append({"id": found or rel, "path": found or "", "where": where, "domain": domain, "subset": subset,
+                        "value": value, "group": group, "reason": row_reason, "strict": True, "reader": reader})
     return out
+
+
+def _files(raw_dir: Path, rel: str, table: Rows, row: int, where: str) -> list[Optional[str]]:
+    """The files a row reads: the one file its path names (None when the folder lacks it), or every file below the
+    folder it names (a study's images, by a study-level label table), each reached by one row only."""
+    if (raw_dir / rel).is_dir():
+        files = [f.relative_to(raw_dir).as_posix() for f in walk(raw_dir / rel) if f.is_file()]
+        if not files:
+            raise LabelFileError(f"{where}: {rel} is a folder without files; a row names an image, or a folder of a study's images")
+        return [table.locate(f, row, where) for f in files]
+    return [table.locate(rel, row, where)]
