@@ -213,10 +213,13 @@ def test_what_real_tables_bring(tmp_path):
     assert card["classes"] == ["0", "1"] and card["domains"]["t"]["by_class"] == {"0": 1, "1": 2}
     assert card["domains"]["t"]["excluded_by_reason"] == {"no label": 1, "label skipped (datasets.d.tables.t.skip)": 1,
                                                           "not an image file (.xml)": 1}
-    # a label no class takes is refused even on a row excluded for another reason (a blank patient here)
+    # a label no class of the params' list takes is refused even on a row excluded for another reason (a blank
+    # patient here); without a list, every label the table writes is a class, its rows excluded or not
+    raw = _own_table(tmp_path / "t2", "path,label,pid\na.png,x,p1\nb.png,WHATEVER,\nc.png,y,p2\n", patient="pid")
+    assert _harmonize_at(tmp_path / "t2", "t", raw, tmp_path / "h2")["classes"] == ["WHATEVER", "x", "y"]
+    raw["datasets"]["d"]["classes"] = ["x", "y"]
     with pytest.raises(LabelFileError, match=r"row 3: label 'WHATEVER' is not a class of this dataset"):
-        _harmonize_at(tmp_path / "t2", "t", _own_table(tmp_path / "t2", "path,label,pid\na.png,x,p1\nb.png,WHATEVER,\n"
-                                                       "c.png,y,p2\n", patient="pid"), tmp_path / "h2")
+        _harmonize_at(tmp_path / "t2", "t", raw, tmp_path / "h2b")
     # HAM10000: ids in two image folders; the first format that names a file
     for part, ids in (("part_1", ("ISIC_1", "ISIC_2")), ("part_2", ("ISIC_3",))):
         (tmp_path / "ham" / f"HAM10000_images_{part}").mkdir(parents=True)
@@ -244,7 +247,8 @@ def test_an_empty_table_is_refused_by_name(tmp_path):
         _harmonize_at(tmp_path / "t", "t", raw, tmp_path / "h")
 
 
-def _colour_dicom(path: Path, rgb: np.ndarray, photometric: str = "RGB", frames: int = 1) -> None:
+def _colour_dicom(path: Path, rgb: np.ndarray, photometric: str = "RGB", frames: int = 1,
+                  sop: str = "1.2.840.10008.5.1.4.1.1.77.1.4") -> None:
     """An uncompressed colour DICOM (a dermatology photograph, an ultrasound cine of ``frames`` frames)."""
     from pydicom.dataset import Dataset, FileMetaDataset
     from pydicom.pixels import convert_color_space
@@ -254,7 +258,7 @@ def _colour_dicom(path: Path, rgb: np.ndarray, photometric: str = "RGB", frames:
     ds = Dataset()
     ds.file_meta = FileMetaDataset()
     ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
-    ds.file_meta.MediaStorageSOPClassUID = ds.SOPClassUID = "1.2.840.10008.5.1.4.1.1.77.1.4"  # VL photographic image
+    ds.file_meta.MediaStorageSOPClassUID = ds.SOPClassUID = sop  # default: VL photographic image
     ds.file_meta.MediaStorageSOPInstanceUID = ds.SOPInstanceUID = generate_uid()
     ds.Rows, ds.Columns = rgb.shape[:2]
     ds.SamplesPerPixel, ds.PhotometricInterpretation, ds.PlanarConfiguration = 3, photometric, 0
@@ -307,8 +311,14 @@ def test_a_sites_dicoms_grey_and_colour_read_as_rgb_beside_its_pngs(tmp_path):
     card = harmonize_benchmark(ds, tmp_path / "raw", tmp_path / "h2" / "d", quiet=True)
     assert card["total_images"] == len(grey) and card["domains"]["grey"]["quarantined"] == 0
     recs, images = pd.read_parquet(tmp_path / "h2" / "d" / "records.parquet"), np.load(tmp_path / "h2" / "d" / "images.npy")
-    for i, rel in zip(recs.index, recs["source_path"]):  # the radiograph decoder's pixels, replicated to RGB
-        np.testing.assert_array_equal(images[i], to_rgb_square(dicom_to_uint8(table / rel)[0], 16, "stretch"))
+    import pydicom
+
+    from fedsilo.data.dicom import has_voi
+
+    for i, rel in zip(recs.index, recs["source_path"]):  # the radiograph decoder's pixels (no VOI: percentiles), as RGB
+        voi = has_voi(pydicom.dcmread(table / rel, stop_before_pixels=True))
+        grey = dicom_to_uint8(table / rel, "bit_depth" if voi else "percentile")[0]
+        np.testing.assert_array_equal(images[i], to_rgb_square(grey, 16, "stretch"))
 
 
 def test_a_study_level_table_labels_every_image_of_the_studys_folder(tmp_path):
@@ -317,7 +327,7 @@ def test_a_study_level_table_labels_every_image_of_the_studys_folder(tmp_path):
         (root / "studies" / study).mkdir(parents=True)
         for k in range(n):
             assert cv2.imwrite(str(root / "studies" / study / f"{k}.png"), np.full((8, 8, 3), 30 * k + 5, np.uint8))
-    _colour_dicom(root / "studies" / "S002" / "IM3", np.full((8, 8, 3), 200, np.uint8))
+    _colour_dicom(root / "studies" / "S002" / "IM3", np.random.default_rng(3).integers(0, 256, (8, 8, 3), dtype=np.uint8))
     (root / "labels.csv").write_text("study,finding\nstudies/S001,benign\nstudies/S002,malignant\nstudies/S003,benign\n")
     raw = _own_table(root, (root / "labels.csv").read_text(), path="study", label="finding")
     card = _harmonize_at(root, "t", raw, tmp_path / "h")
@@ -328,3 +338,46 @@ def test_a_study_level_table_labels_every_image_of_the_studys_folder(tmp_path):
     (root / "labels.csv").write_text("study,finding\nstudies/S001,benign\nstudies/S001/1.png,malignant\n")
     with pytest.raises(LabelFileError, match=r"row 3: studies/S001/1.png is listed again \(first on row 2\)"):
         _harmonize_at(root, "t", raw, tmp_path / "h2")
+
+
+def _pixelless_dicom(path: Path, sop: str = "1.2.840.10008.5.1.4.1.1.88.22") -> None:
+    """A DICOM with no pixels (default: an Enhanced SR, a structured report) as PACS exports carry beside images."""
+    from pydicom.dataset import Dataset, FileMetaDataset
+    from pydicom.uid import ExplicitVRLittleEndian, generate_uid
+
+    ds = Dataset()
+    ds.file_meta = FileMetaDataset()
+    ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds.file_meta.MediaStorageSOPClassUID = ds.SOPClassUID = sop
+    ds.file_meta.MediaStorageSOPInstanceUID = ds.SOPInstanceUID = generate_uid()
+    ds.Modality = "SR"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ds.save_as(path, enforce_file_format=True)
+
+
+def test_dicoms_that_are_no_picture_are_left_out_not_quarantined(tmp_path):
+    """A structured report in a class folder and a DICOMDIR above them (a PACS CD's), a whole-slide image, a constant
+    photograph; and a listed report in a patient's test rows keeps the table's partition check quiet."""
+    from fedsilo.config import BenchmarkDatasetParams
+
+    rng = np.random.default_rng(1)
+    root = tmp_path / "raw" / "clinic"
+    for cls in ("a", "b"):
+        for k in range(3):
+            _colour_dicom(root / cls / f"IM{k}", rng.integers(0, 256, (12, 12, 3), dtype=np.uint8))
+    _pixelless_dicom(root / "a" / "SR0001")
+    _pixelless_dicom(root / "DICOMDIR", "1.2.840.10008.1.3.10")  # Media Storage Directory: above the class level
+    _colour_dicom(root / "b" / "WSI0001", rng.integers(0, 256, (12, 12, 3), dtype=np.uint8), sop="1.2.840.10008.5.1.4.1.1.77.1.6")
+    _colour_dicom(root / "b" / "FLAT", np.full((12, 12, 3), 7, np.uint8))
+    ds = BenchmarkDatasetParams(kind="image_folder", sources=("clinic",), image_size=8, workers=1, max_quarantine_fraction=0.5)
+    card = harmonize_benchmark(ds, tmp_path / "raw", tmp_path / "h" / "d", quiet=True)
+    dom = card["domains"]["clinic"]
+    assert dom["by_class"] == {"a": 3, "b": 3} and dom["quarantined"] == 1  # the constant photograph
+    assert dom["excluded_by_reason"] == {"not an image: a DICOM without pixels (Enhanced SR Storage)": 1,
+                                         "not an image: a whole-slide image (its tiles are not read)": 1}
+
+    text = "path,label,pid,part\n0.png,a,p1,train\n1.png,b,p1,train\nreport.pdf,a,p1,test\n"
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "report.pdf").write_bytes(b"%PDF-1.4")
+    card = _harmonize_at(tmp_path / "t", "t", _own_table(tmp_path / "t", text, patient="pid", subset="part"), tmp_path / "h2")
+    assert card["domains"]["t"]["excluded_by_reason"] == {"not an image file (.pdf)": 1}

@@ -55,7 +55,7 @@ def numbers_as_words(v: Any) -> Any:
     def word(x: Any) -> Any:
         if isinstance(x, bool):
             raise ValueError(f"{x}: YAML reads an unquoted yes / no / on / off / true / false as a boolean; quote the "
-                             "value as your folders or table write it ('yes')")
+                             "value as your folders or table write it ('yes', 'no', 'on', 'off')")
         return str(x) if isinstance(x, (int, float)) else x
 
     if isinstance(v, dict):
@@ -308,9 +308,7 @@ class CXRTableRules(TableFileRules):
     @classmethod
     def _numbers_as_words(cls, v: Any) -> Any:
         """YAML reads ``positive: [1]`` as a number: a table's 1 / 0 labels are words here like any other."""
-        if isinstance(v, (list, tuple)):
-            return [str(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x for x in v]
-        return v
+        return numbers_as_words(v)
 
     @model_validator(mode="after")
     def _disjoint(self) -> "CXRTableRules":

@@ -99,13 +99,15 @@ def dicom_to_uint8(
 
     try:
         ds = pydicom.dcmread(str(path))
+        if _frames(ds) > 1:  # multi-frame: radiographs carry one frame; decode the first only
+            ds.pixel_array_options(index=0)
         arr = ds.pixel_array
     except (InvalidDicomError, AttributeError, ValueError, RuntimeError, OSError, EOFError, KeyError) as err:
         raise decode_error(path, err, "cannot decode DICOM pixels: ") from err
     photometric = str(ds.get("PhotometricInterpretation", "")).upper()
     if photometric not in ("MONOCHROME1", "MONOCHROME2"):
         raise ImageDecodeError(f"{path}: photometric interpretation {photometric!r} is not a grayscale radiograph")
-    if arr.ndim == 3:  # multi-frame: radiographs carry one frame; take the first
+    if arr.ndim == 3:  # a multi-frame file decoded whole (an older pydicom): the first frame
         arr = arr[0]
     if arr.ndim != 2 or min(arr.shape) < 8:
         raise ImageDecodeError(f"{path}: unexpected pixel array shape {arr.shape}")
@@ -136,12 +138,44 @@ def dicom_to_uint8(
     return unit_to_uint8(unit), facts
 
 
+def _frames(ds: Any) -> int:
+    try:
+        return int(ds.get("NumberOfFrames", 1) or 1)
+    except (TypeError, ValueError):
+        return 1
+
+
+WHOLE_SLIDE = "1.2.840.10008.5.1.4.1.1.77.1.6"  # VL Whole Slide Microscopy Image Storage
+
+
+def dicom_image_problem(path: str | Path) -> str:
+    """Why a DICOM file is no image fedsilo reads ("" when it is one, or when its header cannot be read: the decoder
+    then quarantines it with the reason): a DICOM without pixel data (a structured report, a presentation state, a
+    DICOMDIR, ...) or a whole-slide image (thousands of tiles: not one picture). Reads the header only."""
+    import pydicom
+    from pydicom.errors import InvalidDicomError
+
+    try:
+        ds = pydicom.dcmread(str(path), defer_size="1 KB")
+    except (InvalidDicomError, AttributeError, ValueError, RuntimeError, OSError, EOFError, KeyError):
+        return ""
+    sop = ds.get("SOPClassUID", None) or ds.file_meta.get("MediaStorageSOPClassUID", None)
+    name = getattr(sop, "name", "") or str(sop or "unknown SOP class")
+    if not any(tag in ds for tag in ("PixelData", "FloatPixelData", "DoubleFloatPixelData")):
+        return f"a DICOM without pixels ({name})"
+    if str(sop) == WHOLE_SLIDE:
+        return "a whole-slide image (its tiles are not read)"
+    return ""
+
+
 def dicom_to_rgb(path: str | Path) -> np.ndarray:
     """Decode one DICOM file of any photometric interpretation to uint8 (HxW for greyscale, HxWx3 for colour): a
     site's own images outside chest X-rays (a dermatology photograph, an ultrasound frame, a slide's snapshot).
-    MONOCHROME1/2 go through :func:`dicom_to_uint8` (modality and VOI LUTs, the stored bit depth); RGB and YBR are
-    taken as pydicom gives them in RGB (YBR converted), PALETTE COLOR through its lookup table, more than 8 bits
-    scaled to 8. A multi-frame file (an ultrasound cine) gives its first frame. Raises ImageDecodeError on any failure."""
+    MONOCHROME1/2 go through :func:`dicom_to_uint8` (modality and VOI LUTs): over the VOI window where the header has
+    one, else over the image's 0.5-99.5 percentiles (a CT or MR slice scaled over its whole stored bit depth would be
+    almost flat). RGB and YBR are taken as pydicom gives them in RGB (YBR converted), PALETTE COLOR through its lookup
+    table, more than 8 bits scaled to 8. A multi-frame file (an ultrasound cine) gives its first frame, the only one
+    decoded. A constant image, and any failure, raise ImageDecodeError."""
     import pydicom
     from pydicom.errors import InvalidDicomError
     from pydicom.pixels import apply_color_lut
@@ -150,11 +184,16 @@ def dicom_to_rgb(path: str | Path) -> np.ndarray:
         ds = pydicom.dcmread(str(path))
         photometric = str(ds.get("PhotometricInterpretation", "")).upper()
         if photometric in ("MONOCHROME1", "MONOCHROME2"):
-            return dicom_to_uint8(path)[0]
+            grey = dicom_to_uint8(path, "bit_depth" if has_voi(ds) else "percentile")[0]
+            if grey.std() == 0:
+                raise ImageDecodeError(f"{path}: constant image")
+            return grey
         if photometric != "RGB" and not photometric.startswith("YBR") and photometric != "PALETTE COLOR":
             raise ImageDecodeError(f"{path}: photometric interpretation {photometric!r} is neither greyscale nor colour")
+        if _frames(ds) > 1:
+            ds.pixel_array_options(index=0)
         arr = ds.pixel_array  # pydicom 3 gives YBR (native or compressed) as RGB: its as_rgb default
-        if int(ds.get("NumberOfFrames", 1) or 1) > 1:
+        if arr.ndim == 4:  # decoded whole: the first frame
             arr = arr[0]
         if photometric == "PALETTE COLOR":
             arr = apply_color_lut(arr, ds)
@@ -167,5 +206,6 @@ def dicom_to_rgb(path: str | Path) -> np.ndarray:
     if arr.dtype != np.uint8:  # 16-bit colour, or a palette's 16-bit entries: scaled to 8 bits over their range
         bits = int(ds.RedPaletteColorLookupTableDescriptor[2]) if photometric == "PALETTE COLOR" else int(ds.get("BitsStored", 16) or 16)
         arr = np.clip(np.round(arr.astype(np.float64) * 255.0 / (2**bits - 1)), 0, 255).astype(np.uint8)
+    if arr.std() == 0:
+        raise ImageDecodeError(f"{path}: constant image")
     return np.ascontiguousarray(arr)
-

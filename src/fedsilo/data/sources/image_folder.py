@@ -43,7 +43,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import pandas as pd
 
 from fedsilo.config import ImageFolderRules, check_domain_name, table_word
-from fedsilo.data.dicom import is_dicom_file
+from fedsilo.data.dicom import dicom_image_problem, is_dicom_file
 from fedsilo.data.sources.base import LabelFileError, is_hidden, walk
 from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES, norm_name, records_frame
 
@@ -57,13 +57,20 @@ def _level_names(layout: str) -> list[str]:
     return layout.split("/")
 
 
-def is_dicom(path: Path) -> bool:
-    """A DICOM file, by its suffix or its preamble (a PACS export's files often have no suffix); a file that cannot be
-    opened is no DICOM here (it is then "not an image file", with its suffix)."""
+def file_reader(path: Path) -> tuple[str, str]:
+    """(reader, why not): ``("image", "")`` for an image suffix, ``("dicom", "")`` for a DICOM image (by suffix or
+    preamble: a PACS export's files often have none), else ``("", reason)``: not an image file, a DICOM without
+    pixels (a report, a DICOMDIR) or a whole-slide image. A file that cannot be opened is no DICOM here."""
+    if path.suffix.lower() in IMAGE_SUFFIXES:
+        return "image", ""
     try:
-        return is_dicom_file(path)
+        dicom = is_dicom_file(path)
     except OSError:
-        return False
+        dicom = False
+    if dicom:
+        problem = dicom_image_problem(path)
+        return ("", f"not an image: {problem}") if problem else ("dicom", "")
+    return "", f"not an image file ({path.suffix.lower() or 'no suffix'})"
 
 
 def wrapper_hint(raw_dir: Path, rules: ImageFolderRules, key: str) -> str:
@@ -100,13 +107,11 @@ def scan(raw_dir: Path, rules: ImageFolderRules, domain: Optional[str], key: str
         if not f.is_file():
             continue
         parts = f.relative_to(base).parts
-        reader = "image" if f.suffix.lower() in IMAGE_SUFFIXES else "dicom" if is_dicom(f) else ""
-        image = bool(reader)
         named = dict(zip(levels, parts))
         if wanted is not None and "domain" in named and len(parts) > 1 and named["domain"] not in wanted:
-            continue  # a domain folder the dataset leaves out
-        if len(parts) <= len(levels):  # above the class folders
-            if image:
+            continue  # a domain folder the dataset leaves out (not opened)
+        if len(parts) <= len(levels):  # above the class folders: a README, a DICOMDIR are not read; an image is an error
+            if file_reader(f)[0]:
                 raise LabelFileError(f"{f}: an image outside any class folder: {key}.layout is {rules.layout!r}, "
                                      f"which expects {expected}")
             continue
@@ -140,10 +145,8 @@ def scan(raw_dir: Path, rules: ImageFolderRules, domain: Optional[str], key: str
             assert pattern is not None
             m = pattern.search(f.name)
             group = m.group(1) if m and m.group(1) else None
-        reason = ""
-        if not image:
-            reason = f"not an image file ({f.suffix.lower() or 'no suffix'})"
-        elif group is None:
+        reader, reason = file_reader(f)
+        if not reason and group is None:
             reason = "not in a group folder (group: folder)" if rules.group == "folder" else "file name does not match the group pattern"
         out.append({"id": rel, "path": rel, "where": str(f), "domain": dom, "subset": subset, "value": named["class"],
                     "group": group, "reason": reason, "reader": reader or "image"})
@@ -224,8 +227,9 @@ def folder_classes(raw_dir: Path, rules: ImageFolderRules, key: str) -> ClassMap
 
 
 def class_names(entries: list[dict], classmap: ClassMap) -> set[str]:
-    """The class names a source's kept images give (:meth:`ClassMap.names`; excluded entries left out)."""
-    return classmap.names(e["value"] for e in entries if e["value"] and not e["reason"])
+    """The class names a source gives (:meth:`ClassMap.names`): its kept images', and every label a ``strict`` entry
+    writes (a table's row, excluded for another reason or not: the labels it checks are the ones it declares)."""
+    return classmap.names(e["value"] for e in entries if e["value"] and (not e["reason"] or e.get("strict")))
 
 
 def one_spelling(names: set[str]) -> list[str]:

@@ -32,8 +32,7 @@ from typing import Optional
 
 from fedsilo.config import ImageTableRules, table_word
 from fedsilo.data.sources.base import LabelFileError, show, walk
-from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES
-from fedsilo.data.sources.image_folder import ClassMap, is_dicom
+from fedsilo.data.sources.image_folder import ClassMap, file_reader
 from fedsilo.data.sources.tables import MISSING, Rows, load_table, relative_path
 
 NO_PATIENT_WARNING = ("has no patient column (patient: null): each row's image (or study folder) is its own group, so two "
@@ -100,17 +99,14 @@ def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str) -> list[d
         value, reason = _label(rec, rules, where)
         if value and classmap.skipped(value):  # before the partition check: a skipped row is no image of its patient's
             reason = f"{classmap.what} skipped ({key}.skip)"
+        files = [(found, *(file_reader(raw_dir / found) if found else ("image", ""))) for found in _files(raw_dir, rel, table, i + 2, where)]
+        if not reason and all(why for _, _, why in files):  # a row with no image (a listed report) is no image of its patient's
+            reason = files[0][2]
         # the group is the row's: its patient, else the file, or the folder a study's row names (all its images)
         group, subset, reason = table.group_and_subset(rec, rules, rel, reason, i + 2, where, key)
-        for found in _files(raw_dir, rel, table, i + 2, where):
-            row_reason, reader = reason, "image"
-            if found and Path(found).suffix.lower() not in IMAGE_SUFFIXES:
-                if is_dicom(raw_dir / found):
-                    reader = "dicom"
-                elif not row_reason:
-                    row_reason = f"not an image file ({Path(found).suffix.lower() or 'no suffix'})"
+        for found, reader, why in files:
             out.append({"id": found or rel, "path": found or "", "where": where, "domain": domain, "subset": subset,
-                        "value": value, "group": group, "reason": row_reason, "strict": True, "reader": reader})
+                        "value": value, "group": group, "reason": reason or why, "strict": True, "reader": reader or "image"})
     return out
 
 

@@ -24,7 +24,9 @@ MISSING = {"", "na", "n/a", "nan", "none", "null", "-"}  # how exports write a m
 
 def load_table(raw_dir: Path, rules, columns: list[tuple[str, Optional[str]]], key: str) -> tuple[Path, pd.DataFrame]:
     """The table ``rules.file`` below ``raw_dir``, every cell a string, without the rows whose every cell is blank
-    (a spreadsheet's trailing ``,,,``); its index is each row's place (row ``index + 2`` as a spreadsheet numbers it).
+    (a spreadsheet's trailing ``,,,``: left out, the rows after them keep their numbers); row ``index + 2`` is a row's
+    number as a spreadsheet gives it, as long as the file has no wholly empty line and no cell across lines (pandas
+    skips the one and joins the other, so the numbers after them run short of the file's line numbers).
     ``columns`` pairs each rule (``path``, ``label``, ...) with the column it names (None: not used). ``key`` is the
     dotted params key of ``rules``."""
     table_path = Path(raw_dir) / rules.file
