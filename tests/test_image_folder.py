@@ -85,7 +85,7 @@ def test_a_departments_patches_join_kather_as_a_domain_of_their_own_and_slides_s
     assert pv["domains"]["Path Lab"]["kept"] == 4 * len(KATHER) and "no group rule" in pv["warnings"][0]
 
 
-def test_several_sites_in_one_folder_with_their_own_partition_form_a_dataset_of_their_own(tmp_path):
+def test_several_sites_in_one_folder_with_their_own_partition_form_a_dataset_of_their_own(tmp_path, capsys):
     site = tmp_path / "derm_export"
     classes_seen = {"Site A": ("Benign", "malignant"), "Site B": ("benign", "Malignant", "Scar")}
     n = 0
@@ -130,8 +130,11 @@ def test_several_sites_in_one_folder_with_their_own_partition_form_a_dataset_of_
     (root / "data" / "raw").mkdir(parents=True)
     shutil.copytree(raw / "derm", root / "data" / "raw" / "derm")
     (root / "params.yaml").write_text(yaml.safe_dump(raw_params))
-    for argv in (["harmonize", "--dataset", "derm"], ["split", "--experiment", "quick"]):
-        assert fedsilo(["--root", str(root), "--params", str(root / "params.yaml"), "--quiet", *argv]) in (0, None)
+    for argv in (["harmonize", "--dataset", "derm", "--dry-run"], ["harmonize", "--dataset", "derm"], ["split", "--experiment", "quick"]):
+        assert fedsilo(["--root", str(root), "--params", str(root / "params.yaml"), *argv]) in (0, None)
+    err = capsys.readouterr().err
+    n_files = sum(1 for f in (root / "data" / "raw" / "derm").rglob("*") if f.is_file())  # 30 images, a legend, the manifest
+    assert n_files == 32 and err.count(f"scan derm: {n_files}/{n_files} files") == 2  # the folders' scan shows its progress, dry run and harmonize
     card = read_json(root / "data" / "harmonized" / "derm" / "card.json")
     recs = pd.read_parquet(root / "data" / "harmonized" / "derm" / "records.parquet")
     assert card["classes"] == ["malignant", "benign", "naevus"]

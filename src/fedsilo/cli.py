@@ -62,7 +62,7 @@ def _harmonize(args: argparse.Namespace) -> None:
     if args.dataset not in p.datasets:
         raise ConfigError(f"datasets.{args.dataset}: not defined in {args.params}")
     if args.dry_run:
-        pv = preview_dataset(p.datasets[args.dataset], Path(args.root) / "data" / "raw", args.dataset)
+        pv = preview_dataset(p.datasets[args.dataset], Path(args.root) / "data" / "raw", args.dataset, quiet=args.quiet)
         for dom, d in pv["domains"].items():
             classes = ", ".join(f"{c} {n}" for c, n in d["by_class"].items())
             reasons = "; ".join(f"{r} {n}" for r, n in d["excluded_by_reason"].items()) or "none"

@@ -290,12 +290,13 @@ def to_dataset_classes(rec: pd.DataFrame, names: list[str], classes: list[str], 
     return rec
 
 
-def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str = "") -> tuple[pd.DataFrame, list[str], dict[str, Any], list[str]]:
+def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str = "",
+                      quiet: bool = True) -> tuple[pd.DataFrame, list[str], dict[str, Any], list[str]]:
     """Every record of a benchmark dataset's sources (its ``domains`` only), the dataset's classes, the source
     modules that read them and the warnings the rules call for. Sources of your own (``reader: image_folder``) are
     read after the public ones, whose class list (the first public source's, unless the kind has its own) they map
     to; a ``kind: image_folder`` dataset's classes are its ``classes`` or its folders' sorted names. ``name`` is the
-    dataset's key in params (for messages)."""
+    dataset's key in params (for messages); unless ``quiet``, the scan of each source of your own shows its progress."""
     raw_root = Path(raw_root)
     frames: dict[str, pd.DataFrame] = {}
     modules = {}
@@ -321,10 +322,10 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
     scans, maps = {}, {}
     for src in own:
         if params.reader_of(src) == "image_table":
-            scans[src] = image_table.scan(raw_root / src, params.rules(src), params.domain_of(src), keys[src])
+            scans[src] = image_table.scan(raw_root / src, params.rules(src), params.domain_of(src), keys[src], quiet)
             maps[src] = image_table.table_classes(params.rules(src), keys[src])
         else:
-            scans[src] = image_folder.scan(raw_root / src, params.rules(src), params.domain_of(src), keys[src], params.domains)
+            scans[src] = image_folder.scan(raw_root / src, params.rules(src), params.domain_of(src), keys[src], params.domains, quiet)
             maps[src] = image_folder.folder_classes(raw_root / src, params.rules(src), keys[src])
     if not classes:  # kind image_folder: its own list, or its sources' class names as torchvision's ImageFolder sorts them
         names = set().union(*(image_folder.class_names(scans[s], maps[s]) for s in own))
@@ -368,7 +369,7 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
 def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:
     raw_root = Path(raw_root)
     workers = params.workers or os.cpu_count() or 1
-    records, classes, modules, warnings = benchmark_records(params, raw_root, Path(out_dir).name)
+    records, classes, modules, warnings = benchmark_records(params, raw_root, Path(out_dir).name, quiet)
     excluded = records[records["excluded"] != ""].reset_index(drop=True)
     kept = _cap(records[records["excluded"] == ""], params.max_per_domain, params.sample_seed).reset_index(drop=True)
 
@@ -429,7 +430,7 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
     )
 
 
-def preview_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root: Path, name: str) -> dict[str, Any]:
+def preview_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root: Path, name: str, quiet: bool = True) -> dict[str, Any]:
     """What harmonize would keep, exclude and find missing, from the label files alone (no image is decoded, nothing
     is written): per domain the rows read, the images kept by class, the exclusions by reason and the kept rows whose
     file the raw folder lacks; the rules' warnings; and ``would_fail``, harmonize's own refusals that the label files
@@ -441,7 +442,7 @@ def preview_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root:
         classes = ["Normal", "Lung Opacity"]
         kept = records[records["excluded"] == ""]
     else:
-        records, classes, _, warnings = benchmark_records(params, raw_root, name)
+        records, classes, _, warnings = benchmark_records(params, raw_root, name, quiet)
         kept = _cap(records[records["excluded"] == ""], params.max_per_domain, params.sample_seed)
     unit = "source" if isinstance(params, CXRDatasetParams) else "domain"  # what harmonize checks, as it checks it
     fails = []

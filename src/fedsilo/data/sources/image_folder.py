@@ -46,6 +46,7 @@ from fedsilo.config import ImageFolderRules, check_domain_name, table_word
 from fedsilo.data.dicom import dicom_image_problem, is_dicom_file
 from fedsilo.data.sources.base import LabelFileError, is_hidden, walk
 from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES, norm_name, records_frame
+from fedsilo.utils.progress import Progress
 
 SUBSET_WORDS = {"train": "train", "training": "train", "val": "val", "valid": "val", "validation": "val",
                 "test": "test", "testing": "test"}
@@ -87,12 +88,13 @@ def wrapper_hint(raw_dir: Path, rules: ImageFolderRules, key: str) -> str:
 
 
 def scan(raw_dir: Path, rules: ImageFolderRules, domain: Optional[str], key: str,
-         domains: Optional[Iterable[str]] = None) -> list[dict]:
+         domains: Optional[Iterable[str]] = None, quiet: bool = True) -> list[dict]:
     """Every file at or below a class folder (below ``raw_dir``, or its ``root``), as an entry for
     :func:`read_records`: ``id`` and ``path`` (posix path from ``raw_dir``), ``where`` (the file), ``domain``,
     ``subset``, ``value`` (the class folder's name), ``group`` (None where the rule finds none), ``reason`` (not an
     image, no group). ``domain`` is the source's one domain (None with a ``domain/...`` layout); a domain folder not
-    among ``domains`` (the dataset's filter) is not read at all; ``key`` is the dotted params key of the rules."""
+    among ``domains`` (the dataset's filter) is not read at all; ``key`` is the dotted params key of the rules.
+    Shows the files scanned unless ``quiet`` (a PACS export's suffix-less DICOMs have their headers read here)."""
     raw_dir = Path(raw_dir)
     base = raw_dir / rules.root if rules.root else raw_dir
     if not base.is_dir():
@@ -103,9 +105,10 @@ def scan(raw_dir: Path, rules: ImageFolderRules, domain: Optional[str], key: str
     wanted = set(domains) if domains is not None else None
     seen_domains: dict[str, str] = {}
     out: list[dict] = []
-    for f in walk(base):
-        if not f.is_file():
-            continue
+    files = [f for f in walk(base) if f.is_file()]
+    bar = Progress(len(files), f"scan {key.rsplit('.', 1)[-1]}", "file", quiet=quiet)
+    for f in files:
+        bar.update(1)
         parts = f.relative_to(base).parts
         named = dict(zip(levels, parts))
         if wanted is not None and "domain" in named and len(parts) > 1 and named["domain"] not in wanted:
@@ -150,6 +153,7 @@ def scan(raw_dir: Path, rules: ImageFolderRules, domain: Optional[str], key: str
             reason = "not in a group folder (group: folder)" if rules.group == "folder" else "file name does not match the group pattern"
         out.append({"id": rel, "path": rel, "where": str(f), "domain": dom, "subset": subset, "value": named["class"],
                     "group": group, "reason": reason, "reader": reader or "image"})
+    bar.close()
     if not any(not e["reason"].startswith("not an image") for e in out):
         raise LabelFileError(f"{base}: no image ({', '.join(IMAGE_SUFFIXES)}) in class folders laid out as {expected} "
                              f"({key}.layout){wrapper_hint(raw_dir, rules, key)}")

@@ -34,6 +34,7 @@ from fedsilo.config import ImageTableRules, table_word
 from fedsilo.data.sources.base import LabelFileError, show, walk
 from fedsilo.data.sources.image_folder import ClassMap, file_reader
 from fedsilo.data.sources.tables import MISSING, Rows, load_table, relative_path
+from fedsilo.utils.progress import Progress
 
 NO_PATIENT_WARNING = ("has no patient column (patient: null): each row's image (or study folder) is its own group, so two "
                       "images of one patient (or lesion, or slide) may land on both sides of a split; name the column that "
@@ -81,7 +82,7 @@ def _path(raw_dir: Path, rules: ImageTableRules, table: Rows, cell: str, where: 
     return candidates[0]
 
 
-def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str) -> list[dict]:
+def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str, quiet: bool = True) -> list[dict]:
     """The table's rows as entries for :func:`fedsilo.data.sources.image_folder.read_records` (``strict``: every label
     a row writes is checked): ``id`` (the path the row names), ``path`` (the file it reads, empty when the folder lacks
     it), ``where`` (file and row), ``domain``, ``subset``, ``value`` (the class as the table writes it), ``group``,
@@ -93,7 +94,9 @@ def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str) -> list[d
     classmap = table_classes(rules, key)
     table = Rows(raw_dir)
     out = []
+    bar = Progress(len(df), f"scan {key.rsplit('.', 1)[-1]}", "row", quiet=quiet)
     for i, rec in zip(df.index, df.to_dict("records")):
+        bar.update(1)
         where = f"{table_path}: row {i + 2}"
         rel = _path(raw_dir, rules, table, str(rec[rules.path]).strip(), where)
         value, reason = _label(rec, rules, where)
@@ -107,6 +110,7 @@ def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str) -> list[d
         for found, reader, why in files:
             out.append({"id": found or rel, "path": found or "", "where": where, "domain": domain, "subset": subset,
                         "value": value, "group": group, "reason": reason or why, "strict": True, "reader": reader or "image"})
+    bar.close()
     return out
 
 
