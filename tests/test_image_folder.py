@@ -317,3 +317,31 @@ def test_what_real_copies_bring_wrappers_spellings_digits_and_strays(tmp_path):
     _write(tmp_path / "raw3" / "s" / "sitec" / "y" / "b.png", 2)
     with pytest.raises(LabelFileError, match=r"domain folders 'SiteC' and 'sitec' differ only in case"):
         harmonize_benchmark(ds({"layout": "domain/class"}), tmp_path / "raw3", tmp_path / "h3" / "d", quiet=True)
+
+
+def test_the_data_card_shows_the_first_images_of_every_domain_and_class_as_harmonized(tmp_path):
+    """samples.png: one row per domain, a block of tiles per class, each tile the harmonized image of the id the card
+    lists for it (grey for an empty slot); the card links it."""
+    from fedsilo.data import contact_sheet as cs
+
+    p = parse_params(_joined())
+    raw = tmp_path / "raw"
+    for s in ("kather_crc", "path_lab"):
+        fetch(s, p.sources[s], raw / s)
+    out = tmp_path / "h" / "crc"
+    card = harmonize_benchmark(p.datasets["crc"], raw, out, quiet=True)
+    sm = card["samples"]
+    k = sm["per_class"]
+    assert k == cs.per_class_for(9) == 1 and sm["classes_shown"] == list(KATHER)
+    sheet = cv2.imread(str(out / sm["file"]))[:, :, ::-1]
+    recs, images = pd.read_parquet(out / "records.parquet"), np.load(out / "images.npy")
+    index = {i: n for n, i in enumerate(recs["id"])}
+    label_w, head_h, gap, tile = 120, 22, 6, cs.TILE
+    for r, dom in enumerate(card["domains"]):
+        for c, cls in enumerate(KATHER):
+            shown = sm["ids"][dom][cls]
+            first = recs[(recs["domain"] == dom) & (recs["label"] == c)]["id"].head(k).tolist()
+            assert shown == first
+            y, x = head_h + r * (tile + gap), label_w + c * (k * tile + gap)
+            np.testing.assert_array_equal(sheet[y:y + tile, x:x + tile], cs._tile(images[index[shown[0]]]))
+    assert "![samples](samples.png)" in (out / "card.md").read_text()

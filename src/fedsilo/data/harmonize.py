@@ -18,7 +18,9 @@ Output folder (``data/harmonized/<dataset>/``):
 - ``excluded.parquet``: every record the label rules excluded, with the reason;
 - ``quarantine.csv``: kept records whose image could not be decoded (or is missing), with the error;
 - ``card.json`` / ``card.md``: the data card: counts per domain and class, exclusions and quarantine by reason,
-  the rules used, the sha256 of ``records.parquet`` and ``images.npy``.
+  the rules used, the sha256 of ``records.parquet`` and ``images.npy``;
+- ``samples.png``: the contact sheet (:mod:`fedsilo.data.contact_sheet`): the first images of every domain and class
+  as harmonized, shown in ``card.md``, their ids in ``card.json``.
 
 A source (CXR) or domain (benchmarks) whose quarantined fraction exceeds ``max_quarantine_fraction`` fails the
 stage, naming the first files and errors.
@@ -38,6 +40,7 @@ import numpy as np
 import pandas as pd
 
 from fedsilo.config import DATASET_SOURCES, BenchmarkDatasetParams, CXRDatasetParams
+from fedsilo.data.contact_sheet import write_contact_sheet
 from fedsilo.data.imageops import (
     ImageDecodeError,
     decode_error,
@@ -225,7 +228,9 @@ def write_dataset(
             tmp / "excluded.parquet", index=False
         )
         quarantine.to_csv(tmp / "quarantine.csv", index=False)
-        card = _card(meta, table, excluded, quarantine, tmp)
+        samples = write_contact_sheet(tmp / "samples.png", table.reset_index(drop=True), np.load(tmp / "images.npy", mmap_mode="r"),
+                                      list(meta["classes"]))
+        card = _card({**meta, "samples": samples}, table, excluded, quarantine, tmp)
         write_json(tmp / "card.json", card)
         (tmp / "card.md").write_text(card_markdown(card))
     return card
@@ -501,6 +506,7 @@ def _card(meta: dict[str, Any], table: pd.DataFrame, excluded: pd.DataFrame, qua
         "domains": per_domain,
         "rules": meta["rules"],
         **({"warnings": list(meta["warnings"])} if meta.get("warnings") else {}),
+        **({"samples": meta["samples"]} if meta.get("samples") else {}),
         "sha256": {
             "records.parquet": file_sha256(folder / "records.parquet"),
             "images.npy": file_sha256(folder / "images.npy"),
@@ -528,6 +534,11 @@ def card_markdown(card: dict[str, Any]) -> str:
               "names them (image_folder's group rule, image_table's patient column)."]
     if card.get("warnings"):
         lines += ["", "## Warnings", ""] + [f"- {w}" for w in card["warnings"]]
+    if card.get("samples"):
+        sm = card["samples"]
+        more = (f"; the first {len(sm['classes_shown'])} of the {len(classes)} classes" if len(sm["classes_shown"]) < len(classes) else "")
+        lines += ["", "## Samples", "", f"The first {sm['per_class']} images of each domain (rows) and class (columns) as "
+                  f"harmonize wrote them{more} (their ids: card.json, samples.ids):", "", f"![samples]({sm['file']})"]
     lines += ["", "## Exclusions by reason", ""]
     for dom, d in card["domains"].items():
         reasons = ", ".join(f"{k}: {v}" for k, v in d["excluded_by_reason"].items()) or "none"
