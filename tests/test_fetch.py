@@ -249,3 +249,25 @@ def test_corrupt_archive_in_local_mode_fails_naming_it(tmp_path):
     with pytest.raises(FetchError, match=r"PACS\.zip"):
         fetch("pacs", SourceParams(mode="local", path=str(bad)), tmp_path / "raw" / "pacs")
     assert not (tmp_path / "raw" / "pacs").exists()
+
+
+def test_a_local_folder_is_copied_whole_with_its_times_and_linked_folders_showing_the_bytes(tmp_path, capsys):
+    """mode local with a folder: every file (a linked folder's too, as copytree follows links) lands at its place
+    with its modification time, and the copy shows its progress in bytes (a hospital export can take hours)."""
+    import os as _os
+
+    src = tmp_path / "export"
+    (src / "a" / "b").mkdir(parents=True)
+    (src / "a" / "b" / "x.png").write_bytes(b"\x89PNG" + bytes(3000))
+    (src / "labels.csv").write_text("path,label\n")
+    _os.utime(src / "labels.csv", (1_600_000_000, 1_600_000_000))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "y.png").write_bytes(b"\x89PNG" + bytes(10))
+    (src / "linked").symlink_to(tmp_path / "elsewhere")
+    manifest = fetch("site", SourceParams(mode="local", reader="image_folder", path=str(src)), tmp_path / "raw" / "site", quiet=False)
+    out = tmp_path / "raw" / "site"
+    assert set(manifest["files"]) == {"a/b/x.png", "labels.csv", "linked/y.png"}
+    assert (out / "linked" / "y.png").is_file() and not (out / "linked").is_symlink()
+    assert (out / "a" / "b" / "x.png").read_bytes() == (src / "a" / "b" / "x.png").read_bytes()
+    assert (out / "labels.csv").stat().st_mtime == 1_600_000_000
+    assert "fetch site:" in capsys.readouterr().err

@@ -60,6 +60,7 @@ from fedsilo.data.download import (
     redact,
 )
 from fedsilo.utils.io import atomic_dir, canonical_hash, tree_manifest, write_json
+from fedsilo.utils.progress import Progress
 
 MANIFEST = "fedsilo_manifest.json"
 KAGGLE_API = "https://www.kaggle.com/api/v1"
@@ -269,6 +270,24 @@ def _fetch_remote(source: str, params: SourceParams, tmp: Path, root: Path, quie
     return {"downloads": report}
 
 
+def copy_tree(src: Path, dst: Path, desc: str, quiet: bool) -> None:
+    """Every file below ``src`` (symbolic links followed, as ``shutil.copytree(symlinks=False)`` follows them) copied
+    to the same place below ``dst`` with its times, showing the bytes copied (a hospital's export can take hours)."""
+    files: list[tuple[Path, Path, int]] = []
+    for folder, dirs, names in os.walk(src, followlinks=True):
+        dirs.sort()
+        rel = Path(folder).relative_to(src)
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        for name in sorted(names):
+            f = Path(folder) / name
+            files.append((f, dst / rel / name, f.stat().st_size))
+    bar = Progress(sum(n for _, _, n in files), desc, "B", quiet=quiet)
+    for f, target, size in files:
+        shutil.copy2(f, target)
+        bar.update(size)
+    bar.close()
+
+
 def fetch(source: str, params: SourceParams, out_dir: Path, root: Path = Path("."), quiet: bool = False) -> dict:
     """Fetch ``source`` into ``out_dir``; ``root`` (the repository root) holds the download cache unless
     ``$FEDSILO_DOWNLOAD_CACHE`` is set."""
@@ -288,7 +307,7 @@ def fetch(source: str, params: SourceParams, out_dir: Path, root: Path = Path(".
             if not src.exists():
                 raise FetchError(f"sources.{source}.path: {src} does not exist")
             if src.is_dir():
-                shutil.copytree(src, tmp, dirs_exist_ok=True, symlinks=False)
+                copy_tree(src, tmp, f"fetch {source}", quiet)
                 if params.reader is None:  # a public source distributed as zips inside its folder
                     _unpack_distributed_zips(source, tmp)
             else:
