@@ -271,3 +271,8 @@ def test_a_local_folder_is_copied_whole_with_its_times_and_linked_folders_showin
     assert (out / "a" / "b" / "x.png").read_bytes() == (src / "a" / "b" / "x.png").read_bytes()
     assert (out / "labels.csv").stat().st_mtime == 1_600_000_000
     assert "fetch site:" in capsys.readouterr().err
+    # a linked folder leading back up the tree is refused by name, and nothing is left behind
+    (src / "a" / "up").symlink_to(src)
+    with pytest.raises(FetchError, match=r"a/up: a symbolic link loop \(it is .*export again\)"):
+        fetch("site2", SourceParams(mode="local", reader="image_folder", path=str(src)), tmp_path / "raw" / "site2", quiet=True)
+    assert not (tmp_path / "raw" / "site2").exists()

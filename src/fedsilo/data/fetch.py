@@ -275,6 +275,11 @@ def copy_tree(src: Path, dst: Path, desc: str, quiet: bool) -> None:
     to the same place below ``dst`` with its times, showing the bytes copied (a hospital's export can take hours)."""
     files: list[tuple[Path, Path, int]] = []
     for folder, dirs, names in os.walk(src, followlinks=True):
+        real = os.path.realpath(folder)
+        for up in Path(folder).relative_to(src).parents:  # a linked folder leading back up the tree would never end
+            if os.path.realpath(src / up) == real:
+                raise FetchError(f"{folder}: a symbolic link loop (it is {src / up} again); remove the link, or point "
+                                 "path at a folder without one")
         dirs.sort()
         rel = Path(folder).relative_to(src)
         (dst / rel).mkdir(parents=True, exist_ok=True)
