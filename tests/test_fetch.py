@@ -276,3 +276,20 @@ def test_a_local_folder_is_copied_whole_with_its_times_and_linked_folders_showin
     with pytest.raises(FetchError, match=r"a/up: a symbolic link loop \(it is .*export again\)"):
         fetch("site2", SourceParams(mode="local", reader="image_folder", path=str(src)), tmp_path / "raw" / "site2", quiet=True)
     assert not (tmp_path / "raw" / "site2").exists()
+
+
+def test_a_folder_the_fetching_account_cannot_list_fails_the_fetch_by_name(tmp_path, monkeypatch):
+    """os.walk skips a folder it cannot list unless told otherwise: the copy would silently lack a patient's images."""
+    src = tmp_path / "export"
+    (src / "patient7").mkdir(parents=True)
+    (src / "a.png").write_bytes(b"x")
+    real_walk = fetch_mod.os.walk
+
+    def walk(top, **kw):
+        kw["onerror"](PermissionError(13, "Permission denied", str(src / "patient7")))  # as scandir reports it
+        yield from real_walk(top, **kw)
+
+    monkeypatch.setattr(fetch_mod.os, "walk", walk)
+    with pytest.raises(FetchError, match=r"patient7: cannot list this folder \(Permission denied\)"):
+        fetch("site", SourceParams(mode="local", reader="image_folder", path=str(src)), tmp_path / "raw" / "site", quiet=True)
+    assert not (tmp_path / "raw" / "site").exists()

@@ -345,3 +345,5 @@ def test_the_data_card_shows_the_first_images_of_every_domain_and_class_as_harmo
             y, x = head_h + r * (tile + gap), label_w + c * (k * tile + gap)
             np.testing.assert_array_equal(sheet[y:y + tile, x:x + tile], cs._tile(images[index[shown[0]]]))
     assert "![samples](samples.png)" in (out / "card.md").read_text()
+    # the sheet's text is ASCII (OpenCV's fonts): accents dropped, another script by its row or column number
+    assert [cs.shown_name(n, "domain 2") for n in ("Tumör", "Sjukhus Malmö", "正常病院")] == ["Tumor", "Sjukhus Malmo", "domain 2"]

@@ -5,12 +5,14 @@ site's stain) before anything trains on them.
 
 One row per domain, one block of ``per_class`` tiles per class (the first images of that domain and class in
 ``records.parquet``'s order, which is the harmonize order: deterministic); an empty slot is mid-grey. At most
-``MAX_CLASSES`` classes are shown (the first of the class list; the card says so). The PNG is written with OpenCV
-(no timestamp, so the same data gives the same bytes).
+``MAX_CLASSES`` classes are shown (the first of the class list; the card says so). Names are drawn in ASCII (accents
+dropped; a name in another script as ``domain 2`` / ``class 3``, card.md listing them in order). The PNG is written with
+OpenCV (no timestamp: the same data and OpenCV build give the same bytes; another OpenCV may draw the text otherwise).
 """
 
 from __future__ import annotations
 
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,16 @@ def _tile(img: np.ndarray) -> np.ndarray:
     return cv2.resize(np.ascontiguousarray(rgb), (TILE, TILE), interpolation=interp)
 
 
+def shown_name(name: str, fallback: str) -> str:
+    """A name as the sheet can draw it: OpenCV's Hershey fonts are ASCII (OpenCV 4 draws '?' for every other byte),
+    so accents are dropped (``Tumör`` -> ``Tumor``) and a name mostly in another script becomes ``fallback`` (``domain
+    2``: card.md lists the rows and columns by name, in order)."""
+    folded = unicodedata.normalize("NFKD", name).encode("ascii", "ignore").decode("ascii").strip()
+    letters = sum(1 for ch in name if ch.isalnum())
+    kept = sum(1 for ch in folded if ch.isalnum())
+    return folded if folded and kept * 2 >= letters else fallback
+
+
 def _text(canvas: np.ndarray, text: str, x: int, y: int, width: int) -> None:
     """``text`` at (x, baseline y), shortened with '..' to fit ``width`` pixels."""
     scale, thick = 0.4, 1
@@ -52,12 +64,12 @@ def write_contact_sheet(path: Path, table: pd.DataFrame, images: Any, classes: l
     block = k * TILE + gap
     canvas = np.full((head_h + len(domains) * (TILE + gap), label_w + len(shown) * block, 3), 255, np.uint8)
     for c, name in enumerate(shown):
-        _text(canvas, name, label_w + c * block, head_h - 7, block - gap)
+        _text(canvas, shown_name(name, f"class {c}"), label_w + c * block, head_h - 7, block - gap)
     ids: dict[str, dict[str, list[str]]] = {}
     labels = table["label"].to_numpy()
     for r, dom in enumerate(domains):
         y = head_h + r * (TILE + gap)
-        _text(canvas, str(dom), 4, y + TILE // 2 + 4, label_w - 8)
+        _text(canvas, shown_name(str(dom), f"domain {r}"), 4, y + TILE // 2 + 4, label_w - 8)
         mine = np.flatnonzero(table["domain"].to_numpy() == dom)
         ids[str(dom)] = {}
         for c, name in enumerate(shown):

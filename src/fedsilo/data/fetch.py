@@ -274,10 +274,17 @@ def copy_tree(src: Path, dst: Path, desc: str, quiet: bool) -> None:
     """Every file below ``src`` (symbolic links followed, as ``shutil.copytree(symlinks=False)`` follows them) copied
     to the same place below ``dst`` with its times, showing the bytes copied (a hospital's export can take hours)."""
     files: list[tuple[Path, Path, int]] = []
-    for folder, dirs, names in os.walk(src, followlinks=True):
-        real = os.path.realpath(folder)
-        for up in Path(folder).relative_to(src).parents:  # a linked folder leading back up the tree would never end
-            if os.path.realpath(src / up) == real:
+    real_of: dict[Path, str] = {}  # each folder walked (top-down: its parents come first) -> its real path
+
+    def unreadable(err: OSError) -> None:
+        raise FetchError(f"{err.filename}: cannot list this folder ({err.strerror}); its files would be left out of the "
+                         "copy: give the account that fetches read access, or move the folder out of path")
+
+    for folder, dirs, names in os.walk(src, followlinks=True, onerror=unreadable):
+        here = Path(folder)
+        real_of[here] = real = os.path.realpath(folder)
+        for up in here.relative_to(src).parents:  # a linked folder leading back up the tree would never end
+            if real_of[src / up] == real:
                 raise FetchError(f"{folder}: a symbolic link loop (it is {src / up} again); remove the link, or point "
                                  "path at a folder without one")
         dirs.sort()

@@ -142,7 +142,7 @@ def decode_all(jobs: list[tuple], workers: int, domains: Optional[list[str]] = N
     return out
 
 
-def cxr_records(params: CXRDatasetParams, raw_root: Path, name: str) -> tuple[pd.DataFrame, list[str]]:
+def cxr_records(params: CXRDatasetParams, raw_root: Path, name: str, quiet: bool = True) -> tuple[pd.DataFrame, list[str]]:
     """Every record of a chest X-ray dataset's sources (kept or excluded, with its source and absolute path) and the
     warnings the rules call for; ``name`` is the dataset's key in params (for messages)."""
     raw_root = Path(raw_root)
@@ -152,7 +152,7 @@ def cxr_records(params: CXRDatasetParams, raw_root: Path, name: str) -> tuple[pd
         if not raw_dir.is_dir():
             raise HarmonizeError(f"{raw_dir}: raw source folder missing (run `dvc repro fetch@{src}`)")
         if src in params.own_sources():  # a hospital's own export and its label table
-            rec = cxr_table.read_records(raw_dir, params.rules(src), params.domain_of(src), f"datasets.{name}.tables.{src}")
+            rec = cxr_table.read_records(raw_dir, params.rules(src), params.domain_of(src), f"datasets.{name}.tables.{src}", quiet)
             rules = params.rules(src)
             for missing, warning in ((rules.patient, cxr_table.NO_PATIENT_WARNING), (rules.view or rules.dicom_view or None, cxr_table.NO_VIEW_WARNING)):
                 if missing is None:
@@ -170,7 +170,7 @@ def cxr_records(params: CXRDatasetParams, raw_root: Path, name: str) -> tuple[pd
 def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:
     raw_root = Path(raw_root)
     workers = params.workers or os.cpu_count() or 1
-    records, warnings = cxr_records(params, raw_root, Path(out_dir).name)
+    records, warnings = cxr_records(params, raw_root, Path(out_dir).name, quiet)
     kept = records[records["excluded"] == ""].reset_index(drop=True)
     excluded = records[records["excluded"] != ""].reset_index(drop=True)
     jobs = [(p, r, params.image_size, params.square, params.intensity, params.percentiles) for p, r in zip(kept["abs_path"], kept["reader"])]
@@ -443,7 +443,7 @@ def preview_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root:
     Seconds where harmonize takes minutes (more with ``dicom_view``, which opens each DICOM's header): for trying
     label rules."""
     if isinstance(params, CXRDatasetParams):
-        records, warnings = cxr_records(params, raw_root, name)
+        records, warnings = cxr_records(params, raw_root, name, quiet)
         classes = ["Normal", "Lung Opacity"]
         kept = records[records["excluded"] == ""]
     else:
@@ -537,8 +537,9 @@ def card_markdown(card: dict[str, Any]) -> str:
     if card.get("samples"):
         sm = card["samples"]
         more = (f"; the first {len(sm['classes_shown'])} of the {len(classes)} classes" if len(sm["classes_shown"]) < len(classes) else "")
-        lines += ["", "## Samples", "", f"The first {sm['per_class']} images of each domain (rows) and class (columns) as "
-                  f"harmonize wrote them{more} (their ids: card.json, samples.ids):", "", f"![samples]({sm['file']})"]
+        lines += ["", "## Samples", "", f"The first {sm['per_class']} images of each domain (rows: "
+                  f"{', '.join(sm['ids'])}) and class (columns: {', '.join(sm['classes_shown'])}) as harmonize wrote "
+                  f"them{more} (their ids: card.json, samples.ids):", "", f"![samples]({sm['file']})"]
     lines += ["", "## Exclusions by reason", ""]
     for dom, d in card["domains"].items():
         reasons = ", ".join(f"{k}: {v}" for k, v in d["excluded_by_reason"].items()) or "none"

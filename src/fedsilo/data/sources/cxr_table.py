@@ -45,6 +45,7 @@ from fedsilo.data.dicom import is_dicom_file, view_position
 from fedsilo.data.imageops import ImageDecodeError
 from fedsilo.data.sources.base import LabelFileError, finalize, show
 from fedsilo.data.sources.tables import Rows, load_table, relative_path
+from fedsilo.utils.progress import Progress
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 NO_PATIENT_WARNING = ("has no patient column (patient: null): each image is its own group, so two images of one "
@@ -66,8 +67,9 @@ def _reader(file: Path) -> str:
         return "image"
 
 
-def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "tables") -> pd.DataFrame:
-    """The record table of one hospital's export (``key``: the dotted params key of ``rules``, for messages)."""
+def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "tables", quiet: bool = True) -> pd.DataFrame:
+    """The record table of one hospital's export (``key``: the dotted params key of ``rules``, for messages); unless
+    ``quiet``, the rows read are shown (with ``dicom_view`` each DICOM's header is read here)."""
     raw_dir = Path(raw_dir)
     columns = [("path", rules.path), ("label", rules.label), ("patient", rules.patient), ("view", rules.view), ("subset", rules.subset)]
     table_path, df = load_table(raw_dir, rules, columns, key)
@@ -76,7 +78,9 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
 
     table = Rows(raw_dir)
     rows = []
+    bar = Progress(len(df), f"scan {key.rsplit('.', 1)[-1]}", "row", quiet=quiet)
     for i, rec in zip(df.index, df.to_dict("records")):
+        bar.update(1)
         where = f"{table_path}: row {i + 2}"
         rel = relative_path(raw_dir, str(rec[rules.path]), where)
         found = table.locate(rel, i + 2, where)
@@ -123,4 +127,5 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
             "excluded": why,
             "subset": subset,
         })
+    bar.close()
     return finalize(pd.DataFrame(rows), domain)
