@@ -472,3 +472,39 @@ def test_a_hospital_with_its_own_export_makes_the_site_card_a_federation_admits(
     assert card["site"] == card["domain"] == "St Marys" and (card["n_train"], card["n_test"]) == (12, 8)
     assert card["contract"]["classes"] == ["Normal", "Lung Opacity"] and card["contract"]["image_shape"] == [32, 32, 1]
     assert len(card["fingerprint"]) == 64
+
+
+@needs_samples("cxr/dicom")
+def test_a_study_level_table_reads_each_image_of_the_study_by_its_headers_view(tmp_path):
+    """One row per study (a radiology report's finding), its DICOMs in the study's folder: each image's view is its
+    header's (a PA kept, the same image relabelled LL excluded as lateral, one without the tag excluded as no view),
+    the study is the images' group, and the rules say what a study row needs."""
+    import pydicom
+
+    dicoms = sorted((SAMPLES / "cxr" / "dicom").glob("*.dcm"))
+    pa = next(f for f in dicoms if pydicom.dcmread(f, stop_before_pixels=True).get("ViewPosition") == "PA")
+    none = next(f for f in dicoms if not pydicom.dcmread(f, stop_before_pixels=True).get("ViewPosition"))
+    study = tmp_path / "export" / "ACC1001"
+    study.mkdir(parents=True)
+    shutil.copy(pa, study / "IM1")  # suffix-less, as PACS exports write them
+    lat = pydicom.dcmread(pa)
+    lat.ViewPosition = "LL"
+    lat.save_as(study / "IM2")
+    shutil.copy(none, study / "IM3")
+    other = tmp_path / "export" / "ACC1002"
+    other.mkdir()
+    shutil.copy(pa, other / "IM1")
+    (tmp_path / "export" / "labels.csv").write_text("path,label,patient_id,view\nACC1001,Lung Opacity,P1,\nACC1002,Normal,P2,\n")
+    rec = cxr_table.read_records(tmp_path / "export", CXRTableRules(dicom_view=True), "H", "datasets.c.tables.h")
+    got = rec.set_index("id")[["label", "view", "excluded", "group", "reader"]].to_dict("index")
+    assert got == {
+        "ACC1001/IM1": {"label": 1, "view": "frontal", "excluded": "", "group": "P1", "reader": "dicom"},
+        "ACC1001/IM2": {"label": -1, "view": "lateral", "excluded": "lateral view", "group": "P1", "reader": "dicom"},
+        "ACC1001/IM3": {"label": -1, "view": "unknown", "excluded": "no view", "group": "P1", "reader": "dicom"},
+        "ACC1002/IM1": {"label": 0, "view": "frontal", "excluded": "", "group": "P2", "reader": "dicom"},
+    }
+    with pytest.raises(LabelFileError, match=r"row 2: ACC1001 is a study's folder, .*set datasets\.c\.tables\.h\.dicom_view: true"):
+        cxr_table.read_records(tmp_path / "export", CXRTableRules(), "H", "datasets.c.tables.h")
+    (tmp_path / "export" / "labels.csv").write_text("path,label,patient_id,view\nACC1001,Lung Opacity,P1,PA\n")
+    with pytest.raises(LabelFileError, match=r"row 2: ACC1001 is a study's folder, .*leave its view cell blank and set"):
+        cxr_table.read_records(tmp_path / "export", CXRTableRules(dicom_view=True), "H", "datasets.c.tables.h")

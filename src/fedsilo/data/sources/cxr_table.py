@@ -16,6 +16,10 @@ case-blind, and numbers by their value (``1``, ``1.0``: :func:`~fedsilo.config.t
   share of missing files counts against ``max_quarantine_fraction``). An image listed twice is an error naming both
   rows. DICOM is told by its suffix or by its preamble; a file that cannot be opened is left to the decoder, which
   quarantines it with the operating system's reason.
+- a study-level table (one row per study, a radiology report's finding): the row's path names the study's folder,
+  and every file below it is an image of the row, each with its own view from its DICOM header (so ``dicom_view``
+  must be set and the row's view cell left blank: a study holds frontal and lateral images), the study (or the
+  row's patient) their group.
 - ``label``: a value among ``positive`` -> 1, among ``negative`` -> 0 (case-blind, trimmed); a blank -> excluded as
   "no label"; any other value (another finding) -> excluded under that value, so the card counts every finding left
   out.
@@ -37,13 +41,14 @@ case-blind, and numbers by their value (``1``, ``1.0``: :func:`~fedsilo.config.t
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 
 from fedsilo.config import CXRTableRules, table_word
 from fedsilo.data.dicom import is_dicom_file, view_position
 from fedsilo.data.imageops import ImageDecodeError
-from fedsilo.data.sources.base import LabelFileError, finalize, show
+from fedsilo.data.sources.base import LabelFileError, finalize, show, walk
 from fedsilo.data.sources.tables import Rows, load_table, relative_path
 from fedsilo.utils.progress import Progress
 
@@ -67,6 +72,35 @@ def _reader(file: Path) -> str:
         return "image"
 
 
+def _view(rec: dict, rules: CXRTableRules, raw_dir: Path, found: Optional[str], reader: str, why: str, frontal: set[str],
+          lateral: set[str], where: str, key: str, study: bool) -> tuple[str, str]:
+    """(view, exclusion reason) of one image: the table's view cell (not for a study's folder), else with
+    ``dicom_view`` the DICOM header's View Position; a frontal view is kept, a lateral one excluded, none excluded as
+    "no view"; a value in neither rule is an error. ``why`` is the row's reason already (no header read then)."""
+    if rules.view is None and not rules.dicom_view:
+        return "frontal", ""
+    v, told, unseen = (str(rec[rules.view]).strip() if rules.view is not None and not study else ""), "view", False
+    if not v and rules.dicom_view and not why:
+        if not found:  # kept: harmonize quarantines it as missing
+            unseen = True
+        elif reader == "dicom":
+            try:
+                v, told = view_position(raw_dir / found), f"the DICOM header's View Position ({found})"
+            except ImageDecodeError:
+                unseen = True  # kept for the decoder, which quarantines the file with the reason
+            words = {table_word(x) for x in v.split("\\")}
+            v = v.split("\\")[0] if len(words) == 1 else v  # the same view repeated is that view
+    if unseen:
+        return "unknown", ""
+    if not v:
+        return "unknown", "no view"
+    if table_word(v) in frontal:
+        return "frontal", ""
+    if table_word(v) in lateral:
+        return "lateral", "lateral view"
+    raise LabelFileError(f"{where}: {told} {show(v)} is neither frontal nor lateral; add it to {key}.frontal or {key}.lateral")
+
+
 def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "tables", quiet: bool = True) -> pd.DataFrame:
     """The record table of one hospital's export (``key``: the dotted params key of ``rules``, for messages); unless
     ``quiet``, the rows read are shown (with ``dicom_view`` each DICOM's header is read here)."""
@@ -83,49 +117,45 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
         bar.update(1)
         where = f"{table_path}: row {i + 2}"
         rel = relative_path(raw_dir, str(rec[rules.path]), where)
-        found = table.locate(rel, i + 2, where)
         value = str(rec[rules.label]).strip()
-        why = "" if value else "no label"
+        label_why = "" if value else "no label"
         word = table_word(value)
         label = 1 if word in positive else 0 if word in negative else -1
-        if label == -1 and not why:
-            why = f"label {value}"
-        reader = _reader(raw_dir / found) if found else ""
-        view = "frontal"
-        if rules.view is not None or rules.dicom_view:
-            v, told, unseen = (str(rec[rules.view]).strip() if rules.view is not None else ""), "view", False
-            if not v and rules.dicom_view and not why:
-                if not found:  # kept: harmonize quarantines it as missing
-                    unseen = True
-                elif reader == "dicom":
-                    try:
-                        v, told = view_position(raw_dir / found), f"the DICOM header's View Position ({found})"
-                    except ImageDecodeError:
-                        unseen = True  # kept for the decoder, which quarantines the file with the reason
-                    words = {table_word(x) for x in v.split("\\")}
-                    v = v.split("\\")[0] if len(words) == 1 else v  # the same view repeated is that view
-            if unseen:
-                view = "unknown"
-            elif not v:
-                view, why = "unknown", why or "no view"
-            elif table_word(v) in frontal:
-                view = "frontal"
-            elif table_word(v) in lateral:
-                view, why = "lateral", why or "lateral view"
-            else:
-                raise LabelFileError(f"{where}: {told} {show(v)} is neither frontal nor lateral; add it to {key}.frontal or "
-                                     f"{key}.lateral")
-        group, subset, why = table.group_and_subset(rec, rules, rel, why, i + 2, where, key)
-        rows.append({
-            "id": rel,
-            "label": label,
-            "original_label": value,
-            "group": group,
-            "view": view,
-            "path": found or "",
-            "reader": reader,
-            "excluded": why,
-            "subset": subset,
-        })
+        if label == -1 and not label_why:
+            label_why = f"label {value}"
+        study = (raw_dir / rel).is_dir()
+        if study:  # a study-level table: the row's finding is every image of the study's folder
+            cell = str(rec[rules.view]).strip() if rules.view is not None else ""
+            if cell or not rules.dicom_view:
+                raise LabelFileError(f"{where}: {rel} is a study's folder, whose images may be frontal and lateral: "
+                                     + ("leave its view cell blank and " if cell else "") + f"set {key}.dicom_view: true "
+                                     "(each DICOM's View Position from its header)")
+            files = [f.relative_to(raw_dir).as_posix() for f in walk(raw_dir / rel) if f.is_file()]
+            if not files:
+                raise LabelFileError(f"{where}: {rel} is a folder without files; a row names an image, or a study's folder")
+            found_list = [table.locate(f, i + 2, where) for f in files]
+        else:
+            found_list = [table.locate(rel, i + 2, where)]
+        per = []
+        for found in found_list:
+            reader = _reader(raw_dir / found) if found else ""
+            view, view_why = _view(rec, rules, raw_dir, found, reader, label_why, frontal, lateral, where, key, study)
+            per.append((found, reader, view, view_why))
+        files_why = per[0][3] if all(w for *_, w in per) else ""  # a row none of whose images is kept
+        pre = label_why or files_why
+        group, subset, row_why = table.group_and_subset(rec, rules, rel, pre, i + 2, where, key)
+        patient_why = row_why if row_why != pre else ""
+        for found, reader, view, view_why in per:
+            rows.append({
+                "id": found if study else rel,
+                "label": label,
+                "original_label": value,
+                "group": group,
+                "view": view,
+                "path": found or "",
+                "reader": reader,
+                "excluded": label_why or patient_why or view_why,
+                "subset": subset,
+            })
     bar.close()
     return finalize(pd.DataFrame(rows), domain)
