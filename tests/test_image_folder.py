@@ -347,3 +347,30 @@ def test_the_data_card_shows_the_first_images_of_every_domain_and_class_as_harmo
     assert "![samples](samples.png)" in (out / "card.md").read_text()
     # the sheet's text is ASCII (OpenCV's fonts): accents dropped, another script by its row or column number
     assert [cs.shown_name(n, "domain 2") for n in ("Tumör", "Sjukhus Malmö", "正常病院")] == ["Tumor", "Sjukhus Malmo", "domain 2"]
+
+
+def test_harmonize_spools_each_image_as_it_is_decoded_and_refuses_mixed_shapes(tmp_path, monkeypatch):
+    """Decoded images go to a memory-mapped spool one by one (never the whole dataset in a list: a hospital's 100k
+    radiographs would be gigabytes of RAM); the spool file is gone afterwards; shapes must agree."""
+    from fedsilo.config import BenchmarkDatasetParams
+    from fedsilo.data import harmonize as hz
+
+    for c, n in (("x", 3), ("y", 3)):
+        for k in range(n):
+            _write(tmp_path / "raw" / "s" / c / f"{k}.png", 10 * k + ord(c))
+    log: list[str] = []
+    decode, put = hz._decode_safe, hz.ImageSpool.put
+    monkeypatch.setattr(hz, "_decode_safe", lambda job: (log.append("decode"), decode(job))[1])
+    monkeypatch.setattr(hz.ImageSpool, "put", lambda self, i, img, image_id: (log.append("put"), put(self, i, img, image_id))[1])
+    ds = BenchmarkDatasetParams(kind="image_folder", sources=("s",), image_size=8, workers=1)
+    card = hz.harmonize_benchmark(ds, tmp_path / "raw", tmp_path / "h" / "d", quiet=True)
+    assert card["total_images"] == 6 and log == ["decode", "put"] * 6  # each image stored before the next is decoded
+    assert not list((tmp_path / "h").glob(".*.tmp"))  # the spool is removed
+
+    with hz.ImageSpool(tmp_path / "h2" / "d", 3) as spool:
+        spool.put(0, np.zeros((4, 4, 3), np.uint8), "s/a.png")
+        spool.put(2, np.ones((4, 4, 3), np.uint8), "s/c.png")
+        assert [int(img.max()) for img in spool.kept(np.array([2, 0]))] == [1, 0]
+        with pytest.raises(HarmonizeError, match=r"d: image of s/b.png is \(4, 4, 1\), the first \(s/a.png\) is \(4, 4, 3\)"):
+            spool.put(1, np.zeros((4, 4, 1), np.uint8), "s/b.png")
+    assert not (tmp_path / "h2" / ".d.spool.tmp").exists()

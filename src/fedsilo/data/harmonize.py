@@ -34,7 +34,7 @@ import os
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -115,10 +115,11 @@ def _decode_safe(args: tuple) -> tuple[np.ndarray | None, str]:
         return None, str(decode_error(args[0], err, f"{type(err).__name__}: "))
 
 
-def decode_all(jobs: list[tuple], workers: int, domains: Optional[list[str]] = None, desc: str = "harmonize",
-               quiet: bool = False) -> list[tuple[np.ndarray | None, str]]:
-    """Decode every job (in worker processes when there are enough), in order, showing images done and images/s
-    per domain (``domains[i]`` is job i's; jobs of a domain are contiguous)."""
+def iter_decoded(jobs: list[tuple], workers: int, domains: Optional[list[str]] = None, desc: str = "harmonize",
+                 quiet: bool = False) -> Iterator[tuple[np.ndarray | None, str]]:
+    """Decode every job (in worker processes when there are enough), yielding (image or None, error) in job order as
+    they come, showing images done and images/s per domain (``domains[i]`` is job i's; jobs of a domain are
+    contiguous). A caller that stores each image as it comes holds a few in memory, not the dataset."""
     domains = domains if domains is not None else [""] * len(jobs)
     counts = Counter(domains)
     with contextlib.ExitStack() as stack:
@@ -127,7 +128,6 @@ def decode_all(jobs: list[tuple], workers: int, domains: Optional[list[str]] = N
         else:
             pool = stack.enter_context(ProcessPoolExecutor(max_workers=workers))
             results = pool.map(_decode_safe, jobs, chunksize=max(1, min(64, len(jobs) // (workers * 8))))
-        out: list[tuple[np.ndarray | None, str]] = []
         bar: Optional[Progress] = None
         current = None
         for dom, res in zip(domains, results):
@@ -135,11 +135,67 @@ def decode_all(jobs: list[tuple], workers: int, domains: Optional[list[str]] = N
                 if bar is not None:
                     bar.close()
                 bar, current = Progress(counts[dom], f"{desc} {dom}".rstrip(), "image", quiet=quiet), dom
-            out.append(res)
+            yield res
             bar.update(1)
         if bar is not None:
             bar.close()
-    return out
+
+
+def decode_all(jobs: list[tuple], workers: int, domains: Optional[list[str]] = None, desc: str = "harmonize",
+               quiet: bool = False) -> list[tuple[np.ndarray | None, str]]:
+    """:func:`iter_decoded`'s results as one list (a few files: ``fedsilo predict``, the bench)."""
+    return list(iter_decoded(jobs, workers, domains, desc, quiet))
+
+
+class ImageSpool:
+    """Harmonized images written to a memory-mapped file beside the output as they are decoded (slot ``i`` = record
+    ``i``), so harmonize holds a few images in memory, not the dataset (a hospital's 100k radiographs at 224 px are
+    5 GB; RGB benchmarks three times that). Every image must have the first one's shape (a grey image silently
+    broadcast into three channels would hide a mixed dataset). ``kept(rows)`` is the images of ``rows``, in order,
+    for :func:`write_dataset`; the spool file is removed on ``close``."""
+
+    def __init__(self, out_dir: Path, capacity: int):
+        self.path = Path(out_dir).parent / f".{Path(out_dir).name}.spool.tmp"  # .dvcignore hides .*.tmp
+        self.capacity, self.arr, self.first = capacity, None, ""
+        self.name = Path(out_dir).name
+
+    def put(self, i: int, img: np.ndarray, image_id: str) -> None:
+        if self.arr is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.arr = np.lib.format.open_memmap(self.path, mode="w+", dtype=np.uint8, shape=(self.capacity,) + img.shape)
+            self.first = image_id
+        elif img.shape != self.arr.shape[1:]:
+            raise HarmonizeError(f"{self.name}: image of {image_id} is {img.shape}, the first ({self.first}) is {self.arr.shape[1:]}")
+        self.arr[i] = img
+
+    def kept(self, rows: np.ndarray) -> "KeptImages":
+        return KeptImages(self.arr, np.asarray(rows, dtype=np.int64))
+
+    def close(self) -> None:
+        self.arr = None
+        self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "ImageSpool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class KeptImages:
+    """The spooled images of the kept records, in order (a sequence :func:`write_dataset` copies one by one)."""
+
+    def __init__(self, arr: Optional[np.ndarray], rows: np.ndarray):
+        self.arr, self.rows = arr, rows if arr is not None else rows[:0]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        return self.arr[self.rows[k]]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self.arr[r] for r in self.rows)
 
 
 def cxr_records(params: CXRDatasetParams, raw_root: Path, name: str, quiet: bool = True) -> tuple[pd.DataFrame, list[str]]:
@@ -174,44 +230,48 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
     kept = records[records["excluded"] == ""].reset_index(drop=True)
     excluded = records[records["excluded"] != ""].reset_index(drop=True)
     jobs = [(p, r, params.image_size, params.square, params.intensity, params.percentiles) for p, r in zip(kept["abs_path"], kept["reader"])]
-    results: list[tuple[np.ndarray | None, str]] = [(None, "")] * len(jobs)
+    errors = [""] * len(jobs)
+    ok = np.zeros(len(jobs), dtype=bool)
     todo = [i for i, p in enumerate(kept["abs_path"]) if p]
     for i in range(len(jobs)):
         if not kept["abs_path"].iloc[i]:
-            results[i] = (None, f"image file missing for {kept['id'].iloc[i]}")
+            errors[i] = f"image file missing for {kept['id'].iloc[i]}"
     doms = [str(kept["domain"].iloc[i]) for i in todo]
-    for i, res in zip(todo, decode_all([jobs[i] for i in todo], workers, doms, f"harmonize {params.kind}", quiet)):
-        results[i] = res
-    errors = [e for _, e in results]
-    ok = np.array([img is not None for img, _ in results], dtype=bool)
+    with ImageSpool(Path(out_dir), len(jobs)) as spool:
+        for i, (img, err) in zip(todo, iter_decoded([jobs[i] for i in todo], workers, doms, f"harmonize {params.kind}", quiet)):
+            if img is None:
+                errors[i] = err
+            else:
+                spool.put(i, img, str(kept["id"].iloc[i]))
+                ok[i] = True
 
-    quarantine = kept.loc[~ok, ["id", "domain", "path"]].copy()
-    quarantine["error"] = [e for e, good in zip(errors, ok) if not good]
-    for src in params.sources:
-        if not (kept["source"] == src).any():
-            reasons = excluded.loc[excluded["source"] == src, "excluded"].value_counts().head(5)
-            why = "; ".join(f"{k}: {v}" for k, v in reasons.items()) or "no record"
-            raise HarmonizeError(f"{src}: no image passes the label rules (excluded: {why}); check the raw files under "
-                                 f"{raw_root / src}" + (f" and datasets.{Path(out_dir).name}.tables.{src}" if src in params.own_sources() else ""))
-    _check_quarantine(kept["source"], kept.loc[~ok, "source"], quarantine, params.max_quarantine_fraction, f"raw files under {raw_root}")
+        quarantine = kept.loc[~ok, ["id", "domain", "path"]].copy()
+        quarantine["error"] = [e for e, good in zip(errors, ok) if not good]
+        for src in params.sources:
+            if not (kept["source"] == src).any():
+                reasons = excluded.loc[excluded["source"] == src, "excluded"].value_counts().head(5)
+                why = "; ".join(f"{k}: {v}" for k, v in reasons.items()) or "no record"
+                raise HarmonizeError(f"{src}: no image passes the label rules (excluded: {why}); check the raw files under "
+                                     f"{raw_root / src}" + (f" and datasets.{Path(out_dir).name}.tables.{src}" if src in params.own_sources() else ""))
+        _check_quarantine(kept["source"], kept.loc[~ok, "source"], quarantine, params.max_quarantine_fraction, f"raw files under {raw_root}")
 
-    good = kept[ok].reset_index(drop=True)
-    images = [img for img, _ in results if img is not None]
-    table = good.rename(columns={"path": "source_path"})[["id", "domain", "label", "original_label", "group", "view", "source_path", "subset"]]
-    table["group"] = table["domain"] + "/" + table["group"]
-    return write_dataset(
-        Path(out_dir), table, images, excluded, quarantine,
-        {"dataset": params.kind, "task": "binary: 1 = Lung Opacity, 0 = Normal", "classes": ["Normal", "Lung Opacity"],
-         "rules": {**params.model_dump(mode="json", exclude={"tables"}), **({"tables": params.table_rules_used()} if params.own_sources() else {})},
-         **({"warnings": warnings} if warnings else {})},
-    )
+        good = kept[ok].reset_index(drop=True)
+        table = good.rename(columns={"path": "source_path"})[["id", "domain", "label", "original_label", "group", "view", "source_path", "subset"]]
+        table["group"] = table["domain"] + "/" + table["group"]
+        return write_dataset(
+            Path(out_dir), table, spool.kept(np.flatnonzero(ok)), excluded, quarantine,
+            {"dataset": params.kind, "task": "binary: 1 = Lung Opacity, 0 = Normal", "classes": ["Normal", "Lung Opacity"],
+             "rules": {**params.model_dump(mode="json", exclude={"tables"}), **({"tables": params.table_rules_used()} if params.own_sources() else {})},
+             **({"warnings": warnings} if warnings else {})},
+        )
 
 
 def write_dataset(
-    out_dir: Path, table: pd.DataFrame, images: list[np.ndarray], excluded: pd.DataFrame, quarantine: pd.DataFrame, meta: dict[str, Any]
+    out_dir: Path, table: pd.DataFrame, images: Sequence[np.ndarray], excluded: pd.DataFrame, quarantine: pd.DataFrame, meta: dict[str, Any]
 ) -> dict[str, Any]:
-    """Write the harmonized folder atomically: images.npy, records.parquet, excluded.parquet, quarantine.csv, card."""
-    if not images:
+    """Write the harmonized folder atomically: images.npy, records.parquet, excluded.parquet, quarantine.csv, card;
+    ``images`` is a sequence (a list, or :class:`KeptImages` of a spool), copied into images.npy one at a time."""
+    if not len(images):
         raise HarmonizeError(f"{out_dir.name}: no image survived the label rules and decoding")
     shape = images[0].shape
     for i, img in enumerate(images):
@@ -382,33 +442,44 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
     hints = {s: f" (the path its row names through {params.rules_key(s, Path(out_dir).name)}.path_format "
                 f"{params.rules(s).path_format!r})" for s in params.own_sources()
              if params.reader_of(s) == "image_table" and params.rules(s).path_format != "{}"}
-    results: list[tuple[np.ndarray | None, str]] = [(None, "")] * len(kept)
+    errors = [""] * len(kept)
+    ok = np.zeros(len(kept), dtype=bool)
     file_jobs: list[tuple[int, tuple]] = []
-    for i, (src, path, reader) in enumerate(zip(kept["source"], kept["path"], kept["reader"])):
-        raw_dir = raw_root / src
-        if not path:
-            results[i] = (None, f"image file missing for {kept['id'].iloc[i]}" + hints.get(src, ""))
-        elif reader == "array":
-            container, _, row = path.rpartition("#")
-            try:
-                arr = modules[src].load_container(raw_dir, container)
-                img = arr[int(row)]
-                if img.std() == 0:
-                    raise ImageDecodeError(f"{container}#{row}: constant image")
-                results[i] = (to_square(np.asarray(img, np.uint8), params.image_size, params.square, rgb), "")
-            except (ImageDecodeError, IndexError) as err:
-                results[i] = (None, str(err))
-        else:
-            decoder = "dicom_rgb" if reader == "dicom" else "rgb"  # a DICOM of your own, or any image file
-            file_jobs.append((i, (str(raw_dir / path), decoder, params.image_size, params.square, "", (0.0, 100.0))))
-    doms = [str(kept["domain"].iloc[i]) for i, _ in file_jobs]
-    for (i, _), res in zip(file_jobs, decode_all([j for _, j in file_jobs], workers, doms, f"harmonize {params.kind}", quiet)):
-        results[i] = res
-    ok = np.array([img is not None for img, _ in results], dtype=bool)
-    quarantine = kept.loc[~ok, ["id", "domain", "path"]].copy()
-    quarantine["error"] = [e for (_, e), good in zip(results, ok) if not good]
-    _check_quarantine(kept["domain"], quarantine["domain"], quarantine, params.max_quarantine_fraction, f"raw files under {raw_root}")
+    with ImageSpool(Path(out_dir), len(kept)) as spool:  # the spool file goes whatever happens below
+        for i, (src, path, reader) in enumerate(zip(kept["source"], kept["path"], kept["reader"])):
+            raw_dir = raw_root / src
+            if not path:
+                errors[i] = f"image file missing for {kept['id'].iloc[i]}" + hints.get(src, "")
+            elif reader == "array":
+                container, _, row = path.rpartition("#")
+                try:
+                    arr = modules[src].load_container(raw_dir, container)
+                    img = arr[int(row)]
+                    if img.std() == 0:
+                        raise ImageDecodeError(f"{container}#{row}: constant image")
+                    spool.put(i, to_square(np.asarray(img, np.uint8), params.image_size, params.square, rgb), str(kept["id"].iloc[i]))
+                    ok[i] = True
+                except (ImageDecodeError, IndexError) as err:
+                    errors[i] = str(err)
+            else:
+                decoder = "dicom_rgb" if reader == "dicom" else "rgb"  # a DICOM of your own, or any image file
+                file_jobs.append((i, (str(raw_dir / path), decoder, params.image_size, params.square, "", (0.0, 100.0))))
+        doms = [str(kept["domain"].iloc[i]) for i, _ in file_jobs]
+        for (i, _), (img, err) in zip(file_jobs, iter_decoded([j for _, j in file_jobs], workers, doms, f"harmonize {params.kind}", quiet)):
+            if img is None:
+                errors[i] = err
+            else:
+                spool.put(i, img, str(kept["id"].iloc[i]))
+                ok[i] = True
+        quarantine = kept.loc[~ok, ["id", "domain", "path"]].copy()
+        quarantine["error"] = [e for e, good in zip(errors, ok) if not good]
+        _check_quarantine(kept["domain"], quarantine["domain"], quarantine, params.max_quarantine_fraction, f"raw files under {raw_root}")
+        return _write_benchmark(params, out_dir, kept, ok, spool, classes, excluded, quarantine, warnings)
 
+
+def _write_benchmark(params: BenchmarkDatasetParams, out_dir: Path, kept: pd.DataFrame, ok: np.ndarray, spool: ImageSpool,
+                     classes: list[str], excluded: pd.DataFrame, quarantine: pd.DataFrame, warnings: list[str]) -> dict[str, Any]:
+    """The benchmark dataset's folder from its kept, decoded records (:func:`write_dataset`), with its card's task."""
     good = kept[ok].reset_index(drop=True)
     columns = ["id", "domain", "label", "original_label", "group", "view", "source_path", "subset"]
     if "writer" in good.columns:  # FEMNIST's writers (only a dataset whose records name them has the column)
@@ -427,7 +498,7 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
     }
     own = params.own_sources()
     return write_dataset(  # the task names the kind and its classes only: a federation's sites compare it (contract)
-        Path(out_dir), table, [img for img, _ in results if img is not None], excluded, quarantine,
+        Path(out_dir), table, spool.kept(np.flatnonzero(ok)), excluded, quarantine,
         {"dataset": params.kind, "task": tasks[params.kind], "classes": classes,
          "rules": {**params.model_dump(mode="json", exclude={"folders", "tables"} | ({"classes"} if params.kind != "image_folder" else set())),
                    **({"own_sources": {s: {"reader": params.reader_of(s), **params.rules(s).model_dump(mode="json")} for s in own}} if own else {})},
