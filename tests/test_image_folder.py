@@ -365,12 +365,15 @@ def test_harmonize_spools_each_image_as_it_is_decoded_and_refuses_mixed_shapes(t
     ds = BenchmarkDatasetParams(kind="image_folder", sources=("s",), image_size=8, workers=1)
     card = hz.harmonize_benchmark(ds, tmp_path / "raw", tmp_path / "h" / "d", quiet=True)
     assert card["total_images"] == 6 and log == ["decode", "put"] * 6  # each image stored before the next is decoded
-    assert not list((tmp_path / "h").glob(".*.tmp"))  # the spool is removed
+    assert not list((tmp_path / "h").glob(".*.tmp"))  # the spool became images.npy (every image decoded)
+    np.testing.assert_array_equal(np.load(tmp_path / "h" / "d" / "images.npy")[0], hz.decode_one(
+        (str(tmp_path / "raw" / "s" / "x" / "0.png"), "rgb", 8, "stretch", "", (0.0, 100.0))))
 
     with hz.ImageSpool(tmp_path / "h2" / "d", 3) as spool:
         spool.put(0, np.zeros((4, 4, 3), np.uint8), "s/a.png")
         spool.put(2, np.ones((4, 4, 3), np.uint8), "s/c.png")
         assert [int(img.max()) for img in spool.kept(np.array([2, 0]))] == [1, 0]
+        assert not spool.kept(np.array([0, 2])).move_to(tmp_path / "x.npy")  # a subset is copied, not renamed
         with pytest.raises(HarmonizeError, match=r"d: image of s/b.png is \(4, 4, 1\), the first \(s/a.png\) is \(4, 4, 3\)"):
             spool.put(1, np.zeros((4, 4, 1), np.uint8), "s/b.png")
-    assert not (tmp_path / "h2" / ".d.spool.tmp").exists()
+    assert not (tmp_path / "h2" / ".d.spool.npy.tmp").exists()

@@ -155,7 +155,10 @@ class ImageSpool:
     for :func:`write_dataset`; the spool file is removed on ``close``."""
 
     def __init__(self, out_dir: Path, capacity: int):
-        self.path = Path(out_dir).parent / f".{Path(out_dir).name}.spool.tmp"  # .dvcignore hides .*.tmp
+        # hidden from DVC (.dvcignore: .*.tmp), not a name atomic_dir's sweep of stale temporaries takes for its own;
+        # a killed harmonize's spool is replaced by the next one
+        self.path = Path(out_dir).parent / f".{Path(out_dir).name}.spool.npy.tmp"
+        self.path.unlink(missing_ok=True)
         self.capacity, self.arr, self.first = capacity, None, ""
         self.name = Path(out_dir).name
 
@@ -169,7 +172,7 @@ class ImageSpool:
         self.arr[i] = img
 
     def kept(self, rows: np.ndarray) -> "KeptImages":
-        return KeptImages(self.arr, np.asarray(rows, dtype=np.int64))
+        return KeptImages(self.arr, np.asarray(rows, dtype=np.int64), self)
 
     def close(self) -> None:
         self.arr = None
@@ -183,10 +186,19 @@ class ImageSpool:
 
 
 class KeptImages:
-    """The spooled images of the kept records, in order (a sequence :func:`write_dataset` copies one by one)."""
+    """The spooled images of the kept records, in order (a sequence :func:`write_dataset` copies one by one; when
+    every slot is kept, :meth:`move_to` renames the spool into place instead: no second copy on disk)."""
 
-    def __init__(self, arr: Optional[np.ndarray], rows: np.ndarray):
-        self.arr, self.rows = arr, rows if arr is not None else rows[:0]
+    def __init__(self, arr: Optional[np.ndarray], rows: np.ndarray, spool: Optional[ImageSpool] = None):
+        self.arr, self.rows, self.spool = arr, rows if arr is not None else rows[:0], spool
+
+    def move_to(self, path: Path) -> bool:
+        """Rename the spool to ``path`` when it holds exactly these images in this order; False otherwise."""
+        if self.spool is None or self.arr is None or not np.array_equal(self.rows, np.arange(len(self.arr))):
+            return False
+        self.arr.flush()
+        os.replace(self.spool.path, path)
+        return True
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -278,11 +290,12 @@ def write_dataset(
         if img.shape != shape:  # a silent broadcast of a grey image into three channels would hide a mixed dataset
             raise HarmonizeError(f"{out_dir.name}: image of {table['id'].iloc[i]} is {img.shape}, the first is {shape}")
     with atomic_dir(out_dir) as tmp:
-        arr = np.lib.format.open_memmap(tmp / "images.npy", mode="w+", dtype=np.uint8, shape=(len(images),) + shape)
-        for i, img in enumerate(images):
-            arr[i] = img
-        arr.flush()
-        del arr
+        if not (isinstance(images, KeptImages) and images.move_to(tmp / "images.npy")):
+            arr = np.lib.format.open_memmap(tmp / "images.npy", mode="w+", dtype=np.uint8, shape=(len(images),) + shape)
+            for i, img in enumerate(images):
+                arr[i] = img
+            arr.flush()
+            del arr
         table.reset_index(drop=True).to_parquet(tmp / "records.parquet", index=False)
         excluded[["id", "domain", "original_label", "view", "excluded"]].rename(columns={"excluded": "reason"}).to_parquet(
             tmp / "excluded.parquet", index=False
