@@ -494,15 +494,24 @@ def test_a_study_level_table_reads_each_image_of_the_study_by_its_headers_view(t
     other = tmp_path / "export" / "ACC1002"
     other.mkdir()
     shutil.copy(pa, other / "IM1")
-    (tmp_path / "export" / "labels.csv").write_text("path,label,patient_id,view\nACC1001,Lung Opacity,P1,\nACC1002,Normal,P2,\n")
+    (study / "report.txt").write_text("FINDINGS: ...")  # a study folder may hold its report beside the images
+    # the second row names its study in another case, as a table typed by hand does
+    (tmp_path / "export" / "labels.csv").write_text("path,label,patient_id,view\nACC1001,Lung Opacity,P1,\nacc1002,Normal,P2,\n")
     rec = cxr_table.read_records(tmp_path / "export", CXRTableRules(dicom_view=True), "H", "datasets.c.tables.h")
     got = rec.set_index("id")[["label", "view", "excluded", "group", "reader"]].to_dict("index")
     assert got == {
         "ACC1001/IM1": {"label": 1, "view": "frontal", "excluded": "", "group": "P1", "reader": "dicom"},
         "ACC1001/IM2": {"label": -1, "view": "lateral", "excluded": "lateral view", "group": "P1", "reader": "dicom"},
         "ACC1001/IM3": {"label": -1, "view": "unknown", "excluded": "no view", "group": "P1", "reader": "dicom"},
+        "ACC1001/report.txt": {"label": -1, "view": "unknown", "excluded": "not an image file (.txt)", "group": "P1", "reader": ""},
         "ACC1002/IM1": {"label": 0, "view": "frontal", "excluded": "", "group": "P2", "reader": "dicom"},
     }
+    # an image's own reason comes before its row's blank patient, as for a one-image row
+    (tmp_path / "export" / "labels.csv").write_text("path,label,patient_id,view\nACC1001,Lung Opacity,,\n")
+    rec = cxr_table.read_records(tmp_path / "export", CXRTableRules(dicom_view=True), "H", "datasets.c.tables.h")
+    assert rec.set_index("id")["excluded"].to_dict() == {"ACC1001/IM1": "no patient id", "ACC1001/IM2": "lateral view",
+                                                         "ACC1001/IM3": "no view", "ACC1001/report.txt": "not an image file (.txt)"}
+    (tmp_path / "export" / "labels.csv").write_text("path,label,patient_id,view\nACC1001,Lung Opacity,P1,\n")
     with pytest.raises(LabelFileError, match=r"row 2: ACC1001 is a study's folder, .*set datasets\.c\.tables\.h\.dicom_view: true"):
         cxr_table.read_records(tmp_path / "export", CXRTableRules(), "H", "datasets.c.tables.h")
     (tmp_path / "export" / "labels.csv").write_text("path,label,patient_id,view\nACC1001,Lung Opacity,P1,PA\n")

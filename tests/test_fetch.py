@@ -293,3 +293,11 @@ def test_a_folder_the_fetching_account_cannot_list_fails_the_fetch_by_name(tmp_p
     with pytest.raises(FetchError, match=r"patient7: cannot list this folder \(Permission denied\)"):
         fetch("site", SourceParams(mode="local", reader="image_folder", path=str(src)), tmp_path / "raw" / "site", quiet=True)
     assert not (tmp_path / "raw" / "site").exists()
+
+    def walk_mac_drive(top, **kw):  # a Mac-formatted drive's root-only .Trashes: no reader looks there
+        kw["onerror"](PermissionError(13, "Permission denied", str(src / ".Trashes")))
+        yield from real_walk(top, **kw)
+
+    monkeypatch.setattr(fetch_mod.os, "walk", walk_mac_drive)
+    manifest = fetch("site", SourceParams(mode="local", reader="image_folder", path=str(src)), tmp_path / "raw" / "site", quiet=True)
+    assert set(manifest["files"]) == {"a.png"}

@@ -350,8 +350,8 @@ def test_the_data_card_shows_the_first_images_of_every_domain_and_class_as_harmo
 
 
 def test_harmonize_spools_each_image_as_it_is_decoded_and_refuses_mixed_shapes(tmp_path, monkeypatch):
-    """Decoded images go to a memory-mapped spool one by one (never the whole dataset in a list: a hospital's 100k
-    radiographs would be gigabytes of RAM); the spool file is gone afterwards; shapes must agree."""
+    """Decoded images go one by one into the output's memory-mapped images.npy (never the whole dataset in a list: a
+    hospital's 100k radiographs would be gigabytes of RAM); a failed slot is closed up in place; shapes must agree."""
     from fedsilo.config import BenchmarkDatasetParams
     from fedsilo.data import harmonize as hz
 
@@ -365,15 +365,21 @@ def test_harmonize_spools_each_image_as_it_is_decoded_and_refuses_mixed_shapes(t
     ds = BenchmarkDatasetParams(kind="image_folder", sources=("s",), image_size=8, workers=1)
     card = hz.harmonize_benchmark(ds, tmp_path / "raw", tmp_path / "h" / "d", quiet=True)
     assert card["total_images"] == 6 and log == ["decode", "put"] * 6  # each image stored before the next is decoded
-    assert not list((tmp_path / "h").glob(".*.tmp"))  # the spool became images.npy (every image decoded)
+    assert not list((tmp_path / "h").glob(".*.tmp"))  # nothing beside the output
     np.testing.assert_array_equal(np.load(tmp_path / "h" / "d" / "images.npy")[0], hz.decode_one(
         (str(tmp_path / "raw" / "s" / "x" / "0.png"), "rgb", 8, "stretch", "", (0.0, 100.0))))
 
-    with hz.ImageSpool(tmp_path / "h2" / "d", 3) as spool:
-        spool.put(0, np.zeros((4, 4, 3), np.uint8), "s/a.png")
-        spool.put(2, np.ones((4, 4, 3), np.uint8), "s/c.png")
-        assert [int(img.max()) for img in spool.kept(np.array([2, 0]))] == [1, 0]
-        assert not spool.kept(np.array([0, 2])).move_to(tmp_path / "x.npy")  # a subset is copied, not renamed
-        with pytest.raises(HarmonizeError, match=r"d: image of s/b.png is \(4, 4, 1\), the first \(s/a.png\) is \(4, 4, 3\)"):
-            spool.put(1, np.zeros((4, 4, 1), np.uint8), "s/b.png")
-    assert not (tmp_path / "h2" / ".d.spool.npy.tmp").exists()
+    # slots kept in place: a quarantined image's slot is closed up, the file shrunk to what is kept (no second copy)
+    (tmp_path / "h2").mkdir()
+    spool = hz.ImageSpool(tmp_path / "h2", 4, "d")
+    for i, v in enumerate((10, 11, 12, 13)):
+        if i != 1:  # slot 1: the image that failed to decode
+            spool.put(i, np.full((3, 5, 1), v, np.uint8), f"s/{i}.png")
+    with pytest.raises(HarmonizeError, match=r"d: image of s/x.png is \(3, 5, 3\), the first \(s/0.png\) is \(3, 5, 1\)"):
+        spool.put(1, np.zeros((3, 5, 3), np.uint8), "s/x.png")
+    spool.finish(np.array([0, 2, 3]))
+    kept = np.load(tmp_path / "h2" / "images.npy")
+    assert kept.shape == (3, 3, 5, 1) and [int(a[0, 0, 0]) for a in kept] == [10, 12, 13]
+    assert (tmp_path / "h2" / "images.npy").stat().st_size == np.load(tmp_path / "h2" / "images.npy", mmap_mode="r").offset + 3 * 15
+    with pytest.raises(HarmonizeError, match=r"d: no image survived"):
+        hz.ImageSpool(tmp_path / "h3", 2, "d").finish(np.array([], dtype=np.int64))

@@ -36,11 +36,16 @@ def _tile(img: np.ndarray) -> np.ndarray:
     return cv2.resize(np.ascontiguousarray(rgb), (TILE, TILE), interpolation=interp)
 
 
+_LATIN = str.maketrans({"ß": "ss", "ø": "o", "Ø": "O", "æ": "ae", "Æ": "AE", "œ": "oe", "Œ": "OE", "ł": "l", "Ł": "L",
+                        "đ": "d", "Đ": "D", "þ": "th", "Þ": "Th", "ð": "d", "Ð": "D", "ı": "i"})
+
+
 def shown_name(name: str, fallback: str) -> str:
     """A name as the sheet can draw it: OpenCV's Hershey fonts are ASCII (OpenCV 4 draws '?' for every other byte),
-    so accents are dropped (``Tumör`` -> ``Tumor``) and a name mostly in another script becomes ``fallback`` (``domain
-    2``: card.md lists the rows and columns by name, in order)."""
-    folded = unicodedata.normalize("NFKD", name).encode("ascii", "ignore").decode("ascii").strip()
+    so accents are dropped (``Tumör`` -> ``Tumor``, ``Straße`` -> ``Strasse``) and a name mostly in another script
+    becomes ``fallback`` (``domain 2``, counted from 1: card.md lists the rows and columns by name, in order)."""
+    spelled = name.translate(_LATIN)  # letters NFKD does not take apart (ß, ø, æ, ł, ...)
+    folded = unicodedata.normalize("NFKD", spelled).encode("ascii", "ignore").decode("ascii").strip()
     letters = sum(1 for ch in name if ch.isalnum())
     kept = sum(1 for ch in folded if ch.isalnum())
     return folded if folded and kept * 2 >= letters else fallback
@@ -64,12 +69,12 @@ def write_contact_sheet(path: Path, table: pd.DataFrame, images: Any, classes: l
     block = k * TILE + gap
     canvas = np.full((head_h + len(domains) * (TILE + gap), label_w + len(shown) * block, 3), 255, np.uint8)
     for c, name in enumerate(shown):
-        _text(canvas, shown_name(name, f"class {c}"), label_w + c * block, head_h - 7, block - gap)
+        _text(canvas, shown_name(name, f"class {c + 1}"), label_w + c * block, head_h - 7, block - gap)
     ids: dict[str, dict[str, list[str]]] = {}
     labels = table["label"].to_numpy()
     for r, dom in enumerate(domains):
         y = head_h + r * (TILE + gap)
-        _text(canvas, shown_name(str(dom), f"domain {r}"), 4, y + TILE // 2 + 4, label_w - 8)
+        _text(canvas, shown_name(str(dom), f"domain {r + 1}"), 4, y + TILE // 2 + 4, label_w - 8)
         mine = np.flatnonzero(table["domain"].to_numpy() == dom)
         ids[str(dom)] = {}
         for c, name in enumerate(shown):

@@ -277,6 +277,11 @@ def copy_tree(src: Path, dst: Path, desc: str, quiet: bool) -> None:
     real_of: dict[Path, str] = {}  # each folder walked (top-down: its parents come first) -> its real path
 
     def unreadable(err: OSError) -> None:
+        from fedsilo.data.sources.base import is_hidden
+
+        rel = Path(str(err.filename)).relative_to(src) if str(err.filename).startswith(str(src)) else Path(str(err.filename))
+        if any(is_hidden(part) for part in rel.parts):  # a Mac drive's .Trashes, .Spotlight-V100: no reader looks there
+            return
         raise FetchError(f"{err.filename}: cannot list this folder ({err.strerror}); its files would be left out of the "
                          "copy: give the account that fetches read access, or move the folder out of path")
 
@@ -292,7 +297,11 @@ def copy_tree(src: Path, dst: Path, desc: str, quiet: bool) -> None:
         (dst / rel).mkdir(parents=True, exist_ok=True)
         for name in sorted(names):
             f = Path(folder) / name
-            files.append((f, dst / rel / name, f.stat().st_size))
+            try:
+                size = f.stat().st_size
+            except OSError as err:  # a link to a file that is gone, a file removed while listed
+                raise FetchError(f"{f}: cannot read it ({err.strerror}); remove it (a broken link?) or restore what it points to") from None
+            files.append((f, dst / rel / name, size))
     bar = Progress(sum(n for _, _, n in files), desc, "B", quiet=quiet)
     for f, target, size in files:
         shutil.copy2(f, target)

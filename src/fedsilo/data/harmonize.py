@@ -29,12 +29,11 @@ Everything is written to a temporary folder and renamed into place at the end.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import pandas as pd
@@ -122,23 +121,27 @@ def iter_decoded(jobs: list[tuple], workers: int, domains: Optional[list[str]] =
     contiguous). A caller that stores each image as it comes holds a few in memory, not the dataset."""
     domains = domains if domains is not None else [""] * len(jobs)
     counts = Counter(domains)
-    with contextlib.ExitStack() as stack:
+    pool: Optional[ProcessPoolExecutor] = None
+    bar: Optional[Progress] = None
+    try:
         if workers <= 1 or len(jobs) < 16:
             results: Iterator[tuple[np.ndarray | None, str]] = map(_decode_safe, jobs)
         else:
-            pool = stack.enter_context(ProcessPoolExecutor(max_workers=workers))
+            pool = ProcessPoolExecutor(max_workers=workers)
             results = pool.map(_decode_safe, jobs, chunksize=max(1, min(64, len(jobs) // (workers * 8))))
-        bar: Optional[Progress] = None
         current = None
         for dom, res in zip(domains, results):
             if dom != current:  # a domain's first image: the previous domain is done
                 if bar is not None:
                     bar.close()
                 bar, current = Progress(counts[dom], f"{desc} {dom}".rstrip(), "image", quiet=quiet), dom
+            bar.update(1)  # counted before it is handed on: the last one too, whatever the caller does next
             yield res
-            bar.update(1)
+    finally:
         if bar is not None:
             bar.close()
+        if pool is not None:  # a caller that stops early (a refusal, Ctrl-C) does not wait for the remaining decodes
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def decode_all(jobs: list[tuple], workers: int, domains: Optional[list[str]] = None, desc: str = "harmonize",
@@ -148,68 +151,58 @@ def decode_all(jobs: list[tuple], workers: int, domains: Optional[list[str]] = N
 
 
 class ImageSpool:
-    """Harmonized images written to a memory-mapped file beside the output as they are decoded (slot ``i`` = record
-    ``i``), so harmonize holds a few images in memory, not the dataset (a hospital's 100k radiographs at 224 px are
-    5 GB; RGB benchmarks three times that). Every image must have the first one's shape (a grey image silently
-    broadcast into three channels would hide a mixed dataset). ``kept(rows)`` is the images of ``rows``, in order,
-    for :func:`write_dataset`; the spool file is removed on ``close``."""
+    """Harmonized images written straight into the output's ``images.npy`` (inside the atomic write's temporary
+    folder) as they are decoded, slot ``i`` = kept record ``i``: harmonize holds a few images in memory, not the dataset
+    (a hospital's 100k radiographs at 224 px are 5 GB; RGB benchmarks three times that). Every image must have the
+    first one's shape (a grey image silently broadcast into three channels would hide a mixed dataset). ``finish``
+    keeps the given slots, moving them down in place and shrinking the file: no second copy on disk."""
 
-    def __init__(self, out_dir: Path, capacity: int):
-        # hidden from DVC (.dvcignore: .*.tmp), not a name atomic_dir's sweep of stale temporaries takes for its own;
-        # a killed harmonize's spool is replaced by the next one
-        self.path = Path(out_dir).parent / f".{Path(out_dir).name}.spool.npy.tmp"
-        self.path.unlink(missing_ok=True)
-        self.capacity, self.arr, self.first = capacity, None, ""
-        self.name = Path(out_dir).name
+    def __init__(self, folder: Path, capacity: int, name: str):
+        self.path, self.capacity, self.name = Path(folder) / "images.npy", capacity, name
+        self.arr: Optional[np.ndarray] = None
+        self.first = ""
 
     def put(self, i: int, img: np.ndarray, image_id: str) -> None:
         if self.arr is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             self.arr = np.lib.format.open_memmap(self.path, mode="w+", dtype=np.uint8, shape=(self.capacity,) + img.shape)
             self.first = image_id
         elif img.shape != self.arr.shape[1:]:
             raise HarmonizeError(f"{self.name}: image of {image_id} is {img.shape}, the first ({self.first}) is {self.arr.shape[1:]}")
         self.arr[i] = img
 
-    def kept(self, rows: np.ndarray) -> "KeptImages":
-        return KeptImages(self.arr, np.asarray(rows, dtype=np.int64), self)
-
-    def close(self) -> None:
-        self.arr = None
-        self.path.unlink(missing_ok=True)
-
-    def __enter__(self) -> "ImageSpool":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class KeptImages:
-    """The spooled images of the kept records, in order (a sequence :func:`write_dataset` copies one by one; when
-    every slot is kept, :meth:`move_to` renames the spool into place instead: no second copy on disk)."""
-
-    def __init__(self, arr: Optional[np.ndarray], rows: np.ndarray, spool: Optional[ImageSpool] = None):
-        self.arr, self.rows, self.spool = arr, rows if arr is not None else rows[:0], spool
-
-    def move_to(self, path: Path) -> bool:
-        """Rename the spool to ``path`` when it holds exactly these images in this order; False otherwise."""
-        if self.spool is None or self.arr is None or not np.array_equal(self.rows, np.arange(len(self.arr))):
-            return False
+    def finish(self, rows: np.ndarray) -> None:
+        """Keep the slots ``rows`` (ascending), in order, as the whole array: each moved down to its place (a slot
+        only ever moves to a lower one, so nothing is overwritten before it is read), the header rewritten for the
+        new count and the file cut after the last kept image."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if self.arr is None or not len(rows):
+            raise HarmonizeError(f"{self.name}: no image survived the label rules and decoding")
+        for k, r in enumerate(rows):
+            if r != k:
+                self.arr[k] = self.arr[r]
         self.arr.flush()
-        os.replace(self.spool.path, path)
-        return True
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, k: int) -> np.ndarray:
-        return self.arr[self.rows[k]]
-
-    def __iter__(self) -> Iterator[np.ndarray]:
-        return (self.arr[r] for r in self.rows)
+        row_bytes = int(np.prod(self.arr.shape[1:]))
+        self.arr = None
+        if len(rows) < self.capacity:
+            _shrink_npy(self.path, len(rows), row_bytes)
 
 
+def _shrink_npy(path: Path, n: int, row_bytes: int) -> None:
+    """Rewrite a C-order uint8 ``.npy``'s header for its first ``n`` rows (the same header length, padded with spaces
+    as numpy pads it, so the data stays where it is) and cut the file after them."""
+    with open(path, "r+b") as f:
+        version = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read(f)
+        offset = f.tell()
+        prefix = 8 + (2 if version == (1, 0) else 4)  # magic string, version, header length
+        text = repr({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": fortran, "shape": (n,) + tuple(shape[1:])})
+        room = offset - prefix
+        if len(text) + 1 > room:  # cannot happen: fewer rows never need a longer header
+            raise HarmonizeError(f"{path}: the header for {n} rows does not fit")
+        f.seek(prefix)
+        f.write((text + " " * (room - len(text) - 1) + "\n").encode("latin1"))
+        f.truncate(offset + n * row_bytes)
 def cxr_records(params: CXRDatasetParams, raw_root: Path, name: str, quiet: bool = True) -> tuple[pd.DataFrame, list[str]]:
     """Every record of a chest X-ray dataset's sources (kept or excluded, with its source and absolute path) and the
     warnings the rules call for; ``name`` is the dataset's key in params (for messages)."""
@@ -249,7 +242,8 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
         if not kept["abs_path"].iloc[i]:
             errors[i] = f"image file missing for {kept['id'].iloc[i]}"
     doms = [str(kept["domain"].iloc[i]) for i in todo]
-    with ImageSpool(Path(out_dir), len(jobs)) as spool:
+    with atomic_dir(Path(out_dir)) as tmp:
+        spool = ImageSpool(tmp, len(jobs), Path(out_dir).name)
         for i, (img, err) in zip(todo, iter_decoded([jobs[i] for i in todo], workers, doms, f"harmonize {params.kind}", quiet)):
             if img is None:
                 errors[i] = err
@@ -270,42 +264,28 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
         good = kept[ok].reset_index(drop=True)
         table = good.rename(columns={"path": "source_path"})[["id", "domain", "label", "original_label", "group", "view", "source_path", "subset"]]
         table["group"] = table["domain"] + "/" + table["group"]
+        spool.finish(np.flatnonzero(ok))
         return write_dataset(
-            Path(out_dir), table, spool.kept(np.flatnonzero(ok)), excluded, quarantine,
+            tmp, table, excluded, quarantine,
             {"dataset": params.kind, "task": "binary: 1 = Lung Opacity, 0 = Normal", "classes": ["Normal", "Lung Opacity"],
              "rules": {**params.model_dump(mode="json", exclude={"tables"}), **({"tables": params.table_rules_used()} if params.own_sources() else {})},
              **({"warnings": warnings} if warnings else {})},
         )
 
 
-def write_dataset(
-    out_dir: Path, table: pd.DataFrame, images: Sequence[np.ndarray], excluded: pd.DataFrame, quarantine: pd.DataFrame, meta: dict[str, Any]
-) -> dict[str, Any]:
-    """Write the harmonized folder atomically: images.npy, records.parquet, excluded.parquet, quarantine.csv, card;
-    ``images`` is a sequence (a list, or :class:`KeptImages` of a spool), copied into images.npy one at a time."""
-    if not len(images):
-        raise HarmonizeError(f"{out_dir.name}: no image survived the label rules and decoding")
-    shape = images[0].shape
-    for i, img in enumerate(images):
-        if img.shape != shape:  # a silent broadcast of a grey image into three channels would hide a mixed dataset
-            raise HarmonizeError(f"{out_dir.name}: image of {table['id'].iloc[i]} is {img.shape}, the first is {shape}")
-    with atomic_dir(out_dir) as tmp:
-        if not (isinstance(images, KeptImages) and images.move_to(tmp / "images.npy")):
-            arr = np.lib.format.open_memmap(tmp / "images.npy", mode="w+", dtype=np.uint8, shape=(len(images),) + shape)
-            for i, img in enumerate(images):
-                arr[i] = img
-            arr.flush()
-            del arr
-        table.reset_index(drop=True).to_parquet(tmp / "records.parquet", index=False)
-        excluded[["id", "domain", "original_label", "view", "excluded"]].rename(columns={"excluded": "reason"}).to_parquet(
-            tmp / "excluded.parquet", index=False
-        )
-        quarantine.to_csv(tmp / "quarantine.csv", index=False)
-        samples = write_contact_sheet(tmp / "samples.png", table.reset_index(drop=True), np.load(tmp / "images.npy", mmap_mode="r"),
-                                      list(meta["classes"]))
-        card = _card({**meta, "samples": samples}, table, excluded, quarantine, tmp)
-        write_json(tmp / "card.json", card)
-        (tmp / "card.md").write_text(card_markdown(card))
+def write_dataset(tmp: Path, table: pd.DataFrame, excluded: pd.DataFrame, quarantine: pd.DataFrame, meta: dict[str, Any]) -> dict[str, Any]:
+    """Write the rest of a harmonized folder beside its ``images.npy`` (:class:`ImageSpool`), inside the temporary
+    folder of the atomic write (``tmp``): records.parquet, excluded.parquet, quarantine.csv, samples.png, the card."""
+    table.reset_index(drop=True).to_parquet(tmp / "records.parquet", index=False)
+    excluded[["id", "domain", "original_label", "view", "excluded"]].rename(columns={"excluded": "reason"}).to_parquet(
+        tmp / "excluded.parquet", index=False
+    )
+    quarantine.to_csv(tmp / "quarantine.csv", index=False)
+    samples = write_contact_sheet(tmp / "samples.png", table.reset_index(drop=True), np.load(tmp / "images.npy", mmap_mode="r"),
+                                  list(meta["classes"]))
+    card = _card({**meta, "samples": samples}, table, excluded, quarantine, tmp)
+    write_json(tmp / "card.json", card)
+    (tmp / "card.md").write_text(card_markdown(card))
     return card
 
 
@@ -458,7 +438,8 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
     errors = [""] * len(kept)
     ok = np.zeros(len(kept), dtype=bool)
     file_jobs: list[tuple[int, tuple]] = []
-    with ImageSpool(Path(out_dir), len(kept)) as spool:  # the spool file goes whatever happens below
+    with atomic_dir(Path(out_dir)) as tmp:  # nothing of it is left if anything below fails
+        spool = ImageSpool(tmp, len(kept), Path(out_dir).name)
         for i, (src, path, reader) in enumerate(zip(kept["source"], kept["path"], kept["reader"])):
             raw_dir = raw_root / src
             if not path:
@@ -487,12 +468,14 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
         quarantine = kept.loc[~ok, ["id", "domain", "path"]].copy()
         quarantine["error"] = [e for e, good in zip(errors, ok) if not good]
         _check_quarantine(kept["domain"], quarantine["domain"], quarantine, params.max_quarantine_fraction, f"raw files under {raw_root}")
-        return _write_benchmark(params, out_dir, kept, ok, spool, classes, excluded, quarantine, warnings)
+        spool.finish(np.flatnonzero(ok))
+        return _write_benchmark(params, tmp, kept, ok, classes, excluded, quarantine, warnings)
 
 
-def _write_benchmark(params: BenchmarkDatasetParams, out_dir: Path, kept: pd.DataFrame, ok: np.ndarray, spool: ImageSpool,
-                     classes: list[str], excluded: pd.DataFrame, quarantine: pd.DataFrame, warnings: list[str]) -> dict[str, Any]:
-    """The benchmark dataset's folder from its kept, decoded records (:func:`write_dataset`), with its card's task."""
+def _write_benchmark(params: BenchmarkDatasetParams, tmp: Path, kept: pd.DataFrame, ok: np.ndarray, classes: list[str],
+                     excluded: pd.DataFrame, quarantine: pd.DataFrame, warnings: list[str]) -> dict[str, Any]:
+    """The rest of a benchmark dataset's folder (:func:`write_dataset`) for its kept, decoded records, with its card's
+    task."""
     good = kept[ok].reset_index(drop=True)
     columns = ["id", "domain", "label", "original_label", "group", "view", "source_path", "subset"]
     if "writer" in good.columns:  # FEMNIST's writers (only a dataset whose records name them has the column)
@@ -511,7 +494,7 @@ def _write_benchmark(params: BenchmarkDatasetParams, out_dir: Path, kept: pd.Dat
     }
     own = params.own_sources()
     return write_dataset(  # the task names the kind and its classes only: a federation's sites compare it (contract)
-        Path(out_dir), table, spool.kept(np.flatnonzero(ok)), excluded, quarantine,
+        tmp, table, excluded, quarantine,
         {"dataset": params.kind, "task": tasks[params.kind], "classes": classes,
          "rules": {**params.model_dump(mode="json", exclude={"folders", "tables"} | ({"classes"} if params.kind != "image_folder" else set())),
                    **({"own_sources": {s: {"reader": params.reader_of(s), **params.rules(s).model_dump(mode="json")} for s in own}} if own else {})},

@@ -49,7 +49,8 @@ from fedsilo.config import CXRTableRules, table_word
 from fedsilo.data.dicom import is_dicom_file, view_position
 from fedsilo.data.imageops import ImageDecodeError
 from fedsilo.data.sources.base import LabelFileError, finalize, show, walk
-from fedsilo.data.sources.tables import Rows, load_table, relative_path
+from fedsilo.data.sources.image_folder import file_reader
+from fedsilo.data.sources.tables import Rows, load_table, relative_path, study_folder
 from fedsilo.utils.progress import Progress
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
@@ -123,14 +124,15 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
         label = 1 if word in positive else 0 if word in negative else -1
         if label == -1 and not label_why:
             label_why = f"label {value}"
-        study = (raw_dir / rel).is_dir()
-        if study:  # a study-level table: the row's finding is every image of the study's folder
+        folder = study_folder(raw_dir, rel)
+        study = folder is not None
+        if folder is not None:  # a study-level table: the row's finding is every image of the study's folder
             cell = str(rec[rules.view]).strip() if rules.view is not None else ""
             if cell or not rules.dicom_view:
                 raise LabelFileError(f"{where}: {rel} is a study's folder, whose images may be frontal and lateral: "
                                      + ("leave its view cell blank and " if cell else "") + f"set {key}.dicom_view: true "
                                      "(each DICOM's View Position from its header)")
-            files = [f.relative_to(raw_dir).as_posix() for f in walk(raw_dir / rel) if f.is_file()]
+            files = [f.relative_to(raw_dir).as_posix() for f in walk(raw_dir / folder) if f.is_file()]
             if not files:
                 raise LabelFileError(f"{where}: {rel} is a folder without files; a row names an image, or a study's folder")
             found_list = [table.locate(f, i + 2, where) for f in files]
@@ -139,6 +141,10 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
         per = []
         for found in found_list:
             reader = _reader(raw_dir / found) if found else ""
+            not_image = file_reader(raw_dir / found)[1] if study and found else ""  # a study's report, its DICOMDIR
+            if not_image:
+                per.append((found, "", "unknown", not_image))
+                continue
             view, view_why = _view(rec, rules, raw_dir, found, reader, label_why, frontal, lateral, where, key, study)
             per.append((found, reader, view, view_why))
         files_why = per[0][3] if all(w for *_, w in per) else ""  # a row none of whose images is kept
@@ -154,7 +160,7 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
                 "view": view,
                 "path": found or "",
                 "reader": reader,
-                "excluded": label_why or patient_why or view_why,
+                "excluded": label_why or view_why or patient_why,  # an image's own reason before its row's patient
                 "subset": subset,
             })
     bar.close()

@@ -33,7 +33,7 @@ from typing import Optional
 from fedsilo.config import ImageTableRules, table_word
 from fedsilo.data.sources.base import LabelFileError, show, walk
 from fedsilo.data.sources.image_folder import ClassMap, file_reader
-from fedsilo.data.sources.tables import MISSING, Rows, load_table, relative_path
+from fedsilo.data.sources.tables import MISSING, Rows, load_table, relative_path, study_folder
 from fedsilo.utils.progress import Progress
 
 NO_PATIENT_WARNING = ("has no patient column (patient: null): each row's image (or study folder) is its own group, so two "
@@ -117,8 +117,9 @@ def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str, quiet: bo
 def _files(raw_dir: Path, rel: str, table: Rows, row: int, where: str) -> list[Optional[str]]:
     """The files a row reads: the one file its path names (None when the folder lacks it), or every file below the
     folder it names (a study's images, by a study-level label table), each reached by one row only."""
-    if (raw_dir / rel).is_dir():
-        files = [f.relative_to(raw_dir).as_posix() for f in walk(raw_dir / rel) if f.is_file()]
+    folder = study_folder(raw_dir, rel)
+    if folder is not None:
+        files = [f.relative_to(raw_dir).as_posix() for f in walk(raw_dir / folder) if f.is_file()]
         if not files:
             raise LabelFileError(f"{where}: {rel} is a folder without files; a row names an image, or a folder of a study's images")
         return [table.locate(f, row, where) for f in files]

@@ -139,3 +139,21 @@ class Rows:
             other = "outside test" if side == "test" else "test"
             raise LabelFileError(f"{where}: patient {patient!r} is {side} here and {other} on row {mine[other]}: "
                                  f"the table's own partition ({column}) would put one patient on both sides of a split")
+
+
+def study_folder(raw_dir: Path, rel: str) -> Optional[str]:
+    """The folder a row's path names (a study's, in a study-level table), found exactly or, as image paths are, when
+    case and Unicode normalization aside it names one folder only; None when it names no folder."""
+    if (Path(raw_dir) / rel).is_dir():
+        return rel
+    here, parts = Path(raw_dir), []
+    for part in PurePosixPath(rel).parts:
+        if (here / part).is_dir():
+            match = [part]
+        else:
+            match = [c.name for c in here.iterdir() if c.is_dir() and _fold_path(c.name) == _fold_path(part)] if here.is_dir() else []
+        if len(match) != 1:
+            return None
+        here = here / match[0]
+        parts.append(match[0])
+    return "/".join(parts)
