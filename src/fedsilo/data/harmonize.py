@@ -170,6 +170,17 @@ class ImageSpool:
             raise HarmonizeError(f"{self.name}: image of {image_id} is {img.shape}, the first ({self.first}) is {self.arr.shape[1:]}")
         self.arr[i] = img
 
+    def decode_into(self, slot_jobs: list[tuple[int, tuple]], ids: pd.Series, errors: list[str], ok: np.ndarray,
+                    workers: int, domains: list[str], desc: str, quiet: bool) -> None:
+        """Decode each (slot, job) (:func:`iter_decoded`) into its slot as it comes; ``ok[slot]`` says it did,
+        ``errors[slot]`` why not; ``ids`` names the slots' records (for the shape refusal)."""
+        for (i, _), (img, err) in zip(slot_jobs, iter_decoded([j for _, j in slot_jobs], workers, domains, desc, quiet)):
+            if img is None:
+                errors[i] = err
+            else:
+                self.put(i, img, str(ids.iloc[i]))
+                ok[i] = True
+
     def finish(self, rows: np.ndarray) -> None:
         """Keep the slots ``rows`` (ascending), in order, as the whole array: each moved down to its place (a slot
         only ever moves to a lower one, so nothing is overwritten before it is read), the header rewritten for the
@@ -244,12 +255,7 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
     doms = [str(kept["domain"].iloc[i]) for i in todo]
     with atomic_dir(Path(out_dir)) as tmp:
         spool = ImageSpool(tmp, len(jobs), Path(out_dir).name)
-        for i, (img, err) in zip(todo, iter_decoded([jobs[i] for i in todo], workers, doms, f"harmonize {params.kind}", quiet)):
-            if img is None:
-                errors[i] = err
-            else:
-                spool.put(i, img, str(kept["id"].iloc[i]))
-                ok[i] = True
+        spool.decode_into([(i, jobs[i]) for i in todo], kept["id"], errors, ok, workers, doms, f"harmonize {params.kind}", quiet)
 
         quarantine = kept.loc[~ok, ["id", "domain", "path"]].copy()
         quarantine["error"] = [e for e, good in zip(errors, ok) if not good]
@@ -459,12 +465,7 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
                 decoder = "dicom_rgb" if reader == "dicom" else "rgb"  # a DICOM of your own, or any image file
                 file_jobs.append((i, (str(raw_dir / path), decoder, params.image_size, params.square, "", (0.0, 100.0))))
         doms = [str(kept["domain"].iloc[i]) for i, _ in file_jobs]
-        for (i, _), (img, err) in zip(file_jobs, iter_decoded([j for _, j in file_jobs], workers, doms, f"harmonize {params.kind}", quiet)):
-            if img is None:
-                errors[i] = err
-            else:
-                spool.put(i, img, str(kept["id"].iloc[i]))
-                ok[i] = True
+        spool.decode_into(file_jobs, kept["id"], errors, ok, workers, doms, f"harmonize {params.kind}", quiet)
         quarantine = kept.loc[~ok, ["id", "domain", "path"]].copy()
         quarantine["error"] = [e for e, good in zip(errors, ok) if not good]
         _check_quarantine(kept["domain"], quarantine["domain"], quarantine, params.max_quarantine_fraction, f"raw files under {raw_root}")
