@@ -51,7 +51,6 @@ from fedsilo.data.imageops import ImageDecodeError
 from fedsilo.data.sources.base import LabelFileError, finalize, show, walk
 from fedsilo.data.sources.image_folder import file_reader
 from fedsilo.data.sources.tables import Rows, load_table, relative_path, study_folder
-from fedsilo.utils.progress import Progress
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 NO_PATIENT_WARNING = ("has no patient column (patient: null): each image is its own group, so two images of one "
@@ -113,10 +112,7 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
 
     table = Rows(raw_dir)
     rows = []
-    bar = Progress(len(df), f"scan {key.rsplit('.', 1)[-1]}", "row", quiet=quiet)
-    for i, rec in zip(df.index, df.to_dict("records")):
-        bar.update(1)
-        where = f"{table_path}: row {i + 2}"
+    for row, rec, where in table.each(df, table_path, key, quiet):
         rel = relative_path(raw_dir, str(rec[rules.path]), where)
         value = str(rec[rules.label]).strip()
         label_why = "" if value else "no label"
@@ -135,9 +131,9 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
             files = [f.relative_to(raw_dir).as_posix() for f in walk(raw_dir / folder) if f.is_file()]
             if not files:
                 raise LabelFileError(f"{where}: {rel} is a folder without files; a row names an image, or a study's folder")
-            found_list = [table.locate(f, i + 2, where) for f in files]
+            found_list = [table.locate(f, row, where) for f in files]
         else:
-            found_list = [table.locate(rel, i + 2, where)]
+            found_list = [table.locate(rel, row, where)]
         per = []
         for found in found_list:
             reader = _reader(raw_dir / found) if found else ""
@@ -149,7 +145,7 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
             per.append((found, reader, view, view_why))
         files_why = per[0][3] if all(w for *_, w in per) else ""  # a row none of whose images is kept
         pre = label_why or files_why
-        group, subset, row_why = table.group_and_subset(rec, rules, rel, pre, i + 2, where, key)
+        group, subset, row_why = table.group_and_subset(rec, rules, rel, pre, row, where, key)
         patient_why = row_why if row_why != pre else ""
         for found, reader, view, view_why in per:
             rows.append({
@@ -163,5 +159,4 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
                 "excluded": label_why or view_why or patient_why,  # an image's own reason before its row's patient
                 "subset": subset,
             })
-    bar.close()
     return finalize(pd.DataFrame(rows), domain)

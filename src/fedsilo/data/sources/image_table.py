@@ -34,7 +34,6 @@ from fedsilo.config import ImageTableRules, table_word
 from fedsilo.data.sources.base import LabelFileError, show, walk
 from fedsilo.data.sources.image_folder import ClassMap, file_reader
 from fedsilo.data.sources.tables import MISSING, Rows, load_table, relative_path, study_folder
-from fedsilo.utils.progress import Progress
 
 NO_PATIENT_WARNING = ("has no patient column (patient: null): each row's image (or study folder) is its own group, so two "
                       "images of one patient (or lesion, or slide) may land on both sides of a split; name the column that "
@@ -94,23 +93,19 @@ def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str, quiet: bo
     classmap = table_classes(rules, key)
     table = Rows(raw_dir)
     out = []
-    bar = Progress(len(df), f"scan {key.rsplit('.', 1)[-1]}", "row", quiet=quiet)
-    for i, rec in zip(df.index, df.to_dict("records")):
-        bar.update(1)
-        where = f"{table_path}: row {i + 2}"
+    for row, rec, where in table.each(df, table_path, key, quiet):
         rel = _path(raw_dir, rules, table, str(rec[rules.path]).strip(), where)
         value, reason = _label(rec, rules, where)
         if value and classmap.skipped(value):  # before the partition check: a skipped row is no image of its patient's
             reason = f"{classmap.what} skipped ({key}.skip)"
-        files = [(found, *(file_reader(raw_dir / found) if found else ("image", ""))) for found in _files(raw_dir, rel, table, i + 2, where)]
+        files = [(found, *(file_reader(raw_dir / found) if found else ("image", ""))) for found in _files(raw_dir, rel, table, row, where)]
         if not reason and all(why for _, _, why in files):  # a row with no image (a listed report) is no image of its patient's
             reason = files[0][2]
         # the group is the row's: its patient, else the file, or the folder a study's row names (all its images)
-        group, subset, reason = table.group_and_subset(rec, rules, rel, reason, i + 2, where, key)
+        group, subset, reason = table.group_and_subset(rec, rules, rel, reason, row, where, key)
         for found, reader, why in files:
             out.append({"id": found or rel, "path": found or "", "where": where, "domain": domain, "subset": subset,
                         "value": value, "group": group, "reason": reason or why, "strict": True, "reader": reader or "image"})
-    bar.close()
     return out
 
 

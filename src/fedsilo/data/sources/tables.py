@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import unicodedata
 from pathlib import Path, PurePosixPath
-from typing import Optional
+from typing import Iterator, Optional
 
 import pandas as pd
 
 from fedsilo.config import table_word
 from fedsilo.data.sources.base import LabelFileError, read_csv, show, walk
+from fedsilo.utils.progress import Progress
 
 SUBSETS = ("train", "val", "test")
 MISSING = {"", "na", "n/a", "nan", "none", "null", "-"}  # how exports write a missing value (a patient id, a label)
@@ -102,6 +103,17 @@ class Rows:
         self.raw_dir, self.files = Path(raw_dir), FoldedFiles(Path(raw_dir))
         self.first_row: dict[str, int] = {}
         self.sides: dict[str, dict[str, int]] = {}
+
+    def each(self, df: pd.DataFrame, table_path: Path, key: str, quiet: bool) -> Iterator[tuple[int, dict, str]]:
+        """(row number, row as a dict, ``<table>: row N`` for messages) of every row of ``df`` (:func:`load_table`),
+        showing the rows read unless ``quiet`` (a DICOM's header may be read per row)."""
+        bar = Progress(len(df), f"scan {key.rsplit('.', 1)[-1]}", "row", quiet=quiet)
+        try:
+            for i, rec in zip(df.index, df.to_dict("records")):
+                bar.update(1)
+                yield i + 2, rec, f"{table_path}: row {i + 2}"
+        finally:
+            bar.close()
 
     def locate(self, rel: str, row: int, where: str) -> Optional[str]:
         found = rel if (self.raw_dir / rel).is_file() else self.files.find(rel)
