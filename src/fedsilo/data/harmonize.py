@@ -357,9 +357,10 @@ def to_dataset_classes(rec: pd.DataFrame, names: list[str], classes: list[str], 
 def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str = "",
                       quiet: bool = True) -> tuple[pd.DataFrame, list[str], dict[str, Any], list[str]]:
     """Every record of a benchmark dataset's sources (its ``domains`` only), the dataset's classes, the source
-    modules that read them and the warnings the rules call for. Sources of your own (``reader: image_folder``) are
-    read after the public ones, whose class list (the first public source's, unless the kind has its own) they map
-    to; a ``kind: image_folder`` dataset's classes are its ``classes`` or its folders' sorted names. ``name`` is the
+    modules that read them and the warnings the rules call for. Sources of your own (``reader: image_folder`` or
+    ``image_table``) are read after the public ones, whose class list (the first public source's, unless the kind has
+    its own) they map to; a ``kind: image_folder`` dataset's classes are its ``classes`` or its sources' sorted class
+    names. ``name`` is the
     dataset's key in params (for messages); unless ``quiet``, the scan of each source of your own shows its progress."""
     raw_root = Path(raw_root)
     frames: dict[str, pd.DataFrame] = {}
