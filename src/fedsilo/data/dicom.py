@@ -91,14 +91,17 @@ def dicom_to_uint8(
     path: str | Path,
     intensity: str = "bit_depth",
     percentiles: tuple[float, float] = (0.5, 99.5),
+    ds: Any = None,
 ) -> tuple[np.ndarray, dict[str, Any]]:
-    """Decode one DICOM file. Returns (HxW uint8, header facts). Raises ImageDecodeError on any failure."""
+    """Decode one DICOM file (``ds``: the file as pydicom read it already, else it is read here). Returns (HxW
+    uint8, header facts). Raises ImageDecodeError on any failure."""
     import pydicom
     from pydicom.errors import InvalidDicomError
     from pydicom.pixels import apply_modality_lut, apply_voi_lut
 
     try:
-        ds = pydicom.dcmread(str(path))
+        if ds is None:
+            ds = pydicom.dcmread(str(path))
         if _frames(ds) > 1:  # multi-frame: radiographs carry one frame; decode the first only
             ds.pixel_array_options(index=0)
         arr = ds.pixel_array
@@ -184,7 +187,7 @@ def dicom_to_rgb(path: str | Path) -> np.ndarray:
         ds = pydicom.dcmread(str(path))
         photometric = str(ds.get("PhotometricInterpretation", "")).upper()
         if photometric in ("MONOCHROME1", "MONOCHROME2"):
-            grey = dicom_to_uint8(path, "bit_depth" if has_voi(ds) else "percentile")[0]
+            grey = dicom_to_uint8(path, "bit_depth" if has_voi(ds) else "percentile", ds=ds)[0]  # the file read once
             if grey.std() == 0:
                 raise ImageDecodeError(f"{path}: constant image")
             return grey
