@@ -21,7 +21,7 @@ from flwr.app import Context, RecordDict  # noqa: E402
 from fedsilo.config import ConfigError  # noqa: E402
 from fedsilo.fl.deploy import deployment_spec, load_federation, write_app  # noqa: E402
 from fedsilo.fl.engine import Engine  # noqa: E402
-from fedsilo.fl.flower import SiteRefused  # noqa: E402
+from fedsilo.fl.flower import ClientFailed, SiteRefused  # noqa: E402
 from fedsilo.fl.params import load_params  # noqa: E402
 from fedsilo.fl.site import load_site, site_card  # noqa: E402
 from tests.deploy_sites import SITE_SOURCES, make_site  # noqa: E402
@@ -162,7 +162,7 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(site
     finally:
         torch.set_num_threads(threads)
     metrics = json.loads((tmp_path / "results/metrics.json").read_text())
-    assert metrics["clients"] == ["RSNA", "CheXpert", "VinBigData"]
+    assert metrics["clients"] == ["RSNA", "CheXpert", "VinBigData"] and metrics["dropped_rounds"] == {}
     assert metrics["fingerprints"] == {c["site"]: c["fingerprint"] for c in map(_card, sites.values())}
 
     # the run in MLflow: tied to the deployment's hash and each site's pinned fingerprint, its rounds, its final numbers
@@ -260,6 +260,42 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(site
         assert f"sent train x2: up: {len(train['arrays']['up'])} tensors" in text and f"kept here for {name}: rounds" in text
     assert main(["--root", str(tmp_path), "site", "audit"]) == 2
     assert "holds no site wire log" in capsys.readouterr().err
+
+
+class DropsTraining(SiteGrid):
+    """SiteGrid whose node 101 trains round 2 and goes away before its reply leaves: the SuperLink answers for it."""
+
+    def send_and_receive(self, messages, timeout=None):
+        from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+
+        out = []
+        for m in messages:
+            m.metadata.__dict__["_message_id"] = m.object_id  # as the SuperLink sets it when it takes the message
+            if (m.metadata.message_type, m.metadata.group_id, m.metadata.dst_node_id) == ("train", "2", 101):
+                super().send_and_receive([m], timeout)
+                out.append(create_message_error_unavailable_res_message(m.metadata, "node_unavail"))
+            else:
+                out.extend(super().send_and_receive([m], timeout))
+        return out
+
+
+@pytest.mark.usefixtures("identity")
+def test_a_deployed_round_goes_on_without_a_site_gone_during_its_training_when_min_train_sites_allow(sites, tmp_path):
+    """The App's run config ``min-train-sites`` reaches the ServerApp: with 2, round 2 goes on without the site whose
+    SuperNode went away while it trained; metrics.json names the rounds it was left out of. Without it (the
+    default), the same loss ends the run naming the site. (What the round then is, the engine's round without that
+    site, is tests/test_flower.py's.)"""
+    app = _deployed(tmp_path, sites)
+    server, client = _load_apps(app)
+    grid = DropsTraining(client, sites)
+    name = _card(Path(grid.contexts[101].node_config["params"]))["site"]
+    server._main(grid, _server_context(tmp_path, **{"min-train-sites": 2}))
+    metrics = json.loads((tmp_path / "results/metrics.json").read_text())
+    history = json.loads((tmp_path / "results/history.json").read_text())
+    assert metrics["dropped_rounds"] == {name: [2]} and name in history[0]["sampled"] and name not in history[1]["sampled"]
+    assert set(history[1]["eval"]) == set(metrics["clients"])  # every site is still evaluated
+    with pytest.raises(ClientFailed, match=rf"client {name}: train in round 2 failed: Error: Node Unavailable"):
+        server._main(DropsTraining(client, sites, run_id=2), _server_context(tmp_path / "strict"))
 
 
 @pytest.mark.usefixtures("identity")
@@ -582,6 +618,17 @@ def test_the_shipped_site_params_and_federation_example_validate(tmp_path):
     dep2 = write_app(load_federation(_dump(tmp_path / "d.yaml", {**raw, "tracking_uri": uri})), load_params(REPO_PARAMS), tmp_path / "app3")
     config = tomllib.loads((tmp_path / "app3/pyproject.toml").read_text(encoding="utf-8"))["tool"]["flwr"]["app"]["config"]
     assert config["tracking-uri"] == uri and dep2 == dep
+    # the App's run-config keys the ServerApp reads, as written; a whole-number key given a word is refused by key
+    from types import SimpleNamespace
+
+    from fedsilo.fl.deploy import _int_config
+
+    assert config["min-train-sites"] == 0 and config["rejoin-s"] == 600.0
+    assert _int_config(SimpleNamespace(run_config={"min-train-sites": 2}), "min-train-sites", 0) == 2
+    assert _int_config(SimpleNamespace(run_config={}), "min-train-sites", 0) == 0
+    for bad in ("two", 1.5, True):
+        with pytest.raises(ConfigError, match=r"run config min-train-sites: .* is not a whole number"):
+            _int_config(SimpleNamespace(run_config={"min-train-sites": bad}), "min-train-sites", 0)
 
 
 @pytest.fixture(autouse=True)

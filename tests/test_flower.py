@@ -369,6 +369,75 @@ def test_a_site_whose_supernode_went_away_is_waited_for_and_answers_again_from_i
             _gone_run(tmp_path, folder, **checkpoint, **kw)
 
 
+class _DropGrid(_GoneGrid):
+    """Node ``gone`` goes away while it trains round 2, after it trained and kept its store, before its reply left.
+    ``wipe``: its SuperNode restarts (node state gone); else only its link dropped (it keeps its node state, holding
+    the store of the round whose upload the server never took). Either way it is back for round 2's evaluation."""
+
+    kind, away, wipe = "train", 0, True
+
+    def send_and_receive(self, messages, timeout=None):
+        if self.died or self.wipe:
+            return super().send_and_receive(messages, timeout)
+        kept = self.contexts[self.gone].state
+        out = super().send_and_receive(messages, timeout)
+        if self.died:
+            self.contexts[self.gone].state = kept
+        return out
+
+
+class _EngineWithout(Engine):
+    """The engine with client 1 (D1-0) not sampled in round 2."""
+
+    def sample(self, rnd):
+        return [i for i in super().sample(rnd) if (rnd, i) != (2, 1)]
+
+
+@pytest.mark.parametrize("wipe", [True, False], ids=["supernode-restarted", "link-dropped"])
+def test_a_site_gone_during_training_is_left_out_of_the_round_as_if_not_sampled(identity, tmp_path, monkeypatch, caplog, wipe):
+    """FedBN on three sites with min-train-sites 2: D1-0 goes away while it trains round 2 (after it trained and kept
+    its store). The round goes on with the two others; the run ends with the numbers of the in-process engine in
+    which D1-0 was not sampled in round 2: its round-2 training (its BatchNorm statistics, kept in its node state
+    when only its link dropped) is set aside, and it carries on from its store of round 1, on its disk. What was sent
+    to it is counted apart (``dropped``; MLflow's ``sites_dropped``)."""
+    import fedsilo.fl.flower as flower
+    from fedsilo.fl.run import round_summary
+    from fedsilo.tracking import round_metrics
+
+    monkeypatch.setattr(flower, "REJOIN_POLL_S", 0.01)
+    monkeypatch.setattr(_DropGrid, "wipe", wipe)
+    clients = _clients()
+    expected = _EngineWithout(FedBN(FedBN.params_cls(), _train(rounds=3)), _model(), clients, _train(rounds=3), seed=0).run()
+    with caplog.at_level("WARNING", logger="fedsilo.flower"):
+        run, grid = _gone_run(tmp_path, "drop", grid_cls=_DropGrid, checkpoint=tmp_path / "drop.pt", config_hash="h",
+                              rejoin_s=60, min_train_sites=2)
+    assert grid.died
+    history = run.engine.history
+    for key in ("sampled", "eval", "bytes_up", "bytes_down", "train_loss"):
+        assert [h[key] for h in history] == [h[key] for h in expected], key
+    assert history[1]["sampled"] == ["D0-0", "D2-0"] and "dropped" not in history[0] and "dropped" not in history[2]
+    assert history[1]["dropped"] == {"D1-0": history[0]["bytes_down"]["D1-0"]}  # the download it was sent
+    assert round_metrics(history[1])["sites_dropped"] == 1 and "without D1-0" in round_summary(history[1])
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("D1-0: gone during round 2's training; the round goes on with the 2 of 3") for m in said)
+    if not wipe:
+        assert "client D1-0: the server took no upload of its round 2; it carries on from its store of round 1" in said
+
+    # fewer sites trained than min-train-sites: the run ends as without it, saying so
+    with pytest.raises(ClientFailed, match=r"client D1-0: train in round 2 failed: Error: Node Unavailable .*fewer than "
+                                           r"min-train-sites \(3\) of the round's sampled sites trained"):
+        _gone_run(tmp_path, "quorum", grid_cls=_DropGrid, checkpoint=tmp_path / "quorum.pt", config_hash="h", min_train_sites=3)
+    # refused by key: no checkpoint (the site could not take its last taken store from its disk), more sites than
+    # the federation has, and a method that announces before training (the server's aggregation counts on it)
+    with pytest.raises(ConfigError, match=r"min-train-sites: 2 needs a checkpointed run"):
+        _gone_run(tmp_path, "nockpt", grid_cls=LoopGrid, min_train_sites=2)
+    with pytest.raises(ConfigError, match=r"min-train-sites: 4 is not a number of sites between 0 and the federation's 3"):
+        _gone_run(tmp_path, "many", grid_cls=LoopGrid, checkpoint=tmp_path / "many.pt", min_train_sites=4)
+    monkeypatch.setattr(FedBN, "announce", lambda self, model, store, client, rnd: {})
+    with pytest.raises(ConfigError, match=r"min-train-sites: .* tells the server before each round's training"):
+        _gone_run(tmp_path, "announce", grid_cls=LoopGrid, checkpoint=tmp_path / "announce.pt", min_train_sites=2)
+
+
 def test_what_the_adapter_does_not_run_is_refused_by_key():
     tp = _train()
     with pytest.raises(ConfigError, match=r"methods.pfeddil: .* stream of domain tasks only; these sites hold static data"):

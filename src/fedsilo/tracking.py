@@ -80,6 +80,10 @@ def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
         m[f"bytes_down.{c}"] = b
     for c, b in entry.get("bytes_task_end", {}).items():  # a task stream's end-of-task download (pFedDIL)
         m[f"bytes_task_end.{c}"] = b
+    if "dropped" in entry:  # a deployment's sites gone during the round's training (min-train-sites), and what they were sent
+        m["sites_dropped"] = len(entry["dropped"])
+        for c, b in entry["dropped"].items():
+            m[f"bytes_down_dropped.{c}"] = b
     for c, v in entry["train_loss"].items():
         if v is not None:
             m[f"train_loss.{c}"] = v

@@ -36,7 +36,10 @@ again trains again, from fresh stores); each site's last store stays until then:
 SuperNode goes away during a run (a restart, a lost link: the SuperLink answers for it once it missed its heartbeats)
 is waited for up to ``rejoin-s`` (a run-config key, default 600 s) and sent an evaluation, task end or announcement
 again once the SuperLink lists it online (the node id its key was registered with); it answers from the store the
-message names. A training lost that way ends the run: ``flwr run`` again redoes the round from the checkpoint.
+message names. A training lost that way ends the run (``flwr run`` again redoes the round from the checkpoint),
+unless ``min-train-sites`` (a run-config key, default 0: never) of the round's sampled sites trained: the round then
+goes on without it, as if it had not been sampled (the history's ``dropped``), and it carries on from its last store
+the server took.
 """
 
 from __future__ import annotations
@@ -193,6 +196,7 @@ state-dir = "{state}"  # the ServerApp's checkpoint: a run started again resumes
 tracking-uri = {tracking}  # MLflow, from the SuperLink's machine ("": none; MLFLOW_TRACKING_URI there wins)
 wait-s = 600.0  # how long the ServerApp waits for every site to connect
 rejoin-s = 600.0  # how long an evaluation / task end waits for a site whose SuperNode went away (0: the run ends)
+min-train-sites = 0  # a round goes on without sampled sites gone during its training if this many trained (0: never)
 """
 
 MODULE_TEXT = '''"""The Flower apps of federation {name}, built from deployment.json beside this file (fedsilo.fl.deploy)."""
@@ -360,6 +364,7 @@ def apps(app_file: Path):
                 run = FlowerRun(spec, len(roster.sites), roster=roster, wire=wire, on_round=on_round,
                                 wait_s=float(context.run_config.get("wait-s", 600)), checkpoint=checkpoint,
                                 rejoin_s=float(context.run_config.get("rejoin-s", 600)),
+                                min_train_sites=_int_config(context, "min-train-sites", 0),
                                 config_hash=key, meta={"mlflow_run_id": tracker.run_id})
                 run.main(grid, context)
             finally:
@@ -519,6 +524,14 @@ def deployment_status(app: Path, nodes: list[dict[str, Any]], superlink_dir: Pat
             "results": str(results) if (results / "metrics.json").exists() else None}
 
 
+def _int_config(context: Any, key: str, default: int) -> int:
+    """A whole-number key of the App's run config (``flwr run <app> --run-config '<key>=<n>'``), refused by key."""
+    value = context.run_config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) and not (isinstance(value, float) and value.is_integer()):
+        raise ConfigError(f"run config {key}: {value!r} is not a whole number")
+    return int(value)
+
+
 class _RoundLog:
     def __init__(self, rounds: int, name: str):
         self.rounds, self.name = rounds, name
@@ -587,6 +600,9 @@ def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any, mlfl
         # a stream site: its tasks' domains in order
         "client_domains": {c["name"]: list(c["tasks"]) if "tasks" in c else c["domain"] for c in run.cards},
         "fingerprints": {c["name"]: c["fingerprint"] for c in run.cards},
+        # the rounds each site was sampled for but left out of, gone during the training (min-train-sites)
+        "dropped_rounds": {c["name"]: rounds for c in run.cards
+                           if (rounds := [int(e["round"]) for e in history if c["name"] in e.get("dropped", {})])},
         "deployment_sha256": canonical_hash(dep),
         "mlflow_run_id": mlflow_run_id,
     }

@@ -281,12 +281,15 @@ class FlowerServer(Engine):
                  observer: Optional[Observer] = None, on_round: Optional[Callable[[dict[str, Any]], None]] = None,
                  device: str = "cpu", wire: Optional[Callable[[dict[str, Any]], None]] = None,
                  checkpoint: Optional[Path] = None, config_hash: str = "", meta: Optional[dict[str, Any]] = None,
-                 tasks: Optional[list[str]] = None, rejoin_s: float = 0.0):
+                 tasks: Optional[list[str]] = None, rejoin_s: float = 0.0, min_train_sites: int = 0):
         spec.check(stream=tasks is not None)
         # how long a message waits for a site whose SuperNode went away (a restart, a lost link) to come back online
         # before the run ends; only a checkpointed run waits: its sites keep their stores on disk, so a restarted site
         # answers the message again from the store the message names
         self.rejoin_s = rejoin_s if checkpoint is not None else 0.0
+        # a round goes on without a sampled site whose SuperNode went away during its training, as long as this many
+        # sampled sites trained (0: every sampled site must train; the run ends otherwise): see _dropped
+        self.min_train_sites = int(min_train_sites)
         self.spec, self.grid, self.nodes = spec, grid, nodes  # nodes: client index -> Flower node id
         self.wire = wire  # told of every message sent and received (describe(): keys, shapes, bytes; no values)
         self.train, self.seed = spec.train, spec.seed
@@ -307,6 +310,8 @@ class FlowerServer(Engine):
         self.stores: list[State] = []  # the sites hold them
         self._config = cards_config(cards)
         self._announces = type(self.method).announce is not Method.announce
+        if self.min_train_sites:
+            self._check_min_train_sites(tasks)
         if self._resume():
             self.meta.update(meta or {})  # this run's (its MLflow run), over what the checkpoint held
             if self.stores:
@@ -320,6 +325,21 @@ class FlowerServer(Engine):
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def _check_min_train_sites(self, tasks: Optional[list[str]]) -> None:
+        """What leaving a site out of a round needs (``min_train_sites`` > 0), refused by key where it is missing."""
+        key = "min-train-sites"
+        if self.min_train_sites < 0 or self.min_train_sites > len(self.clients):
+            raise ConfigError(f"{key}: {self.min_train_sites} is not a number of sites between 0 and the federation's {len(self.clients)}")
+        if self.checkpoint is None:  # the site resumes from its kept store of the last round the server took from it
+            raise ConfigError(f"{key}: {self.min_train_sites} needs a checkpointed run (a site left out of a round carries on "
+                              "from the store of the last round it trained, kept on its disk; a deployment is checkpointed)")
+        if tasks is not None:
+            raise ConfigError(f"{key}: not for a task stream yet (a site left out of a task's rounds changes what the task's "
+                              "end hands out); set it to 0")
+        if self._announces:
+            raise ConfigError(f"{key}: {self.spec.key or self.method.name} tells the server before each round's training what the site trains "
+                              "(announce), which the server's aggregation counts on; a site cannot be left out after it; set it to 0")
 
     def last_trained(self) -> list[int]:
         """Per client index, the last round of the history in which that site trained (0: none): the store a site
@@ -343,23 +363,27 @@ class FlowerServer(Engine):
         raise NotImplementedError("spectra need every client's representations in one place; not run on Flower")
 
     # ------------------------------------------------------------------ messages
-    def _exchange(self, kind: str, rnd: int, contents: dict[int, RecordDict]) -> dict[int, Message]:
+    def _exchange(self, kind: str, rnd: int, contents: dict[int, RecordDict], may_drop: bool = False) -> dict[int, Message]:
         """Send one message per client index, return the replies by client index; a site's error is raised. A site
         whose SuperNode went away (the SuperLink answers for it) is waited for up to ``rejoin_s`` and sent the
-        message again once it is back online."""
+        message again once it is back online. ``may_drop`` (a round's training): such a site is left out of the
+        replies instead, when ``min_train_sites`` allows it (:meth:`_dropped`)."""
         replies = self._send(kind, rnd, contents)
         deadline = time.monotonic() + self.rejoin_s
         while (gone := [i for i, r in replies.items() if r is not None and _node_gone(r)]) and kind in RESENDABLE:
             if not self._rejoined(gone, kind, rnd, deadline):
                 break
             replies.update(self._send(kind, rnd, {i: contents[i] for i in gone}))
+        if may_drop:
+            for i in self._dropped(replies, rnd):
+                del replies[i]
         out = {}
         for i, reply in replies.items():
             name = self.clients[i].name
             if reply is None:
                 raise ClientFailed(f"client {name}: no reply to {kind} in round {rnd}")
             if reply.has_error():
-                raise ClientFailed(f"client {name}: {kind} in round {rnd} failed: {reply.error.reason}{self._unavailable(reply, kind)}")
+                raise ClientFailed(f"client {name}: {kind} in round {rnd} failed: {reply.error.reason}{self._unavailable(reply, kind, rnd)}")
             if self.wire:
                 self.wire({"round": rnd, "message": kind, "site": name, "to": "server", **describe(reply.content)})
             out[i] = reply
@@ -395,12 +419,35 @@ class FlowerServer(Engine):
         log.warning("%s: back online; %s of round %d sent again", names, kind, rnd)
         return True
 
-    def _unavailable(self, reply: Message, kind: str) -> str:
+    def _dropped(self, replies: dict[int, Optional[Message]], rnd: int) -> list[int]:
+        """The sites of a round's training answered for by the SuperLink (their SuperNode went away: a reboot, a lost
+        link) that the round goes on without: all of them when at least ``min_train_sites`` of the sampled sites
+        trained, else none (the run then ends naming them). A site that failed in any other way (its own error)
+        always ends the run. A dropped site is, for the rest of the run, as a site not sampled that round: the server
+        aggregates without it and names the store of the last round it trained in every later message, which the
+        site takes from its disk, leaving the untaken round's training aside (client_app's ``store``)."""
+        gone = [i for i, r in replies.items() if r is not None and _node_gone(r)]
+        if not gone or not self.min_train_sites:
+            return []
+        trained = len(replies) - len(gone)
+        names = ", ".join(self.clients[i].name for i in gone)
+        if trained < self.min_train_sites:
+            log.warning("%s: gone during round %d's training; %d of %d sampled sites trained, fewer than min-train-sites "
+                        "(%d): the round cannot go on without them", names, rnd, trained, len(replies), self.min_train_sites)
+            return []
+        log.warning("%s: gone during round %d's training; the round goes on with the %d of %d sampled sites that trained "
+                    "(min-train-sites %d)", names, rnd, trained, len(replies), self.min_train_sites)
+        return gone
+
+    def _unavailable(self, reply: Message, kind: str, rnd: int) -> str:
         """What the coordinator does when the SuperLink answered for a site whose SuperNode stopped reporting."""
         if not _node_gone(reply):
             return ""
         waited = (f"; not back online within {self.rejoin_s:.0f} s" if self.rejoin_s > 0 and kind in RESENDABLE
                   else "; a site's training is not sent again within a run" if self.rejoin_s > 0 else "")
+        if kind == "train" and self.min_train_sites:
+            waited += ("; every site trains this round (a local phase), none is left out" if self.method.sample_all(rnd) else
+                       f"; fewer than min-train-sites ({self.min_train_sites}) of the round's sampled sites trained")
         again = ("`flwr run` the App again: it resumes after its last checkpoint" if self.checkpoint is not None else
                  "`flwr run` the App again (it starts afresh: the deployment keeps no checkpoint)")
         return (f" (the site's SuperNode went down or lost its connection{waited}; once `flwr supernode list` shows it "
@@ -449,7 +496,13 @@ class FlowerServer(Engine):
             wire["down"][c.name] = downs[i]["down"].count_bytes()
             sent = record_tensor_bytes(downs[i]["down"])
             downs[i][CONFIG]["sent_bytes"] = sent
-        replies = self._exchange("train", rnd, downs)
+        # a site gone during its training is left out of the round where min-train-sites allows (never in a round
+        # every site must train: a local phase whose last round's upload starts the federation)
+        replies = self._exchange("train", rnd, downs, may_drop=not self.method.sample_all(rnd))
+        if len(replies) < len(picked):  # as if not sampled; what was sent to it is counted apart
+            entry["dropped"] = {self.clients[i].name: int(downs[i][CONFIG]["sent_bytes"]) for i in picked if i not in replies}
+            picked = [i for i in picked if i in replies]
+            entry["sampled"] = [self.clients[i].name for i in picked]
         self._trained_now = (rnd, list(entry["sampled"]))  # this round's evaluation finds these sites' stores at rnd
         acc = self.method.agg_begin(self.server, rnd) if self.method.streaming else None
         uploads: list[tuple[ClientData, State]] = []
@@ -643,7 +696,7 @@ class FlowerRun:
                  on_round: Optional[Callable[[dict[str, Any]], None]] = None, wait_s: float = 120.0,
                  roster: Optional[Roster] = None, wire: Optional[Callable[[dict[str, Any]], None]] = None,
                  checkpoint: Optional[Path] = None, config_hash: str = "", meta: Optional[dict[str, Any]] = None,
-                 rejoin_s: float = 0.0):
+                 rejoin_s: float = 0.0, min_train_sites: int = 0):
         spec.check()
         if roster is not None and len(roster.sites) != num_clients:
             raise ValueError(f"a roster of {len(roster.sites)} sites for a federation of {num_clients}")
@@ -651,6 +704,7 @@ class FlowerRun:
         self.roster, self.wire = roster, wire
         # with a checkpoint, the run resumes after the last round it holds under the same config_hash (FlowerServer)
         self.checkpoint, self.config_hash, self.meta, self.rejoin_s = checkpoint, config_hash, meta, rejoin_s
+        self.min_train_sites = min_train_sites  # a round goes on without sites gone during its training (FlowerServer)
         self.engine: Optional[FlowerServer] = None
         self.cards: list[dict[str, Any]] = []  # what each site registered with, in client order
         self.app = ServerApp()
@@ -721,7 +775,8 @@ class FlowerRun:
     def _server(self, grid: Grid, where: dict[int, int], ordered: list[Card]) -> FlowerServer:
         """The server of the registered sites: static rounds, or a stream when the sites registered task streams."""
         common = {"observer": self.observer, "on_round": self.on_round, "wire": self.wire, "checkpoint": self.checkpoint,
-                  "config_hash": self.config_hash, "meta": self.meta, "rejoin_s": self.rejoin_s}
+                  "config_hash": self.config_hash, "meta": self.meta, "rejoin_s": self.rejoin_s,
+                  "min_train_sites": self.min_train_sites}
         # a stream site registers its tasks' domains and training counts (client_app's register)
         streams = {c.name: (list(r["tasks"]), list(r["n_train_tasks"])) if "tasks" in r else None for c, r in zip(ordered, self.cards)}
         if all(v is None for v in streams.values()):
@@ -918,13 +973,20 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
         else (its first round, or a run started afresh) the engine's init_client on a fresh model. ``limit``: the
         last round whose store the message may use; ``trains``: the round a train or announce message is for (a
         kept store serves no round before the last this site trained: :meth:`KeptStores.load`)."""
+        last = int(cfg["last_trained"][s.client.index]) if "last_trained" in cfg else 0
         if STORE in context.state.array_records:
             of = int(context.state.config_records[STORE_ROUND]["round"]) if STORE_ROUND in context.state.config_records else 0
             if of > limit:  # e.g. an announce of a later round loaded it, and a train of an earlier round follows
                 raise PrivacyViolation(f"client {s.client.name}: its store is of round {of}; this message may use round {limit} "
                                        "at most; refused")
-            return from_record(context.state.array_records[STORE], s.client.x_train.device), of
-        last = int(cfg["last_trained"][s.client.index]) if "last_trained" in cfg else 0
+            if "last_trained" not in cfg or of <= last:
+                return from_record(context.state.array_records[STORE], s.client.x_train.device), of
+            # the server took no upload of round `of` from this site (its link dropped as it replied, and the round
+            # went on without it: min-train-sites): as a site not sampled that round, it carries on from the store
+            # of the last round the server took, on its disk; the untaken round's training is set aside
+            log.warning("client %s: the server took no upload of its round %d; it carries on from its store of round %d",
+                        s.client.name, of, last)
+            del context.state[STORE]
         if last > 0:
             if keep_dir is None:
                 raise RuntimeError(f"client {s.client.name}: the server names its store of round {last}, but this ClientApp keeps none")

@@ -119,6 +119,8 @@ def round_summary(entry: dict[str, Any]) -> str:
         parts.append(f"acc {entry['mean_acc']:.3f}")
     parts.append(f"{entry['seconds']:.1f} s")
     parts.append(f"up {mib(entry['bytes_up_total'])} down {mib(entry['bytes_down_total'])}")
+    if entry.get("dropped"):
+        parts.append("without " + ", ".join(entry["dropped"]) + " (gone during training)")
     return ", ".join(parts)
 
 
