@@ -396,7 +396,16 @@ class CXRDatasetParams(Strict):
 FOLDER_LAYOUTS = ("class", "subset/class", "domain/class", "domain/subset/class")
 
 
-class ImageFolderRules(Strict):
+class DicomFrameRules(Strict):
+    """Which frames of a multi-frame DICOM (an ultrasound cine, a tomosynthesis series) a reader of your own
+    images takes, each as an image of the file's class and group (a file's frames never straddle a split)."""
+
+    frames: Union[Literal["first", "all"], Annotated[int, Field(ge=1)]] = Field(
+        "first", description="first = the first frame of a multi-frame DICOM only; all = every frame; a number n = up "
+        "to n frames evenly spaced from the first to the last (all of them when the file has n or fewer)")
+
+
+class ImageFolderRules(DicomFrameRules):
     """How to read a folder of your own images sorted into one folder per class (a source with ``reader:
     image_folder``), torchvision's ``ImageFolder`` layout and its common variants: below the source's folder an
     optional domain level (several sites in one folder), an optional subset level (your own train / val / test),
@@ -452,7 +461,7 @@ class ImageFolderRules(Strict):
         return self
 
 
-class ImageTableRules(TableFileRules):
+class ImageTableRules(TableFileRules, DicomFrameRules):
     """How to read a label table of your own for a benchmark kind (a source with ``reader: image_table``): one row per
     image, its class in one column (``label``) or one column per class holding 1 for the row's class (``label_columns``,
     the one-hot layout of ISIC's ground truth). A value is the dataset's class of the same name (case, spaces, '_' and

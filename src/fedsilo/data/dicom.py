@@ -92,9 +92,11 @@ def dicom_to_uint8(
     intensity: str = "bit_depth",
     percentiles: tuple[float, float] = (0.5, 99.5),
     ds: Any = None,
+    frame: int = 0,
 ) -> tuple[np.ndarray, dict[str, Any]]:
-    """Decode one DICOM file (``ds``: the file as pydicom read it already, else it is read here). Returns (HxW
-    uint8, header facts). Raises ImageDecodeError on any failure."""
+    """Decode one DICOM file (``ds``: the file as pydicom read it already, else it is read here); of a multi-frame
+    file, frame ``frame`` only (0: the first; radiographs carry one). Returns (HxW uint8, header facts). Raises
+    ImageDecodeError on any failure."""
     import pydicom
     from pydicom.errors import InvalidDicomError
     from pydicom.pixels import apply_modality_lut, apply_voi_lut
@@ -102,16 +104,15 @@ def dicom_to_uint8(
     try:
         if ds is None:
             ds = pydicom.dcmread(str(path))
-        if _frames(ds) > 1:  # multi-frame: radiographs carry one frame; decode the first only
-            ds.pixel_array_options(index=0)
+        _select_frame(ds, path, frame)
         arr = ds.pixel_array
     except (InvalidDicomError, AttributeError, ValueError, RuntimeError, OSError, EOFError, KeyError) as err:
         raise decode_error(path, err, "cannot decode DICOM pixels: ") from err
     photometric = str(ds.get("PhotometricInterpretation", "")).upper()
     if photometric not in ("MONOCHROME1", "MONOCHROME2"):
         raise ImageDecodeError(f"{path}: photometric interpretation {photometric!r} is not a grayscale radiograph")
-    if arr.ndim == 3:  # a multi-frame file decoded whole (an older pydicom): the first frame
-        arr = arr[0]
+    if arr.ndim == 3:  # a multi-frame file decoded whole (an older pydicom): the frame asked for
+        arr = arr[frame]
     if arr.ndim != 2 or min(arr.shape) < 8:
         raise ImageDecodeError(f"{path}: unexpected pixel array shape {arr.shape}")
     try:
@@ -148,6 +149,38 @@ def _frames(ds: Any) -> int:
         return 1
 
 
+def _select_frame(ds: Any, path: str | Path, frame: int) -> None:
+    """Make ``ds.pixel_array`` decode frame ``frame`` only (a multi-frame file); a frame the file lacks is an error."""
+    n = _frames(ds)
+    if not 0 <= frame < n:
+        raise ImageDecodeError(f"{path}: has {n} frame{'s' if n != 1 else ''}, no frame {frame}")
+    if n > 1:
+        ds.pixel_array_options(index=frame)
+
+
+def frame_count(path: str | Path) -> int:
+    """How many frames a DICOM file holds (its header's NumberOfFrames; 1 when absent), from its header only; 1
+    when the header cannot be read (the decoder then quarantines the file with the reason)."""
+    import pydicom
+    from pydicom.errors import InvalidDicomError
+
+    try:
+        return _frames(pydicom.dcmread(str(path), stop_before_pixels=True))
+    except (InvalidDicomError, AttributeError, ValueError, RuntimeError, OSError, EOFError, KeyError):
+        return 1
+
+
+def frame_indices(n: int, frames: str | int) -> list[int]:
+    """The frames of an ``n``-frame file that ``frames`` (``DicomFrameRules.frames``) takes: ``first`` -> [0];
+    ``all`` -> every one; a number m -> m frames evenly spaced from the first to the last (every frame when n <= m)."""
+    if frames == "first" or n <= 1:
+        return [0]
+    if frames == "all" or n <= int(frames):
+        return list(range(n))
+    m = int(frames)
+    return [0] if m == 1 else sorted({round(k * (n - 1) / (m - 1)) for k in range(m)})
+
+
 WHOLE_SLIDE = "1.2.840.10008.5.1.4.1.1.77.1.6"  # VL Whole Slide Microscopy Image Storage
 
 
@@ -171,14 +204,14 @@ def dicom_image_problem(path: str | Path) -> str:
     return ""
 
 
-def dicom_to_rgb(path: str | Path) -> np.ndarray:
+def dicom_to_rgb(path: str | Path, frame: int = 0) -> np.ndarray:
     """Decode one DICOM file of any photometric interpretation to uint8 (HxW for greyscale, HxWx3 for colour): a
     site's own images outside chest X-rays (a dermatology photograph, an ultrasound frame, a slide's snapshot).
     MONOCHROME1/2 go through :func:`dicom_to_uint8` (modality and VOI LUTs): over the VOI window where the header has
     one, else over the image's 0.5-99.5 percentiles (a CT or MR slice scaled over its whole stored bit depth would be
     almost flat). RGB and YBR are taken as pydicom gives them in RGB (YBR converted), PALETTE COLOR through its lookup
-    table, more than 8 bits scaled to 8. A multi-frame file (an ultrasound cine) gives its first frame, the only one
-    decoded. A constant image, and any failure, raise ImageDecodeError."""
+    table, more than 8 bits scaled to 8. Of a multi-frame file (an ultrasound cine), frame ``frame`` (default the
+    first), the only one decoded. A constant image, and any failure, raise ImageDecodeError."""
     import pydicom
     from pydicom.errors import InvalidDicomError
     from pydicom.pixels import apply_color_lut
@@ -187,17 +220,16 @@ def dicom_to_rgb(path: str | Path) -> np.ndarray:
         ds = pydicom.dcmread(str(path))
         photometric = str(ds.get("PhotometricInterpretation", "")).upper()
         if photometric in ("MONOCHROME1", "MONOCHROME2"):
-            grey = dicom_to_uint8(path, "bit_depth" if has_voi(ds) else "percentile", ds=ds)[0]  # the file read once
+            grey = dicom_to_uint8(path, "bit_depth" if has_voi(ds) else "percentile", ds=ds, frame=frame)[0]  # read once
             if grey.std() == 0:
                 raise ImageDecodeError(f"{path}: constant image")
             return grey
         if photometric != "RGB" and not photometric.startswith("YBR") and photometric != "PALETTE COLOR":
             raise ImageDecodeError(f"{path}: photometric interpretation {photometric!r} is neither greyscale nor colour")
-        if _frames(ds) > 1:
-            ds.pixel_array_options(index=0)
+        _select_frame(ds, path, frame)
         arr = ds.pixel_array  # pydicom 3 gives YBR (native or compressed) as RGB: its as_rgb default
-        if arr.ndim == 4:  # decoded whole: the first frame
-            arr = arr[0]
+        if arr.ndim == 4:  # decoded whole (an older pydicom): the frame asked for
+            arr = arr[frame]
         if photometric == "PALETTE COLOR":
             arr = apply_color_lut(arr, ds)
     except ImageDecodeError:

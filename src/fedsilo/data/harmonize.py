@@ -33,7 +33,7 @@ import os
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 import pandas as pd
@@ -83,7 +83,9 @@ def to_rgb_square(img: np.ndarray, size: int, how: str) -> np.ndarray:
 
 
 def decode_one(args: tuple) -> np.ndarray:
-    path, reader, size, square, intensity, pct = args
+    """One image file to the dataset's uint8 square: ``(path, reader, size, square, intensity, percentiles[,
+    frame])``; ``frame``: the frame of a multi-frame DICOM (``dicom_rgb``; default the first)."""
+    path, reader, size, square, intensity, pct, *rest = args
     if reader == "rgb":
         arr, _ = read_standard_image(path, grayscale=False)
         if arr.dtype != np.uint8:
@@ -92,7 +94,7 @@ def decode_one(args: tuple) -> np.ndarray:
     if reader == "dicom_rgb":  # a site's own DICOM beside the benchmark images: grey or colour, to RGB
         from fedsilo.data.dicom import dicom_to_rgb
 
-        return to_rgb_square(dicom_to_rgb(path), size, square)
+        return to_rgb_square(dicom_to_rgb(path, frame=int(rest[0]) if rest else 0), size, square)
     if reader == "dicom":
         from fedsilo.data.dicom import dicom_to_uint8
 
@@ -406,6 +408,8 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
     for src in own:
         table = params.reader_of(src) == "image_table"
         rec = image_folder.read_records(scans[src], maps[src], classes, check_groups=not table)
+        if params.rules(src).frames != "first":  # a multi-frame DICOM's frames, each an image of the file's class and group
+            rec = expand_frames(rec, raw_root / src, params.rules(src).frames, keys[src], quiet)
         theirs = set(rec["domain"])
         for other, frame in frames.items():
             clash = sorted(d for d in theirs if d.casefold() in {x.casefold() for x in frame["domain"]})
@@ -431,6 +435,28 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
     return records, classes, modules, warnings
 
 
+def expand_frames(rec: pd.DataFrame, raw_dir: Path, frames: Union[str, int], key: str, quiet: bool = False) -> pd.DataFrame:
+    """``rec`` (a source of your own's records) with each kept multi-frame DICOM's row repeated for every frame
+    ``frames`` takes (:func:`~fedsilo.data.dicom.frame_indices`): id ``<id>#frame<k>`` (k from 0), column ``frame``,
+    the file's class, group and subset (the frames of one file stay on one side of every split). Other rows keep
+    their id, with frame 0. Reads each DICOM's header only."""
+    from fedsilo.data.dicom import frame_count, frame_indices
+
+    dicoms = np.flatnonzero((rec["reader"] == "dicom").to_numpy() & (rec["excluded"] == "").to_numpy())
+    counts = np.ones(len(rec), dtype=np.int64)
+    bar = Progress(len(dicoms), f"frames {key.rsplit('.', 1)[-1]}", "file", quiet=quiet)
+    for i in dicoms:
+        counts[i] = frame_count(raw_dir / str(rec["path"].iloc[i]))
+        bar.update()
+    bar.close()
+    taken = [frame_indices(int(n), frames) if n > 1 else [0] for n in counts]
+    out = rec.loc[rec.index.repeat([len(t) for t in taken])].reset_index(drop=True)
+    out["frame"] = [k for t in taken for k in t]
+    many = np.repeat(counts > 1, [len(t) for t in taken])
+    out.loc[many, "id"] = [f"{i}#frame{k}" for i, k in zip(out.loc[many, "id"], out.loc[many, "frame"])]
+    return out
+
+
 def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:
     raw_root = Path(raw_root)
     workers = params.workers or os.cpu_count() or 1
@@ -447,6 +473,7 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
     file_jobs: list[tuple[int, tuple]] = []
     with atomic_dir(Path(out_dir)) as tmp:  # nothing of it is left if anything below fails
         spool = ImageSpool(tmp, len(kept), Path(out_dir).name)
+        frame_of = kept["frame"].fillna(0).astype(int).tolist() if "frame" in kept.columns else [0] * len(kept)
         for i, (src, path, reader) in enumerate(zip(kept["source"], kept["path"], kept["reader"])):
             raw_dir = raw_root / src
             if not path:
@@ -464,7 +491,7 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
                     errors[i] = str(err)
             else:
                 decoder = "dicom_rgb" if reader == "dicom" else "rgb"  # a DICOM of your own, or any image file
-                file_jobs.append((i, (str(raw_dir / path), decoder, params.image_size, params.square, "", (0.0, 100.0))))
+                file_jobs.append((i, (str(raw_dir / path), decoder, params.image_size, params.square, "", (0.0, 100.0), frame_of[i])))
         doms = [str(kept["domain"].iloc[i]) for i, _ in file_jobs]
         spool.decode_into(file_jobs, kept["id"], errors, ok, workers, doms, f"harmonize {params.kind}", quiet)
         quarantine = kept.loc[~ok, ["id", "domain", "path"]].copy()
