@@ -396,16 +396,31 @@ class CXRDatasetParams(Strict):
 FOLDER_LAYOUTS = ("class", "subset/class", "domain/class", "domain/subset/class")
 
 
-class DicomFrameRules(Strict):
-    """Which frames of a multi-frame DICOM (an ultrasound cine, a tomosynthesis series) a reader of your own
-    images takes, each as an image of the file's class and group (a file's frames never straddle a split)."""
+class SlideRules(Strict):
+    """How whole-slide images of your own are cut into patches (``fedsilo.data.slides``): square patches of
+    ``patch_px`` pixels at ``mpp`` microns per pixel, where the tissue covers ``min_tissue`` of the patch or more, at
+    most ``max_patches`` per slide."""
+
+    mpp: float = Field(0.5, gt=0, description="microns per pixel of a patch (0.5: about 20x; 0.25: about 40x)")
+    patch_px: int = Field(224, ge=16, description="a patch's side in pixels at that resolution (the dataset's image_size then resizes it)")
+    min_tissue: float = Field(0.5, gt=0, le=1, description="the share of a patch the tissue must cover (found on a thumbnail: saturation above Otsu's threshold)")
+    max_patches: int = Field(200, ge=1, description="patches kept per slide at most, evenly spaced over its tissue in reading order")
+    slide_mpp: Optional[float] = Field(None, gt=0, description="microns per level-0 pixel for slides whose header does not say (default: a slide without it is excluded, with the reason)")
+
+
+class OwnImageRules(Strict):
+    """What a reader of your own images does with files that hold more than one picture: a multi-frame DICOM (an
+    ultrasound cine, a tomosynthesis series) and a whole-slide image. Each frame or patch is an image of the file's
+    class and group, so a file's frames or patches never straddle a split."""
 
     frames: Union[Literal["first", "all"], Annotated[int, Field(ge=1)]] = Field(
         "first", description="first = the first frame of a multi-frame DICOM only; all = every frame; a number n = up "
         "to n frames evenly spaced from the first to the last (all of them when the file has n or fewer)")
+    slides: Optional[SlideRules] = Field(None, description="cut whole-slide images (.svs, .ndpi, .scn, .bif, tiled "
+                                         "pyramidal TIFF) into patches; null: a slide is excluded with the reason")
 
 
-class ImageFolderRules(DicomFrameRules):
+class ImageFolderRules(OwnImageRules):
     """How to read a folder of your own images sorted into one folder per class (a source with ``reader:
     image_folder``), torchvision's ``ImageFolder`` layout and its common variants: below the source's folder an
     optional domain level (several sites in one folder), an optional subset level (your own train / val / test),
@@ -461,7 +476,7 @@ class ImageFolderRules(DicomFrameRules):
         return self
 
 
-class ImageTableRules(TableFileRules, DicomFrameRules):
+class ImageTableRules(TableFileRules, OwnImageRules):
     """How to read a label table of your own for a benchmark kind (a source with ``reader: image_table``): one row per
     image, its class in one column (``label``) or one column per class holding 1 for the row's class (``label_columns``,
     the one-hot layout of ISIC's ground truth). A value is the dataset's class of the same name (case, spaces, '_' and

@@ -49,6 +49,7 @@ from fedsilo.data.imageops import (
     resize_area,
     square,
 )
+from fedsilo.data.slides import expand_slides
 from fedsilo.data.sources import cxr_table, image_folder, image_table, source_module
 from fedsilo.utils.io import atomic_dir, file_sha256, write_json
 from fedsilo.utils.progress import Progress
@@ -84,13 +85,18 @@ def to_rgb_square(img: np.ndarray, size: int, how: str) -> np.ndarray:
 
 def decode_one(args: tuple) -> np.ndarray:
     """One image file to the dataset's uint8 square: ``(path, reader, size, square, intensity, percentiles[,
-    frame])``; ``frame``: the frame of a multi-frame DICOM (``dicom_rgb``; default the first)."""
+    where])``; ``where``: the frame of a multi-frame DICOM (``dicom_rgb``; default the first), or a slide's patch
+    (``slide``: ``(x, y, level, w, h)``, :func:`fedsilo.data.slides.read_patch`)."""
     path, reader, size, square, intensity, pct, *rest = args
     if reader == "rgb":
         arr, _ = read_standard_image(path, grayscale=False)
         if arr.dtype != np.uint8:
             arr = (arr.astype(np.float64) / 257.0).round().astype(np.uint8)  # 16-bit PNG -> 8 bit
         return to_rgb_square(arr, size, square)
+    if reader == "slide":  # a patch of a site's own whole-slide image: (x, y, level, w, h)
+        from fedsilo.data.slides import read_patch
+
+        return to_rgb_square(read_patch(path, rest[0]), size, square)
     if reader == "dicom_rgb":  # a site's own DICOM beside the benchmark images: grey or colour, to RGB
         from fedsilo.data.dicom import dicom_to_rgb
 
@@ -410,6 +416,7 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
         rec = image_folder.read_records(scans[src], maps[src], classes, check_groups=not table)
         if params.rules(src).frames != "first":  # a multi-frame DICOM's frames, each an image of the file's class and group
             rec = expand_frames(rec, raw_root / src, params.rules(src).frames, keys[src], quiet)
+        rec = expand_slides(rec, raw_root / src, params.rules(src).slides, keys[src], quiet)  # patches, or excluded
         theirs = set(rec["domain"])
         for other, frame in frames.items():
             clash = sorted(d for d in theirs if d.casefold() in {x.casefold() for x in frame["domain"]})
@@ -474,6 +481,7 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
     with atomic_dir(Path(out_dir)) as tmp:  # nothing of it is left if anything below fails
         spool = ImageSpool(tmp, len(kept), Path(out_dir).name)
         frame_of = kept["frame"].fillna(0).astype(int).tolist() if "frame" in kept.columns else [0] * len(kept)
+        patch_of = kept["patch"].tolist() if "patch" in kept.columns else [None] * len(kept)
         for i, (src, path, reader) in enumerate(zip(kept["source"], kept["path"], kept["reader"])):
             raw_dir = raw_root / src
             if not path:
@@ -489,6 +497,8 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
                     ok[i] = True
                 except (ImageDecodeError, IndexError) as err:
                     errors[i] = str(err)
+            elif reader == "slide":  # a patch of a whole-slide image of your own (fedsilo.data.slides)
+                file_jobs.append((i, (str(raw_dir / path), "slide", params.image_size, params.square, "", (0.0, 100.0), patch_of[i])))
             else:
                 decoder = "dicom_rgb" if reader == "dicom" else "rgb"  # a DICOM of your own, or any image file
                 file_jobs.append((i, (str(raw_dir / path), decoder, params.image_size, params.square, "", (0.0, 100.0), frame_of[i])))

@@ -44,6 +44,7 @@ import pandas as pd
 
 from fedsilo.config import ImageFolderRules, check_domain_name, table_word
 from fedsilo.data.dicom import dicom_image_problem, is_dicom_file
+from fedsilo.data.slides import is_slide_file
 from fedsilo.data.sources.base import LabelFileError, is_hidden, walk
 from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES, norm_name, records_frame
 from fedsilo.utils.progress import Progress
@@ -59,9 +60,13 @@ def _level_names(layout: str) -> list[str]:
 
 
 def file_reader(path: Path) -> tuple[str, str]:
-    """(reader, why not): ``("image", "")`` for an image suffix, ``("dicom", "")`` for a DICOM image (by suffix or
-    preamble: a PACS export's files often have none), else ``("", reason)``: not an image file, a DICOM without
-    pixels (a report, a DICOMDIR) or a whole-slide image. A file that cannot be opened is no DICOM here."""
+    """(reader, why not): ``("slide", "")`` for a whole-slide image (:func:`~fedsilo.data.slides.is_slide_file`: cut
+    into patches where the rules say ``slides``), ``("image", "")`` for an image suffix, ``("dicom", "")`` for a DICOM
+    image (by suffix or preamble: a PACS export's files often have none), else ``("", reason)``: not an image file, a
+    DICOM without pixels (a report, a DICOMDIR) or a DICOM whole-slide image. A file that cannot be opened is no DICOM
+    here."""
+    if is_slide_file(path):  # before the image suffixes: a pyramidal .tif is a slide, never decoded whole
+        return "slide", ""
     if path.suffix.lower() in IMAGE_SUFFIXES:
         return "image", ""
     try:

@@ -1,0 +1,182 @@
+"""Whole-slide images of a site's own (a pathology department's scans) cut into patches, as the field's slide
+pipelines do: a slide is read through tiffslide (Aperio ``.svs``, Hamamatsu ``.ndpi``, Leica ``.scn``, Ventana
+``.bif``, and generic tiled pyramidal TIFF), its tissue found on a thumbnail (the saturation channel, median-blurred,
+thresholded by Otsu's method: background glass is unsaturated), a grid of square patches laid over it at the
+resolution asked for (``slides.mpp`` microns per pixel, ``slides.patch_px`` pixels a side), and the cells whose
+tissue fraction reaches ``slides.min_tissue`` kept, at most ``slides.max_patches`` per slide, evenly spaced in
+reading order. Each patch is an image of the slide's class (its class folder, or its table row) and group (the
+slide, or the patient ``group`` / ``patient`` names), so a slide's patches never straddle a split; its id is
+``<file>#x<X>y<Y>`` (its top-left corner in level-0 pixels). Each patch is read from the pyramid level nearest
+its resolution (never a coarser one) and resized to the dataset's ``image_size`` with the other images.
+
+A slide is found by its suffix, or for ``.tif`` / ``.tiff`` by being tiled with reduced-resolution levels or larger
+than :data:`LARGE_TIFF_PX` pixels (a patch saved as TIFF stays an image). Without ``slides`` rules a slide is
+excluded with the reason (it is never decoded whole: a 100,000-pixel-wide scan would need tens of GB).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import pandas as pd
+
+from fedsilo.data.imageops import ImageDecodeError
+
+SLIDE_SUFFIXES = (".svs", ".ndpi", ".scn", ".bif")
+LARGE_TIFF_PX = 20_000  # a single-level TIFF wider or taller than this is a slide, not a patch
+SMALL_TIFF_BYTES = 8 * 2**20  # a .tif smaller than this is an image, whatever its header says (no header is read)
+THUMBNAIL_PX = 2048  # the longer side of the thumbnail the tissue is found on
+INSTALL_HINT = "whole-slide images are read with tiffslide: pip install 'fedsilo[slides]'"
+
+
+def is_slide_file(path: Path) -> bool:
+    """A whole-slide image by its suffix, or a ``.tif`` / ``.tiff`` that is tiled with reduced-resolution levels or
+    very large (its header only is read; one that cannot be read is no slide: the image decoder then reports it)."""
+    suffix = path.suffix.lower()
+    if suffix in SLIDE_SUFFIXES:
+        return True
+    if suffix not in (".tif", ".tiff"):
+        return False
+    try:
+        if path.stat().st_size < SMALL_TIFF_BYTES:  # a patch or a photograph saved as TIFF: not worth opening
+            return False
+    except OSError:
+        return False
+    try:
+        import tifffile
+    except ImportError:  # tiffslide (fedsilo[slides]) brings tifffile; without it, a very large TIFF by its size
+        from PIL import Image
+
+        try:
+            with Image.open(path) as im:
+                return max(im.size) > LARGE_TIFF_PX
+        except Exception:  # noqa: BLE001 - not a TIFF Pillow reads: the image decoder says why
+            return False
+    try:
+        with tifffile.TiffFile(path) as tif:
+            page = tif.pages.first
+            levels = len(tif.series[0].levels) if tif.series else 1
+            return bool(page.is_tiled and levels > 1) or max(page.shape[:2]) > LARGE_TIFF_PX
+    except Exception:  # noqa: BLE001 - not a TIFF tifffile reads: the image decoder says why
+        return False
+
+
+def _tiffslide() -> Any:
+    try:
+        import tiffslide
+    except ImportError as err:
+        raise ImportError(INSTALL_HINT) from err
+    return tiffslide
+
+
+@functools.lru_cache(maxsize=8)
+def _open(path: str) -> Any:
+    """An open slide, kept per process: a slide's patches are decoded one after another."""
+    return _tiffslide().TiffSlide(path)
+
+
+def level0_mpp(slide: Any, fallback: Optional[float]) -> Optional[float]:
+    """Microns per level-0 pixel from the slide's header (tiffslide's ``mpp-x``), else ``fallback``."""
+    mpp = slide.properties.get("tiffslide.mpp-x")
+    try:
+        mpp = float(mpp) if mpp is not None else None
+    except (TypeError, ValueError):
+        mpp = None
+    return mpp if mpp and mpp > 0 else fallback
+
+
+def tissue_mask(thumbnail: np.ndarray) -> np.ndarray:
+    """Boolean tissue mask of an RGB thumbnail: saturation, median-blurred (7 px), above Otsu's threshold; all
+    False when the thumbnail holds no colour to tell tissue from glass (Otsu's threshold below 8 of 255)."""
+    import cv2
+
+    sat = cv2.cvtColor(np.ascontiguousarray(thumbnail[..., :3], dtype=np.uint8), cv2.COLOR_RGB2HSV)[..., 1]
+    sat = cv2.medianBlur(sat, 7)
+    thr, mask = cv2.threshold(sat, 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
+    if thr < 8:
+        return np.zeros(sat.shape, dtype=bool)
+    return mask > 0
+
+
+def plan_patches(path: Path, rules: Any) -> tuple[list[tuple[int, int, int, int, int]], str]:
+    """The patches of one slide: ``[(x, y, level, w, h), ...]`` (top-left corner in level-0 pixels, the level read
+    and the region's size at that level), and "" or why the slide gives none (no microns per pixel, no tissue)."""
+    slide = _open(str(path))
+    mpp0 = level0_mpp(slide, rules.slide_mpp)
+    if mpp0 is None:
+        return [], "no microns per pixel in its header (set slides.slide_mpp)"
+    width, height = slide.dimensions
+    side0 = rules.patch_px * rules.mpp / mpp0  # a patch's side in level-0 pixels
+    if side0 > min(width, height):
+        return [], f"smaller than one patch ({rules.patch_px} px at {rules.mpp} um/px)"
+    level = int(slide.get_best_level_for_downsample(rules.mpp / mpp0))
+    down = float(slide.level_downsamples[level])
+    read = max(1, round(side0 / down))
+    thumb = np.asarray(slide.get_thumbnail((THUMBNAIL_PX, THUMBNAIL_PX)).convert("RGB"))
+    mask = tissue_mask(thumb).astype(np.float64)
+    sy, sx = mask.shape[0] / height, mask.shape[1] / width
+    integral = np.pad(mask.cumsum(0).cumsum(1), ((1, 0), (1, 0)))
+    step = int(round(side0))
+    xs, ys = np.arange(0, width - step + 1, step), np.arange(0, height - step + 1, step)
+    x0, x1 = np.floor(xs * sx).astype(int), np.maximum(np.floor(xs * sx).astype(int) + 1, np.ceil((xs + step) * sx).astype(int))
+    y0, y1 = np.floor(ys * sy).astype(int), np.maximum(np.floor(ys * sy).astype(int) + 1, np.ceil((ys + step) * sy).astype(int))
+    x1, y1 = np.minimum(x1, mask.shape[1]), np.minimum(y1, mask.shape[0])
+    area = (y1 - y0)[:, None] * (x1 - x0)[None, :]
+    inside = integral[y1][:, x1] - integral[y0][:, x1] - integral[y1][:, x0] + integral[y0][:, x0]
+    frac = inside / np.maximum(area, 1)
+    rows, cols = np.nonzero(frac >= rules.min_tissue)  # reading order: row by row
+    if rows.size == 0:
+        return [], f"no patch with {rules.min_tissue:.0%} tissue or more (slides.min_tissue)"
+    if rows.size > rules.max_patches:
+        pick = np.unique(np.round(np.linspace(0, rows.size - 1, rules.max_patches)).astype(int))
+        rows, cols = rows[pick], cols[pick]
+    return [(int(xs[c]), int(ys[r]), level, read, read) for r, c in zip(rows, cols)], ""
+
+
+def read_patch(path: str, patch: tuple[int, int, int, int, int]) -> np.ndarray:
+    """The RGB pixels of one patch (``plan_patches``' tuple) at its level, uint8 HxWx3."""
+    x, y, level, w, h = (int(v) for v in patch)
+    try:
+        arr = np.asarray(_open(str(path)).read_region((x, y), level, (w, h), as_array=True))
+    except ImportError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a slide's tile that cannot be decoded: quarantined with the reason
+        raise ImageDecodeError(f"{path}: cannot read the patch at ({x}, {y}): {type(err).__name__}: {err}") from err
+    arr = arr[..., :3]
+    if arr.std() == 0:
+        raise ImageDecodeError(f"{path}#x{x}y{y}: constant patch")
+    return np.ascontiguousarray(arr, dtype=np.uint8)
+
+
+def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet: bool = False) -> pd.DataFrame:
+    """``rec`` (a source of your own's records) with each kept slide's row replaced by one row per patch
+    (:func:`plan_patches`): id ``<id>#x<X>y<Y>``, column ``patch``, the slide's class, group and subset; a slide that
+    gives no patch stays one excluded row with the reason. Without ``rules`` (no ``slides`` set) every kept slide is
+    excluded, naming the key that cuts it into patches."""
+    from fedsilo.utils.progress import Progress
+
+    slides = np.flatnonzero((rec["reader"] == "slide").to_numpy() & (rec["excluded"] == "").to_numpy())
+    if slides.size == 0:
+        return rec
+    rec = rec.copy()
+    if rules is None:
+        rec.loc[rec.index[slides], "excluded"] = f"a whole-slide image (set {key}.slides to cut it into patches)"
+        return rec
+    plans: dict[int, list[tuple[int, int, int, int, int]]] = {}
+    bar = Progress(len(slides), f"slides {key.rsplit('.', 1)[-1]}", "slide", quiet=quiet)
+    for i in slides:
+        plans[int(i)], why = plan_patches(raw_dir / str(rec["path"].iloc[i]), rules)
+        if why:
+            rec.loc[rec.index[i], "excluded"] = f"a whole-slide image with {why}"
+        bar.update(info=f"{sum(len(p) for p in plans.values())} patches")
+    bar.close()
+    repeat = [len(plans.get(i) or [None]) for i in range(len(rec))]
+    out = rec.loc[rec.index.repeat(repeat)].reset_index(drop=True)
+    patches = [p for i in range(len(rec)) for p in (plans.get(i) or [None])]
+    out["patch"] = patches
+    has = np.array([p is not None for p in patches])
+    out.loc[has, "id"] = [f"{i}#x{p[0]}y{p[1]}" for i, p in zip(out.loc[has, "id"], out.loc[has, "patch"])]
+    return out

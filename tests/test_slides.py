@@ -1,0 +1,109 @@
+"""Whole-slide images of a site's own cut into patches (``slides`` of ``image_folder`` / ``image_table``): the tissue
+found, the grid at the resolution asked for, each patch an image of the slide's class and group; a slide without the
+rules, without a resolution or without tissue excluded with the reason; a small TIFF still an image."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pandas as pd
+import pytest
+
+pytest.importorskip("tiffslide")
+
+import tifffile  # noqa: E402
+
+from fedsilo.config import BenchmarkDatasetParams  # noqa: E402
+from fedsilo.data import slides  # noqa: E402
+from fedsilo.data.harmonize import harmonize_benchmark, to_rgb_square  # noqa: E402
+
+SIDE, MPP0 = 2048, 0.25  # a 0.5 mm square scanned at 40x (0.25 um/px)
+
+
+def _slide(path: Path, centre: tuple[int, int], radius: int, mpp: float | None = MPP0, seed: int = 0) -> np.ndarray:
+    """A tiled, JPEG-compressed pyramidal TIFF (levels 1, 4, 16) of a stained disc of tissue on white glass; the
+    resolution tags give ``mpp`` microns per pixel (None: no tags). Returns level 0's pixels as written."""
+    rng = np.random.default_rng(seed)
+    img = np.full((SIDE, SIDE, 3), 238, np.uint8)
+    yy, xx = np.mgrid[:SIDE, :SIDE]
+    disc = (yy - centre[1]) ** 2 + (xx - centre[0]) ** 2 < radius**2
+    img[disc] = (rng.integers(0, 50, (int(disc.sum()), 3)) + np.array([170, 70, 140])).astype(np.uint8)  # H&E pinks
+    path.parent.mkdir(parents=True, exist_ok=True)
+    res = (lambda d: {"resolution": (1e4 / (mpp * d), 1e4 / (mpp * d)), "resolutionunit": "CENTIMETER"}) if mpp else (lambda d: {})
+    with tifffile.TiffWriter(path) as tif:
+        opts = {"tile": (256, 256), "photometric": "rgb", "compression": "jpeg"}
+        tif.write(img, subifds=2, **opts, **res(1))
+        for d in (4, 16):
+            tif.write(np.ascontiguousarray(img[::d, ::d]), subfiletype=1, **opts, **res(d))
+    return img
+
+
+def _dataset(tmp_path: Path, name: str, rules: dict):
+    ds = BenchmarkDatasetParams(kind="image_folder", sources=("lab",), image_size=16, workers=1, max_quarantine_fraction=0.5,
+                                folders={"lab": rules})
+    card = harmonize_benchmark(ds, tmp_path / "raw", tmp_path / name / "d", quiet=True)
+    return card, pd.read_parquet(tmp_path / name / "d" / "records.parquet"), np.load(tmp_path / name / "d" / "images.npy")
+
+
+def test_slides_are_cut_into_tissue_patches_of_their_class_and_group(tmp_path, monkeypatch):
+    monkeypatch.setattr(slides, "SMALL_TIFF_BYTES", 0)  # the test's slides are small files
+    root = tmp_path / "raw" / "lab"
+    _slide(root / "tumour" / "S1.tif", (900, 800), 500)
+    _slide(root / "normal" / "S2.tif", (1300, 1200), 400, seed=1)
+    _slide(root / "normal" / "S3_no_mpp.tif", (1000, 1000), 400, mpp=None)
+    _slide(root / "normal" / "S4_blank.tif", (0, 0), 0)  # glass only
+    patch = np.random.default_rng(2).integers(0, 256, (40, 40, 3), dtype=np.uint8)
+    assert cv2.imwrite(str(root / "normal" / "patch.png"), patch)
+    tifffile.imwrite(root / "normal" / "small.tif", patch)  # a patch saved as TIFF: an image, not a slide
+
+    # without slides rules, a slide is excluded naming the key (never decoded whole); the images are read
+    card, recs, _ = _dataset(tmp_path, "none", {})
+    assert sorted(recs["source_path"]) == ["normal/patch.png", "normal/small.tif"]
+    assert card["domains"]["lab"]["excluded_by_reason"] == {
+        "a whole-slide image (set datasets.d.folders.lab.slides to cut it into patches)": 4}
+
+    # 0.5 um/px patches of 32 px: 64 level-0 pixels a side, read from level 0 (the pyramid's levels are coarser)
+    rules = {"slides": {"mpp": 0.5, "patch_px": 32, "min_tissue": 0.5, "max_patches": 10_000}}
+    card, recs, images = _dataset(tmp_path, "all", rules)
+    reasons = card["domains"]["lab"]["excluded_by_reason"]
+    assert reasons == {"a whole-slide image with no microns per pixel in its header (set slides.slide_mpp)": 1,
+                       "a whole-slide image with no patch with 50% tissue or more (slides.min_tissue)": 1}
+    s1 = recs[recs["source_path"] == "tumour/S1.tif"]
+    assert len(s1) > 100 and (s1["label"] == recs.loc[recs["source_path"] == "tumour/S1.tif", "label"].iloc[0]).all()
+    assert s1["group"].nunique() == 1 and recs["group"].nunique() == 4  # S1, S2, patch.png, small.tif
+    xy = s1["id"].str.extract(r"#x(\d+)y(\d+)$").astype(int).to_numpy()
+    centres = xy + 32
+    # every patch lies on the disc (half its area or more: its centre within the radius plus half a diagonal)
+    assert (np.hypot(centres[:, 0] - 900, centres[:, 1] - 800) < 500 + 46).all()
+    # and the grid cells wholly inside the disc are all taken
+    inside = [(x, y) for x in range(0, SIDE - 63, 64) for y in range(0, SIDE - 63, 64)
+              if all(np.hypot(x + dx - 900, y + dy - 800) < 500 for dx in (0, 64) for dy in (0, 64))]
+    assert set(inside) <= {tuple(v) for v in xy}
+    slide = slides._open(str(root / "tumour" / "S1.tif"))
+    for row in s1.index[:: max(1, len(s1) // 5)]:  # each image is its region, read from the slide and resized
+        x, y = (int(v) for v in recs.loc[row, "id"].rsplit("#x", 1)[1].split("y"))
+        region = np.asarray(slide.read_region((x, y), 0, (64, 64), as_array=True))[..., :3]
+        np.testing.assert_array_equal(images[row], to_rgb_square(region, 16, "stretch"))
+    assert (recs.loc[recs["source_path"] == "normal/patch.png", "label"] == recs.loc[recs["source_path"] == "normal/S2.tif", "label"].iloc[0]).all()
+
+    # at most max_patches per slide, evenly spaced in reading order (the first and the last tissue cell kept); a
+    # resolution given for slides whose header has none; a coarser patch read from the pyramid level that fits
+    few = {"slides": {"mpp": 2.0, "patch_px": 32, "max_patches": 7, "slide_mpp": MPP0}}
+    card, recs, _ = _dataset(tmp_path, "few", few)
+    counts = recs.groupby("source_path").size().to_dict()
+    assert counts == {"normal/S2.tif": 7, "normal/S3_no_mpp.tif": 7, "tumour/S1.tif": 7, "normal/patch.png": 1, "normal/small.tif": 1}
+    plan, why = slides.plan_patches(root / "tumour" / "S1.tif", BenchmarkDatasetParams(
+        kind="image_folder", sources=("lab",), folders={"lab": few}).folders["lab"].slides)
+    assert why == "" and {p[2:] for p in plan} == {(1, 64, 64)}  # 256 level-0 px = 64 px of level 1 (4x down)
+    everything, _ = slides.plan_patches(root / "tumour" / "S1.tif", BenchmarkDatasetParams(
+        kind="image_folder", sources=("lab",), folders={"lab": {**few, "slides": {**few["slides"], "max_patches": 10_000}}}).folders["lab"].slides)
+    assert plan[0] == everything[0] and plan[-1] == everything[-1] and len(everything) > 7
+
+
+def test_a_small_tiff_is_an_image_and_a_large_one_a_slide(tmp_path):
+    tifffile.imwrite(tmp_path / "patch.tif", np.zeros((64, 64, 3), np.uint8))
+    assert not slides.is_slide_file(tmp_path / "patch.tif") and slides.is_slide_file(tmp_path / "x.svs")
+    _slide(tmp_path / "slide.tif", (900, 800), 500)
+    assert not slides.is_slide_file(tmp_path / "slide.tif")  # under SMALL_TIFF_BYTES: its header is not read
