@@ -293,6 +293,7 @@ def test_a_deployed_round_goes_on_without_a_site_gone_during_its_training_when_m
     metrics = json.loads((tmp_path / "results/metrics.json").read_text())
     history = json.loads((tmp_path / "results/history.json").read_text())
     assert metrics["dropped_rounds"] == {name: [2]} and name in history[0]["sampled"] and name not in history[1]["sampled"]
+    assert metrics["bytes_down_dropped_total"] == history[1]["dropped"][name] == history[0]["bytes_down"][name] > 0
     assert set(history[1]["eval"]) == set(metrics["clients"])  # every site is still evaluated
     with pytest.raises(ClientFailed, match=rf"client {name}: train in round 2 failed: Error: Node Unavailable"):
         server._main(DropsTraining(client, sites, run_id=2), _server_context(tmp_path / "strict"))

@@ -369,28 +369,53 @@ def test_a_site_whose_supernode_went_away_is_waited_for_and_answers_again_from_i
             _gone_run(tmp_path, folder, **checkpoint, **kw)
 
 
-class _DropGrid(_GoneGrid):
-    """Node ``gone`` goes away while it trains round 2, after it trained and kept its store, before its reply left.
-    ``wipe``: its SuperNode restarts (node state gone); else only its link dropped (it keeps its node state, holding
-    the store of the round whose upload the server never took). Either way it is back for round 2's evaluation."""
+class _DropGrid(LoopGrid):
+    """Message ids as a real grid sets them. Each node of ``drops`` (round -> nodes) goes away while it trains that
+    round, after it trained and kept its store, before its reply left: the SuperLink answers for it. ``wipe``: its
+    SuperNode restarts (node state gone); else only its link dropped and it keeps its node state (the store of the
+    round whose upload the server never took). Back at once for the evaluation. ``crash_in``: the SuperLink goes
+    down as that round's training is sent (nothing delivered; the coordinator's checkpoint holds the round before)."""
 
-    kind, away, wipe = "train", 0, True
+    drops: dict = {}
+    wipe, crash_in = True, None
 
     def send_and_receive(self, messages, timeout=None):
-        if self.died or self.wipe:
-            return super().send_and_receive(messages, timeout)
-        kept = self.contexts[self.gone].state
-        out = super().send_and_receive(messages, timeout)
-        if self.died:
-            self.contexts[self.gone].state = kept
+        from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+
+        out = []
+        for m in messages:
+            m.metadata.__dict__["_message_id"] = m.object_id
+            rnd, node = m.content.config_records.get(CONFIG, {}).get("round"), m.metadata.dst_node_id
+            if m.metadata.message_type == "train" and rnd == self.crash_in:
+                raise ConnectionError("the SuperLink went down")
+            if m.metadata.message_type == "train" and node in self.drops.get(rnd, ()):
+                super().send_and_receive([m], timeout)  # it trained and kept its store; the reply never left
+                if self.wipe:
+                    self.contexts[node].state = RecordDict()
+                out.append(create_message_error_unavailable_res_message(m.metadata, "node_unavail"))
+            else:
+                out.extend(super().send_and_receive([m], timeout))
         return out
 
 
-class _EngineWithout(Engine):
-    """The engine with client 1 (D1-0) not sampled in round 2."""
+def _engine_without(skip: set, rounds: int) -> list:
+    """The in-process engine with the (round, client index) pairs of ``skip`` not sampled."""
 
-    def sample(self, rnd):
-        return [i for i in super().sample(rnd) if (rnd, i) != (2, 1)]
+    class Without(Engine):
+        def sample(self, rnd):
+            return [i for i in super().sample(rnd) if (rnd, i) not in skip]
+
+    return Without(FedBN(FedBN.params_cls(), _train(rounds=rounds)), _model(), _clients(), _train(rounds=rounds), seed=0).run()
+
+
+def _drop_run(tmp_path: Path, name: str, rounds: int, drops: dict, wipe: bool = True, crash_in=None, **kw):
+    tp, clients = _train(rounds=rounds), _clients()
+    spec = FlowerSpec(FedBN, FedBN.params_cls(), tp, 0, _model, "fedbn")
+    app = client_app(spec, lambda ctx: clients[int(ctx.node_config["partition-id"])], keep_dir=lambda ctx: tmp_path / name / str(ctx.node_id))
+    grid = type("Grid", (_DropGrid,), {"drops": drops, "wipe": wipe, "crash_in": crash_in})(app, len(clients))
+    run = FlowerRun(spec, len(clients), checkpoint=tmp_path / f"{name}.pt", config_hash="h", rejoin_s=60, **kw)
+    run.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
+    return run, grid
 
 
 @pytest.mark.parametrize("wipe", [True, False], ids=["supernode-restarted", "link-dropped"])
@@ -399,43 +424,69 @@ def test_a_site_gone_during_training_is_left_out_of_the_round_as_if_not_sampled(
     its store). The round goes on with the two others; the run ends with the numbers of the in-process engine in
     which D1-0 was not sampled in round 2: its round-2 training (its BatchNorm statistics, kept in its node state
     when only its link dropped) is set aside, and it carries on from its store of round 1, on its disk. What was sent
-    to it is counted apart (``dropped``; MLflow's ``sites_dropped``)."""
+    to it is counted apart (``dropped``; MLflow's ``sites_dropped``). Then a site dropped in two rounds running and
+    the SuperLink down in the next round: ``flwr run`` again resumes to the engine's numbers without those two."""
     import fedsilo.fl.flower as flower
     from fedsilo.fl.run import round_summary
     from fedsilo.tracking import round_metrics
 
     monkeypatch.setattr(flower, "REJOIN_POLL_S", 0.01)
-    monkeypatch.setattr(_DropGrid, "wipe", wipe)
-    clients = _clients()
-    expected = _EngineWithout(FedBN(FedBN.params_cls(), _train(rounds=3)), _model(), clients, _train(rounds=3), seed=0).run()
+    expected = _engine_without({(2, 1)}, 3)
+    wire: list = []
     with caplog.at_level("WARNING", logger="fedsilo.flower"):
-        run, grid = _gone_run(tmp_path, "drop", grid_cls=_DropGrid, checkpoint=tmp_path / "drop.pt", config_hash="h",
-                              rejoin_s=60, min_train_sites=2)
-    assert grid.died
+        run, _ = _drop_run(tmp_path, "drop", 3, {2: {101}}, wipe, min_train_sites=2, wire=wire.append)
     history = run.engine.history
     for key in ("sampled", "eval", "bytes_up", "bytes_down", "train_loss"):
         assert [h[key] for h in history] == [h[key] for h in expected], key
     assert history[1]["sampled"] == ["D0-0", "D2-0"] and "dropped" not in history[0] and "dropped" not in history[2]
     assert history[1]["dropped"] == {"D1-0": history[0]["bytes_down"]["D1-0"]}  # the download it was sent
     assert round_metrics(history[1])["sites_dropped"] == 1 and "without D1-0" in round_summary(history[1])
+    assert [w["dropped"].split(":")[0] for w in wire if "dropped" in w] == ["no upload taken"]  # the coordinator's record
     said = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("D1-0: gone during round 2's training; the round goes on with the 2 of 3") for m in said)
     if not wipe:
         assert "client D1-0: the server took no upload of its round 2; it carries on from its store of round 1" in said
+    kept = sorted(f.name for f in (tmp_path / "drop" / "101" / "D1-0").iterdir() if f.suffix == ".pt")
+    # the untaken round set aside, never read again; round 1's store stays while a resume from the checkpoint of
+    # round 2 could name it (drop_before keeps the store the server names)
+    assert kept == ["model.pt", "store-r000001.pt", "store-r000003.pt", "untaken-r000002.pt"]
+
+    # dropped in rounds 2 and 3, the SuperLink down as round 4's training is sent, the App run again
+    with pytest.raises(ConnectionError):
+        _drop_run(tmp_path, "twice", 5, {2: {101}, 3: {101}}, wipe, crash_in=4, min_train_sites=2)
+    run, _ = _drop_run(tmp_path, "twice", 5, {}, wipe, min_train_sites=2)
+    expected = _engine_without({(2, 1), (3, 1)}, 5)
+    for key in ("sampled", "eval", "bytes_up", "bytes_down", "train_loss"):
+        assert [h[key] for h in run.engine.history] == [h[key] for h in expected], key
 
     # fewer sites trained than min-train-sites: the run ends as without it, saying so
     with pytest.raises(ClientFailed, match=r"client D1-0: train in round 2 failed: Error: Node Unavailable .*fewer than "
-                                           r"min-train-sites \(3\) of the round's sampled sites trained"):
-        _gone_run(tmp_path, "quorum", grid_cls=_DropGrid, checkpoint=tmp_path / "quorum.pt", config_hash="h", min_train_sites=3)
-    # refused by key: no checkpoint (the site could not take its last taken store from its disk), more sites than
-    # the federation has, and a method that announces before training (the server's aggregation counts on it)
+                                           r"min-train-sites \(2\) of the round's sampled sites trained"):
+        _drop_run(tmp_path, "quorum", 3, {2: {101, 102}}, min_train_sites=2)
+
+
+def test_min_train_sites_is_refused_by_key_where_a_round_cannot_go_on_without_a_site(identity, tmp_path):
+    """No checkpoint (the site could not take its last taken store from its disk), a number no round can lose a site
+    under (every sampled site, or more than the federation has), a task stream, and a method that announces before
+    training (the server's aggregation counts on it): refused by key before any site connects."""
+    from fedsilo.fl.flower import check_min_train_sites
+
+    spec = FlowerSpec(FedBN, FedBN.params_cls(), _train(), 0, _model, "fedbn")
     with pytest.raises(ConfigError, match=r"min-train-sites: 2 needs a checkpointed run"):
-        _gone_run(tmp_path, "nockpt", grid_cls=LoopGrid, min_train_sites=2)
+        FlowerRun(spec, 3, min_train_sites=2)
     with pytest.raises(ConfigError, match=r"min-train-sites: 4 is not a number of sites between 0 and the federation's 3"):
-        _gone_run(tmp_path, "many", grid_cls=LoopGrid, checkpoint=tmp_path / "many.pt", min_train_sites=4)
-    monkeypatch.setattr(FedBN, "announce", lambda self, model, store, client, rnd: {})
-    with pytest.raises(ConfigError, match=r"min-train-sites: .* tells the server before each round's training"):
-        _gone_run(tmp_path, "announce", grid_cls=LoopGrid, checkpoint=tmp_path / "announce.pt", min_train_sites=2)
+        FlowerRun(spec, 3, checkpoint=tmp_path / "c.pt", min_train_sites=4)
+    with pytest.raises(ConfigError, match=r"min-train-sites: 3 leaves no round a site to lose: a round samples 3 of the 3 sites"):
+        FlowerRun(spec, 3, checkpoint=tmp_path / "c.pt", min_train_sites=3)
+    half = FlowerSpec(FedBN, FedBN.params_cls(), _train(client_fraction=0.5), 0, _model, "fedbn")
+    with pytest.raises(ConfigError, match=r"min-train-sites: 2 leaves no round a site to lose: a round samples 2 of the 4 sites \(train.client_fraction\)"):
+        FlowerRun(half, 4, checkpoint=tmp_path / "c.pt", min_train_sites=2)
+    FlowerRun(half, 4, checkpoint=tmp_path / "c.pt", min_train_sites=1)  # one of the two may go
+    with pytest.raises(ConfigError, match=r"min-train-sites: not for a task stream yet"):
+        check_min_train_sites(spec, 3, 2, True, True)
+    announcing = type("Announcing", (FedBN,), {"announce": lambda self, model, store, client, rnd: {}})
+    with pytest.raises(ConfigError, match=r"min-train-sites: fedbn tells the server before each round's training"):
+        FlowerRun(FlowerSpec(announcing, FedBN.params_cls(), _train(), 0, _model, "fedbn"), 3, checkpoint=tmp_path / "c.pt", min_train_sites=2)
 
 
 def test_what_the_adapter_does_not_run_is_refused_by_key():

@@ -603,6 +603,7 @@ def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any, mlfl
         # the rounds each site was sampled for but left out of, gone during the training (min-train-sites)
         "dropped_rounds": {c["name"]: rounds for c in run.cards
                            if (rounds := [int(e["round"]) for e in history if c["name"] in e.get("dropped", {})])},
+        "bytes_down_dropped_total": int(sum(sum(e.get("dropped", {}).values()) for e in history)),  # sent, never taken back
         "deployment_sha256": canonical_hash(dep),
         "mlflow_run_id": mlflow_run_id,
     }

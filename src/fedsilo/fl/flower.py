@@ -272,6 +272,34 @@ class FlowerSpec:
 
 
 # ---------------------------------------------------------------------------------------------------------- server
+def check_min_train_sites(spec: FlowerSpec, n_sites: int, value: int, checkpointed: bool, stream: Optional[bool]) -> None:
+    """What leaving a site gone during its training out of a round needs (``min-train-sites`` > 0), refused by key
+    where it is missing: a number of sites a round can lose one of, a checkpointed run, static data (``stream``:
+    whether the sites hold task streams; None: not known yet), and a method that says nothing before training."""
+    key = "min-train-sites"
+    if value == 0:
+        return
+    if value < 0 or value > n_sites:
+        raise ConfigError(f"{key}: {value} is not a number of sites between 0 and the federation's {n_sites}")
+    tp = spec.train
+    fractions = tp.client_fraction_range[1] if tp.client_fraction_range is not None else tp.client_fraction
+    most = min(n_sites, max(1, math.floor(fractions * n_sites + 1e-9)))  # as Engine.sample draws
+    if value >= most:
+        raise ConfigError(f"{key}: {value} leaves no round a site to lose: a round samples {most} of the {n_sites} sites "
+                          f"(train.client_fraction{'_range' if tp.client_fraction_range is not None else ''}); set it below "
+                          f"{most}, or 0")
+    if not checkpointed:  # the site carries on from its kept store of the last round the server took from it
+        raise ConfigError(f"{key}: {value} needs a checkpointed run (a site left out of a round carries on from the store "
+                          "of the last round it trained, kept on its disk; a deployment is checkpointed)")
+    if stream:
+        raise ConfigError(f"{key}: not for a task stream yet (a site left out of a task's rounds changes what the task's "
+                          "end hands out); set it to 0")
+    if spec.method_cls.announce is not Method.announce:
+        raise ConfigError(f"{key}: {spec.key or spec.method_cls.name} tells the server before each round's training what the "
+                          "site trains (announce), which the server's aggregation counts on; a site cannot be left out "
+                          "after it; set it to 0")
+
+
 class FlowerServer(Engine):
     """The engine's server half over a Flower Grid: ``step`` / ``run`` / ``sample`` / ``eval_due`` /
     ``_refuse_private`` are the engine's; ``run_round`` and ``evaluate`` send the client half to the sites. The
@@ -310,8 +338,7 @@ class FlowerServer(Engine):
         self.stores: list[State] = []  # the sites hold them
         self._config = cards_config(cards)
         self._announces = type(self.method).announce is not Method.announce
-        if self.min_train_sites:
-            self._check_min_train_sites(tasks)
+        check_min_train_sites(spec, len(self.clients), self.min_train_sites, checkpoint is not None, tasks is not None)
         if self._resume():
             self.meta.update(meta or {})  # this run's (its MLflow run), over what the checkpoint held
             if self.stores:
@@ -325,21 +352,6 @@ class FlowerServer(Engine):
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-    def _check_min_train_sites(self, tasks: Optional[list[str]]) -> None:
-        """What leaving a site out of a round needs (``min_train_sites`` > 0), refused by key where it is missing."""
-        key = "min-train-sites"
-        if self.min_train_sites < 0 or self.min_train_sites > len(self.clients):
-            raise ConfigError(f"{key}: {self.min_train_sites} is not a number of sites between 0 and the federation's {len(self.clients)}")
-        if self.checkpoint is None:  # the site resumes from its kept store of the last round the server took from it
-            raise ConfigError(f"{key}: {self.min_train_sites} needs a checkpointed run (a site left out of a round carries on "
-                              "from the store of the last round it trained, kept on its disk; a deployment is checkpointed)")
-        if tasks is not None:
-            raise ConfigError(f"{key}: not for a task stream yet (a site left out of a task's rounds changes what the task's "
-                              "end hands out); set it to 0")
-        if self._announces:
-            raise ConfigError(f"{key}: {self.spec.key or self.method.name} tells the server before each round's training what the site trains "
-                              "(announce), which the server's aggregation counts on; a site cannot be left out after it; set it to 0")
 
     def last_trained(self) -> list[int]:
         """Per client index, the last round of the history in which that site trained (0: none): the store a site
@@ -429,7 +441,7 @@ class FlowerServer(Engine):
         gone = [i for i, r in replies.items() if r is not None and _node_gone(r)]
         if not gone or not self.min_train_sites:
             return []
-        trained = len(replies) - len(gone)
+        trained = sum(r is not None and not r.has_error() for r in replies.values())
         names = ", ".join(self.clients[i].name for i in gone)
         if trained < self.min_train_sites:
             log.warning("%s: gone during round %d's training; %d of %d sampled sites trained, fewer than min-train-sites "
@@ -437,6 +449,10 @@ class FlowerServer(Engine):
             return []
         log.warning("%s: gone during round %d's training; the round goes on with the %d of %d sampled sites that trained "
                     "(min-train-sites %d)", names, rnd, trained, len(replies), self.min_train_sites)
+        if self.wire:  # the coordinator's record of what crossed: the training sent to it, and no upload taken
+            for i in gone:
+                self.wire({"round": rnd, "message": "train", "site": self.clients[i].name, "to": "server",
+                           "dropped": f"no upload taken: {replies[i].error.reason} (min-train-sites {self.min_train_sites})"})
         return gone
 
     def _unavailable(self, reply: Message, kind: str, rnd: int) -> str:
@@ -705,6 +721,7 @@ class FlowerRun:
         # with a checkpoint, the run resumes after the last round it holds under the same config_hash (FlowerServer)
         self.checkpoint, self.config_hash, self.meta, self.rejoin_s = checkpoint, config_hash, meta, rejoin_s
         self.min_train_sites = min_train_sites  # a round goes on without sites gone during its training (FlowerServer)
+        check_min_train_sites(spec, num_clients, min_train_sites, checkpoint is not None, None)  # before any site connects
         self.engine: Optional[FlowerServer] = None
         self.cards: list[dict[str, Any]] = []  # what each site registered with, in client order
         self.app = ServerApp()
@@ -909,6 +926,18 @@ class KeptStores:
             raise RuntimeError(f"{f}: holds round {kept.get('round')} of site {kept.get('site')!r}, not round {rnd} of {self.site!r}")
         return kept["store"]
 
+    def set_aside(self, last: int, before: int) -> None:
+        """Set aside the stores of rounds after ``last`` (the server's word for this site's last trained round) and
+        before ``before`` (the round of the message at hand, or after it for an evaluation): rounds this site trained
+        whose upload the server never took (it went on without the site: ``min-train-sites``), which no resume names.
+        Each is renamed ``untaken-r<round>.pt`` beside the others (kept, never read again), so the newest store is the
+        one the federation counts, whatever the server says."""
+        for r in self.rounds():
+            if last < r < before:
+                log.warning("client %s: the server took no upload of its round %d; its store of that round is set aside as "
+                            "untaken-r%06d.pt", self.site, r, r)
+                os.replace(self.path(r), self.folder / f"untaken-r{r:06d}.pt")
+
     def drop_before(self, checkpointed: int) -> None:
         """Remove the stores older than the newest one at or before the server's last checkpoint (a resume starts
         from that checkpoint, so it needs that store or a later one)."""
@@ -974,6 +1003,8 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
         last round whose store the message may use; ``trains``: the round a train or announce message is for (a
         kept store serves no round before the last this site trained: :meth:`KeptStores.load`)."""
         last = int(cfg["last_trained"][s.client.index]) if "last_trained" in cfg else 0
+        if "last_trained" in cfg and keep_dir is not None:  # rounds it trained whose upload the server never took
+            KeptStores(keep_dir(context), s.client.name).set_aside(last, before=trains if trains is not None else limit + 1)
         if STORE in context.state.array_records:
             of = int(context.state.config_records[STORE_ROUND]["round"]) if STORE_ROUND in context.state.config_records else 0
             if of > limit:  # e.g. an announce of a later round loaded it, and a train of an earlier round follows
@@ -1065,8 +1096,9 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
         if keep_dir is not None:  # a deployment: the store after this round, on the site's disk, whatever the server says
             stores = KeptStores(keep_dir(context), s.client.name)
             stores.save(rnd, mine)
-            if "checkpointed" in cfg:
-                stores.drop_before(int(cfg["checkpointed"]))
+            if "checkpointed" in cfg:  # never below the store the server names (a round it took no upload of is newer)
+                named = int(cfg["last_trained"][s.client.index]) if "last_trained" in cfg else rnd
+                stores.drop_before(min(int(cfg["checkpointed"]), named))
         metrics: dict[str, Any] = {"received_bytes": received}
         if s.method.last_loss is not None:
             metrics["train_loss"] = float(s.method.last_loss)
