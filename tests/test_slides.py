@@ -40,8 +40,8 @@ def _slide(path: Path, centre: tuple[int, int], radius: int, mpp: float | None =
     return img
 
 
-def _dataset(tmp_path: Path, name: str, rules: dict):
-    ds = BenchmarkDatasetParams(kind="image_folder", sources=("lab",), image_size=16, workers=1, max_quarantine_fraction=0.5,
+def _dataset(tmp_path: Path, name: str, rules: dict, workers: int = 1):
+    ds = BenchmarkDatasetParams(kind="image_folder", sources=("lab",), image_size=16, workers=workers, max_quarantine_fraction=0.5,
                                 folders={"lab": rules})
     card = harmonize_benchmark(ds, tmp_path / "raw", tmp_path / name / "d", quiet=True)
     return card, pd.read_parquet(tmp_path / name / "d" / "records.parquet"), np.load(tmp_path / name / "d" / "images.npy")
@@ -54,6 +54,10 @@ def test_slides_are_cut_into_tissue_patches_of_their_class_and_group(tmp_path, m
     _slide(root / "normal" / "S2.tif", (1300, 1200), 400, seed=1)
     _slide(root / "normal" / "S3_no_mpp.tif", (1000, 1000), 400, mpp=None)
     _slide(root / "normal" / "S4_blank.tif", (0, 0), 0)  # glass only
+    _slide(root / "normal" / "S5_72dpi.tif", (1000, 1000), 400, mpp=1e4 / (72 / 2.54))  # a photo's 72 dpi: 352.8 um/px
+    (root / "normal" / "S6_broken.svs").write_bytes(b"not a slide at all")
+    tifffile.imwrite(root / "normal" / "S7_strip.tif", np.full((64, 20_001, 3), 200, np.uint8),  # no pyramid, 20,001 px wide
+                     resolution=(1e4 / MPP0, 1e4 / MPP0), resolutionunit="CENTIMETER")
     patch = np.random.default_rng(2).integers(0, 256, (40, 40, 3), dtype=np.uint8)
     assert cv2.imwrite(str(root / "normal" / "patch.png"), patch)
     tifffile.imwrite(root / "normal" / "small.tif", patch)  # a patch saved as TIFF: an image, not a slide
@@ -62,14 +66,18 @@ def test_slides_are_cut_into_tissue_patches_of_their_class_and_group(tmp_path, m
     card, recs, _ = _dataset(tmp_path, "none", {})
     assert sorted(recs["source_path"]) == ["normal/patch.png", "normal/small.tif"]
     assert card["domains"]["lab"]["excluded_by_reason"] == {
-        "a whole-slide image (set datasets.d.folders.lab.slides to cut it into patches)": 4}
+        "a whole-slide image (set datasets.d.folders.lab.slides to cut it into patches)": 7}
 
     # 0.5 um/px patches of 32 px: 64 level-0 pixels a side, read from level 0 (the pyramid's levels are coarser)
     rules = {"slides": {"mpp": 0.5, "patch_px": 32, "min_tissue": 0.5, "max_patches": 10_000}}
     card, recs, images = _dataset(tmp_path, "all", rules)
     reasons = card["domains"]["lab"]["excluded_by_reason"]
-    assert reasons == {"a whole-slide image with no microns per pixel in its header (set slides.slide_mpp)": 1,
-                       "a whole-slide image with no patch with 50% tissue or more (slides.min_tissue)": 1}
+    key = "datasets.d.folders.lab.slides"
+    broken = next(r for r in reasons if r.startswith("a whole-slide image: unreadable (TiffFileError: "))
+    assert reasons == {f"a whole-slide image: no plausible microns per pixel in its header (set {key}.slide_mpp)": 2,
+                       f"a whole-slide image: no patch with 50% tissue or more ({key}.min_tissue)": 1, broken: 1,
+                       "a whole-slide image: no reduced-resolution levels to find its tissue on (convert it to a pyramidal "
+                       "TIFF, e.g. vips tiffsave <in> <out>.tif --tile --pyramid --compression jpeg)": 1}
     s1 = recs[recs["source_path"] == "tumour/S1.tif"]
     assert len(s1) > 100 and (s1["label"] == recs.loc[recs["source_path"] == "tumour/S1.tif", "label"].iloc[0]).all()
     assert s1["group"].nunique() == 1 and recs["group"].nunique() == 4  # S1, S2, patch.png, small.tif
@@ -87,13 +95,20 @@ def test_slides_are_cut_into_tissue_patches_of_their_class_and_group(tmp_path, m
         region = np.asarray(slide.read_region((x, y), 0, (64, 64), as_array=True))[..., :3]
         np.testing.assert_array_equal(images[row], to_rgb_square(region, 16, "stretch"))
     assert (recs.loc[recs["source_path"] == "normal/patch.png", "label"] == recs.loc[recs["source_path"] == "normal/S2.tif", "label"].iloc[0]).all()
+    # decoded by two worker processes (forked after this process read the slides): the same pixels
+    _, recs2, images2 = _dataset(tmp_path, "two_workers", rules, workers=2)
+    assert recs2["id"].tolist() == recs["id"].tolist() and np.array_equal(images2, images)
+    # patches finer than the scan are refused (they would be upsampled), naming the key
+    card, _, _ = _dataset(tmp_path, "fine", {"slides": {"mpp": 0.1, "patch_px": 32}})
+    assert card["domains"]["lab"]["excluded_by_reason"][f"a whole-slide image: a scan at 0.25 um/px, coarser than the patches' 0.1 um/px ({key}.mpp)"] == 4
 
     # at most max_patches per slide, evenly spaced in reading order (the first and the last tissue cell kept); a
     # resolution given for slides whose header has none; a coarser patch read from the pyramid level that fits
     few = {"slides": {"mpp": 2.0, "patch_px": 32, "max_patches": 7, "slide_mpp": MPP0}}
     card, recs, _ = _dataset(tmp_path, "few", few)
     counts = recs.groupby("source_path").size().to_dict()
-    assert counts == {"normal/S2.tif": 7, "normal/S3_no_mpp.tif": 7, "tumour/S1.tif": 7, "normal/patch.png": 1, "normal/small.tif": 1}
+    assert counts == {"normal/S2.tif": 7, "normal/S3_no_mpp.tif": 7, "normal/S5_72dpi.tif": 7, "tumour/S1.tif": 7,
+                      "normal/patch.png": 1, "normal/small.tif": 1}
     plan, why = slides.plan_patches(root / "tumour" / "S1.tif", BenchmarkDatasetParams(
         kind="image_folder", sources=("lab",), folders={"lab": few}).folders["lab"].slides)
     assert why == "" and {p[2:] for p in plan} == {(1, 64, 64)}  # 256 level-0 px = 64 px of level 1 (4x down)
@@ -102,8 +117,13 @@ def test_slides_are_cut_into_tissue_patches_of_their_class_and_group(tmp_path, m
     assert plan[0] == everything[0] and plan[-1] == everything[-1] and len(everything) > 7
 
 
-def test_a_small_tiff_is_an_image_and_a_large_one_a_slide(tmp_path):
+def test_a_small_tiff_is_an_image_and_a_large_one_a_slide(tmp_path, monkeypatch):
     tifffile.imwrite(tmp_path / "patch.tif", np.zeros((64, 64, 3), np.uint8))
     assert not slides.is_slide_file(tmp_path / "patch.tif") and slides.is_slide_file(tmp_path / "x.svs")
     _slide(tmp_path / "slide.tif", (900, 800), 500)
+    tifffile.imwrite(tmp_path / "strip.tif", np.zeros((3, 8, 20_001), np.uint8), planarconfig="separate")  # planar RGB
     assert not slides.is_slide_file(tmp_path / "slide.tif")  # under SMALL_TIFF_BYTES: its header is not read
+    monkeypatch.setattr(slides, "SMALL_TIFF_BYTES", 0)
+    assert slides.is_slide_file(tmp_path / "slide.tif") and slides.is_slide_file(tmp_path / "strip.tif")
+    assert not slides.is_slide_file(tmp_path / "patch.tif")  # tiled with levels, or over 20,000 px: neither
+    assert slides.best_level([1.0, 4.0001, 16.0], 4.0) == 1 and slides.best_level([1.0, 4.0, 16.0], 3.9) == 0

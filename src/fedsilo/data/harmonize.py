@@ -546,8 +546,9 @@ def preview_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root:
     is written): per domain the rows read, the images kept by class, the exclusions by reason and the kept rows whose
     file the raw folder lacks; the rules' warnings; and ``would_fail``, harmonize's own refusals that the label files
     already decide (a source or domain with nothing kept, or more files missing than ``max_quarantine_fraction``).
-    Seconds where harmonize takes minutes (more with ``dicom_view``, which opens each DICOM's header): for trying
-    label rules."""
+    Seconds where harmonize takes minutes (more with ``dicom_view``, which opens each DICOM's header, with
+    ``frames``, which reads each DICOM's frame count, and with ``slides``, which reads each slide's thumbnail to plan
+    its patches): for trying label rules."""
     if isinstance(params, CXRDatasetParams):
         records, warnings = cxr_records(params, raw_root, name, quiet)
         classes = ["Normal", "Lung Opacity"]

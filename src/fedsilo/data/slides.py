@@ -17,6 +17,7 @@ excluded with the reason (it is never decoded whole: a 100,000-pixel-wide scan w
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,6 +27,7 @@ import pandas as pd
 from fedsilo.data.imageops import ImageDecodeError
 
 SLIDE_SUFFIXES = (".svs", ".ndpi", ".scn", ".bif")
+PLAUSIBLE_MPP = (0.05, 20.0)  # microns per pixel a slide scanner writes; outside it a header's value is a photo's dpi
 LARGE_TIFF_PX = 20_000  # a single-level TIFF wider or taller than this is a slide, not a patch
 SMALL_TIFF_BYTES = 8 * 2**20  # a .tif smaller than this is an image, whatever its header says (no header is read)
 THUMBNAIL_PX = 2048  # the longer side of the thumbnail the tissue is found on
@@ -53,13 +55,15 @@ def is_slide_file(path: Path) -> bool:
         try:
             with Image.open(path) as im:
                 return max(im.size) > LARGE_TIFF_PX
+        except Image.DecompressionBombError:  # Pillow's own refusal of a huge picture: a slide
+            return True
         except Exception:  # noqa: BLE001 - not a TIFF Pillow reads: the image decoder says why
             return False
     try:
         with tifffile.TiffFile(path) as tif:
             page = tif.pages.first
             levels = len(tif.series[0].levels) if tif.series else 1
-            return bool(page.is_tiled and levels > 1) or max(page.shape[:2]) > LARGE_TIFF_PX
+            return bool(page.is_tiled and levels > 1) or max(page.imagewidth, page.imagelength) > LARGE_TIFF_PX
     except Exception:  # noqa: BLE001 - not a TIFF tifffile reads: the image decoder says why
         return False
 
@@ -74,18 +78,31 @@ def _tiffslide() -> Any:
 
 @functools.lru_cache(maxsize=8)
 def _open(path: str) -> Any:
-    """An open slide, kept per process: a slide's patches are decoded one after another."""
+    """An open slide, kept per process while its patches are decoded one after another. A forked worker starts
+    with an empty cache (below): open files inherited from the parent share one read position, and tiles read
+    through them by several processes at once come out wrong."""
     return _tiffslide().TiffSlide(path)
 
 
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_open.cache_clear)
+
+
 def level0_mpp(slide: Any, fallback: Optional[float]) -> Optional[float]:
-    """Microns per level-0 pixel from the slide's header (tiffslide's ``mpp-x``), else ``fallback``."""
+    """Microns per level-0 pixel from the slide's header (tiffslide's ``mpp-x``) where it is one a scanner writes
+    (:data:`PLAUSIBLE_MPP`; a TIFF saved at 72 dpi says 352.8), else ``fallback``."""
     mpp = slide.properties.get("tiffslide.mpp-x")
     try:
         mpp = float(mpp) if mpp is not None else None
     except (TypeError, ValueError):
         mpp = None
-    return mpp if mpp and mpp > 0 else fallback
+    return mpp if mpp is not None and PLAUSIBLE_MPP[0] <= mpp <= PLAUSIBLE_MPP[1] else fallback
+
+
+def best_level(downsamples: Any, wanted: float) -> int:
+    """The coarsest level whose downsample is at most ``wanted`` (1 % leeway: a level of 4.0001 serves 4)."""
+    fits = [k for k, d in enumerate(downsamples) if float(d) <= wanted * 1.01]
+    return max(fits, key=lambda k: float(downsamples[k])) if fits else 0
 
 
 def tissue_mask(thumbnail: np.ndarray) -> np.ndarray:
@@ -101,21 +118,29 @@ def tissue_mask(thumbnail: np.ndarray) -> np.ndarray:
     return mask > 0
 
 
-def plan_patches(path: Path, rules: Any) -> tuple[list[tuple[int, int, int, int, int]], str]:
+def plan_patches(path: Path, rules: Any, key: str = "slides") -> tuple[list[tuple[int, int, int, int, int]], str]:
     """The patches of one slide: ``[(x, y, level, w, h), ...]`` (top-left corner in level-0 pixels, the level read
-    and the region's size at that level), and "" or why the slide gives none (no microns per pixel, no tissue)."""
-    slide = _open(str(path))
-    mpp0 = level0_mpp(slide, rules.slide_mpp)
-    if mpp0 is None:
-        return [], "no microns per pixel in its header (set slides.slide_mpp)"
-    width, height = slide.dimensions
-    side0 = rules.patch_px * rules.mpp / mpp0  # a patch's side in level-0 pixels
-    if side0 > min(width, height):
-        return [], f"smaller than one patch ({rules.patch_px} px at {rules.mpp} um/px)"
-    level = int(slide.get_best_level_for_downsample(rules.mpp / mpp0))
-    down = float(slide.level_downsamples[level])
-    read = max(1, round(side0 / down))
-    thumb = np.asarray(slide.get_thumbnail((THUMBNAIL_PX, THUMBNAIL_PX)).convert("RGB"))
+    and the region's size at that level), and "" or why the slide gives none (no plausible microns per pixel, a scan
+    coarser than the patches, no reduced-resolution level to find the tissue on, smaller than a patch, no tissue).
+    ``key``: the rules' dotted key, for the reasons. The slide is opened here and closed again (never kept open in
+    this process: the decoding workers it forks read their own)."""
+    with _tiffslide().TiffSlide(str(path)) as slide:
+        mpp0 = level0_mpp(slide, rules.slide_mpp)
+        if mpp0 is None:
+            return [], f"no plausible microns per pixel in its header (set {key}.slide_mpp)"
+        if rules.mpp < mpp0 * 0.99:  # a patch finer than the scan would be upsampled: detail that is not there
+            return [], f"a scan at {mpp0:.3g} um/px, coarser than the patches' {rules.mpp:g} um/px ({key}.mpp)"
+        width, height = slide.dimensions
+        side0 = rules.patch_px * rules.mpp / mpp0  # a patch's side in level-0 pixels
+        if side0 > min(width, height):
+            return [], f"smaller than one patch ({rules.patch_px} px at {rules.mpp:g} um/px)"
+        if slide.level_count == 1 and max(width, height) > LARGE_TIFF_PX:  # the thumbnail would decode the whole scan
+            return [], ("no reduced-resolution levels to find its tissue on (convert it to a pyramidal TIFF, e.g. "
+                        "vips tiffsave <in> <out>.tif --tile --pyramid --compression jpeg)")
+        level = best_level(slide.level_downsamples, rules.mpp / mpp0)
+        down = float(slide.level_downsamples[level])
+        read = max(1, round(side0 / down))
+        thumb = np.asarray(slide.get_thumbnail((THUMBNAIL_PX, THUMBNAIL_PX)).convert("RGB"))
     mask = tissue_mask(thumb).astype(np.float64)
     sy, sx = mask.shape[0] / height, mask.shape[1] / width
     integral = np.pad(mask.cumsum(0).cumsum(1), ((1, 0), (1, 0)))
@@ -129,7 +154,7 @@ def plan_patches(path: Path, rules: Any) -> tuple[list[tuple[int, int, int, int,
     frac = inside / np.maximum(area, 1)
     rows, cols = np.nonzero(frac >= rules.min_tissue)  # reading order: row by row
     if rows.size == 0:
-        return [], f"no patch with {rules.min_tissue:.0%} tissue or more (slides.min_tissue)"
+        return [], f"no patch with {rules.min_tissue:.0%} tissue or more ({key}.min_tissue)"
     if rows.size > rules.max_patches:
         pick = np.unique(np.round(np.linspace(0, rows.size - 1, rules.max_patches)).astype(int))
         rows, cols = rows[pick], cols[pick]
@@ -168,9 +193,14 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
     plans: dict[int, list[tuple[int, int, int, int, int]]] = {}
     bar = Progress(len(slides), f"slides {key.rsplit('.', 1)[-1]}", "slide", quiet=quiet)
     for i in slides:
-        plans[int(i)], why = plan_patches(raw_dir / str(rec["path"].iloc[i]), rules)
+        try:
+            plans[int(i)], why = plan_patches(raw_dir / str(rec["path"].iloc[i]), rules, f"{key}.slides")
+        except ImportError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a slide tiffslide cannot read is excluded with the reason, as any bad file
+            plans[int(i)], why = [], f"unreadable ({type(err).__name__}: {err})"
         if why:
-            rec.loc[rec.index[i], "excluded"] = f"a whole-slide image with {why}"
+            rec.loc[rec.index[i], "excluded"] = f"a whole-slide image: {why}"
         bar.update(info=f"{sum(len(p) for p in plans.values())} patches")
     bar.close()
     repeat = [len(plans.get(i) or [None]) for i in range(len(rec))]

@@ -48,6 +48,7 @@ import pandas as pd
 from fedsilo.config import CXRTableRules, table_word
 from fedsilo.data.dicom import is_dicom_file, view_position
 from fedsilo.data.imageops import ImageDecodeError
+from fedsilo.data.slides import is_slide_file
 from fedsilo.data.sources.base import LabelFileError, finalize, show, walk
 from fedsilo.data.sources.image_folder import file_reader
 from fedsilo.data.sources.tables import Rows, load_table, relative_path, study_folder
@@ -138,6 +139,8 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
         for found in found_list:
             reader = _reader(raw_dir / found) if found else ""
             not_image = file_reader(raw_dir / found)[1] if study and found else ""  # a study's report, its DICOMDIR
+            if found and not not_image and is_slide_file(raw_dir / found):  # never decoded whole
+                not_image = "a whole-slide image (not a chest X-ray)"
             if not_image:
                 per.append((found, "", "unknown", not_image))
                 continue
