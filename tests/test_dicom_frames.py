@@ -58,6 +58,14 @@ def test_a_cines_frames_become_images_of_its_class_kept_together(tmp_path):
         np.testing.assert_array_equal(dicom_to_rgb(root / "normal" / "cine.dcm", frame=k), colour[k])
     with pytest.raises(ImageDecodeError, match=r"cine\.dcm: has 5 frames, no frame 5"):
         dicom_to_rgb(root / "normal" / "cine.dcm", frame=5)
+    from pydicom.pixels import convert_color_space
+
+    ybr = tmp_path / "ybr.dcm"  # a YBR cine: each frame read alone from the file, converted to RGB
+    ds.PhotometricInterpretation = "YBR_FULL"
+    ds.PixelData = np.stack([convert_color_space(f, "RGB", "YBR_FULL") for f in colour]).tobytes()
+    ds.save_as(ybr, enforce_file_format=True)
+    for k in (0, 3):
+        np.testing.assert_allclose(dicom_to_rgb(ybr, frame=k).astype(int), colour[k].astype(int), atol=2)
 
     def harmonized(frames, name):
         ds = BenchmarkDatasetParams(kind="image_folder", sources=("clinic",), image_size=16, workers=1,

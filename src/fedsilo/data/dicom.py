@@ -103,9 +103,8 @@ def dicom_to_uint8(
 
     try:
         if ds is None:
-            ds = pydicom.dcmread(str(path))
-        _select_frame(ds, path, frame)
-        arr = ds.pixel_array
+            ds = pydicom.dcmread(str(path), defer_size=DEFER)
+        arr = _frame_pixels(ds, path, frame)
     except (InvalidDicomError, AttributeError, ValueError, RuntimeError, OSError, EOFError, KeyError) as err:
         raise decode_error(path, err, "cannot decode DICOM pixels: ") from err
     photometric = str(ds.get("PhotometricInterpretation", "")).upper()
@@ -149,13 +148,21 @@ def _frames(ds: Any) -> int:
         return 1
 
 
-def _select_frame(ds: Any, path: str | Path, frame: int) -> None:
-    """Make ``ds.pixel_array`` decode frame ``frame`` only (a multi-frame file); a frame the file lacks is an error."""
+DEFER = "1 MB"  # elements larger than this (the pixel data) are read from the file when used, not with the header
+
+
+def _frame_pixels(ds: Any, path: str | Path, frame: int) -> np.ndarray:
+    """The decoded pixels of frame ``frame`` of the file ``ds`` was read from (read with its pixel data deferred):
+    of a multi-frame file that frame only, read from the file alone (pydicom's ``pixel_array(path, index=...)``: a
+    cine's other frames are neither read nor decoded); a frame the file lacks is an error."""
+    from pydicom.pixels import pixel_array
+
     n = _frames(ds)
     if not 0 <= frame < n:
         raise ImageDecodeError(f"{path}: has {n} frame{'s' if n != 1 else ''}, no frame {frame}")
     if n > 1:
-        ds.pixel_array_options(index=frame)
+        return pixel_array(str(path), index=frame)  # YBR as RGB, as ds.pixel_array gives it
+    return ds.pixel_array
 
 
 def frame_count(path: str | Path) -> int:
@@ -217,7 +224,7 @@ def dicom_to_rgb(path: str | Path, frame: int = 0) -> np.ndarray:
     from pydicom.pixels import apply_color_lut
 
     try:
-        ds = pydicom.dcmread(str(path))
+        ds = pydicom.dcmread(str(path), defer_size=DEFER)
         photometric = str(ds.get("PhotometricInterpretation", "")).upper()
         if photometric in ("MONOCHROME1", "MONOCHROME2"):
             grey = dicom_to_uint8(path, "bit_depth" if has_voi(ds) else "percentile", ds=ds, frame=frame)[0]  # read once
@@ -226,8 +233,7 @@ def dicom_to_rgb(path: str | Path, frame: int = 0) -> np.ndarray:
             return grey
         if photometric != "RGB" and not photometric.startswith("YBR") and photometric != "PALETTE COLOR":
             raise ImageDecodeError(f"{path}: photometric interpretation {photometric!r} is neither greyscale nor colour")
-        _select_frame(ds, path, frame)
-        arr = ds.pixel_array  # pydicom 3 gives YBR (native or compressed) as RGB: its as_rgb default
+        arr = _frame_pixels(ds, path, frame)  # pydicom 3 gives YBR (native or compressed) as RGB: its as_rgb default
         if arr.ndim == 4:  # decoded whole (an older pydicom): the frame asked for
             arr = arr[frame]
         if photometric == "PALETTE COLOR":
