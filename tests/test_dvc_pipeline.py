@@ -135,15 +135,20 @@ def _tiny_pfeddb(repo) -> dict:
         "pq_hold": {"dataset": "chest_xray4", "split": {"protocol": "holdout_domain", "holdout": "OpenI", "n_train": 16, "n_test": 8},
                     "train": train, "onboarding": {"pretrain_rounds": 1, "rounds": 1}},
     }
-    # three of its run groups, each a train stage per method (a process that imports PyTorch: ~10 s here); every
-    # method of every group is built on its backbone by tests/test_presets.py and trained in-process by its own tests
     raw["runs"] = {
         "tables_1_2": {"experiments": ["pq_cxr"], "methods": ["fedavg", "fedprox"]},
+        "tables_1_2_pfeddr": {"experiments": ["pq_cxr"], "methods": ["pfeddr"]},
+        "tables_1_2_pfeddr_domainnet": {"experiments": ["pq_cxr"], "methods": ["pfeddr_domainnet"]},
+        "table3_office": {"experiments": ["pq_cxr"], "methods": ["pfeddb_cut_a"]},
         "table3_cxr4": {"experiments": ["pq_cxr"], "methods": ["pfeddb"]},
+        "table4": {"experiments": ["pq_cxr"], "methods": ["pfeddb_one_phase"]},
+        "fig5": {"experiments": ["pq_cxr"], "methods": ["fedavg_two_phase"]},
         "fig6": {"experiments": ["pq_hold"], "methods": ["pfeddb"]},
     }
     raw["onboarding"] = ["pq_hold"]
-    raw["methods"]["pfeddb"]["local_rounds"] = 1
+    for m in ("pfeddb", "pfeddb_cut_a"):
+        raw["methods"][m]["local_rounds"] = 1
+    raw["methods"]["fedavg_two_phase"]["local_rounds"] = 1
     return raw
 
 
@@ -157,11 +162,12 @@ def paper_repo(repo_copy):
 
 def test_a_papers_pipeline_runs_beside_the_root_and_reuses_its_data(paper_repo):
     ns = paper_repo / "results" / "pfeddb" / "quickstart"
-    for run in ("pq_cxr/fedavg", "pq_cxr/fedprox", "pq_cxr/pfeddb", "pq_hold/pfeddb"):
+    for run in ("pq_cxr/fedavg", "pq_cxr/fedprox", "pq_cxr/pfeddb_cut_a", "pq_cxr/pfeddb", "pq_cxr/pfeddb_one_phase",
+                "pq_cxr/fedavg_two_phase", "pq_hold/pfeddb"):
         assert (ns / run / "seed0" / "metrics.json").exists(), run
     assert not (ns / "pq_hold" / "fedavg").exists()  # only the runs its groups list, not a cross product
     assert (ns / "pq_hold" / "onboarding" / "seed0" / "onboarding.json").exists()
-    assert "| pfeddb |" in (ns / "report" / "pq_cxr" / "pq_cxr_accuracy.md").read_text()
+    assert "| pfeddb_cut_a |" in (ns / "report" / "pq_cxr" / "pq_cxr_accuracy.md").read_text()
     assert (paper_repo / "data" / "splits" / "pfeddb" / "quickstart" / "pq_cxr.json").exists()
     # the root's results stay in place, and both pipelines are up to date
     assert (paper_repo / "results" / "quick" / "fedprox" / "seed0" / "metrics.json").exists()
