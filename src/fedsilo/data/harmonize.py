@@ -51,6 +51,7 @@ from fedsilo.data.imageops import (
 )
 from fedsilo.data.slides import expand_slides
 from fedsilo.data.sources import cxr_table, image_folder, image_table, source_module
+from fedsilo.data.sources.base import explode_records
 from fedsilo.utils.io import atomic_dir, file_sha256, write_json
 from fedsilo.utils.progress import Progress
 
@@ -446,7 +447,7 @@ def expand_frames(rec: pd.DataFrame, raw_dir: Path, frames: Union[str, int], key
     """``rec`` (a source of your own's records) with each kept multi-frame DICOM's row repeated for every frame
     ``frames`` takes (:func:`~fedsilo.data.dicom.frame_indices`): id ``<id>#frame<k>`` (k from 0), column ``frame``,
     the file's class, group and subset (the frames of one file stay on one side of every split). Other rows keep
-    their id, with frame 0. Reads each DICOM's header only."""
+    their id, with no frame (the first). Reads each DICOM's header only."""
     from fedsilo.data.dicom import frame_count, frame_indices
 
     dicoms = np.flatnonzero((rec["reader"] == "dicom").to_numpy() & (rec["excluded"] == "").to_numpy())
@@ -456,12 +457,7 @@ def expand_frames(rec: pd.DataFrame, raw_dir: Path, frames: Union[str, int], key
         counts[i] = frame_count(raw_dir / str(rec["path"].iloc[i]))
         bar.update()
     bar.close()
-    taken = [frame_indices(int(n), frames) if n > 1 else [0] for n in counts]
-    out = rec.loc[rec.index.repeat([len(t) for t in taken])].reset_index(drop=True)
-    out["frame"] = [k for t in taken for k in t]
-    many = np.repeat(counts > 1, [len(t) for t in taken])
-    out.loc[many, "id"] = [f"{i}#frame{k}" for i, k in zip(out.loc[many, "id"], out.loc[many, "frame"])]
-    return out
+    return explode_records(rec, [frame_indices(int(n), frames) if n > 1 else None for n in counts], "frame", "#frame{}".format)
 
 
 def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:

@@ -181,6 +181,7 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
     (:func:`plan_patches`): id ``<id>#x<X>y<Y>``, column ``patch``, the slide's class, group and subset; a slide that
     gives no patch stays one excluded row with the reason. Without ``rules`` (no ``slides`` set) every kept slide is
     excluded, naming the key that cuts it into patches."""
+    from fedsilo.data.sources.base import explode_records
     from fedsilo.utils.progress import Progress
 
     slides = np.flatnonzero((rec["reader"] == "slide").to_numpy() & (rec["excluded"] == "").to_numpy())
@@ -203,10 +204,4 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
             rec.loc[rec.index[i], "excluded"] = f"a whole-slide image: {why}"
         bar.update(info=f"{sum(len(p) for p in plans.values())} patches")
     bar.close()
-    repeat = [len(plans.get(i) or [None]) for i in range(len(rec))]
-    out = rec.loc[rec.index.repeat(repeat)].reset_index(drop=True)
-    patches = [p for i in range(len(rec)) for p in (plans.get(i) or [None])]
-    out["patch"] = patches
-    has = np.array([p is not None for p in patches])
-    out.loc[has, "id"] = [f"{i}#x{p[0]}y{p[1]}" for i, p in zip(out.loc[has, "id"], out.loc[has, "patch"])]
-    return out
+    return explode_records(rec, [plans.get(i) or None for i in range(len(rec))], "patch", lambda p: f"#x{p[0]}y{p[1]}")

@@ -92,6 +92,19 @@ def finalize(df: pd.DataFrame, domain: str) -> pd.DataFrame:
     return df[RECORD_COLUMNS + optional].reset_index(drop=True)
 
 
+def explode_records(rec: pd.DataFrame, parts: list[Any], column: str, suffix: Any) -> pd.DataFrame:
+    """``rec`` with row i repeated once per item of ``parts[i]`` (a file that holds several images: a cine's frames,
+    a slide's patches), the item in ``column`` and ``suffix(item)`` added to the row's id; a row whose ``parts[i]``
+    is None stays one row, its ``column`` None and its id as it was. Every copy keeps the row's class, group and
+    subset, so a file's images stay on one side of every split."""
+    items = [p if p else [None] for p in parts]
+    out = rec.loc[rec.index.repeat([len(p) for p in items])].reset_index(drop=True)
+    out[column] = [x for p in items for x in p]
+    named = np.array([x is not None for p in items for x in p], dtype=bool)
+    out.loc[named, "id"] = [f"{i}{suffix(x)}" for i, x in zip(out.loc[named, "id"], out.loc[named, column])]
+    return out
+
+
 def summarize(df: pd.DataFrame) -> dict[str, object]:
     inc = df[df["excluded"] == ""]
     return {
