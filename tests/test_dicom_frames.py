@@ -104,8 +104,10 @@ def test_frames_is_refused_by_key_unless_first_all_or_a_positive_number():
            "experiments": {}, "methods": {},
            "pipeline": {"sources": ["t"], "datasets": ["d"], "splits": {}, "experiments": [], "methods": [], "seeds": [0]},
            "tracking": {"enabled": False}}
-    with pytest.raises(ConfigError, match=r"datasets\.d\.folders\.t\.frames"):
+    with pytest.raises(ConfigError, match=r"datasets\.d\.folders\.t\.frames: .*0 is none of first, all or a number of frames"):
         parse_params(raw)
     raw["datasets"]["d"]["folders"]["t"]["frames"] = "every"
-    with pytest.raises(ConfigError, match=r"datasets\.d\.folders\.t\.frames"):
+    with pytest.raises(ConfigError, match=r"datasets\.d\.folders\.t\.frames: .*'every' is none of first, all or a number"):
         parse_params(raw)
+    raw["datasets"]["d"]["folders"]["t"]["frames"] = "All"  # spelt as the user likes
+    assert parse_params(raw).datasets["d"].folders["t"].frames == "all"

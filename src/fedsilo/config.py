@@ -419,6 +419,19 @@ class OwnImageRules(Strict):
     slides: Optional[SlideRules] = Field(None, description="cut whole-slide images (.svs, .ndpi, .scn, .bif, tiled "
                                          "pyramidal TIFF) into patches; null: a slide is excluded with the reason")
 
+    @field_validator("frames", mode="before")
+    @classmethod
+    def _frames(cls, v: Any) -> Any:
+        """One message for a value that is none of the three forms (not pydantic's per-member union errors)."""
+        if isinstance(v, str) and v.strip().lower() in ("first", "all"):
+            return v.strip().lower()
+        number = v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+        if isinstance(v, str) and v.strip().isdigit():
+            number = int(v.strip())
+        if number is None or number != int(number) or number < 1:
+            raise ValueError(f"{v!r} is none of first, all or a number of frames (1 or more)")
+        return int(number)
+
 
 class ImageFolderRules(OwnImageRules):
     """How to read a folder of your own images sorted into one folder per class (a source with ``reader:
