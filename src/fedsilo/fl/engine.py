@@ -31,7 +31,6 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from fedsilo.client.data import ClientData, to_float
 from fedsilo.client.features import covariance_spectrum
@@ -48,6 +47,14 @@ AUTO_CHECKPOINT_RATIO = 20
 _now = time.monotonic  # the clock of the checkpoint schedule (a test replaces it)
 log = logging.getLogger(__name__)
 Observer = Callable[[int, str, str, State], None]  # (round, client name, "down"|"up", payload)
+
+
+def flop_counter() -> Any:
+    """A fresh ``torch.utils.flop_counter.FlopCounterMode`` (not displayed). Imported here, when FLOPs are counted:
+    the module pulls in Triton, half a second of every train process's start that counts none."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    return FlopCounterMode(display=False)
 
 
 class PrivacyViolation(RuntimeError):
@@ -270,7 +277,7 @@ class Engine:
         }
         uploads: list[tuple[ClientData, State]] = []
         acc = self.method.agg_begin(self.server, rnd) if self.method.streaming else None
-        flops = FlopCounterMode(display=False) if self.train.count_flops and rnd == self.total_rounds else None
+        flops = flop_counter() if self.train.count_flops and rnd == self.total_rounds else None
         with flops if flops is not None else nullcontext():
             elsewhere = self._clients_round(rnd, picked, entry, uploads, acc, count_flops=flops is not None)
         if flops is not None:  # the last round's local training, every picked client, forward and backward
@@ -512,7 +519,7 @@ class _Wave:
                 for t in (*e.stores[i].values(), *down.values()):
                     if t.is_cuda:
                         t.record_stream(stream)
-            counter = FlopCounterMode(display=False) if count_flops else None
+            counter = flop_counter() if count_flops else None
             with counter if counter is not None else nullcontext():
                 up, loss = e._update(self.models[j], i, down, rnd)
         return up, loss, int(counter.get_total_flops()) if counter is not None else 0

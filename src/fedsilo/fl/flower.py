@@ -75,13 +75,12 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from fedsilo.client.data import ClientData, to_float
 from fedsilo.client.local import evaluate, evaluate_client, score, use_channels_last
 from fedsilo.config import ConfigError, TrainParams
 from fedsilo.fl.continual import TaskStream, stream_eval
-from fedsilo.fl.engine import Engine, Observer, PrivacyViolation, eval_summary, refuse_private
+from fedsilo.fl.engine import Engine, Observer, PrivacyViolation, eval_summary, flop_counter, refuse_private
 from fedsilo.methods.base import Method, MethodParams, State, payload_bytes
 from fedsilo.methods.registry import check_stream_fit
 
@@ -1067,7 +1066,7 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
         in_order(context, s, int(cfg["round"]), trains=False)
         s.at_round(int(cfg["round"]))
         mine, of = store(context, s, cfg, limit=int(cfg["round"]) - 1, trains=int(cfg["round"]))
-        counter = FlopCounterMode(display=False) if cfg.get("count_flops") else None
+        counter = flop_counter() if cfg.get("count_flops") else None
         with counter if counter is not None else nullcontext():  # pFedDIL's Eq. 2 passes are part of the round's work
             said = s.method.announce(s.model, mine, s.client, int(cfg["round"]))
         keep(context, mine, of)  # still the store of round `of`: this round's training follows
@@ -1087,7 +1086,7 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
         received = arrived(s, record, cfg)
         down = {k: v.detach() for k, v in from_record(record, s.client.x_train.device).items()}
         mine, _ = store(context, s, cfg, limit=rnd - 1, trains=rnd)
-        counter = FlopCounterMode(display=False) if cfg["count_flops"] else None
+        counter = flop_counter() if cfg["count_flops"] else None
         s.method.last_loss = None  # as the engine: a method that reports no loss this round reports none, not the last one
         with counter if counter is not None else nullcontext():
             up = s.method.local_update(s.model, mine, down, s.client, rnd, spec.seed)
