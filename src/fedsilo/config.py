@@ -428,7 +428,7 @@ class OwnImageRules(Strict):
         number = v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
         if isinstance(v, str) and v.strip().isdigit():
             number = int(v.strip())
-        if number is None or number != int(number) or number < 1:
+        if number is None or not math.isfinite(number) or number != int(number) or number < 1:
             raise ValueError(f"{v!r} is none of first, all or a number of frames (1 or more)")
         return int(number)
 

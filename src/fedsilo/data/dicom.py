@@ -178,7 +178,7 @@ def frame_count(path: str | Path) -> int:
 
 
 def frame_indices(n: int, frames: str | int) -> list[int]:
-    """The frames of an ``n``-frame file that ``frames`` (``DicomFrameRules.frames``) takes: ``first`` -> [0];
+    """The frames of an ``n``-frame file that ``frames`` (``OwnImageRules.frames`` of fedsilo.config) takes: ``first`` -> [0];
     ``all`` -> every one; a number m -> m frames evenly spaced from the first to the last (every frame when n <= m)."""
     if frames == "first" or n <= 1:
         return [0]
