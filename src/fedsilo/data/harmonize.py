@@ -417,7 +417,8 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
         rec = image_folder.read_records(scans[src], maps[src], classes, check_groups=not table)
         if params.rules(src).frames != "first":  # a multi-frame DICOM's frames, each an image of the file's class and group
             rec = expand_frames(rec, raw_root / src, params.rules(src).frames, keys[src], quiet)
-        rec = expand_slides(rec, raw_root / src, params.rules(src).slides, keys[src], quiet)  # patches, or excluded
+        rec = expand_slides(rec, raw_root / src, params.rules(src).slides, keys[src], quiet,  # patches, or excluded
+                            workers=params.workers or os.cpu_count() or 1)
         theirs = set(rec["domain"])
         for other, frame in frames.items():
             clash = sorted(d for d in theirs if d.casefold() in {x.casefold() for x in frame["domain"]})

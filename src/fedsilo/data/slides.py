@@ -176,11 +176,24 @@ def read_patch(path: str, patch: tuple[int, int, int, int, int]) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.uint8)
 
 
-def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet: bool = False) -> pd.DataFrame:
+def _plan_safe(args: tuple[Path, Any, str]) -> tuple[list[tuple[int, int, int, int, int]], str]:
+    """:func:`plan_patches` of one slide, a slide tiffslide cannot read giving its reason (a worker's job)."""
+    path, rules, key = args
+    try:
+        return plan_patches(path, rules, key)
+    except ImportError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a slide tiffslide cannot read is excluded with the reason, as any bad file
+        return [], f"unreadable ({type(err).__name__}: {err})"
+
+
+def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet: bool = False, workers: int = 1) -> pd.DataFrame:
     """``rec`` (a source of your own's records) with each kept slide's row replaced by one row per patch
-    (:func:`plan_patches`): id ``<id>#x<X>y<Y>``, column ``patch``, the slide's class, group and subset; a slide that
-    gives no patch stays one excluded row with the reason. Without ``rules`` (no ``slides`` set) every kept slide is
-    excluded, naming the key that cuts it into patches."""
+    (:func:`plan_patches`, on ``workers`` processes: a thumbnail per slide): id ``<id>#x<X>y<Y>``, column ``patch``,
+    the slide's class, group and subset; a slide that gives no patch stays one excluded row with the reason. Without
+    ``rules`` (no ``slides`` set) every kept slide is excluded, naming the key that cuts it into patches."""
+    from concurrent.futures import ProcessPoolExecutor
+
     from fedsilo.data.sources.base import explode_records
     from fedsilo.utils.progress import Progress
 
@@ -191,17 +204,18 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
     if rules is None:
         rec.loc[rec.index[slides], "excluded"] = f"a whole-slide image (set {key}.slides to cut it into patches)"
         return rec
+    jobs = [(raw_dir / str(rec["path"].iloc[i]), rules, f"{key}.slides") for i in slides]
+    pool = ProcessPoolExecutor(max_workers=min(workers, len(jobs))) if workers > 1 and len(jobs) > 1 else None
     plans: dict[int, list[tuple[int, int, int, int, int]]] = {}
     bar = Progress(len(slides), f"slides {key.rsplit('.', 1)[-1]}", "slide", quiet=quiet)
-    for i in slides:
-        try:
-            plans[int(i)], why = plan_patches(raw_dir / str(rec["path"].iloc[i]), rules, f"{key}.slides")
-        except ImportError:
-            raise
-        except Exception as err:  # noqa: BLE001 - a slide tiffslide cannot read is excluded with the reason, as any bad file
-            plans[int(i)], why = [], f"unreadable ({type(err).__name__}: {err})"
-        if why:
-            rec.loc[rec.index[i], "excluded"] = f"a whole-slide image: {why}"
-        bar.update(info=f"{sum(len(p) for p in plans.values())} patches")
-    bar.close()
+    try:
+        for i, (plan, why) in zip(slides, pool.map(_plan_safe, jobs) if pool is not None else map(_plan_safe, jobs)):
+            plans[int(i)] = plan
+            if why:
+                rec.loc[rec.index[i], "excluded"] = f"a whole-slide image: {why}"
+            bar.update(info=f"{sum(len(p) for p in plans.values())} patches")
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     return explode_records(rec, [plans.get(i) or None for i in range(len(rec))], "patch", lambda p: f"#x{p[0]}y{p[1]}")
