@@ -1093,6 +1093,19 @@ def test_site_predict_reads_rgb_benchmark_files_as_harmonize_does(tmp_path, caps
     want = predict(model.eval(), x).softmax(1).numpy()
     assert np.allclose(rows[[f"prob.{c}" for c in classes]].to_numpy(dtype=float), want, atol=1e-6)
     assert list(rows["predicted"]) == [classes[j] for j in want.argmax(1)]
+    # a DICOM of the site's (suffix-less, colour) reads as harmonize reads its own: as RGB; a slide is never decoded
+    from fedsilo.data.harmonize import decode_one, to_rgb_square
+    from tests.test_image_table import _colour_dicom
+
+    photo = np.random.default_rng(5).integers(0, 256, (24, 24, 3), dtype=np.uint8)
+    _colour_dicom(tmp_path / "new" / "IMG0001", photo)
+    (tmp_path / "new" / "scan.svs").write_bytes(b"a slide")
+    assert main([*args, "--model", str(kept.model_path), "--out", str(out), "--images", str(tmp_path / "new")]) == 0
+    rows = pd.read_csv(out, keep_default_na=False).set_index("path")
+    assert rows.loc[str(tmp_path / "new" / "IMG0001"), "error"] == "" and rows.loc[str(tmp_path / "new" / "IMG0001"), "predicted"] in classes
+    np.testing.assert_array_equal(decode_one((str(tmp_path / "new" / "IMG0001"), "dicom_rgb", 16, "stretch", "", (0.0, 100.0))),
+                                  to_rgb_square(photo, 16, "stretch"))
+    assert "a whole-slide image, not one picture" in rows.loc[str(tmp_path / "new" / "scan.svs"), "error"]
     gray = KeptStores(tmp_path / "keep", "gray")
     gray.save_model(1, deployment_spec({**dep, "contract": {**dep["contract"], "image_shape": [16, 16, 1]}}).make_model(),
                     {"deployment": {**dep, "contract": {**dep["contract"], "image_shape": [16, 16, 1]}}})

@@ -97,6 +97,8 @@ def decode_one(args: tuple) -> np.ndarray:
     if reader == "slide":  # a patch of a site's own whole-slide image: (x, y, level, w, h)
         from fedsilo.data.slides import read_patch
 
+        if not rest or rest[0] is None:  # a slide itself is never decoded whole (tens of GB)
+            raise ImageDecodeError(f"{path}: a whole-slide image, not one picture (harmonize cuts slides into patches: slides)")
         return to_rgb_square(read_patch(path, rest[0]), size, square)
     if reader == "dicom_rgb":  # a site's own DICOM beside the benchmark images: grey or colour, to RGB
         from fedsilo.data.dicom import dicom_to_rgb

@@ -17,6 +17,8 @@ import torch
 
 from fedsilo.config import BenchmarkDatasetParams, ConfigError, CXRDatasetParams, Params, TrainParams
 from fedsilo.data.dicom import is_dicom_file
+from fedsilo.data.slides import is_slide_file
+from fedsilo.data.sources.image_folder import file_reader
 
 __all__ = ["image_files", "predict_images"]
 
@@ -47,12 +49,16 @@ def _decoder(params: Params, experiment: str, contract: dict[str, Any]):
     h, _, channels = contract["image_shape"]
     if ds.image_size != h:
         raise ConfigError(f"datasets.{name}.image_size: {ds.image_size}; the model takes {h} px images (its deployment's contract)")
+    # a whole-slide image is never decoded whole: its row says so (harmonize cuts slides into patches: ``slides``)
     if isinstance(ds, CXRDatasetParams) and channels == 1:
         def job(path: Path) -> tuple:
-            return (str(path), "dicom" if is_dicom_file(path) else "standard", ds.image_size, ds.square, ds.intensity, ds.percentiles)
+            reader = "slide" if is_slide_file(path) else "dicom" if is_dicom_file(path) else "standard"
+            return (str(path), reader, ds.image_size, ds.square, ds.intensity, ds.percentiles)
     elif isinstance(ds, BenchmarkDatasetParams) and channels == 3:
-        def job(path: Path) -> tuple:
-            return (str(path), "rgb", ds.image_size, ds.square, "", (0.0, 100.0))
+        def job(path: Path) -> tuple:  # as harmonize reads a site's own files: a DICOM grey or colour, to RGB
+            kind = file_reader(path)[0]
+            reader = {"dicom": "dicom_rgb", "slide": "slide"}.get(kind, "rgb")
+            return (str(path), reader, ds.image_size, ds.square, "", (0.0, 100.0))
     else:
         raise ConfigError(f"datasets.{name}: kind {ds.kind} with {channels}-channel images: predict reads image files of "
                           "chest_xray4 (grayscale) and the multi-domain benchmarks (RGB)")
