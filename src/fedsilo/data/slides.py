@@ -207,13 +207,14 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
     jobs = [(raw_dir / str(rec["path"].iloc[i]), rules, f"{key}.slides") for i in slides]
     pool = ProcessPoolExecutor(max_workers=min(workers, len(jobs))) if workers > 1 and len(jobs) > 1 else None
     plans: dict[int, list[tuple[int, int, int, int, int]]] = {}
+    patches = 0
     bar = Progress(len(slides), f"slides {key.rsplit('.', 1)[-1]}", "slide", quiet=quiet)
     try:
         for i, (plan, why) in zip(slides, pool.map(_plan_safe, jobs) if pool is not None else map(_plan_safe, jobs)):
-            plans[int(i)] = plan
+            plans[int(i)], patches = plan, patches + len(plan)
             if why:
                 rec.loc[rec.index[i], "excluded"] = f"a whole-slide image: {why}"
-            bar.update(info=f"{sum(len(p) for p in plans.values())} patches")
+            bar.update(info=f"{patches} patches")
     finally:
         bar.close()
         if pool is not None:
