@@ -134,6 +134,27 @@ def test_phase_two_trains_with_a_fresh_adam_each_round_and_phase_one_with_sgd(cl
     assert mixed.phase_train(1).momentum == 0.9
 
 
+def test_phase_optimizers_given_per_backbone_resolve_for_the_runs_backbone():
+    """The paper preset serves Digits (Simple-CNN), Office-Caltech-10 (AlexNet-BN) and Chest-X-Ray-4 (DenseNet-121)
+    with one methods block: the Digits script's Adam in Phase 2 there, the paper's SGD on the other two."""
+    p = PFedDBParams(cut_depth=3, local_rounds=1, phase2_optimizer={"simple_cnn": "adam", "alexnet_bn": "sgd"},
+                     phase2_lr={"simple_cnn": 0.01, "alexnet_bn": None})
+    digits = PFedDB(p, _tp(model="simple_cnn"))
+    office = PFedDB(p, _tp(model="alexnet_bn"))
+    assert (digits.phase_train(2).optimizer, digits.phase_train(2).lr) == ("adam", 0.01)
+    assert (office.phase_train(2).optimizer, office.phase_train(2).lr) == ("sgd", 0.02)  # null: train.lr
+    chest = PFedDB(p, _tp(model="densenet121"))
+    with pytest.raises(ConfigError, match=r"methods\.pfeddb\.phase2_optimizer: no entry for the backbone densenet121"):
+        chest.setup(build_model("simple_cnn", 1, 4, seed=0))
+    raw = small_params()
+    for bad, msg in (({"phase2_optimizer": {"alexnet_bn": "rmsprop"}}, r"methods\.pfeddb\.phase2_optimizer\.alexnet_bn: Input should be 'sgd' or 'adam'"),
+                     ({"phase1_lr": {"alexnet": 0.1}}, r"methods\.pfeddb\.phase1_lr\.alexnet: unknown backbone"),
+                     ({"phase2_lr": -1.0}, r"methods\.pfeddb\.phase2_lr: Input should be greater than 0")):
+        raw["methods"]["pfeddb"] = bad
+        with pytest.raises(ConfigError, match=msg):
+            parse_params(raw)
+
+
 def test_an_unknown_optimizer_is_refused_naming_its_key():
     raw = small_params()
     raw["methods"]["pfeddb"] = {"phase2_optimizer": "rmsprop"}

@@ -95,6 +95,20 @@ def test_per_backbone_cut_depth_resolves_for_each_model():
         assert algo.cut_depth == depth
 
 
+def test_paper_pfeddb_trains_phase_two_with_the_digits_scripts_adam_on_digits_only():
+    """Adam at lr 1e-2 comes from the authors' Digits script; Office-Caltech-10 and Chest-X-Ray-4, with no released
+    pFedDB training script, train Phase 2 with the paper's SGD lr 1e-2 (on AlexNet-BN the Adam step wiped out
+    Phase 1's model, docs/results/2026-11-28-acceptance-a-rest-h200/); Phase 1 is SGD 1e-2 everywhere."""
+    methods = yaml.safe_load(SCALES["paper"].read_text())["methods"]
+    for key in ("pfeddb", "pfeddb_cut_a", "pfeddb_cut_b", "pfeddb_cut_c", "pfeddb_cut_d", "pfeddb_one_phase"):
+        raw = {k: v for k, v in methods[key].items() if k != "method"}
+        for model, phase2 in (("simple_cnn", "adam"), ("alexnet_bn", "sgd"), ("densenet121", "sgd")):
+            algo = PFedDB(PFedDB.params_cls(**raw), TrainParams(model=model, lr=0.1))
+            assert algo.phase_train(2).optimizer == phase2 and algo.phase_train(2).lr == 0.01, (key, model)
+            if raw.get("two_phase", True):
+                assert (algo.phase_train(1).optimizer, algo.phase_train(1).lr) == ("sgd", 0.01), (key, model)
+
+
 def test_paper_scale_office_and_domainnet_follow_fedbns_loaders_and_record_each_rows_selection():
     """The authors' FedBN-derived scripts: floor(0.5 m) train / floor(0.4 m) validation on Office-Caltech-10,
     0.05 / 0.05 on DomainNet, hflip + rotation within 30 degrees; published rows say which round they come from."""

@@ -14,12 +14,14 @@ import weakref
 from typing import Any, ClassVar, Optional
 
 import torch
+from pydantic import TypeAdapter, ValidationError
+from pydantic_core import PydanticCustomError
 from torch import nn
 
 from fedsilo.client.data import ClientData
 from fedsilo.client.local import predict
 from fedsilo.config import Strict, TrainParams
-from fedsilo.models import LayeredNet
+from fedsilo.models import MODELS, LayeredNet
 
 State = dict[str, torch.Tensor]
 
@@ -32,6 +34,26 @@ def payload_bytes(payload: State) -> int:
 class MethodParams(Strict):
     """A method's hyper-parameters (``methods.<key>``): unknown keys, non-finite numbers and booleans given for
     numbers are refused, as everywhere in params (:class:`fedsilo.config.Strict`)."""
+
+
+def one_or_per_backbone(value: Any, one: TypeAdapter) -> Any:
+    """A params value given once or per backbone (``{simple_cnn: 0.5, alexnet_bn: 0.0}``: the authors' settings of
+    one method differ per dataset, and in a paper's runs each backbone serves one dataset), each value validated by
+    ``one``. For a field validator (mode ``before``): an error names ``<field>.<backbone>`` inside a mapping, and an
+    unknown backbone is refused with the known ones. :func:`fedsilo.methods.sharing.per_backbone` picks the run's."""
+    if not isinstance(value, dict):
+        return _one_value(value, one, None)
+    for k in value:
+        if k not in MODELS:
+            raise PydanticCustomError("per_backbone", f"unknown backbone (known: {', '.join(MODELS)})", {"field": str(k)})
+    return {k: _one_value(v, one, k) for k, v in value.items()}
+
+
+def _one_value(value: Any, one: TypeAdapter, backbone: Optional[str]) -> Any:
+    try:
+        return one.validate_python(value)
+    except ValidationError as err:
+        raise PydanticCustomError("per_backbone", err.errors()[0]["msg"], {"field": backbone} if backbone else {}) from None
 
 
 class Method:

@@ -28,16 +28,15 @@ from contextlib import contextmanager
 from typing import Annotated, Any, Iterator, Literal, Optional, Union
 
 import torch
-from pydantic import Field, TypeAdapter, ValidationError, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field, TypeAdapter, field_validator
 from torch import nn
 from torch.nn import functional as F
 
 from fedsilo.client.local import forward_fn, make_generator, train_local
 from fedsilo.config import ConfigError
-from fedsilo.methods.base import MethodParams, State
-from fedsilo.methods.sharing import PartialSharing
-from fedsilo.models import MODELS, LayeredNet
+from fedsilo.methods.base import MethodParams, State, one_or_per_backbone
+from fedsilo.methods.sharing import PartialSharing, per_backbone
+from fedsilo.models import LayeredNet
 
 Mode = Literal["global", "local", "mean"]
 LOCAL, GLOBAL = ".local_bn.", ".global_bn."
@@ -123,7 +122,6 @@ def code_divergence(o_g: torch.Tensor, o_l: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------- params
-_BACKBONES = tuple(MODELS)
 _VALUE = {  # what one value of each field may be (booleans for numbers are refused by Strict before this runs)
     "alpha": TypeAdapter(Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]),
     "beta": TypeAdapter(Annotated[float, Field(ge=0, allow_inf_nan=False)]),
@@ -131,14 +129,6 @@ _VALUE = {  # what one value of each field may be (booleans for numbers are refu
     "momentum": TypeAdapter(Optional[Annotated[float, Field(ge=0, lt=1)]]),
     "rounds": TypeAdapter(Optional[Annotated[int, Field(ge=1)]]),
 }
-
-
-def _value(field: str, value: Any, backbone: Optional[str]) -> Any:
-    """One value of ``field``; an error names ``field.<backbone>`` when it sits in a mapping."""
-    try:
-        return _VALUE[field].validate_python(value)
-    except ValidationError as err:
-        raise PydanticCustomError("per_backbone", err.errors()[0]["msg"], {"field": backbone} if backbone else {}) from None
 
 
 class PFedDRParams(MethodParams):
@@ -161,12 +151,7 @@ class PFedDRParams(MethodParams):
     @field_validator("alpha", "beta", "ce_sum", "momentum", "rounds", mode="before")
     @classmethod
     def _per_backbone(cls, value: Any, info) -> Any:
-        if isinstance(value, dict):
-            for k in value:
-                if k not in _BACKBONES:
-                    raise PydanticCustomError("per_backbone", f"unknown backbone (known: {', '.join(_BACKBONES)})", {"field": str(k)})
-            return {k: _value(info.field_name, v, k) for k, v in value.items()}
-        return _value(info.field_name, value, None)
+        return one_or_per_backbone(value, _VALUE[info.field_name])
 
 
 # ---------------------------------------------------------------------------------------------------------- method
@@ -228,12 +213,7 @@ class PFedDR(PartialSharing):
             raise ConfigError(f"methods.{self.key}.rounds: {self.rounds} exceeds train.rounds ({train.rounds}); lower it or set null")
 
     def _for_backbone(self, field: str) -> Any:
-        value = getattr(self.params, field)
-        if not isinstance(value, dict):
-            return value
-        if self.train.model not in value:
-            raise ConfigError(f"methods.{self.key}.{field}: no value for backbone {self.train.model} (the mapping has {', '.join(value) or 'none'})")
-        return value[self.train.model]
+        return per_backbone(getattr(self.params, field), self.train.model, f"methods.{self.key}.{field}")
 
     # --- structure
     def transform_model(self, model: nn.Module, example: torch.Tensor) -> nn.Module:

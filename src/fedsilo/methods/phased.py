@@ -12,39 +12,60 @@ E0 = 0 is the plain one-phase method. The newcomer onboarding of pFedDB reuses `
 newcomer's pre-existing local model.
 
 Each phase may train with its own optimizer and learning rate (:class:`TwoPhaseParams`: ``phase1_optimizer``,
-``phase1_lr``, ``phase2_optimizer``, ``phase2_lr``; null = ``train``'s): pFedDB's authors train Phase 1 with SGD lr
-1e-2 and Phase 2 with Adam lr 1e-2, a new Adam every round (``federated/fed_digits_twophase.py`` on the dev branch of
-github.com/yiranpang/pFedDB). A phase's optimizer is built fresh for every local update, as ``train_local`` always
-does. An Adam phase uses ``train.betas``, ``train.eps`` and ``train.weight_decay``; ``train.momentum`` and
+``phase1_lr``, ``phase2_optimizer``, ``phase2_lr``; null = ``train``'s; each one value or a mapping backbone ->
+value): pFedDB's authors' Digits script trains Phase 1 with SGD lr 1e-2 and Phase 2 with Adam lr 1e-2, a new Adam
+every round (``federated/fed_digits_twophase.py`` on the dev branch of github.com/yiranpang/pFedDB), the only
+two-phase training script they released. A phase's optimizer is built fresh for every local update, as
+``train_local`` always does. An Adam phase uses ``train.betas``, ``train.eps`` and ``train.weight_decay``; ``train.momentum`` and
 ``nesterov`` are SGD's and apply to SGD phases only.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import torch
-from pydantic import Field
+from pydantic import Field, TypeAdapter, field_validator
 
 from fedsilo.client.data import ClientData
 from fedsilo.client.local import make_generator
 from fedsilo.config import ConfigError, TrainParams
-from fedsilo.methods.base import MethodParams, State
-from fedsilo.methods.sharing import PartialSharing
+from fedsilo.methods.base import MethodParams, State, one_or_per_backbone
+from fedsilo.methods.sharing import PartialSharing, per_backbone
 from fedsilo.models import LayeredNet
 
 Optimizer = Literal["sgd", "adam"]
+_OPTIMIZER = TypeAdapter(Optional[Optimizer])
+_LR = TypeAdapter(Optional[Annotated[float, Field(gt=0, allow_inf_nan=False)]])
 
 
 class TwoPhaseParams(MethodParams):
-    """The per-phase training settings of a two-phase method (null: ``train.optimizer`` / ``train.lr``)."""
+    """The per-phase training settings of a two-phase method (null: ``train.optimizer`` / ``train.lr``), each one
+    value or a mapping backbone -> value (``{simple_cnn: adam, alexnet_bn: sgd}``: one methods block serving several
+    datasets whose recipes differ)."""
 
-    phase1_optimizer: Optional[Optimizer] = Field(None, description="Phase 1's optimizer: sgd | adam (null = train.optimizer)")
-    phase1_lr: Optional[float] = Field(None, gt=0, description="Phase 1's learning rate (null = train.lr)")
-    phase2_optimizer: Optional[Optimizer] = Field(
+    phase1_optimizer: Union[None, Optimizer, dict[str, Optional[Optimizer]]] = Field(
+        None, description="Phase 1's optimizer: sgd | adam (null = train.optimizer)"
+    )
+    phase1_lr: Union[None, float, dict[str, Optional[float]]] = Field(
+        None, description="Phase 1's learning rate (null = train.lr)"
+    )
+    phase2_optimizer: Union[None, Optimizer, dict[str, Optional[Optimizer]]] = Field(
         None, description="Phase 2's optimizer: sgd | adam (null = train.optimizer); a one-phase run is all Phase 2"
     )
-    phase2_lr: Optional[float] = Field(None, gt=0, description="Phase 2's learning rate (null = train.lr)")
+    phase2_lr: Union[None, float, dict[str, Optional[float]]] = Field(
+        None, description="Phase 2's learning rate (null = train.lr)"
+    )
+
+    @field_validator("phase1_optimizer", "phase2_optimizer", mode="before")
+    @classmethod
+    def _optimizer(cls, value: Any) -> Any:
+        return one_or_per_backbone(value, _OPTIMIZER)
+
+    @field_validator("phase1_lr", "phase2_lr", mode="before")
+    @classmethod
+    def _lr(cls, value: Any) -> Any:
+        return one_or_per_backbone(value, _LR)
 
 
 class TwoPhase(PartialSharing):
@@ -60,16 +81,20 @@ class TwoPhase(PartialSharing):
         self.e0 = self.phase_one_rounds()
         if self.e0 >= self.train.rounds:
             raise ConfigError(f"methods.{self.key}.local_rounds ({self.e0}) must be below train.rounds ({self.train.rounds})")
+        self.phase_optimizers()  # a mapping without this backbone is refused before any round
         self.rnd = 0
 
     def phase(self, rnd: int) -> int:
         return 1 if rnd <= self.e0 else 2
 
     def phase_train(self, phase: int) -> TrainParams:
-        """``train`` with phase ``phase``'s optimizer and learning rate where the params set them. SGD's momentum and
-        Nesterov do not carry into an Adam phase (Adam's moments are ``train.betas``)."""
-        opt = getattr(self.params, f"phase{phase}_optimizer", None)
-        lr = getattr(self.params, f"phase{phase}_lr", None)
+        """``train`` with phase ``phase``'s optimizer and learning rate where the params set them (for the run's
+        backbone where they are given per backbone). SGD's momentum and Nesterov do not carry into an Adam phase
+        (Adam's moments are ``train.betas``)."""
+        opt, lr = (
+            per_backbone(getattr(self.params, f"phase{phase}_{name}", None), self.train.model, f"methods.{self.key}.phase{phase}_{name}")
+            for name in ("optimizer", "lr")
+        )
         update: dict[str, Any] = {}
         if opt is not None and opt != self.train.optimizer:
             update["optimizer"] = opt

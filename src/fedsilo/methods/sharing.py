@@ -12,7 +12,7 @@ the model gets the modules, the local objective their loss, and the modules stay
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional
 
 from fedsilo.client.data import ClientData
 from fedsilo.client.local import ExtraLoss, make_generator, train_local
@@ -22,9 +22,9 @@ from fedsilo.methods.base import MeanAggregation, State
 from fedsilo.models import LayeredNet
 
 
-def per_backbone(value: Union[int, dict[str, int]], model_name: str, what: str) -> int:
-    """A layer count given once or per backbone (``{simple_cnn: 3, resnet34: 1}``): the entry of ``train.model``;
-    ``what`` is the dotted params key, named when the backbone has no entry."""
+def per_backbone(value: Any, model_name: str, what: str) -> Any:
+    """A value given once or per backbone (``{simple_cnn: 3, resnet34: 1}``): the entry of ``train.model``; ``what``
+    is the dotted params key, named when the backbone has no entry."""
     if not isinstance(value, dict):
         return value
     if model_name not in value:
