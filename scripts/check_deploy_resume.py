@@ -68,7 +68,7 @@ def check(base: Path, fed: Federation) -> bool:
 
     history = json.loads((results / "history.json").read_text())
     reference = engine_history(app, sites)
-    same = [h["eval"] for h in history] == [h["eval"] for h in reference] and \
+    same = [h.get("eval") for h in history] == [h.get("eval") for h in reference] and \
         [h["bytes_up"] for h in history] == [h["bytes_up"] for h in reference]
     say("rounds", [h["round"] for h in history], "equal to the in-process engine's:", same)
     wire = [json.loads(line) for line in (results / "wire.jsonl").read_text().splitlines()]

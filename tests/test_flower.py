@@ -2,10 +2,12 @@
 numbers, moves exactly the engine's payloads as Flower records, keeps each site's store on the site, and never lets a
 private key reach the server.
 
-The equivalence tests run Flower's simulation runtime (Ray: one worker per CPU, one thread each); the engine they are
-compared with runs with one thread too, since a convolution summed by a different number of threads differs in the
-last float bit (with the engine on every core, losses differ by ~3e-7). Ray's start takes 6-8 s of each ~13 s run on
-this machine. The tests of the refusals drive the same apps in this process through a stand-in for Flower's Grid.
+The equivalence tests run the apps on Flower's simulation runtime (Ray: one worker per CPU, one thread each) for one
+method and, for the others, in this process through a stand-in for Flower's Grid (the same ServerApp and ClientApp,
+the same records; Ray's start takes 6-8 s of each ~15 s run on this machine, and most of a CI minute when the other
+test worker keeps the second core busy); the engine they are compared with runs with one thread too, as does the
+stand-in, since a convolution summed by a different number of threads differs in the last float bit (with the engine
+on every core, losses differ by ~3e-7). The tests of the refusals drive the apps through the stand-in as well.
 """
 
 from __future__ import annotations
@@ -29,17 +31,17 @@ from fedsilo.methods.fedbn import FedBN  # noqa: E402
 from fedsilo.models import batchnorm_keys  # noqa: E402
 from tests.tiny import style_shifted_federation, tiny_net, without_timing  # noqa: E402
 
-# method -> (its params, train params beyond _train's): FedAvg samples two of the three clients a round and counts
-# the last round's FLOPs; pFedDB trains one local round (Phase 1, its upload of psi under phi's names) then federates;
-# LG-FedAvg starts with one FedAvg round. FedBN (private BatchNorm on every site) is compared with the engine over a
+# method -> (its params, train params beyond _train's, the runtime): FedAvg samples two of the three clients a round
+# and counts the last round's FLOPs, on Ray; pFedDB trains one local round (Phase 1, its upload of psi under phi's
+# names) then federates; LG-FedAvg starts with one FedAvg round; both through the stand-in Grid below. FedBN (private BatchNorm on every site) is compared with the engine over a
 # real deployment instead (tests/test_deploy_processes.py: SuperLink, SuperNodes, TLS) and through the apps below
 # (test_each_store_lives_in_its_sites_context_...: its stores and server state equal the engine's, no BatchNorm leaves)
 CASES = {
-    "fedavg": ({}, {"client_fraction": 0.67, "count_flops": True}),
-    "pfeddb": ({"local_rounds": 1, "cut_depth": 2}, {}),
+    "fedavg": ({}, {"client_fraction": 0.67, "count_flops": True}, "ray"),
+    "pfeddb": ({"local_rounds": 1, "cut_depth": 2}, {}, "loop"),
     # a private set that changes with the round: round 1 is FedAvg (every layer travels), then two of the three sites a
     # round, so a site may be evaluated before it was sent the FedAvg start's lower layers
-    "lgfedavg": ({"fedavg_rounds": 1}, {"client_fraction": 0.67}),
+    "lgfedavg": ({"fedavg_rounds": 1}, {"client_fraction": 0.67}, "loop"),
 }
 
 
@@ -70,12 +72,15 @@ def _engine_history(method, clients, tp, observer=None) -> list:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_flower_simulation_gives_the_engines_metrics_and_payloads(name):
-    params, extra = CASES[name]
+    params, extra, runtime = CASES[name]
     tp, cls, clients = _train(**extra), method_class(name), _clients()
     seen_engine: list = []
     seen_flower: list = []
     engine = _engine_history(cls(cls.params_cls(**params), tp), clients, tp, _recorder(seen_engine))
-    flower = simulate(cls(cls.params_cls(**params), tp), _model, clients, seed=0, observer=_recorder(seen_flower))
+    if runtime == "ray":
+        flower = simulate(cls(cls.params_cls(**params), tp), _model, clients, seed=0, observer=_recorder(seen_flower))
+    else:
+        flower = _loop_history(cls(cls.params_cls(**params), tp), clients, _recorder(seen_flower))
 
     # the same rounds: sampling, bytes, training losses, per-client and global evaluations, FLOPs, bit for bit
     assert len(flower) == len(engine) == tp.rounds
@@ -153,6 +158,24 @@ def identity():
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     yield
     TaskIdentity.run_id = TaskIdentity.node_id = TaskIdentity.task_id = None
+
+
+def _loop_history(method, clients: list, observer) -> list[dict]:
+    """The history of ``method``'s ServerApp and ClientApp run through the stand-in Grid, on one thread as the engine
+    it is compared with (and as each Ray worker runs)."""
+    spec = FlowerSpec.of(method, _model, 0)
+    run = FlowerRun(spec, len(clients), observer=observer)
+    grid = LoopGrid(client_app(spec, lambda ctx: clients[int(ctx.node_config["partition-id"])]), len(clients))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    try:
+        run.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
+    finally:
+        TaskIdentity.run_id = TaskIdentity.node_id = TaskIdentity.task_id = None
+        torch.set_num_threads(threads)
+    assert run.engine is not None and run.engine.round == run.engine.total_rounds
+    return run.engine.history
 
 
 def _loop_run(spec: FlowerSpec, clients: list, app=None) -> tuple[FlowerRun, LoopGrid]:

@@ -49,10 +49,11 @@ def _dvc(*args: str, cwd: Path) -> str:
     return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
 
 
-def _repo(tmp: Path, fail: str = "None", sub: bool = False) -> Path:
-    """test_grid's repository with this file's pipeline (its log in ``tmp``) and a local default remote, plus what must
-    never reach a worker."""
-    repo = grid_repo(tmp, fail, sub, pipe=PIPE.replace("{log}", str(tmp / "runs.log")), remote=tmp / "remote")
+def _repo(tmp: Path, fail: str = "None", sub: bool = False, items: str = "[a, b, c]") -> Path:
+    """test_grid's repository with this file's pipeline (its log in ``tmp``; ``items``: the train stages) and a local
+    default remote, plus what must never reach a worker."""
+    pipe = PIPE.replace("{log}", str(tmp / "runs.log")).replace("[a, b, c]", items)
+    repo = grid_repo(tmp, fail, sub, pipe=pipe, remote=tmp / "remote")
     # never sent to a worker: credentials of this machine, data git ignores
     (repo / ".dvc" / "config.local").write_text("['remote \"vault\"']\n    url = https://dvc.example.invalid/store\n"
                                                 "    password = not-for-workers\n")
@@ -98,10 +99,10 @@ def test_ray_grid_runs_each_stage_once_on_two_nodes_and_leaves_the_pipeline_up_t
 
 
 def test_a_gpu_run_lands_on_the_gpu_node_with_the_device_ray_granted(tmp_path, cluster):
-    repo = _repo(tmp_path)
+    repo = _repo(tmp_path, items="[a, b]")  # two runs, one after the other on the one GPU
     r = run_grid_ray("dvc.yaml", repo, cluster.address, gpus_per_run=1, worker_cache=None, quiet=True)
     gpu_node = next(n["node"] for n in r["nodes"] if n["resources"].get("GPU"))
-    assert {x["node"] for x in r["runs"]} == {gpu_node}
+    assert len(r["runs"]) == 2 and {x["node"] for x in r["runs"]} == {gpu_node}  # never the CPU-only head node
     assert {x["cuda_visible_devices"] for x in r["runs"]} == {"0"}
     assert "up to date" in _dvc("status", cwd=repo)
     with pytest.raises(GridError, match="--gpus-per-run 2 but no node of the cluster has"):
