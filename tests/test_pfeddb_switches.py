@@ -199,6 +199,41 @@ def test_independent_draw_leaves_the_global_random_state_alone_and_needs_train_m
         algo.transform_model(dense_style_net(), torch.zeros(2, 1, 16, 16))
 
 
+def test_authors_weight_init_draws_each_branch_as_their_dual_branch_classes_do():
+    """weight_init: authors: convolutions Kaiming normal (ReLU gain, fan_out), linear layers N(0, 0.01), biases 0,
+    BatchNorm 1 / 0; the two branches independent draws of a seeded generator; the backbone's own draw otherwise."""
+    example = torch.zeros(2, 3, 28, 28)
+
+    def dual(**kw):
+        algo = PFedDB(PFedDBParams(cut_depth=3, two_phase=False, **kw), _tp(model="simple_cnn", model_width=0.5))
+        algo.run_seed = 5
+        return algo.transform_model(build_model("simple_cnn", 3, 10, seed=0, image_size=28, width=0.5), example)
+
+    net, again, plain = dual(weight_init="authors"), dual(weight_init="authors"), dual()
+    linears = [m for m in net.modules() if isinstance(m, nn.Linear)]
+    convs = [m for m in net.modules() if isinstance(m, nn.Conv2d)]
+    big = max(linears, key=lambda m: m.weight.numel())
+    assert abs(big.weight.std().item() - 0.01) < 0.001 and all(not m.bias.any() for m in linears + convs)
+    for m in convs:
+        fan_out = m.weight.shape[0] * m.weight[0, 0].numel()
+        assert abs(m.weight.std().item() / (2.0 / fan_out) ** 0.5 - 1) < 0.25
+    bns = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert bns and all(bool((m.weight == 1).all()) and not m.bias.any() for m in bns)
+    s, p = net.shared.state_dict(), net.private.state_dict()
+    assert not torch.equal(s["0.0.weight"], p["0.0.weight"])  # independent draws
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), again.state_dict().values()))  # seeded
+    # torch's default linear init is uniform within 1/sqrt(fan_in) (here about as wide as N(0, 0.01), never as far
+    # out), with biases drawn too
+    plain_big = max((m for m in plain.modules() if isinstance(m, nn.Linear)), key=lambda m: m.weight.numel())
+    bound = plain_big.weight.shape[1] ** -0.5
+    assert plain_big.weight.abs().max() <= bound < big.weight.abs().max() and plain_big.bias.any()
+    same = dual(weight_init="authors", branch_init="same")
+    assert all(torch.equal(same.shared.state_dict()[k], v) for k, v in same.private.state_dict().items())
+    with pytest.raises(ConfigError, match=r"methods\.pfeddb\.weight_init: authors applies to two_phase: false"):
+        PFedDB(PFedDBParams(cut_depth=3, weight_init="authors"), _tp(model="simple_cnn", model_width=0.5)).transform_model(
+            build_model("simple_cnn", 3, 10, seed=0, image_size=28, width=0.5), example)
+
+
 # --------------------------------------------------------------------------- the paper preset
 def _simple_and_alexnet(p):
     for exp, model in (("pfeddb_digits5", "simple_cnn"), ("pfeddb_office", "alexnet_bn")):
@@ -223,6 +258,7 @@ def test_paper_preset_pfeddb_runs_the_authors_protocol():
     train = p.experiments["pfeddb_digits5"].train
     for key in ("pfeddb", "pfeddb_cut_a", "pfeddb_cut_b", "pfeddb_cut_c", "pfeddb_cut_d", "pfeddb_one_phase"):
         algo = resolve_method(p, key, train)
-        assert algo.phase_optimizers() == {"phase1": {"optimizer": "sgd", "lr": 0.01}, "phase2": {"optimizer": "adam", "lr": 0.01}}, key
+        assert algo.phase_optimizers() == {"phase1": {"optimizer": "sgd", "lr": 0.01}, "phase2": {"optimizer": "adam", "lr": 0.01}}, key  # Digits
         assert not algo.params.share_bn_affine and not algo.params.share_bn_stats, key
-    assert resolve_method(p, "pfeddb_one_phase", train).params.branch_init == "independent"
+    one_phase = resolve_method(p, "pfeddb_one_phase", train).params
+    assert one_phase.branch_init == "independent" and one_phase.weight_init == "authors"

@@ -14,6 +14,11 @@ Protocol (Algorithm 1):
   second backbone drawn with the run's architecture and a seed derived from the run's seed. ``branch_init: same``
   starts phi and psi as copies of one draw. Under the two-phase protocol the
   switch does nothing: phi starts as the clone of psi_c* (the same in the authors' code: ``copy_single_to_dual``).
+  ``weight_init: authors`` (one-phase only) draws the whole dual-branch model as those classes' ``_init_weights``
+  do (:func:`~fedsilo.methods.pfeddb.model.authors_init`: convolutions Kaiming normal, fan_out for the Digits and
+  AlexNet classes and fan_in for DenseNet's, linear layers N(0, 0.01), BatchNorm 1 and 0), each branch its own draw;
+  ``backbone`` (default) keeps the backbone's initialisation (torch's defaults for AlexNet-BN and Simple-CNN, as the
+  authors' single-branch ``DigitModel`` and ``AlexNet``).
 
 Where the authors' code (dev branch of github.com/yiranpang/pFedDB) fixes what the paper leaves open, the paper preset
 (``pipelines/pfeddb/paper/params.yaml``) follows it:
@@ -68,6 +73,7 @@ from fedsilo.config import ConfigError
 from fedsilo.methods.pfeddb.model import (
     SHARED,
     DualBranch,
+    authors_init,
     closest_to_70,
     local_branch_parameters,
     psi_as_phi,
@@ -78,6 +84,7 @@ from fedsilo.methods.phased import TwoPhase, TwoPhaseParams
 from fedsilo.models import LayeredNet, build_model
 
 BRANCH_SEED = 2  # the second key (after the run's seed) of the independent shared-branch draw
+INIT_SEED = 3  # ... of the authors' initialisation (weight_init: authors)
 
 
 class PFedDBParams(TwoPhaseParams):
@@ -97,6 +104,11 @@ class PFedDBParams(TwoPhaseParams):
     share_bn_affine: bool = Field(
         False, description="also upload and average the shared branch's BatchNorm affine weight and bias (the "
         "authors' code: no BatchNorm tensor of the shared branch is averaged)",
+    )
+    weight_init: Literal["backbone", "authors"] = Field(
+        "backbone", description="two_phase: false only: the dual-branch model keeps the backbone's own initialisation "
+        "(backbone) or is drawn as the authors' dual-branch classes draw themselves (authors: convolutions Kaiming "
+        "normal, linear layers N(0, 0.01), BatchNorm 1 and 0)",
     )
     branch_init: Literal["independent", "same"] = Field(
         "independent", description="two_phase: false only: the shared and private extractors start from independent "
@@ -123,7 +135,15 @@ class PFedDB(TwoPhase):
         self.backbone_shared_fraction = shared_fraction(model, depth)
         independent = not self.params.two_phase and self.params.branch_init == "independent"
         shared_from = self.independent_draw(model, example) if independent else None
-        return DualBranch(model, model.cut_index(depth), self.params.fusion, self.params.alpha, example, shared_from)
+        net = DualBranch(model, model.cut_index(depth), self.params.fusion, self.params.alpha, example, shared_from)
+        if self.params.weight_init == "authors":
+            if self.params.two_phase:
+                raise ConfigError(f"methods.{self.key}.weight_init: authors applies to two_phase: false (under the two-phase "
+                                  "protocol the model starts from Phase 1's, itself the backbone's draw)")
+            authors_init(net, make_generator(self.run_seed, INIT_SEED), "fan_in" if self.train.model == "densenet121" else "fan_out")
+            if self.params.branch_init == "same":
+                net.shared.load_state_dict(net.private.state_dict())
+        return net
 
     def independent_draw(self, model: LayeredNet, example: torch.Tensor) -> LayeredNet:
         """A second backbone of the run's architecture (``train.model``), drawn by the backbone's own initialisation

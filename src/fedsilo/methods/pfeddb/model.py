@@ -84,6 +84,29 @@ class DualBranch(nn.Module):
         return self.head(self.fusion(self.shared(x), zp))
 
 
+def authors_init(net: nn.Module, gen: torch.Generator, conv_mode: str) -> None:
+    """The initialisation the authors' dual-branch classes give themselves (``_init_weights`` of ``DigitModel_DB``,
+    ``AlexNet_DB``, ``DenseNet_DB`` in ``nets/models.py``, dev branch of github.com/yiranpang/pFedDB): every
+    convolution Kaiming normal with ReLU's gain (``conv_mode``: fan_out for the Digits and AlexNet classes, fan_in for
+    DenseNet's), every linear layer N(0, 0.01), their biases 0; every BatchNorm weight 1 and bias 0. One generator
+    draws module after module (f_s, then f_p, the fusion, g_p), so the two branches are independent draws; each draw
+    is made on the CPU and copied, so a seed gives the same weights on any device."""
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                w = torch.empty(m.weight.shape, dtype=torch.float32)
+                if isinstance(m, nn.Conv2d):
+                    nn.init.kaiming_normal_(w, mode=conv_mode, nonlinearity="relu", generator=gen)
+                else:
+                    nn.init.normal_(w, 0.0, 0.01, generator=gen)
+                m.weight.copy_(w)
+                if m.bias is not None:
+                    m.bias.zero_()
+            elif isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine:
+                m.weight.fill_(1.0)
+                m.bias.zero_()
+
+
 def closest_to_70(base: LayeredNet) -> int:
     sizes = [sum(p.numel() for p in u.parameters()) for u in base.units]
     total = sum(sizes)
