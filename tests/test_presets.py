@@ -96,7 +96,8 @@ def test_per_backbone_cut_depth_resolves_for_each_model():
 
 
 def test_paper_pfeddb_trains_phase_two_with_the_digits_scripts_adam_on_digits_only():
-    """Adam at lr 1e-2 comes from the authors' Digits script; Office-Caltech-10 and Chest-X-Ray-4, with no released
+    """Adam at lr 1e-2 comes from the authors' Digits script; Office-Caltech-10, DomainNet (AlexNet-BN) and
+    Chest-X-Ray-4 (DenseNet-121), with no released
     pFedDB training script, train Phase 2 with the paper's SGD lr 1e-2 (on AlexNet-BN the Adam step wiped out
     Phase 1's model, docs/results/2026-11-28-acceptance-a-rest-h200/); Phase 1 is SGD 1e-2 everywhere."""
     methods = yaml.safe_load(SCALES["paper"].read_text())["methods"]

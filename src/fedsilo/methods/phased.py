@@ -72,6 +72,10 @@ class TwoPhase(PartialSharing):
     e0: int = 0
     rnd: int = 0  # the round in progress (the evaluation after round r sees r)
 
+    def __init__(self, params, train, key=None):
+        super().__init__(params, train, key)
+        self.phase_optimizers()  # a mapping without this run's backbone is refused when params are checked
+
     def phase_one_rounds(self) -> int:
         """E0; methods whose params have no ``local_rounds`` run Phase 2 only."""
         return int(getattr(self.params, "local_rounds", 0))
@@ -81,7 +85,6 @@ class TwoPhase(PartialSharing):
         self.e0 = self.phase_one_rounds()
         if self.e0 >= self.train.rounds:
             raise ConfigError(f"methods.{self.key}.local_rounds ({self.e0}) must be below train.rounds ({self.train.rounds})")
-        self.phase_optimizers()  # a mapping without this backbone is refused before any round
         self.rnd = 0
 
     def phase(self, rnd: int) -> int:
@@ -110,9 +113,10 @@ class TwoPhase(PartialSharing):
             raise ConfigError(f"methods.{self.key}.phase{phase}_optimizer: {err}") from None
 
     def phase_optimizers(self) -> dict[str, dict[str, Any]]:
-        """What each phase trains with (recorded with the run's resolved settings)."""
+        """What each phase that runs trains with (recorded with the run's resolved settings); a one-phase run has no
+        Phase 1, and its ``phase1_*`` values are not looked at."""
         out = {}
-        for phase in (1, 2):
+        for phase in (1, 2) if self.phase_one_rounds() else (2,):
             cfg = self.phase_train(phase)
             out[f"phase{phase}"] = {"optimizer": cfg.optimizer, "lr": cfg.lr}
         return out

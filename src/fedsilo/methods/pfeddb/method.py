@@ -27,9 +27,9 @@ Where the authors' code (dev branch of github.com/yiranpang/pFedDB) fixes what t
   Phase 2 with ``optim.Adam(lr=1e-2)`` (torch's betas), a new Adam for every client in every round. The paper says only
   "SGD optimizer with a learning rate of 10^-2" (for the compared methods). The defaults (null) train both phases
   with ``train``'s optimizer. That script is the authors' only two-phase training script (Digits): Office-Caltech-10's
-  ``fed_office.py`` is FedBN's (SGD 1e-2, no two-phase mode) and Chest-X-Ray-4 has an evaluation script only, so
-  the preset takes Adam for Simple-CNN and the paper's SGD 1e-2 for AlexNet-BN and DenseNet-121 (values per
-  backbone). Adam's first step moves every weight by about lr, a multiple of AlexNet's fully connected weights at
+  ``fed_office.py`` is FedBN's (SGD 1e-2, no two-phase mode), DomainNet has no pFedDB script either, and
+  Chest-X-Ray-4 has an evaluation script only, so the preset takes Adam for Simple-CNN (Digits) and the paper's SGD
+  1e-2 for AlexNet-BN (Office-Caltech-10, DomainNet) and DenseNet-121 (values per backbone). Adam's first step moves every weight by about lr, a multiple of AlexNet's fully connected weights at
   their initialisation: on the real Office images Phase 2's first round took the loss from 0.003 to 8-17 and the run
   ended 20 points below the paper (docs/results/2026-11-28-acceptance-a-rest-h200/).
 - What phi carries (``share_bn_affine``, ``share_bn_stats``): ``aggregate_shared`` in the same script averages the
@@ -65,7 +65,8 @@ from __future__ import annotations
 from typing import Any, Literal, Union
 
 import torch
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, model_validator
+from pydantic_core import PydanticCustomError
 from torch import nn
 
 from fedsilo.client.local import make_generator, train_local
@@ -83,8 +84,11 @@ from fedsilo.methods.pfeddb.model import (
 from fedsilo.methods.phased import TwoPhase, TwoPhaseParams
 from fedsilo.models import LayeredNet, build_model
 
-BRANCH_SEED = 2  # the second key (after the run's seed) of the independent shared-branch draw
-INIT_SEED = 3  # ... of the authors' initialisation (weight_init: authors)
+# the keys (after the run's seed) of the independent shared-branch draw and of the authors' initialisation: round 0,
+# which no training round uses, and a tag no client index reaches (make_generator pads keys with zeros, so a bare
+# (seed, 2) would draw what round 2's client 0 draws)
+BRANCH_KEYS = (0, 2_000_003)
+INIT_KEYS = (0, 3_000_017)
 
 
 class PFedDBParams(TwoPhaseParams):
@@ -116,6 +120,14 @@ class PFedDBParams(TwoPhaseParams):
     )
 
 
+    @model_validator(mode="after")
+    def _authors_init_is_one_phase(self) -> "PFedDBParams":
+        if self.weight_init == "authors" and self.two_phase:
+            raise PydanticCustomError("one_phase_only", "authors applies to two_phase: false (under the two-phase protocol the "
+                                      "model starts from Phase 1's, itself the backbone's draw)", {"field": "weight_init"})
+        return self
+
+
 class PFedDB(TwoPhase):
     name = "pfeddb"
     params_cls = PFedDBParams
@@ -133,27 +145,25 @@ class PFedDB(TwoPhase):
             raise ConfigError(f"methods.{self.key}.cut_depth: {depth} exceeds the backbone's {model.num_layers} layers")
         self.cut_depth = depth
         self.backbone_shared_fraction = shared_fraction(model, depth)
-        independent = not self.params.two_phase and self.params.branch_init == "independent"
+        # weight_init: authors draws both branches itself; the backbone's second draw would only be overwritten
+        independent = not self.params.two_phase and self.params.branch_init == "independent" and self.params.weight_init == "backbone"
         shared_from = self.independent_draw(model, example) if independent else None
         net = DualBranch(model, model.cut_index(depth), self.params.fusion, self.params.alpha, example, shared_from)
         if self.params.weight_init == "authors":
-            if self.params.two_phase:
-                raise ConfigError(f"methods.{self.key}.weight_init: authors applies to two_phase: false (under the two-phase "
-                                  "protocol the model starts from Phase 1's, itself the backbone's draw)")
-            authors_init(net, make_generator(self.run_seed, INIT_SEED), "fan_in" if self.train.model == "densenet121" else "fan_out")
+            authors_init(net, make_generator(self.run_seed, *INIT_KEYS), "fan_in" if self.train.model == "densenet121" else "fan_out")
             if self.params.branch_init == "same":
                 net.shared.load_state_dict(net.private.state_dict())
         return net
 
     def independent_draw(self, model: LayeredNet, example: torch.Tensor) -> LayeredNet:
         """A second backbone of the run's architecture (``train.model``), drawn by the backbone's own initialisation
-        with a seed derived from (run seed, BRANCH_SEED); the global random state is left as it was."""
+        with a seed derived from (run seed, BRANCH_KEYS); the global random state is left as it was."""
         was = model.training
         model.eval()
         with torch.no_grad():
             num_classes = int(model(example).shape[-1])
         model.train(was)
-        seed = int(make_generator(self.run_seed, BRANCH_SEED).initial_seed())
+        seed = int(make_generator(self.run_seed, *BRANCH_KEYS).initial_seed())
         cuda = [example.device.index or 0] if example.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):
             other = build_model(self.train.model, example.shape[1], num_classes, seed=seed, image_size=example.shape[-1],

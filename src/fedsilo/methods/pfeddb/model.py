@@ -88,9 +88,11 @@ def authors_init(net: nn.Module, gen: torch.Generator, conv_mode: str) -> None:
     """The initialisation the authors' dual-branch classes give themselves (``_init_weights`` of ``DigitModel_DB``,
     ``AlexNet_DB``, ``DenseNet_DB`` in ``nets/models.py``, dev branch of github.com/yiranpang/pFedDB): every
     convolution Kaiming normal with ReLU's gain (``conv_mode``: fan_out for the Digits and AlexNet classes, fan_in for
-    DenseNet's), every linear layer N(0, 0.01), their biases 0; every BatchNorm weight 1 and bias 0. One generator
-    draws module after module (f_s, then f_p, the fusion, g_p), so the two branches are independent draws; each draw
-    is made on the CPU and copied, so a seed gives the same weights on any device."""
+    DenseNet's), every linear layer N(0, 0.01), their biases 0; every BatchNorm weight 1 and bias 0 (running
+    statistics untouched). One generator draws module after module in ``net.modules()`` order (f_s, f_p, g_p, then
+    the fusion's projection where it has one), so the two branches are independent draws; each draw is made on the
+    CPU and copied, so a seed gives the same weights on any device. (``DigitModel_DB`` ties its two convolutional
+    branches, one module; here they are two, as in the AlexNet and DenseNet classes.)"""
     with torch.no_grad():
         for m in net.modules():
             if isinstance(m, (nn.Conv2d, nn.Linear)):
