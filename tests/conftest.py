@@ -118,11 +118,12 @@ def mirror_root(tmp_path_factory) -> Path:
     return root
 
 
-# the files that take longest on two cores, longest first (`pytest --durations`, 2026-11-27): DVC repros, a SuperLink
-# with three SuperNodes, whole train stages killed and resumed, grids of stages, Ray; the in-memory files follow
-HEAVY_FIRST = ("test_dvc_pipeline.py", "test_deploy_processes.py", "test_resume_tracking.py", "test_grid.py",
-               "test_run_integrity.py", "test_grid_ray.py", "test_continual.py", "test_engine.py", "test_recent_methods.py",
-               "test_flower.py", "test_code_reaches_results.py")
+# the files that take longest on two cores, longest first (`pytest --durations`, 2026-11-28): DVC repros, a SuperLink
+# with three SuperNodes, Ray (a simulation start is several times slower while the other worker keeps its core busy),
+# grids of stages, whole train stages killed and resumed; the in-memory files follow
+HEAVY_FIRST = ("test_dvc_pipeline.py", "test_deploy_processes.py", "test_flower.py", "test_grid.py", "test_resume_tracking.py",
+               "test_grid_ray.py", "test_flower_streams.py", "test_presets.py", "test_run_integrity.py", "test_continual.py",
+               "test_engine.py", "test_recent_methods.py", "test_f2dc.py", "test_code_reaches_results.py")
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -127,7 +127,10 @@ PFEDDB = "pipelines/pfeddb/dvc.yaml"
 
 
 def _tiny_pfeddb(repo) -> dict:
-    """pipelines/pfeddb/params.yaml cut down to one tiny run per group, on the copy's root datasets."""
+    """pipelines/pfeddb/params.yaml cut down to tiny runs on the copy's root datasets: FedAvg, FedProx and pFedDB on
+    one experiment, pFedDB with onboarding on the other; the other groups stay, empty (a stage group with no run:
+    every group's stages resolve for the shipped params in test_every_run_group_of_the_papers_pipelines_resolves_...,
+    and each train stage is one command line, so trained here once stands for all)."""
     raw = yaml.safe_load((repo / "pipelines" / "pfeddb" / "params.yaml").read_text())
     train = {"model": "simple_cnn", "model_width": 0.25, "rounds": 2, "batch_size": 16, "lr": 0.02, "device": "cpu", "count_flops": False}
     raw["experiments"] = {
@@ -137,12 +140,12 @@ def _tiny_pfeddb(repo) -> dict:
     }
     raw["runs"] = {
         "tables_1_2": {"experiments": ["pq_cxr"], "methods": ["fedavg", "fedprox"]},
-        "tables_1_2_pfeddr": {"experiments": ["pq_cxr"], "methods": ["pfeddr"]},
-        "tables_1_2_pfeddr_domainnet": {"experiments": ["pq_cxr"], "methods": ["pfeddr_domainnet"]},
-        "table3_office": {"experiments": ["pq_cxr"], "methods": ["pfeddb_cut_a"]},
+        "tables_1_2_pfeddr": {"experiments": ["pq_cxr"], "methods": []},
+        "tables_1_2_pfeddr_domainnet": {"experiments": ["pq_cxr"], "methods": []},
+        "table3_office": {"experiments": ["pq_cxr"], "methods": []},
         "table3_cxr4": {"experiments": ["pq_cxr"], "methods": ["pfeddb"]},
-        "table4": {"experiments": ["pq_cxr"], "methods": ["pfeddb_one_phase"]},
-        "fig5": {"experiments": ["pq_cxr"], "methods": ["fedavg_two_phase"]},
+        "table4": {"experiments": ["pq_cxr"], "methods": []},
+        "fig5": {"experiments": ["pq_cxr"], "methods": []},
         "fig6": {"experiments": ["pq_hold"], "methods": ["pfeddb"]},
     }
     raw["onboarding"] = ["pq_hold"]
@@ -162,12 +165,11 @@ def paper_repo(repo_copy):
 
 def test_a_papers_pipeline_runs_beside_the_root_and_reuses_its_data(paper_repo):
     ns = paper_repo / "results" / "pfeddb" / "quickstart"
-    for run in ("pq_cxr/fedavg", "pq_cxr/fedprox", "pq_cxr/pfeddb_cut_a", "pq_cxr/pfeddb", "pq_cxr/pfeddb_one_phase",
-                "pq_cxr/fedavg_two_phase", "pq_hold/pfeddb"):
+    for run in ("pq_cxr/fedavg", "pq_cxr/fedprox", "pq_cxr/pfeddb", "pq_hold/pfeddb"):
         assert (ns / run / "seed0" / "metrics.json").exists(), run
     assert not (ns / "pq_hold" / "fedavg").exists()  # only the runs its groups list, not a cross product
     assert (ns / "pq_hold" / "onboarding" / "seed0" / "onboarding.json").exists()
-    assert "| pfeddb_cut_a |" in (ns / "report" / "pq_cxr" / "pq_cxr_accuracy.md").read_text()
+    assert "| pfeddb |" in (ns / "report" / "pq_cxr" / "pq_cxr_accuracy.md").read_text()
     assert (paper_repo / "data" / "splits" / "pfeddb" / "quickstart" / "pq_cxr.json").exists()
     # the root's results stay in place, and both pipelines are up to date
     assert (paper_repo / "results" / "quick" / "fedprox" / "seed0" / "metrics.json").exists()
@@ -182,6 +184,19 @@ def test_a_papers_pipeline_runs_beside_the_root_and_reuses_its_data(paper_repo):
     c = MlflowClient(f"sqlite:///{paper_repo / 'mlflow.db'}")
     runs = c.search_runs([c.get_experiment_by_name("pfeddb/quickstart/pq_cxr").experiment_id])
     assert "fedprox-seed0" in {r.info.run_name for r in runs}
+
+
+@pytest.mark.parametrize("scale", ["", "paper/"], ids=["quickstart", "paper"])
+@pytest.mark.parametrize("paper", ["pfeddb", "f2dc", "fedecouple", "cd2pfed", "pfeddil"])
+def test_every_run_group_of_the_papers_pipelines_resolves_to_its_train_stages(paper, scale):
+    """The shipped params of both scales give every runs group of a paper's dvc.yaml its train stages (one per
+    experiment x method x seed), which the pipeline tests above train only a few of."""
+    params = yaml.safe_load((REPO / "pipelines" / paper / scale / "params.yaml").read_text())
+    listed = _run(REPO, "dvc", "stage", "list", f"pipelines/{paper}/{scale}dvc.yaml", "--name-only").split()
+    for group, runs in params["runs"].items():
+        want = len(runs["experiments"]) * len(runs["methods"]) * len(params["seeds"])
+        got = [n for n in listed if n.split(":")[-1].startswith(f"train_{group}@")]
+        assert want and len(got) == want, (group, want, got)
 
 
 def test_a_method_edit_in_a_papers_params_reruns_only_its_runs_and_that_papers_report(paper_repo):

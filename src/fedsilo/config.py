@@ -993,7 +993,9 @@ class RunGroup(Strict):
     """Runs a paper's table or figure needs: every listed experiment with every listed method, for each seed."""
 
     experiments: tuple[str, ...] = Field(min_length=1)
-    methods: tuple[str, ...] = Field(min_length=1)
+    methods: tuple[str, ...] = Field(
+        description="empty: the group trains nothing (dvc.yaml keeps its train_<group> stage group, with no stage)"
+    )
 
 
 class PaperMeta(Strict):
