@@ -13,7 +13,9 @@ on every core, losses differ by ~3e-7). The tests of the refusals drive the apps
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -29,7 +31,7 @@ from fedsilo.fl.flower import CONFIG, STORE, Card, ClientFailed, FlowerRun, Flow
 from fedsilo.methods import method_class  # noqa: E402
 from fedsilo.methods.fedbn import FedBN  # noqa: E402
 from fedsilo.models import batchnorm_keys  # noqa: E402
-from tests.tiny import style_shifted_federation, tiny_net, without_timing  # noqa: E402
+from tests.tiny import one_thread, style_shifted_federation, tiny_net, without_timing  # noqa: E402
 
 # method -> (its params, train params beyond _train's, the runtime): FedAvg samples two of the three clients a round
 # and counts the last round's FLOPs, on Ray; pFedDB trains one local round (Phase 1, its upload of psi under phi's
@@ -62,12 +64,8 @@ def _recorder(log: list):
 
 
 def _engine_history(method, clients, tp, observer=None) -> list:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return Engine(method, _model(), clients, tp, seed=0, observer=observer).run()
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -152,34 +150,33 @@ class LoopGrid:
         return out
 
 
-@pytest.fixture()
-def identity():
+@contextmanager
+def _as_task() -> Iterator[None]:
     """Messages take their run and node from Flower's process-wide task identity (the runtime sets it)."""
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity.run_id = TaskIdentity.node_id = TaskIdentity.task_id = None
+    try:
+        yield
+    finally:
+        TaskIdentity.run_id = TaskIdentity.node_id = TaskIdentity.task_id = None
+
+
+@pytest.fixture()
+def identity():
+    with _as_task():
+        yield
 
 
 def _loop_history(method, clients: list, observer) -> list[dict]:
     """The history of ``method``'s ServerApp and ClientApp run through the stand-in Grid, on one thread as the engine
     it is compared with (and as each Ray worker runs)."""
-    spec = FlowerSpec.of(method, _model, 0)
-    run = FlowerRun(spec, len(clients), observer=observer)
-    grid = LoopGrid(client_app(spec, lambda ctx: clients[int(ctx.node_config["partition-id"])]), len(clients))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    try:
-        run.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
-    finally:
-        TaskIdentity.run_id = TaskIdentity.node_id = TaskIdentity.task_id = None
-        torch.set_num_threads(threads)
+    with one_thread(), _as_task():
+        run, _ = _loop_run(FlowerSpec.of(method, _model, 0), clients, observer=observer)
     assert run.engine is not None and run.engine.round == run.engine.total_rounds
     return run.engine.history
 
 
-def _loop_run(spec: FlowerSpec, clients: list, app=None) -> tuple[FlowerRun, LoopGrid]:
-    run = FlowerRun(spec, len(clients))
+def _loop_run(spec: FlowerSpec, clients: list, app=None, observer=None) -> tuple[FlowerRun, LoopGrid]:
+    run = FlowerRun(spec, len(clients), observer=observer)
     grid = LoopGrid(app or client_app(spec, lambda ctx: clients[int(ctx.node_config["partition-id"])]), len(clients))
     run.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
     return run, grid

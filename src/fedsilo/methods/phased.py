@@ -16,8 +16,8 @@ Each phase may train with its own optimizer and learning rate (:class:`TwoPhaseP
 value): pFedDB's authors' Digits script trains Phase 1 with SGD lr 1e-2 and Phase 2 with Adam lr 1e-2, a new Adam
 every round (``federated/fed_digits_twophase.py`` on the dev branch of github.com/yiranpang/pFedDB), the only
 two-phase training script they released. A phase's optimizer is built fresh for every local update, as
-``train_local`` always does. An Adam phase uses ``train.betas``, ``train.eps`` and ``train.weight_decay``; ``train.momentum`` and
-``nesterov`` are SGD's and apply to SGD phases only.
+``train_local`` always does. An Adam phase uses ``train.betas``, ``train.eps`` and ``train.weight_decay``;
+``train.momentum`` and ``nesterov`` are SGD's and apply to SGD phases only.
 """
 
 from __future__ import annotations

@@ -29,9 +29,10 @@ Where the authors' code (dev branch of github.com/yiranpang/pFedDB) fixes what t
   with ``train``'s optimizer. That script is the authors' only two-phase training script (Digits): Office-Caltech-10's
   ``fed_office.py`` is FedBN's (SGD 1e-2, no two-phase mode), DomainNet has no pFedDB script either, and
   Chest-X-Ray-4 has an evaluation script only, so the preset takes Adam for Simple-CNN (Digits) and the paper's SGD
-  1e-2 for AlexNet-BN (Office-Caltech-10, DomainNet) and DenseNet-121 (values per backbone). Adam's first step moves every weight by about lr, a multiple of AlexNet's fully connected weights at
-  their initialisation: on the real Office images Phase 2's first round took the loss from 0.003 to 8-17 and the run
-  ended 20 points below the paper (docs/results/2026-11-28-acceptance-a-rest-h200/).
+  1e-2 for AlexNet-BN (Office-Caltech-10, DomainNet) and DenseNet-121 (values per backbone). Adam's first step
+  moves every weight by about lr, a multiple of AlexNet's fully connected weights at their initialisation: on the
+  real Office images Phase 2's first round took the loss from 0.003 to 8-17 and the run ended 20 points below the
+  paper (docs/results/2026-11-28-acceptance-a-rest-h200/).
 - What phi carries (``share_bn_affine``, ``share_bn_stats``): ``aggregate_shared`` in the same script averages the
   shared branch's weights and biases and skips every key containing ``bn`` or ``running_`` or
   ``num_batches_tracked``: no BatchNorm tensor of the shared branch is averaged, its affine weight and bias included.
@@ -118,7 +119,6 @@ class PFedDBParams(TwoPhaseParams):
         "independent", description="two_phase: false only: the shared and private extractors start from independent "
         "random draws (the authors' model classes) or from the same one",
     )
-
 
     @model_validator(mode="after")
     def _authors_init_is_one_phase(self) -> "PFedDBParams":
