@@ -12,6 +12,7 @@ on every core, losses differ by ~3e-7). The tests of the refusals drive the apps
 
 from __future__ import annotations
 
+import builtins
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,7 +77,9 @@ def test_flower_simulation_gives_the_engines_metrics_and_payloads(name):
     seen_flower: list = []
     engine = _engine_history(cls(cls.params_cls(**params), tp), clients, tp, _recorder(seen_engine))
     if runtime == "ray":
+        printer = builtins.print
         flower = simulate(cls(cls.params_cls(**params), tp), _model, clients, seed=0, observer=_recorder(seen_flower))
+        assert builtins.print is printer  # Ray's start replaced it; simulate gives the caller's back
     else:
         flower = _loop_history(cls(cls.params_cls(**params), tp), clients, _recorder(seen_flower))
 

@@ -60,6 +60,7 @@ Not carried over from the engine: the ensemble "new test" and external test site
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import math
@@ -1194,7 +1195,11 @@ def simulate(method: Method, make_model: Callable[[], nn.Module], clients: Seque
     app = client_app(spec, lambda context: data[int(context.node_config["partition-id"])])
     # a Ray instance of its own ("local"), never a cluster that happens to run on this machine; one CPU per client
     config = backend_config or {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"address": "local"}}
-    run_simulation(server_app=run.app, client_app=app, num_supernodes=len(clients), backend_config=config)
+    printer = builtins.print
+    try:
+        run_simulation(server_app=run.app, client_app=app, num_supernodes=len(clients), backend_config=config)
+    finally:  # Ray's start replaces the process's print with its own (tqdm-safe) one and leaves it: give it back
+        builtins.print = printer
     if run.engine is None or run.engine.round < run.engine.total_rounds:
         raise RuntimeError("the Flower simulation ended before its last round")
     return run.engine.history
