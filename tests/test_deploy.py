@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 from typing import Optional
 
@@ -739,7 +740,11 @@ def test_a_site_and_the_superlink_install_as_systemd_services_of_the_commands_th
     assert r.returncode == 0, r.stderr
     capsys.readouterr()
     assert main([*site, "--dry-run"]) == 0
-    assert r.stderr.strip().splitlines()[-1] == capsys.readouterr().err.strip().splitlines()[-1]  # the same flower-supernode command
+    line = r.stderr.strip().splitlines()[-1]
+    assert line == capsys.readouterr().err.strip().splitlines()[-1]  # the same flower-supernode command
+    words = shlex.split(line.split("): ", 1)[1])  # printed as a shell takes it: the node config one word
+    assert words[0].endswith("flower-supernode") and words[words.index("--node-config") + 1].startswith("params=")
+    assert " experiment=" in words[words.index("--node-config") + 1]
 
     # the coordinator's SuperLink: TLS from the certificates, node authentication, its state on disk
     link = tmp_path / "fedsilo-superlink.service"

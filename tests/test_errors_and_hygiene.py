@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from fedsilo.config import ConfigError
-from tests.conftest import small_params
+from tests.conftest import REPO, small_params
 
 
 def _check_params(tmp_path, raw: dict, capsys) -> str:
@@ -127,6 +127,41 @@ def test_local_rounds_beyond_rounds_fails_at_check_params(tmp_path, capsys):
     from fedsilo.cli import main
 
     assert main(["--params", str(path), "check-params"]) == 0
+
+
+def test_check_params_prints_a_methods_parameters_as_a_run_takes_them(tmp_path, capsys):
+    from fedsilo.cli import main
+
+    raw = small_params(rounds=3)
+    raw["methods"]["pfeddb"] = {"local_rounds": 1, "fusion": "weighted"}
+    raw["methods"]["fedprox_strong"] = {"method": "fedprox", "mu": 0.5}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    capsys.readouterr()
+    assert main(["--params", str(path), "check-params", "--method", "pfeddb", "--method", "fedprox_strong"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("methods.pfeddb: pFedDB (")
+    assert "  local_rounds: 1 (set)  E0: Phase-1 rounds of local training" in out
+    assert "  fusion: 'weighted' (set)" in out and any(x.startswith("  alpha: 0.5 (default)  weight of the shared") for x in out)
+    assert "methods.fedprox_strong (method: fedprox): FedProx (Li et al. 2020, MLSys)." in out and "  mu: 0.5 (set)  proximal coefficient" in out
+    assert main(["--params", str(path), "check-params", "--method", "fedbm"]) == 2
+    assert "p.yaml: methods.fedbm: not defined (methods: fedavg, fedbn, fedprox, fedprox_strong, pfeddb, single)" in capsys.readouterr().err
+
+
+def test_a_method_that_does_not_fit_a_trained_experiments_data_fails_at_check_params(tmp_path, capsys):
+    """What the train stage refuses, check-params refuses first: a static method on a domain_incremental
+    experiment of the pipeline, a stream-only one on static clients."""
+    raw = small_params(rounds=3)
+    raw["experiments"]["stream"] = {"dataset": "chest_xray4", "split": {"protocol": "domain_incremental", "clients": 3}}
+    raw["pipeline"]["experiments"] = ["quick", "stream"]
+    raw["pipeline"]["splits"]["stream"] = "chest_xray4"
+    err = _check_params(tmp_path, raw, capsys)
+    assert "methods.single: single does not learn a stream of domain tasks; experiments.stream has a domain_incremental split" in err
+    raw["pipeline"]["experiments"] = ["quick"]
+    raw["methods"]["pfeddil"] = {}
+    raw["pipeline"]["methods"] = ["fedavg", "pfeddil"]
+    err = _check_params(tmp_path, raw, capsys)
+    assert "methods.pfeddil: pfeddil learns a stream of domain tasks only; experiments.quick has static clients (domain_clients)" in err
 
 
 # --------------------------------------------------------------------------- item 5: label files
@@ -384,3 +419,16 @@ def test_help_lists_what_the_params_file_defines_and_bare_fedsilo_shows_the_comm
             cli.main(["--params", str(params), name, "--help"])
         assert done.value.code == 0, name
         assert capsys.readouterr().out.startswith("usage: "), name
+
+
+def test_a_run_whose_inputs_are_missing_names_the_stage_that_builds_them(mirror_root, tmp_path, capsys):
+    """The train stage names the `dvc repro` target that writes what it lacks: the dataset's harmonize stage, or the
+    split stage of the run's own pipeline (a paper's through its dvc.yaml; plain `dvc repro` builds the root's only)."""
+    from fedsilo.cli import main
+
+    paper = str(REPO / "pipelines" / "pfeddb" / "params.yaml")
+    capsys.readouterr()
+    assert main(["--params", paper, "--root", str(tmp_path), "train", "--experiment", "pfeddb_cxr4", "--method", "fedavg", "--seed", "0"]) != 0
+    assert "chest_xray4/images.npy: missing; build it first: dvc repro harmonize@chest_xray4" in capsys.readouterr().err
+    assert main(["--params", paper, "--root", str(mirror_root), "train", "--experiment", "pfeddb_cxr4", "--method", "fedavg", "--seed", "0"]) != 0
+    assert "pfeddb/quickstart/pfeddb_cxr4.json: missing; build it first: dvc repro pipelines/pfeddb/dvc.yaml:split@pfeddb_cxr4" in capsys.readouterr().err

@@ -13,7 +13,16 @@ from typing import Optional
 
 import pytest
 
-from fedsilo.grid import GridError, batches, run_grid, stop_workers, threads_per_run, tracking_env, upstream
+from fedsilo.grid import (
+    TRAIN_STAGES,
+    GridError,
+    batches,
+    run_grid,
+    stop_workers,
+    threads_per_run,
+    tracking_env,
+    upstream,
+)
 
 PIPE = """
 stages:
@@ -189,3 +198,11 @@ def test_bench_grid_times_each_arm_from_the_same_state_with_the_same_threads(tmp
     assert not (repo / "results").exists()  # the workspace itself is left alone
     with pytest.raises(GridError, match="not empty"):
         bench_grid("dvc.yaml", repo, tmp_path / "work", jobs=2)
+
+
+def test_the_default_pattern_takes_the_root_pipelines_train_stages_and_one_matching_nothing_is_refused(tmp_path):
+    # the root dvc.yaml's train stages are `train@<experiment>-<method>-<seed>`, a paper's `train_<group>@...`
+    repo = _repo(tmp_path, pipe=PIPE.replace("  train_g:", "  train:"))
+    assert upstream("dvc.yaml", repo, TRAIN_STAGES) == ["prep"]
+    with pytest.raises(GridError, match=r"--stages 'train_\*': no stage of dvc.yaml matches \(its stages: prep, report, train;"):
+        upstream("dvc.yaml", repo, "train_*")

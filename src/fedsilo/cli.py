@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -238,7 +239,13 @@ def _bench_grid(args: argparse.Namespace) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    load_params(args.params)
+    p = load_params(args.params)
+    if args.method:
+        from fedsilo.methods.registry import describe_method
+
+        for key in args.method:
+            print(describe_method(p, key, str(args.params)))
+        return
     print(f"{args.params}: ok")
 
 
@@ -278,7 +285,7 @@ def _site(args: argparse.Namespace) -> None:
         print(warning, file=sys.stderr)
     cmd = supernode_command(Path(args.params), args.experiment, Path(args.root), args.superlink, Path(args.root_certificates),
                             Path(args.auth_key), port=args.port)
-    print(f"site {card['site']} (fingerprint {card['fingerprint'][:16]}): {' '.join(cmd)}", file=sys.stderr)
+    print(f"site {card['site']} (fingerprint {card['fingerprint'][:16]}): {shlex.join(cmd)}", file=sys.stderr)  # as a shell takes it
     root = Path(args.root).resolve()
     service = fedsilo_command("--params", str(Path(args.params).resolve()), "--root", str(root), "site", "supernode", "--experiment",
                               args.experiment, "--superlink", args.superlink, "--root-certificates", str(Path(args.root_certificates).resolve()),
@@ -307,7 +314,7 @@ def _run_or_install(args: argparse.Namespace, cmd: list[str], service: list[str]
         return
     exe = shutil.which(cmd[0])
     if exe is None:
-        raise ConfigError(f"{cmd[0]}: not installed; pip install 'fedsilo[flower]'")
+        raise ConfigError(f"{cmd[0]}: not installed; in fedsilo's checkout: pip install -e '.[flower]' -c constraints.txt")
     os.execv(exe, cmd)
 
 
@@ -323,7 +330,7 @@ def _deploy(args: argparse.Namespace) -> None:
         cmd = deploy.superlink_command(Path(args.certs), database, host, int(port))
         for warning in deploy.check_superlink_certificates(Path(args.certs))["warnings"]:
             print(warning, file=sys.stderr)
-        print(f"superlink: {' '.join(cmd)}", file=sys.stderr)
+        print(f"superlink: {shlex.join(cmd)}", file=sys.stderr)
         certs, state = Path(args.certs).resolve(), str(database.resolve()) if database is not None else ":memory:"
         service = deploy.fedsilo_command("deploy", "superlink", "--certs", str(certs), "--database", state, "--listen", args.listen)
         _run_or_install(args, cmd, service, Path.cwd(), f"fedsilo federation SuperLink on {args.listen}",
@@ -459,7 +466,7 @@ def _deploy_status(args: argparse.Namespace) -> None:
         raise ConfigError("fedsilo deploy status: --app required (the App folder `deploy app` wrote)")
     flwr = shutil.which("flwr")
     if flwr is None:
-        raise ConfigError("flwr: not installed; pip install 'fedsilo[flower]'")
+        raise ConfigError("flwr: not installed; in fedsilo's checkout: pip install -e '.[flower]' -c constraints.txt")
     try:
         r = subprocess.run([flwr, "supernode", "list", *([args.connection] if args.connection else []), "--format", "json"],
                            capture_output=True, text=True, timeout=120)
@@ -524,7 +531,7 @@ def _known(argv: list[str]) -> dict[str, list[str]]:
         raw = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError):
         return {"file": [path]}
-    seeds = (raw.get("pipeline") or {}).get("seeds")
+    seeds = (raw.get("pipeline") or {}).get("seeds", raw.get("seeds"))  # a paper's params file lists them at its top
     return {"file": [path], **{k: sorted(raw.get(k) or {}) for k in ("sources", "datasets", "experiments", "methods")},
             "seeds": [str(x) for x in seeds or []]}
 
@@ -556,7 +563,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     # what `grid` and `bench-grid` both take: the queue's workers and batches, the stages, the Ray cluster and a run's CPUs
     grid_opts = argparse.ArgumentParser(add_help=False)
     grid_opts.add_argument("--jobs", type=int, default=2, help="DVC queue workers (runs at once; not with grid --ray)")
-    grid_opts.add_argument("--stages", default="train_*", help="the grid's stages (shell pattern)")
+    grid_opts.add_argument("--stages", default="train*", help="the grid's stages, a shell pattern of stage names (default "
+                           "train*: the root's train@... and a paper's train_<group>@...)")
     grid_opts.add_argument("--runs-per-experiment", type=int, default=None, help="stages a queued experiment runs (default: "
                            "about four experiments a worker; DVC's set-up of an experiment costs seconds of CPU)")
     grid_opts.add_argument("--ray", metavar="ADDRESS", help="the Ray cluster at ADDRESS (auto, host:6379, ray://host:10001): "
@@ -581,7 +589,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--experiment", required=True)
     s.set_defaults(fn=_split)
     s = sub.add_parser("train", parents=[common], help="train one (experiment, method, seed); resumes from its last round", formatter_class=fmt,
-                       epilog=_listing(known, "experiments", "methods", "seeds") + "\nEach method's parameters and defaults: fedsilo check-params; README, \"Federated learning\".")
+                       epilog=_listing(known, "experiments", "methods", "seeds") + "\nEach method's parameters and defaults: fedsilo check-params --method KEY; README, \"Federated learning\".")
     s.add_argument("--experiment", required=True, help="an experiment of the params file (listed below)")
     s.add_argument("--method", required=True, help="a method of the params file (listed below)")
     s.add_argument("--seed", type=int, required=True, help="the run's seed (pipeline.seeds lists the pipeline's)")
@@ -732,7 +740,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="superlink: print the flower-superlink command, do not run it")
     s.add_argument("--systemd-unit", metavar="FILE", help="superlink: write a systemd service running this command here, do not run it")
     s.set_defaults(fn=_deploy)
-    s = sub.add_parser("check-params", parents=[common], help="validate params.yaml")
+    s = sub.add_parser("check-params", parents=[common], help="validate params.yaml; --method KEY: that method's parameters",
+                       formatter_class=fmt, epilog=_listing(known, "methods"))
+    s.add_argument("--method", action="append", metavar="KEY", help="print methods.KEY's parameters as a run takes them: "
+                   "value, set or default, meaning (repeatable)")
     s.set_defaults(fn=_check)
     return ap
 

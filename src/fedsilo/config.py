@@ -1026,6 +1026,13 @@ class Params(Strict):
     def layout(self, root: str | Path = ".") -> Layout:
         return Layout(Path(root), f"{self._paper.name}/{self._paper.scale}" if self._paper else "")
 
+    def stage_target(self, stage: str) -> str:
+        """``dvc repro``'s target for a stage of this params file's pipeline: the root's by name, a paper's through the
+        dvc.yaml beside its params file (``pipelines/pfeddb/dvc.yaml:split@pfeddb_cxr4``)."""
+        if self._paper is None:
+            return stage
+        return f"{Path(self._paper.params_file).parent.as_posix()}/dvc.yaml:{stage}"
+
     def experiment_methods(self, experiment: str) -> tuple[str, ...]:
         """The methods trained on ``experiment``: a paper's run groups that list it, else pipeline.methods."""
         if self._paper is None:

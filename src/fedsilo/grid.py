@@ -39,6 +39,10 @@ from fedsilo.tracking import init_store
 from fedsilo.utils.progress import Progress
 from fedsilo.utils.slots import GPU_SLOTS_ENV
 
+# the train stages of every pipeline: the root's `train@<experiment>-<method>-<seed>` and a paper's
+# `train_<group>@<experiment>-<method>-<seed>` (the default of `fedsilo grid --stages`)
+TRAIN_STAGES = "train*"
+
 
 class GridError(RuntimeError):
     pass
@@ -105,11 +109,15 @@ def upstream(pipeline: str, repo: Path, pattern: str) -> list[str]:
     one), from ``dvc dag --dot``: the targets to reproduce before the grid, each ``dvc repro``-able."""
     nodes, parents = dag(pipeline, repo)
     matched = {n for n in nodes if fnmatch.fnmatch(n.rpartition(":")[2], pattern)}
+    if not matched:  # never an empty grid that `dvc repro` afterwards quietly trains one run at a time
+        names = sorted({n.rpartition(":")[2].partition("@")[0] for n in nodes})
+        raise GridError(f"--stages {pattern!r}: no stage of {pipeline} matches (its stages: {', '.join(names)}; "
+                        f"a pattern matches a stage's name, e.g. train@<experiment>-<method>-<seed>)")
     # each run goes alone (--single-item, a Ray task): one that reads another run's output would read a stale one
     chained = sorted(n for n in matched if ancestors(parents, {n}) & matched)
     if chained:
         raise GridError(f"--stages {pattern!r}: {chained[0]} depends on another matched stage; the grid runs each "
-                        "alone, so match only stages independent of each other (the default, train_*)")
+                        "alone, so match only stages independent of each other (the default, train*)")
     need = ancestors(parents, matched)
     # only the stages nothing else in `need` depends on: reproducing them brings their own upstream
     leaves = {n for n in need if not any(n in parents.get(m, ()) for m in need)}
@@ -231,7 +239,7 @@ def threads_per_run(jobs: int, threads: Optional[float] = None) -> int:
     return max(1, cores // jobs)
 
 
-def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = "train_*", tracking_uri: Optional[str] = None,
+def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, tracking_uri: Optional[str] = None,
              keep: bool = False, poll_s: float = 2.0, quiet: bool = False, per_experiment: Optional[int] = None,
              threads: Optional[float] = None, log: Callable[[str], None] = print) -> dict[str, object]:
     """Run ``pipeline``'s out-of-date stages matching ``pattern`` on ``jobs`` DVC queue workers, ``per_experiment``

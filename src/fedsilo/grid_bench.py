@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from fedsilo.grid import GridError, _dvc, _prepare, run_grid, threads_per_run, tracking_env
+from fedsilo.grid import TRAIN_STAGES, GridError, _dvc, _prepare, run_grid, threads_per_run, tracking_env
 from fedsilo.grid_ray import run_grid_ray, snapshot_commands, workspace_files
 
 # every JSON a run writes, and what in it differs between equal runs (its MLflow run, the wall-clock seconds)
@@ -65,7 +65,7 @@ def _copy_workspace(repo: Path, dest: Path) -> None:
         subprocess.run(cmd, cwd=dest, check=True, capture_output=True)
 
 
-def bench_grid(pipeline: str, repo: Path, work: Path, jobs: int = 2, pattern: str = "train_*",
+def bench_grid(pipeline: str, repo: Path, work: Path, jobs: int = 2, pattern: str = TRAIN_STAGES,
                tracking_uri: Optional[str] = None, ray_address: Optional[str] = None, cpus_per_run: Optional[float] = None,
                per_experiment: Optional[int] = None, all_cores_sequential: bool = False,
                log: Callable[[str], None] = print) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from fedsilo.grid import (
+    TRAIN_STAGES,
     GridError,
     _dvc,
     _prepare,
@@ -166,7 +167,7 @@ def _check_cluster(ray: Any, cpus: float, gpus: float, tracking_uri: Optional[st
     return nodes
 
 
-def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = "train_*", tracking_uri: Optional[str] = None,
+def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = TRAIN_STAGES, tracking_uri: Optional[str] = None,
                  cpus_per_run: float = 1.0, gpus_per_run: float = 0.0, worker_cache: Optional[str] = DEFAULT_WORKER_CACHE,
                  quiet: bool = False, log=print) -> dict[str, Any]:
     """Run ``pipeline``'s out-of-date stages matching ``pattern`` as Ray tasks on the cluster at ``address``, through
@@ -176,7 +177,7 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = "train_
     try:
         import ray
     except ImportError as err:
-        raise GridError("grid --ray needs Ray: pip install 'fedsilo[ray]'") from err
+        raise GridError("grid --ray needs Ray: in fedsilo's checkout, pip install -e '.[ray]' -c constraints.txt") from err
     repo = Path(repo)
     r = _dvc(["remote", "default"], repo, check=False)  # exit 1, "No default remote set", when there is none
     remote = r.stdout.strip() if r.returncode == 0 else ""

@@ -31,7 +31,7 @@ PLAUSIBLE_MPP = (0.05, 20.0)  # microns per pixel a slide scanner writes; outsid
 LARGE_TIFF_PX = 20_000  # a single-level TIFF wider or taller than this is a slide, not a patch
 SMALL_TIFF_BYTES = 8 * 2**20  # a .tif smaller than this is an image, whatever its header says (no header is read)
 THUMBNAIL_PX = 2048  # the longer side of the thumbnail the tissue is found on
-INSTALL_HINT = "whole-slide images are read with tiffslide: pip install 'fedsilo[slides]'"
+INSTALL_HINT = "whole-slide images are read with tiffslide: in fedsilo's checkout, pip install -e '.[slides]' -c constraints.txt"
 
 
 def is_slide_file(path: Path) -> bool:

@@ -85,12 +85,13 @@ from fedsilo.fl.engine import Engine, Observer, PrivacyViolation, eval_summary, 
 from fedsilo.methods.base import Method, MethodParams, State, payload_bytes
 from fedsilo.methods.registry import check_stream_fit
 
-try:  # the optional extra: pip install "fedsilo[flower]"
+try:  # the optional extra: pip install -e ".[flower]" in fedsilo's checkout
     from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
 except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError("fedsilo.fl.flower needs Flower: pip install 'fedsilo[flower]' (flwr[simulation])") from err
+    raise ImportError("fedsilo.fl.flower needs Flower: in fedsilo's checkout, pip install -e '.[flower]' -c constraints.txt "
+                      "(flwr[simulation])") from err
 
 __all__ = ["Card", "ClientFailed", "FlowerRun", "FlowerServer", "FlowerSpec", "FlowerStream", "KeptStores", "Roster", "SiteRefused", "client_app",
            "describe", "record_tensor_bytes", "simulate", "site_wire_log"]

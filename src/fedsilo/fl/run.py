@@ -150,8 +150,9 @@ def run_training(
     harmonized = layout.harmonized(exp.dataset)
     split_path = layout.split(experiment)
     for p in (harmonized / "images.npy", harmonized / "records.parquet", harmonized / "card.json", split_path):
-        if not p.exists():
-            raise FileNotFoundError(f"{p}: missing; run the upstream stages first (`dvc repro`)")
+        if not p.exists():  # the stage that writes it, which `dvc repro` of it builds with what it needs
+            stage = params.stage_target(f"split@{experiment}") if p == split_path else f"harmonize@{exp.dataset}"
+            raise FileNotFoundError(f"{p}: missing; build it first: dvc repro {stage}")
     split = read_json(split_path)
     stream = split.get("protocol") == "domain_incremental"
     if stream:

@@ -106,15 +106,22 @@ def method_params(params: Params, key: str, source: str = "params.yaml") -> Meth
 
 def check_methods(params: Params, source: str = "params.yaml") -> None:
     """Validate every ``methods`` entry (at load time, so that a bad value fails before any stage runs), then every
-    trained (experiment, method) pair: a two-phase method's ``local_rounds`` must leave federated rounds."""
+    trained (experiment, method) pair: the method fits the experiment's data (a stream of domain tasks or static
+    clients), a two-phase method's ``local_rounds`` must leave federated rounds."""
     for key in params.methods:
         method_params(params, key, source)
     for e in params.pipeline.experiments:
         train = params.experiments[e].train
+        stream = params.experiments[e].split.protocol == "domain_incremental"
         for key in params.experiment_methods(e):
             if key not in params.methods:
                 continue  # pipeline.methods names only defined entries (config checks it); a paper's groups too
             algo = resolve_method(params, key, train)
+            try:  # what the train stage refuses (a static method on a stream, a stream-only one on static clients)
+                check_stream_fit(type(algo), stream, key, f"experiments.{e} has a domain_incremental split" if stream else
+                                 f"experiments.{e} has static clients ({params.experiments[e].split.protocol})")
+            except ConfigError as err:
+                raise ConfigError(f"{source}: {err} (a run of the pipeline)") from None
             fedavg_start = getattr(algo.params, "fedavg_rounds", 0)  # LG-FedAvg's FedAvg-trained start
             if fedavg_start >= train.rounds:
                 raise ConfigError(f"{source}: methods.{key}.fedavg_rounds: {fedavg_start} FedAvg rounds leave no LG-FedAvg "
@@ -125,6 +132,26 @@ def check_methods(params: Params, source: str = "params.yaml") -> None:
                     f"{source}: methods.{key}.local_rounds: {e0} local rounds leave no federated round in "
                     f"experiments.{e}.train.rounds ({train.rounds}); set local_rounds below {train.rounds} or raise rounds"
                 )
+
+
+def describe_method(params: Params, key: str, source: str = "params.yaml") -> str:
+    """``methods.<key>`` as a run would take it: the registered method (its module's one-line summary), then every
+    parameter with its value, whether the entry sets it or it is the default, and what it means."""
+    import sys
+
+    if key not in params.methods:
+        raise ConfigError(f"{source}: methods.{key}: not defined (methods: {', '.join(params.methods) or 'none'})")
+    typed = method_params(params, key, source)
+    base = method_base(key, params.methods[key])
+    summary = (sys.modules[method_class(base).__module__].__doc__ or "").strip().splitlines()
+    given = set(_values(params.methods[key]))
+    lines = [f"methods.{key}" + (f" (method: {base})" if base != key else "") + (f": {summary[0]}" if summary else "")]
+    for name, field in type(typed).model_fields.items():
+        note = "set" if name in given else "default"
+        lines.append(f"  {name}: {getattr(typed, name)!r} ({note})" + (f"  {field.description}" if field.description else ""))
+    if len(lines) == 1:
+        lines.append("  (no parameters)")
+    return "\n".join(lines)
 
 
 def resolve_method(params: Params, key: str, train: TrainParams) -> Method:
