@@ -4,6 +4,7 @@ and zipped copies whose hidden files are not images; a report that reads right w
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -432,3 +433,16 @@ def test_a_run_whose_inputs_are_missing_names_the_stage_that_builds_them(mirror_
     assert "chest_xray4/images.npy: missing; build it first: dvc repro harmonize@chest_xray4" in capsys.readouterr().err
     assert main(["--params", paper, "--root", str(mirror_root), "train", "--experiment", "pfeddb_cxr4", "--method", "fedavg", "--seed", "0"]) != 0
     assert "pfeddb/quickstart/pfeddb_cxr4.json: missing; build it first: dvc repro pipelines/pfeddb/dvc.yaml:split@pfeddb_cxr4" in capsys.readouterr().err
+
+
+def test_a_split_the_data_cannot_give_names_the_params_file_and_the_whole_key(mirror_root, tmp_path, capsys):
+    raw = small_params()
+    raw["experiments"]["quick"]["split"]["n_train"] = 10000
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    from fedsilo.cli import main
+
+    capsys.readouterr()
+    assert main(["--params", str(path), "--root", str(mirror_root), "split", "--experiment", "quick"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"p\.yaml: experiments\.quick\.split: domain '\w+': \d+ images from \d+ patients cannot give 10000 train", err), err

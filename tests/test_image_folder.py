@@ -118,6 +118,8 @@ def test_several_sites_in_one_folder_with_their_own_partition_form_a_dataset_of_
     p = parse_params(raw_params)
     card = harmonize_benchmark(p.datasets["derm"], raw, tmp_path / "h" / "derm", quiet=True)
     assert card["classes"] == ["Benign", "Malignant"]  # the folders' names, one spelling each, sorted; Scar skipped
+    assert (card["dataset"], card["kind"]) == ("derm", "image_folder")  # the card names the dataset, then its kind
+    assert (tmp_path / "h" / "derm" / "card.md").read_text().startswith("# Data card: derm (kind image_folder)\n")
     assert list(card["domains"]) == ["Site A", "Site B"]
     assert card["domains"]["Site B"]["excluded_by_reason"] == {"class folder skipped (datasets.derm.folders.derm.skip)": 6}
     recs = pd.read_parquet(tmp_path / "h" / "derm" / "records.parquet")

@@ -86,7 +86,7 @@ def _harmonize(args: argparse.Namespace) -> None:
 def _split(args: argparse.Namespace) -> None:
     import pandas as pd
 
-    from fedsilo.data.splits import check_patient_disjoint, iter_sides, make_split
+    from fedsilo.data.splits import SplitError, check_patient_disjoint, iter_sides, make_split
     from fedsilo.utils.io import read_json, write_json
 
     p = config.load_params(args.params)  # no method entries: no PyTorch import
@@ -99,7 +99,12 @@ def _split(args: argparse.Namespace) -> None:
         raise FileNotFoundError(f"{rec_path}: missing; run `dvc repro harmonize@{exp.dataset}` first")
     records = pd.read_parquet(rec_path)
     card = read_json(rec_path.parent / "card.json")
-    split = make_split(records, exp.split, exp.split.seed)
+    try:
+        split = make_split(records, exp.split, exp.split.seed)
+    except SplitError as err:  # the params file and the whole dotted key, as every other params error names them
+        msg = str(err)
+        key = f"experiments.{args.experiment}." if msg.startswith("split") else f"experiments.{args.experiment}.split: "
+        raise SplitError(f"{args.params}: {key}{msg}") from None
     split["data_sha256"] = card["sha256"]  # ties the split to the exact arrays it indexes
     # the model's outputs: the dataset's class list, even where its last classes have no image in these records (a
     # class list given in params, a domain filter)
@@ -145,21 +150,33 @@ def _report(args: argparse.Namespace) -> None:
         print(f"report sensitivity: {', '.join(made['sensitivity']['figures'])} in {layout.report('sensitivity')}")
         return
     exps = [args.experiment] if args.experiment else list(p.pipeline.experiments)
+    methods_of, out_of = p.experiment_methods, layout.report
+    if args.group:  # one table of a paper: the group's runs only, written apart from the report stages' outputs
+        if p.paper is None:
+            raise ConfigError(f"--group: {args.params} is not a paper's params file (a paper's runs.<group> names one table's runs)")
+        if args.group not in p.paper.runs:
+            raise ConfigError(f"{args.params}: runs.{args.group}: no such run group (groups: {', '.join(p.paper.runs)})")
+        grp = p.paper.runs[args.group]
+        if args.experiment and args.experiment not in grp.experiments:
+            raise ConfigError(f"{args.params}: runs.{args.group}.experiments: '{args.experiment}' is not one of them "
+                              f"({', '.join(grp.experiments)})")
+        exps = [args.experiment] if args.experiment else list(grp.experiments)
+        methods_of, out_of = (lambda e: grp.methods), (lambda e: layout.group_report(args.group, e))
     made = {}
     for exp in exps:
         if exp not in p.experiments:
             raise ConfigError(f"experiments.{exp}: not defined in {args.params}")
         if p.experiments[exp].split.protocol == "domain_incremental":  # a task stream: pFedDIL's tables
-            ms = list(p.experiment_methods(exp))
+            ms = list(methods_of(exp))
             # Delta's reference: the pFedDIL entry with every module on (not an ablation)
             full = [m for m in ms if (p.methods[m] or {}).get("method", m) == "pfeddil"
                     and all((p.methods[m] or {}).get(k, True) for k in ("migration", "share_extractor", "correlation"))]
-            made.update(build_stream_report(layout.results(exp), exp, ms, list(p.pipeline.seeds), layout.report(exp),
+            made.update(build_stream_report(layout.results(exp), exp, ms, list(p.pipeline.seeds), out_of(exp),
                                             published=p.experiments[exp].published, repo=Path(args.root),
                                             reference=full[0] if full else None))
             continue
-        made.update(build_report(layout.results(exp), exp, list(p.experiment_methods(exp)), list(p.pipeline.seeds),
-                                 layout.report(exp), published=p.experiments[exp].published, method_entries=p.methods,
+        made.update(build_report(layout.results(exp), exp, list(methods_of(exp)), list(p.pipeline.seeds),
+                                 out_of(exp), published=p.experiments[exp].published, method_entries=p.methods,
                                  repo=Path(args.root), target_accuracy=p.experiments[exp].target_accuracy))
     for exp, info in made.items():
         if "table" not in info:
@@ -600,6 +617,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.set_defaults(fn=_onboard)
     s = sub.add_parser("report", parents=[common], help="tables and figures -> results/report/<experiment>/", formatter_class=fmt, epilog=_listing(known, "experiments"))
     s.add_argument("--experiment", help="one experiment (default: every one in pipeline.experiments)")
+    s.add_argument("--group", help="a paper's run group (runs.<group>, one table): the tables of its runs only, after "
+                   "`dvc repro <dvc.yaml>:train_<group>` -> results/<paper>/<scale>/groups/<group>/<experiment>/")
     s.add_argument("--sensitivity", action="store_true", help="across task streams: accuracy and storage against "
                    "pFedDIL's lambda (Table 6) and against the split's alpha (Fig. 2) -> results/.../report/sensitivity/")
     s.set_defaults(fn=_report)

@@ -45,6 +45,11 @@ class Layout:
     def report(self, experiment: str) -> Path:
         return self._ns(self.root / "results") / "report" / experiment
 
+    def group_report(self, group: str, experiment: str) -> Path:
+        """``fedsilo report --group``: one run group's table of an experiment, beside (not inside) the report stages'
+        outputs, so that DVC's ``report@<experiment>`` stays as its last run left it."""
+        return self._ns(self.root / "results") / "groups" / group / experiment
+
     def tracking_experiment(self, experiment: str) -> str:
         """The MLflow experiment of a pipeline experiment: the paper's runs are kept apart from the root's."""
         return f"{self.namespace}/{experiment}" if self.namespace else experiment

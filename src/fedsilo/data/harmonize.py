@@ -284,7 +284,7 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
         spool.finish(np.flatnonzero(ok))
         return write_dataset(
             tmp, table, excluded, quarantine,
-            {"dataset": params.kind, "task": "binary: 1 = Lung Opacity, 0 = Normal", "classes": ["Normal", "Lung Opacity"],
+            {"dataset": Path(out_dir).name, "kind": params.kind, "task": "binary: 1 = Lung Opacity, 0 = Normal", "classes": ["Normal", "Lung Opacity"],
              "rules": {**params.model_dump(mode="json", exclude={"tables"}), **({"tables": params.table_rules_used()} if params.own_sources() else {})},
              **({"warnings": warnings} if warnings else {})},
         )
@@ -507,13 +507,13 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
         quarantine["error"] = [e for e, good in zip(errors, ok) if not good]
         _check_quarantine(kept["domain"], quarantine["domain"], quarantine, params.max_quarantine_fraction, f"raw files under {raw_root}")
         spool.finish(np.flatnonzero(ok))
-        return _write_benchmark(params, tmp, kept, ok, classes, excluded, quarantine, warnings)
+        return _write_benchmark(params, Path(out_dir).name, tmp, kept, ok, classes, excluded, quarantine, warnings)
 
 
-def _write_benchmark(params: BenchmarkDatasetParams, tmp: Path, kept: pd.DataFrame, ok: np.ndarray, classes: list[str],
-                     excluded: pd.DataFrame, quarantine: pd.DataFrame, warnings: list[str]) -> dict[str, Any]:
-    """The rest of a benchmark dataset's folder (:func:`write_dataset`) for its kept, decoded records, with its card's
-    task."""
+def _write_benchmark(params: BenchmarkDatasetParams, name: str, tmp: Path, kept: pd.DataFrame, ok: np.ndarray,
+                     classes: list[str], excluded: pd.DataFrame, quarantine: pd.DataFrame, warnings: list[str]) -> dict[str, Any]:
+    """The rest of benchmark dataset ``name``'s folder (:func:`write_dataset`) for its kept, decoded records, with its
+    card's task."""
     good = kept[ok].reset_index(drop=True)
     columns = ["id", "domain", "label", "original_label", "group", "view", "source_path", "subset"]
     if "writer" in good.columns:  # FEMNIST's writers (only a dataset whose records name them has the column)
@@ -533,7 +533,7 @@ def _write_benchmark(params: BenchmarkDatasetParams, tmp: Path, kept: pd.DataFra
     own = params.own_sources()
     return write_dataset(  # the task names the kind and its classes only: a federation's sites compare it (contract)
         tmp, table, excluded, quarantine,
-        {"dataset": params.kind, "task": tasks[params.kind], "classes": classes,
+        {"dataset": name, "kind": params.kind, "task": tasks[params.kind], "classes": classes,
          "rules": {**params.model_dump(mode="json", exclude={"folders", "tables"} | ({"classes"} if params.kind != "image_folder" else set())),
                    **({"own_sources": {s: {"reader": params.reader_of(s), **params.rules(s).model_dump(mode="json")} for s in own}} if own else {})},
          **({"warnings": warnings} if warnings else {})},
@@ -604,7 +604,8 @@ def _card(meta: dict[str, Any], table: pd.DataFrame, excluded: pd.DataFrame, qua
             "quarantine_examples": q["error"].head(5).tolist(),
         }
     return {
-        "dataset": meta["dataset"],
+        "dataset": meta["dataset"],  # its name in params (datasets.<name>), the folder's
+        "kind": meta["kind"],
         "task": meta["task"],
         "classes": classes,
         "image_shape": list(np.load(folder / "images.npy", mmap_mode="r").shape[1:]),
@@ -623,7 +624,7 @@ def _card(meta: dict[str, Any], table: pd.DataFrame, excluded: pd.DataFrame, qua
 def card_markdown(card: dict[str, Any]) -> str:
     classes = card["classes"]
     lines = [
-        f"# Data card: {card['dataset']}",
+        f"# Data card: {card['dataset']}" + (f" (kind {card['kind']})" if card.get("kind", card["dataset"]) != card["dataset"] else ""),
         "",
         f"Task: {card['task']}. Image shape {tuple(card['image_shape'])}, {card['total_images']} images kept.",
         "",
