@@ -81,6 +81,14 @@ def test_a_run_in_two_groups_or_an_untrained_experiment_is_refused():
     orphan["experiments"]["extra"] = orphan["experiments"]["pfeddb_cxr4"]
     with pytest.raises(ConfigError, match=r"experiments\.extra: no runs group trains it"):
         load_paper_params(SCALES["quickstart"], orphan)
+    untrained = copy.deepcopy(raw)
+    untrained["runs"]["table4"]["beside"] = ["pfeddr_domainnet"]  # trained on DomainNet only
+    with pytest.raises(ConfigError, match=r"runs\.table4\.beside: no group trains 'pfeddr_domainnet' on 'pfeddb_office'"):
+        load_paper_params(SCALES["quickstart"], untrained)
+    own = copy.deepcopy(raw)
+    own["runs"]["table4"]["beside"] = ["pfeddb_one_phase"]
+    with pytest.raises(ConfigError, match=r"runs\.table4\.beside: 'pfeddb_one_phase' is one of the group's own methods"):
+        load_paper_params(SCALES["quickstart"], own)
     moved = copy.deepcopy(raw)
     moved["params_file"] = "pipelines/other/params.yaml"
     with pytest.raises(ConfigError, match="params_file"):

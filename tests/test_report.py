@@ -290,3 +290,40 @@ def test_versus_paper_warns_when_our_avg_covers_domains_the_paper_has_not(caplog
     with caplog.at_level(logging.WARNING, logger="fedsilo.report"):
         tab = versus_paper(acc, fewer)
     assert "no column for C" in caplog.text and tab[("Avg", "diff")].iloc[0] == pytest.approx(10.0)
+
+
+def test_one_table_of_a_paper_is_reported_from_its_groups_runs_and_names_the_runs_it_lacks(tmp_path, capsys):
+    """`fedsilo report --group table4`: the group's runs and the full method it sets beside (runs.<g>.beside), written
+    apart from the report stages' outputs; before they exist, every missing run and the `dvc repro` targets that
+    train exactly those (the group's own stage and the other group's)."""
+    import json
+
+    from fedsilo.cli import main
+    from tests.conftest import REPO
+
+    (tmp_path / "pipelines").symlink_to(REPO / "pipelines")  # the published numbers the report reads
+    params = ["--params", str(REPO / "pipelines" / "pfeddb" / "params.yaml"), "--root", str(tmp_path)]
+    capsys.readouterr()
+    assert main([*params, "report", "--group", "table4", "--experiment", "pfeddb_cxr4"]) == 2
+    err = capsys.readouterr().err
+    assert ("runs.table4: 2 run(s) not trained yet (pfeddb_cxr4/pfeddb_one_phase/seed0, pfeddb_cxr4/pfeddb/seed0); train them: "
+            "dvc repro pipelines/pfeddb/dvc.yaml:train_table4@pfeddb_cxr4-pfeddb_one_phase-0 "
+            "pipelines/pfeddb/dvc.yaml:train_tables_1_2@pfeddb_cxr4-pfeddb-0") in err, err
+    domains = ["CheXpert", "OpenI", "RSNA", "VinBigData"]
+    for m, acc in (("pfeddb_one_phase", 0.6), ("pfeddb", 0.8)):
+        d = tmp_path / "results" / "pfeddb" / "quickstart" / "pfeddb_cxr4" / m / "seed0"
+        d.mkdir(parents=True)
+        hist = [{"round": 1, "train_seconds": 1.0, "bytes_up_total": 8, "bytes_down_total": 8, "sampled": domains,
+                 "eval": {c: {"acc": acc} for c in domains}, "mean_acc": acc}]
+        met = {"per_client": {c: {"acc": acc} for c in domains}, "client_domains": {c: c for c in domains},
+               "bytes_up_per_round": [8], "bytes_down_per_round": [8], "model_param_bytes": 8}
+        (d / "metrics.json").write_text(json.dumps(met))
+        (d / "history.json").write_text(json.dumps(hist))
+    assert main([*params, "report", "--group", "table4", "--experiment", "pfeddb_cxr4"]) == 0
+    table = (tmp_path / "results" / "pfeddb" / "quickstart" / "groups" / "table4" / "pfeddb_cxr4" / "pfeddb_cxr4_accuracy.md").read_text()
+    assert "| pfeddb_one_phase | 60.0 |" in table and "| pfeddb | **80.0** |" in table and "| fedavg |" not in table
+    assert not (tmp_path / "results" / "pfeddb" / "quickstart" / "report").exists()  # the report stages' outputs untouched
+    assert main([*params, "report", "--group", "table4", "--experiment", "pfeddb_digits5"]) == 2
+    assert "runs.table4.experiments: 'pfeddb_digits5' is not one of them (pfeddb_office, pfeddb_cxr4)" in capsys.readouterr().err
+    assert main([*params, "report", "--group", "table9"]) == 2
+    assert "runs.table9: no such run group (groups: tables_1_2," in capsys.readouterr().err

@@ -161,7 +161,14 @@ def _report(args: argparse.Namespace) -> None:
             raise ConfigError(f"{args.params}: runs.{args.group}.experiments: '{args.experiment}' is not one of them "
                               f"({', '.join(grp.experiments)})")
         exps = [args.experiment] if args.experiment else list(grp.experiments)
-        methods_of, out_of = (lambda e: grp.methods), (lambda e: layout.group_report(args.group, e))
+        methods_of, out_of = (lambda e: (*grp.methods, *grp.beside)), (lambda e: layout.group_report(args.group, e))
+        missing = [(e, m, k) for e in exps for m in methods_of(e) for k in p.pipeline.seeds
+                   if not (layout.run(e, m, k) / "metrics.json").exists()]
+        if missing:  # each run that is not there yet, and the one command that trains them all
+            targets = " ".join(shlex.quote(p.train_stage(e, m, k)) for e, m, k in missing)
+            raise ConfigError(f"{args.params}: runs.{args.group}: {len(missing)} run(s) not trained yet "
+                              f"({', '.join(f'{e}/{m}/seed{k}' for e, m, k in missing[:6])}{', ...' if len(missing) > 6 else ''}); "
+                              f"train them: dvc repro {targets}")
     made = {}
     for exp in exps:
         if exp not in p.experiments:
@@ -181,7 +188,8 @@ def _report(args: argparse.Namespace) -> None:
     for exp, info in made.items():
         if "table" not in info:
             continue
-        print(f"report {exp}: Avg accuracy " + ", ".join(f"{m} {v:.1f}" for m, v in info["table"].items()))
+        print(f"report {exp}: Avg accuracy " + ", ".join(f"{m} {v:.1f}" for m, v in info["table"].items())
+              + (f" ({out_of(exp)})" if args.group else ""))
 
 
 def _host_policy_arg(text: str | None) -> tuple[dict, ...]:

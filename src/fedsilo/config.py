@@ -996,6 +996,10 @@ class RunGroup(Strict):
     methods: tuple[str, ...] = Field(
         description="empty: the group trains nothing (dvc.yaml keeps its train_<group> stage group, with no stage)"
     )
+    beside: tuple[str, ...] = Field(
+        (), description="methods another group trains on these experiments that the table sets beside this group's (an "
+        "ablation's full method): `fedsilo report --group` reports them too"
+    )
 
 
 class PaperMeta(Strict):
@@ -1025,6 +1029,17 @@ class Params(Strict):
 
     def layout(self, root: str | Path = ".") -> Layout:
         return Layout(Path(root), f"{self._paper.name}/{self._paper.scale}" if self._paper else "")
+
+    def train_stage(self, experiment: str, method: str, seed: int) -> str:
+        """``dvc repro``'s target for the run (experiment, method, seed): the root's ``train@...``, a paper's
+        ``train_<group>@...`` of the group that trains it."""
+        item = f"{experiment}-{method}-{seed}"
+        if self._paper is None:
+            return f"train@{item}"
+        group = next((g for g, grp in self._paper.runs.items() if experiment in grp.experiments and method in grp.methods), None)
+        if group is None:
+            raise ConfigError(f"{self._paper.params_file}: runs: no group trains '{method}' on '{experiment}'")
+        return self.stage_target(f"train_{group}@{item}")
 
     def stage_target(self, stage: str) -> str:
         """``dvc repro``'s target for a stage of this params file's pipeline: the root's by name, a paper's through the
@@ -1259,11 +1274,19 @@ class PaperParams(Strict):
             for m in grp.methods:
                 if m not in self.methods:
                     raise ValueError(f"runs.{g}.methods: '{m}' is not defined under 'methods'")
+            for m in grp.beside:
+                if m in grp.methods:
+                    raise ValueError(f"runs.{g}.beside: '{m}' is one of the group's own methods")
             for e in grp.experiments:
                 for m in grp.methods:
                     if (e, m) in seen:
                         raise ValueError(f"runs.{g}: {e} x {m} is already trained by runs.{seen[(e, m)]} (a run belongs to one group)")
                     seen[(e, m)] = g
+        for g, grp in self.runs.items():  # what a group sets beside its own is trained by another group
+            for e in grp.experiments:
+                for m in grp.beside:
+                    if (e, m) not in seen:
+                        raise ValueError(f"runs.{g}.beside: no group trains '{m}' on '{e}'")
         trained = {e for e, _ in seen}
         for e in self.experiments:
             if e not in trained:
