@@ -44,8 +44,10 @@ def test_quickstart_scale_reads_the_root_params_as_they_are():
 
 
 def test_paper_scale_names_the_datasets_the_root_must_build():
-    with pytest.raises(ConfigError, match=r"experiments\.pfeddb_cxr4\.dataset: 'chest_xray4_224' is not built by params.yaml"):
+    with pytest.raises(ConfigError, match=r"experiments\.pfeddb_cxr4\.dataset: 'chest_xray4_224' is not built by params.yaml") as err:
         load_params(SCALES["paper"])
+    # every one at once, not one per edit
+    assert "; nor 'office_caltech10_256', 'domainnet10_256' (define each under datasets there" in str(err.value)
 
 
 def test_paper_scale_has_the_papers_stated_settings():

@@ -1309,12 +1309,18 @@ def load_paper_params(path: Path, raw: dict[str, Any]) -> Params:
     root = load_params(data_path)
     if root.paper is not None:
         raise ConfigError(f"{path}: data: '{pp.data}' is a paper's params file, not the root's")
+    unbuilt = {ex.dataset: e for e, ex in pp.experiments.items() if ex.dataset not in root.pipeline.datasets}
+    if unbuilt:  # every one at once, with the sources their fetch stages need
+        defined = [d for d in unbuilt if d in root.datasets]
+        sources = sorted({s for d in defined for s in root.datasets[d].source_list} - set(root.pipeline.sources))
+        e, d = next(iter(unbuilt.items()))[::-1]
+        raise ConfigError(
+            f"{path}: experiments.{e}.dataset: '{d}' is not built by {pp.data}"
+            + (f"; nor {', '.join(repr(x) for x in list(unbuilt)[1:])}" if len(unbuilt) > 1 else "")
+            + " (define each under datasets there and add it to pipeline.datasets"
+            + (f"; add their sources {', '.join(sources)} to pipeline.sources too, pointed at your copies" if sources else "") + ")"
+        )
     for e, ex in pp.experiments.items():
-        if ex.dataset not in root.pipeline.datasets:
-            raise ConfigError(
-                f"{path}: experiments.{e}.dataset: '{ex.dataset}' is not built by {pp.data} "
-                f"(define it under datasets there and add it to pipeline.datasets)"
-            )
         ds = root.datasets[ex.dataset]
         if ds.own_sources():
             kind = "chest_xray4" if isinstance(ds, CXRDatasetParams) else ds.kind
