@@ -446,3 +446,12 @@ def test_a_split_the_data_cannot_give_names_the_params_file_and_the_whole_key(mi
     assert main(["--params", str(path), "--root", str(mirror_root), "split", "--experiment", "quick"]) == 2
     err = capsys.readouterr().err
     assert re.search(r"p\.yaml: experiments\.quick\.split: domain '\w+': \d+ images from \d+ patients cannot give 10000 train", err), err
+
+
+def test_train_help_lists_the_seeds_of_a_papers_params(capsys):
+    from fedsilo.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--params", str(REPO / "pipelines" / "pfeddb" / "paper" / "params.yaml"), "train", "--help"])
+    out = capsys.readouterr().out
+    assert "  seeds: 0, 1, 2, 3, 4\n" in out and "fedsilo check-params --method KEY" in out

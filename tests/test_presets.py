@@ -47,7 +47,7 @@ def test_paper_scale_names_the_datasets_the_root_must_build():
     with pytest.raises(ConfigError, match=r"experiments\.pfeddb_cxr4\.dataset: 'chest_xray4_224' is not built by params.yaml") as err:
         load_params(SCALES["paper"])
     # every one at once, not one per edit
-    assert "; nor 'office_caltech10_256', 'domainnet10_256' (define each under datasets there" in str(err.value)
+    assert "; nor 'office_caltech10_256', 'domainnet10_256' (add each to pipeline.datasets there" in str(err.value)
 
 
 def test_paper_scale_has_the_papers_stated_settings():
@@ -87,6 +87,10 @@ def test_a_run_in_two_groups_or_an_untrained_experiment_is_refused():
     untrained["runs"]["table4"]["beside"] = ["pfeddr_domainnet"]  # trained on DomainNet only
     with pytest.raises(ConfigError, match=r"runs\.table4\.beside: no group trains 'pfeddr_domainnet' on 'pfeddb_office'"):
         load_paper_params(SCALES["quickstart"], untrained)
+    twice = copy.deepcopy(raw)
+    twice["runs"]["table4"]["beside"] = ["pfeddb", "pfeddb"]
+    with pytest.raises(ConfigError, match=r"runs\.table4\.beside: pfeddb listed twice"):
+        load_paper_params(SCALES["quickstart"], twice)
     own = copy.deepcopy(raw)
     own["runs"]["table4"]["beside"] = ["pfeddb_one_phase"]
     with pytest.raises(ConfigError, match=r"runs\.table4\.beside: 'pfeddb_one_phase' is one of the group's own methods"):

@@ -327,3 +327,5 @@ def test_one_table_of_a_paper_is_reported_from_its_groups_runs_and_names_the_run
     assert "runs.table4.experiments: 'pfeddb_digits5' is not one of them (pfeddb_office, pfeddb_cxr4)" in capsys.readouterr().err
     assert main([*params, "report", "--group", "table9"]) == 2
     assert "runs.table9: no such run group (groups: tables_1_2," in capsys.readouterr().err
+    assert main([*params, "report", "--group", "table4", "--sensitivity"]) == 2
+    assert "--sensitivity and --group: one or the other" in capsys.readouterr().err

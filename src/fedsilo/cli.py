@@ -142,6 +142,8 @@ def _report(args: argparse.Namespace) -> None:
 
     p = load_params(args.params)
     layout = p.layout(args.root)
+    if args.sensitivity and args.group:
+        raise ConfigError("--sensitivity and --group: one or the other (the sensitivity figures span every stream experiment)")
     if args.sensitivity:  # across streams: pFedDIL's Table 6 (lambda) and Fig. 2 (alpha)
         from fedsilo.report.continual import build_sensitivity_report, sensitivity_inputs
 
@@ -264,7 +266,10 @@ def _bench_grid(args: argparse.Namespace) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    from fedsilo.methods.registry import check_pipeline_fits
+
     p = load_params(args.params)
+    check_pipeline_fits(p, str(args.params))
     if args.method:
         from fedsilo.methods.registry import describe_method
 
@@ -625,8 +630,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.set_defaults(fn=_onboard)
     s = sub.add_parser("report", parents=[common], help="tables and figures -> results/report/<experiment>/", formatter_class=fmt, epilog=_listing(known, "experiments"))
     s.add_argument("--experiment", help="one experiment (default: every one in pipeline.experiments)")
-    s.add_argument("--group", help="a paper's run group (runs.<group>, one table): the tables of its runs only, after "
-                   "`dvc repro <dvc.yaml>:train_<group>` -> results/<paper>/<scale>/groups/<group>/<experiment>/")
+    s.add_argument("--group", help="a paper's run group (runs.<group>, one table): the tables of its runs and of the "
+                   "methods it sets beside (runs.<group>.beside) -> results/<paper>/<scale>/groups/<group>/<experiment>/; "
+                   "runs not trained yet are named, with the dvc repro targets that train them")
     s.add_argument("--sensitivity", action="store_true", help="across task streams: accuracy and storage against "
                    "pFedDIL's lambda (Table 6) and against the split's alpha (Fig. 2) -> results/.../report/sensitivity/")
     s.set_defaults(fn=_report)

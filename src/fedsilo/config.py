@@ -1274,6 +1274,10 @@ class PaperParams(Strict):
             for m in grp.methods:
                 if m not in self.methods:
                     raise ValueError(f"runs.{g}.methods: '{m}' is not defined under 'methods'")
+            for key, items in (("experiments", grp.experiments), ("methods", grp.methods), ("beside", grp.beside)):
+                twice = sorted({x for x in items if items.count(x) > 1})
+                if twice:
+                    raise ValueError(f"runs.{g}.{key}: {', '.join(twice)} listed twice")
             for m in grp.beside:
                 if m in grp.methods:
                     raise ValueError(f"runs.{g}.beside: '{m}' is one of the group's own methods")
@@ -1291,8 +1295,8 @@ class PaperParams(Strict):
         for e in self.experiments:
             if e not in trained:
                 raise ValueError(f"experiments.{e}: no runs group trains it")
-            if e == "report":
-                raise ValueError("experiments.report: the name is taken by the report folder")
+            if e in ("report", "groups"):  # results/<paper>/<scale>/{report,groups}/ beside the experiments' folders
+                raise ValueError(f"experiments.{e}: the name is taken by the {e} folder")
         return self
 
 
@@ -1309,7 +1313,10 @@ def load_paper_params(path: Path, raw: dict[str, Any]) -> Params:
     root = load_params(data_path)
     if root.paper is not None:
         raise ConfigError(f"{path}: data: '{pp.data}' is a paper's params file, not the root's")
-    unbuilt = {ex.dataset: e for e, ex in pp.experiments.items() if ex.dataset not in root.pipeline.datasets}
+    unbuilt: dict[str, str] = {}  # dataset -> the first experiment on it
+    for e, ex in pp.experiments.items():
+        if ex.dataset not in root.pipeline.datasets:
+            unbuilt.setdefault(ex.dataset, e)
     if unbuilt:  # every one at once, with the sources their fetch stages need
         defined = [d for d in unbuilt if d in root.datasets]
         sources = sorted({s for d in defined for s in root.datasets[d].source_list} - set(root.pipeline.sources))
@@ -1317,7 +1324,7 @@ def load_paper_params(path: Path, raw: dict[str, Any]) -> Params:
         raise ConfigError(
             f"{path}: experiments.{e}.dataset: '{d}' is not built by {pp.data}"
             + (f"; nor {', '.join(repr(x) for x in list(unbuilt)[1:])}" if len(unbuilt) > 1 else "")
-            + " (define each under datasets there and add it to pipeline.datasets"
+            + " (add each to pipeline.datasets there, defining under datasets any it lacks"
             + (f"; add their sources {', '.join(sources)} to pipeline.sources too, pointed at your copies" if sources else "") + ")"
         )
     for e, ex in pp.experiments.items():

@@ -151,8 +151,10 @@ def run_training(
     split_path = layout.split(experiment)
     for p in (harmonized / "images.npy", harmonized / "records.parquet", harmonized / "card.json", split_path):
         if not p.exists():  # the stage that writes it, which `dvc repro` of it builds with what it needs
-            stage = params.stage_target(f"split@{experiment}") if p == split_path else f"harmonize@{exp.dataset}"
-            raise FileNotFoundError(f"{p}: missing; build it first: dvc repro {stage}")
+            if p != split_path:
+                raise FileNotFoundError(f"{p}: missing; build it first: dvc repro harmonize@{exp.dataset}")
+            own = f" (or `fedsilo --params {params.paper.params_file} split --experiment {experiment}`)" if params.paper else ""
+            raise FileNotFoundError(f"{p}: missing; build it first: dvc repro {params.stage_target(f'split@{experiment}')}{own}")
     split = read_json(split_path)
     stream = split.get("protocol") == "domain_incremental"
     if stream:

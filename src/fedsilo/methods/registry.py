@@ -106,22 +106,15 @@ def method_params(params: Params, key: str, source: str = "params.yaml") -> Meth
 
 def check_methods(params: Params, source: str = "params.yaml") -> None:
     """Validate every ``methods`` entry (at load time, so that a bad value fails before any stage runs), then every
-    trained (experiment, method) pair: the method fits the experiment's data (a stream of domain tasks or static
-    clients), a two-phase method's ``local_rounds`` must leave federated rounds."""
+    trained (experiment, method) pair: a two-phase method's ``local_rounds`` must leave federated rounds."""
     for key in params.methods:
         method_params(params, key, source)
     for e in params.pipeline.experiments:
         train = params.experiments[e].train
-        stream = params.experiments[e].split.protocol == "domain_incremental"
         for key in params.experiment_methods(e):
             if key not in params.methods:
                 continue  # pipeline.methods names only defined entries (config checks it); a paper's groups too
             algo = resolve_method(params, key, train)
-            try:  # what the train stage refuses (a static method on a stream, a stream-only one on static clients)
-                check_stream_fit(type(algo), stream, key, f"experiments.{e} has a domain_incremental split" if stream else
-                                 f"experiments.{e} has static clients ({params.experiments[e].split.protocol})")
-            except ConfigError as err:
-                raise ConfigError(f"{source}: {err} (a run of the pipeline)") from None
             fedavg_start = getattr(algo.params, "fedavg_rounds", 0)  # LG-FedAvg's FedAvg-trained start
             if fedavg_start >= train.rounds:
                 raise ConfigError(f"{source}: methods.{key}.fedavg_rounds: {fedavg_start} FedAvg rounds leave no LG-FedAvg "
@@ -132,6 +125,24 @@ def check_methods(params: Params, source: str = "params.yaml") -> None:
                     f"{source}: methods.{key}.local_rounds: {e0} local rounds leave no federated round in "
                     f"experiments.{e}.train.rounds ({train.rounds}); set local_rounds below {train.rounds} or raise rounds"
                 )
+
+
+def check_pipeline_fits(params: Params, source: str = "params.yaml") -> None:
+    """``fedsilo check-params``: every (experiment, method) pair the pipeline trains fits the experiment's data, as
+    the train stage will check (a static method on a stream of domain tasks, a stream-only one on static clients).
+    Not part of loading params: the commands of a site (card, supernode) load a file whose local baseline need not
+    fit a stream the federation learns, and a train stage refuses only its own pair."""
+    for e in params.pipeline.experiments:
+        stream = params.experiments[e].split.protocol == "domain_incremental"
+        for key in params.experiment_methods(e):
+            if key not in params.methods:
+                continue
+            try:
+                check_stream_fit(method_class(method_base(key, params.methods[key])), stream, key,
+                                 f"experiments.{e} has a domain_incremental split" if stream else
+                                 f"experiments.{e} has static clients ({params.experiments[e].split.protocol})")
+            except ConfigError as err:
+                raise ConfigError(f"{source}: {err} (a run of the pipeline)") from None
 
 
 def describe_method(params: Params, key: str, source: str = "params.yaml") -> str:
