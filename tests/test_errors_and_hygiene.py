@@ -455,3 +455,14 @@ def test_train_help_lists_the_seeds_of_a_papers_params(capsys):
         main(["--params", str(REPO / "pipelines" / "pfeddb" / "paper" / "params.yaml"), "train", "--help"])
     out = capsys.readouterr().out
     assert "  seeds: 0, 1, 2, 3, 4\n" in out and "fedsilo check-params --method KEY" in out
+
+
+def test_a_source_not_fetched_yet_is_named_with_the_command_that_fetches_it(tmp_path, capsys):
+    # `dvc repro fetch@<s>` exists only for a source in pipeline.sources; `fedsilo fetch` works for any
+    from fedsilo.cli import main
+
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(small_params()))
+    capsys.readouterr()
+    assert main(["--params", str(path), "--root", str(tmp_path), "fingerprint", "--dataset", "chest_xray4"]) == 2
+    assert "fetch the source first (`fedsilo fetch --source chexpert`, or `dvc repro fetch@chexpert` once it is in pipeline.sources)" in capsys.readouterr().err

@@ -355,7 +355,8 @@ def sources_fingerprint(dataset: str, sources: tuple[str, ...], raw_root: Path) 
     for s in sources:
         path = Path(raw_root) / s / MANIFEST
         if not path.exists():
-            raise FetchError(f"{path}: missing; fetch the source first (`dvc repro fetch@{s}` or `fedsilo fetch --source {s}`)")
+            raise FetchError(f"{path}: missing; fetch the source first (`fedsilo fetch --source {s}`, or `dvc repro fetch@{s}` "
+                             "once it is in pipeline.sources)")
         files = json.loads(path.read_text())["files"]
         out["sources"][s] = {"files": len(files), "bytes": int(sum(f["bytes"] for f in files.values())), "sha256": canonical_hash(files)}
     return out

@@ -233,7 +233,8 @@ def cxr_records(params: CXRDatasetParams, raw_root: Path, name: str, quiet: bool
     for src in params.sources:
         raw_dir = raw_root / src
         if not raw_dir.is_dir():
-            raise HarmonizeError(f"{raw_dir}: raw source folder missing (run `dvc repro fetch@{src}`)")
+            raise HarmonizeError(f"{raw_dir}: raw source folder missing (run `fedsilo fetch --source {src}`, or `dvc repro fetch@{src}` "
+                                 "once it is in pipeline.sources)")
         if src in params.own_sources():  # a hospital's own export and its label table
             rec = cxr_table.read_records(raw_dir, params.rules(src), params.domain_of(src), f"datasets.{name}.tables.{src}", quiet)
             rules = params.rules(src)
@@ -379,7 +380,8 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
     classes: list[str] = list(KIND_CLASSES.get(params.kind, ()))
     for src in params.source_list:
         if not (raw_root / src).is_dir():
-            raise HarmonizeError(f"{raw_root / src}: raw source folder missing (run `dvc repro fetch@{src}`)")
+            raise HarmonizeError(f"{raw_root / src}: raw source folder missing (run `fedsilo fetch --source {src}`, or "
+                                 f"`dvc repro fetch@{src}` once it is in pipeline.sources)")
     own = params.own_sources()
     for src in params.source_list:
         if src in own:
