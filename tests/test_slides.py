@@ -109,10 +109,10 @@ def test_slides_are_cut_into_tissue_patches_of_their_class_and_group(tmp_path, m
     counts = recs.groupby("source_path").size().to_dict()
     assert counts == {"normal/S2.tif": 7, "normal/S3_no_mpp.tif": 7, "normal/S5_72dpi.tif": 7, "tumour/S1.tif": 7,
                       "normal/patch.png": 1, "normal/small.tif": 1}
-    plan, why = slides.plan_patches(root / "tumour" / "S1.tif", BenchmarkDatasetParams(
+    plan, _, why = slides.plan_patches(root / "tumour" / "S1.tif", BenchmarkDatasetParams(
         kind="image_folder", sources=("lab",), folders={"lab": few}).folders["lab"].slides)
     assert why == "" and {p[2:] for p in plan} == {(1, 64, 64)}  # 256 level-0 px = 64 px of level 1 (4x down)
-    everything, _ = slides.plan_patches(root / "tumour" / "S1.tif", BenchmarkDatasetParams(
+    everything, _, _ = slides.plan_patches(root / "tumour" / "S1.tif", BenchmarkDatasetParams(
         kind="image_folder", sources=("lab",), folders={"lab": {**few, "slides": {**few["slides"], "max_patches": 10_000}}}).folders["lab"].slides)
     assert plan[0] == everything[0] and plan[-1] == everything[-1] and len(everything) > 7
 
@@ -127,3 +127,107 @@ def test_a_small_tiff_is_an_image_and_a_large_one_a_slide(tmp_path, monkeypatch)
     assert slides.is_slide_file(tmp_path / "slide.tif") and slides.is_slide_file(tmp_path / "strip.tif")
     assert not slides.is_slide_file(tmp_path / "patch.tif")  # tiled with levels, or over 20,000 px: neither
     assert slides.best_level([1.0, 4.0001, 16.0], 4.0) == 1 and slides.best_level([1.0, 4.0, 16.0], 3.9) == 0
+
+
+def _square(x0: float, y0: float, x1: float, y1: float) -> list[list[float]]:
+    return [[x0, y0], [x1, y0], [x1, y1], [x0, y1], [x0, y0]]
+
+
+def _share(x: int, y: int, box: tuple[float, float, float, float], side: int = 64) -> float:
+    """The exact share of the patch at (x, y) an axis-aligned box covers."""
+    w = max(0.0, min(x + side, box[2]) - max(x, box[0]))
+    h = max(0.0, min(y + side, box[3]) - max(y, box[1]))
+    return w * h / side**2
+
+
+def test_region_annotations_label_each_patch(tmp_path, monkeypatch):
+    """QuPath GeoJSON and ASAP XML regions label the patches they cover by min_share (a region inside another, a hole,
+    is what lies there); a patch outside takes the slide's class or is dropped; a slide without annotations keeps
+    its class; an unknown annotation class stops harmonize naming the file and key; a bad or doubled file excludes
+    its slide with the reason."""
+    import json
+    import shutil
+
+    monkeypatch.setattr(slides, "SMALL_TIFF_BYTES", 0)
+    root = tmp_path / "raw" / "lab"
+    _slide(root / "normal" / "S1.tif", (1024, 1024), 900)
+    for name in ("S2", "S3", "S4", "S5"):  # the same scan under other names
+        shutil.copy(root / "normal" / "S1.tif", tmp_path / f"{name}.tif")
+    for name in ("S2", "S3"):
+        shutil.move(tmp_path / f"{name}.tif", root / "normal" / f"{name}.tif")
+    tumour, hole = (500, 450, 1500, 1550), (760, 760, 1290, 1290)
+    (root / "ann").mkdir()
+    (root / "ann" / "S1.geojson").write_text(json.dumps({"type": "FeatureCollection", "features": [
+        {"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [_square(*tumour), _square(*hole)]},
+         "properties": {"objectType": "annotation", "classification": {"name": "Tumor", "color": [200, 0, 0]}}},
+        {"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [_square(0, 0, 2048, 2048)]},  # a cell: no region
+         "properties": {"objectType": "detection", "classification": {"name": "Tumor"}}},
+        {"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [_square(0, 0, 2048, 2048)]},  # unclassified
+         "properties": {"objectType": "annotation"}}]}))
+    (root / "ann" / "normal").mkdir()
+    coords = lambda b: "".join(f'<Coordinate Order="{k}" X="{x}" Y="{y}"/>' for k, (x, y) in enumerate(_square(*b)[:4]))  # noqa: E731
+    (root / "ann" / "normal" / "S2.xml").write_text(  # CAMELYON16's form: an exclusion (_2) inside a tumour (_0)
+        '<?xml version="1.0"?><ASAP_Annotations><Annotations>'
+        f'<Annotation Name="Annotation 1" Type="Polygon" PartOfGroup="_2"><Coordinates>{coords(hole)}</Coordinates></Annotation>'
+        f'<Annotation Name="Annotation 0" Type="Polygon" PartOfGroup="_0"><Coordinates>{coords(tumour)}</Coordinates></Annotation>'
+        '<Annotation Name="Dot" Type="Dot" PartOfGroup="_0"><Coordinates><Coordinate Order="0" X="1" Y="1"/></Coordinates></Annotation>'
+        '</Annotations></ASAP_Annotations>')
+    regions = {"folder": "ann", "classes": {"_0": "tumour", "_2": "normal", "Tumor": "tumour"}}
+    rules = {"skip": ["ann"], "slides": {"mpp": 1.0, "patch_px": 32, "min_tissue": 0.5, "max_patches": 10_000, "regions": regions}}
+    card, recs, _ = _dataset(tmp_path, "regions", rules)
+    tumour_label = recs.loc[recs["original_label"] == "Tumor", "label"].iloc[0]
+    for name in ("S1", "S2"):
+        rows = recs[recs["source_path"] == f"normal/{name}.tif"]
+        xy = rows["id"].str.extract(r"#x(\d+)y(\d+)$").astype(int).to_numpy()
+        share = np.array([_share(x, y, tumour, 128) - _share(x, y, hole, 128) for x, y in xy])
+        is_tumour = (rows["label"] == tumour_label).to_numpy()
+        assert is_tumour[share >= 0.6].all() and not is_tumour[share <= 0.4].any() and is_tumour.sum() > 25
+        inside_hole = np.array([_share(x, y, hole, 128) == 1 for x, y in xy])
+        assert inside_hole.sum() == 16 and not is_tumour[inside_hole].any()
+    s2 = recs[recs["source_path"] == "normal/S2.tif"]
+    assert set(s2["original_label"]) == {"_0", "_2", "normal"}  # the annotation's name, or the slide's class outside
+    assert (recs.loc[recs["source_path"] == "normal/S3.tif", "original_label"] == "normal").all()  # no annotation file
+    assert recs.loc[recs["source_path"] == "normal/S3.tif"].shape[0] > 100
+
+    # outside: drop keeps the annotated patches only; a slide without a file is excluded, as is one with two files
+    # and one whose file cannot be read
+    (root / "ann" / "S3.geojson").write_text("{not json")
+    shutil.move(tmp_path / "S4.tif", root / "normal" / "S4.tif")
+    (root / "ann" / "S4.json").write_text("[]")
+    (root / "ann" / "S4.tif.xml").write_text("<ASAP_Annotations/>")
+    shutil.move(tmp_path / "S5.tif", root / "normal" / "S5.tif")
+    drop = {**rules, "slides": {**rules["slides"], "regions": {**regions, "outside": "drop"}}}
+    card, recs, _ = _dataset(tmp_path, "drop", drop)
+    key = "datasets.d.folders.lab.slides"
+    reasons = card["domains"]["lab"]["excluded_by_reason"]
+    assert reasons[f"a whole-slide image: no annotation file, and patches outside the regions are dropped ({key}.regions.outside)"] == 1
+    assert reasons["a whole-slide image: 2 annotation files (ann/S4.json, ann/S4.tif.xml): keep one"] == 1
+    assert any(r.startswith("a whole-slide image: its annotation file S3.geojson cannot be read (JSONDecodeError") for r in reasons)
+    assert set(recs["source_path"]) == {"normal/S1.tif", "normal/S2.tif"}
+    s2 = recs[recs["source_path"] == "normal/S2.tif"]
+    assert set(s2["original_label"]) == {"_0", "_2"}  # inside a region only: the exclusion's patches are normal
+
+    # an annotation class the dataset does not have stops harmonize, naming the file and the key that maps it
+    (root / "ann" / "S3.geojson").write_text(json.dumps([{"type": "Feature", "properties": {"classification": {"name": "Stroma"}},
+                                                           "geometry": {"type": "Polygon", "coordinates": [_square(*hole)]}}]))
+    with pytest.raises(ValueError, match=r"S3\.geojson: annotation class 'Stroma' is not a class of this dataset .*"
+                                         rf"{key}\.regions\.classes: \{{Stroma: <class>\}}"):
+        _dataset(tmp_path, "unknown", drop, workers=2)
+
+
+def test_region_raster_innermost_region_and_min_share():
+    """The smaller of two overlapping regions is what lies there whatever the file's order; a class's share is the sum
+    of its annotations'; a skipped annotation labels nothing."""
+    xs, ys = np.arange(0, 640, 64), np.arange(0, 640, 64)
+    big, small = _square(0, 0, 640, 640), _square(128, 128, 256, 256)
+    cls = {"a": "tumour", "b": "normal", "c": "tumour", "s": None}.get
+    for order in ([("a", [np.array(big)]), ("b", [np.array(small)])], [("b", [np.array(small)]), ("a", [np.array(big)])]):
+        labels, named, share = slides.region_labels(order, cls, xs, ys, 64, 0.5)
+        grid = np.array(labels, dtype=object).reshape(10, 10)
+        assert (grid[2:4, 2:4] == "normal").all() and (grid[:2] == "tumour").all() and share.min() == 1.0
+    halves = [("a", [np.array(_square(0, 0, 32, 640))]), ("c", [np.array(_square(32, 0, 64, 640))]),
+              ("s", [np.array(_square(64, 0, 640, 640))])]
+    labels, named, share = slides.region_labels(halves, cls, xs, ys, 64, 0.75)
+    grid = np.array(labels, dtype=object).reshape(10, 10)
+    assert (grid[:, 0] == "tumour").all() and (grid[:, 1:] == None).all()  # noqa: E711 - two halves of one class; skipped
+    assert np.allclose(share.reshape(10, 10)[:, 0], 1.0)

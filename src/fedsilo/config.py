@@ -396,6 +396,38 @@ class CXRDatasetParams(Strict):
 FOLDER_LAYOUTS = ("class", "subset/class", "domain/class", "domain/subset/class")
 
 
+class RegionRules(Strict):
+    """Region annotations of whole-slide images (``fedsilo.data.slides``): polygons drawn on the slides by a
+    pathologist, one annotation file per slide (QuPath's GeoJSON export, or ASAP's XML as CAMELYON16 ships it), each
+    polygon named by its class; a patch takes the class whose regions cover ``min_share`` of it or more (where regions
+    overlap, the smaller one: a region drawn inside another, an ASAP exclusion inside a tumour, is what lies there)."""
+
+    folder: Optional[str] = Field(None, description="the folder inside the source's folder that holds one annotation file "
+                                  "per slide (<slide>.geojson, .json or .xml, named after the slide's file with or without "
+                                  "its suffix, or mirroring the slide's folders); null = beside each slide")
+    classes: dict[str, str] = Field(default_factory=dict, description="an annotation's class name (QuPath's classification, "
+                                    "ASAP's PartOfGroup) -> the dataset's class, for names that differ (default: names "
+                                    "matched to the classes ignoring case, spaces, '_' and '-')")
+    skip: tuple[str, ...] = Field((), description="annotation classes not read (their polygons label nothing); an "
+                                  "annotation with no class (QuPath unclassified, ASAP group None) is never read")
+    min_share: float = Field(0.5, gt=0, le=1, description="the share of a patch one class's regions must cover for the "
+                             "patch to take that class")
+    outside: Literal["slide", "drop"] = Field("slide", description="a patch no class covers by min_share: slide = it takes "
+                                              "the slide's own class (its folder or table row); drop = it is not taken (a "
+                                              "slide left with none, or without an annotation file, is excluded with the reason)")
+
+    @field_validator("folder")
+    @classmethod
+    def _folder_inside(cls, v: Optional[str]) -> Optional[str]:
+        return v if v is None else _inside(v, "a folder inside the source's folder (relative, no '..'), so the annotations "
+                                           "are part of the data DVC hashes")
+
+    @field_validator("skip", "classes", mode="before")
+    @classmethod
+    def _numbers(cls, v: Any) -> Any:
+        return numbers_as_words(v)
+
+
 class SlideRules(Strict):
     """How whole-slide images of your own are cut into patches (``fedsilo.data.slides``): square patches of
     ``patch_px`` pixels at ``mpp`` microns per pixel, where the tissue covers ``min_tissue`` of the patch or more, at
@@ -406,6 +438,8 @@ class SlideRules(Strict):
     min_tissue: float = Field(0.5, gt=0, le=1, description="the share of a patch the tissue must cover (found on a thumbnail: saturation above Otsu's threshold)")
     max_patches: int = Field(200, ge=1, description="patches kept per slide at most, evenly spaced over its tissue in reading order")
     slide_mpp: Optional[float] = Field(None, gt=0, description="microns per level-0 pixel for slides whose header does not say (default: a slide without it is excluded, with the reason)")
+    regions: Optional[RegionRules] = Field(None, description="label each patch from the slide's region annotations "
+                                           "(null: every patch takes its slide's class)")
 
 
 class OwnImageRules(Strict):

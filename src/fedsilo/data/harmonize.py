@@ -407,6 +407,10 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
             maps[src] = image_folder.folder_classes(raw_root / src, params.rules(src), keys[src])
     if not classes:  # kind image_folder: its own list, or its sources' class names as torchvision's ImageFolder sorts them
         names = set().union(*(image_folder.class_names(scans[s], maps[s]) for s in own))
+        for s in own:  # the classes slides' region annotations are mapped to (an annotated class no slide folder names)
+            slide_rules = params.rules(s).slides
+            if slide_rules is not None and slide_rules.regions is not None:
+                names |= set(slide_rules.regions.classes.values())
         for s in own:
             if params.reader_of(s) == "image_table":
                 names |= image_table.declared_classes(params.rules(s), maps[s])
@@ -422,7 +426,7 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
         if params.rules(src).frames != "first":  # a multi-frame DICOM's frames, each an image of the file's class and group
             rec = expand_frames(rec, raw_root / src, params.rules(src).frames, keys[src], quiet)
         rec = expand_slides(rec, raw_root / src, params.rules(src).slides, keys[src], quiet,  # patches, or excluded
-                            workers=params.workers or os.cpu_count() or 1)
+                            workers=params.workers or os.cpu_count() or 1, classes=tuple(classes))
         theirs = set(rec["domain"])
         for other, frame in frames.items():
             clash = sorted(d for d in theirs if d.casefold() in {x.casefold() for x in frame["domain"]})

@@ -9,6 +9,13 @@ slide, or the patient ``group`` / ``patient`` names), so a slide's patches never
 ``<file>#x<X>y<Y>`` (its top-left corner in level-0 pixels). Each patch is read from the pyramid level nearest
 its resolution (never a coarser one) and resized to the dataset's ``image_size`` with the other images.
 
+With ``slides.regions`` a patch is labelled from the slide's region annotations instead (:func:`read_regions`:
+QuPath's GeoJSON export, ASAP's XML as CAMELYON16 ships it): the polygons are drawn on a raster aligned with the patch
+grid (:data:`REGION_SUBCELLS` cells a side per patch), the larger regions first so that a region drawn inside another
+(an ASAP exclusion inside a tumour, a QuPath annotation inside its parent) is what lies there, and a patch takes the
+class whose regions cover ``regions.min_share`` of it or more; a patch no class covers enough takes the slide's own
+class or is dropped (``regions.outside``). The tissue rule applies first: glass inside an annotation is no patch.
+
 A slide is found by its suffix, or for ``.tif`` / ``.tiff`` by being tiled with reduced-resolution levels or larger
 than :data:`LARGE_TIFF_PX` pixels (a patch saved as TIFF stays an image). Without ``slides`` rules a slide is
 excluded with the reason (it is never decoded whole: a 100,000-pixel-wide scan would need tens of GB).
@@ -17,9 +24,12 @@ excluded with the reason (it is never decoded whole: a 100,000-pixel-wide scan w
 from __future__ import annotations
 
 import functools
+import json
+import math
 import os
+import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import pandas as pd
@@ -31,6 +41,10 @@ PLAUSIBLE_MPP = (0.05, 20.0)  # microns per pixel a slide scanner writes; outsid
 LARGE_TIFF_PX = 20_000  # a single-level TIFF wider or taller than this is a slide, not a patch
 SMALL_TIFF_BYTES = 8 * 2**20  # a .tif smaller than this is an image, whatever its header says (no header is read)
 THUMBNAIL_PX = 2048  # the longer side of the thumbnail the tissue is found on
+REGION_SUBCELLS = 8  # a patch's side in cells of the raster the region annotations are drawn on
+REGION_RASTER_CELLS = 64_000_000  # at most this many raster cells per slide (fewer per patch on a very fine grid)
+REGION_FILE_SUFFIXES = (".geojson", ".json", ".xml")  # QuPath's GeoJSON export, ASAP's XML (CAMELYON16's)
+ASAP_SHAPES = ("Polygon", "Spline", "Rectangle")  # ASAP annotation types that enclose an area (a Spline by its points)
 INSTALL_HINT = "whole-slide images are read with tiffslide: in fedsilo's checkout, pip install -e '.[slides]' -c constraints.txt"
 
 
@@ -118,24 +132,167 @@ def tissue_mask(thumbnail: np.ndarray) -> np.ndarray:
     return mask > 0
 
 
-def plan_patches(path: Path, rules: Any, key: str = "slides") -> tuple[list[tuple[int, int, int, int, int]], str]:
+Region = tuple[str, list[np.ndarray]]  # an annotation's class name and its rings (exterior, then holes), level-0 px
+
+
+def _ring(points: Any, where: str) -> np.ndarray:
+    """A polygon ring as an (n, 2) float array of level-0 pixels, or the error naming ``where``."""
+    try:
+        arr = np.asarray(points, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: coordinates that are not numbers") from None
+    if arr.ndim != 2 or arr.shape[1] < 2 or len(arr) < 3 or not np.isfinite(arr).all():
+        raise ValueError(f"{where}: a ring needs three or more finite (x, y) points")
+    return arr[:, :2]
+
+
+def _geojson_polygons(geometry: Any, where: str) -> list[list[np.ndarray]]:
+    """The polygons (rings) of a GeoJSON geometry: Polygon, MultiPolygon, a GeometryCollection of them; a point or a
+    line encloses no area and gives none."""
+    if not isinstance(geometry, dict):
+        return []
+    kind = geometry.get("type")
+    if kind == "Polygon":
+        return [[_ring(r, where) for r in geometry.get("coordinates") or []]]
+    if kind == "MultiPolygon":
+        return [[_ring(r, where) for r in poly] for poly in geometry.get("coordinates") or []]
+    if kind == "GeometryCollection":
+        return [p for g in geometry.get("geometries") or [] for p in _geojson_polygons(g, where)]
+    return []
+
+
+def read_regions(path: Path) -> list[Region]:
+    """The classified areas of one slide's annotation file, in level-0 pixels: ``[(class name, [exterior, hole,
+    ...]), ...]``. A ``.geojson`` / ``.json`` is QuPath's export (a FeatureCollection, a Feature or a list of
+    Features; the class is ``properties.classification.name``; detections, cells and tiles, ``objectType`` other than
+    ``annotation``, are not regions); an ``.xml`` is ASAP's (``Annotation`` elements of type Polygon, Spline or
+    Rectangle, the class their ``PartOfGroup``, the points their ``Coordinate``s in ``Order``). An annotation without
+    a class is not read; one with too few or non-numeric points, or a file of neither form, is a ValueError."""
+    out: list[Region] = []
+    if path.suffix.lower() == ".xml":
+        for n, ann in enumerate(ET.parse(path).getroot().iter("Annotation")):
+            group = (ann.get("PartOfGroup") or "").strip()
+            if ann.get("Type", "Polygon") not in ASAP_SHAPES or group in ("", "None"):
+                continue
+            coords = sorted(ann.iter("Coordinate"), key=lambda c: float((c.get("Order") or "0").replace(",", ".")))
+            where = f"annotation {ann.get('Name') or n} ({group})"
+            try:
+                points = [[float(c.get("X", "").replace(",", ".")), float(c.get("Y", "").replace(",", "."))] for c in coords]
+            except ValueError:
+                raise ValueError(f"{where}: coordinates that are not numbers") from None
+            out.append((group, [_ring(points, where)]))
+        return out
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(data, dict) and data.get("type") == "FeatureCollection":
+        features = data.get("features")
+    elif isinstance(data, dict) and data.get("type") == "Feature":
+        features = [data]
+    else:
+        features = data
+    if not isinstance(features, list):
+        raise ValueError("not a GeoJSON FeatureCollection, Feature or list of Features (QuPath's export)")
+    for n, feature in enumerate(features):
+        if not isinstance(feature, dict):
+            raise ValueError(f"feature {n}: not a GeoJSON Feature")
+        props = feature.get("properties") or {}
+        if str(props.get("objectType", "annotation")).lower() != "annotation":  # QuPath's detections, cells, tiles
+            continue
+        cls = props.get("classification")
+        name = cls.get("name") if isinstance(cls, dict) else cls
+        if name is None or not str(name).strip():
+            continue
+        for rings in _geojson_polygons(feature.get("geometry"), f"feature {n} ({name})"):
+            if rings:
+                out.append((str(name).strip(), rings))
+    return out
+
+
+def annotation_file(slide: Path, rel: str, raw_dir: Path, regions: Any) -> tuple[Optional[Path], str]:
+    """One slide's annotation file (``regions.folder``, or beside the slide; named after the slide's file with or
+    without its suffix, or by its path below the source's folder), or None and "" (none) or why it is ambiguous."""
+    folder = slide.parent if regions.folder is None else raw_dir / regions.folder
+    rel_path = Path(rel)
+    stems = [slide.stem, slide.name]
+    if regions.folder is not None and rel_path.parent != Path("."):
+        stems += [str(rel_path.with_suffix("")), str(rel_path)]
+    found = sorted({folder / f"{stem}{suffix}" for stem in stems for suffix in REGION_FILE_SUFFIXES} - {slide},
+                   key=str)
+    found = [f for f in found if f.is_file()]
+    if len(found) > 1:
+        return None, f"{len(found)} annotation files ({', '.join(str(f.relative_to(raw_dir)) for f in found)}): keep one"
+    return (found[0] if found else None), ""
+
+
+def region_labels(regions: list[Region], class_of: Callable[[str], Optional[str]], xs: np.ndarray, ys: np.ndarray,
+                  step: int, min_share: float) -> tuple[list[Optional[str]], list[Optional[str]], np.ndarray]:
+    """Per grid cell (row by row over ``ys`` x ``xs``, cells ``step`` level-0 pixels a side): the dataset class its
+    regions give (None: no class covers ``min_share`` of it), the annotation name that covers most of it among that
+    class's, and the covered share. ``class_of``: an annotation's name -> its dataset class (None: skipped). The
+    polygons are drawn larger first on a raster of :data:`REGION_SUBCELLS` cells a side per grid cell (fewer when
+    the grid is very fine), so the innermost region is what lies where regions overlap."""
+    from matplotlib.path import Path as Polygon
+
+    nx, ny = len(xs), len(ys)
+    sub = max(1, min(REGION_SUBCELLS, int(math.sqrt(REGION_RASTER_CELLS / max(1, nx * ny)))))
+    q = step / sub  # level-0 pixels per raster cell
+    names = sorted({name for name, _ in regions if class_of(name) is not None})
+    ids = {name: k + 1 for k, name in enumerate(names)}
+    raster = np.zeros((ny * sub, nx * sub), np.int32)
+
+    def area(rings: list[np.ndarray]) -> float:
+        shoelace = [abs(float(np.dot(r[:, 0], np.roll(r[:, 1], -1)) - np.dot(r[:, 1], np.roll(r[:, 0], -1)))) / 2 for r in rings]
+        return shoelace[0] - sum(shoelace[1:])
+
+    drawn = sorted(((area(rings), ids[name], rings) for name, rings in regions if name in ids), key=lambda t: -t[0])
+    for _, rid, rings in drawn:
+        scaled = [r / q for r in rings]  # raster units: cell (i, j) spans [j, j + 1) x [i, i + 1), its centre at + 0.5
+        lo = np.maximum(np.floor(scaled[0].min(0)).astype(int), 0)
+        hi = np.minimum(np.ceil(scaled[0].max(0)).astype(int), [raster.shape[1], raster.shape[0]])
+        if (hi <= lo).any():
+            continue  # wholly off the grid
+        gx, gy = np.meshgrid(np.arange(lo[0], hi[0]) + 0.5, np.arange(lo[1], hi[1]) + 0.5)
+        centres = np.column_stack([gx.ravel(), gy.ravel()])
+        inside = Polygon(scaled[0]).contains_points(centres)
+        for hole in scaled[1:]:
+            inside &= ~Polygon(hole).contains_points(centres)
+        raster[lo[1]:hi[1], lo[0]:hi[0]][inside.reshape(gx.shape)] = rid
+    cells = raster.reshape(ny, sub, nx, sub)
+    share_of = {name: (cells == ids[name]).mean(axis=(1, 3)).ravel() for name in names}
+    targets = sorted({class_of(n) for n in names}, key=str)
+    if not targets:
+        return [None] * (nx * ny), [None] * (nx * ny), np.zeros(nx * ny)
+    by_class = np.stack([sum(share_of[n] for n in names if class_of(n) == t) for t in targets])
+    best = by_class.argmax(0)
+    share = by_class[best, np.arange(nx * ny)]
+    labels: list[Optional[str]] = [targets[b] if s >= min_share else None for b, s in zip(best, share)]
+    named: list[Optional[str]] = []
+    for k, cls in enumerate(labels):
+        own = [n for n in names if cls is not None and class_of(n) == cls]
+        named.append(max(own, key=lambda n: share_of[n][k]) if own else None)
+    return labels, named, share
+
+
+def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Optional[Path] = None,
+                 class_of: Optional[Callable[[str], Optional[str]]] = None) -> tuple[list[tuple[int, int, int, int, int]], list[Optional[tuple[str, str]]], str]:
     """The patches of one slide: ``[(x, y, level, w, h), ...]`` (top-left corner in level-0 pixels, the level read
-    and the region's size at that level), and "" or why the slide gives none (no plausible microns per pixel, a scan
-    coarser than the patches, no reduced-resolution level to find the tissue on, smaller than a patch, no tissue).
-    ``key``: the rules' dotted key, for the reasons. The slide is opened here and closed again (never kept open in
-    this process: the decoding workers it forks read their own)."""
+    and the region's size at that level), per patch None (the slide's class) or ``(class, annotation name)`` its
+    region annotations give (``rules.regions``: ``annotations`` the slide's file or None, ``class_of`` an
+    annotation's name -> the dataset's class), and "" or why the slide gives none (no plausible microns per pixel, a
+    scan coarser than the patches, no reduced-resolution level to find the tissue on, smaller than a patch, no tissue,
+    no annotated patch where the others are dropped). ``key``: the rules' dotted key, for the reasons. The slide is
+    opened here and closed again (never kept open in this process: the decoding workers it forks read their own)."""
     with _tiffslide().TiffSlide(str(path)) as slide:
         mpp0 = level0_mpp(slide, rules.slide_mpp)
         if mpp0 is None:
-            return [], f"no plausible microns per pixel in its header (set {key}.slide_mpp)"
+            return [], [], f"no plausible microns per pixel in its header (set {key}.slide_mpp)"
         if rules.mpp < mpp0 * 0.99:  # a patch finer than the scan would be upsampled: detail that is not there
-            return [], f"a scan at {mpp0:.3g} um/px, coarser than the patches' {rules.mpp:g} um/px ({key}.mpp)"
+            return [], [], f"a scan at {mpp0:.3g} um/px, coarser than the patches' {rules.mpp:g} um/px ({key}.mpp)"
         width, height = slide.dimensions
         side0 = rules.patch_px * rules.mpp / mpp0  # a patch's side in level-0 pixels
         if side0 > min(width, height):
-            return [], f"smaller than one patch ({rules.patch_px} px at {rules.mpp:g} um/px)"
+            return [], [], f"smaller than one patch ({rules.patch_px} px at {rules.mpp:g} um/px)"
         if slide.level_count == 1 and max(width, height) > LARGE_TIFF_PX:  # the thumbnail would decode the whole scan
-            return [], ("no reduced-resolution levels to find its tissue on (convert it to a pyramidal TIFF, e.g. "
+            return [], [], ("no reduced-resolution levels to find its tissue on (convert it to a pyramidal TIFF, e.g. "
                         "vips tiffsave <in> <out>.tif --tile --pyramid --compression jpeg)")
         level = best_level(slide.level_downsamples, rules.mpp / mpp0)
         down = float(slide.level_downsamples[level])
@@ -152,13 +309,34 @@ def plan_patches(path: Path, rules: Any, key: str = "slides") -> tuple[list[tupl
     area = (y1 - y0)[:, None] * (x1 - x0)[None, :]
     inside = integral[y1][:, x1] - integral[y0][:, x1] - integral[y1][:, x0] + integral[y0][:, x0]
     frac = inside / np.maximum(area, 1)
-    rows, cols = np.nonzero(frac >= rules.min_tissue)  # reading order: row by row
-    if rows.size == 0:
-        return [], f"no patch with {rules.min_tissue:.0%} tissue or more ({key}.min_tissue)"
+    keep = frac >= rules.min_tissue
+    if not keep.any():
+        return [], [], f"no patch with {rules.min_tissue:.0%} tissue or more ({key}.min_tissue)"
+    given: list[Optional[tuple[str, str]]] = [None] * keep.size
+    regions = rules.regions
+    if regions is not None:
+        drop = regions.outside == "drop"
+        if annotations is None and drop:
+            return [], [], f"no annotation file, and patches outside the regions are dropped ({key}.regions.outside)"
+        if annotations is not None:
+            assert class_of is not None
+            try:
+                drawn = read_regions(annotations)
+            except (OSError, ValueError, ET.ParseError) as err:
+                return [], [], f"its annotation file {annotations.name} cannot be read ({type(err).__name__}: {err})"
+            labels, named, _ = region_labels(drawn, class_of, xs, ys, step, regions.min_share)
+            given = [(c, n) if c is not None and n is not None else None for c, n in zip(labels, named)]
+            if drop:
+                keep &= np.array([g is not None for g in given], dtype=bool).reshape(keep.shape)
+                if not keep.any():
+                    return [], [], (f"no tissue patch its regions cover by {regions.min_share:.0%} or more, and the others "
+                                    f"are dropped ({key}.regions)")
+    rows, cols = np.nonzero(keep)  # reading order: row by row
     if rows.size > rules.max_patches:
         pick = np.unique(np.round(np.linspace(0, rows.size - 1, rules.max_patches)).astype(int))
         rows, cols = rows[pick], cols[pick]
-    return [(int(xs[c]), int(ys[r]), level, read, read) for r, c in zip(rows, cols)], ""
+    return ([(int(xs[c]), int(ys[r]), level, read, read) for r, c in zip(rows, cols)],
+            [given[int(r) * len(xs) + int(c)] for r, c in zip(rows, cols)], "")
 
 
 def read_patch(path: str, patch: tuple[int, int, int, int, int]) -> np.ndarray:
@@ -176,22 +354,33 @@ def read_patch(path: str, patch: tuple[int, int, int, int, int]) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.uint8)
 
 
-def _plan_safe(args: tuple[Path, Any, str]) -> tuple[list[tuple[int, int, int, int, int]], str]:
-    """:func:`plan_patches` of one slide, a slide tiffslide cannot read giving its reason (a worker's job)."""
-    path, rules, key = args
+def _plan_safe(args: tuple[Path, Any, str, Optional[Path], tuple[str, ...]]) -> tuple[list[tuple[int, int, int, int, int]], list[Optional[tuple[str, str]]], str]:
+    """:func:`plan_patches` of one slide, a slide tiffslide cannot read giving its reason (a worker's job); an
+    annotation class that is none of the dataset's ``classes`` stops harmonize (LabelFileError, naming the file)."""
+    from fedsilo.data.sources.base import LabelFileError
+    from fedsilo.data.sources.image_folder import ClassMap
+
+    path, rules, key, annotations, classes = args
+    class_of = None
+    if annotations is not None:
+        resolve = ClassMap(rules.regions, f"{key}.regions", "annotation class").resolver(classes)
+        class_of = functools.partial(resolve, where=str(annotations))
     try:
-        return plan_patches(path, rules, key)
-    except ImportError:
+        return plan_patches(path, rules, key, annotations, class_of)
+    except (ImportError, LabelFileError):
         raise
     except Exception as err:  # noqa: BLE001 - a slide tiffslide cannot read is excluded with the reason, as any bad file
-        return [], f"unreadable ({type(err).__name__}: {err})"
+        return [], [], f"unreadable ({type(err).__name__}: {err})"
 
 
-def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet: bool = False, workers: int = 1) -> pd.DataFrame:
+def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet: bool = False, workers: int = 1,
+                  classes: tuple[str, ...] = ()) -> pd.DataFrame:
     """``rec`` (a source of your own's records) with each kept slide's row replaced by one row per patch
     (:func:`plan_patches`, on ``workers`` processes: a thumbnail per slide): id ``<id>#x<X>y<Y>``, column ``patch``,
-    the slide's class, group and subset; a slide that gives no patch stays one excluded row with the reason. Without
-    ``rules`` (no ``slides`` set) every kept slide is excluded, naming the key that cuts it into patches."""
+    the slide's group and subset, and its class, or with ``rules.regions`` the class its region annotations give
+    (``original_label`` then the annotation's name; ``classes``: the dataset's, in label order); a slide that gives
+    no patch stays one excluded row with the reason. Without ``rules`` (no ``slides`` set) every kept slide is
+    excluded, naming the key that cuts it into patches."""
     from concurrent.futures import ProcessPoolExecutor
 
     from fedsilo.data.sources.base import explode_records
@@ -204,19 +393,35 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
     if rules is None:
         rec.loc[rec.index[slides], "excluded"] = f"a whole-slide image (set {key}.slides to cut it into patches)"
         return rec
-    jobs = [(raw_dir / str(rec["path"].iloc[i]), rules, f"{key}.slides") for i in slides]
+    jobs, ambiguous = [], {}
+    for i in slides:
+        path = raw_dir / str(rec["path"].iloc[i])
+        found, why = (None, "") if rules.regions is None else annotation_file(path, str(rec["path"].iloc[i]), raw_dir, rules.regions)
+        if why:
+            ambiguous[int(i)] = why
+        jobs.append((path, rules, f"{key}.slides", found, tuple(classes)))
     pool = ProcessPoolExecutor(max_workers=min(workers, len(jobs))) if workers > 1 and len(jobs) > 1 else None
     plans: dict[int, list[tuple[int, int, int, int, int]]] = {}
+    given: dict[int, list[Optional[tuple[str, str]]]] = {}
     patches = 0
     bar = Progress(len(slides), f"slides {key.rsplit('.', 1)[-1]}", "slide", quiet=quiet)
     try:
-        for i, (plan, why) in zip(slides, pool.map(_plan_safe, jobs) if pool is not None else map(_plan_safe, jobs)):
-            plans[int(i)], patches = plan, patches + len(plan)
+        for i, (plan, labels, why) in zip(slides, pool.map(_plan_safe, jobs) if pool is not None else map(_plan_safe, jobs)):
+            why = ambiguous.get(int(i), why)
             if why:
+                plan, labels = [], []
                 rec.loc[rec.index[i], "excluded"] = f"a whole-slide image: {why}"
+            plans[int(i)], given[int(i)], patches = plan, labels, patches + len(plan)
             bar.update(info=f"{patches} patches")
     finally:
         bar.close()
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-    return explode_records(rec, [plans.get(i) or None for i in range(len(rec))], "patch", lambda p: f"#x{p[0]}y{p[1]}")
+    out = explode_records(rec, [plans.get(i) or None for i in range(len(rec))], "patch", lambda p: f"#x{p[0]}y{p[1]}")
+    flat = [g for i in range(len(rec)) for g in (given.get(i) if plans.get(i) else [None])]
+    labelled = np.array([g is not None for g in flat], dtype=bool)
+    if labelled.any():  # patches their regions label: the class the annotations give, the annotation's name
+        index = {c: k for k, c in enumerate(classes)}
+        out.loc[labelled, "label"] = [index[g[0]] for g in flat if g is not None]
+        out.loc[labelled, "original_label"] = [g[1] for g in flat if g is not None]
+    return out
