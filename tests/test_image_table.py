@@ -374,7 +374,7 @@ def test_dicoms_that_are_no_picture_are_left_out_not_quarantined(tmp_path):
     dom = card["domains"]["clinic"]
     assert dom["by_class"] == {"a": 3, "b": 3} and dom["quarantined"] == 1  # the constant photograph
     assert dom["excluded_by_reason"] == {"not an image: a DICOM without pixels (Enhanced SR Storage)": 1,
-                                         "not an image: a whole-slide image (its tiles are not read)": 1}
+                                         "a whole-slide image (set datasets.d.folders.clinic.slides to cut it into patches)": 1}
 
     text = "path,label,pid,part\n0.png,a,p1,train\n1.png,b,p1,train\nreport.pdf,a,p1,test\n"
     (tmp_path / "t").mkdir()

@@ -231,3 +231,98 @@ def test_region_raster_innermost_region_and_min_share():
     grid = np.array(labels, dtype=object).reshape(10, 10)
     assert (grid[:, 0] == "tumour").all() and (grid[:, 1:] == None).all()  # noqa: E711 - two halves of one class; skipped
     assert np.allclose(share.reshape(10, 10)[:, 0], 1.0)
+
+
+def _dicom_level(path: Path, img: np.ndarray, mpp: float, series: tuple[str, str, str], flavour: str = "VOLUME",
+                 tile: int = 256) -> None:
+    """One instance of a DICOM whole-slide image (VL Whole Slide Microscopy Image, TILED_FULL, uncompressed RGB
+    tiles): ``img`` at ``mpp`` microns per pixel, of the series ``(study, series, frame of reference)`` UIDs."""
+    from pydicom.dataset import Dataset, FileMetaDataset
+    from pydicom.sequence import Sequence
+    from pydicom.uid import ExplicitVRLittleEndian, generate_uid
+
+    h, w = img.shape[:2]
+    padded = np.full((-(-h // tile) * tile, -(-w // tile) * tile, 3), 255, np.uint8)
+    padded[:h, :w] = img
+    tiles = padded.reshape(padded.shape[0] // tile, tile, padded.shape[1] // tile, tile, 3).swapaxes(1, 2)
+    ds = Dataset()
+    ds.file_meta = FileMetaDataset()
+    ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds.file_meta.MediaStorageSOPClassUID = ds.SOPClassUID = "1.2.840.10008.5.1.4.1.1.77.1.6"
+    ds.file_meta.MediaStorageSOPInstanceUID = ds.SOPInstanceUID = generate_uid()
+    ds.StudyInstanceUID, ds.SeriesInstanceUID, ds.FrameOfReferenceUID = series
+    ds.Modality, ds.PatientID, ds.ContainerIdentifier, ds.Manufacturer = "SM", "P1", "S1", "fedsilo test"
+    ds.ImageType = ["ORIGINAL", "PRIMARY", flavour, "NONE"]
+    ds.SamplesPerPixel, ds.PhotometricInterpretation, ds.PlanarConfiguration = 3, "RGB", 0
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 8, 8, 7, 0
+    ds.Rows = ds.Columns = tile
+    ds.NumberOfFrames = tiles.shape[0] * tiles.shape[1]
+    ds.TotalPixelMatrixColumns, ds.TotalPixelMatrixRows = w, h
+    ds.TotalPixelMatrixFocalPlanes = ds.NumberOfOpticalPaths = 1
+    ds.DimensionOrganizationType = "TILED_FULL"
+    ds.ImagedVolumeWidth, ds.ImagedVolumeHeight, ds.ImagedVolumeDepth = w * mpp / 1000, h * mpp / 1000, 0.001
+    origin = Dataset()
+    origin.XOffsetInSlideCoordinateSystem = origin.YOffsetInSlideCoordinateSystem = 0
+    ds.TotalPixelMatrixOriginSequence = Sequence([origin])
+    measures = Dataset()
+    measures.PixelSpacing, measures.SliceThickness = [mpp / 1000, mpp / 1000], 0.001
+    shared = Dataset()
+    shared.PixelMeasuresSequence = Sequence([measures])
+    ds.SharedFunctionalGroupsSequence = Sequence([shared])
+    optical = Dataset()
+    optical.OpticalPathIdentifier = "1"
+    ds.OpticalPathSequence = Sequence([optical])
+    ds.PixelData = np.ascontiguousarray(tiles).tobytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ds.save_as(path, enforce_file_format=True)
+
+
+def test_dicom_whole_slide_images_are_read_through_openslide(tmp_path, monkeypatch):
+    """A DICOM whole-slide image (a folder of instances: three pyramid levels and a label) is one slide read through
+    its largest level, the other instances excluded saying what they are; its patches are its pixels; region
+    annotations are found by its folder's name; a series with no pyramid is excluded."""
+    pytest.importorskip("openslide")
+    import json
+
+    from pydicom.uid import generate_uid
+
+    root = tmp_path / "raw" / "lab"
+    rng = np.random.default_rng(0)
+    img = np.full((SIDE, SIDE, 3), 238, np.uint8)
+    yy, xx = np.mgrid[:SIDE, :SIDE]
+    disc = (yy - 1000) ** 2 + (xx - 900) ** 2 < 500**2
+    img[disc] = (rng.integers(0, 50, (int(disc.sum()), 3)) + np.array([170, 70, 140])).astype(np.uint8)
+    uids = (generate_uid(), generate_uid(), generate_uid())
+    for k, d in enumerate((1, 4, 16)):  # files in no particular order: a PACS names them by UID
+        _dicom_level(root / "tumour" / "S1" / f"{9 - k}.dcm", np.ascontiguousarray(img[::d, ::d]), MPP0 * d, uids)
+    _dicom_level(root / "tumour" / "S1" / "label.dcm", img[:64, :96], 20.0, uids, flavour="LABEL")
+    _dicom_level(root / "tumour" / "S3" / "label.dcm", img[:64, :96], 20.0, (generate_uid(),) * 3, flavour="LABEL")
+    (root / "normal").mkdir()
+    assert cv2.imwrite(str(root / "normal" / "patch.png"), img[900:940, 800:840])
+    (root / "ann").mkdir()
+    (root / "ann" / "S1.geojson").write_text(json.dumps([{"type": "Feature", "properties": {"classification": {"name": "normal"}},
+                                                          "geometry": {"type": "Polygon", "coordinates": [_square(0, 0, 1024, 2048)]}}]))
+    others = {"a pyramid level of a DICOM whole-slide image (read through its largest level)": 2,
+              "a DICOM whole-slide image's label image (not read)": 1,
+              "a DICOM whole-slide image's label image without its pyramid (no VOLUME instance in its folder)": 1,
+              "class folder skipped (datasets.d.folders.lab.skip)": 1}  # the annotations' folder
+    card, _, _ = _dataset(tmp_path, "none", {"skip": ["ann"]})
+    assert card["domains"]["lab"]["excluded_by_reason"] == {
+        **others, "a whole-slide image (set datasets.d.folders.lab.slides to cut it into patches)": 1}
+
+    # 1 um/px patches of 32 px: 128 level-0 px, read from level 1 (4x down) and compared with its pixels as written
+    rules = {"skip": ["ann"], "slides": {"mpp": 1.0, "patch_px": 32, "max_patches": 10_000}}
+    card, recs, images = _dataset(tmp_path, "slides", rules, workers=2)
+    assert card["domains"]["lab"]["excluded_by_reason"] == others
+    s1 = recs[recs["source_path"] == "tumour/S1/9.dcm"]
+    assert len(s1) > 20 and s1["group"].nunique() == 1
+    level1 = img[::4, ::4]
+    for row in s1.index[:: max(1, len(s1) // 6)]:
+        x, y = (int(v) // 4 for v in recs.loc[row, "id"].rsplit("#x", 1)[1].split("y"))
+        np.testing.assert_array_equal(images[row], to_rgb_square(level1[y:y + 32, x:x + 32], 16, "stretch"))
+    # region annotations named after the series' folder: the left half is normal, the rest stays tumour
+    regions = {**rules, "slides": {**rules["slides"], "regions": {"folder": "ann"}}}
+    _, recs, _ = _dataset(tmp_path, "regions", regions)
+    s1 = recs[recs["source_path"] == "tumour/S1/9.dcm"]
+    x = s1["id"].str.extract(r"#x(\d+)y")[0].astype(int)
+    assert set(s1.loc[x + 128 <= 1024, "original_label"]) == {"normal"} and set(s1.loc[x >= 1024, "original_label"]) == {"tumour"}

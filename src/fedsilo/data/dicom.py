@@ -15,7 +15,7 @@ Order of operations (PS3.3 C.11 pixel pipeline, as pydicom implements it):
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -189,6 +189,7 @@ def frame_indices(n: int, frames: str | int) -> list[int]:
 
 
 WHOLE_SLIDE = "1.2.840.10008.5.1.4.1.1.77.1.6"  # VL Whole Slide Microscopy Image Storage
+WHOLE_SLIDE_PROBLEM = "a whole-slide image (its tiles are not read)"  # as one picture: harmonize cuts it into patches
 
 
 def dicom_image_problem(path: str | Path) -> str:
@@ -207,8 +208,29 @@ def dicom_image_problem(path: str | Path) -> str:
     if not any(tag in ds for tag in ("PixelData", "FloatPixelData", "DoubleFloatPixelData")):
         return f"a DICOM without pixels ({name})"
     if str(sop) == WHOLE_SLIDE:
-        return "a whole-slide image (its tiles are not read)"
+        return WHOLE_SLIDE_PROBLEM
     return ""
+
+
+def whole_slide_instance(path: str | Path) -> Optional[tuple[str, str, int]]:
+    """Of a DICOM whole-slide image's instance (one file of the series: a pyramid level, the label, the overview):
+    its series' UID, its flavour (the third value of ImageType: VOLUME, LABEL, OVERVIEW, THUMBNAIL; VOLUME where the
+    header has none) and the pixels of its total matrix; None for any other file. Reads the header only."""
+    import pydicom
+    from pydicom.errors import InvalidDicomError
+
+    try:
+        ds = pydicom.dcmread(str(path), stop_before_pixels=True)
+    except (InvalidDicomError, AttributeError, ValueError, RuntimeError, OSError, EOFError, KeyError):
+        return None
+    sop = ds.get("SOPClassUID", None) or ds.file_meta.get("MediaStorageSOPClassUID", None)
+    if str(sop) != WHOLE_SLIDE:
+        return None
+    kinds = list(ds.get("ImageType", None) or [])
+    flavour = str(kinds[2]).upper() if len(kinds) > 2 else "VOLUME"
+    width = int(ds.get("TotalPixelMatrixColumns", None) or ds.get("Columns", None) or 0)
+    height = int(ds.get("TotalPixelMatrixRows", None) or ds.get("Rows", None) or 0)
+    return str(ds.get("SeriesInstanceUID", "")), flavour, width * height
 
 
 def dicom_to_rgb(path: str | Path, frame: int = 0) -> np.ndarray:

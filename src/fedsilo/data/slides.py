@@ -1,6 +1,7 @@
 """Whole-slide images of a site's own (a pathology department's scans) cut into patches, as the field's slide
 pipelines do: a slide is read through tiffslide (Aperio ``.svs``, Hamamatsu ``.ndpi``, Leica ``.scn``, Ventana
-``.bif``, and generic tiled pyramidal TIFF), its tissue found on a thumbnail (the saturation channel, median-blurred,
+``.bif``, and generic tiled pyramidal TIFF) or OpenSlide (a DICOM whole-slide image: a series of files in one folder,
+one entry per series kept by :func:`one_entry_per_dicom_slide`), its tissue found on a thumbnail (the saturation channel, median-blurred,
 thresholded by Otsu's method: background glass is unsaturated), a grid of square patches laid over it at the
 resolution asked for (``slides.mpp`` microns per pixel, ``slides.patch_px`` pixels a side), and the cells whose
 tissue fraction reaches ``slides.min_tissue`` kept, at most ``slides.max_patches`` per slide, evenly spaced in
@@ -40,12 +41,14 @@ SLIDE_SUFFIXES = (".svs", ".ndpi", ".scn", ".bif")
 PLAUSIBLE_MPP = (0.05, 20.0)  # microns per pixel a slide scanner writes; outside it a header's value is a photo's dpi
 LARGE_TIFF_PX = 20_000  # a single-level TIFF wider or taller than this is a slide, not a patch
 SMALL_TIFF_BYTES = 8 * 2**20  # a .tif smaller than this is an image, whatever its header says (no header is read)
+MIN_TISSUE_SATURATION = 16  # of 255: a thumbnail whose blurred saturation stays below this holds glass only
 THUMBNAIL_PX = 2048  # the longer side of the thumbnail the tissue is found on
 REGION_SUBCELLS = 8  # a patch's side in cells of the raster the region annotations are drawn on
 REGION_RASTER_CELLS = 64_000_000  # at most this many raster cells per slide (fewer per patch on a very fine grid)
 REGION_FILE_SUFFIXES = (".geojson", ".json", ".xml")  # QuPath's GeoJSON export, ASAP's XML (CAMELYON16's)
 ASAP_SHAPES = ("Polygon", "Spline", "Rectangle")  # ASAP annotation types that enclose an area (a Spline by its points)
-INSTALL_HINT = "whole-slide images are read with tiffslide: in fedsilo's checkout, pip install -e '.[slides]' -c constraints.txt"
+INSTALL_HINT = ("whole-slide images are read with tiffslide (DICOM ones with OpenSlide): in fedsilo's checkout, "
+                "pip install -e '.[slides]' -c constraints.txt")
 
 
 def is_slide_file(path: Path) -> bool:
@@ -90,12 +93,59 @@ def _tiffslide() -> Any:
     return tiffslide
 
 
+def open_slide(path: str) -> Any:
+    """A slide opened with its reader: OpenSlide for a DICOM whole-slide image (any instance of the series: it finds
+    the others in the file's folder), tiffslide for the TIFF family. Both give OpenSlide's interface."""
+    from fedsilo.data.dicom import is_dicom_file
+
+    if is_dicom_file(path):
+        try:
+            import openslide
+        except ImportError as err:
+            raise ImportError(INSTALL_HINT) from err
+        return openslide.OpenSlide(path)
+    return _tiffslide().TiffSlide(path)
+
+
 @functools.lru_cache(maxsize=8)
 def _open(path: str) -> Any:
     """An open slide, kept per process while its patches are decoded one after another. A forked worker starts
     with an empty cache (below): open files inherited from the parent share one read position, and tiles read
     through them by several processes at once come out wrong."""
-    return _tiffslide().TiffSlide(path)
+    return open_slide(path)
+
+
+def one_entry_per_dicom_slide(entries: list[dict], raw_dir: Path) -> list[dict]:
+    """A DICOM whole-slide image is a series of files in one folder (a pyramid level per file, a label, an
+    overview): of the scanned ``entries`` (``path`` below ``raw_dir``, ``reader``, ``reason``) its largest VOLUME
+    instance stays the slide's entry (OpenSlide reads the pyramid through it) and every other instance is excluded
+    saying what it is; a series with no VOLUME instance in the folder is excluded whole."""
+    from collections import defaultdict
+
+    from fedsilo.data.dicom import is_dicom_file, whole_slide_instance
+
+    series: dict[tuple[str, str], list[tuple[int, str, int]]] = defaultdict(list)
+    for k, e in enumerate(entries):
+        if e.get("reader") != "slide" or e["reason"] or not e["path"]:
+            continue
+        path = Path(raw_dir) / e["path"]
+        info = whole_slide_instance(path) if is_dicom_file(path) else None
+        if info is not None:
+            series[(str(path.parent), info[0])].append((k, info[1], info[2]))
+    for members in series.values():
+        volumes = [m for m in members if m[1] == "VOLUME"]
+        keep = max(volumes, key=lambda m: m[2])[0] if volumes else None
+        for k, flavour, _ in members:
+            if k == keep:
+                continue
+            if keep is None:
+                why = f"a DICOM whole-slide image's {flavour.lower()} image without its pyramid (no VOLUME instance in its folder)"
+            elif flavour == "VOLUME":
+                why = "a pyramid level of a DICOM whole-slide image (read through its largest level)"
+            else:
+                why = f"a DICOM whole-slide image's {flavour.lower()} image (not read)"
+            entries[k] = {**entries[k], "reason": why}
+    return entries
 
 
 if hasattr(os, "register_at_fork"):
@@ -105,7 +155,7 @@ if hasattr(os, "register_at_fork"):
 def level0_mpp(slide: Any, fallback: Optional[float]) -> Optional[float]:
     """Microns per level-0 pixel from the slide's header (tiffslide's ``mpp-x``) where it is one a scanner writes
     (:data:`PLAUSIBLE_MPP`; a TIFF saved at 72 dpi says 352.8), else ``fallback``."""
-    mpp = slide.properties.get("tiffslide.mpp-x")
+    mpp = slide.properties.get("tiffslide.mpp-x", slide.properties.get("openslide.mpp-x"))
     try:
         mpp = float(mpp) if mpp is not None else None
     except (TypeError, ValueError):
@@ -121,14 +171,17 @@ def best_level(downsamples: Any, wanted: float) -> int:
 
 def tissue_mask(thumbnail: np.ndarray) -> np.ndarray:
     """Boolean tissue mask of an RGB thumbnail: saturation, median-blurred (7 px), above Otsu's threshold; all
-    False when the thumbnail holds no colour to tell tissue from glass (Otsu's threshold below 8 of 255)."""
+    False when the thumbnail holds no colour to tell tissue from glass (the blurred saturation nowhere reaches
+    :data:`MIN_TISSUE_SATURATION`: glass alone, whose JPEG noise Otsu would split in two). Glass that is exactly
+    grey (an uncompressed scan, a converter that blanks the background) gives a threshold of 0: tissue is then
+    every coloured pixel."""
     import cv2
 
     sat = cv2.cvtColor(np.ascontiguousarray(thumbnail[..., :3], dtype=np.uint8), cv2.COLOR_RGB2HSV)[..., 1]
     sat = cv2.medianBlur(sat, 7)
-    thr, mask = cv2.threshold(sat, 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
-    if thr < 8:
+    if int(sat.max()) < MIN_TISSUE_SATURATION:
         return np.zeros(sat.shape, dtype=bool)
+    _, mask = cv2.threshold(sat, 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
     return mask > 0
 
 
@@ -209,9 +262,15 @@ def read_regions(path: Path) -> list[Region]:
 
 def annotation_file(slide: Path, rel: str, raw_dir: Path, regions: Any) -> tuple[Optional[Path], str]:
     """One slide's annotation file (``regions.folder``, or beside the slide; named after the slide's file with or
-    without its suffix, or by its path below the source's folder), or None and "" (none) or why it is ambiguous."""
+    without its suffix, or by its path below the source's folder; a DICOM whole-slide image, a folder of files, after
+    its folder), or None and "" (none) or why it is ambiguous."""
+    from fedsilo.data.dicom import is_dicom_file
+
     folder = slide.parent if regions.folder is None else raw_dir / regions.folder
     rel_path = Path(rel)
+    if is_dicom_file(slide):  # the series' folder names the slide: S1/level0.dcm -> S1.geojson (beside: S1/S1.geojson)
+        rel_path = rel_path.parent
+        slide = slide.parent / slide.parent.name
     stems = [slide.stem, slide.name]
     if regions.folder is not None and rel_path.parent != Path("."):
         stems += [str(rel_path.with_suffix("")), str(rel_path)]
@@ -281,7 +340,7 @@ def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Optio
     scan coarser than the patches, no reduced-resolution level to find the tissue on, smaller than a patch, no tissue,
     no annotated patch where the others are dropped). ``key``: the rules' dotted key, for the reasons. The slide is
     opened here and closed again (never kept open in this process: the decoding workers it forks read their own)."""
-    with _tiffslide().TiffSlide(str(path)) as slide:
+    with open_slide(str(path)) as slide:
         mpp0 = level0_mpp(slide, rules.slide_mpp)
         if mpp0 is None:
             return [], [], f"no plausible microns per pixel in its header (set {key}.slide_mpp)"
@@ -343,7 +402,11 @@ def read_patch(path: str, patch: tuple[int, int, int, int, int]) -> np.ndarray:
     """The RGB pixels of one patch (``plan_patches``' tuple) at its level, uint8 HxWx3."""
     x, y, level, w, h = (int(v) for v in patch)
     try:
-        arr = np.asarray(_open(str(path)).read_region((x, y), level, (w, h), as_array=True))
+        slide = _open(str(path))
+        if type(slide).__module__.startswith("tiffslide"):  # straight to an array
+            arr = np.asarray(slide.read_region((x, y), level, (w, h), as_array=True))
+        else:  # OpenSlide: an RGBA picture, opaque inside the slide
+            arr = np.asarray(slide.read_region((x, y), level, (w, h)))
     except ImportError:
         raise
     except Exception as err:  # noqa: BLE001 - a slide's tile that cannot be decoded: quarantined with the reason

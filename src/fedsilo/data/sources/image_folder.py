@@ -43,8 +43,8 @@ from typing import Callable, Iterable, Optional, Sequence
 import pandas as pd
 
 from fedsilo.config import ImageFolderRules, check_domain_name, table_word
-from fedsilo.data.dicom import dicom_image_problem, is_dicom_file
-from fedsilo.data.slides import is_slide_file
+from fedsilo.data.dicom import WHOLE_SLIDE_PROBLEM, dicom_image_problem, is_dicom_file
+from fedsilo.data.slides import is_slide_file, one_entry_per_dicom_slide
 from fedsilo.data.sources.base import LabelFileError, is_hidden, walk
 from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES, norm_name, records_frame
 from fedsilo.utils.progress import Progress
@@ -60,11 +60,11 @@ def _level_names(layout: str) -> list[str]:
 
 
 def file_reader(path: Path) -> tuple[str, str]:
-    """(reader, why not): ``("slide", "")`` for a whole-slide image (:func:`~fedsilo.data.slides.is_slide_file`: cut
-    into patches where the rules say ``slides``), ``("image", "")`` for an image suffix, ``("dicom", "")`` for a DICOM
-    image (by suffix or preamble: a PACS export's files often have none), else ``("", reason)``: not an image file, a
-    DICOM without pixels (a report, a DICOMDIR) or a DICOM whole-slide image. A file that cannot be opened is no DICOM
-    here."""
+    """(reader, why not): ``("slide", "")`` for a whole-slide image (:func:`~fedsilo.data.slides.is_slide_file`, or
+    an instance of a DICOM whole-slide image: cut into patches where the rules say ``slides``), ``("image", "")`` for
+    an image suffix, ``("dicom", "")`` for a DICOM image (by suffix or preamble: a PACS export's files often have
+    none), else ``("", reason)``: not an image file, a DICOM without pixels (a report, a DICOMDIR). A file that cannot
+    be opened is no DICOM here."""
     if is_slide_file(path):  # before the image suffixes: a pyramidal .tif is a slide, never decoded whole
         return "slide", ""
     if path.suffix.lower() in IMAGE_SUFFIXES:
@@ -75,6 +75,8 @@ def file_reader(path: Path) -> tuple[str, str]:
         dicom = False
     if dicom:
         problem = dicom_image_problem(path)
+        if problem == WHOLE_SLIDE_PROBLEM:  # an instance of a DICOM whole-slide image (one per series is kept: scan)
+            return "slide", ""
         return ("", f"not an image: {problem}") if problem else ("dicom", "")
     return "", f"not an image file ({path.suffix.lower() or 'no suffix'})"
 
@@ -159,6 +161,7 @@ def scan(raw_dir: Path, rules: ImageFolderRules, domain: Optional[str], key: str
         out.append({"id": rel, "path": rel, "where": str(f), "domain": dom, "subset": subset, "value": named["class"],
                     "group": group, "reason": reason, "reader": reader or "image"})
     bar.close()
+    out = one_entry_per_dicom_slide(out, raw_dir)
     if not any(not e["reason"].startswith("not an image") for e in out):
         raise LabelFileError(f"{base}: no image ({', '.join(IMAGE_SUFFIXES)}) in class folders laid out as {expected} "
                              f"({key}.layout){wrapper_hint(raw_dir, rules, key)}")

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 from fedsilo.config import ImageTableRules, table_word
+from fedsilo.data.slides import one_entry_per_dicom_slide
 from fedsilo.data.sources.base import LabelFileError, show, walk
 from fedsilo.data.sources.image_folder import ClassMap, file_reader
 from fedsilo.data.sources.tables import MISSING, Rows, load_table, relative_path, study_folder
@@ -106,7 +107,7 @@ def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str, quiet: bo
         for found, reader, why in files:
             out.append({"id": found or rel, "path": found or "", "where": where, "domain": domain, "subset": subset,
                         "value": value, "group": group, "reason": reason or why, "strict": True, "reader": reader or "image"})
-    return out
+    return one_entry_per_dicom_slide(out, raw_dir)
 
 
 def _files(raw_dir: Path, rel: str, table: Rows, row: int, where: str) -> list[Optional[str]]:
