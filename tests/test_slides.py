@@ -40,9 +40,9 @@ def _slide(path: Path, centre: tuple[int, int], radius: int, mpp: float | None =
     return img
 
 
-def _dataset(tmp_path: Path, name: str, rules: dict, workers: int = 1):
+def _dataset(tmp_path: Path, name: str, rules: dict, workers: int = 1, classes: tuple[str, ...] | None = None):
     ds = BenchmarkDatasetParams(kind="image_folder", sources=("lab",), image_size=16, workers=workers, max_quarantine_fraction=0.5,
-                                folders={"lab": rules})
+                                folders={"lab": rules}, classes=classes)
     card = harmonize_benchmark(ds, tmp_path / "raw", tmp_path / name / "d", quiet=True)
     return card, pd.read_parquet(tmp_path / name / "d" / "records.parquet"), np.load(tmp_path / name / "d" / "images.npy")
 
@@ -151,17 +151,22 @@ def test_region_annotations_label_each_patch(tmp_path, monkeypatch):
     monkeypatch.setattr(slides, "SMALL_TIFF_BYTES", 0)
     root = tmp_path / "raw" / "lab"
     _slide(root / "normal" / "S1.tif", (1024, 1024), 900)
-    for name in ("S2", "S3", "S4", "S5"):  # the same scan under other names
-        shutil.copy(root / "normal" / "S1.tif", tmp_path / f"{name}.tif")
-    for name in ("S2", "S3"):
-        shutil.move(tmp_path / f"{name}.tif", root / "normal" / f"{name}.tif")
-    tumour, hole = (500, 450, 1500, 1550), (760, 760, 1290, 1290)
+    for name in ("normal/S2", "tumour/S3", "normal/S4", "normal/S5", "tumour/S1"):  # the same scan under other names
+        (root / name).parent.mkdir(exist_ok=True)
+        shutil.copy(root / "normal" / "S1.tif", tmp_path / f"{name.replace('/', '_')}.tif")
+    for name in ("normal/S2", "tumour/S3"):
+        shutil.move(tmp_path / f"{name.replace('/', '_')}.tif", root / f"{name}.tif")
+    tumour, hole, ignore = (500, 450, 1500, 1550), (760, 760, 1290, 1290), (1280, 1408, 1408, 1536)
     (root / "ann").mkdir()
     (root / "ann" / "S1.geojson").write_text(json.dumps({"type": "FeatureCollection", "features": [
         {"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [_square(*tumour), _square(*hole)]},
          "properties": {"objectType": "annotation", "classification": {"name": "Tumor", "color": [200, 0, 0]}}},
+        {"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [_square(*ignore)]},  # skipped: hides the tumour
+         "properties": {"objectType": "annotation", "classification": {"name": "Ignore*"}}},
         {"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [_square(0, 0, 2048, 2048)]},  # a cell: no region
          "properties": {"objectType": "detection", "classification": {"name": "Tumor"}}},
+        {"type": "Feature", "id": "PathCellObject", "geometry": {"type": "Polygon", "coordinates": [_square(0, 0, 2048, 2048)]},
+         "properties": {"classification": {"name": "Tumor"}}},  # QuPath 0.2's cell: no objectType, its kind in the id
         {"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [_square(0, 0, 2048, 2048)]},  # unclassified
          "properties": {"objectType": "annotation"}}]}))
     (root / "ann" / "normal").mkdir()
@@ -172,47 +177,70 @@ def test_region_annotations_label_each_patch(tmp_path, monkeypatch):
         f'<Annotation Name="Annotation 0" Type="Polygon" PartOfGroup="_0"><Coordinates>{coords(tumour)}</Coordinates></Annotation>'
         '<Annotation Name="Dot" Type="Dot" PartOfGroup="_0"><Coordinates><Coordinate Order="0" X="1" Y="1"/></Coordinates></Annotation>'
         '</Annotations></ASAP_Annotations>')
-    regions = {"folder": "ann", "classes": {"_0": "tumour", "_2": "normal", "Tumor": "tumour"}}
+    regions = {"folder": "ann", "classes": {"_0": "tumour", "_2": "normal", "Tumor": "tumour"}, "skip": ["Ignore*"]}
     rules = {"skip": ["ann"], "slides": {"mpp": 1.0, "patch_px": 32, "min_tissue": 0.5, "max_patches": 10_000, "regions": regions}}
     card, recs, _ = _dataset(tmp_path, "regions", rules)
     tumour_label = recs.loc[recs["original_label"] == "Tumor", "label"].iloc[0]
     for name in ("S1", "S2"):
         rows = recs[recs["source_path"] == f"normal/{name}.tif"]
         xy = rows["id"].str.extract(r"#x(\d+)y(\d+)$").astype(int).to_numpy()
-        share = np.array([_share(x, y, tumour, 128) - _share(x, y, hole, 128) for x, y in xy])
+        hidden = np.array([_share(x, y, ignore, 128) if name == "S1" else 0.0 for x, y in xy])
+        share = np.array([_share(x, y, tumour, 128) - _share(x, y, hole, 128) for x, y in xy]) - hidden
         is_tumour = (rows["label"] == tumour_label).to_numpy()
         assert is_tumour[share >= 0.6].all() and not is_tumour[share <= 0.4].any() and is_tumour.sum() > 25
         inside_hole = np.array([_share(x, y, hole, 128) == 1 for x, y in xy])
         assert inside_hole.sum() == 16 and not is_tumour[inside_hole].any()
+        assert (hidden == 1).sum() == (name == "S1") and not is_tumour[hidden == 1].any()
     s2 = recs[recs["source_path"] == "normal/S2.tif"]
-    assert set(s2["original_label"]) == {"_0", "_2", "normal"}  # the annotation's name, or the slide's class outside
-    assert (recs.loc[recs["source_path"] == "normal/S3.tif", "original_label"] == "normal").all()  # no annotation file
-    assert recs.loc[recs["source_path"] == "normal/S3.tif"].shape[0] > 100
+    assert set(s2["original_label"]) == {"_0", "_2", "normal"}  # the annotation's class, or the slide's class outside
+    s3 = recs[recs["source_path"] == "tumour/S3.tif"]  # no annotation file: its slide's class
+    assert len(s3) > 100 and set(s3["original_label"]) == {"tumour"} and (s3["label"] == tumour_label).all()
 
-    # outside: drop keeps the annotated patches only; a slide without a file is excluded, as is one with two files
-    # and one whose file cannot be read
+    # outside: normal (CAMELYON16: every tumour outlined): a patch outside the regions is normal whatever its slide;
+    # two slides of one name share a flat folder's file, two files of one slide, an unreadable file, a non-ASAP XML:
+    # each slide excluded with the reason
     (root / "ann" / "S3.geojson").write_text("{not json")
-    shutil.move(tmp_path / "S4.tif", root / "normal" / "S4.tif")
+    for name in ("normal/S4", "normal/S5", "tumour/S1"):
+        shutil.move(tmp_path / f"{name.replace('/', '_')}.tif", root / f"{name}.tif")
     (root / "ann" / "S4.json").write_text("[]")
     (root / "ann" / "S4.tif.xml").write_text("<ASAP_Annotations/>")
-    shutil.move(tmp_path / "S5.tif", root / "normal" / "S5.tif")
-    drop = {**rules, "slides": {**rules["slides"], "regions": {**regions, "outside": "drop"}}}
-    card, recs, _ = _dataset(tmp_path, "drop", drop)
+    (root / "ann" / "S5.xml").write_text('<Annotations><Annotation Id="1"><Regions/></Annotation></Annotations>')  # ImageScope
+    camelyon = {**rules, "slides": {**rules["slides"], "regions": {**regions, "outside": "Normal"}}}
+    card, recs, _ = _dataset(tmp_path, "outside", camelyon)
     key = "datasets.d.folders.lab.slides"
     reasons = card["domains"]["lab"]["excluded_by_reason"]
-    assert reasons[f"a whole-slide image: no annotation file, and patches outside the regions are dropped ({key}.regions.outside)"] == 1
     assert reasons["a whole-slide image: 2 annotation files (ann/S4.json, ann/S4.tif.xml): keep one"] == 1
+    assert reasons["a whole-slide image: its annotation file ann/S1.geojson is also the slide tumour/S1.tif's (mirror the "
+                   f"slides' folders in {key}.regions.folder)"] == 1
     assert any(r.startswith("a whole-slide image: its annotation file S3.geojson cannot be read (JSONDecodeError") for r in reasons)
-    assert set(recs["source_path"]) == {"normal/S1.tif", "normal/S2.tif"}
-    s2 = recs[recs["source_path"] == "normal/S2.tif"]
-    assert set(s2["original_label"]) == {"_0", "_2"}  # inside a region only: the exclusion's patches are normal
+    assert any(r.startswith("a whole-slide image: its annotation file S5.xml cannot be read (ValueError: an XML whose "
+                            "root is <Annotations>, not ASAP's") for r in reasons)
+    assert set(recs["source_path"]) == {"normal/S2.tif"}
+    assert set(recs["original_label"]) == {"_0", "_2", "Normal"} and (recs["label"] != tumour_label).sum() > 100
 
-    # an annotation class the dataset does not have stops harmonize, naming the file and the key that maps it
+    # outside: drop keeps the annotated patches only; a slide without a file gives none
+    drop = BenchmarkDatasetParams(kind="image_folder", sources=("lab",), classes=("normal", "tumour"), folders={
+        "lab": {**rules, "slides": {**rules["slides"], "regions": {**regions, "outside": "drop"}}}}).folders["lab"].slides
+    class_of = {"_0": "tumour", "_2": "normal"}.get
+    plan, given, why = slides.plan_patches(root / "normal" / "S2.tif", drop, key, root / "ann" / "normal" / "S2.xml", class_of)
+    assert why == "" and len(plan) == len(s2[s2["original_label"] != "normal"]) and {g[1] for g in given} == {"_0", "_2"}
+    assert slides.plan_patches(root / "normal" / "S2.tif", drop, key, None, class_of)[2] == (
+        f"no annotation file, and patches outside the regions are dropped ({key}.regions.outside)")
+
+    # an annotation class the dataset does not have stops harmonize, naming the file and the key that maps it; ASAP's
+    # _0 is no class 0; outside names a class or slide or drop
     (root / "ann" / "S3.geojson").write_text(json.dumps([{"type": "Feature", "properties": {"classification": {"name": "Stroma"}},
                                                            "geometry": {"type": "Polygon", "coordinates": [_square(*hole)]}}]))
     with pytest.raises(ValueError, match=r"S3\.geojson: annotation class 'Stroma' is not a class of this dataset .*"
                                          rf"{key}\.regions\.classes: \{{Stroma: <class>\}}"):
-        _dataset(tmp_path, "unknown", drop, workers=2)
+        _dataset(tmp_path, "unknown", rules, workers=2)
+    with pytest.raises(ValueError, match=rf"{key}\.regions\.outside: 'stroma' is none of slide, drop or a class"):
+        _dataset(tmp_path, "bad_outside", {**rules, "slides": {**rules["slides"], "regions": {**regions, "outside": "stroma"}}})
+    from fedsilo.data.sources.image_folder import ClassMap
+
+    zero = ClassMap(drop.regions.model_copy(update={"classes": {}}), "k", "annotation class", fold=slides.region_fold)
+    with pytest.raises(ValueError, match="annotation class '_0' is not a class of this dataset"):
+        zero.resolver(("0", "1"))("_0", "x.xml")
 
 
 def test_region_raster_innermost_region_and_min_share():
@@ -231,6 +259,9 @@ def test_region_raster_innermost_region_and_min_share():
     grid = np.array(labels, dtype=object).reshape(10, 10)
     assert (grid[:, 0] == "tumour").all() and (grid[:, 1:] == None).all()  # noqa: E711 - two halves of one class; skipped
     assert np.allclose(share.reshape(10, 10)[:, 0], 1.0)
+    labels, _, _ = slides.region_labels([("a", [np.array(big)]), ("s", [np.array(small)])], cls, xs, ys, 64, 0.5)
+    grid = np.array(labels, dtype=object).reshape(10, 10)
+    assert (grid[2:4, 2:4] == None).all() and (grid[:2] == "tumour").all()  # noqa: E711 - a skipped region hides the tumour
 
 
 def _dicom_level(path: Path, img: np.ndarray, mpp: float, series: tuple[str, str, str], flavour: str = "VOLUME",
@@ -326,3 +357,19 @@ def test_dicom_whole_slide_images_are_read_through_openslide(tmp_path, monkeypat
     s1 = recs[recs["source_path"] == "tumour/S1/9.dcm"]
     x = s1["id"].str.extract(r"#x(\d+)y")[0].astype(int)
     assert set(s1.loc[x + 128 <= 1024, "original_label"]) == {"normal"} and set(s1.loc[x >= 1024, "original_label"]) == {"tumour"}
+
+
+def test_scanline_fill_matches_point_in_polygon():
+    """fill_rings takes exactly the cells whose centre lies inside (matplotlib's test of each centre), holes out."""
+    from matplotlib.path import Path as Polygon
+
+    rng = np.random.default_rng(0)
+    t = np.sort(rng.uniform(0, 2 * np.pi, 3000))
+    r = 40 + 15 * rng.uniform(size=t.size)
+    ring = np.c_[60 + r * np.cos(t), 50 + r * np.sin(t)]  # a ragged star, partly off the raster
+    hole = np.c_[60 + 10 * np.cos(t[::30]), 50 + 10 * np.sin(t[::30])]
+    mask = slides.fill_rings([ring, hole], (90, 130))
+    yy, xx = np.mgrid[:90, :130]
+    centres = np.c_[xx.ravel() + 0.5, yy.ravel() + 0.5]
+    expected = Polygon(ring).contains_points(centres) & ~Polygon(hole).contains_points(centres)
+    assert mask.sum() > 3000 and np.array_equal(mask, expected.reshape(90, 130))

@@ -405,16 +405,18 @@ class RegionRules(Strict):
     folder: Optional[str] = Field(None, description="the folder inside the source's folder that holds one annotation file "
                                   "per slide (<slide>.geojson, .json or .xml, named after the slide's file with or without "
                                   "its suffix, or mirroring the slide's folders); null = beside each slide")
-    classes: dict[str, str] = Field(default_factory=dict, description="an annotation's class name (QuPath's classification, "
-                                    "ASAP's PartOfGroup) -> the dataset's class, for names that differ (default: names "
-                                    "matched to the classes ignoring case, spaces, '_' and '-')")
-    skip: tuple[str, ...] = Field((), description="annotation classes not read (their polygons label nothing); an "
-                                  "annotation with no class (QuPath unclassified, ASAP group None) is never read")
+    classes: dict[str, str] = Field(default_factory=dict, description="an annotation's class (QuPath's classification, "
+                                    "ASAP's PartOfGroup) -> the dataset's class, for names that differ (default: the class "
+                                    "of the same name, ignoring case only: ASAP's _0 is no class 0)")
+    skip: tuple[str, ...] = Field((), description="annotation classes that label nothing: their polygons hide what lies "
+                                  "under them (an Ignore region inside a tumour); an annotation with no class (QuPath "
+                                  "unclassified, ASAP group None) is not read at all")
     min_share: float = Field(0.5, gt=0, le=1, description="the share of a patch one class's regions must cover for the "
                              "patch to take that class")
-    outside: Literal["slide", "drop"] = Field("slide", description="a patch no class covers by min_share: slide = it takes "
-                                              "the slide's own class (its folder or table row); drop = it is not taken (a "
-                                              "slide left with none, or without an annotation file, is excluded with the reason)")
+    outside: str = Field("slide", description="a patch no class covers by min_share (every patch of a slide without an "
+                         "annotation file): slide = it takes the slide's own class (its folder or table row); drop = it is "
+                         "not taken (a slide left with none is excluded with the reason); a class name = it takes that "
+                         "class (CAMELYON16: normal, its tumours all outlined)")
 
     @field_validator("folder")
     @classmethod

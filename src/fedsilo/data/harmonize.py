@@ -407,10 +407,6 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
             maps[src] = image_folder.folder_classes(raw_root / src, params.rules(src), keys[src])
     if not classes:  # kind image_folder: its own list, or its sources' class names as torchvision's ImageFolder sorts them
         names = set().union(*(image_folder.class_names(scans[s], maps[s]) for s in own))
-        for s in own:  # the classes slides' region annotations are mapped to (an annotated class no slide folder names)
-            slide_rules = params.rules(s).slides
-            if slide_rules is not None and slide_rules.regions is not None:
-                names |= set(slide_rules.regions.classes.values())
         for s in own:
             if params.reader_of(s) == "image_table":
                 names |= image_table.declared_classes(params.rules(s), maps[s])

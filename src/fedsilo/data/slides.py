@@ -44,8 +44,9 @@ SMALL_TIFF_BYTES = 8 * 2**20  # a .tif smaller than this is an image, whatever i
 MIN_TISSUE_SATURATION = 16  # of 255: a thumbnail whose blurred saturation stays below this holds glass only
 THUMBNAIL_PX = 2048  # the longer side of the thumbnail the tissue is found on
 REGION_SUBCELLS = 8  # a patch's side in cells of the raster the region annotations are drawn on
-REGION_RASTER_CELLS = 64_000_000  # at most this many raster cells per slide (fewer per patch on a very fine grid)
+REGION_RASTER_CELLS = 16_000_000  # at most this many raster cells per slide (fewer per patch on a very fine grid)
 REGION_FILE_SUFFIXES = (".geojson", ".json", ".xml")  # QuPath's GeoJSON export, ASAP's XML (CAMELYON16's)
+QUPATH_02_NOT_REGIONS = ("PathDetectionObject", "PathCellObject", "PathTileObject")
 ASAP_SHAPES = ("Polygon", "Spline", "Rectangle")  # ASAP annotation types that enclose an area (a Spline by its points)
 INSTALL_HINT = ("whole-slide images are read with tiffslide (DICOM ones with OpenSlide): in fedsilo's checkout, "
                 "pip install -e '.[slides]' -c constraints.txt")
@@ -218,12 +219,16 @@ def read_regions(path: Path) -> list[Region]:
     """The classified areas of one slide's annotation file, in level-0 pixels: ``[(class name, [exterior, hole,
     ...]), ...]``. A ``.geojson`` / ``.json`` is QuPath's export (a FeatureCollection, a Feature or a list of
     Features; the class is ``properties.classification.name``; detections, cells and tiles, ``objectType`` other than
-    ``annotation``, are not regions); an ``.xml`` is ASAP's (``Annotation`` elements of type Polygon, Spline or
+    ``annotation`` or QuPath 0.2's ``id`` naming them, are not regions); an ``.xml`` is ASAP's (``Annotation`` elements of type Polygon, Spline or
     Rectangle, the class their ``PartOfGroup``, the points their ``Coordinate``s in ``Order``). An annotation without
     a class is not read; one with too few or non-numeric points, or a file of neither form, is a ValueError."""
     out: list[Region] = []
     if path.suffix.lower() == ".xml":
-        for n, ann in enumerate(ET.parse(path).getroot().iter("Annotation")):
+        root = ET.parse(path).getroot()
+        if root.tag != "ASAP_Annotations":
+            raise ValueError(f"an XML whose root is <{root.tag}>, not ASAP's <ASAP_Annotations> (Aperio ImageScope's "
+                             "annotations: export them from QuPath as GeoJSON)")
+        for n, ann in enumerate(root.iter("Annotation")):
             group = (ann.get("PartOfGroup") or "").strip()
             if ann.get("Type", "Polygon") not in ASAP_SHAPES or group in ("", "None"):
                 continue
@@ -248,8 +253,8 @@ def read_regions(path: Path) -> list[Region]:
         if not isinstance(feature, dict):
             raise ValueError(f"feature {n}: not a GeoJSON Feature")
         props = feature.get("properties") or {}
-        if str(props.get("objectType", "annotation")).lower() != "annotation":  # QuPath's detections, cells, tiles
-            continue
+        if str(props.get("objectType", "annotation")).lower() != "annotation" or feature.get("id") in QUPATH_02_NOT_REGIONS:
+            continue  # QuPath's detections, cells and tiles (0.2 names them by the feature's id, later by objectType)
         cls = props.get("classification")
         name = cls.get("name") if isinstance(cls, dict) else cls
         if name is None or not str(name).strip():
@@ -282,39 +287,62 @@ def annotation_file(slide: Path, rel: str, raw_dir: Path, regions: Any) -> tuple
     return (found[0] if found else None), ""
 
 
+def fill_rings(rings: list[np.ndarray], shape: tuple[int, int]) -> np.ndarray:
+    """Boolean (rows, cols) mask of the raster cells whose centre (``j + 0.5``, ``i + 0.5``) lies inside the polygon
+    ``rings`` (raster units; its exterior and holes, by the even-odd rule), by scanlines: each edge's crossings of
+    the rows' centre lines, sorted per row and paired, fill the cells between them (a cell on an edge's left is
+    inside, on its right not). Linear in the crossings: a brush annotation of 20,000 vertices fills in milliseconds."""
+    rows_n, cols_n = shape
+    a = np.concatenate(rings)
+    b = np.concatenate([np.roll(r, -1, axis=0) for r in rings])  # each ring closed: its last point back to its first
+    lo, hi = np.minimum(a[:, 1], b[:, 1]), np.maximum(a[:, 1], b[:, 1])
+    first = np.clip(np.ceil(lo - 0.5), 0, rows_n).astype(np.int64)  # the rows whose centre c has lo <= c < hi
+    last = np.clip(np.ceil(hi - 0.5), 0, rows_n).astype(np.int64)
+    count = np.maximum(last - first, 0)
+    mask = np.zeros(shape, dtype=bool)
+    if count.sum() == 0:
+        return mask
+    edge = np.repeat(np.arange(len(a)), count)
+    row = np.repeat(first, count) + np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+    centre = row + 0.5
+    x = a[edge, 0] + (centre - a[edge, 1]) * (b[edge, 0] - a[edge, 0]) / (b[edge, 1] - a[edge, 1])
+    order = np.lexsort((x, row))
+    row, x = row[order], x[order]
+    cells = np.clip(np.ceil(x - 0.5), 0, cols_n).astype(np.int64)  # the first cell whose centre is at or right of x
+    diff = np.zeros((rows_n, cols_n + 1), np.int32)
+    np.add.at(diff, (row[0::2], cells[0::2]), 1)  # every row has an even number of crossings: paired in order
+    np.add.at(diff, (row[1::2], cells[1::2]), -1)
+    return np.cumsum(diff, axis=1)[:, :cols_n] > 0
+
+
 def region_labels(regions: list[Region], class_of: Callable[[str], Optional[str]], xs: np.ndarray, ys: np.ndarray,
                   step: int, min_share: float) -> tuple[list[Optional[str]], list[Optional[str]], np.ndarray]:
     """Per grid cell (row by row over ``ys`` x ``xs``, cells ``step`` level-0 pixels a side): the dataset class its
-    regions give (None: no class covers ``min_share`` of it), the annotation name that covers most of it among that
-    class's, and the covered share. ``class_of``: an annotation's name -> its dataset class (None: skipped). The
-    polygons are drawn larger first on a raster of :data:`REGION_SUBCELLS` cells a side per grid cell (fewer when
-    the grid is very fine), so the innermost region is what lies where regions overlap."""
-    from matplotlib.path import Path as Polygon
-
+    regions give (None: no class covers ``min_share`` of it), the annotation class that covers most of it among that
+    class's, and the covered share. ``class_of``: an annotation's class -> the dataset's (None: skipped; a skipped
+    region labels nothing and hides what lies under it, as an ``Ignore*`` region inside a tumour does). The polygons
+    are drawn larger first on a raster of :data:`REGION_SUBCELLS` cells a side per grid cell (fewer when the grid is
+    very fine), so the innermost region is what lies where regions overlap."""
     nx, ny = len(xs), len(ys)
     sub = max(1, min(REGION_SUBCELLS, int(math.sqrt(REGION_RASTER_CELLS / max(1, nx * ny)))))
     q = step / sub  # level-0 pixels per raster cell
     names = sorted({name for name, _ in regions if class_of(name) is not None})
-    ids = {name: k + 1 for k, name in enumerate(names)}
-    raster = np.zeros((ny * sub, nx * sub), np.int32)
+    ids = {name: k + 1 for k, name in enumerate(names)}  # 0: no region; -1: a skipped one
+    raster = np.zeros((ny * sub, nx * sub), np.int16 if len(ids) < 2**15 - 1 else np.int32)
 
     def area(rings: list[np.ndarray]) -> float:
         shoelace = [abs(float(np.dot(r[:, 0], np.roll(r[:, 1], -1)) - np.dot(r[:, 1], np.roll(r[:, 0], -1)))) / 2 for r in rings]
         return shoelace[0] - sum(shoelace[1:])
 
-    drawn = sorted(((area(rings), ids[name], rings) for name, rings in regions if name in ids), key=lambda t: -t[0])
+    drawn = sorted(((area(rings), ids.get(name, -1), rings) for name, rings in regions), key=lambda t: -t[0])
     for _, rid, rings in drawn:
         scaled = [r / q for r in rings]  # raster units: cell (i, j) spans [j, j + 1) x [i, i + 1), its centre at + 0.5
         lo = np.maximum(np.floor(scaled[0].min(0)).astype(int), 0)
         hi = np.minimum(np.ceil(scaled[0].max(0)).astype(int), [raster.shape[1], raster.shape[0]])
         if (hi <= lo).any():
             continue  # wholly off the grid
-        gx, gy = np.meshgrid(np.arange(lo[0], hi[0]) + 0.5, np.arange(lo[1], hi[1]) + 0.5)
-        centres = np.column_stack([gx.ravel(), gy.ravel()])
-        inside = Polygon(scaled[0]).contains_points(centres)
-        for hole in scaled[1:]:
-            inside &= ~Polygon(hole).contains_points(centres)
-        raster[lo[1]:hi[1], lo[0]:hi[0]][inside.reshape(gx.shape)] = rid
+        inside = fill_rings([r - lo for r in scaled], (int(hi[1] - lo[1]), int(hi[0] - lo[0])))
+        raster[lo[1]:hi[1], lo[0]:hi[0]][inside] = rid
     cells = raster.reshape(ny, sub, nx, sub)
     share_of = {name: (cells == ids[name]).mean(axis=(1, 3)).ravel() for name in names}
     targets = sorted({class_of(n) for n in names}, key=str)
@@ -374,11 +402,12 @@ def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Optio
     given: list[Optional[tuple[str, str]]] = [None] * keep.size
     regions = rules.regions
     if regions is not None:
+        assert class_of is not None
         drop = regions.outside == "drop"
         if annotations is None and drop:
             return [], [], f"no annotation file, and patches outside the regions are dropped ({key}.regions.outside)"
+        outside = None if regions.outside in ("slide", "drop") else class_of(regions.outside)
         if annotations is not None:
-            assert class_of is not None
             try:
                 drawn = read_regions(annotations)
             except (OSError, ValueError, ET.ParseError) as err:
@@ -390,6 +419,8 @@ def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Optio
                 if not keep.any():
                     return [], [], (f"no tissue patch its regions cover by {regions.min_share:.0%} or more, and the others "
                                     f"are dropped ({key}.regions)")
+        if outside is not None:  # outside every region: the class outside names
+            given = [g if g is not None else (outside, regions.outside) for g in given]
     rows, cols = np.nonzero(keep)  # reading order: row by row
     if rows.size > rules.max_patches:
         pick = np.unique(np.round(np.linspace(0, rows.size - 1, rules.max_patches)).astype(int))
@@ -417,6 +448,25 @@ def read_patch(path: str, patch: tuple[int, int, int, int, int]) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.uint8)
 
 
+def region_fold(name: str) -> str:
+    """An annotation class as it is matched to the dataset's classes: case and surrounding spaces aside only (ASAP's
+    ``_0`` is no class ``0``, as the class folders' looser rule would make it)."""
+    return str(name).strip().casefold()
+
+
+def outside_class(regions: Any, classes: tuple[str, ...], key: str) -> Optional[str]:
+    """The dataset class ``regions.outside`` names (None for ``slide`` / ``drop``), or the error naming the key."""
+    from fedsilo.data.sources.base import LabelFileError
+
+    if regions is None or regions.outside in ("slide", "drop"):
+        return None
+    found = next((c for c in classes if region_fold(c) == region_fold(regions.outside)), None)
+    if found is None:
+        raise LabelFileError(f"{key}.regions.outside: {regions.outside!r} is none of slide, drop or a class of this dataset "
+                             f"({', '.join(classes)})")
+    return found
+
+
 def _plan_safe(args: tuple[Path, Any, str, Optional[Path], tuple[str, ...]]) -> tuple[list[tuple[int, int, int, int, int]], list[Optional[tuple[str, str]]], str]:
     """:func:`plan_patches` of one slide, a slide tiffslide cannot read giving its reason (a worker's job); an
     annotation class that is none of the dataset's ``classes`` stops harmonize (LabelFileError, naming the file)."""
@@ -425,9 +475,9 @@ def _plan_safe(args: tuple[Path, Any, str, Optional[Path], tuple[str, ...]]) -> 
 
     path, rules, key, annotations, classes = args
     class_of = None
-    if annotations is not None:
-        resolve = ClassMap(rules.regions, f"{key}.regions", "annotation class").resolver(classes)
-        class_of = functools.partial(resolve, where=str(annotations))
+    if rules.regions is not None:
+        classmap = ClassMap(rules.regions, f"{key}.regions", "annotation class", fold=region_fold)
+        class_of = functools.partial(classmap.resolver(classes), where=str(annotations or path))
     try:
         return plan_patches(path, rules, key, annotations, class_of)
     except (ImportError, LabelFileError):
@@ -456,13 +506,22 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
     if rules is None:
         rec.loc[rec.index[slides], "excluded"] = f"a whole-slide image (set {key}.slides to cut it into patches)"
         return rec
-    jobs, ambiguous = [], {}
+    jobs, ambiguous, owners = [], {}, {}
+    outside_class(rules.regions, tuple(classes), f"{key}.slides")  # a class outside names must be the dataset's
     for i in slides:
         path = raw_dir / str(rec["path"].iloc[i])
         found, why = (None, "") if rules.regions is None else annotation_file(path, str(rec["path"].iloc[i]), raw_dir, rules.regions)
         if why:
             ambiguous[int(i)] = why
+        if found is not None:
+            owners.setdefault(found, []).append(int(i))
         jobs.append((path, rules, f"{key}.slides", found, tuple(classes)))
+    for found, users in owners.items():  # two slides of one name in a flat annotations folder: neither is labelled by it
+        if len(users) > 1:
+            for i in users:
+                other = next(str(rec["path"].iloc[j]) for j in users if j != i)
+                ambiguous[i] = (f"its annotation file {found.relative_to(raw_dir)} is also the slide {other}'s (mirror the "
+                                f"slides' folders in {key}.slides.regions.folder)")
     pool = ProcessPoolExecutor(max_workers=min(workers, len(jobs))) if workers > 1 and len(jobs) > 1 else None
     plans: dict[int, list[tuple[int, int, int, int, int]]] = {}
     given: dict[int, list[Optional[tuple[str, str]]]] = {}
