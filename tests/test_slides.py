@@ -328,6 +328,7 @@ def test_dicom_whole_slide_images_are_read_through_openslide(tmp_path, monkeypat
         _dicom_level(root / "tumour" / "S1" / f"{9 - k}.dcm", np.ascontiguousarray(img[::d, ::d]), MPP0 * d, uids)
     _dicom_level(root / "tumour" / "S1" / "label.dcm", img[:64, :96], 20.0, uids, flavour="LABEL")
     _dicom_level(root / "tumour" / "S3" / "label.dcm", img[:64, :96], 20.0, (generate_uid(),) * 3, flavour="LABEL")
+    _dicom_level(root / "tumour" / "S1_moved" / "7.dcm", np.ascontiguousarray(img[::16, ::16]), MPP0 * 16, uids)  # strayed
     (root / "normal").mkdir()
     assert cv2.imwrite(str(root / "normal" / "patch.png"), img[900:940, 800:840])
     (root / "ann").mkdir()
@@ -335,7 +336,10 @@ def test_dicom_whole_slide_images_are_read_through_openslide(tmp_path, monkeypat
                                                           "geometry": {"type": "Polygon", "coordinates": [_square(0, 0, 1024, 2048)]}}]))
     others = {"a pyramid level of a DICOM whole-slide image (read through its largest level)": 2,
               "a DICOM whole-slide image's label image (not read)": 1,
-              "a DICOM whole-slide image's label image without its pyramid (no VOLUME instance in its folder)": 1,
+              "a DICOM whole-slide image's label image, none of its pyramid levels among the files read (a folder "
+              "holding the series, or a table row naming one of its VOLUME files, reads it)": 1,
+              "an instance of a DICOM whole-slide image in another folder than its largest level (keep a series in "
+              "one folder)": 1,
               "class folder skipped (datasets.d.folders.lab.skip)": 1}  # the annotations' folder
     card, _, _ = _dataset(tmp_path, "none", {"skip": ["ann"]})
     assert card["domains"]["lab"]["excluded_by_reason"] == {
@@ -351,6 +355,9 @@ def test_dicom_whole_slide_images_are_read_through_openslide(tmp_path, monkeypat
     for row in s1.index[:: max(1, len(s1) // 6)]:
         x, y = (int(v) // 4 for v in recs.loc[row, "id"].rsplit("#x", 1)[1].split("y"))
         np.testing.assert_array_equal(images[row], to_rgb_square(level1[y:y + 32, x:x + 32], 16, "stretch"))
+    # past the slide's edge OpenSlide gives transparent pixels: the patch shows the slide's background there, not black
+    edge = slides.read_patch(str(root / "tumour" / "S1" / "9.dcm"), (SIDE - 16, 0, 0, 32, 32))
+    assert (edge[:, :16] == 238).all() and (edge[:, 16:] == 255).all()
     # region annotations named after the series' folder: the left half is normal, the rest stays tumour
     regions = {**rules, "slides": {**rules["slides"], "regions": {"folder": "ann"}}}
     _, recs, _ = _dataset(tmp_path, "regions", regions)
@@ -373,3 +380,20 @@ def test_scanline_fill_matches_point_in_polygon():
     centres = np.c_[xx.ravel() + 0.5, yy.ravel() + 0.5]
     expected = Polygon(ring).contains_points(centres) & ~Polygon(hole).contains_points(centres)
     assert mask.sum() > 3000 and np.array_equal(mask, expected.reshape(90, 130))
+
+
+def test_tissue_mask_keeps_glass_out():
+    """Glass with JPEG chroma noise and a speck of dust is no tissue; on exactly grey glass (Otsu's threshold 0) the
+    tissue is the stained disc and nothing else."""
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[:256, :256]
+    disc = (yy - 128) ** 2 + (xx - 128) ** 2 < 60**2
+    noisy = cv2.GaussianBlur(np.clip(236 + rng.normal(0, 14, (256, 256, 3)), 0, 255).astype(np.uint8), (0, 0), 2)
+    noisy[40:46, 40:46] = (120, 90, 60)  # a speck of dust
+    ok, jpeg = cv2.imencode(".jpg", noisy, [cv2.IMWRITE_JPEG_QUALITY, 60])  # the scanner's JPEG: blocky chroma noise
+    noisy = cv2.imdecode(jpeg, cv2.IMREAD_COLOR)
+    assert ok and slides.tissue_mask(noisy).mean() < 0.005  # Otsu alone splits the noise: 12 % of the glass
+    grey = np.full((256, 256, 3), 238, np.uint8)
+    grey[disc] = (200, 110, 170)
+    mask = slides.tissue_mask(grey)
+    assert (mask == disc).mean() > 0.995

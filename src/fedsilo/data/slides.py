@@ -41,7 +41,7 @@ SLIDE_SUFFIXES = (".svs", ".ndpi", ".scn", ".bif")
 PLAUSIBLE_MPP = (0.05, 20.0)  # microns per pixel a slide scanner writes; outside it a header's value is a photo's dpi
 LARGE_TIFF_PX = 20_000  # a single-level TIFF wider or taller than this is a slide, not a patch
 SMALL_TIFF_BYTES = 8 * 2**20  # a .tif smaller than this is an image, whatever its header says (no header is read)
-MIN_TISSUE_SATURATION = 16  # of 255: a thumbnail whose blurred saturation stays below this holds glass only
+MIN_TISSUE_SATURATION = 16  # of 255: blurred saturation below this is glass, whatever Otsu's threshold says
 THUMBNAIL_PX = 2048  # the longer side of the thumbnail the tissue is found on
 REGION_SUBCELLS = 8  # a patch's side in cells of the raster the region annotations are drawn on
 REGION_RASTER_CELLS = 16_000_000  # at most this many raster cells per slide (fewer per patch on a very fine grid)
@@ -119,28 +119,32 @@ def _open(path: str) -> Any:
 def one_entry_per_dicom_slide(entries: list[dict], raw_dir: Path) -> list[dict]:
     """A DICOM whole-slide image is a series of files in one folder (a pyramid level per file, a label, an
     overview): of the scanned ``entries`` (``path`` below ``raw_dir``, ``reader``, ``reason``) its largest VOLUME
-    instance stays the slide's entry (OpenSlide reads the pyramid through it) and every other instance is excluded
-    saying what it is; a series with no VOLUME instance in the folder is excluded whole."""
+    instance stays the slide's entry (OpenSlide reads the pyramid through it, from that file's folder) and every other
+    instance of the series, in that folder or another, is excluded saying what it is; a series of which no VOLUME
+    instance is among the entries is excluded whole."""
     from collections import defaultdict
 
     from fedsilo.data.dicom import is_dicom_file, whole_slide_instance
 
-    series: dict[tuple[str, str], list[tuple[int, str, int]]] = defaultdict(list)
+    series: dict[str, list[tuple[int, str, int, Path]]] = defaultdict(list)
     for k, e in enumerate(entries):
         if e.get("reader") != "slide" or e["reason"] or not e["path"]:
             continue
         path = Path(raw_dir) / e["path"]
         info = whole_slide_instance(path) if is_dicom_file(path) else None
         if info is not None:
-            series[(str(path.parent), info[0])].append((k, info[1], info[2]))
+            series[info[0] or str(path)].append((k, info[1], info[2], path.parent))
     for members in series.values():
         volumes = [m for m in members if m[1] == "VOLUME"]
-        keep = max(volumes, key=lambda m: m[2])[0] if volumes else None
-        for k, flavour, _ in members:
-            if k == keep:
+        keep = max(volumes, key=lambda m: m[2]) if volumes else None
+        for k, flavour, _, folder in members:
+            if keep is not None and k == keep[0]:
                 continue
             if keep is None:
-                why = f"a DICOM whole-slide image's {flavour.lower()} image without its pyramid (no VOLUME instance in its folder)"
+                why = (f"a DICOM whole-slide image's {flavour.lower()} image, none of its pyramid levels among the files "
+                       "read (a folder holding the series, or a table row naming one of its VOLUME files, reads it)")
+            elif folder != keep[3]:  # OpenSlide reads a series from the folder of the file it opens
+                why = "an instance of a DICOM whole-slide image in another folder than its largest level (keep a series in one folder)"
             elif flavour == "VOLUME":
                 why = "a pyramid level of a DICOM whole-slide image (read through its largest level)"
             else:
@@ -171,19 +175,16 @@ def best_level(downsamples: Any, wanted: float) -> int:
 
 
 def tissue_mask(thumbnail: np.ndarray) -> np.ndarray:
-    """Boolean tissue mask of an RGB thumbnail: saturation, median-blurred (7 px), above Otsu's threshold; all
-    False when the thumbnail holds no colour to tell tissue from glass (the blurred saturation nowhere reaches
-    :data:`MIN_TISSUE_SATURATION`: glass alone, whose JPEG noise Otsu would split in two). Glass that is exactly
-    grey (an uncompressed scan, a converter that blanks the background) gives a threshold of 0: tissue is then
-    every coloured pixel."""
+    """Boolean tissue mask of an RGB thumbnail: saturation, median-blurred (7 px), above Otsu's threshold and at
+    least :data:`MIN_TISSUE_SATURATION`. The floor keeps glass out where Otsu finds nothing to split but glass and
+    its JPEG noise (a slide with a speck of dust, or none, and glass that is exactly grey, an uncompressed scan's,
+    which gives a threshold of 0); all False on a thumbnail of glass alone."""
     import cv2
 
     sat = cv2.cvtColor(np.ascontiguousarray(thumbnail[..., :3], dtype=np.uint8), cv2.COLOR_RGB2HSV)[..., 1]
     sat = cv2.medianBlur(sat, 7)
-    if int(sat.max()) < MIN_TISSUE_SATURATION:
-        return np.zeros(sat.shape, dtype=bool)
-    _, mask = cv2.threshold(sat, 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
-    return mask > 0
+    thr, _ = cv2.threshold(sat, 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
+    return sat > max(thr, MIN_TISSUE_SATURATION - 1)
 
 
 Region = tuple[str, list[np.ndarray]]  # an annotation's class name and its rings (exterior, then holes), level-0 px
@@ -436,8 +437,16 @@ def read_patch(path: str, patch: tuple[int, int, int, int, int]) -> np.ndarray:
         slide = _open(str(path))
         if type(slide).__module__.startswith("tiffslide"):  # straight to an array
             arr = np.asarray(slide.read_region((x, y), level, (w, h), as_array=True))
-        else:  # OpenSlide: an RGBA picture, opaque inside the slide
-            arr = np.asarray(slide.read_region((x, y), level, (w, h)))
+        else:  # OpenSlide: an RGBA picture, transparent where no tile was scanned (a sparse series) or past the edge
+            region = slide.read_region((x, y), level, (w, h))
+            arr = np.asarray(region)
+            if (arr[..., 3] < 255).any():  # onto the slide's background, as OpenSlide's own thumbnails are
+                from PIL import Image
+
+                background = "#" + str(slide.properties.get("openslide.background-color") or "FFFFFF")
+                canvas = Image.new("RGB", region.size, background)
+                canvas.paste(region, mask=region)
+                arr = np.asarray(canvas)
     except ImportError:
         raise
     except Exception as err:  # noqa: BLE001 - a slide's tile that cannot be decoded: quarantined with the reason
