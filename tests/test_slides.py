@@ -204,7 +204,7 @@ def test_region_annotations_label_each_patch(tmp_path, monkeypatch):
         shutil.move(tmp_path / f"{name.replace('/', '_')}.tif", root / f"{name}.tif")
     (root / "ann" / "S4.json").write_text("[]")
     (root / "ann" / "S4.tif.xml").write_text("<ASAP_Annotations/>")
-    (root / "ann" / "S5.xml").write_text('<Annotations><Annotation Id="1"><Regions/></Annotation></Annotations>')  # ImageScope
+    (root / "ann" / "S5.xml").write_text('<Slide><Region X="1"/></Slide>')  # an XML of no annotation tool read here
     camelyon = {**rules, "slides": {**rules["slides"], "regions": {**regions, "outside": "Normal"}}}
     card, recs, _ = _dataset(tmp_path, "outside", camelyon)
     key = "datasets.d.folders.lab.slides"
@@ -214,7 +214,7 @@ def test_region_annotations_label_each_patch(tmp_path, monkeypatch):
                    f"slides' folders in {key}.regions.folder)"] == 1
     assert any(r.startswith("a whole-slide image: its annotation file S3.geojson cannot be read (JSONDecodeError") for r in reasons)
     assert any(r.startswith("a whole-slide image: its annotation file S5.xml cannot be read (ValueError: an XML whose "
-                            "root is <Annotations>, not ASAP's") for r in reasons)
+                            "root is <Slide>, neither ASAP's") for r in reasons)
     assert set(recs["source_path"]) == {"normal/S2.tif"}
     assert set(recs["original_label"]) == {"_0", "_2", "Normal"} and (recs["label"] != tumour_label).sum() > 100
 
@@ -364,6 +364,32 @@ def test_dicom_whole_slide_images_are_read_through_openslide(tmp_path, monkeypat
     s1 = recs[recs["source_path"] == "tumour/S1/9.dcm"]
     x = s1["id"].str.extract(r"#x(\d+)y")[0].astype(int)
     assert set(s1.loc[x + 128 <= 1024, "original_label"]) == {"normal"} and set(s1.loc[x >= 1024, "original_label"]) == {"tumour"}
+
+
+def test_imagescope_xml_layers_negative_regions_and_ellipses(tmp_path):
+    """Aperio ImageScope's XML: a region's class is its Text, else its layer's Name; a negative region is cut out of
+    what lies under it; an ellipse is read from its bounding box; a ruler (two vertices) and a nameless region are not
+    regions."""
+    vertices = lambda pts: "".join(f'<Vertex X="{x}" Y="{y}" Z="0"/>' for x, y in pts)  # noqa: E731
+    square = lambda x0, y0, x1, y1: vertices([(x0, y0), (x1, y0), (x1, y1), (x0, y1)])  # noqa: E731
+    (tmp_path / "s.xml").write_text(
+        '<Annotations MicronsPerPixel="0.25"><Annotation Id="1" Name="Tumor" Type="4"><Regions>'
+        f'<Region Id="1" Type="0" Text="" NegativeROA="0"><Vertices>{square(0, 0, 640, 640)}</Vertices></Region>'
+        f'<Region Id="2" Type="0" Text="" NegativeROA="1"><Vertices>{square(64, 64, 192, 192)}</Vertices></Region>'
+        f'<Region Id="3" Type="4" Text="" NegativeROA="0"><Vertices>{vertices([(0, 0), (600, 600)])}</Vertices></Region>'
+        '</Regions></Annotation><Annotation Id="2" Name=""><Regions>'
+        f'<Region Id="1" Type="2" Text="Necrosis" NegativeROA="0"><Vertices>{vertices([(320, 320), (576, 576)])}</Vertices></Region>'
+        f'<Region Id="2" Type="0" Text="" NegativeROA="0"><Vertices>{square(0, 0, 64, 64)}</Vertices></Region>'
+        '</Regions></Annotation></Annotations>')
+    regions = slides.read_regions(tmp_path / "s.xml")
+    assert [name for name, _ in regions] == ["Tumor", None, "Necrosis"]
+    ellipse = regions[2][1][0]
+    assert len(ellipse) == 256 and np.allclose(np.hypot(ellipse[:, 0] - 448, ellipse[:, 1] - 448), 128)
+    xs = ys = np.arange(0, 640, 64)
+    labels, named, _ = slides.region_labels(regions, {"Tumor": "tumour", "Necrosis": "necrosis"}.get, xs, ys, 64, 0.5)
+    grid = np.array(labels, dtype=object).reshape(10, 10)
+    assert (grid[1:3, 1:3] == None).all() and grid[0, 0] == "tumour" and grid[9, 9] == "tumour"  # noqa: E711 - cut out
+    assert (grid[6:8, 6:8] == "necrosis").all() and grid[5, 5] == "tumour"  # the ellipse's inner cells; its bounding box's corner not
 
 
 def test_scanline_fill_matches_point_in_polygon():

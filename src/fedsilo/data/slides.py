@@ -187,7 +187,7 @@ def tissue_mask(thumbnail: np.ndarray) -> np.ndarray:
     return sat > max(thr, MIN_TISSUE_SATURATION - 1)
 
 
-Region = tuple[str, list[np.ndarray]]  # an annotation's class name and its rings (exterior, then holes), level-0 px
+Region = tuple[Optional[str], list[np.ndarray]]  # an annotation's class (None: it hides, labelling nothing) and its rings (exterior, then holes), level-0 px
 
 
 def _ring(points: Any, where: str) -> np.ndarray:
@@ -216,29 +216,63 @@ def _geojson_polygons(geometry: Any, where: str) -> list[list[np.ndarray]]:
     return []
 
 
+def _number(text: Optional[str], where: str) -> float:
+    try:
+        return float((text or "").replace(",", "."))
+    except ValueError:
+        raise ValueError(f"{where}: coordinates that are not numbers") from None
+
+
+def _imagescope_regions(root: ET.Element) -> list[Region]:
+    """The regions of an Aperio ImageScope XML (``<Annotations>``: one ``Annotation`` layer per class, its
+    ``Region``s' ``Vertex`` points in level-0 pixels). A region's class is its ``Text`` where set, else its layer's
+    ``Name``; a region with neither is not read. A negative region (``NegativeROA="1"``, cut out of its layer) is read
+    with no class: it labels nothing and hides what lies under it. An ellipse (``Type="2"``: two vertices, the corners
+    of its bounding box) becomes a 256-point polygon; any other region is the polygon of its vertices, and one of
+    fewer than three (a ruler, an arrow) encloses no area and is not read."""
+    out: list[Region] = []
+    for n, layer in enumerate(root.iter("Annotation")):
+        layer_name = (layer.get("Name") or "").strip()
+        for m, region in enumerate(layer.iter("Region")):
+            negative = (region.get("NegativeROA") or "0").strip() == "1"
+            name = (region.get("Text") or "").strip() or layer_name
+            if not name and not negative:
+                continue
+            where = f"layer {layer.get('Id') or n} region {region.get('Id') or m} ({name or 'negative'})"
+            points = [[_number(v.get("X"), where), _number(v.get("Y"), where)] for v in region.iter("Vertex")]
+            if (region.get("Type") or "").strip() == "2" and len(points) == 2:  # an ellipse in its bounding box
+                (x0, y0), (x1, y1) = points
+                t = np.linspace(0, 2 * np.pi, 256, endpoint=False)
+                points = np.c_[(x0 + x1) / 2 + abs(x1 - x0) / 2 * np.cos(t), (y0 + y1) / 2 + abs(y1 - y0) / 2 * np.sin(t)]
+            elif len(points) < 3:
+                continue
+            out.append((None if negative else name, [_ring(points, where)]))
+    return out
+
+
 def read_regions(path: Path) -> list[Region]:
     """The classified areas of one slide's annotation file, in level-0 pixels: ``[(class name, [exterior, hole,
     ...]), ...]``. A ``.geojson`` / ``.json`` is QuPath's export (a FeatureCollection, a Feature or a list of
     Features; the class is ``properties.classification.name``; detections, cells and tiles, ``objectType`` other than
-    ``annotation`` or QuPath 0.2's ``id`` naming them, are not regions); an ``.xml`` is ASAP's (``Annotation`` elements of type Polygon, Spline or
-    Rectangle, the class their ``PartOfGroup``, the points their ``Coordinate``s in ``Order``). An annotation without
-    a class is not read; one with too few or non-numeric points, or a file of neither form, is a ValueError."""
+    ``annotation`` or QuPath 0.2's ``id`` naming them, are not regions); an ``.xml`` is ASAP's (``Annotation``
+    elements of type Polygon, Spline or Rectangle, the class their ``PartOfGroup``, the points their ``Coordinate``s
+    in ``Order``) or Aperio ImageScope's (:func:`_imagescope_regions`). An annotation without a class is not read;
+    one with too few or non-numeric points, or a file of none of these forms, is a ValueError."""
     out: list[Region] = []
     if path.suffix.lower() == ".xml":
         root = ET.parse(path).getroot()
+        if root.tag == "Annotations":
+            return _imagescope_regions(root)
         if root.tag != "ASAP_Annotations":
-            raise ValueError(f"an XML whose root is <{root.tag}>, not ASAP's <ASAP_Annotations> (Aperio ImageScope's "
-                             "annotations: export them from QuPath as GeoJSON)")
+            raise ValueError(f"an XML whose root is <{root.tag}>, neither ASAP's <ASAP_Annotations> nor Aperio "
+                             "ImageScope's <Annotations>")
         for n, ann in enumerate(root.iter("Annotation")):
             group = (ann.get("PartOfGroup") or "").strip()
             if ann.get("Type", "Polygon") not in ASAP_SHAPES or group in ("", "None"):
                 continue
-            coords = sorted(ann.iter("Coordinate"), key=lambda c: float((c.get("Order") or "0").replace(",", ".")))
             where = f"annotation {ann.get('Name') or n} ({group})"
-            try:
-                points = [[float(c.get("X", "").replace(",", ".")), float(c.get("Y", "").replace(",", "."))] for c in coords]
-            except ValueError:
-                raise ValueError(f"{where}: coordinates that are not numbers") from None
+            coords = sorted(ann.iter("Coordinate"), key=lambda c: _number(c.get("Order") or "0", where))
+            points = [[_number(c.get("X"), where), _number(c.get("Y"), where)] for c in coords]
             out.append((group, [_ring(points, where)]))
         return out
     data = json.loads(path.read_text(encoding="utf-8"))
@@ -327,7 +361,7 @@ def region_labels(regions: list[Region], class_of: Callable[[str], Optional[str]
     nx, ny = len(xs), len(ys)
     sub = max(1, min(REGION_SUBCELLS, int(math.sqrt(REGION_RASTER_CELLS / max(1, nx * ny)))))
     q = step / sub  # level-0 pixels per raster cell
-    names = sorted({name for name, _ in regions if class_of(name) is not None})
+    names = sorted({name for name, _ in regions if name is not None and class_of(name) is not None})
     ids = {name: k + 1 for k, name in enumerate(names)}  # 0: no region; -1: a skipped one
     raster = np.zeros((ny * sub, nx * sub), np.int16 if len(ids) < 2**15 - 1 else np.int32)
 
