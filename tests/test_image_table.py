@@ -248,7 +248,7 @@ def test_an_empty_table_is_refused_by_name(tmp_path):
 
 
 def _colour_dicom(path: Path, rgb: np.ndarray, photometric: str = "RGB", frames: int = 1,
-                  sop: str = "1.2.840.10008.5.1.4.1.1.77.1.4") -> None:
+                  sop: str = "1.2.840.10008.5.1.4.1.1.77.1.4", patient: str | None = None) -> None:
     """An uncompressed colour DICOM (a dermatology photograph, an ultrasound cine of ``frames`` frames)."""
     from pydicom.dataset import Dataset, FileMetaDataset
     from pydicom.pixels import convert_color_space
@@ -260,6 +260,8 @@ def _colour_dicom(path: Path, rgb: np.ndarray, photometric: str = "RGB", frames:
     ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
     ds.file_meta.MediaStorageSOPClassUID = ds.SOPClassUID = sop  # default: VL photographic image
     ds.file_meta.MediaStorageSOPInstanceUID = ds.SOPInstanceUID = generate_uid()
+    if patient is not None:
+        ds.PatientID = patient
     ds.Rows, ds.Columns = rgb.shape[:2]
     ds.SamplesPerPixel, ds.PhotometricInterpretation, ds.PlanarConfiguration = 3, photometric, 0
     ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 8, 8, 7, 0
@@ -381,3 +383,47 @@ def test_dicoms_that_are_no_picture_are_left_out_not_quarantined(tmp_path):
     (tmp_path / "t" / "report.pdf").write_bytes(b"%PDF-1.4")
     card = _harmonize_at(tmp_path / "t", "t", _own_table(tmp_path / "t", text, patient="pid", subset="part"), tmp_path / "h2")
     assert card["domains"]["t"]["excluded_by_reason"] == {"not an image file (.pdf)": 1}
+
+
+def test_a_patient_level_table_labels_a_pacs_exports_dicoms_by_their_patient_id(tmp_path):
+    """dicom_patient: one row per patient, its DICOMs (suffix-less, UID-named, any depth) found by their header's
+    PatientID; each takes the row's class and the patient as its group; unlisted, ID-less and non-DICOM files and a
+    patient without images are excluded with their reasons; a patient twice and IDs that match nothing are errors."""
+    from fedsilo.config import BenchmarkDatasetParams
+
+    rng = np.random.default_rng(3)
+    root = tmp_path / "raw" / "clinic"
+    ids = {"00017": 3, "00023": 2, "00031": 1, "00099": 1}  # patient -> images; 00099 is in no row
+    for pid, n in ids.items():
+        for k in range(n):
+            _colour_dicom(root / "export" / f"1.2.840.{pid}" / f"{k}.77", rng.integers(0, 256, (12, 12, 3), dtype=np.uint8),
+                          patient=pid)
+    _colour_dicom(root / "export" / "anon", rng.integers(0, 256, (12, 12, 3), dtype=np.uint8), patient="")
+    (root / "export" / "README.txt").write_text("exported by the PACS")
+    (root / "outcomes.csv").write_text("mrn,diagnosis,split\n00017,benign,\n00023,malignant,test\n00031,benign,\n00045,malignant,\n")
+    rules = {"file": "outcomes.csv", "label": "diagnosis", "patient": "mrn", "subset": "split", "dicom_patient": "export"}
+    ds = BenchmarkDatasetParams(kind="image_folder", sources=("clinic",), image_size=8, workers=1, max_quarantine_fraction=0.5,
+                                tables={"clinic": rules})
+    card = harmonize_benchmark(ds, tmp_path / "raw", tmp_path / "h" / "d", quiet=True)
+    recs = pd.read_parquet(tmp_path / "h" / "d" / "records.parquet")
+    dom = card["domains"]["clinic"]
+    assert dom["by_class"] == {"benign": 4, "malignant": 2}
+    assert dom["excluded_by_reason"] == {"its PatientID is in no row of the table": 1, "no PatientID in its DICOM header": 1,
+                                         "not a DICOM (datasets.d.tables.clinic.dicom_patient matches DICOMs by their PatientID)": 1,
+                                         "no DICOM with this PatientID under export": 1}
+    assert recs.groupby("group").size().to_dict() == {"clinic/00017": 3, "clinic/00023": 2, "clinic/00031": 1}
+    assert set(recs.loc[recs["group"] == "clinic/00023", "subset"]) == {"test"}
+    assert set(recs.loc[recs["group"] == "clinic/00017", "original_label"]) == {"benign"}
+
+    # a patient on two rows is an error naming both; a spreadsheet that dropped the zeros matches nothing: both sides shown
+    (root / "outcomes.csv").write_text("mrn,diagnosis,split\n00017,benign,\n00017,malignant,\n")
+    with pytest.raises(ValueError, match=r"row 3: patient '00017' is listed again \(first on row 2\); with "
+                                         r"datasets.d.tables.clinic.dicom_patient the table has one row per patient"):
+        harmonize_benchmark(ds, tmp_path / "raw", tmp_path / "h2" / "d", quiet=True)
+    (root / "outcomes.csv").write_text("mrn,diagnosis,split\n17,benign,\n23,malignant,\n")
+    with pytest.raises(ValueError, match=r"no DICOM under export has a PatientID in the column mrn \(the table's: 17, 23, "
+                                         r"\.\.\.; the headers': 00017, 00023, 00031, \.\.\.\); check leading zeros"):
+        harmonize_benchmark(ds, tmp_path / "raw", tmp_path / "h3" / "d", quiet=True)
+    with pytest.raises(ValueError, match="dicom_patient: needs patient"):
+        BenchmarkDatasetParams(kind="image_folder", sources=("clinic",),
+                               tables={"clinic": {"dicom_patient": "export", "patient": None}})

@@ -541,14 +541,27 @@ class ImageTableRules(TableFileRules, OwnImageRules):
     classes: dict[str, str] = Field(default_factory=dict, description="label value (or label column) -> the dataset's class, "
                                     "where the names differ")
     skip: tuple[str, ...] = Field((), description="label values (or label columns) left out: their rows excluded with the reason")
+    dicom_patient: Optional[str] = Field(None, description="a folder inside the source's folder of DICOM files (a PACS "
+                                         "export, files named anyhow, at any depth) matched to the rows by their header's "
+                                         "PatientID: the table then has one row per patient (its patient column), whose "
+                                         "label every image of the patient takes; the path column is not read")
 
     @field_validator("skip", "label_columns", "classes", mode="before")
     @classmethod
     def _numbers(cls, v: Any) -> Any:
         return numbers_as_words(v)
 
+    @field_validator("dicom_patient")
+    @classmethod
+    def _dicom_folder_inside(cls, v: Optional[str]) -> Optional[str]:
+        return v if v is None else _inside(v, "a folder inside the source's folder (relative, no '..'; '.' for the source's "
+                                           "folder itself), so the images are fetched and hashed with the table")
+
     @model_validator(mode="after")
     def _consistent(self) -> "ImageTableRules":
+        if self.dicom_patient is not None and self.patient is None:
+            raise ValueError("dicom_patient: needs patient, the column holding the ID the DICOM headers' PatientID is "
+                             "matched to")
         for fmt in self.path_formats:
             if fmt.count("{}") != 1 or fmt.replace("{}", "").count("{") or fmt.count("}") != 1:
                 raise ValueError(f"path_format: {fmt!r} needs exactly one '{{}}' (where the cell's value goes) and no other braces")

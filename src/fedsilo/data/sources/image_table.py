@@ -23,6 +23,8 @@ Row by row (the header is row 1), values trimmed and compared case-blind, number
   (:data:`NO_PATIENT_WARNING`).
 - ``subset`` (when named): ``train`` / ``val`` / ``test`` or blank; another value is an error; a patient both in
   ``test`` and outside it is an error naming both rows.
+- ``dicom_patient`` (a folder): the table has one row per patient instead, and the row's images are the DICOMs below
+  the folder whose header's PatientID is the row's patient (:func:`dicom_patients`, :func:`_scan_by_patient`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str, quiet: bo
     it), ``where`` (file and row), ``domain``, ``subset``, ``value`` (the class as the table writes it), ``group``,
     ``reason`` (no label, several labels, skipped, no patient id, not an image file)."""
     raw_dir = Path(raw_dir)
+    if rules.dicom_patient is not None:
+        return _scan_by_patient(raw_dir, rules, domain, key, quiet)
     columns = [("path", rules.path), ("label", rules.label_column), ("patient", rules.patient), ("subset", rules.subset)]
     columns += [("label_columns", c) for c in rules.label_columns]
     table_path, df = load_table(raw_dir, rules, columns, key)
@@ -120,3 +124,89 @@ def _files(raw_dir: Path, rel: str, table: Rows, row: int, where: str) -> list[O
             raise LabelFileError(f"{where}: {rel} is a folder without files; a row names an image, or a folder of a study's images")
         return [table.locate(f, row, where) for f in files]
     return [table.locate(rel, row, where)]
+
+
+def dicom_patients(raw_dir: Path, folder: str, key: str, quiet: bool = True) -> tuple[dict[str, list[str]], list[tuple[str, str]]]:
+    """Every file below ``raw_dir / folder``: the DICOMs (by suffix or preamble) by their header's PatientID
+    (trimmed), and the files that cannot be matched with why (not a DICOM, a header that cannot be read, no
+    PatientID). Paths are posix, relative to ``raw_dir``."""
+    import pydicom
+    from pydicom.errors import InvalidDicomError
+
+    from fedsilo.data.dicom import is_dicom_file
+    from fedsilo.utils.progress import Progress
+
+    base = Path(raw_dir) / folder
+    if not base.is_dir():
+        raise LabelFileError(f"{base}: no such folder in the source ({key}.dicom_patient: {folder!r})")
+    files = [f for f in walk(base) if f.is_file()]
+    by_patient: dict[str, list[str]] = {}
+    unmatched: list[tuple[str, str]] = []
+    bar = Progress(len(files), f"scan {key.rsplit('.', 1)[-1]}", "file", quiet=quiet)
+    for f in files:
+        bar.update(1)
+        rel = f.relative_to(raw_dir).as_posix()
+        try:
+            dicom = is_dicom_file(f)
+        except OSError:
+            dicom = False
+        if not dicom:
+            unmatched.append((rel, f"not a DICOM ({key}.dicom_patient matches DICOMs by their PatientID)"))
+            continue
+        try:
+            pid = str(pydicom.dcmread(str(f), stop_before_pixels=True, specific_tags=["PatientID"]).get("PatientID", "") or "").strip()
+        except (InvalidDicomError, AttributeError, ValueError, RuntimeError, OSError, EOFError, KeyError) as err:
+            unmatched.append((rel, f"a DICOM whose header cannot be read ({type(err).__name__})"))
+            continue
+        if not pid:
+            unmatched.append((rel, "no PatientID in its DICOM header"))
+        else:
+            by_patient.setdefault(pid, []).append(rel)
+    bar.close()
+    return by_patient, unmatched
+
+
+def _scan_by_patient(raw_dir: Path, rules: ImageTableRules, domain: str, key: str, quiet: bool) -> list[dict]:
+    """:func:`scan` of a table with one row per patient and its DICOMs found by their header's PatientID
+    (``dicom_patient``): every image of a row's patient is an entry of the row's class, subset and group (the
+    patient); a row whose patient has no DICOM is excluded; a DICOM of a patient no row lists, or that cannot be
+    matched, is an excluded entry of its own; a patient on two rows is an error; no PatientID matching any row is an
+    error showing both sides' IDs (leading zeros a spreadsheet dropped, say)."""
+    columns = [("label", rules.label_column), ("patient", rules.patient), ("subset", rules.subset)]
+    columns += [("label_columns", c) for c in rules.label_columns]
+    table_path, df = load_table(raw_dir, rules, columns, key)
+    classmap = table_classes(rules, key)
+    by_patient, unmatched = dicom_patients(raw_dir, rules.dicom_patient, key, quiet)
+    table = Rows(raw_dir)
+    listed = {str(v).strip() for v in df[rules.patient]} - {""}
+    if by_patient and not listed & set(by_patient):
+        ours, theirs = sorted(listed)[:3], sorted(by_patient)[:3]
+        raise LabelFileError(f"{table_path}: no DICOM under {rules.dicom_patient} has a PatientID in the column {rules.patient} "
+                             f"(the table's: {', '.join(ours)}, ...; the headers': {', '.join(theirs)}, ...); check leading "
+                             f"zeros a spreadsheet dropped, prefixes and the column ({key}.patient)")
+    out, first = [], {}
+    for row, rec, where in table.each(df, table_path, key, quiet):
+        value, reason = _label(rec, rules, where)
+        if value and classmap.skipped(value):
+            reason = f"{classmap.what} skipped ({key}.skip)"
+        pid = str(rec[rules.patient]).strip()
+        if pid and pid.casefold() not in MISSING:
+            if pid in first:
+                raise LabelFileError(f"{where}: patient {pid!r} is listed again (first on row {first[pid]}); with "
+                                     f"{key}.dicom_patient the table has one row per patient, its label every image's")
+            first[pid] = row
+        files = [(rel, *file_reader(raw_dir / rel)) for rel in by_patient.pop(pid, [])]
+        if not files:
+            reason = reason or f"no DICOM with this PatientID under {rules.dicom_patient}"
+        elif not reason and all(why for _, _, why in files):
+            reason = files[0][2]
+        group, subset, reason = table.group_and_subset(rec, rules, f"patient {pid}", reason, row, where, key)
+        for rel, reader, why in files or [("", "image", "")]:
+            out.append({"id": rel or f"{rules.file}: row {row} (patient {pid})", "path": rel, "where": where, "domain": domain,
+                        "subset": subset, "value": value, "group": group, "reason": reason or why, "strict": True,
+                        "reader": reader or "image"})
+    unlisted = [(rel, "its PatientID is in no row of the table") for rels in by_patient.values() for rel in rels]
+    for rel, why in unmatched + unlisted:
+        out.append({"id": rel, "path": rel, "where": str(raw_dir / rel), "domain": domain, "subset": "", "value": "",
+                    "group": None, "reason": why, "strict": False, "reader": "image"})
+    return one_entry_per_dicom_slide(out, raw_dir)
