@@ -400,7 +400,8 @@ def test_a_patient_level_table_labels_a_pacs_exports_dicoms_by_their_patient_id(
                           patient=pid)
     _colour_dicom(root / "export" / "anon", rng.integers(0, 256, (12, 12, 3), dtype=np.uint8), patient="")
     (root / "export" / "README.txt").write_text("exported by the PACS")
-    (root / "outcomes.csv").write_text("mrn,diagnosis,split\n00017,benign,\n00023,malignant,test\n00031,benign,\n00045,malignant,\n")
+    (root / "outcomes.csv").write_text("mrn,diagnosis,split\n00017,benign,\n00023,malignant,test\n00031,benign,\n00045,malignant,\n"
+                                       "NA,benign,\n")
     rules = {"file": "outcomes.csv", "label": "diagnosis", "patient": "mrn", "subset": "split", "dicom_patient": "export"}
     ds = BenchmarkDatasetParams(kind="image_folder", sources=("clinic",), image_size=8, workers=1, max_quarantine_fraction=0.5,
                                 tables={"clinic": rules})
@@ -410,7 +411,7 @@ def test_a_patient_level_table_labels_a_pacs_exports_dicoms_by_their_patient_id(
     assert dom["by_class"] == {"benign": 4, "malignant": 2}
     assert dom["excluded_by_reason"] == {"its PatientID is in no row of the table": 1, "no PatientID in its DICOM header": 1,
                                          "not a DICOM (datasets.d.tables.clinic.dicom_patient matches DICOMs by their PatientID)": 1,
-                                         "no DICOM with this PatientID under export": 1}
+                                         "no DICOM with this PatientID under export": 1, "no patient id": 1}
     assert recs.groupby("group").size().to_dict() == {"clinic/00017": 3, "clinic/00023": 2, "clinic/00031": 1}
     assert set(recs.loc[recs["group"] == "clinic/00023", "subset"]) == {"test"}
     assert set(recs.loc[recs["group"] == "clinic/00017", "original_label"]) == {"benign"}
@@ -424,6 +425,30 @@ def test_a_patient_level_table_labels_a_pacs_exports_dicoms_by_their_patient_id(
     with pytest.raises(ValueError, match=r"no DICOM under export has a PatientID in the column mrn \(the table's: 17, 23, "
                                          r"\.\.\.; the headers': 00017, 00023, 00031, \.\.\.\); check leading zeros"):
         harmonize_benchmark(ds, tmp_path / "raw", tmp_path / "h3" / "d", quiet=True)
+    (root / "outcomes.csv").write_text("mrn,diagnosis,split\n00017,benign,\n23,malignant,\n")  # only some zeros lost
+    with pytest.raises(ValueError, match=r"1 of the column mrn's IDs differ from a DICOM header's PatientID only in leading "
+                                         r"zeros \(table / header: 23 / 00023\)"):
+        harmonize_benchmark(ds, tmp_path / "raw", tmp_path / "h4" / "d", quiet=True)
+    # one PatientID from two issuers is two patients one row cannot tell apart
+    _colour_dicom(root / "export" / "other" / "x", rng.integers(0, 256, (12, 12, 3), dtype=np.uint8), patient="00031")
+    _colour_dicom(root / "export" / "other" / "y", rng.integers(0, 256, (12, 12, 3), dtype=np.uint8), patient="00031")
+    import pydicom
+
+    for name, issuer in (("x", "HOSP-A"), ("y", "HOSP-B")):
+        d = pydicom.dcmread(root / "export" / "other" / name)
+        d.IssuerOfPatientID = issuer
+        d.save_as(root / "export" / "other" / name)
+    with pytest.raises(ValueError, match=r"PatientID '00031' comes from two issuers \('HOSP-A' in export/other/x, 'HOSP-B'"):
+        harmonize_benchmark(ds, tmp_path / "raw", tmp_path / "h5" / "d", quiet=True)
     with pytest.raises(ValueError, match="dicom_patient: needs patient"):
         BenchmarkDatasetParams(kind="image_folder", sources=("clinic",),
                                tables={"clinic": {"dicom_patient": "export", "patient": None}})
+    with pytest.raises(ValueError, match="dicom_patient: the images are found by their PatientID, not by a path column"):
+        BenchmarkDatasetParams(kind="image_folder", sources=("clinic",),
+                               tables={"clinic": {"dicom_patient": "export", "patient": "mrn", "path": "file"}})
+    # an export without PatientIDs (anonymised, or the wrong folder) is refused, not read as patients without images
+    (root / "anon").mkdir()
+    (root / "anon" / "a.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"anon: no DICOM with a PatientID in its header \(1 files: not a DICOM"):
+        harmonize_benchmark(BenchmarkDatasetParams(kind="image_folder", sources=("clinic",), tables={"clinic": {
+            **rules, "dicom_patient": "anon"}}), tmp_path / "raw", tmp_path / "h6" / "d", quiet=True)

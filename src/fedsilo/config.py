@@ -562,6 +562,9 @@ class ImageTableRules(TableFileRules, OwnImageRules):
         if self.dicom_patient is not None and self.patient is None:
             raise ValueError("dicom_patient: needs patient, the column holding the ID the DICOM headers' PatientID is "
                              "matched to")
+        if self.dicom_patient is not None and {"path", "path_format"} & self.model_fields_set:
+            raise ValueError("dicom_patient: the images are found by their PatientID, not by a path column; drop path "
+                             "and path_format")
         for fmt in self.path_formats:
             if fmt.count("{}") != 1 or fmt.replace("{}", "").count("{") or fmt.count("}") != 1:
                 raise ValueError(f"path_format: {fmt!r} needs exactly one '{{}}' (where the cell's value goes) and no other braces")

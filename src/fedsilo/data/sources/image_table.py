@@ -126,21 +126,28 @@ def _files(raw_dir: Path, rel: str, table: Rows, row: int, where: str) -> list[O
     return [table.locate(rel, row, where)]
 
 
-def dicom_patients(raw_dir: Path, folder: str, key: str, quiet: bool = True) -> tuple[dict[str, list[str]], list[tuple[str, str]]]:
-    """Every file below ``raw_dir / folder``: the DICOMs (by suffix or preamble) by their header's PatientID
-    (trimmed), and the files that cannot be matched with why (not a DICOM, a header that cannot be read, no
-    PatientID). Paths are posix, relative to ``raw_dir``."""
+def dicom_patients(raw_dir: Path, folder: str, key: str, quiet: bool = True,
+                   table: str = "") -> tuple[dict[str, list[str]], list[tuple[str, str]]]:
+    """Every file below ``raw_dir / folder`` but the label table (``table``) and fetch's manifest: the DICOMs (by
+    suffix or preamble) by their header's PatientID (trimmed; a malformed multi-valued one joined with ``\\``), and
+    the files that cannot be matched with why (not a DICOM, a header that cannot be read, no PatientID). A PatientID
+    the headers give with two issuers (IssuerOfPatientID) is an error: one table row cannot tell the two patients
+    apart. Paths are posix, relative to ``raw_dir``."""
     import pydicom
     from pydicom.errors import InvalidDicomError
+    from pydicom.multival import MultiValue
 
     from fedsilo.data.dicom import is_dicom_file
+    from fedsilo.data.fetch import MANIFEST
     from fedsilo.utils.progress import Progress
 
     base = Path(raw_dir) / folder
     if not base.is_dir():
         raise LabelFileError(f"{base}: no such folder in the source ({key}.dicom_patient: {folder!r})")
-    files = [f for f in walk(base) if f.is_file()]
+    skip = {Path(raw_dir) / table, Path(raw_dir) / MANIFEST}
+    files = [f for f in walk(base) if f.is_file() and f not in skip]
     by_patient: dict[str, list[str]] = {}
+    issuers: dict[str, dict[str, str]] = {}
     unmatched: list[tuple[str, str]] = []
     bar = Progress(len(files), f"scan {key.rsplit('.', 1)[-1]}", "file", quiet=quiet)
     for f in files:
@@ -154,14 +161,24 @@ def dicom_patients(raw_dir: Path, folder: str, key: str, quiet: bool = True) -> 
             unmatched.append((rel, f"not a DICOM ({key}.dicom_patient matches DICOMs by their PatientID)"))
             continue
         try:
-            pid = str(pydicom.dcmread(str(f), stop_before_pixels=True, specific_tags=["PatientID"]).get("PatientID", "") or "").strip()
+            ds = pydicom.dcmread(str(f), stop_before_pixels=True, specific_tags=["PatientID", "IssuerOfPatientID"])
         except (InvalidDicomError, AttributeError, ValueError, RuntimeError, OSError, EOFError, KeyError) as err:
             unmatched.append((rel, f"a DICOM whose header cannot be read ({type(err).__name__})"))
             continue
+        value = ds.get("PatientID", "") or ""
+        pid = ("\\".join(map(str, value)) if isinstance(value, (list, tuple, MultiValue)) else str(value)).strip()
         if not pid:
             unmatched.append((rel, "no PatientID in its DICOM header"))
-        else:
-            by_patient.setdefault(pid, []).append(rel)
+            continue
+        by_patient.setdefault(pid, []).append(rel)
+        issuer = str(ds.get("IssuerOfPatientID", "") or "").strip()
+        if issuer:
+            seen = issuers.setdefault(pid, {})
+            seen.setdefault(issuer, rel)
+            if len(seen) > 1:
+                (a, fa), (b, fb) = list(seen.items())[:2]
+                raise LabelFileError(f"{base}: PatientID {pid!r} comes from two issuers ({a!r} in {fa}, {b!r} in {fb}): "
+                                     f"two patients one table row cannot tell apart ({key}.dicom_patient)")
     bar.close()
     return by_patient, unmatched
 
@@ -176,26 +193,40 @@ def _scan_by_patient(raw_dir: Path, rules: ImageTableRules, domain: str, key: st
     columns += [("label_columns", c) for c in rules.label_columns]
     table_path, df = load_table(raw_dir, rules, columns, key)
     classmap = table_classes(rules, key)
-    by_patient, unmatched = dicom_patients(raw_dir, rules.dicom_patient, key, quiet)
+    by_patient, unmatched = dicom_patients(raw_dir, rules.dicom_patient, key, quiet, rules.file)
     table = Rows(raw_dir)
     listed = {str(v).strip() for v in df[rules.patient]} - {""}
-    if by_patient and not listed & set(by_patient):
+    listed = {v for v in listed if v.casefold() not in MISSING}
+    if not by_patient:
+        raise LabelFileError(f"{raw_dir / rules.dicom_patient}: no DICOM with a PatientID in its header ({len(unmatched)} "
+                             f"files: {', '.join(sorted({why for _, why in unmatched})) or 'none'}); {key}.dicom_patient "
+                             "matches the table's patients to DICOMs by that header")
+    if not listed & set(by_patient):
         ours, theirs = sorted(listed)[:3], sorted(by_patient)[:3]
         raise LabelFileError(f"{table_path}: no DICOM under {rules.dicom_patient} has a PatientID in the column {rules.patient} "
                              f"(the table's: {', '.join(ours)}, ...; the headers': {', '.join(theirs)}, ...); check leading "
                              f"zeros a spreadsheet dropped, prefixes and the column ({key}.patient)")
+    zeros = {t: h for h in set(by_patient) - listed for t in listed - set(by_patient) if h.lstrip("0") == t.lstrip("0")}
+    if zeros:
+        pairs = ", ".join(f"{t} / {h}" for t, h in sorted(zeros.items())[:3])
+        raise LabelFileError(f"{table_path}: {len(zeros)} of the column {rules.patient}'s IDs differ from a DICOM header's "
+                             f"PatientID only in leading zeros (table / header: {pairs}); a spreadsheet drops them from "
+                             "numbers: export the column as text")
     out, first = [], {}
     for row, rec, where in table.each(df, table_path, key, quiet):
         value, reason = _label(rec, rules, where)
         if value and classmap.skipped(value):
             reason = f"{classmap.what} skipped ({key}.skip)"
         pid = str(rec[rules.patient]).strip()
-        if pid and pid.casefold() not in MISSING:
+        files = []
+        if not pid or pid.casefold() in MISSING:
+            reason = reason or "no patient id"
+        else:
             if pid in first:
                 raise LabelFileError(f"{where}: patient {pid!r} is listed again (first on row {first[pid]}); with "
                                      f"{key}.dicom_patient the table has one row per patient, its label every image's")
             first[pid] = row
-        files = [(rel, *file_reader(raw_dir / rel)) for rel in by_patient.pop(pid, [])]
+            files = [(rel, *file_reader(raw_dir / rel)) for rel in by_patient.pop(pid, [])]
         if not files:
             reason = reason or f"no DICOM with this PatientID under {rules.dicom_patient}"
         elif not reason and all(why for _, _, why in files):
