@@ -1057,6 +1057,64 @@ def test_a_site_scores_new_image_files_with_the_model_it_kept_as_it_scores_its_h
     assert "no image file given" in capsys.readouterr().err
 
 
+def test_site_predict_scores_a_slides_tissue_patches_and_pools_them(tmp_path, monkeypatch):
+    """A whole-slide image given to site predict is cut into tissue patches by the site's own slides rules, each patch
+    harmonized and scored as harmonize's patches are (the same pixels, so the model's probabilities on the harmonized
+    patches), and the slide's row holds their mean; an image beside it is scored as before."""
+    pytest.importorskip("tiffslide")
+    import pandas as pd
+
+    from fedsilo.client.local import predict
+    from fedsilo.config import parse_params
+    from fedsilo.data import slides
+    from fedsilo.data.harmonize import harmonize_dataset
+    from fedsilo.fl.flower import KeptStores
+    from fedsilo.fl.predict import predict_images
+    from tests.conftest import small_params
+    from tests.test_slides import _slide
+
+    monkeypatch.setattr(slides, "SMALL_TIFF_BYTES", 0)
+    raw_dir = tmp_path / "data/raw/lab"
+    _slide(raw_dir / "tumour" / "S1.tif", (900, 800), 500)
+    _slide(raw_dir / "normal" / "S2.tif", (1200, 1200), 300, seed=1)
+    cut = {"mpp": 2.0, "patch_px": 32, "max_patches": 50}
+    raw = small_params()
+    raw.update(sources={"lab": {"mode": "local", "reader": "image_folder", "path": str(raw_dir)}},
+               datasets={"d": {"kind": "image_folder", "sources": ["lab"], "image_size": 16, "workers": 1,
+                               "folders": {"lab": {"slides": cut}}}},
+               experiments={"site": {"dataset": "d", "split": {"protocol": "domain_clients", "n_train": 4, "n_test": 4}}},
+               pipeline={"sources": ["lab"], "datasets": ["d"], "splits": {"site": "d"}, "experiments": ["site"],
+                         "methods": ["fedavg"], "seeds": [0]})
+    p = parse_params(raw)
+    card = harmonize_dataset(p.datasets["d"], tmp_path / "data/raw", tmp_path / "h", quiet=True)
+    classes = list(card["classes"])
+    dep = {"method": {"key": "fedavg", "base": "fedavg", "params": {}}, "seed": 0,
+           "train": {"model": "simple_cnn", "model_width": 0.25, "device": "cpu"},
+           "contract": {"task": card["task"], "classes": classes, "image_shape": [16, 16, 3]}}
+    model = deployment_spec(dep).make_model()
+    kept = KeptStores(tmp_path / "keep", "lab")
+    kept.save_model(1, model, {"deployment": dep})
+    photo = tmp_path / "new" / "photo.png"
+    photo.parent.mkdir()
+    import cv2
+
+    assert cv2.imwrite(str(photo), np.random.default_rng(0).integers(0, 256, (20, 20, 3), dtype=np.uint8))
+    rows = predict_images(p, "site", kept.model_path, [raw_dir / "tumour" / "S1.tif", photo], quiet=True).set_index("path")
+    harmonized = pd.read_parquet(tmp_path / "h" / "records.parquet")
+    s1 = harmonized[harmonized["source_path"] == "tumour/S1.tif"]
+    patch_rows = rows[rows["slide"] == str(raw_dir / "tumour" / "S1.tif")]
+    assert [p.rsplit("#", 1)[1] for p in patch_rows.index] == [i.rsplit("#", 1)[1] for i in s1["id"]]  # the same patches
+    x = torch.from_numpy(np.load(tmp_path / "h" / "images.npy")[s1.index.to_numpy()]).permute(0, 3, 1, 2).contiguous()
+    want = predict(model.eval(), x).softmax(1).numpy()
+    prob = [f"prob.{c}" for c in classes]
+    assert np.allclose(patch_rows[prob].to_numpy(dtype=float), want, atol=1e-6)
+    slide_row = rows.loc[str(raw_dir / "tumour" / "S1.tif")]
+    assert slide_row["patches"] == len(s1) and slide_row["error"] == "" and slide_row["slide"] == ""
+    assert np.allclose(slide_row[prob].to_numpy(dtype=float), want.mean(0), atol=1e-6)
+    assert slide_row["predicted"] == classes[int(want.mean(0).argmax())]
+    assert rows.loc[str(photo), "error"] == "" and rows.loc[str(photo), "predicted"] in classes
+
+
 def test_site_predict_reads_rgb_benchmark_files_as_harmonize_does(tmp_path, capsys):
     """The multi-domain benchmarks' files (RGB JPEGs: an Office-Caltech-10 mirror here) are harmonized for a
     prediction as harmonize wrote them (stretched to the dataset's size), so the model scores them as it scores the
@@ -1110,7 +1168,8 @@ def test_site_predict_reads_rgb_benchmark_files_as_harmonize_does(tmp_path, caps
     assert rows.loc[str(tmp_path / "new" / "IMG0001"), "error"] == "" and rows.loc[str(tmp_path / "new" / "IMG0001"), "predicted"] in classes
     np.testing.assert_array_equal(decode_one((str(tmp_path / "new" / "IMG0001"), "dicom_rgb", 16, "stretch", "", (0.0, 100.0))),
                                   to_rgb_square(photo, 16, "stretch"))
-    assert "a whole-slide image, not one picture" in rows.loc[str(tmp_path / "new" / "scan.svs"), "error"]
+    assert rows.loc[str(tmp_path / "new" / "scan.svs"), "error"] == ("a whole-slide image: set datasets.office_caltech10."
+                                                                    "folders.<source>.slides (or tables) to score its tissue patches")
     gray = KeptStores(tmp_path / "keep", "gray")
     gray.save_model(1, deployment_spec({**dep, "contract": {**dep["contract"], "image_shape": [16, 16, 1]}}).make_model(),
                     {"deployment": {**dep, "contract": {**dep["contract"], "image_shape": [16, 16, 1]}}})

@@ -65,23 +65,72 @@ def _decoder(params: Params, experiment: str, contract: dict[str, Any]):
     return job, ds.workers or os.cpu_count() or 1
 
 
+def _slide_rules(params: Params, experiment: str) -> tuple[Any, str]:
+    """How the site's dataset cuts its slides into patches (``slides`` of its sources of your own; their region
+    annotations aside: a prediction labels nothing), and the key that says it; (None, why) when no source has the
+    rules, or when two sources cut them differently."""
+    name = params.experiments[experiment].dataset
+    ds = params.datasets[name]
+    if not isinstance(ds, BenchmarkDatasetParams):
+        return None, f"datasets.{name}: a chest X-ray dataset scores no whole-slide image"
+    found = {s: ds.rules(s).slides for s in ds.own_sources() if ds.rules(s).slides is not None}
+    cuts = {r.model_copy(update={"regions": None}).model_dump_json(): (s, r) for s, r in found.items()}
+    if not cuts:
+        return None, f"set datasets.{name}.folders.<source>.slides (or tables) to score its tissue patches"
+    if len(cuts) > 1:
+        return None, f"the sources {', '.join(sorted(found))} of datasets.{name} cut slides differently: make their slides rules one"
+    source, rules = next(iter(cuts.values()))
+    return rules.model_copy(update={"regions": None}), f"{ds.rules_key(source, name)}.slides"
+
+
 def predict_images(params: Params, experiment: str, model_path: Path, files: list[Path], device: str = "cpu",
                    batch_size: int = 64, quiet: bool = False) -> pd.DataFrame:
     """One row per file: ``path``, ``predicted`` (a class name of the contract), ``prob.<class>`` for each class,
     ``error`` (empty where the file was read). The files are harmonized with the site's dataset options
-    (``experiments.<experiment>.dataset``), which must give the image shape the model was trained on."""
+    (``experiments.<experiment>.dataset``), which must give the image shape the model was trained on.
+
+    A whole-slide image (of an RGB dataset whose sources cut slides: ``slides``) is cut into tissue patches as
+    harmonize cuts the site's own (:func:`fedsilo.data.slides.plan_patches`, the same rules), each patch a row
+    ``<file>#x<X>y<Y>`` with its ``slide``, and the slide's row gets the patches' mean probabilities (``predicted``
+    their argmax) and its ``patches`` count: mean pooling, the plain slide-level aggregate. A DICOM whole-slide image
+    given as its folder is one slide (its other instances are rows saying what they are). Without slides the
+    ``slide`` and ``patches`` columns are left out."""
     from fedsilo.client.local import predict
     from fedsilo.data.harmonize import decode_all
+    from fedsilo.data.slides import one_entry_per_dicom_slide, plan_patches
     from fedsilo.fl.deploy import load_site_model
 
     model, info = load_site_model(model_path, device)
     contract = info["deployment"]["contract"]
     classes = list(contract["classes"])
     job, workers = _decoder(params, experiment, contract)
+    jobs = [job(f) for f in files]
+    paths, slide_of, errors = [str(f) for f in files], [""] * len(files), [""] * len(files)
+    slides = [i for i, j in enumerate(jobs) if j[1] == "slide"]
+    if slides:
+        entries = [{"path": paths[i], "reader": "slide", "reason": ""} for i in slides]
+        entries = one_entry_per_dicom_slide(entries, Path("/"))
+        rules, key = _slide_rules(params, experiment)
+        for i, e in zip(slides, entries):
+            errors[i] = e["reason"] or ("" if rules is not None else f"a whole-slide image: {key}")
+            if errors[i]:
+                continue
+            try:
+                plan, _, why = plan_patches(Path(paths[i]), rules, key)
+            except Exception as err:  # noqa: BLE001 - a slide its reader cannot open is its row's error
+                plan, why = [], f"unreadable ({type(err).__name__}: {err})"
+            errors[i] = f"a whole-slide image: {why}" if why else ""
+            for patch in plan:
+                jobs.append((*jobs[i][:6], patch))
+                paths.append(f"{paths[i]}#x{patch[0]}y{patch[1]}")
+                slide_of.append(paths[i])
+                errors.append("")
+    todo = [k for k in range(len(jobs)) if not (jobs[k][1] == "slide" and len(jobs[k]) == 6)]  # a slide: its patches
     # harmonize's own decoding: worker processes, images/s shown, a file that fails is its row's error
-    decoded = decode_all([job(f) for f in files], workers, desc="predict: harmonize", quiet=quiet)
-    images = [img for img, _ in decoded]
-    rows = pd.DataFrame({"path": [str(f) for f in files], "predicted": "", "error": [e for _, e in decoded]})
+    decoded = dict(zip(todo, decode_all([jobs[k] for k in todo], workers, desc="predict: harmonize", quiet=quiet)))
+    images = [decoded[k][0] if k in decoded else None for k in range(len(jobs))]
+    rows = pd.DataFrame({"path": paths, "predicted": "", "slide": slide_of, "patches": pd.array([pd.NA] * len(jobs), "Int64"),
+                         "error": [decoded[k][1] if k in decoded else errors[k] for k in range(len(jobs))]})
     for c in classes:
         rows[f"prob.{c}"] = np.nan
     read = [i for i, img in enumerate(images) if img is not None]
@@ -91,4 +140,17 @@ def predict_images(params: Params, experiment: str, model_path: Path, files: lis
         for k, c in enumerate(classes):
             rows.loc[read, f"prob.{c}"] = probs[:, k]
         rows.loc[read, "predicted"] = [classes[j] for j in probs.argmax(1)]
-    return rows[["path", "predicted", *[f"prob.{c}" for c in classes], "error"]]
+    prob_cols = [f"prob.{c}" for c in classes]
+    for i in slides:  # the slide's row: its patches' mean probabilities
+        mine = rows["slide"] == paths[i]
+        if rows.loc[i, "error"] == "" and mine.any():
+            scored = rows.loc[mine & (rows["error"] == ""), prob_cols]
+            rows.loc[i, "patches"] = int(len(scored))
+            if len(scored):
+                mean = scored.to_numpy(dtype=float).mean(0)
+                rows.loc[i, prob_cols] = mean
+                rows.loc[i, "predicted"] = classes[int(mean.argmax())]
+            else:
+                rows.loc[i, "error"] = "a whole-slide image: none of its patches could be read"
+    columns = ["path", "predicted", *prob_cols, "error"]
+    return rows[columns[:1] + (["slide", "patches"] if slides else []) + columns[1:]]
