@@ -236,7 +236,7 @@ def test_region_annotations_label_each_patch(tmp_path, monkeypatch):
         _dataset(tmp_path, "unknown", rules, workers=2)
     with pytest.raises(ValueError, match=rf"{key}\.regions\.outside: 'stroma' is none of slide, drop or a class"):
         _dataset(tmp_path, "bad_outside", {**rules, "slides": {**rules["slides"], "regions": {**regions, "outside": "stroma"}}})
-    from fedsilo.data.sources.image_folder import ClassMap
+    from fedsilo.data.sources.classmap import ClassMap
 
     zero = ClassMap(drop.regions.model_copy(update={"classes": {}}), "k", "annotation class", fold=slides.region_fold)
     with pytest.raises(ValueError, match="annotation class '_0' is not a class of this dataset"):

@@ -514,7 +514,7 @@ def _plan_safe(args: tuple[Path, Any, str, Optional[Path], tuple[str, ...]]) -> 
     """:func:`plan_patches` of one slide, a slide tiffslide cannot read giving its reason (a worker's job); an
     annotation class that is none of the dataset's ``classes`` stops harmonize (LabelFileError, naming the file)."""
     from fedsilo.data.sources.base import LabelFileError
-    from fedsilo.data.sources.image_folder import ClassMap
+    from fedsilo.data.sources.classmap import ClassMap
 
     path, rules, key, annotations, classes = args
     class_of = None

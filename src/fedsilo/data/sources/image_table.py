@@ -35,7 +35,8 @@ from typing import Optional
 from fedsilo.config import ImageTableRules, table_word
 from fedsilo.data.slides import one_entry_per_dicom_slide
 from fedsilo.data.sources.base import LabelFileError, show, walk
-from fedsilo.data.sources.image_folder import ClassMap, file_reader
+from fedsilo.data.sources.classmap import ClassMap
+from fedsilo.data.sources.image_folder import file_reader
 from fedsilo.data.sources.tables import MISSING, Rows, load_table, relative_path, study_folder
 
 NO_PATIENT_WARNING = ("has no patient column (patient: null): each row's image (or study folder) is its own group, so two "
