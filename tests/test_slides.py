@@ -195,6 +195,11 @@ def test_region_annotations_label_each_patch(tmp_path, monkeypatch):
     assert set(s2["original_label"]) == {"_0", "_2", "normal"}  # the annotation's class, or the slide's class outside
     s3 = recs[recs["source_path"] == "tumour/S3.tif"]  # no annotation file: its slide's class
     assert len(s3) > 100 and set(s3["original_label"]) == {"tumour"} and (s3["label"] == tumour_label).all()
+    # where each patch's class came from, in the records and counted in the card
+    assert set(s3["label_from"]) == {"slide"} and set(s2["label_from"]) == {"region", "slide"}
+    assert ((s2["label_from"] == "region") == (s2["original_label"] != "normal")).all()
+    assert card["domains"]["lab"]["label_from"] == recs["label_from"].value_counts().to_dict()
+    assert "## Where the slides' patches took their class" in (tmp_path / "regions" / "d" / "card.md").read_text()
 
     # outside: normal (CAMELYON16: every tumour outlined): a patch outside the regions is normal whatever its slide;
     # two slides of one name share a flat folder's file, two files of one slide, an unreadable file, a non-ASAP XML:
@@ -217,6 +222,7 @@ def test_region_annotations_label_each_patch(tmp_path, monkeypatch):
                             "root is <Slide>, neither ASAP's") for r in reasons)
     assert set(recs["source_path"]) == {"normal/S2.tif"}
     assert set(recs["original_label"]) == {"_0", "_2", "Normal"} and (recs["label"] != tumour_label).sum() > 100
+    assert set(recs.loc[recs["original_label"] == "Normal", "label_from"]) == {"outside"}
 
     # outside: drop keeps the annotated patches only; a slide without a file gives none
     drop = BenchmarkDatasetParams(kind="image_folder", sources=("lab",), classes=("normal", "tumour"), folders={

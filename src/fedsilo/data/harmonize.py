@@ -13,7 +13,8 @@ one.
 Output folder (``data/harmonized/<dataset>/``):
 - ``records.parquet``: one row per kept image, row i <-> ``images.npy[i]``; columns ``id`` (``<source>/<source id>``),
   ``domain``, ``label``, ``original_label``, ``group`` (patient; the image itself for benchmarks), ``view``,
-  ``source_path``, ``subset``, and ``writer`` where the source names one (FEMNIST);
+  ``source_path``, ``subset``, ``writer`` where the source names one (FEMNIST), and ``label_from`` where slides'
+  region annotations label patches (``region``, ``outside``, ``slide``);
 - ``images.npy``: uint8 N x H x W x C, memory-mappable (``np.load(..., mmap_mode="r")``);
 - ``excluded.parquet``: every record the label rules excluded, with the reason;
 - ``quarantine.csv``: kept records whose image could not be decoded (or is missing), with the error;
@@ -521,6 +522,9 @@ def _write_benchmark(params: BenchmarkDatasetParams, name: str, tmp: Path, kept:
     if "writer" in good.columns:  # FEMNIST's writers (only a dataset whose records name them has the column)
         good = good.assign(writer=good["writer"].fillna("").astype(str))
         columns.append("writer")
+    if "label_from" in good.columns:  # slides with region annotations: where each patch's class came from
+        good = good.assign(label_from=good["label_from"].fillna("").astype(str))
+        columns.append("label_from")
     table = good.rename(columns={"path": "source_path"})[columns]
     tasks = {
         "digits5": "10 digit classes", "office_caltech10": "10 object classes", "pacs": "7 object classes",
@@ -604,6 +608,8 @@ def _card(meta: dict[str, Any], table: pd.DataFrame, excluded: pd.DataFrame, qua
             "excluded_by_reason": {k: int(v) for k, v in e["excluded"].value_counts().items()},
             "quarantined": int(len(q)),
             "quarantine_examples": q["error"].head(5).tolist(),
+            **({"label_from": {k: int(v) for k, v in t["label_from"].value_counts().items() if k}}
+               if "label_from" in t.columns and (t["label_from"] != "").any() else {}),
         }
     return {
         "dataset": meta["dataset"],  # its name in params (datasets.<name>), the folder's
@@ -649,6 +655,12 @@ def card_markdown(card: dict[str, Any]) -> str:
         lines += ["", "## Samples", "", f"The first {sm['per_class']} images of each domain (rows: "
                   f"{', '.join(sm['ids'])}) and class (columns: {', '.join(sm['classes_shown'])}) as harmonize wrote "
                   f"them{more} (their ids: card.json, samples.ids):", "", f"![samples]({sm['file']})"]
+    froms = {dom: d["label_from"] for dom, d in card["domains"].items() if d.get("label_from")}
+    if froms:
+        lines += ["", "## Where the slides' patches took their class", "",
+                  "region: its region annotations; outside: the regions' outside class; slide: its slide's class "
+                  "(records.parquet, label_from)", ""]
+        lines += [f"- {dom}: " + ", ".join(f"{k} {v}" for k, v in sorted(f.items())) for dom, f in froms.items()]
     lines += ["", "## Exclusions by reason", ""]
     for dom, d in card["domains"].items():
         reasons = ", ".join(f"{k}: {v}" for k, v in d["excluded_by_reason"].items()) or "none"

@@ -395,10 +395,10 @@ def region_labels(regions: list[Region], class_of: Callable[[str], Optional[str]
 
 
 def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Optional[Path] = None,
-                 class_of: Optional[Callable[[str], Optional[str]]] = None) -> tuple[list[tuple[int, int, int, int, int]], list[Optional[tuple[str, str]]], str]:
+                 class_of: Optional[Callable[[str], Optional[str]]] = None) -> tuple[list[tuple[int, int, int, int, int]], list[Optional[tuple[str, str, str]]], str]:
     """The patches of one slide: ``[(x, y, level, w, h), ...]`` (top-left corner in level-0 pixels, the level read
-    and the region's size at that level), per patch None (the slide's class) or ``(class, annotation name)`` its
-    region annotations give (``rules.regions``: ``annotations`` the slide's file or None, ``class_of`` an
+    and the region's size at that level), per patch None (the slide's class) or ``(class, annotation class,
+    "region")`` its region annotations give (``(class, outside, "outside")`` where ``regions.outside`` names the class) (``rules.regions``: ``annotations`` the slide's file or None, ``class_of`` an
     annotation's name -> the dataset's class), and "" or why the slide gives none (no plausible microns per pixel, a
     scan coarser than the patches, no reduced-resolution level to find the tissue on, smaller than a patch, no tissue,
     no annotated patch where the others are dropped). ``key``: the rules' dotted key, for the reasons. The slide is
@@ -434,7 +434,7 @@ def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Optio
     keep = frac >= rules.min_tissue
     if not keep.any():
         return [], [], f"no patch with {rules.min_tissue:.0%} tissue or more ({key}.min_tissue)"
-    given: list[Optional[tuple[str, str]]] = [None] * keep.size
+    given: list[Optional[tuple[str, str, str]]] = [None] * keep.size
     regions = rules.regions
     if regions is not None:
         assert class_of is not None
@@ -448,14 +448,14 @@ def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Optio
             except (OSError, ValueError, ET.ParseError) as err:
                 return [], [], f"its annotation file {annotations.name} cannot be read ({type(err).__name__}: {err})"
             labels, named, _ = region_labels(drawn, class_of, xs, ys, step, regions.min_share)
-            given = [(c, n) if c is not None and n is not None else None for c, n in zip(labels, named)]
+            given = [(c, n, "region") if c is not None and n is not None else None for c, n in zip(labels, named)]
             if drop:
                 keep &= np.array([g is not None for g in given], dtype=bool).reshape(keep.shape)
                 if not keep.any():
                     return [], [], (f"no tissue patch its regions cover by {regions.min_share:.0%} or more, and the others "
                                     f"are dropped ({key}.regions)")
         if outside is not None:  # outside every region: the class outside names
-            given = [g if g is not None else (outside, regions.outside) for g in given]
+            given = [g if g is not None else (outside, regions.outside, "outside") for g in given]
     rows, cols = np.nonzero(keep)  # reading order: row by row
     if rows.size > rules.max_patches:
         pick = np.unique(np.round(np.linspace(0, rows.size - 1, rules.max_patches)).astype(int))
@@ -510,7 +510,7 @@ def outside_class(regions: Any, classes: tuple[str, ...], key: str) -> Optional[
     return found
 
 
-def _plan_safe(args: tuple[Path, Any, str, Optional[Path], tuple[str, ...]]) -> tuple[list[tuple[int, int, int, int, int]], list[Optional[tuple[str, str]]], str]:
+def _plan_safe(args: tuple[Path, Any, str, Optional[Path], tuple[str, ...]]) -> tuple[list[tuple[int, int, int, int, int]], list[Optional[tuple[str, str, str]]], str]:
     """:func:`plan_patches` of one slide, a slide tiffslide cannot read giving its reason (a worker's job); an
     annotation class that is none of the dataset's ``classes`` stops harmonize (LabelFileError, naming the file)."""
     from fedsilo.data.sources.base import LabelFileError
@@ -534,7 +534,8 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
     """``rec`` (a source of your own's records) with each kept slide's row replaced by one row per patch
     (:func:`plan_patches`, on ``workers`` processes: a thumbnail per slide): id ``<id>#x<X>y<Y>``, column ``patch``,
     the slide's group and subset, and its class, or with ``rules.regions`` the class its region annotations give
-    (``original_label`` then the annotation's name; ``classes``: the dataset's, in label order); a slide that gives
+    (``original_label`` then the annotation's class, and a column ``label_from``: ``region``, ``outside`` or
+    ``slide``; ``classes``: the dataset's, in label order); a slide that gives
     no patch stays one excluded row with the reason. Without ``rules`` (no ``slides`` set) every kept slide is
     excluded, naming the key that cuts it into patches."""
     from concurrent.futures import ProcessPoolExecutor
@@ -567,7 +568,7 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
                                 f"slides' folders in {key}.slides.regions.folder)")
     pool = ProcessPoolExecutor(max_workers=min(workers, len(jobs))) if workers > 1 and len(jobs) > 1 else None
     plans: dict[int, list[tuple[int, int, int, int, int]]] = {}
-    given: dict[int, list[Optional[tuple[str, str]]]] = {}
+    given: dict[int, list[Optional[tuple[str, str, str]]]] = {}
     patches = 0
     bar = Progress(len(slides), f"slides {key.rsplit('.', 1)[-1]}", "slide", quiet=quiet)
     try:
@@ -589,4 +590,6 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
         index = {c: k for k, c in enumerate(classes)}
         out.loc[labelled, "label"] = [index[g[0]] for g in flat if g is not None]
         out.loc[labelled, "original_label"] = [g[1] for g in flat if g is not None]
+    if rules.regions is not None:  # where each patch's class came from: its regions, the outside class, its slide
+        out["label_from"] = [g[2] if g is not None else ("slide" if p is not None else "") for g, p in zip(flat, out["patch"])]
     return out
