@@ -123,6 +123,8 @@ def test_a_small_tiff_is_an_image_and_a_large_one_a_slide(tmp_path, monkeypatch)
     _slide(tmp_path / "slide.tif", (900, 800), 500)
     tifffile.imwrite(tmp_path / "strip.tif", np.zeros((3, 8, 20_001), np.uint8), planarconfig="separate")  # planar RGB
     assert not slides.is_slide_file(tmp_path / "slide.tif")  # under SMALL_TIFF_BYTES: its header is not read
+    # unless the rules cut slides: then a small biopsy's pyramidal TIFF is one, and a plain small TIFF still an image
+    assert slides.is_slide_file(tmp_path / "slide.tif", small_too=True) and not slides.is_slide_file(tmp_path / "patch.tif", small_too=True)
     monkeypatch.setattr(slides, "SMALL_TIFF_BYTES", 0)
     assert slides.is_slide_file(tmp_path / "slide.tif") and slides.is_slide_file(tmp_path / "strip.tif")
     assert not slides.is_slide_file(tmp_path / "patch.tif")  # tiled with levels, or over 20,000 px: neither
@@ -140,7 +142,7 @@ def _share(x: int, y: int, box: tuple[float, float, float, float], side: int = 6
     return w * h / side**2
 
 
-def test_region_annotations_label_each_patch(tmp_path, monkeypatch):
+def test_region_annotations_label_each_patch(tmp_path):
     """QuPath GeoJSON and ASAP XML regions label the patches they cover by min_share (a region inside another, a hole,
     is what lies there); a patch outside takes the slide's class or is dropped; a slide without annotations keeps
     its class; an unknown annotation class stops harmonize naming the file and key; a bad or doubled file excludes
@@ -148,7 +150,7 @@ def test_region_annotations_label_each_patch(tmp_path, monkeypatch):
     import json
     import shutil
 
-    monkeypatch.setattr(slides, "SMALL_TIFF_BYTES", 0)
+    # no SMALL_TIFF_BYTES patch here: the rules cut slides, so these ~1 MB pyramidal TIFFs are slides by their header
     root = tmp_path / "raw" / "lab"
     _slide(root / "normal" / "S1.tif", (1024, 1024), 900)
     for name in ("normal/S2", "tumour/S3", "normal/S4", "normal/S5", "tumour/S1"):  # the same scan under other names
@@ -171,7 +173,8 @@ def test_region_annotations_label_each_patch(tmp_path, monkeypatch):
          "properties": {"objectType": "annotation"}}]}))
     (root / "ann" / "normal").mkdir()
     coords = lambda b: "".join(f'<Coordinate Order="{k}" X="{x}" Y="{y}"/>' for k, (x, y) in enumerate(_square(*b)[:4]))  # noqa: E731
-    (root / "ann" / "normal" / "S2.xml").write_text(  # CAMELYON16's form: an exclusion (_2) inside a tumour (_0)
+    (root / "ann" / "T9.geojson").write_text("[]")  # no slide of that name
+    (root / "ann" / "normal" / "s2.xml").write_text(  # CAMELYON16's form: an exclusion (_2) inside a tumour (_0); S2's case-blind
         '<?xml version="1.0"?><ASAP_Annotations><Annotations>'
         f'<Annotation Name="Annotation 1" Type="Polygon" PartOfGroup="_2"><Coordinates>{coords(hole)}</Coordinates></Annotation>'
         f'<Annotation Name="Annotation 0" Type="Polygon" PartOfGroup="_0"><Coordinates>{coords(tumour)}</Coordinates></Annotation>'
@@ -195,6 +198,13 @@ def test_region_annotations_label_each_patch(tmp_path, monkeypatch):
     assert set(s2["original_label"]) == {"_0", "_2", "normal"}  # the annotation's class, or the slide's class outside
     s3 = recs[recs["source_path"] == "tumour/S3.tif"]  # no annotation file: its slide's class
     assert len(s3) > 100 and set(s3["original_label"]) == {"tumour"} and (s3["label"] == tumour_label).all()
+    # the slide without a file and the file without a slide are warned about; a source of slides alone is not warned
+    # to have no group rule (each slide is its patches' group)
+    assert card["warnings"] == [
+        "1 of 3 slides have no annotation file (e.g. tumour/S3.tif: looked for its name with .geojson, .json or .xml in "
+        "ann/); all their patches take their slide's class (datasets.d.folders.lab.slides.regions)",
+        "1 annotation files match no slide (e.g. ann/T9.geojson): a file is named after its slide's file, with or without "
+        "the slide's suffix"]
     # where each patch's class came from, in the records and counted in the card
     assert set(s3["label_from"]) == {"slide"} and set(s2["label_from"]) == {"region", "slide"}
     assert ((s2["label_from"] == "region") == (s2["original_label"] != "normal")).all()
@@ -228,7 +238,7 @@ def test_region_annotations_label_each_patch(tmp_path, monkeypatch):
     drop = BenchmarkDatasetParams(kind="image_folder", sources=("lab",), classes=("normal", "tumour"), folders={
         "lab": {**rules, "slides": {**rules["slides"], "regions": {**regions, "outside": "drop"}}}}).folders["lab"].slides
     class_of = {"_0": "tumour", "_2": "normal"}.get
-    plan, given, why = slides.plan_patches(root / "normal" / "S2.tif", drop, key, root / "ann" / "normal" / "S2.xml", class_of)
+    plan, given, why = slides.plan_patches(root / "normal" / "S2.tif", drop, key, root / "ann" / "normal" / "s2.xml", class_of)
     assert why == "" and len(plan) == len(s2[s2["original_label"] != "normal"]) and {g[1] for g in given} == {"_0", "_2"}
     assert slides.plan_patches(root / "normal" / "S2.tif", drop, key, None, class_of)[2] == (
         f"no annotation file, and patches outside the regions are dropped ({key}.regions.outside)")
@@ -240,6 +250,8 @@ def test_region_annotations_label_each_patch(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"S3\.geojson: annotation class 'Stroma' is not a class of this dataset .*"
                                          rf"{key}\.regions\.classes: \{{Stroma: <class>\}}"):
         _dataset(tmp_path, "unknown", rules, workers=2)
+    with pytest.raises(ValueError, match=rf"lab/annotations: no such folder in the source \({key}\.regions\.folder: "):
+        _dataset(tmp_path, "no_folder", {**rules, "slides": {**rules["slides"], "regions": {**regions, "folder": "annotations"}}})
     with pytest.raises(ValueError, match=rf"{key}\.regions\.outside: 'stroma' is none of slide, drop or a class"):
         _dataset(tmp_path, "bad_outside", {**rules, "slides": {**rules["slides"], "regions": {**regions, "outside": "stroma"}}})
     from fedsilo.data.sources.classmap import ClassMap

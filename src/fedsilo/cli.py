@@ -435,6 +435,8 @@ def _site_evaluate(args: argparse.Namespace) -> None:
 
 
 def _site_predict(args: argparse.Namespace) -> None:
+    import pandas as pd
+
     from fedsilo.fl.predict import image_files, predict_images
     from fedsilo.utils.io import atomic_file
 
@@ -446,9 +448,13 @@ def _site_predict(args: argparse.Namespace) -> None:
             rows.to_csv(tmp, index=False)
     else:
         rows.to_csv(sys.stdout, index=False)
-    counts = rows.loc[rows["error"] == "", "predicted"].value_counts().to_dict()
-    print(f"site predict: {len(rows) - bad} images scored by {model} ({counts}), {bad} not read"
-          + (f"; {args.out}" if args.out else ""), file=sys.stderr)
+    slide_rows = rows["patches"].notna() if "patches" in rows.columns else pd.Series(False, index=rows.index)
+    patch_rows = (rows["slide"] != "") if "slide" in rows.columns else pd.Series(False, index=rows.index)
+    pictures = ~slide_rows & ~patch_rows & (rows["error"] == "")
+    counts = rows.loc[pictures | slide_rows, "predicted"].value_counts().to_dict()
+    slides = f" and {int(slide_rows.sum())} slides ({int((patch_rows & (rows['error'] == '')).sum())} patches)" if slide_rows.any() else ""
+    print(f"site predict: {int(pictures.sum())} images{slides} scored by {model} ({counts}), {bad} rows not scored "
+          "(their error column says why)" + (f"; {args.out}" if args.out else ""), file=sys.stderr)
 
 
 def _site_audit(args: argparse.Namespace) -> None:
@@ -613,7 +619,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s = sub.add_parser("harmonize", parents=[common], help="raw sources -> data/harmonized/<dataset>/", formatter_class=fmt, epilog=_listing(known, "datasets"))
     s.add_argument("--dataset", required=True)
     s.add_argument("--dry-run", action="store_true", help="read the label files only: print what would be kept, excluded (by "
-                   "reason) and found missing per domain, in seconds; decode nothing, write nothing (for trying label rules)")
+                   "reason) and found missing per domain, in seconds; decode nothing, write nothing (for trying label rules). "
+                   "Slides (datasets.<d>.folders.<s>.slides) are planned: each one's thumbnail is read to find its "
+                   "tissue, a second or two per slide")
     s.set_defaults(fn=_harmonize)
     s = sub.add_parser("split", parents=[common], help="harmonized dataset -> data/splits/<experiment>.json", formatter_class=fmt, epilog=_listing(known, "experiments"))
     s.add_argument("--experiment", required=True)

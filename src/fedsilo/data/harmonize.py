@@ -423,7 +423,7 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
         if params.rules(src).frames != "first":  # a multi-frame DICOM's frames, each an image of the file's class and group
             rec = expand_frames(rec, raw_root / src, params.rules(src).frames, keys[src], quiet)
         rec = expand_slides(rec, raw_root / src, params.rules(src).slides, keys[src], quiet,  # patches, or excluded
-                            workers=params.workers or os.cpu_count() or 1, classes=tuple(classes))
+                            workers=params.workers or os.cpu_count() or 1, classes=tuple(classes), warnings=warnings)
         theirs = set(rec["domain"])
         for other, frame in frames.items():
             clash = sorted(d for d in theirs if d.casefold() in {x.casefold() for x in frame["domain"]})
@@ -432,10 +432,13 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
                                      f"its own (set {keys[src]}.domain" + (")" if table else ", or rename its domain folder)"))
         rec["source"] = src
         frames[src] = rec
+        named = src if set(theirs) == {src} else f"{src} ({', '.join(sorted(theirs))})"
+        kept_rows = rec[rec["excluded"] == ""]
+        all_patches = "patch" in rec.columns and len(kept_rows) > 0 and kept_rows["patch"].notna().all()
         if table and params.rules(src).patient is None:
-            warnings.append(f"{src} ({', '.join(sorted(theirs))}) {image_table.NO_PATIENT_WARNING}")
-        elif not table and params.rules(src).group is None:
-            warnings.append(f"{src} ({', '.join(sorted(theirs))}) {image_folder.NO_GROUP_WARNING}")
+            warnings.append(f"{named} {image_table.NO_PATIENT_WARNING}")
+        elif not table and params.rules(src).group is None and not all_patches:  # a slide's patches: the slide's group
+            warnings.append(f"{named} {image_folder.NO_GROUP_WARNING}")
         if not table and params.domain_of(src) is None and len(theirs) == 1 and params.domains is None:
             warnings.append(f"{src} has one domain folder, {min(theirs)!r}: if it only wraps the sites' folders (an "
                             f"archive's top-level folder), set {keys[src]}.root: {min(theirs)}")

@@ -52,16 +52,19 @@ INSTALL_HINT = ("whole-slide images are read with tiffslide (DICOM ones with Ope
                 "pip install -e '.[slides]' -c constraints.txt")
 
 
-def is_slide_file(path: Path) -> bool:
+def is_slide_file(path: Path, small_too: bool = False) -> bool:
     """A whole-slide image by its suffix, or a ``.tif`` / ``.tiff`` that is tiled with reduced-resolution levels or
-    very large (its header only is read; one that cannot be read is no slide: the image decoder then reports it)."""
+    very large (its header only is read; one that cannot be read is no slide: the image decoder then reports it).
+    A ``.tif`` under :data:`SMALL_TIFF_BYTES` is an image without its header read (a patch dataset's 100,000 TIFF
+    patches are not opened twice) unless ``small_too``: where the rules cut slides (``slides`` set), a small biopsy's
+    or a test export's pyramidal TIFF is a slide too."""
     suffix = path.suffix.lower()
     if suffix in SLIDE_SUFFIXES:
         return True
     if suffix not in (".tif", ".tiff"):
         return False
     try:
-        if path.stat().st_size < SMALL_TIFF_BYTES:  # a patch or a photograph saved as TIFF: not worth opening
+        if path.stat().st_size < SMALL_TIFF_BYTES and not small_too:  # a patch or a photograph saved as TIFF
             return False
     except OSError:
         return False
@@ -300,11 +303,14 @@ def read_regions(path: Path) -> list[Region]:
     return out
 
 
-def annotation_file(slide: Path, rel: str, raw_dir: Path, regions: Any) -> tuple[Optional[Path], str]:
+def annotation_file(slide: Path, rel: str, raw_dir: Path, regions: Any,
+                    listings: Optional[dict[Path, Any]] = None) -> tuple[Optional[Path], str]:
     """One slide's annotation file (``regions.folder``, or beside the slide; named after the slide's file with or
     without its suffix, or by its path below the source's folder; a DICOM whole-slide image, a folder of files, after
-    its folder), or None and "" (none) or why it is ambiguous."""
+    its folder; found case-blind when no name matches exactly: ``n1.xml`` for ``N1.tif``), or None and "" (none) or
+    why it is ambiguous. ``listings``: each folder's case-blind listing, kept across the slides of one source."""
     from fedsilo.data.dicom import is_dicom_file
+    from fedsilo.data.sources.tables import FoldedFiles
 
     folder = slide.parent if regions.folder is None else raw_dir / regions.folder
     rel_path = Path(rel)
@@ -314,9 +320,11 @@ def annotation_file(slide: Path, rel: str, raw_dir: Path, regions: Any) -> tuple
     stems = [slide.stem, slide.name]
     if regions.folder is not None and rel_path.parent != Path("."):
         stems += [str(rel_path.with_suffix("")), str(rel_path)]
-    found = sorted({folder / f"{stem}{suffix}" for stem in stems for suffix in REGION_FILE_SUFFIXES} - {slide},
-                   key=str)
-    found = [f for f in found if f.is_file()]
+    names = {f"{stem}{suffix}" for stem in stems for suffix in REGION_FILE_SUFFIXES}
+    found = sorted({folder / n for n in names if (folder / n).is_file()} - {slide}, key=str)
+    if not found and folder.is_dir():  # as a table's paths are found: case and Unicode normalization aside
+        listing = (listings if listings is not None else {}).setdefault(folder, FoldedFiles(folder))
+        found = sorted({folder / hit for hit in (listing.find(n) for n in names) if hit} - {slide}, key=str)
     if len(found) > 1:
         return None, f"{len(found)} annotation files ({', '.join(str(f.relative_to(raw_dir)) for f in found)}): keep one"
     return (found[0] if found else None), ""
@@ -530,17 +538,18 @@ def _plan_safe(args: tuple[Path, Any, str, Optional[Path], tuple[str, ...]]) -> 
 
 
 def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet: bool = False, workers: int = 1,
-                  classes: tuple[str, ...] = ()) -> pd.DataFrame:
+                  classes: tuple[str, ...] = (), warnings: Optional[list[str]] = None) -> pd.DataFrame:
     """``rec`` (a source of your own's records) with each kept slide's row replaced by one row per patch
     (:func:`plan_patches`, on ``workers`` processes: a thumbnail per slide): id ``<id>#x<X>y<Y>``, column ``patch``,
     the slide's group and subset, and its class, or with ``rules.regions`` the class its region annotations give
     (``original_label`` then the annotation's class, and a column ``label_from``: ``region``, ``outside`` or
     ``slide``; ``classes``: the dataset's, in label order); a slide that gives
     no patch stays one excluded row with the reason. Without ``rules`` (no ``slides`` set) every kept slide is
-    excluded, naming the key that cuts it into patches."""
+    excluded, naming the key that cuts it into patches. With region annotations, ``warnings`` gets a line for slides
+    without an annotation file and for annotation files no slide found (a misspelt name reads as no annotation)."""
     from concurrent.futures import ProcessPoolExecutor
 
-    from fedsilo.data.sources.base import explode_records
+    from fedsilo.data.sources.base import LabelFileError, explode_records, walk
     from fedsilo.utils.progress import Progress
 
     slides = np.flatnonzero((rec["reader"] == "slide").to_numpy() & (rec["excluded"] == "").to_numpy())
@@ -550,16 +559,33 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
     if rules is None:
         rec.loc[rec.index[slides], "excluded"] = f"a whole-slide image (set {key}.slides to cut it into patches)"
         return rec
-    jobs, ambiguous, owners = [], {}, {}
+    jobs, ambiguous, owners, listings = [], {}, {}, {}
     outside_class(rules.regions, tuple(classes), f"{key}.slides")  # a class outside names must be the dataset's
+    if rules.regions is not None and rules.regions.folder is not None and not (raw_dir / rules.regions.folder).is_dir():
+        raise LabelFileError(f"{raw_dir / rules.regions.folder}: no such folder in the source ({key}.slides.regions.folder: "
+                             f"{rules.regions.folder!r}; null: each annotation file beside its slide)")
     for i in slides:
         path = raw_dir / str(rec["path"].iloc[i])
-        found, why = (None, "") if rules.regions is None else annotation_file(path, str(rec["path"].iloc[i]), raw_dir, rules.regions)
+        found, why = ((None, "") if rules.regions is None else
+                      annotation_file(path, str(rec["path"].iloc[i]), raw_dir, rules.regions, listings))
         if why:
             ambiguous[int(i)] = why
         if found is not None:
             owners.setdefault(found, []).append(int(i))
         jobs.append((path, rules, f"{key}.slides", found, tuple(classes)))
+    if rules.regions is not None and warnings is not None:
+        bare = [str(rec["path"].iloc[i]) for i, job in zip(slides, jobs) if job[3] is None and int(i) not in ambiguous]
+        where = f"in {rules.regions.folder}/" if rules.regions.folder is not None else "beside it"
+        if bare:
+            what = {"slide": "take their slide's class", "drop": "are dropped"}.get(rules.regions.outside, f"are {rules.regions.outside}")
+            warnings.append(f"{len(bare)} of {len(slides)} slides have no annotation file (e.g. {bare[0]}: looked for its "
+                            f"name with .geojson, .json or .xml {where}); all their patches {what} ({key}.slides.regions)")
+        if rules.regions.folder is not None:
+            unused = [f for f in walk(raw_dir / rules.regions.folder)
+                      if f.is_file() and f.suffix.lower() in REGION_FILE_SUFFIXES and f not in owners]
+            if unused:
+                warnings.append(f"{len(unused)} annotation files match no slide (e.g. {unused[0].relative_to(raw_dir)}): "
+                                "a file is named after its slide's file, with or without the slide's suffix")
     for found, users in owners.items():  # two slides of one name in a flat annotations folder: neither is labelled by it
         if len(users) > 1:
             for i in users:

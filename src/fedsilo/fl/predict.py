@@ -55,8 +55,10 @@ def _decoder(params: Params, experiment: str, contract: dict[str, Any]):
             reader = "slide" if is_slide_file(path) else "dicom" if is_dicom_file(path) else "standard"
             return (str(path), reader, ds.image_size, ds.square, ds.intensity, ds.percentiles)
     elif isinstance(ds, BenchmarkDatasetParams) and channels == 3:
+        cuts = any(ds.rules(s).slides is not None for s in ds.own_sources())  # a small pyramidal TIFF is a slide too
+
         def job(path: Path) -> tuple:  # as harmonize reads a site's own files: a DICOM grey or colour, to RGB
-            kind = file_reader(path)[0]
+            kind = file_reader(path, cuts)[0]
             reader = {"dicom": "dicom_rgb", "slide": "slide"}.get(kind, "rgb")
             return (str(path), reader, ds.image_size, ds.square, "", (0.0, 100.0))
     else:

@@ -60,13 +60,13 @@ def _level_names(layout: str) -> list[str]:
     return layout.split("/")
 
 
-def file_reader(path: Path) -> tuple[str, str]:
+def file_reader(path: Path, slides: bool = False) -> tuple[str, str]:
     """(reader, why not): ``("slide", "")`` for a whole-slide image (:func:`~fedsilo.data.slides.is_slide_file`, or
     an instance of a DICOM whole-slide image: cut into patches where the rules say ``slides``), ``("image", "")`` for
     an image suffix, ``("dicom", "")`` for a DICOM image (by suffix or preamble: a PACS export's files often have
     none), else ``("", reason)``: not an image file, a DICOM without pixels (a report, a DICOMDIR). A file that cannot
-    be opened is no DICOM here."""
-    if is_slide_file(path):  # before the image suffixes: a pyramidal .tif is a slide, never decoded whole
+    be opened is no DICOM here. ``slides``: the rules cut slides, so a small pyramidal TIFF is one too."""
+    if is_slide_file(path, small_too=slides):  # before the image suffixes: a pyramidal .tif is a slide, never decoded whole
         return "slide", ""
     if path.suffix.lower() in IMAGE_SUFFIXES:
         return "image", ""
@@ -156,7 +156,7 @@ def scan(raw_dir: Path, rules: ImageFolderRules, domain: Optional[str], key: str
             assert pattern is not None
             m = pattern.search(f.name)
             group = m.group(1) if m and m.group(1) else None
-        reader, reason = file_reader(f)
+        reader, reason = file_reader(f, rules.slides is not None)
         if not reason and group is None:
             reason = "not in a group folder (group: folder)" if rules.group == "folder" else "file name does not match the group pattern"
         out.append({"id": rel, "path": rel, "where": str(f), "domain": dom, "subset": subset, "value": named["class"],

@@ -98,13 +98,13 @@ def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str, quiet: bo
     table_path, df = load_table(raw_dir, rules, columns, key)
     classmap = table_classes(rules, key)
     table = Rows(raw_dir)
-    out = []
+    out, cuts = [], rules.slides is not None
     for row, rec, where in table.each(df, table_path, key, quiet):
         rel = _path(raw_dir, rules, table, str(rec[rules.path]).strip(), where)
         value, reason = _label(rec, rules, where)
         if value and classmap.skipped(value):  # before the partition check: a skipped row is no image of its patient's
             reason = f"{classmap.what} skipped ({key}.skip)"
-        files = [(found, *(file_reader(raw_dir / found) if found else ("image", ""))) for found in _files(raw_dir, rel, table, row, where)]
+        files = [(found, *(file_reader(raw_dir / found, cuts) if found else ("image", ""))) for found in _files(raw_dir, rel, table, row, where)]
         if not reason and all(why for _, _, why in files):  # a row with no image (a listed report) is no image of its patient's
             reason = files[0][2]
         # the group is the row's: its patient, else the file, or the folder a study's row names (all its images)
@@ -227,7 +227,7 @@ def _scan_by_patient(raw_dir: Path, rules: ImageTableRules, domain: str, key: st
                 raise LabelFileError(f"{where}: patient {pid!r} is listed again (first on row {first[pid]}); with "
                                      f"{key}.dicom_patient the table has one row per patient, its label every image's")
             first[pid] = row
-            files = [(rel, *file_reader(raw_dir / rel)) for rel in by_patient.pop(pid, [])]
+            files = [(rel, *file_reader(raw_dir / rel, rules.slides is not None)) for rel in by_patient.pop(pid, [])]
         if not files:
             reason = reason or f"no DICOM with this PatientID under {rules.dicom_patient}"
         elif not reason and all(why for _, _, why in files):
