@@ -205,6 +205,8 @@ def test_region_annotations_label_each_patch(tmp_path):
         "ann/); all their patches take their slide's class (datasets.d.folders.lab.slides.regions)",
         "1 annotation files match no slide (e.g. ann/T9.geojson): a file is named after its slide's file, with or without "
         "the slide's suffix"]
+    # the contact sheet shows a class's patches from several slides before a second patch of one
+    assert len({i.split("#")[0] for i in card["samples"]["ids"]["lab"]["tumour"]}) == 3
     # where each patch's class came from, in the records and counted in the card
     assert set(s3["label_from"]) == {"slide"} and set(s2["label_from"]) == {"region", "slide"}
     assert ((s2["label_from"] == "region") == (s2["original_label"] != "normal")).all()

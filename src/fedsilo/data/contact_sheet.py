@@ -4,7 +4,8 @@ files (a MONOCHROME1 radiograph left inverted, a window that flattens, a class f
 site's stain) before anything trains on them.
 
 One row per domain, one block of ``per_class`` tiles per class (the first images of that domain and class in
-``records.parquet``'s order, which is the harmonize order: deterministic); an empty slot is mid-grey. At most
+``records.parquet``'s order, which is the harmonize order: deterministic, one per group first: several patients or
+slides before a second image of any one); an empty slot is mid-grey. At most
 ``MAX_CLASSES`` classes are shown (the first of the class list; the card says so). Names are drawn in ASCII (accents
 dropped; a name in another script as ``domain 2`` / ``class 3``, card.md listing them in order). The PNG is written with
 OpenCV (no timestamp: the same data and OpenCV build give the same bytes; another OpenCV may draw the text otherwise).
@@ -59,6 +60,17 @@ def _text(canvas: np.ndarray, text: str, x: int, y: int, width: int) -> None:
     cv2.putText(canvas, text, (x, y), FONT, scale, (0, 0, 0), thick, cv2.LINE_AA)
 
 
+def spread_over_groups(rows: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """``rows`` (indices in harmonize order) with the first row of each group first, in order, then the others: a
+    class's tiles show several patients or slides before a second image of any one (a slide's 200 patches would
+    otherwise fill them all)."""
+    if rows.size == 0:
+        return rows
+    _, first = np.unique(groups[rows], return_index=True)
+    leaders = rows[np.sort(first)]
+    return np.concatenate([leaders, rows[~np.isin(rows, leaders)]])
+
+
 def write_contact_sheet(path: Path, table: pd.DataFrame, images: Any, classes: list[str]) -> dict[str, Any]:
     """Write the sheet of ``images`` (N x H x W x C uint8, row i <-> ``table`` row i: domain, label, id) to ``path``;
     returns what the card records: the file, images per class, the classes shown and the ids of each tile."""
@@ -72,13 +84,14 @@ def write_contact_sheet(path: Path, table: pd.DataFrame, images: Any, classes: l
         _text(canvas, shown_name(name, f"class {c + 1}"), label_w + c * block, head_h - 7, block - gap)
     ids: dict[str, dict[str, list[str]]] = {}
     labels = table["label"].to_numpy()
+    groups = table["group"].astype(str).to_numpy() if "group" in table.columns else table["id"].astype(str).to_numpy()
     for r, dom in enumerate(domains):
         y = head_h + r * (TILE + gap)
         _text(canvas, shown_name(str(dom), f"domain {r + 1}"), 4, y + TILE // 2 + 4, label_w - 8)
         mine = np.flatnonzero(table["domain"].to_numpy() == dom)
         ids[str(dom)] = {}
         for c, name in enumerate(shown):
-            rows = mine[labels[mine] == c][:k]
+            rows = spread_over_groups(mine[labels[mine] == c], groups)[:k]
             ids[str(dom)][name] = [str(table["id"].iloc[i]) for i in rows]
             for j in range(k):
                 x = label_w + c * block + j * TILE
