@@ -1057,6 +1057,20 @@ def test_a_site_scores_new_image_files_with_the_model_it_kept_as_it_scores_its_h
     assert "no image file given" in capsys.readouterr().err
 
 
+def _kept_rgb_model(tmp_path: Path, card: dict, site: str):
+    """A FedAvg Simple-CNN (quarter width) for a harmonized RGB dataset's 16 px images, kept as a deployed site keeps
+    its model (``model.pt``): (model, the site's stores, the deployment it records)."""
+    from fedsilo.fl.flower import KeptStores
+
+    dep = {"method": {"key": "fedavg", "base": "fedavg", "params": {}}, "seed": 0,
+           "train": {"model": "simple_cnn", "model_width": 0.25, "device": "cpu"},
+           "contract": {"task": card["task"], "classes": list(card["classes"]), "image_shape": [16, 16, 3]}}
+    model = deployment_spec(dep).make_model()
+    kept = KeptStores(tmp_path / "keep", site)
+    kept.save_model(1, model, {"deployment": dep})
+    return model, kept, dep
+
+
 def test_site_predict_scores_a_slides_tissue_patches_and_pools_them(tmp_path, monkeypatch):
     """A whole-slide image given to site predict is cut into tissue patches by the site's own slides rules, each patch
     harmonized and scored as harmonize's patches are (the same pixels, so the model's probabilities on the harmonized
@@ -1068,7 +1082,6 @@ def test_site_predict_scores_a_slides_tissue_patches_and_pools_them(tmp_path, mo
     from fedsilo.config import parse_params
     from fedsilo.data import slides
     from fedsilo.data.harmonize import harmonize_dataset
-    from fedsilo.fl.flower import KeptStores
     from fedsilo.fl.predict import predict_images
     from tests.conftest import small_params
     from tests.test_slides import _slide
@@ -1088,12 +1101,7 @@ def test_site_predict_scores_a_slides_tissue_patches_and_pools_them(tmp_path, mo
     p = parse_params(raw)
     card = harmonize_dataset(p.datasets["d"], tmp_path / "data/raw", tmp_path / "h", quiet=True)
     classes = list(card["classes"])
-    dep = {"method": {"key": "fedavg", "base": "fedavg", "params": {}}, "seed": 0,
-           "train": {"model": "simple_cnn", "model_width": 0.25, "device": "cpu"},
-           "contract": {"task": card["task"], "classes": classes, "image_shape": [16, 16, 3]}}
-    model = deployment_spec(dep).make_model()
-    kept = KeptStores(tmp_path / "keep", "lab")
-    kept.save_model(1, model, {"deployment": dep})
+    model, kept, _ = _kept_rgb_model(tmp_path, card, "lab")
     photo = tmp_path / "new" / "photo.png"
     photo.parent.mkdir()
     import cv2
@@ -1142,12 +1150,7 @@ def test_site_predict_reads_rgb_benchmark_files_as_harmonize_does(tmp_path, caps
     table = pd.read_parquet(harmonized / "records.parquet").iloc[::7].head(8)
     files = [tmp_path / "data/raw/office_caltech10" / f for f in table["source_path"]]
     classes = list(card["classes"])
-    dep = {"method": {"key": "fedavg", "base": "fedavg", "params": {}}, "seed": 0,
-           "train": {"model": "simple_cnn", "model_width": 0.25, "device": "cpu"},
-           "contract": {"task": card["task"], "classes": classes, "image_shape": [16, 16, 3]}}
-    model = deployment_spec(dep).make_model()
-    kept = KeptStores(tmp_path / "keep", "amazon")
-    kept.save_model(1, model, {"deployment": dep})
+    model, kept, dep = _kept_rgb_model(tmp_path, card, "amazon")
     out = tmp_path / "predictions.csv"
     args = ["--params", str(tmp_path / "params.yaml"), "--root", str(tmp_path), "site", "predict", "--experiment", "site"]
     assert main([*args, "--model", str(kept.model_path), "--out", str(out), "--images", *map(str, files)]) == 0
