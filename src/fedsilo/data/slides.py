@@ -403,11 +403,13 @@ def region_labels(regions: list[Region], class_of: Callable[[str], Optional[str]
 
 
 def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Optional[Path] = None,
-                 class_of: Optional[Callable[[str], Optional[str]]] = None) -> tuple[list[tuple[int, int, int, int, int]], list[Optional[tuple[str, str, str]]], str]:
+                 class_of: Optional[Callable[[str], Optional[str]]] = None,
+                 outside: Optional[str] = None) -> tuple[list[tuple[int, int, int, int, int]], list[Optional[tuple[str, str, str]]], str]:
     """The patches of one slide: ``[(x, y, level, w, h), ...]`` (top-left corner in level-0 pixels, the level read
     and the region's size at that level), per patch None (the slide's class) or ``(class, annotation class,
     "region")`` its region annotations give (``(class, outside, "outside")`` where ``regions.outside`` names the class) (``rules.regions``: ``annotations`` the slide's file or None, ``class_of`` an
-    annotation's name -> the dataset's class), and "" or why the slide gives none (no plausible microns per pixel, a
+    annotation's name -> the dataset's class, ``outside`` the class ``regions.outside`` names: :func:`outside_class`),
+    and "" or why the slide gives none (no plausible microns per pixel, a
     scan coarser than the patches, no reduced-resolution level to find the tissue on, smaller than a patch, no tissue,
     no annotated patch where the others are dropped). ``key``: the rules' dotted key, for the reasons. The slide is
     opened here and closed again (never kept open in this process: the decoding workers it forks read their own)."""
@@ -449,7 +451,6 @@ def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Optio
         drop = regions.outside == "drop"
         if annotations is None and drop:
             return [], [], f"no annotation file, and patches outside the regions are dropped ({key}.regions.outside)"
-        outside = None if regions.outside in ("slide", "drop") else class_of(regions.outside)
         if annotations is not None:
             try:
                 drawn = read_regions(annotations)
@@ -530,7 +531,7 @@ def _plan_safe(args: tuple[Path, Any, str, Optional[Path], tuple[str, ...]]) -> 
         classmap = ClassMap(rules.regions, f"{key}.regions", "annotation class", fold=region_fold)
         class_of = functools.partial(classmap.resolver(classes), where=str(annotations or path))
     try:
-        return plan_patches(path, rules, key, annotations, class_of)
+        return plan_patches(path, rules, key, annotations, class_of, outside_class(rules.regions, classes, key))
     except (ImportError, LabelFileError):
         raise
     except Exception as err:  # noqa: BLE001 - a slide tiffslide cannot read is excluded with the reason, as any bad file
