@@ -560,22 +560,30 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
     if rules is None:
         rec.loc[rec.index[slides], "excluded"] = f"a whole-slide image (set {key}.slides to cut it into patches)"
         return rec
-    jobs, ambiguous, owners, listings = [], {}, {}, {}
     outside_class(rules.regions, tuple(classes), f"{key}.slides")  # a class outside names must be the dataset's
     if rules.regions is not None and rules.regions.folder is not None and not (raw_dir / rules.regions.folder).is_dir():
         raise LabelFileError(f"{raw_dir / rules.regions.folder}: no such folder in the source ({key}.slides.regions.folder: "
                              f"{rules.regions.folder!r}; null: each annotation file beside its slide)")
-    for i in slides:
-        path = raw_dir / str(rec["path"].iloc[i])
+    files: dict[int, Optional[Path]] = {}  # each slide's annotation file (None: none, or no regions)
+    ambiguous: dict[int, str] = {}  # slides excluded before planning: two files, or a file another slide finds too
+    owners: dict[Path, list[int]] = {}
+    listings: dict[Path, Any] = {}
+    for i in map(int, slides):
         found, why = ((None, "") if rules.regions is None else
-                      annotation_file(path, str(rec["path"].iloc[i]), raw_dir, rules.regions, listings))
+                      annotation_file(raw_dir / str(rec["path"].iloc[i]), str(rec["path"].iloc[i]), raw_dir, rules.regions, listings))
+        files[i] = found
         if why:
-            ambiguous[int(i)] = why
+            ambiguous[i] = why
         if found is not None:
-            owners.setdefault(found, []).append(int(i))
-        jobs.append((path, rules, f"{key}.slides", found, tuple(classes)))
+            owners.setdefault(found, []).append(i)
+    for found, users in owners.items():  # two slides of one name in a flat annotations folder: neither is labelled by it
+        if len(users) > 1:
+            for i in users:
+                other = next(str(rec["path"].iloc[j]) for j in users if j != i)
+                ambiguous[i] = (f"its annotation file {found.relative_to(raw_dir)} is also the slide {other}'s (mirror the "
+                                f"slides' folders in {key}.slides.regions.folder)")
     if rules.regions is not None and warnings is not None:
-        bare = [str(rec["path"].iloc[i]) for i, job in zip(slides, jobs) if job[3] is None and int(i) not in ambiguous]
+        bare = [str(rec["path"].iloc[i]) for i, f in files.items() if f is None and i not in ambiguous]
         where = f"in {rules.regions.folder}/" if rules.regions.folder is not None else "beside it"
         if bare:
             what = {"slide": "take their slide's class", "drop": "are dropped"}.get(rules.regions.outside, f"are {rules.regions.outside}")
@@ -587,24 +595,20 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
             if unused:
                 warnings.append(f"{len(unused)} annotation files match no slide (e.g. {unused[0].relative_to(raw_dir)}): "
                                 "a file is named after its slide's file, with or without the slide's suffix")
-    for found, users in owners.items():  # two slides of one name in a flat annotations folder: neither is labelled by it
-        if len(users) > 1:
-            for i in users:
-                other = next(str(rec["path"].iloc[j]) for j in users if j != i)
-                ambiguous[i] = (f"its annotation file {found.relative_to(raw_dir)} is also the slide {other}'s (mirror the "
-                                f"slides' folders in {key}.slides.regions.folder)")
+    for i, why in ambiguous.items():
+        rec.loc[rec.index[i], "excluded"] = f"a whole-slide image: {why}"
+    todo = [i for i in map(int, slides) if i not in ambiguous]
+    jobs = [(raw_dir / str(rec["path"].iloc[i]), rules, f"{key}.slides", files[i], tuple(classes)) for i in todo]
     pool = ProcessPoolExecutor(max_workers=min(workers, len(jobs))) if workers > 1 and len(jobs) > 1 else None
     plans: dict[int, list[tuple[int, int, int, int, int]]] = {}
     given: dict[int, list[Optional[tuple[str, str, str]]]] = {}
     patches = 0
-    bar = Progress(len(slides), f"slides {key.rsplit('.', 1)[-1]}", "slide", quiet=quiet)
+    bar = Progress(len(todo), f"slides {key.rsplit('.', 1)[-1]}", "slide", quiet=quiet)
     try:
-        for i, (plan, labels, why) in zip(slides, pool.map(_plan_safe, jobs) if pool is not None else map(_plan_safe, jobs)):
-            why = ambiguous.get(int(i), why)
+        for i, (plan, labels, why) in zip(todo, pool.map(_plan_safe, jobs) if pool is not None else map(_plan_safe, jobs)):
             if why:
-                plan, labels = [], []
                 rec.loc[rec.index[i], "excluded"] = f"a whole-slide image: {why}"
-            plans[int(i)], given[int(i)], patches = plan, labels, patches + len(plan)
+            plans[i], given[i], patches = plan, labels, patches + len(plan)
             bar.update(info=f"{patches} patches")
     finally:
         bar.close()
