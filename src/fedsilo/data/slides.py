@@ -519,9 +519,10 @@ def outside_class(regions: Any, classes: tuple[str, ...], key: str) -> Optional[
     return found
 
 
-def _plan_safe(args: tuple[Path, Any, str, Optional[Path], tuple[str, ...]]) -> tuple[list[tuple[int, int, int, int, int]], list[Optional[tuple[str, str, str]]], str]:
-    """:func:`plan_patches` of one slide, a slide tiffslide cannot read giving its reason (a worker's job); an
-    annotation class that is none of the dataset's ``classes`` stops harmonize (LabelFileError, naming the file)."""
+def plan_or_reason(args: tuple[Path, Any, str, Optional[Path], tuple[str, ...]]) -> tuple[list[tuple[int, int, int, int, int]], list[Optional[tuple[str, str, str]]], str]:
+    """:func:`plan_patches` of one slide, ``(path, rules, key, annotation file or None, the dataset's classes)``, a
+    slide its reader cannot open giving its reason (a harmonize worker's job, and ``site predict``'s); an annotation
+    class that is none of the dataset's ``classes`` stops harmonize (LabelFileError, naming the file)."""
     from fedsilo.data.sources.base import LabelFileError
     from fedsilo.data.sources.classmap import ClassMap
 
@@ -605,7 +606,7 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
     patches = 0
     bar = Progress(len(todo), f"slides {key.rsplit('.', 1)[-1]}", "slide", quiet=quiet)
     try:
-        for i, (plan, labels, why) in zip(todo, pool.map(_plan_safe, jobs) if pool is not None else map(_plan_safe, jobs)):
+        for i, (plan, labels, why) in zip(todo, pool.map(plan_or_reason, jobs) if pool is not None else map(plan_or_reason, jobs)):
             if why:
                 rec.loc[rec.index[i], "excluded"] = f"a whole-slide image: {why}"
             plans[i], given[i], patches = plan, labels, patches + len(plan)

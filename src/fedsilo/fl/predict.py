@@ -99,7 +99,7 @@ def predict_images(params: Params, experiment: str, model_path: Path, files: lis
     ``slide`` and ``patches`` columns are left out."""
     from fedsilo.client.local import predict
     from fedsilo.data.harmonize import decode_all
-    from fedsilo.data.slides import one_entry_per_dicom_slide, plan_patches
+    from fedsilo.data.slides import one_entry_per_dicom_slide, plan_or_reason
     from fedsilo.fl.deploy import load_site_model
 
     model, info = load_site_model(model_path, device)
@@ -117,10 +117,7 @@ def predict_images(params: Params, experiment: str, model_path: Path, files: lis
             errors[i] = e["reason"] or ("" if rules is not None else f"a whole-slide image: {key}")
             if errors[i]:
                 continue
-            try:
-                plan, _, why = plan_patches(Path(paths[i]), rules, key)
-            except Exception as err:  # noqa: BLE001 - a slide its reader cannot open is its row's error
-                plan, why = [], f"unreadable ({type(err).__name__}: {err})"
+            plan, _, why = plan_or_reason((Path(paths[i]), rules, key, None, tuple(classes)))
             errors[i] = f"a whole-slide image: {why}" if why else ""
             for patch in plan:
                 jobs.append((*jobs[i][:6], patch))
