@@ -399,6 +399,12 @@ def test_a_patient_level_table_labels_a_pacs_exports_dicoms_by_their_patient_id(
             _colour_dicom(root / "export" / f"1.2.840.{pid}" / f"{k}.77", rng.integers(0, 256, (12, 12, 3), dtype=np.uint8),
                           patient=pid)
     _colour_dicom(root / "export" / "anon", rng.integers(0, 256, (12, 12, 3), dtype=np.uint8), patient="")
+    import pydicom
+
+    _pixelless_dicom(root / "export" / "1.2.840.00031" / "SR1")  # a report among a listed patient's images
+    report = pydicom.dcmread(root / "export" / "1.2.840.00031" / "SR1")
+    report.PatientID = "00031"
+    report.save_as(root / "export" / "1.2.840.00031" / "SR1")
     (root / "export" / "README.txt").write_text("exported by the PACS")
     (root / "outcomes.csv").write_text("mrn,diagnosis,split\n00017,benign,\n00023,malignant,test\n00031,benign,\n00045,malignant,\n"
                                        "NA,benign,\n")
@@ -411,7 +417,8 @@ def test_a_patient_level_table_labels_a_pacs_exports_dicoms_by_their_patient_id(
     assert dom["by_class"] == {"benign": 4, "malignant": 2}
     assert dom["excluded_by_reason"] == {"its PatientID is in no row of the table": 1, "no PatientID in its DICOM header": 1,
                                          "not a DICOM (datasets.d.tables.clinic.dicom_patient matches DICOMs by their PatientID)": 1,
-                                         "no DICOM with this PatientID under export": 1, "no patient id": 1}
+                                         "no DICOM with this PatientID under export": 1, "no patient id": 1,
+                                         "not an image: a DICOM without pixels (Enhanced SR Storage)": 1}
     assert recs.groupby("group").size().to_dict() == {"clinic/00017": 3, "clinic/00023": 2, "clinic/00031": 1}
     assert set(recs.loc[recs["group"] == "clinic/00023", "subset"]) == {"test"}
     assert set(recs.loc[recs["group"] == "clinic/00017", "original_label"]) == {"benign"}
@@ -432,7 +439,6 @@ def test_a_patient_level_table_labels_a_pacs_exports_dicoms_by_their_patient_id(
     # one PatientID from two issuers is two patients one row cannot tell apart
     _colour_dicom(root / "export" / "other" / "x", rng.integers(0, 256, (12, 12, 3), dtype=np.uint8), patient="00031")
     _colour_dicom(root / "export" / "other" / "y", rng.integers(0, 256, (12, 12, 3), dtype=np.uint8), patient="00031")
-    import pydicom
 
     for name, issuer in (("x", "HOSP-A"), ("y", "HOSP-B")):
         d = pydicom.dcmread(root / "export" / "other" / name)

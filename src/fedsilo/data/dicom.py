@@ -203,6 +203,12 @@ def dicom_image_problem(path: str | Path) -> str:
         ds = pydicom.dcmread(str(path), defer_size="1 KB")
     except (InvalidDicomError, AttributeError, ValueError, RuntimeError, OSError, EOFError, KeyError):
         return ""
+    return dataset_problem(ds)
+
+
+def dataset_problem(ds: Any) -> str:
+    """:func:`dicom_image_problem` of a header already read (``pydicom.dcmread(..., defer_size=...)``: the pixel
+    data's tag must be in it)."""
     sop = ds.get("SOPClassUID", None) or ds.file_meta.get("MediaStorageSOPClassUID", None)
     name = getattr(sop, "name", "") or str(sop or "unknown SOP class")
     if not any(tag in ds for tag in ("PixelData", "FloatPixelData", "DoubleFloatPixelData")):

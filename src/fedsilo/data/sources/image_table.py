@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Optional
 
 from fedsilo.config import ImageTableRules, table_word
-from fedsilo.data.slides import one_entry_per_dicom_slide
+from fedsilo.data.slides import is_slide_file, one_entry_per_dicom_slide
 from fedsilo.data.sources.base import LabelFileError, show, walk
+from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES
 from fedsilo.data.sources.classmap import ClassMap
 from fedsilo.data.sources.image_folder import file_reader
 from fedsilo.data.sources.tables import MISSING, Rows, load_table, relative_path, study_folder
@@ -128,17 +129,18 @@ def _files(raw_dir: Path, rel: str, table: Rows, row: int, where: str) -> list[O
 
 
 def dicom_patients(raw_dir: Path, folder: str, key: str, quiet: bool = True,
-                   table: str = "") -> tuple[dict[str, list[str]], list[tuple[str, str]]]:
+                   table: str = "") -> tuple[dict[str, list[tuple[str, str, str]]], list[tuple[str, str]]]:
     """Every file below ``raw_dir / folder`` but the label table (``table``) and fetch's manifest: the DICOMs (by
-    suffix or preamble) by their header's PatientID (trimmed; a malformed multi-valued one joined with ``\\``), and
-    the files that cannot be matched with why (not a DICOM, a header that cannot be read, no PatientID). A PatientID
-    the headers give with two issuers (IssuerOfPatientID) is an error: one table row cannot tell the two patients
-    apart. Paths are posix, relative to ``raw_dir``."""
+    suffix or preamble) by their header's PatientID (trimmed; a malformed multi-valued one joined with ``\\``), each
+    as ``(path, reader, why not)`` as :func:`~fedsilo.data.sources.image_folder.file_reader` gives it (from the same
+    header read: one read per file), and the files that cannot be matched with why (not a DICOM, a header that cannot
+    be read, no PatientID). A PatientID the headers give with two issuers (IssuerOfPatientID) is an error: one table
+    row cannot tell the two patients apart. Paths are posix, relative to ``raw_dir``."""
     import pydicom
     from pydicom.errors import InvalidDicomError
     from pydicom.multival import MultiValue
 
-    from fedsilo.data.dicom import is_dicom_file
+    from fedsilo.data.dicom import WHOLE_SLIDE_PROBLEM, dataset_problem, is_dicom_file
     from fedsilo.data.fetch import MANIFEST
     from fedsilo.utils.progress import Progress
 
@@ -147,7 +149,7 @@ def dicom_patients(raw_dir: Path, folder: str, key: str, quiet: bool = True,
         raise LabelFileError(f"{base}: no such folder in the source ({key}.dicom_patient: {folder!r})")
     skip = {Path(raw_dir) / table, Path(raw_dir) / MANIFEST}
     files = [f for f in walk(base) if f.is_file() and f not in skip]
-    by_patient: dict[str, list[str]] = {}
+    by_patient: dict[str, list[tuple[str, str, str]]] = {}
     issuers: dict[str, dict[str, str]] = {}
     unmatched: list[tuple[str, str]] = []
     bar = Progress(len(files), f"scan {key.rsplit('.', 1)[-1]}", "file", quiet=quiet)
@@ -162,7 +164,7 @@ def dicom_patients(raw_dir: Path, folder: str, key: str, quiet: bool = True,
             unmatched.append((rel, f"not a DICOM ({key}.dicom_patient matches DICOMs by their PatientID)"))
             continue
         try:
-            ds = pydicom.dcmread(str(f), stop_before_pixels=True, specific_tags=["PatientID", "IssuerOfPatientID"])
+            ds = pydicom.dcmread(str(f), defer_size="1 KB")  # the header, the pixel data's tag without its bytes
         except (InvalidDicomError, AttributeError, ValueError, RuntimeError, OSError, EOFError, KeyError) as err:
             unmatched.append((rel, f"a DICOM whose header cannot be read ({type(err).__name__})"))
             continue
@@ -171,7 +173,12 @@ def dicom_patients(raw_dir: Path, folder: str, key: str, quiet: bool = True,
         if not pid:
             unmatched.append((rel, "no PatientID in its DICOM header"))
             continue
-        by_patient.setdefault(pid, []).append(rel)
+        if f.suffix.lower() in IMAGE_SUFFIXES or is_slide_file(f):  # a DICOM named like a picture: read as a folder's
+            reader, why = file_reader(f)
+        else:  # as file_reader reads a DICOM, from this header
+            problem = dataset_problem(ds)
+            reader, why = ("slide", "") if problem == WHOLE_SLIDE_PROBLEM else ("", f"not an image: {problem}") if problem else ("dicom", "")
+        by_patient.setdefault(pid, []).append((rel, reader, why))
         issuer = str(ds.get("IssuerOfPatientID", "") or "").strip()
         if issuer:
             seen = issuers.setdefault(pid, {})
@@ -227,7 +234,7 @@ def _scan_by_patient(raw_dir: Path, rules: ImageTableRules, domain: str, key: st
                 raise LabelFileError(f"{where}: patient {pid!r} is listed again (first on row {first[pid]}); with "
                                      f"{key}.dicom_patient the table has one row per patient, its label every image's")
             first[pid] = row
-            files = [(rel, *file_reader(raw_dir / rel, rules.slides is not None)) for rel in by_patient.pop(pid, [])]
+            files = by_patient.pop(pid, [])
         if not files:
             reason = reason or f"no DICOM with this PatientID under {rules.dicom_patient}"
         elif not reason and all(why for _, _, why in files):
@@ -237,7 +244,7 @@ def _scan_by_patient(raw_dir: Path, rules: ImageTableRules, domain: str, key: st
             out.append({"id": rel or f"{rules.file}: row {row} (patient {pid})", "path": rel, "where": where, "domain": domain,
                         "subset": subset, "value": value, "group": group, "reason": reason or why, "strict": True,
                         "reader": reader or "image"})
-    unlisted = [(rel, "its PatientID is in no row of the table") for rels in by_patient.values() for rel in rels]
+    unlisted = [(rel, "its PatientID is in no row of the table") for found in by_patient.values() for rel, _, _ in found]
     for rel, why in unmatched + unlisted:
         out.append({"id": rel, "path": rel, "where": str(raw_dir / rel), "domain": domain, "subset": "", "value": "",
                     "group": None, "reason": why, "strict": False, "reader": "image"})
