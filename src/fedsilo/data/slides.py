@@ -395,11 +395,12 @@ def region_labels(regions: list[Region], class_of: Callable[[str], Optional[str]
     best = by_class.argmax(0)
     share = by_class[best, np.arange(nx * ny)]
     labels: list[Optional[str]] = [targets[b] if s >= min_share else None for b, s in zip(best, share)]
-    named: list[Optional[str]] = []
-    for k, cls in enumerate(labels):
-        own = [n for n in names if cls is not None and class_of(n) == cls]
-        named.append(max(own, key=lambda n: share_of[n][k]) if own else None)
-    return labels, named, share
+    named = np.full(nx * ny, None, dtype=object)  # per labelled cell, its class's annotation covering most of it
+    for t, cls in enumerate(targets):
+        own = [n for n in names if class_of(n) == cls]
+        here = (best == t) & (share >= min_share)
+        named[here] = np.array(own, dtype=object)[np.stack([share_of[n] for n in own]).argmax(0)[here]]
+    return labels, named.tolist(), share
 
 
 def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Optional[Path] = None,
