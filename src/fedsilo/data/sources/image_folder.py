@@ -75,11 +75,16 @@ def file_reader(path: Path, slides: bool = False) -> tuple[str, str]:
     except OSError:
         dicom = False
     if dicom:
-        problem = dicom_image_problem(path)
-        if problem == WHOLE_SLIDE_PROBLEM:  # an instance of a DICOM whole-slide image (one per series is kept: scan)
-            return "slide", ""
-        return ("", f"not an image: {problem}") if problem else ("dicom", "")
+        return dicom_reader(dicom_image_problem(path))
     return "", f"not an image file ({path.suffix.lower() or 'no suffix'})"
+
+
+def dicom_reader(problem: str) -> tuple[str, str]:
+    """:func:`file_reader`'s answer for a DICOM, from why it is no picture (:func:`~fedsilo.data.dicom.dataset_problem`):
+    a whole-slide image's instance is a slide (one per series is kept: scan), a DICOM without pixels no image."""
+    if problem == WHOLE_SLIDE_PROBLEM:
+        return "slide", ""
+    return ("", f"not an image: {problem}") if problem else ("dicom", "")
 
 
 def wrapper_hint(raw_dir: Path, rules: ImageFolderRules, key: str) -> str:

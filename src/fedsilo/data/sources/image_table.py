@@ -37,7 +37,7 @@ from fedsilo.data.slides import is_slide_file, one_entry_per_dicom_slide
 from fedsilo.data.sources.base import LabelFileError, show, walk
 from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES
 from fedsilo.data.sources.classmap import ClassMap
-from fedsilo.data.sources.image_folder import file_reader
+from fedsilo.data.sources.image_folder import dicom_reader, file_reader
 from fedsilo.data.sources.tables import MISSING, Rows, load_table, relative_path, study_folder
 
 NO_PATIENT_WARNING = ("has no patient column (patient: null): each row's image (or study folder) is its own group, so two "
@@ -140,7 +140,7 @@ def dicom_patients(raw_dir: Path, folder: str, key: str, quiet: bool = True,
     from pydicom.errors import InvalidDicomError
     from pydicom.multival import MultiValue
 
-    from fedsilo.data.dicom import WHOLE_SLIDE_PROBLEM, dataset_problem, is_dicom_file
+    from fedsilo.data.dicom import dataset_problem, is_dicom_file
     from fedsilo.data.fetch import MANIFEST
     from fedsilo.utils.progress import Progress
 
@@ -176,8 +176,7 @@ def dicom_patients(raw_dir: Path, folder: str, key: str, quiet: bool = True,
         if f.suffix.lower() in IMAGE_SUFFIXES or is_slide_file(f):  # a DICOM named like a picture: read as a folder's
             reader, why = file_reader(f)
         else:  # as file_reader reads a DICOM, from this header
-            problem = dataset_problem(ds)
-            reader, why = ("slide", "") if problem == WHOLE_SLIDE_PROBLEM else ("", f"not an image: {problem}") if problem else ("dicom", "")
+            reader, why = dicom_reader(dataset_problem(ds))
         by_patient.setdefault(pid, []).append((rel, reader, why))
         issuer = str(ds.get("IssuerOfPatientID", "") or "").strip()
         if issuer:
