@@ -22,9 +22,12 @@ from fedsilo.data.harmonize import harmonize_benchmark, to_rgb_square  # noqa: E
 SIDE, MPP0 = 2048, 0.25  # a 0.5 mm square scanned at 40x (0.25 um/px)
 
 
-def _slide(path: Path, centre: tuple[int, int], radius: int, mpp: float | None = MPP0, seed: int = 0) -> np.ndarray:
+def _slide(path: Path, centre: tuple[int, int], radius: int, mpp: float | None = MPP0, seed: int = 0,
+           hamamatsu: tuple[int, int] | None = None) -> np.ndarray:
     """A tiled, JPEG-compressed pyramidal TIFF (levels 1, 4, 16) of a stained disc of tissue on white glass; the
-    resolution tags give ``mpp`` microns per pixel (None: no tags). Returns level 0's pixels as written."""
+    resolution tags give ``mpp`` microns per pixel (None: no tags); ``hamamatsu``: the NDPI tags of a NanoZoomer scan
+    (its format flag, its lens, and this offset of the scan's centre from the slide's centre in nanometres), which
+    tiffslide reads as OpenSlide does. Returns level 0's pixels as written."""
     rng = np.random.default_rng(seed)
     img = np.full((SIDE, SIDE, 3), 238, np.uint8)
     yy, xx = np.mgrid[:SIDE, :SIDE]
@@ -34,7 +37,9 @@ def _slide(path: Path, centre: tuple[int, int], radius: int, mpp: float | None =
     res = (lambda d: {"resolution": (1e4 / (mpp * d), 1e4 / (mpp * d)), "resolutionunit": "CENTIMETER"}) if mpp else (lambda d: {})
     with tifffile.TiffWriter(path) as tif:
         opts = {"tile": (256, 256), "photometric": "rgb", "compression": "jpeg"}
-        tif.write(img, subifds=2, **opts, **res(1))
+        ndpi = [] if hamamatsu is None else [(271, "s", 0, "Hamamatsu", True), (65420, "I", 1, 1, True), (65421, "f", 1, 40.0, True),
+                                             (65422, "i", 1, hamamatsu[0], True), (65423, "i", 1, hamamatsu[1], True)]
+        tif.write(img, subifds=2, **opts, **res(1), extratags=ndpi)
         for d in (4, 16):
             tif.write(np.ascontiguousarray(img[::d, ::d]), subfiletype=1, **opts, **res(d))
     return img
@@ -201,7 +206,7 @@ def test_region_annotations_label_each_patch(tmp_path):
     # the slide without a file and the file without a slide are warned about; a source of slides alone is not warned
     # to have no group rule (each slide is its patches' group)
     assert card["warnings"] == [
-        "1 of 3 slides have no annotation file (e.g. tumour/S3.tif: looked for its name with .geojson, .json or .xml in "
+        "1 of 3 slides have no annotation file (e.g. tumour/S3.tif: looked for its name with .geojson, .json, .xml or .ndpa in "
         "ann/); all their patches take their slide's class (datasets.d.folders.lab.slides.regions)",
         "1 annotation files match no slide (e.g. ann/T9.geojson): a file is named after its slide's file, with or without "
         "the slide's suffix"]
@@ -261,6 +266,60 @@ def test_region_annotations_label_each_patch(tmp_path):
     zero = ClassMap(drop.regions.model_copy(update={"classes": {}}), "k", "annotation class", fold=slides.region_fold)
     with pytest.raises(ValueError, match="annotation class '_0' is not a class of this dataset"):
         zero.resolver(("0", "1"))("_0", "x.xml")
+
+
+def test_ndp_view_annotations_are_placed_by_the_scans_offset_from_the_slide_centre(tmp_path):
+    """Hamamatsu NDP.view's .ndpa (beside its scan, named <scan>.ndpa): coordinates in nanometres from the glass
+    slide's centre, placed by the scan's XOffsetFromSlideCentre / YOffsetFromSlideCentre and microns per pixel; a
+    closed freehand outline and a circle are regions, an open line, a pin and an untitled outline are not; a scan
+    whose header has no offset cannot place them and is excluded with the reason."""
+    import warnings
+
+    warnings.filterwarnings("ignore", "hamamatsu-format metadata", UserWarning)  # tiffslide's note on every NDPI opened
+    off = (-1_234_567, 765_432)
+    root = tmp_path / "raw" / "lab"
+    _slide(root / "normal" / "N1.tif", (1024, 1024), 900, hamamatsu=off)
+    _slide(root / "normal" / "N2.tif", (1024, 1024), 900)  # no NDPI tags: its .ndpa cannot be placed
+
+    def nm(x: float, y: float) -> tuple[int, int]:  # level-0 pixel -> NDP.view's nanometres from the slide's centre
+        return round((x - SIDE / 2) * MPP0 * 1000 + off[0]), round((y - SIDE / 2) * MPP0 * 1000 + off[1])
+
+    def outline(title: str, box: tuple[float, ...], closed: int = 1, kind: str = "AnnotateFreehand") -> str:
+        points = "".join("<point><x>{}</x><y>{}</y></point>".format(*nm(x, y)) for x, y in _square(*box)[:4])
+        return (f'<ndpviewstate id="{title or 0}"><title>{title}</title><coordformat>nanometers</coordformat><lens>40</lens>'
+                f'<annotation type="freehand" displayname="{kind}"><closed>{closed}</closed><pointlist>{points}</pointlist>'
+                '</annotation></ndpviewstate>')
+
+    tumour, centre, radius = (512, 384, 1024, 1280), (1472, 1472), 256
+    cx, cy = nm(*centre)
+    ndpa = ('<?xml version="1.0" encoding="UTF-8" standalone="yes"?><annotations>' + outline("Tumor", tumour)
+            + '<ndpviewstate id="9"><title>Necrosis</title><coordformat>nanometers</coordformat><annotation type="circle" '
+            f'displayname="AnnotateCircle"><x>{cx}</x><y>{cy}</y><radius>{radius * MPP0 * 1000:.0f}</radius></annotation></ndpviewstate>'
+            + outline("Tumor", (0, 0, 2048, 2048), closed=0, kind="AnnotateFreehandLine")  # a line: no area
+            + outline("", (0, 0, 2048, 2048))  # no title: not read
+            + f'<ndpviewstate id="7"><title>Tumor</title><annotation type="pin"><x>{cx}</x><y>{cy}</y></annotation></ndpviewstate>'
+            + "</annotations>")
+    (root / "normal" / "N1.tif.ndpa").write_text(ndpa)  # NDP.view's own name: the scan's file name + .ndpa
+    (root / "normal" / "N2.ndpa").write_text(ndpa)
+    regions = {"folder": None, "classes": {"Tumor": "tumour", "Necrosis": "necrosis"}}
+    rules = {"slides": {"mpp": 1.0, "patch_px": 32, "min_tissue": 0.5, "max_patches": 10_000, "regions": regions}}
+    (root / "tumour").mkdir()
+    (root / "necrosis").mkdir()
+    card, recs, _ = _dataset(tmp_path, "ndpa", rules, classes=("normal", "necrosis", "tumour"))
+    xy = recs["id"].str.extract(r"#x(\d+)y(\d+)$").astype(int).to_numpy()
+    label = recs["original_label"].to_numpy()
+    in_tumour = np.array([_share(x, y, tumour, 128) for x, y in xy])
+    assert (label[in_tumour == 1] == "Tumor").all() and (in_tumour == 1).sum() == 28 and not (label[in_tumour == 0] == "Tumor").any()
+    gap = np.array([np.hypot(x + 64 - centre[0], y + 64 - centre[1]) for x, y in xy])  # patch centre to circle centre
+    inside, outside = gap + 64 * np.sqrt(2) < radius, gap - 64 * np.sqrt(2) > radius  # wholly in, wholly out
+    assert inside.sum() == 5 and (label[inside] == "Necrosis").all() and not (label[outside] == "Necrosis").any()
+    assert set(label) == {"Tumor", "Necrosis", "normal"}  # the line and the pin labelled nothing
+    reasons = card["domains"]["lab"]["excluded_by_reason"]
+    assert reasons["a slide's region annotations"] == 2  # the .ndpa files beside their scans, each said to be one
+    assert [r for r in reasons if "N2" in r] == [
+        "a whole-slide image: its annotation file N2.ndpa cannot be read (ValueError: an NDP.view annotation is placed by "
+        "its NDPI scan's offset from the slide centre (hamamatsu.XOffsetFromSlideCentre / YOffsetFromSlideCentre), which "
+        "this slide's header does not give: is it the NDPI scan the annotation was drawn on?)"]
 
 
 def test_region_raster_innermost_region_and_min_share():

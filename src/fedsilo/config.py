@@ -398,16 +398,16 @@ FOLDER_LAYOUTS = ("class", "subset/class", "domain/class", "domain/subset/class"
 
 class RegionRules(Strict):
     """Region annotations of whole-slide images (``fedsilo.data.slides``): polygons drawn on the slides by a
-    pathologist, one annotation file per slide (QuPath's GeoJSON export, ASAP's XML as CAMELYON16 ships it, or Aperio
-    ImageScope's XML), each polygon named by its class; a patch takes the class whose regions cover ``min_share`` of it
+    pathologist, one annotation file per slide (QuPath's GeoJSON export, ASAP's XML as CAMELYON16 ships it, Aperio
+    ImageScope's XML, or Hamamatsu NDP.view's .ndpa), each polygon named by its class; a patch takes the class whose regions cover ``min_share`` of it
     or more (where regions overlap, the smaller one: a region drawn inside another, an ASAP exclusion inside a
     tumour, is what lies there)."""
 
     folder: Optional[str] = Field(None, description="the folder inside the source's folder that holds one annotation file "
-                                  "per slide (<slide>.geojson, .json or .xml, named after the slide's file with or without "
+                                  "per slide (<slide>.geojson, .json, .xml or .ndpa, named after the slide's file with or without "
                                   "its suffix, or mirroring the slide's folders); null = beside each slide")
     classes: dict[str, str] = Field(default_factory=dict, description="an annotation's class (QuPath's classification, "
-                                    "ASAP's PartOfGroup, ImageScope's region Text or layer Name) -> the dataset's class, "
+                                    "ASAP's PartOfGroup, ImageScope's region Text or layer Name, NDP.view's title) -> the dataset's class, "
                                     "for names that differ (default: the class of the same name, ignoring case only: "
                                     "ASAP's _0 is no class 0)")
     skip: tuple[str, ...] = Field((), description="annotation classes that label nothing: their polygons hide what lies "

@@ -11,7 +11,8 @@ slide, or the patient ``group`` / ``patient`` names), so a slide's patches never
 its resolution (never a coarser one) and resized to the dataset's ``image_size`` with the other images.
 
 With ``slides.regions`` a patch is labelled from the slide's region annotations instead (:func:`read_regions`:
-QuPath's GeoJSON export, ASAP's XML as CAMELYON16 ships it): the polygons are drawn on a raster aligned with the patch
+QuPath's GeoJSON export, ASAP's XML as CAMELYON16 ships it, Aperio ImageScope's XML, Hamamatsu NDP.view's ``.ndpa``
+placed on its NDPI scan by the scan's header): the polygons are drawn on a raster aligned with the patch
 grid (:data:`REGION_SUBCELLS` cells a side per patch), the larger regions first so that a region drawn inside another
 (an ASAP exclusion inside a tumour, a QuPath annotation inside its parent) is what lies there, and a patch takes the
 class whose regions cover ``regions.min_share`` of it or more; a patch no class covers enough takes the slide's own
@@ -30,7 +31,7 @@ import math
 import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 import pandas as pd
@@ -45,7 +46,8 @@ MIN_TISSUE_SATURATION = 16  # of 255: blurred saturation below this is glass, wh
 THUMBNAIL_PX = 2048  # the longer side of the thumbnail the tissue is found on
 REGION_SUBCELLS = 8  # a patch's side in cells of the raster the region annotations are drawn on
 REGION_RASTER_CELLS = 16_000_000  # at most this many raster cells per slide (fewer per patch on a very fine grid)
-REGION_FILE_SUFFIXES = (".geojson", ".json", ".xml")  # QuPath's GeoJSON export, ASAP's XML (CAMELYON16's)
+REGION_FILE_SUFFIXES = (".geojson", ".json", ".xml", ".ndpa")  # QuPath's GeoJSON, ASAP's / ImageScope's XML, NDP.view's
+NDPA_MICRONS = {"nanometers": 1e-3, "micrometers": 1.0, "millimeters": 1e3}  # an NDP.view coordformat's unit in microns
 QUPATH_02_NOT_REGIONS = ("PathDetectionObject", "PathCellObject", "PathTileObject")
 ASAP_SHAPES = ("Polygon", "Spline", "Rectangle")  # ASAP annotation types that enclose an area (a Spline by its points)
 INSTALL_HINT = ("whole-slide images are read with tiffslide (DICOM ones with OpenSlide): in fedsilo's checkout, "
@@ -253,22 +255,108 @@ def _imagescope_regions(root: ET.Element) -> list[Region]:
     return out
 
 
-def read_regions(path: Path) -> list[Region]:
+class SlideFrame(NamedTuple):
+    """Where a slide's level-0 pixels lie on the glass, for annotations drawn in physical units (NDP.view's): its
+    size in pixels, microns per pixel along x and y, and the scan's centre's offset from the slide's centre in
+    nanometres (Hamamatsu's ``XOffsetFromSlideCentre`` / ``YOffsetFromSlideCentre``; None: the header has none)."""
+
+    width: int
+    height: int
+    mpp_x: float
+    mpp_y: float
+    offset_nm: Optional[tuple[float, float]]
+
+
+def slide_frame(slide: Any, mpp0: float) -> SlideFrame:
+    """An open slide's :class:`SlideFrame` (``mpp0``: its microns per level-0 pixel, :func:`level0_mpp`; the y
+    resolution from the header where it gives a plausible one, else ``mpp0``)."""
+    props = slide.properties
+
+    def number(*keys: str) -> Optional[float]:
+        for key in keys:
+            try:
+                return float(props[key])
+            except (KeyError, TypeError, ValueError):
+                continue
+        return None
+
+    mpp_y = number("tiffslide.mpp-y", "openslide.mpp-y")
+    if mpp_y is None or not PLAUSIBLE_MPP[0] <= mpp_y <= PLAUSIBLE_MPP[1]:
+        mpp_y = mpp0
+    off = (number("hamamatsu.XOffsetFromSlideCentre"), number("hamamatsu.YOffsetFromSlideCentre"))
+    width, height = slide.dimensions
+    return SlideFrame(int(width), int(height), float(mpp0), float(mpp_y),
+                      None if off[0] is None or off[1] is None else (off[0], off[1]))
+
+
+def _ndpa_regions(root: ET.Element, frame: Optional[SlideFrame]) -> list[Region]:
+    """The regions of a Hamamatsu NDP.view annotation file (``<annotations>``: one ``ndpviewstate`` per annotation,
+    its class the ``title``). Its coordinates are physical (``coordformat``: nanometres as NDP.view writes them, or
+    micro- / millimetres) and measured from the centre of the glass slide, so they are placed on the scan by its
+    header (``frame``): pixel = (coordinate - the scan's offset from the slide centre) / microns per pixel + half the
+    scan's size. A closed freehand outline or a rectangle (``type="freehand"``, ``closed`` not 0) is a polygon; a
+    circle (``x``, ``y``, ``radius``) a 256-point polygon; an open freehand line, a pin or a linear measure encloses no
+    area and is not read; an annotation with no title is not read."""
+    if frame is None or frame.offset_nm is None:
+        raise ValueError("an NDP.view annotation is placed by its NDPI scan's offset from the slide centre "
+                         "(hamamatsu.XOffsetFromSlideCentre / YOffsetFromSlideCentre), which this slide's header "
+                         "does not give: is it the NDPI scan the annotation was drawn on?")
+    off_x, off_y = (v / 1000 for v in frame.offset_nm)  # microns
+    out: list[Region] = []
+    for n, view in enumerate(root.iter("ndpviewstate")):
+        title = (view.findtext("title") or "").strip()
+        ann = view.find("annotation")
+        if not title or ann is None:
+            continue
+        where = f"annotation {view.get('id') or n} ({title})"
+        unit = (view.findtext("coordformat") or "nanometers").strip().lower()
+        if unit not in NDPA_MICRONS:
+            raise ValueError(f"{where}: coordformat {unit!r}, not one of {', '.join(NDPA_MICRONS)}")
+        um = NDPA_MICRONS[unit]
+
+        def pixels(x: Any, y: Any, um: float = um) -> np.ndarray:
+            x = np.asarray(x, dtype=np.float64) * um
+            y = np.asarray(y, dtype=np.float64) * um
+            return np.c_[(x - off_x) / frame.mpp_x + frame.width / 2, (y - off_y) / frame.mpp_y + frame.height / 2]
+
+        kind = (ann.get("type") or "").strip().lower()
+        if kind == "circle":
+            cx, cy, r = (_number(ann.findtext(tag), where) for tag in ("x", "y", "radius"))
+            t = np.linspace(0, 2 * np.pi, 256, endpoint=False)
+            ring = pixels(cx + r * np.cos(t), cy + r * np.sin(t))
+        elif kind == "freehand" and (ann.findtext("closed") or "1").strip() != "0":
+            points = [[_number(p.findtext("x"), where), _number(p.findtext("y"), where)] for p in ann.iter("point")]
+            if len(points) < 3:
+                continue
+            arr = np.asarray(points)
+            ring = pixels(arr[:, 0], arr[:, 1])
+        else:
+            continue
+        out.append((title, [_ring(ring, where)]))
+    return out
+
+
+def read_regions(path: Path, frame: Optional[SlideFrame] = None) -> list[Region]:
     """The classified areas of one slide's annotation file, in level-0 pixels: ``[(class name, [exterior, hole,
     ...]), ...]``. A ``.geojson`` / ``.json`` is QuPath's export (a FeatureCollection, a Feature or a list of
     Features; the class is ``properties.classification.name``; detections, cells and tiles, ``objectType`` other than
     ``annotation`` or QuPath 0.2's ``id`` naming them, are not regions); an ``.xml`` is ASAP's (``Annotation``
     elements of type Polygon, Spline or Rectangle, the class their ``PartOfGroup``, the points their ``Coordinate``s
-    in ``Order``) or Aperio ImageScope's (:func:`_imagescope_regions`). An annotation without a class is not read;
-    one with too few or non-numeric points, or a file of none of these forms, is a ValueError."""
+    in ``Order``) or Aperio ImageScope's (:func:`_imagescope_regions`); an ``.ndpa`` is Hamamatsu NDP.view's, placed
+    by the slide's ``frame`` (:func:`_ndpa_regions`). An annotation without a class is not read; one with too few or
+    non-numeric points, or a file of none of these forms, is a ValueError."""
     out: list[Region] = []
-    if path.suffix.lower() == ".xml":
+    if path.suffix.lower() in (".xml", ".ndpa"):
         root = ET.parse(path).getroot()
+        if root.tag == "annotations":
+            return _ndpa_regions(root, frame)
+        if path.suffix.lower() == ".ndpa":
+            raise ValueError(f"an .ndpa whose root is <{root.tag}>, not NDP.view's <annotations>")
         if root.tag == "Annotations":
             return _imagescope_regions(root)
         if root.tag != "ASAP_Annotations":
-            raise ValueError(f"an XML whose root is <{root.tag}>, neither ASAP's <ASAP_Annotations> nor Aperio "
-                             "ImageScope's <Annotations>")
+            raise ValueError(f"an XML whose root is <{root.tag}>, neither ASAP's <ASAP_Annotations>, Aperio "
+                             "ImageScope's <Annotations> nor NDP.view's <annotations>")
         for n, ann in enumerate(root.iter("Annotation")):
             group = (ann.get("PartOfGroup") or "").strip()
             if ann.get("Type", "Polygon") not in ASAP_SHAPES or group in ("", "None"):
@@ -431,6 +519,7 @@ def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Optio
         down = float(slide.level_downsamples[level])
         read = max(1, round(side0 / down))
         thumb = np.asarray(slide.get_thumbnail((THUMBNAIL_PX, THUMBNAIL_PX)).convert("RGB"))
+        frame = slide_frame(slide, mpp0)
     mask = tissue_mask(thumb).astype(np.float64)
     sy, sx = mask.shape[0] / height, mask.shape[1] / width
     integral = np.pad(mask.cumsum(0).cumsum(1), ((1, 0), (1, 0)))
@@ -454,7 +543,7 @@ def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Optio
             return [], [], f"no annotation file, and patches outside the regions are dropped ({key}.regions.outside)"
         if annotations is not None:
             try:
-                drawn = read_regions(annotations)
+                drawn = read_regions(annotations, frame)
             except (OSError, ValueError, ET.ParseError) as err:
                 return [], [], f"its annotation file {annotations.name} cannot be read ({type(err).__name__}: {err})"
             labels, named, _ = region_labels(drawn, class_of, xs, ys, step, regions.min_share)
@@ -590,7 +679,7 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
         if bare:
             what = {"slide": "take their slide's class", "drop": "are dropped"}.get(rules.regions.outside, f"are {rules.regions.outside}")
             warnings.append(f"{len(bare)} of {len(slides)} slides have no annotation file (e.g. {bare[0]}: looked for its "
-                            f"name with .geojson, .json or .xml {where}); all their patches {what} ({key}.slides.regions)")
+                            f"name with .geojson, .json, .xml or .ndpa {where}); all their patches {what} ({key}.slides.regions)")
         if rules.regions.folder is not None:
             unused = [f for f in walk(raw_dir / rules.regions.folder)
                       if f.is_file() and f.suffix.lower() in REGION_FILE_SUFFIXES and f not in owners]
@@ -599,6 +688,11 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
                                 "a file is named after its slide's file, with or without the slide's suffix")
     for i, why in ambiguous.items():
         rec.loc[rec.index[i], "excluded"] = f"a whole-slide image: {why}"
+    if owners:  # an annotation file beside its slide was listed as a file of the source: say whose it is
+        paths = {raw_dir / str(p): k for k, p in enumerate(rec["path"])}
+        for found in owners:
+            if found in paths and rec["reader"].iloc[paths[found]] != "slide":
+                rec.loc[rec.index[paths[found]], "excluded"] = "a slide's region annotations"
     todo = [i for i in map(int, slides) if i not in ambiguous]
     jobs = [(raw_dir / str(rec["path"].iloc[i]), rules, f"{key}.slides", files[i], tuple(classes)) for i in todo]
     pool = ProcessPoolExecutor(max_workers=min(workers, len(jobs))) if workers > 1 and len(jobs) > 1 else None
