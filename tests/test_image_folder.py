@@ -206,6 +206,11 @@ def test_the_folders_mistakes_are_refused_by_path_and_key(tmp_path):
     ({"datasets": {"crc": {"kind": "cifar10", "sources": ["cifar10", "path_lab"]}}}, r"sources: 'path_lab' is not a source of cifar10"),
     ({"datasets": {"crc": {"kind": "image_folder", "sources": None}}}, r"kind image_folder needs your own sources"),
     ({"datasets": {"crc": {"kind": "image_folder", "sources": ["path_lab"], "classes": ["a", "a"]}}}, r"a listed twice"),
+    # a region annotation's target or outside class misspelt: refused when the params are read, not at harmonize
+    ({"datasets": {"crc": {"kind": "image_folder", "sources": ["path_lab"], "classes": ["normal", "tumour"], "folders": {"path_lab": {
+        "slides": {"regions": {"classes": {"_0": "tumor"}}}}}}}}, r"folders\.path_lab\.slides\.regions\.classes\._0: 'tumor' is not among classes"),
+    ({"datasets": {"crc": {"kind": "image_folder", "sources": ["path_lab"], "classes": ["normal", "tumour"], "folders": {"path_lab": {
+        "slides": {"regions": {"classes": {"_0": "Tumour"}, "outside": "norm"}}}}}}}, r"slides\.regions\.outside: 'norm' is none of slide, drop"),
 ])
 def test_params_refuse_what_the_reader_cannot_read(change, message):
     raw = _joined()

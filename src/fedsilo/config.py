@@ -650,6 +650,17 @@ class BenchmarkDatasetParams(Strict):
                     for value, cls in rules.classes.items():
                         if loose_name(table_word(cls)) not in loose:  # as harmonize matches it
                             raise ValueError(f"{section}.{s}.classes.{value}: {cls!r} is not among classes ({', '.join(self.classes)})")
+                    regions = rules.slides.regions if getattr(rules, "slides", None) is not None else None
+                    if regions is None:
+                        continue
+                    exact = {c.strip().casefold() for c in self.classes}  # annotation classes: case aside only
+                    for value, cls in regions.classes.items():
+                        if cls.strip().casefold() not in exact:
+                            raise ValueError(f"{section}.{s}.slides.regions.classes.{value}: {cls!r} is not among classes "
+                                             f"({', '.join(self.classes)})")
+                    if regions.outside not in ("slide", "drop") and regions.outside.strip().casefold() not in exact:
+                        raise ValueError(f"{section}.{s}.slides.regions.outside: {regions.outside!r} is none of slide, drop "
+                                         f"or a class ({', '.join(self.classes)})")
         for section, reader in (("folders", "image_folder"), ("tables", "image_table")):
             for s in getattr(self, section):
                 if s not in self.source_list:
