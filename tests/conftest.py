@@ -38,6 +38,7 @@ def paper_params(paper: str, scale: str, check: bool = True):
 
     root = yaml.safe_load((REPO / "params.yaml").read_text())
     root["pipeline"]["datasets"] = list(root["datasets"])
+    root["pipeline"]["sources"] = list(root["sources"])  # and their sources, fetched
     tmp = REPO / ".pytest_cache" / f"root_params_{paper}_{scale}.yaml"
     tmp.parent.mkdir(exist_ok=True)
     part = tmp.with_name(f"{tmp.name}.{os.getpid()}")

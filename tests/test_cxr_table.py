@@ -258,6 +258,7 @@ def test_a_public_source_still_has_no_reader_and_digits_refuse_a_table():
     raw = _params()
     raw["sources"]["chest_xray4_released"] = {"mode": "mirror"}
     raw["datasets"]["chest_xray4"]["sources"] = ["chest_xray4_released", "st_marys"]
+    raw["pipeline"]["sources"] = ["chest_xray4_released", "st_marys"]
     assert parse_params(raw).datasets["chest_xray4"].own_sources() == ("st_marys",)
 
 
@@ -268,6 +269,7 @@ def test_a_papers_pipeline_refuses_a_dataset_that_holds_a_hospitals_own_source(t
     root = yaml.safe_load((REPO / "params.yaml").read_text())
     root["sources"]["st_marys"] = {"mode": "mirror", "reader": "cxr_table"}
     root["datasets"]["chest_xray4"]["sources"] = list(root["datasets"]["chest_xray4"].get("sources", ["chexpert", "openi", "rsna", "vinbigdata"])) + ["st_marys"]
+    root["pipeline"]["sources"].append("st_marys")
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(root))
     paper = REPO / "pipelines" / "pfeddb" / "params.yaml"
     raw = yaml.safe_load(paper.read_text())

@@ -221,10 +221,19 @@ def test_params_refuse_what_the_reader_cannot_read(change, message):
         parse_params(raw)
 
 
+def test_a_pipeline_harmonizes_only_datasets_whose_sources_it_fetches():
+    raw = _joined()
+    raw["pipeline"]["sources"] = ["kather_crc"]
+    with pytest.raises(ConfigError, match=r"pipeline\.datasets: 'crc' is harmonized from path_lab, which is not in pipeline\.sources "
+                                          r"\(add it there: no stage would fetch data/raw/path_lab\)"):
+        parse_params(raw)
+
+
 def test_two_folders_of_your_own_form_two_domains_and_a_paper_keeps_to_the_public_ones(tmp_path):
     raw = _joined()
     raw["sources"]["gp_lab"] = {"mode": "mirror", "reader": "image_folder"}
     raw["datasets"]["crc"]["sources"].append("gp_lab")
+    raw["pipeline"]["sources"].append("gp_lab")
     raw["datasets"]["crc"]["folders"]["gp_lab"] = {"domain": "path lab"}
     with pytest.raises(ConfigError, match=r"folders\.gp_lab\.domain: 'path lab' is also the domain of path_lab"):
         parse_params(raw)

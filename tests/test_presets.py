@@ -150,7 +150,8 @@ def test_every_run_of_every_preset_builds_its_method_on_its_backbone(preset):
     from fedsilo.methods.registry import resolve_method
 
     root = yaml.safe_load((REPO / "params.yaml").read_text())
-    root["pipeline"]["datasets"] = list(root["datasets"])  # the paper scales' datasets, as the README says to add them
+    root["pipeline"]["datasets"] = list(root["datasets"])
+    root["pipeline"]["sources"] = list(root["sources"])  # and their sources, fetched  # the paper scales' datasets, as the README says to add them
     tmp_root = REPO / ".pytest_cache" / f"root_params_{preset.replace('/', '_')}"
     tmp_root.parent.mkdir(exist_ok=True)
     tmp_root.write_text(yaml.safe_dump(root))

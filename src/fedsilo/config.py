@@ -1186,6 +1186,13 @@ class Params(Strict):
             for item in getattr(self.pipeline, key):
                 if item not in known:
                     raise ValueError(f"pipeline.{key}: '{item}' is not defined under '{key}'")
+        for d in self.pipeline.datasets:  # harmonize@<d> reads data/raw/<s>, which only fetch@<s> writes
+            missing = [s for s in self.datasets[d].source_list if s not in self.pipeline.sources]
+            if missing:
+                raise ValueError(f"pipeline.datasets: '{d}' is harmonized from {', '.join(missing)}, which "
+                                 f"{'is' if len(missing) == 1 else 'are'} not in pipeline.sources (add "
+                                 f"{'it' if len(missing) == 1 else 'them'} there: no stage would fetch "
+                                 + ", ".join(f"data/raw/{s}" for s in missing) + ")")
         return self
 
 
