@@ -211,6 +211,8 @@ def test_the_folders_mistakes_are_refused_by_path_and_key(tmp_path):
         "slides": {"regions": {"classes": {"_0": "tumor"}}}}}}}}, r"folders\.path_lab\.slides\.regions\.classes\._0: 'tumor' is not among classes"),
     ({"datasets": {"crc": {"kind": "image_folder", "sources": ["path_lab"], "classes": ["normal", "tumour"], "folders": {"path_lab": {
         "slides": {"regions": {"classes": {"_0": "Tumour"}, "outside": "norm"}}}}}}}, r"slides\.regions\.outside: 'norm' is none of slide, drop"),
+    ({"datasets": {"crc": {"folders": {"path_lab": {"slides": {"regions": {"skip": ["Nucleus"], "ignore": ["nucleus"]}}}}}}},
+     r"regions: skip and ignore both name nucleus"),
 ])
 def test_params_refuse_what_the_reader_cannot_read(change, message):
     raw = _joined()

@@ -344,9 +344,11 @@ def test_region_raster_innermost_region_and_min_share():
 
 
 def _dicom_level(path: Path, img: np.ndarray, mpp: float, series: tuple[str, str, str], flavour: str = "VOLUME",
-                 tile: int = 256) -> None:
+                 tile: int = 256, origin_mm: tuple[float, float] = (0.0, 0.0)) -> None:
     """One instance of a DICOM whole-slide image (VL Whole Slide Microscopy Image, TILED_FULL, uncompressed RGB
-    tiles): ``img`` at ``mpp`` microns per pixel, of the series ``(study, series, frame of reference)`` UIDs."""
+    tiles): ``img`` at ``mpp`` microns per pixel, of the series ``(study, series, frame of reference)`` UIDs, its
+    top-left pixel at ``origin_mm`` in the slide coordinate system, oriented as scanners write it (along a row the
+    slide's Y decreases, down a column its X)."""
     from pydicom.dataset import Dataset, FileMetaDataset
     from pydicom.sequence import Sequence
     from pydicom.uid import ExplicitVRLittleEndian, generate_uid
@@ -372,8 +374,12 @@ def _dicom_level(path: Path, img: np.ndarray, mpp: float, series: tuple[str, str
     ds.DimensionOrganizationType = "TILED_FULL"
     ds.ImagedVolumeWidth, ds.ImagedVolumeHeight, ds.ImagedVolumeDepth = w * mpp / 1000, h * mpp / 1000, 0.001
     origin = Dataset()
-    origin.XOffsetInSlideCoordinateSystem = origin.YOffsetInSlideCoordinateSystem = 0
+    origin.XOffsetInSlideCoordinateSystem, origin.YOffsetInSlideCoordinateSystem = origin_mm
     ds.TotalPixelMatrixOriginSequence = Sequence([origin])
+    ds.ImageOrientationSlide = [0, -1, 0, -1, 0, 0]
+    ds.PatientName, ds.StudyID, ds.SeriesNumber, ds.InstanceNumber = "Test^Slide", "1", 1, 1
+    ds.StudyDate, ds.StudyTime, ds.AccessionNumber, ds.ReferringPhysicianName = "20260101", "120000", "A1", ""
+    ds.PatientBirthDate, ds.PatientSex = "", ""
     measures = Dataset()
     measures.PixelSpacing, measures.SliceThickness = [mpp / 1000, mpp / 1000], 0.001
     shared = Dataset()
@@ -443,6 +449,85 @@ def test_dicom_whole_slide_images_are_read_through_openslide(tmp_path, monkeypat
     s1 = recs[recs["source_path"] == "tumour/S1/9.dcm"]
     x = s1["id"].str.extract(r"#x(\d+)y")[0].astype(int)
     assert set(s1.loc[x + 128 <= 1024, "original_label"]) == {"normal"} and set(s1.loc[x >= 1024, "original_label"]) == {"tumour"}
+
+
+def test_dicom_annotation_objects_label_a_dicom_slides_patches(tmp_path):
+    """DICOM Microscopy Bulk Simple Annotations (made with highdicom) are found by the series they reference and
+    placed on the slide: 3D coordinates (millimetres on the glass, through the level-0 image's origin and
+    orientation) and 2D ones in a coarser level's pixels; an ellipse by its axes; an ignored class (nuclei inside the
+    tumour) hides nothing, points enclose nothing; a group's class is its property type, or its label."""
+    pytest.importorskip("openslide")
+    hd = pytest.importorskip("highdicom")
+    import pydicom
+    from pydicom.sr.codedict import codes
+    from pydicom.uid import generate_uid
+
+    root = tmp_path / "raw" / "lab"
+    img = np.full((1024, 1024, 3), 238, np.uint8)
+    img[128:896, 128:896] = (np.random.default_rng(0).integers(0, 50, (768, 768, 3)) + np.array([170, 70, 140])).astype(np.uint8)
+    origin, mm = (20.0, 40.0), MPP0 / 1000
+    for name in ("S1", "S2"):
+        uids = (generate_uid(), generate_uid(), generate_uid())
+        for d in (1, 4):
+            _dicom_level(root / "tumour" / name / f"L{d}.dcm", np.ascontiguousarray(img[::d, ::d]), MPP0 * d, uids, origin_mm=origin)
+    for cls in ("normal", "necrosis"):
+        (root / cls).mkdir()
+    (root / "ann").mkdir()
+
+    def group(number, label, meaning, shape, data):
+        return hd.ann.AnnotationGroup(
+            number=number, uid=generate_uid(), label=label, annotated_property_category=codes.SCT.MorphologicallyAbnormalStructure,
+            annotated_property_type=hd.sr.CodedConcept("0", "99TEST", meaning), graphic_type=shape, graphic_data=data,
+            algorithm_type=hd.ann.AnnotationGroupGenerationTypeValues.MANUAL)
+
+    def save(source, kind, groups, name):
+        ann = hd.ann.MicroscopyBulkSimpleAnnotations(
+            source_images=[source], annotation_coordinate_type=kind, annotation_groups=groups, series_instance_uid=generate_uid(),
+            series_number=2, sop_instance_uid=generate_uid(), instance_number=1, manufacturer="fedsilo test",
+            manufacturer_model_name="test", software_versions="1", device_serial_number="1")
+        ann.save_as(root / "ann" / name)
+
+    def slide_mm(col: float, row: float) -> list[float]:  # image coordinates (corner at 0, 0) -> the slide's millimetres
+        return [origin[0] - (row - 0.5) * mm, origin[1] - (col - 0.5) * mm, 0.0]
+
+    # S1, in 3D: the tumour is the left half; a nucleus covers 61 % of its top-left tissue patch; centroids are points
+    s1 = pydicom.dcmread(root / "tumour" / "S1" / "L1.dcm")
+    box = lambda x0, y0, x1, y1: np.array([slide_mm(x, y) for x, y in _square(x0, y0, x1, y1)[:4]])  # noqa: E731
+    save(s1, "3D", [group(1, "Tumour outline", "Neoplasm", "POLYGON", [box(0, 0, 512, 1024)]),
+                    group(2, "nuclei", "Nucleus", "POLYGON", [box(138, 138, 238, 238)]),
+                    group(3, "centroids", "Nucleus centre", "POINT", [np.array([slide_mm(700, 700)])])], "1.2.3.dcm")
+    # S2, in 2D in its level 1's pixels (a quarter of level 0's): a necrosis ellipse of radius 256 around (512, 512)
+    s2_level1 = pydicom.dcmread(root / "tumour" / "S2" / "L4.dcm")
+    axes = np.array([[64.0, 128.0], [192.0, 128.0], [128.0, 64.0], [128.0, 192.0]])
+    save(s2_level1, "2D", [group(1, "necrosis", "Necrosis", "ELLIPSE", [axes])], "4.5.6.dcm")
+
+    regions = {"folder": "ann", "classes": {"Neoplasm": "tumour"}, "ignore": ["Nucleus", "Nucleus centre"], "outside": "normal",
+               "min_share": 0.99}
+    rules = {"skip": ["ann"], "slides": {"mpp": 1.0, "patch_px": 32, "min_tissue": 0.5, "max_patches": 10_000, "regions": regions}}
+    card, recs, _ = _dataset(tmp_path, "dicom_ann", rules, classes=("normal", "necrosis", "tumour"))
+    xy = recs["id"].str.extract(r"#x(\d+)y(\d+)$").astype(int).to_numpy()
+    s1_rows = (recs["source_path"] == "tumour/S1/L1.dcm").to_numpy()
+    label = recs["original_label"].to_numpy()
+    assert s1_rows.sum() == 36 and (label[s1_rows & (xy[:, 0] < 512)] == "Neoplasm").all()  # the nucleus hid nothing
+    assert (label[s1_rows & (xy[:, 0] >= 512)] == "normal").all()
+    gap = np.hypot(xy[:, 0] + 64 - 512, xy[:, 1] + 64 - 512)
+    s2_rows = (recs["source_path"] == "tumour/S2/L1.dcm").to_numpy()
+    inside, outside = s2_rows & (gap + 64 * np.sqrt(2) < 256), s2_rows & (gap - 64 * np.sqrt(2) > 256)
+    assert inside.sum() == 4 and (label[inside] == "Necrosis").all() and (label[outside] == "normal").all()
+    assert card["domains"]["lab"]["excluded_by_reason"]["a slide's region annotations"] == 2  # found by UID, said to be theirs
+
+    # a group's class by its label; a DICOM annotation on a slide that is no DICOM cannot be placed
+    with slides.open_slide(str(root / "tumour" / "S1" / "L1.dcm")) as slide:
+        frame = slides.slide_frame(slide, MPP0, root / "tumour" / "S1" / "L1.dcm")
+    assert [name for name, _ in slides.read_regions(root / "ann" / "1.2.3.dcm", frame, "label")] == ["Tumour outline", "nuclei"]
+    with pytest.raises(ValueError, match="placed on the DICOM whole-slide image it references; this slide is not one"):
+        slides.read_regions(root / "ann" / "1.2.3.dcm", frame._replace(dicom=None))
+    # the image S2's 2D coordinates refer to gone: S2 is excluded saying which
+    (root / "tumour" / "S2" / "L4.dcm").unlink()
+    card, recs, _ = _dataset(tmp_path, "dicom_ann_gone", rules, classes=("normal", "necrosis", "tumour"))
+    assert any(r.startswith("a whole-slide image: its annotation file 4.5.6.dcm cannot be read (ValueError: its 2D coordinates "
+                            f"are in the pixels of the image {s2_level1.SOPInstanceUID}, which is not among the slide's files")
+               for r in card["domains"]["lab"]["excluded_by_reason"])
 
 
 def test_imagescope_xml_layers_negative_regions_and_ellipses(tmp_path):

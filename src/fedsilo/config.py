@@ -399,7 +399,8 @@ FOLDER_LAYOUTS = ("class", "subset/class", "domain/class", "domain/subset/class"
 class RegionRules(Strict):
     """Region annotations of whole-slide images (``fedsilo.data.slides``): polygons drawn on the slides by a
     pathologist, one annotation file per slide (QuPath's GeoJSON export, ASAP's XML as CAMELYON16 ships it, Aperio
-    ImageScope's XML, or Hamamatsu NDP.view's .ndpa), each polygon named by its class; a patch takes the class whose regions cover ``min_share`` of it
+    ImageScope's XML, Hamamatsu NDP.view's .ndpa, or a DICOM Microscopy Bulk Simple Annotations object), each polygon
+    named by its class; a patch takes the class whose regions cover ``min_share`` of it
     or more (where regions overlap, the smaller one: a region drawn inside another, an ASAP exclusion inside a
     tumour, is what lies there)."""
 
@@ -413,6 +414,11 @@ class RegionRules(Strict):
     skip: tuple[str, ...] = Field((), description="annotation classes that label nothing: their polygons hide what lies "
                                   "under them (an Ignore region inside a tumour); an annotation with no class (QuPath "
                                   "unclassified, ASAP group None) is not read at all")
+    ignore: tuple[str, ...] = Field((), description="annotation classes not read at all: unlike skip they hide nothing (a "
+                                    "nucleus segmentation or a tissue outline stored beside the regions)")
+    dicom_class: Literal["property_type", "label"] = Field(
+        "property_type", description="a DICOM annotation group's class: property_type = the meaning of its annotated "
+        "property type (the coded concept, e.g. Neoplasm); label = its free-text group label")
     min_share: float = Field(0.5, gt=0, le=1, description="the share of a patch one class's regions must cover for the "
                              "patch to take that class")
     outside: str = Field("slide", description="a patch no class covers by min_share (every patch of a slide without an "
@@ -426,10 +432,19 @@ class RegionRules(Strict):
         return v if v is None else _inside(v, "a folder inside the source's folder (relative, no '..'), so the annotations "
                                            "are part of the data DVC hashes")
 
-    @field_validator("skip", "classes", mode="before")
+    @field_validator("skip", "ignore", "classes", mode="before")
     @classmethod
     def _numbers(cls, v: Any) -> Any:
         return numbers_as_words(v)
+
+    @model_validator(mode="after")
+    def _apart(self) -> "RegionRules":
+        fold = lambda name: name.strip().casefold()  # noqa: E731 - as annotation classes are matched
+        skip, ignore, mapped = ({fold(n) for n in names} for names in (self.skip, self.ignore, self.classes))
+        for a, b, both in (("skip", "ignore", skip & ignore), ("ignore", "classes", ignore & mapped)):
+            if both:
+                raise ValueError(f"{a} and {b} both name {sorted(both)[0]}: an annotation class is labelled, hidden or not read")
+        return self
 
 
 class SlideRules(Strict):

@@ -48,6 +48,7 @@ REGION_SUBCELLS = 8  # a patch's side in cells of the raster the region annotati
 REGION_RASTER_CELLS = 16_000_000  # at most this many raster cells per slide (fewer per patch on a very fine grid)
 REGION_FILE_SUFFIXES = (".geojson", ".json", ".xml", ".ndpa")  # QuPath's GeoJSON, ASAP's / ImageScope's XML, NDP.view's
 NDPA_MICRONS = {"nanometers": 1e-3, "micrometers": 1.0, "millimeters": 1e3}  # an NDP.view coordformat's unit in microns
+DICOM_ANNOTATIONS = "1.2.840.10008.5.1.4.1.1.91.1"  # Microscopy Bulk Simple Annotations Storage (a DICOM slide's regions)
 QUPATH_02_NOT_REGIONS = ("PathDetectionObject", "PathCellObject", "PathTileObject")
 ASAP_SHAPES = ("Polygon", "Spline", "Rectangle")  # ASAP annotation types that enclose an area (a Spline by its points)
 INSTALL_HINT = ("whole-slide images are read with tiffslide (DICOM ones with OpenSlide): in fedsilo's checkout, "
@@ -265,11 +266,15 @@ class SlideFrame(NamedTuple):
     mpp_x: float
     mpp_y: float
     offset_nm: Optional[tuple[float, float]]
+    dicom: Optional[str] = None  # a DICOM whole-slide image's level-0 instance (the file the slide is read through)
 
 
-def slide_frame(slide: Any, mpp0: float) -> SlideFrame:
+def slide_frame(slide: Any, mpp0: float, path: Optional[Path] = None) -> SlideFrame:
     """An open slide's :class:`SlideFrame` (``mpp0``: its microns per level-0 pixel, :func:`level0_mpp`; the y
-    resolution from the header where it gives a plausible one, else ``mpp0``)."""
+    resolution from the header where it gives a plausible one, else ``mpp0``; ``path``: the file it was opened from,
+    kept where it is a DICOM whole-slide image's instance)."""
+    from fedsilo.data.dicom import is_dicom_file
+
     props = slide.properties
 
     def number(*keys: str) -> Optional[float]:
@@ -286,7 +291,8 @@ def slide_frame(slide: Any, mpp0: float) -> SlideFrame:
     off = (number("hamamatsu.XOffsetFromSlideCentre"), number("hamamatsu.YOffsetFromSlideCentre"))
     width, height = slide.dimensions
     return SlideFrame(int(width), int(height), float(mpp0), float(mpp_y),
-                      None if off[0] is None or off[1] is None else (off[0], off[1]))
+                      None if off[0] is None or off[1] is None else (off[0], off[1]),
+                      str(path) if path is not None and is_dicom_file(path) else None)
 
 
 def _ndpa_regions(root: ET.Element, frame: Optional[SlideFrame]) -> list[Region]:
@@ -336,15 +342,125 @@ def _ndpa_regions(root: ET.Element, frame: Optional[SlideFrame]) -> list[Region]
     return out
 
 
-def read_regions(path: Path, frame: Optional[SlideFrame] = None) -> list[Region]:
+def dicom_annotation_refs(path: Path) -> Optional[set[str]]:
+    """The UIDs a DICOM Microscopy Bulk Simple Annotations file references (the series of its ``ReferencedSeries
+    Sequence`` and the images of its ``ReferencedImageSequence``), read from its header alone; None for any other
+    file (another DICOM, one that cannot be read, not a DICOM)."""
+    import pydicom
+
+    from fedsilo.data.dicom import is_dicom_file
+
+    try:
+        if not is_dicom_file(path):
+            return None
+        ds = pydicom.dcmread(str(path), specific_tags=["SOPClassUID", "ReferencedSeriesSequence", "ReferencedImageSequence"])
+    except Exception:  # noqa: BLE001 - a file that cannot be read as DICOM is no annotation file
+        return None
+    sop = ds.get("SOPClassUID", None) or ds.file_meta.get("MediaStorageSOPClassUID", None)
+    if str(sop) != DICOM_ANNOTATIONS:
+        return None
+    refs = {str(item.get("SeriesInstanceUID", "")) for item in ds.get("ReferencedSeriesSequence", None) or []}
+    refs |= {str(item.get("ReferencedSOPInstanceUID", "")) for item in ds.get("ReferencedImageSequence", None) or []}
+    return refs - {""}
+
+
+def dicom_annotation_index(root: Path) -> dict[str, list[Path]]:
+    """Every DICOM annotation file below ``root`` by each UID it references (:func:`dicom_annotation_refs`)."""
+    from fedsilo.data.sources.base import walk
+
+    index: dict[str, list[Path]] = {}
+    for f in walk(root):
+        refs = dicom_annotation_refs(f) if f.is_file() else None
+        for uid in sorted(refs or ()):
+            index.setdefault(uid, []).append(f)
+    return index
+
+
+def _ellipse(axes: np.ndarray) -> np.ndarray:
+    """A 256-point polygon of the ellipse DICOM gives by the end points of its major and then its minor axis."""
+    centre = (axes[0] + axes[1]) / 2
+    t = np.linspace(0, 2 * np.pi, 256, endpoint=False)[:, None]
+    return centre + np.cos(t) * (axes[1] - axes[0]) / 2 + np.sin(t) * (axes[3] - axes[2]) / 2
+
+
+def _dicom_regions(path: Path, frame: Optional[SlideFrame], dicom_class: str) -> list[Region]:
+    """The regions of a DICOM Microscopy Bulk Simple Annotations file (read with highdicom), placed on the DICOM
+    whole-slide image it annotates (``frame.dicom``: the slide's level-0 instance). Each annotation group's class is
+    its annotated property type's meaning (``dicom_class: property_type``, the coded concept: ``Neoplasm``) or its
+    label (``label``: the group's free text). Coordinates: ``2D`` are the total pixel matrix's of the image the file
+    references (a coarser level's scaled to level 0; the file's pixel origin must be the volume's); ``3D`` are the
+    slide coordinate system's millimetres, mapped into the level-0 pixels by highdicom from that instance's origin,
+    orientation and pixel spacing (the frame of reference must be the slide's). POLYGON and RECTANGLE are polygons,
+    an ELLIPSE (its two axes' end points) a 256-point polygon; POINT and POLYLINE annotations enclose no area."""
+    import highdicom as hd
+    import pydicom
+
+    from fedsilo.data.dicom import is_dicom_file
+    from fedsilo.data.sources.base import walk
+
+    if frame is None or frame.dicom is None:
+        raise ValueError("a DICOM annotation file is placed on the DICOM whole-slide image it references; this slide "
+                         "is not one")
+    ann = hd.ann.annread(str(path))
+    level0 = pydicom.dcmread(frame.dicom, stop_before_pixels=True)
+    kind = str(ann.AnnotationCoordinateType)
+    if kind == "2D":
+        if str(getattr(ann, "PixelOriginInterpretation", "VOLUME")) != "VOLUME":
+            raise ValueError(f"2D coordinates relative to each frame (PixelOriginInterpretation "
+                             f"{ann.PixelOriginInterpretation}), not to the total pixel matrix")
+        ref = str(ann.ReferencedImageSequence[0].ReferencedSOPInstanceUID)
+        image = level0 if ref == str(level0.SOPInstanceUID) else None
+        for f in ([] if image is not None else walk(Path(frame.dicom).parent)):
+            if f.is_file() and is_dicom_file(f):
+                ds = pydicom.dcmread(str(f), stop_before_pixels=True, specific_tags=[
+                    "SOPInstanceUID", "TotalPixelMatrixColumns", "TotalPixelMatrixRows"])
+                if str(ds.get("SOPInstanceUID", "")) == ref:
+                    image = ds
+                    break
+        if image is None:
+            raise ValueError(f"its 2D coordinates are in the pixels of the image {ref}, which is not among the slide's "
+                             f"files ({Path(frame.dicom).parent.name}/)")
+        scale = np.array([frame.width / int(image.TotalPixelMatrixColumns), frame.height / int(image.TotalPixelMatrixRows)])
+
+        def to_pixels(points: np.ndarray) -> np.ndarray:
+            return np.asarray(points, dtype=np.float64)[:, :2] * scale
+    elif kind == "3D":
+        if str(getattr(ann, "FrameOfReferenceUID", "")) != str(level0.get("FrameOfReferenceUID", "")):
+            raise ValueError("3D coordinates in another frame of reference than the slide's (FrameOfReferenceUID)")
+        to_image = hd.spatial.ReferenceToImageTransformer.for_image(level0, for_total_pixel_matrix=True)
+
+        def to_pixels(points: np.ndarray) -> np.ndarray:
+            return to_image(np.asarray(points, dtype=np.float64))[:, :2]
+    else:
+        raise ValueError(f"AnnotationCoordinateType {kind!r}, neither 2D nor 3D")
+    out: list[Region] = []
+    for group in ann.get_annotation_groups():
+        name = (group.label if dicom_class == "label" else group.annotated_property_type.meaning).strip()
+        shape = group.graphic_type.value
+        if not name or shape not in ("POLYGON", "RECTANGLE", "ELLIPSE"):
+            continue
+        where = f"annotation group {group.number} ({name})"
+        for points in group.get_graphic_data(kind):
+            pixels = to_pixels(points)
+            out.append((name, [_ring(_ellipse(pixels) if shape == "ELLIPSE" else pixels, where)]))
+    return out
+
+
+def read_regions(path: Path, frame: Optional[SlideFrame] = None, dicom_class: str = "property_type") -> list[Region]:
     """The classified areas of one slide's annotation file, in level-0 pixels: ``[(class name, [exterior, hole,
     ...]), ...]``. A ``.geojson`` / ``.json`` is QuPath's export (a FeatureCollection, a Feature or a list of
     Features; the class is ``properties.classification.name``; detections, cells and tiles, ``objectType`` other than
     ``annotation`` or QuPath 0.2's ``id`` naming them, are not regions); an ``.xml`` is ASAP's (``Annotation``
     elements of type Polygon, Spline or Rectangle, the class their ``PartOfGroup``, the points their ``Coordinate``s
     in ``Order``) or Aperio ImageScope's (:func:`_imagescope_regions`); an ``.ndpa`` is Hamamatsu NDP.view's, placed
-    by the slide's ``frame`` (:func:`_ndpa_regions`). An annotation without a class is not read; one with too few or
-    non-numeric points, or a file of none of these forms, is a ValueError."""
+    by the slide's ``frame`` (:func:`_ndpa_regions`); a DICOM file is a Microscopy Bulk Simple Annotations object
+    placed on the DICOM whole-slide image it annotates (:func:`_dicom_regions`, ``dicom_class``). An annotation
+    without a class is not read; one with too few or non-numeric points, or a file of none of these forms, is a
+    ValueError."""
+    from fedsilo.data.dicom import is_dicom_file
+
+    if is_dicom_file(path):
+        return _dicom_regions(path, frame, dicom_class)
     out: list[Region] = []
     if path.suffix.lower() in (".xml", ".ndpa"):
         root = ET.parse(path).getroot()
@@ -392,16 +508,22 @@ def read_regions(path: Path, frame: Optional[SlideFrame] = None) -> list[Region]
 
 
 def annotation_file(slide: Path, rel: str, raw_dir: Path, regions: Any,
-                    listings: Optional[dict[Path, Any]] = None) -> tuple[Optional[Path], str]:
+                    listings: Optional[dict[Any, Any]] = None) -> tuple[Optional[Path], str]:
     """One slide's annotation file (``regions.folder``, or beside the slide; named after the slide's file with or
     without its suffix, or by its path below the source's folder; a DICOM whole-slide image, a folder of files, after
-    its folder; found case-blind when no name matches exactly: ``n1.xml`` for ``N1.tif``), or None and "" (none) or
-    why it is ambiguous. ``listings``: each folder's case-blind listing, kept across the slides of one source."""
+    its folder, or by a DICOM annotation object referencing its series or its level-0 image, anywhere in
+    ``regions.folder`` or, with none, in the source's folder; found case-blind when no name matches exactly: ``n1.xml``
+    for ``N1.tif``), or None and "" (none) or why it is ambiguous. ``listings``: each folder's case-blind listing and
+    the DICOM annotation objects by the UIDs they reference, kept across the slides of one source."""
+    import pydicom
+
     from fedsilo.data.dicom import is_dicom_file
     from fedsilo.data.sources.tables import FoldedFiles
 
+    listings = listings if listings is not None else {}
     folder = slide.parent if regions.folder is None else raw_dir / regions.folder
     rel_path = Path(rel)
+    instance = slide
     if is_dicom_file(slide):  # the series' folder names the slide: S1/level0.dcm -> S1.geojson (beside: S1/S1.geojson)
         rel_path = rel_path.parent
         slide = slide.parent / slide.parent.name
@@ -411,8 +533,16 @@ def annotation_file(slide: Path, rel: str, raw_dir: Path, regions: Any,
     names = {f"{stem}{suffix}" for stem in stems for suffix in REGION_FILE_SUFFIXES}
     found = sorted({folder / n for n in names if (folder / n).is_file()} - {slide}, key=str)
     if not found and folder.is_dir():  # as a table's paths are found: case and Unicode normalization aside
-        listing = (listings if listings is not None else {}).setdefault(folder, FoldedFiles(folder))
+        listing = listings.setdefault(folder, FoldedFiles(folder))
         found = sorted({folder / hit for hit in (listing.find(n) for n in names) if hit} - {slide}, key=str)
+    if instance is not slide:  # a DICOM slide: the annotation objects that reference it, wherever they lie
+        root = raw_dir if regions.folder is None else folder
+        key = ("dicom annotations", root)
+        if key not in listings:
+            listings[key] = dicom_annotation_index(root) if root.is_dir() else {}
+        head = pydicom.dcmread(str(instance), stop_before_pixels=True, specific_tags=["SeriesInstanceUID", "SOPInstanceUID"])
+        uids = {str(head.get("SeriesInstanceUID", "")), str(head.get("SOPInstanceUID", ""))} - {""}
+        found = sorted(set(found) | {f for uid in uids for f in listings[key].get(uid, [])}, key=str)
     if len(found) > 1:
         return None, f"{len(found)} annotation files ({', '.join(str(f.relative_to(raw_dir)) for f in found)}): keep one"
     return (found[0] if found else None), ""
@@ -519,7 +649,7 @@ def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Optio
         down = float(slide.level_downsamples[level])
         read = max(1, round(side0 / down))
         thumb = np.asarray(slide.get_thumbnail((THUMBNAIL_PX, THUMBNAIL_PX)).convert("RGB"))
-        frame = slide_frame(slide, mpp0)
+        frame = slide_frame(slide, mpp0, path)
     mask = tissue_mask(thumb).astype(np.float64)
     sy, sx = mask.shape[0] / height, mask.shape[1] / width
     integral = np.pad(mask.cumsum(0).cumsum(1), ((1, 0), (1, 0)))
@@ -543,9 +673,11 @@ def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Optio
             return [], [], f"no annotation file, and patches outside the regions are dropped ({key}.regions.outside)"
         if annotations is not None:
             try:
-                drawn = read_regions(annotations, frame)
-            except (OSError, ValueError, ET.ParseError) as err:
+                drawn = read_regions(annotations, frame, regions.dicom_class)
+            except (OSError, ValueError, ET.ParseError, AttributeError, IndexError, KeyError) as err:
                 return [], [], f"its annotation file {annotations.name} cannot be read ({type(err).__name__}: {err})"
+            ignored = {region_fold(name) for name in regions.ignore}
+            drawn = [r for r in drawn if r[0] is None or region_fold(r[0]) not in ignored]
             labels, named, _ = region_labels(drawn, class_of, xs, ys, step, regions.min_share)
             given = [(c, n, "region") if c is not None and n is not None else None for c, n in zip(labels, named)]
             if drop:
@@ -658,7 +790,7 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
     files: dict[int, Optional[Path]] = {}  # each slide's annotation file (None: none, or no regions)
     ambiguous: dict[int, str] = {}  # slides excluded before planning: two files, or a file another slide finds too
     owners: dict[Path, list[int]] = {}
-    listings: dict[Path, Any] = {}
+    listings: dict[Any, Any] = {}
     for i in map(int, slides):
         found, why = ((None, "") if rules.regions is None else
                       annotation_file(raw_dir / str(rec["path"].iloc[i]), str(rec["path"].iloc[i]), raw_dir, rules.regions, listings))
@@ -686,6 +818,12 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
             if unused:
                 warnings.append(f"{len(unused)} annotation files match no slide (e.g. {unused[0].relative_to(raw_dir)}): "
                                 "a file is named after its slide's file, with or without the slide's suffix")
+        for index in (v for k, v in listings.items() if isinstance(k, tuple) and k[0] == "dicom annotations"):
+            stray = sorted({f for files in index.values() for f in files} - set(owners), key=str)
+            if stray:
+                warnings.append(f"{len(stray)} DICOM annotation files annotate no slide read here (e.g. "
+                                f"{stray[0].relative_to(raw_dir)}): one is matched to its slide by the series or image it "
+                                "references")
     for i, why in ambiguous.items():
         rec.loc[rec.index[i], "excluded"] = f"a whole-slide image: {why}"
     if owners:  # an annotation file beside its slide was listed as a file of the source: say whose it is
