@@ -519,3 +519,63 @@ def test_a_study_level_table_reads_each_image_of_the_study_by_its_headers_view(t
     (tmp_path / "export" / "labels.csv").write_text("path,label,patient_id,view\nACC1001,Lung Opacity,P1,PA\n")
     with pytest.raises(LabelFileError, match=r"row 2: ACC1001 is a study's folder, .*leave its view cell blank and set"):
         cxr_table.read_records(tmp_path / "export", CXRTableRules(dicom_view=True), "H", "datasets.c.tables.h")
+
+
+def test_a_report_table_finds_its_studies_images_by_the_headers_accession_number(tmp_path):
+    """dicom_match by AccessionNumber: one row per study (a report's finding), its DICOMs found anywhere in the export
+    by their header; each image's view is its header's, its group its header's PatientID (no patient column), so a
+    patient's two studies stay together and a patient in test and outside it is refused; a study without images, an
+    image no row lists, a report and a file that is no DICOM are excluded with their reasons; an accession on two
+    rows, a table whose accessions lost their zeros and rules that cannot work are refused naming the key."""
+    import pydicom
+
+    from fedsilo.data.mirror.cxr import _write_vin_dicom
+
+    rng = np.random.default_rng(0)
+    root = tmp_path / "raw"
+    studies = {"00071": ("P1", ("PA", "LL")), "00072": ("P1", ("AP",)), "00073": ("P2", ("PA",)), "00099": ("P3", ("PA",))}
+    for acc, (pid, views) in studies.items():
+        for k, view in enumerate(views):
+            f = root / "export" / f"1.2.{acc}" / f"IM{k}"
+            f.parent.mkdir(parents=True, exist_ok=True)
+            _write_vin_dicom(f, f"{acc}-{k}", rng.random((32, 32)), rng, k, view=view)
+            ds = pydicom.dcmread(f)
+            ds.AccessionNumber, ds.PatientID = acc, pid
+            ds.save_as(f)
+    (root / "export" / "notes.txt").write_text("exported")
+    (root / "reports.csv").write_text("accession,finding,split\n00071,Lung Opacity,\n00072,Normal,\n00073,No Finding,test\n"
+                                      "00080,Normal,\n,Normal,\n")
+    rules = CXRTableRules(file="reports.csv", label="finding", patient=None, view=None, dicom_view=True, subset="split",
+                          dicom_match={"folder": "export", "column": "accession"})
+    rec = cxr_table.read_records(root, rules, "H", "datasets.c.tables.h").set_index("id")
+    kept = rec[rec["excluded"] == ""]
+    assert kept[["label", "group", "view"]].to_dict("index") == {
+        "export/1.2.00071/IM0": {"label": 1, "group": "P1", "view": "frontal"},
+        "export/1.2.00072/IM0": {"label": 0, "group": "P1", "view": "frontal"},  # the patient's second study: its group too
+        "export/1.2.00073/IM0": {"label": 0, "group": "P2", "view": "frontal"}}
+    assert rec.loc["export/1.2.00073/IM0", "subset"] == "test"
+    assert rec.loc[rec["excluded"] != "", "excluded"].to_dict() == {
+        "export/1.2.00071/IM1": "lateral view", "reports.csv: row 5 (study 00080)": "no DICOM with this AccessionNumber under export",
+        "reports.csv: row 6 (study )": "no AccessionNumber in the row",
+        "export/notes.txt": "not a DICOM (datasets.c.tables.h.dicom_match matches DICOMs by their AccessionNumber)",
+        "export/1.2.00099/IM0": "its AccessionNumber is in no row of the table"}
+    # the header's patient is the group: one patient in test on one row and outside it on another is refused
+    (root / "reports.csv").write_text("accession,finding,split\n00071,Lung Opacity,test\n00072,Normal,\n")
+    with pytest.raises(LabelFileError, match=r"row 3: patient 'P1' is outside test here and test on row 2"):
+        cxr_table.read_records(root, rules, "H", "datasets.c.tables.h")
+    (root / "reports.csv").write_text("accession,finding,split\n00071,Lung Opacity,\n00071,Normal,\n")
+    with pytest.raises(LabelFileError, match=r"row 3: study '00071' is listed again \(first on row 2\); with "
+                                             r"datasets\.c\.tables\.h\.dicom_match the table has one row per study"):
+        cxr_table.read_records(root, rules, "H", "datasets.c.tables.h")
+    (root / "reports.csv").write_text("accession,finding,split\n71,Lung Opacity,\n72,Normal,\n")
+    with pytest.raises(LabelFileError, match=r"no DICOM under export has an AccessionNumber in the column accession \(the "
+                                             r"table's: 71, 72, \.\.\.; the headers': 00071, 00072, 00073, \.\.\.\)"):
+        cxr_table.read_records(root, rules, "H", "datasets.c.tables.h")
+    with pytest.raises(ValueError, match="dicom_match: a row matched by AccessionNumber holds every image of a study"):
+        CXRTableRules(dicom_match={"folder": "export", "column": "accession"})
+    with pytest.raises(ValueError, match="view: a row matched by AccessionNumber holds several images"):
+        CXRTableRules(view="view", dicom_view=True, dicom_match={"folder": "export", "column": "accession"})
+    with pytest.raises(ValueError, match="dicom_match: the images are found by their DICOM headers, not by a path column"):
+        CXRTableRules(path="file", dicom_view=True, dicom_match={"folder": "export", "column": "accession"})
+    with pytest.raises(ValueError, match=r"dicom_match\.tag"):
+        CXRTableRules(dicom_view=True, dicom_match={"folder": "export", "column": "accession", "tag": "StudyDate"})

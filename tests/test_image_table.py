@@ -458,3 +458,34 @@ def test_a_patient_level_table_labels_a_pacs_exports_dicoms_by_their_patient_id(
     with pytest.raises(ValueError, match=r"anon: no DICOM with a PatientID in its header \(1 files: not a DICOM"):
         harmonize_benchmark(BenchmarkDatasetParams(kind="image_folder", sources=("clinic",), tables={"clinic": {
             **rules, "dicom_patient": "anon"}}), tmp_path / "raw", tmp_path / "h6" / "d", quiet=True)
+
+
+def test_a_study_table_finds_its_images_by_study_uid_and_groups_them_by_the_headers_patient(tmp_path):
+    """dicom_match by StudyInstanceUID on a table without a patient column: each image's group is its header's
+    PatientID (two studies of one patient one group, no warning that patients are unknown); dicom_patient and
+    dicom_match together, or dicom_match with a path format, are refused."""
+    import pydicom
+
+    from fedsilo.config import BenchmarkDatasetParams
+
+    rng = np.random.default_rng(5)
+    root = tmp_path / "raw" / "clinic"
+    for k, (study, pid) in enumerate((("1.2.3.1", "A"), ("1.2.3.1", "A"), ("1.2.3.2", "A"), ("1.2.3.3", "B"))):
+        f = root / "pacs" / f"f{k}"
+        _colour_dicom(f, rng.integers(0, 256, (12, 12, 3), dtype=np.uint8), patient=pid)
+        ds = pydicom.dcmread(f)
+        ds.StudyInstanceUID = study
+        ds.save_as(f)
+    (root / "studies.csv").write_text("study_uid,diagnosis\n1.2.3.1,benign\n1.2.3.2,malignant\n1.2.3.3,benign\n")
+    rules = {"file": "studies.csv", "label": "diagnosis", "dicom_match": {"folder": "pacs", "column": "study_uid", "tag": "StudyInstanceUID"}}
+    ds = BenchmarkDatasetParams(kind="image_folder", sources=("clinic",), image_size=8, workers=1, tables={"clinic": rules})
+    card = harmonize_benchmark(ds, tmp_path / "raw", tmp_path / "h" / "d", quiet=True)
+    recs = pd.read_parquet(tmp_path / "h" / "d" / "records.parquet")
+    assert recs.groupby("group").size().to_dict() == {"clinic/A": 3, "clinic/B": 1}
+    assert recs.set_index("source_path")["original_label"].to_dict() == {"pacs/f0": "benign", "pacs/f1": "benign",
+                                                                       "pacs/f2": "malignant", "pacs/f3": "benign"}
+    assert "warnings" not in card  # the headers name the patients: no warning that they are unknown
+    with pytest.raises(ValueError, match="dicom_patient and dicom_match: dicom_patient is dicom_match by PatientID"):
+        BenchmarkDatasetParams(kind="image_folder", sources=("clinic",), tables={"clinic": {**rules, "patient": "mrn", "dicom_patient": "x"}})
+    with pytest.raises(ValueError, match="dicom_match: the images are found by their DICOM headers, not by a path column; drop path_format"):
+        BenchmarkDatasetParams(kind="image_folder", sources=("clinic",), tables={"clinic": {**rules, "path_format": "{}.dcm"}})

@@ -258,6 +258,27 @@ def _inside(v: str, what: str) -> str:
 DomainName = Annotated[str, AfterValidator(_domain_name)]  # a domain a source of your own forms (a client's name)
 
 
+DICOM_MATCH_TAGS = ("AccessionNumber", "StudyInstanceUID", "PatientID", "SeriesInstanceUID", "SOPInstanceUID")
+
+
+class DicomMatch(Strict):
+    """A label table's rows matched to DICOM files by an attribute of their headers instead of a path column: a
+    radiology report's finding by its study's accession number, an outcome by the patient's ID. Every DICOM below
+    ``folder`` whose header's ``tag`` equals a row's ``column`` cell (trimmed, exactly) is an image of that row."""
+
+    folder: str = Field(..., description="a folder inside the source's folder holding the DICOM files (a PACS export, files "
+                        "named anyhow, at any depth; '.' for the source's folder itself)")
+    column: str = Field(..., description="column: the ID each row names (an accession number, a study UID, a patient ID)")
+    tag: Literal[DICOM_MATCH_TAGS] = Field("AccessionNumber", description="the header attribute the column is matched to: "  # type: ignore[valid-type]
+                                           + ", ".join(DICOM_MATCH_TAGS))
+
+    @field_validator("folder")
+    @classmethod
+    def _folder_inside(cls, v: str) -> str:
+        return _inside(v, "a folder inside the source's folder (relative, no '..'; '.' for the source's folder itself), "
+                       "so the images are fetched and hashed with the table")
+
+
 class TableFileRules(Strict):
     """A label table of your own (CSV) in the source's folder and the columns every table reader takes: one row per
     image; values compared trimmed and case-blind, numbers by their value (:func:`table_word`)."""
@@ -270,6 +291,15 @@ class TableFileRules(Strict):
     patient: Optional[str] = Field(None, description="column: the patient (a patient's images stay on one side of every split); "
                                    "null: each image its own patient (warned: repeat images of a patient may then land on both sides)")
     subset: Optional[str] = Field(None, description="column: your own partition, train / val / test per image (splits' test_from: auto)")
+    dicom_match: Optional[DicomMatch] = Field(None, description="find each row's images by their DICOM header instead of a "
+                                              "path column (a report table by AccessionNumber, an outcome table by "
+                                              "PatientID); without a patient column, each image's group is its header's PatientID")
+
+    @model_validator(mode="after")
+    def _match_or_path(self) -> "TableFileRules":
+        if self.dicom_match is not None and "path" in self.model_fields_set:
+            raise ValueError("dicom_match: the images are found by their DICOM headers, not by a path column; drop path")
+        return self
 
     @field_validator("file")
     @classmethod
@@ -312,6 +342,14 @@ class CXRTableRules(TableFileRules):
 
     @model_validator(mode="after")
     def _disjoint(self) -> "CXRTableRules":
+        match = self.dicom_match
+        if match is not None and match.tag != "SOPInstanceUID":
+            if not self.dicom_view:
+                raise ValueError(f"dicom_match: a row matched by {match.tag} holds every image of a study or patient, frontal "
+                                 "and lateral alike; set dicom_view: true (each DICOM's View Position from its header)")
+            if "view" in self.model_fields_set and self.view is not None:
+                raise ValueError(f"view: a row matched by {match.tag} holds several images, each with its own view from its "
+                                 "DICOM header (dicom_view); set view: null")
         for a, b in (("positive", "negative"), ("frontal", "lateral")):
             both = {table_word(v) for v in getattr(self, a)} & {table_word(v) for v in getattr(self, b)}
             if both:
@@ -573,8 +611,20 @@ class ImageTableRules(TableFileRules, OwnImageRules):
         return v if v is None else _inside(v, "a folder inside the source's folder (relative, no '..'; '.' for the source's "
                                            "folder itself), so the images are fetched and hashed with the table")
 
+    @property
+    def matched(self) -> Optional[DicomMatch]:
+        """How rows find their DICOMs by header: ``dicom_match``, or ``dicom_patient`` (the patient column by PatientID)."""
+        if self.dicom_patient is not None and self.patient is not None:
+            return DicomMatch(folder=self.dicom_patient, column=self.patient, tag="PatientID")
+        return self.dicom_match
+
     @model_validator(mode="after")
     def _consistent(self) -> "ImageTableRules":
+        if self.dicom_patient is not None and self.dicom_match is not None:
+            raise ValueError("dicom_patient and dicom_match: dicom_patient is dicom_match by PatientID on the patient "
+                             "column; set one")
+        if self.dicom_match is not None and "path_format" in self.model_fields_set:
+            raise ValueError("dicom_match: the images are found by their DICOM headers, not by a path column; drop path_format")
         if self.dicom_patient is not None and self.patient is None:
             raise ValueError("dicom_patient: needs patient, the column holding the ID the DICOM headers' PatientID is "
                              "matched to")

@@ -239,7 +239,8 @@ def cxr_records(params: CXRDatasetParams, raw_root: Path, name: str, quiet: bool
         if src in params.own_sources():  # a hospital's own export and its label table
             rec = cxr_table.read_records(raw_dir, params.rules(src), params.domain_of(src), f"datasets.{name}.tables.{src}", quiet)
             rules = params.rules(src)
-            for missing, warning in ((rules.patient, cxr_table.NO_PATIENT_WARNING), (rules.view or rules.dicom_view or None, cxr_table.NO_VIEW_WARNING)):
+            patients = rules.patient or rules.dicom_match  # matched by their headers: each image's PatientID is its group
+            for missing, warning in ((patients, cxr_table.NO_PATIENT_WARNING), (rules.view or rules.dicom_view or None, cxr_table.NO_VIEW_WARNING)):
                 if missing is None:
                     warnings.append(f"{src} ({params.domain_of(src)}) {warning}")
         else:
@@ -435,7 +436,7 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
         named = src if set(theirs) == {src} else f"{src} ({', '.join(sorted(theirs))})"
         kept_rows = rec[rec["excluded"] == ""]
         all_patches = "patch" in rec.columns and len(kept_rows) > 0 and kept_rows["patch"].notna().all()
-        if table and params.rules(src).patient is None:
+        if table and params.rules(src).patient is None and params.rules(src).matched is None:  # matched: the headers' patients
             warnings.append(f"{named} {image_table.NO_PATIENT_WARNING}")
         elif not table and params.rules(src).group is None and not all_patches:  # a slide's patches: the slide's group
             warnings.append(f"{named} {image_folder.NO_GROUP_WARNING}")

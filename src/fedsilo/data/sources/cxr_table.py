@@ -33,6 +33,8 @@ case-blind, and numbers by their value (``1``, ``1.0``: :func:`~fedsilo.config.t
   ``null``, ``-``) -> excluded as "no patient id". Without a patient column each image is its own group, and
   harmonize says so (:data:`NO_PATIENT_WARNING`); without a view column every image is taken as frontal, and it
   says that too (:data:`NO_VIEW_WARNING`).
+- ``dicom_match`` (instead of ``path``): the rows find their images by their DICOM headers, a radiology report
+  table by AccessionNumber (one row per study; :func:`_records_by_dicom`).
 - ``subset`` (when named): the hospital's own partition, ``train`` / ``val`` / ``test`` (blank: none); another
   value is an error. The splits draw test images from ``test`` and training images from the rest (train, val and
   blank alike), so a kept patient with images in ``test`` and outside it is an error naming both rows.
@@ -46,12 +48,22 @@ from typing import Optional
 import pandas as pd
 
 from fedsilo.config import CXRTableRules, table_word
-from fedsilo.data.dicom import is_dicom_file, view_position
+from fedsilo.data.dicom import WHOLE_SLIDE_PROBLEM, is_dicom_file, view_position
 from fedsilo.data.imageops import ImageDecodeError
 from fedsilo.data.slides import is_slide_file
 from fedsilo.data.sources.base import LabelFileError, finalize, show, walk
 from fedsilo.data.sources.image_folder import file_reader
-from fedsilo.data.sources.tables import Rows, load_table, relative_path, study_folder
+from fedsilo.data.sources.tables import (
+    MATCH_NOUN,
+    MISSING,
+    MatchedDicom,
+    Rows,
+    check_matched,
+    dicom_index,
+    load_table,
+    relative_path,
+    study_folder,
+)
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 NO_PATIENT_WARNING = ("has no patient column (patient: null): each image is its own group, so two images of one "
@@ -89,10 +101,21 @@ def _view(rec: dict, rules: CXRTableRules, raw_dir: Path, found: Optional[str], 
                 v, told = view_position(raw_dir / found), f"the DICOM header's View Position ({found})"
             except ImageDecodeError:
                 unseen = True  # kept for the decoder, which quarantines the file with the reason
-            words = {table_word(x) for x in v.split("\\")}
-            v = v.split("\\")[0] if len(words) == 1 else v  # the same view repeated is that view
+            v = _one_view(v)
     if unseen:
         return "unknown", ""
+    return _classify_view(v, told, frontal, lateral, where, key)
+
+
+def _one_view(v: str) -> str:
+    """A header's View Position as one value: the same view repeated (``PA\\PA``) is that view."""
+    words = {table_word(x) for x in v.split("\\")}
+    return v.split("\\")[0] if len(words) == 1 else v
+
+
+def _classify_view(v: str, told: str, frontal: set[str], lateral: set[str], where: str, key: str) -> tuple[str, str]:
+    """(view, exclusion reason) of a view value (``told``: where it was read, for the error): frontal kept, lateral
+    excluded, blank "no view"; a value in neither rule is an error naming it and both rules."""
     if not v:
         return "unknown", "no view"
     if table_word(v) in frontal:
@@ -102,10 +125,90 @@ def _view(rec: dict, rules: CXRTableRules, raw_dir: Path, found: Optional[str], 
     raise LabelFileError(f"{where}: {told} {show(v)} is neither frontal nor lateral; add it to {key}.frontal or {key}.lateral")
 
 
+def _label_of(value: str, positive: set[str], negative: set[str]) -> tuple[int, str]:
+    """(label, exclusion reason) of a label cell: 1 positive, 0 negative; a blank "no label", another finding excluded
+    under its own value."""
+    word = table_word(value)
+    label = 1 if word in positive else 0 if word in negative else -1
+    return label, ("no label" if not value else f"label {value}" if label == -1 else "")
+
+
+def _records_by_dicom(raw_dir: Path, rules: CXRTableRules, domain: str, key: str, quiet: bool) -> pd.DataFrame:
+    """:func:`read_records` of a table whose rows find their images by a DICOM header attribute (``dicom_match``): a
+    report table by AccessionNumber, one row per study (or per patient, series or image by the other attributes).
+    Every DICOM below the folder whose header holds a row's ID is an image of the row's finding, its view from its
+    header's View Position (the table's view cell too where a row is one image, by SOPInstanceUID), its group the row's
+    patient or, without a patient column, its header's PatientID. A row no DICOM matches, a DICOM no row lists or that
+    cannot be matched, and a DICOM that is no picture (a report) or a whole-slide image are excluded with the reason;
+    an ID on two rows is an error, and so are :func:`~fedsilo.data.sources.tables.check_matched`'s refusals."""
+    match = rules.dicom_match
+    assert match is not None
+    mkey, noun, one_image = f"{key}.dicom_match", MATCH_NOUN[match.tag], match.tag == "SOPInstanceUID"
+    columns = [("label", rules.label), ("patient", rules.patient), ("subset", rules.subset), ("dicom_match.column", match.column)]
+    columns += [("view", rules.view)] if one_image else []
+    table_path, df = load_table(raw_dir, rules, columns, key)
+    positive, negative = _folded(rules.positive), _folded(rules.negative)
+    frontal, lateral = _folded(rules.frontal), _folded(rules.lateral)
+    by_value, unmatched = dicom_index(raw_dir, match.folder, match.tag, mkey, quiet, rules.file)
+    listed = {str(v).strip() for v in df[match.column]} - {""}
+    check_matched(by_value, unmatched, {v for v in listed if v.casefold() not in MISSING}, raw_dir, match.folder, match.tag,
+                  match.column, f"{mkey}.column", mkey, table_path)
+    table = Rows(raw_dir)
+    rows, first = [], {}
+    for row, rec, where in table.each(df, table_path, key, quiet):
+        value = str(rec[rules.label]).strip()
+        label, label_why = _label_of(value, positive, negative)
+        ident = str(rec[match.column]).strip()
+        files: list[MatchedDicom] = []
+        if not ident or ident.casefold() in MISSING:
+            label_why = label_why or f"no {match.tag} in the row"
+        else:
+            if ident in first:
+                raise LabelFileError(f"{where}: {noun} {ident!r} is listed again (first on row {first[ident]}); with "
+                                     f"{mkey} the table has one row per {noun}, its finding every image's")
+            first[ident] = row
+            files = by_value.pop(ident, [])
+        per = []
+        for f in files:
+            if f.problem:  # a report, a presentation state; a slide is no chest X-ray
+                per.append((f, "", "unknown", "a whole-slide image (not a chest X-ray)" if f.problem == WHOLE_SLIDE_PROBLEM
+                            else f"not an image: {f.problem}"))
+                continue
+            cell = str(rec[rules.view]).strip() if one_image and rules.view is not None else ""
+            if rules.view is None and not rules.dicom_view:
+                view, view_why = "frontal", ""
+            elif cell or label_why or not rules.dicom_view:
+                view, view_why = _classify_view(cell, "view", frontal, lateral, where, key)
+            else:
+                view, view_why = _classify_view(_one_view(f.view), f"the DICOM header's View Position ({f.path})", frontal,
+                                                lateral, where, key)
+            per.append((f, "dicom", view, view_why))
+        files_why = per[0][3] if per and all(w for *_, w in per) else ""
+        pre = label_why or files_why or ("" if files else f"no DICOM with this {match.tag} under {match.folder}")
+        group, subset, row_why = table.group_and_subset(rec, rules, f"{noun} {ident}", pre, row, where, key)
+        patient_why = row_why if row_why != pre else ""
+        for f, reader, view, view_why in per or [(None, "", "unknown", "")]:
+            mine = group
+            if rules.patient is None and f is not None and f.patient:  # the header's patient keeps a patient's studies together
+                mine = f.patient
+                if rules.subset is not None and not (pre or view_why):
+                    table.side(mine, subset, row, where, rules.subset)
+            rows.append({"id": f.path if f else f"{rules.file}: row {row} ({noun} {ident})", "label": label,
+                         "original_label": value, "group": mine, "view": view, "path": f.path if f else "", "reader": reader,
+                         "excluded": (label_why or view_why or patient_why) if f else pre, "subset": subset})
+    unlisted = [(f.path, f"its {match.tag} is in no row of the table") for found in by_value.values() for f in found]
+    for rel, why in unmatched + unlisted:
+        rows.append({"id": rel, "label": -1, "original_label": "", "group": rel, "view": "unknown", "path": rel,
+                     "reader": "", "excluded": why, "subset": ""})
+    return finalize(pd.DataFrame(rows), domain)
+
+
 def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "tables", quiet: bool = True) -> pd.DataFrame:
     """The record table of one hospital's export (``key``: the dotted params key of ``rules``, for messages); unless
     ``quiet``, the rows read are shown (with ``dicom_view`` each DICOM's header is read here)."""
     raw_dir = Path(raw_dir)
+    if rules.dicom_match is not None:
+        return _records_by_dicom(raw_dir, rules, domain, key, quiet)
     columns = [("path", rules.path), ("label", rules.label), ("patient", rules.patient), ("view", rules.view), ("subset", rules.subset)]
     table_path, df = load_table(raw_dir, rules, columns, key)
     positive, negative = _folded(rules.positive), _folded(rules.negative)
@@ -116,11 +219,7 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
     for row, rec, where in table.each(df, table_path, key, quiet):
         rel = relative_path(raw_dir, str(rec[rules.path]), where)
         value = str(rec[rules.label]).strip()
-        label_why = "" if value else "no label"
-        word = table_word(value)
-        label = 1 if word in positive else 0 if word in negative else -1
-        if label == -1 and not label_why:
-            label_why = f"label {value}"
+        label, label_why = _label_of(value, positive, negative)
         folder = study_folder(raw_dir, rel)
         study = folder is not None
         if folder is not None:  # a study-level table: the row's finding is every image of the study's folder

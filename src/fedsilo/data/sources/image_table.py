@@ -23,8 +23,9 @@ Row by row (the header is row 1), values trimmed and compared case-blind, number
   (:data:`NO_PATIENT_WARNING`).
 - ``subset`` (when named): ``train`` / ``val`` / ``test`` or blank; another value is an error; a patient both in
   ``test`` and outside it is an error naming both rows.
-- ``dicom_patient`` (a folder): the table has one row per patient instead, and the row's images are the DICOMs below
-  the folder whose header's PatientID is the row's patient (:func:`dicom_patients`, :func:`_scan_by_patient`).
+- ``dicom_match`` (a folder, a column, a header attribute): the rows find their images by the DICOM header instead of
+  a path, one row per ID (an accession number, a study UID, a patient): every DICOM below the folder whose header holds
+  the row's ID (:func:`_scan_by_dicom`); ``dicom_patient`` (a folder) is the same by PatientID on the patient column.
 """
 
 from __future__ import annotations
@@ -38,7 +39,17 @@ from fedsilo.data.sources.base import LabelFileError, show, walk
 from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES
 from fedsilo.data.sources.classmap import ClassMap
 from fedsilo.data.sources.image_folder import dicom_reader, file_reader
-from fedsilo.data.sources.tables import MISSING, Rows, load_table, relative_path, study_folder
+from fedsilo.data.sources.tables import (
+    MATCH_NOUN,
+    MISSING,
+    MatchedDicom,
+    Rows,
+    check_matched,
+    dicom_index,
+    load_table,
+    relative_path,
+    study_folder,
+)
 
 NO_PATIENT_WARNING = ("has no patient column (patient: null): each row's image (or study folder) is its own group, so two "
                       "images of one patient (or lesion, or slide) may land on both sides of a split; name the column that "
@@ -92,8 +103,8 @@ def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str, quiet: bo
     it), ``where`` (file and row), ``domain``, ``subset``, ``value`` (the class as the table writes it), ``group``,
     ``reason`` (no label, several labels, skipped, no patient id, not an image file)."""
     raw_dir = Path(raw_dir)
-    if rules.dicom_patient is not None:
-        return _scan_by_patient(raw_dir, rules, domain, key, quiet)
+    if rules.matched is not None:
+        return _scan_by_dicom(raw_dir, rules, domain, key, quiet)
     columns = [("path", rules.path), ("label", rules.label_column), ("patient", rules.patient), ("subset", rules.subset)]
     columns += [("label_columns", c) for c in rules.label_columns]
     table_path, df = load_table(raw_dir, rules, columns, key)
@@ -128,122 +139,63 @@ def _files(raw_dir: Path, rel: str, table: Rows, row: int, where: str) -> list[O
     return [table.locate(rel, row, where)]
 
 
-def dicom_patients(raw_dir: Path, folder: str, key: str, quiet: bool = True,
-                   table: str = "") -> tuple[dict[str, list[tuple[str, str, str]]], list[tuple[str, str]]]:
-    """Every file below ``raw_dir / folder`` but the label table (``table``) and fetch's manifest: the DICOMs (by
-    suffix or preamble) by their header's PatientID (trimmed; a malformed multi-valued one joined with ``\\``), each
-    as ``(path, reader, why not)`` as :func:`~fedsilo.data.sources.image_folder.file_reader` gives it (from the same
-    header read: one read per file), and the files that cannot be matched with why (not a DICOM, a header that cannot
-    be read, no PatientID). A PatientID the headers give with two issuers (IssuerOfPatientID) is an error: one table
-    row cannot tell the two patients apart. Paths are posix, relative to ``raw_dir``."""
-    import pydicom
-    from pydicom.errors import InvalidDicomError
-    from pydicom.multival import MultiValue
-
-    from fedsilo.data.dicom import dataset_problem, is_dicom_file
-    from fedsilo.data.fetch import MANIFEST
-    from fedsilo.utils.progress import Progress
-
-    base = Path(raw_dir) / folder
-    if not base.is_dir():
-        raise LabelFileError(f"{base}: no such folder in the source ({key}.dicom_patient: {folder!r})")
-    skip = {Path(raw_dir) / table, Path(raw_dir) / MANIFEST}
-    files = [f for f in walk(base) if f.is_file() and f not in skip]
-    by_patient: dict[str, list[tuple[str, str, str]]] = {}
-    issuers: dict[str, dict[str, str]] = {}
-    unmatched: list[tuple[str, str]] = []
-    bar = Progress(len(files), f"scan {key.rsplit('.', 1)[-1]}", "file", quiet=quiet)
-    for f in files:
-        bar.update(1)
-        rel = f.relative_to(raw_dir).as_posix()
-        try:
-            dicom = is_dicom_file(f)
-        except OSError:
-            dicom = False
-        if not dicom:
-            unmatched.append((rel, f"not a DICOM ({key}.dicom_patient matches DICOMs by their PatientID)"))
-            continue
-        try:
-            ds = pydicom.dcmread(str(f), defer_size="1 KB")  # the header, the pixel data's tag without its bytes
-        except (InvalidDicomError, AttributeError, ValueError, RuntimeError, OSError, EOFError, KeyError) as err:
-            unmatched.append((rel, f"a DICOM whose header cannot be read ({type(err).__name__})"))
-            continue
-        value = ds.get("PatientID", "") or ""
-        pid = ("\\".join(map(str, value)) if isinstance(value, (list, tuple, MultiValue)) else str(value)).strip()
-        if not pid:
-            unmatched.append((rel, "no PatientID in its DICOM header"))
-            continue
-        if f.suffix.lower() in IMAGE_SUFFIXES or is_slide_file(f):  # a DICOM named like a picture: read as a folder's
-            reader, why = file_reader(f)
-        else:  # as file_reader reads a DICOM, from this header
-            reader, why = dicom_reader(dataset_problem(ds))
-        by_patient.setdefault(pid, []).append((rel, reader, why))
-        issuer = str(ds.get("IssuerOfPatientID", "") or "").strip()
-        if issuer:
-            seen = issuers.setdefault(pid, {})
-            seen.setdefault(issuer, rel)
-            if len(seen) > 1:
-                (a, fa), (b, fb) = list(seen.items())[:2]
-                raise LabelFileError(f"{base}: PatientID {pid!r} comes from two issuers ({a!r} in {fa}, {b!r} in {fb}): "
-                                     f"two patients one table row cannot tell apart ({key}.dicom_patient)")
-    bar.close()
-    return by_patient, unmatched
+def _match_key(rules: ImageTableRules, key: str) -> str:
+    return f"{key}.dicom_patient" if rules.dicom_patient is not None else f"{key}.dicom_match"
 
 
-def _scan_by_patient(raw_dir: Path, rules: ImageTableRules, domain: str, key: str, quiet: bool) -> list[dict]:
-    """:func:`scan` of a table with one row per patient and its DICOMs found by their header's PatientID
-    (``dicom_patient``): every image of a row's patient is an entry of the row's class, subset and group (the
-    patient); a row whose patient has no DICOM is excluded; a DICOM of a patient no row lists, or that cannot be
-    matched, is an excluded entry of its own; a patient on two rows is an error; no PatientID matching any row is an
-    error showing both sides' IDs (leading zeros a spreadsheet dropped, say)."""
-    columns = [("label", rules.label_column), ("patient", rules.patient), ("subset", rules.subset)]
+def _scan_by_dicom(raw_dir: Path, rules: ImageTableRules, domain: str, key: str, quiet: bool) -> list[dict]:
+    """:func:`scan` of a table whose rows find their DICOMs by a header attribute (``dicom_match``, or
+    ``dicom_patient``: by PatientID), one row per ID (a patient, a study's accession number or UID): every image
+    whose header holds a row's ID is an entry of the row's class and subset; its group is the row's patient (the
+    patient column) or, without one, the image header's PatientID. A row no DICOM matches is excluded; a DICOM no row
+    lists, or that cannot be matched, is an excluded entry of its own; an ID on two rows is an error, and so are the
+    refusals of :func:`~fedsilo.data.sources.tables.check_matched`."""
+    match = rules.matched
+    assert match is not None
+    mkey, noun = _match_key(rules, key), MATCH_NOUN[match.tag]
+    column_key = f"{key}.patient" if rules.dicom_patient is not None else f"{key}.dicom_match.column"
+    columns = [("label", rules.label_column), ("patient", rules.patient), ("subset", rules.subset),
+               ("dicom_match.column", match.column)]
     columns += [("label_columns", c) for c in rules.label_columns]
     table_path, df = load_table(raw_dir, rules, columns, key)
     classmap = table_classes(rules, key)
-    by_patient, unmatched = dicom_patients(raw_dir, rules.dicom_patient, key, quiet, rules.file)
+    by_value, unmatched = dicom_index(raw_dir, match.folder, match.tag, mkey, quiet, rules.file)
+    listed = {str(v).strip() for v in df[match.column]} - {""}
+    check_matched(by_value, unmatched, {v for v in listed if v.casefold() not in MISSING}, raw_dir, match.folder,
+                  match.tag, match.column, column_key, mkey, table_path)
     table = Rows(raw_dir)
-    listed = {str(v).strip() for v in df[rules.patient]} - {""}
-    listed = {v for v in listed if v.casefold() not in MISSING}
-    if not by_patient:
-        raise LabelFileError(f"{raw_dir / rules.dicom_patient}: no DICOM with a PatientID in its header ({len(unmatched)} "
-                             f"files: {', '.join(sorted({why for _, why in unmatched})) or 'none'}); {key}.dicom_patient "
-                             "matches the table's patients to DICOMs by that header")
-    if not listed & set(by_patient):
-        ours, theirs = sorted(listed)[:3], sorted(by_patient)[:3]
-        raise LabelFileError(f"{table_path}: no DICOM under {rules.dicom_patient} has a PatientID in the column {rules.patient} "
-                             f"(the table's: {', '.join(ours)}, ...; the headers': {', '.join(theirs)}, ...); check leading "
-                             f"zeros a spreadsheet dropped, prefixes and the column ({key}.patient)")
-    zeros = {t: h for h in set(by_patient) - listed for t in listed - set(by_patient) if h.lstrip("0") == t.lstrip("0")}
-    if zeros:
-        pairs = ", ".join(f"{t} / {h}" for t, h in sorted(zeros.items())[:3])
-        raise LabelFileError(f"{table_path}: {len(zeros)} of the column {rules.patient}'s IDs differ from a DICOM header's "
-                             f"PatientID only in leading zeros (table / header: {pairs}); a spreadsheet drops them from "
-                             "numbers: export the column as text")
     out, first = [], {}
     for row, rec, where in table.each(df, table_path, key, quiet):
         value, reason = _label(rec, rules, where)
         if value and classmap.skipped(value):
             reason = f"{classmap.what} skipped ({key}.skip)"
-        pid = str(rec[rules.patient]).strip()
-        files = []
-        if not pid or pid.casefold() in MISSING:
-            reason = reason or "no patient id"
+        ident = str(rec[match.column]).strip()
+        files: list[MatchedDicom] = []
+        if not ident or ident.casefold() in MISSING:
+            reason = reason or ("no patient id" if match.tag == "PatientID" else f"no {match.tag} in the row")
         else:
-            if pid in first:
-                raise LabelFileError(f"{where}: patient {pid!r} is listed again (first on row {first[pid]}); with "
-                                     f"{key}.dicom_patient the table has one row per patient, its label every image's")
-            first[pid] = row
-            files = by_patient.pop(pid, [])
+            if ident in first:
+                raise LabelFileError(f"{where}: {noun} {ident!r} is listed again (first on row {first[ident]}); with "
+                                     f"{mkey} the table has one row per {noun}, its label every image's")
+            first[ident] = row
+            files = by_value.pop(ident, [])
+        readers = [file_reader(raw_dir / f.path) if Path(f.path).suffix.lower() in IMAGE_SUFFIXES or is_slide_file(raw_dir / f.path)
+                   else dicom_reader(f.problem) for f in files]  # a DICOM named like a picture: read as a folder's
         if not files:
-            reason = reason or f"no DICOM with this PatientID under {rules.dicom_patient}"
-        elif not reason and all(why for _, _, why in files):
-            reason = files[0][2]
-        group, subset, reason = table.group_and_subset(rec, rules, f"patient {pid}", reason, row, where, key)
-        for rel, reader, why in files or [("", "image", "")]:
-            out.append({"id": rel or f"{rules.file}: row {row} (patient {pid})", "path": rel, "where": where, "domain": domain,
-                        "subset": subset, "value": value, "group": group, "reason": reason or why, "strict": True,
-                        "reader": reader or "image"})
-    unlisted = [(rel, "its PatientID is in no row of the table") for found in by_patient.values() for rel, _, _ in found]
+            reason = reason or f"no DICOM with this {match.tag} under {match.folder}"
+        elif not reason and all(why for _, why in readers):
+            reason = readers[0][1]
+        group, subset, reason = table.group_and_subset(rec, rules, f"{noun} {ident}", reason, row, where, key)
+        for f, (reader, why) in zip(files, readers) if files else [(None, ("image", ""))]:
+            mine = group
+            if rules.patient is None and f is not None and f.patient:  # the header's patient keeps a patient's studies together
+                mine = f.patient
+                if rules.subset is not None and not (reason or why):
+                    table.side(mine, subset, row, where, rules.subset)
+            out.append({"id": f.path if f else f"{rules.file}: row {row} ({noun} {ident})", "path": f.path if f else "",
+                        "where": where, "domain": domain, "subset": subset, "value": value, "group": mine,
+                        "reason": reason or why, "strict": True, "reader": reader or "image"})
+    unlisted = [(f.path, f"its {match.tag} is in no row of the table") for found in by_value.values() for f in found]
     for rel, why in unmatched + unlisted:
         out.append({"id": rel, "path": rel, "where": str(raw_dir / rel), "domain": domain, "subset": "", "value": "",
                     "group": None, "reason": why, "strict": False, "reader": "image"})

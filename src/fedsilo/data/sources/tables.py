@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import unicodedata
 from pathlib import Path, PurePosixPath
-from typing import Iterator, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import pandas as pd
 
@@ -169,3 +169,107 @@ def study_folder(raw_dir: Path, rel: str) -> Optional[str]:
         here = here / match[0]
         parts.append(match[0])
     return "/".join(parts)
+
+
+MATCH_NOUN = {"PatientID": "patient", "AccessionNumber": "study", "StudyInstanceUID": "study", "SeriesInstanceUID": "series",
+              "SOPInstanceUID": "image"}  # what one row of a table matched by that header attribute stands for
+
+
+class MatchedDicom(NamedTuple):
+    """One DICOM below a ``dicom_match`` folder, from one read of its header: its path (posix, relative to the
+    source's folder), why it is no picture (:func:`fedsilo.data.dicom.dataset_problem`: "" for an image), its View
+    Position and its PatientID ("" where the header has none)."""
+
+    path: str
+    problem: str
+    view: str
+    patient: str
+
+
+def _header_text(ds: Any, tag: str) -> str:
+    from pydicom.multival import MultiValue
+
+    value = ds.get(tag, "") or ""
+    return ("\\".join(map(str, value)) if isinstance(value, (list, tuple, MultiValue)) else str(value)).strip()
+
+
+def dicom_index(raw_dir: Path, folder: str, tag: str, key: str, quiet: bool = True,
+                table: str = "") -> tuple[dict[str, list[MatchedDicom]], list[tuple[str, str]]]:
+    """Every file below ``raw_dir / folder`` but the label table (``table``) and fetch's manifest: the DICOMs (by
+    suffix or preamble) by their header's ``tag`` (trimmed; a malformed multi-valued one joined with ``\\``), each a
+    :class:`MatchedDicom` from one header read, and the files that cannot be matched with why (not a DICOM, a header
+    that cannot be read, no ``tag``). ``key``: the params key that matches them, for messages. By PatientID, one ID
+    the headers give with two issuers (IssuerOfPatientID) is an error: one table row cannot tell the two patients
+    apart."""
+    import pydicom
+    from pydicom.errors import InvalidDicomError
+
+    from fedsilo.data.dicom import dataset_problem, is_dicom_file
+    from fedsilo.data.fetch import MANIFEST
+
+    base = Path(raw_dir) / folder
+    if not base.is_dir():
+        raise LabelFileError(f"{base}: no such folder in the source ({key}: {folder!r})")
+    skip = {Path(raw_dir) / table, Path(raw_dir) / MANIFEST}
+    files = [f for f in walk(base) if f.is_file() and f not in skip]
+    by_value: dict[str, list[MatchedDicom]] = {}
+    issuers: dict[str, dict[str, str]] = {}
+    unmatched: list[tuple[str, str]] = []
+    bar = Progress(len(files), f"scan {key.split('.')[-2] if '.' in key else key}", "file", quiet=quiet)
+    for f in files:
+        bar.update(1)
+        rel = f.relative_to(raw_dir).as_posix()
+        try:
+            dicom = is_dicom_file(f)
+        except OSError:
+            dicom = False
+        if not dicom:
+            unmatched.append((rel, f"not a DICOM ({key} matches DICOMs by their {tag})"))
+            continue
+        try:
+            ds = pydicom.dcmread(str(f), defer_size="1 KB")  # the header, the pixel data's tag without its bytes
+        except (InvalidDicomError, AttributeError, ValueError, RuntimeError, OSError, EOFError, KeyError) as err:
+            unmatched.append((rel, f"a DICOM whose header cannot be read ({type(err).__name__})"))
+            continue
+        value = _header_text(ds, tag)
+        if not value:
+            unmatched.append((rel, f"no {tag} in its DICOM header"))
+            continue
+        patient = _header_text(ds, "PatientID")
+        by_value.setdefault(value, []).append(MatchedDicom(rel, dataset_problem(ds), _header_text(ds, "ViewPosition"), patient))
+        issuer = str(ds.get("IssuerOfPatientID", "") or "").strip()
+        if issuer and tag == "PatientID":
+            seen = issuers.setdefault(value, {})
+            seen.setdefault(issuer, rel)
+            if len(seen) > 1:
+                (a, fa), (b, fb) = list(seen.items())[:2]
+                raise LabelFileError(f"{base}: PatientID {value!r} comes from two issuers ({a!r} in {fa}, {b!r} in {fb}): "
+                                     f"two patients one table row cannot tell apart ({key})")
+    bar.close()
+    return by_value, unmatched
+
+
+def _a(word: str) -> str:
+    return "an" if word[:1] in "AEIOU" else "a"
+
+
+def check_matched(by_value: dict[str, list[MatchedDicom]], unmatched: list[tuple[str, str]], listed: set[str],
+                  raw_dir: Path, folder: str, tag: str, column: str, column_key: str, key: str, table_path: Path) -> None:
+    """The refusals of a table matched to DICOMs by ``tag``: no DICOM holding it (an anonymised export, the wrong
+    folder), none of the table's IDs (``listed``) in any header (both sides shown), or some that differ from a
+    header's only in leading zeros (a spreadsheet that read the column as numbers)."""
+    if not by_value:
+        raise LabelFileError(f"{Path(raw_dir) / folder}: no DICOM with {_a(tag)} {tag} in its header ({len(unmatched)} files: "
+                             f"{', '.join(sorted({why for _, why in unmatched})) or 'none'}); {key} matches the table's "
+                             "rows to DICOMs by that header")
+    if not listed & set(by_value):
+        ours, theirs = sorted(listed)[:3], sorted(by_value)[:3]
+        raise LabelFileError(f"{table_path}: no DICOM under {folder} has {_a(tag)} {tag} in the column {column} (the table's: "
+                             f"{', '.join(ours)}, ...; the headers': {', '.join(theirs)}, ...); check leading zeros a "
+                             f"spreadsheet dropped, prefixes and the column ({column_key})")
+    zeros = {t: h for h in set(by_value) - listed for t in listed - set(by_value) if h.lstrip("0") == t.lstrip("0")}
+    if zeros:
+        pairs = ", ".join(f"{t} / {h}" for t, h in sorted(zeros.items())[:3])
+        raise LabelFileError(f"{table_path}: {len(zeros)} of the column {column}'s IDs differ from a DICOM header's "
+                             f"{tag} only in leading zeros (table / header: {pairs}); a spreadsheet drops them from "
+                             "numbers: export the column as text")
