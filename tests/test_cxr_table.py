@@ -495,7 +495,8 @@ def test_a_study_level_table_reads_each_image_of_the_study_by_its_headers_view(t
     shutil.copy(none, study / "IM3")
     other = tmp_path / "export" / "ACC1002"
     other.mkdir()
-    shutil.copy(pa, other / "IM1")
+    lat.ViewPosition, lat.SOPInstanceUID = "PA", pydicom.uid.generate_uid()  # another instance of the image: not a copy
+    lat.save_as(other / "IM1")
     (study / "report.txt").write_text("FINDINGS: ...")  # a study folder may hold its report beside the images
     # the second row names its study in another case, as a table typed by hand does
     (tmp_path / "export" / "labels.csv").write_text("path,label,patient_id,view\nACC1001,Lung Opacity,P1,\nacc1002,Normal,P2,\n")
@@ -533,7 +534,8 @@ def test_a_report_table_finds_its_studies_images_by_the_headers_accession_number
 
     rng = np.random.default_rng(0)
     root = tmp_path / "raw"
-    studies = {"00071": ("P1", ("PA", "LL")), "00072": ("P1", ("AP",)), "00073": ("P2", ("PA",)), "00099": ("P3", ("PA",))}
+    studies = {"00071": ("P1", ("PA", "LL")), "00072": ("P1", ("AP",)), "00073": ("P2", ("PA",)), "00074": ("N/A", ("PA",)),
+               "00099": ("P3", ("PA",))}
     for acc, (pid, views) in studies.items():
         for k, view in enumerate(views):
             f = root / "export" / f"1.2.{acc}" / f"IM{k}"
@@ -543,8 +545,14 @@ def test_a_report_table_finds_its_studies_images_by_the_headers_accession_number
             ds.AccessionNumber, ds.PatientID = acc, pid
             ds.save_as(f)
     (root / "export" / "notes.txt").write_text("exported")
+    from tests.test_image_table import _pixelless_dicom
+
+    _pixelless_dicom(root / "export" / "1.2.00073" / "SR1")  # the study's structured report, beside its image
+    report = pydicom.dcmread(root / "export" / "1.2.00073" / "SR1")
+    report.AccessionNumber, report.PatientID = "00073", "P2"
+    report.save_as(root / "export" / "1.2.00073" / "SR1")
     (root / "reports.csv").write_text("accession,finding,split\n00071,Lung Opacity,\n00072,Normal,\n00073,No Finding,test\n"
-                                      "00080,Normal,\n,Normal,\n")
+                                      "00080,Normal,\n,Normal,\n00074,Normal,\n")
     rules = CXRTableRules(file="reports.csv", label="finding", patient=None, view=None, dicom_view=True, subset="split",
                           dicom_match={"folder": "export", "column": "accession"})
     rec = cxr_table.read_records(root, rules, "H", "datasets.c.tables.h").set_index("id")
@@ -552,13 +560,15 @@ def test_a_report_table_finds_its_studies_images_by_the_headers_accession_number
     assert kept[["label", "group", "view"]].to_dict("index") == {
         "export/1.2.00071/IM0": {"label": 1, "group": "P1", "view": "frontal"},
         "export/1.2.00072/IM0": {"label": 0, "group": "P1", "view": "frontal"},  # the patient's second study: its group too
-        "export/1.2.00073/IM0": {"label": 0, "group": "P2", "view": "frontal"}}
+        "export/1.2.00073/IM0": {"label": 0, "group": "P2", "view": "frontal"},
+        "export/1.2.00074/IM0": {"label": 0, "group": "study 00074", "view": "frontal"}}  # a placeholder PatientID: no patient
     assert rec.loc["export/1.2.00073/IM0", "subset"] == "test"
     assert rec.loc[rec["excluded"] != "", "excluded"].to_dict() == {
         "export/1.2.00071/IM1": "lateral view", "reports.csv: row 5 (study 00080)": "no DICOM with this AccessionNumber under export",
-        "reports.csv: row 6 (study )": "no AccessionNumber in the row",
+        "reports.csv: row 6": "no AccessionNumber in the row",
         "export/notes.txt": "not a DICOM (datasets.c.tables.h.dicom_match matches DICOMs by their AccessionNumber)",
-        "export/1.2.00099/IM0": "its AccessionNumber is in no row of the table"}
+        "export/1.2.00099/IM0": "its AccessionNumber is in no row of the table",
+        "export/1.2.00073/SR1": "not an image: a DICOM without pixels (Enhanced SR Storage)"}
     # the header's patient is the group: one patient in test on one row and outside it on another is refused
     (root / "reports.csv").write_text("accession,finding,split\n00071,Lung Opacity,test\n00072,Normal,\n")
     with pytest.raises(LabelFileError, match=r"row 3: patient 'P1' is outside test here and test on row 2"):

@@ -224,7 +224,7 @@ def test_what_real_tables_bring(tmp_path):
     for part, ids in (("part_1", ("ISIC_1", "ISIC_2")), ("part_2", ("ISIC_3",))):
         (tmp_path / "ham" / f"HAM10000_images_{part}").mkdir(parents=True)
         for n in ids:
-            assert cv2.imwrite(str(tmp_path / "ham" / f"HAM10000_images_{part}" / f"{n}.jpg"), np.full((8, 8, 3), 99, np.uint8))
+            assert cv2.imwrite(str(tmp_path / "ham" / f"HAM10000_images_{part}" / f"{n}.jpg"), np.full((8, 8, 3), 90 + int(n[-1]), np.uint8))
     raw = _own_table(tmp_path / "ham", "image_id,dx,lesion_id\nISIC_1,nv,L1\nISIC_2,mel,L2\nISIC_3,nv,L3\n", path="image_id",
                      label="dx", patient="lesion_id",
                      path_format=["HAM10000_images_part_1/{}.jpg", "HAM10000_images_part_2/{}.jpg"])
@@ -325,10 +325,10 @@ def test_a_sites_dicoms_grey_and_colour_read_as_rgb_beside_its_pngs(tmp_path):
 
 def test_a_study_level_table_labels_every_image_of_the_studys_folder(tmp_path):
     root = tmp_path / "pacs_export"
-    for study, n in (("S001", 3), ("S002", 2), ("S003", 2)):
+    for s, (study, n) in enumerate((("S001", 3), ("S002", 2), ("S003", 2))):
         (root / "studies" / study).mkdir(parents=True)
         for k in range(n):
-            assert cv2.imwrite(str(root / "studies" / study / f"{k}.png"), np.full((8, 8, 3), 30 * k + 5, np.uint8))
+            assert cv2.imwrite(str(root / "studies" / study / f"{k}.png"), np.full((8, 8, 3), 30 * k + 5 + s, np.uint8))
     _colour_dicom(root / "studies" / "S002" / "IM3", np.random.default_rng(3).integers(0, 256, (8, 8, 3), dtype=np.uint8))
     (root / "labels.csv").write_text("study,finding\nstudies/S001,benign\nstudies/S002,malignant\nstudies/S003,benign\n")
     raw = _own_table(root, (root / "labels.csv").read_text(), path="study", label="finding")

@@ -90,6 +90,7 @@ def test_params_refuse_mixing_the_release_with_raw_sources_and_modes_it_lacks():
     with pytest.raises(Exception, match=r"chest_xray4_released holds all four domains"):
         parse_params(raw)
     raw["datasets"]["chest_xray4"]["sources"] = [SRC]
+    raw["pipeline"]["sources"] = [SRC]
     assert parse_params(raw).datasets["chest_xray4"].source_list == (SRC,)
     raw["sources"][SRC] = {"mode": "download"}
     with pytest.raises(Exception, match=r"sources\.chest_xray4_released\.mode: 'download' is not offered"):

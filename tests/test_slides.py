@@ -158,9 +158,10 @@ def test_region_annotations_label_each_patch(tmp_path):
     # no SMALL_TIFF_BYTES patch here: the rules cut slides, so these ~1 MB pyramidal TIFFs are slides by their header
     root = tmp_path / "raw" / "lab"
     _slide(root / "normal" / "S1.tif", (1024, 1024), 900)
-    for name in ("normal/S2", "tumour/S3", "normal/S4", "normal/S5", "tumour/S1"):  # the same scan under other names
-        (root / name).parent.mkdir(exist_ok=True)
-        shutil.copy(root / "normal" / "S1.tif", tmp_path / f"{name.replace('/', '_')}.tif")
+    scan = (root / "normal" / "S1.tif").read_bytes()
+    for k, name in enumerate(("normal/S2", "tumour/S3", "normal/S4", "normal/S5", "tumour/S1")):  # the same scan under other names
+        (root / name).parent.mkdir(exist_ok=True)  # in distinct files (one byte past the TIFF's end): a copy is kept once
+        (tmp_path / f"{name.replace('/', '_')}.tif").write_bytes(scan + bytes([k]))
     for name in ("normal/S2", "tumour/S3"):
         shutil.move(tmp_path / f"{name.replace('/', '_')}.tif", root / f"{name}.tif")
     tumour, hole, ignore = (500, 450, 1500, 1550), (760, 760, 1290, 1290), (1280, 1408, 1408, 1536)
@@ -320,6 +321,23 @@ def test_ndp_view_annotations_are_placed_by_the_scans_offset_from_the_slide_cent
         "a whole-slide image: its annotation file N2.ndpa cannot be read (ValueError: an NDP.view annotation is placed by "
         "its NDPI scan's offset from the slide centre (hamamatsu.XOffsetFromSlideCentre / YOffsetFromSlideCentre), which "
         "this slide's header does not give: is it the NDPI scan the annotation was drawn on?)"]
+
+
+def test_ndpa_coordinates_use_each_axis_own_size_and_resolution(tmp_path):
+    """On a scan wider than tall with coarser rows than columns, a point's x is placed by the width and the x
+    resolution, its y by the height and the y resolution; micrometres are read as such."""
+    frame = slides.SlideFrame(3000, 2000, 0.25, 0.5, (1_000_000.0, -2_000_000.0))
+    box = [(100, 40), (300, 40), (300, 90), (100, 90)]  # pixels from the scan's centre
+    pts = lambda scale: "".join(f"<point><x>{(1_000_000 + 250 * x) / scale:g}</x><y>{(-2_000_000 + 500 * y) / scale:g}</y></point>"  # noqa: E731
+                                for x, y in box)
+    (tmp_path / "s.ndpa").write_text(
+        '<annotations><ndpviewstate id="1"><title>T</title><coordformat>nanometers</coordformat><annotation type="freehand">'
+        f'<pointlist>{pts(1)}</pointlist></annotation></ndpviewstate><ndpviewstate id="2"><title>U</title><coordformat>'
+        f'micrometers</coordformat><annotation type="freehand"><closed>1</closed><pointlist>{pts(1000)}</pointlist></annotation>'
+        '</ndpviewstate></annotations>')
+    regions = slides.read_regions(tmp_path / "s.ndpa", frame)
+    want = np.array([(1500 + x, 1000 + y) for x, y in box], dtype=float)
+    assert [name for name, _ in regions] == ["T", "U"] and all(np.allclose(rings[0], want) for _, rings in regions)
 
 
 def test_region_raster_innermost_region_and_min_share():
@@ -490,15 +508,17 @@ def test_dicom_annotation_objects_label_a_dicom_slides_patches(tmp_path):
     def slide_mm(col: float, row: float) -> list[float]:  # image coordinates (corner at 0, 0) -> the slide's millimetres
         return [origin[0] - (row - 0.5) * mm, origin[1] - (col - 0.5) * mm, 0.0]
 
-    # S1, in 3D: the tumour is the left half; a nucleus covers 61 % of its top-left tissue patch; centroids are points
+    # S1, in 3D, in two objects as a PACS keeps them: the pathologist's tumour (the left half's rows 128-768), and an
+    # algorithm's nuclei (one covers 61 % of the top-left tissue patch) and their centroids (points)
     s1 = pydicom.dcmread(root / "tumour" / "S1" / "L1.dcm")
     box = lambda x0, y0, x1, y1: np.array([slide_mm(x, y) for x, y in _square(x0, y0, x1, y1)[:4]])  # noqa: E731
-    save(s1, "3D", [group(1, "Tumour outline", "Neoplasm", "POLYGON", [box(0, 0, 512, 1024)]),
-                    group(2, "nuclei", "Nucleus", "POLYGON", [box(138, 138, 238, 238)]),
-                    group(3, "centroids", "Nucleus centre", "POINT", [np.array([slide_mm(700, 700)])])], "1.2.3.dcm")
-    # S2, in 2D in its level 1's pixels (a quarter of level 0's): a necrosis ellipse of radius 256 around (512, 512)
+    save(s1, "3D", [group(1, "Tumour outline", "Neoplasm", "POLYGON", [box(0, 128, 512, 768)])], "1.2.3.dcm")
+    save(s1, "3D", [group(1, "nuclei", "Nucleus", "POLYGON", [box(138, 138, 238, 238)]),
+                    group(2, "centroids", "Nucleus centre", "POINT", [np.array([slide_mm(700, 700)])])], "1.2.4.dcm")
+    # S2, in 2D in its level 1's pixels (a quarter of level 0's): a necrosis ellipse around (512, 512) whose half axes
+    # are 448 px along x and 160 px along y at level 0
     s2_level1 = pydicom.dcmread(root / "tumour" / "S2" / "L4.dcm")
-    axes = np.array([[64.0, 128.0], [192.0, 128.0], [128.0, 64.0], [128.0, 192.0]])
+    axes = np.array([[16.0, 128.0], [240.0, 128.0], [128.0, 88.0], [128.0, 168.0]])
     save(s2_level1, "2D", [group(1, "necrosis", "Necrosis", "ELLIPSE", [axes])], "4.5.6.dcm")
 
     regions = {"folder": "ann", "classes": {"Neoplasm": "tumour"}, "ignore": ["Nucleus", "Nucleus centre"], "outside": "normal",
@@ -508,18 +528,21 @@ def test_dicom_annotation_objects_label_a_dicom_slides_patches(tmp_path):
     xy = recs["id"].str.extract(r"#x(\d+)y(\d+)$").astype(int).to_numpy()
     s1_rows = (recs["source_path"] == "tumour/S1/L1.dcm").to_numpy()
     label = recs["original_label"].to_numpy()
-    assert s1_rows.sum() == 36 and (label[s1_rows & (xy[:, 0] < 512)] == "Neoplasm").all()  # the nucleus hid nothing
-    assert (label[s1_rows & (xy[:, 0] >= 512)] == "normal").all()
-    gap = np.hypot(xy[:, 0] + 64 - 512, xy[:, 1] + 64 - 512)
+    tumour = (xy[:, 0] < 512) & (xy[:, 1] >= 128) & (xy[:, 1] < 768)
+    assert s1_rows.sum() == 36 and (s1_rows & tumour).sum() == 15 and (label[s1_rows & tumour] == "Neoplasm").all()  # the nucleus hid nothing
+    assert (label[s1_rows & ~tumour] == "normal").all()
+    u = (np.arange(17) / 16 * 128)[None, :]  # 17 x 17 points over each patch: the share the ellipse covers
+    px, py = (xy[:, :1] + u)[:, :, None], (xy[:, 1:] + u)[:, None, :]
+    covered = ((((px - 512) / 448) ** 2 + ((py - 512) / 160) ** 2) <= 1).mean(axis=(1, 2))
     s2_rows = (recs["source_path"] == "tumour/S2/L1.dcm").to_numpy()
-    inside, outside = s2_rows & (gap + 64 * np.sqrt(2) < 256), s2_rows & (gap - 64 * np.sqrt(2) > 256)
-    assert inside.sum() == 4 and (label[inside] == "Necrosis").all() and (label[outside] == "normal").all()
-    assert card["domains"]["lab"]["excluded_by_reason"]["a slide's region annotations"] == 2  # found by UID, said to be theirs
+    inside, outside = s2_rows & (covered == 1), s2_rows & (covered == 0)  # a row of 4 x 2 patches wholly inside
+    assert inside.sum() == 8 and (label[inside] == "Necrosis").all() and (label[outside] == "normal").all()
+    assert card["domains"]["lab"]["excluded_by_reason"]["a slide's region annotations"] == 3  # found by UID, said to be theirs
 
     # a group's class by its label; a DICOM annotation on a slide that is no DICOM cannot be placed
     with slides.open_slide(str(root / "tumour" / "S1" / "L1.dcm")) as slide:
         frame = slides.slide_frame(slide, MPP0, root / "tumour" / "S1" / "L1.dcm")
-    assert [name for name, _ in slides.read_regions(root / "ann" / "1.2.3.dcm", frame, "label")] == ["Tumour outline", "nuclei"]
+    assert [name for name, _ in slides.read_regions(root / "ann" / "1.2.4.dcm", frame, "label")] == ["nuclei"]
     with pytest.raises(ValueError, match="placed on the DICOM whole-slide image it references; this slide is not one"):
         slides.read_regions(root / "ann" / "1.2.3.dcm", frame._replace(dicom=None))
     # the image S2's 2D coordinates refer to gone: S2 is excluded saying which

@@ -226,6 +226,61 @@ def _shrink_npy(path: Path, n: int, row_bytes: int) -> None:
         f.seek(prefix)
         f.write((text + " " * (room - len(text) - 1) + "\n").encode("latin1"))
         f.truncate(offset + n * row_bytes)
+COPY_REASON = "a byte-identical copy of another of the source's files (kept once)"
+
+
+def _digests(raw_dir: Path, paths: list[str]) -> dict[str, str]:
+    """sha256 of each file (posix paths relative to ``raw_dir``): from fetch's manifest, which records every fetched
+    file's; without one (a folder read in place), of the files whose size another file shares only."""
+    import json
+
+    from fedsilo.data.fetch import MANIFEST
+
+    manifest = raw_dir / MANIFEST
+    if manifest.is_file():
+        files = json.loads(manifest.read_text())["files"]
+        return {p: files[p]["sha256"] for p in paths if p in files}
+    sizes = {p: (raw_dir / p).stat().st_size for p in paths if (raw_dir / p).is_file()}
+    counts = Counter(sizes.values())
+    return {p: file_sha256(raw_dir / p) for p, n in sizes.items() if counts[n] > 1}
+
+
+def exclude_copies(rec: pd.DataFrame, raw_dir: Path, label: str) -> tuple[pd.DataFrame, Optional[str]]:
+    """A source of your own's records with every kept file that is a byte-identical copy of another kept file (a
+    study exported twice, an image reached through a symbolic link and its target, a patient's image filed under two
+    names) excluded as :data:`COPY_REASON`, the first in path order kept; and a warning saying how many, one example,
+    and how many copies were in another group (the same image would have been on both sides of a split) or had
+    another class than their first (None when there are none). The frames or patches of one file share its path and
+    are no copies of each other. ``label``: the source's name in the warning."""
+    kept = ((rec["excluded"] == "") & (rec["path"] != "")).to_numpy()
+    paths = sorted(pd.unique(rec.loc[kept, "path"]))
+    if len(paths) < 2:
+        return rec, None
+    first: dict[str, str] = {}
+    copy_of: dict[str, str] = {}
+    for path, digest in sorted(_digests(raw_dir, paths).items()):
+        if digest in first:
+            copy_of[path] = first[digest]
+        else:
+            first[digest] = path
+    if not copy_of:
+        return rec, None
+    one = rec[kept].drop_duplicates("path").set_index("path")  # a file's class and group (its first row's)
+    other_group = sum(one.at[c, "group"] != one.at[f, "group"] for c, f in copy_of.items())
+    other_class = sum(one.at[c, "label"] != one.at[f, "label"] for c, f in copy_of.items())
+    rec = rec.copy()
+    rec.loc[kept & rec["path"].isin(list(copy_of)).to_numpy(), "excluded"] = COPY_REASON
+    example = next(iter(sorted(copy_of.items())))
+    warning = (f"{label}: {len(copy_of)} files are byte-identical copies of another of its files (e.g. {example[0]} = "
+               f"{example[1]}); each image is kept once")
+    if other_group:
+        warning += (f"; {other_group} of the copies were in another group than the file kept (the same image would have "
+                    "been on both sides of a split)")
+    if other_class:
+        warning += f"; {other_class} had another class than the file kept: check the labels"
+    return rec, warning
+
+
 def cxr_records(params: CXRDatasetParams, raw_root: Path, name: str, quiet: bool = True) -> tuple[pd.DataFrame, list[str]]:
     """Every record of a chest X-ray dataset's sources (kept or excluded, with its source and absolute path) and the
     warnings the rules call for; ``name`` is the dataset's key in params (for messages)."""
@@ -243,6 +298,8 @@ def cxr_records(params: CXRDatasetParams, raw_root: Path, name: str, quiet: bool
             for missing, warning in ((patients, cxr_table.NO_PATIENT_WARNING), (rules.view or rules.dicom_view or None, cxr_table.NO_VIEW_WARNING)):
                 if missing is None:
                     warnings.append(f"{src} ({params.domain_of(src)}) {warning}")
+            rec, copies = exclude_copies(rec, raw_dir, f"{src} ({params.domain_of(src)})")
+            warnings += [copies] if copies else []
         else:
             rec = source_module(src).read_records(raw_dir, params.rules(src))
         rec["source"] = src
@@ -425,6 +482,8 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
             rec = expand_frames(rec, raw_root / src, params.rules(src).frames, keys[src], quiet)
         rec = expand_slides(rec, raw_root / src, params.rules(src).slides, keys[src], quiet,  # patches, or excluded
                             workers=params.workers or os.cpu_count() or 1, classes=tuple(classes), warnings=warnings)
+        rec, copies = exclude_copies(rec, raw_root / src, src)
+        warnings += [copies] if copies else []
         theirs = set(rec["domain"])
         for other, frame in frames.items():
             clash = sorted(d for d in theirs if d.casefold() in {x.casefold() for x in frame["domain"]})

@@ -31,7 +31,7 @@ import math
 import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import numpy as np
 import pandas as pd
@@ -51,7 +51,8 @@ NDPA_MICRONS = {"nanometers": 1e-3, "micrometers": 1.0, "millimeters": 1e3}  # a
 DICOM_ANNOTATIONS = "1.2.840.10008.5.1.4.1.1.91.1"  # Microscopy Bulk Simple Annotations Storage (a DICOM slide's regions)
 QUPATH_02_NOT_REGIONS = ("PathDetectionObject", "PathCellObject", "PathTileObject")
 ASAP_SHAPES = ("Polygon", "Spline", "Rectangle")  # ASAP annotation types that enclose an area (a Spline by its points)
-INSTALL_HINT = ("whole-slide images are read with tiffslide (DICOM ones with OpenSlide): in fedsilo's checkout, "
+INSTALL_HINT = ("whole-slide images are read with tiffslide (DICOM ones with OpenSlide, their annotation objects with "
+                "highdicom): in fedsilo's checkout, "
                 "pip install -e '.[slides]' -c constraints.txt")
 
 
@@ -161,6 +162,12 @@ def one_entry_per_dicom_slide(entries: list[dict], raw_dir: Path) -> list[dict]:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_open.cache_clear)
+
+
+def _is_dicom(path: Path) -> bool:
+    from fedsilo.data.dicom import is_dicom_file
+
+    return is_dicom_file(path)
 
 
 def level0_mpp(slide: Any, fallback: Optional[float]) -> Optional[float]:
@@ -392,12 +399,15 @@ def _dicom_regions(path: Path, frame: Optional[SlideFrame], dicom_class: str) ->
     slide coordinate system's millimetres, mapped into the level-0 pixels by highdicom from that instance's origin,
     orientation and pixel spacing (the frame of reference must be the slide's). POLYGON and RECTANGLE are polygons,
     an ELLIPSE (its two axes' end points) a 256-point polygon; POINT and POLYLINE annotations enclose no area."""
-    import highdicom as hd
     import pydicom
 
     from fedsilo.data.dicom import is_dicom_file
     from fedsilo.data.sources.base import walk
 
+    try:
+        import highdicom as hd
+    except ImportError as err:
+        raise ImportError(INSTALL_HINT) from err
     if frame is None or frame.dicom is None:
         raise ValueError("a DICOM annotation file is placed on the DICOM whole-slide image it references; this slide "
                          "is not one")
@@ -508,13 +518,15 @@ def read_regions(path: Path, frame: Optional[SlideFrame] = None, dicom_class: st
 
 
 def annotation_file(slide: Path, rel: str, raw_dir: Path, regions: Any,
-                    listings: Optional[dict[Any, Any]] = None) -> tuple[Optional[Path], str]:
+                    listings: Optional[dict[Any, Any]] = None) -> tuple[tuple[Path, ...], str]:
     """One slide's annotation file (``regions.folder``, or beside the slide; named after the slide's file with or
     without its suffix, or by its path below the source's folder; a DICOM whole-slide image, a folder of files, after
-    its folder, or by a DICOM annotation object referencing its series or its level-0 image, anywhere in
-    ``regions.folder`` or, with none, in the source's folder; found case-blind when no name matches exactly: ``n1.xml``
-    for ``N1.tif``), or None and "" (none) or why it is ambiguous. ``listings``: each folder's case-blind listing and
-    the DICOM annotation objects by the UIDs they reference, kept across the slides of one source."""
+    its folder; found case-blind when no name matches exactly: ``n1.xml`` for ``N1.tif``) or, for a DICOM whole-slide
+    image, every DICOM annotation object referencing its series or its level-0 image, anywhere in ``regions.folder``
+    or, with none, in the source's folder (a pathologist's regions and an algorithm's nuclei are separate objects:
+    their regions are read together); ``()`` and "" for none, or why it is ambiguous (two files by name, a file by
+    name beside DICOM annotation objects). ``listings``: each folder's case-blind listing and the DICOM annotation
+    objects by the UIDs they reference, kept across the slides of one source."""
     import pydicom
 
     from fedsilo.data.dicom import is_dicom_file
@@ -542,10 +554,16 @@ def annotation_file(slide: Path, rel: str, raw_dir: Path, regions: Any,
             listings[key] = dicom_annotation_index(root) if root.is_dir() else {}
         head = pydicom.dcmread(str(instance), stop_before_pixels=True, specific_tags=["SeriesInstanceUID", "SOPInstanceUID"])
         uids = {str(head.get("SeriesInstanceUID", "")), str(head.get("SOPInstanceUID", ""))} - {""}
-        found = sorted(set(found) | {f for uid in uids for f in listings[key].get(uid, [])}, key=str)
+        objects = sorted({f for uid in uids for f in listings[key].get(uid, [])} - set(found), key=str)
+        if objects and found:
+            return (), (f"an annotation file by its name ({', '.join(str(f.relative_to(raw_dir)) for f in found)}) and DICOM "
+                        f"annotation objects referencing it ({', '.join(str(f.relative_to(raw_dir)) for f in objects)}): "
+                        "keep one kind")
+        if objects:
+            return tuple(objects), ""
     if len(found) > 1:
-        return None, f"{len(found)} annotation files ({', '.join(str(f.relative_to(raw_dir)) for f in found)}): keep one"
-    return (found[0] if found else None), ""
+        return (), f"{len(found)} annotation files ({', '.join(str(f.relative_to(raw_dir)) for f in found)}): keep one"
+    return tuple(found), ""
 
 
 def fill_rings(rings: list[np.ndarray], shape: tuple[int, int]) -> np.ndarray:
@@ -621,7 +639,7 @@ def region_labels(regions: list[Region], class_of: Callable[[str], Optional[str]
     return labels, named.tolist(), share
 
 
-def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Optional[Path] = None,
+def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Union[None, Path, tuple[Path, ...]] = (),
                  class_of: Optional[Callable[[str], Optional[str]]] = None,
                  outside: Optional[str] = None) -> tuple[list[tuple[int, int, int, int, int]], list[Optional[tuple[str, str, str]]], str]:
     """The patches of one slide: ``[(x, y, level, w, h), ...]`` (top-left corner in level-0 pixels, the level read
@@ -669,13 +687,16 @@ def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Optio
     if regions is not None:
         assert class_of is not None
         drop = regions.outside == "drop"
-        if annotations is None and drop:
+        files = (annotations,) if isinstance(annotations, Path) else tuple(annotations or ())
+        if not files and drop:
             return [], [], f"no annotation file, and patches outside the regions are dropped ({key}.regions.outside)"
-        if annotations is not None:
-            try:
-                drawn = read_regions(annotations, frame, regions.dicom_class)
-            except (OSError, ValueError, ET.ParseError, AttributeError, IndexError, KeyError) as err:
-                return [], [], f"its annotation file {annotations.name} cannot be read ({type(err).__name__}: {err})"
+        if files:
+            drawn = []
+            for file in files:  # a DICOM slide's annotation objects, read together
+                try:
+                    drawn += read_regions(file, frame, regions.dicom_class)
+                except (OSError, ValueError, ET.ParseError, AttributeError, IndexError, KeyError) as err:
+                    return [], [], f"its annotation file {file.name} cannot be read ({type(err).__name__}: {err})"
             ignored = {region_fold(name) for name in regions.ignore}
             drawn = [r for r in drawn if r[0] is None or region_fold(r[0]) not in ignored]
             labels, named, _ = region_labels(drawn, class_of, xs, ys, step, regions.min_share)
@@ -741,8 +762,8 @@ def outside_class(regions: Any, classes: tuple[str, ...], key: str) -> Optional[
     return found
 
 
-def plan_or_reason(args: tuple[Path, Any, str, Optional[Path], tuple[str, ...]]) -> tuple[list[tuple[int, int, int, int, int]], list[Optional[tuple[str, str, str]]], str]:
-    """:func:`plan_patches` of one slide, ``(path, rules, key, annotation file or None, the dataset's classes)``, a
+def plan_or_reason(args: tuple[Path, Any, str, tuple[Path, ...], tuple[str, ...]]) -> tuple[list[tuple[int, int, int, int, int]], list[Optional[tuple[str, str, str]]], str]:
+    """:func:`plan_patches` of one slide, ``(path, rules, key, annotation files (none: ()), the dataset's classes)``, a
     slide its reader cannot open giving its reason (a harmonize worker's job, and ``site predict``'s); an annotation
     class that is none of the dataset's ``classes`` stops harmonize (LabelFileError, naming the file)."""
     from fedsilo.data.sources.base import LabelFileError
@@ -751,8 +772,10 @@ def plan_or_reason(args: tuple[Path, Any, str, Optional[Path], tuple[str, ...]])
     path, rules, key, annotations, classes = args
     class_of = None
     if rules.regions is not None:
-        classmap = ClassMap(rules.regions, f"{key}.regions", "annotation class", fold=region_fold)
-        class_of = functools.partial(classmap.resolver(classes), where=str(annotations or path))
+        ignore = f"{key}.regions.ignore"
+        classmap = ClassMap(rules.regions, f"{key}.regions", "annotation class", fold=region_fold,
+                            hint=lambda v: f" (which hides what lies under it), or read it not at all with {ignore}: [{v}]")
+        class_of = functools.partial(classmap.resolver(classes), where=", ".join(map(str, annotations)) or str(path))
     try:
         return plan_patches(path, rules, key, annotations, class_of, outside_class(rules.regions, classes, key))
     except (ImportError, LabelFileError):
@@ -787,31 +810,33 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
     if rules.regions is not None and rules.regions.folder is not None and not (raw_dir / rules.regions.folder).is_dir():
         raise LabelFileError(f"{raw_dir / rules.regions.folder}: no such folder in the source ({key}.slides.regions.folder: "
                              f"{rules.regions.folder!r}; null: each annotation file beside its slide)")
-    files: dict[int, Optional[Path]] = {}  # each slide's annotation file (None: none, or no regions)
+    files: dict[int, tuple[Path, ...]] = {}  # each slide's annotation files (none, or no regions: ())
     ambiguous: dict[int, str] = {}  # slides excluded before planning: two files, or a file another slide finds too
     owners: dict[Path, list[int]] = {}
     listings: dict[Any, Any] = {}
     for i in map(int, slides):
-        found, why = ((None, "") if rules.regions is None else
-                      annotation_file(raw_dir / str(rec["path"].iloc[i]), str(rec["path"].iloc[i]), raw_dir, rules.regions, listings))
+        found, why = ((), "") if rules.regions is None else annotation_file(
+            raw_dir / str(rec["path"].iloc[i]), str(rec["path"].iloc[i]), raw_dir, rules.regions, listings)
         files[i] = found
         if why:
             ambiguous[i] = why
-        if found is not None:
-            owners.setdefault(found, []).append(i)
+        for f in found:
+            owners.setdefault(f, []).append(i)
     for found, users in owners.items():  # two slides of one name in a flat annotations folder: neither is labelled by it
         if len(users) > 1:
             for i in users:
                 other = next(str(rec["path"].iloc[j]) for j in users if j != i)
-                ambiguous[i] = (f"its annotation file {found.relative_to(raw_dir)} is also the slide {other}'s (mirror the "
-                                f"slides' folders in {key}.slides.regions.folder)")
+                ambiguous[i] = (f"its annotation file {found.relative_to(raw_dir)} is also the slide {other}'s" + (
+                    " (it references both)" if dicom_annotation_refs(found) is not None else
+                    f" (mirror the slides' folders in {key}.slides.regions.folder)"))
     if rules.regions is not None and warnings is not None:
-        bare = [str(rec["path"].iloc[i]) for i, f in files.items() if f is None and i not in ambiguous]
+        bare = [str(rec["path"].iloc[i]) for i, f in files.items() if not f and i not in ambiguous]
         where = f"in {rules.regions.folder}/" if rules.regions.folder is not None else "beside it"
         if bare:
             what = {"slide": "take their slide's class", "drop": "are dropped"}.get(rules.regions.outside, f"are {rules.regions.outside}")
             warnings.append(f"{len(bare)} of {len(slides)} slides have no annotation file (e.g. {bare[0]}: looked for its "
-                            f"name with .geojson, .json, .xml or .ndpa {where}); all their patches {what} ({key}.slides.regions)")
+                            f"name with .geojson, .json, .xml or .ndpa {where}" + (", or DICOM annotation objects referencing it"
+                            if _is_dicom(raw_dir / bare[0]) else "") + f"); all their patches {what} ({key}.slides.regions)")
         if rules.regions.folder is not None:
             unused = [f for f in walk(raw_dir / rules.regions.folder)
                       if f.is_file() and f.suffix.lower() in REGION_FILE_SUFFIXES and f not in owners]

@@ -117,7 +117,7 @@ def predict_images(params: Params, experiment: str, model_path: Path, files: lis
             errors[i] = e["reason"] or ("" if rules is not None else f"a whole-slide image: {key}")
             if errors[i]:
                 continue
-            plan, _, why = plan_or_reason((Path(paths[i]), rules, key, None, tuple(classes)))
+            plan, _, why = plan_or_reason((Path(paths[i]), rules, key, (), tuple(classes)))
             errors[i] = f"a whole-slide image: {why}" if why else ""
             for patch in plan:
                 jobs.append((*jobs[i][:6], patch))

@@ -20,7 +20,8 @@ class ClassMap:
     """A source's class names (class folders, a table's label values) -> the dataset's classes: through the rules'
     ``classes`` (keys compared by ``fold``), else the class of the same name (``fold`` of both equal); ``None`` for
     a value in ``skip``; any other value an error naming it and the two keys that would take it. ``what`` names a value
-    in messages (``class folder``, ``label``); ``hint`` adds a sentence for a value (the folder layout's)."""
+    in messages (``class folder``, ``label``); ``hint`` adds to that advice for a value no key maps (the folder
+    layout's sentence, the region annotations' ``ignore``)."""
 
     def __init__(self, rules, key: str, what: str, fold: Callable[[str], str] = class_key,
                  hint: Callable[[str], str] = lambda value: ""):
@@ -60,9 +61,10 @@ class ClassMap:
             if cls not in index:
                 cls = target
                 target = (f"{self.key}.classes maps it to {cls!r}, which is not among them" if self.mapped(value) is not None else
-                          f"map it with {self.key}.classes: {{{value}: <class>}} or leave it out with {self.key}.skip: [{value}]")
+                          f"map it with {self.key}.classes: {{{value}: <class>}} or leave it out with {self.key}.skip: "
+                          f"[{value}]{self.hint(value)}")
                 raise LabelFileError(f"{where}: {self.what} {value!r} is not a class of this dataset (classes: "
-                                     f"{', '.join(classes)}); {target}{self.hint(value)}")
+                                     f"{', '.join(classes)}); {target}")
             memo[value] = cls
             return cls
 

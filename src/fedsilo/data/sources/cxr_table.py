@@ -149,7 +149,7 @@ def _records_by_dicom(raw_dir: Path, rules: CXRTableRules, domain: str, key: str
     table_path, df = load_table(raw_dir, rules, columns, key)
     positive, negative = _folded(rules.positive), _folded(rules.negative)
     frontal, lateral = _folded(rules.frontal), _folded(rules.lateral)
-    by_value, unmatched = dicom_index(raw_dir, match.folder, match.tag, mkey, quiet, rules.file)
+    by_value, unmatched = dicom_index(raw_dir, match.folder, match.tag, mkey, quiet, rules.file, f"{mkey}.folder")
     listed = {str(v).strip() for v in df[match.column]} - {""}
     check_matched(by_value, unmatched, {v for v in listed if v.casefold() not in MISSING}, raw_dir, match.folder, match.tag,
                   match.column, f"{mkey}.column", mkey, table_path)
@@ -193,7 +193,7 @@ def _records_by_dicom(raw_dir: Path, rules: CXRTableRules, domain: str, key: str
                 mine = f.patient
                 if rules.subset is not None and not (pre or view_why):
                     table.side(mine, subset, row, where, rules.subset)
-            rows.append({"id": f.path if f else f"{rules.file}: row {row} ({noun} {ident})", "label": label,
+            rows.append({"id": f.path if f else f"{rules.file}: row {row}" + (f" ({noun} {ident})" if ident else ""), "label": label,
                          "original_label": value, "group": mine, "view": view, "path": f.path if f else "", "reader": reader,
                          "excluded": (label_why or view_why or patient_why) if f else pre, "subset": subset})
     unlisted = [(f.path, f"its {match.tag} is in no row of the table") for found in by_value.values() for f in found]

@@ -154,12 +154,13 @@ def _scan_by_dicom(raw_dir: Path, rules: ImageTableRules, domain: str, key: str,
     assert match is not None
     mkey, noun = _match_key(rules, key), MATCH_NOUN[match.tag]
     column_key = f"{key}.patient" if rules.dicom_patient is not None else f"{key}.dicom_match.column"
-    columns = [("label", rules.label_column), ("patient", rules.patient), ("subset", rules.subset),
-               ("dicom_match.column", match.column)]
+    columns = [("label", rules.label_column), ("patient", rules.patient), ("subset", rules.subset)]
+    columns += [("dicom_match.column", match.column)] if rules.dicom_match is not None else []
     columns += [("label_columns", c) for c in rules.label_columns]
     table_path, df = load_table(raw_dir, rules, columns, key)
     classmap = table_classes(rules, key)
-    by_value, unmatched = dicom_index(raw_dir, match.folder, match.tag, mkey, quiet, rules.file)
+    by_value, unmatched = dicom_index(raw_dir, match.folder, match.tag, mkey, quiet, rules.file,
+                                      mkey if rules.dicom_patient is not None else f"{mkey}.folder")
     listed = {str(v).strip() for v in df[match.column]} - {""}
     check_matched(by_value, unmatched, {v for v in listed if v.casefold() not in MISSING}, raw_dir, match.folder,
                   match.tag, match.column, column_key, mkey, table_path)
@@ -192,7 +193,7 @@ def _scan_by_dicom(raw_dir: Path, rules: ImageTableRules, domain: str, key: str,
                 mine = f.patient
                 if rules.subset is not None and not (reason or why):
                     table.side(mine, subset, row, where, rules.subset)
-            out.append({"id": f.path if f else f"{rules.file}: row {row} ({noun} {ident})", "path": f.path if f else "",
+            out.append({"id": f.path if f else f"{rules.file}: row {row}" + (f" ({noun} {ident})" if ident else ""), "path": f.path if f else "",
                         "where": where, "domain": domain, "subset": subset, "value": value, "group": mine,
                         "reason": reason or why, "strict": True, "reader": reader or "image"})
     unlisted = [(f.path, f"its {match.tag} is in no row of the table") for found in by_value.values() for f in found]

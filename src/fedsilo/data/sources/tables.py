@@ -193,12 +193,13 @@ def _header_text(ds: Any, tag: str) -> str:
     return ("\\".join(map(str, value)) if isinstance(value, (list, tuple, MultiValue)) else str(value)).strip()
 
 
-def dicom_index(raw_dir: Path, folder: str, tag: str, key: str, quiet: bool = True,
-                table: str = "") -> tuple[dict[str, list[MatchedDicom]], list[tuple[str, str]]]:
+def dicom_index(raw_dir: Path, folder: str, tag: str, key: str, quiet: bool = True, table: str = "",
+                folder_key: str = "") -> tuple[dict[str, list[MatchedDicom]], list[tuple[str, str]]]:
     """Every file below ``raw_dir / folder`` but the label table (``table``) and fetch's manifest: the DICOMs (by
     suffix or preamble) by their header's ``tag`` (trimmed; a malformed multi-valued one joined with ``\\``), each a
     :class:`MatchedDicom` from one header read, and the files that cannot be matched with why (not a DICOM, a header
-    that cannot be read, no ``tag``). ``key``: the params key that matches them, for messages. By PatientID, one ID
+    that cannot be read, no ``tag``). ``key``: the params key that matches them, for messages (``folder_key`` the
+    one naming the folder, default ``key``). By PatientID, one ID
     the headers give with two issuers (IssuerOfPatientID) is an error: one table row cannot tell the two patients
     apart."""
     import pydicom
@@ -209,7 +210,7 @@ def dicom_index(raw_dir: Path, folder: str, tag: str, key: str, quiet: bool = Tr
 
     base = Path(raw_dir) / folder
     if not base.is_dir():
-        raise LabelFileError(f"{base}: no such folder in the source ({key}: {folder!r})")
+        raise LabelFileError(f"{base}: no such folder in the source ({folder_key or key}: {folder!r})")
     skip = {Path(raw_dir) / table, Path(raw_dir) / MANIFEST}
     files = [f for f in walk(base) if f.is_file() and f not in skip]
     by_value: dict[str, list[MatchedDicom]] = {}
@@ -232,10 +233,11 @@ def dicom_index(raw_dir: Path, folder: str, tag: str, key: str, quiet: bool = Tr
             unmatched.append((rel, f"a DICOM whose header cannot be read ({type(err).__name__})"))
             continue
         value = _header_text(ds, tag)
-        if not value:
+        if value.casefold() in MISSING:  # blank, or a placeholder an export writes (N/A, none, -)
             unmatched.append((rel, f"no {tag} in its DICOM header"))
             continue
         patient = _header_text(ds, "PatientID")
+        patient = "" if patient.casefold() in MISSING else patient
         by_value.setdefault(value, []).append(MatchedDicom(rel, dataset_problem(ds), _header_text(ds, "ViewPosition"), patient))
         issuer = str(ds.get("IssuerOfPatientID", "") or "").strip()
         if issuer and tag == "PatientID":
@@ -267,7 +269,10 @@ def check_matched(by_value: dict[str, list[MatchedDicom]], unmatched: list[tuple
         raise LabelFileError(f"{table_path}: no DICOM under {folder} has {_a(tag)} {tag} in the column {column} (the table's: "
                              f"{', '.join(ours)}, ...; the headers': {', '.join(theirs)}, ...); check leading zeros a "
                              f"spreadsheet dropped, prefixes and the column ({column_key})")
-    zeros = {t: h for h in set(by_value) - listed for t in listed - set(by_value) if h.lstrip("0") == t.lstrip("0")}
+    unzeroed: dict[str, str] = {}
+    for h in set(by_value) - listed:
+        unzeroed.setdefault(h.lstrip("0"), h)
+    zeros = {t: unzeroed[t.lstrip("0")] for t in listed - set(by_value) if t.lstrip("0") in unzeroed}
     if zeros:
         pairs = ", ".join(f"{t} / {h}" for t, h in sorted(zeros.items())[:3])
         raise LabelFileError(f"{table_path}: {len(zeros)} of the column {column}'s IDs differ from a DICOM header's "
