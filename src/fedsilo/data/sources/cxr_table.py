@@ -188,11 +188,7 @@ def _records_by_dicom(raw_dir: Path, rules: CXRTableRules, domain: str, key: str
         group, subset, row_why = table.group_and_subset(rec, rules, f"{noun} {ident}", pre, row, where, key)
         patient_why = row_why if row_why != pre else ""
         for f, reader, view, view_why in per or [(None, "", "unknown", "")]:
-            mine = group
-            if rules.patient is None and f is not None and f.patient:  # the header's patient keeps a patient's studies together
-                mine = f.patient
-                if rules.subset is not None and not (pre or view_why):
-                    table.side(mine, subset, row, where, rules.subset)
+            mine = table.matched_group(group, f, rules, subset, not (pre or view_why), row, where)
             rows.append({"id": f.path if f else f"{rules.file}: row {row}" + (f" ({noun} {ident})" if ident else ""), "label": label,
                          "original_label": value, "group": mine, "view": view, "path": f.path if f else "", "reader": reader,
                          "excluded": (label_why or view_why or patient_why) if f else pre, "subset": subset})

@@ -188,11 +188,7 @@ def _scan_by_dicom(raw_dir: Path, rules: ImageTableRules, domain: str, key: str,
             reason = readers[0][1]
         group, subset, reason = table.group_and_subset(rec, rules, f"{noun} {ident}", reason, row, where, key)
         for f, (reader, why) in zip(files, readers) if files else [(None, ("image", ""))]:
-            mine = group
-            if rules.patient is None and f is not None and f.patient:  # the header's patient keeps a patient's studies together
-                mine = f.patient
-                if rules.subset is not None and not (reason or why):
-                    table.side(mine, subset, row, where, rules.subset)
+            mine = table.matched_group(group, f, rules, subset, not (reason or why), row, where)
             out.append({"id": f.path if f else f"{rules.file}: row {row}" + (f" ({noun} {ident})" if ident else ""), "path": f.path if f else "",
                         "where": where, "domain": domain, "subset": subset, "value": value, "group": mine,
                         "reason": reason or why, "strict": True, "reader": reader or "image"})

@@ -143,6 +143,17 @@ class Rows:
                 self.side(group, subset, row, where, rules.subset)
         return group, subset, why
 
+    def matched_group(self, group: str, found: Optional["MatchedDicom"], rules, subset: str, kept: bool, row: int,
+                      where: str) -> str:
+        """The group of one image a DICOM header match found (``found``; None for a row with no image): the row's
+        (its patient cell, else the row's ID) or, without a patient column, the image header's PatientID, which keeps
+        a patient's studies together, checked on one side of the table's test partition when ``kept``."""
+        if rules.patient is not None or found is None or not found.patient:
+            return group
+        if rules.subset is not None and kept:
+            self.side(found.patient, subset, row, where, rules.subset)
+        return found.patient
+
     def side(self, patient: str, subset: str, row: int, where: str, column: str) -> None:
         side = "test" if subset == "test" else "outside test"
         mine = self.sides.setdefault(patient, {})
