@@ -411,6 +411,73 @@ def _dicom_level(path: Path, img: np.ndarray, mpp: float, series: tuple[str, str
     ds.save_as(path, enforce_file_format=True)
 
 
+def _z_stack(folder: Path, planes: list[np.ndarray], mpp: float, tile: int = 256) -> None:
+    """A DICOM whole-slide image of several focal planes 2 um apart (TILED_FULL: each plane's tiles row by row, then
+    the next plane's), levels 1 and 4, in ``folder``."""
+    import pydicom
+    from pydicom.uid import generate_uid
+
+    def tiles(x: np.ndarray) -> np.ndarray:
+        h, w = x.shape[:2]
+        pad = np.full((-(-h // tile) * tile, -(-w // tile) * tile, 3), 255, np.uint8)
+        pad[:h, :w] = x
+        return pad.reshape(pad.shape[0] // tile, tile, pad.shape[1] // tile, tile, 3).swapaxes(1, 2).reshape(-1, tile, tile, 3)
+
+    uids = (generate_uid(), generate_uid(), generate_uid())
+    for d in (1, 4):
+        f = folder / f"L{d}.dcm"
+        _dicom_level(f, np.ascontiguousarray(planes[0][::d, ::d]), mpp * d, uids, tile=tile)
+        ds = pydicom.dcmread(f)
+        frames = np.concatenate([tiles(np.ascontiguousarray(p[::d, ::d])) for p in planes])
+        ds.NumberOfFrames, ds.TotalPixelMatrixFocalPlanes = len(frames), len(planes)
+        ds.SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0].SpacingBetweenSlices = 0.002
+        ds.PixelData = frames.tobytes()
+        ds.save_as(f)
+
+
+def test_dicom_slides_openslide_refuses_are_read_through_wsidicom(tmp_path):
+    """A z-stack of three focal planes and an RLE-compressed series (OpenSlide 4 refuses both) are read through
+    wsidicom: the middle plane's pixels, the RLE series' own, transparent past the edge; harmonize cuts both into
+    patches."""
+    pytest.importorskip("openslide")
+    pytest.importorskip("wsidicom")
+    import openslide
+    import pydicom
+    from pydicom.uid import RLELossless, generate_uid
+
+    rng = np.random.default_rng(4)
+    root = tmp_path / "raw" / "lab"
+    base = np.full((1024, 1024, 3), 238, np.uint8)
+    planes = []
+    for k in range(3):  # the same tissue, each plane its own pixels
+        plane = base.copy()
+        plane[200:800, 300:700] = rng.integers(60 + 40 * k, 100 + 40 * k, (600, 400, 3))
+        planes.append(plane)
+    _z_stack(root / "tumour" / "Z1", planes, MPP0)
+    uids = (generate_uid(), generate_uid(), generate_uid())
+    for d in (1, 4):
+        f = root / "tumour" / "R1" / f"L{d}.dcm"
+        _dicom_level(f, np.ascontiguousarray(planes[2][::d, ::d]), MPP0 * d, uids)
+        ds = pydicom.dcmread(f)
+        ds.compress(RLELossless, encoding_plugin="pydicom")
+        ds.save_as(f)
+    (root / "normal").mkdir()
+    for name, pixels, why in (("Z1", planes[1], "TotalPixelMatrixFocalPlanes"), ("R1", planes[2], "transfer syntax")):
+        path = str(root / "tumour" / name / "L1.dcm")
+        with pytest.raises(openslide.OpenSlideError, match=why):
+            openslide.OpenSlide(path)
+        with slides.open_slide(path) as slide:
+            assert type(slide).__name__ == "WsiDicomSlide" and slide.level_downsamples == (1.0, 4.0)
+            assert slide.properties["wsidicom.focal-plane-um"] == ("2.0" if name == "Z1" else "0.0")
+            assert np.asarray(slide.read_region((1000, 990), 1, (16, 16)))[..., 3].min() == 0  # past the edge
+            assert slide.get_thumbnail((2048, 2048)).size == (1024, 1024) and slide.get_thumbnail((256, 128)).size == (128, 128)
+        np.testing.assert_array_equal(slides.read_patch(path, (320, 256, 0, 64, 64)), pixels[256:320, 320:384])
+        np.testing.assert_array_equal(slides.read_patch(path, (320, 256, 1, 16, 16)), pixels[::4, ::4][64:80, 80:96])
+    rules = {"slides": {"mpp": 1.0, "patch_px": 32, "min_tissue": 0.5, "max_patches": 10_000}}
+    card, recs, _ = _dataset(tmp_path, "wsidicom", rules, classes=("normal", "tumour"))
+    assert recs.groupby("source_path").size().to_dict() == {"tumour/R1/L1.dcm": 12, "tumour/Z1/L1.dcm": 12}
+
+
 def test_dicom_whole_slide_images_are_read_through_openslide(tmp_path, monkeypatch):
     """A DICOM whole-slide image (a folder of instances: three pyramid levels and a label) is one slide read through
     its largest level, the other instances excluded saying what they are; its patches are its pixels; region

@@ -101,9 +101,80 @@ def _tiffslide() -> Any:
     return tiffslide
 
 
+class WsiDicomSlide:
+    """A DICOM whole-slide image OpenSlide 4 refuses (a transfer syntax it lacks: RLE, JPEG-LS, ...; several focal
+    planes or optical paths) read through wsidicom, with the part of OpenSlide's interface the patch planner and
+    reader use: ``dimensions``, ``level_count``, ``level_downsamples``, ``properties`` (microns per pixel, and which
+    focal plane and optical path are read), ``get_thumbnail``, ``read_region`` (a level-0 location; RGBA, transparent
+    past the edge as OpenSlide's). A z-stack is read at its middle focal plane (of an even number, the lower of the
+    two middle ones; on each level the plane nearest it), several optical paths at the first. The series is the
+    files of ``path``'s folder that share its SeriesInstanceUID."""
+
+    def __init__(self, path: str):
+        import pydicom
+
+        from fedsilo.data.dicom import is_dicom_file
+
+        try:
+            from wsidicom import WsiDicom
+        except ImportError as err:
+            raise ImportError(INSTALL_HINT) from err
+
+        def series_of(f: Path) -> str:
+            return str(pydicom.dcmread(str(f), stop_before_pixels=True, specific_tags=["SeriesInstanceUID"]).get("SeriesInstanceUID", ""))
+
+        mine = series_of(Path(path))
+        files = [f for f in sorted(Path(path).parent.iterdir()) if f.is_file() and is_dicom_file(f) and series_of(f) == mine]
+        self._wsi = WsiDicom.open(files)
+        self._levels = sorted(self._wsi.levels, key=lambda lvl: lvl.level)  # level 0 first
+        base = self._levels[0]
+        self.dimensions = (int(base.size.width), int(base.size.height))
+        self.level_count = len(self._levels)
+        self.level_downsamples = tuple(self.dimensions[0] / lvl.size.width for lvl in self._levels)
+        planes = sorted(base.focal_planes)
+        self._z, self._path = planes[(len(planes) - 1) // 2], base.optical_paths[0]
+        self.properties = {"openslide.mpp-x": str(self._wsi.mpp.width), "openslide.mpp-y": str(self._wsi.mpp.height),
+                           "wsidicom.focal-plane-um": str(self._z), "wsidicom.optical-path": str(self._path),
+                           "wsidicom.focal-planes": str(len(planes)), "wsidicom.optical-paths": str(len(base.optical_paths))}
+
+    def _plane(self, lvl: Any) -> float:
+        return min(lvl.focal_planes, key=lambda z: abs(z - self._z))
+
+    def get_thumbnail(self, size: tuple[int, int]) -> Any:
+        """The slide within ``size``, its aspect kept and never enlarged (as OpenSlide's: wsidicom refuses a size
+        larger than the slide)."""
+        scale = min(size[0] / self.dimensions[0], size[1] / self.dimensions[1], 1.0)
+        fit = (max(1, round(self.dimensions[0] * scale)), max(1, round(self.dimensions[1] * scale)))
+        return self._wsi.read_thumbnail(fit, z=self._z, path=self._path)
+
+    def read_region(self, location: tuple[int, int], level: int, size: tuple[int, int]) -> Any:
+        from PIL import Image
+
+        lvl = self._levels[level]
+        x = int(location[0] * lvl.size.width // self.dimensions[0])  # the level's own pixels
+        y = int(location[1] * lvl.size.height // self.dimensions[1])
+        out = Image.new("RGBA", (int(size[0]), int(size[1])), (0, 0, 0, 0))
+        w, h = min(int(size[0]), lvl.size.width - x), min(int(size[1]), lvl.size.height - y)
+        if w > 0 and h > 0:  # wsidicom refuses a region past the edge: what lies there stays transparent
+            region = self._wsi.read_region((x, y), lvl.level, (w, h), z=self._plane(lvl), path=self._path)
+            out.paste(region.convert("RGBA"), (0, 0))
+        return out
+
+    def close(self) -> None:
+        self._wsi.close()
+
+    def __enter__(self) -> "WsiDicomSlide":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 def open_slide(path: str) -> Any:
     """A slide opened with its reader: OpenSlide for a DICOM whole-slide image (any instance of the series: it finds
-    the others in the file's folder), tiffslide for the TIFF family. Both give OpenSlide's interface."""
+    the others in the file's folder), or wsidicom where OpenSlide refuses the series (:class:`WsiDicomSlide`: a
+    transfer syntax OpenSlide lacks, several focal planes or optical paths); tiffslide for the TIFF family. All give
+    OpenSlide's interface. A series neither reads raises with both readers' reasons."""
     from fedsilo.data.dicom import is_dicom_file
 
     if is_dicom_file(path):
@@ -111,7 +182,15 @@ def open_slide(path: str) -> Any:
             import openslide
         except ImportError as err:
             raise ImportError(INSTALL_HINT) from err
-        return openslide.OpenSlide(path)
+        try:
+            return openslide.OpenSlide(path)
+        except openslide.OpenSlideError as refused:
+            try:
+                return WsiDicomSlide(path)
+            except ImportError:
+                raise
+            except Exception as err:  # noqa: BLE001 - the slide is then excluded with both readers' reasons
+                raise ValueError(f"OpenSlide: {refused}; wsidicom: {type(err).__name__}: {err}") from err
     return _tiffslide().TiffSlide(path)
 
 
