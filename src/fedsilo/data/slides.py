@@ -1,7 +1,8 @@
 """Whole-slide images of a site's own (a pathology department's scans) cut into patches, as the field's slide
 pipelines do: a slide is read through tiffslide (Aperio ``.svs``, Hamamatsu ``.ndpi``, Leica ``.scn``, Ventana
 ``.bif``, and generic tiled pyramidal TIFF) or OpenSlide (a DICOM whole-slide image: a series of files in one folder,
-one entry per series kept by :func:`one_entry_per_dicom_slide`), its tissue found on a thumbnail (the saturation channel, median-blurred,
+one entry per series kept by :func:`one_entry_per_dicom_slide`; wsidicom where OpenSlide refuses the series:
+:class:`WsiDicomSlide`), its tissue found on a thumbnail (the saturation channel, median-blurred,
 thresholded by Otsu's method: background glass is unsaturated), a grid of square patches laid over it at the
 resolution asked for (``slides.mpp`` microns per pixel, ``slides.patch_px`` pixels a side), and the cells whose
 tissue fraction reaches ``slides.min_tissue`` kept, at most ``slides.max_patches`` per slide, evenly spaced in
