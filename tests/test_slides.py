@@ -411,9 +411,9 @@ def _dicom_level(path: Path, img: np.ndarray, mpp: float, series: tuple[str, str
     ds.save_as(path, enforce_file_format=True)
 
 
-def _z_stack(folder: Path, planes: list[np.ndarray], mpp: float, tile: int = 256) -> None:
+def _z_stack(folder: Path, planes: list[np.ndarray], mpp: float, tile: int = 256, coarse_planes: int | None = None) -> None:
     """A DICOM whole-slide image of several focal planes 2 um apart (TILED_FULL: each plane's tiles row by row, then
-    the next plane's), levels 1 and 4, in ``folder``."""
+    the next plane's), levels 1 and 4, in ``folder``; ``coarse_planes``: level 4 holds only that many (from 0 um)."""
     import pydicom
     from pydicom.uid import generate_uid
 
@@ -428,17 +428,19 @@ def _z_stack(folder: Path, planes: list[np.ndarray], mpp: float, tile: int = 256
         f = folder / f"L{d}.dcm"
         _dicom_level(f, np.ascontiguousarray(planes[0][::d, ::d]), mpp * d, uids, tile=tile)
         ds = pydicom.dcmread(f)
-        frames = np.concatenate([tiles(np.ascontiguousarray(p[::d, ::d])) for p in planes])
-        ds.NumberOfFrames, ds.TotalPixelMatrixFocalPlanes = len(frames), len(planes)
+        kept = planes if d == 1 or coarse_planes is None else planes[:coarse_planes]
+        frames = np.concatenate([tiles(np.ascontiguousarray(p[::d, ::d])) for p in kept])
+        ds.NumberOfFrames, ds.TotalPixelMatrixFocalPlanes = len(frames), len(kept)
         ds.SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0].SpacingBetweenSlices = 0.002
         ds.PixelData = frames.tobytes()
         ds.save_as(f)
 
 
 def test_dicom_slides_openslide_refuses_are_read_through_wsidicom(tmp_path):
-    """A z-stack of three focal planes and an RLE-compressed series (OpenSlide 4 refuses both) are read through
-    wsidicom: the middle plane's pixels, the RLE series' own, transparent past the edge; harmonize cuts both into
-    patches."""
+    """A z-stack of three focal planes whose coarser level keeps one plane only, and an RLE-compressed series
+    (OpenSlide 4 refuses both) are read through wsidicom: the middle plane's pixels at level 0 and the nearest plane's
+    at level 1, the RLE series' own, transparent past the edge; the thumbnail from the coarser level; harmonize cuts
+    both into patches."""
     pytest.importorskip("openslide")
     pytest.importorskip("wsidicom")
     import openslide
@@ -453,7 +455,7 @@ def test_dicom_slides_openslide_refuses_are_read_through_wsidicom(tmp_path):
         plane = base.copy()
         plane[200:800, 300:700] = rng.integers(60 + 40 * k, 100 + 40 * k, (600, 400, 3))
         planes.append(plane)
-    _z_stack(root / "tumour" / "Z1", planes, MPP0)
+    _z_stack(root / "tumour" / "Z1", planes, MPP0, coarse_planes=1)
     uids = (generate_uid(), generate_uid(), generate_uid())
     for d in (1, 4):
         f = root / "tumour" / "R1" / f"L{d}.dcm"
@@ -462,7 +464,7 @@ def test_dicom_slides_openslide_refuses_are_read_through_wsidicom(tmp_path):
         ds.compress(RLELossless, encoding_plugin="pydicom")
         ds.save_as(f)
     (root / "normal").mkdir()
-    for name, pixels, why in (("Z1", planes[1], "TotalPixelMatrixFocalPlanes"), ("R1", planes[2], "transfer syntax")):
+    for name, pixels, coarse, why in (("Z1", planes[1], planes[0], "TotalPixelMatrixFocalPlanes"), ("R1", planes[2], planes[2], "transfer syntax")):
         path = str(root / "tumour" / name / "L1.dcm")
         with pytest.raises(openslide.OpenSlideError, match=why):
             openslide.OpenSlide(path)
@@ -471,8 +473,9 @@ def test_dicom_slides_openslide_refuses_are_read_through_wsidicom(tmp_path):
             assert slide.properties["wsidicom.focal-plane-um"] == ("2.0" if name == "Z1" else "0.0")
             assert np.asarray(slide.read_region((1000, 990), 1, (16, 16)))[..., 3].min() == 0  # past the edge
             assert slide.get_thumbnail((2048, 2048)).size == (1024, 1024) and slide.get_thumbnail((256, 128)).size == (128, 128)
+            np.testing.assert_array_equal(np.asarray(slide.get_thumbnail((256, 256))), coarse[::4, ::4])  # level 1, whole
         np.testing.assert_array_equal(slides.read_patch(path, (320, 256, 0, 64, 64)), pixels[256:320, 320:384])
-        np.testing.assert_array_equal(slides.read_patch(path, (320, 256, 1, 16, 16)), pixels[::4, ::4][64:80, 80:96])
+        np.testing.assert_array_equal(slides.read_patch(path, (320, 256, 1, 16, 16)), coarse[::4, ::4][64:80, 80:96])
     rules = {"slides": {"mpp": 1.0, "patch_px": 32, "min_tissue": 0.5, "max_patches": 10_000}}
     card, recs, _ = _dataset(tmp_path, "wsidicom", rules, classes=("normal", "tumour"))
     assert recs.groupby("source_path").size().to_dict() == {"tumour/R1/L1.dcm": 12, "tumour/Z1/L1.dcm": 12}

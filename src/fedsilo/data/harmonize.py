@@ -230,19 +230,19 @@ COPY_REASON = "a byte-identical copy of another of the source's files (kept once
 
 
 def _digests(raw_dir: Path, paths: list[str]) -> dict[str, str]:
-    """sha256 of each file (posix paths relative to ``raw_dir``): from fetch's manifest, which records every fetched
-    file's; without one (a folder read in place), of the files whose size another file shares only."""
+    """sha256 of the files (posix paths relative to ``raw_dir``) whose size another of them shares (no other can be
+    its copy): from fetch's manifest, which records every fetched file's, where it lists the file at its present size;
+    else (a folder read in place, a file changed or added since the fetch) hashed here."""
     import json
 
     from fedsilo.data.fetch import MANIFEST
 
     manifest = raw_dir / MANIFEST
-    if manifest.is_file():
-        files = json.loads(manifest.read_text())["files"]
-        return {p: files[p]["sha256"] for p in paths if p in files}
+    listed = json.loads(manifest.read_text())["files"] if manifest.is_file() else {}
     sizes = {p: (raw_dir / p).stat().st_size for p in paths if (raw_dir / p).is_file()}
     counts = Counter(sizes.values())
-    return {p: file_sha256(raw_dir / p) for p, n in sizes.items() if counts[n] > 1}
+    return {p: (listed[p]["sha256"] if p in listed and listed[p].get("bytes") == n else file_sha256(raw_dir / p))
+            for p, n in sizes.items() if counts[n] > 1}
 
 
 def exclude_copies(rec: pd.DataFrame, raw_dir: Path, label: str) -> tuple[pd.DataFrame, Optional[str]]:
@@ -265,19 +265,20 @@ def exclude_copies(rec: pd.DataFrame, raw_dir: Path, label: str) -> tuple[pd.Dat
             first[digest] = path
     if not copy_of:
         return rec, None
-    one = rec[kept].drop_duplicates("path").set_index("path")  # a file's class and group (its first row's)
-    other_group = sum(one.at[c, "group"] != one.at[f, "group"] for c, f in copy_of.items())
-    other_class = sum(one.at[c, "label"] != one.at[f, "label"] for c, f in copy_of.items())
+    one = rec[kept].drop_duplicates("path").set_index("path")  # a file's class, group and domain (its first row's)
+    other = {col: sum(one.at[c, col] != one.at[f, col] for c, f in copy_of.items()) for col in ("group", "label", "domain")}
     rec = rec.copy()
     rec.loc[kept & rec["path"].isin(list(copy_of)).to_numpy(), "excluded"] = COPY_REASON
     example = next(iter(sorted(copy_of.items())))
     warning = (f"{label}: {len(copy_of)} files are byte-identical copies of another of its files (e.g. {example[0]} = "
                f"{example[1]}); each image is kept once")
-    if other_group:
-        warning += (f"; {other_group} of the copies were in another group than the file kept (the same image would have "
+    if other["group"]:
+        warning += (f"; {other['group']} of the copies were in another group than the file kept (the same image would have "
                     "been on both sides of a split)")
-    if other_class:
-        warning += f"; {other_class} had another class than the file kept: check the labels"
+    if other["domain"]:
+        warning += f"; {other['domain']} in another domain (site) than the file kept"
+    if other["label"]:
+        warning += f"; {other['label']} had another class than the file kept: check the labels"
     return rec, warning
 
 
@@ -478,12 +479,12 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
     for src in own:
         table = params.reader_of(src) == "image_table"
         rec = image_folder.read_records(scans[src], maps[src], classes, check_groups=not table)
+        rec, copies = exclude_copies(rec, raw_root / src, src)  # before a file's frames or patches: one row per file
+        warnings += [copies] if copies else []
         if params.rules(src).frames != "first":  # a multi-frame DICOM's frames, each an image of the file's class and group
             rec = expand_frames(rec, raw_root / src, params.rules(src).frames, keys[src], quiet)
         rec = expand_slides(rec, raw_root / src, params.rules(src).slides, keys[src], quiet,  # patches, or excluded
                             workers=params.workers or os.cpu_count() or 1, classes=tuple(classes), warnings=warnings)
-        rec, copies = exclude_copies(rec, raw_root / src, src)
-        warnings += [copies] if copies else []
         theirs = set(rec["domain"])
         for other, frame in frames.items():
             clash = sorted(d for d in theirs if d.casefold() in {x.casefold() for x in frame["domain"]})

@@ -52,8 +52,8 @@ NDPA_MICRONS = {"nanometers": 1e-3, "micrometers": 1.0, "millimeters": 1e3}  # a
 DICOM_ANNOTATIONS = "1.2.840.10008.5.1.4.1.1.91.1"  # Microscopy Bulk Simple Annotations Storage (a DICOM slide's regions)
 QUPATH_02_NOT_REGIONS = ("PathDetectionObject", "PathCellObject", "PathTileObject")
 ASAP_SHAPES = ("Polygon", "Spline", "Rectangle")  # ASAP annotation types that enclose an area (a Spline by its points)
-INSTALL_HINT = ("whole-slide images are read with tiffslide (DICOM ones with OpenSlide, their annotation objects with "
-                "highdicom): in fedsilo's checkout, "
+INSTALL_HINT = ("whole-slide images are read with tiffslide (DICOM ones with OpenSlide and wsidicom, their annotation "
+                "objects with highdicom): in fedsilo's checkout, "
                 "pip install -e '.[slides]' -c constraints.txt")
 
 
@@ -104,12 +104,14 @@ def _tiffslide() -> Any:
 
 class WsiDicomSlide:
     """A DICOM whole-slide image OpenSlide 4 refuses (a transfer syntax it lacks: RLE, JPEG-LS, ...; several focal
-    planes or optical paths) read through wsidicom, with the part of OpenSlide's interface the patch planner and
-    reader use: ``dimensions``, ``level_count``, ``level_downsamples``, ``properties`` (microns per pixel, and which
-    focal plane and optical path are read), ``get_thumbnail``, ``read_region`` (a level-0 location; RGBA, transparent
-    past the edge as OpenSlide's). A z-stack is read at its middle focal plane (of an even number, the lower of the
-    two middle ones; on each level the plane nearest it), several optical paths at the first. The series is the
-    files of ``path``'s folder that share its SeriesInstanceUID."""
+    planes) read through wsidicom, with the part of OpenSlide's interface the patch planner and reader use:
+    ``dimensions``, ``level_count``, ``level_downsamples`` (the mean of the width and height ratios, as OpenSlide's),
+    ``properties`` (microns per pixel, and which focal plane and optical path are read), ``get_thumbnail``,
+    ``read_region`` (a level-0 location; RGBA, transparent past the edge as OpenSlide's). A z-stack is read at its
+    middle focal plane (of an even number, the lower of the two middle ones; on each level the plane nearest it),
+    several optical paths at the first by identifier. The series is the files of ``path``'s folder that share its
+    SeriesInstanceUID, less the pyramid levels whose downsample is no power of two (wsidicom refuses a pyramid
+    holding one; the others serve)."""
 
     def __init__(self, path: str):
         import pydicom
@@ -121,19 +123,27 @@ class WsiDicomSlide:
         except ImportError as err:
             raise ImportError(INSTALL_HINT) from err
 
-        def series_of(f: Path) -> str:
-            return str(pydicom.dcmread(str(f), stop_before_pixels=True, specific_tags=["SeriesInstanceUID"]).get("SeriesInstanceUID", ""))
-
-        mine = series_of(Path(path))
-        files = [f for f in sorted(Path(path).parent.iterdir()) if f.is_file() and is_dicom_file(f) and series_of(f) == mine]
+        heads = {}
+        for f in sorted(Path(path).parent.iterdir()):
+            if f.is_file() and is_dicom_file(f):
+                heads[f] = pydicom.dcmread(str(f), stop_before_pixels=True, specific_tags=[
+                    "SeriesInstanceUID", "ImageType", "TotalPixelMatrixColumns"])
+        mine = str(heads[Path(path)].get("SeriesInstanceUID", ""))
+        series = {f: h for f, h in heads.items() if str(h.get("SeriesInstanceUID", "")) == mine}
+        volume = {f: int(h.get("TotalPixelMatrixColumns", 0) or 0) for f, h in series.items()
+                  if len(h.get("ImageType", None) or []) < 3 or str(h.ImageType[2]).upper() == "VOLUME"}
+        widest = max(volume.values())
+        files = [f for f in series if f not in volume or (volume[f] > 0 and abs(math.log2(widest / volume[f])
+                                                                                 - round(math.log2(widest / volume[f]))) < 0.01)]
         self._wsi = WsiDicom.open(files)
         self._levels = sorted(self._wsi.levels, key=lambda lvl: lvl.level)  # level 0 first
         base = self._levels[0]
         self.dimensions = (int(base.size.width), int(base.size.height))
         self.level_count = len(self._levels)
-        self.level_downsamples = tuple(self.dimensions[0] / lvl.size.width for lvl in self._levels)
+        self.level_downsamples = tuple((self.dimensions[0] / lvl.size.width + self.dimensions[1] / lvl.size.height) / 2
+                                       for lvl in self._levels)
         planes = sorted(base.focal_planes)
-        self._z, self._path = planes[(len(planes) - 1) // 2], base.optical_paths[0]
+        self._z, self._path = planes[(len(planes) - 1) // 2], sorted(base.optical_paths)[0]
         self.properties = {"openslide.mpp-x": str(self._wsi.mpp.width), "openslide.mpp-y": str(self._wsi.mpp.height),
                            "wsidicom.focal-plane-um": str(self._z), "wsidicom.optical-path": str(self._path),
                            "wsidicom.focal-planes": str(len(planes)), "wsidicom.optical-paths": str(len(base.optical_paths))}
@@ -142,11 +152,18 @@ class WsiDicomSlide:
         return min(lvl.focal_planes, key=lambda z: abs(z - self._z))
 
     def get_thumbnail(self, size: tuple[int, int]) -> Any:
-        """The slide within ``size``, its aspect kept and never enlarged (as OpenSlide's: wsidicom refuses a size
-        larger than the slide)."""
+        """The slide within ``size``, its aspect kept and never enlarged, as OpenSlide's: the coarsest level at least
+        that large read whole (at its plane nearest the one read) on white, and resized."""
+        from PIL import Image
+
         scale = min(size[0] / self.dimensions[0], size[1] / self.dimensions[1], 1.0)
         fit = (max(1, round(self.dimensions[0] * scale)), max(1, round(self.dimensions[1] * scale)))
-        return self._wsi.read_thumbnail(fit, z=self._z, path=self._path)
+        k = max(k for k, lvl in enumerate(self._levels) if k == 0 or (lvl.size.width >= fit[0] and lvl.size.height >= fit[1]))
+        lvl = self._levels[k]
+        whole = self.read_region((0, 0), k, (lvl.size.width, lvl.size.height))
+        canvas = Image.new("RGB", whole.size, "white")
+        canvas.paste(whole, mask=whole)
+        return canvas if canvas.size == fit else canvas.resize(fit, Image.Resampling.LANCZOS)
 
     def read_region(self, location: tuple[int, int], level: int, size: tuple[int, int]) -> Any:
         from PIL import Image
@@ -174,7 +191,7 @@ class WsiDicomSlide:
 def open_slide(path: str) -> Any:
     """A slide opened with its reader: OpenSlide for a DICOM whole-slide image (any instance of the series: it finds
     the others in the file's folder), or wsidicom where OpenSlide refuses the series (:class:`WsiDicomSlide`: a
-    transfer syntax OpenSlide lacks, several focal planes or optical paths); tiffslide for the TIFF family. All give
+    transfer syntax OpenSlide lacks, several focal planes); tiffslide for the TIFF family. All give
     OpenSlide's interface. A series neither reads raises with both readers' reasons."""
     from fedsilo.data.dicom import is_dicom_file
 

@@ -245,7 +245,7 @@ def dicom_index(raw_dir: Path, folder: str, tag: str, key: str, quiet: bool = Tr
             continue
         value = _header_text(ds, tag)
         if value.casefold() in MISSING:  # blank, or a placeholder an export writes (N/A, none, -)
-            unmatched.append((rel, f"no {tag} in its DICOM header"))
+            unmatched.append((rel, f"no {tag} in its DICOM header" + (f" ({value})" if value else "")))
             continue
         patient = _header_text(ds, "PatientID")
         patient = "" if patient.casefold() in MISSING else patient
