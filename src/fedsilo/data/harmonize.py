@@ -226,6 +226,8 @@ def _shrink_npy(path: Path, n: int, row_bytes: int) -> None:
         f.seek(prefix)
         f.write((text + " " * (room - len(text) - 1) + "\n").encode("latin1"))
         f.truncate(offset + n * row_bytes)
+
+
 COPY_REASON = "a byte-identical copy of another of the source's files (kept once)"
 
 
@@ -249,8 +251,8 @@ def exclude_copies(rec: pd.DataFrame, raw_dir: Path, label: str) -> tuple[pd.Dat
     """A source of your own's records with every kept file that is a byte-identical copy of another kept file (a
     study exported twice, an image reached through a symbolic link and its target, a patient's image filed under two
     names) excluded as :data:`COPY_REASON`, the first in path order kept; and a warning saying how many, one example,
-    and how many copies were in another group (the same image would have been on both sides of a split) or had
-    another class than their first (None when there are none). The frames or patches of one file share its path and
+    and how many copies were in another group (the same image would have been on both sides of a split), in another
+    domain, or had another class than the file kept (None when there are none). The frames or patches of one file share its path and
     are no copies of each other. ``label``: the source's name in the warning."""
     kept = ((rec["excluded"] == "") & (rec["path"] != "")).to_numpy()
     paths = sorted(pd.unique(rec.loc[kept, "path"]))
