@@ -555,8 +555,12 @@ def test_a_report_table_finds_its_studies_images_by_the_headers_accession_number
                                       "00080,Normal,\n,Normal,\n00074,Normal,\n")
     rules = CXRTableRules(file="reports.csv", label="finding", patient=None, view=None, dicom_view=True, subset="split",
                           dicom_match={"folder": "export", "column": "accession"})
-    rec = cxr_table.read_records(root, rules, "H", "datasets.c.tables.h").set_index("id")
+    notes: list[str] = []
+    rec = cxr_table.read_records(root, rules, "H", "datasets.c.tables.h", warnings=notes).set_index("id")
     kept = rec[rec["excluded"] == ""]
+    assert notes == ["1 of 4 images datasets.c.tables.h.dicom_match matched have no PatientID in their header (blank or a "
+                     "placeholder): each is grouped with its row's images only; name the table's patient column "
+                     "(datasets.c.tables.h.patient) if it has one"]
     assert kept[["label", "group", "view"]].to_dict("index") == {
         "export/1.2.00071/IM0": {"label": 1, "group": "P1", "view": "frontal"},
         "export/1.2.00072/IM0": {"label": 0, "group": "P1", "view": "frontal"},  # the patient's second study: its group too

@@ -489,3 +489,17 @@ def test_a_study_table_finds_its_images_by_study_uid_and_groups_them_by_the_head
         BenchmarkDatasetParams(kind="image_folder", sources=("clinic",), tables={"clinic": {**rules, "patient": "mrn", "dicom_patient": "x"}})
     with pytest.raises(ValueError, match="dicom_match: the images are found by their DICOM headers, not by a path column; drop path_format"):
         BenchmarkDatasetParams(kind="image_folder", sources=("clinic",), tables={"clinic": {**rules, "path_format": "{}.dcm"}})
+
+
+def test_a_header_match_warns_of_patients_its_headers_do_not_tell():
+    """Without a patient column the headers' PatientIDs are the groups: images without one, or one ID naming most of
+    many images (an anonymised export's placeholder), are warned of; distinct IDs are not."""
+    from fedsilo.data.sources.tables import header_patients_warning
+
+    assert header_patients_warning([f"P{k}" for k in range(30)], "K.dicom_match", "K.patient") is None
+    assert header_patients_warning(["ANON"] * 3 + ["P1"], "K.dicom_match", "K.patient") is None  # too few to tell
+    assert header_patients_warning(["ANON"] * 15 + [f"P{k}" for k in range(5)], "K.dicom_match", "K.patient") == (
+        "one PatientID ('ANON') names 15 of the 20 images K.dicom_match matched: if it is an anonymised export's "
+        "placeholder, they are one patient to every split; name the table's patient column (K.patient) if it has one")
+    assert header_patients_warning(["", "P1", "P2"], "K.dicom_match", "K.patient").startswith(
+        "1 of 3 images K.dicom_match matched have no PatientID in their header")

@@ -295,7 +295,10 @@ def cxr_records(params: CXRDatasetParams, raw_root: Path, name: str, quiet: bool
             raise HarmonizeError(f"{raw_dir}: raw source folder missing (run `fedsilo fetch --source {src}`, or `dvc repro fetch@{src}` "
                                  "once it is in pipeline.sources)")
         if src in params.own_sources():  # a hospital's own export and its label table
-            rec = cxr_table.read_records(raw_dir, params.rules(src), params.domain_of(src), f"datasets.{name}.tables.{src}", quiet)
+            notes: list[str] = []
+            rec = cxr_table.read_records(raw_dir, params.rules(src), params.domain_of(src), f"datasets.{name}.tables.{src}",
+                                         quiet, notes)
+            warnings += [f"{src} ({params.domain_of(src)}): {note}" for note in notes]
             rules = params.rules(src)
             patients = rules.patient or rules.dicom_match  # matched by their headers: each image's PatientID is its group
             for missing, warning in ((patients, cxr_table.NO_PATIENT_WARNING), (rules.view or rules.dicom_view or None, cxr_table.NO_VIEW_WARNING)):
@@ -460,9 +463,11 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
         classes = list(getattr(source_module(DATASET_SOURCES[params.kind][0]), "CLASSES", DIGITS))
     keys = {src: params.rules_key(src, name) for src in own}
     scans, maps = {}, {}
+    scan_notes: list[str] = []  # the readers' own warnings (a header match's patients)
     for src in own:
         if params.reader_of(src) == "image_table":
-            scans[src] = image_table.scan(raw_root / src, params.rules(src), params.domain_of(src), keys[src], quiet)
+            scans[src] = image_table.scan(raw_root / src, params.rules(src), params.domain_of(src), keys[src], quiet,
+                                          scan_notes)
             maps[src] = image_table.table_classes(params.rules(src), keys[src])
         else:
             scans[src] = image_folder.scan(raw_root / src, params.rules(src), params.domain_of(src), keys[src], params.domains, quiet)
@@ -477,7 +482,7 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
             raise HarmonizeError(f"{name or params.kind}: its sources name {len(classes)} class ({', '.join(classes)}); "
                                  f"a classification task needs two or more (list them in datasets.{name or '<dataset>'}.classes, "
                                  "or check the sources' class folders / label columns)")
-    warnings = []
+    warnings = list(scan_notes)
     for src in own:
         table = params.reader_of(src) == "image_table"
         rec = image_folder.read_records(scans[src], maps[src], classes, check_groups=not table)

@@ -60,6 +60,7 @@ from fedsilo.data.sources.tables import (
     Rows,
     check_matched,
     dicom_index,
+    header_patients_warning,
     load_table,
     relative_path,
     study_folder,
@@ -133,7 +134,8 @@ def _label_of(value: str, positive: set[str], negative: set[str]) -> tuple[int, 
     return label, ("no label" if not value else f"label {value}" if label == -1 else "")
 
 
-def _records_by_dicom(raw_dir: Path, rules: CXRTableRules, domain: str, key: str, quiet: bool) -> pd.DataFrame:
+def _records_by_dicom(raw_dir: Path, rules: CXRTableRules, domain: str, key: str, quiet: bool,
+                      warnings: Optional[list[str]] = None) -> pd.DataFrame:
     """:func:`read_records` of a table whose rows find their images by a DICOM header attribute (``dicom_match``): a
     report table by AccessionNumber, one row per study (or per patient, series or image by the other attributes).
     Every DICOM below the folder whose header holds a row's ID is an image of the row's finding, its view from its
@@ -154,7 +156,7 @@ def _records_by_dicom(raw_dir: Path, rules: CXRTableRules, domain: str, key: str
     check_matched(by_value, unmatched, {v for v in listed if v.casefold() not in MISSING}, raw_dir, match.folder, match.tag,
                   match.column, f"{mkey}.column", mkey, table_path)
     table = Rows(raw_dir)
-    rows, first = [], {}
+    rows, first, header_patients = [], {}, []  # header_patients: each kept image's PatientID ("" none)
     for row, rec, where in table.each(df, table_path, key, quiet):
         value = str(rec[rules.label]).strip()
         label, label_why = _label_of(value, positive, negative)
@@ -189,6 +191,8 @@ def _records_by_dicom(raw_dir: Path, rules: CXRTableRules, domain: str, key: str
         patient_why = row_why if row_why != pre else ""
         for f, reader, view, view_why in per or [(None, "", "unknown", "")]:
             mine = table.matched_group(group, f, rules, subset, not (pre or view_why), row, where)
+            if f is not None and not (label_why or view_why or patient_why):
+                header_patients.append(f.patient)
             rows.append({"id": f.path if f else f"{rules.file}: row {row}" + (f" ({noun} {ident})" if ident else ""), "label": label,
                          "original_label": value, "group": mine, "view": view, "path": f.path if f else "", "reader": reader,
                          "excluded": (label_why or view_why or patient_why) if f else pre, "subset": subset})
@@ -196,15 +200,20 @@ def _records_by_dicom(raw_dir: Path, rules: CXRTableRules, domain: str, key: str
     for rel, why in unmatched + unlisted:
         rows.append({"id": rel, "label": -1, "original_label": "", "group": rel, "view": "unknown", "path": rel,
                      "reader": "", "excluded": why, "subset": ""})
+    if rules.patient is None and warnings is not None:
+        note = header_patients_warning(header_patients, mkey, f"{key}.patient")
+        warnings += [note] if note else []
     return finalize(pd.DataFrame(rows), domain)
 
 
-def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "tables", quiet: bool = True) -> pd.DataFrame:
+def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "tables", quiet: bool = True,
+                 warnings: Optional[list[str]] = None) -> pd.DataFrame:
     """The record table of one hospital's export (``key``: the dotted params key of ``rules``, for messages); unless
-    ``quiet``, the rows read are shown (with ``dicom_view`` each DICOM's header is read here)."""
+    ``quiet``, the rows read are shown (with ``dicom_view`` each DICOM's header is read here). ``warnings`` gets a
+    line where a header match without a patient column finds images of no (or one placeholder) patient."""
     raw_dir = Path(raw_dir)
     if rules.dicom_match is not None:
-        return _records_by_dicom(raw_dir, rules, domain, key, quiet)
+        return _records_by_dicom(raw_dir, rules, domain, key, quiet, warnings)
     columns = [("path", rules.path), ("label", rules.label), ("patient", rules.patient), ("view", rules.view), ("subset", rules.subset)]
     table_path, df = load_table(raw_dir, rules, columns, key)
     positive, negative = _folded(rules.positive), _folded(rules.negative)

@@ -46,6 +46,7 @@ from fedsilo.data.sources.tables import (
     Rows,
     check_matched,
     dicom_index,
+    header_patients_warning,
     load_table,
     relative_path,
     study_folder,
@@ -97,14 +98,15 @@ def _path(raw_dir: Path, rules: ImageTableRules, table: Rows, cell: str, where: 
     return candidates[0]
 
 
-def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str, quiet: bool = True) -> list[dict]:
+def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str, quiet: bool = True,
+         warnings: Optional[list[str]] = None) -> list[dict]:
     """The table's rows as entries for :func:`fedsilo.data.sources.image_folder.read_records` (``strict``: every label
     a row writes is checked): ``id`` (the path the row names), ``path`` (the file it reads, empty when the folder lacks
     it), ``where`` (file and row), ``domain``, ``subset``, ``value`` (the class as the table writes it), ``group``,
     ``reason`` (no label, several labels, skipped, no patient id, not an image file)."""
     raw_dir = Path(raw_dir)
     if rules.matched is not None:
-        return _scan_by_dicom(raw_dir, rules, domain, key, quiet)
+        return _scan_by_dicom(raw_dir, rules, domain, key, quiet, warnings)
     columns = [("path", rules.path), ("label", rules.label_column), ("patient", rules.patient), ("subset", rules.subset)]
     columns += [("label_columns", c) for c in rules.label_columns]
     table_path, df = load_table(raw_dir, rules, columns, key)
@@ -143,7 +145,8 @@ def _match_key(rules: ImageTableRules, key: str) -> str:
     return f"{key}.dicom_patient" if rules.dicom_patient is not None else f"{key}.dicom_match"
 
 
-def _scan_by_dicom(raw_dir: Path, rules: ImageTableRules, domain: str, key: str, quiet: bool) -> list[dict]:
+def _scan_by_dicom(raw_dir: Path, rules: ImageTableRules, domain: str, key: str, quiet: bool,
+                   warnings: Optional[list[str]] = None) -> list[dict]:
     """:func:`scan` of a table whose rows find their DICOMs by a header attribute (``dicom_match``, or
     ``dicom_patient``: by PatientID), one row per ID (a patient, a study's accession number or UID): every image
     whose header holds a row's ID is an entry of the row's class and subset; its group is the row's patient (the
@@ -165,7 +168,7 @@ def _scan_by_dicom(raw_dir: Path, rules: ImageTableRules, domain: str, key: str,
     check_matched(by_value, unmatched, {v for v in listed if v.casefold() not in MISSING}, raw_dir, match.folder,
                   match.tag, match.column, column_key, mkey, table_path)
     table = Rows(raw_dir)
-    out, first = [], {}
+    out, first, header_patients = [], {}, []  # header_patients: each kept image's PatientID ("" none)
     for row, rec, where in table.each(df, table_path, key, quiet):
         value, reason = _label(rec, rules, where)
         if value and classmap.skipped(value):
@@ -189,6 +192,8 @@ def _scan_by_dicom(raw_dir: Path, rules: ImageTableRules, domain: str, key: str,
         group, subset, reason = table.group_and_subset(rec, rules, f"{noun} {ident}", reason, row, where, key)
         for f, (reader, why) in zip(files, readers) if files else [(None, ("image", ""))]:
             mine = table.matched_group(group, f, rules, subset, not (reason or why), row, where)
+            if f is not None and not (reason or why):
+                header_patients.append(f.patient)
             out.append({"id": f.path if f else f"{rules.file}: row {row}" + (f" ({noun} {ident})" if ident else ""), "path": f.path if f else "",
                         "where": where, "domain": domain, "subset": subset, "value": value, "group": mine,
                         "reason": reason or why, "strict": True, "reader": reader or "image"})
@@ -196,4 +201,7 @@ def _scan_by_dicom(raw_dir: Path, rules: ImageTableRules, domain: str, key: str,
     for rel, why in unmatched + unlisted:
         out.append({"id": rel, "path": rel, "where": str(raw_dir / rel), "domain": domain, "subset": "", "value": "",
                     "group": None, "reason": why, "strict": False, "reader": "image"})
+    if rules.patient is None and warnings is not None:
+        note = header_patients_warning(header_patients, mkey, f"{key}.patient")
+        warnings += [note] if note else []
     return one_entry_per_dicom_slide(out, raw_dir)

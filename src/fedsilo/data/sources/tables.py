@@ -10,6 +10,7 @@ Row N is the table's N-th line as a spreadsheet numbers it, the header being row
 from __future__ import annotations
 
 import unicodedata
+from collections import Counter
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterator, NamedTuple, Optional
 
@@ -289,3 +290,21 @@ def check_matched(by_value: dict[str, list[MatchedDicom]], unmatched: list[tuple
         raise LabelFileError(f"{table_path}: {len(zeros)} of the column {column}'s IDs differ from a DICOM header's "
                              f"{tag} only in leading zeros (table / header: {pairs}); a spreadsheet drops them from "
                              "numbers: export the column as text")
+
+
+def header_patients_warning(patients: list[str], key: str, patient_key: str) -> Optional[str]:
+    """A warning on the groups a header match gives without a patient column (``patients``: each kept image's header
+    PatientID, "" for none): how many images have none (each is then grouped with its row's images only), or one
+    PatientID naming most of 20 or more images (an anonymised export's placeholder would make them one patient)."""
+    n = len(patients)
+    if n == 0:
+        return None
+    missing = sum(1 for p in patients if not p)
+    if missing:
+        return (f"{missing} of {n} images {key} matched have no PatientID in their header (blank or a placeholder): each "
+                f"is grouped with its row's images only; name the table's patient column ({patient_key}) if it has one")
+    (pid, count), = Counter(patients).most_common(1)
+    if n >= 20 and count > n / 2:
+        return (f"one PatientID ({pid!r}) names {count} of the {n} images {key} matched: if it is an anonymised export's "
+                f"placeholder, they are one patient to every split; name the table's patient column ({patient_key}) if it has one")
+    return None
