@@ -623,6 +623,60 @@ def test_dicom_annotation_objects_label_a_dicom_slides_patches(tmp_path):
                for r in card["domains"]["lab"]["excluded_by_reason"])
 
 
+def test_dicom_segmentations_label_a_dicom_slides_patches(tmp_path, monkeypatch):
+    """A DICOM Segmentation (made with highdicom on the slide's level 1, a quarter of level 0's pixels) found by the
+    series it references: its tumour segment labels the patches it covers, a necrosis segment inside it wins where it
+    lies (the smaller region), an ignored nucleus segment hides nothing; decoded a few rows at a time, the same."""
+    pytest.importorskip("openslide")
+    hd = pytest.importorskip("highdicom")
+    import pydicom
+    from pydicom.sr.codedict import codes
+    from pydicom.uid import generate_uid
+
+    root = tmp_path / "raw" / "lab"
+    img = np.full((1024, 1024, 3), 238, np.uint8)
+    img[128:896, 128:896] = (np.random.default_rng(2).integers(0, 50, (768, 768, 3)) + np.array([170, 70, 140])).astype(np.uint8)
+    uids = (generate_uid(), generate_uid(), generate_uid())
+    for d in (1, 4):
+        _dicom_level(root / "tumour" / "S1" / f"L{d}.dcm", np.ascontiguousarray(img[::d, ::d]), MPP0 * d, uids, origin_mm=(20.0, 40.0))
+    for cls in ("normal", "necrosis"):
+        (root / cls).mkdir()
+    mask = np.zeros((256, 256), np.uint8)  # level 1's pixels: x 32-128 and y 32-192 are level 0's 128-512 and 128-768
+    mask[32:192, 32:128] = 1
+    mask[96:128, 64:96] = 2  # level 0's patch at (256, 384)
+    nuclei = np.zeros((256, 256), np.uint8)
+    nuclei[34:190, 34:126] = 1  # most of the tumour
+    described = [hd.seg.SegmentDescription(
+        segment_number=k, segment_label=label, segmented_property_category=codes.SCT.MorphologicallyAbnormalStructure,
+        segmented_property_type=hd.sr.CodedConcept("0", "99TEST", meaning), algorithm_type=hd.seg.SegmentAlgorithmTypeValues.MANUAL)
+        for k, label, meaning in ((1, "tumour region", "Neoplasm"), (2, "necrosis", "Necrosis"), (3, "nuclei", "Nucleus"))]
+    level1 = pydicom.dcmread(root / "tumour" / "S1" / "L4.dcm")
+    seg = hd.seg.Segmentation(
+        source_images=[level1], pixel_array=np.stack([mask == 1, mask == 2, nuclei == 1], axis=-1).astype(np.uint8)[None],
+        segmentation_type=hd.seg.SegmentationTypeValues.BINARY, segment_descriptions=described,
+        series_instance_uid=generate_uid(), series_number=3, sop_instance_uid=generate_uid(), instance_number=1,
+        manufacturer="fedsilo test", manufacturer_model_name="test", software_versions="1", device_serial_number="1",
+        tile_pixel_array=True, tile_size=(64, 64))
+    (root / "ann").mkdir()
+    seg.save_as(root / "ann" / "seg.dcm")
+    regions = {"folder": "ann", "classes": {"Neoplasm": "tumour"}, "ignore": ["Nucleus"], "outside": "normal", "min_share": 0.9}
+    rules = {"skip": ["ann"], "slides": {"mpp": 1.0, "patch_px": 32, "min_tissue": 0.5, "max_patches": 10_000, "regions": regions}}
+    results = []
+    for rows in (256, 48):  # the whole matrix at once, and 48 rows at a time
+        monkeypatch.setattr(slides, "SEGMENTATION_ROWS", rows)
+        card, recs, _ = _dataset(tmp_path, f"seg{rows}", rules, classes=("normal", "necrosis", "tumour"))
+        results.append(recs.set_index("id")["original_label"])
+    pd.testing.assert_series_equal(results[0], results[1])
+    xy = np.array([tuple(map(int, i.split("#x")[1].split("y"))) for i in results[0].index])
+    label = results[0].to_numpy()
+    tumour = (xy[:, 0] >= 128) & (xy[:, 0] < 512) & (xy[:, 1] >= 128) & (xy[:, 1] < 768)
+    necrosis = (xy[:, 0] == 256) & (xy[:, 1] == 384)
+    assert len(label) == 36 and (label[necrosis] == "Necrosis").all()
+    assert (label[tumour & ~necrosis] == "Neoplasm").all() and (tumour & ~necrosis).sum() == 14  # the nuclei hid nothing
+    assert (label[~tumour] == "normal").all()
+    assert card["domains"]["lab"]["excluded_by_reason"]["a slide's region annotations"] == 1
+
+
 def test_imagescope_xml_layers_negative_regions_and_ellipses(tmp_path):
     """Aperio ImageScope's XML: a region's class is its Text, else its layer's Name; a negative region is cut out of
     what lies under it; an ellipse is read from its bounding box; a ruler (two vertices) and a nameless region are not

@@ -437,8 +437,8 @@ FOLDER_LAYOUTS = ("class", "subset/class", "domain/class", "domain/subset/class"
 class RegionRules(Strict):
     """Region annotations of whole-slide images (``fedsilo.data.slides``): polygons drawn on the slides by a
     pathologist, one annotation file per slide (QuPath's GeoJSON export, ASAP's XML as CAMELYON16 ships it, Aperio
-    ImageScope's XML, Hamamatsu NDP.view's .ndpa, or a DICOM Microscopy Bulk Simple Annotations object), each polygon
-    named by its class; a patch takes the class whose regions cover ``min_share`` of it
+    ImageScope's XML, Hamamatsu NDP.view's .ndpa; a DICOM slide's Microscopy Bulk Simple Annotations objects and
+    Segmentations), each polygon (or segment) named by its class; a patch takes the class whose regions cover ``min_share`` of it
     or more (where regions overlap, the smaller one: a region drawn inside another, an ASAP exclusion inside a
     tumour, is what lies there)."""
 
@@ -455,8 +455,8 @@ class RegionRules(Strict):
     ignore: tuple[str, ...] = Field((), description="annotation classes not read at all: unlike skip they hide nothing (a "
                                     "nucleus segmentation or a tissue outline stored beside the regions)")
     dicom_class: Literal["property_type", "label"] = Field(
-        "property_type", description="a DICOM annotation group's class: property_type = the meaning of its annotated "
-        "property type (the coded concept, e.g. Neoplasm); label = its free-text group label")
+        "property_type", description="a DICOM annotation group's or segment's class: property_type = the meaning of its "
+        "annotated (segmented) property type (the coded concept, e.g. Neoplasm); label = its free-text label")
     min_share: float = Field(0.5, gt=0, le=1, description="the share of a patch one class's regions must cover for the "
                              "patch to take that class")
     outside: str = Field("slide", description="a patch no class covers by min_share (every patch of a slide without an "

@@ -32,7 +32,7 @@ import math
 import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -50,6 +50,8 @@ REGION_RASTER_CELLS = 16_000_000  # at most this many raster cells per slide (fe
 REGION_FILE_SUFFIXES = (".geojson", ".json", ".xml", ".ndpa")  # QuPath's GeoJSON, ASAP's / ImageScope's XML, NDP.view's
 NDPA_MICRONS = {"nanometers": 1e-3, "micrometers": 1.0, "millimeters": 1e3}  # an NDP.view coordformat's unit in microns
 DICOM_ANNOTATIONS = "1.2.840.10008.5.1.4.1.1.91.1"  # Microscopy Bulk Simple Annotations Storage (a DICOM slide's regions)
+DICOM_SEGMENTATION = "1.2.840.10008.5.1.4.1.1.66.4"  # Segmentation Storage (a DICOM slide's regions as masks)
+SEGMENTATION_ROWS = 256  # rows of a segmentation's total pixel matrix decoded at a time (a full-resolution one is huge)
 QUPATH_02_NOT_REGIONS = ("PathDetectionObject", "PathCellObject", "PathTileObject")
 ASAP_SHAPES = ("Polygon", "Spline", "Rectangle")  # ASAP annotation types that enclose an area (a Spline by its points)
 INSTALL_HINT = ("whole-slide images are read with tiffslide (DICOM ones with OpenSlide and wsidicom, their annotation "
@@ -447,9 +449,9 @@ def _ndpa_regions(root: ET.Element, frame: Optional[SlideFrame]) -> list[Region]
 
 
 def dicom_annotation_refs(path: Path) -> Optional[set[str]]:
-    """The UIDs a DICOM Microscopy Bulk Simple Annotations file references (the series of its ``ReferencedSeries
-    Sequence`` and the images of its ``ReferencedImageSequence``), read from its header alone; None for any other
-    file (another DICOM, one that cannot be read, not a DICOM)."""
+    """The UIDs a DICOM Microscopy Bulk Simple Annotations or Segmentation file references (the series of its
+    ``ReferencedSeriesSequence`` and the images of its ``ReferencedImageSequence``), read from its header alone; None
+    for any other file (another DICOM, one that cannot be read, not a DICOM)."""
     import pydicom
 
     from fedsilo.data.dicom import is_dicom_file
@@ -461,7 +463,7 @@ def dicom_annotation_refs(path: Path) -> Optional[set[str]]:
     except Exception:  # noqa: BLE001 - a file that cannot be read as DICOM is no annotation file
         return None
     sop = ds.get("SOPClassUID", None) or ds.file_meta.get("MediaStorageSOPClassUID", None)
-    if str(sop) != DICOM_ANNOTATIONS:
+    if str(sop) not in (DICOM_ANNOTATIONS, DICOM_SEGMENTATION):
         return None
     refs = {str(item.get("SeriesInstanceUID", "")) for item in ds.get("ReferencedSeriesSequence", None) or []}
     refs |= {str(item.get("ReferencedSOPInstanceUID", "")) for item in ds.get("ReferencedImageSequence", None) or []}
@@ -551,6 +553,90 @@ def _dicom_regions(path: Path, frame: Optional[SlideFrame], dicom_class: str) ->
             pixels = to_pixels(points)
             out.append((name, [_ring(_ellipse(pixels) if shape == "ELLIPSE" else pixels, where)]))
     return out
+
+
+class SegmentationMask:
+    """A DICOM Segmentation of a DICOM whole-slide image (read with highdicom), as its segments' class names
+    (``names``: per segment, its property type's meaning or its label, ``dicom_class``) and :meth:`sample`, which
+    tells for level-0 points which segments hold them. The segmentation's total pixel matrix is placed on the slide
+    through both images' origin, orientation and pixel spacing (highdicom's transformers): it may be coarser than level
+    0 or cover it at another offset, not be rotated against it. It is decoded :data:`SEGMENTATION_ROWS` rows at a time
+    (only the rows sampled), so a full-resolution one of a large slide fits in memory. A FRACTIONAL segment holds a
+    pixel from 0.5 up."""
+
+    def __init__(self, path: Path, frame: Optional[SlideFrame], dicom_class: str):
+        import pydicom
+
+        try:
+            import highdicom as hd
+        except ImportError as err:
+            raise ImportError(INSTALL_HINT) from err
+        if frame is None or frame.dicom is None:
+            raise ValueError("a DICOM segmentation is placed on the DICOM whole-slide image it references; this slide is not one")
+        self._seg = hd.seg.segread(str(path))
+        level0 = pydicom.dcmread(frame.dicom, stop_before_pixels=True)
+        if str(self._seg.get("FrameOfReferenceUID", "")) != str(level0.get("FrameOfReferenceUID", "")):
+            raise ValueError("a segmentation in another frame of reference than the slide's (FrameOfReferenceUID)")
+        if "TotalPixelMatrixRows" not in self._seg:
+            raise ValueError("a segmentation with no total pixel matrix (not tiled like a slide)")
+        self.numbers = list(self._seg.segment_numbers)
+        described = [self._seg.get_segment_description(n) for n in self.numbers]
+        self.names = [(d.segment_label if dicom_class == "label" else d.segmented_property_type.meaning).strip() for d in described]
+        self.shape = (int(self._seg.TotalPixelMatrixRows), int(self._seg.TotalPixelMatrixColumns))
+        to_mm = hd.spatial.ImageToReferenceTransformer.for_image(level0, for_total_pixel_matrix=True)
+        to_seg = hd.spatial.ReferenceToImageTransformer.for_image(self._seg, for_total_pixel_matrix=True)
+        o, ex, ey = to_seg(to_mm(np.array([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]])))[:, :2]
+        ax, ay = ex - o, ey - o  # one level-0 pixel along x and along y, in the segmentation's pixels
+        if abs(ax[1]) > 1e-6 * abs(ax[0]) or abs(ay[0]) > 1e-6 * abs(ay[1]) or ax[0] <= 0 or ay[1] <= 0:
+            raise ValueError("a segmentation rotated or flipped against its slide (its orientation differs)")
+        self._x = (float(ax[0]), float(o[0]))  # segmentation column = x * scale + offset
+        self._y = (float(ay[1]), float(o[1]))
+        self._fractional = str(self._seg.SegmentationType) == "FRACTIONAL"
+
+    def without(self, ignored: set[str], fold: Callable[[str], str]) -> "SegmentationMask":
+        """This segmentation less the segments whose class (folded by ``fold``) is in ``ignored`` (``regions.ignore``)."""
+        keep = [k for k, name in enumerate(self.names) if fold(name) not in ignored]
+        self.numbers, self.names = [self.numbers[k] for k in keep], [self.names[k] for k in keep]
+        return self
+
+    def sample(self, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+        """Boolean (len(ys), len(xs), segments): which segments hold each level-0 point (x, y); a point off the
+        segmentation is in none."""
+        u = np.floor(np.asarray(xs, dtype=np.float64) * self._x[0] + self._x[1]).astype(np.int64)
+        v = np.floor(np.asarray(ys, dtype=np.float64) * self._y[0] + self._y[1]).astype(np.int64)
+        out = np.zeros((len(v), len(u), len(self.numbers)), dtype=bool)
+        if not self.numbers:  # every segment ignored
+            return out
+        cols = (u >= 0) & (u < self.shape[1])
+        rows = np.flatnonzero((v >= 0) & (v < self.shape[0]))
+        if not cols.any() or rows.size == 0:
+            return out
+        c0, c1 = int(u[cols].min()), int(u[cols].max()) + 1
+        for start in range(int(v[rows].min()) // SEGMENTATION_ROWS * SEGMENTATION_ROWS, int(v[rows].max()) + 1, SEGMENTATION_ROWS):
+            here = rows[(v[rows] >= start) & (v[rows] < start + SEGMENTATION_ROWS)]
+            if here.size == 0:
+                continue
+            stop = min(start + SEGMENTATION_ROWS, self.shape[0])
+            block = self._seg.get_total_pixel_matrix(row_start=start, row_end=stop, column_start=c0, column_end=c1,
+                                                     segment_numbers=self.numbers, as_indices=True)
+            block = block >= 0.5 if self._fractional else block > 0
+            out[np.ix_(here, np.flatnonzero(cols))] = block[np.ix_(v[here] - start, u[cols] - c0)]
+        return out
+
+
+def is_segmentation(path: Path) -> bool:
+    """A DICOM Segmentation (by its header's SOP class)."""
+    import pydicom
+
+    from fedsilo.data.dicom import is_dicom_file
+
+    try:
+        if not is_dicom_file(path):
+            return False
+        ds = pydicom.dcmread(str(path), specific_tags=["SOPClassUID"])
+    except Exception:  # noqa: BLE001 - a file that cannot be read is no segmentation
+        return False
+    return str(ds.get("SOPClassUID", None) or ds.file_meta.get("MediaStorageSOPClassUID", None)) == DICOM_SEGMENTATION
 
 
 def read_regions(path: Path, frame: Optional[SlideFrame] = None, dicom_class: str = "property_type") -> list[Region]:
@@ -692,17 +778,20 @@ def fill_rings(rings: list[np.ndarray], shape: tuple[int, int]) -> np.ndarray:
 
 
 def region_labels(regions: list[Region], class_of: Callable[[str], Optional[str]], xs: np.ndarray, ys: np.ndarray,
-                  step: int, min_share: float) -> tuple[list[Optional[str]], list[Optional[str]], np.ndarray]:
+                  step: int, min_share: float,
+                  masks: Sequence["SegmentationMask"] = ()) -> tuple[list[Optional[str]], list[Optional[str]], np.ndarray]:
     """Per grid cell (row by row over ``ys`` x ``xs``, cells ``step`` level-0 pixels a side): the dataset class its
     regions give (None: no class covers ``min_share`` of it), the annotation class that covers most of it among that
     class's, and the covered share. ``class_of``: an annotation's class -> the dataset's (None: skipped; a skipped
-    region labels nothing and hides what lies under it, as an ``Ignore*`` region inside a tumour does). The polygons
-    are drawn larger first on a raster of :data:`REGION_SUBCELLS` cells a side per grid cell (fewer when the grid is
-    very fine), so the innermost region is what lies where regions overlap."""
+    region labels nothing and hides what lies under it, as an ``Ignore*`` region inside a tumour does). The polygons,
+    and the segments of ``masks`` (DICOM segmentations, sampled at the raster's cell centres), are drawn larger first
+    on a raster of :data:`REGION_SUBCELLS` cells a side per grid cell (fewer when the grid is very fine), so the
+    innermost region is what lies where regions overlap."""
     nx, ny = len(xs), len(ys)
     sub = max(1, min(REGION_SUBCELLS, int(math.sqrt(REGION_RASTER_CELLS / max(1, nx * ny)))))
     q = step / sub  # level-0 pixels per raster cell
-    names = sorted({name for name, _ in regions if name is not None and class_of(name) is not None})
+    names = sorted({name for name, _ in regions if name is not None and class_of(name) is not None}
+                   | {name for m in masks for name in m.names if class_of(name) is not None})
     ids = {name: k + 1 for k, name in enumerate(names)}  # 0: no region; -1: a skipped one
     raster = np.zeros((ny * sub, nx * sub), np.int16 if len(ids) < 2**15 - 1 else np.int32)
 
@@ -710,8 +799,16 @@ def region_labels(regions: list[Region], class_of: Callable[[str], Optional[str]
         shoelace = [abs(float(np.dot(r[:, 0], np.roll(r[:, 1], -1)) - np.dot(r[:, 1], np.roll(r[:, 0], -1)))) / 2 for r in rings]
         return shoelace[0] - sum(shoelace[1:])
 
-    drawn = sorted(((area(rings), ids.get(name, -1), rings) for name, rings in regions), key=lambda t: -t[0])
-    for _, rid, rings in drawn:
+    layers: list[tuple[float, int, Any]] = [(area(rings), ids.get(name, -1), rings) for name, rings in regions]
+    centres_x, centres_y = (np.arange(nx * sub) + 0.5) * q, (np.arange(ny * sub) + 0.5) * q
+    for m in masks:  # a segment: the raster cells whose centre it holds
+        held = m.sample(centres_x, centres_y)
+        layers += [(float(held[..., k].sum()) * q * q, ids.get(name, -1), held[..., k]) for k, name in enumerate(m.names)]
+    for _, rid, shape in sorted(layers, key=lambda t: -t[0]):
+        if isinstance(shape, np.ndarray) and shape.dtype == bool:
+            raster[shape] = rid
+            continue
+        rings = shape
         scaled = [r / q for r in rings]  # raster units: cell (i, j) spans [j, j + 1) x [i, i + 1), its centre at + 0.5
         lo = np.maximum(np.floor(scaled[0].min(0)).astype(int), 0)
         hi = np.minimum(np.ceil(scaled[0].max(0)).astype(int), [raster.shape[1], raster.shape[0]])
@@ -788,15 +885,18 @@ def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Union
         if not files and drop:
             return [], [], f"no annotation file, and patches outside the regions are dropped ({key}.regions.outside)"
         if files:
-            drawn = []
-            for file in files:  # a DICOM slide's annotation objects, read together
-                try:
-                    drawn += read_regions(file, frame, regions.dicom_class)
-                except (OSError, ValueError, ET.ParseError, AttributeError, IndexError, KeyError) as err:
-                    return [], [], f"its annotation file {file.name} cannot be read ({type(err).__name__}: {err})"
+            drawn, masks = [], []
             ignored = {region_fold(name) for name in regions.ignore}
+            for file in files:  # a DICOM slide's annotation objects and segmentations, read together
+                try:
+                    if is_segmentation(file):
+                        masks.append(SegmentationMask(file, frame, regions.dicom_class).without(ignored, region_fold))
+                    else:
+                        drawn += read_regions(file, frame, regions.dicom_class)
+                except (OSError, ValueError, RuntimeError, ET.ParseError, AttributeError, IndexError, KeyError) as err:
+                    return [], [], f"its annotation file {file.name} cannot be read ({type(err).__name__}: {err})"
             drawn = [r for r in drawn if r[0] is None or region_fold(r[0]) not in ignored]
-            labels, named, _ = region_labels(drawn, class_of, xs, ys, step, regions.min_share)
+            labels, named, _ = region_labels(drawn, class_of, xs, ys, step, regions.min_share, masks)
             given = [(c, n, "region") if c is not None and n is not None else None for c, n in zip(labels, named)]
             if drop:
                 keep &= np.array([g is not None for g in given], dtype=bool).reshape(keep.shape)
