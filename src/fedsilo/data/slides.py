@@ -37,6 +37,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
+from fedsilo.data.dicom import is_dicom_file, whole_slide_instance
 from fedsilo.data.imageops import ImageDecodeError
 
 SLIDE_SUFFIXES = (".svs", ".ndpi", ".scn", ".bif")
@@ -118,8 +119,6 @@ class WsiDicomSlide:
     def __init__(self, path: str):
         import pydicom
 
-        from fedsilo.data.dicom import is_dicom_file
-
         try:
             from wsidicom import WsiDicom
         except ImportError as err:
@@ -195,7 +194,6 @@ def open_slide(path: str) -> Any:
     the others in the file's folder), or wsidicom where OpenSlide refuses the series (:class:`WsiDicomSlide`: a
     transfer syntax OpenSlide lacks, several focal planes); tiffslide for the TIFF family. All give
     OpenSlide's interface. A series neither reads raises with both readers' reasons."""
-    from fedsilo.data.dicom import is_dicom_file
 
     if is_dicom_file(path):
         try:
@@ -230,8 +228,6 @@ def one_entry_per_dicom_slide(entries: list[dict], raw_dir: Path) -> list[dict]:
     instance is among the entries is excluded whole."""
     from collections import defaultdict
 
-    from fedsilo.data.dicom import is_dicom_file, whole_slide_instance
-
     series: dict[str, list[tuple[int, str, int, Path]]] = defaultdict(list)
     for k, e in enumerate(entries):
         if e.get("reader") != "slide" or e["reason"] or not e["path"]:
@@ -261,12 +257,6 @@ def one_entry_per_dicom_slide(entries: list[dict], raw_dir: Path) -> list[dict]:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_open.cache_clear)
-
-
-def _is_dicom(path: Path) -> bool:
-    from fedsilo.data.dicom import is_dicom_file
-
-    return is_dicom_file(path)
 
 
 def level0_mpp(slide: Any, fallback: Optional[float]) -> Optional[float]:
@@ -379,7 +369,6 @@ def slide_frame(slide: Any, mpp0: float, path: Optional[Path] = None) -> SlideFr
     """An open slide's :class:`SlideFrame` (``mpp0``: its microns per level-0 pixel, :func:`level0_mpp`; the y
     resolution from the header where it gives a plausible one, else ``mpp0``; ``path``: the file it was opened from,
     kept where it is a DICOM whole-slide image's instance)."""
-    from fedsilo.data.dicom import is_dicom_file
 
     props = slide.properties
 
@@ -454,8 +443,6 @@ def dicom_annotation_refs(path: Path) -> Optional[set[str]]:
     for any other file (another DICOM, one that cannot be read, not a DICOM)."""
     import pydicom
 
-    from fedsilo.data.dicom import is_dicom_file
-
     try:
         if not is_dicom_file(path):
             return None
@@ -500,7 +487,6 @@ def _dicom_regions(path: Path, frame: Optional[SlideFrame], dicom_class: str) ->
     an ELLIPSE (its two axes' end points) a 256-point polygon; POINT and POLYLINE annotations enclose no area."""
     import pydicom
 
-    from fedsilo.data.dicom import is_dicom_file
     from fedsilo.data.sources.base import walk
 
     try:
@@ -628,8 +614,6 @@ def is_segmentation(path: Path) -> bool:
     """A DICOM Segmentation (by its header's SOP class)."""
     import pydicom
 
-    from fedsilo.data.dicom import is_dicom_file
-
     try:
         if not is_dicom_file(path):
             return False
@@ -650,7 +634,6 @@ def read_regions(path: Path, frame: Optional[SlideFrame] = None, dicom_class: st
     placed on the DICOM whole-slide image it annotates (:func:`_dicom_regions`, ``dicom_class``). An annotation
     without a class is not read; one with too few or non-numeric points, or a file of none of these forms, is a
     ValueError."""
-    from fedsilo.data.dicom import is_dicom_file
 
     if is_dicom_file(path):
         return _dicom_regions(path, frame, dicom_class)
@@ -712,7 +695,6 @@ def annotation_file(slide: Path, rel: str, raw_dir: Path, regions: Any,
     objects by the UIDs they reference, kept across the slides of one source."""
     import pydicom
 
-    from fedsilo.data.dicom import is_dicom_file
     from fedsilo.data.sources.tables import FoldedFiles
 
     listings = listings if listings is not None else {}
@@ -1033,7 +1015,7 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
             what = {"slide": "take their slide's class", "drop": "are dropped"}.get(rules.regions.outside, f"are {rules.regions.outside}")
             warnings.append(f"{len(bare)} of {len(slides)} slides have no annotation file (e.g. {bare[0]}: looked for its "
                             f"name with .geojson, .json, .xml or .ndpa {where}" + (", or DICOM annotation objects referencing it"
-                            if _is_dicom(raw_dir / bare[0]) else "") + f"); all their patches {what} ({key}.slides.regions)")
+                            if is_dicom_file(raw_dir / bare[0]) else "") + f"); all their patches {what} ({key}.slides.regions)")
         if rules.regions.folder is not None:
             unused = [f for f in walk(raw_dir / rules.regions.folder)
                       if f.is_file() and f.suffix.lower() in REGION_FILE_SUFFIXES and f not in owners]

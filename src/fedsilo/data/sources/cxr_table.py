@@ -152,8 +152,7 @@ def _records_by_dicom(raw_dir: Path, rules: CXRTableRules, domain: str, key: str
     positive, negative = _folded(rules.positive), _folded(rules.negative)
     frontal, lateral = _folded(rules.frontal), _folded(rules.lateral)
     by_value, unmatched = dicom_index(raw_dir, match.folder, match.tag, mkey, quiet, rules.file, f"{mkey}.folder")
-    listed = {str(v).strip() for v in df[match.column]} - {""}
-    check_matched(by_value, unmatched, {v for v in listed if v.casefold() not in MISSING}, raw_dir, match.folder, match.tag,
+    check_matched(by_value, unmatched, df[match.column], raw_dir, match.folder, match.tag,
                   match.column, f"{mkey}.column", mkey, table_path)
     table = Rows(raw_dir)
     rows, first, header_patients = [], {}, []  # header_patients: each kept image's PatientID ("" none)

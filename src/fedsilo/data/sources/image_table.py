@@ -164,8 +164,7 @@ def _scan_by_dicom(raw_dir: Path, rules: ImageTableRules, domain: str, key: str,
     classmap = table_classes(rules, key)
     by_value, unmatched = dicom_index(raw_dir, match.folder, match.tag, mkey, quiet, rules.file,
                                       mkey if rules.dicom_patient is not None else f"{mkey}.folder")
-    listed = {str(v).strip() for v in df[match.column]} - {""}
-    check_matched(by_value, unmatched, {v for v in listed if v.casefold() not in MISSING}, raw_dir, match.folder,
+    check_matched(by_value, unmatched, df[match.column], raw_dir, match.folder,
                   match.tag, match.column, column_key, mkey, table_path)
     table = Rows(raw_dir)
     out, first, header_patients = [], {}, []  # header_patients: each kept image's PatientID ("" none)

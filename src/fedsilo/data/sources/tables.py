@@ -267,11 +267,14 @@ def _a(word: str) -> str:
     return "an" if word[:1] in "AEIOU" else "a"
 
 
-def check_matched(by_value: dict[str, list[MatchedDicom]], unmatched: list[tuple[str, str]], listed: set[str],
+def check_matched(by_value: dict[str, list[MatchedDicom]], unmatched: list[tuple[str, str]], cells: Any,
                   raw_dir: Path, folder: str, tag: str, column: str, column_key: str, key: str, table_path: Path) -> None:
     """The refusals of a table matched to DICOMs by ``tag``: no DICOM holding it (an anonymised export, the wrong
-    folder), none of the table's IDs (``listed``) in any header (both sides shown), or some that differ from a
-    header's only in leading zeros (a spreadsheet that read the column as numbers)."""
+    folder), none of the table's IDs (``cells``: the column's values; blanks and placeholders are none) in any header
+    (both sides shown), or some that differ from a header's only in leading zeros (a spreadsheet that read the column
+    as numbers)."""
+    listed = {str(v).strip() for v in cells} - {""}
+    listed = {v for v in listed if v.casefold() not in MISSING}
     if not by_value:
         raise LabelFileError(f"{Path(raw_dir) / folder}: no DICOM with {_a(tag)} {tag} in its header ({len(unmatched)} files: "
                              f"{', '.join(sorted({why for _, why in unmatched})) or 'none'}); {key} matches the table's "
