@@ -340,6 +340,29 @@ def test_ndpa_coordinates_use_each_axis_own_size_and_resolution(tmp_path):
     assert [name for name, _ in regions] == ["T", "U"] and all(np.allclose(rings[0], want) for _, rings in regions)
 
 
+def test_an_ome_tiff_gives_its_microns_per_pixel_from_its_ome_xml(tmp_path):
+    """A pyramidal OME-TIFF (what QuPath and bfconvert convert other formats to) has its resolution in its OME-XML,
+    not in the tags tiffslide reads: read from there (in its unit), it is cut into patches like any slide."""
+    img = np.full((SIDE, SIDE, 3), 238, np.uint8)
+    img[512:1536, 512:1536] = (np.random.default_rng(6).integers(0, 50, (1024, 1024, 3)) + np.array([170, 70, 140])).astype(np.uint8)
+    path = tmp_path / "raw" / "lab" / "tumour" / "S1.ome.tif"
+    path.parent.mkdir(parents=True)
+    (tmp_path / "raw" / "lab" / "normal").mkdir()
+    with tifffile.TiffWriter(path, bigtiff=True) as tif:
+        opts = {"tile": (256, 256), "photometric": "rgb", "compression": "jpeg"}
+        tif.write(img, subifds=2, metadata={"axes": "YXS", "PhysicalSizeX": 250, "PhysicalSizeXUnit": "nm",
+                                            "PhysicalSizeY": 0.5, "PhysicalSizeYUnit": "µm"}, **opts)
+        for d in (4, 16):
+            tif.write(np.ascontiguousarray(img[::d, ::d]), subfiletype=1, **opts)
+    with slides.open_slide(str(path)) as slide:
+        assert slide.properties["tiffslide.mpp-x"] is None  # tiffslide does not read it
+        assert slides.ome_mpp(slide.properties) == (0.25, 0.5) and slides.level0_mpp(slide, None) == 0.25
+        assert slides.slide_frame(slide, 0.25).mpp_y == 0.5
+    rules = {"slides": {"mpp": 1.0, "patch_px": 32, "min_tissue": 0.5, "max_patches": 10_000}}
+    _, recs, _ = _dataset(tmp_path, "ome", rules, classes=("normal", "tumour"))
+    assert len(recs) == 64 and set(recs["source_path"]) == {"tumour/S1.ome.tif"}  # the 8 x 8 patches of its tissue
+
+
 def test_region_raster_innermost_region_and_min_share():
     """The smaller of two overlapping regions is what lies there whatever the file's order; a class's share is the sum
     of its annotations'; a skipped annotation labels nothing."""

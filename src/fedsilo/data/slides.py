@@ -259,14 +259,44 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_open.cache_clear)
 
 
+OME_MICRONS = {"µm": 1.0, "um": 1.0, "micron": 1.0, "nm": 1e-3, "pm": 1e-6, "mm": 1e3, "cm": 1e4, "m": 1e6}
+
+
+def ome_mpp(properties: Any) -> Optional[tuple[float, float]]:
+    """Microns per pixel along x and y from an OME-TIFF's OME-XML (its first image's ``Pixels`` ``PhysicalSizeX`` /
+    ``PhysicalSizeY`` in their units, microns by default): what QuPath and Bio-Formats' ``bfconvert`` write into the
+    pyramidal OME-TIFFs they convert other formats to, and which tiffslide does not read. None where the description is
+    no OME-XML or gives no size."""
+    text = str(properties.get("tiff.ImageDescription") or "")
+    if "<OME" not in text[:2000]:
+        return None
+    try:
+        root = ET.fromstring(text.encode("utf-8") if text.lstrip().startswith("<?xml") else text)
+    except ET.ParseError:
+        return None
+    pixels = next((e for e in root.iter() if e.tag.rsplit("}", 1)[-1] == "Pixels"), None)
+    if pixels is None:
+        return None
+    sizes = []
+    for axis in ("X", "Y"):
+        value, unit = pixels.get(f"PhysicalSize{axis}"), (pixels.get(f"PhysicalSize{axis}Unit") or "µm").strip()
+        try:
+            sizes.append(float(value) * OME_MICRONS[unit])  # type: ignore[arg-type]
+        except (TypeError, ValueError, KeyError):
+            return None
+    return sizes[0], sizes[1]
+
+
 def level0_mpp(slide: Any, fallback: Optional[float]) -> Optional[float]:
-    """Microns per level-0 pixel from the slide's header (tiffslide's ``mpp-x``) where it is one a scanner writes
-    (:data:`PLAUSIBLE_MPP`; a TIFF saved at 72 dpi says 352.8), else ``fallback``."""
+    """Microns per level-0 pixel from the slide's header (tiffslide's ``mpp-x``, an OME-TIFF's OME-XML: :func:`ome_mpp`)
+    where it is one a scanner writes (:data:`PLAUSIBLE_MPP`; a TIFF saved at 72 dpi says 352.8), else ``fallback``."""
     mpp = slide.properties.get("tiffslide.mpp-x", slide.properties.get("openslide.mpp-x"))
     try:
         mpp = float(mpp) if mpp is not None else None
     except (TypeError, ValueError):
         mpp = None
+    if mpp is None:
+        mpp = (ome_mpp(slide.properties) or (None, None))[0]
     return mpp if mpp is not None and PLAUSIBLE_MPP[0] <= mpp <= PLAUSIBLE_MPP[1] else fallback
 
 
@@ -381,6 +411,8 @@ def slide_frame(slide: Any, mpp0: float, path: Optional[Path] = None) -> SlideFr
         return None
 
     mpp_y = number("tiffslide.mpp-y", "openslide.mpp-y")
+    if mpp_y is None:
+        mpp_y = (ome_mpp(props) or (None, None))[1]
     if mpp_y is None or not PLAUSIBLE_MPP[0] <= mpp_y <= PLAUSIBLE_MPP[1]:
         mpp_y = mpp0
     off = (number("hamamatsu.XOffsetFromSlideCentre"), number("hamamatsu.YOffsetFromSlideCentre"))
