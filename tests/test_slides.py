@@ -614,10 +614,16 @@ def test_dicom_annotation_objects_label_a_dicom_slides_patches(tmp_path):
     axes = np.array([[16.0, 128.0], [240.0, 128.0], [128.0, 88.0], [128.0, 168.0]])
     save(s2_level1, "2D", [group(1, "necrosis", "Necrosis", "ELLIPSE", [axes])], "4.5.6.dcm")
 
+    orphan = pydicom.dcmread(root / "ann" / "4.5.6.dcm")  # an object of a slide that is not in the source
+    orphan.ReferencedSeriesSequence[0].SeriesInstanceUID = orphan.ReferencedImageSequence[0].ReferencedSOPInstanceUID = generate_uid()
+    orphan.SOPInstanceUID = orphan.file_meta.MediaStorageSOPInstanceUID = generate_uid()
+    orphan.save_as(root / "ann" / "elsewhere.dcm")
     regions = {"folder": "ann", "classes": {"Neoplasm": "tumour"}, "ignore": ["Nucleus", "Nucleus centre"], "outside": "normal",
                "min_share": 0.99}
     rules = {"skip": ["ann"], "slides": {"mpp": 1.0, "patch_px": 32, "min_tissue": 0.5, "max_patches": 10_000, "regions": regions}}
     card, recs, _ = _dataset(tmp_path, "dicom_ann", rules, classes=("normal", "necrosis", "tumour"))
+    assert card["warnings"] == ["1 DICOM annotation files annotate no slide read here (e.g. ann/elsewhere.dcm): one is matched "
+                                "to its slide by the series or image it references"]
     xy = recs["id"].str.extract(r"#x(\d+)y(\d+)$").astype(int).to_numpy()
     s1_rows = (recs["source_path"] == "tumour/S1/L1.dcm").to_numpy()
     label = recs["original_label"].to_numpy()

@@ -623,8 +623,9 @@ def preview_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root:
     file the raw folder lacks; the rules' warnings; and ``would_fail``, harmonize's own refusals that the label files
     already decide (a source or domain with nothing kept, or more files missing than ``max_quarantine_fraction``).
     Seconds where harmonize takes minutes (more with ``dicom_view``, which opens each DICOM's header, with
-    ``frames``, which reads each DICOM's frame count, and with ``slides``, which reads each slide's thumbnail to plan
-    its patches): for trying label rules."""
+    ``frames``, which reads each DICOM's frame count, with ``slides``, which reads each slide's thumbnail to plan
+    its patches, and for a source of your own read in place without fetch's manifest, whose files of equal size are
+    hashed to find copies): for trying label rules."""
     if isinstance(params, CXRDatasetParams):
         records, warnings = cxr_records(params, raw_root, name, quiet)
         classes = ["Normal", "Lung Opacity"]
