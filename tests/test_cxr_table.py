@@ -593,3 +593,31 @@ def test_a_report_table_finds_its_studies_images_by_the_headers_accession_number
         CXRTableRules(path="file", dicom_view=True, dicom_match={"folder": "export", "column": "accession"})
     with pytest.raises(ValueError, match=r"dicom_match\.tag"):
         CXRTableRules(dicom_view=True, dicom_match={"folder": "export", "column": "accession", "tag": "StudyDate"})
+
+
+@needs_samples("cxr/dicom")
+def test_real_dicoms_found_by_their_study_uid_take_their_studys_finding(tmp_path):
+    """The real chest DICOMs of ../shared/samples, renamed by number in one folder as a PACS export names them, labelled
+    by a table of their StudyInstanceUIDs: the two encodings of one study both take its row's finding, each image's
+    group is its header's PatientID, and the image whose header has no View Position is excluded as "no view"."""
+    import pydicom
+
+    export = tmp_path / "site"
+    (export / "pacs").mkdir(parents=True)
+    rows, studies = [], {}
+    for k, f in enumerate(sorted((SAMPLES / "cxr" / "dicom").glob("*.dcm"))):
+        shutil.copy(f, export / "pacs" / f"{k:04d}")
+        head = pydicom.dcmread(f, stop_before_pixels=True)
+        studies.setdefault(str(head.StudyInstanceUID), []).append((f"pacs/{k:04d}", str(head.PatientID), head.get("ViewPosition")))
+    for n, uid in enumerate(studies):
+        rows.append({"study": uid, "finding": ("Lung Opacity" if n % 2 else "Normal")})
+    pd.DataFrame(rows).to_csv(export / "studies.csv", index=False)
+    rules = CXRTableRules(file="studies.csv", label="finding", patient=None, view=None, dicom_view=True,
+                          dicom_match={"folder": "pacs", "column": "study", "tag": "StudyInstanceUID"})
+    rec = cxr_table.read_records(export, rules, "H", "datasets.c.tables.site").set_index("id")
+    assert len(rec) == sum(len(v) for v in studies.values()) and len(studies) < len(rec)  # one study holds two files
+    for n, files in enumerate(studies.values()):
+        for path, pid, view in files:
+            row = rec.loc[path]
+            assert row["group"] == pid and row["original_label"] == rows[n]["finding"]
+            assert (row["excluded"] == "") == bool(view) and (view or row["excluded"] == "no view")
