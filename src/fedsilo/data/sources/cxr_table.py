@@ -54,9 +54,7 @@ from fedsilo.data.slides import is_slide_file
 from fedsilo.data.sources.base import LabelFileError, finalize, show, walk
 from fedsilo.data.sources.image_folder import file_reader
 from fedsilo.data.sources.tables import (
-    MATCH_NOUN,
-    MISSING,
-    MatchedDicom,
+    MatchedRows,
     Rows,
     check_matched,
     dicom_index,
@@ -145,7 +143,7 @@ def _records_by_dicom(raw_dir: Path, rules: CXRTableRules, domain: str, key: str
     an ID on two rows is an error, and so are :func:`~fedsilo.data.sources.tables.check_matched`'s refusals."""
     match = rules.dicom_match
     assert match is not None
-    mkey, noun, one_image = f"{key}.dicom_match", MATCH_NOUN[match.tag], match.tag == "SOPInstanceUID"
+    mkey, one_image = f"{key}.dicom_match", match.tag == "SOPInstanceUID"
     columns = [("label", rules.label), ("patient", rules.patient), ("subset", rules.subset), ("dicom_match.column", match.column)]
     columns += [("view", rules.view)] if one_image else []
     table_path, df = load_table(raw_dir, rules, columns, key)
@@ -154,21 +152,15 @@ def _records_by_dicom(raw_dir: Path, rules: CXRTableRules, domain: str, key: str
     by_value, unmatched = dicom_index(raw_dir, match.folder, match.tag, mkey, quiet, rules.file, f"{mkey}.folder")
     check_matched(by_value, unmatched, df[match.column], raw_dir, match.folder, match.tag,
                   match.column, f"{mkey}.column", mkey, table_path)
-    table = Rows(raw_dir)
-    rows, first, header_patients = [], {}, []  # header_patients: each kept image's PatientID ("" none)
+    table, matched = Rows(raw_dir), MatchedRows(by_value, match.tag, mkey, "finding")
+    rows, header_patients = [], []  # header_patients: each kept image's PatientID ("" none)
     for row, rec, where in table.each(df, table_path, key, quiet):
         value = str(rec[rules.label]).strip()
         label, label_why = _label_of(value, positive, negative)
         ident = str(rec[match.column]).strip()
-        files: list[MatchedDicom] = []
-        if not ident or ident.casefold() in MISSING:
-            label_why = label_why or f"no {match.tag} in the row"
-        else:
-            if ident in first:
-                raise LabelFileError(f"{where}: {noun} {ident!r} is listed again (first on row {first[ident]}); with "
-                                     f"{mkey} the table has one row per {noun}, its finding every image's")
-            first[ident] = row
-            files = by_value.pop(ident, [])
+        files = matched.take(ident, row, where)
+        if files is None:
+            label_why, files = label_why or f"no {match.tag} in the row", []
         per = []
         for f in files:
             if f.problem:  # a report, a presentation state; a slide is no chest X-ray
@@ -186,17 +178,16 @@ def _records_by_dicom(raw_dir: Path, rules: CXRTableRules, domain: str, key: str
             per.append((f, "dicom", view, view_why))
         files_why = per[0][3] if per and all(w for *_, w in per) else ""
         pre = label_why or files_why or ("" if files else f"no DICOM with this {match.tag} under {match.folder}")
-        group, subset, row_why = table.group_and_subset(rec, rules, f"{noun} {ident}", pre, row, where, key)
+        group, subset, row_why = table.group_and_subset(rec, rules, f"{matched.noun} {ident}", pre, row, where, key)
         patient_why = row_why if row_why != pre else ""
         for f, reader, view, view_why in per or [(None, "", "unknown", "")]:
             mine = table.matched_group(group, f, rules, subset, not (pre or view_why), row, where)
             if f is not None and not (label_why or view_why or patient_why):
                 header_patients.append(f.patient)
-            rows.append({"id": f.path if f else f"{rules.file}: row {row}" + (f" ({noun} {ident})" if ident else ""), "label": label,
+            rows.append({"id": f.path if f else matched.row_id(rules.file, row, ident), "label": label,
                          "original_label": value, "group": mine, "view": view, "path": f.path if f else "", "reader": reader,
                          "excluded": (label_why or view_why or patient_why) if f else pre, "subset": subset})
-    unlisted = [(f.path, f"its {match.tag} is in no row of the table") for found in by_value.values() for f in found]
-    for rel, why in unmatched + unlisted:
+    for rel, why in unmatched + matched.unlisted():
         rows.append({"id": rel, "label": -1, "original_label": "", "group": rel, "view": "unknown", "path": rel,
                      "reader": "", "excluded": why, "subset": ""})
     if rules.patient is None and warnings is not None:

@@ -40,9 +40,8 @@ from fedsilo.data.sources.benchmark import IMAGE_SUFFIXES
 from fedsilo.data.sources.classmap import ClassMap
 from fedsilo.data.sources.image_folder import dicom_reader, file_reader
 from fedsilo.data.sources.tables import (
-    MATCH_NOUN,
     MISSING,
-    MatchedDicom,
+    MatchedRows,
     Rows,
     check_matched,
     dicom_index,
@@ -155,7 +154,7 @@ def _scan_by_dicom(raw_dir: Path, rules: ImageTableRules, domain: str, key: str,
     refusals of :func:`~fedsilo.data.sources.tables.check_matched`."""
     match = rules.matched
     assert match is not None
-    mkey, noun = _match_key(rules, key), MATCH_NOUN[match.tag]
+    mkey = _match_key(rules, key)
     column_key = f"{key}.patient" if rules.dicom_patient is not None else f"{key}.dicom_match.column"
     columns = [("label", rules.label_column), ("patient", rules.patient), ("subset", rules.subset)]
     columns += [("dicom_match.column", match.column)] if rules.dicom_match is not None else []
@@ -166,38 +165,31 @@ def _scan_by_dicom(raw_dir: Path, rules: ImageTableRules, domain: str, key: str,
                                       mkey if rules.dicom_patient is not None else f"{mkey}.folder")
     check_matched(by_value, unmatched, df[match.column], raw_dir, match.folder,
                   match.tag, match.column, column_key, mkey, table_path)
-    table = Rows(raw_dir)
-    out, first, header_patients = [], {}, []  # header_patients: each kept image's PatientID ("" none)
+    table, matched = Rows(raw_dir), MatchedRows(by_value, match.tag, mkey, "label")
+    out, header_patients = [], []  # header_patients: each kept image's PatientID ("" none)
     for row, rec, where in table.each(df, table_path, key, quiet):
         value, reason = _label(rec, rules, where)
         if value and classmap.skipped(value):
             reason = f"{classmap.what} skipped ({key}.skip)"
         ident = str(rec[match.column]).strip()
-        files: list[MatchedDicom] = []
-        if not ident or ident.casefold() in MISSING:
-            reason = reason or ("no patient id" if match.tag == "PatientID" else f"no {match.tag} in the row")
-        else:
-            if ident in first:
-                raise LabelFileError(f"{where}: {noun} {ident!r} is listed again (first on row {first[ident]}); with "
-                                     f"{mkey} the table has one row per {noun}, its label every image's")
-            first[ident] = row
-            files = by_value.pop(ident, [])
+        files = matched.take(ident, row, where)
+        if files is None:
+            reason, files = reason or ("no patient id" if match.tag == "PatientID" else f"no {match.tag} in the row"), []
         readers = [file_reader(raw_dir / f.path) if Path(f.path).suffix.lower() in IMAGE_SUFFIXES or is_slide_file(raw_dir / f.path)
                    else dicom_reader(f.problem) for f in files]  # a DICOM named like a picture: read as a folder's
         if not files:
             reason = reason or f"no DICOM with this {match.tag} under {match.folder}"
         elif not reason and all(why for _, why in readers):
             reason = readers[0][1]
-        group, subset, reason = table.group_and_subset(rec, rules, f"{noun} {ident}", reason, row, where, key)
+        group, subset, reason = table.group_and_subset(rec, rules, f"{matched.noun} {ident}", reason, row, where, key)
         for f, (reader, why) in zip(files, readers) if files else [(None, ("image", ""))]:
             mine = table.matched_group(group, f, rules, subset, not (reason or why), row, where)
             if f is not None and not (reason or why):
                 header_patients.append(f.patient)
-            out.append({"id": f.path if f else f"{rules.file}: row {row}" + (f" ({noun} {ident})" if ident else ""), "path": f.path if f else "",
+            out.append({"id": f.path if f else matched.row_id(rules.file, row, ident), "path": f.path if f else "",
                         "where": where, "domain": domain, "subset": subset, "value": value, "group": mine,
                         "reason": reason or why, "strict": True, "reader": reader or "image"})
-    unlisted = [(f.path, f"its {match.tag} is in no row of the table") for found in by_value.values() for f in found]
-    for rel, why in unmatched + unlisted:
+    for rel, why in unmatched + matched.unlisted():
         out.append({"id": rel, "path": rel, "where": str(raw_dir / rel), "domain": domain, "subset": "", "value": "",
                     "group": None, "reason": why, "strict": False, "reader": "image"})
     if rules.patient is None and warnings is not None:

@@ -263,6 +263,36 @@ def dicom_index(raw_dir: Path, folder: str, tag: str, key: str, quiet: bool = Tr
     return by_value, unmatched
 
 
+class MatchedRows:
+    """The rows of a table matched to DICOMs by a header attribute (``by_value``: :func:`dicom_index`'s), each ID
+    taken by one row: :meth:`take` gives a row's images and refuses an ID a row took already; :meth:`unlisted` the
+    DICOMs no row took. ``key``: the params key that matches them; ``what``: what a row gives its images (a label,
+    a finding), for the refusal."""
+
+    def __init__(self, by_value: dict[str, list[MatchedDicom]], tag: str, key: str, what: str):
+        self.by_value, self.tag, self.key, self.what = by_value, tag, key, what
+        self.noun = MATCH_NOUN[tag]
+        self.first: dict[str, int] = {}
+
+    def take(self, ident: str, row: int, where: str) -> Optional[list[MatchedDicom]]:
+        """The images of the row naming ``ident`` (maybe none); None when the row names no ID (blank or a placeholder)."""
+        if not ident or ident.casefold() in MISSING:
+            return None
+        if ident in self.first:
+            raise LabelFileError(f"{where}: {self.noun} {ident!r} is listed again (first on row {self.first[ident]}); with "
+                                 f"{self.key} the table has one row per {self.noun}, its {self.what} every image's")
+        self.first[ident] = row
+        return self.by_value.pop(ident, [])
+
+    def row_id(self, table_file: str, row: int, ident: str) -> str:
+        """The record id of a row no image stands for."""
+        return f"{table_file}: row {row}" + (f" ({self.noun} {ident})" if ident else "")
+
+    def unlisted(self) -> list[tuple[str, str]]:
+        """The DICOMs whose ID no row took, each with its exclusion reason."""
+        return [(f.path, f"its {self.tag} is in no row of the table") for found in self.by_value.values() for f in found]
+
+
 def _a(word: str) -> str:
     return "an" if word[:1] in "AEIOU" else "a"
 
