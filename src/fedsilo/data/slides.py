@@ -508,6 +508,20 @@ def _ellipse(axes: np.ndarray) -> np.ndarray:
     return centre + np.cos(t) * (axes[1] - axes[0]) / 2 + np.sin(t) * (axes[3] - axes[2]) / 2
 
 
+def _on_dicom_slide(frame: Optional[SlideFrame], what: str) -> tuple[Any, Any]:
+    """highdicom and the level-0 header of the DICOM whole-slide image ``frame`` was read through, for a DICOM object
+    (``what``) placed on it: the install hint where highdicom is missing, a ValueError where the slide is no DICOM one."""
+    import pydicom
+
+    try:
+        import highdicom as hd
+    except ImportError as err:
+        raise ImportError(INSTALL_HINT) from err
+    if frame is None or frame.dicom is None:
+        raise ValueError(f"a DICOM {what} is placed on the DICOM whole-slide image it references; this slide is not one")
+    return hd, pydicom.dcmread(frame.dicom, stop_before_pixels=True)
+
+
 def _dicom_regions(path: Path, frame: Optional[SlideFrame], dicom_class: str) -> list[Region]:
     """The regions of a DICOM Microscopy Bulk Simple Annotations file (read with highdicom), placed on the DICOM
     whole-slide image it annotates (``frame.dicom``: the slide's level-0 instance). Each annotation group's class is
@@ -521,15 +535,8 @@ def _dicom_regions(path: Path, frame: Optional[SlideFrame], dicom_class: str) ->
 
     from fedsilo.data.sources.base import walk
 
-    try:
-        import highdicom as hd
-    except ImportError as err:
-        raise ImportError(INSTALL_HINT) from err
-    if frame is None or frame.dicom is None:
-        raise ValueError("a DICOM annotation file is placed on the DICOM whole-slide image it references; this slide "
-                         "is not one")
+    hd, level0 = _on_dicom_slide(frame, "annotation file")
     ann = hd.ann.annread(str(path))
-    level0 = pydicom.dcmread(frame.dicom, stop_before_pixels=True)
     kind = str(ann.AnnotationCoordinateType)
     if kind == "2D":
         if str(getattr(ann, "PixelOriginInterpretation", "VOLUME")) != "VOLUME":
@@ -583,16 +590,8 @@ class SegmentationMask:
     pixel from 0.5 up."""
 
     def __init__(self, path: Path, frame: Optional[SlideFrame], dicom_class: str):
-        import pydicom
-
-        try:
-            import highdicom as hd
-        except ImportError as err:
-            raise ImportError(INSTALL_HINT) from err
-        if frame is None or frame.dicom is None:
-            raise ValueError("a DICOM segmentation is placed on the DICOM whole-slide image it references; this slide is not one")
+        hd, level0 = _on_dicom_slide(frame, "segmentation")
         self._seg = hd.seg.segread(str(path))
-        level0 = pydicom.dcmread(frame.dicom, stop_before_pixels=True)
         if str(self._seg.get("FrameOfReferenceUID", "")) != str(level0.get("FrameOfReferenceUID", "")):
             raise ValueError("a segmentation in another frame of reference than the slide's (FrameOfReferenceUID)")
         if "TotalPixelMatrixRows" not in self._seg:
