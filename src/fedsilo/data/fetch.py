@@ -42,7 +42,7 @@ import tarfile
 import urllib.parse
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 from xml.etree import ElementTree
 
 from fedsilo.config import SourceParams
@@ -345,6 +345,13 @@ def fetch(source: str, params: SourceParams, out_dir: Path, root: Path = Path(".
     return manifest
 
 
+def manifest_files(raw_dir: Path) -> Optional[dict[str, dict[str, Any]]]:
+    """What fetch's manifest in a source's folder records of every file it fetched (relative path -> sha256 and
+    bytes), or None where the folder has no manifest (not fetched: a folder read in place)."""
+    path = Path(raw_dir) / MANIFEST
+    return json.loads(path.read_text())["files"] if path.is_file() else None
+
+
 def sources_fingerprint(dataset: str, sources: tuple[str, ...], raw_root: Path) -> dict[str, Any]:
     """The content of one dataset's raw sources, as their fetch manifests record it (relative path, sha256 and size
     of every file; not where they were fetched from, so a moved copy of the same files changes nothing).
@@ -353,10 +360,9 @@ def sources_fingerprint(dataset: str, sources: tuple[str, ...], raw_root: Path) 
     depends on it instead of on all of ``data/raw``, so re-fetching PACS re-harmonizes PACS only."""
     out: dict[str, Any] = {"dataset": dataset, "sources": {}}
     for s in sources:
-        path = Path(raw_root) / s / MANIFEST
-        if not path.exists():
-            raise FetchError(f"{path}: missing; fetch the source first (`fedsilo fetch --source {s}`, or `dvc repro fetch@{s}` "
-                             "once it is in pipeline.sources)")
-        files = json.loads(path.read_text())["files"]
+        files = manifest_files(Path(raw_root) / s)
+        if files is None:
+            raise FetchError(f"{Path(raw_root) / s / MANIFEST}: missing; fetch the source first (`fedsilo fetch --source {s}`, "
+                             f"or `dvc repro fetch@{s}` once it is in pipeline.sources)")
         out["sources"][s] = {"files": len(files), "bytes": int(sum(f["bytes"] for f in files.values())), "sha256": canonical_hash(files)}
     return out

@@ -235,12 +235,9 @@ def _digests(raw_dir: Path, paths: list[str]) -> dict[str, str]:
     """sha256 of the files (posix paths relative to ``raw_dir``) whose size another of them shares (no other can be
     its copy): from fetch's manifest, which records every fetched file's, where it lists the file at its present size;
     else (a folder read in place, a file changed or added since the fetch) hashed here."""
-    import json
+    from fedsilo.data.fetch import manifest_files
 
-    from fedsilo.data.fetch import MANIFEST
-
-    manifest = raw_dir / MANIFEST
-    listed = json.loads(manifest.read_text())["files"] if manifest.is_file() else {}
+    listed = manifest_files(raw_dir) or {}
     sizes = {p: (raw_dir / p).stat().st_size for p in paths if (raw_dir / p).is_file()}
     counts = Counter(sizes.values())
     return {p: (listed[p]["sha256"] if p in listed and listed[p].get("bytes") == n else file_sha256(raw_dir / p))
