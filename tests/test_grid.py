@@ -94,11 +94,11 @@ def test_grid_trains_each_stage_once_on_two_workers_and_leaves_the_pipeline_up_t
     assert run_grid("dvc.yaml", repo, jobs=2, quiet=True)["queued"] == []
     assert len(log.read_text().split()) == 3
     # an edit upstream of the train stages (a source, a split) makes them stale once prep reruns: all go to the queue
-    # (an OMP_NUM_THREADS the user set wins over the shared-out default)
+    # (an OMP_NUM_THREADS the user set wins over the shared-out default); one experiment of all three this time
     (repo / "dep.txt").write_text("2")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    r = run_grid("dvc.yaml", repo, jobs=2, quiet=True, poll_s=0.5)
-    assert sorted(r["queued"]) == ["train_g@a", "train_g@b", "train_g@c"]
+    r = run_grid("dvc.yaml", repo, jobs=2, quiet=True, poll_s=0.5, per_experiment=3)
+    assert sorted(r["queued"]) == ["train_g@a", "train_g@b", "train_g@c"] and r["experiments"] == 1
     assert sorted(log.read_text().split()[3:]) == ["a:3", "b:3", "c:3"]
     assert (repo / "report.txt").read_text() == "a2b2c2"
 
