@@ -23,7 +23,7 @@ def _project(mirror_root, dest, tracking: bool):
     raw = small_params(rounds=6, local_epochs=1, checkpoint_every=1)
     raw["tracking"] = {"enabled": tracking, "uri": f"sqlite:///{dest / 'mlflow.db'}"}
     (dest / "params.yaml").write_text(yaml.safe_dump(raw))
-    _cli(dest, "split", "--experiment", "quick")
+    _main(dest, "split", "--experiment", "quick")
     return dest
 
 
@@ -38,13 +38,27 @@ def _cli(root, *args, wait=True):
     return r
 
 
+def _main(root, *args):
+    """A command run in this process, as `fedsilo` runs it: the runs that need no process of their own (the
+    interpreter, torch and MLflow started anew cost seconds each on two cores); those killed, and the resumed run
+    compared with them, go through :func:`_cli`."""
+    from fedsilo.cli import main
+
+    saved = os.environ.pop("MLFLOW_TRACKING_URI", None)  # the project's own store, as _cli's environment says
+    try:
+        assert main(["-q", "--root", str(root), "--params", str(root / "params.yaml"), *args]) == 0
+    finally:
+        if saved is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = saved
+
+
 TRAIN = ("train", "--experiment", "quick", "--method", "fedbn", "--seed", "0")
 
 
 def test_killed_train_stage_resumes_to_identical_metrics(mirror_root, tmp_path):
     a = _project(mirror_root, tmp_path / "a", tracking=False)
     b = _project(mirror_root, tmp_path / "b", tracking=True)
-    _cli(a, *TRAIN)
+    _main(a, *TRAIN)  # the uninterrupted run, here; the killed and resumed one in processes of their own
     ckpt = b / "state" / "quick" / "fedbn" / "seed0" / "checkpoint.pt"
     proc = _cli(b, *TRAIN, wait=False)
     killed_at = None
@@ -90,11 +104,11 @@ def test_killed_train_stage_resumes_to_identical_metrics(mirror_root, tmp_path):
 
 def test_changed_config_does_not_resume_a_stale_checkpoint(mirror_root, tmp_path):
     a = _project(mirror_root, tmp_path / "a", tracking=False)
-    _cli(a, *TRAIN)
+    _main(a, *TRAIN)
     raw = yaml.safe_load((a / "params.yaml").read_text())
     raw["experiments"]["quick"]["train"]["rounds"] = 2
     (a / "params.yaml").write_text(yaml.safe_dump(raw))
-    _cli(a, *TRAIN)
+    _main(a, *TRAIN)
     h = json.loads((a / "results/quick/fedbn/seed0/history.json").read_text())
     assert [x["round"] for x in h] == [1, 2]
 
@@ -112,7 +126,7 @@ def test_resolved_method_values_reach_metrics_and_mlflow_and_client_models_are_k
     raw["experiments"]["quick"]["train"].update({"rounds": 2, "count_flops": True})  # the one CLI run that counts FLOPs
     raw["methods"]["pfeddb"] = {"cut_depth": None, "local_rounds": 1}
     (root / "params.yaml").write_text(yaml.safe_dump(raw))
-    _cli(root, "train", "--experiment", "quick", "--method", "pfeddb", "--seed", "0")
+    _main(root, "train", "--experiment", "quick", "--method", "pfeddb", "--seed", "0")
     met = json.loads((root / "results/quick/pfeddb/seed0/metrics.json").read_text())
     expected = closest_to_70(build_model("simple_cnn", 1, 2, seed=0, width=0.25))
     res = met["method_resolved"]
@@ -130,7 +144,7 @@ def test_resolved_method_values_reach_metrics_and_mlflow_and_client_models_are_k
     assert "stores" not in final and final["server"]
     raw["experiments"]["quick"]["train"]["keep_client_models"] = True
     (root / "params.yaml").write_text(yaml.safe_dump(raw))
-    _cli(root, "train", "--experiment", "quick", "--method", "pfeddb", "--seed", "0")
+    _main(root, "train", "--experiment", "quick", "--method", "pfeddb", "--seed", "0")
     final = torch.load(root / "results/quick/pfeddb/seed0/final_model.pt", weights_only=False)
     assert len(final["stores"]) == 4 and all(any(k.startswith("private.") for k in s) for s in final["stores"])
     # keeping the stores changes what is saved, not what is trained: the same numbers
