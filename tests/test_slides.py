@@ -434,10 +434,14 @@ def _dicom_level(path: Path, img: np.ndarray, mpp: float, series: tuple[str, str
     ds.save_as(path, enforce_file_format=True)
 
 
-def _z_stack(folder: Path, planes: list[np.ndarray], mpp: float, tile: int = 256, coarse_planes: int | None = None) -> None:
+def _z_stack(folder: Path, planes: list[np.ndarray], mpp: float, tile: int = 256, coarse_planes: int | None = None,
+             second_path: list[np.ndarray] | None = None) -> None:
     """A DICOM whole-slide image of several focal planes 2 um apart (TILED_FULL: each plane's tiles row by row, then
-    the next plane's), levels 1 and 4, in ``folder``; ``coarse_planes``: level 4 holds only that many (from 0 um)."""
+    the next plane's), levels 1 and 4, in ``folder``; ``coarse_planes``: level 4 holds only that many (from 0 um);
+    ``second_path``: the same planes of a second optical path (identifier "2"; the first is "1"), after the first's."""
     import pydicom
+    from pydicom.dataset import Dataset
+    from pydicom.sequence import Sequence
     from pydicom.uid import generate_uid
 
     def tiles(x: np.ndarray) -> np.ndarray:
@@ -452,8 +456,14 @@ def _z_stack(folder: Path, planes: list[np.ndarray], mpp: float, tile: int = 256
         _dicom_level(f, np.ascontiguousarray(planes[0][::d, ::d]), mpp * d, uids, tile=tile)
         ds = pydicom.dcmread(f)
         kept = planes if d == 1 or coarse_planes is None else planes[:coarse_planes]
-        frames = np.concatenate([tiles(np.ascontiguousarray(p[::d, ::d])) for p in kept])
+        stacks = [kept] if second_path is None else [kept, second_path[:len(kept)]]
+        frames = np.concatenate([tiles(np.ascontiguousarray(p[::d, ::d])) for stack in stacks for p in stack])
         ds.NumberOfFrames, ds.TotalPixelMatrixFocalPlanes = len(frames), len(kept)
+        if second_path is not None:
+            second = Dataset()
+            second.OpticalPathIdentifier = "2"
+            ds.OpticalPathSequence = Sequence([ds.OpticalPathSequence[0], second])
+            ds.NumberOfOpticalPaths = 2
         ds.SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0].SpacingBetweenSlices = 0.002
         ds.PixelData = frames.tobytes()
         ds.save_as(f)
@@ -502,6 +512,55 @@ def test_dicom_slides_openslide_refuses_are_read_through_wsidicom(tmp_path):
     rules = {"slides": {"mpp": 1.0, "patch_px": 32, "min_tissue": 0.5, "max_patches": 10_000}}
     card, recs, _ = _dataset(tmp_path, "wsidicom", rules, classes=("normal", "tumour"))
     assert recs.groupby("source_path").size().to_dict() == {"tumour/R1/L1.dcm": 12, "tumour/Z1/L1.dcm": 12}
+
+
+def test_the_rules_choose_a_dicom_slides_focal_plane_and_optical_path(tmp_path, monkeypatch):
+    """slides.focal_plane and slides.optical_path read that plane of that path (through wsidicom, as OpenSlide shows
+    one path and no z-stack), at planning and at decoding alike; a slide without them is excluded saying which it
+    has; a TIFF scan beside them is read as before, with a warning that the choice is a DICOM series'."""
+    pytest.importorskip("openslide")
+    pytest.importorskip("wsidicom")
+
+    rng = np.random.default_rng(7)
+    root = tmp_path / "raw" / "lab"
+    base = np.full((1024, 1024, 3), 238, np.uint8)
+
+    def plane(lo: int) -> np.ndarray:  # the same stained tissue, its own pixels (green lo..lo+19)
+        p = base.copy()
+        green = rng.integers(lo, lo + 20, (600, 400))
+        p[200:800, 300:700] = np.stack([green + 60, green, green + 30], axis=-1)
+        return p
+
+    first, second = [plane(20 + 20 * k) for k in range(3)], [plane(100 + 20 * k) for k in range(3)]  # 0, 2, 4 um
+    _z_stack(root / "tumour" / "Z1", first, MPP0, second_path=second)
+    path = str(root / "tumour" / "Z1" / "L1.dcm")
+    with slides.open_slide(path) as slide:  # the defaults: the middle plane of the first path
+        assert (slide.properties["wsidicom.focal-plane-um"], slide.properties["wsidicom.optical-path"]) == ("2.0", "1")
+    with slides.open_slide(path, 4.0, "2") as slide:
+        assert slide.properties["wsidicom.optical-paths"] == "2"
+        np.testing.assert_array_equal(np.asarray(slide.read_region((320, 256), 0, (64, 64)))[..., :3], second[2][256:320, 320:384])
+    np.testing.assert_array_equal(slides.read_patch(path, (320, 256, 0, 64, 64), 0.0, None), first[0][256:320, 320:384])
+    np.testing.assert_array_equal(slides.read_patch(path, (320, 256, 0, 64, 64), 2.0, "2"), second[1][256:320, 320:384])
+    with pytest.raises(slides.SlideViewError, match=r"no focal plane at 3 um \(its planes: 0, 2, 4 um\)"):
+        slides.open_slide(path, 3.0)
+    with pytest.raises(slides.SlideViewError, match=r"no optical path '3' \(its paths: '1', '2'\)"):
+        slides.open_slide(path, None, "3")
+
+    monkeypatch.setattr(slides, "SMALL_TIFF_BYTES", 0)  # the test's TIFF slide is a small file
+    _slide(root / "normal" / "S1.tif", (900, 800), 500)  # a TIFF-family scan: one plane, one path
+    rules = {"slides": {"mpp": 1.0, "patch_px": 32, "min_tissue": 0.5, "max_patches": 10_000, "focal_plane": 4.0, "optical_path": "2"}}
+    card, recs, images = _dataset(tmp_path, "chosen", rules, classes=("normal", "tumour"))
+    mine = (recs["source_path"] == "tumour/Z1/L1.dcm").to_numpy()
+    assert mine.sum() == 12 and (recs["source_path"] == "normal/S1.tif").sum() > 0, card["domains"]["lab"]["excluded_by_reason"]
+    green = np.median(images[mine][..., 1])  # the patches' green: the tissue's (min_tissue 0.5), resized
+    assert 140 <= green <= 160  # the second path's 4 um plane (140..159), no other (its 2 um plane: 120..139)
+    assert any("1 of 2 slides are no DICOM whole-slide images (e.g. normal/S1.tif): datasets.d.folders.lab.slides.focal_plane "
+               "and datasets.d.folders.lab.slides.optical_path choose" in w for w in card["warnings"])
+    rules["slides"]["focal_plane"] = 3.0
+    card, recs, _ = _dataset(tmp_path, "missing", rules, classes=("normal", "tumour"))
+    assert (recs["source_path"] == "tumour/Z1/L1.dcm").sum() == 0
+    assert card["domains"]["lab"]["excluded_by_reason"][
+        "a whole-slide image: no focal plane at 3 um (its planes: 0, 2, 4 um) (datasets.d.folders.lab.slides.focal_plane)"] == 1
 
 
 def test_dicom_whole_slide_images_are_read_through_openslide(tmp_path, monkeypatch):

@@ -495,6 +495,12 @@ class SlideRules(Strict):
     min_tissue: float = Field(0.5, gt=0, le=1, description="the share of a patch the tissue must cover (found on a thumbnail: saturation above Otsu's threshold)")
     max_patches: int = Field(200, ge=1, description="patches kept per slide at most, evenly spaced over its tissue in reading order")
     slide_mpp: Optional[float] = Field(None, gt=0, description="microns per level-0 pixel for slides whose header does not say (default: a slide without it is excluded, with the reason)")
+    focal_plane: Optional[float] = Field(None, description="the focal plane of a DICOM whole-slide image's z-stack "
+                                         "read, in um as its header gives it (ZOffsetInSlideCoordinateSystem); null: the middle plane. A "
+                                         "slide without that plane is excluded saying which it has; other formats hold one plane")
+    optical_path: Optional[str] = Field(None, min_length=1, description="the optical path read of a DICOM whole-slide image with "
+                                        "several (a fluorescence channel, ...: its OpticalPathIdentifier); null: the first by identifier. "
+                                        "A slide without it is excluded saying which it has")
     regions: Optional[RegionRules] = Field(None, description="label each patch from the slide's region annotations "
                                            "(null: every patch takes its slide's class)")
 

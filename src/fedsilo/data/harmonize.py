@@ -50,7 +50,7 @@ from fedsilo.data.imageops import (
     resize_area,
     square,
 )
-from fedsilo.data.slides import expand_slides
+from fedsilo.data.slides import expand_slides, slide_view
 from fedsilo.data.sources import cxr_table, image_folder, image_table, source_module
 from fedsilo.data.sources.base import explode_records
 from fedsilo.utils.io import atomic_dir, file_sha256, write_json
@@ -88,7 +88,8 @@ def to_rgb_square(img: np.ndarray, size: int, how: str) -> np.ndarray:
 def decode_one(args: tuple) -> np.ndarray:
     """One image file to the dataset's uint8 square: ``(path, reader, size, square, intensity, percentiles[,
     where])``; ``where``: the frame of a multi-frame DICOM (``dicom_rgb``; default the first), or a slide's patch
-    (``slide``: ``(x, y, level, w, h)``, :func:`fedsilo.data.slides.read_patch`)."""
+    (``slide``: ``(x, y, level, w, h)`` and the slide's ``(focal plane, optical path)``,
+    :func:`fedsilo.data.slides.read_patch`)."""
     path, reader, size, square, intensity, pct, *rest = args
     if reader == "rgb":
         arr, _ = read_standard_image(path, grayscale=False)
@@ -100,7 +101,7 @@ def decode_one(args: tuple) -> np.ndarray:
 
         if not rest or rest[0] is None:  # a slide itself is never decoded whole (tens of GB)
             raise ImageDecodeError(f"{path}: a whole-slide image, not one picture (harmonize cuts slides into patches: slides)")
-        return to_rgb_square(read_patch(path, rest[0]), size, square)
+        return to_rgb_square(read_patch(path, rest[0], *(rest[1] if len(rest) > 1 else ())), size, square)
     if reader == "dicom_rgb":  # a site's own DICOM beside the benchmark images: grey or colour, to RGB
         from fedsilo.data.dicom import dicom_to_rgb
 
@@ -568,7 +569,8 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
                 except (ImageDecodeError, IndexError) as err:
                     errors[i] = str(err)
             elif reader == "slide":  # a patch of a whole-slide image of your own (fedsilo.data.slides)
-                file_jobs.append((i, (str(raw_dir / path), "slide", params.image_size, params.square, "", (0.0, 100.0), patch_of[i])))
+                view = slide_view(getattr(params.rules(src), "slides", None))  # the focal plane and path it was planned on
+                file_jobs.append((i, (str(raw_dir / path), "slide", params.image_size, params.square, "", (0.0, 100.0), patch_of[i], view)))
             else:
                 decoder = "dicom_rgb" if reader == "dicom" else "rgb"  # a DICOM of your own, or any image file
                 file_jobs.append((i, (str(raw_dir / path), decoder, params.image_size, params.square, "", (0.0, 100.0), frame_of[i])))

@@ -49,6 +49,7 @@ THUMBNAIL_PX = 2048  # the longer side of the thumbnail the tissue is found on
 REGION_SUBCELLS = 8  # a patch's side in cells of the raster the region annotations are drawn on
 REGION_RASTER_CELLS = 16_000_000  # at most this many raster cells per slide (fewer per patch on a very fine grid)
 REGION_FILE_SUFFIXES = (".geojson", ".json", ".xml", ".ndpa")  # QuPath's GeoJSON, ASAP's / ImageScope's XML, NDP.view's
+FOCAL_PLANE_UM = 0.01  # slides.focal_plane matches a z-stack's plane within this (headers write decimal um)
 NDPA_MICRONS = {"nanometers": 1e-3, "micrometers": 1.0, "millimeters": 1e3}  # an NDP.view coordformat's unit in microns
 DICOM_ANNOTATIONS = "1.2.840.10008.5.1.4.1.1.91.1"  # Microscopy Bulk Simple Annotations Storage (a DICOM slide's regions)
 DICOM_SEGMENTATION = "1.2.840.10008.5.1.4.1.1.66.4"  # Segmentation Storage (a DICOM slide's regions as masks)
@@ -110,13 +111,14 @@ class WsiDicomSlide:
     planes) read through wsidicom, with the part of OpenSlide's interface the patch planner and reader use:
     ``dimensions``, ``level_count``, ``level_downsamples`` (the mean of the width and height ratios, as OpenSlide's),
     ``properties`` (microns per pixel, and which focal plane and optical path are read), ``get_thumbnail``,
-    ``read_region`` (a level-0 location; RGBA, transparent past the edge as OpenSlide's). A z-stack is read at its
-    middle focal plane (of an even number, the lower of the two middle ones; on each level the plane nearest it),
-    several optical paths at the first by identifier. The series is the files of ``path``'s folder that share its
-    SeriesInstanceUID, less the pyramid levels whose downsample is no power of two (wsidicom refuses a pyramid
-    holding one; the others serve)."""
+    ``read_region`` (a level-0 location; RGBA, transparent past the edge as OpenSlide's). A z-stack is read at
+    ``focal_plane`` (um, as the header gives it; default its middle plane, of an even number the lower of the two
+    middle ones; on each coarser level the plane nearest it), several optical paths at ``optical_path`` (default the
+    first by identifier); a plane or path level 0 lacks raises :class:`SlideViewError`. The series is the files of
+    ``path``'s folder that share its SeriesInstanceUID, less the pyramid levels whose downsample is no power of two
+    (wsidicom refuses a pyramid holding one; the others serve)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, focal_plane: Optional[float] = None, optical_path: Optional[str] = None):
         import pydicom
 
         try:
@@ -143,8 +145,20 @@ class WsiDicomSlide:
         self.level_count = len(self._levels)
         self.level_downsamples = tuple((self.dimensions[0] / lvl.size.width + self.dimensions[1] / lvl.size.height) / 2
                                        for lvl in self._levels)
-        planes = sorted(base.focal_planes)
-        self._z, self._path = planes[(len(planes) - 1) // 2], sorted(base.optical_paths)[0]
+        planes, paths = sorted(base.focal_planes), sorted(str(p) for p in base.optical_paths)
+        if focal_plane is None:
+            self._z = planes[(len(planes) - 1) // 2]
+        else:
+            near = min(planes, key=lambda z: abs(z - focal_plane))
+            if abs(near - focal_plane) > FOCAL_PLANE_UM:
+                self.close()
+                raise SlideViewError("focal_plane", f"no focal plane at {focal_plane:g} um (its planes: "
+                                     f"{', '.join(f'{z:g}' for z in planes)} um)")
+            self._z = near
+        if optical_path is not None and optical_path not in paths:
+            self.close()
+            raise SlideViewError("optical_path", f"no optical path {optical_path!r} (its paths: {', '.join(map(repr, paths))})")
+        self._path = optical_path if optical_path is not None else paths[0]
         self.properties = {"openslide.mpp-x": str(self._wsi.mpp.width), "openslide.mpp-y": str(self._wsi.mpp.height),
                            "wsidicom.focal-plane-um": str(self._z), "wsidicom.optical-path": str(self._path),
                            "wsidicom.focal-planes": str(len(planes)), "wsidicom.optical-paths": str(len(base.optical_paths))}
@@ -189,12 +203,36 @@ class WsiDicomSlide:
         self.close()
 
 
-def open_slide(path: str) -> Any:
+class SlideViewError(ValueError):
+    """A DICOM slide lacks the focal plane or optical path ``slides.<field>`` asks for (the slide is excluded with
+    the message)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def slide_view(rules: Any) -> tuple[Optional[float], Optional[str]]:
+    """The focal plane and optical path a dataset's slide rules read (``slides.focal_plane`` / ``optical_path``;
+    (None, None): the defaults, or no rules)."""
+    return (None, None) if rules is None else (rules.focal_plane, rules.optical_path)
+
+
+def open_slide(path: str, focal_plane: Optional[float] = None, optical_path: Optional[str] = None) -> Any:
     """A slide opened with its reader: OpenSlide for a DICOM whole-slide image (any instance of the series: it finds
     the others in the file's folder), or wsidicom where OpenSlide refuses the series (:class:`WsiDicomSlide`: a
-    transfer syntax OpenSlide lacks, several focal planes); tiffslide for the TIFF family. All give
-    OpenSlide's interface. A series neither reads raises with both readers' reasons."""
+    transfer syntax OpenSlide lacks, several focal planes) or a focal plane or optical path is asked for (OpenSlide
+    reads one of each and cannot be told which); tiffslide for the TIFF family (one plane and path: ``focal_plane``
+    and ``optical_path`` are for DICOM slides). All give OpenSlide's interface. A series neither reads raises with
+    both readers' reasons."""
 
+    if is_dicom_file(path) and (focal_plane is not None or optical_path is not None):
+        try:
+            return WsiDicomSlide(path, focal_plane, optical_path)
+        except (ImportError, SlideViewError):
+            raise
+        except Exception as err:  # noqa: BLE001 - the slide is then excluded with the reason
+            raise ValueError(f"wsidicom (which reads a chosen focal plane or optical path): {type(err).__name__}: {err}") from err
     if is_dicom_file(path):
         try:
             import openslide
@@ -213,11 +251,11 @@ def open_slide(path: str) -> Any:
 
 
 @functools.lru_cache(maxsize=8)
-def _open(path: str) -> Any:
+def _open(path: str, focal_plane: Optional[float] = None, optical_path: Optional[str] = None) -> Any:
     """An open slide, kept per process while its patches are decoded one after another. A forked worker starts
     with an empty cache (below): open files inherited from the parent share one read position, and tiles read
     through them by several processes at once come out wrong."""
-    return open_slide(path)
+    return open_slide(path, focal_plane, optical_path)
 
 
 def one_entry_per_dicom_slide(entries: list[dict], raw_dir: Path) -> list[dict]:
@@ -856,8 +894,9 @@ def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Union
     and "" or why the slide gives none (no plausible microns per pixel, a
     scan coarser than the patches, no reduced-resolution level to find the tissue on, smaller than a patch, no tissue,
     no annotated patch where the others are dropped). ``key``: the rules' dotted key, for the reasons. The slide is
-    opened here and closed again (never kept open in this process: the decoding workers it forks read their own)."""
-    with open_slide(str(path)) as slide:
+    opened here and closed again (never kept open in this process: the decoding workers it forks read their own), at
+    the focal plane and optical path the rules name (:func:`slide_view`)."""
+    with open_slide(str(path), *slide_view(rules)) as slide:
         mpp0 = level0_mpp(slide, rules.slide_mpp)
         if mpp0 is None:
             return [], [], f"no plausible microns per pixel in its header (set {key}.slide_mpp)"
@@ -926,11 +965,13 @@ def plan_patches(path: Path, rules: Any, key: str = "slides", annotations: Union
             [given[int(r) * len(xs) + int(c)] for r, c in zip(rows, cols)], "")
 
 
-def read_patch(path: str, patch: tuple[int, int, int, int, int]) -> np.ndarray:
-    """The RGB pixels of one patch (``plan_patches``' tuple) at its level, uint8 HxWx3."""
+def read_patch(path: str, patch: tuple[int, int, int, int, int], focal_plane: Optional[float] = None,
+               optical_path: Optional[str] = None) -> np.ndarray:
+    """The RGB pixels of one patch (``plan_patches``' tuple) at its level, uint8 HxWx3, of the focal plane and
+    optical path it was planned on (:func:`slide_view`)."""
     x, y, level, w, h = (int(v) for v in patch)
     try:
-        slide = _open(str(path))
+        slide = _open(str(path), focal_plane, optical_path)
         if type(slide).__module__.startswith("tiffslide"):  # straight to an array
             arr = np.asarray(slide.read_region((x, y), level, (w, h), as_array=True))
         else:  # OpenSlide: an RGBA picture, transparent where no tile was scanned (a sparse series) or past the edge
@@ -990,6 +1031,8 @@ def plan_or_reason(args: tuple[Path, Any, str, tuple[Path, ...], tuple[str, ...]
         return plan_patches(path, rules, key, annotations, class_of, outside_class(rules.regions, classes, key))
     except (ImportError, LabelFileError):
         raise
+    except SlideViewError as err:  # the plane or path asked for: the slide is excluded saying which it has
+        return [], [], f"{err} ({key}.{err.field})"
     except Exception as err:  # noqa: BLE001 - a slide tiffslide cannot read is excluded with the reason, as any bad file
         return [], [], f"unreadable ({type(err).__name__}: {err})"
 
@@ -1059,6 +1102,12 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
                 warnings.append(f"{len(stray)} DICOM annotation files annotate no slide read here (e.g. "
                                 f"{stray[0].relative_to(raw_dir)}): one is matched to its slide by the series or image it "
                                 "references")
+    if warnings is not None and slide_view(rules) != (None, None):  # a TIFF-family scan holds one plane and path
+        asked = " and ".join(f"{key}.slides.{f}" for f, v in zip(("focal_plane", "optical_path"), slide_view(rules)) if v is not None)
+        other = [str(rec["path"].iloc[i]) for i in map(int, slides) if not is_dicom_file(raw_dir / str(rec["path"].iloc[i]))]
+        if other:
+            warnings.append(f"{len(other)} of {len(slides)} slides are no DICOM whole-slide images (e.g. {other[0]}): {asked} "
+                            "choose among a DICOM series' planes and paths; these are read at the one their reader gives")
     for i, why in ambiguous.items():
         rec.loc[rec.index[i], "excluded"] = f"a whole-slide image: {why}"
     if owners:  # an annotation file beside its slide was listed as a file of the source: say whose it is

@@ -99,7 +99,7 @@ def predict_images(params: Params, experiment: str, model_path: Path, files: lis
     ``slide`` and ``patches`` columns are left out."""
     from fedsilo.client.local import predict
     from fedsilo.data.harmonize import decode_all
-    from fedsilo.data.slides import one_entry_per_dicom_slide, plan_or_reason
+    from fedsilo.data.slides import one_entry_per_dicom_slide, plan_or_reason, slide_view
     from fedsilo.fl.deploy import load_site_model
 
     model, info = load_site_model(model_path, device)
@@ -120,7 +120,7 @@ def predict_images(params: Params, experiment: str, model_path: Path, files: lis
             plan, _, why = plan_or_reason((Path(paths[i]), rules, key, (), tuple(classes)))
             errors[i] = f"a whole-slide image: {why}" if why else ""
             for patch in plan:
-                jobs.append((*jobs[i][:6], patch))
+                jobs.append((*jobs[i][:6], patch, slide_view(rules)))
                 paths.append(f"{paths[i]}#x{patch[0]}y{patch[1]}")
                 slide_of.append(paths[i])
                 errors.append("")
