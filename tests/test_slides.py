@@ -525,13 +525,15 @@ def test_the_rules_choose_a_dicom_slides_focal_plane_and_optical_path(tmp_path, 
     root = tmp_path / "raw" / "lab"
     base = np.full((1024, 1024, 3), 238, np.uint8)
 
-    def plane(lo: int) -> np.ndarray:  # the same stained tissue, its own pixels (green lo..lo+19)
+    def plane(lo: int, left: int = 300) -> np.ndarray:  # stained tissue, its own pixels (green lo..lo+19)
         p = base.copy()
         green = rng.integers(lo, lo + 20, (600, 400))
-        p[200:800, 300:700] = np.stack([green + 60, green, green + 30], axis=-1)
+        p[200:800, left:left + 400] = np.stack([green + 60, green, green + 30], axis=-1)
         return p
 
-    first, second = [plane(20 + 20 * k) for k in range(3)], [plane(100 + 20 * k) for k in range(3)]  # 0, 2, 4 um
+    # 0, 2, 4 um of two paths; on the second path's 4 um plane the tissue lies further right: its patches are found
+    # on that plane's thumbnail, or they would show glass
+    first, second = [plane(20 + 20 * k) for k in range(3)], [plane(100), plane(120), plane(140, left=560)]
     _z_stack(root / "tumour" / "Z1", first, MPP0, second_path=second)
     path = str(root / "tumour" / "Z1" / "L1.dcm")
     with slides.open_slide(path) as slide:  # the defaults: the middle plane of the first path
@@ -541,17 +543,18 @@ def test_the_rules_choose_a_dicom_slides_focal_plane_and_optical_path(tmp_path, 
         np.testing.assert_array_equal(np.asarray(slide.read_region((320, 256), 0, (64, 64)))[..., :3], second[2][256:320, 320:384])
     np.testing.assert_array_equal(slides.read_patch(path, (320, 256, 0, 64, 64), 0.0, None), first[0][256:320, 320:384])
     np.testing.assert_array_equal(slides.read_patch(path, (320, 256, 0, 64, 64), 2.0, "2"), second[1][256:320, 320:384])
-    with pytest.raises(slides.SlideViewError, match=r"no focal plane at 3 um \(its planes: 0, 2, 4 um\)"):
+    with pytest.raises(slides.SlideViewError, match=r"no focal plane at 3 um \(its planes of optical path '1': 0, 2, 4 um\)"):
         slides.open_slide(path, 3.0)
     with pytest.raises(slides.SlideViewError, match=r"no optical path '3' \(its paths: '1', '2'\)"):
         slides.open_slide(path, None, "3")
 
     monkeypatch.setattr(slides, "SMALL_TIFF_BYTES", 0)  # the test's TIFF slide is a small file
     _slide(root / "normal" / "S1.tif", (900, 800), 500)  # a TIFF-family scan: one plane, one path
-    rules = {"slides": {"mpp": 1.0, "patch_px": 32, "min_tissue": 0.5, "max_patches": 10_000, "focal_plane": 4.0, "optical_path": "2"}}
+    rules = {"slides": {"mpp": 1.0, "patch_px": 32, "min_tissue": 0.5, "max_patches": 10_000, "focal_plane": 4.0, "optical_path": 2}}
     card, recs, images = _dataset(tmp_path, "chosen", rules, classes=("normal", "tumour"))
     mine = (recs["source_path"] == "tumour/Z1/L1.dcm").to_numpy()
-    assert mine.sum() == 12 and (recs["source_path"] == "normal/S1.tif").sum() > 0, card["domains"]["lab"]["excluded_by_reason"]
+    assert mine.sum() == 16 and (recs["source_path"] == "normal/S1.tif").sum() > 0  # 4 x 4 cells of 128 level-0 px
+    assert recs.loc[mine, "id"].str.extract(r"#x(\d+)y", expand=False).astype(int).min() >= 512  # on the right: 4 um's tissue
     green = np.median(images[mine][..., 1])  # the patches' green: the tissue's (min_tissue 0.5), resized
     assert 140 <= green <= 160  # the second path's 4 um plane (140..159), no other (its 2 um plane: 120..139)
     assert any("1 of 2 slides are no DICOM whole-slide images (e.g. normal/S1.tif): datasets.d.folders.lab.slides.focal_plane "
@@ -560,7 +563,8 @@ def test_the_rules_choose_a_dicom_slides_focal_plane_and_optical_path(tmp_path, 
     card, recs, _ = _dataset(tmp_path, "missing", rules, classes=("normal", "tumour"))
     assert (recs["source_path"] == "tumour/Z1/L1.dcm").sum() == 0
     assert card["domains"]["lab"]["excluded_by_reason"][
-        "a whole-slide image: no focal plane at 3 um (its planes: 0, 2, 4 um) (datasets.d.folders.lab.slides.focal_plane)"] == 1
+        "a whole-slide image: no focal plane at 3 um (its planes of optical path '2': 0, 2, 4 um) "
+        "(datasets.d.folders.lab.slides.focal_plane)"] == 1
 
 
 def test_dicom_whole_slide_images_are_read_through_openslide(tmp_path, monkeypatch):

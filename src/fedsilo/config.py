@@ -504,6 +504,12 @@ class SlideRules(Strict):
     regions: Optional[RegionRules] = Field(None, description="label each patch from the slide's region annotations "
                                            "(null: every patch takes its slide's class)")
 
+    @field_validator("optical_path", mode="before")
+    @classmethod
+    def _path_id(cls, v: Any) -> Any:
+        """An identifier written as a number (``optical_path: 2``) is the identifier ``"2"``."""
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
 
 class OwnImageRules(Strict):
     """What a reader of your own images does with files that hold more than one picture: a multi-frame DICOM (an

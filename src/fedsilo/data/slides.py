@@ -114,7 +114,8 @@ class WsiDicomSlide:
     ``read_region`` (a level-0 location; RGBA, transparent past the edge as OpenSlide's). A z-stack is read at
     ``focal_plane`` (um, as the header gives it; default its middle plane, of an even number the lower of the two
     middle ones; on each coarser level the plane nearest it), several optical paths at ``optical_path`` (default the
-    first by identifier); a plane or path level 0 lacks raises :class:`SlideViewError`. The series is the files of
+    first by identifier; the planes are that path's own, and a coarser level without it is left out); a plane or path
+    level 0 lacks raises :class:`SlideViewError`. The series is the files of
     ``path``'s folder that share its SeriesInstanceUID, less the pyramid levels whose downsample is no power of two
     (wsidicom refuses a pyramid holding one; the others serve)."""
 
@@ -139,32 +140,41 @@ class WsiDicomSlide:
         files = [f for f in series if f not in volume or (volume[f] > 0 and abs(math.log2(widest / volume[f])
                                                                                  - round(math.log2(widest / volume[f]))) < 0.01)]
         self._wsi = WsiDicom.open(files)
-        self._levels = sorted(self._wsi.levels, key=lambda lvl: lvl.level)  # level 0 first
+        levels = sorted(self._wsi.levels, key=lambda lvl: lvl.level)  # level 0 first
+        paths = sorted(str(p) for p in levels[0].optical_paths)
+        if optical_path is not None and optical_path not in paths:
+            self.close()
+            raise SlideViewError("optical_path", f"no optical path {optical_path!r} (its paths: {', '.join(map(repr, paths))})")
+        self._path = optical_path if optical_path is not None else paths[0]
+        # the (path, plane) grid may be sparse: the planes are the chosen path's, and a coarser level without the
+        # path is left out of the pyramid (the others serve)
+        self._levels = [lvl for k, lvl in enumerate(levels) if k == 0 or self._path in lvl.focal_planes_by_optical_path]
         base = self._levels[0]
         self.dimensions = (int(base.size.width), int(base.size.height))
         self.level_count = len(self._levels)
         self.level_downsamples = tuple((self.dimensions[0] / lvl.size.width + self.dimensions[1] / lvl.size.height) / 2
                                        for lvl in self._levels)
-        planes, paths = sorted(base.focal_planes), sorted(str(p) for p in base.optical_paths)
+        planes = self._planes(base)
         if focal_plane is None:
             self._z = planes[(len(planes) - 1) // 2]
         else:
             near = min(planes, key=lambda z: abs(z - focal_plane))
             if abs(near - focal_plane) > FOCAL_PLANE_UM:
                 self.close()
-                raise SlideViewError("focal_plane", f"no focal plane at {focal_plane:g} um (its planes: "
-                                     f"{', '.join(f'{z:g}' for z in planes)} um)")
+                raise SlideViewError("focal_plane", f"no focal plane at {focal_plane:g} um (its planes"
+                                     + (f" of optical path {self._path!r}" if len(paths) > 1 else "")
+                                     + f": {', '.join(f'{z:g}' for z in planes)} um)")
             self._z = near
-        if optical_path is not None and optical_path not in paths:
-            self.close()
-            raise SlideViewError("optical_path", f"no optical path {optical_path!r} (its paths: {', '.join(map(repr, paths))})")
-        self._path = optical_path if optical_path is not None else paths[0]
         self.properties = {"openslide.mpp-x": str(self._wsi.mpp.width), "openslide.mpp-y": str(self._wsi.mpp.height),
                            "wsidicom.focal-plane-um": str(self._z), "wsidicom.optical-path": str(self._path),
-                           "wsidicom.focal-planes": str(len(planes)), "wsidicom.optical-paths": str(len(base.optical_paths))}
+                           "wsidicom.focal-planes": str(len(planes)), "wsidicom.optical-paths": str(len(paths))}
+
+    def _planes(self, lvl: Any) -> list[float]:
+        """The focal planes a level holds of the optical path read."""
+        return sorted(lvl.focal_planes_by_optical_path[self._path])
 
     def _plane(self, lvl: Any) -> float:
-        return min(lvl.focal_planes, key=lambda z: abs(z - self._z))
+        return min(self._planes(lvl), key=lambda z: abs(z - self._z))
 
     def get_thumbnail(self, size: tuple[int, int]) -> Any:
         """The slide within ``size``, its aspect kept and never enlarged, as OpenSlide's: the coarsest level at least
@@ -1103,11 +1113,12 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
                                 f"{stray[0].relative_to(raw_dir)}): one is matched to its slide by the series or image it "
                                 "references")
     if warnings is not None and slide_view(rules) != (None, None):  # a TIFF-family scan holds one plane and path
-        asked = " and ".join(f"{key}.slides.{f}" for f, v in zip(("focal_plane", "optical_path"), slide_view(rules)) if v is not None)
+        asked = [f"{key}.slides.{f}" for f, v in zip(("focal_plane", "optical_path"), slide_view(rules)) if v is not None]
         other = [str(rec["path"].iloc[i]) for i in map(int, slides) if not is_dicom_file(raw_dir / str(rec["path"].iloc[i]))]
         if other:
-            warnings.append(f"{len(other)} of {len(slides)} slides are no DICOM whole-slide images (e.g. {other[0]}): {asked} "
-                            "choose among a DICOM series' planes and paths; these are read at the one their reader gives")
+            warnings.append(f"{len(other)} of {len(slides)} slides are no DICOM whole-slide images (e.g. {other[0]}): "
+                            f"{' and '.join(asked)} {'choose' if len(asked) > 1 else 'chooses'} among a DICOM series' planes "
+                            "and paths; these are read at the one their reader gives")
     for i, why in ambiguous.items():
         rec.loc[rec.index[i], "excluded"] = f"a whole-slide image: {why}"
     if owners:  # an annotation file beside its slide was listed as a file of the source: say whose it is
