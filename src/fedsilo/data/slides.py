@@ -115,9 +115,9 @@ class WsiDicomSlide:
     ``focal_plane`` (um, as the header gives it; default its middle plane, of an even number the lower of the two
     middle ones; on each coarser level the plane nearest it), several optical paths at ``optical_path`` (default the
     first by identifier; the planes are that path's own, and a coarser level without it is left out); a plane or path
-    level 0 lacks raises :class:`SlideViewError`. The series is the files of
-    ``path``'s folder that share its SeriesInstanceUID, less the pyramid levels whose downsample is no power of two
-    (wsidicom refuses a pyramid holding one; the others serve)."""
+    level 0 lacks raises :class:`SlideViewError`. The series is the files of ``path``'s folder that share its
+    SeriesInstanceUID, less the pyramid levels whose downsample is no power of two (wsidicom refuses a pyramid holding
+    one; the others serve)."""
 
     def __init__(self, path: str, focal_plane: Optional[float] = None, optical_path: Optional[str] = None):
         import pydicom
@@ -232,7 +232,7 @@ def open_slide(path: str, focal_plane: Optional[float] = None, optical_path: Opt
     """A slide opened with its reader: OpenSlide for a DICOM whole-slide image (any instance of the series: it finds
     the others in the file's folder), or wsidicom where OpenSlide refuses the series (:class:`WsiDicomSlide`: a
     transfer syntax OpenSlide lacks, several focal planes) or a focal plane or optical path is asked for (OpenSlide
-    reads one of each and cannot be told which); tiffslide for the TIFF family (one plane and path: ``focal_plane``
+    refuses a z-stack, and of several optical paths shows one it cannot be told); tiffslide for the TIFF family (one plane and path: ``focal_plane``
     and ``optical_path`` are for DICOM slides). All give OpenSlide's interface. A series neither reads raises with
     both readers' reasons."""
 
@@ -1112,8 +1112,9 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
                 warnings.append(f"{len(stray)} DICOM annotation files annotate no slide read here (e.g. "
                                 f"{stray[0].relative_to(raw_dir)}): one is matched to its slide by the series or image it "
                                 "references")
-    if warnings is not None and slide_view(rules) != (None, None):  # a TIFF-family scan holds one plane and path
-        asked = [f"{key}.slides.{f}" for f, v in zip(("focal_plane", "optical_path"), slide_view(rules)) if v is not None]
+    view = slide_view(rules)
+    if warnings is not None and view != (None, None):  # a TIFF-family scan holds one plane and path
+        asked = [f"{key}.slides.{f}" for f, v in zip(("focal_plane", "optical_path"), view) if v is not None]
         other = [str(rec["path"].iloc[i]) for i in map(int, slides) if not is_dicom_file(raw_dir / str(rec["path"].iloc[i]))]
         if other:
             warnings.append(f"{len(other)} of {len(slides)} slides are no DICOM whole-slide images (e.g. {other[0]}): "
