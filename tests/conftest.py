@@ -25,7 +25,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # under pytest-xdist: the cores share
 def pytest_configure(config):
     """Once per run (the xdist controller, or a serial run): fedsilo's own modules byte-compiled, so that each process
     a test starts (DVC stages, CLI commands, ClientApps, Ray workers) loads them instead of compiling ~130 files again
-    where the environment says not to write bytecode (PYTHONDONTWRITEBYTECODE=1, as on this project's CI machines:
+    where the environment says not to write bytecode (PYTHONDONTWRITEBYTECODE=1, as this development machine sets:
     ~1 s of CPU less per train stage started). Nothing is written where bytecode already is up to date."""
     if not hasattr(config, "workerinput"):
         import compileall
