@@ -1123,6 +1123,60 @@ def test_site_predict_scores_a_slides_tissue_patches_and_pools_them(tmp_path, mo
     assert rows.loc[str(photo), "error"] == "" and rows.loc[str(photo), "predicted"] in classes
 
 
+def test_site_predict_reads_a_dicom_slide_at_the_focal_plane_and_optical_path_harmonize_read(tmp_path, monkeypatch):
+    """A DICOM z-stack of two optical paths given to site predict is cut and read at the plane and path the site's
+    slides rules name (slides.focal_plane / optical_path), as harmonize cut and read it: the same patches, the
+    model's probabilities on the harmonized ones."""
+    pytest.importorskip("openslide")
+    pytest.importorskip("wsidicom")
+    import pandas as pd
+
+    from fedsilo.client.local import predict
+    from fedsilo.config import parse_params
+    from fedsilo.data import slides
+    from fedsilo.data.harmonize import harmonize_dataset
+    from fedsilo.fl.predict import predict_images
+    from tests.conftest import small_params
+    from tests.test_slides import MPP0, _slide, _z_stack
+
+    monkeypatch.setattr(slides, "SMALL_TIFF_BYTES", 0)
+    raw_dir = tmp_path / "data/raw/lab"
+    rng = np.random.default_rng(3)
+
+    def plane(lo: int, left: int) -> np.ndarray:  # stained tissue at columns left..left+400
+        p = np.full((1024, 1024, 3), 238, np.uint8)
+        green = rng.integers(lo, lo + 20, (600, 400))
+        p[200:800, left:left + 400] = np.stack([green + 60, green, green + 30], axis=-1)
+        return p
+
+    # only the second path's 4 um plane holds its tissue on the right: patches cut on another plane lie elsewhere
+    _z_stack(raw_dir / "tumour" / "Z1", [plane(20 + 20 * k, 100) for k in range(3)], MPP0,
+             second_path=[plane(100, 100), plane(120, 100), plane(140, 560)])
+    _slide(raw_dir / "normal" / "S2.tif", (1200, 1200), 300, seed=1)
+    cut = {"mpp": 1.0, "patch_px": 32, "max_patches": 50, "focal_plane": 4.0, "optical_path": "2"}
+    raw = small_params()
+    raw.update(sources={"lab": {"mode": "local", "reader": "image_folder", "path": str(raw_dir)}},
+               datasets={"d": {"kind": "image_folder", "sources": ["lab"], "image_size": 16, "workers": 1,
+                               "folders": {"lab": {"slides": cut}}}},
+               experiments={"site": {"dataset": "d", "split": {"protocol": "domain_clients", "n_train": 4, "n_test": 4}}},
+               pipeline={"sources": ["lab"], "datasets": ["d"], "splits": {"site": "d"}, "experiments": ["site"],
+                         "methods": ["fedavg"], "seeds": [0]})
+    p = parse_params(raw)
+    card = harmonize_dataset(p.datasets["d"], tmp_path / "data/raw", tmp_path / "h", quiet=True)
+    classes = list(card["classes"])
+    model, kept, _ = _kept_rgb_model(tmp_path, card, "lab")
+    z1 = raw_dir / "tumour" / "Z1" / "L1.dcm"
+    rows = predict_images(p, "site", kept.model_path, [z1], quiet=True).set_index("path")
+    harmonized = pd.read_parquet(tmp_path / "h" / "records.parquet")
+    mine = harmonized[harmonized["source_path"] == "tumour/Z1/L1.dcm"]
+    patch_rows = rows[rows["slide"] == str(z1)]
+    assert len(mine) == 16 and [q.rsplit("#", 1)[1] for q in patch_rows.index] == [i.rsplit("#", 1)[1] for i in mine["id"]]
+    assert min(int(i.split("#x")[1].split("y")[0]) for i in mine["id"]) >= 512  # the chosen plane's tissue
+    x = torch.from_numpy(np.load(tmp_path / "h" / "images.npy")[mine.index.to_numpy()]).permute(0, 3, 1, 2).contiguous()
+    want = predict(model.eval(), x).softmax(1).numpy()
+    assert np.allclose(patch_rows[[f"prob.{c}" for c in classes]].to_numpy(dtype=float), want, atol=1e-6)
+
+
 def test_site_predict_reads_rgb_benchmark_files_as_harmonize_does(tmp_path, capsys):
     """The multi-domain benchmarks' files (RGB JPEGs: an Office-Caltech-10 mirror here) are harmonized for a
     prediction as harmonize wrote them (stretched to the dataset's size), so the model scores them as it scores the
