@@ -1071,26 +1071,14 @@ def _kept_rgb_model(tmp_path: Path, card: dict, site: str):
     return model, kept, dep
 
 
-def test_site_predict_scores_a_slides_tissue_patches_and_pools_them(tmp_path, monkeypatch):
-    """A whole-slide image given to site predict is cut into tissue patches by the site's own slides rules, each patch
-    harmonized and scored as harmonize's patches are (the same pixels, so the model's probabilities on the harmonized
-    patches), and the slide's row holds their mean; an image beside it is scored as before."""
-    pytest.importorskip("tiffslide")
-    import pandas as pd
-
-    from fedsilo.client.local import predict
+def _slide_site(tmp_path: Path, raw_dir: Path, cut: dict):
+    """A site whose own folder ``raw_dir`` (one folder per class) holds slides cut by the rules ``cut``: its params,
+    harmonized into ``tmp_path / "h"``, and a model kept for it (:func:`_kept_rgb_model`). Returns (params, classes,
+    model, kept)."""
     from fedsilo.config import parse_params
-    from fedsilo.data import slides
     from fedsilo.data.harmonize import harmonize_dataset
-    from fedsilo.fl.predict import predict_images
     from tests.conftest import small_params
-    from tests.test_slides import _slide
 
-    monkeypatch.setattr(slides, "SMALL_TIFF_BYTES", 0)
-    raw_dir = tmp_path / "data/raw/lab"
-    _slide(raw_dir / "tumour" / "S1.tif", (900, 800), 500)
-    _slide(raw_dir / "normal" / "S2.tif", (1200, 1200), 300, seed=1)
-    cut = {"mpp": 2.0, "patch_px": 32, "max_patches": 50}
     raw = small_params()
     raw.update(sources={"lab": {"mode": "local", "reader": "image_folder", "path": str(raw_dir)}},
                datasets={"d": {"kind": "image_folder", "sources": ["lab"], "image_size": 16, "workers": 1,
@@ -1100,8 +1088,28 @@ def test_site_predict_scores_a_slides_tissue_patches_and_pools_them(tmp_path, mo
                          "methods": ["fedavg"], "seeds": [0]})
     p = parse_params(raw)
     card = harmonize_dataset(p.datasets["d"], tmp_path / "data/raw", tmp_path / "h", quiet=True)
-    classes = list(card["classes"])
     model, kept, _ = _kept_rgb_model(tmp_path, card, "lab")
+    return p, list(card["classes"]), model, kept
+
+
+def test_site_predict_scores_a_slides_tissue_patches_and_pools_them(tmp_path, monkeypatch):
+    """A whole-slide image given to site predict is cut into tissue patches by the site's own slides rules, each patch
+    harmonized and scored as harmonize's patches are (the same pixels, so the model's probabilities on the harmonized
+    patches), and the slide's row holds their mean; an image beside it is scored as before."""
+    pytest.importorskip("tiffslide")
+    import pandas as pd
+
+    from fedsilo.client.local import predict
+    from fedsilo.data import slides
+    from fedsilo.fl.predict import predict_images
+    from tests.test_slides import _slide
+
+    monkeypatch.setattr(slides, "SMALL_TIFF_BYTES", 0)
+    raw_dir = tmp_path / "data/raw/lab"
+    _slide(raw_dir / "tumour" / "S1.tif", (900, 800), 500)
+    _slide(raw_dir / "normal" / "S2.tif", (1200, 1200), 300, seed=1)
+    cut = {"mpp": 2.0, "patch_px": 32, "max_patches": 50}
+    p, classes, model, kept = _slide_site(tmp_path, raw_dir, cut)
     photo = tmp_path / "new" / "photo.png"
     photo.parent.mkdir()
     import cv2
@@ -1132,11 +1140,8 @@ def test_site_predict_reads_a_dicom_slide_at_the_focal_plane_and_optical_path_ha
     import pandas as pd
 
     from fedsilo.client.local import predict
-    from fedsilo.config import parse_params
     from fedsilo.data import slides
-    from fedsilo.data.harmonize import harmonize_dataset
     from fedsilo.fl.predict import predict_images
-    from tests.conftest import small_params
     from tests.test_slides import MPP0, _slide, _z_stack
 
     monkeypatch.setattr(slides, "SMALL_TIFF_BYTES", 0)
@@ -1154,17 +1159,7 @@ def test_site_predict_reads_a_dicom_slide_at_the_focal_plane_and_optical_path_ha
              second_path=[plane(100, 100), plane(120, 100), plane(140, 560)])
     _slide(raw_dir / "normal" / "S2.tif", (1200, 1200), 300, seed=1)
     cut = {"mpp": 1.0, "patch_px": 32, "max_patches": 50, "focal_plane": 4.0, "optical_path": "2"}
-    raw = small_params()
-    raw.update(sources={"lab": {"mode": "local", "reader": "image_folder", "path": str(raw_dir)}},
-               datasets={"d": {"kind": "image_folder", "sources": ["lab"], "image_size": 16, "workers": 1,
-                               "folders": {"lab": {"slides": cut}}}},
-               experiments={"site": {"dataset": "d", "split": {"protocol": "domain_clients", "n_train": 4, "n_test": 4}}},
-               pipeline={"sources": ["lab"], "datasets": ["d"], "splits": {"site": "d"}, "experiments": ["site"],
-                         "methods": ["fedavg"], "seeds": [0]})
-    p = parse_params(raw)
-    card = harmonize_dataset(p.datasets["d"], tmp_path / "data/raw", tmp_path / "h", quiet=True)
-    classes = list(card["classes"])
-    model, kept, _ = _kept_rgb_model(tmp_path, card, "lab")
+    p, classes, model, kept = _slide_site(tmp_path, raw_dir, cut)
     z1 = raw_dir / "tumour" / "Z1" / "L1.dcm"
     rows = predict_images(p, "site", kept.model_path, [z1], quiet=True).set_index("path")
     harmonized = pd.read_parquet(tmp_path / "h" / "records.parquet")
