@@ -461,6 +461,86 @@ def test_a_site_given_a_new_key_mid_run_resumes_under_its_new_node_from_the_stor
     assert [m.step for m in MlflowClient(uri).get_metric_history(run.info.run_id, "mean_acc")] == [1, 2]
 
 
+@pytest.mark.usefixtures("identity")
+def test_a_site_that_leaves_for_good_is_left_out_of_the_rest_of_the_run_as_the_engine_leaves_it_out(sites, tmp_path):
+    """A hospital leaves the federation mid-run: the coordinator marks its entry ``left: true`` and writes the App
+    again. That is still the run in progress (resume_key leaves ``left`` out), so the new App resumes the old one's
+    checkpoint: from the next round the site is neither sampled nor evaluated, while the others carry on from their
+    FedBN layers on their disks, which ends with the numbers of the in-process engine told that the site left after
+    round 2. Its SuperNode, still running, is told it left, and the run goes on. A site marked left may not come back
+    within the run; marking one left without a run to resume, or all but one, is refused by key."""
+    from mlflow.tracking import MlflowClient
+
+    from fedsilo.fl.deploy import resume_key
+
+    train = {**TRAIN, "rounds": 4}
+    gone = "VinBigData"
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+    fed = _federation(tmp_path / "a", sites, train=train)
+    write_app(load_federation(fed), load_params(REPO_PARAMS), tmp_path / "app")
+    raw = yaml.safe_load(fed.read_text())
+    for s in raw["sites"]:
+        s["left"] = s["name"] == gone
+    (tmp_path / "b/federation.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    write_app(load_federation(tmp_path / "b/federation.yaml"), load_params(REPO_PARAMS), tmp_path / "app2")
+    dep, dep2 = (json.loads((tmp_path / a / "deployment.json").read_text()) for a in ("app", "app2"))
+    assert dep != dep2 and resume_key(dep) == resume_key(dep2) and resume_key(dep, code=False) == resume_key(dep2, code=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+    def ctx(run_id: int, name: str = "run") -> Context:
+        return Context(run_id=run_id, node_id=0, node_config={}, state=RecordDict(),
+                       run_config={"results-dir": str(tmp_path / name), "state-dir": str(tmp_path / f"{name}.state"), "tracking-uri": uri})
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        server, client = _load_apps(tmp_path / "app")
+        with pytest.raises(ConnectionError, match="went down"):  # rounds 1-2 with every site, then the SuperLink goes down
+            server._main(DownAt(client, sites, rnd=3, run_id=1), ctx(1))
+        server2, client2 = _load_apps(tmp_path / "app2")
+        with pytest.raises(ConnectionError, match="went down"):  # round 3 without it; the coordinator's machine goes down
+            server2._main(DownAt(client2, sites, rnd=4, run_id=2), ctx(2))
+        with pytest.raises(ConfigError, match=rf"sites: {gone} left after round 2 \(the run's checkpoint says so\); a site that left does not come back"):
+            server._main(SiteGrid(client, sites, run_id=3), ctx(3))
+        with pytest.raises(ConfigError, match=rf"sites: {gone} marked left, but there is no checkpoint of this deployment to resume"):
+            server2._main(SiteGrid(client2, sites, run_id=4), ctx(4, "fresh"))
+        grid = SiteGrid(client2, sites, run_id=5)  # the site that left still runs its SuperNode
+        server2._main(grid, ctx(5))
+    finally:
+        torch.set_num_threads(threads)
+    history = json.loads((tmp_path / "run/history.json").read_text())
+    metrics = json.loads((tmp_path / "run/metrics.json").read_text())
+    assert metrics["sites_left"] == {gone: 2} and metrics["clients"] == ["CheXpert", "RSNA", gone]
+    assert [h.get("left", []) for h in history] == [[], [], [gone], [gone]]
+    assert all(gone not in h["sampled"] and set(h["eval"]) == {"CheXpert", "RSNA"} for h in history[2:])
+    assert all(gone in h["sampled"] and gone in h["eval"] for h in history[:2])
+    assert metrics["mean_acc"] == pytest.approx(np.mean([v["acc"] for v in history[-1]["eval"].values()]))
+    run = MlflowClient(uri).get_run(metrics["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags[f"site.{gone}.left_after_round"] == "2"
+    wire = [json.loads(line) for line in (tmp_path / "run/wire.jsonl").read_text().splitlines()]
+    told = [w for w in wire if w["message"] == "query.refused" and w["flower_run"] == 5]
+    assert len(told) == 1 and f"site {gone!r} left the federation (sites[2].left" in told[0]["reason"]
+
+    # the in-process engine on the same three splits, told that the site left after round 2: the same numbers
+    spec = deployment_spec(dep)
+    clients = [load_site(load_params(p), "site", p.parent, torch.device("cpu"), index=k) for k, p in enumerate(sites.values())]
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        reference = Engine(spec.method(), spec.make_model(), clients, spec.train, seed=0, left={gone: 2}).run()
+    finally:
+        torch.set_num_threads(threads)
+    for key in ("sampled", "eval", "bytes_up", "bytes_down", "train_loss", "mean_acc"):
+        assert [h[key] for h in history] == [h[key] for h in reference], key
+    assert [h.get("left") for h in reference] == [h.get("left") for h in history]
+
+    raw["sites"][0]["left"] = True
+    (tmp_path / "c/federation.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    with pytest.raises(ConfigError, match=r"sites: 2 of the 3 sites marked left; a federation needs two sites that have not left"):
+        load_federation(tmp_path / "c/federation.yaml")
+
+
 def test_a_site_audit_reads_each_flower_run_apart_counts_error_replies_apart_and_names_a_cut_line(tmp_path, capsys):
     """A log of two Flower runs (the second started afresh from round 1), a refused train (an error reply), and a
     last line cut short (a SuperNode killed while writing): each run with its rounds, the error beside the real
@@ -778,7 +858,8 @@ def test_a_site_and_the_superlink_install_as_systemd_services_of_the_commands_th
 
 
 def test_deployment_status_names_each_sites_node_state_and_the_round_a_run_resumes_after(sites, tmp_path):
-    """Each site as the SuperLink lists its pinned node (online since / offline since, not registered, not pinned),
+    """Each site as the SuperLink lists its pinned node (online since / offline since, not registered, not pinned,
+    left),
     the registered nodes of no site, the checkpoint's round only when it is this deployment's, the results once
     written; relative folders are the SuperLink's."""
     from fedsilo.fl.deploy import deployment_status, resume_key
@@ -809,6 +890,11 @@ def test_deployment_status_names_each_sites_node_state_and_the_round_a_run_resum
     (tmp_path / "out/results").mkdir(parents=True)
     (tmp_path / "out/results/metrics.json").write_text("{}")
     assert deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)["results"] == str(tmp_path / "out/results")
+    dep["sites"][1]["left"] = True  # RSNA left the federation: whatever its node does, it is `left`, and its node no one's
+    (tmp_path / "app/deployment.json").write_text(json.dumps(dep))
+    st = deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)
+    assert st["sites"][1] == {"site": "RSNA", "node_id": 12, "status": "left", "since": None} and st["unlisted_nodes"] == [
+        {"node_id": 99, "status": "registered"}]
     with pytest.raises(ConfigError, match=r"--app: .* holds no deployment.json"):
         deployment_status(tmp_path, nodes)
 

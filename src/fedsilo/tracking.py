@@ -84,6 +84,8 @@ def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
         m["sites_dropped"] = len(entry["dropped"])
         for c, b in entry["dropped"].items():
             m[f"bytes_down_dropped.{c}"] = b
+    if "left" in entry:  # a deployment's sites that left the federation for good (sites[k].left)
+        m["sites_left"] = len(entry["left"])
     for c, v in entry["train_loss"].items():
         if v is not None:
             m[f"train_loss.{c}"] = v
@@ -218,6 +220,14 @@ class Tracker:
         ms = [Metric(k, v, ts, entry["round"]) for k, v in round_metrics(entry).items()]
         for i in range(0, len(ms), 1000):
             self.client.log_batch(self.run_id, metrics=ms[i : i + 1000])
+
+    def tag(self, tags: dict[str, str]) -> None:
+        """Set tags on the run (a deployment: the round each site that left took part in last)."""
+        if not self.enabled or self.run_id is None or not tags:
+            return
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in sorted(tags.items())])
 
     def finish(self, summary: dict[str, float], artifacts: list[Path]) -> None:
         if not self.enabled or self.run_id is None:

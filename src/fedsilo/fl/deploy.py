@@ -68,6 +68,9 @@ class SiteEntry(Strict):
     fingerprint: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="the sha256 `fedsilo site card` printed at the site")
     node_id: Optional[int] = Field(None, gt=0, description="the node-id `flwr supernode register <site's .pub>` printed: "
                                    "the site is admitted only from the node registered with its key")
+    left: bool = Field(False, description="the site left the federation for good: `fedsilo deploy app` again and `flwr run` "
+                       "resume the run in progress without it from its next round (neither sampled nor evaluated); "
+                       "its entry stays, as it was part of the rounds before")
 
     @field_validator("fingerprint", mode="before")
     @classmethod
@@ -116,6 +119,9 @@ def load_federation(path: str | Path) -> Federation:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ConfigError(f"{path}: sites: {', '.join(twice)} listed twice")
+    if sum(not s.left for s in fed.sites) < 2:
+        raise ConfigError(f"{path}: sites: {sum(s.left for s in fed.sites)} of the {len(names)} sites marked left; a "
+                          "federation needs two sites that have not left")
     return fed
 
 
@@ -266,14 +272,15 @@ def site_keep_dir(dep: dict[str, Any]):
 
 def resume_key(dep: dict[str, Any], code: bool = True) -> str:
     """What a resumed deployment must share with the run it resumes: the deployment (but ``checkpoint_every`` and
-    ``keep_client_models``, which change what is written, not what is trained, and each site's ``node_id``, which
+    ``keep_client_models``, which change what is written, not what is trained; each site's ``node_id``, which
     says which registered key may speak for the site, not what it trains on: a site given a new key mid-run, its
-    new node pinned in a new App, resumes with the stores on its disk) and, for the coordinator's checkpoint
-    (``code``), the fedsilo code that trains, as a train stage's checkpoint (fl/run.py)."""
+    new node pinned in a new App, resumes with the stores on its disk; and each site's ``left``: a site leaving
+    mid-run leaves the run in progress, which the other sites carry on from their disks) and, for the
+    coordinator's checkpoint (``code``), the fedsilo code that trains, as a train stage's checkpoint (fl/run.py)."""
     from fedsilo.fl.run import code_fingerprint
 
     train = {k: v for k, v in dep["train"].items() if k not in ("checkpoint_every", "keep_client_models")}
-    sites = [{k: v for k, v in s.items() if k != "node_id"} for s in dep.get("sites", [])]
+    sites = [{k: v for k, v in s.items() if k not in ("node_id", "left")} for s in dep.get("sites", [])]
     return canonical_hash({"deployment": {**dep, "train": train, "sites": sites}, **({"code": code_fingerprint("cpu")} if code else {})})
 
 
@@ -328,7 +335,7 @@ def apps(app_file: Path):
     dep = json.loads(Path(app_file).read_text())
     spec = deployment_spec(dep)
     roster = Roster(tuple(s["name"] for s in dep["sites"]), tuple(s["fingerprint"] for s in dep["sites"]), dep["contract"],
-                    tuple(s.get("node_id") for s in dep["sites"]))
+                    tuple(s.get("node_id") for s in dep["sites"]), tuple(bool(s.get("left")) for s in dep["sites"]))
     server = ServerApp()
 
     @server.main()
@@ -370,6 +377,7 @@ def apps(app_file: Path):
             finally:
                 wire.close()
             metrics = _write_results(out, staging, dep, run, tracker.run_id)
+            tracker.tag({f"site.{n}.left_after_round": str(r) for n, r in metrics["sites_left"].items()})
             # its work is done: running the App again trains again (and never resumes into results already moved)
             checkpoint.unlink(missing_ok=True)
             Tracker.forget(state)
@@ -408,13 +416,12 @@ def peek_checkpoint(path: Path, key: str) -> Optional[dict[str, Any]]:
     """The round and meta of the coordinator's checkpoint at ``path`` if it was written under ``key``
     (:func:`resume_key`), else None (no checkpoint, or one of another deployment or code: the run starts afresh and
     overwrites it)."""
-    if not path.exists():
-        return None
-    ck = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # mapped: the tensors are not read
-    if ck.get("config_hash") != key:
+    from fedsilo.fl.engine import checkpoint_meta
+
+    held = checkpoint_meta(path, key)
+    if held is None and path.exists():
         log.info("%s: written by another deployment or fedsilo; this run starts afresh", path)
-        return None
-    return {"round": int(ck["round"]), **ck.get("meta", {})}
+    return held
 
 
 def site_audit(root: Path) -> list[dict[str, Any]]:
@@ -503,8 +510,9 @@ def deployment_status(app: Path, nodes: list[dict[str, Any]], superlink_dir: Pat
     sites = []
     for s in dep["sites"]:
         node = by_id.pop(str(s["node_id"]), None) if s.get("node_id") is not None else None
-        status = node["status"] if node else ("not pinned" if s.get("node_id") is None else "not registered")
-        since = (node.get("online-at") if status == "online" else node.get("offline-at")) if node else None
+        status = ("left" if s.get("left") else node["status"] if node else
+                  "not pinned" if s.get("node_id") is None else "not registered")
+        since = (node.get("online-at") if status == "online" else node.get("offline-at")) if node and status != "left" else None
         sites.append({"site": s["name"], "node_id": s.get("node_id"), "status": status,
                       "since": since if since and since != "N/A" else None})  # flwr writes N/A for a time not reached
     # a node whose key was unregistered is listed until the SuperLink forgets it: it is no one's
@@ -604,6 +612,8 @@ def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any, mlfl
         "dropped_rounds": {c["name"]: rounds for c in run.cards
                            if (rounds := [int(e["round"]) for e in history if c["name"] in e.get("dropped", {})])},
         "bytes_down_dropped_total": int(sum(sum(e.get("dropped", {}).values()) for e in history)),  # sent, never taken back
+        # the sites that left the federation for good, each with the last round it took part in (sites[k].left)
+        "sites_left": dict(run.engine.left),
         "deployment_sha256": canonical_hash(dep),
         "mlflow_run_id": mlflow_run_id,
     }

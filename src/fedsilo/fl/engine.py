@@ -70,7 +70,19 @@ def refuse_private(method: Method, client: ClientData, payload: State, private: 
         raise PrivacyViolation(f"{method.name}: client {client.name} tried to upload private tensors {leaked[:5]}")
 
 
-__all__ = ["Engine", "Observer", "PrivacyViolation", "payload_bytes", "read_only", "refuse_private", "transfer"]
+__all__ = ["Engine", "Observer", "PrivacyViolation", "checkpoint_meta", "payload_bytes", "read_only", "refuse_private", "transfer"]
+
+
+def checkpoint_meta(path: Optional[Path], key: str) -> Optional[dict[str, Any]]:
+    """The round and meta of the checkpoint (the engine's, or a Flower server's) at ``path`` if it was written under ``key`` (the run's
+    ``config_hash``), else None (no checkpoint, or one of another configuration: the run starts afresh). The
+    tensors are mapped, not read."""
+    if path is None or not Path(path).exists():
+        return None
+    ck = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    if ck.get("config_hash") != key:
+        return None
+    return {"round": int(ck["round"]), **ck.get("meta", {})}
 
 
 def transfer(payload: State) -> State:
@@ -122,6 +134,7 @@ class Engine:
         on_round: Optional[Callable[[dict[str, Any]], None]] = None,
         meta: Optional[dict[str, Any]] = None,
         external: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        left: Optional[dict[str, int]] = None,
     ):
         if not self.stream:
             check_stream_fit(type(method), False, method.key, "these clients hold static data: train it on a domain_incremental split")
@@ -130,6 +143,7 @@ class Engine:
         self.seed, self.checkpoint, self.config_hash = seed, checkpoint, config_hash
         self.observer, self.on_round = observer, on_round
         self.meta: dict[str, Any] = dict(meta or {})
+        self.left = dict(left or {})  # see active()
         self.method.join(clients, seed)
         model = self.model = method.transform_model(model, to_float(clients[0].x_train[:2]))
         self.method.setup(model)
@@ -242,20 +256,33 @@ class Engine:
         return next(self.model.parameters()).device
 
     # ------------------------------------------------------------------ loop
+    def active(self, rnd: int) -> list[int]:
+        """The client indices that take part in round ``rnd``: all of them, but a site that left the federation for
+        good (``left``: its name -> the last round it took part in; a deployment's ``sites[k].left``, fl/flower.py),
+        which from the round after is neither sampled nor evaluated. What it was (its data counts in the method's
+        ``join``, its store, the server's state of it) stays as it was: the federation's past is not rewritten."""
+        return [i for i, c in enumerate(self.clients) if rnd <= self.left.get(c.name, rnd)]
+
     def sample(self, rnd: int) -> list[int]:
-        """The round's clients: m = max(1, floor(C n)) of the n, drawn without replacement (McMahan et al.'s
-        max(C K, 1), floored as FedAvg's and PFLlib's code do); with ``client_fraction_range: [lo, hi]`` the count is
-        drawn uniformly among the integers floor(lo n) .. floor(hi n) each round (PFLlib's random join ratio)."""
-        n = len(self.clients)
+        """The round's clients: m = max(1, floor(C n)) of the n active ones (:meth:`active`), drawn without
+        replacement (McMahan et al.'s max(C K, 1), floored as FedAvg's and PFLlib's code do); with
+        ``client_fraction_range: [lo, hi]`` the count is drawn uniformly among the integers floor(lo n) .. floor(hi n)
+        each round (PFLlib's random join ratio)."""
+        pool = self.active(rnd)
+        n = len(pool)
         if self.train.client_fraction_range is not None:  # a join ratio drawn for this round
             lo, hi = (max(1, math.floor(f * n + 1e-9)) for f in self.train.client_fraction_range)
             m = int(torch.randint(lo, hi + 1, (), generator=make_generator(self.seed, rnd, 1_000_005)))
         else:
             m = max(1, math.floor(self.train.client_fraction * n + 1e-9))
         if m >= n:
-            return list(range(n))
+            return pool
         perm = torch.randperm(n, generator=make_generator(self.seed, rnd, 1_000_003))
-        return sorted(int(i) for i in perm[:m])
+        return sorted(pool[int(i)] for i in perm[:m])
+
+    def gone(self, rnd: int) -> list[str]:
+        """The sites that have left the federation by round ``rnd`` (named in the round's history entry)."""
+        return [c.name for c in self.clients if rnd > self.left.get(c.name, rnd)]
 
     def _clock(self) -> float:
         """Wall-clock seconds, after the device has finished its queued work (CUDA runs asynchronously)."""
@@ -267,7 +294,7 @@ class Engine:
         start = self._clock()
         rnd = self.round + 1
         self.method.on_round_start(self.model, rnd)
-        picked = list(range(len(self.clients))) if self.method.sample_all(rnd) else self.sample(rnd)
+        picked = self.active(rnd) if self.method.sample_all(rnd) else self.sample(rnd)
         entry: dict[str, Any] = {
             "round": rnd,
             "sampled": [self.clients[i].name for i in picked],
@@ -275,6 +302,8 @@ class Engine:
             "bytes_up": {},
             "train_loss": {},
         }
+        if self.gone(rnd):
+            entry["left"] = self.gone(rnd)
         uploads: list[tuple[ClientData, State]] = []
         acc = self.method.agg_begin(self.server, rnd) if self.method.streaming else None
         flops = flop_counter() if self.train.count_flops and rnd == self.total_rounds else None
@@ -388,10 +417,12 @@ class Engine:
         rnd = self.round if rnd is None else rnd
         per: dict[str, dict[str, float]] = {}
         shared_model = self.method.eval_is_global()
-        ens = _Ensemble(self) if self.train.ensemble_test or self.external is not None else None
+        here = self.active(rnd)  # a site that left is not evaluated
+        clients, stores = [self.clients[i] for i in here], [self.stores[i] for i in here]
+        ens = _Ensemble(self, clients) if self.train.ensemble_test or self.external is not None else None
         if shared_model:
-            self.method.load_eval_model(self.model, self.server, self.stores[0], self.clients[0], rnd)
-        for c, store in zip(self.clients, self.stores):
+            self.method.load_eval_model(self.model, self.server, stores[0], clients[0], rnd)
+        for c, store in zip(clients, stores):
             if not shared_model:
                 self.method.load_eval_model(self.model, self.server, store, c, rnd)
             per[c.name] = evaluate_client(self.model, c, cfg=self.train)
@@ -403,7 +434,7 @@ class Engine:
             out["global"] = {name: v["acc"] for name, v in per.items()}
         elif g is not None:
             self.model.load_state_dict(g, strict=True)
-            out["global"] = {c.name: evaluate(self.model, c.x_test, c.y_test, cfg=self.train)["acc"] for c in self.clients}
+            out["global"] = {c.name: evaluate(self.model, c.x_test, c.y_test, cfg=self.train)["acc"] for c in clients}
         if self.external is not None and g is not None:
             self.model.load_state_dict(g, strict=True)
             out["external_global"] = evaluate(self.model, *self.external, cfg=self.train)
@@ -532,10 +563,10 @@ class _Ensemble:
     share counted once) and on the external test site, if any. When every client is evaluated with the one global
     model, nothing is uploaded and the ensemble is that model."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, clients: list[ClientData]):
         self.cfg = engine.train
         tests: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for c in engine.clients:
+        for c in clients:
             tests.setdefault(id(c.x_test), (c.x_test, c.y_test))
         self.sets = {"ensemble": (torch.cat([x for x, _ in tests.values()]), torch.cat([y for _, y in tests.values()]))}
         if engine.external is not None:

@@ -81,7 +81,15 @@ from fedsilo.client.data import ClientData, to_float
 from fedsilo.client.local import evaluate, evaluate_client, score, use_channels_last
 from fedsilo.config import ConfigError, TrainParams
 from fedsilo.fl.continual import TaskStream, stream_eval
-from fedsilo.fl.engine import Engine, Observer, PrivacyViolation, eval_summary, flop_counter, refuse_private
+from fedsilo.fl.engine import (
+    Engine,
+    Observer,
+    PrivacyViolation,
+    checkpoint_meta,
+    eval_summary,
+    flop_counter,
+    refuse_private,
+)
 from fedsilo.methods.base import Method, MethodParams, State, payload_bytes
 from fedsilo.methods.registry import check_stream_fit
 
@@ -93,7 +101,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     raise ImportError("fedsilo.fl.flower needs Flower: in fedsilo's checkout, pip install -e '.[flower]' -c constraints.txt "
                       "(flwr[simulation])") from err
 
-__all__ = ["Card", "ClientFailed", "FlowerRun", "FlowerServer", "FlowerSpec", "FlowerStream", "KeptStores", "Roster", "SiteRefused", "client_app",
+__all__ = ["Card", "ClientFailed", "FlowerRun", "FlowerServer", "FlowerSpec", "FlowerStream", "KeptStores", "Roster", "SiteLeft", "SiteRefused", "client_app",
            "describe", "record_tensor_bytes", "simulate", "site_wire_log"]
 
 log = logging.getLogger("fedsilo.flower")
@@ -273,6 +281,13 @@ class FlowerSpec:
 
 
 # ---------------------------------------------------------------------------------------------------------- server
+def no_run_to_leave(names: Sequence[str], checkpoint: Optional[Path]) -> ConfigError:
+    """The error for sites marked left when there is no run in progress to resume without them."""
+    return ConfigError(f"sites: {', '.join(names)} marked left, but there is no checkpoint of this deployment to resume "
+                       f"({checkpoint}): a site leaves a run in progress; to train without it from the start, take its "
+                       "entry out of federation.yaml")
+
+
 def check_min_train_sites(spec: FlowerSpec, n_sites: int, value: int, checkpointed: bool, stream: Optional[bool]) -> None:
     """What leaving a site gone during its training out of a round needs (``min-train-sites`` > 0), refused by key
     where it is missing: a number of sites a round can lose one of, a checkpointed run, static data (``stream``:
@@ -310,7 +325,8 @@ class FlowerServer(Engine):
                  observer: Optional[Observer] = None, on_round: Optional[Callable[[dict[str, Any]], None]] = None,
                  device: str = "cpu", wire: Optional[Callable[[dict[str, Any]], None]] = None,
                  checkpoint: Optional[Path] = None, config_hash: str = "", meta: Optional[dict[str, Any]] = None,
-                 tasks: Optional[list[str]] = None, rejoin_s: float = 0.0, min_train_sites: int = 0):
+                 tasks: Optional[list[str]] = None, rejoin_s: float = 0.0, min_train_sites: int = 0,
+                 left: Sequence[str] = ()):
         spec.check(stream=tasks is not None)
         # how long a message waits for a site whose SuperNode went away (a restart, a lost link) to come back online
         # before the run ends; only a checkpointed run waits: its sites keep their stores on disk, so a restarted site
@@ -339,8 +355,10 @@ class FlowerServer(Engine):
         self.stores: list[State] = []  # the sites hold them
         self._config = cards_config(cards)
         self._announces = type(self.method).announce is not Method.announce
-        check_min_train_sites(spec, len(self.clients), self.min_train_sites, checkpoint is not None, tasks is not None)
-        if self._resume():
+        resumed = self._resume()
+        self.left = self._sites_left(left, resumed, tasks is not None)
+        check_min_train_sites(spec, len(self.clients) - len(self.left), self.min_train_sites, checkpoint is not None, tasks is not None)
+        if resumed:
             self.meta.update(meta or {})  # this run's (its MLflow run), over what the checkpoint held
             if self.stores:
                 raise RuntimeError(f"{checkpoint}: holds client stores; a Flower run's stores are the sites'")
@@ -353,6 +371,28 @@ class FlowerServer(Engine):
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def _sites_left(self, left: Sequence[str], resumed: bool, stream: bool) -> dict[str, int]:
+        """The sites that left the federation for good (``left``: the deployment's ``sites[k].left``), each with the
+        last round it took part in: the round the checkpoint holds when it was first marked (kept in the checkpoint's
+        meta from then on). From the round after, the engine neither samples nor evaluates it (``Engine.active``)."""
+        before: dict[str, int] = dict(self.meta.get("left", {})) if resumed else {}
+        back = sorted(set(before) - set(left))
+        if back:
+            raise ConfigError("sites: " + ", ".join(f"{n} left after round {before[n]}" for n in back) + " (the run's checkpoint "
+                              "says so); a site that left does not come back within a run: mark it `left: true` again to "
+                              "resume, or start a new run (another state-dir) with it")
+        new = [n for n in left if n not in before]
+        if new and not resumed:
+            raise no_run_to_leave(new, self.checkpoint)
+        if new and stream:
+            raise ConfigError(f"sites: {', '.join(new)} marked left: not for a task stream yet (a site leaving mid-stream "
+                              "changes what each task's end hands out and what the stream's accuracy matrix holds)")
+        out = {**before, **{n: self.round for n in new}}
+        for n in new:
+            log.warning("%s left the federation after round %d: the rounds from %d on go on without it", n, self.round, self.round + 1)
+        self.meta["left"] = out
+        return out
 
     def last_trained(self) -> list[int]:
         """Per client index, the last round of the history in which that site trained (0: none): the store a site
@@ -465,7 +505,9 @@ class FlowerServer(Engine):
         if kind == "train" and self.min_train_sites:
             waited += ("; every site trains this round (a local phase), none is left out" if self.method.sample_all(rnd) else
                        f"; fewer than min-train-sites ({self.min_train_sites}) of the round's sampled sites trained")
-        again = ("`flwr run` the App again: it resumes after its last checkpoint" if self.checkpoint is not None else
+        again = ("`flwr run` the App again: it resumes after its last checkpoint; a site that left for good: mark it "
+                 "`left: true` in federation.yaml, write the App again and `flwr run` it, which resumes without the site"
+                 if self.checkpoint is not None else
                  "`flwr run` the App again (it starts afresh: the deployment keeps no checkpoint)")
         return (f" (the site's SuperNode went down or lost its connection{waited}; once `flwr supernode list` shows it "
                 f"online again, {again})")
@@ -490,9 +532,11 @@ class FlowerServer(Engine):
         start = self._clock()
         rnd = self.round + 1
         self.method.on_round_start(self.model, rnd)
-        picked = list(range(len(self.clients))) if self.method.sample_all(rnd) else self.sample(rnd)
+        picked = self.active(rnd) if self.method.sample_all(rnd) else self.sample(rnd)
         entry: dict[str, Any] = {"round": rnd, "sampled": [self.clients[i].name for i in picked],
                                  "bytes_down": {}, "bytes_up": {}, "train_loss": {}}
+        if self.gone(rnd):
+            entry["left"] = self.gone(rnd)
         wire: dict[str, dict[str, int]] = {"down": {}, "up": {}}
         count_flops = bool(self.train.count_flops and rnd == self.total_rounds)
         if self._announces:  # counted with the training, as the engine counts a client's announce and update together
@@ -553,12 +597,12 @@ class FlowerServer(Engine):
         converted once and sent to every site."""
         built: dict[int, tuple[State, RecordDict]] = {}
         contents = {}
-        for i, c in enumerate(self.clients):
-            state = self.method.eval_download(self.server, c)
+        for i in self.active(rnd):  # a site that left is not evaluated
+            state = self.method.eval_download(self.server, self.clients[i])
             if id(state) not in built:  # the state is kept in `built`, so its id is not reused while we look
                 built[id(state)] = (state, self._content(rnd, ("server", state), **extra))
             contents[i] = built[id(state)][1]
-        return contents, {c.name: record_tensor_bytes(contents[i]["server"]) for i, c in enumerate(self.clients)}
+        return contents, {self.clients[i].name: record_tensor_bytes(content["server"]) for i, content in contents.items()}
 
     def evaluate(self, rnd: Optional[int] = None) -> dict[str, Any]:
         """Every site scores the model it is evaluated with on its test set (and the global model, where the method
@@ -568,8 +612,8 @@ class FlowerServer(Engine):
         replies = self._exchange("evaluate", rnd, contents)
         per: dict[str, dict[str, float]] = {}
         glob: dict[str, float] = {}
-        for i, c in enumerate(self.clients):
-            m = replies[i].content.metric_records[CONFIG]
+        for i in contents:
+            c, m = self.clients[i], replies[i].content.metric_records[CONFIG]
             per[c.name] = {k.removeprefix("eval."): float(v) for k, v in m.items() if k.startswith("eval.")}
             if "global_acc" in m:
                 glob[c.name] = float(m["global_acc"])
@@ -664,6 +708,11 @@ class SiteRefused(ConfigError):
     name the federation does not list."""
 
 
+class SiteLeft(SiteRefused):
+    """A site the federation marks as having left (``sites[k].left``) registered: it is told so and takes no part;
+    the run goes on without it."""
+
+
 @dataclass(frozen=True)
 class Roster:
     """The sites a deployment's coordinator admits, in client-index order, each with the fingerprint of the data it
@@ -673,6 +722,11 @@ class Roster:
     fingerprints: tuple[str, ...]
     contract: dict[str, Any]
     node_ids: tuple[Optional[int], ...] = ()  # per site, the SuperLink node registered with its key (None: not pinned)
+    left: tuple[bool, ...] = ()  # per site, whether it left the federation for good (it takes no part from now on)
+
+    def gone(self) -> list[str]:
+        """The sites that left the federation (``sites[k].left``)."""
+        return [n for n, out in zip(self.sites, self.left) if out]
 
     def admit(self, card: dict[str, Any], node: Optional[int] = None) -> int:
         """The client index of a site registering from ``node``, or :class:`SiteRefused` naming what is wrong."""
@@ -687,6 +741,9 @@ class Roster:
             raise SiteRefused(f"site {name!r} refused: it connected as node {node}, but the federation pins {name} to node "
                               f"{pinned} (the node `flwr supernode register` created for {name}'s public key): another "
                               "site's key, or a re-registered key whose new node-id the coordinator has not pinned")
+        if name in self.gone():  # after the node check: a name is only as good as the key it was registered with
+            raise SiteLeft(f"site {name!r} left the federation (sites[{k}].left in federation.yaml): it takes no part in "
+                           "this run; its SuperNode can be stopped")
         got, want = str(card.get("fingerprint", "")), self.fingerprints[k]
         if got != want:
             site_contract = {key: card.get(f"contract.{key}") for key in ("task", "classes", "image_shape")}
@@ -722,17 +779,39 @@ class FlowerRun:
         # with a checkpoint, the run resumes after the last round it holds under the same config_hash (FlowerServer)
         self.checkpoint, self.config_hash, self.meta, self.rejoin_s = checkpoint, config_hash, meta, rejoin_s
         self.min_train_sites = min_train_sites  # a round goes on without sites gone during its training (FlowerServer)
-        check_min_train_sites(spec, num_clients, min_train_sites, checkpoint is not None, None)  # before any site connects
+        self.gone = roster.gone() if roster is not None else []  # the sites that left the federation for good
+        # before any site connects
+        check_min_train_sites(spec, num_clients - len(self.gone), min_train_sites, checkpoint is not None, None)
         self.engine: Optional[FlowerServer] = None
         self.cards: list[dict[str, Any]] = []  # what each site registered with, in client order
         self.app = ServerApp()
         self.app.main()(self.main)
 
+    def _held_cards(self) -> dict[str, dict[str, Any]]:
+        """The cards the sites that left registered with when they took part, from the checkpoint of the run they
+        left (what ``Method.join`` was told of them, and what the results list)."""
+        if not self.gone:
+            return {}
+        held = checkpoint_meta(self.checkpoint, self.config_hash)
+        if held is None:
+            raise no_run_to_leave(self.gone, self.checkpoint)
+        cards = {str(c["name"]): c for c in held.get("cards", [])}
+        missing = [n for n in self.gone if n not in cards]
+        if missing:
+            raise ConfigError(f"sites: {', '.join(missing)} marked left, but the checkpoint {self.checkpoint} holds no card "
+                              "of them (a checkpoint written before sites could leave): the run cannot go on without them")
+        return cards
+
     def main(self, grid: Grid, context: Context) -> None:
+        held = self._held_cards()
+        assert self.roster is not None or not held
+        # a site that left is not waited for; its SuperNode, if it still runs, is told so when it registers
+        gone_nodes = {n for name, n in zip(self.roster.sites, self.roster.node_ids) if name in held} if self.roster else set()
+        expected = self.num_clients - len(held)
         deadline = time.monotonic() + self.wait_s
-        while len(nodes := sorted(grid.get_node_ids())) < self.num_clients:
+        while len(nodes := sorted(n for n in grid.get_node_ids() if n not in gone_nodes)) < expected:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(nodes)} of {self.num_clients} sites connected after {self.wait_s:.0f} s")
+                raise TimeoutError(f"{len(nodes)} of {expected} sites connected after {self.wait_s:.0f} s")
             time.sleep(0.1)
         msgs = [Message(RecordDict(), dst_node_id=n, message_type="query.register", group_id="0") for n in nodes]
         if self.wire:
@@ -742,6 +821,7 @@ class FlowerRun:
         where: dict[int, int] = {}
         registered: dict[int, dict[str, Any]] = {}
         refused: dict[int, str] = {}
+        told_left: dict[int, str] = {}
         replies = list(grid.send_and_receive(msgs))
         sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in msgs if m.metadata.message_id}
         for reply in replies:
@@ -755,6 +835,9 @@ class FlowerRun:
                 index = self.roster.admit(cfg, int(node)) if self.roster is not None else int(cfg["index"])
                 if self.roster is not None and index in cards:  # a second node under an admitted name
                     raise SiteRefused(f"site {cfg['name']!r} refused: another node registered under that name first")
+            except SiteLeft as err:
+                told_left[node] = str(err)
+                continue
             except SiteRefused as err:
                 refused[node] = str(err)
                 continue
@@ -763,10 +846,21 @@ class FlowerRun:
                 raise ConfigError(f"clients {cards[card.index].name} and {card.name} both registered as client index {card.index}")
             cards[card.index], where[card.index], registered[card.index] = card, node, cfg
         if refused:  # tell each refused site why, then end the run before any round
-            self._tell_refused(grid, refused)
+            self._tell_refused(grid, {**refused, **told_left})
             raise SiteRefused(" | ".join(refused.values()))
-        if sorted(cards) != list(range(len(cards))):
+        if told_left:  # a site that left and still runs its SuperNode: told, and the run goes on without it
+            self._tell_refused(grid, told_left)
+        if self.roster is None and sorted(cards) != list(range(len(cards))):
             raise ConfigError(f"registered client indices {sorted(cards)} are not 0..{len(cards) - 1}")
+        if self.roster is not None:
+            missing = [n for i, n in enumerate(self.roster.sites) if n not in held and i not in cards]
+            if missing:
+                raise ConfigError(f"sites {', '.join(missing)} did not register ({len(nodes)} nodes connected, "
+                                  f"{len(told_left)} of them a site that left)")
+            for i, name in enumerate(self.roster.sites):
+                if name in held:
+                    c = held[name]
+                    cards[i], registered[i] = Card(i, name, c["domain"], c["n_train"], tuple(c["shape"])), c
         shapes = {c.shape for c in cards.values()}
         if len(shapes) > 1:
             raise ConfigError(f"the sites' images differ in shape {sorted(shapes)}; one model needs one input shape")
@@ -792,9 +886,11 @@ class FlowerRun:
 
     def _server(self, grid: Grid, where: dict[int, int], ordered: list[Card]) -> FlowerServer:
         """The server of the registered sites: static rounds, or a stream when the sites registered task streams."""
+        # the checkpoint keeps every site's card: a site that leaves later is still part of the federation's past
+        meta = {**(self.meta or {}), "cards": self.cards} if self.checkpoint is not None else self.meta
         common = {"observer": self.observer, "on_round": self.on_round, "wire": self.wire, "checkpoint": self.checkpoint,
-                  "config_hash": self.config_hash, "meta": self.meta, "rejoin_s": self.rejoin_s,
-                  "min_train_sites": self.min_train_sites}
+                  "config_hash": self.config_hash, "meta": meta, "rejoin_s": self.rejoin_s,
+                  "min_train_sites": self.min_train_sites, "left": self.gone}
         # a stream site registers its tasks' domains and training counts (client_app's register)
         streams = {c.name: (list(r["tasks"]), list(r["n_train_tasks"])) if "tasks" in r else None for c, r in zip(ordered, self.cards)}
         if all(v is None for v in streams.values()):
