@@ -461,36 +461,55 @@ def test_a_site_given_a_new_key_mid_run_resumes_under_its_new_node_from_the_stor
     assert [m.step for m in MlflowClient(uri).get_metric_history(run.info.run_id, "mean_acc")] == [1, 2]
 
 
+class LateNode(SiteGrid):
+    """SiteGrid whose node ``late`` is not online for the SuperLink's first ``polls`` listings."""
+
+    def __init__(self, app, sites: dict[str, Path], run_id: int, late: int, polls: int):
+        super().__init__(app, sites, run_id)
+        self.late, self.polls = late, polls
+
+    def get_node_ids(self):
+        self.polls -= 1
+        return [n for n in self.contexts if n != self.late or self.polls < 0]
+
+
 @pytest.mark.usefixtures("identity")
 def test_a_site_that_leaves_for_good_is_left_out_of_the_rest_of_the_run_as_the_engine_leaves_it_out(sites, tmp_path):
     """A hospital leaves the federation mid-run: the coordinator marks its entry ``left: true`` and writes the App
-    again. That is still the run in progress (resume_key leaves ``left`` out), so the new App resumes the old one's
-    checkpoint: from the next round the site is neither sampled nor evaluated, while the others carry on from their
-    FedBN layers on their disks, which ends with the numbers of the in-process engine told that the site left after
-    round 2. Its SuperNode, still running, is told it left, and the run goes on. A site marked left may not come back
-    within the run; marking one left without a run to resume, or all but one, is refused by key."""
+    again. That is still the run in progress (resume_key leaves ``left`` out, as it leaves out node ids), so the new
+    App resumes the old one's checkpoint: from the next round the site is neither sampled nor evaluated, while the
+    others carry on from their FedBN layers on their disks, which ends with the numbers of the in-process engine
+    told that the site left after round 2. Its SuperNode, still running, is told it left (by its pinned node before
+    it is asked to register; unpinned, once it registered) and the run waits for the sites still in (one connects
+    late). A site marked left may not come back within the run; marking one left without a run to resume, or all
+    but one, is refused by key."""
     from mlflow.tracking import MlflowClient
 
     from fedsilo.fl.deploy import resume_key
 
     train = {**TRAIN, "rounds": 4}
     gone = "VinBigData"
-    for name in ("a", "b", "c"):
+    nodes = {"CheXpert": 100, "RSNA": 101, gone: 102}  # SiteGrid's nodes, in the sites' order
+
+    def federation(name: str, left: tuple[str, ...] = (), pinned: bool = False) -> Path:
         (tmp_path / name).mkdir()
-    fed = _federation(tmp_path / "a", sites, train=train)
-    write_app(load_federation(fed), load_params(REPO_PARAMS), tmp_path / "app")
-    raw = yaml.safe_load(fed.read_text())
-    for s in raw["sites"]:
-        s["left"] = s["name"] == gone
-    (tmp_path / "b/federation.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    write_app(load_federation(tmp_path / "b/federation.yaml"), load_params(REPO_PARAMS), tmp_path / "app2")
-    dep, dep2 = (json.loads((tmp_path / a / "deployment.json").read_text()) for a in ("app", "app2"))
-    assert dep != dep2 and resume_key(dep) == resume_key(dep2) and resume_key(dep, code=False) == resume_key(dep2, code=False)
+        raw = yaml.safe_load(_federation(tmp_path / name, sites, train=train, node_ids=nodes if pinned else None).read_text())
+        for entry in raw["sites"]:
+            entry["left"] = entry["name"] in left
+        (tmp_path / name / "federation.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+        return tmp_path / name / "federation.yaml"
+
+    for app, fed in (("app", federation("a")), ("app2", federation("b", (gone,), pinned=True)), ("app3", federation("c", (gone,)))):
+        write_app(load_federation(fed), load_params(REPO_PARAMS), tmp_path / app)
+    dep, dep2, dep3 = (json.loads((tmp_path / a / "deployment.json").read_text()) for a in ("app", "app2", "app3"))
+    assert dep != dep2 != dep3 and resume_key(dep) == resume_key(dep2) == resume_key(dep3)
+    assert resume_key(dep, code=False) == resume_key(dep3, code=False)  # the sites keep their stores where they are
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
 
     def ctx(run_id: int, name: str = "run") -> Context:
         return Context(run_id=run_id, node_id=0, node_config={}, state=RecordDict(),
-                       run_config={"results-dir": str(tmp_path / name), "state-dir": str(tmp_path / f"{name}.state"), "tracking-uri": uri})
+                       run_config={"results-dir": str(tmp_path / name), "state-dir": str(tmp_path / f"{name}.state"),
+                                   "tracking-uri": uri, "wait-s": 30})
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -505,8 +524,9 @@ def test_a_site_that_leaves_for_good_is_left_out_of_the_rest_of_the_run_as_the_e
             server._main(SiteGrid(client, sites, run_id=3), ctx(3))
         with pytest.raises(ConfigError, match=rf"sites: {gone} marked left, but there is no checkpoint of this deployment to resume"):
             server2._main(SiteGrid(client2, sites, run_id=4), ctx(4, "fresh"))
-        grid = SiteGrid(client2, sites, run_id=5)  # the site that left still runs its SuperNode
-        server2._main(grid, ctx(5))
+        server3, client3 = _load_apps(tmp_path / "app3")
+        grid = LateNode(client3, sites, run_id=5, late=nodes["RSNA"], polls=3)  # RSNA comes online late
+        server3._main(grid, ctx(5))
     finally:
         torch.set_num_threads(threads)
     history = json.loads((tmp_path / "run/history.json").read_text())
@@ -519,8 +539,12 @@ def test_a_site_that_leaves_for_good_is_left_out_of_the_rest_of_the_run_as_the_e
     run = MlflowClient(uri).get_run(metrics["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.data.tags[f"site.{gone}.left_after_round"] == "2"
     wire = [json.loads(line) for line in (tmp_path / "run/wire.jsonl").read_text().splitlines()]
-    told = [w for w in wire if w["message"] == "query.refused" and w["flower_run"] == 5]
-    assert len(told) == 1 and f"site {gone!r} left the federation (sites[2].left" in told[0]["reason"]
+    note = f"site {gone!r} left the federation (sites[2].left in federation.yaml)"
+    for flower_run, asked in ((2, [100, 101]), (5, [100, 102, 101])):  # pinned: told, never asked; unpinned: asked, then told
+        lines = [w for w in wire if w["flower_run"] == flower_run and w["round"] == 0 and w["to"] == "site"]
+        assert [w["node"] for w in lines if w["message"] == "query.register"] == asked, flower_run
+        told = [w for w in lines if w["message"] == "query.refused"]
+        assert [w["node"] for w in told] == [102] and note in told[0]["reason"], flower_run
 
     # the in-process engine on the same three splits, told that the site left after round 2: the same numbers
     spec = deployment_spec(dep)
@@ -535,10 +559,8 @@ def test_a_site_that_leaves_for_good_is_left_out_of_the_rest_of_the_run_as_the_e
         assert [h[key] for h in history] == [h[key] for h in reference], key
     assert [h.get("left") for h in reference] == [h.get("left") for h in history]
 
-    raw["sites"][0]["left"] = True
-    (tmp_path / "c/federation.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     with pytest.raises(ConfigError, match=r"sites: 2 of the 3 sites marked left; a federation needs two sites that have not left"):
-        load_federation(tmp_path / "c/federation.yaml")
+        load_federation(federation("d", (gone, "RSNA")))
 
 
 def test_a_site_audit_reads_each_flower_run_apart_counts_error_replies_apart_and_names_a_cut_line(tmp_path, capsys):
@@ -767,6 +789,22 @@ def test_hospitals_with_a_stream_of_domains_learn_it_as_the_continual_engine_doe
     wire = [json.loads(line) for line in (tmp_path / "results/wire.jsonl").read_text().splitlines()]
     ends = [w for w in wire if w["message"] == "query.task_end"]
     assert ends and all(set(w.get("arrays", {})) <= {"keep"} for w in ends)  # the family model to the site, nothing back
+
+    # a site leaving mid-stream is refused (what each task's end hands out counts on every site), the sites told why
+    (tmp_path / "cut").mkdir()
+    with pytest.raises(ConnectionError, match="went down"):
+        server._main(DownAt(client, sites, rnd=2, run_id=2), _server_context(tmp_path / "cut"))
+    raw = yaml.safe_load((tmp_path / "federation.yaml").read_text())
+    raw["sites"][2]["left"] = True
+    (tmp_path / "cut/federation.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    write_app(load_federation(tmp_path / "cut/federation.yaml"), load_params(tmp_path / "coordinator.yaml"), tmp_path / "app2")
+    server2, client2 = _load_apps(tmp_path / "app2")
+    with pytest.raises(ConfigError, match=r"sites: Hospital C marked left: not for a task stream yet"):
+        server2._main(SiteGrid(client2, sites, run_id=3), _server_context(tmp_path / "cut"))
+    told = [json.loads(line) for line in (tmp_path / "cut/results.wire/wire.jsonl").read_text().splitlines()]
+    told = {w["node"]: w["reason"] for w in told if w["message"] == "query.refused"}  # none in the first attempt
+    assert sorted(told) == [100, 101, 102] and "left the federation" in told[102]  # the one that left, when it registered
+    assert all("not for a task stream yet" in told[n] for n in (100, 101))
 
 
 def _unit(path: Path) -> dict[str, dict[str, str]]:

@@ -49,6 +49,10 @@ server's last checkpoint; or after its SuperNode restarted between rounds) loads
 of a later round than the message allows (:meth:`KeptStores.load`). ``checkpointed`` in every message lets the sites
 drop the stores no resume can need.
 
+A site that left for good (a deployment's ``sites[k].left``; :class:`Roster`): a resumed run goes on without it
+from the round after its checkpoint (``Engine.active``), with the card it registered with when it took part, kept in
+the checkpoint's meta; it is not waited for, and its SuperNode, if it still runs, is told it left (``query.refused``).
+
 Task streams (``fl/continual.py``): a site whose data is a stream (one client per task: its ``domain_incremental``
 split) registers its tasks; the run is then a :class:`FlowerStream`, whose messages name each round's task and which
 adds a ``query.task_end`` message and per-task evaluation (the :class:`~fedsilo.fl.continual.ContinualEngine`'s
@@ -281,6 +285,15 @@ class FlowerSpec:
 
 
 # ---------------------------------------------------------------------------------------------------------- server
+def not_coming_back(before: dict[str, int], left: Sequence[str]) -> None:
+    """Refuses sites the checkpoint says left (``before``: name -> last round) that are no longer marked left."""
+    back = sorted(set(before) - set(left))
+    if back:
+        raise ConfigError("sites: " + ", ".join(f"{n} left after round {before[n]}" for n in back) + " (the run's checkpoint "
+                          "says so); a site that left does not come back within a run: mark it `left: true` again to "
+                          "resume, or start a new run (another state-dir) with it")
+
+
 def no_run_to_leave(names: Sequence[str], checkpoint: Optional[Path]) -> ConfigError:
     """The error for sites marked left when there is no run in progress to resume without them."""
     return ConfigError(f"sites: {', '.join(names)} marked left, but there is no checkpoint of this deployment to resume "
@@ -377,11 +390,7 @@ class FlowerServer(Engine):
         last round it took part in: the round the checkpoint holds when it was first marked (kept in the checkpoint's
         meta from then on). From the round after, the engine neither samples nor evaluates it (``Engine.active``)."""
         before: dict[str, int] = dict(self.meta.get("left", {})) if resumed else {}
-        back = sorted(set(before) - set(left))
-        if back:
-            raise ConfigError("sites: " + ", ".join(f"{n} left after round {before[n]}" for n in back) + " (the run's checkpoint "
-                              "says so); a site that left does not come back within a run: mark it `left: true` again to "
-                              "resume, or start a new run (another state-dir) with it")
+        not_coming_back(before, left)
         new = [n for n in left if n not in before]
         if new and not resumed:
             raise no_run_to_leave(new, self.checkpoint)
@@ -728,6 +737,11 @@ class Roster:
         """The sites that left the federation (``sites[k].left``)."""
         return [n for n, out in zip(self.sites, self.left) if out]
 
+    def left_note(self, name: str) -> str:
+        """What a site that left is told when its SuperNode still runs."""
+        return (f"site {name!r} left the federation (sites[{self.sites.index(name)}].left in federation.yaml): it takes no "
+                "part in this run; its SuperNode can be stopped")
+
     def admit(self, card: dict[str, Any], node: Optional[int] = None) -> int:
         """The client index of a site registering from ``node``, or :class:`SiteRefused` naming what is wrong."""
         from fedsilo.fl.site import contract_mismatch
@@ -742,8 +756,7 @@ class Roster:
                               f"{pinned} (the node `flwr supernode register` created for {name}'s public key): another "
                               "site's key, or a re-registered key whose new node-id the coordinator has not pinned")
         if name in self.gone():  # after the node check: a name is only as good as the key it was registered with
-            raise SiteLeft(f"site {name!r} left the federation (sites[{k}].left in federation.yaml): it takes no part in "
-                           "this run; its SuperNode can be stopped")
+            raise SiteLeft(self.left_note(name))
         got, want = str(card.get("fingerprint", "")), self.fingerprints[k]
         if got != want:
             site_contract = {key: card.get(f"contract.{key}") for key in ("task", "classes", "image_shape")}
@@ -789,37 +802,78 @@ class FlowerRun:
 
     def _held_cards(self) -> dict[str, dict[str, Any]]:
         """The cards the sites that left registered with when they took part, from the checkpoint of the run they
-        left (what ``Method.join`` was told of them, and what the results list)."""
+        left (what ``Method.join`` was told of them, and what the results list). Refused before any site connects:
+        sites marked left without a run to resume, and a site the checkpoint says left that is no longer marked."""
+        held = checkpoint_meta(self.checkpoint, self.config_hash) if self.checkpoint is not None else None
+        if held is not None and self.roster is not None:
+            not_coming_back(held.get("left", {}), self.gone)
         if not self.gone:
             return {}
-        held = checkpoint_meta(self.checkpoint, self.config_hash)
         if held is None:
             raise no_run_to_leave(self.gone, self.checkpoint)
         cards = {str(c["name"]): c for c in held.get("cards", [])}
         missing = [n for n in self.gone if n not in cards]
         if missing:
             raise ConfigError(f"sites: {', '.join(missing)} marked left, but the checkpoint {self.checkpoint} holds no card "
-                              "of them (a checkpoint written before sites could leave): the run cannot go on without them")
-        return cards
+                              "of them: the run cannot go on without them")
+        return {n: cards[n] for n in self.gone}
 
-    def main(self, grid: Grid, context: Context) -> None:
-        held = self._held_cards()
-        assert self.roster is not None or not held
-        # a site that left is not waited for; its SuperNode, if it still runs, is told so when it registers
-        gone_nodes = {n for name, n in zip(self.roster.sites, self.roster.node_ids) if name in held} if self.roster else set()
+    def _register(self, grid: Grid, held: dict[str, dict[str, Any]]) -> tuple[dict[int, Card], dict[int, int], dict[int, dict[str, Any]]]:
+        """Waits for the sites' nodes and asks each for its card (``query.register``) until every site still in the
+        federation registered: (cards, nodes, registered configs) by client index. A refused site ends the run (every
+        node asked is told why); a site that left and still runs its SuperNode is told so (by its pinned node, before
+        it is asked; or once it registers) and the run waits for the sites still in."""
         expected = self.num_clients - len(held)
+        # the nodes pinned to sites that left: never asked to register
+        gone_nodes = {n: name for name, n in zip(self.roster.sites, self.roster.node_ids) if name in held and n is not None} if self.roster else {}
+        cards: dict[int, Card] = {}
+        where: dict[int, int] = {}
+        registered: dict[int, dict[str, Any]] = {}
+        asked: set[int] = set()
         deadline = time.monotonic() + self.wait_s
-        while len(nodes := sorted(n for n in grid.get_node_ids() if n not in gone_nodes)) < expected:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(nodes)} of {expected} sites connected after {self.wait_s:.0f} s")
-            time.sleep(0.1)
+        while len(cards) < expected:
+            while True:
+                online = [n for n in sorted(grid.get_node_ids()) if n not in asked]
+                left_here = {n: self.roster.left_note(gone_nodes[n]) for n in online if n in gone_nodes}  # type: ignore[union-attr]
+                if left_here:
+                    self._tell_refused(grid, left_here)
+                    asked |= set(left_here)
+                nodes = [n for n in online if n not in gone_nodes]
+                if len(nodes) >= expected - len(cards):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{len(cards) + len(nodes)} of {expected} sites connected after {self.wait_s:.0f} s"
+                                       + (f" (not yet registered: {', '.join(self._missing(cards, held))})" if cards else ""))
+                time.sleep(0.1)
+            asked |= set(nodes)
+            refused, told_left = self._ask(grid, nodes, cards, where, registered)
+            if refused:  # tell each refused site why, then end the run before any round
+                self._tell_refused(grid, {**refused, **told_left})
+                raise SiteRefused(" | ".join(refused.values()))
+            if told_left:  # a site that left and still runs its SuperNode: told, and the run waits for the sites still in
+                self._tell_refused(grid, told_left)
+            if len(cards) < expected and time.monotonic() > deadline:
+                raise TimeoutError(f"sites {', '.join(self._missing(cards, held))} did not register within {self.wait_s:.0f} s")
+        if self.roster is None and sorted(cards) != list(range(len(cards))):
+            raise ConfigError(f"registered client indices {sorted(cards)} are not 0..{len(cards) - 1}")
+        for i, name in enumerate(self.roster.sites if self.roster is not None else ()):
+            if name in held:  # as it registered when it took part
+                c = held[name]
+                cards[i], registered[i] = Card(i, name, c["domain"], c["n_train"], tuple(c["shape"])), c
+        return cards, where, registered
+
+    def _missing(self, cards: dict[int, Card], held: dict[str, dict[str, Any]]) -> list[str]:
+        names = self.roster.sites if self.roster is not None else [str(i) for i in range(self.num_clients)]
+        return [n for i, n in enumerate(names) if n not in held and i not in cards]
+
+    def _ask(self, grid: Grid, nodes: list[int], cards: dict[int, Card], where: dict[int, int],
+             registered: dict[int, dict[str, Any]]) -> tuple[dict[int, str], dict[int, str]]:
+        """``query.register`` to ``nodes``: each admitted site's card into ``cards`` / ``where`` / ``registered``;
+        returns the nodes refused and the nodes of sites that left, each with what they are told."""
         msgs = [Message(RecordDict(), dst_node_id=n, message_type="query.register", group_id="0") for n in nodes]
         if self.wire:
             for n in nodes:
                 self.wire({"round": 0, "message": "query.register", "node": int(n), "to": "site"})
-        cards: dict[int, Card] = {}
-        where: dict[int, int] = {}
-        registered: dict[int, dict[str, Any]] = {}
         refused: dict[int, str] = {}
         told_left: dict[int, str] = {}
         replies = list(grid.send_and_receive(msgs))
@@ -845,22 +899,11 @@ class FlowerRun:
             if card.index in cards:
                 raise ConfigError(f"clients {cards[card.index].name} and {card.name} both registered as client index {card.index}")
             cards[card.index], where[card.index], registered[card.index] = card, node, cfg
-        if refused:  # tell each refused site why, then end the run before any round
-            self._tell_refused(grid, {**refused, **told_left})
-            raise SiteRefused(" | ".join(refused.values()))
-        if told_left:  # a site that left and still runs its SuperNode: told, and the run goes on without it
-            self._tell_refused(grid, told_left)
-        if self.roster is None and sorted(cards) != list(range(len(cards))):
-            raise ConfigError(f"registered client indices {sorted(cards)} are not 0..{len(cards) - 1}")
-        if self.roster is not None:
-            missing = [n for i, n in enumerate(self.roster.sites) if n not in held and i not in cards]
-            if missing:
-                raise ConfigError(f"sites {', '.join(missing)} did not register ({len(nodes)} nodes connected, "
-                                  f"{len(told_left)} of them a site that left)")
-            for i, name in enumerate(self.roster.sites):
-                if name in held:
-                    c = held[name]
-                    cards[i], registered[i] = Card(i, name, c["domain"], c["n_train"], tuple(c["shape"])), c
+        return refused, told_left
+
+    def main(self, grid: Grid, context: Context) -> None:
+        held = self._held_cards()
+        cards, where, registered = self._register(grid, held)
         shapes = {c.shape for c in cards.values()}
         if len(shapes) > 1:
             raise ConfigError(f"the sites' images differ in shape {sorted(shapes)}; one model needs one input shape")
@@ -869,7 +912,7 @@ class FlowerRun:
         try:
             self.engine = self._server(grid, where, ordered)
         except ConfigError as err:  # the sites' data and the method do not fit together (streams): every site is told
-            self._tell_refused(grid, {where[i]: str(err) for i in range(len(ordered))})
+            self._tell_refused(grid, {node: str(err) for node in where.values()})
             raise
         if self.engine.round:
             log.info("resuming after round %d of %d (checkpoint %s)", self.engine.round, self.engine.total_rounds, self.checkpoint)
