@@ -5,6 +5,7 @@ rules, without a resolution or without tissue excluded with the reason; a small 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
@@ -713,6 +714,94 @@ def test_dicom_annotation_objects_label_a_dicom_slides_patches(tmp_path):
     assert any(r.startswith("a whole-slide image: its annotation file 4.5.6.dcm cannot be read (ValueError: its 2D coordinates "
                             f"are in the pixels of the image {s2_level1.SOPInstanceUID}, which is not among the slide's files")
                for r in card["domains"]["lab"]["excluded_by_reason"])
+
+
+def test_dicom_structured_reports_label_a_dicom_slides_patches(tmp_path):
+    """A pathologist's regions as a DICOM Structured Report (a Measurement Report, TID 1500, made with highdicom): each
+    planar ROI is a region, found by the series the report's evidence references and placed on the slide: a 3D
+    polygon (millimetres on the glass), a closed 2D polyline in a coarser level's pixels, a circle in level 0's; a
+    point encloses nothing; the class is the ROI's finding type, or its tracking identifier. A report of another
+    template (a text report) referencing the slide is no annotation file."""
+    pytest.importorskip("openslide")
+    hd = pytest.importorskip("highdicom")
+    import pydicom
+    from pydicom.sr.codedict import codes
+    from pydicom.uid import generate_uid
+
+    root = tmp_path / "raw" / "lab"
+    img = np.full((1024, 1024, 3), 238, np.uint8)
+    img[128:896, 128:896] = (np.random.default_rng(0).integers(0, 50, (768, 768, 3)) + np.array([170, 70, 140])).astype(np.uint8)
+    origin, mm = (20.0, 40.0), MPP0 / 1000
+    for name in ("S1", "S2"):
+        uids = (generate_uid(), generate_uid(), generate_uid())
+        for d in (1, 4):
+            _dicom_level(root / "tumour" / name / f"L{d}.dcm", np.ascontiguousarray(img[::d, ::d]), MPP0 * d, uids, origin_mm=origin)
+    (root / "normal").mkdir()
+    (root / "ann").mkdir()
+
+    def roi(identifier: str, meaning: str, region) -> Any:
+        return hd.sr.PlanarROIMeasurementsAndQualitativeEvaluations(
+            tracking_identifier=hd.sr.TrackingIdentifier(uid=generate_uid(), identifier=identifier), referenced_region=region,
+            finding_type=hd.sr.CodedConcept("0", "99TEST", meaning))
+
+    def report(evidence, groups, name: str) -> None:
+        observer = hd.sr.ObserverContext(observer_type=codes.DCM.Person,
+                                         observer_identifying_attributes=hd.sr.PersonObserverIdentifyingAttributes(name="Path^Ologist"))
+        content = hd.sr.MeasurementReport(observation_context=hd.sr.ObservationContext(observer_person_context=observer),
+                                          procedure_reported=hd.sr.CodedConcept("1", "99TEST", "Slide review"), imaging_measurements=groups)
+        hd.sr.Comprehensive3DSR(evidence=evidence, content=content, series_instance_uid=generate_uid(), series_number=3,
+                                sop_instance_uid=generate_uid(), instance_number=1, manufacturer="fedsilo test").save_as(root / "ann" / name)
+
+    def slide_mm(col: float, row: float) -> list[float]:  # image coordinates (corner at 0, 0) -> the slide's millimetres
+        return [origin[0] - (row - 0.5) * mm, origin[1] - (col - 0.5) * mm, 0.0]
+
+    # S1: the tumour in 3D (the left half's rows 128-768), and a point that encloses nothing
+    s1 = pydicom.dcmread(root / "tumour" / "S1" / "L1.dcm")
+    tumour = np.array([slide_mm(x, y) for x, y in _square(0, 128, 512, 768)])
+    point = np.array([slide_mm(700, 700)])
+    report([s1], [roi("Tumour outline", "Neoplasm", hd.sr.ImageRegion3D(hd.sr.GraphicTypeValues3D.POLYGON, tumour, s1.FrameOfReferenceUID)),
+                  roi("a nucleus", "Nucleus", hd.sr.ImageRegion3D(hd.sr.GraphicTypeValues3D.POINT, point, s1.FrameOfReferenceUID))], "s1.dcm")
+    # S2: necrosis over its right half (columns 512-896) in its level 1's pixels (a quarter of level 0's), and a circle
+    # of radius 100 around (256, 512) in level 0's pixels
+    s2, s2_level1 = (pydicom.dcmread(root / "tumour" / "S2" / f) for f in ("L1.dcm", "L4.dcm"))
+
+    def source(ds) -> Any:
+        return hd.sr.SourceImageForRegion(referenced_sop_class_uid=ds.SOPClassUID, referenced_sop_instance_uid=ds.SOPInstanceUID)
+
+    necrosis = hd.sr.ImageRegion(hd.sr.GraphicTypeValues.POLYLINE, np.array(_square(128, 32, 224, 224), dtype=float), source(s2_level1),
+                                 pixel_origin_interpretation="VOLUME")
+    circle = hd.sr.ImageRegion(hd.sr.GraphicTypeValues.CIRCLE, np.array([[256.0, 512.0], [356.0, 512.0]]), source(s2),
+                               pixel_origin_interpretation="VOLUME")
+    report([s2, s2_level1], [roi("necrosis 1", "Necrosis", necrosis), roi("a gland", "Gland", circle)], "s2.dcm")
+    text = pydicom.dcmread(root / "ann" / "s2.dcm")  # a report of another template on S2 (a text report) is no annotation
+    text.ContentTemplateSequence[0].TemplateIdentifier = "2000"  # Basic Diagnostic Imaging Report
+    text.SOPInstanceUID = text.file_meta.MediaStorageSOPInstanceUID = generate_uid()
+    text.save_as(root / "ann" / "text.dcm")
+
+    regions = {"folder": "ann", "classes": {"Neoplasm": "tumour"}, "ignore": ["Gland"], "outside": "normal", "min_share": 0.99}
+    rules = {"skip": ["ann"], "slides": {"mpp": 1.0, "patch_px": 32, "min_tissue": 0.5, "max_patches": 10_000, "regions": regions}}
+    card, recs, _ = _dataset(tmp_path, "dicom_sr", rules, classes=("normal", "necrosis", "tumour"))
+    xy = recs["id"].str.extract(r"#x(\d+)y(\d+)$").astype(int).to_numpy()
+    label = recs["original_label"].to_numpy()
+    s1_rows = (recs["source_path"] == "tumour/S1/L1.dcm").to_numpy()
+    inside = (xy[:, 0] < 512) & (xy[:, 1] >= 128) & (xy[:, 1] < 768)
+    assert s1_rows.sum() == 36 and (s1_rows & inside).sum() == 15 and (label[s1_rows & inside] == "Neoplasm").all()
+    assert (label[s1_rows & ~inside] == "normal").all()
+    s2_rows = (recs["source_path"] == "tumour/S2/L1.dcm").to_numpy()
+    right = xy[:, 0] >= 512
+    assert s2_rows.sum() == 36 and (label[s2_rows & right] == "Necrosis").all() and (label[s2_rows & ~right] == "normal").all()
+    assert (s2_rows & right).sum() == 18 and card["domains"]["lab"]["excluded_by_reason"]["a slide's region annotations"] == 2
+
+    # the circle, in level 0's pixels; classes by tracking identifier; a report with no Measurement Report is refused
+    with slides.open_slide(str(root / "tumour" / "S2" / "L1.dcm")) as slide:
+        frame = slides.slide_frame(slide, MPP0, root / "tumour" / "S2" / "L1.dcm")
+    (name, (ring,)), = [r for r in slides.read_regions(root / "ann" / "s2.dcm", frame) if r[0] == "Gland"]
+    assert np.allclose(np.hypot(np.asarray(ring)[:, 0] - 256, np.asarray(ring)[:, 1] - 512), 100)
+    assert [n for n, _ in slides.read_regions(root / "ann" / "s2.dcm", frame, "label")] == ["necrosis 1", "a gland"]
+    assert slides.dicom_annotation_refs(root / "ann" / "s2.dcm") >= {s2.SeriesInstanceUID, s2.SOPInstanceUID, s2_level1.SOPInstanceUID}
+    assert slides.dicom_annotation_refs(root / "ann" / "text.dcm") is None
+    with pytest.raises(ValueError, match="a Structured Report whose content is no Measurement Report"):
+        slides.read_regions(root / "ann" / "text.dcm", frame)
 
 
 def test_dicom_segmentations_label_a_dicom_slides_patches(tmp_path, monkeypatch):

@@ -53,6 +53,9 @@ FOCAL_PLANE_UM = 0.01  # slides.focal_plane matches a z-stack's plane within thi
 NDPA_MICRONS = {"nanometers": 1e-3, "micrometers": 1.0, "millimeters": 1e3}  # an NDP.view coordformat's unit in microns
 DICOM_ANNOTATIONS = "1.2.840.10008.5.1.4.1.1.91.1"  # Microscopy Bulk Simple Annotations Storage (a DICOM slide's regions)
 DICOM_SEGMENTATION = "1.2.840.10008.5.1.4.1.1.66.4"  # Segmentation Storage (a DICOM slide's regions as masks)
+# Structured Reports whose Measurement Report (TID 1500) outlines a slide's regions as planar ROIs (TID 1410): Enhanced,
+# Comprehensive and Comprehensive 3D SR (only the last holds 3D coordinates)
+DICOM_SR = ("1.2.840.10008.5.1.4.1.1.88.22", "1.2.840.10008.5.1.4.1.1.88.33", "1.2.840.10008.5.1.4.1.1.88.34")
 SEGMENTATION_ROWS = 256  # rows of a segmentation's total pixel matrix decoded at a time (a full-resolution one is huge)
 QUPATH_02_NOT_REGIONS = ("PathDetectionObject", "PathCellObject", "PathTileObject")
 ASAP_SHAPES = ("Polygon", "Spline", "Rectangle")  # ASAP annotation types that enclose an area (a Spline by its points)
@@ -517,23 +520,35 @@ def _ndpa_regions(root: ET.Element, frame: Optional[SlideFrame]) -> list[Region]
     return out
 
 
+EVIDENCE = ("CurrentRequestedProcedureEvidenceSequence", "PertinentOtherEvidenceSequence")  # what an SR references
+
+
 def dicom_annotation_refs(path: Path) -> Optional[set[str]]:
     """The UIDs a DICOM Microscopy Bulk Simple Annotations or Segmentation file references (the series of its
-    ``ReferencedSeriesSequence`` and the images of its ``ReferencedImageSequence``), read from its header alone; None
-    for any other file (another DICOM, one that cannot be read, not a DICOM)."""
+    ``ReferencedSeriesSequence`` and the images of its ``ReferencedImageSequence``), or a Structured Report whose
+    content is a Measurement Report (TID 1500: the series and images of its evidence sequences), read from its header
+    alone; None for any other file (another DICOM, a report of another template such as a text report, one that
+    cannot be read, not a DICOM)."""
     import pydicom
 
     try:
         if not is_dicom_file(path):
             return None
-        ds = pydicom.dcmread(str(path), specific_tags=["SOPClassUID", "ReferencedSeriesSequence", "ReferencedImageSequence"])
+        ds = pydicom.dcmread(str(path), specific_tags=["SOPClassUID", "ReferencedSeriesSequence", "ReferencedImageSequence",
+                                                       "ContentTemplateSequence", *EVIDENCE])
     except Exception:  # noqa: BLE001 - a file that cannot be read as DICOM is no annotation file
         return None
-    sop = ds.get("SOPClassUID", None) or ds.file_meta.get("MediaStorageSOPClassUID", None)
-    if str(sop) not in (DICOM_ANNOTATIONS, DICOM_SEGMENTATION):
+    sop = str(ds.get("SOPClassUID", None) or ds.file_meta.get("MediaStorageSOPClassUID", None))
+    if sop not in (DICOM_ANNOTATIONS, DICOM_SEGMENTATION, *DICOM_SR):
         return None
-    refs = {str(item.get("SeriesInstanceUID", "")) for item in ds.get("ReferencedSeriesSequence", None) or []}
+    if sop in DICOM_SR and [str(t.get("TemplateIdentifier", "")) for t in ds.get("ContentTemplateSequence", None) or []] != ["1500"]:
+        return None
+    series = list(ds.get("ReferencedSeriesSequence", None) or [])
+    for key in EVIDENCE if sop in DICOM_SR else ():  # per study, its series, each with its instances
+        series += [s for study in ds.get(key, None) or [] for s in study.get("ReferencedSeriesSequence", None) or []]
+    refs = {str(item.get("SeriesInstanceUID", "")) for item in series}
     refs |= {str(item.get("ReferencedSOPInstanceUID", "")) for item in ds.get("ReferencedImageSequence", None) or []}
+    refs |= {str(i.get("ReferencedSOPInstanceUID", "")) for s in series for i in s.get("ReferencedSOPSequence", None) or []}
     return refs - {""}
 
 
@@ -570,6 +585,37 @@ def _on_dicom_slide(frame: Optional[SlideFrame], what: str) -> tuple[Any, Any]:
     return hd, pydicom.dcmread(frame.dicom, stop_before_pixels=True)
 
 
+def _pixels_2d(frame: SlideFrame, level0: Any, ref: str) -> Callable[[np.ndarray], np.ndarray]:
+    """Level-0 pixels from 2D coordinates in the total pixel matrix of the slide's image ``ref`` (its level 0 or a
+    coarser level, scaled), found among the slide's files; a ValueError naming the image where it is not there."""
+    import pydicom
+
+    from fedsilo.data.sources.base import walk
+
+    image = level0 if ref == str(level0.SOPInstanceUID) else None
+    for f in ([] if image is not None else walk(Path(str(frame.dicom)).parent)):
+        if f.is_file() and is_dicom_file(f):
+            ds = pydicom.dcmread(str(f), stop_before_pixels=True, specific_tags=[
+                "SOPInstanceUID", "TotalPixelMatrixColumns", "TotalPixelMatrixRows"])
+            if str(ds.get("SOPInstanceUID", "")) == ref:
+                image = ds
+                break
+    if image is None:
+        raise ValueError(f"its 2D coordinates are in the pixels of the image {ref}, which is not among the slide's "
+                         f"files ({Path(str(frame.dicom)).parent.name}/)")
+    scale = np.array([frame.width / int(image.TotalPixelMatrixColumns), frame.height / int(image.TotalPixelMatrixRows)])
+    return lambda points: np.asarray(points, dtype=np.float64)[:, :2] * scale
+
+
+def _pixels_3d(hd: Any, level0: Any, frame_of_reference: str) -> Callable[[np.ndarray], np.ndarray]:
+    """Level-0 pixels from the slide coordinate system's millimetres, through the level-0 image's origin,
+    orientation and pixel spacing (highdicom); a ValueError where the frame of reference is not the slide's."""
+    if frame_of_reference != str(level0.get("FrameOfReferenceUID", "")):
+        raise ValueError("3D coordinates in another frame of reference than the slide's (FrameOfReferenceUID)")
+    to_image = hd.spatial.ReferenceToImageTransformer.for_image(level0, for_total_pixel_matrix=True)
+    return lambda points: to_image(np.asarray(points, dtype=np.float64))[:, :2]
+
+
 def _dicom_regions(path: Path, frame: Optional[SlideFrame], dicom_class: str) -> list[Region]:
     """The regions of a DICOM Microscopy Bulk Simple Annotations file (read with highdicom), placed on the DICOM
     whole-slide image it annotates (``frame.dicom``: the slide's level-0 instance). Each annotation group's class is
@@ -579,40 +625,17 @@ def _dicom_regions(path: Path, frame: Optional[SlideFrame], dicom_class: str) ->
     slide coordinate system's millimetres, mapped into the level-0 pixels by highdicom from that instance's origin,
     orientation and pixel spacing (the frame of reference must be the slide's). POLYGON and RECTANGLE are polygons,
     an ELLIPSE (its two axes' end points) a 256-point polygon; POINT and POLYLINE annotations enclose no area."""
-    import pydicom
-
-    from fedsilo.data.sources.base import walk
-
     hd, level0 = _on_dicom_slide(frame, "annotation file")
+    assert frame is not None
     ann = hd.ann.annread(str(path))
     kind = str(ann.AnnotationCoordinateType)
     if kind == "2D":
         if str(getattr(ann, "PixelOriginInterpretation", "VOLUME")) != "VOLUME":
             raise ValueError(f"2D coordinates relative to each frame (PixelOriginInterpretation "
                              f"{ann.PixelOriginInterpretation}), not to the total pixel matrix")
-        ref = str(ann.ReferencedImageSequence[0].ReferencedSOPInstanceUID)
-        image = level0 if ref == str(level0.SOPInstanceUID) else None
-        for f in ([] if image is not None else walk(Path(frame.dicom).parent)):
-            if f.is_file() and is_dicom_file(f):
-                ds = pydicom.dcmread(str(f), stop_before_pixels=True, specific_tags=[
-                    "SOPInstanceUID", "TotalPixelMatrixColumns", "TotalPixelMatrixRows"])
-                if str(ds.get("SOPInstanceUID", "")) == ref:
-                    image = ds
-                    break
-        if image is None:
-            raise ValueError(f"its 2D coordinates are in the pixels of the image {ref}, which is not among the slide's "
-                             f"files ({Path(frame.dicom).parent.name}/)")
-        scale = np.array([frame.width / int(image.TotalPixelMatrixColumns), frame.height / int(image.TotalPixelMatrixRows)])
-
-        def to_pixels(points: np.ndarray) -> np.ndarray:
-            return np.asarray(points, dtype=np.float64)[:, :2] * scale
+        to_pixels = _pixels_2d(frame, level0, str(ann.ReferencedImageSequence[0].ReferencedSOPInstanceUID))
     elif kind == "3D":
-        if str(getattr(ann, "FrameOfReferenceUID", "")) != str(level0.get("FrameOfReferenceUID", "")):
-            raise ValueError("3D coordinates in another frame of reference than the slide's (FrameOfReferenceUID)")
-        to_image = hd.spatial.ReferenceToImageTransformer.for_image(level0, for_total_pixel_matrix=True)
-
-        def to_pixels(points: np.ndarray) -> np.ndarray:
-            return to_image(np.asarray(points, dtype=np.float64))[:, :2]
+        to_pixels = _pixels_3d(hd, level0, str(getattr(ann, "FrameOfReferenceUID", "")))
     else:
         raise ValueError(f"AnnotationCoordinateType {kind!r}, neither 2D nor 3D")
     out: list[Region] = []
@@ -625,6 +648,59 @@ def _dicom_regions(path: Path, frame: Optional[SlideFrame], dicom_class: str) ->
         for points in group.get_graphic_data(kind):
             pixels = to_pixels(points)
             out.append((name, [_ring(_ellipse(pixels) if shape == "ELLIPSE" else pixels, where)]))
+    return out
+
+
+def _sr_regions(path: Path, frame: Optional[SlideFrame], dicom_class: str) -> list[Region]:
+    """The regions of a DICOM Structured Report whose content is a Measurement Report (TID 1500; read with
+    highdicom): each planar ROI measurement group (TID 1410) is a region, placed on the DICOM whole-slide image it
+    annotates (``frame.dicom``). Its class is the meaning of its finding type (``dicom_class: property_type``, the
+    coded concept: ``Neoplasm``) or its tracking identifier (``label``: the group's free text). An ROI in 2D (SCOORD)
+    is in the total pixel matrix of the image it references (a coarser level's scaled to level 0; relative to one
+    frame, PixelOriginInterpretation FRAME, is refused); in 3D (SCOORD3D) in the slide coordinate system's
+    millimetres, mapped as a Bulk Simple Annotations object's (its frame of reference must be the slide's). A closed
+    POLYLINE and a POLYGON are polygons, an ELLIPSE (its two axes' end points) and a CIRCLE (its centre and a point on
+    it) 256-point polygons; POINT, MULTIPOINT, an open POLYLINE and an ROI given as a segment of a Segmentation
+    (read as that Segmentation) enclose no area here."""
+    hd, level0 = _on_dicom_slide(frame, "Structured Report")
+    assert frame is not None
+    sr = hd.sr.srread(str(path))
+    try:
+        report = hd.sr.MeasurementReport.from_sequence([sr])
+    except (ValueError, AttributeError) as err:
+        raise ValueError(f"a Structured Report whose content is no Measurement Report (TID 1500): {err}") from None
+    out: list[Region] = []
+    placed: dict[str, Callable[[np.ndarray], np.ndarray]] = {}  # per referenced image (2D) or frame of reference (3D)
+    for n, group in enumerate(report.get_planar_roi_measurement_groups(), 1):
+        roi = group.roi
+        if roi is None:
+            continue
+        if dicom_class == "label":
+            name = str(group.tracking_identifier or "").strip()
+        else:
+            name = group.finding_type.meaning.strip() if group.finding_type is not None else ""
+        shape = roi.graphic_type.value
+        points = np.asarray(roi.value, dtype=np.float64)
+        closed = shape == "POLYLINE" and len(points) > 3 and np.allclose(points[0], points[-1])
+        if not name or shape not in ("POLYGON", "ELLIPSE", "CIRCLE") and not closed:
+            continue
+        where = f"planar ROI {n} ({name})"
+        if isinstance(roi, hd.sr.ImageRegion3D):
+            uid = str(roi.ReferencedFrameOfReferenceUID)
+            to_pixels = placed.get(uid) or placed.setdefault(uid, _pixels_3d(hd, level0, uid))
+        else:
+            if str(roi.get("PixelOriginInterpretation", "VOLUME")) != "VOLUME":
+                raise ValueError(f"{where}: 2D coordinates relative to one frame (PixelOriginInterpretation "
+                                 f"{roi.PixelOriginInterpretation}), not to the total pixel matrix")
+            uid = str(roi.ContentSequence[0].ReferencedSOPSequence[0].ReferencedSOPInstanceUID)
+            to_pixels = placed.get(uid) or placed.setdefault(uid, _pixels_2d(frame, level0, uid))
+        pixels = to_pixels(points)
+        if shape == "ELLIPSE":
+            pixels = _ellipse(pixels)
+        elif shape == "CIRCLE":
+            t = np.linspace(0, 2 * np.pi, 256, endpoint=False)[:, None]
+            pixels = pixels[0] + np.linalg.norm(pixels[1] - pixels[0]) * np.c_[np.cos(t), np.sin(t)]
+        out.append((name, [_ring(pixels, where)]))
     return out
 
 
@@ -689,17 +765,22 @@ class SegmentationMask:
         return out
 
 
-def is_segmentation(path: Path) -> bool:
-    """A DICOM Segmentation (by its header's SOP class)."""
+def _sop_class(path: Path) -> str:
+    """A DICOM file's SOP class UID from its header ("" for a file that cannot be read as DICOM)."""
     import pydicom
 
     try:
         if not is_dicom_file(path):
-            return False
+            return ""
         ds = pydicom.dcmread(str(path), specific_tags=["SOPClassUID"])
-    except Exception:  # noqa: BLE001 - a file that cannot be read is no segmentation
-        return False
-    return str(ds.get("SOPClassUID", None) or ds.file_meta.get("MediaStorageSOPClassUID", None)) == DICOM_SEGMENTATION
+    except Exception:  # noqa: BLE001 - a file that cannot be read has no SOP class
+        return ""
+    return str(ds.get("SOPClassUID", None) or ds.file_meta.get("MediaStorageSOPClassUID", None) or "")
+
+
+def is_segmentation(path: Path) -> bool:
+    """A DICOM Segmentation (by its header's SOP class)."""
+    return _sop_class(path) == DICOM_SEGMENTATION
 
 
 def read_regions(path: Path, frame: Optional[SlideFrame] = None, dicom_class: str = "property_type") -> list[Region]:
@@ -710,12 +791,13 @@ def read_regions(path: Path, frame: Optional[SlideFrame] = None, dicom_class: st
     elements of type Polygon, Spline or Rectangle, the class their ``PartOfGroup``, the points their ``Coordinate``s
     in ``Order``) or Aperio ImageScope's (:func:`_imagescope_regions`); an ``.ndpa`` is Hamamatsu NDP.view's, placed
     by the slide's ``frame`` (:func:`_ndpa_regions`); a DICOM file is a Microscopy Bulk Simple Annotations object
-    placed on the DICOM whole-slide image it annotates (:func:`_dicom_regions`, ``dicom_class``). An annotation
+    (:func:`_dicom_regions`) or a Structured Report's Measurement Report (:func:`_sr_regions`), placed on the DICOM
+    whole-slide image it annotates, its classes as ``dicom_class`` says. An annotation
     without a class is not read; one with too few or non-numeric points, or a file of none of these forms, is a
     ValueError."""
 
     if is_dicom_file(path):
-        return _dicom_regions(path, frame, dicom_class)
+        return (_sr_regions if _sop_class(path) in DICOM_SR else _dicom_regions)(path, frame, dicom_class)
     out: list[Region] = []
     if path.suffix.lower() in (".xml", ".ndpa"):
         root = ET.parse(path).getroot()
