@@ -227,6 +227,26 @@ def test_phase_one_trains_every_client_whatever_the_sampling_fraction(clients):
     assert [len(x["sampled"]) for x in h] == [len(cl), len(cl), max(1, len(cl) // 2), max(1, len(cl) // 2)]
 
 
+def test_a_client_that_left_is_neither_sampled_nor_evaluated_after_its_last_round(clients):
+    """``left`` (a deployment's site that left for good, the name -> its last round): from the round after, the
+    round's fraction is drawn among the clients still in, a phase that trains every client trains those, and the
+    evaluations score those; the rounds before are as without it."""
+    cl, cin, nc = clients
+    gone = cl[1].name
+    tp = TrainParams(rounds=3, batch_size=16, lr=0.02, device="cpu", count_flops=False, client_fraction=0.5)
+
+    def run(left=None):
+        method = FedAvg(FedAvg.params_cls(local_rounds=2), tp)  # rounds 1-2 train every client, then half of them
+        return Engine(method, build_model("simple_cnn", cin, nc, seed=0, width=0.25), cl, tp, seed=0, left=left).run()
+
+    whole, h = run(), run({gone: 1})
+    assert len(cl) >= 4 and [len(x["sampled"]) for x in h] == [len(cl), len(cl) - 1, (len(cl) - 1) // 2]
+    assert gone in h[0]["sampled"] and gone in h[0]["eval"] and "left" not in h[0]
+    assert all(gone not in x["sampled"] and gone not in x["eval"] and x["left"] == [gone] for x in h[1:])
+    assert all(len(x["eval"]) == len(cl) - 1 for x in h[1:])
+    assert h[0]["eval"] == whole[0]["eval"] and h[0]["bytes_up"] == whole[0]["bytes_up"]  # round 1 as without it
+
+
 def test_a_last_batch_of_one_joins_the_previous_batch():
     from fedsilo.client.local import batches
 
