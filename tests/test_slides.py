@@ -717,11 +717,12 @@ def test_dicom_annotation_objects_label_a_dicom_slides_patches(tmp_path):
 
 
 def test_dicom_structured_reports_label_a_dicom_slides_patches(tmp_path):
-    """A pathologist's regions as a DICOM Structured Report (a Measurement Report, TID 1500, made with highdicom): each
-    planar ROI is a region, found by the series the report's evidence references and placed on the slide: a 3D
-    polygon (millimetres on the glass), a closed 2D polyline in a coarser level's pixels, a circle in level 0's; a
-    point encloses nothing; the class is the ROI's finding type, or its tracking identifier. A report of another
-    template (a text report) referencing the slide is no annotation file."""
+    """A pathologist's regions as a DICOM Structured Report (a Measurement Report, TID 1500, made with highdicom) of a
+    case's two slides: each planar ROI is a region of the slide it is drawn on, the report found by the series its
+    evidence references and placed on each slide: a 3D polygon (millimetres on the glass), a closed 2D polyline in a
+    coarser level's pixels, a circle in level 0's; a point encloses nothing; the class is the ROI's finding type, or
+    its tracking identifier. A report of another template (a text report) referencing the slide is no annotation
+    file."""
     pytest.importorskip("openslide")
     hd = pytest.importorskip("highdicom")
     import pydicom
@@ -755,14 +756,12 @@ def test_dicom_structured_reports_label_a_dicom_slides_patches(tmp_path):
     def slide_mm(col: float, row: float) -> list[float]:  # image coordinates (corner at 0, 0) -> the slide's millimetres
         return [origin[0] - (row - 0.5) * mm, origin[1] - (col - 0.5) * mm, 0.0]
 
-    # S1: the tumour in 3D (the left half's rows 128-768), and a point that encloses nothing
+    # one report of the case's two slides. S1: the tumour in 3D (the left half's rows 128-768), and a point that
+    # encloses nothing; S2: necrosis over its right half (columns 512-896) in its level 1's pixels (a quarter of level
+    # 0's), and a circle of radius 100 around (256, 512) in level 0's pixels
     s1 = pydicom.dcmread(root / "tumour" / "S1" / "L1.dcm")
     tumour = np.array([slide_mm(x, y) for x, y in _square(0, 128, 512, 768)])
     point = np.array([slide_mm(700, 700)])
-    report([s1], [roi("Tumour outline", "Neoplasm", hd.sr.ImageRegion3D(hd.sr.GraphicTypeValues3D.POLYGON, tumour, s1.FrameOfReferenceUID)),
-                  roi("a nucleus", "Nucleus", hd.sr.ImageRegion3D(hd.sr.GraphicTypeValues3D.POINT, point, s1.FrameOfReferenceUID))], "s1.dcm")
-    # S2: necrosis over its right half (columns 512-896) in its level 1's pixels (a quarter of level 0's), and a circle
-    # of radius 100 around (256, 512) in level 0's pixels
     s2, s2_level1 = (pydicom.dcmread(root / "tumour" / "S2" / f) for f in ("L1.dcm", "L4.dcm"))
 
     def source(ds) -> Any:
@@ -772,8 +771,11 @@ def test_dicom_structured_reports_label_a_dicom_slides_patches(tmp_path):
                                  pixel_origin_interpretation="VOLUME")
     circle = hd.sr.ImageRegion(hd.sr.GraphicTypeValues.CIRCLE, np.array([[256.0, 512.0], [356.0, 512.0]]), source(s2),
                                pixel_origin_interpretation="VOLUME")
-    report([s2, s2_level1], [roi("necrosis 1", "Necrosis", necrosis), roi("a gland", "Gland", circle)], "s2.dcm")
-    text = pydicom.dcmread(root / "ann" / "s2.dcm")  # a report of another template on S2 (a text report) is no annotation
+    report([s1, s2, s2_level1], [
+        roi("Tumour outline", "Neoplasm", hd.sr.ImageRegion3D(hd.sr.GraphicTypeValues3D.POLYGON, tumour, s1.FrameOfReferenceUID)),
+        roi("a nucleus", "Nucleus", hd.sr.ImageRegion3D(hd.sr.GraphicTypeValues3D.POINT, point, s1.FrameOfReferenceUID)),
+        roi("necrosis 1", "Necrosis", necrosis), roi("a gland", "Gland", circle)], "case.dcm")
+    text = pydicom.dcmread(root / "ann" / "case.dcm")  # a report of another template on S2 (a text report) is no annotation
     text.ContentTemplateSequence[0].TemplateIdentifier = "2000"  # Basic Diagnostic Imaging Report
     text.SOPInstanceUID = text.file_meta.MediaStorageSOPInstanceUID = generate_uid()
     text.save_as(root / "ann" / "text.dcm")
@@ -790,15 +792,15 @@ def test_dicom_structured_reports_label_a_dicom_slides_patches(tmp_path):
     s2_rows = (recs["source_path"] == "tumour/S2/L1.dcm").to_numpy()
     right = xy[:, 0] >= 512
     assert s2_rows.sum() == 36 and (label[s2_rows & right] == "Necrosis").all() and (label[s2_rows & ~right] == "normal").all()
-    assert (s2_rows & right).sum() == 18 and card["domains"]["lab"]["excluded_by_reason"]["a slide's region annotations"] == 2
+    assert (s2_rows & right).sum() == 18 and card["domains"]["lab"]["excluded_by_reason"]["a slide's region annotations"] == 1
 
     # the circle, in level 0's pixels; classes by tracking identifier; a report with no Measurement Report is refused
     with slides.open_slide(str(root / "tumour" / "S2" / "L1.dcm")) as slide:
         frame = slides.slide_frame(slide, MPP0, root / "tumour" / "S2" / "L1.dcm")
-    (name, (ring,)), = [r for r in slides.read_regions(root / "ann" / "s2.dcm", frame) if r[0] == "Gland"]
+    (name, (ring,)), = [r for r in slides.read_regions(root / "ann" / "case.dcm", frame) if r[0] == "Gland"]
     assert np.allclose(np.hypot(np.asarray(ring)[:, 0] - 256, np.asarray(ring)[:, 1] - 512), 100)
-    assert [n for n, _ in slides.read_regions(root / "ann" / "s2.dcm", frame, "label")] == ["necrosis 1", "a gland"]
-    assert slides.dicom_annotation_refs(root / "ann" / "s2.dcm") >= {s2.SeriesInstanceUID, s2.SOPInstanceUID, s2_level1.SOPInstanceUID}
+    assert [n for n, _ in slides.read_regions(root / "ann" / "case.dcm", frame, "label")] == ["necrosis 1", "a gland"]  # S2's only
+    assert slides.dicom_annotation_refs(root / "ann" / "case.dcm") >= {s1.SeriesInstanceUID, s2.SeriesInstanceUID, s2_level1.SOPInstanceUID}
     assert slides.dicom_annotation_refs(root / "ann" / "text.dcm") is None
     with pytest.raises(ValueError, match="a Structured Report whose content is no Measurement Report"):
         slides.read_regions(root / "ann" / "text.dcm", frame)

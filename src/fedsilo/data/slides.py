@@ -596,13 +596,17 @@ def _pixels_2d(frame: SlideFrame, level0: Any, ref: str) -> Callable[[np.ndarray
     for f in ([] if image is not None else walk(Path(str(frame.dicom)).parent)):
         if f.is_file() and is_dicom_file(f):
             ds = pydicom.dcmread(str(f), stop_before_pixels=True, specific_tags=[
-                "SOPInstanceUID", "TotalPixelMatrixColumns", "TotalPixelMatrixRows"])
+                "SOPInstanceUID", "TotalPixelMatrixColumns", "TotalPixelMatrixRows", "ImageType"])
             if str(ds.get("SOPInstanceUID", "")) == ref:
                 image = ds
                 break
     if image is None:
         raise ValueError(f"its 2D coordinates are in the pixels of the image {ref}, which is not among the slide's "
                          f"files ({Path(str(frame.dicom)).parent.name}/)")
+    flavour = list(image.get("ImageType", None) or [])[2:3]
+    if flavour and str(flavour[0]) not in ("VOLUME", "THUMBNAIL"):  # a label or overview photograph is not the pyramid
+        raise ValueError(f"its 2D coordinates are in the pixels of the image {ref}, the slide's {flavour[0]} image, not "
+                         "a level of its pyramid")
     scale = np.array([frame.width / int(image.TotalPixelMatrixColumns), frame.height / int(image.TotalPixelMatrixRows)])
     return lambda points: np.asarray(points, dtype=np.float64)[:, :2] * scale
 
@@ -661,14 +665,18 @@ def _sr_regions(path: Path, frame: Optional[SlideFrame], dicom_class: str) -> li
     millimetres, mapped as a Bulk Simple Annotations object's (its frame of reference must be the slide's). A closed
     POLYLINE and a POLYGON are polygons, an ELLIPSE (its two axes' end points) and a CIRCLE (its centre and a point on
     it) 256-point polygons; POINT, MULTIPOINT, an open POLYLINE and an ROI given as a segment of a Segmentation
-    (read as that Segmentation) enclose no area here."""
+    (read as that Segmentation) enclose no area here. A report may cover several slides (its evidence lists their
+    series): an ROI on another one's image or frame of reference is that slide's, and passed over here."""
     hd, level0 = _on_dicom_slide(frame, "Structured Report")
     assert frame is not None
     sr = hd.sr.srread(str(path))
-    try:
-        report = hd.sr.MeasurementReport.from_sequence([sr])
-    except (ValueError, AttributeError) as err:
-        raise ValueError(f"a Structured Report whose content is no Measurement Report (TID 1500): {err}") from None
+    report = sr.content  # highdicom parses a TID 1500 document's content as its Measurement Report
+    if not isinstance(report, hd.sr.MeasurementReport):
+        raise ValueError("a Structured Report whose content is no Measurement Report (TID 1500)")
+    # what the report's evidence lists: each image's series (an ROI on another slide's image is that slide's)
+    series_of = {str(i.ReferencedSOPInstanceUID): str(s.SeriesInstanceUID) for key in EVIDENCE for study in sr.get(key, None) or []
+                 for s in study.get("ReferencedSeriesSequence", None) or [] for i in s.get("ReferencedSOPSequence", None) or []}
+    others = set(series_of.values()) - {str(level0.SeriesInstanceUID)}  # the other slides the report covers, if any
     out: list[Region] = []
     placed: dict[str, Callable[[np.ndarray], np.ndarray]] = {}  # per referenced image (2D) or frame of reference (3D)
     for n, group in enumerate(report.get_planar_roi_measurement_groups(), 1):
@@ -687,20 +695,27 @@ def _sr_regions(path: Path, frame: Optional[SlideFrame], dicom_class: str) -> li
         where = f"planar ROI {n} ({name})"
         if isinstance(roi, hd.sr.ImageRegion3D):
             uid = str(roi.ReferencedFrameOfReferenceUID)
+            if uid != str(level0.get("FrameOfReferenceUID", "")) and others:
+                continue  # on another slide of the report's
             to_pixels = placed.get(uid) or placed.setdefault(uid, _pixels_3d(hd, level0, uid))
         else:
-            if str(roi.get("PixelOriginInterpretation", "VOLUME")) != "VOLUME":
-                raise ValueError(f"{where}: 2D coordinates relative to one frame (PixelOriginInterpretation "
-                                 f"{roi.PixelOriginInterpretation}), not to the total pixel matrix")
-            uid = str(roi.ContentSequence[0].ReferencedSOPSequence[0].ReferencedSOPInstanceUID)
+            images = [c for c in roi.get("ContentSequence", None) or [] if c.get("ValueType") == "IMAGE"]
+            if not images:
+                raise ValueError(f"{where}: a 2D region without the image it is drawn on (no IMAGE content item under it)")
+            ref = images[0].ReferencedSOPSequence[0]
+            origin = roi.get("PixelOriginInterpretation", None)
+            if origin is None and "ReferencedFrameNumber" in ref or origin not in (None, "VOLUME"):
+                raise ValueError(f"{where}: 2D coordinates relative to one frame (PixelOriginInterpretation {origin or 'absent'}, "
+                                 f"frame {ref.get('ReferencedFrameNumber', '-')}), not to the total pixel matrix")
+            uid = str(ref.ReferencedSOPInstanceUID)
+            if series_of.get(uid) in others:
+                continue  # an image of another slide of the report's
             to_pixels = placed.get(uid) or placed.setdefault(uid, _pixels_2d(frame, level0, uid))
-        pixels = to_pixels(points)
-        if shape == "ELLIPSE":
-            pixels = _ellipse(pixels)
-        elif shape == "CIRCLE":
+        if shape == "CIRCLE":  # drawn where it is given (its centre, a point on it), then placed
             t = np.linspace(0, 2 * np.pi, 256, endpoint=False)[:, None]
-            pixels = pixels[0] + np.linalg.norm(pixels[1] - pixels[0]) * np.c_[np.cos(t), np.sin(t)]
-        out.append((name, [_ring(pixels, where)]))
+            points = points[0] + np.linalg.norm(points[1] - points[0]) * np.c_[np.cos(t), np.sin(t)]
+        pixels = to_pixels(points)
+        out.append((name, [_ring(_ellipse(pixels) if shape == "ELLIPSE" else pixels, where)]))
     return out
 
 
@@ -1168,7 +1183,7 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
         for f in found:
             owners.setdefault(f, []).append(i)
     for found, users in owners.items():  # two slides of one name in a flat annotations folder: neither is labelled by it
-        if len(users) > 1:
+        if len(users) > 1 and _sop_class(found) not in DICOM_SR:  # a Structured Report may cover a case's slides
             for i in users:
                 other = next(str(rec["path"].iloc[j]) for j in users if j != i)
                 ambiguous[i] = (f"its annotation file {found.relative_to(raw_dir)} is also the slide {other}'s" + (
