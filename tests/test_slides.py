@@ -626,6 +626,29 @@ def test_dicom_whole_slide_images_are_read_through_openslide(tmp_path, monkeypat
     assert set(s1.loc[x + 128 <= 1024, "original_label"]) == {"normal"} and set(s1.loc[x >= 1024, "original_label"]) == {"tumour"}
 
 
+ORIGIN_MM = (20.0, 40.0)  # where the generated DICOM slides' top-left pixel lies on the glass
+
+
+def _two_dicom_slides(root: Path) -> None:
+    """Slides S1 and S2 under ``root/tumour``: each a DICOM series of two levels (full and a quarter) of a 1024 px
+    square whose stained tissue fills rows and columns 128-896, its top-left pixel at ORIGIN_MM, a frame of
+    reference of its own."""
+    from pydicom.uid import generate_uid
+
+    img = np.full((1024, 1024, 3), 238, np.uint8)
+    img[128:896, 128:896] = (np.random.default_rng(0).integers(0, 50, (768, 768, 3)) + np.array([170, 70, 140])).astype(np.uint8)
+    for name in ("S1", "S2"):
+        uids = (generate_uid(), generate_uid(), generate_uid())
+        for d in (1, 4):
+            _dicom_level(root / "tumour" / name / f"L{d}.dcm", np.ascontiguousarray(img[::d, ::d]), MPP0 * d, uids, origin_mm=ORIGIN_MM)
+
+
+def _slide_mm(col: float, row: float) -> list[float]:
+    """Level-0 image coordinates (corner at 0, 0) of a slide of :func:`_two_dicom_slides` -> its slide coordinates (mm)."""
+    mm = MPP0 / 1000
+    return [ORIGIN_MM[0] - (row - 0.5) * mm, ORIGIN_MM[1] - (col - 0.5) * mm, 0.0]
+
+
 def test_dicom_annotation_objects_label_a_dicom_slides_patches(tmp_path):
     """DICOM Microscopy Bulk Simple Annotations (made with highdicom) are found by the series they reference and
     placed on the slide: 3D coordinates (millimetres on the glass, through the level-0 image's origin and
@@ -638,13 +661,7 @@ def test_dicom_annotation_objects_label_a_dicom_slides_patches(tmp_path):
     from pydicom.uid import generate_uid
 
     root = tmp_path / "raw" / "lab"
-    img = np.full((1024, 1024, 3), 238, np.uint8)
-    img[128:896, 128:896] = (np.random.default_rng(0).integers(0, 50, (768, 768, 3)) + np.array([170, 70, 140])).astype(np.uint8)
-    origin, mm = (20.0, 40.0), MPP0 / 1000
-    for name in ("S1", "S2"):
-        uids = (generate_uid(), generate_uid(), generate_uid())
-        for d in (1, 4):
-            _dicom_level(root / "tumour" / name / f"L{d}.dcm", np.ascontiguousarray(img[::d, ::d]), MPP0 * d, uids, origin_mm=origin)
+    _two_dicom_slides(root)
     for cls in ("normal", "necrosis"):
         (root / cls).mkdir()
     (root / "ann").mkdir()
@@ -662,16 +679,13 @@ def test_dicom_annotation_objects_label_a_dicom_slides_patches(tmp_path):
             manufacturer_model_name="test", software_versions="1", device_serial_number="1")
         ann.save_as(root / "ann" / name)
 
-    def slide_mm(col: float, row: float) -> list[float]:  # image coordinates (corner at 0, 0) -> the slide's millimetres
-        return [origin[0] - (row - 0.5) * mm, origin[1] - (col - 0.5) * mm, 0.0]
-
     # S1, in 3D, in two objects as a PACS keeps them: the pathologist's tumour (the left half's rows 128-768), and an
     # algorithm's nuclei (one covers 61 % of the top-left tissue patch) and their centroids (points)
     s1 = pydicom.dcmread(root / "tumour" / "S1" / "L1.dcm")
-    box = lambda x0, y0, x1, y1: np.array([slide_mm(x, y) for x, y in _square(x0, y0, x1, y1)[:4]])  # noqa: E731
+    box = lambda x0, y0, x1, y1: np.array([_slide_mm(x, y) for x, y in _square(x0, y0, x1, y1)[:4]])  # noqa: E731
     save(s1, "3D", [group(1, "Tumour outline", "Neoplasm", "POLYGON", [box(0, 128, 512, 768)])], "1.2.3.dcm")
     save(s1, "3D", [group(1, "nuclei", "Nucleus", "POLYGON", [box(138, 138, 238, 238)]),
-                    group(2, "centroids", "Nucleus centre", "POINT", [np.array([slide_mm(700, 700)])])], "1.2.4.dcm")
+                    group(2, "centroids", "Nucleus centre", "POINT", [np.array([_slide_mm(700, 700)])])], "1.2.4.dcm")
     # S2, in 2D in its level 1's pixels (a quarter of level 0's): a necrosis ellipse around (512, 512) whose half axes
     # are 448 px along x and 160 px along y at level 0
     s2_level1 = pydicom.dcmread(root / "tumour" / "S2" / "L4.dcm")
@@ -730,13 +744,7 @@ def test_dicom_structured_reports_label_a_dicom_slides_patches(tmp_path):
     from pydicom.uid import generate_uid
 
     root = tmp_path / "raw" / "lab"
-    img = np.full((1024, 1024, 3), 238, np.uint8)
-    img[128:896, 128:896] = (np.random.default_rng(0).integers(0, 50, (768, 768, 3)) + np.array([170, 70, 140])).astype(np.uint8)
-    origin, mm = (20.0, 40.0), MPP0 / 1000
-    for name in ("S1", "S2"):
-        uids = (generate_uid(), generate_uid(), generate_uid())
-        for d in (1, 4):
-            _dicom_level(root / "tumour" / name / f"L{d}.dcm", np.ascontiguousarray(img[::d, ::d]), MPP0 * d, uids, origin_mm=origin)
+    _two_dicom_slides(root)
     (root / "normal").mkdir()
     (root / "ann").mkdir()
 
@@ -753,15 +761,12 @@ def test_dicom_structured_reports_label_a_dicom_slides_patches(tmp_path):
         hd.sr.Comprehensive3DSR(evidence=evidence, content=content, series_instance_uid=generate_uid(), series_number=3,
                                 sop_instance_uid=generate_uid(), instance_number=1, manufacturer="fedsilo test").save_as(root / "ann" / name)
 
-    def slide_mm(col: float, row: float) -> list[float]:  # image coordinates (corner at 0, 0) -> the slide's millimetres
-        return [origin[0] - (row - 0.5) * mm, origin[1] - (col - 0.5) * mm, 0.0]
-
     # one report of the case's two slides. S1: the tumour in 3D (the left half's rows 128-768), and a point that
     # encloses nothing; S2: necrosis over its right half (columns 512-896) in its level 1's pixels (a quarter of level
     # 0's), and a circle of radius 100 around (256, 512) in level 0's pixels
     s1 = pydicom.dcmread(root / "tumour" / "S1" / "L1.dcm")
-    tumour = np.array([slide_mm(x, y) for x, y in _square(0, 128, 512, 768)])
-    point = np.array([slide_mm(700, 700)])
+    tumour = np.array([_slide_mm(x, y) for x, y in _square(0, 128, 512, 768)])
+    point = np.array([_slide_mm(700, 700)])
     s2, s2_level1 = (pydicom.dcmread(root / "tumour" / "S2" / f) for f in ("L1.dcm", "L4.dcm"))
 
     def source(ds) -> Any:
