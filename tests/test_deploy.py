@@ -563,6 +563,92 @@ def test_a_site_that_leaves_for_good_is_left_out_of_the_rest_of_the_run_as_the_e
         load_federation(federation("d", (gone, "RSNA")))
 
 
+@pytest.mark.usefixtures("identity")
+def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_the_engine_has_it(sites, tmp_path):
+    """A hospital joins a federation mid-run: the coordinator lists it after the sites the run started with, marked
+    ``joined: true``, and writes the App again. resume_key covers the sites the run started with, so the new App
+    resumes the checkpoint; the new site takes part from the next round, from a fresh store (FedBN: its BatchNorm
+    layers as every site started), which ends with the numbers of the in-process engine whose third client joins in
+    round 2. Refused by key: a site marked joined with no run to resume, one listed before a site the run started
+    with, and a method whose server state is sized by the federation it started with."""
+    from fedsilo.fl.deploy import resume_key
+
+    train = {**TRAIN, "rounds": 3}
+    new = "VinBigData"
+    first = {k: sites[k] for k in ("chexpert", "rsna")}
+
+    def federation(name: str, members: dict, method: str = "fedbn") -> Path:
+        (tmp_path / name).mkdir()
+        raw = yaml.safe_load(_federation(tmp_path / name, members, method=method, train=train).read_text())
+        for entry in raw["sites"]:
+            entry["joined"] = entry["name"] == new
+        (tmp_path / name / "federation.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+        return tmp_path / name / "federation.yaml"
+
+    for app, fed in (("app", federation("a", first)), ("app2", federation("b", sites))):
+        write_app(load_federation(fed), load_params(REPO_PARAMS), tmp_path / app)
+    dep, dep2 = (json.loads((tmp_path / a / "deployment.json").read_text()) for a in ("app", "app2"))
+    assert resume_key(dep) == resume_key(dep2) and resume_key(dep, code=False) == resume_key(dep2, code=False)
+
+    def ctx(run_id: int, name: str = "run") -> Context:
+        return Context(run_id=run_id, node_id=0, node_config={}, state=RecordDict(),
+                       run_config={"results-dir": str(tmp_path / name), "state-dir": str(tmp_path / f"{name}.state"), "wait-s": 30})
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        server, client = _load_apps(tmp_path / "app")
+        with pytest.raises(ConnectionError, match="went down"):  # round 1 with the two sites, then the SuperLink goes down
+            server._main(DownAt(client, first, rnd=2, run_id=1), ctx(1))
+        server2, client2 = _load_apps(tmp_path / "app2")
+        with pytest.raises(ConfigError, match=rf"sites: {new} marked joined, but there is no checkpoint of this deployment to resume"):
+            server2._main(SiteGrid(client2, sites, run_id=2), ctx(2, "fresh"))
+        server2._main(SiteGrid(client2, sites, run_id=3), ctx(3))
+    finally:
+        torch.set_num_threads(threads)
+    history = json.loads((tmp_path / "run/history.json").read_text())
+    metrics = json.loads((tmp_path / "run/metrics.json").read_text())
+    assert metrics["sites_joined"] == {new: 2} and metrics["clients"] == ["CheXpert", "RSNA", new]
+    assert [h["sampled"] for h in history] == [["CheXpert", "RSNA"]] + [["CheXpert", "RSNA", new]] * 2
+    assert [h.get("joined") for h in history] == [None, [new], None] and new not in history[0]["eval"] and new in history[1]["eval"]
+
+    # the in-process engine on the three splits, its third client joining in round 2: the same numbers
+    spec = deployment_spec(dep2)
+    clients = [load_site(load_params(p), "site", p.parent, torch.device("cpu"), index=k) for k, p in enumerate(sites.values())]
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        reference = Engine(spec.method(), spec.make_model(), clients, spec.train, seed=0, joined={new: 2}).run()
+    finally:
+        torch.set_num_threads(threads)
+    for key in ("sampled", "eval", "bytes_up", "bytes_down", "train_loss", "mean_acc"):
+        assert [h[key] for h in history] == [h[key] for h in reference], key
+
+    # a method whose server keeps per-site state (FedHEAL: its aggregation weighs the federation's clients) refuses
+    coordinator = yaml.safe_load(REPO_PARAMS.read_text())
+    coordinator["methods"]["fedheal"] = {}
+    (tmp_path / "coordinator.yaml").write_text(yaml.safe_dump(coordinator, sort_keys=False))
+    for app, fed in (("heal", federation("c", first, "fedheal")), ("heal2", federation("d", sites, "fedheal"))):
+        write_app(load_federation(fed), load_params(tmp_path / "coordinator.yaml"), tmp_path / app)
+    torch.set_num_threads(1)
+    try:
+        heal, heal_client = _load_apps(tmp_path / "heal")
+        with pytest.raises(ConnectionError, match="went down"):
+            heal._main(DownAt(heal_client, first, rnd=2, run_id=4), ctx(4, "heal"))
+        heal2, heal_client2 = _load_apps(tmp_path / "heal2")
+        with pytest.raises(ConfigError, match=rf"sites: {new} marked joined: fedheal keeps server state sized or weighted by the "
+                                              r"federation it started with .* \(it can join a run of ditto, fedavg, fedbabu, fedbn"):
+            heal2._main(SiteGrid(heal_client2, sites, run_id=5), ctx(5, "heal"))
+    finally:
+        torch.set_num_threads(threads)
+    raw = yaml.safe_load((tmp_path / "b/federation.yaml").read_text())
+    raw["sites"] = [raw["sites"][2], *raw["sites"][:2]]
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e/federation.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    with pytest.raises(ConfigError, match=rf"sites: CheXpert, RSNA listed after {new}, which joined the run in progress"):
+        load_federation(tmp_path / "e/federation.yaml")
+
+
 def test_a_site_audit_reads_each_flower_run_apart_counts_error_replies_apart_and_names_a_cut_line(tmp_path, capsys):
     """A log of two Flower runs (the second started afresh from round 1), a refused train (an error reply), and a
     last line cut short (a SuperNode killed while writing): each run with its rounds, the error beside the real

@@ -71,6 +71,9 @@ class SiteEntry(Strict):
     left: bool = Field(False, description="the site left the federation for good: `fedsilo deploy app` again and `flwr run` "
                        "resume the run in progress without it from its next round (neither sampled nor evaluated); "
                        "its entry stays, as it was part of the rounds before")
+    joined: bool = Field(False, description="the site joined the run in progress: listed after every site the run started "
+                         "with, it takes part from the round after the checkpoint `flwr run` resumes, from a fresh store "
+                         "(for methods whose server holds nothing sized by the federation: FedAvg, FedBN, ...)")
 
     @field_validator("fingerprint", mode="before")
     @classmethod
@@ -119,6 +122,12 @@ def load_federation(path: str | Path) -> Federation:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ConfigError(f"{path}: sites: {', '.join(twice)} listed twice")
+    first = next((k for k, s in enumerate(fed.sites) if s.joined), len(fed.sites))
+    late = [s.name for s in fed.sites[first:] if not s.joined]
+    if late:
+        raise ConfigError(f"{path}: sites: {', '.join(late)} listed after {fed.sites[first].name}, which joined the run in "
+                          "progress: the sites that joined come after every site the run started with (a site's place is "
+                          "its client index)")
     if sum(not s.left for s in fed.sites) < 2:
         raise ConfigError(f"{path}: sites: {sum(s.left for s in fed.sites)} of the {len(names)} sites marked left; a "
                           "federation needs two sites that have not left")
@@ -274,13 +283,15 @@ def resume_key(dep: dict[str, Any], code: bool = True) -> str:
     """What a resumed deployment must share with the run it resumes: the deployment (but ``checkpoint_every`` and
     ``keep_client_models``, which change what is written, not what is trained; each site's ``node_id``, which
     says which registered key may speak for the site, not what it trains on: a site given a new key mid-run, its
-    new node pinned in a new App, resumes with the stores on its disk; and each site's ``left``: a site leaving
-    mid-run leaves the run in progress, which the other sites carry on from their disks) and, for the
+    new node pinned in a new App, resumes with the stores on its disk; each site's ``left``: a site leaving
+    mid-run leaves the run in progress, which the other sites carry on from their disks; and the sites marked
+    ``joined``, which join the run in progress) and, for the
     coordinator's checkpoint (``code``), the fedsilo code that trains, as a train stage's checkpoint (fl/run.py)."""
     from fedsilo.fl.run import code_fingerprint
 
     train = {k: v for k, v in dep["train"].items() if k not in ("checkpoint_every", "keep_client_models")}
-    sites = [{k: v for k, v in s.items() if k not in ("node_id", "left")} for s in dep.get("sites", [])]
+    # the sites the run started with (a site that joins later is not part of what it resumes)
+    sites = [{k: v for k, v in s.items() if k not in ("node_id", "left", "joined")} for s in dep.get("sites", []) if not s.get("joined")]
     return canonical_hash({"deployment": {**dep, "train": train, "sites": sites}, **({"code": code_fingerprint("cpu")} if code else {})})
 
 
@@ -335,7 +346,8 @@ def apps(app_file: Path):
     dep = json.loads(Path(app_file).read_text())
     spec = deployment_spec(dep)
     roster = Roster(tuple(s["name"] for s in dep["sites"]), tuple(s["fingerprint"] for s in dep["sites"]), dep["contract"],
-                    tuple(s.get("node_id") for s in dep["sites"]), tuple(bool(s.get("left")) for s in dep["sites"]))
+                    tuple(s.get("node_id") for s in dep["sites"]), tuple(bool(s.get("left")) for s in dep["sites"]),
+                    tuple(bool(s.get("joined")) for s in dep["sites"]))
     server = ServerApp()
 
     @server.main()
@@ -377,7 +389,8 @@ def apps(app_file: Path):
             finally:
                 wire.close()
             metrics = _write_results(out, staging, dep, run, tracker.run_id)
-            tracker.tag({f"site.{n}.left_after_round": str(r) for n, r in metrics["sites_left"].items()})
+            tracker.tag({**{f"site.{n}.left_after_round": str(r) for n, r in metrics["sites_left"].items()},
+                         **{f"site.{n}.joined_in_round": str(r) for n, r in metrics["sites_joined"].items()}})
             # its work is done: running the App again trains again (and never resumes into results already moved)
             checkpoint.unlink(missing_ok=True)
             Tracker.forget(state)
@@ -614,6 +627,8 @@ def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any, mlfl
         "bytes_down_dropped_total": int(sum(sum(e.get("dropped", {}).values()) for e in history)),  # sent, never taken back
         # the sites that left the federation for good, each with the last round it took part in (sites[k].left)
         "sites_left": dict(run.engine.left),
+        # the sites that joined the run in progress, each with the first round it took part in (sites[k].joined)
+        "sites_joined": dict(run.engine.joined),
         "deployment_sha256": canonical_hash(dep),
         "mlflow_run_id": mlflow_run_id,
     }

@@ -135,6 +135,7 @@ class Engine:
         meta: Optional[dict[str, Any]] = None,
         external: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         left: Optional[dict[str, int]] = None,
+        joined: Optional[dict[str, int]] = None,
     ):
         if not self.stream:
             check_stream_fit(type(method), False, method.key, "these clients hold static data: train it on a domain_incremental split")
@@ -143,7 +144,7 @@ class Engine:
         self.seed, self.checkpoint, self.config_hash = seed, checkpoint, config_hash
         self.observer, self.on_round = observer, on_round
         self.meta: dict[str, Any] = dict(meta or {})
-        self.left = dict(left or {})  # see active()
+        self.left, self.joined = dict(left or {}), dict(joined or {})  # see active()
         self.method.join(clients, seed)
         model = self.model = method.transform_model(model, to_float(clients[0].x_train[:2]))
         self.method.setup(model)
@@ -259,9 +260,12 @@ class Engine:
     def active(self, rnd: int) -> list[int]:
         """The client indices that take part in round ``rnd``: all of them, but a site that left the federation for
         good (``left``: its name -> the last round it took part in; a deployment's ``sites[k].left``, fl/flower.py),
-        which from the round after is neither sampled nor evaluated. What it was (its data counts in the method's
-        ``join``, its store, the server's state of it) stays as it was: the federation's past is not rewritten."""
-        return [i for i, c in enumerate(self.clients) if rnd <= self.left.get(c.name, rnd)]
+        which from the round after is neither sampled nor evaluated, and a site that joined a run in progress
+        (``joined``: its name -> the first round it takes part in; ``sites[k].joined``), which is neither before it.
+        What a site that left was (its data counts in the method's ``join``, its store, the server's state of it)
+        stays as it was: the federation's past is not rewritten; a site that joins starts from the store
+        ``init_client`` gives it, as every site started."""
+        return [i for i, c in enumerate(self.clients) if self.joined.get(c.name, rnd) <= rnd <= self.left.get(c.name, rnd)]
 
     def sample(self, rnd: int) -> list[int]:
         """The round's clients: m = max(1, floor(C n)) of the n active ones (:meth:`active`), drawn without
@@ -284,6 +288,15 @@ class Engine:
         """The sites that have left the federation by round ``rnd`` (named in the round's history entry)."""
         return [c.name for c in self.clients if rnd > self.left.get(c.name, rnd)]
 
+    def note_membership(self, entry: dict[str, Any], rnd: int) -> None:
+        """A round's history entry names the sites that have left (``left``, every round after) and those that join
+        in it (``joined``, their first round)."""
+        if self.gone(rnd):
+            entry["left"] = self.gone(rnd)
+        new = [c.name for c in self.clients if self.joined.get(c.name) == rnd]
+        if new:
+            entry["joined"] = new
+
     def _clock(self) -> float:
         """Wall-clock seconds, after the device has finished its queued work (CUDA runs asynchronously)."""
         if self._device().type == "cuda":
@@ -302,8 +315,7 @@ class Engine:
             "bytes_up": {},
             "train_loss": {},
         }
-        if self.gone(rnd):
-            entry["left"] = self.gone(rnd)
+        self.note_membership(entry, rnd)
         uploads: list[tuple[ClientData, State]] = []
         acc = self.method.agg_begin(self.server, rnd) if self.method.streaming else None
         flops = flop_counter() if self.train.count_flops and rnd == self.total_rounds else None

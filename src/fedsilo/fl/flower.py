@@ -95,7 +95,7 @@ from fedsilo.fl.engine import (
     refuse_private,
 )
 from fedsilo.methods.base import Method, MethodParams, State, payload_bytes
-from fedsilo.methods.registry import check_stream_fit
+from fedsilo.methods.registry import check_stream_fit, joinable_methods
 
 try:  # the optional extra: pip install -e ".[flower]" in fedsilo's checkout
     from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -294,6 +294,15 @@ def not_coming_back(before: dict[str, int], left: Sequence[str]) -> None:
                           "resume, or start a new run (another state-dir) with it")
 
 
+def still_listed(joined: dict[str, int], names: Sequence[str]) -> None:
+    """Refuses a run whose checkpoint says sites joined it (``joined``: name -> first round) that the federation no
+    longer lists: the rounds they took part in are the run's."""
+    dropped = sorted(set(joined) - set(names))
+    if dropped:
+        raise ConfigError("sites: " + ", ".join(f"{n} joined in round {joined[n]}" for n in dropped) + " (the run's checkpoint "
+                          "says so) and is no longer listed: keep its entry, marked `left: true` if it left")
+
+
 def no_run_to_leave(names: Sequence[str], checkpoint: Optional[Path]) -> ConfigError:
     """The error for sites marked left when there is no run in progress to resume without them."""
     return ConfigError(f"sites: {', '.join(names)} marked left, but there is no checkpoint of this deployment to resume "
@@ -339,7 +348,7 @@ class FlowerServer(Engine):
                  device: str = "cpu", wire: Optional[Callable[[dict[str, Any]], None]] = None,
                  checkpoint: Optional[Path] = None, config_hash: str = "", meta: Optional[dict[str, Any]] = None,
                  tasks: Optional[list[str]] = None, rejoin_s: float = 0.0, min_train_sites: int = 0,
-                 left: Sequence[str] = ()):
+                 left: Sequence[str] = (), joined: Sequence[str] = ()):
         spec.check(stream=tasks is not None)
         # how long a message waits for a site whose SuperNode went away (a restart, a lost link) to come back online
         # before the run ends; only a checkpointed run waits: its sites keep their stores on disk, so a restarted site
@@ -370,6 +379,7 @@ class FlowerServer(Engine):
         self._announces = type(self.method).announce is not Method.announce
         resumed = self._resume()
         self.left = self._sites_left(left, resumed, tasks is not None)
+        self.joined = self._sites_joined(joined, resumed, tasks is not None)
         check_min_train_sites(spec, len(self.clients) - len(self.left), self.min_train_sites, checkpoint is not None, tasks is not None)
         if resumed:
             self.meta.update(meta or {})  # this run's (its MLflow run), over what the checkpoint held
@@ -401,6 +411,32 @@ class FlowerServer(Engine):
         for n in new:
             log.warning("%s left the federation after round %d: the rounds from %d on go on without it", n, self.round, self.round + 1)
         self.meta["left"] = out
+        return out
+
+    def _sites_joined(self, joined: Sequence[str], resumed: bool, stream: bool) -> dict[str, int]:
+        """The sites that joined the run in progress (``joined``: the deployment's ``sites[k].joined``), each with the
+        first round it takes part in: the round after the checkpoint's when it was first marked (kept in the
+        checkpoint's meta from then on). Before it, the engine neither samples nor evaluates it (``Engine.active``);
+        it starts from a fresh store (``init_client``), as every site started."""
+        before: dict[str, int] = dict(self.meta.get("joined", {})) if resumed else {}
+        still_listed(before, [c.name for c in self.clients])
+        new = [n for n in joined if n not in before]
+        if new and not resumed:
+            raise ConfigError(f"sites: {', '.join(new)} marked joined, but there is no checkpoint of this deployment to "
+                              f"resume ({self.checkpoint}): a site joins a run in progress; to start with it, leave "
+                              "`joined` out")
+        if new and stream:
+            raise ConfigError(f"sites: {', '.join(new)} marked joined: not for a task stream yet (a site joining mid-stream "
+                              "has not learnt the tasks before)")
+        if new and not type(self.method).joins_mid_run():
+            raise ConfigError(f"sites: {', '.join(new)} marked joined: {self.spec.key or self.spec.method_cls.name} keeps "
+                              "server state sized or weighted by the federation it started with (per-site parts, domain "
+                              f"counts), so a site cannot join a run of it in progress (it can join a run of "
+                              f"{', '.join(joinable_methods())}); start a new run with the site")
+        out = {**before, **{n: self.round + 1 for n in new}}
+        for n in new:
+            log.warning("%s joins the federation in round %d, from a fresh store", n, self.round + 1)
+        self.meta["joined"] = out
         return out
 
     def last_trained(self) -> list[int]:
@@ -544,8 +580,7 @@ class FlowerServer(Engine):
         picked = self.active(rnd) if self.method.sample_all(rnd) else self.sample(rnd)
         entry: dict[str, Any] = {"round": rnd, "sampled": [self.clients[i].name for i in picked],
                                  "bytes_down": {}, "bytes_up": {}, "train_loss": {}}
-        if self.gone(rnd):
-            entry["left"] = self.gone(rnd)
+        self.note_membership(entry, rnd)
         wire: dict[str, dict[str, int]] = {"down": {}, "up": {}}
         count_flops = bool(self.train.count_flops and rnd == self.total_rounds)
         if self._announces:  # counted with the training, as the engine counts a client's announce and update together
@@ -732,6 +767,11 @@ class Roster:
     contract: dict[str, Any]
     node_ids: tuple[Optional[int], ...] = ()  # per site, the SuperLink node registered with its key (None: not pinned)
     left: tuple[bool, ...] = ()  # per site, whether it left the federation for good (it takes no part from now on)
+    joined: tuple[bool, ...] = ()  # per site, whether it joined the run in progress
+
+    def joining(self) -> list[str]:
+        """The sites that joined the run in progress (``sites[k].joined``)."""
+        return [n for n, new in zip(self.sites, self.joined) if new]
 
     def gone(self) -> list[str]:
         """The sites that left the federation (``sites[k].left``)."""
@@ -793,6 +833,7 @@ class FlowerRun:
         self.checkpoint, self.config_hash, self.meta, self.rejoin_s = checkpoint, config_hash, meta, rejoin_s
         self.min_train_sites = min_train_sites  # a round goes on without sites gone during its training (FlowerServer)
         self.gone = roster.gone() if roster is not None else []  # the sites that left the federation for good
+        self.joining = roster.joining() if roster is not None else []  # the sites that joined the run in progress
         # before any site connects
         check_min_train_sites(spec, num_clients - len(self.gone), min_train_sites, checkpoint is not None, None)
         self.engine: Optional[FlowerServer] = None
@@ -807,6 +848,7 @@ class FlowerRun:
         held = checkpoint_meta(self.checkpoint, self.config_hash) if self.checkpoint is not None else None
         if held is not None and self.roster is not None:
             not_coming_back(held.get("left", {}), self.gone)
+            still_listed(held.get("joined", {}), self.roster.sites)
         if not self.gone:
             return {}
         if held is None:
@@ -933,7 +975,7 @@ class FlowerRun:
         meta = {**(self.meta or {}), "cards": self.cards} if self.checkpoint is not None else self.meta
         common = {"observer": self.observer, "on_round": self.on_round, "wire": self.wire, "checkpoint": self.checkpoint,
                   "config_hash": self.config_hash, "meta": meta, "rejoin_s": self.rejoin_s,
-                  "min_train_sites": self.min_train_sites, "left": self.gone}
+                  "min_train_sites": self.min_train_sites, "left": self.gone, "joined": self.joining}
         # a stream site registers its tasks' domains and training counts (client_app's register)
         streams = {c.name: (list(r["tasks"]), list(r["n_train_tasks"])) if "tasks" in r else None for c, r in zip(ordered, self.cards)}
         if all(v is None for v in streams.values()):

@@ -123,6 +123,8 @@ def round_summary(entry: dict[str, Any]) -> str:
         parts.append("without " + ", ".join(entry["dropped"]) + " (gone during training)")
     if entry.get("left"):
         parts.append("without " + ", ".join(entry["left"]) + " (left the federation)")
+    if entry.get("joined"):
+        parts.append(", ".join(entry["joined"]) + " joined")
     return ", ".join(parts)
 
 

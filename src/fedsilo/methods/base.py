@@ -78,6 +78,10 @@ class Method:
     # it was set up with. A method that stores per-call state on itself (a hook's capture, what the server heard
     # from a client) sets it False and is trained one client at a time.
     client_parallel: ClassVar[bool] = True
+    # a site may join a run in progress (a deployment's sites[k].joined): the server state holds nothing sized or
+    # weighted by the federation at its start (no per-client part, no domain count in its aggregation). Declared by
+    # each class for itself (a subclass that adds such state does not inherit it): see joins_mid_run()
+    joinable: ClassVar[bool] = False
 
     def __init__(self, params: MethodParams, train: TrainParams, key: Optional[str] = None):
         self.params = params
@@ -107,6 +111,12 @@ class Method:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._losses = threading.local()
+
+    @classmethod
+    def joins_mid_run(cls) -> bool:
+        """Whether a site may join a run of this method in progress: declared (``joinable = True``) on this class
+        itself, never inherited."""
+        return bool(cls.__dict__.get("joinable", False))
 
     def join(self, clients: list[ClientData], seed: int = 0) -> None:
         """The federation's clients as a server knows them at registration (name, domain, sample count) and the run's

@@ -26,6 +26,7 @@ class Ditto(PersonalModels):
     statistics are its own."""
 
     name = "ditto"
+    joinable = True  # one global (or shared) state and per-client stores only: a site may join mid-run
     params_cls = DittoParams
     params: DittoParams
 

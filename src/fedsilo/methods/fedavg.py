@@ -42,6 +42,7 @@ class FedAvg(TwoPhase):
     which client trained last."""
 
     name = "fedavg"
+    joinable = True  # one global (or shared) state and per-client stores only: a site may join mid-run
     params_cls = FedAvgParams
     task_stream = True  # on a domain_incremental split: fine-tuned task after task (pFedDIL's FedAvg baseline)
 

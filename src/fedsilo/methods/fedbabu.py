@@ -40,6 +40,7 @@ class FedBABU(PartialSharing):
     learning rate by 10 at T/2 and 3T/4 (the engine's learning rate is constant, as the paper states no schedule)."""
 
     name = "fedbabu"
+    joinable = True  # one global (or shared) state and per-client stores only: a site may join mid-run
     params_cls = FedBABUParams
     params: FedBABUParams
 

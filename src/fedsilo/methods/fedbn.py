@@ -14,6 +14,7 @@ class FedBN(PartialSharing):
     tensors plus its own BatchNorm."""
 
     name = "fedbn"
+    joinable = True  # one global (or shared) state and per-client stores only: a site may join mid-run
 
     def shared_keys(self, model: LayeredNet) -> list[str]:
         bn = batchnorm_keys(model)

@@ -34,6 +34,7 @@ class FedPer(PartialSharing):
     is ``head_layers: 3`` too. The convolutions' BatchNorm layers are averaged with the base, as there."""
 
     name = "fedper"
+    joinable = True  # one global (or shared) state and per-client stores only: a site may join mid-run
     params_cls = FedPerParams
     params: FedPerParams
 

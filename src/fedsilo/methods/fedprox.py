@@ -19,6 +19,7 @@ class FedProx(FedAvg):
     are not modelled: every sampled client runs the configured epochs, as in its main experiments.)"""
 
     name = "fedprox"
+    joinable = True  # one global (or shared) state and per-client stores only: a site may join mid-run
     params_cls = FedProxParams
     params: FedProxParams
 

@@ -33,6 +33,7 @@ class FedRep(FedPer):
     aggregation is not part of this schedule."""
 
     name = "fedrep"
+    joinable = True  # one global (or shared) state and per-client stores only: a site may join mid-run
     params_cls = FedRepParams
     params: FedRepParams
 

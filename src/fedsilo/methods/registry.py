@@ -52,6 +52,11 @@ REGISTRY: dict[str, type[Method]] = {
 }
 
 
+def joinable_methods() -> list[str]:
+    """The methods a site may join a run of in progress (``Method.joins_mid_run``)."""
+    return sorted(n for n, cls in REGISTRY.items() if cls.joins_mid_run())
+
+
 def stream_methods() -> list[str]:
     """The methods that learn a stream of domain tasks (``Method.task_stream``)."""
     return sorted(n for n, cls in REGISTRY.items() if cls.task_stream)

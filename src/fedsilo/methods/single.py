@@ -11,6 +11,7 @@ class Single(PartialSharing):
     initialisation as the federated methods and is evaluated with its own model."""
 
     name = "single"
+    joinable = True  # one global (or shared) state and per-client stores only: a site may join mid-run
 
     def shared_keys(self, model: LayeredNet) -> list[str]:
         return []
