@@ -567,26 +567,31 @@ def test_a_site_that_leaves_for_good_is_left_out_of_the_rest_of_the_run_as_the_e
 def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_the_engine_has_it(sites, tmp_path):
     """A hospital joins a federation mid-run: the coordinator lists it after the sites the run started with, marked
     ``joined: true``, and writes the App again. resume_key covers the sites the run started with, so the new App
-    resumes the checkpoint; the new site takes part from the next round, from a fresh store (FedBN: its BatchNorm
-    layers as every site started), which ends with the numbers of the in-process engine whose third client joins in
-    round 2. Refused by key: a site marked joined with no run to resume, one listed before a site the run started
-    with, and a method whose server state is sized by the federation it started with."""
+    resumes the checkpoint; the new site takes part from the next round, from a fresh store (Ditto: its personal
+    model, the seeded initial model as every site's started), which ends with the numbers of the in-process engine
+    whose third client joins in round 2. Refused by key: a site marked joined with no run to resume; once it joined,
+    its mark taken away (the run would start afresh) or other data pinned for it; one listed before a site the run
+    started with; a method whose server state is sized by the federation it started with."""
     from fedsilo.fl.deploy import resume_key
 
     train = {**TRAIN, "rounds": 3}
     new = "VinBigData"
     first = {k: sites[k] for k in ("chexpert", "rsna")}
+    coordinator = yaml.safe_load(REPO_PARAMS.read_text())
+    coordinator["methods"].update({"ditto": {"lam": 0.5}, "fedheal": {}})
+    (tmp_path / "coordinator.yaml").write_text(yaml.safe_dump(coordinator, sort_keys=False))
 
-    def federation(name: str, members: dict, method: str = "fedbn") -> Path:
+    def federation(name: str, members: dict, method: str = "ditto", mark: bool = True, **pin) -> Path:
         (tmp_path / name).mkdir()
-        raw = yaml.safe_load(_federation(tmp_path / name, members, method=method, train=train).read_text())
+        raw = yaml.safe_load(_federation(tmp_path / name, members, method=method, train=train, **pin).read_text())
         for entry in raw["sites"]:
-            entry["joined"] = entry["name"] == new
+            entry["joined"] = entry["name"] == new and mark
         (tmp_path / name / "federation.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
         return tmp_path / name / "federation.yaml"
 
-    for app, fed in (("app", federation("a", first)), ("app2", federation("b", sites))):
-        write_app(load_federation(fed), load_params(REPO_PARAMS), tmp_path / app)
+    for app, fed in (("app", federation("a", first)), ("app2", federation("b", sites)), ("unmarked", federation("u", sites, mark=False)),
+                     ("other", federation("o", sites, VinBigData="f" * 64))):
+        write_app(load_federation(fed), load_params(tmp_path / "coordinator.yaml"), tmp_path / app)
     dep, dep2 = (json.loads((tmp_path / a / "deployment.json").read_text()) for a in ("app", "app2"))
     assert resume_key(dep) == resume_key(dep2) and resume_key(dep, code=False) == resume_key(dep2, code=False)
 
@@ -603,7 +608,16 @@ def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_t
         server2, client2 = _load_apps(tmp_path / "app2")
         with pytest.raises(ConfigError, match=rf"sites: {new} marked joined, but there is no checkpoint of this deployment to resume"):
             server2._main(SiteGrid(client2, sites, run_id=2), ctx(2, "fresh"))
-        server2._main(SiteGrid(client2, sites, run_id=3), ctx(3))
+        with pytest.raises(ConnectionError, match="went down"):  # round 2 with the new site, then the SuperLink goes down
+            server2._main(DownAt(client2, sites, rnd=3, run_id=3), ctx(3))
+        unmarked, unmarked_client = _load_apps(tmp_path / "unmarked")
+        with pytest.raises(ConfigError, match=rf"sites: {new} joined the run in progress in .* and is no longer marked `joined: true`"):
+            unmarked._main(SiteGrid(unmarked_client, sites, run_id=4), ctx(4))
+        other, other_client = _load_apps(tmp_path / "other")
+        with pytest.raises(ConfigError, match=rf"sites\[2\]: {new} joined the run with data fingerprint .* and the federation pins "
+                                              "ffffffffffffffff now"):
+            other._main(SiteGrid(other_client, sites, run_id=5), ctx(5))
+        server2._main(SiteGrid(client2, sites, run_id=6), ctx(6))
     finally:
         torch.set_num_threads(threads)
     history = json.loads((tmp_path / "run/history.json").read_text())
@@ -625,20 +639,17 @@ def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_t
         assert [h[key] for h in history] == [h[key] for h in reference], key
 
     # a method whose server keeps per-site state (FedHEAL: its aggregation weighs the federation's clients) refuses
-    coordinator = yaml.safe_load(REPO_PARAMS.read_text())
-    coordinator["methods"]["fedheal"] = {}
-    (tmp_path / "coordinator.yaml").write_text(yaml.safe_dump(coordinator, sort_keys=False))
     for app, fed in (("heal", federation("c", first, "fedheal")), ("heal2", federation("d", sites, "fedheal"))):
         write_app(load_federation(fed), load_params(tmp_path / "coordinator.yaml"), tmp_path / app)
     torch.set_num_threads(1)
     try:
         heal, heal_client = _load_apps(tmp_path / "heal")
         with pytest.raises(ConnectionError, match="went down"):
-            heal._main(DownAt(heal_client, first, rnd=2, run_id=4), ctx(4, "heal"))
+            heal._main(DownAt(heal_client, first, rnd=2, run_id=7), ctx(7, "heal"))
         heal2, heal_client2 = _load_apps(tmp_path / "heal2")
         with pytest.raises(ConfigError, match=rf"sites: {new} marked joined: fedheal keeps server state sized or weighted by the "
                                               r"federation it started with .* \(it can join a run of ditto, fedavg, fedbabu, fedbn"):
-            heal2._main(SiteGrid(heal_client2, sites, run_id=5), ctx(5, "heal"))
+            heal2._main(SiteGrid(heal_client2, sites, run_id=8), ctx(8, "heal"))
     finally:
         torch.set_num_threads(threads)
     raw = yaml.safe_load((tmp_path / "b/federation.yaml").read_text())

@@ -73,7 +73,8 @@ class SiteEntry(Strict):
                        "its entry stays, as it was part of the rounds before")
     joined: bool = Field(False, description="the site joined the run in progress: listed after every site the run started "
                          "with, it takes part from the round after the checkpoint `flwr run` resumes, from a fresh store "
-                         "(for methods whose server holds nothing sized by the federation: FedAvg, FedBN, ...)")
+                         "(for methods whose server holds nothing sized by the federation: FedAvg, FedBN, ...); the mark "
+                         "stays for the rest of the run")
 
     @field_validator("fingerprint", mode="before")
     @classmethod
@@ -364,6 +365,8 @@ def apps(app_file: Path):
     def _main(grid: Grid, context: Context, out: Path, state: Path) -> None:
         checkpoint, key = state / "checkpoint.pt", resume_key(dep)
         resumed = peek_checkpoint(checkpoint, key)  # None: a fresh run (no checkpoint, or another deployment's / code's)
+        if resumed is None and checkpoint.exists():
+            unmarked_joined(dep, checkpoint)
         staging = out.with_name(out.name + ".wire")  # the wire log as the run goes; moved into the results at the end
         # a run that fails leaves it there (what crossed before it ended); the next attempt adds to it
         wire = WireLog(staging / "wire.jsonl", context.run_id)
@@ -423,6 +426,21 @@ def load_site_model(path: Path, device: str = "cpu") -> tuple[torch.nn.Module, d
     _, model, _ = deployment_spec(dep).build(torch.zeros(2, ch, h, w), torch.device(device), [])
     model.load_state_dict(kept.pop("model"), strict=True)
     return model.eval(), kept
+
+
+def unmarked_joined(dep: dict[str, Any], checkpoint: Path) -> None:
+    """Refuses a deployment whose last sites joined the run in ``checkpoint`` but are no longer marked ``joined``: that
+    would start the run afresh over it (the sites it started with are what it resumes by), losing what it trained."""
+    sites = dep["sites"]
+    for k in range(len(sites) - 1, 1, -1):
+        if any(s.get("joined") for s in sites[:k]):
+            break
+        as_joined = {**dep, "sites": [*sites[:k], *({**s, "joined": True} for s in sites[k:])]}
+        if peek_checkpoint(checkpoint, resume_key(as_joined)) is not None:
+            names = ", ".join(s["name"] for s in sites[k:] if not s.get("joined"))
+            raise ConfigError(f"sites: {names} joined the run in progress in {checkpoint.parent} and is no longer marked "
+                              "`joined: true`: keep the mark for the rest of the run (without it the run would start afresh "
+                              "over its checkpoint)")
 
 
 def peek_checkpoint(path: Path, key: str) -> Optional[dict[str, Any]]:

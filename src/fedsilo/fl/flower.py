@@ -421,6 +421,9 @@ class FlowerServer(Engine):
         before: dict[str, int] = dict(self.meta.get("joined", {})) if resumed else {}
         still_listed(before, [c.name for c in self.clients])
         new = [n for n in joined if n not in before]
+        if new and resumed and self.round >= self.total_rounds:
+            raise ConfigError(f"sites: {', '.join(new)} marked joined, but the run's checkpoint holds its last round "
+                              f"({self.round}): no round is left to join; start a new run with the site")
         if new and not resumed:
             raise ConfigError(f"sites: {', '.join(new)} marked joined, but there is no checkpoint of this deployment to "
                               f"resume ({self.checkpoint}): a site joins a run in progress; to start with it, leave "
@@ -849,6 +852,7 @@ class FlowerRun:
         if held is not None and self.roster is not None:
             not_coming_back(held.get("left", {}), self.gone)
             still_listed(held.get("joined", {}), self.roster.sites)
+            self._same_joined(held)
         if not self.gone:
             return {}
         if held is None:
@@ -859,6 +863,23 @@ class FlowerRun:
             raise ConfigError(f"sites: {', '.join(missing)} marked left, but the checkpoint {self.checkpoint} holds no card "
                               "of them: the run cannot go on without them")
         return {n: cards[n] for n in self.gone}
+
+    def _same_joined(self, held: dict[str, Any]) -> None:
+        """A site that joined the run keeps the place and the data it joined with: its client index and pinned
+        fingerprint are the ones it registered with (the checkpoint's cards), as a site the run started with keeps
+        them through the resume key."""
+        assert self.roster is not None
+        place = {str(c["name"]): (k, str(c.get("fingerprint", ""))) for k, c in enumerate(held.get("cards", []))}
+        for name in held.get("joined", {}):
+            k, fingerprint = place.get(name, (None, ""))
+            now = self.roster.sites.index(name)
+            if k is not None and k != now:
+                raise ConfigError(f"sites: {name} joined the run as sites[{k}] and is listed as sites[{now}] now: a site's "
+                                  "place is its client index; list later sites after it")
+            if k is not None and fingerprint and fingerprint != self.roster.fingerprints[now]:
+                raise ConfigError(f"sites[{now}]: {name} joined the run with data fingerprint {fingerprint[:16]}, and the "
+                                  f"federation pins {self.roster.fingerprints[now][:16]} now: its store was trained on the "
+                                  "data it joined with; a site with other data joins a new run")
 
     def _register(self, grid: Grid, held: dict[str, dict[str, Any]]) -> tuple[dict[int, Card], dict[int, int], dict[int, dict[str, Any]]]:
         """Waits for the sites' nodes and asks each for its card (``query.register``) until every site still in the
