@@ -1026,10 +1026,12 @@ def test_deployment_status_names_each_sites_node_state_and_the_round_a_run_resum
     (tmp_path / "out/results/metrics.json").write_text("{}")
     assert deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)["results"] == str(tmp_path / "out/results")
     dep["sites"][1]["left"] = True  # RSNA left the federation: whatever its node does, it is `left`, and its node no one's
+    dep["sites"][2]["joined"] = True  # VinBigData joined the run in progress
     (tmp_path / "app/deployment.json").write_text(json.dumps(dep))
     st = deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)
     assert st["sites"][1] == {"site": "RSNA", "node_id": 12, "status": "left", "since": None} and st["unlisted_nodes"] == [
         {"node_id": 99, "status": "registered"}]
+    assert st["sites"][2] == {"site": "VinBigData", "node_id": None, "status": "not pinned", "since": None, "joined": True}
     with pytest.raises(ConfigError, match=r"--app: .* holds no deployment.json"):
         deployment_status(tmp_path, nodes)
 

@@ -524,7 +524,8 @@ def _deploy_status(args: argparse.Namespace) -> None:
     width = max(len(x["site"]) for x in st["sites"])
     for x in st["sites"]:
         since = f" since {x['since']}" if x["since"] else ""
-        print(f"  {x['site']:<{width}}  node {x['node_id'] if x['node_id'] is not None else '-':<20}  {x['status']}{since}")
+        joined = " (joined the run in progress)" if x.get("joined") else ""
+        print(f"  {x['site']:<{width}}  node {x['node_id'] if x['node_id'] is not None else '-':<20}  {x['status']}{since}{joined}")
     for x in st["unlisted_nodes"]:
         print(f"  {'(no site)':<{width}}  node {x['node_id']:<20}  {x['status']}: registered, not in this federation")
     ck = st["checkpoint"]

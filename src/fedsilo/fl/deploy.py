@@ -545,7 +545,8 @@ def deployment_status(app: Path, nodes: list[dict[str, Any]], superlink_dir: Pat
                   "not pinned" if s.get("node_id") is None else "not registered")
         since = (node.get("online-at") if status == "online" else node.get("offline-at")) if node and status != "left" else None
         sites.append({"site": s["name"], "node_id": s.get("node_id"), "status": status,
-                      "since": since if since and since != "N/A" else None})  # flwr writes N/A for a time not reached
+                      "since": since if since and since != "N/A" else None,  # flwr writes N/A for a time not reached
+                      **({"joined": True} if s.get("joined") else {})})  # joined the run in progress
     # a node whose key was unregistered is listed until the SuperLink forgets it: it is no one's
     other = [{"node_id": int(k), "status": n["status"]} for k, n in by_id.items() if n["status"] not in ("unregistered", "deleted")]
 
