@@ -280,20 +280,23 @@ def site_keep_dir(dep: dict[str, Any]):
     return keep_dir
 
 
-def resume_key(dep: dict[str, Any], code: bool = True) -> str:
+def resume_key(dep: dict[str, Any], code: bool = True, code_print: Optional[dict[str, str]] = None) -> str:
     """What a resumed deployment must share with the run it resumes: the deployment (but ``checkpoint_every`` and
     ``keep_client_models``, which change what is written, not what is trained; each site's ``node_id``, which
     says which registered key may speak for the site, not what it trains on: a site given a new key mid-run, its
     new node pinned in a new App, resumes with the stores on its disk; each site's ``left``: a site leaving
     mid-run leaves the run in progress, which the other sites carry on from their disks; and the sites marked
     ``joined``, which join the run in progress) and, for the
-    coordinator's checkpoint (``code``), the fedsilo code that trains, as a train stage's checkpoint (fl/run.py)."""
+    coordinator's checkpoint (``code``, or ``code_print``, a :func:`~fedsilo.fl.run.code_fingerprint` already
+    computed), the fedsilo code that trains, as a train stage's checkpoint (fl/run.py)."""
     from fedsilo.fl.run import code_fingerprint
 
     train = {k: v for k, v in dep["train"].items() if k not in ("checkpoint_every", "keep_client_models")}
     # the sites the run started with (a site that joins later is not part of what it resumes)
     sites = [{k: v for k, v in s.items() if k not in ("node_id", "left", "joined")} for s in dep.get("sites", []) if not s.get("joined")]
-    return canonical_hash({"deployment": {**dep, "train": train, "sites": sites}, **({"code": code_fingerprint("cpu")} if code else {})})
+    if code_print is None and code:
+        code_print = code_fingerprint("cpu")
+    return canonical_hash({"deployment": {**dep, "train": train, "sites": sites}, **({"code": code_print} if code_print is not None else {})})
 
 
 def site_identity(context: Any) -> dict[str, Any]:
@@ -431,12 +434,15 @@ def load_site_model(path: Path, device: str = "cpu") -> tuple[torch.nn.Module, d
 def unmarked_joined(dep: dict[str, Any], checkpoint: Path) -> None:
     """Refuses a deployment whose last sites joined the run in ``checkpoint`` but are no longer marked ``joined``: that
     would start the run afresh over it (the sites it started with are what it resumes by), losing what it trained."""
-    sites = dep["sites"]
+    from fedsilo.fl.run import code_fingerprint
+
+    held = torch.load(checkpoint, map_location="cpu", weights_only=False, mmap=True).get("config_hash")  # mapped: no tensor read
+    sites, code = dep["sites"], code_fingerprint("cpu")
     for k in range(len(sites) - 1, 1, -1):
         if any(s.get("joined") for s in sites[:k]):
             break
         as_joined = {**dep, "sites": [*sites[:k], *({**s, "joined": True} for s in sites[k:])]}
-        if peek_checkpoint(checkpoint, resume_key(as_joined)) is not None:
+        if resume_key(as_joined, code_print=code) == held:
             names = ", ".join(s["name"] for s in sites[k:] if not s.get("joined"))
             raise ConfigError(f"sites: {names} joined the run in progress in {checkpoint.parent} and is no longer marked "
                               "`joined: true`: keep the mark for the rest of the run (without it the run would start afresh "
