@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from fedsilo.fl.run import TRAIN_CODE
+from fedsilo.codehash import TRAIN_CODE, train_code_sha256
 from fedsilo.utils.io import atomic_dir, atomic_file, clean_stale
 from tests.conftest import small_params
 
@@ -93,9 +93,13 @@ def test_a_code_edit_is_never_resumed_from_an_old_checkpoint_and_a_finished_run_
 
 
 def test_every_train_stage_depends_on_the_code_its_checkpoint_key_hashes():
+    """The root's train_code stage depends on the code the checkpoint key hashes and writes its hash; every train and
+    onboard stage of every dvc.yaml depends on that file (one file in place of the code's folders per stage)."""
     files = subprocess.run(["git", "ls-files", "*dvc.yaml"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     assert "dvc.yaml" in files and len(files) >= 8
-    want = {f"src/fedsilo/{p}" for p in TRAIN_CODE}
+    code = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["train_code"]
+    assert code["cmd"] == "fedsilo code-fingerprint" and code["outs"] == ["data/code/train.json"]
+    assert set(code["deps"]) == {f"src/fedsilo/{p}" for p in TRAIN_CODE}
     seen = 0
     for f in files:
         stages = yaml.safe_load((REPO / f).read_text())["stages"]
@@ -104,9 +108,27 @@ def test_every_train_stage_depends_on_the_code_its_checkpoint_key_hashes():
             if str(body.get("cmd", "")).find(" train ") < 0 and " onboard " not in str(body.get("cmd", "")):
                 continue
             seen += 1
-            missing = want - set(body.get("deps", []))
-            assert not missing, f"{f}: stage {name} lacks {sorted(missing)}"
+            assert "data/code/train.json" in body.get("deps", []), f"{f}: stage {name} does not depend on the training code"
     assert seen >= 8
+
+
+def test_the_code_fingerprint_is_the_checkpoint_keys_and_follows_any_edit_of_the_training_code(tmp_path):
+    """`fedsilo code-fingerprint` writes the sha256 the checkpoint key holds of the code (code_fingerprint's
+    source_sha256); an edit of any training-code file, a comment in a method, changes it; a file outside the training
+    code (the report's) does not."""
+    from fedsilo.cli import main
+    from fedsilo.fl.run import code_fingerprint
+
+    assert main(["-q", "--root", str(tmp_path), "code-fingerprint"]) == 0
+    written = json.loads((tmp_path / "data/code/train.json").read_text())
+    assert written["sha256"] == train_code_sha256() == code_fingerprint("cpu")["source_sha256"] and written["files"] > 50
+    pkg = tmp_path / "pkg"
+    shutil.copytree(SRC, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    assert train_code_sha256(pkg) == written["sha256"]
+    (pkg / "report" / "__init__.py").write_text((pkg / "report" / "__init__.py").read_text() + "# a comment\n")
+    assert train_code_sha256(pkg) == written["sha256"]
+    (pkg / "methods" / "fedbn.py").write_text((pkg / "methods" / "fedbn.py").read_text() + "# a comment\n")
+    assert train_code_sha256(pkg) != written["sha256"]
 
 
 _HOLD = textwrap.dedent(

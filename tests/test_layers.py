@@ -15,6 +15,7 @@ LAYERS = {
     "fedsilo.utils": 0,
     "fedsilo.config": 0,
     "fedsilo.layout": 0,
+    "fedsilo.codehash": 0,
     "fedsilo.data": 1,
     "fedsilo.models": 1,
     "fedsilo.client": 2,

@@ -56,6 +56,16 @@ def _fingerprint(args: argparse.Namespace) -> None:
         print(f"fingerprint {args.dataset} {s}: {v['files']} files, {v['bytes']} bytes, sha256 {v['sha256'][:12]}")
 
 
+def _code_fingerprint(args: argparse.Namespace) -> None:
+    from fedsilo.codehash import TRAIN_CODE, train_code_files, train_code_sha256
+    from fedsilo.layout import Layout
+    from fedsilo.utils.io import write_json
+
+    sha, files = train_code_sha256(), train_code_files()
+    write_json(Layout(Path(args.root)).train_code(), {"parts": [f"src/fedsilo/{p}" for p in TRAIN_CODE], "files": len(files), "sha256": sha})
+    print(f"code-fingerprint: {len(files)} source files of {', '.join(TRAIN_CODE)}, sha256 {sha[:12]}")
+
+
 def _harmonize(args: argparse.Namespace) -> None:
     from fedsilo.data.harmonize import HarmonizeError, harmonize_dataset, preview_dataset
 
@@ -617,6 +627,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s = sub.add_parser("fingerprint", parents=[common], help="hash one dataset's fetched sources -> data/fingerprints/<dataset>.json", formatter_class=fmt, epilog=_listing(known, "datasets"))
     s.add_argument("--dataset", required=True)
     s.set_defaults(fn=_fingerprint)
+    s = sub.add_parser("code-fingerprint", parents=[common], help="hash the training code (src/fedsilo: client, fl, methods, "
+                       "models, utils, config.py) -> data/code/train.json, which every train stage depends on", formatter_class=fmt)
+    s.set_defaults(fn=_code_fingerprint)
     s = sub.add_parser("harmonize", parents=[common], help="raw sources -> data/harmonized/<dataset>/", formatter_class=fmt, epilog=_listing(known, "datasets"))
     s.add_argument("--dataset", required=True)
     s.add_argument("--dry-run", action="store_true", help="read the label files only: print what would be kept, excluded (by "

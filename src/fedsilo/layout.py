@@ -27,6 +27,10 @@ class Layout:
         """What ``harmonize@<dataset>`` depends on in place of all of ``data/raw``: its own sources' content."""
         return self.root / "data" / "fingerprints" / f"{dataset}.json"
 
+    def train_code(self) -> Path:
+        """What every train stage depends on in place of the training code's folders: its hash (``train_code``)."""
+        return self.root / "data" / "code" / "train.json"
+
     def split(self, experiment: str) -> Path:
         return self._ns(self.root / "data" / "splits") / f"{experiment}.json"
 

@@ -20,7 +20,6 @@ DVC reruns (``dvc repro -f``, a deleted output) trains again rather than rewriti
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -33,6 +32,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from fedsilo.client.data import load_clients, load_external, load_task_clients, pick_device
+from fedsilo.codehash import train_code_sha256
 from fedsilo.config import ConfigError, Params
 from fedsilo.fl.continual import ContinualEngine, continual_summary
 from fedsilo.fl.engine import Engine, Observer
@@ -45,9 +45,6 @@ from fedsilo.utils.progress import Progress, mib
 
 log = logging.getLogger("fedsilo.train")
 
-# The parts of the package (relative to src/fedsilo) whose code decides a run's numbers; every train stage's deps list
-# them (tests/test_code_reaches_results.py checks each dvc.yaml), and the checkpoint key hashes them.
-TRAIN_CODE = ("client", "fl", "methods", "models", "utils", "config.py")
 
 
 
@@ -64,16 +61,8 @@ def code_fingerprint(device: str) -> dict[str, str]:
 
     import numpy
 
-    pkg = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for part in TRAIN_CODE:
-        base = pkg / part
-        files = sorted(base.rglob("*.py")) if base.is_dir() else [base]
-        for f in files:
-            h.update(f.relative_to(pkg).as_posix().encode() + b"\0")
-            h.update(f.read_bytes() + b"\0")
     # torchvision's version from its package metadata (importing it for __version__ costs seconds per run)
-    return {"source_sha256": h.hexdigest(), "torch": torch.__version__, "torchvision": version("torchvision"),
+    return {"source_sha256": train_code_sha256(), "torch": torch.__version__, "torchvision": version("torchvision"),
             "numpy": numpy.__version__, "device": device}
 
 
