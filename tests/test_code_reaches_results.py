@@ -93,13 +93,17 @@ def test_a_code_edit_is_never_resumed_from_an_old_checkpoint_and_a_finished_run_
 
 
 def test_every_train_stage_depends_on_the_code_its_checkpoint_key_hashes():
-    """The root's train_code stage depends on the code the checkpoint key hashes and writes its hash; every train and
+    """The root's code_fingerprint stage depends on the code the checkpoint key hashes and writes its hash; every train and
     onboard stage of every dvc.yaml depends on that file (one file in place of the code's folders per stage)."""
     files = subprocess.run(["git", "ls-files", "*dvc.yaml"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     assert "dvc.yaml" in files and len(files) >= 8
-    code = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["train_code"]
+    code = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["code_fingerprint"]
     assert code["cmd"] == "fedsilo code-fingerprint" and code["outs"] == ["data/code/train.json"]
-    assert set(code["deps"]) == {f"src/fedsilo/{p}" for p in TRAIN_CODE}
+    assert set(code["deps"]) == {f"src/fedsilo/{p}" for p in TRAIN_CODE} | {"src/fedsilo/codehash.py"}
+    # the hash reads the source files (*.py): the training code holds no other file it would miss
+    tracked = subprocess.run(["git", "ls-files", *(f"src/fedsilo/{p}" for p in TRAIN_CODE)], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert tracked and all(f.endswith(".py") for f in tracked)
     seen = 0
     for f in files:
         stages = yaml.safe_load((REPO / f).read_text())["stages"]
@@ -112,23 +116,29 @@ def test_every_train_stage_depends_on_the_code_its_checkpoint_key_hashes():
     assert seen >= 8
 
 
-def test_the_code_fingerprint_is_the_checkpoint_keys_and_follows_any_edit_of_the_training_code(tmp_path):
-    """`fedsilo code-fingerprint` writes the sha256 the checkpoint key holds of the code (code_fingerprint's
-    source_sha256); an edit of any training-code file, a comment in a method, changes it; a file outside the training
-    code (the report's) does not."""
+def test_the_code_fingerprint_is_the_checkpoint_keys_and_follows_any_edit_of_the_training_code(tmp_path, capsys):
+    """`fedsilo code-fingerprint` writes the sha256 of the checkout's training code (its --root's src/fedsilo), the
+    one the checkpoint key holds of the code it runs (code_fingerprint's source_sha256); an edit of any training-code
+    file, a comment in a method, changes it; a file outside the training code (the report's) does not; a root
+    without src/fedsilo is refused."""
     from fedsilo.cli import main
     from fedsilo.fl.run import code_fingerprint
 
-    assert main(["-q", "--root", str(tmp_path), "code-fingerprint"]) == 0
-    written = json.loads((tmp_path / "data/code/train.json").read_text())
-    assert written["sha256"] == train_code_sha256() == code_fingerprint("cpu")["source_sha256"] and written["files"] > 50
-    pkg = tmp_path / "pkg"
+    assert main(["-q", "--root", str(tmp_path), "code-fingerprint"]) == 2
+    assert "src/fedsilo: no such folder: code-fingerprint hashes the training code of the checkout" in capsys.readouterr().err
+    pkg = tmp_path / "src" / "fedsilo"
     shutil.copytree(SRC, pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    assert train_code_sha256(pkg) == written["sha256"]
+
+    def written() -> dict:
+        assert main(["-q", "--root", str(tmp_path), "code-fingerprint"]) == 0
+        return json.loads((tmp_path / "data/code/train.json").read_text())
+
+    first = written()
+    assert first["sha256"] == train_code_sha256() == code_fingerprint("cpu")["source_sha256"] and first["files"] > 50
     (pkg / "report" / "__init__.py").write_text((pkg / "report" / "__init__.py").read_text() + "# a comment\n")
-    assert train_code_sha256(pkg) == written["sha256"]
+    assert written() == first
     (pkg / "methods" / "fedbn.py").write_text((pkg / "methods" / "fedbn.py").read_text() + "# a comment\n")
-    assert train_code_sha256(pkg) != written["sha256"]
+    assert written()["sha256"] != first["sha256"] == train_code_sha256()
 
 
 _HOLD = textwrap.dedent(

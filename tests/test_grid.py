@@ -200,6 +200,25 @@ def test_bench_grid_times_each_arm_from_the_same_state_with_the_same_threads(tmp
         bench_grid("dvc.yaml", repo, tmp_path / "work", jobs=2)
 
 
+def test_the_default_pattern_matches_only_train_stages_in_every_shipped_pipeline():
+    """`--stages train*` (the default) matches only stages that train, in the root's and every paper's dvc.yaml: a
+    stage that matched it beside them (the code_fingerprint stage every train stage depends on, were it named train_*)
+    would make every grid refuse its own stages as chained."""
+    import fnmatch
+
+    import yaml
+
+    repo = Path(__file__).resolve().parents[1]
+    files = subprocess.run(["git", "ls-files", "*dvc.yaml"], cwd=repo, capture_output=True, text=True, check=True).stdout.split()
+    matched = 0
+    for f in files:
+        for name, st in yaml.safe_load((repo / f).read_text())["stages"].items():
+            if fnmatch.fnmatch(name, TRAIN_STAGES):
+                matched += 1
+                assert " train " in str(st.get("do", st)["cmd"]), f"{f}: stage {name} matches {TRAIN_STAGES!r} and does not train"
+    assert matched >= 10
+
+
 def test_the_default_pattern_takes_the_root_pipelines_train_stages_and_one_matching_nothing_is_refused(tmp_path):
     # the root dvc.yaml's train stages are `train@<experiment>-<method>-<seed>`, a paper's `train_<group>@...`
     repo = _repo(tmp_path, pipe=PIPE.replace("  train_g:", "  train:"))

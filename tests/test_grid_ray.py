@@ -80,6 +80,9 @@ def test_the_workspace_sent_to_workers_has_code_params_and_locks_but_no_credenti
     assert not any(n.startswith(".dvc/cache") or n.startswith(".git/") for n in names)
     # the workers pull what the stage needs, never the DAG's roots (the fetched sources)
     assert worker_inputs("dvc.yaml", repo, ["train_g@a"]) == ["prep"]  # not "raw", the root
+    # a root stage a run reads directly (the root pipeline's code_fingerprint) is pulled, a root upstream of others is not
+    dag = ({"d:raw", "d:prep", "d:code", "d:train@a"}, {"d:prep": {"d:raw"}, "d:train@a": {"d:prep", "d:code"}})
+    assert worker_inputs("dvc.yaml", repo, ["train@a"], dag) == ["d:code", "d:prep"]
 
 
 def test_ray_grid_runs_each_stage_once_on_two_nodes_and_leaves_the_pipeline_up_to_date(tmp_path, cluster):

@@ -57,11 +57,20 @@ def _fingerprint(args: argparse.Namespace) -> None:
 
 
 def _code_fingerprint(args: argparse.Namespace) -> None:
-    from fedsilo.codehash import TRAIN_CODE, train_code_files, train_code_sha256
+    from fedsilo.codehash import PACKAGE, TRAIN_CODE, train_code_files, train_code_sha256
     from fedsilo.layout import Layout
     from fedsilo.utils.io import write_json
 
-    sha, files = train_code_sha256(), train_code_files()
+    # the checkout's code, which DVC watches (the stage's deps), whichever fedsilo this interpreter imports
+    pkg = Path(args.root).resolve() / "src" / "fedsilo"
+    if not pkg.is_dir():
+        raise ConfigError(f"{pkg}: no such folder: code-fingerprint hashes the training code of the checkout at --root "
+                          "(the code_fingerprint stage of its dvc.yaml)")
+    if pkg != PACKAGE:
+        logging.getLogger("fedsilo").warning("fedsilo runs from %s, not from this checkout's %s: its train stages run "
+                                             "that code, not the one hashed here (install the checkout with `pip install "
+                                             "-e .`)", PACKAGE, pkg)
+    sha, files = train_code_sha256(pkg), train_code_files(pkg)
     write_json(Layout(Path(args.root)).train_code(), {"parts": [f"src/fedsilo/{p}" for p in TRAIN_CODE], "files": len(files), "sha256": sha})
     print(f"code-fingerprint: {len(files)} source files of {', '.join(TRAIN_CODE)}, sha256 {sha[:12]}")
 

@@ -1,7 +1,7 @@
 """The training code as one hash: what a run's checkpoint key holds of the code, and what every train stage's DVC
-dependency is (``data/code/train.json``, written by the root pipeline's ``train_code`` stage). One file in place of
+dependency is (``data/code/train.json``, written by the root pipeline's ``code_fingerprint`` stage). One file in place of
 the code's folders in each of the thousands of train stages' deps keeps ``dvc status`` and ``dvc repro`` quick: DVC
-hashes the folders once, for ``train_code``, instead of once per train stage."""
+hashes the folders once, for ``code_fingerprint``, instead of once per train stage."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import hashlib
 from pathlib import Path
 from typing import Optional
 
-# The parts of the package (relative to src/fedsilo) whose code decides a run's numbers: the ``train_code`` stage
+# The parts of the package (relative to src/fedsilo) whose code decides a run's numbers: the ``code_fingerprint`` stage
 # depends on them (tests/test_code_reaches_results.py checks it and that every train stage depends on its output),
 # and the checkpoint key hashes them.
 TRAIN_CODE = ("client", "fl", "methods", "models", "utils", "config.py")

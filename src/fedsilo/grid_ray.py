@@ -65,11 +65,13 @@ BUNDLE_LIMIT = 256 * 1024 * 1024  # a workspace (code, params, locks) is a few M
 def worker_inputs(pipeline: str, repo: Path, stages: list[str],
                   dag: Optional[tuple[set[str], dict[str, set[str]]]] = None) -> list[str]:
     """The stages whose outputs a worker needs to run ``stages`` (names as ``dvc stage list`` gives them, without the
-    file): every stage upstream of them except the DAG's roots (the fetched sources, ``dvc add``-ed files), sorted.
-    ``dag``: :func:`_dag`'s answer, when already at hand."""
+    file): every stage upstream of them except the DAG's roots (the fetched sources, ``dvc add``-ed files) that no
+    stage of ``stages`` reads directly (the root pipeline's ``code_fingerprint``, which every train stage reads, is
+    kept), sorted. ``dag``: :func:`_dag`'s answer, when already at hand."""
     nodes, parents = dag or _dag(pipeline, repo)
-    need = ancestors(parents, {n for n in nodes if n.rpartition(":")[2] in stages})
-    return sorted(n for n in need if parents.get(n))
+    targets = {n for n in nodes if n.rpartition(":")[2] in stages}
+    need, direct = ancestors(parents, targets), set().union(*(parents.get(t, set()) for t in targets))
+    return sorted(n for n in need if parents.get(n) or n in direct)
 
 
 def workspace_files(repo: Path) -> list[str]:

@@ -28,7 +28,7 @@ class Layout:
         return self.root / "data" / "fingerprints" / f"{dataset}.json"
 
     def train_code(self) -> Path:
-        """What every train stage depends on in place of the training code's folders: its hash (``train_code``)."""
+        """What every train stage depends on in place of the training code's folders: its hash (``code_fingerprint``)."""
         return self.root / "data" / "code" / "train.json"
 
     def split(self, experiment: str) -> Path:

@@ -10,8 +10,9 @@ of the covariance of the final representations of its test images: the dimension
 Paths follow :class:`fedsilo.layout.Layout` (a paper's runs under ``results/<paper>/<scale>/``). The per-round
 checkpoint lives in ``state/<experiment>/<method>/seed<k>/checkpoint.pt``, outside DVC's outputs
 (DVC deletes a stage's outputs before running it). It carries the hash of everything the run's numbers depend on:
-the resolved params, the data, the seed, the source of the package parts a train stage runs (:data:`TRAIN_CODE`, the
-paths every train stage of every dvc.yaml depends on) and the versions of the libraries that compute. A rerun with
+the resolved params, the data, the seed, the source of the package parts a train stage runs
+(:data:`fedsilo.codehash.TRAIN_CODE`, whose hash every train stage of every dvc.yaml depends on through the root's
+``code_fingerprint`` stage) and the versions of the libraries that compute. A rerun with
 the same hash resumes after the last completed round; any other hash (a code edit included) starts afresh. The
 checkpoint is deleted once the outputs are written: it exists to survive an interruption, so a finished run that
 DVC reruns (``dvc repro -f``, a deleted output) trains again rather than rewriting old numbers.
@@ -55,7 +56,7 @@ def _test_set_owners(clients: list) -> dict[str, str]:
     return {c.name: first.setdefault(id(c.y_test), c.name) for c in clients}
 
 def code_fingerprint(device: str) -> dict[str, str]:
-    """sha256 over the source files of :data:`TRAIN_CODE` (path and bytes), and the versions and device type that
+    """sha256 over the source files of :data:`fedsilo.codehash.TRAIN_CODE` (path and bytes), and the versions and device type that
     compute: a run resumed from a checkpoint was trained by exactly this code."""
     from importlib.metadata import version
 
