@@ -133,6 +133,21 @@ class DownAt(SiteGrid):
         return super().send_and_receive(messages, timeout)
 
 
+def _engine_reference(dep: dict, sites: dict[str, Path], **membership) -> list[dict]:
+    """The in-process engine's history on the sites' own splits (client index: their place in ``sites``), with the
+    deployment's method, model and seed, on one thread as the deployed apps ran in these tests (a convolution summed
+    over other thread counts differs in the last bit); ``membership``: the engine's ``left`` / ``joined``."""
+    spec = deployment_spec(dep)
+    clients = [load_site(load_params(p), "site", p.parent, torch.device("cpu"), index=k) for k, p in enumerate(sites.values())]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        return Engine(spec.method(), spec.make_model(), clients, spec.train, seed=0, **membership).run()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _server_context(tmp: Path, **run_config) -> Context:
     """The ServerApp's context: its results and state folders in the test's folder (never the working directory's)."""
     return Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
@@ -183,14 +198,7 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(site
 
     dep = json.loads((app / "deployment.json").read_text())
     spec = deployment_spec(dep)
-    clients = [load_site(load_params(p), "site", p.parent, torch.device("cpu"), index=k) for k, p in enumerate(roster.values())]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        reference = Engine(spec.method(), spec.make_model(), clients, spec.train, seed=0).run()
-    finally:
-        torch.set_num_threads(threads)
+    reference = _engine_reference(dep, roster)
     history = json.loads((tmp_path / "results/history.json").read_text())
     assert [h["eval"] for h in history] == [h["eval"] for h in reference]
     assert [h["bytes_up"] for h in history] == [h["bytes_up"] for h in reference]
@@ -547,14 +555,7 @@ def test_a_site_that_leaves_for_good_is_left_out_of_the_rest_of_the_run_as_the_e
         assert [w["node"] for w in told] == [102] and note in told[0]["reason"], flower_run
 
     # the in-process engine on the same three splits, told that the site left after round 2: the same numbers
-    spec = deployment_spec(dep)
-    clients = [load_site(load_params(p), "site", p.parent, torch.device("cpu"), index=k) for k, p in enumerate(sites.values())]
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        reference = Engine(spec.method(), spec.make_model(), clients, spec.train, seed=0, left={gone: 2}).run()
-    finally:
-        torch.set_num_threads(threads)
+    reference = _engine_reference(dep, sites, left={gone: 2})
     for key in ("sampled", "eval", "bytes_up", "bytes_down", "train_loss", "mean_acc"):
         assert [h[key] for h in history] == [h[key] for h in reference], key
     assert [h.get("left") for h in reference] == [h.get("left") for h in history]
@@ -627,14 +628,7 @@ def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_t
     assert [h.get("joined") for h in history] == [None, [new], None] and new not in history[0]["eval"] and new in history[1]["eval"]
 
     # the in-process engine on the three splits, its third client joining in round 2: the same numbers
-    spec = deployment_spec(dep2)
-    clients = [load_site(load_params(p), "site", p.parent, torch.device("cpu"), index=k) for k, p in enumerate(sites.values())]
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        reference = Engine(spec.method(), spec.make_model(), clients, spec.train, seed=0, joined={new: 2}).run()
-    finally:
-        torch.set_num_threads(threads)
+    reference = _engine_reference(dep2, sites, joined={new: 2})
     for key in ("sampled", "eval", "bytes_up", "bytes_down", "train_loss", "mean_acc"):
         assert [h[key] for h in history] == [h[key] for h in reference], key
 
