@@ -565,14 +565,14 @@ def test_a_site_that_leaves_for_good_is_left_out_of_the_rest_of_the_run_as_the_e
 
 
 @pytest.mark.usefixtures("identity")
-def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_the_engine_has_it(sites, tmp_path):
+def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_the_engine_has_it(sites, tmp_path, monkeypatch):
     """A hospital joins a federation mid-run: the coordinator lists it after the sites the run started with, marked
     ``joined: true``, and writes the App again. resume_key covers the sites the run started with, so the new App
     resumes the checkpoint; the new site takes part from the next round, from a fresh store (Ditto: its personal
     model, the seeded initial model as every site's started), which ends with the numbers of the in-process engine
     whose third client joins in round 2. Refused by key: a site marked joined with no run to resume; once it joined,
     its mark taken away (the run would start afresh) or other data pinned for it; one listed before a site the run
-    started with; a method whose server state is sized by the federation it started with."""
+    started with; a method whose server state is sized by the federation it started with; a run with no round left."""
     from fedsilo.fl.deploy import resume_key
 
     train = {**TRAIN, "rounds": 3}
@@ -644,6 +644,22 @@ def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_t
         with pytest.raises(ConfigError, match=rf"sites: {new} marked joined: fedheal keeps server state sized or weighted by the "
                                               r"federation it started with .* \(it can join a run of ditto, fedavg, fedbabu, fedbn"):
             heal2._main(SiteGrid(heal_client2, sites, run_id=8), ctx(8, "heal"))
+    finally:
+        torch.set_num_threads(threads)
+    # a run whose checkpoint holds its last round (the ServerApp stopped as it wrote the results): no round to join
+    import fedsilo.fl.deploy as deploy
+
+    def stopped(*args, **kw):
+        raise KeyboardInterrupt
+
+    torch.set_num_threads(1)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(deploy, "_write_results", stopped)
+            with pytest.raises(KeyboardInterrupt):
+                server._main(SiteGrid(client, first, run_id=9), ctx(9, "last"))
+        with pytest.raises(ConfigError, match=rf"sites: {new} marked joined, but the run's checkpoint holds its last round \(3\)"):
+            server2._main(SiteGrid(client2, sites, run_id=10), ctx(10, "last"))
     finally:
         torch.set_num_threads(threads)
     raw = yaml.safe_load((tmp_path / "b/federation.yaml").read_text())
