@@ -222,7 +222,7 @@ class Tracker:
             self.client.log_batch(self.run_id, metrics=ms[i : i + 1000])
 
     def tag(self, tags: dict[str, str]) -> None:
-        """Set tags on the run (a deployment: the round each site that left took part in last)."""
+        """Set (or overwrite) tags on the run: a resumed deployment's sites and nodes, the rounds sites left or joined."""
         if not self.enabled or self.run_id is None or not tags:
             return
         from mlflow.entities import RunTag

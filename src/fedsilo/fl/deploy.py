@@ -619,12 +619,10 @@ def _start_tracking(dep: dict[str, Any], uri: str, state: Path, run_id: Optional
     if tracker.enabled and run_id and tracker.run_id == run_id:
         # resumed, perhaps by a new App that pins a site's new node (resume_key leaves node ids out): the run's tags
         # say what it now runs under, and a node pin the new App dropped is no longer claimed
-        from mlflow.entities import RunTag
-
         stale = [k for k in tracker.client.get_run(run_id).data.tags if k.startswith("site.") and k.endswith(".node_id") and k not in tags]
         for k in stale:
             tracker.client.delete_tag(run_id, k)
-        tracker.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in sorted(tags.items())])
+        tracker.tag(tags)
     return tracker
 
 

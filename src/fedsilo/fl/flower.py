@@ -398,9 +398,10 @@ class FlowerServer(Engine):
     def _sites_left(self, left: Sequence[str], resumed: bool, stream: bool) -> dict[str, int]:
         """The sites that left the federation for good (``left``: the deployment's ``sites[k].left``), each with the
         last round it took part in: the round the checkpoint holds when it was first marked (kept in the checkpoint's
-        meta from then on). From the round after, the engine neither samples nor evaluates it (``Engine.active``)."""
+        meta from then on). From the round after, the engine neither samples nor evaluates it (``Engine.active``).
+        A site the checkpoint says left or joined is checked against the roster by :meth:`FlowerRun._held_cards`,
+        before any site connects."""
         before: dict[str, int] = dict(self.meta.get("left", {})) if resumed else {}
-        not_coming_back(before, left)
         new = [n for n in left if n not in before]
         if new and not resumed:
             raise no_run_to_leave(new, self.checkpoint)
@@ -419,7 +420,6 @@ class FlowerServer(Engine):
         checkpoint's meta from then on). Before it, the engine neither samples nor evaluates it (``Engine.active``);
         it starts from a fresh store (``init_client``), as every site started."""
         before: dict[str, int] = dict(self.meta.get("joined", {})) if resumed else {}
-        still_listed(before, [c.name for c in self.clients])
         new = [n for n in joined if n not in before]
         if new and resumed and self.round >= self.total_rounds:
             raise ConfigError(f"sites: {', '.join(new)} marked joined, but the run's checkpoint holds its last round "
