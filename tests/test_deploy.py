@@ -272,7 +272,10 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(site
 
 
 class DropsTraining(SiteGrid):
-    """SiteGrid whose node 101 trains round 2 and goes away before its reply leaves: the SuperLink answers for it."""
+    """SiteGrid whose node 101 trains round ``at`` (``kind``; or scores it) and goes away before its reply leaves:
+    the SuperLink answers for it."""
+
+    kind, at = "train", "2"
 
     def send_and_receive(self, messages, timeout=None):
         from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
@@ -280,7 +283,7 @@ class DropsTraining(SiteGrid):
         out = []
         for m in messages:
             m.metadata.__dict__["_message_id"] = m.object_id  # as the SuperLink sets it when it takes the message
-            if (m.metadata.message_type, m.metadata.group_id, m.metadata.dst_node_id) == ("train", "2", 101):
+            if (m.metadata.message_type, m.metadata.group_id, m.metadata.dst_node_id) == (self.kind, self.at, 101):
                 super().send_and_receive([m], timeout)
                 out.append(create_message_error_unavailable_res_message(m.metadata, "node_unavail"))
             else:
@@ -306,6 +309,14 @@ def test_a_deployed_round_goes_on_without_a_site_gone_during_its_training_when_m
     assert set(history[1]["eval"]) == set(metrics["clients"])  # every site is still evaluated
     with pytest.raises(ClientFailed, match=rf"client {name}: train in round 2 failed: Error: Node Unavailable"):
         server._main(DropsTraining(client, sites, run_id=2), _server_context(tmp_path / "strict"))
+    # min-eval-sites: round 1's evaluation goes on without the site gone during it (tests/test_flower.py's); not
+    # waited for (rejoin-s 0: this grid would answer for it again each time it is sent the message)
+    grid = type("DropsEvaluation", (DropsTraining,), {"kind": "evaluate", "at": "1"})(client, sites, run_id=3)
+    server._main(grid, _server_context(tmp_path / "eval", **{"min-eval-sites": 2, "rejoin-s": 0.0}))
+    metrics = json.loads((tmp_path / "eval/results/metrics.json").read_text())
+    history = json.loads((tmp_path / "eval/results/history.json").read_text())
+    assert metrics["unevaluated_rounds"] == {name: [1]} and metrics["dropped_rounds"] == {} and "eval" not in history[0]
+    assert history[0]["eval_missing"] == [name] and name not in history[0]["eval_partial"] and set(history[1]["eval"]) == set(metrics["clients"])
 
 
 @pytest.mark.usefixtures("identity")
@@ -834,7 +845,7 @@ def test_the_shipped_site_params_and_federation_example_validate(tmp_path):
 
     from fedsilo.fl.deploy import _int_config
 
-    assert config["min-train-sites"] == 0 and config["rejoin-s"] == 600.0
+    assert config["min-train-sites"] == 0 and config["min-eval-sites"] == 0 and config["rejoin-s"] == 600.0
     assert _int_config(SimpleNamespace(run_config={"min-train-sites": 2}), "min-train-sites", 0) == 2
     assert _int_config(SimpleNamespace(run_config={}), "min-train-sites", 0) == 0
     for bad in ("two", 1.5, True):

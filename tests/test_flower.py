@@ -488,6 +488,90 @@ def test_a_site_gone_during_training_is_left_out_of_the_round_as_if_not_sampled(
         _drop_run(tmp_path, "quorum", 3, {2: {101, 102}}, min_train_sites=2)
 
 
+class _EvalGoneGrid(LoopGrid):
+    """Message ids as a real grid sets them. Each node of ``gone`` (round -> nodes) goes away while it scores that
+    round's evaluation, after it scored, before its reply left: the SuperLink answers for it; its SuperNode restarts
+    (node state gone) and is back for the next round's training, which it starts from its store on its disk."""
+
+    gone: dict = {}
+
+    def send_and_receive(self, messages, timeout=None):
+        from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+
+        out = []
+        for m in messages:
+            m.metadata.__dict__["_message_id"] = m.object_id
+            rnd, node = m.content.config_records.get(CONFIG, {}).get("round"), m.metadata.dst_node_id
+            if m.metadata.message_type == "evaluate" and node in self.gone.get(rnd, ()):
+                super().send_and_receive([m], timeout)  # it scored; the reply never left
+                self.contexts[node].state = RecordDict()
+                out.append(create_message_error_unavailable_res_message(m.metadata, "node_unavail"))
+            else:
+                out.extend(super().send_and_receive([m], timeout))
+        return out
+
+
+def _eval_gone_run(tmp_path: Path, name: str, gone: dict, **kw) -> FlowerRun:
+    tp, clients = _train(rounds=3), _clients()
+    spec = FlowerSpec(FedBN, FedBN.params_cls(), tp, 0, _model, "fedbn")
+    app = client_app(spec, lambda ctx: clients[int(ctx.node_config["partition-id"])], keep_dir=lambda ctx: tmp_path / name / str(ctx.node_id))
+    grid = type("Grid", (_EvalGoneGrid,), {"gone": gone})(app, len(clients))
+    run = FlowerRun(spec, len(clients), checkpoint=tmp_path / f"{name}.pt", config_hash="h", **kw)
+    run.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
+    return run
+
+
+def test_an_evaluation_goes_on_without_a_site_gone_during_it_when_min_eval_sites_allow(identity, tmp_path, caplog):
+    """FedBN on three sites with min-eval-sites 2: D1-0's SuperNode dies while it scores round 2 and is back, its node
+    state gone, for round 3. Round 2's evaluation holds the two other sites' scores (the uninterrupted run's), names
+    D1-0 and has no mean (MLflow's ``sites_not_evaluated``, no ``mean_acc`` that round); every training and the other
+    evaluations are the uninterrupted run's. Without min-eval-sites the run ends naming the site; the last evaluation
+    (the run's result) never goes on without a site; fewer sites scored than min-eval-sites ends the run."""
+    from fedsilo.fl.run import round_summary, summarize
+    from fedsilo.tracking import round_metrics
+
+    whole = _eval_gone_run(tmp_path, "whole", {}).engine.history
+    wire: list = []
+    with caplog.at_level("WARNING", logger="fedsilo.flower"):
+        history = _eval_gone_run(tmp_path, "gone", {2: {101}}, min_eval_sites=2, wire=wire.append).engine.history
+    for key in ("sampled", "bytes_up", "bytes_down", "train_loss"):
+        assert [h[key] for h in history] == [h[key] for h in whole], key
+    assert history[0]["eval"] == whole[0]["eval"] and history[2]["eval"] == whole[2]["eval"]  # back from its disk
+    assert "eval" not in history[1] and "mean_acc" not in history[1] and history[1]["eval_missing"] == ["D1-0"]
+    assert history[1]["eval_partial"] == {c: v for c, v in whole[1]["eval"].items() if c != "D1-0"}
+    assert history[1]["bytes_eval_down"] == whole[1]["bytes_eval_down"]  # sent to every site, D1-0's too
+    logged = round_metrics(history[1])
+    assert logged["sites_not_evaluated"] == 1 and "mean_acc" not in logged and set(logged) >= {"acc.D0-0", "acc.D2-0"}
+    assert "acc.D1-0" not in logged and "evaluated without D1-0" in round_summary(history[1])
+    assert summarize(history)["per_client"] == whole[2]["eval"]
+    assert [w["dropped"].split(":")[0] for w in wire if "dropped" in w] == ["no scores taken"]
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("D1-0: gone during round 2's evaluation; the evaluation goes on with the 2 of 3 sites that scored") for m in said)
+
+    for folder, gone, kw, why in (
+            ("strict", {2: {101}}, {}, ""),
+            ("last", {3: {101}}, {"min_eval_sites": 2}, "; the last evaluation, the run's result, scores every site still in"),
+            ("quorum", {2: {101, 102}}, {"min_eval_sites": 2}, r"; fewer than min-eval-sites \(2\) of the sites evaluated scored")):
+        with pytest.raises(ClientFailed, match=rf"client D1-0: evaluate in round {min(gone)} failed: Error: Node Unavailable .*"
+                                               rf"\(the site's SuperNode went down or lost its connection{why};"):
+            _eval_gone_run(tmp_path, folder, gone, **kw)
+
+
+def test_min_eval_sites_is_refused_by_key_where_an_evaluation_cannot_go_on_without_a_site(identity):
+    """A number no evaluation can lose a site under (every site still in, or more), and a task stream: refused by
+    key before any site connects."""
+    from fedsilo.fl.flower import check_min_eval_sites
+
+    spec = FlowerSpec(FedBN, FedBN.params_cls(), _train(), 0, _model, "fedbn")
+    for bad in (3, 4, -1):
+        with pytest.raises(ConfigError, match=rf"min-eval-sites: {bad} is not a number of sites an evaluation can lose one "
+                                              r"of: between 1 and 2 \(the federation's 3 sites still in, less one\), or 0"):
+            FlowerRun(spec, 3, min_eval_sites=bad)
+    FlowerRun(spec, 3, min_eval_sites=2)  # no checkpoint needed: a site gone during an evaluation changes no state
+    with pytest.raises(ConfigError, match=r"min-eval-sites: not for a task stream yet"):
+        check_min_eval_sites(3, 2, True)
+
+
 def test_min_train_sites_is_refused_by_key_where_a_round_cannot_go_on_without_a_site(identity, tmp_path):
     """No checkpoint (the site could not take its last taken store from its disk), a number no round can lose a site
     under (every sampled site, or more than the federation has), a task stream, and a method that announces before

@@ -84,6 +84,14 @@ def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
         m["sites_dropped"] = len(entry["dropped"])
         for c, b in entry["dropped"].items():
             m[f"bytes_down_dropped.{c}"] = b
+    if "eval_partial" in entry:  # a deployment's evaluation without sites gone during it (min-eval-sites): no mean
+        m["sites_not_evaluated"] = len(entry["eval_missing"])
+        for c, v in entry["eval_partial"].items():
+            m[f"acc.{c}"] = v["acc"]
+            if "auc" in v and v["auc"] == v["auc"]:
+                m[f"auc.{c}"] = v["auc"]
+        for c, v in (entry.get("global_partial") or {}).items():
+            m[f"global_acc.{c}"] = v
     if "left" in entry:  # a deployment's sites that left the federation for good (sites[k].left)
         m["sites_left"] = len(entry["left"])
     for c, v in entry["train_loss"].items():

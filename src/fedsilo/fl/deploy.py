@@ -39,7 +39,9 @@ again once the SuperLink lists it online (the node id its key was registered wit
 message names. A training lost that way ends the run (``flwr run`` again redoes the round from the checkpoint),
 unless ``min-train-sites`` (a run-config key, default 0: never) of the round's sampled sites trained: the round then
 goes on without it, as if it had not been sampled (the history's ``dropped``), and it carries on from its last store
-the server took.
+the server took. An evaluation lost that way ends the run the same way unless ``min-eval-sites`` (default 0: never)
+of the sites evaluated scored and it is not the last: that evaluation then holds the scores of the sites that
+answered and no mean (the history's ``eval_partial`` / ``eval_missing``).
 """
 
 from __future__ import annotations
@@ -213,6 +215,7 @@ tracking-uri = {tracking}  # MLflow, from the SuperLink's machine ("": none; MLF
 wait-s = 600.0  # how long the ServerApp waits for every site to connect
 rejoin-s = 600.0  # how long an evaluation / task end waits for a site whose SuperNode went away (0: the run ends)
 min-train-sites = 0  # a round goes on without sampled sites gone during its training if this many trained (0: never)
+min-eval-sites = 0  # an evaluation before the last goes on without sites gone during it if this many scored (0: never)
 """
 
 MODULE_TEXT = '''"""The Flower apps of federation {name}, built from deployment.json beside this file (fedsilo.fl.deploy)."""
@@ -390,6 +393,7 @@ def apps(app_file: Path):
                                 wait_s=float(context.run_config.get("wait-s", 600)), checkpoint=checkpoint,
                                 rejoin_s=float(context.run_config.get("rejoin-s", 600)),
                                 min_train_sites=_int_config(context, "min-train-sites", 0),
+                                min_eval_sites=_int_config(context, "min-eval-sites", 0),
                                 config_hash=key, meta={"mlflow_run_id": tracker.run_id})
                 run.main(grid, context)
             finally:
@@ -648,6 +652,9 @@ def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any, mlfl
         "dropped_rounds": {c["name"]: rounds for c in run.cards
                            if (rounds := [int(e["round"]) for e in history if c["name"] in e.get("dropped", {})])},
         "bytes_down_dropped_total": int(sum(sum(e.get("dropped", {}).values()) for e in history)),  # sent, never taken back
+        # the evaluations each site was gone during, which went on without it (min-eval-sites)
+        "unevaluated_rounds": {c["name"]: rounds for c in run.cards
+                               if (rounds := [int(e["round"]) for e in history if c["name"] in e.get("eval_missing", ())])},
         # the sites that left the federation for good, each with the last round it took part in (sites[k].left)
         "sites_left": dict(run.engine.left),
         # the sites that joined the run in progress, each with the first round it took part in (sites[k].joined)

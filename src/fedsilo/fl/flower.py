@@ -338,6 +338,21 @@ def check_min_train_sites(spec: FlowerSpec, n_sites: int, value: int, checkpoint
                           "after it; set it to 0")
 
 
+def check_min_eval_sites(n_sites: int, value: int, stream: Optional[bool]) -> None:
+    """What an evaluation going on without sites gone during it needs (``min-eval-sites`` > 0), refused by key where
+    it is missing: a number of sites an evaluation can lose one of (below the sites still in) and static data
+    (``stream``: whether the sites hold task streams; None: not known yet)."""
+    key = "min-eval-sites"
+    if value == 0:
+        return
+    if value < 0 or value >= n_sites:
+        raise ConfigError(f"{key}: {value} is not a number of sites an evaluation can lose one of: between 1 and "
+                          f"{n_sites - 1} (the federation's {n_sites} sites still in, less one), or 0")
+    if stream:
+        raise ConfigError(f"{key}: not for a task stream yet (a stream's evaluation is its accuracy matrix, every site on "
+                          "every task seen so far); set it to 0")
+
+
 class FlowerServer(Engine):
     """The engine's server half over a Flower Grid: ``step`` / ``run`` / ``sample`` / ``eval_due`` /
     ``_refuse_private`` are the engine's; ``run_round`` and ``evaluate`` send the client half to the sites. The
@@ -348,7 +363,7 @@ class FlowerServer(Engine):
                  device: str = "cpu", wire: Optional[Callable[[dict[str, Any]], None]] = None,
                  checkpoint: Optional[Path] = None, config_hash: str = "", meta: Optional[dict[str, Any]] = None,
                  tasks: Optional[list[str]] = None, rejoin_s: float = 0.0, min_train_sites: int = 0,
-                 left: Sequence[str] = (), joined: Sequence[str] = ()):
+                 min_eval_sites: int = 0, left: Sequence[str] = (), joined: Sequence[str] = ()):
         spec.check(stream=tasks is not None)
         # how long a message waits for a site whose SuperNode went away (a restart, a lost link) to come back online
         # before the run ends; only a checkpointed run waits: its sites keep their stores on disk, so a restarted site
@@ -357,6 +372,9 @@ class FlowerServer(Engine):
         # a round goes on without a sampled site whose SuperNode went away during its training, as long as this many
         # sampled sites trained (0: every sampled site must train; the run ends otherwise): see _dropped
         self.min_train_sites = int(min_train_sites)
+        # an evaluation before the last goes on without sites whose SuperNode went away during it, as long as this many
+        # sites scored (0: every site still in must score; the run ends otherwise): see _dropped, _partial
+        self.min_eval_sites = int(min_eval_sites)
         self.spec, self.grid, self.nodes = spec, grid, nodes  # nodes: client index -> Flower node id
         self.wire = wire  # told of every message sent and received (describe(): keys, shapes, bytes; no values)
         self.train, self.seed = spec.train, spec.seed
@@ -381,6 +399,7 @@ class FlowerServer(Engine):
         self.left = self._sites_left(left, resumed, tasks is not None)
         self.joined = self._sites_joined(joined, resumed, tasks is not None)
         check_min_train_sites(spec, len(self.clients) - len(self.left), self.min_train_sites, checkpoint is not None, tasks is not None)
+        check_min_eval_sites(len(self.clients) - len(self.left), self.min_eval_sites, tasks is not None)
         if resumed:
             self.meta.update(meta or {})  # this run's (its MLflow run), over what the checkpoint held
             if self.stores:
@@ -467,8 +486,9 @@ class FlowerServer(Engine):
     def _exchange(self, kind: str, rnd: int, contents: dict[int, RecordDict], may_drop: bool = False) -> dict[int, Message]:
         """Send one message per client index, return the replies by client index; a site's error is raised. A site
         whose SuperNode went away (the SuperLink answers for it) is waited for up to ``rejoin_s`` and sent the
-        message again once it is back online. ``may_drop`` (a round's training): such a site is left out of the
-        replies instead, when ``min_train_sites`` allows it (:meth:`_dropped`)."""
+        message again once it is back online. ``may_drop`` (a round's training, an evaluation before the last): such a
+        site is left out of the replies instead, when ``min_train_sites`` / ``min_eval_sites`` allow it
+        (:meth:`_dropped`)."""
         replies = self._send(kind, rnd, contents)
         deadline = time.monotonic() + self.rejoin_s
         while (gone := [i for i, r in replies.items() if r is not None and _node_gone(r)]) and kind in RESENDABLE:
@@ -476,7 +496,7 @@ class FlowerServer(Engine):
                 break
             replies.update(self._send(kind, rnd, {i: contents[i] for i in gone}))
         if may_drop:
-            for i in self._dropped(replies, rnd):
+            for i in self._dropped(replies, rnd, kind):
                 del replies[i]
         out = {}
         for i, reply in replies.items():
@@ -520,28 +540,36 @@ class FlowerServer(Engine):
         log.warning("%s: back online; %s of round %d sent again", names, kind, rnd)
         return True
 
-    def _dropped(self, replies: dict[int, Optional[Message]], rnd: int) -> list[int]:
-        """The sites of a round's training answered for by the SuperLink (their SuperNode went away: a reboot, a lost
-        link) that the round goes on without: all of them when at least ``min_train_sites`` of the sampled sites
-        trained, else none (the run then ends naming them). A site that failed in any other way (its own error)
-        always ends the run. A dropped site is, for the rest of the run, as a site not sampled that round: the server
+    def _dropped(self, replies: dict[int, Optional[Message]], rnd: int, kind: str = "train") -> list[int]:
+        """The sites of a round's training (``kind`` "train") or of an evaluation ("evaluate") answered for by the
+        SuperLink (their SuperNode went away: a reboot, a lost link) that the round goes on without: all of them when
+        at least ``min_train_sites`` of the sampled sites trained (``min_eval_sites`` of the sites evaluated scored),
+        else none (the run then ends naming them). A site that failed in any other way (its own error) always ends the
+        run. A site dropped from a training is, for the rest of the run, as a site not sampled that round: the server
         aggregates without it and names the store of the last round it trained in every later message, which the
-        site takes from its disk, leaving the untaken round's training aside (client_app's ``store``)."""
+        site takes from its disk, leaving the untaken round's training aside (client_app's ``store``). A site dropped
+        from an evaluation changes nothing but that evaluation (:meth:`_partial`)."""
         gone = [i for i, r in replies.items() if r is not None and _node_gone(r)]
-        if not gone or not self.min_train_sites:
+        least, key = (self.min_train_sites, "min-train-sites") if kind == "train" else (self.min_eval_sites, "min-eval-sites")
+        if not gone or not least:
             return []
-        trained = sum(r is not None and not r.has_error() for r in replies.values())
+        done = sum(r is not None and not r.has_error() for r in replies.values())
         names = ", ".join(self.clients[i].name for i in gone)
-        if trained < self.min_train_sites:
-            log.warning("%s: gone during round %d's training; %d of %d sampled sites trained, fewer than min-train-sites "
-                        "(%d): the round cannot go on without them", names, rnd, trained, len(replies), self.min_train_sites)
+        if kind == "train":
+            step, whole, sites, did = "training", "round", "sampled sites", "trained"
+        else:
+            step, whole, sites, did = "evaluation", "evaluation", "sites", "scored"
+        if done < least:
+            log.warning("%s: gone during round %d's %s; %d of %d %s %s, fewer than %s (%d): the %s cannot go on without "
+                        "them", names, rnd, step, done, len(replies), sites, did, key, least, whole)
             return []
-        log.warning("%s: gone during round %d's training; the round goes on with the %d of %d sampled sites that trained "
-                    "(min-train-sites %d)", names, rnd, trained, len(replies), self.min_train_sites)
-        if self.wire:  # the coordinator's record of what crossed: the training sent to it, and no upload taken
+        log.warning("%s: gone during round %d's %s; the %s goes on with the %d of %d %s that %s (%s %d)", names, rnd, step,
+                    whole, done, len(replies), sites, did, key, least)
+        if self.wire:  # the coordinator's record of what crossed: the message sent to it, and no reply taken
+            taken = "no upload taken" if kind == "train" else "no scores taken"
             for i in gone:
-                self.wire({"round": rnd, "message": "train", "site": self.clients[i].name, "to": "server",
-                           "dropped": f"no upload taken: {replies[i].error.reason} (min-train-sites {self.min_train_sites})"})
+                self.wire({"round": rnd, "message": kind, "site": self.clients[i].name, "to": "server",
+                           "dropped": f"{taken}: {replies[i].error.reason} ({key} {least})"})
         return gone
 
     def _unavailable(self, reply: Message, kind: str, rnd: int) -> str:
@@ -553,6 +581,9 @@ class FlowerServer(Engine):
         if kind == "train" and self.min_train_sites:
             waited += ("; every site trains this round (a local phase), none is left out" if self.method.sample_all(rnd) else
                        f"; fewer than min-train-sites ({self.min_train_sites}) of the round's sampled sites trained")
+        if kind == "evaluate" and self.min_eval_sites:
+            waited += ("; the last evaluation, the run's result, scores every site still in" if rnd >= self.total_rounds else
+                       f"; fewer than min-eval-sites ({self.min_eval_sites}) of the sites evaluated scored")
         again = ("`flwr run` the App again: it resumes after its last checkpoint; a site that left for good: mark it "
                  "`left: true` in federation.yaml, write the App again and `flwr run` it, which resumes without the site"
                  if self.checkpoint is not None else
@@ -653,21 +684,38 @@ class FlowerServer(Engine):
 
     def evaluate(self, rnd: Optional[int] = None) -> dict[str, Any]:
         """Every site scores the model it is evaluated with on its test set (and the global model, where the method
-        has one); the mean, spread and global accuracies are formed as in ``Engine.evaluate``."""
+        has one); the mean, spread and global accuracies are formed as in ``Engine.evaluate``. An evaluation before
+        the last that went on without sites gone during it (``min_eval_sites``) is :meth:`_partial`."""
         rnd = self.round if rnd is None else rnd
         contents, eval_bytes = self._eval_contents(rnd)
-        replies = self._exchange("evaluate", rnd, contents)
+        # the last evaluation is the run's result (metrics.json, the tables): every site still in scores it
+        replies = self._exchange("evaluate", rnd, contents, may_drop=bool(self.min_eval_sites) and rnd < self.total_rounds)
         per: dict[str, dict[str, float]] = {}
         glob: dict[str, float] = {}
-        for i in contents:
+        for i in replies:
             c, m = self.clients[i], replies[i].content.metric_records[CONFIG]
             per[c.name] = {k.removeprefix("eval."): float(v) for k, v in m.items() if k.startswith("eval.")}
             if "global_acc" in m:
                 glob[c.name] = float(m["global_acc"])
+        if len(replies) < len(contents):
+            return self._partial(per, glob, [self.clients[i].name for i in contents if i not in replies], eval_bytes)
         out = eval_summary(per)
         if glob:
             out["global"] = glob
         out["bytes_eval_down"] = eval_bytes
+        return out
+
+    @staticmethod
+    def _partial(per: dict[str, dict[str, float]], glob: dict[str, float], missing: list[str],
+                 eval_bytes: dict[str, int]) -> dict[str, Any]:
+        """An evaluation that went on without the sites of ``missing`` (gone during it; ``min-eval-sites``): the
+        scores of the sites that answered (``eval_partial``, and their global-model accuracies ``global_partial``)
+        and the sites that did not (``eval_missing``). No mean, spread or mean validation accuracy: a mean over some
+        of the sites is not the federation's, so what reads evaluated rounds (``eval``: curves, best-validation
+        selection, targets reached) passes the round over. What was sent counts (``bytes_eval_down``)."""
+        out: dict[str, Any] = {"eval_partial": per, "eval_missing": missing, "bytes_eval_down": eval_bytes}
+        if glob:
+            out["global_partial"] = glob
         return out
 
 
@@ -826,7 +874,7 @@ class FlowerRun:
                  on_round: Optional[Callable[[dict[str, Any]], None]] = None, wait_s: float = 120.0,
                  roster: Optional[Roster] = None, wire: Optional[Callable[[dict[str, Any]], None]] = None,
                  checkpoint: Optional[Path] = None, config_hash: str = "", meta: Optional[dict[str, Any]] = None,
-                 rejoin_s: float = 0.0, min_train_sites: int = 0):
+                 rejoin_s: float = 0.0, min_train_sites: int = 0, min_eval_sites: int = 0):
         spec.check()
         if roster is not None and len(roster.sites) != num_clients:
             raise ValueError(f"a roster of {len(roster.sites)} sites for a federation of {num_clients}")
@@ -835,10 +883,12 @@ class FlowerRun:
         # with a checkpoint, the run resumes after the last round it holds under the same config_hash (FlowerServer)
         self.checkpoint, self.config_hash, self.meta, self.rejoin_s = checkpoint, config_hash, meta, rejoin_s
         self.min_train_sites = min_train_sites  # a round goes on without sites gone during its training (FlowerServer)
+        self.min_eval_sites = min_eval_sites  # an evaluation before the last goes on without sites gone during it
         self.gone = roster.gone() if roster is not None else []  # the sites that left the federation for good
         self.joining = roster.joining() if roster is not None else []  # the sites that joined the run in progress
         # before any site connects
         check_min_train_sites(spec, num_clients - len(self.gone), min_train_sites, checkpoint is not None, None)
+        check_min_eval_sites(num_clients - len(self.gone), min_eval_sites, None)
         self.engine: Optional[FlowerServer] = None
         self.cards: list[dict[str, Any]] = []  # what each site registered with, in client order
         self.app = ServerApp()
@@ -996,7 +1046,8 @@ class FlowerRun:
         meta = {**(self.meta or {}), "cards": self.cards} if self.checkpoint is not None else self.meta
         common = {"observer": self.observer, "on_round": self.on_round, "wire": self.wire, "checkpoint": self.checkpoint,
                   "config_hash": self.config_hash, "meta": meta, "rejoin_s": self.rejoin_s,
-                  "min_train_sites": self.min_train_sites, "left": self.gone, "joined": self.joining}
+                  "min_train_sites": self.min_train_sites, "min_eval_sites": self.min_eval_sites, "left": self.gone,
+                  "joined": self.joining}
         # a stream site registers its tasks' domains and training counts (client_app's register)
         streams = {c.name: (list(r["tasks"]), list(r["n_train_tasks"])) if "tasks" in r else None for c, r in zip(ordered, self.cards)}
         if all(v is None for v in streams.values()):

@@ -111,6 +111,8 @@ def round_summary(entry: dict[str, Any]) -> str:
     parts.append(f"up {mib(entry['bytes_up_total'])} down {mib(entry['bytes_down_total'])}")
     if entry.get("dropped"):
         parts.append("without " + ", ".join(entry["dropped"]) + " (gone during training)")
+    if entry.get("eval_missing"):
+        parts.append("evaluated without " + ", ".join(entry["eval_missing"]) + " (gone during the evaluation: no mean)")
     if entry.get("left"):
         parts.append("without " + ", ".join(entry["left"]) + " (left the federation)")
     if entry.get("joined"):

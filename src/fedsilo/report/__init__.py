@@ -684,8 +684,10 @@ def selection_note(paper: dict[str, Any] | None, ours: str | dict[str, str] = "f
 def own_best_validation_acc(history: list[dict], client: str) -> float:
     """The client's test accuracy at the evaluated round where ITS validation accuracy was highest (the first such
     round on ties): each site's own model selection, as the authors' single-site scripts (``single_office.py``,
-    ``single_domainnet.py``) choose the best epoch per site; NaN when the client scored no validation set."""
-    ev = [e["eval"][client] for e in history if "eval" in e and "val_acc" in e["eval"].get(client, {})]
+    ``single_domainnet.py``) choose the best epoch per site; NaN when the client scored no validation set. A
+    deployment's evaluation that went on without other sites (``eval_partial``: min-eval-sites) counts for the sites
+    that scored it."""
+    ev = [v for e in history if "val_acc" in (v := (e.get("eval") or e.get("eval_partial") or {}).get(client, {}))]
     return float(max(ev, key=lambda v: v["val_acc"])["acc"]) if ev else float("nan")
 
 
