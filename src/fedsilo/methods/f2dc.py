@@ -52,9 +52,12 @@ class F2DC(PartialSharing):
     Q (domains) is the number of distinct domains in the federation; N sums the sample counts of the round's
     participants (the paper's N sums all K clients: the same under its full participation). The paper's optimizer
     (SGD, lr 0.01, momentum 0.9, weight decay 1e-5) is the preset's ``train``; the code since commit 6b0a8ed trains
-    F²DC with plain SGD at lr 0.1 instead (an inconsistency we do not copy). The code's first release could not run
-    F²DC (its backbone returns five values where ``models/f2dc.py`` unpacks seven), so the paper's optimizer and the
-    two-convolution, width-64 modules exist only in code that never ran; what ran is 6b0a8ed's and later."""
+    F²DC with plain SGD at lr 0.1, no momentum, no weight decay instead, while its baselines keep the paper's
+    optimizer. The code's first release could not run F²DC (its backbone returns five values where
+    ``models/f2dc.py`` unpacks seven), so the paper's optimizer and the two-convolution, width-64 modules exist only
+    in code that never ran; what ran is 6b0a8ed's and later. The paper pipeline runs both: ``f2dc`` as the paper
+    describes it (Tables 1-2's row), and ``f2dc_code`` on the ``*_code`` experiments (the same federations), as that
+    code trains it: modules shared, n_k / N weights, three convolutions of width 50, SGD lr 0.1."""
 
     name = "f2dc"
     params_cls = F2DCParams
