@@ -19,8 +19,9 @@ def clients():
     return style_shifted_federation(n_train=24, n_test=12, per_domain=1)
 
 
-def _engine(name, clients, rounds=2, observer=None, local_epochs=1, **params):
-    tp = TrainParams(rounds=rounds, batch_size=8, lr=0.05, momentum=0.5, local_epochs=local_epochs, device="cpu", count_flops=False)
+def _engine(name, clients, rounds=2, observer=None, local_epochs=1, client_fraction=1.0, **params):
+    tp = TrainParams(rounds=rounds, batch_size=8, lr=0.05, momentum=0.5, local_epochs=local_epochs, device="cpu", count_flops=False,
+                     client_fraction=client_fraction)
     cls = method_class(name)
     return Engine(cls(cls.params_cls(**params), tp), tiny_net(1, 4), clients, tp, seed=0, observer=observer)
 
@@ -328,6 +329,53 @@ def test_fedecouple_teacher_and_distillation(clients):
     # lambda = 0: the teacher still trains, but it no longer reaches phi_i: phi_i is the plain CE head
     assert torch.equal(runs["lam0"], off.stores[0]["personal::" + HEAD + "2.weight"])
     assert not torch.equal(runs["adapted"], runs["lam0"]) and not torch.equal(runs["adapted"], runs["fixed"])
+
+
+def test_fedecouple_losses_are_eq_1_and_eq_3_as_written_with_the_conventions_as_switches(clients):
+    """Eq. 3's distillation is lambda KL(p_T || p_S) (``kd_scale: tau2`` multiplies it by tau^2) and Eq. 1's Omega is
+    each image's squared L2 distance to its anchor, summed over the features (``center_reduction: mse`` divides it
+    by the feature dimension)."""
+    from types import SimpleNamespace
+
+    from fedsilo.methods.fedecouple import FedeCouple, FedeCoupleParams
+    from fedsilo.methods.terms import distillation_kl
+
+    s, t = torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.0, 0.5]]), torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 2.0]])
+    p_t, p_s = torch.softmax(t / 2.0, 1), torch.softmax(s / 2.0, 1)
+    kl = float((p_t * (p_t.log() - p_s.log())).sum(1).mean())
+    assert float(distillation_kl(s, t, 2.0, tau2=False)) == pytest.approx(kl, rel=1e-5)
+    assert float(distillation_kl(s, t, 2.0)) == pytest.approx(4 * kl, rel=1e-5)
+    assert FedeCoupleParams().kd_scale == "none" and FedeCoupleParams().center_reduction == "sum"
+
+    z = torch.tensor([[1.0, 2.0, 0.0, 0.0], [0.0, 0.0, 3.0, 1.0]])
+    anchors = {0: torch.tensor([0.0, 0.0, 0.0, 0.0]), 1: torch.tensor([0.0, 0.0, 1.0, 1.0])}
+    y = torch.tensor([0, 1])
+    per_image = [1.0 + 4.0, 4.0]  # squared distances, summed over the four features
+    for reduction, want in (("sum", 2.0 * np.mean(per_image)), ("mse", 2.0 * np.mean(per_image) / 4)):
+        m = FedeCouple(FedeCoupleParams(mu=2.0, center_reduction=reduction), TrainParams(device="cpu"))
+        assert float(m.center_loss(SimpleNamespace(z=z), anchors)(None, y, None)) == pytest.approx(want)
+    # the switch reaches the training: tau^2 changes the personal classifier
+    heads = []
+    for scale in ("none", "tau2"):
+        e = _engine("fedecouple", clients, rounds=1, **{**OFF, "gpc": True, "kd_scale": scale})
+        e.run()
+        heads.append(e.stores[0]["personal::" + HEAD + "2.weight"])
+    assert not torch.equal(*heads)
+
+
+def test_fedecouple_scores_a_client_that_never_trained_with_the_global_model(clients):
+    """A client the join ratio has not sampled yet holds only the initial classifier; it is scored with the global
+    model (theta^t, phi^t), what it would start from, and once it trained with its own."""
+    e = _engine("fedecouple", clients, rounds=1, client_fraction=0.5)
+    e.run()
+    trained = set(e.history[0]["sampled"])
+    for i, c in enumerate(clients):
+        state = e.method.eval_state(e.server, e.stores[i], c)
+        if c.name in trained:
+            assert torch.equal(state[HEAD + "2.weight"], e.stores[i]["personal::" + HEAD + "2.weight"])
+        else:
+            assert all(torch.equal(state[k], e.server[k]) for k in e.server), c.name
+    assert trained and len(trained) < len(clients)
 
 
 def test_one_random_op_augmentation_applies_one_seeded_op_per_image():

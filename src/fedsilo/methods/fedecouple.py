@@ -35,7 +35,12 @@ class FedeCoupleParams(MethodParams):
     da: bool = Field(True, description="DA: each batch trains on its images and one augmented copy of each (crop, flip, rotation, brightness or inversion)")
     teacher: Literal["adapted", "fixed"] = Field("adapted", description="GPC's teacher: fine-tuned by CE each batch (Eq. 4) or the frozen global classifier (Table IX 'Fixed')")
     center_reduction: Literal["mse", "sum"] = Field(
-        "mse", description="Omega as the mean squared distance over batch and features (FedPAC's code) or Eq. 1's sum of squared distances per sample, averaged over the batch",
+        "sum", description="Omega as Eq. 1 writes it, each image's squared L2 distance to its anchor (summed over the "
+        "features), averaged over the batch as the CE is; or 'mse', also divided by the feature dimension (FedPAC's code)",
+    )
+    kd_scale: Literal["none", "tau2"] = Field(
+        "none", description="the distillation term as Eq. 3 writes it, lambda KL(p_T || p_S) ('none'), or times tau^2 "
+        "(Hinton's convention, which keeps its gradients' scale across temperatures)",
     )
     aggregation: Literal["similarity", "fedavg"] = Field("similarity", description="Eq. 7's cosine-similarity weights, or FedAvg's sample-size weights")
     reset: Literal["before_extractor", "before_classifier"] = Field(
@@ -66,7 +71,7 @@ class FedeCouple(PersonalModels):
 
     1. the global feature anchors An_k = mean of f(theta^t; x) over its own images of class k (GFA; the downloaded
        extractor, clean images, eval mode; they never leave the client);
-    2. classifier phase, E_cl epochs with the client's own extractor theta_i fixed: phi_i on CE + lambda tau^2
+    2. classifier phase, E_cl epochs with the client's own extractor theta_i fixed: phi_i on CE + lambda
        KL(p_T || p_S) (Eq. 2-3), the teacher a copy of phi^t fine-tuned by CE on the same batches (Eq. 4; GPC);
     3. theta_i <- theta^t (line 24); extractor phase with the classifiers fixed: one epoch against the frozen global
        classifier phi^t (Eq. 5; GLF), then E_fe epochs against the new phi_i (Eq. 6), both with mu * Omega, the
@@ -74,18 +79,23 @@ class FedeCouple(PersonalModels):
     4. uploads (theta_i, phi_i) and keeps them; the teacher and the anchors are dropped.
 
     The server weighs the uploads by their cosine similarity to the size-weighted mean (Eq. 7). A client is evaluated
-    with its own theta_i and phi_i (the paper's personalized model {w_i}); before it has trained, with theta^t and
-    its phi_i. The global model is reported as well.
+    with its own theta_i and phi_i (the paper's personalized model {w_i}); before it has trained (a join ratio below
+    1 leaves some clients unsampled for a while: Fig. 12), with the global model (theta^t, phi^t), which is what it
+    would start from: its phi_i is still the initialization, and scoring a random classifier would count the sampling
+    against the method (the paper trains every client every round elsewhere and does not say). The global model is
+    reported as well.
 
     No code of FedeCouple is public. Where the paper is open (a param where the choice is one): theta_i is reset to
     theta^t after the classifier phase, as Algorithm 1 (line 24) and Sec. IV-A1 place it, so phi_i is fitted to the
     client's own extractor of its last round (before its first round: theta^t); ``reset: before_classifier`` resets
-    first, as FedRep does. The rest are fixed choices: the distillation carries tau^2 (Hinton); Eq. 3 and 4 step
-    together on each batch (one backward, the teacher's output detached in the KL); the fixed extractor runs in train
+    first, as FedRep does. Eq. 3's distillation is lambda KL as written (``kd_scale: tau2`` multiplies it by tau^2, as
+    Hinton's convention does; with T = 2 that is 4 times the pull) and Eq. 1's Omega is each image's summed squared
+    distance (``center_reduction: mse`` divides it by the feature dimension, as FedPAC's code, the authors' starting
+    point, computes its alignment term: with the CNN's 128 features, mu = 2 would act as 2 / 128). The rest are fixed
+    choices: Eq. 3 and 4 step together on each batch (one backward, the teacher's output detached in the KL); the fixed extractor runs in train
     mode as FedRep's code does (BatchNorm
     statistics, where the backbone has them, follow the batches); E_cl = 5 as the paper's "trained locally for 5
-    epochs" reads (FedPAC's code, its authors' starting point, uses 1); Omega is FedPAC's mean squared error unless
-    ``center_reduction: sum``; DA trains each batch together with one augmented copy of each image ("combine
+    epochs" reads (FedPAC's code, its authors' starting point, uses 1); DA trains each batch together with one augmented copy of each image ("combine
     augmented data with the original"), magnitudes as ``fedsilo.client.data.one_random_op`` documents.
 
     With ``glf``, ``gfa``, ``gpc`` and ``da`` off, ``aggregation: fedavg`` and ``reset: before_classifier`` each round is FedRep's with
@@ -174,7 +184,7 @@ class FedeCouple(PersonalModels):
 
                 def kd(x, y, logits, teacher=teacher):
                     t = teacher(rep.z)
-                    loss = self.params.lam * distillation_kl(logits, t.detach(), self.params.tau)
+                    loss = self.params.lam * distillation_kl(logits, t.detach(), self.params.tau, tau2=self.params.kd_scale == "tau2")
                     return loss + F.cross_entropy(t, y) if self.params.teacher == "adapted" else loss
 
             train_local(model, client, cl_train, make_generator(seed, rnd, client.index, 0), epochs=self.params.classifier_epochs,
@@ -215,7 +225,7 @@ class FedeCouple(PersonalModels):
         personal = self.personal(store)
         if bool(store[TRAINED]):
             return personal
-        return {**server, **{k: personal[k] for k in self.head_keys}}
+        return server  # (theta^t, phi^t): what the client would start from
 
 
 __all__ = ["FedeCouple", "FedeCoupleParams", "similarity_weights"]

@@ -9,11 +9,13 @@ from fedsilo.client.local import ExtraLoss
 from fedsilo.methods.base import State
 
 
-def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tau: float = 1.0) -> torch.Tensor:
-    """tau^2 * KL(softmax(teacher / tau) || softmax(student / tau)), averaged over the batch (Hinton et al. 2015)."""
+def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tau: float = 1.0, tau2: bool = True) -> torch.Tensor:
+    """KL(softmax(teacher / tau) || softmax(student / tau)), averaged over the batch, times tau^2 where ``tau2``
+    (Hinton et al. 2015: it keeps the gradients' scale across temperatures)."""
     log_s = torch.log_softmax(student_logits.float() / tau, dim=1)
     log_t = torch.log_softmax(teacher_logits.float() / tau, dim=1)
-    return (tau * tau) * torch.nn.functional.kl_div(log_s, log_t, reduction="batchmean", log_target=True)
+    kl = torch.nn.functional.kl_div(log_s, log_t, reduction="batchmean", log_target=True)
+    return (tau * tau) * kl if tau2 else kl
 
 
 def proximal_term(model: nn.Module, anchor: State, mu: float) -> ExtraLoss:
