@@ -195,6 +195,28 @@ def test_fedbabu_local_update_leaves_the_head_at_its_init_and_fine_tuning_trains
     assert tune and all(epochs == 3 and not same for epochs, _, same in tune), "fine-tuning: the whole model, tau_f epochs"
 
 
+def test_fedbabus_head_is_its_weighted_layers_and_a_batchnorm_among_them_is_body(clients):
+    """small_cnn's top unit is Linear, BatchNorm1d, Linear: with head_layers 2 the two Linear layers stay at their
+    initialisation and never travel, while the BatchNorm between them trains and is averaged (its weights and running
+    statistics in every upload): frozen at its initialisation it would normalize with mean 0 and variance 1 at every
+    evaluation."""
+    from tests.tiny import small_cnn
+
+    tp = TrainParams(rounds=1, batch_size=8, lr=0.05, momentum=0.5, device="cpu", count_flops=False)
+    cls = method_class("fedbabu")
+    ups = []
+    e = Engine(cls(cls.params_cls(head_layers=2, finetune_epochs=0), tp), small_cnn(1, 4), clients[:2], tp, seed=0,
+               observer=lambda r, c, d, p: ups.append(p) if d == "up" else None)
+    init = small_cnn(1, 4).state_dict()
+    e.run()
+    linear = {"units.3.2.weight", "units.3.2.bias", "units.3.5.weight", "units.3.5.bias"}
+    norm = {k for k in init if k.startswith("units.3.3.")}
+    assert set(e.method.private) == linear and all(not (set(u) & linear) and norm <= set(u) for u in ups)
+    assert all(torch.equal(e.stores[0][k], init[k]) for k in linear)
+    assert not torch.equal(e.server["units.3.3.running_mean"], init["units.3.3.running_mean"])
+    assert not torch.equal(e.server["units.3.3.weight"], init["units.3.3.weight"]), "the BatchNorm trains"
+
+
 OFF = {"glf": False, "gfa": False, "gpc": False, "da": False, "aggregation": "fedavg", "reset": "before_classifier"}
 
 

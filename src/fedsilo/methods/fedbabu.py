@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Optional
 
 from pydantic import Field
+from torch import nn
 
 from fedsilo.client.local import make_generator, train_local
 from fedsilo.methods.base import MethodParams, State
-from fedsilo.methods.sharing import PartialSharing, frozen, top_units, unit_parameters, unit_prefixes
+from fedsilo.methods.sharing import PartialSharing, frozen, top_units
 from fedsilo.models import LayeredNet
 
 
@@ -31,8 +32,12 @@ class FedBABU(PartialSharing):
 
     Choices where the paper is open follow the authors' code (github:jhoon-oh/FedBABU): fine-tuning with SGD lr 1e-3,
     momentum 0.9, 5 epochs, the training batch size, no augmentation beyond ``train.augment``; the head is frozen
-    by keeping it out of the optimizer (the code sets its learning rate to 0; the same update). BatchNorm statistics
-    are part of the body and averaged (the code's CIFAR net tracks no running statistics). The fine-tuning batches
+    by keeping it out of the optimizer (the code sets its learning rate to 0; the same update). The head is the top
+    ``head_layers`` weighted layers themselves (Linear / convolution weights and biases), as the code's head is the
+    parameters named ``linear``: a normalization layer among or below them (DenseNet's ``norm5`` in its top unit, the
+    BatchNorm1d between Simple-CNN's fully connected layers) is body, trained and averaged with its statistics (the
+    code's CIFAR net tracks no running statistics); frozen at its initialisation it would normalize with mean 0 and
+    variance 1 at every evaluation. The fine-tuning batches
     are seeded by (seed, round, client), so evaluating changes no later number.
 
     Not copied from the code: its fine-tuning starts from the round with the best *test* accuracy (``best_model.pt``:
@@ -45,13 +50,17 @@ class FedBABU(PartialSharing):
     params: FedBABUParams
 
     def shared_keys(self, model: LayeredNet) -> list[str]:
-        self.cut = top_units(model, self.params.head_layers, f"methods.{self.key}.head_layers")
-        head = unit_prefixes(self.cut, len(model.units))
-        return [key for key in model.state_dict() if not key.startswith(head)]
+        cut = top_units(model, self.params.head_layers, f"methods.{self.key}.head_layers")
+        weighted = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+        self.head_names = {f"units.{i}.{name}.{p}" for i in range(cut, len(model.units))
+                           for name, mod in model.units[i].named_modules() if isinstance(mod, weighted)
+                           for p, _ in mod.named_parameters(recurse=False)}
+        return [key for key in model.state_dict() if key not in self.head_names]
 
     def local_update(self, model, store, payload, client, rnd, seed):
         model.load_state_dict({**store, **payload}, strict=True)
-        head, body = unit_parameters(model, self.cut, len(model.units)), unit_parameters(model, 0, self.cut)
+        head = [p for n, p in model.named_parameters() if n in self.head_names]
+        body = [p for n, p in model.named_parameters() if n not in self.head_names]
         with frozen(head):  # body update, head fixed at its initialisation
             self.last_loss = train_local(model, client, self.train, make_generator(seed, rnd, client.index), params=body)
         sd = model.state_dict()
