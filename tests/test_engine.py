@@ -150,6 +150,29 @@ def test_compiled_model_gives_the_same_numbers_and_keys(clients):
         assert abs(evals[0][c]["loss"] - evals[1][c]["loss"]) < 1e-4
 
 
+def test_a_compiled_model_runs_uncompiled_while_a_method_hooks_its_forward(caplog):
+    """TorchDynamo does not see a forward hook registered after compilation (the features a method's loss reads, FedRCL's
+    levels): while one is on, the model's own forward runs, once it is removed the compiled one again; hooks the model
+    had when compiled (FedLGF's, registered in setup) keep the compiled forward. (torch.compile is lazy: nothing is
+    compiled here.)"""
+    from fedsilo.client.features import representation
+    from fedsilo.client.local import compile_model, forward_fn
+    from tests.tiny import tiny_net
+
+    model = tiny_net(1, 4)
+    model.units[0].register_forward_pre_hook(lambda m, i: None)  # before compilation
+    compile_model(model)
+    compiled = forward_fn(model)
+    assert compiled is not model
+    with caplog.at_level("WARNING", logger="fedsilo.client.local"):
+        with representation(model) as rep:
+            assert forward_fn(model) is model
+            forward_fn(model)(torch.zeros(2, 1, 8, 8))
+            assert rep.z is not None and rep.z.shape == (2, 16)
+    assert forward_fn(model) is compiled
+    assert sum("run the model uncompiled" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_fedavg_two_phase_is_single_then_fedavg_from_the_weighted_mean(clients):
     """pFedDB Fig. 5's "FedAvg under the two-phase protocol": rounds 1..E0 are exactly Single (same numbers, nothing
     sent); round E0 uploads every client's model and the server becomes their sample-size-weighted mean."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Callable, Optional
 
@@ -42,10 +43,37 @@ def use_channels_last(cfg: TrainParams, device: torch.device) -> bool:
     return cfg.channels_last == "on" or (cfg.channels_last == "auto" and device.type == "cuda")
 
 
+log = logging.getLogger(__name__)
+
+
+def _hooks(model: nn.Module) -> tuple[int, ...]:
+    """The ids of the forward and forward-pre hooks on the model's modules (their handles' keys)."""
+    return tuple(k for m in model.modules() for k in (*m._forward_pre_hooks, *m._forward_hooks))
+
+
+def compile_model(model: nn.Module) -> None:
+    """``train.compile``: torch.compile the model once, kept outside the module tree (state_dict keys stay the same),
+    with the forward hooks it was compiled with. TorchDynamo does not guard on hooks added later (its
+    ``skip_nnmodule_hook_guards``): a hook a method registers for one local update or evaluation (the features the
+    classifier sees, FedRCL's levels) would never run in the compiled forward, so :func:`forward_fn` runs the model
+    itself while such a hook is on."""
+    model.__dict__["_fedsilo_compiled"] = (torch.compile(model), _hooks(model))
+
+
 def forward_fn(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The compiled forward when the engine compiled the model (stored outside the module tree), else the model."""
-    compiled = model.__dict__.get("_fedsilo_compiled")
-    return compiled if compiled is not None else model
+    """The compiled forward when the engine compiled the model (``train.compile``) and no hook was added to it since,
+    else the model (a method's hooks run only in the model's own forward: :func:`compile_model`)."""
+    got = model.__dict__.get("_fedsilo_compiled")
+    if got is None:
+        return model
+    compiled, hooks = got
+    if _hooks(model) != hooks:
+        if not model.__dict__.get("_fedsilo_said_hooks"):
+            model.__dict__["_fedsilo_said_hooks"] = True
+            log.warning("train.compile: the method hooks the model's forward for some passes (features for its loss); "
+                        "those passes run the model uncompiled, as TorchDynamo would leave the hooks out")
+        return model
+    return compiled
 
 
 def _prep(x: torch.Tensor, channels_last: bool) -> torch.Tensor:

@@ -34,7 +34,15 @@ from torch import nn
 
 from fedsilo.client.data import ClientData, to_float
 from fedsilo.client.features import covariance_spectrum
-from fedsilo.client.local import evaluate, evaluate_client, make_generator, predict, score, use_channels_last
+from fedsilo.client.local import (
+    compile_model,
+    evaluate,
+    evaluate_client,
+    make_generator,
+    predict,
+    score,
+    use_channels_last,
+)
 from fedsilo.config import TrainParams
 from fedsilo.methods.base import Method, State, payload_bytes, spare_copy
 from fedsilo.methods.registry import check_stream_fit
@@ -156,8 +164,7 @@ class Engine:
         self.server: State = {}
         self.stores: list[State] = []
         if train.compile:
-            # kept out of the module tree so that state_dict keys stay the same
-            model.__dict__["_fedsilo_compiled"] = torch.compile(model)
+            compile_model(model)
         if use_channels_last(train, self._device()):
             model.to(memory_format=torch.channels_last)
         if not self._resume():  # no round-0 checkpoint: a run killed before its first one starts again identically

@@ -82,7 +82,7 @@ import torch
 from torch import nn
 
 from fedsilo.client.data import ClientData, to_float
-from fedsilo.client.local import evaluate, evaluate_client, score, use_channels_last
+from fedsilo.client.local import compile_model, evaluate, evaluate_client, score, use_channels_last
 from fedsilo.config import ConfigError, TrainParams
 from fedsilo.fl.continual import TaskStream, stream_eval
 from fedsilo.fl.engine import (
@@ -1074,7 +1074,7 @@ class _Site:
         tasks = [c.domain for c in self.stream] if self.stream is not None else None
         self.method, self.model, self.private = spec.build(to_float(client.x_train[:2]), client.x_train.device, cards, tasks=tasks)
         if spec.train.compile:
-            self.model.__dict__["_fedsilo_compiled"] = torch.compile(self.model)
+            compile_model(self.model)
         if use_channels_last(spec.train, client.x_train.device):
             self.model.to(memory_format=torch.channels_last)
         self.rnd = -1
