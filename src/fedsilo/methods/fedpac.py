@@ -97,9 +97,13 @@ class FedPAC(Method):
     the classifier epoch's learning rate 0.1 (``classifier_lr``), SGD momentum 0.5 and weight decay 5e-4 for both
     phases (``train``), the alignment term as PyTorch's MSELoss (mean over batch and features), prototypes aggregated
     by label counts, the extractor by sample counts, the QP matrix's eigenvalue fix and the 1e-3 weight cut. The code
-    solves the QP with cvxpy; here SciPy's SLSQP solves the same problem. The code prints the accuracy of each
-    client's model right after its local training (before aggregation); here the model after the round (global theta,
-    combined phi_i) is evaluated, as the paper describes the personalized model. The combined classifier reaches the
+    solves the QP with cvxpy; here SciPy's SLSQP solves the same problem. The code prints two accuracies of each
+    sampled client and picks neither: ``acc0``, its model at the start of a round (global theta and the combined
+    phi_i it received: what is evaluated here, after the round that combined it) and ``acc2``, its model right
+    after its local training, before aggregation; it averages over the round's sampled clients only (here every
+    client is scored). The model after the round is the paper's personalized model. FedeCouple, beside which it runs,
+    is scored with its post-training model (its Algorithm 1's output), so the two rows differ in when the model is
+    taken as well as in the method. The combined classifier reaches the
     client with its next download, whose bytes count it; after the last round it is used for evaluation only."""
 
     name = "fedpac"
