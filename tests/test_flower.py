@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -494,6 +495,10 @@ class _EvalGoneGrid(LoopGrid):
     (node state gone) and is back for the next round's training, which it starts from its store on its disk."""
 
     gone: dict = {}
+    offline: set = set()  # nodes the SuperLink never lists online again once they went away (until the next round)
+
+    def get_node_ids(self):
+        return [n for n in self.contexts if n not in self.offline or not self.died]
 
     def send_and_receive(self, messages, timeout=None):
         from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
@@ -502,7 +507,10 @@ class _EvalGoneGrid(LoopGrid):
         for m in messages:
             m.metadata.__dict__["_message_id"] = m.object_id
             rnd, node = m.content.config_records.get(CONFIG, {}).get("round"), m.metadata.dst_node_id
-            if m.metadata.message_type == "evaluate" and node in self.gone.get(rnd, ()):
+            self.died = self.died and m.metadata.message_type == "evaluate"  # back for the next round's training
+            if m.metadata.message_type == "evaluate" and node in self.gone.get(rnd, ()) and (node, rnd) not in self.dead:
+                self.dead.add((node, rnd))
+                self.died = True
                 super().send_and_receive([m], timeout)  # it scored; the reply never left
                 self.contexts[node].state = RecordDict()
                 out.append(create_message_error_unavailable_res_message(m.metadata, "node_unavail"))
@@ -511,11 +519,12 @@ class _EvalGoneGrid(LoopGrid):
         return out
 
 
-def _eval_gone_run(tmp_path: Path, name: str, gone: dict, **kw) -> FlowerRun:
+def _eval_gone_run(tmp_path: Path, name: str, gone: dict, offline: tuple = (), **kw) -> FlowerRun:
     tp, clients = _train(rounds=3), _clients()
     spec = FlowerSpec(FedBN, FedBN.params_cls(), tp, 0, _model, "fedbn")
     app = client_app(spec, lambda ctx: clients[int(ctx.node_config["partition-id"])], keep_dir=lambda ctx: tmp_path / name / str(ctx.node_id))
-    grid = type("Grid", (_EvalGoneGrid,), {"gone": gone})(app, len(clients))
+    grid = type("Grid", (_EvalGoneGrid,), {"gone": gone, "offline": set(offline), "died": False})(app, len(clients))
+    grid.dead = set()
     run = FlowerRun(spec, len(clients), checkpoint=tmp_path / f"{name}.pt", config_hash="h", **kw)
     run.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
     return run
@@ -557,19 +566,61 @@ def test_an_evaluation_goes_on_without_a_site_gone_during_it_when_min_eval_sites
             _eval_gone_run(tmp_path, folder, gone, **kw)
 
 
-def test_min_eval_sites_is_refused_by_key_where_an_evaluation_cannot_go_on_without_a_site(identity):
-    """A number no evaluation can lose a site under (every site still in, or more), and a task stream: refused by
-    key before any site connects."""
+def test_a_site_back_online_is_sent_the_evaluation_again_while_another_is_left_out(identity, tmp_path, monkeypatch):
+    """Two sites go away while they score round 2, D1-0's SuperNode is back online at once and D2-0's is not: D1-0 is
+    sent the evaluation again (from its disk) while the run waits up to rejoin-s, then the evaluation goes on
+    without D2-0 alone (min-eval-sites 2: two of three scored). Waiting for all of them or none would leave both out
+    and end the run."""
+    import fedsilo.fl.flower as flower
+
+    monkeypatch.setattr(flower, "REJOIN_POLL_S", 0.01)
+    whole = _eval_gone_run(tmp_path, "whole", {}).engine.history
+    history = _eval_gone_run(tmp_path, "both", {2: {101, 102}}, offline=(102,), min_eval_sites=2, rejoin_s=0.3).engine.history
+    assert history[1]["eval_missing"] == ["D2-0"] and history[1]["eval_partial"] == {c: whole[1]["eval"][c] for c in ("D0-0", "D1-0")}
+    assert history[2]["eval"] == whole[2]["eval"]
+
+
+def test_a_partial_evaluation_counts_only_for_the_sites_that_scored_it():
+    """What reads a history with an evaluation that went on without a site: a site's own best-validation round counts
+    the rounds it scored, best-mean-validation selection and the curves over seeds pass the round over (the curves
+    match rounds by number, never pairing one seed's round 3 with another's round 2), and MLflow gets the answering
+    sites' accuracies and global-model accuracies."""
+    from fedsilo.report import best_validation_round, own_best_validation_acc, seed_curve
+    from fedsilo.tracking import round_metrics
+
+    def entry(rnd, scores, missing=()):
+        e = {"round": rnd, "bytes_up": {}, "bytes_down": {}, "bytes_up_total": 0, "bytes_down_total": 0, "train_loss": {}}
+        per = {c: {"acc": a, "val_acc": v} for c, (a, v) in scores.items()}
+        if missing:
+            return {**e, "eval_partial": per, "eval_missing": list(missing), "global_partial": {c: a for c, (a, _) in scores.items()}}
+        return {**e, "eval": per, "mean_acc": float(np.mean([a for a, _ in scores.values()])),
+                "mean_val_acc": float(np.mean([v for _, v in scores.values()]))}
+
+    run = [entry(1, {"A": (0.5, 0.5), "B": (0.5, 0.5)}), entry(2, {"A": (0.9, 0.9)}, missing=["B"]),
+           entry(3, {"A": (0.6, 0.6), "B": (0.7, 0.7)})]
+    assert own_best_validation_acc(run, "A") == 0.9 and own_best_validation_acc(run, "B") == 0.7
+    assert best_validation_round(run)["round"] == 3
+    other = [entry(1, {"A": (0.1, 0.1), "B": (0.1, 0.1)}), entry(2, {"A": (0.2, 0.2), "B": (0.2, 0.2)}), entry(3, {"A": (0.3, 0.3)}, missing=["B"])]
+    assert seed_curve({("m", 0): run, ("m", 1): other}, "m", [0, 1], lambda e: e["mean_acc"]) == ([1], [pytest.approx(0.3)])
+    logged = round_metrics(run[1])
+    assert logged["global_acc.A"] == logged["acc.A"] == 0.9 and logged["sites_not_evaluated"] == 1 and "mean_acc" not in logged
+
+
+def test_min_eval_sites_is_refused_by_key_where_an_evaluation_cannot_go_on_without_a_site(identity, tmp_path):
+    """A number no evaluation can lose a site under (every site still in, or more), no checkpoint (a restarted site
+    reads its store from its disk), and a task stream: refused by key before any site connects."""
     from fedsilo.fl.flower import check_min_eval_sites
 
     spec = FlowerSpec(FedBN, FedBN.params_cls(), _train(), 0, _model, "fedbn")
     for bad in (3, 4, -1):
         with pytest.raises(ConfigError, match=rf"min-eval-sites: {bad} is not a number of sites an evaluation can lose one "
                                               r"of: between 1 and 2 \(the federation's 3 sites still in, less one\), or 0"):
-            FlowerRun(spec, 3, min_eval_sites=bad)
-    FlowerRun(spec, 3, min_eval_sites=2)  # no checkpoint needed: a site gone during an evaluation changes no state
+            FlowerRun(spec, 3, checkpoint=tmp_path / "c.pt", min_eval_sites=bad)
+    with pytest.raises(ConfigError, match=r"min-eval-sites: 2 needs a checkpointed run"):
+        FlowerRun(spec, 3, min_eval_sites=2)
+    FlowerRun(spec, 3, checkpoint=tmp_path / "c.pt", min_eval_sites=2)
     with pytest.raises(ConfigError, match=r"min-eval-sites: not for a task stream yet"):
-        check_min_eval_sites(3, 2, True)
+        check_min_eval_sites(3, 2, True, True)
 
 
 def test_min_train_sites_is_refused_by_key_where_a_round_cannot_go_on_without_a_site(identity, tmp_path):

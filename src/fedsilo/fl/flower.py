@@ -338,16 +338,20 @@ def check_min_train_sites(spec: FlowerSpec, n_sites: int, value: int, checkpoint
                           "after it; set it to 0")
 
 
-def check_min_eval_sites(n_sites: int, value: int, stream: Optional[bool]) -> None:
+def check_min_eval_sites(n_sites: int, value: int, checkpointed: bool, stream: Optional[bool]) -> None:
     """What an evaluation going on without sites gone during it needs (``min-eval-sites`` > 0), refused by key where
-    it is missing: a number of sites an evaluation can lose one of (below the sites still in) and static data
-    (``stream``: whether the sites hold task streams; None: not known yet)."""
+    it is missing: a number of sites an evaluation can lose one of (below the sites still in), a checkpointed run,
+    and static data (``stream``: whether the sites hold task streams; None: not known yet)."""
     key = "min-eval-sites"
     if value == 0:
         return
     if value < 0 or value >= n_sites:
         raise ConfigError(f"{key}: {value} is not a number of sites an evaluation can lose one of: between 1 and "
                           f"{n_sites - 1} (the federation's {n_sites} sites still in, less one), or 0")
+    if not checkpointed:  # a site whose SuperNode restarted while it scored reads its store from its disk
+        raise ConfigError(f"{key}: {value} needs a checkpointed run (a site whose SuperNode restarted while it scored "
+                          "takes its store from its disk at its next message, which only a checkpointed run names; a "
+                          "deployment is checkpointed)")
     if stream:
         raise ConfigError(f"{key}: not for a task stream yet (a stream's evaluation is its accuracy matrix, every site on "
                           "every task seen so far); set it to 0")
@@ -399,7 +403,7 @@ class FlowerServer(Engine):
         self.left = self._sites_left(left, resumed, tasks is not None)
         self.joined = self._sites_joined(joined, resumed, tasks is not None)
         check_min_train_sites(spec, len(self.clients) - len(self.left), self.min_train_sites, checkpoint is not None, tasks is not None)
-        check_min_eval_sites(len(self.clients) - len(self.left), self.min_eval_sites, tasks is not None)
+        check_min_eval_sites(len(self.clients) - len(self.left), self.min_eval_sites, checkpoint is not None, tasks is not None)
         if resumed:
             self.meta.update(meta or {})  # this run's (its MLflow run), over what the checkpoint held
             if self.stores:
@@ -492,9 +496,10 @@ class FlowerServer(Engine):
         replies = self._send(kind, rnd, contents)
         deadline = time.monotonic() + self.rejoin_s
         while (gone := [i for i, r in replies.items() if r is not None and _node_gone(r)]) and kind in RESENDABLE:
-            if not self._rejoined(gone, kind, rnd, deadline):
+            back = self._rejoined(gone, kind, rnd, deadline)
+            if not back:
                 break
-            replies.update(self._send(kind, rnd, {i: contents[i] for i in gone}))
+            replies.update(self._send(kind, rnd, {i: contents[i] for i in back}))
         if may_drop:
             for i in self._dropped(replies, rnd, kind):
                 del replies[i]
@@ -525,20 +530,27 @@ class FlowerServer(Engine):
         return {i: (by_message.get(sent.metadata.message_id) if sent.metadata.message_id else None) or by_node.get(self.nodes[i])
                 for i, sent in zip(order, msgs)}
 
-    def _rejoined(self, gone: list[int], kind: str, rnd: int, deadline: float) -> bool:
-        """Waits until the SuperLink lists every site of ``gone`` online again (True) or ``deadline`` passes (False)."""
+    def _rejoined(self, gone: list[int], kind: str, rnd: int, deadline: float) -> list[int]:
+        """Waits until the SuperLink lists every site of ``gone`` online again or ``deadline`` passes; returns the
+        sites of ``gone`` it lists online then (all of them, some when the deadline passed, none when there is no
+        wait). A site that came back is sent the message again even when another one did not (min-eval-sites may let
+        the evaluation go on without that one)."""
         if self.rejoin_s <= 0 or time.monotonic() > deadline:  # a node that keeps dropping is not sent the message forever
-            return False
+            return []
         names = ", ".join(self.clients[i].name for i in gone)
         log.warning("%s: gone in round %d (%s): the SuperLink heard nothing from its SuperNode; waiting up to %.0f s for it "
                     "to come back online", names, rnd, kind, max(0.0, deadline - time.monotonic()))
-        while not {self.nodes[i] for i in gone} <= set(self.grid.get_node_ids()):
-            if time.monotonic() > deadline:
-                log.warning("%s: not back online after %.0f s", names, self.rejoin_s)
-                return False
+        while True:
+            online = set(self.grid.get_node_ids())
+            back = [i for i in gone if self.nodes[i] in online]
+            if len(back) == len(gone) or time.monotonic() > deadline:
+                break
             time.sleep(REJOIN_POLL_S)
-        log.warning("%s: back online; %s of round %d sent again", names, kind, rnd)
-        return True
+        if len(back) < len(gone):
+            log.warning("%s: not back online after %.0f s", ", ".join(self.clients[i].name for i in gone if i not in back), self.rejoin_s)
+        if back:
+            log.warning("%s: back online; %s of round %d sent again", ", ".join(self.clients[i].name for i in back), kind, rnd)
+        return back
 
     def _dropped(self, replies: dict[int, Optional[Message]], rnd: int, kind: str = "train") -> list[int]:
         """The sites of a round's training (``kind`` "train") or of an evaluation ("evaluate") answered for by the
@@ -888,7 +900,7 @@ class FlowerRun:
         self.joining = roster.joining() if roster is not None else []  # the sites that joined the run in progress
         # before any site connects
         check_min_train_sites(spec, num_clients - len(self.gone), min_train_sites, checkpoint is not None, None)
-        check_min_eval_sites(num_clients - len(self.gone), min_eval_sites, None)
+        check_min_eval_sites(num_clients - len(self.gone), min_eval_sites, checkpoint is not None, None)
         self.engine: Optional[FlowerServer] = None
         self.cards: list[dict[str, Any]] = []  # what each site registered with, in client order
         self.app = ServerApp()

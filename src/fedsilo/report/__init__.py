@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -466,6 +466,15 @@ def domain_avg(entry: dict, domain_of: dict[str, str]) -> float:
     return float(np.mean([np.mean(v) for v in by.values()]))
 
 
+def seed_curve(histories: dict, method: str, seeds: list[int], value: Callable[[dict], float]) -> tuple[list[int], list[float]]:
+    """A method's curve over its seeds: per round that every seed evaluated (``eval``), the mean of ``value`` over the
+    seeds' entries of that round. Rounds are matched by number: a deployed run whose evaluation went on without a
+    site (``eval_partial``) has no such entry, and its round is left out of the curve, not paired with another."""
+    by_seed = [{e["round"]: e for e in histories[(method, s)] if "eval" in e} for s in seeds]
+    rounds = sorted(set.intersection(*(set(b) for b in by_seed)))
+    return rounds, [float(np.mean([value(b[r]) for b in by_seed])) for r in rounds]
+
+
 def _plots(out: Path, experiment: str, methods: list[str], seeds: list[int], histories: dict,
            domain_of: dict[str, str] | None = None) -> list[str]:
     def evals(m: str, s: int) -> list[dict]:
@@ -474,21 +483,17 @@ def _plots(out: Path, experiment: str, methods: list[str], seeds: list[int], his
     made = []
     series = []
     for m in methods:
-        rounds = [e["round"] for e in evals(m, seeds[0])]
-        series.append((m, rounds, list(np.mean([[domain_avg(e, domain_of or {}) * 100 for e in evals(m, s)] for s in seeds], axis=0))))
+        series.append((m, *seed_curve(histories, m, seeds, lambda e: domain_avg(e, domain_of or {}) * 100)))
     # F²DC's Fig. 5 (convergence of the average accuracy): its last point is the accuracy table's Avg
     made.append(_line_figure(out / f"{experiment}_curves.png", series, "Avg test accuracy over domains (%)", experiment))
 
     for m in methods:
         h0 = evals(m, seeds[0])
-        rounds = [e["round"] for e in h0]
         groups: dict[str, list[str]] = {}  # a line per domain: the mean over its clients, as the tables form it
         for client in h0[0]["eval"]:
             groups.setdefault((domain_of or {}).get(client, client), []).append(client)
-        series = [
-            (dom, rounds, list(np.mean([[np.mean([e["eval"][c]["acc"] for c in cs]) * 100 for e in evals(m, s)] for s in seeds], axis=0)))
-            for dom, cs in groups.items()
-        ]
+        series = [(dom, *seed_curve(histories, m, seeds, lambda e, cs=cs: float(np.mean([e["eval"][c]["acc"] for c in cs])) * 100))
+                  for dom, cs in groups.items()]
         made.append(_line_figure(out / f"{experiment}_{m}_domains.png", series, "test accuracy per domain (%)", f"{experiment}: {m}"))
 
     series = []
@@ -907,10 +912,7 @@ def build_report(
             two_phase = [m for m in methods if (method_entries or {}).get(m) and (method_entries[m] or {}).get("method", m) == "fedavg"
                          and (method_entries[m] or {}).get("local_rounds", 0) > 0]
             if two_phase and "single" in methods and "pfeddb" in methods:
-                def mean_curve(m: str, histories: dict = histories) -> tuple[list[int], list[float]]:
-                    ev = [[e for e in histories[(m, s)] if "eval" in e] for s in seeds]
-                    return [e["round"] for e in ev[0]], list(np.mean([[e["mean_acc"] * 100 for e in h] for h in ev], axis=0))
-                series = [(m, *mean_curve(m)) for m in ("single", two_phase[0], "pfeddb")]
+                series = [(m, *seed_curve(histories, m, seeds, lambda e: e["mean_acc"] * 100)) for m in ("single", two_phase[0], "pfeddb")]
                 figs.append(_line_figure(tmp / f"{exp}_fig5_two_phase.png", series, "average test accuracy (%)",
                                          f"{exp}: Single, FedAvg (two-phase), pFedDB"))
             index += [md, ""] + [f"![{f}]({f})" for f in figs] + [""]
