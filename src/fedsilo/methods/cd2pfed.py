@@ -57,9 +57,11 @@ class CD2PFed(Method):
     of every layer, :mod:`fedsilo.methods.channels`, where the parameter ownership is also set out); the channel
     count floor(p_t C_l); the cyclic distillation is skipped while some layer has no private (or no shared) channel,
     since one subnet then has no path to the logits (LeNet's 6-channel conv gets its first private channel at
-    t = T/(6p)); temperature 1, no stop-gradient; BatchNorm running statistics from the full network's forwards only;
-    the EMA once per local epoch (Eq. 6's l is "the local epoch number" in the text; Algorithm 1 draws it inside the
-    batch loop) on the private parameters, which training continues from; the classifier's bias is shared and used by
+    t = T/(6p): with T = 50 and p = 0.5 no distillation runs in rounds 1-16, a third of the paper's schedule, and that
+    conv keeps one private channel until round 33; ceil would give it one from round 1, against p_t's small share);
+    temperature 1, no stop-gradient; BatchNorm running statistics from the full network's forwards only; the EMA once
+    per local epoch (Eq. 6's l is "the local epoch number" in the text, and Algorithm 1's loop over l = 1..eta_i) on
+    the private parameters, which training continues from; the classifier's bias is shared and used by
     both subnets (slimmable networks' convention); BatchNorm running statistics of private channels are the full
     network's as trained, not averaged over time (the paper's LeNet-5 has no BatchNorm). The paper trains every client
     each round; with ``train.client_fraction`` < 1 a client downloads the shared part under the split of the last
