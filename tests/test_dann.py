@@ -172,6 +172,30 @@ def test_the_source_is_the_global_model_at_the_end_of_the_previous_task_and_stay
             assert all(torch.equal(take(store, "src.")[k], end_of_task1[k]) for k in end_of_task1)
 
 
+def test_the_source_features_are_the_trained_models_at_a_tasks_start_and_leave_its_statistics(monkeypatch):
+    """At the first step of task 1 the model and the frozen source are the same weights: with the source in the trained
+    model's BatchNorm mode (batch statistics) G_d sees the same features from both; its running statistics stay the
+    end-of-task-0 model's."""
+    import fedsilo.methods.dann as dann_mod
+
+    e = _engine()
+    for _ in range(2):
+        e.step()
+    pairs = []
+    real = dann_mod.DANN.domain_loss
+
+    def spy(self, z, z_src, lam):
+        pairs.append((z.detach().clone(), z_src.detach().clone()))
+        return real(self, z, z_src, lam)
+
+    monkeypatch.setattr(dann_mod.DANN, "domain_loss", spy)
+    e.step()
+    assert torch.allclose(pairs[0][0], pairs[0][1], atol=1e-6), "the first batch: the same features"
+    assert not torch.allclose(pairs[-1][0], pairs[-1][1]), "training moves the target's"
+    source = e.method._source
+    assert all(torch.equal(source.state_dict()[k], take(e.stores[0], "src.")[k]) for k in source.state_dict() if "running" in k)
+
+
 def test_the_first_task_is_fedavg_and_the_domain_loss_acts_from_the_second():
     dann, fedavg = _engine(), _engine("fedavg")
     for _ in range(2):

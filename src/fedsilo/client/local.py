@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -44,6 +45,20 @@ def use_channels_last(cfg: TrainParams, device: torch.device) -> bool:
 
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def running_stats_frozen(module: nn.Module) -> Iterator[None]:
+    """Inside the block the BatchNorm layers of ``module`` still normalize a training batch by its own statistics but
+    leave their running statistics as they are."""
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    for m in norms:
+        m.track_running_stats = False
+    try:
+        yield
+    finally:
+        for m in norms:
+            m.track_running_stats = True
 
 
 def _hooks(model: nn.Module) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from pydantic import Field
 from torch import nn
 
 from fedsilo.client.features import classifier, features, representation
-from fedsilo.client.local import batches_per_epoch, make_generator, train_local
+from fedsilo.client.local import batches_per_epoch, make_generator, running_stats_frozen, train_local
 from fedsilo.methods.base import MeanAggregation, MethodParams, spare_copy
 from fedsilo.methods.continual import has, put, take
 from fedsilo.models import LayeredNet
@@ -78,8 +78,11 @@ class DANN(MeanAggregation):
     **The two domains.** When task t (t >= 1) starts, the *source* is what the federation has learned of the earlier
     domains: the global model at the end of task t-1, frozen for the whole task (the server keeps it as ``src.*``).
     The *target* is the new domain, learned by the model being trained. A client holds the current task's images only,
-    so both domains' samples are computed on them: source features z_s = G_f^(t-1)(x) of the frozen model (evaluation
-    mode, no gradient), target features z = G_f(x) of the model in training. Per batch the client minimizes
+    so both domains' samples are computed on them: source features z_s = G_f^(t-1)(x) of the frozen model (no gradient;
+    in the trained model's mode, BatchNorm normalizing by the batch's statistics and leaving its running statistics
+    as they are, so at a task's start, the same weights, z_s = z and G_d has nothing but what training changes to go
+    on; in evaluation mode it would tell running from batch statistics apart), target features z = G_f(x) of the
+    model in training. Per batch the client minimizes
 
         CE(G_y(z), y) + CE(G_d(z_s), source) + CE(G_d(R_lambda(z)), target)
 
@@ -207,7 +210,10 @@ class DANN(MeanAggregation):
             self._source = spare_copy(model)
         source = self._source
         source.load_state_dict(take(store, SRC), strict=True)
-        source.eval()
+        # in the trained model's mode (BatchNorm by the batch's statistics, its running statistics left as they are):
+        # at a task's start both are the same weights and give the same features, so G_d separates what training
+        # changed, not running against batch statistics
+        source.train()
         self.disc.load_state_dict(take(payload, DISC), strict=True)
         self.disc.train()
         steps = self.train.local_epochs * batches_per_epoch(client.n_train, self.train.batch_size)
@@ -216,7 +222,9 @@ class DANN(MeanAggregation):
             def batch_loss(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
                 lam = adaptation_factor(self.progress(rnd, len(self.lambdas), steps), self.params.gamma)
                 self.lambdas.append(lam)
-                return self.domain_loss(rep.z, features(source, x), lam)
+                with running_stats_frozen(source):
+                    z_src = features(source, x)
+                return self.domain_loss(rep.z, z_src, lam)
 
             self.last_loss = train_local(
                 model, client, self.train, gen, batch_loss=batch_loss, params=[*model.parameters(), *self.disc.parameters()]

@@ -15,7 +15,7 @@ from torch import nn
 
 from fedsilo.client.data import ClientData, augment, to_float
 from fedsilo.client.hostaug import apply_host, host_policy
-from fedsilo.client.local import batches, make_generator, use_bf16
+from fedsilo.client.local import batches, make_generator, running_stats_frozen, use_bf16
 from fedsilo.config import ConfigError
 from fedsilo.methods.base import Method, MethodParams, RunningMean, State, payload_bytes, spare_copy
 from fedsilo.methods.continual import has, put, take
@@ -111,20 +111,6 @@ def feature_tap(model: LayeredNet) -> Iterator[dict[str, torch.Tensor]]:
         yield seen
     finally:
         handle.remove()
-
-
-@contextmanager
-def running_stats_frozen(module: nn.Module) -> Iterator[None]:
-    """Inside the block the BatchNorm layers of ``module`` still normalize a training batch by its own statistics but
-    leave their running statistics as they are."""
-    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
-    for m in norms:
-        m.track_running_stats = False
-    try:
-        yield
-    finally:
-        for m in norms:
-            m.track_running_stats = True
 
 
 def draw_labels(pool: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
