@@ -388,6 +388,26 @@ def test_new_test_scores_the_mean_softmax_of_every_clients_model(clients):
     assert "external_global" not in ent and ent["bytes_ensemble"] == 0, "one global model: the ensemble is it, nothing sent"
 
 
+def test_new_test_with_log_probabilities_scores_their_normalized_geometric_mean(clients):
+    """``train.ensemble_mean: log_probabilities`` (LG-FedAvg's code averages its nets' log_softmax outputs, CD2-pFed's
+    presets run it): the ensemble's prediction is the softmax of the mean log-probability over the clients' models."""
+    from fedsilo.client.local import predict
+
+    e = _engine(clients, tp=_tp(rounds=1, ensemble_test=True, ensemble_mean="log_probabilities"), p=0.5, progressive=False)
+    entry = e.step()
+    x, y = torch.cat([c.x_test for c in clients]), torch.cat([c.y_test for c in clients])
+    logs, probs = 0, 0
+    for c, store in zip(clients, e.stores):
+        e.method.load_eval_model(e.model, e.server, store, c, 1)
+        logs = logs + predict(e.model, x).log_softmax(1)
+        probs = probs + predict(e.model, x).softmax(1)
+    geometric = (logs / len(clients)).softmax(1)
+    assert entry["ensemble"]["loss"] == pytest.approx(float(F.nll_loss(geometric.log(), y)), rel=1e-5)
+    assert entry["ensemble"]["acc"] == pytest.approx(float((geometric.argmax(1) == y).float().mean()))
+    arithmetic = probs / len(clients)
+    assert abs(entry["ensemble"]["loss"] - float(F.nll_loss(arithmetic.log(), y))) > 1e-6, "not the mean of the probabilities"
+
+
 def test_external_site_is_loaded_from_a_holdout_split(tmp_path):
     import numpy as np
     import pandas as pd

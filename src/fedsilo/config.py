@@ -1047,6 +1047,11 @@ class TrainParams(Strict):
         "the clients' test sets at each evaluation: LG-FedAvg's and CD2-pFed's 'new test'; the models' bytes are "
         "counted as bytes_ensemble. Always on when the split holds an external test site",
     )
+    ensemble_mean: Literal["probabilities", "log_probabilities"] = Field(
+        "probabilities", description="what the ensemble ('new test') averages over the clients' models: their softmax "
+        "probabilities, or their log-probabilities (a normalized geometric mean, as LG-FedAvg's code averages its "
+        "log_softmax outputs; CD2-pFed follows it)",
+    )
     keep_client_models: bool = Field(
         False, description="also save every client's store (private tensors, personal models) in final_model.pt; the "
         "server state is always saved. Not part of the run's hash: it changes what is saved, not what is trained"

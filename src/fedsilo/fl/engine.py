@@ -578,8 +578,9 @@ class _Wave:
 class _Ensemble:
     """The "new test" of LG-FedAvg and CD2-pFed, gathered during an evaluation: every client uploads the model it is
     evaluated with (counted in ``bytes_ensemble``: its whole state_dict, an upload made for this evaluation only), and
-    the mean of their softmax predictions is scored on the union of the clients' test sets (a set several clients
-    share counted once) and on the external test site, if any. When every client is evaluated with the one global
+    the mean of their softmax predictions (``train.ensemble_mean: log_probabilities``: of their log-probabilities, the
+    prediction the softmax of that mean, as LG-FedAvg's code averages its nets' log_softmax outputs) is scored on the
+    union of the clients' test sets (a set several clients share counted once) and on the external test site, if any. When every client is evaluated with the one global
     model, nothing is uploaded and the ensemble is that model."""
 
     def __init__(self, engine: Engine, clients: list[ClientData]):
@@ -599,13 +600,18 @@ class _Ensemble:
             return
         if not once:
             self.sent += payload_bytes(model.state_dict())
+        log = self.cfg.ensemble_mean == "log_probabilities"
         for k, (x, _) in self.sets.items():
-            p = predict(model, x, cfg=self.cfg).softmax(1)
+            logits = predict(model, x, cfg=self.cfg)
+            p = logits.log_softmax(1) if log else logits.softmax(1)
             self.sums[k] = p if k not in self.sums else self.sums[k] + p
         self.models += 1
 
     def result(self) -> dict[str, Any]:
         out: dict[str, Any] = {"bytes_ensemble": int(self.sent)}
         for k, (_, y) in self.sets.items():
-            out[k] = {**score(self.sums[k] / self.models, y, probabilities=True), "images": int(len(y))}
+            mean = self.sums[k] / self.models
+            if self.cfg.ensemble_mean == "log_probabilities":
+                mean = mean.softmax(1)  # the normalized geometric mean of the models' probabilities
+            out[k] = {**score(mean, y, probabilities=True), "images": int(len(y))}
         return out
