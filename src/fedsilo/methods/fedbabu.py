@@ -42,7 +42,8 @@ class FedBABU(PartialSharing):
 
     Not copied from the code: its fine-tuning starts from the round with the best *test* accuracy (``best_model.pt``:
     a selection on the test set; here the evaluated round's global model), and its federated training divides the
-    learning rate by 10 at T/2 and 3T/4 (the engine's learning rate is constant, as the paper states no schedule)."""
+    learning rate by 10 at T/2 and 3T/4 (the engine's learning rate is constant: it has no schedule; the paper's own
+    text, which may state that decay, could not be read here)."""
 
     name = "fedbabu"
     joinable = True  # one global (or shared) state and per-client stores only: a site may join mid-run
