@@ -104,6 +104,7 @@ class FedeCouple(PersonalModels):
     the local theta_i."""
 
     name = "fedecouple"
+    joinable = True  # one global model (Eq. 7 weighs the round's uploads) and per-client stores: a site may join mid-run
     params_cls = FedeCoupleParams
     params: FedeCoupleParams
     streaming = False

@@ -46,6 +46,7 @@ class FedLGF(FedAvg):
     directions come from the run's seeded generator (seed, round, client)."""
 
     name = "fedlgf"
+    joinable = True  # one global model and per-client stores only: a site may join mid-run
     # the feature hook writes the current batch's features onto the method
     client_parallel = False
     task_stream = False  # not one of the continual papers' baselines

@@ -107,6 +107,7 @@ class FedPAC(Method):
     client with its next download, whose bytes count it; after the last round it is used for evaluation only."""
 
     name = "fedpac"
+    joinable = True  # the server's parts are per uploader (a combined head once a site uploaded), none sized by the federation: a site may join mid-run
     params_cls = FedPACParams
     params: FedPACParams
     streaming = False

@@ -90,6 +90,7 @@ class FedRCL(PartialSharing):
     positives and all pairs above the threshold; the code's hardest-pair form is what was run."""
 
     name = "fedrcl"
+    joinable = True  # one global model: a site may join mid-run
     params_cls = FedRCLParams
     params: FedRCLParams
 

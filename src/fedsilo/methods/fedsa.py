@@ -67,6 +67,7 @@ class FedSA(PartialSharing):
     uncapped mean-gap margin, prototypes from training-mode features of all epochs."""
 
     name = "fedsa"
+    joinable = True  # a global model and per-class anchors, none per client: a site may join mid-run
     params_cls = FedSAParams
     params: FedSAParams
 

@@ -90,6 +90,7 @@ class FedTGP(PartialSharing):
     training sample."""
 
     name = "fedtgp"
+    joinable = True  # a global model and per-class prototypes, none per client: a site may join mid-run
     params_cls = FedTGPParams
     params: FedTGPParams
 

@@ -51,6 +51,7 @@ class FedWon(FedAvg):
     (FedBN's AlexNet and digit CNN) are removed like the others."""
 
     name = "fedwon"
+    joinable = True  # one global model: a site may join mid-run
     task_stream = False  # not one of the continual papers' baselines
     params_cls = FedWonParams
     params: FedWonParams

@@ -66,6 +66,7 @@ class FPL(PartialSharing):
     copy the code ships (``fedsilo.methods.prototypes.finch``); T = 0.02 is the code's default."""
 
     name = "fpl"
+    joinable = True  # a global model and per-class prototypes, none per client: a site may join mid-run
     params_cls = FPLParams
     params: FPLParams
 

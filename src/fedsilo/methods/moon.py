@@ -60,6 +60,7 @@ class MOON(PartialSharing):
     statistics twice; the gradient is the same as one forward's, which is what runs here."""
 
     name = "moon"
+    joinable = True  # one global model and per-client previous models: a site may join mid-run
     params_cls = MOONParams
     params: MOONParams
 

@@ -194,6 +194,7 @@ class PFedDR(PartialSharing):
     """
 
     name = "pfeddr"
+    joinable = True  # one global state and per-client local BatchNorms: a site may join mid-run
     params_cls = PFedDRParams
     params: PFedDRParams
 

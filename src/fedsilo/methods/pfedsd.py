@@ -43,6 +43,7 @@ class PFedSD(PersonalModels):
     as on Office-Caltech-10, most of the statistics a client is evaluated with would be those initial values)."""
 
     name = "pfedsd"
+    joinable = True  # one global model and per-client personalized models: a site may join mid-run
     params_cls = PFedSDParams
     params: PFedSDParams
 
