@@ -282,3 +282,50 @@ def test_domain_incremental_alpha_sets_the_label_skew_inside_every_domain(record
     assert mean_entropy[0.1] < mean_entropy[1.0] < mean_entropy[100.0], mean_entropy
     assert mean_entropy[100.0] > 0.9 * np.log(10)  # near uniform
     assert corr[0.1] > 0.7, corr
+
+
+def _office_like() -> pd.DataFrame:
+    """Two domains of 5 classes whose images carry their paths (class folder, then file), as a harmonized benchmark's
+    records do; the rows are not in path order."""
+    rng = np.random.default_rng(3)
+    rows = []
+    for dom in ("amazon", "dslr"):
+        for c, cls in enumerate(("back_pack", "bike", "mouse", "mouse_pad", "mug")):
+            for i in range(int(rng.integers(9, 25))):
+                rows.append({"domain": dom, "label": c, "group": f"{dom}/{cls}/{i}", "subset": "",
+                             "source_path": f"{dom}/{cls}/frame_{i:04d}.jpg"})
+    frame = pd.DataFrame(rows).sample(frac=1.0, random_state=1).reset_index(drop=True)
+    frame["id"] = [f"x/{i}" for i in range(len(frame))]
+    return frame
+
+
+def test_domain_multi_clients_can_split_and_partition_as_the_f2dc_code_does():
+    """``test_select: listing``: in the listing order (paths sorted: class folder, then file) positions 8 and 9 of
+    every ten are the test set, the same for every seed. ``every_class``: each client holds every class of its
+    domain, its size kept, a missed class swapped in for one it holds twice or more."""
+    recs = _office_like()
+    p = DomainMultiClientsSplit(protocol="domain_multi_clients", clients_per_domain={"amazon": 2, "dslr": 3}, fraction=0.2,
+                                test_from="pooled", test_select="listing", every_class=True)
+    s0, s1 = make_split(recs, p, 0), make_split(recs, p, 1)
+    for dom in ("amazon", "dslr"):
+        listed = recs[recs["domain"] == dom].sort_values("source_path").index.to_numpy()
+        want = sorted(int(r) for r in listed[np.arange(len(listed)) % 10 >= 8])
+        for s in (s0, s1):
+            cs = [c for c in s["clients"] if c["domain"] == dom]
+            assert all(c["test"] == want for c in cs)
+            pool = len(listed) - len(want)
+            for c in cs:
+                assert set(recs.loc[c["train"], "label"]) == set(range(5)), c["name"]
+                assert len(c["train"]) == int(0.2 * pool) and not set(c["train"]) & set(want)
+    # without every_class a client of this size misses a class somewhere; the seeded test set is another
+    plain = make_split(recs, p.model_copy(update={"every_class": False}), 0)
+    assert any(set(recs.loc[c["train"], "label"]) != set(range(5)) for c in plain["clients"])
+    seeded = make_split(recs, p.model_copy(update={"test_select": "seeded"}), 0)
+    assert seeded["clients"][0]["test"] != s0["clients"][0]["test"]
+    with pytest.raises(SplitError, match="too few to hold each of the 5 classes"):
+        make_split(recs, p.model_copy(update={"fraction": 0.02, "clients_per_domain": {"amazon": 1}}), 0)
+    with pytest.raises(ValueError, match="not a multiple of 0.1"):
+        DomainMultiClientsSplit(protocol="domain_multi_clients", clients_per_domain={"a": 1}, fraction=0.2, test_select="listing", test_fraction=0.25)
+    grouped = recs.assign(group=recs["domain"] + "/" + (recs.index // 2).astype(str))
+    with pytest.raises(SplitError, match="listing assigns images one by one"):
+        make_split(grouped, p, 0)

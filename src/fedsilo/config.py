@@ -844,6 +844,26 @@ class DomainMultiClientsSplit(Strict):
     n_test: Optional[int] = Field(None, ge=1, description="test images per domain (default: the whole test pool), shared by that domain's clients")
     test_from: TestFrom = "auto"
     test_fraction: float = Field(0.2, gt=0, lt=1, description="pooled test: share of a domain kept as its test pool")
+    test_select: Literal["seeded", "listing"] = Field(
+        "seeded", description="pooled test: a seeded draw of test_fraction of the domain's images, or 'listing', the F²DC "
+        "code's rule: the domain's images in the order torchvision's ImageFolder lists them (class folder, then file), "
+        "position i a test image when i mod 10 >= 10 (1 - test_fraction) (test_fraction a multiple of 0.1)",
+    )
+    every_class: bool = Field(
+        False, description="each client holds every class of its domain's training pool: for a class its draw missed, "
+        "one image of that class from the pool is swapped in for an image of a class it holds twice or more (the F²DC "
+        "code's partition; as there, the image may be one another client of the domain already holds)",
+    )
+
+    @model_validator(mode="after")
+    def _listing(self) -> "DomainMultiClientsSplit":
+        if self.test_select == "listing":
+            if self.test_from == "official":
+                raise ValueError("test_select: listing picks a pooled test set; test_from official takes the dataset's own")
+            if abs(self.test_fraction * 10 - round(self.test_fraction * 10)) > 1e-9:
+                raise ValueError(f"test_select: listing takes whole tenths of the listing (i mod 10); test_fraction "
+                                 f"{self.test_fraction} is not a multiple of 0.1")
+        return self
 
 
 class LabelSkewSplit(Strict):

@@ -186,6 +186,8 @@ def domain_multi_clients(records: pd.DataFrame, params: DomainMultiClientsSplit,
         if _uses_official(sub, params.test_from, dom):
             train_groups = _shuffled_groups(sub[sub["subset"] != "test"], rng)
             test_groups = _shuffled_groups(sub[sub["subset"] == "test"], rng)
+        elif params.test_select == "listing":
+            train_groups, test_groups = _by_listing(sub, params.test_fraction, rng, dom)
         else:
             groups = _shuffled_groups(sub, rng)
             n_test_groups = max(1, int(round(params.test_fraction * len(groups))))
@@ -198,11 +200,67 @@ def domain_multi_clients(records: pd.DataFrame, params: DomainMultiClientsSplit,
         test, _ = _take(test_groups, n_test)
         if len(test) < n_test:
             raise SplitError(f"domain {dom!r}: test pool has {len(test)} images, split.n_test asks {n_test}")
+        pool_rows = np.concatenate(train_groups)
+        if params.every_class and sub.groupby("group").size().max() > 1:
+            raise SplitError(f"split.every_class: swaps images one by one; domain {dom!r} groups several images (patients)")
         for j in range(k):
             train, used = _take(train_groups, per_client)
             train_groups = train_groups[used:]
+            if params.every_class:
+                train, train_groups = _every_class(train, train_groups, pool_rows, records["label"], rng, f"{dom}-{j}")
             clients.append(_client(len(clients), f"{dom}-{j}", dom, train, test))
     return {"protocol": params.protocol, "seed": seed, "params": params.model_dump(mode="json"), "num_classes": _num_classes(records), "clients": clients}
+
+
+def _by_listing(sub: pd.DataFrame, test_fraction: float, rng: np.random.Generator, dom: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The F²DC code's train / test rule (its ``ImageFolder_Custom``): the domain's images in the order torchvision's
+    ImageFolder lists them, which is the order of their paths under the domain (class folder, then file name), position
+    i a test image when i mod 10 >= 10 (1 - test_fraction) (with 0.2: positions 8 and 9 of every ten, so each class's
+    test share is a fifth give or take one image). Benchmark images only: each its own group, each with its path.
+    Returns (train groups shuffled, test groups in listing order), one image per group."""
+    if "source_path" not in sub or (sub["source_path"].fillna("") == "").any():
+        raise SplitError(f"split.test_select: listing orders a domain's images by their file paths; domain {dom!r} has "
+                         "images without one (records.source_path)")
+    if sub.groupby("group").size().max() > 1:
+        raise SplitError(f"split.test_select: listing assigns images one by one; domain {dom!r} groups several images "
+                         "(patients), which must stay on one side")
+    order = sub.sort_values("source_path", kind="stable").index.to_numpy()
+    keep = 10 - int(round(10 * test_fraction))
+    test = np.arange(len(order)) % 10 >= keep
+    return [np.array([r]) for r in rng.permutation(order[~test])], [np.array([r]) for r in order[test]]
+
+
+def _every_class(train: list[int], rest: list[np.ndarray], pool: np.ndarray, labels: pd.Series, rng: np.random.Generator,
+                 name: str) -> tuple[list[int], list[np.ndarray]]:
+    """The F²DC code's class completion of one client's draw (``partition_office_domain_skew_loaders_new``): for each
+    class of the domain's training pool the draw missed (in class order), one of that class's images, drawn from the
+    whole pool, is added, and one image of a class drawn among those the client holds twice or more is taken out. An
+    added image leaves the pool the later clients draw from; a removed one goes back to it (shuffled in), as the
+    code's pool is what no client selected. The added image may be one an earlier client of the domain holds (the
+    code does not check it either)."""
+    have = labels.to_numpy()
+    rows = list(train)
+    classes = np.unique(have[pool])
+    back: list[int] = []
+    for c in classes:
+        if (have[rows] == c).any():
+            continue
+        counts = {k: int((have[rows] == k).sum()) for k in np.unique(have[rows])}
+        spare = sorted(k for k, n in counts.items() if n >= 2)
+        if not spare:
+            raise SplitError(f"split.every_class: client {name} holds {len(rows)} images, too few to hold each of the "
+                             f"{len(classes)} classes of its domain")
+        add = int(rng.choice(pool[have[pool] == c]))
+        drop_class = spare[int(rng.integers(len(spare)))]
+        candidates = [r for r in rows if have[r] == drop_class]
+        drop = candidates[int(rng.integers(len(candidates)))]
+        rows = [r for r in rows if r != drop] + [add]
+        back.append(drop)
+    if not back:
+        return rows, rest
+    taken = set(rows)
+    remaining = [int(r) for g in rest for r in g if int(r) not in taken] + [r for r in back if r not in taken]
+    return rows, [np.array([r]) for r in rng.permutation(np.array(remaining, dtype=np.int64))]
 
 
 # --------------------------------------------------------------------------- label skew
