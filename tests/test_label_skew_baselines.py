@@ -217,6 +217,23 @@ def test_fedbabus_head_is_its_weighted_layers_and_a_batchnorm_among_them_is_body
     assert not torch.equal(e.server["units.3.3.weight"], init["units.3.3.weight"]), "the BatchNorm trains"
 
 
+@pytest.mark.parametrize("backbone", ["fedecouple_cnn", "lenet5", "simple_cnn"])
+def test_fedbabus_head_on_the_presets_backbones_is_their_classifier(backbone):
+    """The backbones FedBABU runs on in the presets end in a bare Linear unit (no Sequential around it): with
+    head_layers 1 the head is exactly that classifier's weight and bias (a key built from the unit's own empty module
+    name once matched nothing, and the head trained and travelled like the body)."""
+    from fedsilo.client.features import classifier
+    from fedsilo.models import build_model
+
+    model = build_model(backbone, 3, 10, seed=0, image_size=32)
+    cls = method_class("fedbabu")
+    m = cls(cls.params_cls(head_layers=1), TrainParams(device="cpu"))
+    m.setup(model)
+    fc = classifier(model)
+    want = {n for n, p in model.named_parameters() if any(p is q for q in fc.parameters())}
+    assert set(m.private) == want and len(want) == 2
+
+
 OFF = {"glf": False, "gfa": False, "gpc": False, "da": False, "aggregation": "fedavg", "reset": "before_classifier"}
 
 

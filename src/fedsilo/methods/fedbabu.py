@@ -9,8 +9,9 @@ from pydantic import Field
 from torch import nn
 
 from fedsilo.client.local import make_generator, train_local
+from fedsilo.config import ConfigError
 from fedsilo.methods.base import MethodParams, State
-from fedsilo.methods.sharing import PartialSharing, frozen, top_units
+from fedsilo.methods.sharing import PartialSharing, frozen, top_units, unit_prefixes
 from fedsilo.models import LayeredNet
 
 
@@ -33,8 +34,9 @@ class FedBABU(PartialSharing):
     Choices where the paper is open follow the authors' code (github:jhoon-oh/FedBABU): fine-tuning with SGD lr 1e-3,
     momentum 0.9, 5 epochs, the training batch size, no augmentation beyond ``train.augment``; the head is frozen
     by keeping it out of the optimizer (the code sets its learning rate to 0; the same update). The head is the top
-    ``head_layers`` weighted layers themselves (Linear / convolution weights and biases), as the code's head is the
-    parameters named ``linear``: a normalization layer among or below them (DenseNet's ``norm5`` in its top unit, the
+    ``head_layers`` weighted layers' units without their normalization layers (every other parameter of those units:
+    Linear and convolution weights and biases), as the code's head is the parameters named ``linear``: a
+    normalization layer among or below them (DenseNet's ``norm5`` in its top unit, the
     BatchNorm1d between Simple-CNN's fully connected layers) is body, trained and averaged with its statistics (the
     code's CIFAR net tracks no running statistics); frozen at its initialisation it would normalize with mean 0 and
     variance 1 at every evaluation. The fine-tuning batches
@@ -52,10 +54,14 @@ class FedBABU(PartialSharing):
 
     def shared_keys(self, model: LayeredNet) -> list[str]:
         cut = top_units(model, self.params.head_layers, f"methods.{self.key}.head_layers")
-        weighted = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-        self.head_names = {f"units.{i}.{name}.{p}" for i in range(cut, len(model.units))
-                           for name, mod in model.units[i].named_modules() if isinstance(mod, weighted)
+        head = unit_prefixes(cut, len(model.units))
+        norms = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+        self.head_names = {f"{name}.{p}" if name else p for name, mod in model.named_modules()
+                           if f"{name}.".startswith(head) and not isinstance(mod, norms)
                            for p, _ in mod.named_parameters(recurse=False)}
+        if not self.head_names:
+            raise ConfigError(f"methods.{self.key}.head_layers: the top {self.params.head_layers} layers of this backbone "
+                              "hold no parameter outside normalization layers")
         return [key for key in model.state_dict() if key not in self.head_names]
 
     def local_update(self, model, store, payload, client, rnd, seed):
