@@ -91,7 +91,9 @@ class FedPAC(Method):
     The server averages theta weighted by n_i, sets c_k to the count-weighted mean of the clients' prototypes of
     class k, and for each uploader solves the QP of Eq. 10 for weights alpha over the uploaded classifiers and
     combines them, phi_i = sum_j alpha_ij phi_j / sum_j alpha_ij (classifier collaboration). A client is evaluated
-    with theta and its combined classifier (its own before it has been combined).
+    with theta and its combined classifier (its own before it has been combined: the initialization for a client not
+    sampled yet, as FedRep's and FedPer's unsampled clients keep their initial heads; FedPAC has no global classifier
+    to fall back on, unlike FedeCouple, which scores such a client with its global model).
 
     Details from the authors' code (github:JianXu95/FedPAC, ``methods/fedpac.py``, ``tools.py``, ``running.py``):
     the classifier epoch's learning rate 0.1 (``classifier_lr``), SGD momentum 0.5 and weight decay 5e-4 for both

@@ -26,7 +26,8 @@ class MOONParams(MethodParams):
     )
     first_previous: Literal["initial", "own_init"] = Field(
         "initial", description="a client's previous model before it has trained: initial = the federation's initial "
-        "model (no contrast in its first round); own_init = a model of its own drawn from PyTorch's default "
+        "model (no contrast in round 1, where the global model is that model; a client first sampled later, or a site "
+        "that joins mid-run, contrasts against it in its first round); own_init = a model of its own drawn from PyTorch's default "
         "initialization (F²DC's code: each client's previous net is its own independently initialized net)",
     )
 

@@ -887,7 +887,7 @@ def build_report(
                 md += "\n" + write_versus(tmp, exp, vs, published, paper, ours)
                 made[exp + ":vs_paper"] = vs.to_dict(orient="index")
                 paper_eff = entries.get("efficiency")
-                if paper_eff:
+                if paper_eff and set(paper_eff) & set(comm.index):  # a table of "not run" rows says nothing
                     eff_md = efficiency_markdown(comm, paper_eff, f"{exp}: cost per round, ours beside the paper's")
                     (tmp / f"{exp}_efficiency_vs_paper.md").write_text(eff_md)
                     md += "\n" + eff_md
