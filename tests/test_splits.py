@@ -290,7 +290,7 @@ def _office_like() -> pd.DataFrame:
     rng = np.random.default_rng(3)
     rows = []
     for dom in ("amazon", "dslr"):
-        for c, cls in enumerate(("back_pack", "bike", "mouse", "mouse_pad", "mug")):
+        for c, cls in enumerate(("back_pack", "bike", "mouse", "mouse pad", "mug")):  # ImageFolder: "mouse" first
             for i in range(int(rng.integers(9, 25))):
                 rows.append({"domain": dom, "label": c, "group": f"{dom}/{cls}/{i}", "subset": "",
                              "source_path": f"{dom}/{cls}/frame_{i:04d}.jpg"})
@@ -300,15 +300,18 @@ def _office_like() -> pd.DataFrame:
 
 
 def test_domain_multi_clients_can_split_and_partition_as_the_f2dc_code_does():
-    """``test_select: listing``: in the listing order (paths sorted: class folder, then file) positions 8 and 9 of
-    every ten are the test set, the same for every seed. ``every_class``: each client holds every class of its
-    domain, its size kept, a missed class swapped in for one it holds twice or more."""
+    """``test_select: listing``: in the order torchvision's ImageFolder lists a domain (class folders by name, then
+    their files; "mouse" before "mouse pad", which a whole-path string sort would reverse) positions 8 and 9 of every
+    ten are the test set, the same for every seed. ``every_class``: each client holds every class of its domain, its
+    size kept, a missed class swapped in for one it holds twice or more. A split without either is written as before
+    they existed (the same bytes, the same hash)."""
     recs = _office_like()
     p = DomainMultiClientsSplit(protocol="domain_multi_clients", clients_per_domain={"amazon": 2, "dslr": 3}, fraction=0.2,
                                 test_from="pooled", test_select="listing", every_class=True)
     s0, s1 = make_split(recs, p, 0), make_split(recs, p, 1)
     for dom in ("amazon", "dslr"):
-        listed = recs[recs["domain"] == dom].sort_values("source_path").index.to_numpy()
+        sub = recs[recs["domain"] == dom]
+        listed = sub.index.to_numpy()[np.lexsort((sub["source_path"].str.split("/").str[-1], sub["label"]))]
         want = sorted(int(r) for r in listed[np.arange(len(listed)) % 10 >= 8])
         for s in (s0, s1):
             cs = [c for c in s["clients"] if c["domain"] == dom]
@@ -324,8 +327,14 @@ def test_domain_multi_clients_can_split_and_partition_as_the_f2dc_code_does():
     assert seeded["clients"][0]["test"] != s0["clients"][0]["test"]
     with pytest.raises(SplitError, match="too few to hold each of the 5 classes"):
         make_split(recs, p.model_copy(update={"fraction": 0.02, "clients_per_domain": {"amazon": 1}}), 0)
+    assert "every_class" not in plain["params"] and "test_select" not in seeded["params"]
+    assert {"test_select", "every_class"} <= set(s0["params"])
+    for bad, why in (({"test_from": "auto"}, "set test_from: pooled"), ({"n_test": 6}, "leave n_test out")):
+        with pytest.raises(ValueError, match=why):
+            DomainMultiClientsSplit(**{**p.model_dump(), **bad})
     with pytest.raises(ValueError, match="not a multiple of 0.1"):
-        DomainMultiClientsSplit(protocol="domain_multi_clients", clients_per_domain={"a": 1}, fraction=0.2, test_select="listing", test_fraction=0.25)
+        DomainMultiClientsSplit(protocol="domain_multi_clients", clients_per_domain={"a": 1}, fraction=0.2, test_select="listing",
+                                test_from="pooled", test_fraction=0.25)
     grouped = recs.assign(group=recs["domain"] + "/" + (recs.index // 2).astype(str))
     with pytest.raises(SplitError, match="listing assigns images one by one"):
         make_split(grouped, p, 0)

@@ -835,7 +835,8 @@ class DomainClientsSplit(Strict):
 
 
 class DomainMultiClientsSplit(Strict):
-    """F2DC: several clients per domain, each holding ``fraction`` of its domain's training pool (disjoint)."""
+    """F2DC: several clients per domain, each holding ``fraction`` of its domain's training pool (disjoint, but for the
+    images ``every_class`` swaps in)."""
 
     protocol: Literal["domain_multi_clients"]
     seed: int = 0
@@ -858,8 +859,11 @@ class DomainMultiClientsSplit(Strict):
     @model_validator(mode="after")
     def _listing(self) -> "DomainMultiClientsSplit":
         if self.test_select == "listing":
-            if self.test_from == "official":
-                raise ValueError("test_select: listing picks a pooled test set; test_from official takes the dataset's own")
+            if self.test_from != "pooled":  # auto would take a domain's official test subset and pass the rule over
+                raise ValueError(f"test_select: listing picks the test set from all of a domain's images; set test_from: "
+                                 f"pooled (not {self.test_from})")
+            if self.n_test is not None:  # the first n_test of the listing would be the first classes only
+                raise ValueError("test_select: listing keeps every listed test image (the code's rule); leave n_test out")
             if abs(self.test_fraction * 10 - round(self.test_fraction * 10)) > 1e-9:
                 raise ValueError(f"test_select: listing takes whole tenths of the listing (i mod 10); test_fraction "
                                  f"{self.test_fraction} is not a multiple of 0.1")

@@ -8,7 +8,8 @@ patient never lands on both sides of a client's train/test split. Where a domain
 
 - ``domain_clients`` (pFedDB, FedBN): one client per domain with ``n_train`` / ``n_test`` images.
 - ``domain_multi_clients`` (F2DC): ``clients_per_domain[d]`` clients on domain d, each holding a disjoint
-  ``fraction`` of the domain's training pool; the clients of a domain share its test set.
+  ``fraction`` of the domain's training pool (disjoint but for the images ``every_class`` swaps in, as the F²DC
+  code's partition); the clients of a domain share its test set.
 - ``label_skew`` (FedeCouple, CD2-pFed): Dirichlet(beta), pathological (k classes per client) or weak pathological
   (s % uniform over the classes, the rest from ``classes_per_client`` dominant classes), over the pooled domains;
   each client's images are then split into train and test with the same class mix.
@@ -24,6 +25,7 @@ patient never lands on both sides of a client's train/test split. Where a domain
 from __future__ import annotations
 
 import hashlib
+from pathlib import PurePosixPath
 from typing import Any, Optional
 
 import numpy as np
@@ -209,7 +211,12 @@ def domain_multi_clients(records: pd.DataFrame, params: DomainMultiClientsSplit,
             if params.every_class:
                 train, train_groups = _every_class(train, train_groups, pool_rows, records["label"], rng, f"{dom}-{j}")
             clients.append(_client(len(clients), f"{dom}-{j}", dom, train, test))
-    return {"protocol": params.protocol, "seed": seed, "params": params.model_dump(mode="json"), "num_classes": _num_classes(records), "clients": clients}
+    dump = params.model_dump(mode="json")
+    if dump.get("test_select") == "seeded":  # a split without the F²DC code's rules is written as before they existed
+        dump.pop("test_select")
+    if not dump.get("every_class"):
+        dump.pop("every_class", None)
+    return {"protocol": params.protocol, "seed": seed, "params": dump, "num_classes": _num_classes(records), "clients": clients}
 
 
 def _by_listing(sub: pd.DataFrame, test_fraction: float, rng: np.random.Generator, dom: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -224,7 +231,9 @@ def _by_listing(sub: pd.DataFrame, test_fraction: float, rng: np.random.Generato
     if sub.groupby("group").size().max() > 1:
         raise SplitError(f"split.test_select: listing assigns images one by one; domain {dom!r} groups several images "
                          "(patients), which must stay on one side")
-    order = sub.sort_values("source_path", kind="stable").index.to_numpy()
+    # ImageFolder sorts class folders by name, then each folder's files: the paths' parts compared in turn (a whole-path
+    # string sort would put "dog x/1.jpg" before "dog/1.jpg", ImageFolder "dog" first)
+    order = sub.index.to_numpy()[sorted(range(len(sub)), key=lambda i: PurePosixPath(sub["source_path"].iat[i]).parts)]
     keep = 10 - int(round(10 * test_fraction))
     test = np.arange(len(order)) % 10 >= keep
     return [np.array([r]) for r in rng.permutation(order[~test])], [np.array([r]) for r in order[test]]

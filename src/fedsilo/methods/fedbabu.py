@@ -35,7 +35,7 @@ class FedBABU(PartialSharing):
     momentum 0.9, 5 epochs, the training batch size, no augmentation beyond ``train.augment``; the head is frozen
     by keeping it out of the optimizer (the code sets its learning rate to 0; the same update). The head is the top
     ``head_layers`` weighted layers' units without their normalization layers (every other parameter of those units:
-    Linear and convolution weights and biases), as the code's head is the parameters named ``linear``: a
+    Linear and convolution weights and biases, a ViT block's attention projections), as the code's head is the parameters named ``linear``: a
     normalization layer among or below them (DenseNet's ``norm5`` in its top unit, the
     BatchNorm1d between Simple-CNN's fully connected layers) is body, trained and averaged with its statistics (the
     code's CIFAR net tracks no running statistics); frozen at its initialisation it would normalize with mean 0 and
