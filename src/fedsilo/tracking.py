@@ -66,6 +66,14 @@ def metric_key(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "_-./ " else "_" for ch in name)
 
 
+def _site_scores(per: dict[str, dict[str, float]], glob: Optional[dict[str, float]]) -> dict[str, float]:
+    """Each evaluated site's accuracy, its AUC where defined, and its global-model accuracy where the method has one."""
+    m = {f"acc.{c}": v["acc"] for c, v in per.items()}
+    m.update({f"auc.{c}": v["auc"] for c, v in per.items() if "auc" in v and v["auc"] == v["auc"]})
+    m.update({f"global_acc.{c}": v for c, v in (glob or {}).items()})
+    return m
+
+
 def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
     m: dict[str, float] = {
         "bytes_up_total": entry["bytes_up_total"],
@@ -86,12 +94,7 @@ def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
             m[f"bytes_down_dropped.{c}"] = b
     if "eval_partial" in entry:  # a deployment's evaluation without sites gone during it (min-eval-sites): no mean
         m["sites_not_evaluated"] = len(entry["eval_missing"])
-        for c, v in entry["eval_partial"].items():
-            m[f"acc.{c}"] = v["acc"]
-            if "auc" in v and v["auc"] == v["auc"]:
-                m[f"auc.{c}"] = v["auc"]
-        for c, v in (entry.get("global_partial") or {}).items():
-            m[f"global_acc.{c}"] = v
+        m.update(_site_scores(entry["eval_partial"], entry.get("global_partial")))
     if "left" in entry:  # a deployment's sites that left the federation for good (sites[k].left)
         m["sites_left"] = len(entry["left"])
     for c, v in entry["train_loss"].items():
@@ -104,12 +107,7 @@ def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
             m["mean_auc"] = entry["mean_auc"]
         if "mean_val_acc" in entry:
             m["mean_val_acc"] = entry["mean_val_acc"]
-        for c, v in entry["eval"].items():
-            m[f"acc.{c}"] = v["acc"]
-            if "auc" in v and v["auc"] == v["auc"]:
-                m[f"auc.{c}"] = v["auc"]
-        for c, v in (entry.get("global") or {}).items():
-            m[f"global_acc.{c}"] = v
+        m.update(_site_scores(entry["eval"], entry.get("global")))
         for d, v in (entry.get("task_acc") or {}).items():  # a task stream: accuracy on each task seen so far
             m[f"task_acc.{d}"] = v
         for k in ("ensemble", "external_ensemble", "external_global"):  # new test, external test
