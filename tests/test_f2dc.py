@@ -702,6 +702,18 @@ def test_min_norm_point_of_the_updates():
     point = lam @ np.stack([e1, e2, (e1 + e2) / np.sqrt(2)])
     assert lam.sum() == pytest.approx(1.0) and (lam >= 0).all() and np.linalg.norm(point) == pytest.approx(np.sqrt(0.5), abs=1e-5)
     assert min_norm_weights(e1[None]) == pytest.approx([1.0])
+    assert abs(sum(min_norm_weights(np.stack([e1, e2, -e1 + 0.3 * e2]))) - 1.0) < 1e-12  # on the simplex
+
+
+def test_fdse_refuses_to_share_f2dcs_modules_it_keeps_on_the_clients():
+    from fedsilo.config import ConfigError
+    from fedsilo.models import build_model
+
+    cls = method_class("fdse")
+    m = cls(cls.params_cls(decouple={"share_modules": True}), TrainParams(device="cpu"), key="fdse_dc")
+    model = m.transform_model(build_model("resnet10", 1, 4, seed=0, image_size=16), torch.zeros(2, 1, 16, 16))
+    with pytest.raises(ConfigError, match="methods.fdse_dc.decouple.share_modules: FDSE shares"):
+        m.setup(model)
 
 
 def test_fdse_server_mgda_step_similarity_mix_and_privacy(clients):

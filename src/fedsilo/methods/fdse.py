@@ -13,6 +13,7 @@ from torch import nn
 
 from fedsilo.client.features import classifier
 from fedsilo.client.local import make_generator, train_local
+from fedsilo.config import ConfigError
 from fedsilo.methods.base import MethodParams, State
 from fedsilo.methods.decoupling import DecouplingParams
 from fedsilo.methods.sharing import PartialSharing
@@ -113,7 +114,10 @@ def min_norm_weights(u: np.ndarray) -> np.ndarray:
     res = minimize(lambda lam: lam @ m @ lam, np.full(n, 1.0 / n), jac=lambda lam: 2 * m @ lam, method="SLSQP",
                    bounds=[(0.0, 1.0)] * n, constraints=[{"type": "eq", "fun": lambda lam: lam.sum() - 1.0, "jac": lambda lam: np.ones(n)}],
                    options={"ftol": 1e-12, "maxiter": 500})
-    return np.clip(res.x, 0.0, None)
+    if not res.success:
+        raise RuntimeError(f"fdse: MGDA's min-norm weights of {n} updates were not found (SLSQP: {res.message})")
+    lam = np.clip(res.x, 0.0, None)
+    return lam / lam.sum()  # the simplex the solver met up to its tolerance, exactly
 
 
 def is_personal(key: str) -> bool:
@@ -153,6 +157,9 @@ class FDSE(PartialSharing):
         return super().transform_model(dse_resnet(model), example)
 
     def shared_keys(self, model: LayeredNet) -> list[str]:
+        if self.params.decouple is not None and self.params.decouple.share_modules:
+            raise ConfigError(f"methods.{self.key}.decouple.share_modules: FDSE shares its extractors' dfe layers and the "
+                              "head only; F²DC's modules stay on the clients here (set it false)")
         head = {n for n, m in model.named_modules() if m is classifier(model)}
         return [k for k in model.state_dict() if ".dfe_" in k or any(k.startswith(h + ".") for h in head)]
 

@@ -63,7 +63,9 @@ class FPL(PartialSharing):
 
     Choices: the prototypes are the features of the training forward in the last epoch (augmented inputs, training
     mode), as the code collects them; FINCH runs without its early-exit threshold and with the stopping rule of the
-    copy the code ships (``fedsilo.methods.prototypes.finch``); T = 0.02 is the code's default."""
+    copy the code ships (``fedsilo.methods.prototypes.finch``); T = 0.02 is the code's default; UPCL is the code's
+    ``nn.MSELoss``, the mean over the feature dimension (the paper writes a squared distance summed over it: d times
+    the pull, 512 on ResNet-10)."""
 
     name = "fpl"
     joinable = True  # a global model and per-class prototypes, none per client: a site may join mid-run
