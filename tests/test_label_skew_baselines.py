@@ -371,9 +371,9 @@ def test_fedecouple_teacher_and_distillation(clients):
 
 
 def test_fedecouple_losses_are_eq_1_and_eq_3_as_written_with_the_conventions_as_switches(clients):
-    """Eq. 3's distillation is lambda KL(p_T || p_S) (``kd_scale: tau2`` multiplies it by tau^2) and Eq. 1's Omega is
-    each image's squared L2 distance to its anchor, summed over the features (``center_reduction: mse`` divides it
-    by the feature dimension)."""
+    """Eq. 3's distillation is lambda KL(p_T || p_S) (``kd_scale: tau2`` multiplies it by tau^2); Omega is the squared
+    distance to the anchor averaged over batch and features (FedPAC's code; ``center_reduction: sum``, Eq. 1's
+    notation, sums it over the features)."""
     from types import SimpleNamespace
 
     from fedsilo.methods.fedecouple import FedeCouple, FedeCoupleParams
@@ -384,7 +384,7 @@ def test_fedecouple_losses_are_eq_1_and_eq_3_as_written_with_the_conventions_as_
     kl = float((p_t * (p_t.log() - p_s.log())).sum(1).mean())
     assert float(distillation_kl(s, t, 2.0, tau2=False)) == pytest.approx(kl, rel=1e-5)
     assert float(distillation_kl(s, t, 2.0)) == pytest.approx(4 * kl, rel=1e-5)
-    assert FedeCoupleParams().kd_scale == "none" and FedeCoupleParams().center_reduction == "sum"
+    assert FedeCoupleParams().kd_scale == "none" and FedeCoupleParams().center_reduction == "mse"
 
     z = torch.tensor([[1.0, 2.0, 0.0, 0.0], [0.0, 0.0, 3.0, 1.0]])
     anchors = {0: torch.tensor([0.0, 0.0, 0.0, 0.0]), 1: torch.tensor([0.0, 0.0, 1.0, 1.0])}
