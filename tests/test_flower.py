@@ -623,6 +623,26 @@ def test_min_eval_sites_is_refused_by_key_where_an_evaluation_cannot_go_on_witho
         check_min_eval_sites(3, 2, True, True)
 
 
+def test_a_site_may_not_join_a_run_whose_method_trains_no_round_after_the_join(tmp_path):
+    """pFedDR as its scripts run it trains in its first ``rounds`` rounds only: a site joining after them would never
+    train and be scored untrained; refused by key. Before them, or with a method that trains every round, it joins."""
+    from types import SimpleNamespace
+
+    from fedsilo.fl.flower import FlowerServer
+
+    cls = method_class("pfeddr")
+
+    def server(rnd: int, rounds) -> SimpleNamespace:
+        method = cls(cls.params_cls(rounds=rounds), _train(rounds=6))
+        spec = SimpleNamespace(key="pfeddr", method_cls=cls)
+        return SimpleNamespace(meta={}, round=rnd, total_rounds=6, checkpoint=tmp_path / "c.pt", method=method, spec=spec)
+
+    with pytest.raises(ConfigError, match=r"sites: X marked joined, but pfeddr trains no round after round 4 \(methods.pfeddr: its "):
+        FlowerServer._sites_joined(server(4, 3), ["X"], True, False)
+    assert FlowerServer._sites_joined(server(2, 3), ["X"], True, False) == {"X": 3}
+    assert FlowerServer._sites_joined(server(4, None), ["X"], True, False) == {"X": 5}
+
+
 def test_min_train_sites_is_refused_by_key_where_a_round_cannot_go_on_without_a_site(identity, tmp_path):
     """No checkpoint (the site could not take its last taken store from its disk), a number no round can lose a site
     under (every sampled site, or more than the federation has), a task stream, and a method that announces before

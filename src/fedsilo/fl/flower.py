@@ -459,6 +459,11 @@ class FlowerServer(Engine):
                               "server state sized or weighted by the federation it started with (per-site parts, domain "
                               f"counts), so a site cannot join a run of it in progress (it can join a run of "
                               f"{', '.join(joinable_methods())}); start a new run with the site")
+        if new and not any(self.method.trains(r) for r in range(self.round + 1, self.total_rounds + 1)):
+            raise ConfigError(f"sites: {', '.join(new)} marked joined, but {self.spec.key or self.spec.method_cls.name} trains "
+                              f"no round after round {self.round} (methods.{self.spec.key or self.spec.method_cls.name}: its "
+                              "training rounds end before the run's): the site would be scored untrained; start a new run "
+                              "with the site")
         out = {**before, **{n: self.round + 1 for n in new}}
         for n in new:
             log.warning("%s joins the federation in round %d, from a fresh store", n, self.round + 1)

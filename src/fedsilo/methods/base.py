@@ -118,6 +118,11 @@ class Method:
         itself, never inherited."""
         return bool(cls.__dict__.get("joinable", False))
 
+    def trains(self, rnd: int) -> bool:
+        """Whether clients train in round ``rnd`` (all rounds by default; pFedDR's scripts stop after their ``rounds``):
+        a site that joins a run in progress needs a round left that trains."""
+        return True
+
     def join(self, clients: list[ClientData], seed: int = 0) -> None:
         """The federation's clients as a server knows them at registration (name, domain, sample count) and the run's
         seed: called once, before the model is transformed and set up. Methods whose aggregation weighs domains or
