@@ -31,6 +31,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+from fedsilo.client.local import running_stats_frozen
 from fedsilo.methods.base import State
 
 FULL, PRIVATE, SHARED = "full", "private", "shared"
@@ -142,16 +143,12 @@ class ChannelPartition:
     def subnet(self, mode: str) -> Iterator[None]:
         """Forwards inside the block run the private or the shared subnet; the model's BatchNorm running statistics
         are left as the full network's (the network that is evaluated)."""
-        bns = [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
         before, self.mode = self.mode, mode
-        for m in bns:  # batch statistics without updating the running ones (in training mode; evaluation reads them)
-            m.track_running_stats = False
-        try:
-            yield
+        try:  # batch statistics without updating the running ones (in training mode; evaluation reads them)
+            with running_stats_frozen(self.model):
+                yield
         finally:
             self.mode = before
-            for m in bns:
-                m.track_running_stats = True
 
     # --- slicing
     def _column_start(self, counts: list[int]) -> int:
