@@ -44,8 +44,9 @@ CASES = {
     "fedavg": ({}, {"client_fraction": 0.67, "count_flops": True}, "ray"),
     "pfeddb": ({"local_rounds": 1, "cut_depth": 2}, {}, "loop"),
     # a private set that changes with the round: round 1 is FedAvg (every layer travels), then two of the three sites a
-    # round, so a site may be evaluated before it was sent the FedAvg start's lower layers
-    "lgfedavg": ({"fedavg_rounds": 1}, {"client_fraction": 0.67}, "loop"),
+    # round, so a site may be evaluated before it was sent the FedAvg start's lower layers; a learning-rate schedule
+    # (each site trains a round at the rate the engine's clients do)
+    "lgfedavg": ({"fedavg_rounds": 1}, {"client_fraction": 0.67, "lr_schedule": {"kind": "step", "gamma": 0.2, "milestones": [1]}}, "loop"),
 }
 
 

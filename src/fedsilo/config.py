@@ -1004,6 +1004,57 @@ def min_image_size(model: str) -> int:
     return MIN_IMAGE_SIZE.get(model, 8)
 
 
+class LRScheduleParams(Strict):
+    """The learning rate across rounds. A client's optimizers are fresh every round (FedAvg's ClientUpdate), so a
+    schedule sets the rate each round's local training starts from: ``train.lr`` (and every other learning rate of
+    the round's local training: a phase's, a classifier epoch's, FedCIL's Adam) times factor(r) for round
+    r = 1 .. train.rounds. In a task stream ``train.rounds`` is a task's rounds and the schedule restarts with every
+    task. Not scheduled: a server's own optimizer (FedTGP's generator) and the fine-tuning a client does to be
+    evaluated (FT-FedAvg, FedBABU: their ``finetune_*`` settings)."""
+
+    kind: Literal["constant", "step", "exponential", "cosine"] = Field(
+        "constant", description="constant: factor 1; step: gamma after each milestone (FedBABU's code: x0.1 after T/2 "
+        "and 3T/4); exponential: gamma^(r-1) (FedRCL's code: 0.998; FDSE's: 0.9998); cosine: from 1 down to "
+        "min_factor, as torch's CosineAnnealingLR(T_max=train.rounds) stepped once a round",
+    )
+    gamma: Optional[float] = Field(None, gt=0, lt=1, description="step: the factor at each milestone; exponential: the factor per round")
+    milestones: tuple[int, ...] = Field((), description="step: the rounds after which the rate is multiplied by gamma")
+    min_factor: float = Field(0.0, ge=0, lt=1, description="cosine: the factor it reaches after the last round")
+    warmup_rounds: int = Field(0, ge=0, description="linear warm-up: round r <= warmup_rounds trains at r / warmup_rounds of the schedule's rate")
+
+    @model_validator(mode="after")
+    def _fits_kind(self) -> "LRScheduleParams":
+        if self.kind in ("step", "exponential") and self.gamma is None:
+            raise ValueError(f"gamma: kind {self.kind} needs its factor (e.g. 0.1 for step, 0.998 for exponential)")
+        if self.kind not in ("step", "exponential") and self.gamma is not None:
+            raise ValueError(f"gamma: applies to kind step or exponential, not {self.kind}")
+        if self.kind == "step" and not self.milestones:
+            raise ValueError("milestones: kind step needs the rounds after which the rate drops")
+        if self.kind != "step" and self.milestones:
+            raise ValueError(f"milestones: apply to kind step, not {self.kind}")
+        if list(self.milestones) != sorted(set(self.milestones)) or any(m < 1 for m in self.milestones):
+            raise ValueError(f"milestones: rounds >= 1 in increasing order, got {list(self.milestones)}")
+        if self.kind != "cosine" and self.min_factor:
+            raise ValueError(f"min_factor: applies to kind cosine, not {self.kind}")
+        return self
+
+    def factor(self, rnd: int, rounds: int) -> float:
+        """The multiplier of round ``rnd``'s learning rates (1-based; in a task stream, rounds count within the task:
+        ``rounds`` is a task's)."""
+        r = (rnd - 1) % rounds + 1
+        if self.kind == "step":
+            f = float(self.gamma) ** sum(m < r for m in self.milestones)  # type: ignore[arg-type]
+        elif self.kind == "exponential":
+            f = float(self.gamma) ** (r - 1)  # type: ignore[arg-type]
+        elif self.kind == "cosine":
+            f = self.min_factor + (1 - self.min_factor) * (1 + math.cos(math.pi * (r - 1) / rounds)) / 2
+        else:
+            f = 1.0
+        if self.warmup_rounds and r <= self.warmup_rounds:
+            f *= r / self.warmup_rounds
+        return f
+
+
 class TrainParams(Strict):
     model: Literal[
         "simple_cnn", "alexnet_bn", "densenet121", "resnet10", "resnet10_cifar", "resnet18", "resnet34", "resnet32", "lenet5",
@@ -1034,6 +1085,10 @@ class TrainParams(Strict):
     )
     eval_every: int = Field(1, ge=1)
     augment: AugmentParams = AugmentParams()
+    lr_schedule: LRScheduleParams = Field(
+        LRScheduleParams(), description="the learning rate across rounds (constant by default): step, exponential or "
+        "cosine decay, with an optional linear warm-up; it scales every learning rate of a round's local training",
+    )
     device: str = Field("auto", description="auto (the first CUDA device, else the CPU), cpu, cuda or cuda:N")
     amp: Literal["auto", "off", "bf16"] = Field("auto", description="auto = bf16 autocast on CUDA, off on CPU")
     channels_last: Literal["auto", "on", "off"] = Field("auto", description="auto = on for CUDA convnets")
@@ -1109,6 +1164,12 @@ class TrainParams(Strict):
         if self.parallel_clients > 1 and self.compile:
             raise ValueError("parallel_clients: torch.compile'd models are not trained from several threads (TorchDynamo "
                              "is not thread-safe); set compile: false or parallel_clients: 1")
+        late = [m for m in self.lr_schedule.milestones if m >= self.rounds]
+        if late:
+            raise ValueError(f"lr_schedule.milestones: {late} not below rounds ({self.rounds}): a drop after the last "
+                             "round changes no round")
+        if self.lr_schedule.warmup_rounds >= self.rounds:
+            raise ValueError(f"lr_schedule.warmup_rounds ({self.lr_schedule.warmup_rounds}) must be below rounds ({self.rounds})")
         if self.client_fraction_range is not None:
             lo, hi = self.client_fraction_range
             if not 0 < lo <= hi <= 1:

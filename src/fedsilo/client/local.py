@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Callable, Iterator, Optional
 
 import numpy as np
@@ -111,15 +112,36 @@ def batches_per_epoch(n: int, batch_size: int) -> int:
     return k - 1 if k > 1 and n % batch_size == 1 else k
 
 
+_LR_FACTOR: ContextVar[float] = ContextVar("fedsilo_lr_factor", default=1.0)
+
+
+@contextmanager
+def scheduled_lr(cfg: TrainParams, rnd: int) -> Iterator[float]:
+    """Round ``rnd``'s local training inside the block: every optimizer built in it (:func:`make_optimizer`,
+    :func:`lr_now`) starts at its learning rate times ``train.lr_schedule``'s factor for the round. The engine and a
+    Flower site wrap each client's ``local_update`` in it (per thread: clients trained in parallel each carry the
+    round's factor); outside one the factor is 1."""
+    token = _LR_FACTOR.set(cfg.lr_schedule.factor(rnd, cfg.rounds))
+    try:
+        yield _LR_FACTOR.get()
+    finally:
+        _LR_FACTOR.reset(token)
+
+
+def lr_now(lr: float) -> float:
+    """``lr`` as the round in progress trains with it (``train.lr_schedule``; ``lr`` itself outside a round)."""
+    return lr * _LR_FACTOR.get()
+
+
 def make_optimizer(params: list[nn.Parameter], cfg: TrainParams) -> torch.optim.Optimizer:
     """``train.optimizer`` over ``params``: SGD (lr, momentum, Nesterov, weight decay) or Adam (lr, betas, eps, weight
     decay as torch's L2 term). ``train_local`` builds a fresh one on every call, so an optimizer's state (momentum
     buffers, Adam's moments and step count) never outlives a local update: FedAvg's ClientUpdate, and pFedDB's
     Phase-2 Adam "re-created every round" (its authors' ``federated/fed_digits_twophase.py``)."""
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(params, lr=lr_now(cfg.lr), betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
+        return torch.optim.SGD(params, lr=lr_now(cfg.lr), momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
     # TrainParams admits only these two; a copy made with model_copy(update=...) skips that check
     raise ConfigError(f"train.optimizer: {cfg.optimizer!r} is not one of sgd, adam")
 
@@ -184,7 +206,7 @@ def train_local(
             moments = f"betas {list(cfg.betas)}" if cfg.optimizer == "adam" else f"momentum {cfg.momentum}"
             raise ConfigError(
                 f"train.lr: local training diverged (mean loss {last} in local epoch {epoch + 1} with {cfg.optimizer} "
-                f"lr {cfg.lr}, {moments}); lower the learning rate"
+                f"lr {opt.param_groups[0]['lr']:.4g}, {moments}); lower the learning rate"
             )
         if epoch_hook is not None:
             epoch_hook(epoch)

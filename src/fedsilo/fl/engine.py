@@ -40,6 +40,7 @@ from fedsilo.client.local import (
     evaluate_client,
     make_generator,
     predict,
+    scheduled_lr,
     score,
     use_channels_last,
 )
@@ -297,12 +298,15 @@ class Engine:
 
     def note_membership(self, entry: dict[str, Any], rnd: int) -> None:
         """A round's history entry names the sites that have left (``left``, every round after) and those that join
-        in it (``joined``, their first round)."""
+        in it (``joined``, their first round), and under a learning-rate schedule the round's ``train.lr`` (``lr``)."""
         if self.gone(rnd):
             entry["left"] = self.gone(rnd)
         new = [c.name for c in self.clients if self.joined.get(c.name) == rnd]
         if new:
             entry["joined"] = new
+        sched = self.train.lr_schedule
+        if sched.kind != "constant" or sched.warmup_rounds:  # the rate the round's local training started from
+            entry["lr"] = self.train.lr * sched.factor(rnd, self.train.rounds)
 
     def _clock(self) -> float:
         """Wall-clock seconds, after the device has finished its queued work (CUDA runs asynchronously)."""
@@ -372,7 +376,8 @@ class Engine:
         """Client ``i``'s local update on ``model`` (the engine's, or a wave's copy in a worker thread): its upload and
         the loss it reported (None when it reported none this round, never an earlier update's)."""
         self.method.last_loss = None
-        up = self.method.local_update(model, self.stores[i], down, self.clients[i], rnd, self.seed)
+        with scheduled_lr(self.train, rnd):
+            up = self.method.local_update(model, self.stores[i], down, self.clients[i], rnd, self.seed)
         return up, self.method.last_loss
 
     def _serve(self, rnd: int, i: int, entry: dict[str, Any]) -> State:

@@ -82,7 +82,7 @@ import torch
 from torch import nn
 
 from fedsilo.client.data import ClientData, to_float
-from fedsilo.client.local import compile_model, evaluate, evaluate_client, score, use_channels_last
+from fedsilo.client.local import compile_model, evaluate, evaluate_client, scheduled_lr, score, use_channels_last
 from fedsilo.config import ConfigError, TrainParams
 from fedsilo.fl.continual import TaskStream, stream_eval
 from fedsilo.fl.engine import (
@@ -1360,7 +1360,7 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
         mine, _ = store(context, s, cfg, limit=rnd - 1, trains=rnd)
         counter = flop_counter() if cfg["count_flops"] else None
         s.method.last_loss = None  # as the engine: a method that reports no loss this round reports none, not the last one
-        with counter if counter is not None else nullcontext():
+        with counter if counter is not None else nullcontext(), scheduled_lr(spec.train, rnd):
             up = s.method.local_update(s.model, mine, down, s.client, rnd, spec.seed)
         s.refuse_private(up)  # before anything is sent: the reply carries no private key
         keep(context, mine, rnd)

@@ -146,7 +146,8 @@ class FDSE(PartialSharing):
     the client trained in its last round, the initial model before it has trained (``evaluate: trained``, the
     default); ``next_round`` evaluates the shared part, the erasers the server mixed for the client and its own
     eraser statistics instead. The optimizer (momentum, weight decay, learning rate) is the preset's; the
-    code's per-round learning-rate decay (0.9998) is not applied; the code sums BatchNorm's step counters across clients
+    code's per-round learning-rate decay (0.9998, ``train.lr_schedule: {kind: exponential, gamma: 0.9998}``) is not
+    in the presets (every method of F²DC's tables trains at the table's one rate); the code sums BatchNorm's step counters across clients
     (K-fold growth a round), we average them (unused with BatchNorm's momentum 0.1)."""
 
     name = "fdse"

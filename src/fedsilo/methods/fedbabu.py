@@ -44,8 +44,9 @@ class FedBABU(PartialSharing):
 
     Not copied from the code: its fine-tuning starts from the round with the best *test* accuracy (``best_model.pt``:
     a selection on the test set; here the evaluated round's global model), and its federated training divides the
-    learning rate by 10 at T/2 and 3T/4 (the engine's learning rate is constant: it has no schedule; the paper's own
-    text, which may state that decay, could not be read here)."""
+    learning rate by 10 at T/2 and 3T/4: that is ``train.lr_schedule: {kind: step, gamma: 0.1, milestones: [T/2,
+    3T/4]}``, which the presets leave constant: every method of a table trains at the table's one rate (FedBABU's
+    own text, which may state the decay, could not be read here)."""
 
     name = "fedbabu"
     joinable = True  # one global (or shared) state and per-client stores only: a site may join mid-run

@@ -15,7 +15,7 @@ from torch import nn
 
 from fedsilo.client.data import ClientData, augment, to_float
 from fedsilo.client.hostaug import apply_host, host_policy
-from fedsilo.client.local import batches, make_generator, running_stats_frozen, use_bf16
+from fedsilo.client.local import batches, lr_now, make_generator, running_stats_frozen, use_bf16
 from fedsilo.config import ConfigError
 from fedsilo.methods.base import Method, MethodParams, RunningMean, State, payload_bytes, spare_copy
 from fedsilo.methods.continual import has, put, take
@@ -285,7 +285,7 @@ class FedCIL(Method):
 
     def _adam(self, params: list[nn.Parameter]) -> torch.optim.Adam:
         p = self.params
-        return torch.optim.Adam(params, lr=p.lr, betas=(p.beta1, p.beta2), weight_decay=p.weight_decay)
+        return torch.optim.Adam(params, lr=lr_now(p.lr), betas=(p.beta1, p.beta2), weight_decay=p.weight_decay)
 
     # ------------------------------------------------------------------ state
     def init_server(self, model):

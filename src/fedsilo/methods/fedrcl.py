@@ -83,7 +83,8 @@ class FedRCL(PartialSharing):
 
     Where we differ from the code: the server takes FedAvg's sample-size-weighted mean (the code averages uniformly;
     F²DC's comparison weights by size), and the optimizer is the preset's (the code: SGD lr 0.1 without momentum,
-    weight decay 1e-3, a 0.998 learning-rate decay per round and again per local epoch, gradient clipping at 10), and
+    weight decay 1e-3, a 0.998 learning-rate decay per round and again per local epoch, gradient clipping at 10; its
+    per-round decay is ``train.lr_schedule: {kind: exponential, gamma: 0.998}``, the per-epoch one has no setting), and
     the backbone's normalization is the preset's BatchNorm (the code builds its ResNet-18 with GroupNorm(2, C), so its
     level 0 is a GroupNorm output; a pooled BatchNorm output is centred per channel over the batch).
     The paper writes its terms over all
