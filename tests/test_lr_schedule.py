@@ -9,11 +9,12 @@ import torch
 
 from fedsilo.client.local import lr_now, scheduled_lr
 from fedsilo.config import ConfigError, LRScheduleParams, TrainParams, parse_params
+from fedsilo.fl.continual import ContinualEngine
 from fedsilo.fl.engine import Engine
 from fedsilo.methods import method_class
 from fedsilo.tracking import round_metrics
 from tests.conftest import small_params
-from tests.tiny import one_thread, style_shifted_federation, tiny_net, without_timing
+from tests.tiny import one_thread, style_shifted_federation, style_stream, tiny_net, without_timing
 
 
 def _factors(rounds: int, **sched) -> list[float]:
@@ -50,6 +51,7 @@ def test_each_kind_gives_the_factor_of_its_rule():
     ({"kind": "exponential", "gamma": 0.9, "min_factor": 0.1}, "min_factor"),
     ({"kind": "step", "gamma": 0.1, "milestones": [2, 5]}, "lr_schedule.milestones"),
     ({"warmup_rounds": 5}, "lr_schedule.warmup_rounds"),
+    ({"kind": "cosine", "warmup_rounds": 1}, "warmup_rounds"),
 ])
 def test_a_schedule_that_does_not_fit_its_kind_or_the_run_is_refused_by_key(sched, key):
     raw = small_params()
@@ -87,10 +89,10 @@ def test_a_run_trains_each_round_at_its_scheduled_rate():
     const, h_const = _run()
     before, _ = _run(rounds=2)
     dropped, h = _run(kind="step", gamma=1e-9, milestones=[2])
-    assert all("lr" not in e for e in h_const)
-    assert [e["lr"] for e in h] == pytest.approx([0.05, 0.05, 5e-11])
-    assert round_metrics(h[2])["lr"] == pytest.approx(5e-11)
-    assert without_timing(h)[:2] == [{**e, "lr": 0.05} for e in without_timing(h_const)[:2]]
+    assert all("lr_factor" not in e for e in h_const)
+    assert [e["lr_factor"] for e in h] == pytest.approx([1, 1, 1e-9])
+    assert round_metrics(h[2])["lr_factor"] == pytest.approx(1e-9)
+    assert without_timing(h)[:2] == [{**e, "lr_factor": 1.0} for e in without_timing(h_const)[:2]]
     assert _distance(dropped.server, before.server) < 1e-6 < _distance(const.server, before.server)
 
 
@@ -100,3 +102,37 @@ def test_clients_trained_at_once_each_take_the_rounds_rate():
     assert all(torch.equal(one.server[k], two.server[k]) for k in one.server)
     const, _ = _run(k=2)
     assert _distance(const.server, two.server) > 1e-4
+
+
+@pytest.mark.parametrize("name", ["pfeddb", "fedcil"])
+def test_a_rate_of_a_methods_own_is_scheduled_too(name):
+    """pFedDB's Phase-2 rate (phase2_lr, not train.lr) and FedCIL's Adam (methods.fedcil.lr): in a round whose factor
+    is ~0 a client uploads what it downloaded; at the full rate it does not."""
+    rounds, drop = (3, 2) if name == "pfeddb" else (2, 1)  # pFedDB: Phase 1, then Phase 2 at full rate, then ~0
+    tp = TrainParams(rounds=rounds, batch_size=8, lr=0.05, device="cpu", count_flops=False,
+                     lr_schedule={"kind": "step", "gamma": 1e-9, "milestones": [drop]})
+    cls = method_class(name)
+    seen: dict = {}
+
+    def observe(rnd, client, way, payload):
+        seen[(rnd, client, way)] = {k: v.detach().clone() for k, v in payload.items()}
+
+    with one_thread():
+        if name == "pfeddb":
+            method = cls(cls.params_cls(local_rounds=1, cut_depth=2, phase2_lr=0.5), tp)
+            e = Engine(method, tiny_net(1, 4), style_shifted_federation(n_train=12, n_test=6, per_domain=1)[:3], tp, seed=0, observer=observe)
+        else:  # a two-task stream: the schedule restarts with the second task
+            method = cls(cls.params_cls(gen_channels=8, md_iter=1, gen_batch=8, lr=2e-2), tp)
+            e = ContinualEngine(method, tiny_net(1, 4), style_stream(domains=2), ["S0", "S1"], tp, 0, observer=observe)
+        history = e.run()
+
+    def moved(rnd: int) -> float:  # the largest change of a weight between a client's download and its upload
+        out = [float((up[k].double() - seen[(r, c, "down")][k].double()).abs().max())
+               for (r, c, w), up in seen.items() if r == rnd and w == "up" and (r, c, "down") in seen
+               for k in up if k in seen[(r, c, "down")] and up[k].is_floating_point() and "running_" not in k]
+        return max(out) if out else float("nan")
+
+    factor = {h["round"]: h["lr_factor"] for h in history}
+    full = [r for r in factor if factor[r] == 1.0 and moved(r) == moved(r)]  # rounds with a download to compare
+    low = [r for r in factor if factor[r] < 1e-6]
+    assert full and low and max(moved(r) for r in low) < 1e-6 < min(moved(r) for r in full)

@@ -1009,8 +1009,9 @@ class LRScheduleParams(Strict):
     schedule sets the rate each round's local training starts from: ``train.lr`` (and every other learning rate of
     the round's local training: a phase's, a classifier epoch's, FedCIL's Adam) times factor(r) for round
     r = 1 .. train.rounds. In a task stream ``train.rounds`` is a task's rounds and the schedule restarts with every
-    task. Not scheduled: a server's own optimizer (FedTGP's generator) and the fine-tuning a client does to be
-    evaluated (FT-FedAvg, FedBABU: their ``finetune_*`` settings)."""
+    task. Not scheduled: a server's own optimizer (FedTGP's generator, FedCIL's consolidation), the fine-tuning a
+    client does to be evaluated (FT-FedAvg, FedBABU: their ``finetune_*`` settings) and pFedDB's onboarding of a
+    newcomer (its rounds are not the federation's)."""
 
     kind: Literal["constant", "step", "exponential", "cosine"] = Field(
         "constant", description="constant: factor 1; step: gamma after each milestone (FedBABU's code: x0.1 after T/2 "
@@ -1020,7 +1021,8 @@ class LRScheduleParams(Strict):
     gamma: Optional[float] = Field(None, gt=0, lt=1, description="step: the factor at each milestone; exponential: the factor per round")
     milestones: tuple[int, ...] = Field((), description="step: the rounds after which the rate is multiplied by gamma")
     min_factor: float = Field(0.0, ge=0, lt=1, description="cosine: the factor it reaches after the last round")
-    warmup_rounds: int = Field(0, ge=0, description="linear warm-up: round r <= warmup_rounds trains at r / warmup_rounds of the schedule's rate")
+    warmup_rounds: int = Field(0, ge=0, description="linear warm-up: round r <= warmup_rounds trains at r / warmup_rounds "
+                               "of the schedule's rate (0: none; 1 would change no round and is refused)")
 
     @model_validator(mode="after")
     def _fits_kind(self) -> "LRScheduleParams":
@@ -1034,6 +1036,8 @@ class LRScheduleParams(Strict):
             raise ValueError(f"milestones: apply to kind step, not {self.kind}")
         if list(self.milestones) != sorted(set(self.milestones)) or any(m < 1 for m in self.milestones):
             raise ValueError(f"milestones: rounds >= 1 in increasing order, got {list(self.milestones)}")
+        if self.warmup_rounds == 1:
+            raise ValueError("warmup_rounds: 1 changes no round (round 1 at 1/1 of its rate); 0 for none, 2 or more to warm up")
         if self.kind != "cosine" and self.min_factor:
             raise ValueError(f"min_factor: applies to kind cosine, not {self.kind}")
         return self

@@ -97,8 +97,8 @@ def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
         m.update(_site_scores(entry["eval_partial"], entry.get("global_partial")))
     if "left" in entry:  # a deployment's sites that left the federation for good (sites[k].left)
         m["sites_left"] = len(entry["left"])
-    if "lr" in entry:  # a learning-rate schedule's rate of the round (train.lr_schedule)
-        m["lr"] = entry["lr"]
+    if "lr_factor" in entry:  # a learning-rate schedule's factor of the round (train.lr_schedule)
+        m["lr_factor"] = entry["lr_factor"]
     for c, v in entry["train_loss"].items():
         if v is not None:
             m[f"train_loss.{c}"] = v

@@ -298,15 +298,15 @@ class Engine:
 
     def note_membership(self, entry: dict[str, Any], rnd: int) -> None:
         """A round's history entry names the sites that have left (``left``, every round after) and those that join
-        in it (``joined``, their first round), and under a learning-rate schedule the round's ``train.lr`` (``lr``)."""
+        in it (``joined``, their first round), and under a learning-rate schedule the factor of the round's learning rates (``lr_factor``)."""
         if self.gone(rnd):
             entry["left"] = self.gone(rnd)
         new = [c.name for c in self.clients if self.joined.get(c.name) == rnd]
         if new:
             entry["joined"] = new
         sched = self.train.lr_schedule
-        if sched.kind != "constant" or sched.warmup_rounds:  # the rate the round's local training started from
-            entry["lr"] = self.train.lr * sched.factor(rnd, self.train.rounds)
+        if sched.kind != "constant" or sched.warmup_rounds:  # what the round's local learning rates were multiplied by
+            entry["lr_factor"] = sched.factor(rnd, self.train.rounds)
 
     def _clock(self) -> float:
         """Wall-clock seconds, after the device has finished its queued work (CUDA runs asynchronously)."""

@@ -29,7 +29,8 @@ Disc = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]  # (images, stands for
 
 class FedCILParams(MethodParams):
     lr: float = Field(1e-4, gt=0, description="Adam learning rate of discriminator and generator, on the clients and in "
-                      "the server's consolidation (the authors' --lr; train.lr is not used)")
+                      "the server's consolidation (the authors' --lr; train.lr is not used); train.lr_schedule scales the "
+                      "clients' rate, the server's consolidation keeps this one")
     beta1: float = Field(0.5, ge=0, lt=1, description="Adam beta1 (--beta1)")
     beta2: float = Field(0.99, ge=0, lt=1, description="Adam beta2 (--beta2)")
     weight_decay: float = Field(1e-5, ge=0, description="Adam weight decay (--weight-decay; train.weight_decay is not used)")
@@ -457,7 +458,7 @@ class FedCIL(Method):
                 last = float(total) / max(count, 1)
                 if not math.isfinite(last):
                     raise ConfigError(f"methods.{self.key}.lr: the ACGAN's local training diverged (mean discriminator "
-                                      f"loss {last} in local epoch {epoch + 1} with lr {p.lr}); lower the learning rate")
+                                      f"loss {last} in local epoch {epoch + 1} with lr {opt_d.param_groups[0]['lr']:.4g}); lower the learning rate")
         opt_d.state.clear()
         opt_g.state.clear()
         self.last_loss = last

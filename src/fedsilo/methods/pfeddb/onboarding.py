@@ -1,7 +1,8 @@
 """New-client onboarding (pFedDB Fig. 6): a domain held out of the federation joins after training.
 
 The newcomer first has a pre-existing local model: the single-branch model (private extractor + head) trained on its
-own data for ``pretrain_rounds`` rounds, exactly a pFedDB client's Phase 1 (the method's own ``local_phase_update``).
+own data for ``pretrain_rounds`` rounds, exactly a pFedDB client's Phase 1 (the method's own ``local_phase_update``)
+but at a constant learning rate: ``train.lr_schedule`` counts the federation's rounds, which a newcomer's are not.
 It then downloads the global shared branch phi once and adapts for ``rounds`` rounds with each strategy, evaluated on
 its test split after every round:
 
