@@ -500,8 +500,7 @@ def test_a_site_that_leaves_for_good_is_left_out_of_the_rest_of_the_run_as_the_e
     others carry on from their FedBN layers on their disks, which ends with the numbers of the in-process engine
     told that the site left after round 2. Its SuperNode, still running, is told it left (by its pinned node before
     it is asked to register; unpinned, once it registered) and the run waits for the sites still in (one connects
-    late). A site marked left may not come back within the run; marking one left without a run to resume, or all
-    but one, is refused by key."""
+    late). Marking one left without a run to resume, or all but one, is refused by key."""
     from mlflow.tracking import MlflowClient
 
     from fedsilo.fl.deploy import resume_key
@@ -539,8 +538,6 @@ def test_a_site_that_leaves_for_good_is_left_out_of_the_rest_of_the_run_as_the_e
         server2, client2 = _load_apps(tmp_path / "app2")
         with pytest.raises(ConnectionError, match="went down"):  # round 3 without it; the coordinator's machine goes down
             server2._main(DownAt(client2, sites, rnd=4, run_id=2), ctx(2))
-        with pytest.raises(ConfigError, match=rf"sites: {gone} left after round 2 \(the run's checkpoint says so\); a site that left does not come back"):
-            server._main(SiteGrid(client, sites, run_id=3), ctx(3))
         with pytest.raises(ConfigError, match=rf"sites: {gone} marked left, but there is no checkpoint of this deployment to resume"):
             server2._main(SiteGrid(client2, sites, run_id=4), ctx(4, "fresh"))
         server3, client3 = _load_apps(tmp_path / "app3")
@@ -573,6 +570,63 @@ def test_a_site_that_leaves_for_good_is_left_out_of_the_rest_of_the_run_as_the_e
 
     with pytest.raises(ConfigError, match=r"sites: 2 of the 3 sites marked left; a federation needs two sites that have not left"):
         load_federation(federation("d", (gone, "RSNA")))
+
+
+@pytest.mark.usefixtures("identity")
+def test_a_site_that_left_comes_back_when_its_mark_is_taken_away_as_the_engine_has_it(sites, tmp_path):
+    """A hospital that left (``left: true``, the App written again and resumed) comes back: the coordinator takes the
+    mark away and writes the App again, which resumes the run's checkpoint with the site in it from the next round.
+    It registers again and carries on from its FedBN layers on its disk (as after rounds it was not sampled for),
+    which ends with the numbers of the in-process engine told that the site was away in round 2. The history
+    names it as left in that round and back in round 3; metrics.json and MLflow record the rounds it was gone."""
+    from mlflow.tracking import MlflowClient
+
+    train = {**TRAIN, "rounds": 3}
+    gone = "VinBigData"
+
+    def federation(name: str, left: tuple[str, ...] = ()) -> Path:
+        (tmp_path / name).mkdir()
+        raw = yaml.safe_load(_federation(tmp_path / name, sites, train=train).read_text())
+        for entry in raw["sites"]:
+            entry["left"] = entry["name"] in left
+        (tmp_path / name / "federation.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+        return tmp_path / name / "federation.yaml"
+
+    for app, fed in (("app", federation("a")), ("app2", federation("b", (gone,)))):
+        write_app(load_federation(fed), load_params(REPO_PARAMS), tmp_path / app)
+    dep = json.loads((tmp_path / "app" / "deployment.json").read_text())
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+    def ctx(run_id: int) -> Context:
+        return Context(run_id=run_id, node_id=0, node_config={}, state=RecordDict(),
+                       run_config={"results-dir": str(tmp_path / "run"), "state-dir": str(tmp_path / "run.state"),
+                                   "tracking-uri": uri, "wait-s": 30})
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        server, client = _load_apps(tmp_path / "app")
+        with pytest.raises(ConnectionError, match="went down"):  # round 1 with every site
+            server._main(DownAt(client, sites, rnd=2, run_id=1), ctx(1))
+        server2, client2 = _load_apps(tmp_path / "app2")
+        with pytest.raises(ConnectionError, match="went down"):  # round 2 without it
+            server2._main(DownAt(client2, sites, rnd=3, run_id=2), ctx(2))
+        server._main(SiteGrid(client, sites, run_id=3), ctx(3))  # its mark taken away: round 3 with it again
+    finally:
+        torch.set_num_threads(threads)
+    history = json.loads((tmp_path / "run/history.json").read_text())
+    metrics = json.loads((tmp_path / "run/metrics.json").read_text())
+    assert [h.get("left", []) for h in history] == [[], [gone], []]
+    assert [h.get("back", []) for h in history] == [[], [], [gone]]
+    assert metrics["sites_left"] == {} and metrics["sites_away"] == {gone: [[2, 2]]}
+    assert gone in history[2]["sampled"] and gone in history[2]["eval"]
+    run = MlflowClient(uri).get_run(metrics["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags[f"site.{gone}.away_rounds"] == "2-2"
+
+    reference = _engine_reference(dep, sites, away={gone: [(2, 2)]})
+    for key in ("sampled", "eval", "bytes_up", "bytes_down", "train_loss", "mean_acc", "left", "back"):
+        assert [h.get(key) for h in history] == [h.get(key) for h in reference], key
+    assert gone not in history[1]["sampled"] and history[2]["train_loss"][gone] != history[0]["train_loss"][gone]
 
 
 @pytest.mark.usefixtures("identity")

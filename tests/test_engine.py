@@ -270,6 +270,20 @@ def test_a_client_that_left_is_neither_sampled_nor_evaluated_after_its_last_roun
     assert h[0]["eval"] == whole[0]["eval"] and h[0]["bytes_up"] == whole[0]["bytes_up"]  # round 1 as without it
 
 
+def test_a_client_away_for_some_rounds_takes_part_again_after_them(clients):
+    """``away`` (a deployment's site that left and came back: name -> the rounds it was gone): in those rounds it is
+    neither sampled nor evaluated and is named as left; from the round after it takes part again (named ``back``),
+    as a client that was not sampled in those rounds."""
+    cl, cin, nc = clients
+    gone = cl[1].name
+    tp = TrainParams(rounds=4, batch_size=16, lr=0.02, device="cpu", count_flops=False)
+    method = FedAvg(FedAvg.params_cls(), tp)
+    h = Engine(method, build_model("simple_cnn", cin, nc, seed=0, width=0.25), cl, tp, seed=0, away={gone: [(2, 3)]}).run()
+    assert [gone in x["sampled"] for x in h] == [gone in x["eval"] for x in h] == [True, False, False, True]
+    assert [x.get("left") for x in h] == [None, [gone], [gone], None]
+    assert [x.get("back") for x in h] == [None, None, None, [gone]]
+
+
 def test_a_last_batch_of_one_joins_the_previous_batch():
     from fedsilo.client.local import batches
 

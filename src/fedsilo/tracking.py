@@ -95,7 +95,7 @@ def round_metrics(entry: dict[str, Any]) -> dict[str, float]:
     if "eval_partial" in entry:  # a deployment's evaluation without sites gone during it (min-eval-sites): no mean
         m["sites_not_evaluated"] = len(entry["eval_missing"])
         m.update(_site_scores(entry["eval_partial"], entry.get("global_partial")))
-    if "left" in entry:  # a deployment's sites that left the federation for good (sites[k].left)
+    if "left" in entry:  # a deployment's sites gone from the federation in the round (sites[k].left)
         m["sites_left"] = len(entry["left"])
     if "lr_factor" in entry:  # a learning-rate schedule's factor of the round (train.lr_schedule)
         m["lr_factor"] = entry["lr_factor"]

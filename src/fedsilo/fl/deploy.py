@@ -70,9 +70,10 @@ class SiteEntry(Strict):
     fingerprint: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="the sha256 `fedsilo site card` printed at the site")
     node_id: Optional[int] = Field(None, gt=0, description="the node-id `flwr supernode register <site's .pub>` printed: "
                                    "the site is admitted only from the node registered with its key")
-    left: bool = Field(False, description="the site left the federation for good: `fedsilo deploy app` again and `flwr run` "
+    left: bool = Field(False, description="the site left the federation: `fedsilo deploy app` again and `flwr run` "
                        "resume the run in progress without it from its next round (neither sampled nor evaluated); "
-                       "its entry stays, as it was part of the rounds before")
+                       "its entry stays, as it was part of the rounds before. Taking the mark away later brings it back "
+                       "from the round after the checkpoint then resumed, carrying on from the store on its disk")
     joined: bool = Field(False, description="the site joined the run in progress: listed after every site the run started "
                          "with, it takes part from the round after the checkpoint `flwr run` resumes, from a fresh store "
                          "(for methods whose server holds nothing sized by the federation: FedAvg, FedBN, ...); the mark "
@@ -400,7 +401,8 @@ def apps(app_file: Path):
                 wire.close()
             metrics = _write_results(out, staging, dep, run, tracker.run_id)
             tracker.tag({**{f"site.{n}.left_after_round": str(r) for n, r in metrics["sites_left"].items()},
-                         **{f"site.{n}.joined_in_round": str(r) for n, r in metrics["sites_joined"].items()}})
+                         **{f"site.{n}.joined_in_round": str(r) for n, r in metrics["sites_joined"].items()},
+                         **{f"site.{n}.away_rounds": ",".join(f"{a}-{b}" for a, b in spans) for n, spans in metrics["sites_away"].items()}})
             # its work is done: running the App again trains again (and never resumes into results already moved)
             checkpoint.unlink(missing_ok=True)
             Tracker.forget(state)
@@ -655,8 +657,10 @@ def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any, mlfl
         # the evaluations each site was gone during, which went on without it (min-eval-sites)
         "unevaluated_rounds": {c["name"]: rounds for c in run.cards
                                if (rounds := [int(e["round"]) for e in history if c["name"] in e.get("eval_missing", ())])},
-        # the sites that left the federation for good, each with the last round it took part in (sites[k].left)
+        # the sites that have left the federation, each with the last round it took part in (sites[k].left)
         "sites_left": dict(run.engine.left),
+        # the sites that left and came back, each with the rounds it was gone ([first, last] per absence)
+        "sites_away": {n: [list(span) for span in spans] for n, spans in run.engine.away.items() if spans},
         # the sites that joined the run in progress, each with the first round it took part in (sites[k].joined)
         "sites_joined": dict(run.engine.joined),
         "deployment_sha256": canonical_hash(dep),

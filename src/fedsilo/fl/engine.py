@@ -145,6 +145,7 @@ class Engine:
         external: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         left: Optional[dict[str, int]] = None,
         joined: Optional[dict[str, int]] = None,
+        away: Optional[dict[str, list[tuple[int, int]]]] = None,
     ):
         if not self.stream:
             check_stream_fit(type(method), False, method.key, "these clients hold static data: train it on a domain_incremental split")
@@ -154,6 +155,7 @@ class Engine:
         self.observer, self.on_round = observer, on_round
         self.meta: dict[str, Any] = dict(meta or {})
         self.left, self.joined = dict(left or {}), dict(joined or {})  # see active()
+        self.away = {n: [(int(a), int(b)) for a, b in spans] for n, spans in (away or {}).items()}
         self.method.join(clients, seed)
         model = self.model = method.transform_model(model, to_float(clients[0].x_train[:2]))
         self.method.setup(model)
@@ -266,14 +268,21 @@ class Engine:
 
     # ------------------------------------------------------------------ loop
     def active(self, rnd: int) -> list[int]:
-        """The client indices that take part in round ``rnd``: all of them, but a site that left the federation for
-        good (``left``: its name -> the last round it took part in; a deployment's ``sites[k].left``, fl/flower.py),
-        which from the round after is neither sampled nor evaluated, and a site that joined a run in progress
-        (``joined``: its name -> the first round it takes part in; ``sites[k].joined``), which is neither before it.
-        What a site that left was (its data counts in the method's ``join``, its store, the server's state of it)
-        stays as it was: the federation's past is not rewritten; a site that joins starts from the store
-        ``init_client`` gives it, as every site started."""
-        return [i for i, c in enumerate(self.clients) if self.joined.get(c.name, rnd) <= rnd <= self.left.get(c.name, rnd)]
+        """The client indices that take part in round ``rnd``: all of them, but a site that has left the federation
+        (``left``: its name -> the last round it took part in; a deployment's ``sites[k].left``, fl/flower.py),
+        which from the round after is neither sampled nor evaluated, a site that joined a run in progress
+        (``joined``: its name -> the first round it takes part in; ``sites[k].joined``), which is neither before it,
+        and a site that left and came back (``away``: its name -> the (first, last) rounds it was gone, inclusive),
+        which is neither in those rounds. What a site that left was (its data counts in the method's ``join``, its
+        store, the server's state of it) stays as it was: the federation's past is not rewritten, and a site that
+        comes back carries on from it as after rounds it was not sampled for; a site that joins starts from the
+        store ``init_client`` gives it, as every site started."""
+        return [i for i, c in enumerate(self.clients)
+                if self.joined.get(c.name, rnd) <= rnd <= self.left.get(c.name, rnd) and not self.was_away(c.name, rnd)]
+
+    def was_away(self, name: str, rnd: int) -> bool:
+        """Whether site ``name`` had left in round ``rnd`` and came back after it (``away``)."""
+        return any(a <= rnd <= b for a, b in self.away.get(name, ()))
 
     def sample(self, rnd: int) -> list[int]:
         """The round's clients: m = max(1, floor(C n)) of the n active ones (:meth:`active`), drawn without
@@ -293,17 +302,22 @@ class Engine:
         return sorted(pool[int(i)] for i in perm[:m])
 
     def gone(self, rnd: int) -> list[str]:
-        """The sites that have left the federation by round ``rnd`` (named in the round's history entry)."""
-        return [c.name for c in self.clients if rnd > self.left.get(c.name, rnd)]
+        """The sites that have left the federation by round ``rnd`` (named in the round's history entry): still gone
+        (``left``), or gone in rounds they came back after (``away``)."""
+        return [c.name for c in self.clients if rnd > self.left.get(c.name, rnd) or self.was_away(c.name, rnd)]
 
     def note_membership(self, entry: dict[str, Any], rnd: int) -> None:
-        """A round's history entry names the sites that have left (``left``, every round after) and those that join
-        in it (``joined``, their first round), and under a learning-rate schedule the factor of the round's learning rates (``lr_factor``)."""
+        """A round's history entry names the sites that have left (``left``, every round they are gone) and those
+        that join in it (``joined``, their first round) or come back in it (``back``), and under a learning-rate
+        schedule the factor of the round's learning rates (``lr_factor``)."""
         if self.gone(rnd):
             entry["left"] = self.gone(rnd)
         new = [c.name for c in self.clients if self.joined.get(c.name) == rnd]
         if new:
             entry["joined"] = new
+        back = [c.name for c in self.clients if any(b == rnd - 1 for _, b in self.away.get(c.name, ()))]
+        if back:
+            entry["back"] = back
         sched = self.train.lr_schedule
         if sched.kind != "constant" or sched.warmup_rounds:  # what the round's local learning rates were multiplied by
             entry["lr_factor"] = sched.factor(rnd, self.train.rounds)

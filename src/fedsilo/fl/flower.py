@@ -49,9 +49,11 @@ server's last checkpoint; or after its SuperNode restarted between rounds) loads
 of a later round than the message allows (:meth:`KeptStores.load`). ``checkpointed`` in every message lets the sites
 drop the stores no resume can need.
 
-A site that left for good (a deployment's ``sites[k].left``; :class:`Roster`): a resumed run goes on without it
-from the round after its checkpoint (``Engine.active``), with the card it registered with when it took part, kept in
-the checkpoint's meta; it is not waited for, and its SuperNode, if it still runs, is told it left (``query.refused``).
+A site that left (a deployment's ``sites[k].left``; :class:`Roster`): a resumed run goes on without it from the
+round after its checkpoint (``Engine.active``), with the card it registered with when it took part, kept in the
+checkpoint's meta; it is not waited for, and its SuperNode, if it still runs, is told it left (``query.refused``).
+Its mark taken away, a later resume takes it back from the round after that checkpoint: it registers again and
+carries on from the store on its disk, the rounds it was gone recorded (``Engine.away``).
 
 Task streams (``fl/continual.py``): a site whose data is a stream (one client per task: its ``domain_incremental``
 split) registers its tasks; the run is then a :class:`FlowerStream`, whose messages name each round's task and which
@@ -285,15 +287,6 @@ class FlowerSpec:
 
 
 # ---------------------------------------------------------------------------------------------------------- server
-def not_coming_back(before: dict[str, int], left: Sequence[str]) -> None:
-    """Refuses sites the checkpoint says left (``before``: name -> last round) that are no longer marked left."""
-    back = sorted(set(before) - set(left))
-    if back:
-        raise ConfigError("sites: " + ", ".join(f"{n} left after round {before[n]}" for n in back) + " (the run's checkpoint "
-                          "says so); a site that left does not come back within a run: mark it `left: true` again to "
-                          "resume, or start a new run (another state-dir) with it")
-
-
 def still_listed(joined: dict[str, int], names: Sequence[str]) -> None:
     """Refuses a run whose checkpoint says sites joined it (``joined``: name -> first round) that the federation no
     longer lists: the rounds they took part in are the run's."""
@@ -400,7 +393,7 @@ class FlowerServer(Engine):
         self._config = cards_config(cards)
         self._announces = type(self.method).announce is not Method.announce
         resumed = self._resume()
-        self.left = self._sites_left(left, resumed, tasks is not None)
+        self.left, self.away = self._sites_left(left, resumed, tasks is not None)
         self.joined = self._sites_joined(joined, resumed, tasks is not None)
         check_min_train_sites(spec, len(self.clients) - len(self.left), self.min_train_sites, checkpoint is not None, tasks is not None)
         check_min_eval_sites(len(self.clients) - len(self.left), self.min_eval_sites, checkpoint is not None, tasks is not None)
@@ -418,13 +411,30 @@ class FlowerServer(Engine):
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _sites_left(self, left: Sequence[str], resumed: bool, stream: bool) -> dict[str, int]:
-        """The sites that left the federation for good (``left``: the deployment's ``sites[k].left``), each with the
+    def _sites_left(self, left: Sequence[str], resumed: bool, stream: bool) -> tuple[dict[str, int], dict[str, list[tuple[int, int]]]]:
+        """The sites that have left the federation (``left``: the deployment's ``sites[k].left``), each with the
         last round it took part in: the round the checkpoint holds when it was first marked (kept in the checkpoint's
         meta from then on). From the round after, the engine neither samples nor evaluates it (``Engine.active``).
-        A site the checkpoint says left or joined is checked against the roster by :meth:`FlowerRun._held_cards`,
-        before any site connects."""
+        A site the checkpoint says left that is no longer marked comes back: it takes part again from the round after
+        the checkpoint's, carrying on from its store on its disk (as after rounds it was not sampled for), and the
+        rounds it was gone go to ``away`` (name -> [(first, last)], kept in the checkpoint's meta). A site the
+        checkpoint says joined is checked against the roster by :meth:`FlowerRun._held_cards`, before any site
+        connects."""
         before: dict[str, int] = dict(self.meta.get("left", {})) if resumed else {}
+        away: dict[str, list[tuple[int, int]]] = {n: [(int(a), int(b)) for a, b in spans]
+                                                  for n, spans in (self.meta.get("away", {}) if resumed else {}).items()}
+        for n in sorted(set(before) - set(left)):
+            last = before.pop(n)
+            if self.round >= self.total_rounds:
+                raise ConfigError(f"sites: {n} left after round {last} (the run's checkpoint says so) and is no longer "
+                                  f"marked left, but the checkpoint holds the run's last round ({self.round}): no round is "
+                                  "left to come back to; mark it `left: true` again")
+            if self.round > last:
+                away.setdefault(n, []).append((last + 1, self.round))
+                log.warning("%s comes back to the federation in round %d (gone in rounds %d-%d): it carries on from "
+                            "its store", n, self.round + 1, last + 1, self.round)
+            else:  # marked left and back before a round went by: it missed none
+                log.warning("%s is no longer marked left and missed no round: it takes part in round %d", n, self.round + 1)
         new = [n for n in left if n not in before]
         if new and not resumed:
             raise no_run_to_leave(new, self.checkpoint)
@@ -435,7 +445,8 @@ class FlowerServer(Engine):
         for n in new:
             log.warning("%s left the federation after round %d: the rounds from %d on go on without it", n, self.round, self.round + 1)
         self.meta["left"] = out
-        return out
+        self.meta["away"] = {n: [list(span) for span in spans] for n, spans in away.items()}
+        return out, away
 
     def _sites_joined(self, joined: Sequence[str], resumed: bool, stream: bool) -> dict[str, int]:
         """The sites that joined the run in progress (``joined``: the deployment's ``sites[k].joined``), each with the
@@ -601,7 +612,7 @@ class FlowerServer(Engine):
         if kind == "evaluate" and self.min_eval_sites:
             waited += ("; the last evaluation, the run's result, scores every site still in" if rnd >= self.total_rounds else
                        f"; fewer than min-eval-sites ({self.min_eval_sites}) of the sites evaluated scored")
-        again = ("`flwr run` the App again: it resumes after its last checkpoint; a site that left for good: mark it "
+        again = ("`flwr run` the App again: it resumes after its last checkpoint; a site that left: mark it "
                  "`left: true` in federation.yaml, write the App again and `flwr run` it, which resumes without the site"
                  if self.checkpoint is not None else
                  "`flwr run` the App again (it starts afresh: the deployment keeps no checkpoint)")
@@ -834,7 +845,7 @@ class Roster:
     fingerprints: tuple[str, ...]
     contract: dict[str, Any]
     node_ids: tuple[Optional[int], ...] = ()  # per site, the SuperLink node registered with its key (None: not pinned)
-    left: tuple[bool, ...] = ()  # per site, whether it left the federation for good (it takes no part from now on)
+    left: tuple[bool, ...] = ()  # per site, whether it has left the federation (it takes no part while marked)
     joined: tuple[bool, ...] = ()  # per site, whether it joined the run in progress
 
     def joining(self) -> list[str]:
@@ -842,13 +853,14 @@ class Roster:
         return [n for n, new in zip(self.sites, self.joined) if new]
 
     def gone(self) -> list[str]:
-        """The sites that left the federation (``sites[k].left``)."""
+        """The sites that have left the federation (``sites[k].left``)."""
         return [n for n, out in zip(self.sites, self.left) if out]
 
     def left_note(self, name: str) -> str:
         """What a site that left is told when its SuperNode still runs."""
         return (f"site {name!r} left the federation (sites[{self.sites.index(name)}].left in federation.yaml): it takes no "
-                "part in this run; its SuperNode can be stopped")
+                "part in this run while marked left; its SuperNode can be stopped (its disk keeps its store, which it "
+                "carries on from if the mark is taken away)")
 
     def admit(self, card: dict[str, Any], node: Optional[int] = None) -> int:
         """The client index of a site registering from ``node``, or :class:`SiteRefused` naming what is wrong."""
@@ -901,7 +913,7 @@ class FlowerRun:
         self.checkpoint, self.config_hash, self.meta, self.rejoin_s = checkpoint, config_hash, meta, rejoin_s
         self.min_train_sites = min_train_sites  # a round goes on without sites gone during its training (FlowerServer)
         self.min_eval_sites = min_eval_sites  # an evaluation before the last goes on without sites gone during it
-        self.gone = roster.gone() if roster is not None else []  # the sites that left the federation for good
+        self.gone = roster.gone() if roster is not None else []  # the sites that have left the federation (while marked)
         self.joining = roster.joining() if roster is not None else []  # the sites that joined the run in progress
         # before any site connects
         check_min_train_sites(spec, num_clients - len(self.gone), min_train_sites, checkpoint is not None, None)
@@ -914,10 +926,10 @@ class FlowerRun:
     def _held_cards(self) -> dict[str, dict[str, Any]]:
         """The cards the sites that left registered with when they took part, from the checkpoint of the run they
         left (what ``Method.join`` was told of them, and what the results list). Refused before any site connects:
-        sites marked left without a run to resume, and a site the checkpoint says left that is no longer marked."""
+        sites marked left without a run to resume, and a site the checkpoint says joined that is no longer listed (a
+        site the checkpoint says left that is no longer marked comes back: :meth:`FlowerServer._sites_left`)."""
         held = checkpoint_meta(self.checkpoint, self.config_hash) if self.checkpoint is not None else None
         if held is not None and self.roster is not None:
-            not_coming_back(held.get("left", {}), self.gone)
             still_listed(held.get("joined", {}), self.roster.sites)
             self._same_joined(held)
         if not self.gone:
