@@ -1526,3 +1526,96 @@ def test_site_predict_reads_rgb_benchmark_files_as_harmonize_does(tmp_path, caps
     capsys.readouterr()
     assert main([*args, "--model", str(gray.model_path), "--images", str(files[0])]) == 2
     assert "datasets.office_caltech10: kind office_caltech10 with 1-channel images" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("identity")
+def test_a_hospital_that_was_not_in_a_pfeddb_deployment_onboards_with_its_phi(sites, tmp_path, capsys):
+    """The coordinator's results hold the server state after the last round (``final_model.pt``: pFedDB's phi, the
+    shared branch, nothing a site keeps). A hospital that was not part of the run adapts it on its own data
+    (`fedsilo site onboard`, pFedDB Fig. 6): under freeze_global the kept model's phi is the downloaded phi exactly, its
+    own branch trained; each strategy's numbers are the same whether run alone or beside another; the kept model is
+    one `fedsilo site predict` scores with. Refused by name: a member of the deployment, another method's final
+    model, a file that is no final model, a site whose data break the contract."""
+    import pandas as pd
+
+    from fedsilo.cli import main
+    from fedsilo.fl.onboard import onboard_site
+    from fedsilo.methods.base import payload_bytes
+    from fedsilo.methods.pfeddb.model import SHARED
+
+    members = {k: sites[k] for k in ("chexpert", "rsna")}
+    coordinator = yaml.safe_load(REPO_PARAMS.read_text())
+    coordinator["methods"]["pfeddb"]["local_rounds"] = 1
+    (tmp_path / "coordinator.yaml").write_text(yaml.safe_dump(coordinator, sort_keys=False))
+    fed = load_federation(_federation(tmp_path, members, method="pfeddb", train={**TRAIN, "rounds": 2}))
+    write_app(fed, load_params(tmp_path / "coordinator.yaml"), tmp_path / "app", results=str(tmp_path / "results"))
+    server, client = _load_apps(tmp_path / "app")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        server._main(SiteGrid(client, members), _server_context(tmp_path))
+    finally:
+        torch.set_num_threads(threads)
+    final = tmp_path / "results" / "final_model.pt"
+    held = torch.load(final, weights_only=True)
+    wire = [json.loads(line) for line in (tmp_path / "results/wire.jsonl").read_text().splitlines()]
+    shared = {k for w in wire if w["message"] == "train" and w["to"] == "server" for k in w["arrays"]["up"]}
+    assert held["round"] == 2 and set(held["server"]) == shared and all(k.startswith(SHARED) for k in shared)
+    assert held["deployment"] == json.loads((tmp_path / "results/deployment.json").read_text())
+
+    # the newcomer: VinBigData, with one pre-training round and two adaptation rounds in its own params
+    vin = sites["vinbigdata"].parent
+    raw = yaml.safe_load(sites["vinbigdata"].read_text())
+    raw["experiments"]["site"]["onboarding"] = {"pretrain_rounds": 1, "rounds": 2}
+    params = tmp_path / "newcomer.yaml"
+    params.write_text(yaml.safe_dump(raw, sort_keys=False))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        base = ["-q", "--params", str(params), "--root", str(vin), "site"]
+        assert main([*base, "onboard", "--experiment", "site", "--model", str(final), "--strategy", "freeze_global", "finetune_all"]) == 0
+        out = vin / "onboarding" / "three_hospitals" / "pfeddb" / "seed0"
+        assert "kept freeze_global" in capsys.readouterr().err
+        alone, _ = onboard_site(load_params(params), "site", vin, final, ["finetune_all"], out=tmp_path / "alone", quiet=True)
+    finally:
+        torch.set_num_threads(threads)
+    summary = json.loads((out / "onboarding.json").read_text())
+    assert summary["site"] == "VinBigData" and summary["strategies"] == ["freeze_global", "finetune_all"] and summary["kept"] == "freeze_global"
+    assert [len(c) for c in summary["accuracy_per_round"].values()] == [2, 2] and summary["server_round"] == 2
+    phi = {k: v for k, v in held["server"].items()}
+    assert summary["bytes_down_phi"] == payload_bytes(phi)
+    assert alone["accuracy_per_round"]["finetune_all"] == summary["accuracy_per_round"]["finetune_all"]
+    kept = torch.load(out / "model.pt", weights_only=True)
+    assert (out / "model.pt").stat().st_mode & 0o077 == 0  # the site's own, as a deployed site's model
+    assert all(torch.equal(kept["model"][k], phi[k]) for k in phi)  # freeze_global: phi as downloaded
+    own = [k for k in kept["model"] if not k.startswith(SHARED) and kept["model"][k].is_floating_point() and "running_" not in k]
+    _, fresh, _ = deployment_spec(held["deployment"]).build(torch.zeros(2, 1, 16, 16), torch.device("cpu"), [])
+    init = fresh.state_dict()
+    assert own and any(not torch.equal(kept["model"][k], init[k]) for k in own)  # its own branch trained
+    assert kept["onboarding"]["kept"] == "freeze_global"
+
+    # `fedsilo site predict` scores with it (the only model under the site's root: found without --model)
+    table = pd.read_parquet(vin / "data/harmonized/chest_xray4/records.parquet").head(3)
+    files = [str(vin / "data/raw/vinbigdata" / p) for p in table["source_path"]]
+    assert main([*base, "predict", "--experiment", "site", "--out", str(tmp_path / "p.csv"), "--images", *files]) == 0
+    rows = pd.read_csv(tmp_path / "p.csv")
+    assert len(rows) == 3 and rows["prob.Normal"].notna().all()
+
+    # refused by name
+    def refused(*args, model=final, params_file=params, root=vin) -> str:
+        capsys.readouterr()
+        assert main(["-q", "--params", str(params_file), "--root", str(root), "site", "onboard", "--experiment", "site",
+                     "--model", str(model), *args]) == 2
+        return capsys.readouterr().err
+
+    assert "site RSNA took part in the deployment three_hospitals" in refused(params_file=sites["rsna"], root=sites["rsna"].parent)
+    other = {**held, "deployment": {**held["deployment"], "method": {**held["deployment"]["method"], "base": "fedbn", "key": "fedbn", "params": {}}}}
+    torch.save(other, tmp_path / "fedbn_final.pt")
+    assert "the deployment trained fedbn (fedbn); onboarding adapts pFedDB's" in refused(model=tmp_path / "fedbn_final.pt")
+    (tmp_path / "junk.pt").write_text("not a model\n")
+    assert "not a model file torch can read" in refused(model=tmp_path / "junk.pt")
+    torch.save({"round": 1, "model": {}}, tmp_path / "site_model.pt")
+    assert "not a deployment's final model" in refused(model=tmp_path / "site_model.pt")
+    bigger = {**held, "deployment": {**held["deployment"], "contract": {**held["deployment"]["contract"], "image_shape": [32, 32, 1]}}}
+    torch.save(bigger, tmp_path / "bigger.pt")
+    assert "does not fit the deployment's contract: image_shape [16, 16, 1] (agreed [32, 32, 1])" in refused(model=tmp_path / "bigger.pt")

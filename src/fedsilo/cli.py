@@ -312,6 +312,9 @@ def _site(args: argparse.Namespace) -> None:
     if args.action == "predict":
         _site_predict(args)
         return
+    if args.action == "onboard":
+        _site_onboard(args)
+        return
     p = load_params(args.params)
     card = site_card(p, args.experiment, Path(args.root))
     if args.action == "card":
@@ -417,7 +420,8 @@ def _site_model(args: argparse.Namespace) -> Path:
     """--model, or the only model.pt the site keeps under --root."""
     model = Path(args.model) if args.model else None
     if model is None:
-        kept = sorted(Path(args.root).glob("state/deploy/*/*/*/model.pt"))
+        root = Path(args.root)  # a deployment's kept model, or one `fedsilo site onboard` adapted
+        kept = sorted([*root.glob("state/deploy/*/*/*/model.pt"), *root.glob("onboarding/*/*/*/model.pt")])
         if len(kept) != 1:
             raise ConfigError(f"--model required: this site keeps {len(kept)} models ({', '.join(map(str, kept)) or 'none'}; "
                               "`fedsilo site audit` lists them)")
@@ -451,6 +455,21 @@ def _site_evaluate(args: argparse.Namespace) -> None:
     print(md, end="")
     print(f"site evaluate: {summary['all']['images']} images of {args.dataset} scored by {model}; {out}/evaluation.md, "
           "evaluation.json, predictions.csv", file=sys.stderr)
+
+
+def _site_onboard(args: argparse.Namespace) -> None:
+    from fedsilo.fl.onboard import onboard_site
+
+    if not args.model:
+        raise ConfigError("fedsilo site onboard: --model required (the deployment's final_model.pt, from the coordinator)")
+    summary, out = onboard_site(load_params(args.params), args.experiment, Path(args.root), Path(args.model),
+                                args.strategy or ["freeze_global"], Path(args.out) if args.out else None, quiet=args.quiet)
+    pre = summary["pretrained_local_acc"]
+    print(f"site onboard: {summary['site']} adapted {summary['method']} of {summary['federation']} (phi, "
+          f"{summary['bytes_down_phi']} bytes): " + ", ".join(f"{s} {a:.3f}" for s, a in summary["final"].items())
+          + (f" (its own local model {pre:.3f})" if pre is not None else "")
+          + f"; kept {summary['kept']}: {out}/model.pt (`fedsilo site predict --model` takes it), {out}/onboarding.json",
+          file=sys.stderr)
 
 
 def _site_predict(args: argparse.Namespace) -> None:
@@ -748,15 +767,22 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "  evaluate   external validation: the kept model on every image of a labelled --dataset the site harmonized "
         "(per domain and overall: accuracy, AUC, sensitivity, specificity with patient-level bootstrap intervals, PPV, "
         "NPV, confusion; one row per image) -> evaluation.md/.json and predictions.csv in --out (default "
-        "evaluation/<dataset>; a later evaluation replaces these three files)")
-    s.add_argument("action", choices=["card", "supernode", "audit", "predict", "evaluate"])
+        "evaluation/<dataset>; a later evaluation replaces these three files)\n"
+        "  onboard    a hospital that was not part of a deployed pFedDB run adapts its global shared branch phi (--model: "
+        "the coordinator's final_model.pt) on its own data (pFedDB Fig. 6): its own local model first "
+        "(experiments.<e>.onboarding.pretrain_rounds), then onboarding.rounds rounds of each --strategy, scored on its "
+        "test split; keeps the first strategy's model as model.pt (predict and evaluate take it) with onboarding.json "
+        "in --out (default onboarding/<federation>/<method>/seed<k>); nothing is sent")
+    s.add_argument("action", choices=["card", "supernode", "audit", "predict", "evaluate", "onboard"])
     s.add_argument("--dataset", help="evaluate: the labelled dataset (datasets.<name>, harmonized here) to score")
     s.add_argument("--bootstrap", type=int, default=1000, help="evaluate: patient-level bootstrap samples for the 95 %% intervals (default 1000)")
     s.add_argument("--seed", type=int, default=0, help="evaluate: the bootstrap's seed (default 0)")
     s.add_argument("--device", default="cpu", help="evaluate: where the model runs (cpu, cuda, cuda:1, auto; default cpu)")
     s.add_argument("--images", nargs="+", default=[], metavar="FILE_OR_FOLDER",
                    help="predict: image files (DICOM, PNG, JPEG) or folders of them")
-    s.add_argument("--experiment", help="card, supernode, predict: the site's one-client experiment")
+    s.add_argument("--experiment", help="card, supernode, predict, onboard: the site's one-client experiment")
+    s.add_argument("--strategy", nargs="+", choices=["freeze_global", "finetune_all", "from_scratch"],
+                   help="onboard: the strategies to run, the first one's model kept (default freeze_global: phi frozen)")
     s.add_argument("--superlink", help="the SuperLink's address, host:port")
     s.add_argument("--root-certificates", help="the federation's CA certificate (ca.crt from the coordinator)")
     s.add_argument("--auth-key", help="the site's private authentication key (fedsilo deploy key)")
@@ -764,8 +790,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="print the flower-supernode command, do not run it")
     s.add_argument("--systemd-unit", metavar="FILE", help="write a systemd service running this command here, do not run it")
     s.add_argument("--json", action="store_true", help="audit: print JSON")
-    s.add_argument("--model", help="predict, evaluate: the model.pt the site kept (default: the only one under --root)")
-    s.add_argument("--out", help="predict: the CSV to write (default: standard output); evaluate: the folder to write")
+    s.add_argument("--model", help="predict, evaluate: the model.pt the site kept (default: the only one under --root); "
+                   "onboard: the deployment's final_model.pt")
+    s.add_argument("--out", help="predict: the CSV to write (default: standard output); evaluate, onboard: the folder to write")
     s.set_defaults(fn=_site)
     s = sub.add_parser(
         "deploy", parents=[common], formatter_class=fmt,

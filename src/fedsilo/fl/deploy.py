@@ -670,6 +670,11 @@ def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any, mlfl
         write_json(tmp / "metrics.json", metrics)
         (tmp / "history.json").write_text(json.dumps(history, indent=1) + "\n")
         write_json(tmp / APP_FILE, dep)
+        # the server state after the last round (the global model or the shared part: what the sites sent, never a
+        # store) with the deployment it was trained in: what a hospital that was not part of the run starts from
+        # (`fedsilo site onboard`), as a train stage's final_model.pt
+        torch.save({"round": run.engine.round, "deployment": dep,
+                    "server": {k: v.detach().cpu() for k, v in run.engine.server.items()}}, tmp / "final_model.pt")
         os.replace(staging / "wire.jsonl", tmp / "wire.jsonl")
     staging.rmdir()
     return metrics

@@ -20,7 +20,7 @@ Every strategy uses the experiment's training settings and the same seeded batch
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
@@ -42,10 +42,17 @@ def onboard_newcomer(
     pretrain_rounds: int,
     rounds: int,
     seed: int,
+    strategies: Sequence[str] = STRATEGIES,
+    on_round: Optional[Callable[[str, int, float], None]] = None,
 ) -> dict[str, Any]:
-    """Run the three strategies for the newcomer ``client``; ``backbone(init_seed)`` builds a fresh backbone on the
-    client's device, ``phi`` is the trained global shared branch. Returns the per-round accuracy of each strategy,
-    the pre-existing model's accuracy and the bytes the newcomer downloads (phi, once)."""
+    """Run ``strategies`` (default all three, in STRATEGIES' order) for the newcomer ``client``;
+    ``backbone(init_seed)`` builds a fresh backbone on the client's device, ``phi`` is the trained global shared
+    branch; ``on_round(strategy, round, accuracy)`` hears of each adaptation round. Returns the per-round accuracy of
+    each strategy, the pre-existing model's accuracy, the bytes the newcomer downloads (phi, once), and under
+    ``models`` each strategy's adapted model (its state, on the CPU)."""
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or not strategies:
+        raise ValueError(f"onboarding strategies: {unknown or 'none'} (known: {', '.join(STRATEGIES)})")
     train = method.train
     example = to_float(client.x_train[:2])
 
@@ -53,12 +60,17 @@ def onboard_newcomer(
         device = client.x_train.device
         return method.transform_model(backbone(init_seed).to(device), example).to(device)
 
-    def adapt(model: nn.Module, trainable: Callable[[nn.Module], list[nn.Parameter]]) -> list[float]:
+    def adapt(strategy: str, model: nn.Module, trainable: Callable[[nn.Module], list[nn.Parameter]]) -> list[float]:
         accs = []
         for r in range(1, rounds + 1):
             train_local(model, client, train, make_generator(seed, pretrain_rounds + r, client.index), params=trainable(model))
             accs.append(evaluate(model, client.x_test, client.y_test, cfg=train)["acc"])
+            if on_round is not None:
+                on_round(strategy, r, accs[-1])
+        models[strategy] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         return accs
+
+    models: dict[str, State] = {}
 
     # the newcomer's pre-existing local model: Phase 1 of pFedDB on its own data
     local = dual(seed)
@@ -73,24 +85,25 @@ def onboard_newcomer(
     joined.update(phi)  # and takes the downloaded phi
 
     curves: dict[str, list[float]] = {}
-    for strategy in STRATEGIES:
+    for strategy in [s for s in STRATEGIES if s in strategies]:  # a strategy's numbers do not depend on the others run
         if strategy == "from_scratch":
             model = dual(seed + 7919)
             model.phase = 2
-            curves[strategy] = adapt(model, lambda m: list(m.parameters()))
+            curves[strategy] = adapt(strategy, model, lambda m: list(m.parameters()))
             continue
         model = copy.deepcopy(local)
         model.load_state_dict(joined, strict=True)
         model.phase = 2
         if strategy == "freeze_global":
-            curves[strategy] = adapt(model, lambda m: [p for n, p in m.named_parameters() if not n.startswith(SHARED)])
+            curves[strategy] = adapt(strategy, model, lambda m: [p for n, p in m.named_parameters() if not n.startswith(SHARED)])
         else:
-            curves[strategy] = adapt(model, lambda m: list(m.parameters()))
+            curves[strategy] = adapt(strategy, model, lambda m: list(m.parameters()))
     return {
         "pretrained_local_acc": pre_acc,
         "bytes_down_phi": payload_bytes(phi),
         "accuracy_per_round": curves,
         "final": {s: c[-1] for s, c in curves.items()},
+        "models": models,
     }
 
 
