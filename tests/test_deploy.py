@@ -578,15 +578,16 @@ def test_a_site_that_left_comes_back_when_its_mark_is_taken_away_as_the_engine_h
     mark away and writes the App again, which resumes the run's checkpoint with the site in it from the next round.
     It registers again and carries on from its FedBN layers on its disk (as after rounds it was not sampled for),
     which ends with the numbers of the in-process engine told that the site was away in round 2. The history
-    names it as left in that round and back in round 3; metrics.json and MLflow record the rounds it was gone."""
+    names it as left in that round and back in round 3; metrics.json and MLflow record the rounds it was gone. A site
+    gone in a round of a local phase every site trains (pFedDB's Phase 1) is refused when it would come back."""
     from mlflow.tracking import MlflowClient
 
     train = {**TRAIN, "rounds": 3}
     gone = "VinBigData"
 
-    def federation(name: str, left: tuple[str, ...] = ()) -> Path:
+    def federation(name: str, left: tuple[str, ...] = (), method: str = "fedbn") -> Path:
         (tmp_path / name).mkdir()
-        raw = yaml.safe_load(_federation(tmp_path / name, sites, train=train).read_text())
+        raw = yaml.safe_load(_federation(tmp_path / name, sites, method=method, train=train).read_text())
         for entry in raw["sites"]:
             entry["left"] = entry["name"] in left
         (tmp_path / name / "federation.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -597,9 +598,9 @@ def test_a_site_that_left_comes_back_when_its_mark_is_taken_away_as_the_engine_h
     dep = json.loads((tmp_path / "app" / "deployment.json").read_text())
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
 
-    def ctx(run_id: int) -> Context:
+    def ctx(run_id: int, name: str = "run") -> Context:
         return Context(run_id=run_id, node_id=0, node_config={}, state=RecordDict(),
-                       run_config={"results-dir": str(tmp_path / "run"), "state-dir": str(tmp_path / "run.state"),
+                       run_config={"results-dir": str(tmp_path / name), "state-dir": str(tmp_path / f"{name}.state"),
                                    "tracking-uri": uri, "wait-s": 30})
 
     threads = torch.get_num_threads()
@@ -627,6 +628,25 @@ def test_a_site_that_left_comes_back_when_its_mark_is_taken_away_as_the_engine_h
     for key in ("sampled", "eval", "bytes_up", "bytes_down", "train_loss", "mean_acc", "left", "back"):
         assert [h.get(key) for h in history] == [h.get(key) for h in reference], key
     assert gone not in history[1]["sampled"] and history[2]["train_loss"][gone] != history[0]["train_loss"][gone]
+
+    # pFedDB with two local rounds: gone in round 2, the last of its Phase 1, it cannot come back
+    coordinator = yaml.safe_load(REPO_PARAMS.read_text())
+    coordinator["methods"]["pfeddb"]["local_rounds"] = 2
+    (tmp_path / "coordinator.yaml").write_text(yaml.safe_dump(coordinator, sort_keys=False))
+    for app, fed in (("p_app", federation("pa", method="pfeddb")), ("p_app2", federation("pb", (gone,), method="pfeddb"))):
+        write_app(load_federation(fed), load_params(tmp_path / "coordinator.yaml"), tmp_path / app)
+    torch.set_num_threads(1)
+    try:
+        server, client = _load_apps(tmp_path / "p_app")
+        with pytest.raises(ConnectionError, match="went down"):
+            server._main(DownAt(client, sites, rnd=2, run_id=4), ctx(4, "p"))
+        server2, client2 = _load_apps(tmp_path / "p_app2")
+        with pytest.raises(ConnectionError, match="went down"):
+            server2._main(DownAt(client2, sites, rnd=3, run_id=5), ctx(5, "p"))
+        with pytest.raises(ConfigError, match=rf"sites: {gone} left after round 1 .* missed round\(s\) 2-2 of pfeddb's local phase"):
+            server._main(SiteGrid(client, sites, run_id=6), ctx(6, "p"))
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.usefixtures("identity")

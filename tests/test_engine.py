@@ -270,18 +270,21 @@ def test_a_client_that_left_is_neither_sampled_nor_evaluated_after_its_last_roun
     assert h[0]["eval"] == whole[0]["eval"] and h[0]["bytes_up"] == whole[0]["bytes_up"]  # round 1 as without it
 
 
-def test_a_client_away_for_some_rounds_takes_part_again_after_them(clients):
+def test_a_client_away_for_some_rounds_takes_part_again_after_them():
     """``away`` (a deployment's site that left and came back: name -> the rounds it was gone): in those rounds it is
     neither sampled nor evaluated and is named as left; from the round after it takes part again (named ``back``),
-    as a client that was not sampled in those rounds."""
-    cl, cin, nc = clients
+    as a client that was not sampled in those rounds; gone again right after, it is not back."""
+    from tests.tiny import style_shifted_federation, tiny_net
+
+    cl = style_shifted_federation(n_train=12, n_test=6, per_domain=1)[:3]
     gone = cl[1].name
-    tp = TrainParams(rounds=4, batch_size=16, lr=0.02, device="cpu", count_flops=False)
-    method = FedAvg(FedAvg.params_cls(), tp)
-    h = Engine(method, build_model("simple_cnn", cin, nc, seed=0, width=0.25), cl, tp, seed=0, away={gone: [(2, 3)]}).run()
-    assert [gone in x["sampled"] for x in h] == [gone in x["eval"] for x in h] == [True, False, False, True]
-    assert [x.get("left") for x in h] == [None, [gone], [gone], None]
-    assert [x.get("back") for x in h] == [None, None, None, [gone]]
+    tp = TrainParams(rounds=5, batch_size=6, lr=0.02, device="cpu", count_flops=False)
+    h = Engine(FedAvg(FedAvg.params_cls(), tp), tiny_net(1, 4), cl, tp, seed=0, away={gone: [(2, 3)]}).run()
+    assert [gone in x["sampled"] for x in h] == [gone in x["eval"] for x in h] == [True, False, False, True, True]
+    assert [x.get("left") for x in h] == [None, [gone], [gone], None, None]
+    assert [x.get("back") for x in h] == [None, None, None, [gone], None]
+    again = Engine(FedAvg(FedAvg.params_cls(), tp), tiny_net(1, 4), cl, tp, seed=0, away={gone: [(2, 3)]}, left={gone: 3}).run()
+    assert all("back" not in x for x in again) and [gone in x["sampled"] for x in again] == [True, False, False, False, False]
 
 
 def test_a_last_batch_of_one_joins_the_previous_batch():

@@ -315,7 +315,8 @@ class Engine:
         new = [c.name for c in self.clients if self.joined.get(c.name) == rnd]
         if new:
             entry["joined"] = new
-        back = [c.name for c in self.clients if any(b == rnd - 1 for _, b in self.away.get(c.name, ()))]
+        here = {self.clients[i].name for i in self.active(rnd)}
+        back = [c.name for c in self.clients if c.name in here and any(b == rnd - 1 for _, b in self.away.get(c.name, ()))]
         if back:
             entry["back"] = back
         sched = self.train.lr_schedule

@@ -425,10 +425,17 @@ class FlowerServer(Engine):
                                                   for n, spans in (self.meta.get("away", {}) if resumed else {}).items()}
         for n in sorted(set(before) - set(left)):
             last = before.pop(n)
-            if self.round >= self.total_rounds:
+            if self.round > last and self.round >= self.total_rounds:
                 raise ConfigError(f"sites: {n} left after round {last} (the run's checkpoint says so) and is no longer "
                                   f"marked left, but the checkpoint holds the run's last round ({self.round}): no round is "
                                   "left to come back to; mark it `left: true` again")
+            local = [r for r in range(last + 1, self.round + 1) if self.method.sample_all(r)]
+            if local:
+                raise ConfigError(f"sites: {n} left after round {last} (the run's checkpoint says so) and is no longer "
+                                  f"marked left, but it missed round(s) {local[0]}-{local[-1]} of "
+                                  f"{self.spec.key or self.spec.method_cls.name}'s local phase, which every site trains (the "
+                                  "federated rounds start from what each site trained in it): it cannot come back to this "
+                                  "run; mark it `left: true` again, or start a new run with it")
             if self.round > last:
                 away.setdefault(n, []).append((last + 1, self.round))
                 log.warning("%s comes back to the federation in round %d (gone in rounds %d-%d): it carries on from "
@@ -1203,7 +1210,8 @@ class KeptStores:
         if not f.exists():
             raise FileNotFoundError(f"client {self.site}: the federation resumes from this site's store "
                                     f"of round {rnd}, but {f} is missing (kept: rounds {self.rounds() or 'none'}); the run "
-                                    "cannot resume with this site: start it afresh (remove the coordinator's checkpoint)")
+                                    "cannot resume with this site: start it afresh (remove the coordinator's checkpoint), or, "
+                                    "for a site coming back after it left, mark it `left: true` again")
         kept = torch.load(f, map_location=device, weights_only=True)
         if kept.get("round") != rnd or kept.get("site") != self.site:
             raise RuntimeError(f"{f}: holds round {kept.get('round')} of site {kept.get('site')!r}, not round {rnd} of {self.site!r}")
