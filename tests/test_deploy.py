@@ -1549,7 +1549,7 @@ def test_site_predict_reads_rgb_benchmark_files_as_harmonize_does(tmp_path, caps
 
 
 @pytest.mark.usefixtures("identity")
-def test_a_hospital_that_was_not_in_a_pfeddb_deployment_onboards_with_its_phi(sites, tmp_path, capsys):
+def test_a_hospital_that_was_not_in_a_pfeddb_deployment_onboards_with_its_phi(sites, tmp_path, capsys, monkeypatch):
     """The coordinator's results hold the server state after the last round (``final_model.pt``: pFedDB's phi, the
     shared branch, nothing a site keeps). A hospital that was not part of the run adapts it on its own data
     (`fedsilo site onboard`, pFedDB Fig. 6): under freeze_global the kept model's phi is the downloaded phi exactly, its
@@ -1558,7 +1558,10 @@ def test_a_hospital_that_was_not_in_a_pfeddb_deployment_onboards_with_its_phi(si
     model, a file that is no final model, a site whose data break the contract."""
     import pandas as pd
 
+    import fedsilo.fl.onboard as onboard
     from fedsilo.cli import main
+    from fedsilo.client.local import predict
+    from fedsilo.fl.deploy import load_site_model
     from fedsilo.fl.onboard import onboard_site
     from fedsilo.methods.base import payload_bytes
     from fedsilo.methods.pfeddb.model import SHARED
@@ -1589,6 +1592,9 @@ def test_a_hospital_that_was_not_in_a_pfeddb_deployment_onboards_with_its_phi(si
     raw["experiments"]["site"]["onboarding"] = {"pretrain_rounds": 1, "rounds": 2}
     params = tmp_path / "newcomer.yaml"
     params.write_text(yaml.safe_dump(raw, sort_keys=False))
+    seen: list = []  # what onboard_newcomer returned, models with it (the newcomer's own local model among them)
+    real = onboard.onboard_newcomer
+    monkeypatch.setattr(onboard, "onboard_newcomer", lambda *a, **k: seen.append(real(*a, **k)) or {**seen[-1], "models": dict(seen[-1]["models"])})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -1608,10 +1614,10 @@ def test_a_hospital_that_was_not_in_a_pfeddb_deployment_onboards_with_its_phi(si
     kept = torch.load(out / "model.pt", weights_only=True)
     assert (out / "model.pt").stat().st_mode & 0o077 == 0  # the site's own, as a deployed site's model
     assert all(torch.equal(kept["model"][k], phi[k]) for k in phi)  # freeze_global: phi as downloaded
+    local = seen[0]["models"]["local"]  # its own model before it took phi
+    assert all(torch.equal(kept["model"][k], v) for k, v in seen[0]["models"]["freeze_global"].items())
     own = [k for k in kept["model"] if not k.startswith(SHARED) and kept["model"][k].is_floating_point() and "running_" not in k]
-    _, fresh, _ = deployment_spec(held["deployment"]).build(torch.zeros(2, 1, 16, 16), torch.device("cpu"), [])
-    init = fresh.state_dict()
-    assert own and any(not torch.equal(kept["model"][k], init[k]) for k in own)  # its own branch trained
+    assert own and any(not torch.equal(kept["model"][k], local[k]) for k in own)  # its own branch trained on
     assert kept["onboarding"]["kept"] == "freeze_global"
 
     # `fedsilo site predict` scores with it (the only model under the site's root: found without --model)
@@ -1619,7 +1625,10 @@ def test_a_hospital_that_was_not_in_a_pfeddb_deployment_onboards_with_its_phi(si
     files = [str(vin / "data/raw/vinbigdata" / p) for p in table["source_path"]]
     assert main([*base, "predict", "--experiment", "site", "--out", str(tmp_path / "p.csv"), "--images", *files]) == 0
     rows = pd.read_csv(tmp_path / "p.csv")
-    assert len(rows) == 3 and rows["prob.Normal"].notna().all()
+    model, _ = load_site_model(out / "model.pt")
+    x = torch.from_numpy(np.load(vin / "data/harmonized/chest_xray4/images.npy")[:3]).permute(0, 3, 1, 2).contiguous()
+    want = predict(model, x).softmax(1).numpy()
+    assert np.allclose(rows[["prob.Normal", "prob.Lung Opacity"]].to_numpy(dtype=float), want, atol=1e-6)
 
     # refused by name
     def refused(*args, model=final, params_file=params, root=vin) -> str:

@@ -267,3 +267,27 @@ def test_paper_preset_pfeddb_runs_the_authors_protocol():
         assert not algo.params.share_bn_affine and not algo.params.share_bn_stats, key
     one_phase = resolve_method(p, "pfeddb_one_phase", train).params
     assert one_phase.branch_init == "independent" and one_phase.weight_init == "authors"
+
+
+# --------------------------------------------------------------------------- a newcomer's onboarding (Fig. 6)
+def test_onboarding_freeze_global_keeps_all_of_phi_its_batchnorm_statistics_too(clients):
+    """freeze_global keeps every tensor of phi as downloaded, its BatchNorm statistics too where phi carries them
+    (share_bn_stats); finetune_all moves them."""
+    from fedsilo.client.data import to_float
+    from fedsilo.methods.pfeddb.onboarding import onboard_newcomer
+    from tests.tiny import tiny_net
+
+    client = clients[0]
+    method = PFedDB(PFedDBParams(cut_depth=2, local_rounds=1, share_bn_stats=True, share_bn_affine=True), _tp())
+    trained = method.transform_model(tiny_net(1, 4, seed=5), to_float(client.x_train[:2]))
+    method.setup(trained)
+    with torch.no_grad():  # a phi that is no fresh draw, its statistics included
+        for t in trained.state_dict().values():
+            if t.is_floating_point():
+                t.add_(0.1)
+    phi = {k: v.clone() for k, v in trained.state_dict().items() if k in method.shared}
+    res = onboard_newcomer(method, lambda s: tiny_net(1, 4, seed=s), client, phi, 1, 2, seed=3,
+                           strategies=["freeze_global", "finetune_all"])
+    kept, tuned = res["models"]["freeze_global"], res["models"]["finetune_all"]
+    assert any("running_mean" in k for k in phi) and all(torch.equal(kept[k], phi[k]) for k in phi)
+    assert any(not torch.equal(tuned[k], phi[k]) for k in phi if "running_mean" in k)

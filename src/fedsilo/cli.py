@@ -424,7 +424,7 @@ def _site_model(args: argparse.Namespace) -> Path:
         kept = sorted([*root.glob("state/deploy/*/*/*/model.pt"), *root.glob("onboarding/*/*/*/model.pt")])
         if len(kept) != 1:
             raise ConfigError(f"--model required: this site keeps {len(kept)} models ({', '.join(map(str, kept)) or 'none'}; "
-                              "`fedsilo site audit` lists them)")
+                              "`fedsilo site audit` lists a deployment's, onboarding/ holds the ones `fedsilo site onboard` adapted)")
         model = kept[0]
     elif not model.is_file():
         raise ConfigError(f"--model: {model}: no such file")

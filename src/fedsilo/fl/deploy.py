@@ -670,11 +670,13 @@ def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any, mlfl
         write_json(tmp / "metrics.json", metrics)
         (tmp / "history.json").write_text(json.dumps(history, indent=1) + "\n")
         write_json(tmp / APP_FILE, dep)
-        # the server state after the last round (the global model or the shared part: what the sites sent, never a
-        # store) with the deployment it was trained in: what a hospital that was not part of the run starts from
-        # (`fedsilo site onboard`), as a train stage's final_model.pt
+        # the federation's model after the last round: the server state's model tensors that no site keeps private
+        # (the global model, or the shared part: pFedDB's phi), never a part the server keeps per site (FedPAC's
+        # heads, FDSE's erasers) or its bookkeeping; with the deployment it was trained in: what a hospital that was
+        # not part of the run starts from (`fedsilo site onboard`)
+        shared = set(run.engine.model.state_dict()) - set(run.engine.private)
         torch.save({"round": run.engine.round, "deployment": dep,
-                    "server": {k: v.detach().cpu() for k, v in run.engine.server.items()}}, tmp / "final_model.pt")
+                    "server": {k: v.detach().cpu() for k, v in run.engine.server.items() if k in shared}}, tmp / "final_model.pt")
         os.replace(staging / "wire.jsonl", tmp / "wire.jsonl")
     staging.rmdir()
     return metrics

@@ -98,8 +98,11 @@ def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, 
         raise ConfigError(f"--model: {model_path}: not a deployment's final model (the coordinator's final_model.pt, beside "
                           "its metrics.json)")
     dep = kept["deployment"]
-    spec = deployment_spec(dep)
-    key = dep["method"]["key"]
+    try:
+        spec = deployment_spec(dep)
+        key = str(dep["method"]["key"])
+    except (KeyError, TypeError, ValueError) as err:  # a hand-edited or truncated deployment record
+        raise ConfigError(f"--model: {model_path}: its deployment record is not one fedsilo wrote ({type(err).__name__}: {err})") from None
     if not issubclass(spec.method_cls, PFedDB):
         raise ConfigError(f"--model: {model_path}: the deployment trained {key} ({dep['method']['base']}); onboarding adapts "
                           "pFedDB's global shared branch (its Fig. 6), so it needs a pFedDB deployment")

@@ -14,18 +14,24 @@ its test split after every round:
 - ``from_scratch``: a freshly initialised dual-branch model trains on the newcomer's data alone (no phi, no
   pre-existing model).
 
-Every strategy uses the experiment's training settings and the same seeded batch order.
+Every strategy trains with Phase 2's settings (``phase2_optimizer`` / ``phase2_lr``: a newcomer holding phi trains as
+a Phase-2 client does) and the same seeded batch order; the pre-existing local model with Phase 1's (it is a Phase-1
+client). The run's seed seeds what pFedDB draws itself (``weight_init: authors``, ``branch_init: independent``); the
+from_scratch model is drawn from another seed. Under freeze_global, phi stays as downloaded: where phi holds the
+shared branch's BatchNorm statistics (``share_bn_stats``), they are frozen too (batches are still normalized by their
+own statistics in training).
 """
 
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
 from fedsilo.client.data import ClientData, to_float
-from fedsilo.client.local import evaluate, make_generator, train_local
+from fedsilo.client.local import evaluate, make_generator, running_stats_frozen, train_local
 from fedsilo.methods.base import State, payload_bytes
 from fedsilo.methods.pfeddb.method import PFedDB
 from fedsilo.methods.pfeddb.model import SHARED, psi_as_phi
@@ -49,21 +55,30 @@ def onboard_newcomer(
     ``backbone(init_seed)`` builds a fresh backbone on the client's device, ``phi`` is the trained global shared
     branch; ``on_round(strategy, round, accuracy)`` hears of each adaptation round. Returns the per-round accuracy of
     each strategy, the pre-existing model's accuracy, the bytes the newcomer downloads (phi, once), and under
-    ``models`` each strategy's adapted model (its state, on the CPU)."""
+    ``models`` each strategy's adapted model and, as ``local``, the pre-existing local model (states, on the CPU)."""
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:
         raise ValueError(f"onboarding strategies: {unknown or 'none'} (known: {', '.join(STRATEGIES)})")
-    train = method.train
+    train = method.phase_train(2)  # the newcomer holding phi trains as a Phase-2 client
     example = to_float(client.x_train[:2])
+    frozen_stats = any("running_" in k for k in phi)  # phi holds the shared branch's BatchNorm statistics
+
+    method.run_seed = int(seed)  # the run's: what the method draws itself is seeded from it, as in the federation
 
     def dual(init_seed: int) -> nn.Module:
         device = client.x_train.device
-        return method.transform_model(backbone(init_seed).to(device), example).to(device)
+        method.run_seed = int(init_seed)  # what pFedDB draws itself (authors' init, an independent shared branch)
+        try:
+            return method.transform_model(backbone(init_seed).to(device), example).to(device)
+        finally:
+            method.run_seed = int(seed)
 
     def adapt(strategy: str, model: nn.Module, trainable: Callable[[nn.Module], list[nn.Parameter]]) -> list[float]:
         accs = []
         for r in range(1, rounds + 1):
-            train_local(model, client, train, make_generator(seed, pretrain_rounds + r, client.index), params=trainable(model))
+            gen = make_generator(seed, pretrain_rounds + r, client.index)
+            with running_stats_frozen(model.shared) if strategy == "freeze_global" and frozen_stats else nullcontext():
+                train_local(model, client, train, gen, params=trainable(model))
             accs.append(evaluate(model, client.x_test, client.y_test, cfg=train)["acc"])
             if on_round is not None:
                 on_round(strategy, r, accs[-1])
@@ -80,6 +95,7 @@ def onboard_newcomer(
     for r in range(1, pretrain_rounds + 1):
         method.local_phase_update(local, store, client, make_generator(seed, r, client.index))
     pre_acc = evaluate(local, client.x_test, client.y_test, cfg=train)["acc"] if pretrain_rounds else None
+    models["local"] = {k: v.detach().cpu().clone() for k, v in local.state_dict().items()}
     joined = local.state_dict()
     joined.update(psi_as_phi(joined))  # the shared branch starts as the newcomer's own psi (what phi lacks stays so)
     joined.update(phi)  # and takes the downloaded phi
