@@ -448,6 +448,27 @@ def test_a_split_the_data_cannot_give_names_the_params_file_and_the_whole_key(mi
     assert re.search(r"p\.yaml: experiments\.quick\.split: domain '\w+': \d+ images from \d+ patients cannot give 10000 train", err), err
 
 
+def test_a_split_made_before_its_settings_were_edited_is_refused_by_train_naming_the_settings(mirror_root, tmp_path, capsys):
+    """A stage run by hand after an edit of experiments.<e>.split but before the split was made again would train on
+    the old split and record the new settings with it: train refuses, naming each setting and the stage to rerun."""
+    from fedsilo.cli import main
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "harmonized").symlink_to(mirror_root / "data" / "harmonized")
+    raw = small_params()
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["-q", "--params", str(path), "--root", str(tmp_path), "split", "--experiment", "quick"]) == 0
+    was = raw["experiments"]["quick"]["split"]["n_train"]
+    raw["experiments"]["quick"]["split"]["n_train"] = was - 2
+    path.write_text(yaml.safe_dump(raw))
+    capsys.readouterr()
+    assert main(["-q", "--params", str(path), "--root", str(tmp_path), "train", "--experiment", "quick", "--method", "fedavg", "--seed", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"built with other settings than experiments.quick.split has now (n_train: built with {was}, now {was - 2}); rerun `dvc repro split@quick`" in err
+    assert not (tmp_path / "results").exists()
+
+
 def test_train_help_lists_the_seeds_of_a_papers_params(capsys):
     from fedsilo.cli import main
 

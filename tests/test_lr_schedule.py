@@ -52,6 +52,7 @@ def test_each_kind_gives_the_factor_of_its_rule():
     ({"kind": "step", "gamma": 0.1, "milestones": [2, 5]}, "lr_schedule.milestones"),
     ({"warmup_rounds": 5}, "lr_schedule.warmup_rounds"),
     ({"kind": "cosine", "warmup_rounds": 1}, "warmup_rounds"),
+    ({"kind": "step", "gamma": 0.1, "milestones": [2], "warmup_rounds": 3}, "past the first milestone"),
 ])
 def test_a_schedule_that_does_not_fit_its_kind_or_the_run_is_refused_by_key(sched, key):
     raw = small_params()
@@ -59,6 +60,11 @@ def test_a_schedule_that_does_not_fit_its_kind_or_the_run_is_refused_by_key(sche
     with pytest.raises(ConfigError) as err:
         parse_params(raw)
     assert "experiments.quick.train" in str(err.value) and key in str(err.value)
+
+
+def test_an_empty_schedule_is_the_constant_rate_and_one_milestone_needs_no_list():
+    assert TrainParams(lr_schedule=None).lr_schedule == LRScheduleParams()
+    assert TrainParams(rounds=5, lr_schedule={"kind": "step", "gamma": 0.1, "milestones": 3}).lr_schedule.milestones == (3,)
 
 
 def test_the_optimizers_of_a_round_start_at_the_scheduled_rate_and_outside_a_round_at_their_own():

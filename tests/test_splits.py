@@ -57,6 +57,30 @@ def test_pure_function_of_params_and_seed_and_group_disjoint(records, params):
         assert len(set(train)) == len(train) and not set(train) & set(test), name
 
 
+@pytest.mark.parametrize("params", PROTOCOLS + [
+    DomainClientsSplit(n_train=60, n_test=40, n_val=10),
+    DomainMultiClientsSplit(protocol="domain_multi_clients", clients_per_domain={"amazon": 2, "dslr": 2}, fraction=0.2,
+                            test_from="pooled", test_select="listing", every_class=True),
+], ids=lambda p: f"{p.protocol}-{getattr(p, 'scheme', '')}")
+def test_a_split_file_tells_the_settings_it_was_built_with_from_edited_ones(records, params):
+    """A split made from a block matches that block (the settings left out of the file at their defaults too); an
+    edit of the block since, a setting back at its default included, is named (train and a site's card refuse the
+    file then)."""
+    from fedsilo.data.splits import settings_differ
+
+    recs = _office_like() if getattr(params, "test_select", "seeded") == "listing" else records
+    split = make_split(recs, params, params.seed)
+    assert settings_differ(split, params) == []
+    edits = {"domain_clients": {"n_train": 50}, "domain_multi_clients": {"fraction": 0.1}, "label_skew": {"clients": 7},
+             "domain_incremental": {"clients": 4}, "holdout_domain": {"n_test": 30}}[params.protocol]
+    for key, value in {**edits, "seed": params.seed + 1}.items():
+        assert settings_differ(split, params.model_copy(update={key: value})) == [f"{key}: built with {getattr(params, key)!r}, now {value!r}"]
+    if getattr(params, "every_class", False):  # a setting the file records, set back to its default: named too
+        assert settings_differ(split, params.model_copy(update={"every_class": False})) == ["every_class: built with True, now False"]
+    if getattr(params, "n_val", 0):
+        assert settings_differ(split, params.model_copy(update={"n_val": 0})) == ["n_val: built with 10, now 0"]
+
+
 def test_domain_clients_uses_official_test_subset_when_present(records):
     s = make_split(records, DomainClientsSplit(n_train=60, n_test=40), 0)
     by = {c["name"]: c for c in s["clients"]}

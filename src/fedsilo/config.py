@@ -1024,6 +1024,11 @@ class LRScheduleParams(Strict):
     warmup_rounds: int = Field(0, ge=0, description="linear warm-up: round r <= warmup_rounds trains at r / warmup_rounds "
                                "of the schedule's rate (0: none; 1 would change no round and is refused)")
 
+    @field_validator("milestones", mode="before")
+    @classmethod
+    def _one_milestone(cls, v: Any) -> Any:
+        return [v] if isinstance(v, int) and not isinstance(v, bool) else v  # `milestones: 150` for [150]
+
     @model_validator(mode="after")
     def _fits_kind(self) -> "LRScheduleParams":
         if self.kind in ("step", "exponential") and self.gamma is None:
@@ -1038,6 +1043,9 @@ class LRScheduleParams(Strict):
             raise ValueError(f"milestones: rounds >= 1 in increasing order, got {list(self.milestones)}")
         if self.warmup_rounds == 1:
             raise ValueError("warmup_rounds: 1 changes no round (round 1 at 1/1 of its rate); 0 for none, 2 or more to warm up")
+        if self.milestones and self.warmup_rounds > self.milestones[0]:
+            raise ValueError(f"warmup_rounds: {self.warmup_rounds} reaches past the first milestone ({self.milestones[0]}): the "
+                             "rate would drop while it still warms up")
         if self.kind != "cosine" and self.min_factor:
             raise ValueError(f"min_factor: applies to kind cosine, not {self.kind}")
         return self
@@ -1139,6 +1147,11 @@ class TrainParams(Strict):
         False, description="also save every client's store (private tensors, personal models) in final_model.pt; the "
         "server state is always saved. Not part of the run's hash: it changes what is saved, not what is trained"
     )
+
+    @field_validator("lr_schedule", mode="before")
+    @classmethod
+    def _no_schedule(cls, v: Any) -> Any:
+        return {} if v is None else v  # `lr_schedule:` left empty, or null: the constant rate
 
     @field_validator("checkpoint_every", mode="before")
     @classmethod

@@ -534,6 +534,25 @@ def make_split(records: pd.DataFrame, params: Any, seed: int) -> dict[str, Any]:
     return fn(records, params, seed)
 
 
+def settings_differ(split: dict[str, Any], params: Any) -> list[str]:
+    """What a split file was built with that an experiment's split block (``params``) no longer says: one
+    'key: built with X, now Y' per setting. A setting the file does not record was at its default when it was built
+    (splits leave a setting at its default out, so that files made before it existed keep their bytes); a setting the
+    file records that the block no longer has is not looked at."""
+    from pydantic_core import to_jsonable_python
+
+    out = [f"protocol: built with {split.get('protocol')}, now {params.protocol}"] if split.get("protocol") != params.protocol else []
+    built = split.get("params")
+    if not isinstance(built, dict) or out:
+        return out
+    fields = type(params).model_fields
+    for key, now in params.model_dump(mode="json").items():
+        was = built[key] if key in built else to_jsonable_python(fields[key].get_default(call_default_factory=True))
+        if was != now:
+            out.append(f"{key}: built with {was!r}, now {now!r}")
+    return out
+
+
 def iter_sides(split: dict[str, Any]):
     """(label, train rows, test rows) for every client, task and held-out client of a split."""
     for c in split["clients"]:
