@@ -133,17 +133,21 @@ class DownAt(SiteGrid):
         return super().send_and_receive(messages, timeout)
 
 
-def _engine_reference(dep: dict, sites: dict[str, Path], **membership) -> list[dict]:
+def _engine_reference(dep: dict, sites: dict[str, Path], keep: Optional[list] = None, **membership) -> list[dict]:
     """The in-process engine's history on the sites' own splits (client index: their place in ``sites``), with the
     deployment's method, model and seed, on one thread as the deployed apps ran in these tests (a convolution summed
-    over other thread counts differs in the last bit); ``membership``: the engine's ``left`` / ``joined``."""
+    over other thread counts differs in the last bit); ``membership``: the engine's ``left`` / ``joined`` / ``away``;
+    ``keep``: a list the engine is appended to."""
     spec = deployment_spec(dep)
     clients = [load_site(load_params(p), "site", p.parent, torch.device("cpu"), index=k) for k, p in enumerate(sites.values())]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
-        return Engine(spec.method(), spec.make_model(), clients, spec.train, seed=0, **membership).run()
+        engine = Engine(spec.method(), spec.make_model(), clients, spec.train, seed=0, **membership)
+        if keep is not None:
+            keep.append(engine)
+        return engine.run()
     finally:
         torch.set_num_threads(threads)
 
@@ -713,9 +717,32 @@ def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_t
     assert [h.get("joined") for h in history] == [None, [new], None] and new not in history[0]["eval"] and new in history[1]["eval"]
 
     # the in-process engine on the three splits, its third client joining in round 2: the same numbers
-    reference = _engine_reference(dep2, sites, joined={new: 2})
+    engines: list = []
+    reference = _engine_reference(dep2, sites, keep=engines, joined={new: 2})
     for key in ("sampled", "eval", "bytes_up", "bytes_down", "train_loss", "mean_acc"):
         assert [h[key] for h in history] == [h[key] for h in reference], key
+
+    # the coordinator's final_model.pt is Ditto's global model, the engine's server state: a whole model, which a
+    # hospital scores its images with (`fedsilo site predict --model final_model.pt`)
+    import pandas as pd
+
+    from fedsilo.cli import main
+    from fedsilo.client.local import predict
+    from fedsilo.fl.deploy import load_site_model
+
+    final = tmp_path / "run" / "final_model.pt"
+    held = torch.load(final, weights_only=True)["server"]
+    assert held.keys() == engines[0].server.keys() and all(torch.equal(held[k], engines[0].server[k]) for k in held)
+    model, info = load_site_model(final)
+    assert info["round"] == 3 and "site" not in info
+    vin = sites["vinbigdata"].parent
+    table = pd.read_parquet(vin / "data/harmonized/chest_xray4/records.parquet").head(3)
+    out = tmp_path / "global.csv"
+    assert main(["-q", "--params", str(sites["vinbigdata"]), "--root", str(vin), "site", "predict", "--experiment", "site",
+                 "--model", str(final), "--out", str(out), "--images", *[str(vin / "data/raw/vinbigdata" / p) for p in table["source_path"]]]) == 0
+    x = torch.from_numpy(np.load(vin / "data/harmonized/chest_xray4/images.npy")[:3]).permute(0, 3, 1, 2).contiguous()
+    rows = pd.read_csv(out)
+    assert np.allclose(rows[["prob.Normal", "prob.Lung Opacity"]].to_numpy(dtype=float), predict(model, x).softmax(1).numpy(), atol=1e-6)
 
     # a method whose server keeps per-site state (FedHEAL: its aggregation weighs the federation's clients) refuses
     for app, fed in (("heal", federation("c", first, "fedheal")), ("heal2", federation("d", sites, "fedheal"))):
@@ -1586,8 +1613,12 @@ def test_a_hospital_that_was_not_in_a_pfeddb_deployment_onboards_with_its_phi(si
     assert held["round"] == 2 and set(held["server"]) == shared and all(k.startswith(SHARED) for k in shared)
     assert held["deployment"] == json.loads((tmp_path / "results/deployment.json").read_text())
 
-    # the newcomer: VinBigData, with one pre-training round and two adaptation rounds in its own params
-    vin = sites["vinbigdata"].parent
+    # the newcomer: VinBigData, with one pre-training round and two adaptation rounds in its own params, in a folder
+    # of its own (the module's VinBigData site keeps models of other tests' deployments)
+    import shutil
+
+    vin = tmp_path / "newcomer"
+    shutil.copytree(sites["vinbigdata"].parent / "data", vin / "data", ignore=shutil.ignore_patterns("site"))
     raw = yaml.safe_load(sites["vinbigdata"].read_text())
     raw["experiments"]["site"]["onboarding"] = {"pretrain_rounds": 1, "rounds": 2}
     params = tmp_path / "newcomer.yaml"
@@ -1641,6 +1672,10 @@ def test_a_hospital_that_was_not_in_a_pfeddb_deployment_onboards_with_its_phi(si
     other = {**held, "deployment": {**held["deployment"], "method": {**held["deployment"]["method"], "base": "fedbn", "key": "fedbn", "params": {}}}}
     torch.save(other, tmp_path / "fedbn_final.pt")
     assert "the deployment trained fedbn (fedbn); onboarding adapts pFedDB's" in refused(model=tmp_path / "fedbn_final.pt")
+    capsys.readouterr()  # pFedDB's phi alone scores nothing: predict sends the hospital to onboarding
+    assert main([*base, "predict", "--experiment", "site", "--model", str(final), "--images", files[0]]) == 2
+    err = capsys.readouterr().err
+    assert "the federation's model of pfeddb lacks the" in err and "(`fedsilo site onboard`)" in err
     (tmp_path / "junk.pt").write_text("not a model\n")
     assert "not a model file torch can read" in refused(model=tmp_path / "junk.pt")
     torch.save({"round": 1, "model": {}}, tmp_path / "site_model.pt")

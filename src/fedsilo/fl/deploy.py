@@ -423,17 +423,27 @@ def apps(app_file: Path):
 
 def load_site_model(path: Path, device: str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
     """The model a site kept from a deployment (``model.pt`` beside its stores: the model it was evaluated with in
-    its last evaluated round), rebuilt from the deployment it was trained in, in eval mode; and what the file says
-    (round, site, deployment)."""
+    its last evaluated round), or the federation's model (the coordinator's ``final_model.pt``) where that is a whole
+    model (no site keeps any of its tensors for itself: FedAvg, FedProx, Ditto's global model, ...), rebuilt from the
+    deployment it was trained in, in eval mode; and what the file says (round, site, deployment)."""
     kept = torch.load(Path(path), map_location=device, weights_only=True)
-    if "deployment" not in kept or "model" not in kept:
-        raise ConfigError(f"{path}: not a site model kept by a fedsilo deployment (no deployment / model in it)")
+    if not isinstance(kept, dict) or "deployment" not in kept or ("model" not in kept and "server" not in kept):
+        raise ConfigError(f"{path}: not a model a fedsilo deployment wrote (a site's kept model.pt, or the coordinator's "
+                          "final_model.pt)")
     dep = kept["deployment"]
     h, w, ch = (int(v) for v in dep["contract"]["image_shape"])
     # as the site built it (FlowerSpec.build): the backbone as the method transforms it (pFedDB's two branches,
     # pFedDR's dual BatchNorm, FedWon's weight-standardised convolutions, ...), from an example of the contract's shape
     _, model, _ = deployment_spec(dep).build(torch.zeros(2, ch, h, w), torch.device(device), [])
-    model.load_state_dict(kept.pop("model"), strict=True)
+    state = kept.pop("model") if "model" in kept else kept.pop("server")
+    lacking = sorted(set(model.state_dict()) - set(state))
+    if lacking:  # the federation's model without what each site keeps (FedBN's BatchNorm, pFedDB's own branch, ...)
+        method = dep["method"]["key"]
+        raise ConfigError(f"{path}: the federation's model of {method} lacks the {len(lacking)} tensors each site keeps for "
+                          f"itself ({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}): it scores nothing "
+                          "alone; score a site's own kept model.pt" + (", or adapt it on this site's data first "
+                                                                          "(`fedsilo site onboard`)" if dep["method"]["base"] == "pfeddb" else ""))
+    model.load_state_dict(state, strict=True)
     return model.eval(), kept
 
 

@@ -195,8 +195,9 @@ def evaluation_markdown(summary: dict[str, Any]) -> str:
     per_class = " | ".join(f"{c}" for c in classes)
     head = f"| domain | images | patients | {per_class} | accuracy % | " + (
         "AUC % | sensitivity % | specificity % | PPV % | NPV % |" if two else "recall % by class |")
+    whose = f"site {summary['site']}" if summary["site"] else "the federation's model"  # a site's kept model, or final_model.pt
     lines = [f"# External validation: {summary['dataset']}", "",
-             f"Model: {summary['model']} ({summary['method']}, federation {summary['federation']}, site {summary['site']}, "
+             f"Model: {summary['model']} ({summary['method']}, federation {summary['federation']}, {whose}, "
              f"round {summary['round']}). Every image of the dataset scored; 95 % intervals in parentheses, from "
              f"{summary['bootstrap']} bootstrap samples of the patients (seed {summary['seed']})"
              + (f". Positive class: {classes[1]}; sensitivity, specificity, PPV and NPV at the model's decision." if two else "."),
