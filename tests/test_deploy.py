@@ -1576,13 +1576,15 @@ def test_site_predict_reads_rgb_benchmark_files_as_harmonize_does(tmp_path, caps
 
 
 @pytest.mark.usefixtures("identity")
-def test_a_hospital_that_was_not_in_a_pfeddb_deployment_onboards_with_its_phi(sites, tmp_path, capsys, monkeypatch):
+def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_model(sites, tmp_path, capsys, monkeypatch):
     """The coordinator's results hold the server state after the last round (``final_model.pt``: pFedDB's phi, the
     shared branch, nothing a site keeps). A hospital that was not part of the run adapts it on its own data
     (`fedsilo site onboard`, pFedDB Fig. 6): under freeze_global the kept model's phi is the downloaded phi exactly, its
     own branch trained; each strategy's numbers are the same whether run alone or beside another; the kept model is
-    one `fedsilo site predict` scores with. Refused by name: a member of the deployment, another method's final
-    model, a file that is no final model, a site whose data break the contract."""
+    one `fedsilo site predict` scores with. After a FedBN deployment, freeze_global trains the newcomer's own BatchNorm
+    under the federation's frozen layers, finetune_all every layer. Refused by name: a member of the deployment, a
+    method that builds its own model around the backbone (pFedDR), freeze_global where sites keep nothing (FedAvg), a
+    file that is no final model, a site whose data break the contract."""
     import pandas as pd
 
     import fedsilo.fl.onboard as onboard
@@ -1669,9 +1671,9 @@ def test_a_hospital_that_was_not_in_a_pfeddb_deployment_onboards_with_its_phi(si
         return capsys.readouterr().err
 
     assert "site RSNA took part in the deployment three_hospitals" in refused(params_file=sites["rsna"], root=sites["rsna"].parent)
-    other = {**held, "deployment": {**held["deployment"], "method": {**held["deployment"]["method"], "base": "fedbn", "key": "fedbn", "params": {}}}}
-    torch.save(other, tmp_path / "fedbn_final.pt")
-    assert "the deployment trained fedbn (fedbn); onboarding adapts pFedDB's" in refused(model=tmp_path / "fedbn_final.pt")
+    other = {**held, "deployment": {**held["deployment"], "method": {**held["deployment"]["method"], "base": "pfeddr", "key": "pfeddr", "params": {}}}}
+    torch.save(other, tmp_path / "pfeddr_final.pt")
+    assert "pfeddr builds its own model around the backbone" in refused(model=tmp_path / "pfeddr_final.pt")
     capsys.readouterr()  # pFedDB's phi alone scores nothing: predict sends the hospital to onboarding
     assert main([*base, "predict", "--experiment", "site", "--model", str(final), "--images", files[0]]) == 2
     err = capsys.readouterr().err
@@ -1683,3 +1685,39 @@ def test_a_hospital_that_was_not_in_a_pfeddb_deployment_onboards_with_its_phi(si
     bigger = {**held, "deployment": {**held["deployment"], "contract": {**held["deployment"]["contract"], "image_shape": [32, 32, 1]}}}
     torch.save(bigger, tmp_path / "bigger.pt")
     assert "does not fit the deployment's contract: image_shape [16, 16, 1] (agreed [32, 32, 1])" in refused(model=tmp_path / "bigger.pt")
+
+    # a FedBN deployment on the same two sites: the newcomer trains what FedBN sites keep (BatchNorm) under the
+    # federation's frozen layers, or every layer from them
+    from fedsilo.models import batchnorm_keys
+
+    (tmp_path / "bn").mkdir()
+    fed = load_federation(_federation(tmp_path / "bn", members, method="fedbn", train={**TRAIN, "rounds": 2}))
+    generic: list = []
+    adapt = onboard.adapt_federation_model
+    monkeypatch.setattr(onboard, "adapt_federation_model", lambda *a, **k: generic.append(adapt(*a, **k)) or {**generic[-1], "models": dict(generic[-1]["models"])})
+    write_app(fed, load_params(REPO_PARAMS), tmp_path / "bn_app")
+    server, client = _load_apps(tmp_path / "bn_app")
+    torch.set_num_threads(1)
+    try:
+        server._main(SiteGrid(client, members), _server_context(tmp_path / "bn"))
+        bn_final = tmp_path / "bn" / "results" / "final_model.pt"  # the server context names the results folder
+        bn_held = torch.load(bn_final, weights_only=True)
+        bn_summary, bn_out = onboard_site(load_params(params), "site", vin, bn_final, ["freeze_global", "finetune_all"],
+                                          out=tmp_path / "bn_onboard", quiet=True)
+    finally:
+        torch.set_num_threads(threads)
+    bn = batchnorm_keys(deployment_spec(bn_held["deployment"]).make_model())
+    assert set(bn_held["server"]) and not set(bn_held["server"]) & bn  # the shared layers only: no site's BatchNorm
+    assert bn_summary["pretrain_rounds"] == 0 and bn_summary["bytes_down"] == payload_bytes(bn_held["server"])
+    kept = torch.load(bn_out / "model.pt", weights_only=True)["model"]
+    tuned = generic[0]["models"]["finetune_all"]
+    init = deployment_spec(bn_held["deployment"]).make_model().state_dict()
+    assert all(torch.equal(kept[k], v) for k, v in bn_held["server"].items())  # freeze_global: the federation's layers
+    assert any(not torch.equal(kept[k], init[k]) for k in bn if k.endswith("weight"))  # its own BatchNorm trained
+    assert any(not torch.equal(tuned[k], v) for k, v in bn_held["server"].items())  # finetune_all: every layer trains
+    assert load_site_model(bn_out / "model.pt")[0] is not None
+    # a method whose federation's model is whole keeps nothing a site trains alone
+    whole = {**bn_held, "server": {**init, **bn_held["server"]},
+             "deployment": {**bn_held["deployment"], "method": {**bn_held["deployment"]["method"], "base": "fedavg", "key": "fedavg", "params": {}}}}
+    torch.save(whole, tmp_path / "fedavg_final.pt")
+    assert "fedavg keeps no trained tensor per site" in refused(model=tmp_path / "fedavg_final.pt")

@@ -768,11 +768,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "(per domain and overall: accuracy, AUC, sensitivity, specificity with patient-level bootstrap intervals, PPV, "
         "NPV, confusion; one row per image) -> evaluation.md/.json and predictions.csv in --out (default "
         "evaluation/<dataset>; a later evaluation replaces these three files)\n"
-        "  onboard    a hospital that was not part of a deployed pFedDB run adapts its global shared branch phi (--model: "
-        "the coordinator's final_model.pt) on its own data (pFedDB Fig. 6): its own local model first "
-        "(experiments.<e>.onboarding.pretrain_rounds), then onboarding.rounds rounds of each --strategy, scored on its "
-        "test split; keeps the first strategy's model as model.pt (predict and evaluate take it) with onboarding.json "
-        "in --out (default onboarding/<federation>/<method>/seed<k>); nothing is sent")
+        "  onboard    a hospital that was not part of a deployed run adapts the federation's model (--model: the "
+        "coordinator's final_model.pt) on its own data: pFedDB's phi as its Fig. 6 (its own local model first, "
+        "experiments.<e>.onboarding.pretrain_rounds), a plain backbone's shared layers (FedBN, FedRep, ...); "
+        "onboarding.rounds rounds of each --strategy, scored on its test split; keeps the first strategy's model as "
+        "model.pt (predict and evaluate take it) with onboarding.json in --out (default "
+        "onboarding/<federation>/<method>/seed<k>); nothing is sent")
     s.add_argument("action", choices=["card", "supernode", "audit", "predict", "evaluate", "onboard"])
     s.add_argument("--dataset", help="evaluate: the labelled dataset (datasets.<name>, harmonized here) to score")
     s.add_argument("--bootstrap", type=int, default=1000, help="evaluate: patient-level bootstrap samples for the 95 %% intervals (default 1000)")
@@ -782,7 +783,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="predict: image files (DICOM, PNG, JPEG) or folders of them")
     s.add_argument("--experiment", help="card, supernode, predict, onboard: the site's one-client experiment")
     s.add_argument("--strategy", nargs="+", choices=["freeze_global", "finetune_all", "from_scratch"],
-                   help="onboard: the strategies to run, the first one's model kept (default freeze_global: phi frozen)")
+                   help="onboard: the strategies to run, the first one's model kept (default freeze_global: the "
+                   "federation's tensors frozen, what a site keeps trained)")
     s.add_argument("--superlink", help="the SuperLink's address, host:port")
     s.add_argument("--root-certificates", help="the federation's CA certificate (ca.crt from the coordinator)")
     s.add_argument("--auth-key", help="the site's private authentication key (fedsilo deploy key)")

@@ -14,15 +14,20 @@ The strategies themselves are pFedDB's (:mod:`fedsilo.methods.pfeddb.onboarding`
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch import nn
 
-from fedsilo.client.data import load_clients, pick_device
+from fedsilo.client.data import ClientData, load_clients, pick_device, to_float
+from fedsilo.client.local import evaluate, make_generator, running_stats_frozen, train_local
 from fedsilo.config import ConfigError, Params
 from fedsilo.methods import resolve_method
+from fedsilo.methods.base import State, payload_bytes
 from fedsilo.methods.pfeddb import PFedDB
 from fedsilo.methods.pfeddb.onboarding import STRATEGIES, global_shared_branch, onboard_newcomer
 from fedsilo.models import build_model
@@ -70,14 +75,84 @@ def run_onboarding(params: Params, experiment: str, seed: int, root: Path = Path
     return out
 
 
+def adapt_federation_model(dep: dict[str, Any], client: ClientData, shared: State, rounds: int, strategies: Sequence[str],
+                           on_round: Optional[Callable[[str, int, float], None]] = None) -> dict[str, Any]:
+    """A newcomer of a deployed method other than pFedDB whose model is its plain backbone: the model every site
+    started from (the deployment's seed), the federation's ``shared`` tensors loaded into it, what each site keeps
+    for itself left at that start; then ``rounds`` rounds of local training per strategy, with the deployment's
+    training settings, scored on the client's test split after each:
+
+    - ``freeze_global``: the shared tensors frozen (their BatchNorm statistics too), what sites keep trained: FedBN's
+      BatchNorm, FedRep's and FedPer's head, LG-FedAvg's lower layers, as those papers adapt a new client;
+    - ``finetune_all``: the same start, every tensor trained;
+    - ``from_scratch``: the backbone drawn from another seed, trained on the client's data alone.
+
+    Returns the accuracy per round and final per strategy, and their models (states on the CPU)."""
+    from fedsilo.fl.deploy import deployment_spec
+
+    seed, train = int(dep["seed"]), deployment_spec(dep).train
+    example = to_float(client.x_train[:2])
+    device = client.x_train.device
+
+    def start(init_seed: int) -> tuple[nn.Module, set[str]]:
+        _, model, private = deployment_spec({**dep, "seed": init_seed}).build(example, device, [])
+        return model, set(private)
+
+    base, private = start(seed)
+    plain = {k: v.shape for k, v in deployment_spec(dep).make_model().state_dict().items()}
+    if {k: v.shape for k, v in base.state_dict().items()} != plain:
+        raise ConfigError(f"{dep['method']['key']} builds its own model around the backbone ({dep['method']['base']}: other "
+                          "layers, branches or modes than the backbone's): onboarding adapts pFedDB's branches or a plain "
+                          "backbone's tensors")
+    if not shared:
+        raise ConfigError(f"the federation's model of {dep['method']['key']} holds no whole tensor (its sites share slices of "
+                          "tensors, as CD2-pFed's channels, or nothing): there is nothing to adapt from")
+    model_keys = set(base.state_dict())
+    if set(shared) - model_keys or (model_keys - set(shared)) - private:
+        raise ConfigError(f"the federation's model holds other tensors than {dep['method']['key']} builds for a site: not a "
+                          "final_model.pt of this deployment")
+    trainable_private = [n for n, _ in base.named_parameters() if n in private]
+    if "freeze_global" in strategies and not trainable_private:
+        raise ConfigError(f"--strategy freeze_global: {dep['method']['key']} keeps no trained tensor per site (its federation's "
+                          "model is whole: score with it, `fedsilo site predict --model final_model.pt`, or adapt it all "
+                          "with --strategy finetune_all)")
+    curves: dict[str, list[float]] = {}
+    models: dict[str, State] = {}
+    for strategy in [s for s in STRATEGIES if s in strategies]:
+        if strategy == "from_scratch":
+            model, _ = start(seed + 7919)
+        else:
+            model = copy.deepcopy(base)
+            model.load_state_dict(shared, strict=False)
+        names = {n for n, _ in model.named_parameters()}
+        frozen = set(shared) if strategy == "freeze_global" else set()
+        params = [p for n, p in model.named_parameters() if n in names - frozen]
+        # the shared BatchNorm statistics stay as downloaded under freeze_global (batches still use their own)
+        norms = [m for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and f"{n}.running_mean" in frozen]
+        accs = []
+        for r in range(1, rounds + 1):
+            torch.manual_seed(int(make_generator(seed, r, client.index, 7).initial_seed()))  # whatever a model draws itself
+            with contextlib.ExitStack() as stack:
+                for m in norms:
+                    stack.enter_context(running_stats_frozen(m))
+                train_local(model, client, train, make_generator(seed, r, client.index), params=params)
+            accs.append(evaluate(model, client.x_test, client.y_test, cfg=train)["acc"])
+            if on_round is not None:
+                on_round(strategy, r, accs[-1])
+        curves[strategy] = accs
+        models[strategy] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return {"pretrained_local_acc": None, "accuracy_per_round": curves, "final": {s: c[-1] for s, c in curves.items()}, "models": models}
+
+
 def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, strategies: Sequence[str] = ("freeze_global",),
                  out: Optional[Path] = None, quiet: bool = False) -> tuple[dict[str, Any], Path]:
-    """A newcomer hospital adapts a deployed pFedDB run's phi on its own one-client ``experiment`` (its own params
-    file under ``root``): its pre-existing local model first (``experiments.<e>.onboarding.pretrain_rounds`` rounds
-    of pFedDB's Phase 1 on its data), then ``onboarding.rounds`` rounds of each of ``strategies``, with the
-    deployment's training settings and seed, on the device its own params name (``experiments.<e>.train.device``),
-    scored on its test split after each round. It downloads phi only (the server state's shared branch) and sends
-    nothing. Writes ``model.pt`` (the first strategy's adapted model, in the form a deployed site keeps its model)
+    """A newcomer hospital adapts a deployed run's model on its own one-client ``experiment`` (its own params file
+    under ``root``), on the device its own params name (``experiments.<e>.train.device``), scored on its test split
+    after each round; it downloads the federation's model (``model_path``, the coordinator's final_model.pt) and
+    sends nothing. pFedDB: its pre-existing local model first (``experiments.<e>.onboarding.pretrain_rounds`` rounds
+    of pFedDB's Phase 1 on its data), then ``onboarding.rounds`` rounds of each of ``strategies`` from phi
+    (:func:`~fedsilo.methods.pfeddb.onboarding.onboard_newcomer`). A method whose model is its plain backbone:
+    ``onboarding.rounds`` rounds of each strategy from the federation's tensors (:func:`adapt_federation_model`). Writes ``model.pt`` (the first strategy's adapted model, in the form a deployed site keeps its model)
     and ``onboarding.json`` into ``out`` (default ``onboarding/<federation>/<method>/seed<k>`` under ``root``);
     returns the summary and the folder."""
     from fedsilo.fl.deploy import deployment_spec
@@ -103,9 +178,10 @@ def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, 
         key = str(dep["method"]["key"])
     except (KeyError, TypeError, ValueError) as err:  # a hand-edited or truncated deployment record
         raise ConfigError(f"--model: {model_path}: its deployment record is not one fedsilo wrote ({type(err).__name__}: {err})") from None
-    if not issubclass(spec.method_cls, PFedDB):
-        raise ConfigError(f"--model: {model_path}: the deployment trained {key} ({dep['method']['base']}); onboarding adapts "
-                          "pFedDB's global shared branch (its Fig. 6), so it needs a pFedDB deployment")
+    pfeddb = issubclass(spec.method_cls, PFedDB)
+    if spec.method_cls.stream_only:
+        raise ConfigError(f"--model: {model_path}: the deployment trained {key}, a method of task streams; onboarding adapts a model "
+                          "to one static client")
     card = site_card(params, experiment, root)  # the arrays hashed anew: a file changed after harmonize is refused
     if "tasks" in card:
         raise ConfigError(f"experiments.{experiment}.split: a stream of tasks; onboarding adapts to one static client")
@@ -126,14 +202,20 @@ def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, 
     assert not isinstance(client, list)
     h, _, ch = (int(v) for v in dep["contract"]["image_shape"])
     n_cls = len(dep["contract"]["classes"])
-    phi = {k: v.to(device) for k, v in global_shared_branch(kept["server"]).items()}
+    shared = {k: v.to(device) for k, v in (global_shared_branch(kept["server"]) if pfeddb else kept["server"]).items()}
 
     def backbone(init_seed: int):
         return build_model(spec.train.model, ch, n_cls, seed=init_seed, image_size=h, width=spec.train.model_width)
 
     with Progress(len(strategies) * ob.rounds, f"onboard {card['site']}", "round", quiet=quiet) as bar:
-        res = onboard_newcomer(spec.method(), backbone, client, phi, ob.pretrain_rounds, ob.rounds, spec.seed, strategies,
-                               on_round=lambda s, r, acc: bar.update(1, f"{s} round {r}: test acc {acc:.3f}", line=r == ob.rounds))
+        def heard(s: str, r: int, acc: float) -> None:
+            bar.update(1, f"{s} round {r}: test acc {acc:.3f}", line=r == ob.rounds)
+
+        if pfeddb:
+            res = onboard_newcomer(spec.method(), backbone, client, shared, ob.pretrain_rounds, ob.rounds, spec.seed,
+                                   strategies, on_round=heard)
+        else:
+            res = adapt_federation_model(dep, client, shared, ob.rounds, strategies, on_round=heard)
     models = res.pop("models")
     keep = strategies[0]
     summary = {
@@ -147,8 +229,9 @@ def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, 
         "server_round": int(kept.get("round", 0)),
         "strategies": [s for s in STRATEGIES if s in strategies],
         "kept": keep,
-        "pretrain_rounds": ob.pretrain_rounds,
+        "pretrain_rounds": ob.pretrain_rounds if pfeddb else 0,  # a pFedDB newcomer's own local model first
         "rounds": ob.rounds,
+        "bytes_down": payload_bytes(shared),  # what it downloaded: the federation's model (pFedDB: phi), once
         **res,
     }
     out = Path(out) if out is not None else root / "onboarding" / str(dep["federation"]) / key / f"seed{spec.seed}"
