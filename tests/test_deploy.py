@@ -1702,10 +1702,14 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
         server._main(SiteGrid(client, members), _server_context(tmp_path / "bn"))
         bn_final = tmp_path / "bn" / "results" / "final_model.pt"  # the server context names the results folder
         bn_held = torch.load(bn_final, weights_only=True)
-        bn_summary, bn_out = onboard_site(load_params(params), "site", vin, bn_final, ["freeze_global", "finetune_all"],
-                                          out=tmp_path / "bn_onboard", quiet=True)
+        bn_out = tmp_path / "bn_onboard"
+        capsys.readouterr()
+        assert main([*base, "onboard", "--experiment", "site", "--model", str(bn_final), "--strategy", "freeze_global",
+                     "finetune_all", "--out", str(bn_out)]) == 0
+        assert "site onboard: VinBigData adapted the federation's model of fedbn" in capsys.readouterr().err
     finally:
         torch.set_num_threads(threads)
+    bn_summary = json.loads((bn_out / "onboarding.json").read_text())
     bn = batchnorm_keys(deployment_spec(bn_held["deployment"]).make_model())
     assert set(bn_held["server"]) and not set(bn_held["server"]) & bn  # the shared layers only: no site's BatchNorm
     assert bn_summary["pretrain_rounds"] == 0 and bn_summary["bytes_down"] == payload_bytes(bn_held["server"])
@@ -1714,10 +1718,15 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
     init = deployment_spec(bn_held["deployment"]).make_model().state_dict()
     assert all(torch.equal(kept[k], v) for k, v in bn_held["server"].items())  # freeze_global: the federation's layers
     assert any(not torch.equal(kept[k], init[k]) for k in bn if k.endswith("weight"))  # its own BatchNorm trained
-    assert any(not torch.equal(tuned[k], v) for k, v in bn_held["server"].items())  # finetune_all: every layer trains
+    assert any(not torch.equal(tuned[k], v) for k, v in bn_held["server"].items())  # finetune_all: every layer trains,
+    assert any(not torch.equal(tuned[k], init[k]) for k in bn if k.endswith("weight"))  # its own BatchNorm too
     assert load_site_model(bn_out / "model.pt")[0] is not None
     # a method whose federation's model is whole keeps nothing a site trains alone
     whole = {**bn_held, "server": {**init, **bn_held["server"]},
              "deployment": {**bn_held["deployment"], "method": {**bn_held["deployment"]["method"], "base": "fedavg", "key": "fedavg", "params": {}}}}
     torch.save(whole, tmp_path / "fedavg_final.pt")
-    assert "fedavg keeps no trained tensor per site" in refused(model=tmp_path / "fedavg_final.pt")
+    assert "freeze_global: fedavg's sites keep no part of their own" in refused(model=tmp_path / "fedavg_final.pt")
+    # a method whose sites are evaluated with a model their own training makes (Ditto's personal model): refused
+    personal = {**whole, "deployment": {**whole["deployment"], "method": {**whole["deployment"]["method"], "base": "ditto", "key": "ditto"}}}
+    torch.save(personal, tmp_path / "ditto_final.pt")
+    assert "ditto: its sites are evaluated with a model of their own" in refused("--strategy", "finetune_all", model=tmp_path / "ditto_final.pt")

@@ -465,8 +465,8 @@ def _site_onboard(args: argparse.Namespace) -> None:
     summary, out = onboard_site(load_params(args.params), args.experiment, Path(args.root), Path(args.model),
                                 args.strategy or ["freeze_global"], Path(args.out) if args.out else None, quiet=args.quiet)
     pre = summary["pretrained_local_acc"]
-    print(f"site onboard: {summary['site']} adapted {summary['method']} of {summary['federation']} (phi, "
-          f"{summary['bytes_down_phi']} bytes): " + ", ".join(f"{s} {a:.3f}" for s, a in summary["final"].items())
+    print(f"site onboard: {summary['site']} adapted the federation's model of {summary['method']} ({summary['federation']}, "
+          f"{summary['bytes_down']} bytes downloaded): " + ", ".join(f"{s} {a:.3f}" for s, a in summary["final"].items())
           + (f" (its own local model {pre:.3f})" if pre is not None else "")
           + f"; kept {summary['kept']}: {out}/model.pt (`fedsilo site predict --model` takes it), {out}/onboarding.json",
           file=sys.stderr)

@@ -438,11 +438,14 @@ def load_site_model(path: Path, device: str = "cpu") -> tuple[torch.nn.Module, d
     state = kept.pop("model") if "model" in kept else kept.pop("server")
     lacking = sorted(set(model.state_dict()) - set(state))
     if lacking:  # the federation's model without what each site keeps (FedBN's BatchNorm, pFedDB's own branch, ...)
+        from fedsilo.fl.onboard import OWN_PART
+
         method = dep["method"]["key"]
+        onboard = dep["method"]["base"] == "pfeddb" or dep["method"]["base"] in OWN_PART
         raise ConfigError(f"{path}: the federation's model of {method} lacks the {len(lacking)} tensors each site keeps for "
                           f"itself ({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}): it scores nothing "
                           "alone; score a site's own kept model.pt" + (", or adapt it on this site's data first "
-                                                                          "(`fedsilo site onboard`)" if dep["method"]["base"] == "pfeddb" else ""))
+                                                                          "(`fedsilo site onboard`)" if onboard else ""))
     model.load_state_dict(state, strict=True)
     return model.eval(), kept
 

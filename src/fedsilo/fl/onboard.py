@@ -26,6 +26,7 @@ from torch import nn
 from fedsilo.client.data import ClientData, load_clients, pick_device, to_float
 from fedsilo.client.local import evaluate, make_generator, running_stats_frozen, train_local
 from fedsilo.config import ConfigError, Params
+from fedsilo.data.splits import settings_differ
 from fedsilo.methods import resolve_method
 from fedsilo.methods.base import State, payload_bytes
 from fedsilo.methods.pfeddb import PFedDB
@@ -46,6 +47,10 @@ def run_onboarding(params: Params, experiment: str, seed: int, root: Path = Path
         raise ConfigError(f"methods.{method}: onboarding needs a pfeddb entry, not {algo.name}")
     layout = params.layout(root)
     split = read_json(layout.split(experiment))
+    stale = settings_differ(split, exp.split)
+    if stale:
+        raise ConfigError(f"{layout.split(experiment)}: built with other settings than experiments.{experiment}.split has "
+                          f"now ({'; '.join(stale)}); rerun `dvc repro {params.stage_target(f'split@{experiment}')}`")
     final = layout.run(experiment, method, seed) / "final_model.pt"
     if not final.exists():
         raise FileNotFoundError(f"{final}: missing; train {experiment} / {method} / seed {seed} first (`dvc repro`)")
@@ -75,16 +80,43 @@ def run_onboarding(params: Params, experiment: str, seed: int, root: Path = Path
     return out
 
 
+# Methods whose papers adapt a new client by training its own part under the federation's: what that part is
+OWN_PART = {"fedbn": "its BatchNorm layers (FedBN)", "fedrep": "its head (FedRep)", "fedper": "its head (FedPer)",
+            "lgfedavg": "its lower layers (LG-FedAvg's new devices)"}
+
+
+def newcomer_rule(dep: dict[str, Any], method: Any) -> str:
+    """How a hospital outside the deployment ``dep`` adapts its model (``method``: the deployment's method, built):
+    ``own_part`` (train what each site keeps under the federation's frozen tensors, or every tensor), ``global``
+    (fine-tune the federation's global model, every site's evaluation model), or a ConfigError naming why not."""
+    base, key = str(dep["method"]["base"]), str(dep["method"]["key"])
+    if base in OWN_PART:
+        if base == "lgfedavg" and int(dep["method"]["params"].get("fedavg_rounds") or 0) > 0:
+            raise ConfigError(f"{key}: with fedavg_rounds its sites' own layers started from the FedAvg model of those rounds, "
+                              "which the federation's model does not carry: a newcomer cannot start where they did")
+        return "own_part"
+    if base == "fedbabu":
+        raise ConfigError(f"{key}: FedBABU adapts a client by its own fine-tuning of the whole model (its finetune_* "
+                          "settings), which every site's evaluation runs; onboarding does not run it")
+    if method.eval_is_global():
+        return "global"
+    raise ConfigError(f"{key}: its sites are evaluated with a model of their own that {base}'s training makes (a personal "
+                      "model, a combined head, distilled or decoupled parts), which fine-tuning the federation's tensors "
+                      f"would not be; onboarding adapts pFedDB, a model whose sites keep a part ({', '.join(OWN_PART)}), or "
+                      "a global model (FedAvg, FedProx, MOON, ...)")
+
+
 def adapt_federation_model(dep: dict[str, Any], client: ClientData, shared: State, rounds: int, strategies: Sequence[str],
                            on_round: Optional[Callable[[str, int, float], None]] = None) -> dict[str, Any]:
-    """A newcomer of a deployed method other than pFedDB whose model is its plain backbone: the model every site
-    started from (the deployment's seed), the federation's ``shared`` tensors loaded into it, what each site keeps
-    for itself left at that start; then ``rounds`` rounds of local training per strategy, with the deployment's
-    training settings, scored on the client's test split after each:
+    """A newcomer of a deployed method other than pFedDB (:func:`newcomer_rule`): the model every site started from
+    (the deployment's seed), the federation's ``shared`` tensors loaded into it, what each site keeps for itself left
+    at that start; then ``rounds`` rounds of local training per strategy, with the deployment's training settings,
+    scored on the client's test split after each:
 
-    - ``freeze_global``: the shared tensors frozen (their BatchNorm statistics too), what sites keep trained: FedBN's
-      BatchNorm, FedRep's and FedPer's head, LG-FedAvg's lower layers, as those papers adapt a new client;
-    - ``finetune_all``: the same start, every tensor trained;
+    - ``freeze_global`` (a method whose sites keep a part): the shared tensors frozen (their BatchNorm statistics
+      too), the site's own part trained: FedBN's BatchNorm, FedRep's and FedPer's head, LG-FedAvg's lower layers, as
+      those papers adapt a new client;
+    - ``finetune_all``: the same start, every tensor trained (for a global model: fine-tuning it);
     - ``from_scratch``: the backbone drawn from another seed, trained on the client's data alone.
 
     Returns the accuracy per round and final per strategy, and their models (states on the CPU)."""
@@ -94,11 +126,11 @@ def adapt_federation_model(dep: dict[str, Any], client: ClientData, shared: Stat
     example = to_float(client.x_train[:2])
     device = client.x_train.device
 
-    def start(init_seed: int) -> tuple[nn.Module, set[str]]:
-        _, model, private = deployment_spec({**dep, "seed": init_seed}).build(example, device, [])
-        return model, set(private)
+    def start(init_seed: int) -> tuple[Any, nn.Module, set[str]]:
+        method, model, private = deployment_spec({**dep, "seed": init_seed}).build(example, device, [])
+        return method, model, set(private)
 
-    base, private = start(seed)
+    method, base, private = start(seed)
     plain = {k: v.shape for k, v in deployment_spec(dep).make_model().state_dict().items()}
     if {k: v.shape for k, v in base.state_dict().items()} != plain:
         raise ConfigError(f"{dep['method']['key']} builds its own model around the backbone ({dep['method']['base']}: other "
@@ -111,16 +143,16 @@ def adapt_federation_model(dep: dict[str, Any], client: ClientData, shared: Stat
     if set(shared) - model_keys or (model_keys - set(shared)) - private:
         raise ConfigError(f"the federation's model holds other tensors than {dep['method']['key']} builds for a site: not a "
                           "final_model.pt of this deployment")
-    trainable_private = [n for n, _ in base.named_parameters() if n in private]
-    if "freeze_global" in strategies and not trainable_private:
-        raise ConfigError(f"--strategy freeze_global: {dep['method']['key']} keeps no trained tensor per site (its federation's "
-                          "model is whole: score with it, `fedsilo site predict --model final_model.pt`, or adapt it all "
-                          "with --strategy finetune_all)")
+    rule = newcomer_rule(dep, method)
+    if "freeze_global" in strategies and rule != "own_part":
+        raise ConfigError(f"--strategy freeze_global: {dep['method']['key']}'s sites keep no part of their own: its "
+                          "federation's model is its global model (score with it as it is, `fedsilo site predict --model "
+                          "final_model.pt`, or fine-tune it, --strategy finetune_all)")
     curves: dict[str, list[float]] = {}
     models: dict[str, State] = {}
     for strategy in [s for s in STRATEGIES if s in strategies]:
         if strategy == "from_scratch":
-            model, _ = start(seed + 7919)
+            _, model, _ = start(seed + 7919)
         else:
             model = copy.deepcopy(base)
             model.load_state_dict(shared, strict=False)
