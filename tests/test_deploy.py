@@ -158,6 +158,24 @@ def _server_context(tmp: Path, **run_config) -> Context:
                    run_config={"results-dir": str(tmp / "results"), "state-dir": str(tmp / "state"), **run_config})
 
 
+def _marked_federation(tmp: Path, name: str, sites: dict[str, Path], train: dict, left: tuple[str, ...] = (),
+                       method: str = "fedbn", node_ids: Optional[dict[str, int]] = None) -> Path:
+    """A federation.yaml in ``tmp/name`` whose sites in ``left`` are marked ``left: true`` (the others false)."""
+    (tmp / name).mkdir()
+    raw = yaml.safe_load(_federation(tmp / name, sites, method=method, train=train, node_ids=node_ids).read_text())
+    for entry in raw["sites"]:
+        entry["left"] = entry["name"] in left
+    (tmp / name / "federation.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    return tmp / name / "federation.yaml"
+
+
+def _run_context(tmp: Path, run_id: int, name: str = "run", uri: Optional[str] = None) -> Context:
+    """The ServerApp's context of a run whose results and state live in ``tmp/name`` and ``tmp/name.state``."""
+    return Context(run_id=run_id, node_id=0, node_config={}, state=RecordDict(),
+                   run_config={"results-dir": str(tmp / name), "state-dir": str(tmp / f"{name}.state"), "wait-s": 30,
+                               **({"tracking-uri": uri} if uri else {})})
+
+
 def _load_apps(app_dir: Path):
     import importlib.util
 
@@ -514,12 +532,7 @@ def test_a_site_that_leaves_for_good_is_left_out_of_the_rest_of_the_run_as_the_e
     nodes = {"CheXpert": 100, "RSNA": 101, gone: 102}  # SiteGrid's nodes, in the sites' order
 
     def federation(name: str, left: tuple[str, ...] = (), pinned: bool = False) -> Path:
-        (tmp_path / name).mkdir()
-        raw = yaml.safe_load(_federation(tmp_path / name, sites, train=train, node_ids=nodes if pinned else None).read_text())
-        for entry in raw["sites"]:
-            entry["left"] = entry["name"] in left
-        (tmp_path / name / "federation.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-        return tmp_path / name / "federation.yaml"
+        return _marked_federation(tmp_path, name, sites, train, left, node_ids=nodes if pinned else None)
 
     for app, fed in (("app", federation("a")), ("app2", federation("b", (gone,), pinned=True)), ("app3", federation("c", (gone,)))):
         write_app(load_federation(fed), load_params(REPO_PARAMS), tmp_path / app)
@@ -529,9 +542,7 @@ def test_a_site_that_leaves_for_good_is_left_out_of_the_rest_of_the_run_as_the_e
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
 
     def ctx(run_id: int, name: str = "run") -> Context:
-        return Context(run_id=run_id, node_id=0, node_config={}, state=RecordDict(),
-                       run_config={"results-dir": str(tmp_path / name), "state-dir": str(tmp_path / f"{name}.state"),
-                                   "tracking-uri": uri, "wait-s": 30})
+        return _run_context(tmp_path, run_id, name, uri)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -590,12 +601,7 @@ def test_a_site_that_left_comes_back_when_its_mark_is_taken_away_as_the_engine_h
     gone = "VinBigData"
 
     def federation(name: str, left: tuple[str, ...] = (), method: str = "fedbn") -> Path:
-        (tmp_path / name).mkdir()
-        raw = yaml.safe_load(_federation(tmp_path / name, sites, method=method, train=train).read_text())
-        for entry in raw["sites"]:
-            entry["left"] = entry["name"] in left
-        (tmp_path / name / "federation.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-        return tmp_path / name / "federation.yaml"
+        return _marked_federation(tmp_path, name, sites, train, left, method=method)
 
     for app, fed in (("app", federation("a")), ("app2", federation("b", (gone,)))):
         write_app(load_federation(fed), load_params(REPO_PARAMS), tmp_path / app)
@@ -603,9 +609,7 @@ def test_a_site_that_left_comes_back_when_its_mark_is_taken_away_as_the_engine_h
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
 
     def ctx(run_id: int, name: str = "run") -> Context:
-        return Context(run_id=run_id, node_id=0, node_config={}, state=RecordDict(),
-                       run_config={"results-dir": str(tmp_path / name), "state-dir": str(tmp_path / f"{name}.state"),
-                                   "tracking-uri": uri, "wait-s": 30})
+        return _run_context(tmp_path, run_id, name, uri)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
