@@ -71,9 +71,9 @@ def test_a_code_edit_is_never_resumed_from_an_old_checkpoint_and_a_finished_run_
 
     local = pkg / "fedsilo" / "client" / "local.py"
     code = local.read_text()
-    sgd = "torch.optim.SGD(params, lr=cfg.lr,"  # the optimizer FedAvg trains with (train.optimizer: sgd)
+    sgd = "torch.optim.SGD(params, lr=lr_now(cfg.lr),"  # the optimizer FedAvg trains with (train.optimizer: sgd)
     assert code.count(sgd) == 1
-    local.write_text(code.replace(sgd, "torch.optim.SGD(params, lr=cfg.lr * 0.1,"))
+    local.write_text(code.replace(sgd, "torch.optim.SGD(params, lr=lr_now(cfg.lr) * 0.1,"))
     # what a run killed while writing its outputs leaves beside them: removed when the stage starts again
     stale = [root / "results" / "quick" / "fedavg" / ".seed0.abc_123.tmp", root / "results" / "quick" / "fedavg" / ".seed0.xyz987.old"]
     for s in stale:
