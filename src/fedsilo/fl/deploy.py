@@ -421,6 +421,12 @@ def apps(app_file: Path):
     return server, client
 
 
+# Methods whose papers adapt a new client by training its own part under the federation's (`fedsilo site onboard`,
+# fl/onboard.py): what that part is
+OWN_PART = {"fedbn": "its BatchNorm layers (FedBN)", "fedrep": "its head (FedRep)", "fedper": "its head (FedPer)",
+            "lgfedavg": "its lower layers (LG-FedAvg's new devices)"}
+
+
 def load_site_model(path: Path, device: str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
     """The model a site kept from a deployment (``model.pt`` beside its stores: the model it was evaluated with in
     its last evaluated round), or the federation's model (the coordinator's ``final_model.pt``) where that is a whole
@@ -438,8 +444,6 @@ def load_site_model(path: Path, device: str = "cpu") -> tuple[torch.nn.Module, d
     state = kept.pop("model") if "model" in kept else kept.pop("server")
     lacking = sorted(set(model.state_dict()) - set(state))
     if lacking:  # the federation's model without what each site keeps (FedBN's BatchNorm, pFedDB's own branch, ...)
-        from fedsilo.fl.onboard import OWN_PART
-
         method = dep["method"]["key"]
         onboard = dep["method"]["base"] == "pfeddb" or dep["method"]["base"] in OWN_PART
         raise ConfigError(f"{path}: the federation's model of {method} lacks the {len(lacking)} tensors each site keeps for "

@@ -27,6 +27,7 @@ from fedsilo.client.data import ClientData, load_clients, pick_device, to_float
 from fedsilo.client.local import evaluate, make_generator, running_stats_frozen, train_local
 from fedsilo.config import ConfigError, Params
 from fedsilo.data.splits import settings_differ
+from fedsilo.fl.deploy import OWN_PART, deployment_spec
 from fedsilo.methods import resolve_method
 from fedsilo.methods.base import State, payload_bytes
 from fedsilo.methods.pfeddb import PFedDB
@@ -80,11 +81,6 @@ def run_onboarding(params: Params, experiment: str, seed: int, root: Path = Path
     return out
 
 
-# Methods whose papers adapt a new client by training its own part under the federation's: what that part is
-OWN_PART = {"fedbn": "its BatchNorm layers (FedBN)", "fedrep": "its head (FedRep)", "fedper": "its head (FedPer)",
-            "lgfedavg": "its lower layers (LG-FedAvg's new devices)"}
-
-
 def newcomer_rule(dep: dict[str, Any], method: Any) -> str:
     """How a hospital outside the deployment ``dep`` adapts its model (``method``: the deployment's method, built):
     ``own_part`` (train what each site keeps under the federation's frozen tensors, or every tensor), ``global``
@@ -120,7 +116,6 @@ def adapt_federation_model(dep: dict[str, Any], client: ClientData, shared: Stat
     - ``from_scratch``: the backbone drawn from another seed, trained on the client's data alone.
 
     Returns the accuracy per round and final per strategy, and their models (states on the CPU)."""
-    from fedsilo.fl.deploy import deployment_spec
 
     seed, train = int(dep["seed"]), deployment_spec(dep).train
     example = to_float(client.x_train[:2])
@@ -187,7 +182,6 @@ def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, 
     ``onboarding.rounds`` rounds of each strategy from the federation's tensors (:func:`adapt_federation_model`). Writes ``model.pt`` (the first strategy's adapted model, in the form a deployed site keeps its model)
     and ``onboarding.json`` into ``out`` (default ``onboarding/<federation>/<method>/seed<k>`` under ``root``);
     returns the summary and the folder."""
-    from fedsilo.fl.deploy import deployment_spec
     from fedsilo.fl.site import contract_mismatch, load_site, site_card
     from fedsilo.utils.io import canonical_hash
     from fedsilo.utils.progress import Progress
