@@ -1,15 +1,17 @@
-"""pFedDB's onboarding of a newcomer (Fig. 6): a domain that took no part in the federation adapts a trained pFedDB.
+"""Onboarding of a newcomer: a domain or hospital that took no part in the federation adapts its trained model.
 
 - :func:`run_onboarding`, the onboard stage: the experiment's split must be ``holdout_domain`` with ``role:
   newcomer``; pFedDB must have been trained on it (its ``final_model.pt`` holds the global shared branch phi).
   Output: ``<results>/<experiment>/onboarding/seed<k>/onboarding.json`` (accuracy per round and strategy, the final
   accuracies, the bytes the newcomer downloads: phi once).
-- :func:`onboard_site`, ``fedsilo site onboard``: a hospital that was not part of a deployed pFedDB run adapts the
-  run's phi (the coordinator's ``final_model.pt``) on its own data, with its own params file, harmonize and split,
+- :func:`onboard_site`, ``fedsilo site onboard``: a hospital that was not part of a deployed run adapts the
+  federation's model (the coordinator's ``final_model.pt``: pFedDB's phi, or the shared tensors of a method whose
+  model is the plain backbone, :func:`newcomer_rule`) on its own data, with its own params file, harmonize and split,
   and keeps the adapted model as a deployed site keeps its own (``model.pt``: ``fedsilo site predict`` and
   ``evaluate`` take it).
 
-The strategies themselves are pFedDB's (:mod:`fedsilo.methods.pfeddb.onboarding`).
+The strategies are pFedDB's Fig. 6 (:mod:`fedsilo.methods.pfeddb.onboarding`); :func:`adapt_federation_model` runs
+them on a plain backbone.
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ def adapt_federation_model(dep: dict[str, Any], client: ClientData, shared: Stat
 
     Returns the accuracy per round and final per strategy, and their models (states on the CPU)."""
 
-    seed, train = int(dep["seed"]), deployment_spec(dep).train
+    spec = deployment_spec(dep)
+    seed, train = spec.seed, spec.train
     example = to_float(client.x_train[:2])
     device = client.x_train.device
 
@@ -126,7 +129,7 @@ def adapt_federation_model(dep: dict[str, Any], client: ClientData, shared: Stat
         return method, model, set(private)
 
     method, base, private = start(seed)
-    plain = {k: v.shape for k, v in deployment_spec(dep).make_model().state_dict().items()}
+    plain = {k: v.shape for k, v in spec.make_model().state_dict().items()}
     if {k: v.shape for k, v in base.state_dict().items()} != plain:
         raise ConfigError(f"{dep['method']['key']} builds its own model around the backbone ({dep['method']['base']}: other "
                           "layers, branches or modes than the backbone's): onboarding adapts pFedDB's branches or a plain "
@@ -151,9 +154,8 @@ def adapt_federation_model(dep: dict[str, Any], client: ClientData, shared: Stat
         else:
             model = copy.deepcopy(base)
             model.load_state_dict(shared, strict=False)
-        names = {n for n, _ in model.named_parameters()}
         frozen = set(shared) if strategy == "freeze_global" else set()
-        params = [p for n, p in model.named_parameters() if n in names - frozen]
+        params = [p for n, p in model.named_parameters() if n not in frozen]
         # the shared BatchNorm statistics stay as downloaded under freeze_global (batches still use their own)
         norms = [m for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and f"{n}.running_mean" in frozen]
         accs = []
@@ -179,9 +181,10 @@ def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, 
     sends nothing. pFedDB: its pre-existing local model first (``experiments.<e>.onboarding.pretrain_rounds`` rounds
     of pFedDB's Phase 1 on its data), then ``onboarding.rounds`` rounds of each of ``strategies`` from phi
     (:func:`~fedsilo.methods.pfeddb.onboarding.onboard_newcomer`). A method whose model is its plain backbone:
-    ``onboarding.rounds`` rounds of each strategy from the federation's tensors (:func:`adapt_federation_model`). Writes ``model.pt`` (the first strategy's adapted model, in the form a deployed site keeps its model)
-    and ``onboarding.json`` into ``out`` (default ``onboarding/<federation>/<method>/seed<k>`` under ``root``);
-    returns the summary and the folder."""
+    ``onboarding.rounds`` rounds of each strategy from the federation's tensors (:func:`adapt_federation_model`).
+    Writes ``model.pt`` (the first strategy's adapted model, in the form a deployed site keeps its model) and
+    ``onboarding.json`` into ``out`` (default ``onboarding/<federation>/<method>/seed<k>`` under ``root``); returns
+    the summary and the folder."""
     from fedsilo.fl.site import contract_mismatch, load_site, site_card
     from fedsilo.utils.io import canonical_hash
     from fedsilo.utils.progress import Progress
