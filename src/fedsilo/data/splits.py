@@ -553,6 +553,17 @@ def settings_differ(split: dict[str, Any], params: Any) -> list[str]:
     return out
 
 
+def refuse_stale_split(split: dict[str, Any], params: Any, path: Any, experiment: str, rerun: str) -> None:
+    """ConfigError when the split file at ``path`` was built with other settings than ``experiments.<experiment>.split``
+    (``params``) has now (:func:`settings_differ`), naming each and ``rerun``, the command that builds it again."""
+    from fedsilo.config import ConfigError
+
+    stale = settings_differ(split, params)
+    if stale:
+        raise ConfigError(f"{path}: built with other settings than experiments.{experiment}.split has now "
+                          f"({'; '.join(stale)}); rerun {rerun}")
+
+
 def iter_sides(split: dict[str, Any]):
     """(label, train rows, test rows) for every client, task and held-out client of a split."""
     for c in split["clients"]:

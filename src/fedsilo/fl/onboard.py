@@ -28,7 +28,7 @@ from torch import nn
 from fedsilo.client.data import ClientData, load_clients, pick_device, to_float
 from fedsilo.client.local import evaluate, make_generator, running_stats_frozen, train_local
 from fedsilo.config import ConfigError, Params
-from fedsilo.data.splits import settings_differ
+from fedsilo.data.splits import refuse_stale_split
 from fedsilo.fl.deploy import OWN_PART, deployment_spec
 from fedsilo.methods import resolve_method
 from fedsilo.methods.base import State, payload_bytes
@@ -50,10 +50,8 @@ def run_onboarding(params: Params, experiment: str, seed: int, root: Path = Path
         raise ConfigError(f"methods.{method}: onboarding needs a pfeddb entry, not {algo.name}")
     layout = params.layout(root)
     split = read_json(layout.split(experiment))
-    stale = settings_differ(split, exp.split)
-    if stale:
-        raise ConfigError(f"{layout.split(experiment)}: built with other settings than experiments.{experiment}.split has "
-                          f"now ({'; '.join(stale)}); rerun `dvc repro {params.stage_target(f'split@{experiment}')}`")
+    refuse_stale_split(split, exp.split, layout.split(experiment), experiment,
+                       f"`dvc repro {params.stage_target(f'split@{experiment}')}`")
     final = layout.run(experiment, method, seed) / "final_model.pt"
     if not final.exists():
         raise FileNotFoundError(f"{final}: missing; train {experiment} / {method} / seed {seed} first (`dvc repro`)")

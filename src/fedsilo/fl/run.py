@@ -35,7 +35,7 @@ import torch
 from fedsilo.client.data import load_clients, load_external, load_task_clients, pick_device
 from fedsilo.codehash import train_code_sha256
 from fedsilo.config import ConfigError, Params
-from fedsilo.data.splits import settings_differ
+from fedsilo.data.splits import refuse_stale_split
 from fedsilo.fl.continual import ContinualEngine, continual_summary
 from fedsilo.fl.engine import Engine, Observer
 from fedsilo.methods import method_base, resolve_method
@@ -162,11 +162,9 @@ def run_training(
             f"{split_path}: built for other arrays than {harmonized} now holds (re-harmonized since); rerun "
             f"`dvc repro split@{experiment}` (or `fedsilo split --experiment {experiment}`)"
         )
-    stale = settings_differ(split, exp.split)
-    if stale:  # a split made before experiments.<e>.split was edited (a stage run by hand: dvc repro would rebuild it)
-        raise ConfigError(f"{split_path}: built with other settings than experiments.{experiment}.split has now "
-                          f"({'; '.join(stale)}); rerun `dvc repro {params.stage_target(f'split@{experiment}')}` "
-                          f"(or `fedsilo split --experiment {experiment}`)")
+    # a split made before experiments.<e>.split was edited (a stage run by hand: dvc repro would rebuild it)
+    refuse_stale_split(split, exp.split, split_path, experiment, f"`dvc repro {params.stage_target(f'split@{experiment}')}` "
+                       f"(or `fedsilo split --experiment {experiment}`)")
     device = pick_device(exp.train.device, f"experiments.{experiment}.train.device")
     if exp.train.deterministic:
         deterministic_kernels()

@@ -27,7 +27,7 @@ import torch
 
 from fedsilo.client.data import ClientData, load_clients, load_task_clients
 from fedsilo.config import ConfigError, Params
-from fedsilo.data.splits import settings_differ
+from fedsilo.data.splits import refuse_stale_split
 from fedsilo.utils.io import canonical_hash, file_sha256, read_json
 
 __all__ = ["changed_arrays", "contract_mismatch", "load_site", "site_card"]
@@ -61,10 +61,7 @@ def _site_files(params: Params, experiment: str, root: Path) -> tuple[Path, Path
     if split.get("data_sha256") != card["sha256"]:
         raise ConfigError(f"{split_path}: built for other arrays than {harmonized} holds (re-harmonized since); rerun "
                           f"`fedsilo split --experiment {experiment}`")
-    stale = settings_differ(split, exp.split)
-    if stale:
-        raise ConfigError(f"{split_path}: built with other settings than experiments.{experiment}.split has now "
-                          f"({'; '.join(stale)}); rerun `fedsilo split --experiment {experiment}`")
+    refuse_stale_split(split, exp.split, split_path, experiment, f"`fedsilo split --experiment {experiment}`")
     return harmonized, split_path, split, card
 
 
