@@ -665,14 +665,14 @@ def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_t
     model, the seeded initial model as every site's started), which ends with the numbers of the in-process engine
     whose third client joins in round 2. Refused by key: a site marked joined with no run to resume; once it joined,
     its mark taken away (the run would start afresh) or other data pinned for it; one listed before a site the run
-    started with; a method whose server state is sized by the federation it started with; a run with no round left."""
+    started with; a method whose protocol a site joining later cannot follow (pFedDB); a run with no round left."""
     from fedsilo.fl.deploy import resume_key
 
     train = {**TRAIN, "rounds": 3}
     new = "VinBigData"
     first = {k: sites[k] for k in ("chexpert", "rsna")}
     coordinator = yaml.safe_load(REPO_PARAMS.read_text())
-    coordinator["methods"].update({"ditto": {"lam": 0.5}, "fedheal": {}})
+    coordinator["methods"].update({"ditto": {"lam": 0.5}, "pfeddb": {"local_rounds": 1}})
     (tmp_path / "coordinator.yaml").write_text(yaml.safe_dump(coordinator, sort_keys=False))
 
     def federation(name: str, members: dict, method: str = "ditto", mark: bool = True, **pin) -> Path:
@@ -748,8 +748,8 @@ def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_t
     rows = pd.read_csv(out)
     assert np.allclose(rows[["prob.Normal", "prob.Lung Opacity"]].to_numpy(dtype=float), predict(model, x).softmax(1).numpy(), atol=1e-6)
 
-    # a method whose server keeps per-site state (FedHEAL: its aggregation weighs the federation's clients) refuses
-    for app, fed in (("heal", federation("c", first, "fedheal")), ("heal2", federation("d", sites, "fedheal"))):
+    # a method whose protocol a joiner cannot follow (pFedDB: Phase 2 starts from each site's Phase-1 model) refuses
+    for app, fed in (("heal", federation("c", first, "pfeddb")), ("heal2", federation("d", sites, "pfeddb"))):
         write_app(load_federation(fed), load_params(tmp_path / "coordinator.yaml"), tmp_path / app)
     torch.set_num_threads(1)
     try:
@@ -757,8 +757,8 @@ def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_t
         with pytest.raises(ConnectionError, match="went down"):
             heal._main(DownAt(heal_client, first, rnd=2, run_id=7), ctx(7, "heal"))
         heal2, heal_client2 = _load_apps(tmp_path / "heal2")
-        with pytest.raises(ConfigError, match=rf"sites: {new} marked joined: fedheal keeps server state sized or weighted by the "
-                                              r"federation it started with .* \(it can join a run of ditto, fedavg, fedbabu, fedbn"):
+        with pytest.raises(ConfigError, match=rf"sites: {new} marked joined: pfeddb takes no site mid-run \(its Phase 2 "
+                                              r"starts .* a site can join a run of cd2pfed, ditto, f2dc, fdse, fedavg"):
             heal2._main(SiteGrid(heal_client2, sites, run_id=8), ctx(8, "heal"))
     finally:
         torch.set_num_threads(threads)

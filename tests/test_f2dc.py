@@ -329,7 +329,8 @@ def test_moon_reference_models_and_first_previous_follow_their_switches(clients,
 # ----------------------------------------------------------------------------------------------- FedHEAL
 def _heal(n_clients: int = 2, **kw) -> FedHEAL:
     m = FedHEAL(FedHEALParams(**kw), TrainParams(rounds=3))
-    m.shared, m.private, m.param_keys, m.n_clients = ["w"], [], {"w"}, n_clients
+    m.shared, m.private, m.param_keys = ["w"], [], {"w"}
+    m.members = [_C(f"c{i}", 1) for i in range(n_clients)]  # the round's sites: the starting weight is 1 / K of them
     return m
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fedsilo.config import TrainParams
 from fedsilo.fl.engine import Engine
@@ -39,16 +40,78 @@ def test_a_joinable_methods_rounds_before_a_join_do_not_depend_on_the_site_that_
     assert _before_the_join_is_the_same(name)
 
 
-@pytest.mark.parametrize("name", ["f2dc", "fedheal", "cd2pfed"])
-def test_the_check_tells_a_method_whose_server_state_is_sized_or_weighted_by_the_federation(name):
-    """F²DC weighs its aggregation by the number of domains, FedHEAL keeps per-client server state, CD2-pFed a
-    per-client round count: the check above fails for them, and they are not joinable."""
-    assert not REGISTRY[name].joins_mid_run() and not _before_the_join_is_the_same(name)
+class _FederationAtStart:
+    """A method that counts the federation it was told of at the start instead of the round's members (what F²DC's
+    Q and FedHEAL's starting weight did before ``round_members``)."""
+
+    def round_members(self, rnd, members):
+        pass
+
+
+@pytest.mark.parametrize("name", ["f2dc", "fedheal"])
+def test_the_check_fails_for_a_method_that_counts_the_federation_it_started_with(name, monkeypatch):
+    """F²DC's Q (domains) and FedHEAL's starting weight 1 / K count the round's members: counted over the
+    federation told of the joiner from the start, the rounds before the join change, and the check says so."""
+    cls = REGISTRY[name]
+    monkeypatch.setattr(cls, "round_members", _FederationAtStart.round_members)
+    assert not _before_the_join_is_the_same(name)
+
+
+def _run_with_a_joiner(name: str, rounds: int = 3, first: int = 3, steps: int | None = None, **params) -> tuple[Engine, list]:
+    clients = style_shifted_federation(n_train=12, n_test=6, per_domain=1)
+    cls = method_class(name)
+    tp = TrainParams(model="resnet10" if name in RESNET else "simple_cnn", rounds=rounds, batch_size=6, lr=0.05,
+                     momentum=0.5, device="cpu", count_flops=False, eval_every=rounds)
+    model = build_model("resnet10", 1, 4, seed=0, image_size=16) if name in RESNET else tiny_net(1, 4)
+    engine = Engine(cls(cls.params_cls(**{**PARAMS.get(name, {}), **params}), tp), model, clients, tp, seed=0,
+                    joined={clients[3].name: first})
+    with one_thread():
+        history = [engine.step() for _ in range(rounds if steps is None else steps)]
+    return engine, history
+
+
+@pytest.mark.parametrize("name", ["f2dc", "fedheal", "fdse", "cd2pfed"])
+def test_a_site_that_joins_trains_from_the_start_every_site_had_and_is_scored(name):
+    """The joiner of round 3 is sampled and scored from then on; what it downloads first is what every site's first
+    download was: FDSE's erasers of the initial model (no mix made for it yet), CD2-pFed's every channel (no split
+    it trained under), F²DC's and FedHEAL's global model."""
+    engine, history = _run_with_a_joiner(name)
+    joiner = engine.clients[3]
+    assert history[2]["joined"] == [joiner.name] and joiner.name in history[2]["sampled"]
+    assert all(joiner.name not in h["sampled"] for h in history[:2])
+    assert joiner.name in history[2]["eval"] and all(joiner.name not in h.get("eval", {}) for h in history[:2])
+    if name == "fdse":  # the server mixed erasers for the joiner once it uploaded: its own from now on
+        first = engine.method.download(engine.server, joiner, 4)
+        assert any(not torch.equal(first[k], engine.server[f"fdse_start::{k}"]) for k in engine.method.personal)
+    if name == "cd2pfed":
+        assert int(engine.server[f"cd2pfed::last_round::{joiner.name}"]) == 3
+
+
+def test_fdse_gives_a_site_it_has_not_mixed_for_the_initial_erasers():
+    engine, _ = _run_with_a_joiner("fdse", steps=2)  # the joiner's first round (3) not run yet: never mixed for
+    joiner, other = engine.clients[3], engine.clients[0]
+    init = _run_with_a_joiner("fdse", steps=0)[0].server  # the server before any round: the initial erasers
+    mine, theirs = engine.method.download(engine.server, joiner, 3), engine.method.download(engine.server, other, 3)
+    for k in engine.method.personal:
+        assert torch.equal(mine[k], init[f"fdse_start::{k}"]) and not torch.equal(theirs[k], init[f"fdse_start::{k}"])
+    sent = engine.method.eval_download(engine.server, joiner)  # for its evaluation: its own part, no other site's
+    assert not any(k.startswith("fdse_start::") or (k.startswith("fdse::") and joiner.name not in k) for k in sent)
+
+
+def test_lgfedavg_gives_a_site_that_joins_after_the_fedavg_rounds_the_fedavg_start_once():
+    """LG-FedAvg with its FedAvg-trained start (R0 = 1): a site joining in round 3 takes the lower layers of round
+    R0's FedAvg model with its first download, as a site first sampled late does, and the server records it by name."""
+    engine, history = _run_with_a_joiner("lgfedavg", rounds=3, first=3, fedavg_rounds=1)
+    joiner = engine.clients[3]
+    assert joiner.name in history[2]["sampled"]
+    assert f"lgfedavg:started::{joiner.name}" in engine.server
+    assert not engine.method.takes_start(engine.server, joiner)
+    assert set(engine.method.download(engine.server, joiner, 4)) == set(engine.method.shared)
 
 
 def test_only_the_static_methods_declared_joinable_are():
     assert set(joinable_methods()) <= set(STATIC)
     assert {"fedecouple", "fedpac", "moon", "pfedsd", "pfeddr", "fpl", "fedtgp", "fedsa", "fedrcl", "fedlgf", "fedwon"} <= set(joinable_methods())
-    # a protocol a joiner cannot follow: pFedDB's Phase 1 (the local model its branches start from), LG-FedAvg's
-    # FedAvg-trained start and per-client record of it
-    assert not {"pfeddb", "lgfedavg"} & set(joinable_methods())
+    # a protocol a joiner cannot follow: pFedDB's Phase 1 (the local model its branches start from)
+    assert "pfeddb" not in joinable_methods()
+    assert {"f2dc", "fedheal", "fdse", "cd2pfed", "lgfedavg"} <= set(joinable_methods())

@@ -280,6 +280,12 @@ class Engine:
         return [i for i, c in enumerate(self.clients)
                 if self.joined.get(c.name, rnd) <= rnd <= self.left.get(c.name, rnd) and not self.was_away(c.name, rnd)]
 
+    def start_round(self, rnd: int) -> None:
+        """Before round ``rnd``'s sampling: the method's round state (a phase, a channel ratio) and the sites in the
+        federation in it (``Method.round_members``)."""
+        self.method.on_round_start(self.model, rnd)
+        self.method.round_members(rnd, [self.clients[i] for i in self.active(rnd)])
+
     def was_away(self, name: str, rnd: int) -> bool:
         """Whether site ``name`` had left in round ``rnd`` and came back after it (``away``)."""
         return any(a <= rnd <= b for a, b in self.away.get(name, ()))
@@ -332,7 +338,7 @@ class Engine:
     def run_round(self) -> dict[str, Any]:
         start = self._clock()
         rnd = self.round + 1
-        self.method.on_round_start(self.model, rnd)
+        self.start_round(rnd)
         picked = self.active(rnd) if self.method.sample_all(rnd) else self.sample(rnd)
         entry: dict[str, Any] = {
             "round": rnd,

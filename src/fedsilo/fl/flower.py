@@ -473,10 +473,9 @@ class FlowerServer(Engine):
             raise ConfigError(f"sites: {', '.join(new)} marked joined: not for a task stream yet (a site joining mid-stream "
                               "has not learnt the tasks before)")
         if new and not type(self.method).joins_mid_run():
-            raise ConfigError(f"sites: {', '.join(new)} marked joined: {self.spec.key or self.spec.method_cls.name} keeps "
-                              "server state sized or weighted by the federation it started with (per-site parts, domain "
-                              f"counts), so a site cannot join a run of it in progress (it can join a run of "
-                              f"{', '.join(joinable_methods())}); start a new run with the site")
+            raise ConfigError(f"sites: {', '.join(new)} marked joined: {self.spec.key or self.spec.method_cls.name} takes no "
+                              f"site mid-run ({type(self.method).join_refusal}; a site can join a run of "
+                              f"{', '.join(joinable_methods())} in progress); start a new run with the site")
         if new and not any(self.method.trains(r) for r in range(self.round + 1, self.total_rounds + 1)):
             raise ConfigError(f"sites: {', '.join(new)} marked joined, but {self.spec.key or self.spec.method_cls.name} trains "
                               f"no round after round {self.round} (methods.{self.spec.key or self.spec.method_cls.name}: its "
@@ -645,7 +644,7 @@ class FlowerServer(Engine):
     def run_round(self) -> dict[str, Any]:
         start = self._clock()
         rnd = self.round + 1
-        self.method.on_round_start(self.model, rnd)
+        self.start_round(rnd)
         picked = self.active(rnd) if self.method.sample_all(rnd) else self.sample(rnd)
         entry: dict[str, Any] = {"round": rnd, "sampled": [self.clients[i].name for i in picked],
                                  "bytes_down": {}, "bytes_up": {}, "train_loss": {}}

@@ -79,9 +79,12 @@ class Method:
     # from a client) sets it False and is trained one client at a time.
     client_parallel: ClassVar[bool] = True
     # a site may join a run in progress (a deployment's sites[k].joined): the server state holds nothing sized or
-    # weighted by the federation at its start (no per-client part, no domain count in its aggregation). Declared by
-    # each class for itself (a subclass that adds such state does not inherit it): see joins_mid_run()
+    # weighted by the federation at its start (a per-site server part is made when the site first needs it, a count
+    # of sites or domains is taken from the round's members). Declared by each class for itself (a subclass that adds
+    # such state does not inherit it): see joins_mid_run()
     joinable: ClassVar[bool] = False
+    # why not, for a method that is not joinable: the refusal of a site marked joined names it
+    join_refusal: ClassVar[str] = "its server keeps state sized or weighted by the federation it started with"
 
     def __init__(self, params: MethodParams, train: TrainParams, key: Optional[str] = None):
         self.params = params
@@ -91,6 +94,7 @@ class Method:
         self.key = key or self.name
         self._losses = threading.local()  # last_loss, per thread (a thread's value goes with the thread)
         self.federation: list[ClientData] = []
+        self.members: list[ClientData] = []  # the sites in the federation in the round (round_members)
         self.run_seed = 0
 
     @property
@@ -129,7 +133,15 @@ class Method:
         keeps per-client server state read ``self.federation`` (never a client's data); server-side randomness (a
         server network's initialisation, its batches) is seeded from ``self.run_seed``."""
         self.federation = list(clients)
+        self.members = list(clients)
         self.run_seed = int(seed)
+
+    def round_members(self, rnd: int, members: list[ClientData]) -> None:
+        """Server side, before round ``rnd``'s training: the sites in the federation in that round (joined by then, not
+        left, not away: ``Engine.active``). An aggregation that counts or weighs the federation (F²DC's domains,
+        FedHEAL's starting weight) reads ``self.members``, so a site that joins or leaves a run in progress changes it
+        from that round on, never before (``joinable``)."""
+        self.members = list(members)
 
     # --- structure
     def transform_model(self, model: nn.Module, example: torch.Tensor) -> nn.Module:

@@ -14,7 +14,7 @@ from fedsilo.client.local import make_generator, train_local
 from fedsilo.methods.base import Method, MethodParams, RunningMean, State
 from fedsilo.methods.channels import PRIVATE, SHARED, ChannelPartition
 
-LAST = "cd2pfed::last_round"  # server state: per client (federation order) the last round it trained in, 0 = never
+LAST = "cd2pfed::last_round::"  # server state: + a site's name, the last round it trained in (none before its first)
 
 
 class CD2PFedParams(MethodParams):
@@ -65,14 +65,16 @@ class CD2PFed(Method):
     both subnets (slimmable networks' convention); BatchNorm running statistics of private channels are the full
     network's as trained, not averaged over time (the paper's LeNet-5 has no BatchNorm). The paper trains every client
     each round; with ``train.client_fraction`` < 1 a client downloads the shared part under the split of the last
-    round it trained in (the server records it), so the channels that turned private meanwhile start from the global
-    values of now, and it is evaluated with its private channels of that round and the global rest. The ablation
+    round it trained in (the server records it per site), so the channels that turned private meanwhile start from
+    the global values of now, and it is evaluated with its private channels of that round and the global rest; a site
+    that joins a run in progress (``joinable``) is such a client from the seeded initial model. The ablation
     switches are Table 5's LI / TA / CD; all three off is plain channel decoupling with a
     fixed ratio."""
 
     name = "cd2pfed"
     # the channel masks are forward hooks on the model the method was set up with, switched through the method
     client_parallel = False
+    joinable = True  # the server's round record is made per site as it trains: a site may join mid-run
     params_cls = CD2PFedParams
     params: CD2PFedParams
 
@@ -93,7 +95,6 @@ class CD2PFed(Method):
     # --- structure
     def setup(self, model):
         self.part = ChannelPartition(model)
-        self._pos = {c.index: i for i, c in enumerate(self.federation)}
         self.keys = list(model.state_dict().keys())
         self._final_private = self.part.private_fraction(model, self.part.counts_at(self.ratio(self.train.rounds)))
 
@@ -111,14 +112,15 @@ class CD2PFed(Method):
         }
 
     def init_server(self, model):
-        return {**{k: v.detach().clone() for k, v in model.state_dict().items()}, LAST: torch.zeros(len(self.federation), dtype=torch.long)}
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     def init_client(self, model, client):
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     def _last_counts(self, server: State, client) -> list[int]:
         """The channel split of the last round ``client`` trained in (none before its first)."""
-        return self.part.counts_at(self.ratio(int(server[LAST][self._pos[client.index]])))
+        last = server.get(LAST + client.name)
+        return self.part.counts_at(self.ratio(0 if last is None else int(last)))
 
     # --- a round
     def on_round_start(self, model, rnd):
@@ -178,7 +180,7 @@ class CD2PFed(Method):
         out = {k: v.clone() for k, v in server.items()}
         self.part.write(out, mean.result())
         for c in trained:
-            out[LAST][self._pos[c.index]] = rnd
+            out[LAST + c.name] = torch.tensor(rnd, dtype=torch.long)
         return out
 
     # --- evaluation

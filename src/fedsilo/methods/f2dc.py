@@ -49,8 +49,11 @@ class F2DC(PartialSharing):
     Table 6's "w/o domain-aware aggregation" row; the preset runs it as ``fedavg_dc`` with the modules on the clients,
     the same computation as ``f2dc_no_daa``.
 
-    Q (domains) is the number of distinct domains in the federation; N sums the sample counts of the round's
-    participants (the paper's N sums all K clients: the same under its full participation). The paper's optimizer
+    Q (domains) is the number of distinct domains among the sites in the federation in the round
+    (``Method.round_members``: the paper's federation, all of it in every round of a run that no site joins or
+    leaves); N sums the sample counts of the round's participants (the paper's N sums all K clients: the same under
+    its full participation). A site may join a run in progress (``joinable``): a new domain counts in Q from the
+    round the site joins, its modules start from the seeded initial model as every site's did. The paper's optimizer
     (SGD, lr 0.01, momentum 0.9, weight decay 1e-5) is the preset's ``train``; the code since commit 6b0a8ed trains
     F²DC with plain SGD at lr 0.1, no momentum, no weight decay instead, while its baselines keep the paper's
     optimizer. The code's first release could not run F²DC (its backbone returns five values where
@@ -62,6 +65,7 @@ class F2DC(PartialSharing):
     name = "f2dc"
     params_cls = F2DCParams
     params: F2DCParams
+    joinable = True  # Q counts the round's members' domains; A_D, A_C and m are the sites' own: a site may join mid-run
 
     def shared_keys(self, model: LayeredNet) -> list[str]:
         return list(model.state_dict().keys())  # minus A_D, A_C, m unless share_modules (PartialSharing.setup)
@@ -80,7 +84,8 @@ class F2DC(PartialSharing):
     def aggregation_weights(self, sizes: list[int]) -> list[float]:
         if not self.params.domain_aware:
             return [n / sum(sizes) for n in sizes]
-        return domain_aware_weights(sizes, self.num_classes, self.num_domains, self.params.alpha, self.params.beta)
+        domains = len({c.domain for c in self.members}) or 1
+        return domain_aware_weights(sizes, self.num_classes, domains, self.params.alpha, self.params.beta)
 
     def aggregate(self, server: State, uploads: list[tuple[Any, State]], rnd: int) -> State:
         if not uploads:

@@ -20,6 +20,7 @@ from fedsilo.methods.sharing import PartialSharing
 from fedsilo.models import LayeredNet
 
 PERSONAL = "fdse::"  # the server's copy of each client's personalized tensors: fdse::<client>::<key>
+START = "fdse_start::"  # the seeded initial model's personalized tensors: a site's until the server mixes its own
 TRAINED = "fdse_trained::"  # a client's copy of the shared tensors it last trained (``evaluate: trained``; its
 # trained erasers are its store's own personal tensors)
 
@@ -134,7 +135,8 @@ class FDSE(PartialSharing):
     weighted by softmax(beta l). The server updates each shared tensor by the min-norm point of the clients'
     unit-normalized updates (MGDA), scaled by their mean norm; BatchNorm running statistics by their plain mean;
     and gives each client, per personalized tensor, the softmax(cos / tau)-weighted mix of all participants'
-    erasers (itself included).
+    erasers (itself included); a site not yet mixed for (before its first upload; a site that joins a run in
+    progress, ``joinable``) downloads the initial model's erasers, as every site started from them.
 
     Choices: ``regularizer: code`` is the released formula (channel-averaged batch means and their spread across
     channels, chained by a 0.1-momentum average across layers and steps, mean term (g^2 - f^2) / 2v), which is not
@@ -153,6 +155,7 @@ class FDSE(PartialSharing):
     name = "fdse"
     params_cls = FDSEParams
     params: FDSEParams
+    joinable = True  # a site's personalized part is made by the server's first mix of its upload: a site may join mid-run
 
     def transform_model(self, model, example):
         return super().transform_model(dse_resnet(model), example)
@@ -182,14 +185,16 @@ class FDSE(PartialSharing):
 
     def init_server(self, model: LayeredNet) -> State:
         sd = model.state_dict()
-        out = super().init_server(model)
-        for c in self.federation:
-            out.update({f"{PERSONAL}{c.name}::{k}": sd[k].detach().clone() for k in self.personal})
-        return out
+        return {**super().init_server(model), **{START + k: sd[k].detach().clone() for k in self.personal}}
+
+    def own_part(self, server: State, client) -> State:
+        """The personalized tensors the server holds for ``client``: those it mixed for the site in the site's last
+        round, the initial ones before its first (every site's start, a site that joins a run in progress too)."""
+        mine = f"{PERSONAL}{client.name}::"
+        return {k: server[mine + k] if mine + k in server else server[START + k] for k in self.personal}
 
     def download(self, server: State, client, rnd: int) -> State:
-        own = {k: server[f"{PERSONAL}{client.name}::{k}"] for k in self.personal}
-        return {**{k: server[k] for k in self.shared}, **own}
+        return {**{k: server[k] for k in self.shared}, **self.own_part(server, client)}
 
     # --- the client
     def regularizer(self, inputs: list[torch.Tensor], ref: list[tuple[torch.Tensor, torch.Tensor]], state: dict) -> torch.Tensor:
@@ -294,7 +299,8 @@ class FDSE(PartialSharing):
 
     def eval_download(self, server, client):
         mine = f"{PERSONAL}{client.name}::"  # the shared layers and this site's personalized ones: no other site's
-        return {k: v for k, v in server.items() if not k.startswith(PERSONAL) or k.startswith(mine)}
+        rest = {k: v for k, v in server.items() if not k.startswith((PERSONAL, START))}
+        return {**rest, **{mine + k: v for k, v in self.own_part(server, client).items()}}
 
     def eval_state(self, server, store, client):
         own = {k: v for k, v in store.items() if not k.startswith(TRAINED)}

@@ -30,20 +30,23 @@ class FedHEAL(PartialSharing):
        client's first round; the share is a running mean kept per client);
     2. measures the masked update's size dist_k = sum over parameter tensors of ||m_k * Delta_k||_2 and moves the
        client's fair-aggregation weight by a momentum step, dw_k <- (1 - beta) dw_k + beta dist_k / sum_j dist_j,
-       w_k <- w_k + dw_k (starting from 1 / K, K the federation's clients; the code starts from 1 / the clients
-       online in the round, the same under full participation; the un-normalized weight persists, the normalized
-       one aggregates);
+       w_k <- w_k + dw_k (starting from 1 / K, K the sites in the federation in the round the client first uploads,
+       ``Method.round_members``; the code starts from 1 / the clients online in the round, the same under full
+       participation; the un-normalized weight persists, the normalized one aggregates);
     3. aggregates element-wise: w <- w - sum_k [a_k m_k / sum_j a_j m_j] (m_k * Delta_k); an element every client
        masked out keeps its value (the code's fallback weights a_k multiply masked, hence zero, updates).
 
     The masks and weights live on the server (the code computes them there), so the upload is FedAvg's, as the
     paper's Table 4 counts it. Choices: the consistency share counts the client's own participations (the code
     counts global rounds, which is the same under its full participation, and fails for a client first sampled
-    late); the distance normalizer sums the round's participants. Clients are evaluated with the global model."""
+    late); the distance normalizer sums the round's participants. Clients are evaluated with the global model.
+    A site may join a run in progress (``joinable``): its history, mask and weight start at its first upload as
+    every site's did, from 1 / K of the federation it joined."""
 
     name = "fedheal"
     params_cls = FedHEALParams
     params: FedHEALParams
+    joinable = True  # per-site bookkeeping made at a site's first upload, K from the round's members: a site may join mid-run
 
     def shared_keys(self, model: LayeredNet) -> list[str]:
         return list(model.state_dict().keys())
@@ -51,7 +54,6 @@ class FedHEAL(PartialSharing):
     def setup(self, model: LayeredNet) -> None:
         super().setup(model)
         self.param_keys = {n for n, _ in model.named_parameters()} & set(self.shared)
-        self.n_clients = len(self.federation) if self.federation else 1
 
     # the server keeps its bookkeeping beside the model; a download is the model only
     def download(self, server: State, client, rnd: int) -> State:
@@ -88,7 +90,7 @@ class FedHEAL(PartialSharing):
             w_key, dw_key = f"{SERVER}{name}::weight", f"{SERVER}{name}::delta_weight"
             prev_dw = float(server[dw_key]) if dw_key in server else 0.0
             dw = (1 - self.params.beta) * prev_dw + self.params.beta * (d / total if total > 0 else 0.0)
-            w = (float(server[w_key]) if w_key in server else 1.0 / self.n_clients) + dw
+            w = (float(server[w_key]) if w_key in server else 1.0 / max(1, len(self.members))) + dw
             server[w_key], server[dw_key] = torch.tensor(w, dtype=torch.float64), torch.tensor(dw, dtype=torch.float64)
             raw[name] = w
         z = sum(raw.values())
@@ -123,5 +125,3 @@ class FedHEAL(PartialSharing):
             server[k] = new.round().to(server[k].dtype) if not server[k].is_floating_point() else new.to(server[k].dtype)
         return server
 
-    def resolved(self) -> dict[str, Any]:
-        return {**super().resolved(), "clients_in_weights": self.n_clients}

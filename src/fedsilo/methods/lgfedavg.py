@@ -14,8 +14,8 @@ from fedsilo.methods.base import MethodParams, RunningMean, State
 from fedsilo.methods.sharing import PartialSharing, per_backbone, top_units, unit_prefixes
 from fedsilo.models import LayeredNet
 
-# the server's record of which clients have received the FedAvg start's local layers (one entry per client; 1 = taken)
-STARTED = "lgfedavg:started"
+# the server's record that a site has received the FedAvg start's local layers: + the site's name, made when it takes them
+STARTED = "lgfedavg:started::"
 
 
 class LGFedAvgParams(MethodParams):
@@ -35,7 +35,7 @@ class _Took(RunningMean):
 
     def __init__(self) -> None:
         super().__init__()
-        self.took: list[int] = []
+        self.took: list[str] = []
 
 
 class LGFedAvg(PartialSharing):
@@ -52,8 +52,9 @@ class LGFedAvg(PartialSharing):
     model, and every client is evaluated with it. From round R0+1 on the lower layers are private: a client's first
     download after R0 carries, besides g, the lower layers of the FedAvg model of round R0, which become its own (the
     server sends them once, when the client is first sampled, and records that it did; a client not yet sampled is
-    evaluated with them under the current g, as the code evaluates every client's copy). The bytes of that one
-    download are counted like any other. R0 is inside ``train.rounds`` (R0 FedAvg rounds, then ``rounds - R0``
+    evaluated with them under the current g, as the code evaluates every client's copy; a site that joins a run in
+    progress after R0, ``joinable``, takes them as such a client). The bytes of that one download are counted like
+    any other. R0 is inside ``train.rounds`` (R0 FedAvg rounds, then ``rounds - R0``
     LG-FedAvg rounds). The code loads ``best_<N>.pt``, the FedAvg model with the best *test* accuracy among the first
     N rounds; here the model of round R0 is taken (no selection on the test set). The README's CIFAR-10 recipe is
     1,200 FedAvg rounds, then 200 LG-FedAvg rounds; MNIST 400, then 200. ``fedavg_rounds: 0`` (the default) starts
@@ -69,6 +70,7 @@ class LGFedAvg(PartialSharing):
     name = "lgfedavg"
     params_cls = LGFedAvgParams
     params: LGFedAvgParams
+    joinable = True  # the record of the FedAvg start is made per site as it takes it: a site may join mid-run
 
     def shared_keys(self, model: LayeredNet) -> list[str]:
         what = f"methods.{self.key}.global_layers"
@@ -94,14 +96,13 @@ class LGFedAvg(PartialSharing):
         if not self.params.fedavg_rounds:
             return super().init_server(model)
         sd = model.state_dict()  # the whole model: FedAvg's global model until R0, its lower layers kept as the start
-        return {**{k: v.detach().clone() for k, v in sd.items()}, STARTED: torch.zeros(len(self.federation), dtype=torch.uint8)}
+        return {k: v.detach().clone() for k, v in sd.items()}
 
     def takes_start(self, server: State, client: ClientData) -> bool:
-        """Whether the client is to take the FedAvg start's lower layers from ``server``: the whole server state says
-        whether it already has; what a site is sent for evaluation (:meth:`eval_download`) holds them only if it must."""
-        if STARTED in server:
-            return not bool(server[STARTED][client.index])
-        return any(k in server for k in self.private)
+        """Whether the client is to take the FedAvg start's lower layers from ``server``: they are there (the whole
+        server state holds them; what a site is sent for evaluation, :meth:`eval_download`, only if it must) and the
+        server has no record of the site taking them."""
+        return STARTED + client.name not in server and any(k in server for k in self.private)
 
     def sent(self, server: State, client: ClientData, whole: bool) -> State:
         """The global top, with the lower layers when ``whole`` (a FedAvg round) or when the client has not taken the
@@ -119,16 +120,14 @@ class LGFedAvg(PartialSharing):
 
     def agg_add(self, acc: _Took, client: ClientData, upload: State) -> None:
         super().agg_add(acc, client, upload)
-        acc.took.append(client.index)
+        acc.took.append(client.name)
 
     def agg_end(self, server: State, acc: _Took, rnd: int) -> State:
         if not self.params.fedavg_rounds:
             return super().agg_end(server, acc, rnd)
         out = {**server, **acc.result()} if acc.weight > 0 else dict(server)
         if not self.fedavg_round(rnd):  # these clients now hold their own lower layers
-            taken = out[STARTED].clone()
-            taken[acc.took] = 1
-            out[STARTED] = taken
+            out.update({STARTED + name: torch.tensor(1, dtype=torch.uint8) for name in acc.took})
         return out
 
     # --- client
@@ -145,7 +144,7 @@ class LGFedAvg(PartialSharing):
 
     def eval_download(self, server: State, client: ClientData) -> State:
         """The global top, with the FedAvg start's lower layers for a client that has not taken them yet."""
-        return self.sent(server, client, whole=False) if STARTED in server else server
+        return self.sent(server, client, whole=False) if self.params.fedavg_rounds else server
 
     def resolved(self) -> dict[str, Any]:
         return {**super().resolved(), "local_layers": getattr(self, "local_units", [])}

@@ -132,6 +132,9 @@ class PFedDB(TwoPhase):
     name = "pfeddb"
     params_cls = PFedDBParams
     params: PFedDBParams
+    # not joinable: a protocol a site joining later cannot follow
+    join_refusal = ("its Phase 2 starts each site's branches from the local model the site trained in Phase 1 "
+                    "(local_rounds), which a site joining later has not trained")
 
     # ------------------------------------------------------------------ model
     def transform_model(self, model: nn.Module, example: torch.Tensor) -> nn.Module:
