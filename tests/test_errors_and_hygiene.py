@@ -158,11 +158,29 @@ def test_a_method_that_does_not_fit_a_trained_experiments_data_fails_at_check_pa
     raw["pipeline"]["splits"]["stream"] = "chest_xray4"
     err = _check_params(tmp_path, raw, capsys)
     assert "methods.single: single does not learn a stream of domain tasks; experiments.stream has a domain_incremental split" in err
+    # a two-phase method on the stream: the stream's misfit is what is said, not its local_rounds against the stream's
+    # rounds per task (a check of a pair that cannot be trained anyway)
+    raw["experiments"]["stream"]["train"] = {**raw["experiments"]["quick"]["train"], "rounds": 1}  # per task
+    raw["methods"]["pfeddb"] = {"local_rounds": 2}
+    raw["pipeline"]["methods"] = ["pfeddb", "single"]
+    err = _check_params(tmp_path, raw, capsys)
+    assert "methods.pfeddb: pfeddb does not learn a stream of domain tasks; experiments.stream" in err, err
+    del raw["methods"]["pfeddb"]
+    raw["pipeline"]["methods"] = ["single", "fedavg", "fedprox", "fedbn"]
     raw["pipeline"]["experiments"] = ["quick"]
     raw["methods"]["pfeddil"] = {}
     raw["pipeline"]["methods"] = ["fedavg", "pfeddil"]
     err = _check_params(tmp_path, raw, capsys)
     assert "methods.pfeddil: pfeddil learns a stream of domain tasks only; experiments.quick has static clients (domain_clients)" in err
+
+
+def test_a_method_entry_that_fails_for_an_experiments_backbone_names_the_file_and_the_experiment(tmp_path, capsys):
+    raw = small_params(rounds=3)
+    raw["methods"]["pfeddb"] = {"local_rounds": 1, "phase2_optimizer": {"alexnet_bn": "sgd"}}
+    raw["pipeline"]["methods"] = ["pfeddb"]
+    err = _check_params(tmp_path, raw, capsys)
+    assert ("p.yaml: methods.pfeddb.phase2_optimizer: no entry for the backbone simple_cnn (entries: alexnet_bn) "
+            "(experiments.quick trains it on simple_cnn)") in err, err
 
 
 # --------------------------------------------------------------------------- item 5: label files

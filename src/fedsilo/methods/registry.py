@@ -116,10 +116,17 @@ def check_methods(params: Params, source: str = "params.yaml") -> None:
         method_params(params, key, source)
     for e in params.pipeline.experiments:
         train = params.experiments[e].train
+        stream = params.experiments[e].split.protocol == "domain_incremental"
         for key in params.experiment_methods(e):
             if key not in params.methods:
                 continue  # pipeline.methods names only defined entries (config checks it); a paper's groups too
-            algo = resolve_method(params, key, train)
+            cls = method_class(method_base(key, params.methods[key]))
+            if (stream and not cls.task_stream) or (not stream and cls.stream_only):
+                continue  # a pair the data does not fit: check-params and the train stage say so (check_stream_fit)
+            try:
+                algo = resolve_method(params, key, train)
+            except ConfigError as err:  # a per-backbone entry lacking this experiment's backbone, ...
+                raise ConfigError(f"{source}: {err} (experiments.{e} trains it on {train.model})") from None
             fedavg_start = getattr(algo.params, "fedavg_rounds", 0)  # LG-FedAvg's FedAvg-trained start
             if fedavg_start >= train.rounds:
                 raise ConfigError(f"{source}: methods.{key}.fedavg_rounds: {fedavg_start} FedAvg rounds leave no LG-FedAvg "
