@@ -329,7 +329,7 @@ def test_moon_reference_models_and_first_previous_follow_their_switches(clients,
 # ----------------------------------------------------------------------------------------------- FedHEAL
 def _heal(n_clients: int = 2, **kw) -> FedHEAL:
     m = FedHEAL(FedHEALParams(**kw), TrainParams(rounds=3))
-    m.shared, m.private, m.param_keys = ["w"], [], {"w"}
+    m.shared, m.private, m.param_keys = ["w"], [], ["w"]
     m.members = [_C(f"c{i}", 1) for i in range(n_clients)]  # the round's sites: the starting weight is 1 / K of them
     return m
 
@@ -363,6 +363,7 @@ def test_fedheal_aggregation_is_fair_and_element_wise_not_fedavg():
     fedavg = -(4 * 0.1 + 1 * 0.9)
     assert abs(out["w"][0].item() - fedavg) > 0.5
     assert "w" in m.download(out, a, 2) and not any(k.startswith("heal::") for k in m.download(out, a, 2))
+    assert set(m.eval_download(out, b)) == {"w"}, "no site is sent the server's bookkeeping of every site to be scored"
     # round 2: b's first element flips sign, so only a moves it
     ups2 = [(a, {"w": out["w"] - torch.tensor([4.0, 4.0, 4.0])}), (b, {"w": out["w"] + torch.tensor([1.0, -1.0, -1.0])})]
     out2 = m.aggregate(out, ups2, 2)

@@ -8,7 +8,7 @@ import yaml
 
 from fedsilo.data.sources import pacs
 from fedsilo.fl.params import load_params
-from fedsilo.methods.registry import method_base
+from fedsilo.methods.registry import method_base, resolve_method
 from tests.conftest import REPO, paper_params
 
 PAPER = REPO / "pipelines" / "f2dc"
@@ -37,7 +37,7 @@ def test_scales_validate_and_list_the_runs_of_each_table(scale):
 def test_paper_scale_is_section_5_1():
     p = _load("paper")
     ours = ["f2dc_digits", "f2dc_office", "f2dc_pacs"]
-    assert sorted(p.pipeline.experiments) == sorted(ours + [f"{e}_code" for e in ours])
+    assert sorted(p.pipeline.experiments) == sorted(ours)
     clients = {e: dict(p.experiments[e].split.clients_per_domain) for e in ours}
     assert clients == {
         "f2dc_digits": {"MNIST": 3, "USPS": 6, "SVHN": 6, "SynthDigits": 5},
@@ -48,16 +48,16 @@ def test_paper_scale_is_section_5_1():
     for e in ours:
         t = p.experiments[e].train
         assert (t.rounds, t.local_epochs, t.lr, t.momentum, t.weight_decay, t.batch_size) == (100, 10, 0.01, 0.9, 1e-5, 64)
-        # the authors' code's F²DC: the same federation, trained with plain SGD at lr 0.1
-        code = p.experiments[f"{e}_code"]
-        assert (code.dataset, code.split, code.published) == (p.experiments[e].dataset, p.experiments[e].split, p.experiments[e].published)
-        assert code.train == t.model_copy(update={"lr": 0.1, "momentum": 0.0, "weight_decay": 0.0})
-        assert list(p.experiment_methods(f"{e}_code")) == ["f2dc_code"]
+        # the authors' code's F²DC: on the same federation, trained with plain SGD at lr 0.1 (its local_optimizer)
+        assert "f2dc_code" in p.experiment_methods(e)
+        assert resolve_method(p, "f2dc_code", t).train == t.model_copy(update={"lr": 0.1, "momentum": 0.0, "weight_decay": 0.0})
     assert [p.datasets[p.experiments[e].dataset].image_size for e in ours] == [32, 32, 128]
     assert list(p.pipeline.seeds) == [0, 1, 2]
     f = p.methods["f2dc"]
     assert (f["sigma"], f["tau"], f["lambda1"], f["lambda2"], f["alpha"], f["beta"]) == (0.1, 0.06, 0.8, 1.0, 1.0, 0.4)
-    assert dict(p.methods["f2dc_code"]) == {"method": "f2dc", "share_modules": True, "domain_aware": False, "convs": 3, "width": 50}
+    assert dict(p.methods["f2dc_code"]) == {"method": "f2dc", "share_modules": True, "domain_aware": False, "convs": 3, "width": 50,
+                                            "local_optimizer": {"lr": 0.1, "momentum": 0.0, "weight_decay": 0.0}}
+    assert set(p.paper.runs["authors_code"].beside) == {"fedavg", "f2dc"}
 
 
 def test_one_dvc_yaml_with_a_train_stage_per_group_and_published_domains_match():

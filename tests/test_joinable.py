@@ -73,8 +73,8 @@ def _run_with_a_joiner(name: str, rounds: int = 3, first: int = 3, steps: int | 
 @pytest.mark.parametrize("name", ["f2dc", "fedheal", "fdse", "cd2pfed"])
 def test_a_site_that_joins_trains_from_the_start_every_site_had_and_is_scored(name):
     """The joiner of round 3 is sampled and scored from then on; what it downloads first is what every site's first
-    download was: FDSE's erasers of the initial model (no mix made for it yet), CD2-pFed's every channel (no split
-    it trained under), F²DC's and FedHEAL's global model."""
+    download was: FDSE's erasers of the initial model (no mix made for it yet), CD2-pFed's shared part under round
+    0's split (no split it trained under), F²DC's and FedHEAL's global model."""
     engine, history = _run_with_a_joiner(name)
     joiner = engine.clients[3]
     assert history[2]["joined"] == [joiner.name] and joiner.name in history[2]["sampled"]
@@ -115,3 +115,18 @@ def test_only_the_static_methods_declared_joinable_are():
     # a protocol a joiner cannot follow: pFedDB's Phase 1 (the local model its branches start from)
     assert "pfeddb" not in joinable_methods()
     assert {"f2dc", "fedheal", "fdse", "cd2pfed", "lgfedavg"} <= set(joinable_methods())
+
+
+def test_a_site_that_left_or_is_away_still_counts_in_what_a_method_counts_of_the_federation():
+    """F²DC's Q and FedHEAL's K count the sites that have joined: one that left (or is away) still counts, as
+    everything the server holds of it stays (the federation's past is not rewritten); one that joins counts from its
+    first round."""
+    clients = style_shifted_federation(n_train=12, n_test=6, per_domain=1)
+    engine = _engine("f2dc", clients, left={clients[2].name: 1}, joined={clients[3].name: 2})
+    seen = []
+    with one_thread():
+        for _ in range(2):
+            engine.step()
+            seen.append({c.name for c in engine.method.members})
+    names = [c.name for c in clients]
+    assert seen == [set(names[:3]), set(names)]

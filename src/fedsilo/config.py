@@ -1067,6 +1067,33 @@ class LRScheduleParams(Strict):
         return f
 
 
+class LocalOptimizer(Strict):
+    """``methods.<key>.local_optimizer``: the optimizer settings of this method's local training where they differ from
+    the experiment's ``train`` (a key left out keeps the experiment's): an authors' code that trains its method with
+    another optimizer than the baselines of the same table (F²DC's: SGD lr 0.1, no momentum, no weight decay), beside
+    them on the same federation."""
+
+    optimizer: Optional[Literal["sgd", "adam"]] = None
+    lr: Optional[float] = Field(None, gt=0)
+    momentum: Optional[float] = Field(None, ge=0, lt=1)
+    nesterov: Optional[bool] = None
+    betas: Optional[tuple[float, float]] = None
+    eps: Optional[float] = Field(None, gt=0)
+    weight_decay: Optional[float] = Field(None, ge=0)
+
+    def applied(self, train: "TrainParams", what: str) -> "TrainParams":
+        """``train`` with these settings in place of its own, validated as a whole (``what`` names the key in errors)."""
+        given = self.model_dump(exclude_none=True)
+        if not given:
+            return train
+        try:
+            return TrainParams.model_validate({**train.model_dump(), **given})
+        except ValidationError as err:
+            first = err.errors()[0]
+            raise ConfigError(f"{what}: {first['msg']} (with the experiment's train: {train.optimizer}, lr {train.lr}, "
+                              f"momentum {train.momentum})") from None
+
+
 class TrainParams(Strict):
     model: Literal[
         "simple_cnn", "alexnet_bn", "densenet121", "resnet10", "resnet10_cifar", "resnet18", "resnet34", "resnet32", "lenet5",

@@ -281,10 +281,11 @@ class Engine:
                 if self.joined.get(c.name, rnd) <= rnd <= self.left.get(c.name, rnd) and not self.was_away(c.name, rnd)]
 
     def start_round(self, rnd: int) -> None:
-        """Before round ``rnd``'s sampling: the method's round state (a phase, a channel ratio) and the sites in the
-        federation in it (``Method.round_members``)."""
+        """Before round ``rnd``'s sampling: the method's round state (a phase, a channel ratio) and the sites the
+        federation holds in it (``Method.round_members``): every site that has joined by then, a site that left or
+        is away too (the federation's past is not rewritten: what its server holds is not sized anew when a site goes)."""
         self.method.on_round_start(self.model, rnd)
-        self.method.round_members(rnd, [self.clients[i] for i in self.active(rnd)])
+        self.method.round_members(rnd, [c for c in self.clients if self.joined.get(c.name, rnd) <= rnd])
 
     def was_away(self, name: str, rnd: int) -> bool:
         """Whether site ``name`` had left in round ``rnd`` and came back after it (``away``)."""

@@ -143,6 +143,7 @@ def run_training(
         raise KeyError(f"experiments.{experiment}: not defined in params.yaml")
     exp = params.experiments[experiment]
     algo = resolve_method(params, method, exp.train)  # the one typed method object of this run
+    train = algo.train  # the experiment's train, with the method's own local_optimizer settings where it has them
     layout = params.layout(root)
     harmonized = layout.harmonized(exp.dataset)
     split_path = layout.split(experiment)
@@ -183,7 +184,7 @@ def run_training(
         "dataset": exp.dataset,
         "split": exp.split.model_dump(mode="json"),
         # what changes no number is not part of the run's identity (changing it keeps a checkpoint)
-        "train": exp.train.model_dump(mode="json", exclude={"keep_client_models", "checkpoint_every"}),
+        "train": train.model_dump(mode="json", exclude={"keep_client_models", "checkpoint_every"}),
         "method": {"name": method, "base": method_base(method, params.methods[method]), **algo.params.model_dump(mode="json")},
         "seed": seed,
     }
@@ -203,9 +204,9 @@ def run_training(
         tracker = Tracker(params.tracking.enabled, params.tracking.uri)
         common = {"checkpoint": ckpt, "config_hash": config_hash, "observer": observer}
         if stream:
-            engine: Engine = ContinualEngine(algo, model, tasks, task_names, exp.train, seed, **common)
+            engine: Engine = ContinualEngine(algo, model, tasks, task_names, train, seed, **common)
         else:
-            engine = Engine(algo, model, clients, exp.train, seed, external=external, **common)
+            engine = Engine(algo, model, clients, train, seed, external=external, **common)
         commit, dirty = git_commit(root)
         locks = [root / "dvc.lock"]
         if params.paper is not None:  # a paper's splits are outputs of its own dvc.yaml

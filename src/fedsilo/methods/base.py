@@ -14,13 +14,13 @@ import weakref
 from typing import Any, ClassVar, Optional
 
 import torch
-from pydantic import TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 from pydantic_core import PydanticCustomError
 from torch import nn
 
 from fedsilo.client.data import ClientData
 from fedsilo.client.local import predict
-from fedsilo.config import Strict, TrainParams
+from fedsilo.config import LocalOptimizer, Strict, TrainParams
 from fedsilo.models import MODELS, LayeredNet
 
 State = dict[str, torch.Tensor]
@@ -33,7 +33,13 @@ def payload_bytes(payload: State) -> int:
 
 class MethodParams(Strict):
     """A method's hyper-parameters (``methods.<key>``): unknown keys, non-finite numbers and booleans given for
-    numbers are refused, as everywhere in params (:class:`fedsilo.config.Strict`)."""
+    numbers are refused, as everywhere in params (:class:`fedsilo.config.Strict`). Every method takes
+    ``local_optimizer``: its local training's optimizer settings where they differ from the experiment's ``train``."""
+
+    local_optimizer: Optional[LocalOptimizer] = Field(
+        None, description="optimizer settings of this method's local training in place of the experiment's train "
+        "(optimizer, lr, momentum, nesterov, betas, eps, weight_decay; a key left out keeps the experiment's)",
+    )
 
 
 def one_or_per_backbone(value: Any, one: TypeAdapter) -> Any:
@@ -88,10 +94,13 @@ class Method:
 
     def __init__(self, params: MethodParams, train: TrainParams, key: Optional[str] = None):
         self.params = params
-        self.train = train
         # the params.yaml entry this method was resolved from (``methods.<key>``): a named variant such as
         # fedavg_two_phase has its own key; errors name it
         self.key = key or self.name
+        # the run's training settings: the experiment's, with this method's own optimizer settings where it has them
+        # (applying them again, to a train that already holds them, changes nothing)
+        lo = params.local_optimizer
+        self.train = lo.applied(train, f"methods.{self.key}.local_optimizer") if lo is not None else train
         self._losses = threading.local()  # last_loss, per thread (a thread's value goes with the thread)
         self.federation: list[ClientData] = []
         self.members: list[ClientData] = []  # the sites in the federation in the round (round_members)
@@ -137,10 +146,11 @@ class Method:
         self.run_seed = int(seed)
 
     def round_members(self, rnd: int, members: list[ClientData]) -> None:
-        """Server side, before round ``rnd``'s training: the sites in the federation in that round (joined by then, not
-        left, not away: ``Engine.active``). An aggregation that counts or weighs the federation (F²DC's domains,
-        FedHEAL's starting weight) reads ``self.members``, so a site that joins or leaves a run in progress changes it
-        from that round on, never before (``joinable``)."""
+        """Server side, before round ``rnd``'s training: the sites the federation holds in that round, every site that
+        has joined by then (one that left or is away still counts, as everything the server holds of it stays). An
+        aggregation that counts or weighs the federation (F²DC's domains, FedHEAL's starting weight) reads
+        ``self.members``, so a site that joins a run in progress counts from its first round on, never before
+        (``joinable``)."""
         self.members = list(members)
 
     # --- structure

@@ -49,9 +49,9 @@ class F2DC(PartialSharing):
     Table 6's "w/o domain-aware aggregation" row; the preset runs it as ``fedavg_dc`` with the modules on the clients,
     the same computation as ``f2dc_no_daa``.
 
-    Q (domains) is the number of distinct domains among the sites in the federation in the round
-    (``Method.round_members``: the paper's federation, all of it in every round of a run that no site joins or
-    leaves); N sums the sample counts of the round's participants (the paper's N sums all K clients: the same under
+    Q (domains) is the number of distinct domains among the sites the federation holds in the round
+    (``Method.round_members``: the sites that have joined by then; the paper's federation in every round of a run
+    that no site joins); N sums the sample counts of the round's participants (the paper's N sums all K clients: the same under
     its full participation). A site may join a run in progress (``joinable``): a new domain counts in Q from the
     round the site joins, its modules start from the seeded initial model as every site's did. The paper's optimizer
     (SGD, lr 0.01, momentum 0.9, weight decay 1e-5) is the preset's ``train``; the code since commit 6b0a8ed trains
@@ -59,8 +59,9 @@ class F2DC(PartialSharing):
     optimizer. The code's first release could not run F²DC (its backbone returns five values where
     ``models/f2dc.py`` unpacks seven), so the paper's optimizer and the two-convolution, width-64 modules exist only
     in code that never ran; what ran is 6b0a8ed's and later. The paper pipeline runs both: ``f2dc`` as the paper
-    describes it (Tables 1-2's row), and ``f2dc_code`` on the ``*_code`` experiments (the same federations), as that
-    code trains it: modules shared, n_k / N weights, three convolutions of width 50, SGD lr 0.1."""
+    describes it (Tables 1-2's row), and ``f2dc_code`` on the same experiments (the same federations), as that
+    code trains it: modules shared, n_k / N weights, three convolutions of width 50, SGD lr 0.1 (its
+    ``local_optimizer``: the baselines keep the experiment's)."""
 
     name = "f2dc"
     params_cls = F2DCParams

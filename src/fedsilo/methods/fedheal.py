@@ -30,8 +30,8 @@ class FedHEAL(PartialSharing):
        client's first round; the share is a running mean kept per client);
     2. measures the masked update's size dist_k = sum over parameter tensors of ||m_k * Delta_k||_2 and moves the
        client's fair-aggregation weight by a momentum step, dw_k <- (1 - beta) dw_k + beta dist_k / sum_j dist_j,
-       w_k <- w_k + dw_k (starting from 1 / K, K the sites in the federation in the round the client first uploads,
-       ``Method.round_members``; the code starts from 1 / the clients online in the round, the same under full
+       w_k <- w_k + dw_k (starting from 1 / K, K the sites the federation holds in the round the client first
+       uploads, ``Method.round_members``: those that have joined by then; the code starts from 1 / the clients online in the round, the same under full
        participation; the un-normalized weight persists, the normalized one aggregates);
     3. aggregates element-wise: w <- w - sum_k [a_k m_k / sum_j a_j m_j] (m_k * Delta_k); an element every client
        masked out keeps its value (the code's fallback weights a_k multiply masked, hence zero, updates).
@@ -53,7 +53,10 @@ class FedHEAL(PartialSharing):
 
     def setup(self, model: LayeredNet) -> None:
         super().setup(model)
-        self.param_keys = {n for n, _ in model.named_parameters()} & set(self.shared)
+        # a list in the model's order: the distance sums float norms over it, and a set's order would follow the
+        # process's hash seed (two processes of the same run would differ in the last bits)
+        shared = set(self.shared)
+        self.param_keys = [n for n, _ in model.named_parameters() if n in shared]
 
     # the server keeps its bookkeeping beside the model; a download is the model only
     def download(self, server: State, client, rnd: int) -> State:
@@ -61,6 +64,10 @@ class FedHEAL(PartialSharing):
 
     def global_state(self, server: State):
         return {k: server[k] for k in self.shared} if not self.private else None
+
+    def eval_download(self, server: State, client) -> State:
+        """The model only: the server's bookkeeping (every site's sign history and weight) stays on the server."""
+        return self.download(server, client, 0)
 
     def eval_state(self, server, store, client):
         return {**store, **{k: server[k] for k in self.shared}}

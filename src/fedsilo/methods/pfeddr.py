@@ -204,10 +204,10 @@ class PFedDR(PartialSharing):
         self.beta = float(self._for_backbone("beta"))
         self.ce_sum = bool(self._for_backbone("ce_sum"))
         momentum = self._for_backbone("momentum")
-        self.momentum = train.momentum if momentum is None else float(momentum)
-        if train.nesterov and self.momentum <= 0:
+        self.momentum = self.train.momentum if momentum is None else float(momentum)
+        if self.train.nesterov and self.momentum <= 0:
             raise ConfigError(f"methods.{self.key}.momentum: 0 with train.nesterov: true (Nesterov needs momentum > 0)")
-        self.local_train = train.model_copy(update={"momentum": self.momentum})
+        self.local_train = self.train.model_copy(update={"momentum": self.momentum})
         rounds = self._for_backbone("rounds")
         self.rounds = train.rounds if rounds is None else int(rounds)
         if self.rounds > train.rounds:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from fedsilo.config import ConfigError, Params, TrainParams, format_validation_error
 from fedsilo.methods.base import Method, MethodParams
@@ -169,11 +169,13 @@ def describe_method(params: Params, key: str, source: str = "params.yaml") -> st
     summary = (sys.modules[method_class(base).__module__].__doc__ or "").strip().splitlines()
     given = set(_values(params.methods[key]))
     lines = [f"methods.{key}" + (f" (method: {base})" if base != key else "") + (f": {summary[0]}" if summary else "")]
-    for name, field in type(typed).model_fields.items():
+    fields = type(typed).model_fields
+    own = [n for n in fields if n not in MethodParams.model_fields] + list(MethodParams.model_fields)  # the method's first
+    for name in own:
+        field, value = fields[name], getattr(typed, name)
         note = "set" if name in given else "default"
-        lines.append(f"  {name}: {getattr(typed, name)!r} ({note})" + (f"  {field.description}" if field.description else ""))
-    if len(lines) == 1:
-        lines.append("  (no parameters)")
+        shown = value.model_dump(exclude_none=True) if isinstance(value, BaseModel) else value
+        lines.append(f"  {name}: {shown!r} ({note})" + (f"  {field.description}" if field.description else ""))
     return "\n".join(lines)
 
 
