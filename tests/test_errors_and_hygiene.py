@@ -180,7 +180,7 @@ def test_a_method_entry_that_fails_for_an_experiments_backbone_names_the_file_an
     raw["pipeline"]["methods"] = ["pfeddb"]
     err = _check_params(tmp_path, raw, capsys)
     assert ("p.yaml: methods.pfeddb.phase2_optimizer: no entry for the backbone simple_cnn (entries: alexnet_bn) "
-            "(experiments.quick trains it on simple_cnn)") in err, err
+            "(resolved for experiments.quick)") in err, err
 
 
 # --------------------------------------------------------------------------- item 5: label files

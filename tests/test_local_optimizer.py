@@ -46,9 +46,23 @@ def test_a_key_left_out_keeps_the_experiments_and_a_bad_combination_names_the_ke
     assert resolve_method(params, "fedavg", exp).train == exp
     # nesterov without momentum on the experiment's SGD: refused when the params are read, naming the entry
     p["methods"]["fedavg_fast"]["local_optimizer"] = {"nesterov": True, "momentum": 0.0}
-    with pytest.raises(ConfigError, match=r"params.yaml: methods.fedavg_fast.local_optimizer: .*Nesterov momentum needs momentum > 0 "
-                                          r"\(with the experiment's train: sgd, lr "):
+    with pytest.raises(ConfigError, match=r"params.yaml: methods.fedavg_fast.local_optimizer: nesterov: Nesterov momentum needs "
+                                          r"momentum > 0 \(the train it changes: sgd, lr .*a key left out keeps the train's value"):
         parse_params(p)
     p["methods"]["fedavg_fast"]["local_optimizer"] = {"learning_rate": 0.5}
     with pytest.raises(ConfigError, match=r"methods.fedavg_fast.local_optimizer.learning_rate"):
         parse_params(p)
+
+
+def test_an_empty_entry_is_none_and_a_method_with_an_optimizer_of_its_own_refuses_it():
+    from fedsilo.methods.fedavg import FedAvgParams
+
+    assert FedAvgParams(local_optimizer={}) == FedAvgParams()
+    fedcil, pfeddr = method_class("fedcil"), method_class("pfeddr")
+    with pytest.raises(ConfigError, match=r"methods.fedcil.local_optimizer: fedcil does not train with the train's optimizer "
+                                          r"\(its clients' Adam: methods.<key>.lr"):
+        fedcil(fedcil.params_cls(local_optimizer={"lr": 0.5}), TrainParams(**TRAIN))
+    # pFedDR's own per-backbone momentum beside local_optimizer's: one of them
+    with pytest.raises(ConfigError, match=r"methods.pfeddr.local_optimizer.momentum: beside methods.pfeddr.momentum"):
+        pfeddr(pfeddr.params_cls(momentum=0.5, local_optimizer={"momentum": 0.9}), TrainParams(**TRAIN))
+    assert pfeddr(pfeddr.params_cls(local_optimizer={"momentum": 0.9}), TrainParams(**TRAIN)).local_train.momentum == 0.9

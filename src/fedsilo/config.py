@@ -1089,9 +1089,10 @@ class LocalOptimizer(Strict):
         try:
             return TrainParams.model_validate({**train.model_dump(), **given})
         except ValidationError as err:
-            first = err.errors()[0]
-            raise ConfigError(f"{what}: {first['msg']} (with the experiment's train: {train.optimizer}, lr {train.lr}, "
-                              f"momentum {train.momentum})") from None
+            msg = err.errors()[0]["msg"].removeprefix("Value error, ")
+            raise ConfigError(f"{what}: {msg} (the train it changes: {train.optimizer}, lr {train.lr}, momentum "
+                              f"{train.momentum}, nesterov {train.nesterov}; a key left out keeps the train's value: set "
+                              "it here too)") from None
 
 
 class TrainParams(Strict):

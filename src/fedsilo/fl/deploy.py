@@ -637,7 +637,9 @@ def _start_tracking(dep: dict[str, Any], uri: str, state: Path, run_id: Optional
         tags[f"site.{site['name']}.fingerprint"] = site["fingerprint"]
         if site.get("node_id") is not None:
             tags[f"site.{site['name']}.node_id"] = str(site["node_id"])
-    params = {"method": dep["method"]["params"], "train": dep["train"], "seed": dep["seed"], "contract": dep["contract"]}
+    # the train the sites use: the federation's, with the method's own local_optimizer settings where it has them
+    train = deployment_spec(dep).method().train.model_dump(mode="json")
+    params = {"method": dep["method"]["params"], "train": train, "seed": dep["seed"], "contract": dep["contract"]}
     tracker.start_in(state, f"deploy/{dep['federation']}", f"{dep['method']['key']}-seed{dep['seed']}", params, tags, run_id=run_id)
     if tracker.enabled and run_id and tracker.run_id == run_id:
         # resumed, perhaps by a new App that pins a site's new node (resume_key leaves node ids out): the run's tags

@@ -118,7 +118,7 @@ def adapt_federation_model(dep: dict[str, Any], client: ClientData, shared: Stat
     Returns the accuracy per round and final per strategy, and their models (states on the CPU)."""
 
     spec = deployment_spec(dep)
-    seed, train = spec.seed, spec.train
+    seed = spec.seed
     example = to_float(client.x_train[:2])
     device = client.x_train.device
 
@@ -127,6 +127,7 @@ def adapt_federation_model(dep: dict[str, Any], client: ClientData, shared: Stat
         return method, model, set(private)
 
     method, base, private = start(seed)
+    train = method.train  # the deployment's train, with the method's own local_optimizer settings where it has them
     plain = {k: v.shape for k, v in spec.make_model().state_dict().items()}
     if {k: v.shape for k, v in base.state_dict().items()} != plain:
         raise ConfigError(f"{dep['method']['key']} builds its own model around the backbone ({dep['method']['base']}: other "

@@ -14,13 +14,13 @@ import weakref
 from typing import Any, ClassVar, Optional
 
 import torch
-from pydantic import Field, TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 from torch import nn
 
 from fedsilo.client.data import ClientData
 from fedsilo.client.local import predict
-from fedsilo.config import LocalOptimizer, Strict, TrainParams
+from fedsilo.config import ConfigError, LocalOptimizer, Strict, TrainParams
 from fedsilo.models import MODELS, LayeredNet
 
 State = dict[str, torch.Tensor]
@@ -40,6 +40,11 @@ class MethodParams(Strict):
         None, description="optimizer settings of this method's local training in place of the experiment's train "
         "(optimizer, lr, momentum, nesterov, betas, eps, weight_decay; a key left out keeps the experiment's)",
     )
+
+    @field_validator("local_optimizer", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v: Any) -> Any:
+        return None if v == {} else v  # `local_optimizer: {}` changes nothing: the same run (and hash) as none
 
 
 def one_or_per_backbone(value: Any, one: TypeAdapter) -> Any:
@@ -89,6 +94,9 @@ class Method:
     # of sites or domains is taken from the round's members). Declared by each class for itself (a subclass that adds
     # such state does not inherit it): see joins_mid_run()
     joinable: ClassVar[bool] = False
+    # a method whose local training uses an optimizer of its own params, not the train's (local_optimizer refused,
+    # naming these): FedCIL's Adam
+    own_optimizer: ClassVar[str] = ""
     # why not, for a method that is not joinable: the refusal of a site marked joined names it
     join_refusal: ClassVar[str] = "its server keeps state sized or weighted by the federation it started with"
 
@@ -100,6 +108,9 @@ class Method:
         # the run's training settings: the experiment's, with this method's own optimizer settings where it has them
         # (applying them again, to a train that already holds them, changes nothing)
         lo = params.local_optimizer
+        if lo is not None and self.own_optimizer:
+            raise ConfigError(f"methods.{self.key}.local_optimizer: {self.name} does not train with the train's optimizer "
+                              f"({self.own_optimizer}): set those instead")
         self.train = lo.applied(train, f"methods.{self.key}.local_optimizer") if lo is not None else train
         self._losses = threading.local()  # last_loss, per thread (a thread's value goes with the thread)
         self.federation: list[ClientData] = []

@@ -78,7 +78,9 @@ class FedBABU(PartialSharing):
         super().load_eval_model(model, server, store, client, rnd)  # the global body + the initial head
         if self.params.finetune_epochs == 0:
             return
-        tune = self.train.model_copy(update={"lr": self.params.finetune_lr, "momentum": self.params.finetune_momentum, "weight_decay": 0.0})
+        # the code's fine-tuning: SGD with its own rate and momentum, whatever the local training's optimizer
+        tune = self.train.model_copy(update={"optimizer": "sgd", "nesterov": False, "lr": self.params.finetune_lr,
+                                             "momentum": self.params.finetune_momentum, "weight_decay": 0.0})
         train_local(model, client, tune, make_generator(self.run_seed, rnd, client.index, 2), epochs=self.params.finetune_epochs)
 
     def setup(self, model: LayeredNet) -> None:

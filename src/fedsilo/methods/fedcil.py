@@ -235,6 +235,7 @@ class FedCIL(Method):
     name = "fedcil"
     params_cls = FedCILParams
     params: FedCILParams
+    own_optimizer = "its clients' Adam: methods.<key>.lr, beta1, beta2, weight_decay"
     task_stream = True
     stream_only = True
     # each local update logs its batches and device on the method

@@ -204,9 +204,15 @@ class PFedDR(PartialSharing):
         self.beta = float(self._for_backbone("beta"))
         self.ce_sum = bool(self._for_backbone("ce_sum"))
         momentum = self._for_backbone("momentum")
+        lo = params.local_optimizer
+        if momentum is not None and lo is not None and lo.momentum is not None:
+            raise ConfigError(f"methods.{self.key}.local_optimizer.momentum: beside methods.{self.key}.momentum, which "
+                              "sets pFedDR's momentum per backbone: give one of them")
         self.momentum = self.train.momentum if momentum is None else float(momentum)
         if self.train.nesterov and self.momentum <= 0:
             raise ConfigError(f"methods.{self.key}.momentum: 0 with train.nesterov: true (Nesterov needs momentum > 0)")
+        if self.train.optimizer == "adam" and self.momentum > 0:
+            raise ConfigError(f"methods.{self.key}.momentum: {self.momentum} with optimizer: adam (Adam's moments are betas)")
         self.local_train = self.train.model_copy(update={"momentum": self.momentum})
         rounds = self._for_backbone("rounds")
         self.rounds = train.rounds if rounds is None else int(rounds)

@@ -126,7 +126,7 @@ def check_methods(params: Params, source: str = "params.yaml") -> None:
             try:
                 algo = resolve_method(params, key, train)
             except ConfigError as err:  # a per-backbone entry lacking this experiment's backbone, ...
-                raise ConfigError(f"{source}: {err} (experiments.{e} trains it on {train.model})") from None
+                raise ConfigError(f"{source}: {err} (resolved for experiments.{e})") from None
             fedavg_start = getattr(algo.params, "fedavg_rounds", 0)  # LG-FedAvg's FedAvg-trained start
             if fedavg_start >= train.rounds:
                 raise ConfigError(f"{source}: methods.{key}.fedavg_rounds: {fedavg_start} FedAvg rounds leave no LG-FedAvg "
