@@ -102,12 +102,13 @@ def test_split_param_edit_reruns_only_that_split(repo_copy):
         raw = yaml.safe_load(original)
         raw["experiments"]["pacs_skew"]["split"]["beta"] = 0.1
         params.write_text(yaml.safe_dump(raw, sort_keys=False))
-        assert _stale(repo_copy) == {"split@pacs_skew"}
+        # check_params reruns on any edit (its output stays the same when the file holds: nothing else reruns for it)
+        assert _stale(repo_copy) == {"check_params", "split@pacs_skew"}
         raw["datasets"]["pacs"]["image_size"] = 20
         params.write_text(yaml.safe_dump(raw, sort_keys=False))
         # PACS's fingerprint is rewritten (seconds; it reads the dataset's source list) with the same content;
         # CXR's harmonize, split and training are untouched
-        assert _stale(repo_copy) == {"fingerprint@pacs", "harmonize@pacs", "split@pacs_skew"}
+        assert _stale(repo_copy) == {"check_params", "fingerprint@pacs", "harmonize@pacs", "split@pacs_skew"}
     finally:
         params.write_text(original)
     assert _stale(repo_copy) == set()
@@ -120,10 +121,19 @@ def test_method_param_edit_reruns_only_that_method_and_the_report(repo_copy):
         raw = yaml.safe_load(original)
         raw["methods"]["fedprox"]["mu"] = 0.5
         params.write_text(yaml.safe_dump(raw, sort_keys=False))
-        assert _stale(repo_copy) == {"train@quick-fedprox-0", "report@quick"}
+        assert _stale(repo_copy) == {"check_params", "train@quick-fedprox-0", "report@quick"}
         raw["experiments"]["quick"]["train"]["lr"] = 0.05
         params.write_text(yaml.safe_dump(raw, sort_keys=False))
-        assert _stale(repo_copy) == {"train@quick-fedprox-0", "train@quick-fedbn-0", "report@quick"}
+        assert _stale(repo_copy) == {"check_params", "train@quick-fedprox-0", "train@quick-fedbn-0", "report@quick"}
+        # the edit beside a typo: `dvc repro` stops at check_params, naming the key, before DVC removes the stale
+        # runs' results to rerun them
+        raw["methods"]["fedprox"]["muu"] = 0.5
+        params.write_text(yaml.safe_dump(raw, sort_keys=False))
+        r = subprocess.run(["dvc", "repro"], cwd=repo_copy, capture_output=True, text=True, timeout=900,
+                           env={**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")})
+        assert r.returncode != 0 and "methods.fedprox.muu" in r.stdout + r.stderr
+        assert (repo_copy / "results" / "quick" / "fedprox" / "seed0" / "metrics.json").exists()
+        assert (repo_copy / "results" / "quick" / "fedbn" / "seed0" / "metrics.json").exists()
     finally:
         params.write_text(original)
     assert _stale(repo_copy) == set()
@@ -212,7 +222,8 @@ def test_a_method_edit_in_a_papers_params_reruns_only_its_runs_and_that_papers_r
         raw["methods"]["fedprox"]["mu"] = 0.5
         params.write_text(yaml.safe_dump(raw, sort_keys=False))
         assert _stale(paper_repo, PFEDDB) == {
-            f"{PFEDDB}:train_tables_1_2@pq_cxr-fedprox-0", f"{PFEDDB}:report@pq_cxr", f"{PFEDDB}:report@pq_hold"
+            f"{PFEDDB}:check_params", f"{PFEDDB}:train_tables_1_2@pq_cxr-fedprox-0", f"{PFEDDB}:report@pq_cxr",
+            f"{PFEDDB}:report@pq_hold"
         }
         assert _stale(paper_repo) == set()  # the root pipeline is untouched
     finally:
@@ -231,11 +242,11 @@ def test_a_hospitals_table_rules_reharmonize_its_dataset_and_its_folder_refetche
         raw = yaml.safe_load(original)
         raw["datasets"]["cxr_sites"]["tables"]["st_marys"]["negative"] = ["Normal"]
         params.write_text(yaml.safe_dump(raw, sort_keys=False))
-        assert _stale(repo_copy) == {"fingerprint@cxr_sites", "harmonize@cxr_sites"}
+        assert _stale(repo_copy) == {"check_params", "fingerprint@cxr_sites", "harmonize@cxr_sites"}
         raw = yaml.safe_load(original)
         raw["sources"]["st_marys"]["mirror"]["seed"] = 5
         params.write_text(yaml.safe_dump(raw, sort_keys=False))
-        assert _stale(repo_copy) == {"fetch@st_marys"}
+        assert _stale(repo_copy) == {"check_params", "fetch@st_marys"}
     finally:
         params.write_text(original)
     assert _stale(repo_copy) == set()
@@ -254,7 +265,7 @@ def test_refetching_one_source_reharmonizes_only_the_datasets_built_on_it(repo_c
     raw = yaml.safe_load(params.read_text())
     raw["sources"]["pacs"]["mirror"]["seed"] = 7
     params.write_text(yaml.safe_dump(raw, sort_keys=False))
-    assert _stale(repo_copy) == {"fetch@pacs"}
+    assert _stale(repo_copy) == {"check_params", "fetch@pacs"}
     out = _run(repo_copy, "dvc", "repro", "harmonize@chest_xray4", "harmonize@digits5", "harmonize@pacs")
     ran = {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")}
     assert {"fetch@pacs", "fingerprint@chest_xray4", "harmonize@pacs"} <= ran

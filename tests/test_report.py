@@ -56,9 +56,11 @@ def test_communication_table_matches_the_tensors_each_method_uploads(mirror_root
     assert "communication" in made["quick"]
     acc = (root / "results" / "report" / "quick" / "quick_accuracy.md").read_text()
     assert "| method | CheXpert | OpenI | RSNA | VinBigData | Avg |" in acc
-    # ours beside the paper's Table 1 (methods both have), with the difference
+    # ours beside the paper's Table 1, with the difference; a method the table has no row for (the two-phase FedAvg
+    # ablation) is there with no paper value ("ours / –")
     vs = pd.read_csv(root / "results" / "report" / "quick" / "quick_vs_paper.csv", index_col=0)
-    assert list(vs.index) == ["single", "fedavg", "pfeddb"]
+    assert list(vs.index) == ["single", "fedavg", "fedavg_two_phase", "pfeddb"]
+    assert pd.isna(vs.loc["fedavg_two_phase", "Avg_paper"]) and not pd.isna(vs.loc["fedavg_two_phase", "Avg_ours"])
     ours = pd.read_csv(root / "results" / "report" / "quick" / "quick_accuracy.csv", index_col=0)
     assert abs(vs.loc["pfeddb", "OpenI_paper"] - 73.3) < 1e-9 and abs(vs.loc["single", "Avg_paper"] - 80.7) < 1e-9
     assert abs(vs.loc["fedavg", "RSNA_ours"] - ours.loc["fedavg", "RSNA_mean"]) < 1e-3
@@ -255,7 +257,8 @@ def test_local_new_external_table_averages_each_column_over_seeds(tmp_path):
 
     paper = {"domains": ["local", "new"], "methods": {"cd2pfed": {"mean": [91.82, 61.31]}, "fedper": {"mean": [83.29, 57.77]}}}
     vs = versus_paper(pd.concat({"mean": tab["mean"].rename(columns=METRIC_COLUMNS_INV)}, axis=1), paper, avg=False)
-    assert list(vs.index) == ["cd2pfed"] and vs.loc["cd2pfed", ("local", "diff")] == pytest.approx(85.0 - 91.82)
+    assert list(vs.index) == ["cd2pfed", "fedavg"] and vs.loc["cd2pfed", ("local", "diff")] == pytest.approx(85.0 - 91.82)
+    assert pd.isna(vs.loc["fedavg", ("local", "paper")])  # the paper's table has no FedAvg row: "ours / –"
     assert vs.loc["cd2pfed", ("new", "paper")] == 61.31 and "Avg" not in {c[0] for c in vs.columns}
     for (m, s) in values:
         write_json(tmp_path / m / f"seed{s}" / "metrics.json", {"mean_acc": 0.5})
@@ -329,3 +332,21 @@ def test_one_table_of_a_paper_is_reported_from_its_groups_runs_and_names_the_run
     assert "runs.table9: no such run group (groups: tables_1_2," in capsys.readouterr().err
     assert main([*params, "report", "--group", "table4", "--sensitivity"]) == 2
     assert "--sensitivity and --group: one or the other" in capsys.readouterr().err
+
+
+def test_latex_tables_escape_names_and_a_table_of_identical_rows_says_it_tells_nothing():
+    from fedsilo.report import indistinct_rows, latex_text, to_latex, versus_paper
+
+    cols = ["art_painting", "Avg"]
+    acc = pd.concat({"mean": pd.DataFrame([[50.0, 60.0], [50.0, 60.0]], index=["f2dc_no_dfd", "fedavg"], columns=cols),
+                     "std": pd.DataFrame([[1.0, 2.0], [1.0, 2.0]], index=["f2dc_no_dfd", "fedavg"], columns=cols)}, axis=1)
+    tex = to_latex(acc, f"{latex_text('f2dc_office')}: 50% & more")
+    assert "f2dc\\_no\\_dfd &" in tex and "art\\_painting" in tex and "\\caption{f2dc\\_office" in tex
+    body = tex.replace("\\_", "")
+    assert "_" not in body, "a bare underscore stops LaTeX outside math mode"
+    assert "all 2 methods scored exactly the same" in indistinct_rows(acc)
+    acc.loc["fedavg", ("mean", "Avg")] = 61.0
+    assert indistinct_rows(acc) is None
+    # a method the paper has no row for is in the versus table, paper "–"
+    tab = versus_paper(acc, {"domains": ["art_painting"], "methods": {"fedavg": {"mean": [40.0, 50.0]}}})
+    assert list(tab.index) == ["f2dc_no_dfd", "fedavg"] and pd.isna(tab.loc["f2dc_no_dfd", ("Avg", "paper")])

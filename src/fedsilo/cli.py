@@ -289,6 +289,10 @@ def _check(args: argparse.Namespace) -> None:
 
     p = load_params(args.params)
     check_pipeline_fits(p, str(args.params))
+    if args.stamp:  # the same bytes whenever the file holds: the stages depending on it rerun for their own params only
+        from fedsilo.utils.io import write_json
+
+        write_json(p.layout(args.root).params_checked(), {"params": str(args.params), "checked": True})
     if args.method:
         from fedsilo.methods.registry import describe_method
 
@@ -837,6 +841,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                        formatter_class=fmt, epilog=_listing(known, "methods"))
     s.add_argument("--method", action="append", metavar="KEY", help="print methods.KEY's parameters as a run takes them: "
                    "value, set or default, meaning (repeatable)")
+    s.add_argument("--stamp", action="store_true", help="when the params hold, write data/checked/[<paper>/<scale>/]params.json "
+                   "(the check_params stage: the split, train, onboard and report stages depend on it, so a params file "
+                   "that fails stops dvc repro before DVC removes their outputs)")
     s.set_defaults(fn=_check)
     return ap
 

@@ -31,6 +31,11 @@ class Layout:
         """What every train stage depends on in place of the training code's folders: its hash (``code_fingerprint``)."""
         return self.root / "data" / "code" / "train.json"
 
+    def params_checked(self) -> Path:
+        """``check_params``'s output, which the stages that params edit reruns depend on (``fedsilo check-params
+        --stamp``): a params file that fails its checks stops ``dvc repro`` before DVC removes any of their outputs."""
+        return self._ns(self.root / "data" / "checked") / "params.json"
+
     def split(self, experiment: str) -> Path:
         return self._ns(self.root / "data" / "splits") / f"{experiment}.json"
 

@@ -336,6 +336,21 @@ def summary_table(df: pd.DataFrame, metric: str, methods: list[str], domain_std:
     return out
 
 
+def indistinct_rows(tab: pd.DataFrame) -> str | None:
+    """A note when every method of a table scored exactly the same in every column: runs too short or too small to
+    tell the methods apart (a quickstart's few steps, each model predicting one class), whose bold "best" cells and
+    differences from a paper mean nothing. None otherwise."""
+    mean = tab["mean"]
+    if len(mean.index) < 2 or mean.isna().all().all():
+        return None
+    first = mean.iloc[0]
+    if all(np.allclose(mean.loc[m].to_numpy(float), first.to_numpy(float), equal_nan=True) for m in mean.index):
+        return (f"all {len(mean.index)} methods scored exactly the same in every column: the runs are too short or too "
+                "small to tell them apart (each model likely predicts one class); their ranking and their differences "
+                "from the paper mean nothing")
+    return None
+
+
 def _cells(tab: pd.DataFrame, bold: str) -> pd.DataFrame:
     mean, std = tab["mean"], tab["std"]
     best = mean.max(axis=0)
@@ -360,15 +375,24 @@ def to_markdown(tab: pd.DataFrame, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def latex_text(text: str) -> str:
+    """A name (a method key, a domain, an experiment) as LaTeX text: its special characters escaped."""
+    special = {"\\": "\\textbackslash{}", "&": "\\&", "%": "\\%", "$": "\\$", "#": "\\#", "_": "\\_", "{": "\\{",
+               "}": "\\}", "~": "\\textasciitilde{}", "^": "\\textasciicircum{}"}
+    return "".join(special.get(ch, ch) for ch in str(text))
+
+
 def to_latex(tab: pd.DataFrame, caption: str) -> str:
+    """``caption`` is LaTeX already (its names escaped by the caller, :func:`latex_text`); method and column names
+    are escaped here."""
     cells = _cells(tab, "\\textbf{{{}}}").map(lambda s: s.replace("±", "$\\pm$"))
-    cols = list(cells.columns)
+    cols = [latex_text(c) for c in cells.columns]
     lines = [
         "\\begin{table}[t]", "\\centering", f"\\caption{{{caption}}}", "\\begin{tabular}{l" + "c" * len(cols) + "}",
         "\\toprule", "Method & " + " & ".join(cols) + " \\\\", "\\midrule",
     ]
     for m, row in cells.iterrows():
-        lines.append(f"{m} & " + " & ".join(row) + " \\\\")
+        lines.append(f"{latex_text(m)} & " + " & ".join(row) + " \\\\")
     lines += ["\\bottomrule", "\\end{tabular}", "\\end{table}"]
     return "\n".join(lines) + "\n"
 
@@ -611,8 +635,12 @@ def versus_paper(acc: pd.DataFrame, published: dict[str, Any], avg: bool = True)
     if avg and extra:  # our Avg is over every domain of ours, the paper's over its own
         log.warning("the paper's table has no column for %s: its Avg and ours average different domains", ", ".join(map(str, extra)))
     cols = {}
-    rows = [m for m in ours.index if m in published["methods"]]
+    rows = list(ours.index)  # every method of ours: one the paper has no row for (an ablation whose row did not
+    # survive its text) prints "ours / –"
+
     def paper_value(m: str, i: int) -> float:
+        if not (published["methods"].get(m) or {}).get("mean"):
+            return float("nan")
         vals = published["methods"][m]["mean"]
         if len(vals) == 1:  # an Avg-only row (a sensitivity table that prints the mean over domains alone)
             return float(vals[0]) if i == len(domains) - 1 else float("nan")
@@ -626,7 +654,7 @@ def versus_paper(acc: pd.DataFrame, published: dict[str, Any], avg: bool = True)
         cols[(d, "paper")] = paper
         cols[(d, "diff")] = ours.loc[rows, d] - paper
     if avg and "STD" in ours.columns and has_domain_std(published):
-        paper = pd.Series({m: float(published["methods"][m].get("std_over_domains", np.nan)) for m in rows}, dtype=float)
+        paper = pd.Series({m: float((published["methods"].get(m) or {}).get("std_over_domains", np.nan)) for m in rows}, dtype=float)
         cols[("STD", "ours")], cols[("STD", "paper")] = ours.loc[rows, "STD"], paper
         cols[("STD", "diff")] = ours.loc[rows, "STD"] - paper
     return pd.DataFrame(cols)
@@ -785,6 +813,10 @@ def build_report(
             domain_std = has_domain_std(entries.get("accuracy"))
             acc = summary_table(df, "acc", methods, domain_std)
             md = to_markdown(acc, f"{exp}: test accuracy (%), {over_seeds(seeds)}")
+            same = indistinct_rows(acc)
+            if same:
+                log.warning("%s: %s", exp, same)
+                md += f"\n> **Note:** {same}\n"
             if df["has_auc"].astype(bool).any():
                 md += "\n" + to_markdown(summary_table(df, "auc", methods), f"{exp}: test AUC (%), {over_seeds(seeds)}")
                 no_auc = one_class_clients(df)
@@ -823,7 +855,7 @@ def build_report(
             comm.to_csv(tmp / f"{exp}_communication.csv", float_format="%.10g")
             (tmp / f"{exp}_accuracy.md").write_text(md)
             _write_flat_csv(acc, tmp / f"{exp}_accuracy.csv")
-            (tmp / f"{exp}_accuracy.tex").write_text(to_latex(acc, f"{exp}: test accuracy (\\%), {over_seeds(seeds, latex=True)}"))
+            (tmp / f"{exp}_accuracy.tex").write_text(to_latex(acc, f"{latex_text(exp)}: test accuracy (\\%), {over_seeds(seeds, latex=True)}"))
             figs = _plots(tmp, exp, methods, seeds, histories, client_domains(results, methods[0], seeds[0]))
             lne = local_new_external(results, methods, seeds)
             if lne is not None:
