@@ -28,6 +28,10 @@ def test_repo_params_yaml_is_valid():
         (lambda d: d.update(extra_section={}), "extra_section: unknown key"),
         (lambda d: d["methods"].update(fedmagic={}), "methods.fedmagic: unknown method"),
         (lambda d: d["pipeline"]["methods"].append("ditto"), "pipeline.methods: 'ditto' is not defined"),
+        # a near miss of a known name is named (a typo), a far one is not
+        (lambda d: d["methods"]["fedprox"].update(muu=1), "methods.fedprox.muu: unknown key (did you mean 'mu'?)"),
+        (lambda d: d["experiments"]["quick"]["train"].update(lr_shedule={}), "train.lr_shedule: unknown key (did you mean 'lr_schedule'?)"),
+        (lambda d: d["pipeline"]["methods"].append("fedprx"), "pipeline.methods: 'fedprx' is not defined under 'methods' (did you mean 'fedprox'?)"),
     ],
 )
 def test_bad_value_names_the_key(edit, key):
@@ -36,6 +40,8 @@ def test_bad_value_names_the_key(edit, key):
     with pytest.raises(ConfigError) as err:
         parse_params(raw)
     assert key in str(err.value)
+    if "extra_section" in key:  # no key of any section is near it
+        assert "did you mean" not in str(err.value)
 
 
 def test_cli_check_params_reports_key_and_exits_2(tmp_path, capsys):

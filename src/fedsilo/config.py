@@ -1397,7 +1397,7 @@ class Params(Strict):
         ):
             for item in getattr(self.pipeline, key):
                 if item not in known:
-                    raise ValueError(f"pipeline.{key}: '{item}' is not defined under '{key}'")
+                    raise ValueError(f"pipeline.{key}: '{item}' is not defined under '{key}'{did_you_mean(item, known)}")
         for d in self.pipeline.datasets:  # harmonize@<d> reads data/raw/<s>, which only fetch@<s> writes
             missing = [s for s in self.datasets[d].source_list if s not in self.pipeline.sources]
             if missing:
@@ -1481,6 +1481,26 @@ def _drop_union_tags(loc: tuple) -> tuple:
     return tuple(out)
 
 
+def did_you_mean(name: str, known: Any) -> str:
+    """`` (did you mean 'x'?)`` when ``name`` is a near miss of one of ``known`` (a typo), else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.75)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _all_keys() -> set[str]:
+    """Every key of every params model loaded so far (the sections' and the imported methods' own): the names an
+    unknown key may be a typo of."""
+    out: set[str] = set()
+    todo: list[type] = [Strict]
+    while todo:
+        cls = todo.pop()
+        out.update(getattr(cls, "model_fields", {}))
+        todo.extend(cls.__subclasses__())
+    return out
+
+
 def format_validation_error(err: ValidationError, prefix: str = "") -> str:
     """One line: ``<dotted key>: <what is wrong>`` per error, joined by ``; ``. A validator's own message (which
     names its key already where the check spans several) is shown without pydantic's ``Value error,`` prefix."""
@@ -1492,7 +1512,7 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
         key = f"{prefix}{dotted}" if dotted else prefix.rstrip(".")
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = "unknown key" + (did_you_mean(loc[-1], _all_keys()) if loc else "")
         elif e["type"] == "value_error" and "error" in ctx:
             msg = str(ctx["error"])
         lines.append(f"{key}: {msg}" if key else msg)
@@ -1554,10 +1574,11 @@ class PaperParams(Strict):
                 raise ValueError(f"runs.{g}: a group name is lower-case letters, digits and _ (it names DVC stages)")
             for e in grp.experiments:
                 if e not in self.experiments:
-                    raise ValueError(f"runs.{g}.experiments: '{e}' is not defined under 'experiments'")
+                    raise ValueError(f"runs.{g}.experiments: '{e}' is not defined under 'experiments'"
+                                     f"{did_you_mean(e, self.experiments)}")
             for m in grp.methods:
                 if m not in self.methods:
-                    raise ValueError(f"runs.{g}.methods: '{m}' is not defined under 'methods'")
+                    raise ValueError(f"runs.{g}.methods: '{m}' is not defined under 'methods'{did_you_mean(m, self.methods)}")
             for key, items in (("experiments", grp.experiments), ("methods", grp.methods), ("beside", grp.beside)):
                 twice = sorted({x for x in items if items.count(x) > 1})
                 if twice:
@@ -1607,6 +1628,7 @@ def load_paper_params(path: Path, raw: dict[str, Any]) -> Params:
         e, d = next(iter(unbuilt.items()))[::-1]
         raise ConfigError(
             f"{path}: experiments.{e}.dataset: '{d}' is not built by {pp.data}"
+            + ("" if d in root.datasets else did_you_mean(d, root.datasets))
             + (f"; nor {', '.join(repr(x) for x in list(unbuilt)[1:])}" if len(unbuilt) > 1 else "")
             + " (add each to pipeline.datasets there, defining under datasets any it lacks"
             + (f"; add their sources {', '.join(sources)} to pipeline.sources too, pointed at your copies" if sources else "") + ")"

@@ -64,8 +64,8 @@ def git_files(repo: Path, *args: str) -> list[str]:
 
 
 def lock_files(repo: Path) -> list[str]:
-    """Every ``dvc.lock`` of the workspace, tracked, untracked or ignored (this repository ignores
-    them: each workspace's own), not DVC's own temporary copies under ``.dvc/``: what says which data and splits the stages read."""
+    """Every ``dvc.lock`` of the workspace, tracked, untracked or ignored (this repository commits
+    none: each workspace's own), not DVC's own temporary copies under ``.dvc/``: what says which data and splits the stages read."""
     found = git_files(repo, "--cached", "--others", "--", "dvc.lock", "**/dvc.lock")
     return sorted({f for f in found if not f.startswith(".dvc/") and (Path(repo) / f).is_file()})
 

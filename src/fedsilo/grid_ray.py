@@ -76,7 +76,7 @@ def worker_inputs(pipeline: str, repo: Path, stages: list[str],
 
 def workspace_files(repo: Path) -> list[str]:
     """What a worker gets of the workspace: git-tracked files and untracked ones git does not ignore (as they are now,
-    edits included), and every ``dvc.lock`` (ignored in this repository, but it says which data the stages read)."""
+    edits included), and every ``dvc.lock`` (this repository commits none, but it says which data the stages read)."""
     files = set(git_files(repo, "--cached", "--others", "--exclude-standard")) | set(lock_files(repo))
     return sorted(f for f in files if (repo / f).is_file())
 
