@@ -49,7 +49,7 @@ def test_train_and_harmonize_report_progress_on_stderr_and_q_silences_them(mirro
     assert cli.main([*base, "harmonize", "--dataset", "chest_xray4"]) == 0
     err = capsys.readouterr().err
     for dom in ("CheXpert", "OpenI", "RSNA", "VinBigData"):
-        assert re.search(rf"harmonize chest_xray4 {dom}: (\d+)/\1 images, [\d.]+ images/s", err), err
+        assert re.search(rf"harmonize chest_xray4 {dom}: (\d+)/\1 images, ([\d.]+ images/s|[\d.]+ s/image)", err), err
     assert cli.main([*base, "-q", "harmonize", "--dataset", "chest_xray4"]) == 0
     assert capsys.readouterr().err == ""
 
@@ -58,3 +58,24 @@ def test_train_and_harmonize_report_progress_on_stderr_and_q_silences_them(mirro
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train quick/fedavg/seed0")]
     assert len(lines) == 2, lines  # eval_every 1: a line per round
     assert re.match(r"train quick/fedavg/seed0: 2/2 rounds, .*; loss [\d.]+, acc [\d.]+, [\d.]+ s, up [\d.]+ MiB down [\d.]+ MiB$", lines[1]), lines[1]
+
+
+def test_a_slow_unit_is_shown_as_seconds_per_unit(monkeypatch):
+    """A round of a minute reads "60.0 s/round", as tqdm shows slow units, not "0.0 rounds/s"."""
+    import io
+
+    from fedsilo.utils import progress as progress_mod
+
+    now = [100.0]
+    monkeypatch.setattr(progress_mod.time, "monotonic", lambda: now[0])
+    p = progress_mod.Progress(3, "train x", "round", stream=io.StringIO())
+    now[0] += 120.0
+    p.update(2)
+    assert "2/3 rounds, 60.0 s/round, 120 s" in p.line()
+    now[0] += 0.5
+    p.update(1)
+    assert "rounds/s" not in p.line() and "40.2 s/round" in p.line()
+    q = progress_mod.Progress(100, "harmonize", "image", stream=io.StringIO())
+    now[0] += 2.0
+    q.update(50)
+    assert "50/100 images, 25.0 images/s" in q.line()

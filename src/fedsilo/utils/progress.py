@@ -58,7 +58,10 @@ class Progress:
             of = f" of {mib(self.total)}" if self.total else ""
             text = f"{self.desc}: {mib(self.n)}{of}, {mib(rate)}/s, {secs:.0f} s"
         else:
-            text = f"{self.desc}: {self.n}/{self.total} {self.unit}s, {rate:.1f} {self.unit}s/s, {secs:.0f} s"
+            done = self.n - self.start_n
+            # a slow unit (a round of a minute) as seconds per unit, as tqdm shows it, not "0.0 rounds/s"
+            speed = f"{secs / done:.1f} s/{self.unit}" if 0 < rate < 1 else f"{rate:.1f} {self.unit}s/s"
+            text = f"{self.desc}: {self.n}/{self.total} {self.unit}s, {speed}, {secs:.0f} s"
         return f"{text}; {self.info}" if self.info else text
 
     def close(self) -> None:
