@@ -345,7 +345,7 @@ def indistinct_rows(tab: pd.DataFrame) -> str | None:
         return None
     first = mean.iloc[0]
     if all(np.allclose(mean.loc[m].to_numpy(float), first.to_numpy(float), equal_nan=True) for m in mean.index):
-        return (f"all {len(mean.index)} methods scored exactly the same in every column: the runs are too short or too "
+        return (f"all {len(mean.index)} methods scored the same in every column: the runs are too short or too "
                 "small to tell them apart (each model likely predicts one class); their ranking and their differences "
                 "from the paper mean nothing")
     return None
@@ -734,10 +734,13 @@ def best_validation_round(history: list[dict]) -> dict | None:
     return max(ev, key=lambda e: e["mean_val_acc"])  # max keeps the first of equal values
 
 
-def _write_flat_csv(tab: pd.DataFrame, path: Path) -> None:
-    """A (mean | std, column) table as a CSV with one ``<column>_<mean|std>`` column each, a row per method."""
+def _write_flat_csv(tab: pd.DataFrame, path: Path, seeds: pd.Series | None = None) -> None:
+    """A (mean | std, column) table as a CSV with one ``<column>_<mean|std>`` column each, a row per method, and
+    ``seeds``, the runs each row's mean and std are over (a CSV has no caption to say it)."""
     flat = tab.copy()
     flat.columns = [f"{col}_{stat}" for stat, col in flat.columns]
+    if seeds is not None:
+        flat.insert(0, "seeds", seeds.reindex(flat.index).fillna(0).astype(int))
     flat.index.name = "method"
     flat.to_csv(path, float_format="%.4f")
 
@@ -832,7 +835,7 @@ def build_report(
                 bv_md = to_markdown(best_acc, f"{exp}: test accuracy (%) at the round of best mean validation accuracy, {over_seeds(seeds)}")
                 bv_md += "\nRound picked per run: " + "; ".join(f"{m} seed {s}: {int(r)}" for (m, s), r in picked.items()) + ".\n"
                 (tmp / f"{exp}_accuracy_best_val.md").write_text(bv_md)
-                _write_flat_csv(best_acc, tmp / f"{exp}_accuracy_best_val.csv")
+                _write_flat_csv(best_acc, tmp / f"{exp}_accuracy_best_val.csv", df.groupby("method")["seed"].nunique())
                 md += "\n" + bv_md
             se = standard_errors(df, acc)
             if se is not None:
@@ -854,7 +857,7 @@ def build_report(
             (tmp / f"{exp}_communication.md").write_text(comm_md)
             comm.to_csv(tmp / f"{exp}_communication.csv", float_format="%.10g")
             (tmp / f"{exp}_accuracy.md").write_text(md)
-            _write_flat_csv(acc, tmp / f"{exp}_accuracy.csv")
+            _write_flat_csv(acc, tmp / f"{exp}_accuracy.csv", df.groupby("method")["seed"].nunique())
             (tmp / f"{exp}_accuracy.tex").write_text(to_latex(acc, f"{latex_text(exp)}: test accuracy (\\%), {over_seeds(seeds, latex=True)}"))
             figs = _plots(tmp, exp, methods, seeds, histories, client_domains(results, methods[0], seeds[0]))
             lne = local_new_external(results, methods, seeds)
