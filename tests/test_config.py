@@ -44,6 +44,14 @@ def test_bad_value_names_the_key(edit, key):
         assert "did you mean" not in str(err.value)
 
 
+def test_a_key_valid_in_another_section_is_not_offered_back_as_its_own_near_miss():
+    raw = copy.deepcopy(small_params())
+    raw["pipeline"]["lr"] = 1  # train's key, in the wrong section
+    with pytest.raises(ConfigError) as err:
+        parse_params(raw)
+    assert "pipeline.lr: unknown key" in str(err.value) and "did you mean 'lr'" not in str(err.value)
+
+
 def test_cli_check_params_reports_key_and_exits_2(tmp_path, capsys):
     raw = small_params()
     raw["experiments"]["quick"]["train"]["batch_size"] = -4

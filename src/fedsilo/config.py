@@ -1485,7 +1485,8 @@ def did_you_mean(name: str, known: Any) -> str:
     """`` (did you mean 'x'?)`` when ``name`` is a near miss of one of ``known`` (a typo), else ""."""
     import difflib
 
-    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.75)
+    # never the name itself (a key valid in another section, given in the wrong one)
+    close = difflib.get_close_matches(str(name), [str(k) for k in known if str(k) != str(name)], n=1, cutoff=0.75)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
