@@ -658,6 +658,50 @@ def test_a_site_that_left_comes_back_when_its_mark_is_taken_away_as_the_engine_h
 
 
 @pytest.mark.usefixtures("identity")
+@pytest.mark.parametrize("method", ["fedheal", "cd2pfed"])
+def test_a_site_joins_a_run_of_a_method_that_counts_the_federation_or_keeps_a_record_per_site(method, sites, tmp_path):
+    """Over Flower, as on the engine: a site joining in round 2 gives the numbers of the engine whose third client
+    joins in round 2, for FedHEAL, whose starting weight 1 / K counts the sites of the round (the engine, told of the
+    joiner from the start, counts it from its round only), and CD2-pFed, whose server keeps each site's last round by
+    name (a record sized by the federation the run started with had no place for the joiner)."""
+    train = {**TRAIN, "rounds": 3}
+    new = "VinBigData"
+    first = {k: sites[k] for k in ("chexpert", "rsna")}
+    coordinator = yaml.safe_load(REPO_PARAMS.read_text())
+    coordinator["methods"].update({method: {}})
+    (tmp_path / "coordinator.yaml").write_text(yaml.safe_dump(coordinator, sort_keys=False))
+
+    def federation(name: str, members: dict) -> Path:
+        (tmp_path / name).mkdir()
+        raw = yaml.safe_load(_federation(tmp_path / name, members, method=method, train=train).read_text())
+        for entry in raw["sites"]:
+            entry["joined"] = entry["name"] == new
+        (tmp_path / name / "federation.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+        return tmp_path / name / "federation.yaml"
+
+    for app, fed in (("app", federation("a", first)), ("app2", federation("b", sites))):
+        write_app(load_federation(fed), load_params(tmp_path / "coordinator.yaml"), tmp_path / app)
+    dep2 = json.loads((tmp_path / "app2" / "deployment.json").read_text())
+    ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                  run_config={"results-dir": str(tmp_path / "run"), "state-dir": str(tmp_path / "run.state"), "wait-s": 30})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        server, client = _load_apps(tmp_path / "app")
+        with pytest.raises(ConnectionError, match="went down"):  # round 1 with the two sites
+            server._main(DownAt(client, first, rnd=2, run_id=1), ctx)
+        server2, client2 = _load_apps(tmp_path / "app2")
+        server2._main(SiteGrid(client2, sites, run_id=2), ctx)  # resumed with the new site, to the end
+    finally:
+        torch.set_num_threads(threads)
+    history = json.loads((tmp_path / "run/history.json").read_text())
+    assert [h.get("joined") for h in history] == [None, [new], None]
+    reference = _engine_reference(dep2, sites, joined={new: 2})
+    for key in ("sampled", "eval", "bytes_up", "bytes_down", "train_loss", "mean_acc"):
+        assert [h[key] for h in history] == [h[key] for h in reference], key
+
+
+@pytest.mark.usefixtures("identity")
 def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_the_engine_has_it(sites, tmp_path, monkeypatch):
     """A hospital joins a federation mid-run: the coordinator lists it after the sites the run started with, marked
     ``joined: true``, and writes the App again. resume_key covers the sites the run started with, so the new App
