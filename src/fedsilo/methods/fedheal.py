@@ -31,8 +31,9 @@ class FedHEAL(PartialSharing):
     2. measures the masked update's size dist_k = sum over parameter tensors of ||m_k * Delta_k||_2 and moves the
        client's fair-aggregation weight by a momentum step, dw_k <- (1 - beta) dw_k + beta dist_k / sum_j dist_j,
        w_k <- w_k + dw_k (starting from 1 / K, K the sites the federation holds in the round the client first
-       uploads, ``Method.round_members``: those that have joined by then; the code starts from 1 / the clients online in the round, the same under full
-       participation; the un-normalized weight persists, the normalized one aggregates);
+       uploads, ``Method.round_members``: those that have joined by then; the code starts from 1 / the clients
+       online in the round, the same under full participation; the un-normalized weight persists, the normalized
+       one aggregates);
     3. aggregates element-wise: w <- w - sum_k [a_k m_k / sum_j a_j m_j] (m_k * Delta_k); an element every client
        masked out keeps its value (the code's fallback weights a_k multiply masked, hence zero, updates).
 

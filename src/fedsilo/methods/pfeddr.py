@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedsilo.client.local import forward_fn, make_generator, train_local
-from fedsilo.config import ConfigError
+from fedsilo.config import ConfigError, LocalOptimizer
 from fedsilo.methods.base import MethodParams, State, one_or_per_backbone
 from fedsilo.methods.sharing import PartialSharing, per_backbone
 from fedsilo.models import LayeredNet
@@ -209,11 +209,8 @@ class PFedDR(PartialSharing):
             raise ConfigError(f"methods.{self.key}.local_optimizer.momentum: beside methods.{self.key}.momentum, which "
                               "sets pFedDR's momentum per backbone: give one of them")
         self.momentum = self.train.momentum if momentum is None else float(momentum)
-        if self.train.nesterov and self.momentum <= 0:
-            raise ConfigError(f"methods.{self.key}.momentum: 0 with train.nesterov: true (Nesterov needs momentum > 0)")
-        if self.train.optimizer == "adam" and self.momentum > 0:
-            raise ConfigError(f"methods.{self.key}.momentum: {self.momentum} with optimizer: adam (Adam's moments are betas)")
-        self.local_train = self.train.model_copy(update={"momentum": self.momentum})
+        # validated with the rest of the train (Nesterov without momentum, momentum beside Adam: refused by key)
+        self.local_train = LocalOptimizer(momentum=self.momentum).applied(self.train, f"methods.{self.key}.momentum")
         rounds = self._for_backbone("rounds")
         self.rounds = train.rounds if rounds is None else int(rounds)
         if self.rounds > train.rounds:

@@ -62,6 +62,11 @@ def stream_methods() -> list[str]:
     return sorted(n for n, cls in REGISTRY.items() if cls.task_stream)
 
 
+def fits_data(cls: type[Method], stream: bool) -> bool:
+    """Whether ``cls`` learns the data: a stream of domain tasks (``stream``) or static clients."""
+    return cls.task_stream if stream else not cls.stream_only
+
+
 def check_stream_fit(cls: type[Method], stream: bool, key: str, where: str) -> None:
     """Refuses, naming ``methods.<key>``, a method the data does not fit: a static method on a stream of domain
     tasks, a stream-only method (``Method.stream_only``) on static clients. ``where`` says what holds the data
@@ -120,8 +125,7 @@ def check_methods(params: Params, source: str = "params.yaml") -> None:
         for key in params.experiment_methods(e):
             if key not in params.methods:
                 continue  # pipeline.methods names only defined entries (config checks it); a paper's groups too
-            cls = method_class(method_base(key, params.methods[key]))
-            if (stream and not cls.task_stream) or (not stream and cls.stream_only):
+            if not fits_data(method_class(method_base(key, params.methods[key])), stream):
                 continue  # a pair the data does not fit: check-params and the train stage say so (check_stream_fit)
             try:
                 algo = resolve_method(params, key, train)
