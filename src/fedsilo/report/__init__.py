@@ -734,13 +734,12 @@ def best_validation_round(history: list[dict]) -> dict | None:
     return max(ev, key=lambda e: e["mean_val_acc"])  # max keeps the first of equal values
 
 
-def _write_flat_csv(tab: pd.DataFrame, path: Path, seeds: pd.Series | None = None) -> None:
+def _write_flat_csv(tab: pd.DataFrame, path: Path, seeds: pd.Series) -> None:
     """A (mean | std, column) table as a CSV with one ``<column>_<mean|std>`` column each, a row per method, and
     ``seeds``, the runs each row's mean and std are over (a CSV has no caption to say it)."""
     flat = tab.copy()
     flat.columns = [f"{col}_{stat}" for stat, col in flat.columns]
-    if seeds is not None:
-        flat.insert(0, "seeds", seeds.reindex(flat.index).fillna(0).astype(int))
+    flat.insert(0, "seeds", seeds.reindex(flat.index).fillna(0).astype(int))
     flat.index.name = "method"
     flat.to_csv(path, float_format="%.4f")
 
@@ -815,6 +814,7 @@ def build_report(
             # the paper's tables print a STD over domains: ours gets the column too
             domain_std = has_domain_std(entries.get("accuracy"))
             acc = summary_table(df, "acc", methods, domain_std)
+            seeds_per_method = df.groupby("method")["seed"].nunique()  # the runs behind each row (the CSVs' seeds column)
             md = to_markdown(acc, f"{exp}: test accuracy (%), {over_seeds(seeds)}")
             same = indistinct_rows(acc)
             if same:
@@ -835,7 +835,7 @@ def build_report(
                 bv_md = to_markdown(best_acc, f"{exp}: test accuracy (%) at the round of best mean validation accuracy, {over_seeds(seeds)}")
                 bv_md += "\nRound picked per run: " + "; ".join(f"{m} seed {s}: {int(r)}" for (m, s), r in picked.items()) + ".\n"
                 (tmp / f"{exp}_accuracy_best_val.md").write_text(bv_md)
-                _write_flat_csv(best_acc, tmp / f"{exp}_accuracy_best_val.csv", df.groupby("method")["seed"].nunique())
+                _write_flat_csv(best_acc, tmp / f"{exp}_accuracy_best_val.csv", seeds_per_method)
                 md += "\n" + bv_md
             se = standard_errors(df, acc)
             if se is not None:
@@ -857,7 +857,7 @@ def build_report(
             (tmp / f"{exp}_communication.md").write_text(comm_md)
             comm.to_csv(tmp / f"{exp}_communication.csv", float_format="%.10g")
             (tmp / f"{exp}_accuracy.md").write_text(md)
-            _write_flat_csv(acc, tmp / f"{exp}_accuracy.csv", df.groupby("method")["seed"].nunique())
+            _write_flat_csv(acc, tmp / f"{exp}_accuracy.csv", seeds_per_method)
             (tmp / f"{exp}_accuracy.tex").write_text(to_latex(acc, f"{latex_text(exp)}: test accuracy (\\%), {over_seeds(seeds, latex=True)}"))
             figs = _plots(tmp, exp, methods, seeds, histories, client_domains(results, methods[0], seeds[0]))
             lne = local_new_external(results, methods, seeds)
