@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fedsilo.config import ConfigError, TrainParams
+from fedsilo.config import ConfigError, NormalizeParams, TrainParams
 from fedsilo.fl.continual import ContinualEngine, continual_summary
 from fedsilo.methods.base import payload_bytes
 from fedsilo.methods.continual import take
@@ -253,7 +253,7 @@ def test_inside_a_task_a_client_is_scored_with_the_federations_model_of_its_fami
     with torch.no_grad():
         from fedsilo.client.data import to_float
 
-        expect = e.model(to_float(c.x_test)).softmax(1)
+        expect = e.model(to_float(c.x_test, NormalizeParams())).softmax(1)
     assert torch.allclose(probs[0], expect, atol=1e-5)
 
 
@@ -272,7 +272,7 @@ def test_strategy_reuses_the_best_matching_model_at_or_above_lambda():
     e.model.eval()
     e.method.aux.eval()
     with torch.no_grad(), head_input(e.model) as seen:
-        e.model(to_float(c.x_train))
+        e.model(to_float(c.x_train, NormalizeParams()))
         by_hand = ((e.method.aux(seen["z"]).softmax(1).amax(1) - 0.25) / 0.75).mean()  # 4 classes: [1/4, 1] -> [0, 1]
     assert rho[1] == pytest.approx(float(by_hand), abs=1e-5)
     # with lambda just below the best intensity, a fresh task-3 decision reuses that model

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedsilo.client.data import load_clients
-from fedsilo.config import DomainClientsSplit, TrainParams
+from fedsilo.config import DomainClientsSplit, NormalizeParams, TrainParams
 from fedsilo.data.splits import make_split
 from fedsilo.fl.engine import Engine, PrivacyViolation, payload_bytes
 from fedsilo.methods import method_class
@@ -337,7 +337,7 @@ def test_spectra_count_the_directions_the_representations_span(clients):
             return self.fc(x.flatten(1)[:, :3] @ self.basis)
 
     x = torch.randint(0, 256, (50, 1, 4, 4), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    s = covariance_spectrum(Rank3(), x, batch_size=16)
+    s = covariance_spectrum(Rank3(), x, NormalizeParams(), batch_size=16)
     assert s.shape == (8,) and bool((s[:-1] >= s[1:]).all())
     assert bool((s[:3] > 1e-3).all()) and bool((s[3:] < 1e-9 * s[0]).all())
     assert 1.0 <= effective_rank(s) <= 3.0

@@ -10,7 +10,7 @@ import torch
 
 from fedsilo.bench import run_bench
 from fedsilo.client.hostaug import apply_host, host_policy
-from fedsilo.config import AugmentParams, ConfigError, TrainParams, parse_params
+from fedsilo.config import AugmentParams, ConfigError, NormalizeParams, TrainParams, parse_params
 from fedsilo.fl.engine import Engine
 from fedsilo.methods import method_class
 from tests.conftest import small_params
@@ -96,6 +96,6 @@ def test_device_crop_pads_black_as_torchvision_randomcrop():
     from fedsilo.client.data import augment
 
     x = torch.ones(16, 3, 8, 8)
-    out = augment(x, AugmentParams(crop_pad=4), torch.Generator().manual_seed(0))
+    out = augment(x, AugmentParams(crop_pad=4), torch.Generator().manual_seed(0), NormalizeParams())
     values = set(out.unique().tolist())
     assert values <= {-1.0, 1.0} and -1.0 in values

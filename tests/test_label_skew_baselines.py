@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedsilo.config import TrainParams
+from fedsilo.config import NormalizeParams, TrainParams
 from fedsilo.fl.engine import Engine
 from fedsilo.methods import method_class
 from tests.tiny import style_shifted_federation, tiny_net
@@ -332,7 +332,7 @@ def test_fedecouple_anchors_are_the_clients_class_means_and_never_travel(clients
     c = clients[0]
     an = m.anchors(model, c)
     model.eval()
-    z = features(model, to_float(c.x_train))
+    z = features(model, to_float(c.x_train, NormalizeParams()))
     assert set(an) == set(c.y_train.unique().tolist())
     for k, v in an.items():
         assert torch.allclose(v, z[c.y_train == k].mean(0), atol=1e-5)

@@ -13,7 +13,7 @@ from torch import nn
 
 import fedsilo.client.local as local
 from fedsilo.client.data import ClientData
-from fedsilo.config import ConfigError, TrainParams
+from fedsilo.config import ConfigError, NormalizeParams, TrainParams
 from fedsilo.fl.engine import Engine
 from fedsilo.fl.params import parse_params
 from fedsilo.methods.pfeddb import PFedDB, PFedDBParams
@@ -279,7 +279,7 @@ def test_onboarding_freeze_global_keeps_all_of_phi_its_batchnorm_statistics_too(
 
     client = clients[0]
     method = PFedDB(PFedDBParams(cut_depth=2, local_rounds=1, share_bn_stats=True, share_bn_affine=True), _tp())
-    trained = method.transform_model(tiny_net(1, 4, seed=5), to_float(client.x_train[:2]))
+    trained = method.transform_model(tiny_net(1, 4, seed=5), to_float(client.x_train[:2], NormalizeParams()))
     method.setup(trained)
     with torch.no_grad():  # a phi that is no fresh draw, its statistics included
         for t in trained.state_dict().values():

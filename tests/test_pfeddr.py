@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 from fedsilo.client.data import to_float
 from fedsilo.client.local import predict
-from fedsilo.config import ConfigError, TrainParams
+from fedsilo.config import ConfigError, NormalizeParams, TrainParams
 from fedsilo.fl.engine import Engine, PrivacyViolation
 from fedsilo.methods import method_class
 from fedsilo.methods.pfeddr import DualBatchNorm, DualBNNet, PFedDR, PFedDRParams, code_divergence
@@ -111,7 +111,7 @@ def test_the_reported_loss_is_the_codes_objective(fed, params):
     net = DualBNNet(tiny_net(1, 4))
     net.load_state_dict(start)
     net.train()
-    x, y = to_float(c.x_train), c.y_train
+    x, y = to_float(c.x_train, NormalizeParams()), c.y_train
     with net.mode_as("global"):
         og = net(x)
     with net.mode_as("local"):

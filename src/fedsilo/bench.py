@@ -87,7 +87,7 @@ def single_model_loop(model: nn.Module, clients: list[ClientData], cfg: TrainPar
             for _ in range(cfg.local_epochs):
                 for idx in batches(c.n_train, cfg.batch_size, gen):
                     idx = idx.to(device, non_blocking=True)
-                    x = _prep(augment(to_float(c.x_train[idx]), cfg.augment, gen), cl)
+                    x = _prep(augment(to_float(c.x_train[idx], cfg.normalize), cfg.augment, gen, cfg.normalize), cl)
                     opt.zero_grad(set_to_none=True)
                     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
                         loss = loss_fn(model(x), c.y_train[idx])
@@ -284,7 +284,7 @@ def run_bench(
 
     measure("single_model_loop", lambda: single_model_loop(build(), data, cfg, warmup + rounds, seed))
     own_limit: dict[str, str] = {}
-    example = to_float(data[0].x_train[:2])
+    example = to_float(data[0].x_train[:2], cfg.normalize)
     for m in methods:
         cls = method_class(m)
         algo = cls(cls.params_cls(**BENCH_METHOD_PARAMS.get(m, {})), cfg)

@@ -991,6 +991,46 @@ class AugmentParams(Strict):
     )
 
 
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class NormalizeParams(Strict):
+    """The model's input scale: an image's uint8 value v becomes (v / 255 - mean) / std, per channel, as torchvision's
+    ``ToTensor`` then ``Normalize(mean, std)`` make it in the papers' code. One value applies to every channel, or one
+    per channel of the images. The default (0.5, 0.5) is [-1, 1] (FedBN's digits, MOON); ``imagenet`` stands for
+    torchvision's ImageNet statistics (F²DC's code, every dataset); mean 0 and std 1 is ToTensor alone ([0, 1])."""
+
+    mean: tuple[float, ...] = Field((0.5,), min_length=1, description="subtracted after scaling to [0, 1]: one value, or one per channel")
+    std: tuple[Annotated[float, Field(gt=0)], ...] = Field((0.5,), min_length=1, description="divided by after: one value, or one per channel")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _named(cls, v: Any) -> Any:
+        if v == "imagenet":
+            return {"mean": IMAGENET_MEAN, "std": IMAGENET_STD}
+        if isinstance(v, str):
+            raise ValueError(f"{v!r}: expected imagenet or {{mean: [...], std: [...]}}")
+        return v
+
+    @model_validator(mode="after")
+    def _lengths(self) -> "NormalizeParams":
+        if len(self.mean) != len(self.std) and 1 not in (len(self.mean), len(self.std)):
+            raise ValueError(f"mean has {len(self.mean)} values and std {len(self.std)}: give one value or one per channel for each")
+        return self
+
+    @property
+    def minus_one_one(self) -> bool:
+        return self.mean == (0.5,) and self.std == (0.5,)
+
+    def channel_mismatch(self, channels: int) -> Optional[str]:
+        """Why these statistics do not fit images of ``channels`` channels, or None."""
+        for name, vals in (("mean", self.mean), ("std", self.std)):
+            if len(vals) not in (1, channels):
+                return f"{name} has {len(vals)} values for images of {channels} channel(s): give one, or {channels}"
+        return None
+
+
 # The smallest image edge (px) each backbone's strides and poolings still leave a feature map at (measured by a
 # forward pass; tests/test_errors_and_hygiene.py checks the table); the other backbones take any image_size >= 8.
 MIN_IMAGE_SIZE = {"alexnet_bn": 63, "densenet121": 29, "lenet5": 16, "fedecouple_cnn": 16, "fedecouple_cnn_gray": 12}
@@ -1125,6 +1165,10 @@ class TrainParams(Strict):
     )
     eval_every: int = Field(1, ge=1)
     augment: AugmentParams = AugmentParams()
+    normalize: NormalizeParams = Field(
+        NormalizeParams(), description="the model's input scale: (v / 255 - mean) / std per channel; [-1, 1] by default, "
+        "imagenet for torchvision's ImageNet statistics (F²DC's code)",
+    )
     lr_schedule: LRScheduleParams = Field(
         LRScheduleParams(), description="the learning rate across rounds (constant by default): step, exponential or "
         "cosine decay, with an optional linear warm-up; it scales every learning rate of a round's local training",

@@ -7,6 +7,7 @@ per-round disk reads.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fedsilo.config import DEVICE_FORMS, DEVICE_RE, AugmentParams, ConfigError
+from fedsilo.config import DEVICE_FORMS, DEVICE_RE, AugmentParams, ConfigError, NormalizeParams
 from fedsilo.utils.slots import claim_gpu
 
 
@@ -125,9 +126,34 @@ def pick_device(name: str, key: str = "train.device") -> torch.device:
     return dev
 
 
-def to_float(x_u8: torch.Tensor) -> torch.Tensor:
-    """uint8 [0, 255] -> float in [-1, 1]."""
-    return x_u8.float().div_(127.5).sub_(1.0)
+@functools.lru_cache(maxsize=64)
+def _statistics(mean: tuple[float, ...], std: tuple[float, ...], channels: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """mean and std as 1 x C x 1 x 1 tensors on ``device``, made once per run (not a host-to-device copy a batch)."""
+    def col(v: tuple[float, ...]) -> torch.Tensor:
+        return torch.tensor(v if len(v) == channels else v * channels, dtype=torch.float32).view(1, channels, 1, 1).to(device)
+    out = col(mean), col(std)
+    if device.type == "cuda":  # the copies done before a client's own CUDA stream reads them (train.parallel_clients)
+        torch.cuda.synchronize(device)
+    return out
+
+
+def to_float(x_u8: torch.Tensor, norm: NormalizeParams) -> torch.Tensor:
+    """uint8 [0, 255] (N x C x H x W) -> the model's input: (v / 255 - mean) / std per channel (``train.normalize``);
+    the default mean = std = 0.5 is [-1, 1], computed as v / 127.5 - 1."""
+    if norm.minus_one_one:
+        return x_u8.float().div_(127.5).sub_(1.0)
+    channels = int(x_u8.shape[1])
+    why = norm.channel_mismatch(channels)
+    if why is not None:
+        raise ConfigError(f"train.normalize: {why}")
+    mean, std = _statistics(norm.mean, norm.std, channels, x_u8.device)
+    return x_u8.float().div_(255.0).sub_(mean).div_(std)
+
+
+def black(norm: NormalizeParams, like: torch.Tensor) -> torch.Tensor:
+    """A black pixel (uint8 0) on the model's input scale, 1 x C x 1 x 1 for images like ``like``."""
+    return to_float(torch.zeros((1, like.shape[1], 1, 1), dtype=torch.uint8, device=like.device), norm)
 
 
 def _windows(padded: torch.Tensor, iy: torch.Tensor, ix: torch.Tensor) -> torch.Tensor:
@@ -137,16 +163,22 @@ def _windows(padded: torch.Tensor, iy: torch.Tensor, ix: torch.Tensor) -> torch.
     return padded.permute(0, 2, 3, 1)[bi, iy[:, :, None], ix[:, None, :]].permute(0, 3, 1, 2)
 
 
-def augment(x: torch.Tensor, params: AugmentParams, gen: torch.Generator) -> torch.Tensor:
-    """Random crop after padding with black and horizontal flip, per sample, on the tensor's device.
+def augment(x: torch.Tensor, params: AugmentParams, gen: torch.Generator, norm: NormalizeParams) -> torch.Tensor:
+    """Random crop after padding with black and horizontal flip, per sample, on the tensor's device; ``x`` is on the
+    input scale ``norm`` made it (:func:`to_float`).
 
-    The padding is black (-1 on this [-1, 1] scale), as torchvision's ``RandomCrop(size, padding=p)`` pads an image
-    before ``ToTensor`` / ``Normalize`` in the papers' code (F²DC, FPL, MOON, FedBN): zero here would be mid-grey.
-    ``gen`` is a CPU generator so that the draws are the same on every device."""
-    b, _, h, w = x.shape
+    The padding is black (uint8 0 on that scale: -1 on the default [-1, 1], (0 - mean) / std per channel else), as
+    torchvision's ``RandomCrop(size, padding=p)`` pads an image before ``ToTensor`` / ``Normalize`` in the papers'
+    code (F²DC, FPL, MOON, FedBN): zero here would be mid-grey. ``gen`` is a CPU generator so that the draws are the
+    same on every device."""
+    b, c, h, w = x.shape
     if params.crop_pad > 0:
         p = params.crop_pad
-        xp = torch.nn.functional.pad(x, (p, p, p, p), value=-1.0)
+        if norm.minus_one_one:
+            xp = torch.nn.functional.pad(x, (p, p, p, p), value=-1.0)
+        else:
+            xp = black(norm, x).to(x.dtype).expand(b, c, h + 2 * p, w + 2 * p).clone()
+            xp[:, :, p : p + h, p : p + w] = x
         oy = torch.randint(0, 2 * p + 1, (b,), generator=gen).to(x.device)
         ox = torch.randint(0, 2 * p + 1, (b,), generator=gen).to(x.device)
         iy = (torch.arange(h, device=x.device)[None, :] + oy[:, None])  # b x h

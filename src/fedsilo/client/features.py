@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fedsilo.client.data import to_float
+from fedsilo.config import NormalizeParams
 
 
 def classifier(model: nn.Module) -> nn.Linear:
@@ -60,15 +61,15 @@ def features(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def covariance_spectrum(model: nn.Module, x_u8: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
+def covariance_spectrum(model: nn.Module, x_u8: torch.Tensor, norm: NormalizeParams, batch_size: int = 256) -> torch.Tensor:
     """Singular values, largest first, of the covariance matrix of the representations z = r(x) of the images
-    ``x_u8`` (the model in eval mode, float32): d values for a d-dimensional representation, at most n - 1 of them
+    ``x_u8`` on the input scale ``norm`` (the model in eval mode, float32): d values for a d-dimensional representation, at most n - 1 of them
     non-zero for n images. A collapsed representation has most of its singular values near zero (F²DC Fig. 1;
     Jing et al., ICLR 2022)."""
     model.eval()
     zs = []
     for i in range(0, len(x_u8), batch_size):
-        zs.append(features(model, to_float(x_u8[i : i + batch_size])).flatten(1).double())
+        zs.append(features(model, to_float(x_u8[i : i + batch_size], norm)).flatten(1).double())
     z = torch.cat(zs)
     if len(z) < 2:
         raise ValueError(f"covariance_spectrum: needs at least 2 images, got {len(z)}")

@@ -14,7 +14,7 @@ from torch import nn
 
 from fedsilo.client.data import ClientData, augment, to_float
 from fedsilo.client.hostaug import apply_host, host_policy
-from fedsilo.config import ConfigError, TrainParams
+from fedsilo.config import ConfigError, NormalizeParams, TrainParams
 
 ExtraLoss = Callable[[nn.Module], torch.Tensor]
 # a loss term computed per batch from its inputs, labels and the model's logits (distillation, smoothness terms)
@@ -183,7 +183,7 @@ def train_local(
         for idx in batches(data.n_train, cfg.batch_size, gen):
             idx = idx.to(device, non_blocking=True)
             xb = data.x_train[idx] if host is None else apply_host(host, data.x_train[idx], gen)
-            x = _prep(augment(to_float(xb), cfg.augment, gen), cl)
+            x = _prep(augment(to_float(xb, cfg.normalize), cfg.augment, gen, cfg.normalize), cl)
             y = data.y_train[idx]
             if batch_transform is not None:
                 x, y = batch_transform(x, y)
@@ -218,15 +218,17 @@ def train_local(
 
 @torch.no_grad()
 def predict(model: nn.Module, x_u8: torch.Tensor, batch_size: int = 256, cfg: Optional[TrainParams] = None) -> torch.Tensor:
-    """The model's logits (float32) for uint8 images, in evaluation mode, batch by batch."""
+    """The model's logits (float32) for uint8 images, in evaluation mode, batch by batch, on ``cfg``'s input scale,
+    autocast and memory format (none: float32 on the default [-1, 1] scale)."""
     model.eval()
+    norm = cfg.normalize if cfg is not None else NormalizeParams()
     bf16 = cfg is not None and use_bf16(cfg, x_u8.device)
     cl = cfg is not None and use_channels_last(cfg, x_u8.device)
     fwd = forward_fn(model)
     logits = []
     for i in range(0, len(x_u8), batch_size):
         with torch.autocast(device_type=x_u8.device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits.append(fwd(_prep(to_float(x_u8[i : i + batch_size]), cl)).float())
+            logits.append(fwd(_prep(to_float(x_u8[i : i + batch_size], norm), cl)).float())
     return torch.cat(logits)
 
 

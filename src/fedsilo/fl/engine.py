@@ -157,7 +157,7 @@ class Engine:
         self.left, self.joined = dict(left or {}), dict(joined or {})  # see active()
         self.away = {n: [(int(a), int(b)) for a, b in spans] for n, spans in (away or {}).items()}
         self.method.join(clients, seed)
-        model = self.model = method.transform_model(model, to_float(clients[0].x_train[:2]))
+        model = self.model = method.transform_model(model, to_float(clients[0].x_train[:2], train.normalize))
         self.method.setup(model)
         self.private = self.method.private_keys(model)
         self.parallel = self._parallel_width()
@@ -497,7 +497,7 @@ class Engine:
                 out[c.name] = []
                 continue
             self.method.load_eval_model(self.model, self.server, store, c, self.round)
-            out[c.name] = [round(float(v), 8) for v in covariance_spectrum(self.model, c.x_test)]
+            out[c.name] = [round(float(v), 8) for v in covariance_spectrum(self.model, c.x_test, self.train.normalize)]
         return out
 
     def step(self) -> dict[str, Any]:

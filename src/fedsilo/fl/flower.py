@@ -1107,7 +1107,7 @@ class _Site:
         client = self.stream[0] if self.stream is not None else data
         self.spec, self.client = spec, client
         tasks = [c.domain for c in self.stream] if self.stream is not None else None
-        self.method, self.model, self.private = spec.build(to_float(client.x_train[:2]), client.x_train.device, cards, tasks=tasks)
+        self.method, self.model, self.private = spec.build(to_float(client.x_train[:2], spec.train.normalize), client.x_train.device, cards, tasks=tasks)
         if spec.train.compile:
             compile_model(self.model)
         if use_channels_last(spec.train, client.x_train.device):
@@ -1317,7 +1317,7 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
             return state, last
         first = s.stream[0] if s.stream is not None else s.client  # as the engine: a stream's stores start at task 0's client
         tasks = [c.domain for c in s.stream] if s.stream is not None else None
-        method, model, _ = spec.build(to_float(first.x_train[:2]), first.x_train.device, cards_from_config(cfg), tasks=tasks)
+        method, model, _ = spec.build(to_float(first.x_train[:2], spec.train.normalize), first.x_train.device, cards_from_config(cfg), tasks=tasks)
         return method.init_client(model, first), 0
 
     def keep(context: Context, state: State, of: int) -> None:

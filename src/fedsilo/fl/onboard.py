@@ -119,7 +119,7 @@ def adapt_federation_model(dep: dict[str, Any], client: ClientData, shared: Stat
 
     spec = deployment_spec(dep)
     seed = spec.seed
-    example = to_float(client.x_train[:2])
+    example = to_float(client.x_train[:2], spec.train.normalize)
     device = client.x_train.device
 
     def start(init_seed: int) -> tuple[Any, nn.Module, set[str]]:

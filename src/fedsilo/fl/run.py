@@ -178,6 +178,9 @@ def run_training(
     else:
         clients, in_ch, num_classes = load_clients(harmonized, split, device)
         external = load_external(harmonized, split, device)
+    why = train.normalize.channel_mismatch(in_ch)
+    if why is not None:  # before anything is written, naming the key (to_float would say train.normalize only)
+        raise ConfigError(f"experiments.{experiment}.train.normalize: {why}")
 
     resolved = {
         "experiment": experiment,

@@ -16,7 +16,7 @@ from torch import nn
 from fedsilo.client.data import ClientData, augment, to_float
 from fedsilo.client.hostaug import apply_host, host_policy
 from fedsilo.client.local import batches, lr_now, make_generator, running_stats_frozen, use_bf16
-from fedsilo.config import ConfigError
+from fedsilo.config import ConfigError, TrainParams
 from fedsilo.methods.base import Method, MethodParams, RunningMean, State, payload_bytes, spare_copy
 from fedsilo.methods.continual import has, put, take
 from fedsilo.models import LayeredNet
@@ -241,6 +241,12 @@ class FedCIL(Method):
     # each local update logs its batches and device on the method
     client_parallel = False
 
+    def __init__(self, params: FedCILParams, train: TrainParams, key: Optional[str] = None):
+        super().__init__(params, train, key)
+        if not self.train.normalize.minus_one_one:  # a fake would sit on another scale than the real images it joins
+            raise ConfigError(f"train.normalize: {self.key} (FedCIL) draws its generator's images on [-1, 1] (tanh), the "
+                              "scale its discriminator sees the real images on; keep the default (mean 0.5, std 0.5)")
+
     # ------------------------------------------------------------------ structure
     def transform_model(self, model, example):
         self.image_shape = tuple(int(s) for s in example.shape[1:])  # (C, H, W): the generator draws these
@@ -434,7 +440,7 @@ class FedCIL(Method):
                 for idx in batches(client.n_train, self.train.batch_size, gb):
                     idx = idx.to(dev, non_blocking=True)
                     xb = client.x_train[idx] if host is None else apply_host(host, client.x_train[idx], gb)
-                    x = augment(to_float(xb), self.train.augment, gb)
+                    x = augment(to_float(xb, self.train.normalize), self.train.augment, gb, self.train.normalize)
                     y = client.y_train[idx]
                     b = len(idx)
                     with self._amp(bf16):

@@ -140,7 +140,7 @@ class FedeCouple(PersonalModels):
         counts: dict[int, int] = {}
         with torch.no_grad(), representation(model) as rep:
             for i in range(0, client.n_train, 256):
-                model(to_float(client.x_train[i : i + 256]))
+                model(to_float(client.x_train[i : i + 256], self.train.normalize))
                 z, y = rep.z.float(), client.y_train[i : i + 256]
                 for c in y.unique().tolist():
                     sums[c] = sums.get(c, 0) + z[y == c].sum(0)

@@ -149,7 +149,7 @@ class FedPAC(Method):
         out = []
         with representation(model) as rep:
             for i in range(0, client.n_train, 256):
-                model(to_float(client.x_train[i : i + 256]))
+                model(to_float(client.x_train[i : i + 256], self.train.normalize))
                 out.append(rep.z.float())
         model.train(was)
         return torch.cat(out)

@@ -127,7 +127,7 @@ class FedTGP(PartialSharing):
         sums = PrototypeSums()
         model.eval()
         for i in range(0, client.n_train, 256):
-            sums.add(features(model, to_float(client.x_train[i : i + 256])), client.y_train[i : i + 256])
+            sums.add(features(model, to_float(client.x_train[i : i + 256], self.train.normalize)), client.y_train[i : i + 256])
         return {**self.keep_and_share(model, store), **to_payload(sums.means())}
 
     streaming = False

@@ -135,7 +135,7 @@ class PFedDIL(Method):
         probs, conf = [], []
         with head_input(model) as seen:
             for i in range(0, len(x_u8), batch_size):
-                x = to_float(x_u8[i : i + batch_size])
+                x = to_float(x_u8[i : i + batch_size], self.train.normalize)
                 with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=bf16):
                     logits = model(x).float()
                     aux = self.aux(seen["z"] if self.params.share_extractor else x).float()

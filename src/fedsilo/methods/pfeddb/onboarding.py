@@ -60,7 +60,7 @@ def onboard_newcomer(
     if unknown or not strategies:
         raise ValueError(f"onboarding strategies: {unknown or 'none'} (known: {', '.join(STRATEGIES)})")
     train = method.phase_train(2)  # the newcomer holding phi trains as a Phase-2 client
-    example = to_float(client.x_train[:2])
+    example = to_float(client.x_train[:2], train.normalize)
     frozen_stats = any("running_" in k for k in phi)  # phi holds the shared branch's BatchNorm statistics
 
     method.run_seed = int(seed)  # the run's: what the method draws itself is seeded from it, as in the federation
