@@ -14,6 +14,7 @@ import torch
 from tests.test_label_skew_baselines import _one_random_op_per_image
 
 from fedsilo.client.data import one_random_op
+from fedsilo.config import NormalizeParams
 
 
 def main() -> None:
@@ -25,9 +26,9 @@ def main() -> None:
     for seed in range(200):
         x = torch.rand(50, 3, 32, 32, generator=data) * 2 - 1
         xc = x.cuda()
-        batched = one_random_op(xc, torch.Generator().manual_seed(seed)).cpu()
+        batched = one_random_op(xc, torch.Generator().manual_seed(seed), NormalizeParams()).cpu()
         loop = _one_random_op_per_image(xc, torch.Generator().manual_seed(seed)).cpu()
-        cpu = one_random_op(x, torch.Generator().manual_seed(seed))
+        cpu = one_random_op(x, torch.Generator().manual_seed(seed), NormalizeParams())
         pixels += batched.numel()
         for key, (a, b) in {"batched vs per-image (cuda)": (batched, loop), "cuda vs cpu (batched)": (batched, cpu)}.items():
             diff = int((a != b).sum())

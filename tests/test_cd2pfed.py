@@ -18,7 +18,7 @@ from fedsilo.methods import method_class
 from fedsilo.methods.base import payload_bytes
 from fedsilo.methods.channels import PRIVATE, SHARED, SLICE, ChannelPartition
 from fedsilo.models import LayeredNet, build_model
-from tests.tiny import label_skewed_federation, style_shifted_federation, tiny_net
+from tests.tiny import CPU_TRAIN, label_skewed_federation, style_shifted_federation, tiny_net
 
 
 @pytest.fixture(scope="module")
@@ -370,14 +370,14 @@ def test_new_test_scores_the_mean_softmax_of_every_clients_model(clients):
     for c, store in zip(clients, e.stores):
         e.method.load_eval_model(e.model, e.server, store, c, 1)
         sent += payload_bytes(e.model.state_dict())
-        probs = probs + predict(e.model, x).softmax(1)
-        probs_ext = probs_ext + predict(e.model, ext.x_test).softmax(1)
+        probs = probs + predict(e.model, x, cfg=CPU_TRAIN).softmax(1)
+        probs_ext = probs_ext + predict(e.model, ext.x_test, cfg=CPU_TRAIN).softmax(1)
     assert entry["ensemble"]["acc"] == pytest.approx(float((probs.argmax(1) == y).float().mean()))
     assert entry["external_ensemble"]["acc"] == pytest.approx(float((probs_ext.argmax(1) == ext.y_test).float().mean()))
     assert entry["bytes_ensemble"] == sent and "external_global" not in entry, "no global model for CD2-pFed"
     mean = probs / len(clients)
     assert entry["ensemble"]["loss"] == pytest.approx(float(F.nll_loss(mean.log(), y)), rel=1e-5)
-    single = predict(e.model, x).softmax(1)  # the last client's model alone: another score (the averaging is real)
+    single = predict(e.model, x, cfg=CPU_TRAIN).softmax(1)  # the last client's model alone: another score (the averaging is real)
     assert abs(entry["ensemble"]["loss"] - float(F.nll_loss(single.log(), y))) > 1e-5
     assert entry["ensemble"]["images"] == len(y)
     # clients sharing one test set (F²DC's protocol) count it once
@@ -399,8 +399,8 @@ def test_new_test_with_log_probabilities_scores_their_normalized_geometric_mean(
     logs, probs = 0, 0
     for c, store in zip(clients, e.stores):
         e.method.load_eval_model(e.model, e.server, store, c, 1)
-        logs = logs + predict(e.model, x).log_softmax(1)
-        probs = probs + predict(e.model, x).softmax(1)
+        logs = logs + predict(e.model, x, cfg=CPU_TRAIN).log_softmax(1)
+        probs = probs + predict(e.model, x, cfg=CPU_TRAIN).softmax(1)
     geometric = (logs / len(clients)).softmax(1)
     assert entry["ensemble"]["loss"] == pytest.approx(float(F.nll_loss(geometric.log(), y)), rel=1e-5)
     assert entry["ensemble"]["acc"] == pytest.approx(float((geometric.argmax(1) == y).float().mean()))

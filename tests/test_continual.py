@@ -13,7 +13,7 @@ from fedsilo.fl.continual import ContinualEngine, continual_summary
 from fedsilo.methods.base import payload_bytes
 from fedsilo.methods.continual import take
 from fedsilo.methods.registry import REGISTRY
-from tests.tiny import resume_mid_run, style_stream, tiny_net, without_timing
+from tests.tiny import CPU_TRAIN, resume_mid_run, style_stream, tiny_net, without_timing
 
 NAMES = ["S0", "S1", "S2"]
 
@@ -177,7 +177,7 @@ def test_sharing_trains_one_trunk_and_scores_each_domain_with_its_head():
     e.model.load_state_dict({**{k: v for k, v in e.server.items() if not k.startswith("head")}, **take(e.server, "head0.")})
     from fedsilo.client.local import predict
 
-    assert torch.allclose(p0, predict(e.model, x.x_test).softmax(1))
+    assert torch.allclose(p0, predict(e.model, x.x_test, cfg=CPU_TRAIN).softmax(1))
 
 
 def test_storage_counts_what_a_client_keeps_to_answer_every_task_seen():

@@ -27,6 +27,7 @@ from fedsilo.fl.params import load_params  # noqa: E402
 from fedsilo.fl.site import load_site, site_card  # noqa: E402
 from tests.deploy_sites import SITE_SOURCES, make_site  # noqa: E402
 from tests.test_flower import LoopGrid, identity  # noqa: E402,F401 - the fixture
+from tests.tiny import CPU_TRAIN  # noqa: E402
 
 REPO_PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"  # the coordinator's methods entries
 TRAIN = {"model": "simple_cnn", "model_width": 0.25, "rounds": 2, "batch_size": 8, "lr": 0.05, "device": "cpu"}
@@ -658,17 +659,18 @@ def test_a_site_that_left_comes_back_when_its_mark_is_taken_away_as_the_engine_h
 
 
 @pytest.mark.usefixtures("identity")
-@pytest.mark.parametrize("method", ["fedheal", "cd2pfed"])
-def test_a_site_joins_a_run_of_a_method_that_counts_the_federation_or_keeps_a_record_per_site(method, sites, tmp_path):
+@pytest.mark.parametrize("method, params", [("fedheal", {}), ("cd2pfed", {}), ("pfeddb", {"local_rounds": 1})])
+def test_a_site_joins_a_run_of_a_method_that_counts_the_federation_or_keeps_a_record_per_site(method, params, sites, tmp_path):
     """Over Flower, as on the engine: a site joining in round 2 gives the numbers of the engine whose third client
     joins in round 2, for FedHEAL, whose starting weight 1 / K counts the sites of the round (the engine, told of the
-    joiner from the start, counts it from its round only), and CD2-pFed, whose server keeps each site's last round by
-    name (a record sized by the federation the run started with had no place for the joiner)."""
+    joiner from the start, counts it from its round only), CD2-pFed, whose server keeps each site's last round by
+    name (a record sized by the federation the run started with had no place for the joiner), and pFedDB, whose
+    joiner trains the Phase-1 round it missed first, as the server's download says (its store on its disk)."""
     train = {**TRAIN, "rounds": 3}
     new = "VinBigData"
     first = {k: sites[k] for k in ("chexpert", "rsna")}
     coordinator = yaml.safe_load(REPO_PARAMS.read_text())
-    coordinator["methods"].update({method: {}})
+    coordinator["methods"].update({method: params})
     (tmp_path / "coordinator.yaml").write_text(yaml.safe_dump(coordinator, sort_keys=False))
 
     def federation(name: str, members: dict) -> Path:
@@ -709,7 +711,7 @@ def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_t
     model, the seeded initial model as every site's started), which ends with the numbers of the in-process engine
     whose third client joins in round 2. Refused by key: a site marked joined with no run to resume; once it joined,
     its mark taken away (the run would start afresh) or other data pinned for it; one listed before a site the run
-    started with; a method whose protocol a site joining later cannot follow (pFedDB); a run with no round left."""
+    started with; a method not declared joinable (pFedDB made so here); a run with no round left."""
     from fedsilo.fl.deploy import resume_key
 
     train = {**TRAIN, "rounds": 3}
@@ -790,9 +792,13 @@ def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_t
                  "--model", str(final), "--out", str(out), "--images", *[str(vin / "data/raw/vinbigdata" / p) for p in table["source_path"]]]) == 0
     x = torch.from_numpy(np.load(vin / "data/harmonized/chest_xray4/images.npy")[:3]).permute(0, 3, 1, 2).contiguous()
     rows = pd.read_csv(out)
-    assert np.allclose(rows[["prob.Normal", "prob.Lung Opacity"]].to_numpy(dtype=float), predict(model, x).softmax(1).numpy(), atol=1e-6)
+    assert np.allclose(rows[["prob.Normal", "prob.Lung Opacity"]].to_numpy(dtype=float), predict(model, x, cfg=CPU_TRAIN).softmax(1).numpy(), atol=1e-6)
 
-    # a method whose protocol a joiner cannot follow (pFedDB: Phase 2 starts from each site's Phase-1 model) refuses
+    # a method not declared joinable (a new one's default) refuses, naming why (pFedDB, made so for the test)
+    from fedsilo.methods.pfeddb.method import PFedDB
+
+    monkeypatch.setattr(PFedDB, "joinable", False)
+    monkeypatch.setattr(PFedDB, "join_refusal", "its Phase 2 starts from each site's Phase-1 model", raising=False)
     for app, fed in (("heal", federation("c", first, "pfeddb")), ("heal2", federation("d", sites, "pfeddb"))):
         write_app(load_federation(fed), load_params(tmp_path / "coordinator.yaml"), tmp_path / app)
     torch.set_num_threads(1)
@@ -979,6 +985,11 @@ def test_the_shipped_site_params_and_federation_example_validate(tmp_path):
         load_federation(_dump(tmp_path / "b.yaml", bad))
     with pytest.raises(ConfigError, match=r"train.rounds"):
         load_federation(_dump(tmp_path / "c.yaml", {**raw, "train": {**raw["train"], "rounds": 0}}))
+    # statistics for three channels on the grey chest X-ray contract: refused when the App is written, not at the sites
+    with pytest.raises(ConfigError, match=r"train.normalize: mean has 3 values for images of 1 channel\(s\)"):
+        write_app(load_federation(_dump(tmp_path / "n.yaml", {**raw, "train": {**raw["train"], "normalize": "imagenet"}})),
+                  load_params(REPO_PARAMS), tmp_path / "app4")
+    assert not (tmp_path / "app4").exists()
     # where the run is logged goes to the App's run config as written (any character), not into the deployment's hash
     try:
         import tomllib  # Python 3.11+
@@ -1428,7 +1439,7 @@ def test_a_site_scores_new_image_files_with_the_model_it_kept_as_it_scores_its_h
         rows = pd.read_csv(out)
         rows[["predicted", "error"]] = rows[["predicted", "error"]].fillna("")
         x = torch.from_numpy(np.load(root / "data/harmonized/chest_xray4/images.npy")[:6]).permute(0, 3, 1, 2).contiguous()
-        want = predict(model.eval(), x).softmax(1).numpy()
+        want = predict(model.eval(), x, cfg=CPU_TRAIN).softmax(1).numpy()
         got = rows[["prob.Normal", "prob.Lung Opacity"]].to_numpy(dtype=float)
         assert np.allclose(got[:6], want, atol=1e-6) and list(rows["predicted"][:6]) == [dep["contract"]["classes"][j] for j in want.argmax(1)]
         assert (rows["error"][:6] == "").all()
@@ -1514,7 +1525,7 @@ def test_site_predict_scores_a_slides_tissue_patches_and_pools_them(tmp_path, mo
     patch_rows = rows[rows["slide"] == str(raw_dir / "tumour" / "S1.tif")]
     assert [p.rsplit("#", 1)[1] for p in patch_rows.index] == [i.rsplit("#", 1)[1] for i in s1["id"]]  # the same patches
     x = torch.from_numpy(np.load(tmp_path / "h" / "images.npy")[s1.index.to_numpy()]).permute(0, 3, 1, 2).contiguous()
-    want = predict(model.eval(), x).softmax(1).numpy()
+    want = predict(model.eval(), x, cfg=CPU_TRAIN).softmax(1).numpy()
     prob = [f"prob.{c}" for c in classes]
     assert np.allclose(patch_rows[prob].to_numpy(dtype=float), want, atol=1e-6)
     slide_row = rows.loc[str(raw_dir / "tumour" / "S1.tif")]
@@ -1561,7 +1572,7 @@ def test_site_predict_reads_a_dicom_slide_at_the_focal_plane_and_optical_path_ha
     assert len(mine) == 16 and [q.rsplit("#", 1)[1] for q in patch_rows.index] == [i.rsplit("#", 1)[1] for i in mine["id"]]
     assert min(int(i.split("#x")[1].split("y")[0]) for i in mine["id"]) >= 512  # the chosen plane's tissue
     x = torch.from_numpy(np.load(tmp_path / "h" / "images.npy")[mine.index.to_numpy()]).permute(0, 3, 1, 2).contiguous()
-    want = predict(model.eval(), x).softmax(1).numpy()
+    want = predict(model.eval(), x, cfg=CPU_TRAIN).softmax(1).numpy()
     assert np.allclose(patch_rows[[f"prob.{c}" for c in classes]].to_numpy(dtype=float), want, atol=1e-6)
 
 
@@ -1598,7 +1609,7 @@ def test_site_predict_reads_rgb_benchmark_files_as_harmonize_does(tmp_path, caps
     assert main([*args, "--model", str(kept.model_path), "--out", str(out), "--images", *map(str, files)]) == 0
     rows = pd.read_csv(out)
     x = torch.from_numpy(np.load(harmonized / "images.npy")[table.index.to_numpy()]).permute(0, 3, 1, 2).contiguous()
-    want = predict(model.eval(), x).softmax(1).numpy()
+    want = predict(model.eval(), x, cfg=CPU_TRAIN).softmax(1).numpy()
     assert np.allclose(rows[[f"prob.{c}" for c in classes]].to_numpy(dtype=float), want, atol=1e-6)
     assert list(rows["predicted"]) == [classes[j] for j in want.argmax(1)]
     # a DICOM of the site's (suffix-less, colour) reads as harmonize reads its own: as RGB; a slide is never decoded
@@ -1708,7 +1719,7 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
     rows = pd.read_csv(tmp_path / "p.csv")
     model, _ = load_site_model(out / "model.pt")
     x = torch.from_numpy(np.load(vin / "data/harmonized/chest_xray4/images.npy")[:3]).permute(0, 3, 1, 2).contiguous()
-    want = predict(model, x).softmax(1).numpy()
+    want = predict(model, x, cfg=CPU_TRAIN).softmax(1).numpy()
     assert np.allclose(rows[["prob.Normal", "prob.Lung Opacity"]].to_numpy(dtype=float), want, atol=1e-6)
 
     # refused by name

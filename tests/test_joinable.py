@@ -112,9 +112,7 @@ def test_lgfedavg_gives_a_site_that_joins_after_the_fedavg_rounds_the_fedavg_sta
 def test_only_the_static_methods_declared_joinable_are():
     assert set(joinable_methods()) <= set(STATIC)
     assert {"fedecouple", "fedpac", "moon", "pfedsd", "pfeddr", "fpl", "fedtgp", "fedsa", "fedrcl", "fedlgf", "fedwon"} <= set(joinable_methods())
-    # a protocol a joiner cannot follow: pFedDB's Phase 1 (the local model its branches start from)
-    assert "pfeddb" not in joinable_methods()
-    assert {"f2dc", "fedheal", "fdse", "cd2pfed", "lgfedavg"} <= set(joinable_methods())
+    assert {"f2dc", "fedheal", "fdse", "cd2pfed", "lgfedavg", "pfeddb"} <= set(joinable_methods())
 
 
 def test_a_site_that_left_or_is_away_still_counts_in_what_a_method_counts_of_the_federation():
@@ -130,3 +128,65 @@ def test_a_site_that_left_or_is_away_still_counts_in_what_a_method_counts_of_the
             seen.append({c.name for c in engine.method.members})
     names = [c.name for c in clients]
     assert seen == [set(names[:3]), set(names)]
+
+
+def _pfeddb(joined: dict, local_rounds: int, rounds: int = 4) -> Engine:
+    clients = style_shifted_federation(n_train=12, n_test=6, per_domain=1)
+    cls = method_class("pfeddb")
+    tp = TrainParams(rounds=rounds, batch_size=6, lr=0.05, momentum=0.5, device="cpu", count_flops=False,
+                     augment={"hflip": True, "crop_pad": 2}, lr_schedule={"kind": "exponential", "gamma": 0.5})
+    return Engine(cls(cls.params_cls(local_rounds=local_rounds), tp), tiny_net(1, 4), clients, tp, seed=0, joined=joined)
+
+
+def test_a_site_joining_pfeddb_in_phase_1_trains_the_rounds_it_missed_and_the_run_ends_as_if_it_had_been_there():
+    """Phase 1 sends nothing, so a site joining in round 2 of 3 Phase-1 rounds that first trains round 1 on its own
+    (as the server's download tells it; round 1's batches, augmentation and decayed learning rate) holds the local
+    model it would hold from round 1: its Eq. 6 upload, phi and
+    every later round are those of the run it was part of from the start."""
+    from fedsilo.methods.pfeddb.method import CATCH_UP, LOCAL_MODEL
+
+    joiner = "D3-0"
+    ref, late = _pfeddb({}, local_rounds=3), _pfeddb({joiner: 2}, local_rounds=3)
+    with one_thread():
+        a = [ref.step() for _ in range(4)]
+        b = [late.step()]
+        down = late.method.download(late.server, late.clients[3], 2)
+        assert set(down) == {CATCH_UP} and down[CATCH_UP].tolist() == [1, 1]
+        b += [late.step() for _ in range(3)]
+    assert joiner not in b[0]["sampled"] and b[1]["joined"] == [joiner]
+    assert b[1]["bytes_down"][joiner] == 16 and set(b[1]["bytes_down"]) == {joiner} | set(a[1]["bytes_down"])
+    for k in ("eval", "mean_acc", "bytes_up"):  # from the join on, the run it was part of from the start
+        assert [h[k] for h in b[1:]] == [h[k] for h in a[1:]], k
+    assert _same_state(ref.server, late.server) and all(_same_state(x, y) for x, y in zip(ref.stores, late.stores))
+    assert int(late.server[LOCAL_MODEL + joiner]) == 3 and CATCH_UP not in late.method.download(late.server, late.clients[3], 4)
+    assert not any(k.startswith("pfeddb:") for k in late.method.eval_download(late.server, late.clients[3]))
+
+
+def test_a_site_joining_pfeddb_in_phase_2_trains_phase_1_first_and_keeps_its_local_model(monkeypatch):
+    """Joining in round 4 of a run whose Phase 1 is rounds 1-2: the site trains rounds 1 and 2 on its own first and
+    keeps psi_c* as every site did at round E0 (the psi_c* it would have had), then trains phi with the federation;
+    the catch-up is asked for once."""
+    from fedsilo.methods.pfeddb.method import CATCH_UP, LOCAL_MODEL, PFedDB
+
+    kept: dict[str, list] = {}
+    keep = PFedDB.keep_phase_one
+
+    def spy(self, model, store):
+        phi = keep(self, model, store)
+        kept.setdefault(type(self).__name__ + str(id(self)), []).append({k: v.clone() for k, v in phi.items()})
+        return phi
+
+    monkeypatch.setattr(PFedDB, "keep_phase_one", spy)
+    joiner = "D3-0"
+    ref, late = _pfeddb({}, local_rounds=2), _pfeddb({joiner: 4}, local_rounds=2)
+    with one_thread():
+        [ref.step() for _ in range(2)]
+        [late.step() for _ in range(3)]
+        down = late.method.download(late.server, late.clients[3], 4)
+        assert down[CATCH_UP].tolist() == [1, 2] and set(down) == set(late.method.shared) | {CATCH_UP}
+        last = late.step()
+    ref_kept, late_kept = (kept["PFedDB" + str(id(e.method))] for e in (ref, late))
+    assert len(ref_kept) == 4 and len(late_kept) == 4  # every site once: three at round 2, the joiner in round 4
+    assert all(torch.equal(ref_kept[3][k], late_kept[3][k]) for k in ref_kept[3])  # the joiner's psi_c*
+    assert last["joined"] == [joiner] and joiner in last["eval"] and int(late.server[LOCAL_MODEL + joiner]) == 2
+    assert CATCH_UP not in late.method.download(late.server, late.clients[3], 5)

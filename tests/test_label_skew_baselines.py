@@ -420,8 +420,8 @@ def test_one_random_op_augmentation_applies_one_seeded_op_per_image():
     from fedsilo.client.data import one_random_op
 
     x = torch.rand(200, 1, 12, 12, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    a = one_random_op(x, torch.Generator().manual_seed(5))
-    b = one_random_op(x, torch.Generator().manual_seed(5))
+    a = one_random_op(x, torch.Generator().manual_seed(5), NormalizeParams())
+    b = one_random_op(x, torch.Generator().manual_seed(5), NormalizeParams())
     assert torch.equal(a, b) and a.shape == x.shape and float(a.abs().max()) <= 1.0
     inverted = sum(bool(torch.equal(a[i], -x[i])) for i in range(200))
     flipped = sum(bool(torch.equal(a[i], x[i].flip(2))) for i in range(200))
@@ -474,7 +474,7 @@ def test_batched_one_random_op_equals_the_per_image_loop_with_torchvision_rotate
              (1, 3, 16, 16, {}), (40, 1, 9, 13, {"max_crop": 0})]
     for seed, (b, c, h, w, kw) in enumerate(cases * 4):
         x = torch.rand(b, c, h, w, generator=data) * 2 - 1
-        got = one_random_op(x, torch.Generator().manual_seed(seed), **kw)
+        got = one_random_op(x, torch.Generator().manual_seed(seed), NormalizeParams(), **kw)
         want = _one_random_op_per_image(x, torch.Generator().manual_seed(seed), **kw)
         assert got.shape == want.shape and torch.equal(got, want), (seed, b, c, h, w, kw)
     # the crop window's start in float32, as the loop's int(u * (2 p + 1)) on a float32 draw: every p of max_crop 8

@@ -9,7 +9,15 @@ from torchvision.transforms import v2
 
 from fedsilo.client.data import ClientData, augment, to_float
 from fedsilo.client.local import predict, train_local
-from fedsilo.config import IMAGENET_MEAN, IMAGENET_STD, AugmentParams, ConfigError, NormalizeParams, TrainParams, parse_params
+from fedsilo.config import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    AugmentParams,
+    ConfigError,
+    NormalizeParams,
+    TrainParams,
+    parse_params,
+)
 from fedsilo.fl.engine import Engine
 from fedsilo.methods import method_class
 from tests.conftest import small_params
@@ -63,8 +71,8 @@ def test_training_and_evaluation_feed_the_model_the_normalized_images():
     lo, hi = [(-m / s) for m, s in zip(IMAGENET_MEAN, IMAGENET_STD)], [((1 - m) / s) for m, s in zip(IMAGENET_MEAN, IMAGENET_STD)]
     for cfg_norm, want_lo, want_hi in ((IMAGENET, lo, hi), (NormalizeParams(), [-1.0] * 3, [1.0] * 3)):
         cfg = TrainParams(batch_size=4, local_epochs=1, device="cpu", normalize=cfg_norm)
-        for run in (lambda: train_local(model, client, cfg, torch.Generator().manual_seed(0)),
-                    lambda: predict(model, client.x_test, cfg=cfg)):
+        for run in (lambda cfg=cfg: train_local(model, client, cfg, torch.Generator().manual_seed(0)),
+                    lambda cfg=cfg: predict(model, client.x_test, cfg=cfg)):
             seen.clear()
             run()
             x = torch.cat(seen)
@@ -88,6 +96,7 @@ def test_a_run_on_another_scale_trains_other_numbers():
 
 @pytest.mark.parametrize("value, message", [
     ("imagenett", r"'imagenett': expected imagenet or \{mean: \[\.\.\.\], std: \[\.\.\.\]\}"),
+    ({"mean": [123.675, 116.28, 103.53], "std": [58.395, 57.12, 57.375]}, r"mean.*less than or equal to 1"),
     ({"mean": [0.1, 0.2, 0.3], "std": [0.2, 0.2]}, r"mean has 3 values and std 2"),
     ({"mean": [0.5], "std": [0.0]}, r"std"),
 ])
@@ -112,3 +121,27 @@ def test_fedcil_keeps_its_generator_scale():
     with pytest.raises(ConfigError, match=r"train\.normalize: fedcil \(FedCIL\) draws its generator's images on \[-1, 1\]"):
         cls(cls.params_cls(), TrainParams(normalize=IMAGENET))
     cls(cls.params_cls(), TrainParams())
+
+
+def test_fedecouples_augmentation_works_on_the_runs_scale():
+    """FedeCouple's one random operation (crop, flip, rotation, brightness, inversion) on ImageNet-scaled images is
+    the operation on [-1, 1] mapped to that scale: inversion turns white into black, brightness clips at white, not
+    values beyond black and white."""
+    from fedsilo.client.data import from_minus_one_one, one_random_op
+
+    x = torch.randint(0, 256, (300, 3, 12, 12), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    x[:100] = 255  # white images: their inversions and brightenings show the scale
+    got = one_random_op(to_float(x, IMAGENET), torch.Generator().manual_seed(5), IMAGENET)
+    want = from_minus_one_one(one_random_op(to_float(x, NormalizeParams()), torch.Generator().manual_seed(5), NormalizeParams()), IMAGENET)
+    assert torch.allclose(got, want, atol=1e-5)
+    mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    black, white = -mean / std, (1 - mean) / std
+    assert bool((got >= black - 1e-5).all()) and bool((got <= white + 1e-5).all())
+    assert bool(torch.isclose(got[:100], black.expand(100, 3, 12, 12), atol=1e-5).all((1, 2, 3)).any())  # an inverted white
+
+
+def test_the_same_statistics_per_channel_are_the_default_scale():
+    same = NormalizeParams(mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5])
+    assert same.minus_one_one
+    x = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
+    assert torch.equal(to_float(x, same), to_float(x, NormalizeParams()))

@@ -18,7 +18,7 @@ from fedsilo.fl.engine import Engine, PrivacyViolation
 from fedsilo.methods import method_class
 from fedsilo.methods.pfeddr import DualBatchNorm, DualBNNet, PFedDR, PFedDRParams, code_divergence
 from fedsilo.models import batchnorm_keys, build_model
-from tests.tiny import style_shifted_federation, tiny_net
+from tests.tiny import CPU_TRAIN, style_shifted_federation, tiny_net
 
 LOCAL = ".local_bn."
 
@@ -146,10 +146,10 @@ def test_two_logits_differ_after_training_and_evaluation_uses_their_mean(fed):
         e.method.load_eval_model(e.model, e.server, store, c, 3)
         assert e.model.mode == "mean"
         with e.model.mode_as("global"):
-            g = predict(e.model, c.x_test)
+            g = predict(e.model, c.x_test, cfg=CPU_TRAIN)
         with e.model.mode_as("local"):
-            lo = predict(e.model, c.x_test)
-        mean = predict(e.model, c.x_test)
+            lo = predict(e.model, c.x_test, cfg=CPU_TRAIN)
+        mean = predict(e.model, c.x_test, cfg=CPU_TRAIN)
         assert (g - lo).abs().max() > 1e-2, "the local set has drifted from the global one"
         assert torch.allclose(mean, (g + lo) / 2, atol=1e-5)
         acc = float(((g + lo) / 2).argmax(1).eq(c.y_test).float().mean())
@@ -157,8 +157,8 @@ def test_two_logits_differ_after_training_and_evaluation_uses_their_mean(fed):
         # the global model reported beside: the global set in both passes, i.e. the global pass with the server's tensors
         e.model.load_state_dict(e.method.global_state(e.server), strict=True)
         with e.model.mode_as("global"):
-            g_server = predict(e.model, c.x_test)
-        assert torch.allclose(predict(e.model, c.x_test), g_server, atol=1e-5)
+            g_server = predict(e.model, c.x_test, cfg=CPU_TRAIN)
+        assert torch.allclose(predict(e.model, c.x_test, cfg=CPU_TRAIN), g_server, atol=1e-5)
         assert h[-1]["global"][c.name] == pytest.approx(float(g_server.argmax(1).eq(c.y_test).float().mean()))
 
 

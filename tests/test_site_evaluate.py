@@ -21,6 +21,7 @@ from fedsilo.fl import evaluate as ev
 from fedsilo.fl.deploy import deployment_spec
 from fedsilo.fl.evaluate import evaluate_site_model, patient_bootstrap
 from fedsilo.fl.flower import KeptStores
+from tests.tiny import CPU_TRAIN
 
 CLASSES = ["Normal", "Lung Opacity"]
 
@@ -67,7 +68,7 @@ def test_the_kept_model_is_scored_on_every_image_with_its_metrics_per_domain(tmp
 
     h = tmp_path / "data" / "harmonized" / "external"
     images = torch.from_numpy(np.load(h / "images.npy")).permute(0, 3, 1, 2).contiguous()
-    want = predict(model, images).softmax(1).numpy()
+    want = predict(model, images, cfg=CPU_TRAIN).softmax(1).numpy()
     np.testing.assert_allclose(rows[[f"prob.{c}" for c in CLASSES]].to_numpy(), want, atol=1e-6)
     records = pd.read_parquet(h / "records.parquet")
     assert rows["id"].tolist() == records["id"].tolist() and rows["patient"].tolist() == records["group"].tolist()
@@ -213,4 +214,4 @@ def test_every_methods_kept_model_is_rebuilt_from_its_file(tmp_path, method):
     kept.save_model(2, model, {"deployment": dep})
     loaded, info = load_site_model(kept.model_path)
     x = torch.rand(3, 1, 32, 32)
-    assert info["round"] == 2 and torch.allclose(predict(loaded, (x * 255).to(torch.uint8)), predict(model.eval(), (x * 255).to(torch.uint8)))
+    assert info["round"] == 2 and torch.allclose(predict(loaded, (x * 255).to(torch.uint8), cfg=CPU_TRAIN), predict(model.eval(), (x * 255).to(torch.uint8), cfg=CPU_TRAIN))

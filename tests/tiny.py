@@ -12,7 +12,11 @@ import numpy as np
 import torch
 
 from fedsilo.client.data import ClientData
+from fedsilo.config import TrainParams
 from fedsilo.models import LayeredNet
+
+# what a test scores a model with (client.local.predict): float32 on the CPU, the default [-1, 1] input scale
+CPU_TRAIN = TrainParams(device="cpu")
 
 
 def tiny_net(in_channels: int, num_classes: int, seed: int = 0) -> LayeredNet:

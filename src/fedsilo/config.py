@@ -1001,8 +1001,13 @@ class NormalizeParams(Strict):
     per channel of the images. The default (0.5, 0.5) is [-1, 1] (FedBN's digits, MOON); ``imagenet`` stands for
     torchvision's ImageNet statistics (F²DC's code, every dataset); mean 0 and std 1 is ToTensor alone ([0, 1])."""
 
-    mean: tuple[float, ...] = Field((0.5,), min_length=1, description="subtracted after scaling to [0, 1]: one value, or one per channel")
-    std: tuple[Annotated[float, Field(gt=0)], ...] = Field((0.5,), min_length=1, description="divided by after: one value, or one per channel")
+    mean: tuple[Annotated[float, Field(ge=0, le=1)], ...] = Field(
+        (0.5,), min_length=1, description="subtracted after scaling to [0, 1]: one value, or one per channel (on that "
+        "[0, 1] scale, as torchvision's: ImageNet's 0.485, not 123.7)",
+    )
+    std: tuple[Annotated[float, Field(gt=0, le=1)], ...] = Field(
+        (0.5,), min_length=1, description="divided by after: one value, or one per channel (on the [0, 1] scale)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -1021,7 +1026,8 @@ class NormalizeParams(Strict):
 
     @property
     def minus_one_one(self) -> bool:
-        return self.mean == (0.5,) and self.std == (0.5,)
+        """[-1, 1], however written (one 0.5 or one per channel)."""
+        return set(self.mean) == {0.5} and set(self.std) == {0.5}
 
     def channel_mismatch(self, channels: int) -> Optional[str]:
         """Why these statistics do not fit images of ``channels`` channels, or None."""

@@ -151,6 +151,23 @@ def to_float(x_u8: torch.Tensor, norm: NormalizeParams) -> torch.Tensor:
     return x_u8.float().div_(255.0).sub_(mean).div_(std)
 
 
+def to_minus_one_one(x: torch.Tensor, norm: NormalizeParams) -> torch.Tensor:
+    """Images on the input scale ``norm`` made (:func:`to_float`) back on [-1, 1] (v / 127.5 - 1): for an operation
+    written for that scale; the default scale is returned as it is."""
+    if norm.minus_one_one:
+        return x
+    mean, std = _statistics(norm.mean, norm.std, int(x.shape[1]), x.device)
+    return (x * std + mean) * 2.0 - 1.0
+
+
+def from_minus_one_one(x: torch.Tensor, norm: NormalizeParams) -> torch.Tensor:
+    """The inverse of :func:`to_minus_one_one`: [-1, 1] images onto the input scale ``norm``."""
+    if norm.minus_one_one:
+        return x
+    mean, std = _statistics(norm.mean, norm.std, int(x.shape[1]), x.device)
+    return ((x + 1.0) * 0.5 - mean) / std
+
+
 def black(norm: NormalizeParams, like: torch.Tensor) -> torch.Tensor:
     """A black pixel (uint8 0) on the model's input scale, 1 x C x 1 x 1 for images like ``like``."""
     return to_float(torch.zeros((1, like.shape[1], 1, 1), dtype=torch.uint8, device=like.device), norm)
@@ -193,12 +210,15 @@ def augment(x: torch.Tensor, params: AugmentParams, gen: torch.Generator, norm: 
 ONE_OP_NAMES = ("crop", "flip", "rotate", "brightness", "invert")
 
 
-def one_random_op(x: torch.Tensor, gen: torch.Generator, max_crop: int = 4, max_degrees: float = 30.0, max_brightness: float = 0.5) -> torch.Tensor:
+def one_random_op(x: torch.Tensor, gen: torch.Generator, norm: NormalizeParams, max_crop: int = 4, max_degrees: float = 30.0,
+                  max_brightness: float = 0.5) -> torch.Tensor:
     """FedeCouple's data augmentation (Sec. IV, "DA"): each image gets one operation drawn uniformly from crop, flip,
     rotation, brightness and pixel inversion, with a strength drawn uniformly from (0, 1] of the operation's range:
     a random crop after zero padding of up to ``max_crop`` pixels, a horizontal flip, a rotation of up to
     ``max_degrees`` either way, a brightness shift of up to ``max_brightness`` (of the [0, 1] range) either way, an
-    inversion. Works on a float batch in [-1, 1]; the draws come from the CPU generator ``gen``.
+    inversion. Works on a float batch on the input scale ``norm`` (:func:`to_float`), the operations on [-1, 1] (so
+    white inverts to black, brightness clips at black and white, the padding and the rotation's fill are black); the
+    draws come from the CPU generator ``gen``.
 
     The whole batch at once: each image's crop window and flip are one gather from a padded copy, brightness and
     inversion two element-wise ops, and the rotated images one ``grid_sample`` over torchvision's rotation grid (its
@@ -209,6 +229,7 @@ def one_random_op(x: torch.Tensor, gen: torch.Generator, max_crop: int = 4, max_
     A test holds the result bit for bit to a loop over the images
     with torchvision's rotate on the CPU; on a GPU the batched grid product may round a grid coordinate differently,
     which can move a rotated pixel at an exact tie of the nearest sampling."""
+    x = to_minus_one_one(x, norm)
     b, c, h, w = x.shape
     dev = x.device
     ops = torch.randint(0, len(ONE_OP_NAMES), (b,), generator=gen)
@@ -239,7 +260,7 @@ def one_random_op(x: torch.Tensor, gen: torch.Generator, max_crop: int = 4, max_
         out[i] = -out[i]
     if bool(rot.any()):
         _rotate_into(out, x, rot, [float(sign[i]) * max_degrees * float(strength[i]) for i in rot.nonzero().flatten().tolist()])
-    return out
+    return from_minus_one_one(out, norm)
 
 
 def crop_windows(m: torch.Tensor, u: torch.Tensor, max_crop: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from torch import nn
 
 from fedsilo.client.data import ClientData, augment, to_float
 from fedsilo.client.hostaug import apply_host, host_policy
-from fedsilo.config import ConfigError, NormalizeParams, TrainParams
+from fedsilo.config import ConfigError, TrainParams
 
 ExtraLoss = Callable[[nn.Module], torch.Tensor]
 # a loss term computed per batch from its inputs, labels and the model's logits (distillation, smoothness terms)
@@ -217,13 +217,12 @@ def train_local(
 
 
 @torch.no_grad()
-def predict(model: nn.Module, x_u8: torch.Tensor, batch_size: int = 256, cfg: Optional[TrainParams] = None) -> torch.Tensor:
-    """The model's logits (float32) for uint8 images, in evaluation mode, batch by batch, on ``cfg``'s input scale,
-    autocast and memory format (none: float32 on the default [-1, 1] scale)."""
+def predict(model: nn.Module, x_u8: torch.Tensor, batch_size: int = 256, *, cfg: TrainParams) -> torch.Tensor:
+    """The model's logits (float32) for uint8 images, in evaluation mode, batch by batch, on the run's input scale
+    (``cfg.normalize``: the one the model was trained on), autocast and memory format."""
     model.eval()
-    norm = cfg.normalize if cfg is not None else NormalizeParams()
-    bf16 = cfg is not None and use_bf16(cfg, x_u8.device)
-    cl = cfg is not None and use_channels_last(cfg, x_u8.device)
+    norm = cfg.normalize
+    bf16, cl = use_bf16(cfg, x_u8.device), use_channels_last(cfg, x_u8.device)
     fwd = forward_fn(model)
     logits = []
     for i in range(0, len(x_u8), batch_size):
@@ -243,13 +242,11 @@ def score(out: torch.Tensor, y: torch.Tensor, probabilities: bool = False) -> di
 
 
 @torch.no_grad()
-def evaluate(
-    model: nn.Module, x_u8: torch.Tensor, y: torch.Tensor, batch_size: int = 256, cfg: Optional[TrainParams] = None
-) -> dict[str, float]:
-    return score(predict(model, x_u8, batch_size, cfg), y)
+def evaluate(model: nn.Module, x_u8: torch.Tensor, y: torch.Tensor, batch_size: int = 256, *, cfg: TrainParams) -> dict[str, float]:
+    return score(predict(model, x_u8, batch_size, cfg=cfg), y)
 
 
-def evaluate_client(model: nn.Module, client: ClientData, cfg: Optional[TrainParams] = None) -> dict[str, float]:
+def evaluate_client(model: nn.Module, client: ClientData, *, cfg: TrainParams) -> dict[str, float]:
     """:func:`evaluate` on the client's test set, plus ``val_acc`` on its validation images where the split gave it
     some (``n_val``): the scores of the model the client is evaluated with, in the engine and on a Flower site."""
     scores = evaluate(model, client.x_test, client.y_test, cfg=cfg)

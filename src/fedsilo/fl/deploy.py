@@ -157,9 +157,12 @@ def resolve_deployment(fed: Federation, params: Params) -> dict[str, Any]:
         "contract": fed.contract.model_dump(mode="json"),
         "sites": [s.model_dump(mode="json") for s in fed.sites],
     }
-    h, w, _ = fed.contract.image_shape
+    h, w, c = fed.contract.image_shape
     if h != w:
         raise ConfigError(f"contract.image_shape: {h} x {w}; fedsilo harmonizes to square images")
+    why = train.normalize.channel_mismatch(c)
+    if why is not None:  # here, not at every site's first batch
+        raise ConfigError(f"train.normalize: {why} (contract.image_shape)")
     spec = deployment_spec(out)
     spec.check()
     spec.make_model()  # the apps' own model builder: a model that fits the contract, or its error now

@@ -161,7 +161,7 @@ def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Pa
     probs = []
     for i in range(0, len(images), CHUNK):  # the memory-mapped arrays a chunk at a time
         x = torch.from_numpy(np.array(images[i : i + CHUNK])).permute(0, 3, 1, 2).contiguous().to(device)
-        probs.append(predict(model, x, batch_size, cfg).softmax(1).cpu().numpy())
+        probs.append(predict(model, x, batch_size, cfg=cfg).softmax(1).cpu().numpy())
     prob = np.concatenate(probs) if probs else np.zeros((0, len(classes)))
     rows = pd.DataFrame({"id": records["id"], "domain": records["domain"], "group": records["group"],
                          "label": records["label"].astype(int), "predicted_index": prob.argmax(1)})

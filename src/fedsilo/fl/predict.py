@@ -135,7 +135,7 @@ def predict_images(params: Params, experiment: str, model_path: Path, files: lis
     read = [i for i, img in enumerate(images) if img is not None]
     if read:
         x = torch.from_numpy(np.stack([images[i] for i in read])).permute(0, 3, 1, 2).contiguous().to(device)
-        probs = predict(model, x, batch_size, TrainParams.model_validate(info["deployment"]["train"])).softmax(1).cpu().numpy()
+        probs = predict(model, x, batch_size, cfg=TrainParams.model_validate(info["deployment"]["train"])).softmax(1).cpu().numpy()
         for k, c in enumerate(classes):
             rows.loc[read, f"prob.{c}"] = probs[:, k]
         rows.loc[read, "predicted"] = [classes[j] for j in probs.argmax(1)]

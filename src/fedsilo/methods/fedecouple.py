@@ -167,7 +167,7 @@ class FedeCouple(PersonalModels):
         model.load_state_dict({**payload, **{k: personal[k] for k in self.head_keys}}, strict=True)  # theta^t, phi_i
         head, body = unit_parameters(model, self.cut, len(model.units)), unit_parameters(model, 0, self.cut)
         gen_da = make_generator(seed, rnd, client.index, 3)
-        da = (lambda x, y: (torch.cat([x, one_random_op(x, gen_da)]), torch.cat([y, y]))) if self.params.da else None
+        da = (lambda x, y: (torch.cat([x, one_random_op(x, gen_da, self.train.normalize)]), torch.cat([y, y]))) if self.params.da else None
         anchors = self.anchors(model, client) if self.params.gfa else None  # from theta^t
         late_reset = self.params.reset == "before_extractor" and bool(store[TRAINED])
         if late_reset:  # the classifier phase runs on the client's own theta_i (Algorithm 1: the reset is line 24)

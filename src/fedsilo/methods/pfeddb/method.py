@@ -45,6 +45,16 @@ Where the authors' code (dev branch of github.com/yiranpang/pFedDB) fixes what t
   (tied) module and only the projections ``shared_proj``/``local_proj`` are separate branches. ``AlexNet_DB`` and the
   DenseNet dual-branch classes have separate branches, as here.
 
+A site that joins a run in progress (``joinable``; a deployment's ``sites[k].joined``) first trains, on its own, the
+Phase-1 rounds it missed (``local_phase_update`` for each, drawing its batches and augmentation as it would have in
+those rounds, at their learning rates), so it holds the local model it would hold had it been there from round 1
+(Phase 1 sends nothing, so nothing of the others' is needed). Joining in Phase 1, it then trains on with the rest and
+its psi_c* is in Eq. 6's mean. Joining in Phase 2, Eq. 6's mean is made: its shared branch takes phi as every
+site's does and its psi_c* clone keeps what of the shared branch is not aggregated (as at round E0), the newcomer of
+the paper's Fig. 6 that goes on training with the federation. The server keeps, per site, the last Phase-1 round its
+local model holds (``pfeddb:local_model::<site>``, bookkeeping never sent) and adds the rounds to catch up (two
+integers, ``pfeddb:catch_up``: first and last round) to the download of a site behind; the paper has no late site.
+
 Choices where the paper is open:
 - Phase-1 length is counted in rounds of E local epochs, like the paper's "150 rounds of local training" out of 300.
 - The paper's "cut depth" counts weighted layers (convolutions and linear layers) as our backbones do: AlexNet
@@ -70,8 +80,9 @@ from pydantic import Field, PositiveInt, model_validator
 from pydantic_core import PydanticCustomError
 from torch import nn
 
-from fedsilo.client.local import make_generator, train_local
+from fedsilo.client.local import make_generator, scheduled_lr, train_local
 from fedsilo.config import ConfigError
+from fedsilo.methods.base import RunningMean, State
 from fedsilo.methods.pfeddb.model import (
     SHARED,
     DualBranch,
@@ -90,6 +101,20 @@ from fedsilo.models import LayeredNet, build_model
 # (seed, 2) would draw what round 2's client 0 draws)
 BRANCH_KEYS = (0, 2_000_003)
 INIT_KEYS = (0, 3_000_017)
+# the server's record, per site (+ its name), of the last Phase-1 round the site's local model holds; bookkeeping,
+# never sent
+LOCAL_MODEL = "pfeddb:local_model::"
+# in the download of a site behind (one that joined the run in progress): the first and last Phase-1 round it is to
+# train on its own before the round's work
+CATCH_UP = "pfeddb:catch_up"
+
+
+class _Took(RunningMean):
+    """A round's mean of phi, and which sites trained in the round."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.took: list[str] = []
 
 
 class PFedDBParams(TwoPhaseParams):
@@ -132,9 +157,7 @@ class PFedDB(TwoPhase):
     name = "pfeddb"
     params_cls = PFedDBParams
     params: PFedDBParams
-    # not joinable: a protocol a site joining later cannot follow
-    join_refusal = ("its Phase 2 starts each site's branches from the local model the site trained in Phase 1 "
-                    "(local_rounds), which a site joining later has not trained")
+    joinable = True  # a site joining later trains the Phase-1 rounds it missed first (the server says which)
 
     # ------------------------------------------------------------------ model
     def transform_model(self, model: nn.Module, example: torch.Tensor) -> nn.Module:
@@ -211,20 +234,80 @@ class PFedDB(TwoPhase):
         return loss
 
     def phase_one_upload(self, model, store):
-        """Round E0: the client clones psi_c* into its shared branch (what of it is not aggregated, BatchNorm
-        statistics with share_bn_stats: false, stays the client's own clone) and uploads psi_c* under phi's names:
-        the input of Eq. 6."""
+        """Round E0: the client keeps psi_c* (:meth:`keep_phase_one`) and uploads it under phi's names: the input of
+        Eq. 6."""
+        phi = self.keep_phase_one(model, store)
+        return {k: phi[k].detach() for k in self.shared}
+
+    def keep_phase_one(self, model, store) -> State:
+        """The end of a site's Phase 1: it clones psi_c* into its shared branch (what of it is not aggregated,
+        BatchNorm statistics with share_bn_stats: false, stays the site's own clone); returns psi_c* under phi's
+        names."""
         phi = psi_as_phi(model.state_dict())
         for k in self.private:
             if k.startswith(SHARED):
                 store[k] = phi[k].detach().clone()
-        return {k: phi[k].detach() for k in self.shared}
+        return phi
 
     # Phase 2 (Eq. 7-8) is partial sharing: phi, psi_c and omega_c train together, phi alone is uploaded and averaged
+
+    # ------------------------------------------------------------------ a site that joins a run in progress
+    def download(self, server, client, rnd):
+        """phi in Phase 2 (nothing in Phase 1), and for a site whose local model is behind Phase 1's rounds so far
+        (it joined the run in progress) the rounds it is to train first."""
+        out = {} if self.phase(rnd) == 1 else {k: server[k] for k in self.shared}
+        have = int(server[LOCAL_MODEL + client.name]) if LOCAL_MODEL + client.name in server else 0
+        want = min(rnd - 1, self.e0)
+        if want > have:
+            out[CATCH_UP] = torch.tensor([have + 1, want], dtype=torch.int64)
+        return out
+
+    def local_update(self, model, store, payload, client, rnd, seed):
+        span = payload.get(CATCH_UP)
+        if span is not None:
+            self.catch_up(model, store, client, int(span[0]), int(span[1]), rnd, seed)
+            payload = {k: v for k, v in payload.items() if k != CATCH_UP}
+        return super().local_update(model, store, payload, client, rnd, seed)
+
+    def catch_up(self, model, store, client, first: int, last: int, rnd: int, seed: int) -> None:
+        """Phase-1 rounds ``first``..``last`` of a site that joined later, trained as it would have trained them
+        (each round's batches, augmentation and learning rate); past round E0 it then keeps psi_c* as every site did
+        at E0 (its upload, Eq. 6's input, is no longer wanted)."""
+        was = getattr(model, "phase", 1)
+        model.phase = 1  # type: ignore[assignment]
+        try:
+            for j in range(first, last + 1):
+                with scheduled_lr(self.train, j):
+                    self.local_phase_update(model, store, client, make_generator(seed, j, client.index))
+        finally:
+            model.phase = was  # type: ignore[assignment]
+        if last == self.e0 and rnd > self.e0:
+            self.keep_phase_one(model, store)
+
+    def agg_begin(self, server: State, rnd: int) -> _Took:
+        return _Took()
+
+    def agg_add(self, acc: _Took, client, upload: State) -> None:
+        super().agg_add(acc, client, upload)
+        acc.took.append(client.name)
+
+    def agg_end(self, server, acc, rnd):
+        """phi: the mean of the round's uploads (Eq. 6 at round E0, Eq. 8 after; none in Phase 1's other rounds);
+        each site that trained now holds a local model of Phase-1 round min(rnd, E0)."""
+        out = {**server, **(acc.result() if acc.weight > 0 and self.shared else {})}
+        out.update({LOCAL_MODEL + name: torch.tensor(min(rnd, self.e0), dtype=torch.int64) for name in acc.took})
+        return out
 
     # ------------------------------------------------------------------ evaluation: each client's own dual-branch model
     def global_state(self, server):
         return None
+
+    def eval_state(self, server, store, client):
+        return {**store, **{k: server[k] for k in self.shared}}
+
+    def eval_download(self, server: State, client) -> State:
+        """phi only: the server's records of the sites stay on the server."""
+        return {k: server[k] for k in self.shared}
 
     def eval_is_global(self):
         return False
