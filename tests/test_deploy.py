@@ -595,7 +595,8 @@ def test_a_site_that_left_comes_back_when_its_mark_is_taken_away_as_the_engine_h
     It registers again and carries on from its FedBN layers on its disk (as after rounds it was not sampled for),
     which ends with the numbers of the in-process engine told that the site was away in round 2. The history
     names it as left in that round and back in round 3; metrics.json and MLflow record the rounds it was gone. A site
-    gone in a round of a local phase every site trains (pFedDB's Phase 1) is refused when it would come back."""
+    gone in a round of a local phase every site trains comes back to pFedDB, training the round it missed first, and
+    is refused by FedAvg with ``local_rounds`` (its federation starts from the local phase's uploads)."""
     from mlflow.tracking import MlflowClient
 
     train = {**TRAIN, "rounds": 3}
@@ -638,24 +639,37 @@ def test_a_site_that_left_comes_back_when_its_mark_is_taken_away_as_the_engine_h
         assert [h.get(key) for h in history] == [h.get(key) for h in reference], key
     assert gone not in history[1]["sampled"] and history[2]["train_loss"][gone] != history[0]["train_loss"][gone]
 
-    # pFedDB with two local rounds: gone in round 2, the last of its Phase 1, it cannot come back
+    # pFedDB with two local rounds: gone in round 2, the last of its Phase 1, it comes back in round 3 and first trains
+    # the Phase-1 round it missed, as the server's download says (the engine's numbers with `away`); FedAvg with two
+    # local rounds (its sites do not catch up) refuses it, naming the rounds
     coordinator = yaml.safe_load(REPO_PARAMS.read_text())
     coordinator["methods"]["pfeddb"]["local_rounds"] = 2
+    coordinator["methods"]["fedavg"] = {"local_rounds": 2}
     (tmp_path / "coordinator.yaml").write_text(yaml.safe_dump(coordinator, sort_keys=False))
-    for app, fed in (("p_app", federation("pa", method="pfeddb")), ("p_app2", federation("pb", (gone,), method="pfeddb"))):
-        write_app(load_federation(fed), load_params(tmp_path / "coordinator.yaml"), tmp_path / app)
+    for m in ("pfeddb", "fedavg"):
+        for app, fed in ((f"{m}_app", federation(f"{m}a", method=m)), (f"{m}_app2", federation(f"{m}b", (gone,), method=m))):
+            write_app(load_federation(fed), load_params(tmp_path / "coordinator.yaml"), tmp_path / app)
     torch.set_num_threads(1)
     try:
-        server, client = _load_apps(tmp_path / "p_app")
-        with pytest.raises(ConnectionError, match="went down"):
-            server._main(DownAt(client, sites, rnd=2, run_id=4), ctx(4, "p"))
-        server2, client2 = _load_apps(tmp_path / "p_app2")
-        with pytest.raises(ConnectionError, match="went down"):
-            server2._main(DownAt(client2, sites, rnd=3, run_id=5), ctx(5, "p"))
-        with pytest.raises(ConfigError, match=rf"sites: {gone} left after round 1 .* missed round\(s\) 2-2 of pfeddb's local phase"):
-            server._main(SiteGrid(client, sites, run_id=6), ctx(6, "p"))
+        for k, m in enumerate(("pfeddb", "fedavg")):
+            server, client = _load_apps(tmp_path / f"{m}_app")
+            with pytest.raises(ConnectionError, match="went down"):
+                server._main(DownAt(client, sites, rnd=2, run_id=4 + 3 * k), ctx(4 + 3 * k, m))
+            server2, client2 = _load_apps(tmp_path / f"{m}_app2")
+            with pytest.raises(ConnectionError, match="went down"):
+                server2._main(DownAt(client2, sites, rnd=3, run_id=5 + 3 * k), ctx(5 + 3 * k, m))
+            if m == "fedavg":
+                with pytest.raises(ConfigError, match=rf"sites: {gone} left after round 1 .* missed round\(s\) 2-2 of fedavg's local phase"):
+                    server._main(SiteGrid(client, sites, run_id=6 + 3 * k), ctx(6 + 3 * k, m))
+            else:
+                server._main(SiteGrid(client, sites, run_id=6 + 3 * k), ctx(6 + 3 * k, m))
     finally:
         torch.set_num_threads(threads)
+    history = json.loads((tmp_path / "pfeddb/history.json").read_text())
+    reference = _engine_reference(json.loads((tmp_path / "pfeddb_app/deployment.json").read_text()), sites, away={gone: [(2, 2)]})
+    for key in ("sampled", "eval", "bytes_up", "bytes_down", "train_loss", "mean_acc", "left", "back"):
+        assert [h.get(key) for h in history] == [h.get(key) for h in reference], key
+    assert history[2]["bytes_down"][gone] == history[2]["bytes_down"]["CheXpert"] + 16  # the round to catch up: two int64
 
 
 @pytest.mark.usefixtures("identity")

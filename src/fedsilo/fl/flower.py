@@ -430,7 +430,7 @@ class FlowerServer(Engine):
                                   f"marked left, but the checkpoint holds the run's last round ({self.round}): no round is "
                                   "left to come back to; mark it `left: true` again")
             local = [r for r in range(last + 1, self.round + 1) if self.method.sample_all(r)]
-            if local:
+            if local and not self.method.catches_up:
                 raise ConfigError(f"sites: {n} left after round {last} (the run's checkpoint says so) and is no longer "
                                   f"marked left, but it missed round(s) {local[0]}-{local[-1]} of "
                                   f"{self.spec.key or self.spec.method_cls.name}'s local phase, which every site trains (the "

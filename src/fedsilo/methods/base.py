@@ -97,6 +97,9 @@ class Method:
     # a method whose local training uses an optimizer of its own params, not the train's (local_optimizer refused,
     # naming these): FedCIL's Adam
     own_optimizer: ClassVar[str] = ""
+    # a site that missed rounds of a local phase every site trains (``sample_all``) trains them when it is back, as
+    # the server's download names them (pFedDB's Phase 1): a site gone in such rounds may come back
+    catches_up: ClassVar[bool] = False
     # why not, for a method that is not joinable: the refusal of a site marked joined names it
     join_refusal: ClassVar[str] = "its server keeps state sized or weighted by the federation it started with"
 

@@ -54,6 +54,7 @@ site's does and its psi_c* clone keeps what of the shared branch is not aggregat
 the paper's Fig. 6 that goes on training with the federation. The server keeps, per site, the last Phase-1 round its
 local model holds (``pfeddb:local_model::<site>``, bookkeeping never sent) and adds the rounds to catch up (two
 integers, ``pfeddb:catch_up``: first and last round) to the download of a site behind; the paper has no late site.
+A site that was away (a deployment's ``left``, then back) in Phase-1 rounds catches up the same way (``catches_up``).
 
 Choices where the paper is open:
 - Phase-1 length is counted in rounds of E local epochs, like the paper's "150 rounds of local training" out of 300.
@@ -158,6 +159,7 @@ class PFedDB(TwoPhase):
     params_cls = PFedDBParams
     params: PFedDBParams
     joinable = True  # a site joining later trains the Phase-1 rounds it missed first (the server says which)
+    catches_up = True  # and so does a site back after Phase-1 rounds it was gone for
 
     # ------------------------------------------------------------------ model
     def transform_model(self, model: nn.Module, example: torch.Tensor) -> nn.Module:
