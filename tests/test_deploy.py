@@ -725,14 +725,16 @@ def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_t
     model, the seeded initial model as every site's started), which ends with the numbers of the in-process engine
     whose third client joins in round 2. Refused by key: a site marked joined with no run to resume; once it joined,
     its mark taken away (the run would start afresh) or other data pinned for it; one listed before a site the run
-    started with; a method not declared joinable (pFedDB made so here); a run with no round left."""
+    started with; a method not declared joinable (pFedDB made so here); FedAvg with local rounds once one went by; a
+    run with no round left."""
     from fedsilo.fl.deploy import resume_key
 
     train = {**TRAIN, "rounds": 3}
     new = "VinBigData"
     first = {k: sites[k] for k in ("chexpert", "rsna")}
     coordinator = yaml.safe_load(REPO_PARAMS.read_text())
-    coordinator["methods"].update({"ditto": {"lam": 0.5}, "pfeddb": {"local_rounds": 1}})
+    coordinator["methods"].update({"ditto": {"lam": 0.5}, "pfeddb": {"local_rounds": 1},
+                                   "fedavg_lr2": {"method": "fedavg", "local_rounds": 2}})
     (tmp_path / "coordinator.yaml").write_text(yaml.safe_dump(coordinator, sort_keys=False))
 
     def federation(name: str, members: dict, method: str = "ditto", mark: bool = True, **pin) -> Path:
@@ -824,6 +826,20 @@ def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_t
         with pytest.raises(ConfigError, match=rf"sites: {new} marked joined: pfeddb takes no site mid-run \(its Phase 2 "
                                               r"starts .* a site can join a run of cd2pfed, ditto, f2dc, fdse, fedavg"):
             heal2._main(SiteGrid(heal_client2, sites, run_id=8), ctx(8, "heal"))
+    finally:
+        torch.set_num_threads(threads)
+    # FedAvg with two local rounds, whose sites do not catch up: no site joins once a round of its local phase went by
+    for app, fed in (("fa", federation("fa", first, "fedavg_lr2")), ("fa2", federation("fa2", sites, "fedavg_lr2"))):
+        write_app(load_federation(fed), load_params(tmp_path / "coordinator.yaml"), tmp_path / app)
+    torch.set_num_threads(1)
+    try:
+        fa, fa_client = _load_apps(tmp_path / "fa")
+        with pytest.raises(ConnectionError, match="went down"):
+            fa._main(DownAt(fa_client, first, rnd=2, run_id=11), ctx(11, "fa"))
+        fa2, fa_client2 = _load_apps(tmp_path / "fa2")
+        with pytest.raises(ConfigError, match=rf"sites: {new} marked joined in round 2, but fedavg_lr2's local phase, which every "
+                                              r"site trains from round 1 .* has rounds 1-1 behind it: join after round 2"):
+            fa2._main(SiteGrid(fa_client2, sites, run_id=12), ctx(12, "fa"))
     finally:
         torch.set_num_threads(threads)
     # a run whose checkpoint holds its last round (the ServerApp stopped as it wrote the results): no round to join

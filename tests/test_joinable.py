@@ -190,3 +190,21 @@ def test_a_site_joining_pfeddb_in_phase_2_trains_phase_1_first_and_keeps_its_loc
     assert all(torch.equal(ref_kept[3][k], late_kept[3][k]) for k in ref_kept[3])  # the joiner's psi_c*
     assert last["joined"] == [joiner] and joiner in last["eval"] and int(late.server[LOCAL_MODEL + joiner]) == 2
     assert CATCH_UP not in late.method.download(late.server, late.clients[3], 5)
+
+
+def test_a_pfeddb_site_refuses_a_catch_up_outside_the_rounds_gone_by():
+    """The site checks the span the server names: Phase-1 rounds already behind, never a round to come or past E0."""
+    e = _pfeddb({}, local_rounds=2)
+    with one_thread():
+        e.step()
+        c, store = e.clients[0], e.stores[0]
+        for span in ([1, 2], [0, 1], [2, 1]):  # round 2 may catch up round 1 only
+            with pytest.raises(ValueError, match=rf"{c.name}: the server asked round 2 to train Phase-1 rounds .* rounds 1 to 1 only"):
+                e.method.local_update(e.model, store, {"pfeddb:catch_up": torch.tensor(span)}, c, 2, 0)
+
+
+def test_one_phase_pfeddb_keeps_no_record_of_local_models():
+    e = _pfeddb({}, local_rounds=0)
+    with one_thread():
+        e.step()
+    assert set(e.server) == set(e.method.shared)

@@ -40,7 +40,8 @@ def test_phi_init_is_the_size_weighted_mean_of_phase1_extractors(clients):
     psi = [p for r, c, d, p in ups if r == 2 and d == "up"]
     assert len(psi) == len(clients[0]) and entry["bytes_up_total"] > 0 and entry["bytes_down_total"] == 0
     n = torch.tensor([float(c.n_train) for c in clients[0]])
-    for k in e.server:
+    assert set(e.server) - set(e.method.shared) == {f"pfeddb:local_model::{c.name}" for c in clients[0]}  # bookkeeping
+    for k in e.method.shared:
         expect = sum(p[k].double() * w for p, w in zip(psi, n / n.sum()))
         if not e.server[k].is_floating_point():  # BatchNorm's batch counter is averaged and rounded
             expect = expect.round()

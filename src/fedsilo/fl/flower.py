@@ -430,7 +430,7 @@ class FlowerServer(Engine):
                                   f"marked left, but the checkpoint holds the run's last round ({self.round}): no round is "
                                   "left to come back to; mark it `left: true` again")
             local = [r for r in range(last + 1, self.round + 1) if self.method.sample_all(r)]
-            if local and not self.method.catches_up:
+            if local and not type(self.method).catches_up_local_phase():
                 raise ConfigError(f"sites: {n} left after round {last} (the run's checkpoint says so) and is no longer "
                                   f"marked left, but it missed round(s) {local[0]}-{local[-1]} of "
                                   f"{self.spec.key or self.spec.method_cls.name}'s local phase, which every site trains (the "
@@ -476,6 +476,13 @@ class FlowerServer(Engine):
             raise ConfigError(f"sites: {', '.join(new)} marked joined: {self.spec.key or self.spec.method_cls.name} takes no "
                               f"site mid-run ({type(self.method).join_refusal}; a site can join a run of "
                               f"{', '.join(joinable_methods())} in progress); start a new run with the site")
+        local = [r for r in range(1, self.round + 1) if self.method.sample_all(r)]
+        if new and local and not type(self.method).catches_up_local_phase():
+            raise ConfigError(f"sites: {', '.join(new)} marked joined in round {self.round + 1}, but "
+                              f"{self.spec.key or self.spec.method_cls.name}'s local phase, which every site trains from "
+                              f"round 1 (its last round's uploads start the federation), has rounds {local[0]}-{local[-1]} "
+                              f"behind it: join after round {max(r for r in range(1, self.total_rounds + 1) if self.method.sample_all(r))}, "
+                              "or start a new run with the site")
         if new and not any(self.method.trains(r) for r in range(self.round + 1, self.total_rounds + 1)):
             raise ConfigError(f"sites: {', '.join(new)} marked joined, but {self.spec.key or self.spec.method_cls.name} trains "
                               f"no round after round {self.round} (methods.{self.spec.key or self.spec.method_cls.name}: its "

@@ -97,8 +97,9 @@ class Method:
     # a method whose local training uses an optimizer of its own params, not the train's (local_optimizer refused,
     # naming these): FedCIL's Adam
     own_optimizer: ClassVar[str] = ""
-    # a site that missed rounds of a local phase every site trains (``sample_all``) trains them when it is back, as
-    # the server's download names them (pFedDB's Phase 1): a site gone in such rounds may come back
+    # a site that missed rounds of a local phase every site trains (``sample_all``) trains them when it is back or
+    # joins, as the server's download names them (pFedDB's Phase 1): declared by each class for itself, see
+    # catches_up_local_phase()
     catches_up: ClassVar[bool] = False
     # why not, for a method that is not joinable: the refusal of a site marked joined names it
     join_refusal: ClassVar[str] = "its server keeps state sized or weighted by the federation it started with"
@@ -144,6 +145,13 @@ class Method:
         """Whether a site may join a run of this method in progress: declared (``joinable = True``) on this class
         itself, never inherited."""
         return bool(cls.__dict__.get("joinable", False))
+
+    @classmethod
+    def catches_up_local_phase(cls) -> bool:
+        """Whether a site that missed rounds of a local phase every site trains may still take part: declared
+        (``catches_up = True``) on this class itself, never inherited. Otherwise a site gone in such a round cannot
+        come back, and one cannot join once such a round went by."""
+        return bool(cls.__dict__.get("catches_up", False))
 
     def trains(self, rnd: int) -> bool:
         """Whether clients train in round ``rnd`` (all rounds by default; pFedDR's scripts stop after their ``rounds``):

@@ -105,8 +105,8 @@ INIT_KEYS = (0, 3_000_017)
 # the server's record, per site (+ its name), of the last Phase-1 round the site's local model holds; bookkeeping,
 # never sent
 LOCAL_MODEL = "pfeddb:local_model::"
-# in the download of a site behind (one that joined the run in progress): the first and last Phase-1 round it is to
-# train on its own before the round's work
+# in the download of a site behind (one that joined the run in progress, or came back after Phase-1 rounds it was
+# gone for): the first and last Phase-1 round it is to train on its own before the round's work
 CATCH_UP = "pfeddb:catch_up"
 
 
@@ -267,7 +267,11 @@ class PFedDB(TwoPhase):
     def local_update(self, model, store, payload, client, rnd, seed):
         span = payload.get(CATCH_UP)
         if span is not None:
-            self.catch_up(model, store, client, int(span[0]), int(span[1]), rnd, seed)
+            first, last = (int(v) for v in span.flatten().tolist()) if span.numel() == 2 else (0, -1)
+            if not 1 <= first <= last <= min(rnd - 1, self.e0):  # a site trains no round twice, none to come
+                raise ValueError(f"{client.name}: the server asked round {rnd} to train Phase-1 rounds {span.tolist()} first; "
+                                 f"a site catches up a span of rounds 1 to {min(rnd - 1, self.e0)} only")
+            self.catch_up(model, store, client, first, last, rnd, seed)
             payload = {k: v for k, v in payload.items() if k != CATCH_UP}
         return super().local_update(model, store, payload, client, rnd, seed)
 
@@ -297,7 +301,8 @@ class PFedDB(TwoPhase):
         """phi: the mean of the round's uploads (Eq. 6 at round E0, Eq. 8 after; none in Phase 1's other rounds);
         each site that trained now holds a local model of Phase-1 round min(rnd, E0)."""
         out = {**server, **(acc.result() if acc.weight > 0 and self.shared else {})}
-        out.update({LOCAL_MODEL + name: torch.tensor(min(rnd, self.e0), dtype=torch.int64) for name in acc.took})
+        if self.e0:  # one phase (two_phase: false): no local model to record
+            out.update({LOCAL_MODEL + name: torch.tensor(min(rnd, self.e0), dtype=torch.int64) for name in acc.took})
         return out
 
     # ------------------------------------------------------------------ evaluation: each client's own dual-branch model
