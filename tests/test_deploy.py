@@ -840,8 +840,12 @@ def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_t
         with pytest.raises(ConfigError, match=rf"sites: {new} marked joined in round 2, but fedavg_lr2's local phase, which every "
                                               r"site trains from round 1 .* has rounds 1-1 behind it: join after round 2"):
             fa2._main(SiteGrid(fa_client2, sites, run_id=12), ctx(12, "fa"))
+        with pytest.raises(ConnectionError, match="went down"):  # round 2, the local phase's last, without it
+            fa._main(DownAt(fa_client, first, rnd=3, run_id=13), ctx(13, "fa"))
+        fa2._main(SiteGrid(fa_client2, sites, run_id=14), ctx(14, "fa"))  # then it joins, in round 3
     finally:
         torch.set_num_threads(threads)
+    assert [h.get("joined") for h in json.loads((tmp_path / "fa/history.json").read_text())] == [None, None, [new]]
     # a run whose checkpoint holds its last round (the ServerApp stopped as it wrote the results): no round to join
     import fedsilo.fl.deploy as deploy
 

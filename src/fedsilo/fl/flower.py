@@ -476,7 +476,8 @@ class FlowerServer(Engine):
             raise ConfigError(f"sites: {', '.join(new)} marked joined: {self.spec.key or self.spec.method_cls.name} takes no "
                               f"site mid-run ({type(self.method).join_refusal}; a site can join a run of "
                               f"{', '.join(joinable_methods())} in progress); start a new run with the site")
-        local = [r for r in range(1, self.round + 1) if self.method.sample_all(r)]
+        # a local phase under way (the joiner's first round is one of it) with rounds behind it the joiner missed
+        local = [r for r in range(1, self.round + 1) if self.method.sample_all(r)] if self.method.sample_all(self.round + 1) else []
         if new and local and not type(self.method).catches_up_local_phase():
             raise ConfigError(f"sites: {', '.join(new)} marked joined in round {self.round + 1}, but "
                               f"{self.spec.key or self.spec.method_cls.name}'s local phase, which every site trains from "
