@@ -621,3 +621,21 @@ def test_real_dicoms_found_by_their_study_uid_take_their_studys_finding(tmp_path
             row = rec.loc[path]
             assert row["group"] == pid and row["original_label"] == rows[n]["finding"]
             assert (row["excluded"] == "") == bool(view) and (view or row["excluded"] == "no view")
+
+
+def test_a_typo_that_leaves_a_class_without_rows_is_refused_and_a_near_word_is_warned(tmp_path):
+    """A positive word written 'Lung Opacty' excludes every opacity of the table as another finding: the site would
+    harmonize to one class and pass a federation's checks. Refused, naming both spellings; a near word beside rows of
+    its class (a table's own misspelling) is a warning only."""
+    rows = [{"path": f"a/{i}.png", "label": "Lung Opacity" if i % 2 else "Normal", "patient_id": f"p{i}", "view": "PA", "set": ""}
+            for i in range(6)]
+    root = _export(tmp_path, rows, files=tuple(r["path"] for r in rows))
+    with pytest.raises(LabelFileError, match=r"no row is positive \(K\.positive: \['Lung Opacty'\]\), .*'Lung Opacity' \(3 "
+                                             r"row\(s\)\) is close to 'Lung Opacty': a typo in K\.positive or in the table\?"):
+        cxr_table.read_records(root, CXRTableRules(positive=("Lung Opacty",), subset="set"), "H", key="K")
+    root2 = _export(tmp_path / "b", rows + [{"path": "a/9.png", "label": "Lung Opacitty", "patient_id": "p9", "view": "PA", "set": ""}],
+                    files=(*(r["path"] for r in rows), "a/9.png"))
+    said: list[str] = []
+    rec = cxr_table.read_records(root2, CXRTableRules(subset="set"), "H", key="K", warnings=said)
+    assert (rec["label"] == 1).sum() == 3 and said == ["K: 1 row(s) labelled 'Lung Opacitty' are excluded as another finding; "
+                                                        "close to 'Lung Opacity' of the rules: add it there if it means the same"]

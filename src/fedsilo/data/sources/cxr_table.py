@@ -132,6 +132,33 @@ def _label_of(value: str, positive: set[str], negative: set[str]) -> tuple[int, 
     return label, ("no label" if not value else f"label {value}" if label == -1 else "")
 
 
+def _check_labels(df: pd.DataFrame, rules: CXRTableRules, key: str, where: Path, warnings: Optional[list[str]]) -> None:
+    """A class no row is labelled with while other label values come close to the rules' words is a typo (in the
+    rules or the table): an error naming both, as it would otherwise leave a one-class site silently. A value close
+    to a rule word beside rows of its class is a warning (``warnings``)."""
+    import difflib
+
+    words = {table_word(w): w for w in (*rules.positive, *rules.negative)}
+    other = df.loc[(df["label"] == -1) & (df["original_label"] != ""), "original_label"].value_counts() if len(df) else pd.Series(dtype=int)
+    near = {}
+    for value, n in other.items():
+        close = difflib.get_close_matches(table_word(value), list(words), n=1, cutoff=0.8)
+        if close:
+            near[value] = (words[close[0]], int(n))
+    for label, side in ((1, "positive"), (0, "negative")):
+        if len(df) and not (df["label"] == label).any():
+            theirs = {v: m for v, m in near.items() if table_word(m[0]) in {table_word(w) for w in getattr(rules, side)}}
+            if theirs:
+                said = "; ".join(f"{show(v)} ({m[1]} row(s)) is close to {show(m[0])}" for v, m in theirs.items())
+                raise LabelFileError(f"{where}: no row is {side} ({key}.{side}: {list(getattr(rules, side))}), and the label column's "
+                                     f"values are excluded as other findings where {said}: a typo in {key}.{side} or in "
+                                     "the table? Write the value as the table has it")
+    if warnings is not None:
+        for value, (word, n) in near.items():
+            warnings.append(f"{key}: {n} row(s) labelled {show(value)} are excluded as another finding; close to "
+                            f"{show(word)} of the rules: add it there if it means the same")
+
+
 def _records_by_dicom(raw_dir: Path, rules: CXRTableRules, domain: str, key: str, quiet: bool,
                       warnings: Optional[list[str]] = None) -> pd.DataFrame:
     """:func:`read_records` of a table whose rows find their images by a DICOM header attribute (``dicom_match``): a
@@ -193,7 +220,9 @@ def _records_by_dicom(raw_dir: Path, rules: CXRTableRules, domain: str, key: str
     if rules.patient is None and warnings is not None:
         note = header_patients_warning(header_patients, mkey, f"{key}.patient")
         warnings += [note] if note else []
-    return finalize(pd.DataFrame(rows), domain)
+    out = pd.DataFrame(rows)
+    _check_labels(out, rules, key, table_path, warnings)
+    return finalize(out, domain)
 
 
 def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "tables", quiet: bool = True,
@@ -256,4 +285,6 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
                 "excluded": label_why or view_why or patient_why,  # an image's own reason before its row's patient
                 "subset": subset,
             })
-    return finalize(pd.DataFrame(rows), domain)
+    out = pd.DataFrame(rows)
+    _check_labels(out, rules, key, table_path, warnings)
+    return finalize(out, domain)
