@@ -1772,7 +1772,15 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
     err = capsys.readouterr().err
     assert "the federation's model of pfeddb lacks the" in err and "(`fedsilo site onboard`)" in err
     (tmp_path / "junk.pt").write_text("not a model\n")
-    assert "not a model file torch can read" in refused(model=tmp_path / "junk.pt")
+    assert "not a model file fedsilo wrote, or one cut short in a copy" in refused(model=tmp_path / "junk.pt")
+    # predict and evaluate too, for a file cut short in a copy: one line, not torch's advice to drop weights_only
+    (tmp_path / "cut.pt").write_bytes(final.read_bytes()[:2000])
+    for cmd in (["predict", "--experiment", "site", "--images", files[0]], ["evaluate", "--dataset", "chest_xray4"]):
+        capsys.readouterr()
+        assert main([*base, *cmd, "--model", str(tmp_path / "cut.pt")]) == 2
+        err = capsys.readouterr().err
+        assert f"--model: {tmp_path / 'cut.pt'}: not a model file fedsilo wrote, or one cut short" in err
+        assert "Traceback" not in err and "weights_only" not in err
     torch.save({"round": 1, "model": {}}, tmp_path / "site_model.pt")
     assert "not a deployment's final model" in refused(model=tmp_path / "site_model.pt")
     bigger = {**held, "deployment": {**held["deployment"], "contract": {**held["deployment"]["contract"], "image_shape": [32, 32, 1]}}}

@@ -430,12 +430,28 @@ OWN_PART = {"fedbn": "its BatchNorm layers (FedBN)", "fedrep": "its head (FedRep
             "lgfedavg": "its lower layers (LG-FedAvg's new devices)"}
 
 
+def read_model_file(path: Path, device: str = "cpu", key: str = "--model") -> Any:
+    """A model file's content (tensors and plain values only: ``weights_only``), or a ConfigError naming ``key`` and
+    the file: missing, or not one torch can read (cut short in a copy, another kind of file). Torch's own advice to
+    load it without ``weights_only`` is not passed on: that would run code from a file received from elsewhere."""
+    try:
+        return torch.load(Path(path), map_location=device, weights_only=True)
+    except FileNotFoundError:
+        raise ConfigError(f"{key}: {path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{key}: {path}: a folder; name the model file (model.pt, final_model.pt)") from None
+    except Exception as err:  # noqa: BLE001 - any unreadable file: say which and why, one line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ConfigError(f"{key}: {path}: not a model file fedsilo wrote, or one cut short in a copy ({type(err).__name__}"
+                          + (f": {first[:160]}" if first and "weights_only" not in first else "") + "); copy it again") from None
+
+
 def load_site_model(path: Path, device: str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
     """The model a site kept from a deployment (``model.pt`` beside its stores: the model it was evaluated with in
     its last evaluated round), or the federation's model (the coordinator's ``final_model.pt``) where that is a whole
     model (no site keeps any of its tensors for itself: FedAvg, FedProx, Ditto's global model, ...), rebuilt from the
     deployment it was trained in, in eval mode; and what the file says (round, site, deployment)."""
-    kept = torch.load(Path(path), map_location=device, weights_only=True)
+    kept = read_model_file(path, device)
     if not isinstance(kept, dict) or "deployment" not in kept or ("model" not in kept and "server" not in kept):
         raise ConfigError(f"{path}: not a model a fedsilo deployment wrote (a site's kept model.pt, or the coordinator's "
                           "final_model.pt)")

@@ -29,7 +29,7 @@ from fedsilo.client.data import ClientData, load_clients, pick_device, to_float
 from fedsilo.client.local import evaluate, make_generator, running_stats_frozen, train_local
 from fedsilo.config import ConfigError, Params
 from fedsilo.data.splits import refuse_stale_split
-from fedsilo.fl.deploy import OWN_PART, deployment_spec
+from fedsilo.fl.deploy import OWN_PART, deployment_spec, read_model_file
 from fedsilo.methods import resolve_method
 from fedsilo.methods.base import State, payload_bytes
 from fedsilo.methods.pfeddb import PFedDB
@@ -191,12 +191,7 @@ def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, 
     root = Path(root)
     if experiment not in params.experiments:
         raise ConfigError(f"experiments.{experiment}: not defined in the site's params file")
-    try:
-        kept = torch.load(Path(model_path), map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise ConfigError(f"--model: {model_path}: no such file") from None
-    except Exception as err:  # noqa: BLE001 - any unreadable file: say which and why, one line
-        raise ConfigError(f"--model: {model_path}: not a model file torch can read ({type(err).__name__}: {err})") from None
+    kept = read_model_file(model_path)
     if not isinstance(kept, dict) or "deployment" not in kept or "server" not in kept:
         raise ConfigError(f"--model: {model_path}: not a deployment's final model (the coordinator's final_model.pt, beside "
                           "its metrics.json)")
