@@ -1781,6 +1781,12 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
         err = capsys.readouterr().err
         assert f"--model: {tmp_path / 'cut.pt'}: not a model file fedsilo wrote, or one cut short" in err
         assert "Traceback" not in err and "weights_only" not in err
+    # its onboarded model scored on its own dataset (its training split among the images): no external validation
+    capsys.readouterr()
+    assert main([*base, "evaluate", "--dataset", "chest_xray4", "--bootstrap", "20", "--out", str(tmp_path / "own.csv")]) == 0
+    said = capsys.readouterr()
+    assert "# Evaluation on the data VinBigData trained on (not an external validation): chest_xray4" in said.out
+    assert "is the data VinBigData trained on" in said.err
     torch.save({"round": 1, "model": {}}, tmp_path / "site_model.pt")
     assert "not a deployment's final model" in refused(model=tmp_path / "site_model.pt")
     bigger = {**held, "deployment": {**held["deployment"], "contract": {**held["deployment"]["contract"], "image_shape": [32, 32, 1]}}}

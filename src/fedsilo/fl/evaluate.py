@@ -21,6 +21,7 @@ is all test). The card's warnings (a table without patient ids makes each image 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,6 +33,8 @@ from fedsilo.client.local import binary_auc, predict
 from fedsilo.config import ConfigError, Params, TrainParams
 
 __all__ = ["evaluate_site_model", "patient_bootstrap", "evaluation_markdown"]
+
+log = logging.getLogger(__name__)
 
 CHUNK = 4096  # images read from the memory-mapped array at a time
 MIN_PATIENTS = 2  # per stratum, for an interval
@@ -122,6 +125,28 @@ def _metrics(rows: pd.DataFrame, classes: list[str], bootstrap: int, seed: int) 
     return out
 
 
+def _trained_on(params: Params, dataset: str, root: Path, info: dict[str, Any]) -> Optional[str]:
+    """The site whose training data ``dataset`` is, by fingerprint (one of this params file's splits of it against the
+    deployment's sites, and a newcomer's onboarded model's own), or None: a model scored on the images it trained on
+    is no external validation."""
+    from fedsilo.fl.site import site_card
+
+    known = {str(s.get("fingerprint")): str(s.get("name")) for s in info["deployment"].get("sites", [])}
+    if info.get("fingerprint"):  # a newcomer's onboarded model: the site's own split
+        known[str(info["fingerprint"])] = str(info.get("site"))
+    layout = params.layout(root)
+    for name, ex in params.experiments.items():
+        if ex.dataset != dataset or not layout.split(name).exists():
+            continue
+        try:
+            fingerprint = site_card(params, name, root)["fingerprint"]
+        except (ConfigError, KeyError, IndexError, ValueError):  # a split that is not a site's (several clients, a stream)
+            continue
+        if fingerprint in known:
+            return known[fingerprint]
+    return None
+
+
 def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Path = Path("."), bootstrap: int = 1000,
                         seed: int = 0, device: str = "cpu", batch_size: int = 256) -> tuple[dict[str, Any], pd.DataFrame]:
     """The evaluation of the model at ``model_path`` on every image of the harmonized ``dataset`` (see the module):
@@ -144,6 +169,10 @@ def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Pa
         raise ConfigError(f"{folder}: {', '.join(changed)} changed after harmonize wrote card.json; re-run `fedsilo harmonize "
                           f"--dataset {dataset}` rather than editing the arrays")
     model, info = load_site_model(model_path, device)
+    trained_on = _trained_on(params, dataset, root, info)
+    if trained_on:
+        log.warning("datasets.%s is the data %s trained on (its split's fingerprint is the model's): the scores are "
+                    "not an external validation", dataset, trained_on)
     contract = info["deployment"]["contract"]
     classes = list(contract["classes"])
     if list(card["classes"]) != classes:
@@ -173,6 +202,7 @@ def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Pa
         "dataset": dataset, "model": str(model_path), "round": info.get("round"), "site": info.get("site"),
         "federation": info["deployment"].get("federation"), "method": info["deployment"]["method"]["key"],
         "classes": classes, "bootstrap": bootstrap, "seed": seed, "warnings": list(card.get("warnings", [])),
+        "trained_on": trained_on,
         "domains": {str(d): _metrics(g, classes, bootstrap, seed) for d, g in rows.groupby("domain", sort=False)},
         "all": _metrics(rows, classes, bootstrap, seed),
     }
@@ -196,7 +226,9 @@ def evaluation_markdown(summary: dict[str, Any]) -> str:
     head = f"| domain | images | patients | {per_class} | accuracy % | " + (
         "AUC % | sensitivity % | specificity % | PPV % | NPV % |" if two else "recall % by class |")
     whose = f"site {summary['site']}" if summary["site"] else "the federation's model"  # a site's kept model, or final_model.pt
-    lines = [f"# External validation: {summary['dataset']}", "",
+    title = (f"# Evaluation on the data {summary['trained_on']} trained on (not an external validation): {summary['dataset']}"
+             if summary.get("trained_on") else f"# External validation: {summary['dataset']}")
+    lines = [title, "",
              f"Model: {summary['model']} ({summary['method']}, federation {summary['federation']}, {whose}, "
              f"round {summary['round']}). Every image of the dataset scored; 95 % intervals in parentheses, from "
              f"{summary['bootstrap']} bootstrap samples of the patients (seed {summary['seed']})"

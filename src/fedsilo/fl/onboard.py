@@ -259,7 +259,7 @@ def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, 
     }
     out = Path(out) if out is not None else root / "onboarding" / str(dep["federation"]) / key / f"seed{spec.seed}"
     with atomic_dir(out) as tmp:
-        torch.save({"site": card["site"], "round": ob.rounds, "deployment": dep, "onboarding": {k: summary[k] for k in (
+        torch.save({"site": card["site"], "fingerprint": card["fingerprint"], "round": ob.rounds, "deployment": dep, "onboarding": {k: summary[k] for k in (
             "strategies", "kept", "pretrain_rounds", "rounds", "server_round", "from_model")}, "model": models[keep]}, tmp / "model.pt")
         os.chmod(tmp / "model.pt", 0o600)  # trained on the site's images: as a deployed site keeps its model
         write_json(tmp / "onboarding.json", summary)
