@@ -89,19 +89,29 @@ def test_the_kept_model_is_scored_on_every_image_with_its_metrics_per_domain(tmp
         assert m["auc"] == pytest.approx(binary_auc(y, part["prob.Lung Opacity"].to_numpy()))
         assert m["bootstrap"]["samples"] == 200
         ci = patient_bootstrap(y, yhat, part["prob.Lung Opacity"].to_numpy(), part["patient"].to_numpy(), 2, 200, seed=0)
-        assert [m["accuracy_ci"], m["auc_ci"], m["sensitivity_ci"], m["specificity_ci"]] == [ci["accuracy"], ci["auc"], ci["recall.1"], ci["recall.0"]]
-        for key in ("accuracy", "auc", "sensitivity", "specificity"):
+        patients = part["patient"].to_numpy()
+        for key, boot, among in (("accuracy", "accuracy", y >= 0), ("sensitivity", "recall.1", y == 1), ("specificity", "recall.0", y == 0),
+                                 ("ppv", "ppv", yhat == 1), ("npv", "npv", yhat == 0)):
+            # the bootstrap's percentiles; at 0 or 100 % (no spread in any sample) the exact interval on the patients
+            at_bound = m[key] in (0, 1)
+            assert m[f"{key}_ci"] == (ev.exact_at_bound(int(m[key]), len(set(patients[among]))) if at_bound else ci[boot]), key
+        assert m["auc_ci"] == ci["auc"]
+        for key in ("accuracy", "auc", "sensitivity", "specificity", "ppv", "npv"):
+            if m[key] is None:  # no image of its denominator (no positive call: no PPV), nor in any sample
+                assert m[f"{key}_ci"] is None, key
+                continue
             lo, hi = m[f"{key}_ci"]
             assert 0 <= lo <= hi <= 1, key
         cells = next(line for line in md.splitlines() if line.startswith(f"| {name} |")).split(" | ")
         assert cells[3:5] == [str(m["by_class"]["Normal"]), str(m["by_class"]["Lung Opacity"])]
         shown = {k: "n/a" if m[k] is None else f"{100 * m[k]:.1f}" for k in ("ppv", "npv", "sensitivity", "specificity")}
-        assert cells[-2:] == [shown["ppv"], shown["npv"] + " |"]
+        assert [c.split(" (")[0] for c in cells[-2:]] == [shown["ppv"], shown["npv"] + (" |" if m["npv"] is None else "")]
+        assert m["ppv_ci"] is None or cells[-2].endswith(f"({100 * m['ppv_ci'][0]:.1f}–{100 * m['ppv_ci'][1]:.1f})")
         assert cells[7].split(" (")[0] == shown["sensitivity"] and cells[8].split(" (")[0] == shown["specificity"]
         assert cells[8].endswith(f"({100 * m['specificity_ci'][0]:.1f}–{100 * m['specificity_ci'][1]:.1f})")
 
 
-def test_the_bootstrap_resamples_patients_within_strata():
+def test_the_bootstrap_resamples_patients():
     rng = np.random.default_rng(1)
     y = np.array([0, 1] * 20)
     p = np.clip(y * 0.3 + rng.random(40) * 0.7, 0, 1)
@@ -121,12 +131,27 @@ def test_the_bootstrap_resamples_patients_within_strata():
     _, bins = np.unique(p, return_inverse=True)
     idx = np.repeat(np.arange(40), w.astype(int))
     assert ev._weighted_auc(bins, y == 1, w, int(bins.max()) + 1) == pytest.approx(binary_auc(y[idx], p[idx]))
-    # strata: with one positive patient (three images) no interval is claimed; a sample never lacks a class
+    # with one positive patient (three images) no interval is claimed; with two, the samples that drew no positive
+    # patient leave AUC and sensitivity out (counted), and accuracy keeps every sample
     yy = np.array([1, 1, 1] + [0] * 9)
     few = patient_bootstrap(yy, yy, yy * 0.9, np.repeat(np.arange(4), 3), 2, 100)
     assert few["samples"] == 0 and "fewer than 2 patients" in few["why"]
     many = patient_bootstrap(np.r_[yy, 1], np.r_[yy, 0], np.r_[yy * 0.9, 0.2], np.r_[np.repeat(np.arange(4), 3), 9], 2, 200)
-    assert many["samples"] == 200 and many["auc"] is not None
+    assert many["samples"] == 200 and many["auc"] is not None and many["ppv"] is not None
+    assert 200 > many["lacking"]["auc"] >= many["lacking"]["recall.1"] > 0 and "accuracy" not in many["lacking"]
+
+
+def test_prevalence_is_part_of_the_uncertainty_and_all_or_none_proportions_get_an_exact_interval():
+    """A model that calls every image negative: its accuracy is the share of negatives, which varies between samples
+    of patients (a stratified bootstrap would fix it and give a zero-width interval); its sensitivity, 0 of m positive
+    patients, gets [0, 1 - 0.025^(1/m)] (Clopper-Pearson), not (0.0-0.0)."""
+    y = np.array([1] * 16 + [0] * 21)
+    pred = np.zeros_like(y)
+    ci = patient_bootstrap(y, pred, np.full(37, 0.4), np.arange(37), 2, 500, seed=0)
+    assert ci["accuracy"][1] - ci["accuracy"][0] > 0.2  # 21/37 = 0.57, its binomial interval about 0.40-0.73
+    assert ci["recall.1"] == [0.0, 0.0]  # the bootstrap alone: no spread
+    assert ev.exact_at_bound(0, 16) == pytest.approx([0.0, 0.2059], abs=1e-4)  # the exact upper bound for 0/16
+    assert ev.exact_at_bound(1, 21) == pytest.approx([0.8389, 1.0], abs=1e-4)
 
 
 def test_a_ten_class_benchmark_model_gets_accuracy_recall_and_their_intervals(tmp_path):

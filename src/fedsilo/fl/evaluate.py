@@ -9,8 +9,12 @@ a public set), with what a clinical reader asks of such a check:
   Chest-X-Ray-4); for more classes, each class's recall and the confusion matrix (rows: true class);
 - 95 % percentile intervals for each of them from one bootstrap that resamples *patients* (the records' groups),
   not images, since a patient's images are not independent: each sample draws, with replacement, as many patients
-  as there are within each stratum (for two classes: the patients with a positive image, and the others; for more:
-  all patients), so a sample never lacks a class; where a stratum holds fewer than two patients no interval is given;
+  as there are, so the share of each class varies as it does between samples of a population (prevalence is part of
+  the uncertainty of accuracy, PPV and NPV); a sample that lacks a class leaves the values that need it (AUC, that
+  class's recall, a predictive value without a prediction of its class) out of the percentiles, and their count is
+  reported (``lacking``). Where a class has fewer than two patients no interval is given. A proportion at 0 or 1
+  (every image of its denominator one way: 0 of 16 positives found) has no spread under any bootstrap; its interval
+  is then the exact (Clopper-Pearson) one on the denominator's patients, [0, 1 - 0.025^(1/m)] or [0.025^(1/m), 1];
 - one row per image (id, domain, patient, label, prediction, class probabilities).
 
 The dataset is read as harmonize wrote it, after checking that its arrays still hash to its card's sha256 and that
@@ -54,9 +58,10 @@ def _weighted_auc(bins: np.ndarray, pos: np.ndarray, w: np.ndarray, n_bins: int)
 
 def patient_bootstrap(y: np.ndarray, pred: np.ndarray, prob: Optional[np.ndarray], groups: np.ndarray, n_classes: int,
                       samples: int = 1000, seed: int = 0) -> dict[str, Any]:
-    """95 % percentile intervals of accuracy, per-class recall and, for two classes, sensitivity, specificity and the
-    AUC (``prob``: the positive class's probability), over ``samples`` stratified bootstrap samples of the patients
-    (see the module). None for each where a stratum has fewer than :data:`MIN_PATIENTS` patients."""
+    """95 % percentile intervals of accuracy, per-class recall and, for two classes, the AUC (``prob``: the positive
+    class's probability) and the predictive values (``ppv``, ``npv``), over ``samples`` bootstrap samples of the
+    patients (see the module); ``lacking``: per value, the samples left out for lacking what it needs. None for each
+    where a class has fewer than :data:`MIN_PATIENTS` patients."""
     codes, _ = pd.factorize(pd.Series(groups), sort=False)
     n_groups = int(codes.max()) + 1 if len(codes) else 0
 
@@ -66,35 +71,49 @@ def patient_bootstrap(y: np.ndarray, pred: np.ndarray, prob: Optional[np.ndarray
     correct, total = per(y == pred), per(np.ones_like(y, dtype=bool))
     hits = [per((y == c) & (pred == c)) for c in range(n_classes)]
     sizes = [per(y == c) for c in range(n_classes)]
-    if n_classes == 2:
-        has_pos = per(y == 1) > 0
-        strata = [np.flatnonzero(has_pos), np.flatnonzero(~has_pos)]
-    else:
-        strata = [np.arange(n_groups)]
-    if any(len(s) < MIN_PATIENTS for s in strata):
-        which = "with a positive image or without one" if n_classes == 2 else "in all"
+    called = [per(pred == c) for c in range(n_classes)]
+    few = [c for c in range(n_classes) if (sizes[c] > 0).sum() < MIN_PATIENTS] if n_classes == 2 else []
+    if n_groups < MIN_PATIENTS or few:
+        which = "with an image of each class" if n_classes == 2 else "in all"
         return {"samples": 0, "why": f"fewer than {MIN_PATIENTS} patients {which}"}
     if prob is not None:
         _, bins = np.unique(prob, return_inverse=True)
         n_bins, pos = int(bins.max()) + 1, y == 1
     rng = np.random.default_rng(seed)
-    draws: dict[str, list[float]] = {"accuracy": [], **{f"recall.{c}": [] for c in range(n_classes)}, "auc": []}
+    draws: dict[str, list[float]] = {"accuracy": [], **{f"recall.{c}": [] for c in range(n_classes)}}
+    if n_classes == 2:
+        draws.update(auc=[], ppv=[], npv=[])
+
+    def ratio(a: float, b: float) -> float:
+        return float(a / b) if b else float("nan")
+
     for _ in range(samples):
-        count = np.zeros(n_groups)
-        for s in strata:
-            np.add.at(count, s[rng.integers(0, len(s), size=len(s))], 1.0)
-        draws["accuracy"].append(float(count @ correct / (count @ total)))
+        count = np.bincount(rng.integers(0, n_groups, size=n_groups), minlength=n_groups).astype(float)
+        draws["accuracy"].append(ratio(count @ correct, count @ total))
         for c in range(n_classes):
-            n_c = count @ sizes[c]
-            draws[f"recall.{c}"].append(float(count @ hits[c] / n_c) if n_c else float("nan"))
-        if prob is not None:
-            draws["auc"].append(_weighted_auc(bins, pos, count[codes], n_bins))
-    out: dict[str, Any] = {"samples": samples}
+            draws[f"recall.{c}"].append(ratio(count @ hits[c], count @ sizes[c]))
+        if n_classes == 2:
+            draws["ppv"].append(ratio(count @ hits[1], count @ called[1]))
+            draws["npv"].append(ratio(count @ hits[0], count @ called[0]))
+            if prob is not None:
+                draws["auc"].append(_weighted_auc(bins, pos, count[codes], n_bins))
+    out: dict[str, Any] = {"samples": samples, "lacking": {}}
     for k, v in draws.items():
         v = np.asarray(v, dtype=float)
-        v = v[~np.isnan(v)]
-        out[k] = [float(np.percentile(v, 2.5)), float(np.percentile(v, 97.5))] if len(v) else None
+        kept = v[~np.isnan(v)]
+        if len(kept) < len(v):
+            out["lacking"][k] = int(len(v) - len(kept))
+        out[k] = [float(np.percentile(kept, 2.5)), float(np.percentile(kept, 97.5))] if len(kept) else None
     return out
+
+
+def exact_at_bound(x: int, patients: int) -> Optional[list[float]]:
+    """The Clopper-Pearson 95 % interval of a proportion observed at 0 or at 1 (``x`` = 0 or all) over ``patients``
+    patients: [0, 1 - 0.025^(1/m)] or [0.025^(1/m), 1]; None elsewhere (the bootstrap's interval stands)."""
+    if patients < 1 or x not in (0, 1):
+        return None
+    edge = 0.025 ** (1.0 / patients)
+    return [0.0, 1.0 - edge] if x == 0 else [edge, 1.0]
 
 
 def _metrics(rows: pd.DataFrame, classes: list[str], bootstrap: int, seed: int) -> dict[str, Any]:
@@ -103,25 +122,41 @@ def _metrics(rows: pd.DataFrame, classes: list[str], bootstrap: int, seed: int) 
     k = len(classes)
     confusion = [[int(((y == t) & (pred == q)).sum()) for q in range(k)] for t in range(k)]
     prob = rows[f"prob.{classes[1]}"].to_numpy(dtype=float) if k == 2 else None
-    ci = patient_bootstrap(y, pred, prob, rows["group"].to_numpy(), k, bootstrap, seed)
+    groups = rows["group"].to_numpy()
+    ci = patient_bootstrap(y, pred, prob, groups, k, bootstrap, seed)
+
+    def interval(key: str, value: Optional[float], among: np.ndarray) -> Optional[list[float]]:
+        """The bootstrap's interval, or the exact one where the value sits at 0 or 1 (``among``: the images of the
+        denominator, whose patients count)."""
+        if not ci["samples"] or value is None:
+            return ci.get(key)
+        exact = exact_at_bound(int(value) if value in (0, 1) else -1, int(pd.unique(groups[among]).size))
+        return exact if exact is not None else ci.get(key)
+
+    accuracy = correct / n if n else None
     out: dict[str, Any] = {
         "images": n, "patients": int(rows["group"].nunique()),
         "by_class": {c: int((y == i).sum()) for i, c in enumerate(classes)},
-        "accuracy": correct / n if n else None, "accuracy_ci": ci.get("accuracy"), "confusion": confusion,
-        "bootstrap": {"samples": ci["samples"], **({"why_none": ci["why"]} if "why" in ci else {})},
+        "accuracy": accuracy, "accuracy_ci": interval("accuracy", accuracy, np.ones(n, dtype=bool)), "confusion": confusion,
+        "bootstrap": {"samples": ci["samples"], **({"why_none": ci["why"]} if "why" in ci else {}),
+                      **({"lacking": ci["lacking"]} if ci.get("lacking") else {})},
     }
     if k == 2:
         (tn, fp), (fn, tp) = confusion
         auc = binary_auc(y, prob)
+        sens = tp / (tp + fn) if tp + fn else None
+        spec = tn / (tn + fp) if tn + fp else None
+        ppv = tp / (tp + fp) if tp + fp else None
+        npv = tn / (tn + fn) if tn + fn else None
         out.update({
             "auc": None if np.isnan(auc) else auc, "auc_ci": ci.get("auc"),
-            "sensitivity": tp / (tp + fn) if tp + fn else None, "sensitivity_ci": ci.get("recall.1"),
-            "specificity": tn / (tn + fp) if tn + fp else None, "specificity_ci": ci.get("recall.0"),
-            "ppv": tp / (tp + fp) if tp + fp else None, "npv": tn / (tn + fn) if tn + fn else None,
+            "sensitivity": sens, "sensitivity_ci": interval("recall.1", sens, y == 1),
+            "specificity": spec, "specificity_ci": interval("recall.0", spec, y == 0),
+            "ppv": ppv, "ppv_ci": interval("ppv", ppv, pred == 1), "npv": npv, "npv_ci": interval("npv", npv, pred == 0),
         })
     else:
         out["recall"] = {c: (confusion[i][i] / sum(confusion[i]) if sum(confusion[i]) else None) for i, c in enumerate(classes)}
-        out["recall_ci"] = {c: ci.get(f"recall.{i}") for i, c in enumerate(classes)}
+        out["recall_ci"] = {c: interval(f"recall.{i}", out["recall"][c], y == i) for i, c in enumerate(classes)}
     return out
 
 
@@ -230,8 +265,10 @@ def evaluation_markdown(summary: dict[str, Any]) -> str:
              if summary.get("trained_on") else f"# External validation: {summary['dataset']}")
     lines = [title, "",
              f"Model: {summary['model']} ({summary['method']}, federation {summary['federation']}, {whose}, "
-             f"round {summary['round']}). Every image of the dataset scored; 95 % intervals in parentheses, from "
-             f"{summary['bootstrap']} bootstrap samples of the patients (seed {summary['seed']})"
+             f"round {summary['round']}). Every image of the dataset scored; "
+             + (f"95 % intervals in parentheses, from {summary['bootstrap']} bootstrap samples of the patients (seed "
+                f"{summary['seed']}; a proportion at 0 or 100 %: the exact interval on its patients)"
+                if any(m["bootstrap"]["samples"] for m in [*summary["domains"].values(), summary["all"]]) else "no intervals (below)")
              + (f". Positive class: {classes[1]}; sensitivity, specificity, PPV and NPV at the model's decision." if two else "."),
              "", head, "|---|---|---|" + "---|" * len(classes) + "---|" + ("---|---|---|---|---|" if two else "---|")]
     for name, m in [*summary["domains"].items(), ("all", summary["all"])]:
@@ -239,7 +276,8 @@ def evaluation_markdown(summary: dict[str, Any]) -> str:
                  _pct(m["accuracy"]) + _ci(m["accuracy_ci"])]
         if two:
             cells += [_pct(m["auc"]) + _ci(m["auc_ci"]), _pct(m["sensitivity"]) + _ci(m["sensitivity_ci"]),
-                      _pct(m["specificity"]) + _ci(m["specificity_ci"]), _pct(m["ppv"]), _pct(m["npv"])]
+                      _pct(m["specificity"]) + _ci(m["specificity_ci"]), _pct(m["ppv"]) + _ci(m["ppv_ci"]),
+                      _pct(m["npv"]) + _ci(m["npv_ci"])]
         else:
             cells.append(", ".join(f"{c} {_pct(r)}{_ci(m['recall_ci'][c])}" for c, r in m["recall"].items()))
         lines.append("| " + " | ".join(cells) + " |")
