@@ -32,6 +32,9 @@ def test_repo_params_yaml_is_valid():
         (lambda d: d["methods"]["fedprox"].update(muu=1), "methods.fedprox.muu: unknown key (did you mean 'mu'?)"),
         (lambda d: d["experiments"]["quick"]["train"].update(lr_shedule={}), "train.lr_shedule: unknown key (did you mean 'lr_schedule'?)"),
         (lambda d: d["pipeline"]["methods"].append("fedprx"), "pipeline.methods: 'fedprx' is not defined under 'methods' (did you mean 'fedprox'?)"),
+        # the near miss is one of the section's own keys: FedProx has no temperature (MOON's), train no sigma (F²DC's)
+        (lambda d: d["methods"]["fedprox"].update(temperatur=1), "methods.fedprox.temperatur: unknown key"),
+        (lambda d: d["experiments"]["quick"]["train"].update(sigmaa=1), "train.sigmaa: unknown key"),
     ],
 )
 def test_bad_value_names_the_key(edit, key):
@@ -40,7 +43,7 @@ def test_bad_value_names_the_key(edit, key):
     with pytest.raises(ConfigError) as err:
         parse_params(raw)
     assert key in str(err.value)
-    if "extra_section" in key:  # no key of any section is near it
+    if "extra_section" in key or "temperatur" in key or "sigmaa" in key:  # no key of its own section is near it
         assert "did you mean" not in str(err.value)
 
 

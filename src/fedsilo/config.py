@@ -1552,9 +1552,49 @@ def _all_keys() -> set[str]:
     return out
 
 
-def format_validation_error(err: ValidationError, prefix: str = "") -> str:
+def _models_in(annotation: Any) -> tuple[list[type], bool]:
+    """The params models an annotation holds (through Optional, Union, Annotated) and whether they sit in a container
+    (a mapping, list or tuple: the next part of an error's location is a key or an index)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation], False
+    if origin is Annotated:
+        return _models_in(args[0])
+    if origin in (Union, types.UnionType):
+        found, inside = [], False
+        for a in args:
+            m, c = _models_in(a)
+            found += m
+            inside = inside or c
+        return found, inside
+    if origin in (dict, list, tuple):
+        m, _ = _models_in(args[-1] if origin is dict else args[0]) if args else ([], False)
+        return m, True
+    return [], False
+
+
+def _fields_at(model: Optional[type], loc: tuple) -> Optional[set[str]]:
+    """The keys of the params model at error location ``loc`` (its parent's path) under ``model``, or None where the
+    path is not followed to one model (then every known key is a candidate)."""
+    parts = list(loc)
+    while parts and model is not None:
+        part = parts.pop(0)
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        found, inside = _models_in(field.annotation)
+        if inside and parts:
+            parts.pop(0)  # the mapping's key or the list's index
+        if len(found) != 1:  # a value that is no model, or one of several (a tagged union): not followed
+            return None
+        model = found[0]
+    return set(model.model_fields) if model is not None else None
+
+
+def format_validation_error(err: ValidationError, prefix: str = "", model: Optional[type] = None) -> str:
     """One line: ``<dotted key>: <what is wrong>`` per error, joined by ``; ``. A validator's own message (which
-    names its key already where the check spans several) is shown without pydantic's ``Value error,`` prefix."""
+    names its key already where the check spans several) is shown without pydantic's ``Value error,`` prefix. An
+    unknown key's near miss is looked for among the keys of its own section (``model``: the params model validated)."""
     lines = []
     for e in err.errors():
         ctx = e.get("ctx") or {}
@@ -1563,7 +1603,8 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
         key = f"{prefix}{dotted}" if dotted else prefix.rstrip(".")
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown key" + (did_you_mean(loc[-1], _all_keys()) if loc else "")
+            own = _fields_at(model, tuple(e["loc"])[:-1]) if model is not None else None
+            msg = "unknown key" + (did_you_mean(loc[-1], own if own is not None else _all_keys()) if loc else "")
         elif e["type"] == "value_error" and "error" in ctx:
             msg = str(ctx["error"])
         lines.append(f"{key}: {msg}" if key else msg)
@@ -1580,7 +1621,7 @@ def parse_params(raw: dict[str, Any], source: str = "params.yaml") -> Params:
     try:
         return Params.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(f"{source}: {format_validation_error(err)}") from None
+        raise ConfigError(f"{source}: {format_validation_error(err, model=Params)}") from None
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

@@ -109,7 +109,7 @@ def method_params(params: Params, key: str, source: str = "params.yaml") -> Meth
     try:
         typed = cls.params_cls.model_validate(_values(entry))
     except ValidationError as err:
-        raise ConfigError(f"{source}: {format_validation_error(err, f'methods.{key}.')}") from None
+        raise ConfigError(f"{source}: {format_validation_error(err, f'methods.{key}.', model=cls.params_cls)}") from None
     params._typed_methods[key] = typed
     return typed
 
