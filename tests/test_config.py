@@ -79,3 +79,18 @@ def test_named_method_variants_resolve_to_their_registered_method(tmp_path):
     raw["methods"]["oops"] = {"method": "fedawg"}
     with pytest.raises(ConfigError, match=r"methods\.oops: unknown method 'fedawg'"):
         parse_params(raw)
+
+
+@pytest.mark.parametrize("setting", [{"finetune_epochs": 1}, {"local_rounds": 1}])
+def test_check_params_refuses_what_a_stream_train_stage_would(setting):
+    """FedAvg's fine-tuning and two-phase start are not defined on a stream of domain tasks: check-params says so
+    (the stage that guards every train stage), not the train stage after it."""
+    from fedsilo.methods.registry import check_methods
+
+    raw = copy.deepcopy(small_params())
+    raw["experiments"] = {"stream": {"dataset": "chest_xray4", "split": {"protocol": "domain_incremental", "clients": 2},
+                                     "train": raw["experiments"]["quick"]["train"]}}
+    raw["methods"] = {"fedavg_ft": {"method": "fedavg", **setting}}
+    raw["pipeline"].update({"splits": {"stream": "chest_xray4"}, "experiments": ["stream"], "methods": ["fedavg_ft"]})
+    with pytest.raises(ConfigError, match=rf"methods\.fedavg_ft\.{next(iter(setting))}: not defined on a stream of domain tasks"):
+        check_methods(parse_params(raw))

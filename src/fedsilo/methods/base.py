@@ -201,8 +201,13 @@ class Method:
         raise NotImplementedError
 
     # --- a stream of domain tasks (``domain_incremental`` splits; fl/continual.py)
+    def check_stream(self) -> None:
+        """Refuses (a ConfigError naming ``methods.<key>.<setting>``) settings that are not defined on a stream of
+        domain tasks: run by ``set_tasks`` and by check-params for every stream experiment the method trains on."""
+
     def set_tasks(self, names: list[str]) -> None:
         """The task stream's domain names in order, before ``setup``; the engine sets ``self.task`` every round."""
+        self.check_stream()
         self.tasks = list(names)
         self.task = 0
 

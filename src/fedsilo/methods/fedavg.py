@@ -46,8 +46,7 @@ class FedAvg(TwoPhase):
     params_cls = FedAvgParams
     task_stream = True  # on a domain_incremental split: fine-tuned task after task (pFedDIL's FedAvg baseline)
 
-    def set_tasks(self, names):
-        super().set_tasks(names)
+    def check_stream(self) -> None:
         for key in ("local_rounds", "finetune_epochs"):
             if getattr(self.params, key, 0):
                 raise ConfigError(f"methods.{self.key}.{key}: not defined on a stream of domain tasks (it would train on "

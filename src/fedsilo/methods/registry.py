@@ -129,6 +129,8 @@ def check_methods(params: Params, source: str = "params.yaml") -> None:
                 continue  # a pair the data does not fit: check-params and the train stage say so (check_stream_fit)
             try:
                 algo = resolve_method(params, key, train)
+                if stream:
+                    algo.check_stream()  # what set_tasks refuses at the train stage (FedAvg's fine-tuning on a stream)
             except ConfigError as err:  # a per-backbone entry lacking this experiment's backbone, ...
                 raise ConfigError(f"{source}: {err} (resolved for experiments.{e})") from None
             fedavg_start = getattr(algo.params, "fedavg_rounds", 0)  # LG-FedAvg's FedAvg-trained start
