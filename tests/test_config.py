@@ -94,3 +94,15 @@ def test_check_params_refuses_what_a_stream_train_stage_would(setting):
     raw["pipeline"].update({"splits": {"stream": "chest_xray4"}, "experiments": ["stream"], "methods": ["fedavg_ft"]})
     with pytest.raises(ConfigError, match=rf"methods\.fedavg_ft\.{next(iter(setting))}: not defined on a stream of domain tasks"):
         check_methods(parse_params(raw))
+
+
+def test_errors_name_the_params_file_the_params_came_from(tmp_path):
+    from fedsilo.config import load_params
+    from fedsilo.methods.registry import method_params
+
+    path = tmp_path / "hospital_params.yaml"
+    path.write_text(yaml.safe_dump(small_params()))
+    p = load_params(path)
+    assert p.source == str(path)
+    with pytest.raises(ConfigError, match=rf"methods\.nosuch: not defined in {path}"):
+        method_params(p, "nosuch")

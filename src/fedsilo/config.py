@@ -1346,6 +1346,7 @@ class Params(Strict):
     pipeline: PipelineParams
     tracking: TrackingParams = TrackingParams()
     _paper: Optional[PaperMeta] = PrivateAttr(None)  # set when loaded from a paper's params file
+    _source: str = PrivateAttr("params.yaml")  # the file it was loaded from, as given (errors name it)
     # methods.<key> -> its typed params, filled once by fedsilo.methods.check_methods (this module does not know the
     # method classes)
     _typed_methods: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -1353,6 +1354,11 @@ class Params(Strict):
     @property
     def paper(self) -> Optional[PaperMeta]:
         return self._paper
+
+    @property
+    def source(self) -> str:
+        """The params file this was loaded from (as given; ``params.yaml`` for params made in memory)."""
+        return self._source
 
     def layout(self, root: str | Path = ".") -> Layout:
         return Layout(Path(root), f"{self._paper.name}/{self._paper.scale}" if self._paper else "")
@@ -1632,9 +1638,9 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    if isinstance(raw, dict) and "paper" in raw:
-        return load_paper_params(path, raw)
-    return parse_params(raw, str(path))
+    params = load_paper_params(path, raw) if isinstance(raw, dict) and "paper" in raw else parse_params(raw, str(path))
+    params._source = str(path)
+    return params
 
 
 # --------------------------------------------------------------------------- a paper's params file

@@ -94,9 +94,10 @@ def _values(entry: Optional[dict[str, Any]]) -> dict[str, Any]:
     return {k: v for k, v in (entry or {}).items() if k != "method"}
 
 
-def method_params(params: Params, key: str, source: str = "params.yaml") -> MethodParams:
+def method_params(params: Params, key: str, source: Optional[str] = None) -> MethodParams:
     """The validated, typed params of ``methods.<key>``: validated on first use (at load time, by check_methods),
-    then kept with the params."""
+    then kept with the params. Errors name ``source`` (default: the file the params were loaded from)."""
+    source = source or params.source
     if key in params._typed_methods:
         return params._typed_methods[key]
     if key not in params.methods:
