@@ -314,6 +314,14 @@ def test_one_table_of_a_paper_is_reported_from_its_groups_runs_and_names_the_run
     assert ("runs.table4: 2 run(s) not trained yet (pfeddb_cxr4/pfeddb_one_phase/seed0, pfeddb_cxr4/pfeddb/seed0); train them: "
             "dvc repro pipelines/pfeddb/dvc.yaml:train_table4@pfeddb_cxr4-pfeddb_one_phase-0 "
             "pipelines/pfeddb/dvc.yaml:train_tables_1_2@pfeddb_cxr4-pfeddb-0") in err, err
+    # the whole experiment's report and pFedDIL's sensitivity figures name their missing runs' targets the same way
+    assert main([*params, "report", "--experiment", "pfeddb_cxr4"]) == 2
+    assert "report: " in (err := capsys.readouterr().err) and "dvc repro pipelines/pfeddb/dvc.yaml:train_" in err, err
+    stream = ["--params", str(REPO / "pipelines" / "pfeddil" / "params.yaml"), "--root", str(tmp_path)]
+    assert main([*stream, "report", "--sensitivity"]) == 2
+    err = capsys.readouterr().err
+    assert "--sensitivity: " in err and "dvc repro pipelines/pfeddil/dvc.yaml:train_" in err, err
+    assert " pipelines/pfeddil/dvc.yaml:train_table6@dil_digits-pfeddil_lam_0_0-0 " in err, err
     domains = ["CheXpert", "OpenI", "RSNA", "VinBigData"]
     for m, acc in (("pfeddb_one_phase", 0.6), ("pfeddb", 0.8)):
         d = tmp_path / "results" / "pfeddb" / "quickstart" / "pfeddb_cxr4" / m / "seed0"

@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 from fedsilo import config
-from fedsilo.config import ConfigError
+from fedsilo.config import ConfigError, Params
+from fedsilo.layout import Layout
 
 
 def load_params(path: str | Path) -> config.Params:
@@ -155,6 +156,17 @@ def _onboard(args: argparse.Namespace) -> None:
     print(f"{args.experiment} onboarding of {out['newcomer']} (seed {args.seed}): " + ", ".join(f"{s} {a:.3f}" for s, a in out["final"].items()))
 
 
+def _refuse_missing_runs(p: Params, layout: Layout, source: str, what: str, runs: list[tuple[str, str]]) -> None:
+    """Every (experiment, method) run of ``runs`` trained for every seed, or a ConfigError naming those that are not
+    and the one ``dvc repro`` command that trains them (this params file's stages)."""
+    missing = [(e, m, k) for e, m in dict.fromkeys(runs) for k in p.pipeline.seeds if not (layout.run(e, m, k) / "metrics.json").exists()]
+    if missing:
+        targets = " ".join(shlex.quote(p.train_stage(e, m, k)) for e, m, k in missing)
+        raise ConfigError(f"{source}: {what}: {len(missing)} run(s) not trained yet "
+                          f"({', '.join(f'{e}/{m}/seed{k}' for e, m, k in missing[:6])}{', ...' if len(missing) > 6 else ''}); "
+                          f"train them: dvc repro {targets}")
+
+
 def _report(args: argparse.Namespace) -> None:
     from fedsilo.report import build_report
     from fedsilo.report.continual import build_stream_report
@@ -166,8 +178,12 @@ def _report(args: argparse.Namespace) -> None:
     if args.sensitivity:  # across streams: pFedDIL's Table 6 (lambda) and Fig. 2 (alpha)
         from fedsilo.report.continual import build_sensitivity_report, sensitivity_inputs
 
-        made = build_sensitivity_report(**sensitivity_inputs(p, layout, Path(args.root)), seeds=list(p.pipeline.seeds),
-                                        out_dir=layout.report("sensitivity"))
+        inputs = sensitivity_inputs(p, layout, Path(args.root))
+        runs = [(path.name, m) for by_lam in inputs["lam_runs"].values() for path, m in by_lam.values()]
+        runs += [(path.name, m) for fam, by_alpha in inputs["families"].items() for path in by_alpha.values()
+                 for m in inputs["family_methods"][fam]]
+        _refuse_missing_runs(p, layout, args.params, "--sensitivity", runs)
+        made = build_sensitivity_report(**inputs, seeds=list(p.pipeline.seeds), out_dir=layout.report("sensitivity"))
         print(f"report sensitivity: {', '.join(made['sensitivity']['figures'])} in {layout.report('sensitivity')}")
         return
     exps = [args.experiment] if args.experiment else list(p.pipeline.experiments)
@@ -183,13 +199,9 @@ def _report(args: argparse.Namespace) -> None:
                               f"({', '.join(grp.experiments)})")
         exps = [args.experiment] if args.experiment else list(grp.experiments)
         methods_of, out_of = (lambda e: (*grp.methods, *grp.beside)), (lambda e: layout.group_report(args.group, e))
-        missing = [(e, m, k) for e in exps for m in methods_of(e) for k in p.pipeline.seeds
-                   if not (layout.run(e, m, k) / "metrics.json").exists()]
-        if missing:  # each run that is not there yet, and the one command that trains them all
-            targets = " ".join(shlex.quote(p.train_stage(e, m, k)) for e, m, k in missing)
-            raise ConfigError(f"{args.params}: runs.{args.group}: {len(missing)} run(s) not trained yet "
-                              f"({', '.join(f'{e}/{m}/seed{k}' for e, m, k in missing[:6])}{', ...' if len(missing) > 6 else ''}); "
-                              f"train them: dvc repro {targets}")
+        _refuse_missing_runs(p, layout, args.params, f"runs.{args.group}", [(e, m) for e in exps for m in methods_of(e)])
+    else:
+        _refuse_missing_runs(p, layout, args.params, "report", [(e, m) for e in exps if e in p.experiments for m in methods_of(e)])
     made = {}
     for exp in exps:
         if exp not in p.experiments:
