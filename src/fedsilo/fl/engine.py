@@ -199,9 +199,12 @@ class Engine:
         return max(1, torch.get_num_threads() // self.parallel)
 
     def execution(self) -> dict[str, Any]:
-        """How the clients were run, for metrics.json: the clients trained at once and, on the CPU, each one's
-        threads (the numbers equal a one-at-a-time run with that many threads)."""
+        """How the clients were run, for metrics.json: the clients trained at once and, on the CPU, the run's torch
+        threads and each client's (the numbers equal a one-at-a-time run with that many threads; a CPU's float sums
+        follow the thread count)."""
         out: dict[str, Any] = {"parallel_clients": self.parallel}
+        if self._device().type == "cpu":
+            out["threads"] = torch.get_num_threads()
         if self.client_threads() is not None:
             out["threads_per_client"] = self.client_threads()
         return out
