@@ -35,6 +35,7 @@ def test_repo_params_yaml_is_valid():
         # the near miss is one of the section's own keys: FedProx has no temperature (MOON's), train no sigma (F²DC's)
         (lambda d: d["methods"]["fedprox"].update(temperatur=1), "methods.fedprox.temperatur: unknown key"),
         (lambda d: d["experiments"]["quick"]["train"].update(sigmaa=1), "train.sigmaa: unknown key"),
+        (lambda d: d["pipeline"].update(seeds=[0, 1, 0]), "pipeline.seeds: seed(s) [0] listed twice"),
     ],
 )
 def test_bad_value_names_the_key(edit, key):

@@ -95,7 +95,7 @@ def test_killed_train_stage_resumes_to_identical_metrics(mirror_root, tmp_path):
     tags = runs[0].data.tags
     for t in ("git_commit", "params_hash", "method", "dataset", "protocol", "data.harmonized.sha256.images", "data.split.sha256"):
         assert tags.get(t), t
-    assert tags["method"] == "fedbn" and tags["protocol"] == "domain_clients"
+    assert tags["method"] == "fedbn" and tags["method.base"] == "fedbn" and tags["protocol"] == "domain_clients" and "paper" not in tags
     steps = sorted({m.step for m in client.get_metric_history(runs[0].info.run_id, "mean_acc")})
     assert steps == list(range(1, 7))
     assert runs[0].data.params["train.rounds"] == "6"

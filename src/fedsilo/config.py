@@ -1301,6 +1301,14 @@ class ExperimentParams(Strict):
 
 
 # --------------------------------------------------------------------------- pipeline / report
+def distinct_seeds(v: tuple[int, ...]) -> tuple[int, ...]:
+    """Seeds given each once: a seed is one run of each method (twice would be one run counted as two)."""
+    twice = sorted({s for s in v if v.count(s) > 1})
+    if twice:
+        raise ValueError(f"seed(s) {twice} listed twice: a seed is one run of each method (give each once)")
+    return v
+
+
 class PipelineParams(Strict):
     sources: tuple[str, ...]
     datasets: tuple[str, ...]
@@ -1309,6 +1317,11 @@ class PipelineParams(Strict):
     methods: tuple[str, ...]
     seeds: tuple[int, ...]
     onboarding: tuple[str, ...] = Field((), description="holdout_domain experiments whose newcomer onboarding (pFedDB Fig. 6) dvc.yaml runs")
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct_seeds(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        return distinct_seeds(v)
 
 
 class TrackingParams(Strict):
@@ -1658,6 +1671,11 @@ class PaperParams(Strict):
     repo_root: str = Field(description="the repository root from this file's folder (dvc.yaml's wdir)")
     data: str = Field("params.yaml", description="the root params file whose sources and datasets the experiments use")
     seeds: tuple[int, ...] = Field(min_length=1)
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct_seeds(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        return distinct_seeds(v)
     runs: dict[str, RunGroup] = Field(description="group -> experiments x methods; dvc.yaml has a train_<group> stage per group")
     onboarding: tuple[str, ...] = Field((), description="holdout_domain experiments whose newcomer onboarding (pFedDB Fig. 6) runs")
     experiments: dict[str, ExperimentParams]
