@@ -357,6 +357,10 @@ def test_latex_tables_escape_names_and_a_table_of_identical_rows_says_it_tells_n
     assert "all 2 methods scored the same" in indistinct_rows(acc)
     acc.loc["fedavg", ("mean", "Avg")] = 61.0
     assert indistinct_rows(acc) is None
+    # some rows tie, others do not (pFedDIL's ablations on a quickstart stream beside a learning FedCIL): named
+    three = pd.concat({"mean": pd.DataFrame([[50.0, 60.0], [50.0, 60.0], [70.0, 75.0]], index=["a", "b", "fedcil"], columns=cols),
+                       "std": pd.DataFrame(0.0, index=["a", "b", "fedcil"], columns=cols)}, axis=1)
+    assert indistinct_rows(three).startswith("scored exactly the same in every column: a, b. Runs too short")
     # a method the paper has no row for is in the versus table, paper "–"
     tab = versus_paper(acc, {"domains": ["art_painting"], "methods": {"fedavg": {"mean": [40.0, 50.0]}}})
     assert list(tab.index) == ["f2dc_no_dfd", "fedavg"] and pd.isna(tab.loc["f2dc_no_dfd", ("Avg", "paper")])

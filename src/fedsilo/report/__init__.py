@@ -337,18 +337,30 @@ def summary_table(df: pd.DataFrame, metric: str, methods: list[str], domain_std:
 
 
 def indistinct_rows(tab: pd.DataFrame) -> str | None:
-    """A note when every method of a table scored exactly the same in every column: runs too short or too small to
-    tell the methods apart (a quickstart's few steps, each model predicting one class), whose bold "best" cells and
-    differences from a paper mean nothing. None otherwise."""
+    """A note when methods of a table scored exactly the same in every column: runs too short or too small to tell
+    them apart (a quickstart's few steps, each model predicting one class), whose bold "best" cells and differences
+    from a paper mean nothing. Names the groups that tie when only some do; None when no two rows do."""
     mean = tab["mean"]
     if len(mean.index) < 2 or mean.isna().all().all():
         return None
-    first = mean.iloc[0]
-    if all(np.allclose(mean.loc[m].to_numpy(float), first.to_numpy(float), equal_nan=True) for m in mean.index):
+    groups: list[list[str]] = []
+    for m in mean.index:
+        row = mean.loc[m].to_numpy(float)
+        home = next((g for g in groups if np.allclose(mean.loc[g[0]].to_numpy(float), row, equal_nan=True)), None)
+        if home is None:
+            groups.append([m])
+        else:
+            home.append(m)
+    if len(groups) == 1:
         return (f"all {len(mean.index)} methods scored the same in every column: the runs are too short or too "
                 "small to tell them apart (each model likely predicts one class); their ranking and their differences "
                 "from the paper mean nothing")
-    return None
+    ties = [g for g in groups if len(g) > 1]
+    if not ties:
+        return None
+    return ("scored exactly the same in every column: " + "; ".join(", ".join(str(m) for m in g) for g in ties)
+            + ". Runs too short or too small to tell these methods apart (each model likely predicts one class): "
+            "their differences mean nothing here")
 
 
 def _cells(tab: pd.DataFrame, bold: str) -> pd.DataFrame:

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +34,15 @@ from fedsilo.report import (
     _line_figure,
     _pm,
     _published,
+    indistinct_rows,
     load_published,
     over_seeds,
     versus_paper,
     write_versus,
 )
 from fedsilo.utils.io import atomic_dir, read_json
+
+log = logging.getLogger(__name__)
 
 
 def collect_stream(results: Path, methods: list[str], seeds: list[int]) -> tuple[dict[tuple[str, int], dict], dict[tuple[str, int], list]]:
@@ -128,7 +132,9 @@ def stream_markdown(tab: pd.DataFrame, title: str, reference: str | None = None)
     head = " → ".join(tasks)
     delta = f"Delta = {reference}'s Avg minus the row's; " if reference else ""
     intro = (f"Accuracy (%) after learning each task, over every task seen so far ({head}); Avg = their mean; {delta}forgetting = "
-             "best accuracy of a task at the end of a task minus its final accuracy, mean over all tasks but the last.")
+             "best accuracy of a task at the end of a task minus its final accuracy, mean over all tasks but the last "
+             "(the best over the ends of the tasks from its own to the last but one: negative where the last task left a "
+             "task better known than any end before).")
     return _mean_std_table(tab, title, intro)
 
 
@@ -196,10 +202,15 @@ def build_stream_report(results: Path, experiment: str, methods: list[str], seed
     figs: list[str] = []
     with atomic_dir(out_dir) as tmp:
         md = stream_markdown(tab, f"{experiment}: accuracy along the stream, {over_seeds(seeds)}", reference)
+        same = indistinct_rows(tab)
+        if same:
+            log.warning("%s: %s", experiment, same)
+            md += f"\n> **Note:** {same}\n"
         (tmp / f"{experiment}_stream.md").write_text(md)
         flat = tab.copy()
         flat.columns = [f"{c}_{stat}" for stat, c in flat.columns]
         flat.index.name = "method"
+        flat.insert(0, "seeds", len(seeds))  # the runs behind each row (every seed: a missing one stops the report)
         flat.to_csv(tmp / f"{experiment}_stream.csv", float_format="%.4f")
         on = on_task_table(metrics, methods, seeds)
         on_md = on_task_markdown(on, f"{experiment}: accuracy on the task just learned, {over_seeds(seeds)}")
