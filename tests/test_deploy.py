@@ -1781,6 +1781,14 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
         err = capsys.readouterr().err
         assert f"--model: {tmp_path / 'cut.pt'}: not a model file fedsilo wrote, or one cut short" in err
         assert "Traceback" not in err and "weights_only" not in err
+    # a wrong --out is refused before the scoring (its results would be lost at the end)
+    (tmp_path / "taken.csv").write_text("x\n")
+    for cmd, why in ((["predict", "--experiment", "site", "--images", files[0], "--out", str(tmp_path)], "is a folder; predict writes one CSV"),
+                     (["predict", "--experiment", "site", "--images", files[0], "--out", str(tmp_path / "no" / "p.csv")], "does not exist"),
+                     (["evaluate", "--dataset", "chest_xray4", "--out", str(tmp_path / "taken.csv")], "is a file; evaluate writes a folder")):
+        capsys.readouterr()
+        assert main([*base, *cmd]) == 2
+        assert why in capsys.readouterr().err, cmd
     # its onboarded model scored on its own dataset (its training split among the images): no external validation
     capsys.readouterr()
     assert main([*base, "evaluate", "--dataset", "chest_xray4", "--bootstrap", "20", "--out", str(tmp_path / "own.csv")]) == 0

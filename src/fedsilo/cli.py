@@ -457,10 +457,13 @@ def _site_evaluate(args: argparse.Namespace) -> None:
     if not args.dataset:
         raise ConfigError("fedsilo site evaluate: --dataset required (a labelled dataset this site harmonized)")
     model = _site_model(args)
+    out = Path(args.out) if args.out else Path(args.root) / "evaluation" / args.dataset
+    if out.exists() and not out.is_dir():  # before the scoring, not after it
+        raise ConfigError(f"--out: {out} is a file; evaluate writes a folder (evaluation.md, evaluation.json, "
+                          "predictions.csv): name a folder")
     device = str(pick_device(args.device, "--device"))
     summary, rows = evaluate_site_model(load_params(args.params), args.dataset, model, Path(args.root), args.bootstrap,
                                         args.seed, device=device)
-    out = Path(args.out) if args.out else Path(args.root) / "evaluation" / args.dataset
     md = evaluation_markdown(summary)
     out.mkdir(parents=True, exist_ok=True)
     for name, write in (("evaluation.json", lambda f: f.write_text(json.dumps(summary, indent=1))),
@@ -488,14 +491,28 @@ def _site_onboard(args: argparse.Namespace) -> None:
           file=sys.stderr)
 
 
+def _check_out_file(out: Path) -> None:
+    """``--out`` of a command that writes one file: refused before the work when it names a folder or a folder that
+    does not exist (the work would be lost at the end)."""
+    if out.is_dir() or str(out).endswith(("/", "\\")):
+        raise ConfigError(f"--out: {out} is a folder; predict writes one CSV file: name it (e.g. {out / 'predictions.csv'})")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out: {out.parent} does not exist; make it first, or name a file in an existing folder")
+
+
 def _site_predict(args: argparse.Namespace) -> None:
     import pandas as pd
 
+    from fedsilo.client.data import pick_device
     from fedsilo.fl.predict import image_files, predict_images
     from fedsilo.utils.io import atomic_file
 
     model = _site_model(args)
-    rows = predict_images(load_params(args.params), args.experiment, model, image_files(args.images), quiet=args.quiet)
+    if args.out:
+        _check_out_file(Path(args.out))
+    device = str(pick_device(args.device, "--device"))
+    rows = predict_images(load_params(args.params), args.experiment, model, image_files(args.images), device=device,
+                          quiet=args.quiet)
     bad = int((rows["error"] != "").sum())
     if args.out:
         with atomic_file(Path(args.out)) as tmp:
@@ -794,7 +811,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--dataset", help="evaluate: the labelled dataset (datasets.<name>, harmonized here) to score")
     s.add_argument("--bootstrap", type=int, default=1000, help="evaluate: patient-level bootstrap samples for the 95 %% intervals (default 1000)")
     s.add_argument("--seed", type=int, default=0, help="evaluate: the bootstrap's seed (default 0)")
-    s.add_argument("--device", default="cpu", help="evaluate: where the model runs (cpu, cuda, cuda:1, auto; default cpu)")
+    s.add_argument("--device", default="cpu", help="predict, evaluate: where the model runs (cpu, cuda, cuda:1, auto; default cpu)")
     s.add_argument("--images", nargs="+", default=[], metavar="FILE_OR_FOLDER",
                    help="predict: image files (DICOM, PNG, JPEG) or folders of them")
     s.add_argument("--experiment", help="card, supernode, predict, onboard: the site's one-client experiment")
