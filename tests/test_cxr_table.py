@@ -220,7 +220,8 @@ def test_without_a_patient_column_harmonize_warns_in_the_card_and_on_stderr(tmp_
     (lambda r: r["datasets"]["chest_xray4"]["tables"].update(other={}), "tables.other: 'other' is not among this dataset's sources"),
     (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"domain": "rsna"}),
      "datasets.chest_xray4.tables.st_marys.domain: 'rsna' is also the domain of rsna"),
-    (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"domain": "St Mary's"}), "a domain name is letters, digits"),
+    (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"domain": "St Mary's"}), "a domain name is letters (accented ones too), digits"),
+    (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"domain": "_São"}), "starting with a letter or digit"),
     (lambda r: r["datasets"]["chest_xray4"]["tables"].update(st_marys={"negative": ["Normal", "lung opacity"]}),
      "positive and negative share lung opacity"),
     (lambda r: r["datasets"]["chest_xray4"].update(sources=["rsna", "st_marys", "rsna"]), "rsna listed twice"),
@@ -639,3 +640,11 @@ def test_a_typo_that_leaves_a_class_without_rows_is_refused_and_a_near_word_is_w
     rec = cxr_table.read_records(root2, CXRTableRules(subset="set"), "H", key="K", warnings=said)
     assert (rec["label"] == 1).sum() == 3 and said == ["K: 1 row(s) labelled 'Lung Opacitty' are excluded as another finding; "
                                                         "close to 'Lung Opacity' of the rules: add it there if it means the same"]
+
+
+
+def test_a_domain_may_be_named_in_any_script():
+    from fedsilo.config import check_domain_name
+
+    for name in ("Clínica Ñ", "São Paulo", "Hôpital-2", "Zürich.1"):
+        check_domain_name(name)  # MLflow takes them as metric keys (acc.São Paulo), the reports as columns

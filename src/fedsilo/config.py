@@ -39,7 +39,8 @@ CXR_DOMAINS = ("CheXpert", "OpenI", "RSNA", "VinBigData")  # the domains of the 
 OWN_READERS: dict[str, tuple[str, ...]] = {"cxr_table": ("mirror", "local"), "image_folder": ("mirror", "local"),
                                             "image_table": ("mirror", "local")}
 SOURCE_NAME = re.compile(r"[a-z0-9][a-z0-9_]{0,63}")  # a source name is a folder (data/raw/<name>) and a DVC stage key
-DOMAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}")  # a domain names clients and MLflow metric keys
+# a domain names clients and MLflow metric keys: letters (any script's: São Paulo, Clínica Ñ), digits, space . _ -
+DOMAIN_NAME = re.compile(r"[^\W_][\w .-]{0,63}")
 RESERVED_DOMAINS = frozenset({"Avg", "STD", "Delta", "forgetting", "final"})  # the report tables' columns beside the domains
 
 
@@ -236,8 +237,8 @@ class ReleasedCXR4Rules(Strict):
 def check_domain_name(v: str) -> None:
     """Raise when ``v`` cannot name a domain (a client in splits, reports and MLflow metric keys)."""
     if not DOMAIN_NAME.fullmatch(v):
-        raise ValueError(f"{v!r}: a domain name is letters, digits, spaces, '.', '_' and '-' (it names a client in "
-                         "splits, reports and MLflow metric keys)")
+        raise ValueError(f"{v!r}: a domain name is letters (accented ones too), digits, spaces, '.', '_' and '-', "
+                         "starting with a letter or digit (it names a client in splits, reports and MLflow metric keys)")
     if v in RESERVED_DOMAINS:
         raise ValueError(f"{v!r} is a column of the report's tables ({', '.join(sorted(RESERVED_DOMAINS))}): choose another name")
 
