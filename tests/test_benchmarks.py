@@ -182,7 +182,8 @@ def test_listed_but_missing_image_is_quarantined_and_reported(bench_raw, tmp_pat
     assert sorted(q["domain"]) == ["real", "sketch"] and card["domains"]["real"]["quarantined"] == 1
     assert any(corrupt.name in e for e in q["error"])
     assert "## Quarantine" in (tmp_path / "h" / "card.md").read_text() and "- real: 1" in (tmp_path / "h" / "card.md").read_text()
-    with pytest.raises(HarmonizeError, match=r"real: 1 of 160 images could not be decoded"):
+    with pytest.raises(HarmonizeError, match=r"real: 1 of 160 images could not be decoded \(0\.6% > datasets\.h2\.max_quarantine_fraction "
+                                             rf"0\.0%\): [^;]*{corrupt.name}: .*raise datasets\.h2\.max_quarantine_fraction"):
         harmonize_dataset(BenchmarkDatasetParams(kind="domainnet10", image_size=16, workers=1, max_quarantine_fraction=0.0), raw, tmp_path / "h2")
     assert not (tmp_path / "h2").exists() and not list(tmp_path.glob(".h2.*"))
 

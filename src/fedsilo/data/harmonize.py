@@ -340,7 +340,8 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
                 why = "; ".join(f"{k}: {v}" for k, v in reasons.items()) or "no record"
                 raise HarmonizeError(f"{src}: no image passes the label rules (excluded: {why}); check the raw files under "
                                      f"{raw_root / src}" + (f" and datasets.{Path(out_dir).name}.tables.{src}" if src in params.own_sources() else ""))
-        _check_quarantine(kept["source"], kept.loc[~ok, "source"], quarantine, params.max_quarantine_fraction, f"raw files under {raw_root}")
+        _check_quarantine(kept["source"], kept.loc[~ok, "source"], quarantine, params.max_quarantine_fraction, f"raw files under {raw_root}",
+                          f"datasets.{Path(out_dir).name}.max_quarantine_fraction")
 
         good = kept[ok].reset_index(drop=True)
         table = good.rename(columns={"path": "source_path"})[["id", "domain", "label", "original_label", "group", "view", "source_path", "subset"]]
@@ -370,17 +371,20 @@ def write_dataset(tmp: Path, table: pd.DataFrame, excluded: pd.DataFrame, quaran
     return card
 
 
-def _check_quarantine(units: pd.Series, quarantine_units: pd.Series, quarantine: pd.DataFrame, limit: float, raw_hint: str) -> None:
-    """Fail when any unit (source or domain) has more than ``limit`` of its images quarantined."""
+def _check_quarantine(units: pd.Series, quarantine_units: pd.Series, quarantine: pd.DataFrame, limit: float, raw_hint: str,
+                      key: str = "max_quarantine_fraction") -> None:
+    """Fail when any unit (source or domain) has more than ``limit`` of its images quarantined, naming each such file
+    with its error (up to ten: nothing is written, so the message is where to look them up)."""
     for unit in units.unique():
         n = int((units == unit).sum())
         q_mask = quarantine_units == unit
         q = int(q_mask.sum())
         if q / n > limit:
-            examples = "; ".join(quarantine.loc[q_mask.to_numpy(), "error"].head(3))
+            bad = quarantine.loc[q_mask.to_numpy()]
+            examples = "; ".join(f"{p}: {e}" for p, e in zip(bad["path"].head(10), bad["error"].head(10)))
             raise HarmonizeError(
-                f"{unit}: {q} of {n} images could not be decoded ({q / n:.1%} > max_quarantine_fraction {limit:.1%}); "
-                f"first errors: {examples} ({raw_hint})"
+                f"{unit}: {q} of {n} images could not be decoded ({q / n:.1%} > {key} {limit:.1%}): {examples}"
+                + (f"; and {q - 10} more" if q > 10 else "") + f" ({raw_hint}; raise {key} to quarantine them and go on)"
             )
 
 
@@ -578,7 +582,8 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
         spool.decode_into(file_jobs, kept["id"], errors, ok, workers, doms, f"harmonize {params.kind}", quiet)
         quarantine = kept.loc[~ok, ["id", "domain", "path"]].copy()
         quarantine["error"] = [e for e, good in zip(errors, ok) if not good]
-        _check_quarantine(kept["domain"], quarantine["domain"], quarantine, params.max_quarantine_fraction, f"raw files under {raw_root}")
+        _check_quarantine(kept["domain"], quarantine["domain"], quarantine, params.max_quarantine_fraction, f"raw files under {raw_root}",
+                          f"datasets.{Path(out_dir).name}.max_quarantine_fraction")
         spool.finish(np.flatnonzero(ok))
         return _write_benchmark(params, Path(out_dir).name, tmp, kept, ok, classes, excluded, quarantine, warnings)
 
