@@ -648,3 +648,10 @@ def test_a_domain_may_be_named_in_any_script():
 
     for name in ("Clínica Ñ", "São Paulo", "Hôpital-2", "Zürich.1"):
         check_domain_name(name)  # MLflow takes them as metric keys (acc.São Paulo), the reports as columns
+
+
+def test_a_header_written_with_spaces_after_its_commas_is_read_as_its_names(tmp_path):
+    root = _export(tmp_path, [ROW])
+    (root / "labels.csv").write_text("path, label, patient_id , view\na/1.png, Normal, p1, PA\n")
+    rec = cxr_table.read_records(root, CXRTableRules(), "H")
+    assert rec.loc[0, ["label", "group", "view"]].tolist() == [0, "p1", "frontal"]

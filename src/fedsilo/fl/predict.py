@@ -62,8 +62,10 @@ def _decoder(params: Params, experiment: str, contract: dict[str, Any]):
             reader = {"dicom": "dicom_rgb", "slide": "slide"}.get(kind, "rgb")
             return (str(path), reader, ds.image_size, ds.square, "", (0.0, 100.0))
     else:
-        raise ConfigError(f"datasets.{name}: kind {ds.kind} with {channels}-channel images: predict reads image files of "
-                          "chest_xray4 (grayscale) and the multi-domain benchmarks (RGB)")
+        raise ConfigError(f"datasets.{name} (kind {ds.kind}): the model takes {channels}-channel images (its deployment's "
+                          "contract), which predict reads with a dataset of the kind it was trained on: chest_xray4's rules for "
+                          "a grey model, a benchmark kind (image_folder, image_table, ...) for an RGB one; name an experiment "
+                          "whose dataset is of that kind (--experiment)")
     return job, ds.workers or os.cpu_count() or 1
 
 

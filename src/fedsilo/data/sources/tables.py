@@ -39,6 +39,9 @@ def load_table(raw_dir: Path, rules, columns: list[tuple[str, Optional[str]]], k
     except LabelFileError as err:
         hint = f" (set {key}.encoding to the table's encoding, e.g. cp1252 or utf-16)" if "codec" in str(err) else ""
         raise LabelFileError(f"{err}{hint}") from err
+    trimmed = [str(c).strip() for c in df.columns]  # "path, label": the header's cells as the values are read, trimmed
+    if len(set(trimmed)) == len(trimmed):
+        df.columns = trimmed
     missing = [f"{col!r} ({key}.{role})" for role, col in columns if col is not None and col not in df.columns]
     if missing:
         header = rules.sep.join(map(str, df.columns))
