@@ -1665,7 +1665,7 @@ def test_site_predict_reads_rgb_benchmark_files_as_harmonize_does(tmp_path, caps
                     {"deployment": {**dep, "contract": {**dep["contract"], "image_shape": [16, 16, 1]}}})
     capsys.readouterr()
     assert main([*args, "--model", str(gray.model_path), "--images", str(files[0])]) == 2
-    assert "datasets.office_caltech10: kind office_caltech10 with 1-channel images" in capsys.readouterr().err
+    assert "datasets.office_caltech10 (kind office_caltech10): the model takes 1-channel images" in capsys.readouterr().err
 
 
 @pytest.mark.usefixtures("identity")
