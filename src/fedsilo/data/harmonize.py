@@ -55,6 +55,7 @@ from fedsilo.data.sources import cxr_table, image_folder, image_table, source_mo
 from fedsilo.data.sources.base import explode_records
 from fedsilo.utils.io import atomic_dir, file_sha256, write_json
 from fedsilo.utils.progress import Progress
+from fedsilo.utils.workers import worker_pool
 
 
 class HarmonizeError(RuntimeError):
@@ -140,7 +141,7 @@ def iter_decoded(jobs: list[tuple], workers: int, domains: Optional[list[str]] =
         if workers <= 1 or len(jobs) < 16:
             results: Iterator[tuple[np.ndarray | None, str]] = map(_decode_safe, jobs)
         else:
-            pool = ProcessPoolExecutor(max_workers=workers)
+            pool = worker_pool(workers)
             results = pool.map(_decode_safe, jobs, chunksize=max(1, min(64, len(jobs) // (workers * 8))))
         current = None
         for dom, res in zip(domains, results):

@@ -1154,10 +1154,9 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
     no patch stays one excluded row with the reason. Without ``rules`` (no ``slides`` set) every kept slide is
     excluded, naming the key that cuts it into patches. With region annotations, ``warnings`` gets a line for slides
     without an annotation file and for annotation files no slide found (a misspelt name reads as no annotation)."""
-    from concurrent.futures import ProcessPoolExecutor
-
     from fedsilo.data.sources.base import LabelFileError, explode_records, walk
     from fedsilo.utils.progress import Progress
+    from fedsilo.utils.workers import worker_pool
 
     slides = np.flatnonzero((rec["reader"] == "slide").to_numpy() & (rec["excluded"] == "").to_numpy())
     if slides.size == 0:
@@ -1226,7 +1225,7 @@ def expand_slides(rec: pd.DataFrame, raw_dir: Path, rules: Any, key: str, quiet:
                 rec.loc[rec.index[paths[found]], "excluded"] = "a slide's region annotations"
     todo = [i for i in map(int, slides) if i not in ambiguous]
     jobs = [(raw_dir / str(rec["path"].iloc[i]), rules, f"{key}.slides", files[i], tuple(classes)) for i in todo]
-    pool = ProcessPoolExecutor(max_workers=min(workers, len(jobs))) if workers > 1 and len(jobs) > 1 else None
+    pool = worker_pool(min(workers, len(jobs))) if workers > 1 and len(jobs) > 1 else None
     plans: dict[int, list[tuple[int, int, int, int, int]]] = {}
     given: dict[int, list[Optional[tuple[str, str, str]]]] = {}
     patches = 0
