@@ -5,7 +5,7 @@
 # cxr_table`, as "St Marys"). Every process listens on 127.0.0.1 and is stopped
 # at the end. Each step is the command the real coordinator or site runs (README, "Deploying across hospitals").
 #
-#   bash deploy/loopback.sh [WORK_DIR] [METHOD]      # default /tmp/fedsilo-loopback, fedbn; ~2-3 minutes on 2 cores
+#   bash deploy/loopback.sh [WORK_DIR] [METHOD]      # default /tmp/fedsilo-loopback, fedbn; ~5 minutes on 2 idle cores
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK=$(mkdir -p "${1:-/tmp/fedsilo-loopback}" && cd "${1:-/tmp/fedsilo-loopback}" && pwd)

@@ -52,7 +52,7 @@ from fedsilo.data.imageops import (
 )
 from fedsilo.data.slides import expand_slides, slide_view
 from fedsilo.data.sources import cxr_table, image_folder, image_table, source_module
-from fedsilo.data.sources.base import explode_records
+from fedsilo.data.sources.base import LabelFileError, explode_records
 from fedsilo.utils.io import atomic_dir, file_sha256, write_json
 from fedsilo.utils.progress import Progress
 from fedsilo.utils.workers import worker_pool
@@ -295,8 +295,12 @@ def cxr_records(params: CXRDatasetParams, raw_root: Path, name: str, quiet: bool
                                  "once it is in pipeline.sources)")
         if src in params.own_sources():  # a hospital's own export and its label table
             notes: list[str] = []
-            rec = cxr_table.read_records(raw_dir, params.rules(src), params.domain_of(src), f"datasets.{name}.tables.{src}",
-                                         quiet, notes)
+            try:
+                rec = cxr_table.read_records(raw_dir, params.rules(src), params.domain_of(src), f"datasets.{name}.tables.{src}",
+                                             quiet, notes)
+            except LabelFileError as err:  # it names the fetched copy: the file to correct is the original
+                raise LabelFileError(f"{err} ({raw_dir} is what `fedsilo fetch --source {src}` put there: for a local source a "
+                                     f"copy of sources.{src}.path, where to correct the table before fetching again)") from None
             warnings += [f"{src} ({params.domain_of(src)}): {note}" for note in notes]
             rules = params.rules(src)
             patients = rules.patient or rules.dicom_match  # matched by their headers: each image's PatientID is its group
