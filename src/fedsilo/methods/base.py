@@ -351,6 +351,15 @@ class RunningMean:
         return out
 
 
+class TakenMean(RunningMean):
+    """A round's :class:`RunningMean` and the names of the sites that trained in it, whether they uploaded or not: for
+    a server that records, by name, what a site has taken (LG-FedAvg's FedAvg start, pFedDB's local model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.took: list[str] = []
+
+
 class Spares:
     """``count`` spare copies of the model a client trains (a teacher, the downloaded global model), made on first use
     and kept while that model lives, one set per model object: the engine's model (so for the whole run), or each of

@@ -10,7 +10,7 @@ from pydantic import Field, PositiveInt
 
 from fedsilo.client.data import ClientData
 from fedsilo.config import ConfigError
-from fedsilo.methods.base import MethodParams, RunningMean, State
+from fedsilo.methods.base import MethodParams, State, TakenMean
 from fedsilo.methods.sharing import PartialSharing, per_backbone, top_units, unit_prefixes
 from fedsilo.models import LayeredNet
 
@@ -28,14 +28,6 @@ class LGFedAvgParams(MethodParams):
         0, ge=0, description="rounds of plain FedAvg (every layer shared) before the lower layers become each client's "
         "own: the paper's FedAvg-trained start, counted in train.rounds (0: start from the initialisation, as FedPAC's code)"
     )
-
-
-class _Took(RunningMean):
-    """A round's mean, and which clients took part (the server hands the start to a client once)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.took: list[str] = []
 
 
 class LGFedAvg(PartialSharing):
@@ -115,14 +107,14 @@ class LGFedAvg(PartialSharing):
             return super().download(server, client, rnd)
         return self.sent(server, client, self.fedavg_round(rnd))
 
-    def agg_begin(self, server: State, rnd: int) -> _Took:
-        return _Took()
+    def agg_begin(self, server: State, rnd: int) -> TakenMean:
+        return TakenMean()
 
-    def agg_add(self, acc: _Took, client: ClientData, upload: State) -> None:
+    def agg_add(self, acc: TakenMean, client: ClientData, upload: State) -> None:
         super().agg_add(acc, client, upload)
         acc.took.append(client.name)
 
-    def agg_end(self, server: State, acc: _Took, rnd: int) -> State:
+    def agg_end(self, server: State, acc: TakenMean, rnd: int) -> State:
         if not self.params.fedavg_rounds:
             return super().agg_end(server, acc, rnd)
         out = {**server, **acc.result()} if acc.weight > 0 else dict(server)

@@ -83,7 +83,7 @@ from torch import nn
 
 from fedsilo.client.local import make_generator, scheduled_lr, train_local
 from fedsilo.config import ConfigError
-from fedsilo.methods.base import RunningMean, State
+from fedsilo.methods.base import State, TakenMean
 from fedsilo.methods.pfeddb.model import (
     SHARED,
     DualBranch,
@@ -108,14 +108,6 @@ LOCAL_MODEL = "pfeddb:local_model::"
 # in the download of a site behind (one that joined the run in progress, or came back after Phase-1 rounds it was
 # gone for): the first and last Phase-1 round it is to train on its own before the round's work
 CATCH_UP = "pfeddb:catch_up"
-
-
-class _Took(RunningMean):
-    """A round's mean of phi, and which sites trained in the round."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.took: list[str] = []
 
 
 class PFedDBParams(TwoPhaseParams):
@@ -276,7 +268,7 @@ class PFedDB(TwoPhase):
         return super().local_update(model, store, payload, client, rnd, seed)
 
     def catch_up(self, model, store, client, first: int, last: int, rnd: int, seed: int) -> None:
-        """Phase-1 rounds ``first``..``last`` of a site that joined later, trained as it would have trained them
+        """Phase-1 rounds ``first``..``last`` of a site that joined later (or was away), trained as it would have trained them
         (each round's batches, augmentation and learning rate); past round E0 it then keeps psi_c* as every site did
         at E0 (its upload, Eq. 6's input, is no longer wanted)."""
         was = getattr(model, "phase", 1)
@@ -290,10 +282,10 @@ class PFedDB(TwoPhase):
         if last == self.e0 and rnd > self.e0:
             self.keep_phase_one(model, store)
 
-    def agg_begin(self, server: State, rnd: int) -> _Took:
-        return _Took()
+    def agg_begin(self, server: State, rnd: int) -> TakenMean:
+        return TakenMean()
 
-    def agg_add(self, acc: _Took, client, upload: State) -> None:
+    def agg_add(self, acc: TakenMean, client, upload: State) -> None:
         super().agg_add(acc, client, upload)
         acc.took.append(client.name)
 
