@@ -164,7 +164,7 @@ def _trained_on(params: Params, dataset: str, root: Path, info: dict[str, Any]) 
     """The site whose training data ``dataset`` is, by fingerprint (one of this params file's splits of it against the
     deployment's sites, and a newcomer's onboarded model's own), or None: a model scored on the images it trained on
     is no external validation."""
-    from fedsilo.fl.site import site_card
+    from fedsilo.fl.site import recorded_fingerprint
 
     known = {str(s.get("fingerprint")): str(s.get("name")) for s in info["deployment"].get("sites", [])}
     if info.get("fingerprint"):  # a newcomer's onboarded model: the site's own split
@@ -174,8 +174,8 @@ def _trained_on(params: Params, dataset: str, root: Path, info: dict[str, Any]) 
         if ex.dataset != dataset or not layout.split(name).exists():
             continue
         try:
-            fingerprint = site_card(params, name, root)["fingerprint"]
-        except (ConfigError, KeyError, IndexError, ValueError):  # a split that is not a site's (several clients, a stream)
+            fingerprint = recorded_fingerprint(params, name, root)  # the arrays were checked against the card above
+        except (ConfigError, KeyError, IndexError, ValueError):  # a split that is not a site's (several clients, a stale one)
             continue
         if fingerprint in known:
             return known[fingerprint]

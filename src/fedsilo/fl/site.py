@@ -74,9 +74,7 @@ def site_card(params: Params, experiment: str, root: Path = Path(".")) -> dict[s
     if changed:
         raise ConfigError(f"{harmonized}: {', '.join(changed)} changed after harmonize wrote card.json; re-run "
                           f"`fedsilo harmonize` and `fedsilo split` rather than editing the arrays")
-    data = {a: card["sha256"][a] for a in ARRAYS}  # as just hashed anew
-    contract = {"task": card["task"], "classes": list(card["classes"]), "image_shape": [int(s) for s in card["image_shape"]]}
-    split_sha = file_sha256(split_path)
+    contract, data, split_sha, fingerprint = _fingerprint(card, split_path)  # the arrays as just hashed anew
     client = split["clients"][0]
     tasks = client.get("tasks")  # a stream: the site's images of each domain, in task order
     counts = {"n_train": sum(len(t["train"]) for t in tasks), "n_val": 0, "n_test": sum(len(t["test"]) for t in tasks),
@@ -91,8 +89,23 @@ def site_card(params: Params, experiment: str, root: Path = Path(".")) -> dict[s
         "contract": contract,
         "data_sha256": data,
         "split_sha256": split_sha,
-        "fingerprint": canonical_hash({"contract": contract, "data": data, "split": split_sha}),
+        "fingerprint": fingerprint,
     }
+
+
+def _fingerprint(card: dict[str, Any], split_path: Path) -> tuple[dict[str, Any], dict[str, str], str, str]:
+    """(contract, array hashes, split hash, fingerprint) of a site's harmonized card and split file."""
+    data = {a: card["sha256"][a] for a in ARRAYS}
+    contract = {"task": card["task"], "classes": list(card["classes"]), "image_shape": [int(s) for s in card["image_shape"]]}
+    split_sha = file_sha256(split_path)
+    return contract, data, split_sha, canonical_hash({"contract": contract, "data": data, "split": split_sha})
+
+
+def recorded_fingerprint(params: Params, experiment: str, root: Path = Path(".")) -> str:
+    """The fingerprint of the site's ``experiment`` from its card's recorded array hashes, the arrays not hashed
+    anew: for a caller that has just checked them (``fedsilo site evaluate``)."""
+    _, split_path, _, card = _site_files(params, experiment, Path(root))
+    return _fingerprint(card, split_path)[3]
 
 
 def contract_mismatch(agreed: dict[str, Any], site: dict[str, Any]) -> list[str]:
