@@ -1794,7 +1794,7 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
     assert main([*base, "evaluate", "--dataset", "chest_xray4", "--bootstrap", "20", "--out", str(tmp_path / "own.csv")]) == 0
     said = capsys.readouterr()
     assert "# Evaluation on the data VinBigData trained on (not an external validation): chest_xray4" in said.out
-    assert "is the data VinBigData trained on" in said.err
+    assert "warning: datasets.chest_xray4 is the data VinBigData trained on" in said.err
     torch.save({"round": 1, "model": {}}, tmp_path / "site_model.pt")
     assert "not a deployment's final model" in refused(model=tmp_path / "site_model.pt")
     bigger = {**held, "deployment": {**held["deployment"], "contract": {**held["deployment"]["contract"], "image_shape": [32, 32, 1]}}}

@@ -142,7 +142,7 @@ def test_a_method_that_keeps_per_call_state_trains_one_client_at_a_time(caplog):
         assert not REGISTRY[name].client_parallel
         with caplog.at_level(logging.WARNING, logger="fedsilo.fl.engine"):
             e = _engine(name, 3, rounds=1)
-        assert e.parallel == 1 and e.execution() == {"parallel_clients": 1}
+        assert e.parallel == 1 and e.execution() == {"parallel_clients": 1, "threads": torch.get_num_threads()}
         assert f"{REGISTRY[name].name} trains its clients one at a time" in caplog.text
 
 
@@ -160,7 +160,7 @@ def test_the_run_threads_are_shared_among_a_wave_and_given_back():
                 return super().local_update(model, store, payload, client, rnd, seed)
 
         e = _engine("counting", 2, cls=Counting, rounds=1)
-        assert e.client_threads() == 1 and e.execution() == {"parallel_clients": 2, "threads_per_client": 1}
+        assert e.client_threads() == 1 and e.execution() == {"parallel_clients": 2, "threads": 2, "threads_per_client": 1}
         e.run()
         assert inside == [1, 1, 1] and torch.get_num_threads() == 2
     finally:

@@ -472,6 +472,9 @@ def _site_evaluate(args: argparse.Namespace) -> None:
         with atomic_file(out / name) as tmp:  # each file whole; nothing else in the folder is touched
             write(tmp)
     print(md, end="")
+    if summary.get("trained_on"):
+        print(f"site evaluate: warning: datasets.{args.dataset} is the data {summary['trained_on']} trained on (its split's "
+              "fingerprint is the model's): the scores are not an external validation", file=sys.stderr)
     print(f"site evaluate: {summary['all']['images']} images of {args.dataset} scored by {model}; {out}/evaluation.md, "
           "evaluation.json, predictions.csv", file=sys.stderr)
 

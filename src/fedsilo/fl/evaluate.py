@@ -25,7 +25,6 @@ is all test). The card's warnings (a table without patient ids makes each image 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,8 +36,6 @@ from fedsilo.client.local import binary_auc, predict
 from fedsilo.config import ConfigError, Params, TrainParams
 
 __all__ = ["evaluate_site_model", "patient_bootstrap", "evaluation_markdown"]
-
-log = logging.getLogger(__name__)
 
 CHUNK = 4096  # images read from the memory-mapped array at a time
 MIN_PATIENTS = 2  # per stratum, for an interval
@@ -204,10 +201,7 @@ def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Pa
         raise ConfigError(f"{folder}: {', '.join(changed)} changed after harmonize wrote card.json; re-run `fedsilo harmonize "
                           f"--dataset {dataset}` rather than editing the arrays")
     model, info = load_site_model(model_path, device)
-    trained_on = _trained_on(params, dataset, root, info)
-    if trained_on:
-        log.warning("datasets.%s is the data %s trained on (its split's fingerprint is the model's): the scores are "
-                    "not an external validation", dataset, trained_on)
+    trained_on = _trained_on(params, dataset, root, info)  # said in the summary, its title and by the CLI
     contract = info["deployment"]["contract"]
     classes = list(contract["classes"])
     if list(card["classes"]) != classes:
