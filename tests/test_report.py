@@ -364,3 +364,25 @@ def test_latex_tables_escape_names_and_a_table_of_identical_rows_says_it_tells_n
     # a method the paper has no row for is in the versus table, paper "–"
     tab = versus_paper(acc, {"domains": ["art_painting"], "methods": {"fedavg": {"mean": [40.0, 50.0]}}})
     assert list(tab.index) == ["f2dc_no_dfd", "fedavg"] and pd.isna(tab.loc["f2dc_no_dfd", ("Avg", "paper")])
+
+
+def test_a_stream_figure_marks_its_task_boundaries_and_keeps_fifteen_lines_apart(tmp_path, monkeypatch):
+    """The stream-curves figure: a dotted line at each task boundary; with more lines than the default ten colours,
+    a 20-colour map and the legend beside the axes."""
+    from matplotlib.axes import Axes
+
+    from fedsilo.report import _line_figure
+
+    seen: dict[str, list] = {"vlines": [], "legend": []}
+    for name, key in (("axvline", "vlines"), ("legend", "legend")):
+        real = getattr(Axes, name)
+
+        def spy(self, *a, _real=real, _key=key, **k):
+            seen[_key].append(a[0] if a else k)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(Axes, name, spy)
+    series = [(f"m{i}", [1, 2, 3, 4, 5, 6], [i, i, i, i, i, i]) for i in range(15)]
+    assert _line_figure(tmp_path / "s.png", series, "acc", "stream", marks=(2.5, 4.5)) == "s.png"
+    assert (tmp_path / "s.png").stat().st_size > 0
+    assert seen["vlines"] == [2.5, 4.5] and seen["legend"][0]["bbox_to_anchor"] == (1.01, 1.0)

@@ -235,8 +235,10 @@ def build_stream_report(results: Path, experiment: str, methods: list[str], seed
         for m in methods:
             ev = [[e for e in histories[(m, s)] if "seen_acc" in e] for s in seeds]
             series.append((m, [e["round"] for e in ev[0]], list(np.mean([[e["seen_acc"] * 100 for e in h] for h in ev], axis=0))))
+        n_tasks = len(metrics[(methods[0], seeds[0])]["tasks"])
         figs.append(_line_figure(tmp / f"{experiment}_stream_curves.png", series,
-                                 f"accuracy over the tasks seen so far (%), {per_task} rounds per task", f"{experiment}: the stream"))
+                                 f"accuracy over the tasks seen so far (%), {per_task} rounds per task", f"{experiment}: the stream",
+                                 marks=tuple(per_task * t + 0.5 for t in range(1, n_tasks))))
         (tmp / "README.md").write_text(f"# fedsilo report: {experiment}\n\n{full}\n" + "".join(f"![{f}]({f})\n" for f in figs))
     return {experiment: {"table": tab["mean"]["Avg"].to_dict(), "figures": figs}}
 
