@@ -815,28 +815,26 @@ def test_a_site_that_joins_a_run_in_progress_takes_part_from_the_next_round_as_t
 
     monkeypatch.setattr(PFedDB, "joinable", False)
     monkeypatch.setattr(PFedDB, "join_refusal", "its Phase 2 starts from each site's Phase-1 model", raising=False)
-    for app, fed in (("heal", federation("c", first, "pfeddb")), ("heal2", federation("d", sites, "pfeddb"))):
-        write_app(load_federation(fed), load_params(tmp_path / "coordinator.yaml"), tmp_path / app)
+
+    def joining(tag: str, method: str, run_id: int) -> tuple:
+        """The apps of ``method`` without the new site and with it marked joined, after round 1 without it (the
+        SuperLink going down at round 2): ((server, client) without it, (server, client) with it)."""
+        for app, members in ((tag, first), (f"{tag}2", sites)):
+            write_app(load_federation(federation(f"{app}_fed", members, method)), load_params(tmp_path / "coordinator.yaml"),
+                      tmp_path / app)
+        server, client = _load_apps(tmp_path / tag)
+        with pytest.raises(ConnectionError, match="went down"):
+            server._main(DownAt(client, first, rnd=2, run_id=run_id), ctx(run_id, tag))
+        return (server, client), _load_apps(tmp_path / f"{tag}2")
+
     torch.set_num_threads(1)
     try:
-        heal, heal_client = _load_apps(tmp_path / "heal")
-        with pytest.raises(ConnectionError, match="went down"):
-            heal._main(DownAt(heal_client, first, rnd=2, run_id=7), ctx(7, "heal"))
-        heal2, heal_client2 = _load_apps(tmp_path / "heal2")
+        _, (heal2, heal_client2) = joining("heal", "pfeddb", 7)
         with pytest.raises(ConfigError, match=rf"sites: {new} marked joined: pfeddb takes no site mid-run \(its Phase 2 "
                                               r"starts .* a site can join a run of cd2pfed, ditto, f2dc, fdse, fedavg"):
             heal2._main(SiteGrid(heal_client2, sites, run_id=8), ctx(8, "heal"))
-    finally:
-        torch.set_num_threads(threads)
-    # FedAvg with two local rounds, whose sites do not catch up: no site joins once a round of its local phase went by
-    for app, fed in (("fa", federation("fa", first, "fedavg_lr2")), ("fa2", federation("fa2", sites, "fedavg_lr2"))):
-        write_app(load_federation(fed), load_params(tmp_path / "coordinator.yaml"), tmp_path / app)
-    torch.set_num_threads(1)
-    try:
-        fa, fa_client = _load_apps(tmp_path / "fa")
-        with pytest.raises(ConnectionError, match="went down"):
-            fa._main(DownAt(fa_client, first, rnd=2, run_id=11), ctx(11, "fa"))
-        fa2, fa_client2 = _load_apps(tmp_path / "fa2")
+        # FedAvg with two local rounds, whose sites do not catch up: no site joins while its local phase is under way
+        (fa, fa_client), (fa2, fa_client2) = joining("fa", "fedavg_lr2", 11)
         with pytest.raises(ConfigError, match=rf"sites: {new} marked joined in round 2, but fedavg_lr2's local phase, which every "
                                               r"site trains from round 1 .* has rounds 1-1 behind it: join after round 2"):
             fa2._main(SiteGrid(fa_client2, sites, run_id=12), ctx(12, "fa"))
