@@ -31,7 +31,7 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from fedsilo.client.data import ClientData, augment, to_float
+from fedsilo.client.data import ClientData, to_float, training_batch
 from fedsilo.client.local import _prep, batches, evaluate, make_generator, use_bf16, use_channels_last
 from fedsilo.config import ConfigError, TrainParams
 from fedsilo.fl.engine import Engine
@@ -87,7 +87,7 @@ def single_model_loop(model: nn.Module, clients: list[ClientData], cfg: TrainPar
             for _ in range(cfg.local_epochs):
                 for idx in batches(c.n_train, cfg.batch_size, gen):
                     idx = idx.to(device, non_blocking=True)
-                    x = _prep(augment(to_float(c.x_train[idx], cfg.normalize), cfg.augment, gen, cfg.normalize), cl)
+                    x = _prep(training_batch(c.x_train[idx], cfg, gen), cl)
                     opt.zero_grad(set_to_none=True)
                     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
                         loss = loss_fn(model(x), c.y_train[idx])

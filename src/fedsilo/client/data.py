@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fedsilo.config import DEVICE_FORMS, DEVICE_RE, AugmentParams, ConfigError, NormalizeParams
+from fedsilo.config import DEVICE_FORMS, DEVICE_RE, AugmentParams, ConfigError, NormalizeParams, TrainParams
 from fedsilo.utils.slots import claim_gpu
 
 
@@ -205,6 +205,12 @@ def augment(x: torch.Tensor, params: AugmentParams, gen: torch.Generator, norm: 
         flip = (torch.rand(b, generator=gen) < 0.5).to(x.device)
         x = torch.where(flip[:, None, None, None], x.flip(3), x)
     return x
+
+
+def training_batch(x_u8: torch.Tensor, train: TrainParams, gen: torch.Generator) -> torch.Tensor:
+    """A training batch as local training feeds it to the model: on the run's input scale (``train.normalize``),
+    then ``train.augment``'s device crop and flip, drawn from ``gen``."""
+    return augment(to_float(x_u8, train.normalize), train.augment, gen, train.normalize)
 
 
 ONE_OP_NAMES = ("crop", "flip", "rotate", "brightness", "invert")

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedsilo.client.data import ClientData, augment, to_float
+from fedsilo.client.data import ClientData, to_float, training_batch
 from fedsilo.client.hostaug import apply_host, host_policy
 from fedsilo.config import ConfigError, TrainParams
 
@@ -183,7 +183,7 @@ def train_local(
         for idx in batches(data.n_train, cfg.batch_size, gen):
             idx = idx.to(device, non_blocking=True)
             xb = data.x_train[idx] if host is None else apply_host(host, data.x_train[idx], gen)
-            x = _prep(augment(to_float(xb, cfg.normalize), cfg.augment, gen, cfg.normalize), cl)
+            x = _prep(training_batch(xb, cfg, gen), cl)
             y = data.y_train[idx]
             if batch_transform is not None:
                 x, y = batch_transform(x, y)

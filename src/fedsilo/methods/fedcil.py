@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from fedsilo.client.data import ClientData, augment, to_float
+from fedsilo.client.data import ClientData, training_batch
 from fedsilo.client.hostaug import apply_host, host_policy
 from fedsilo.client.local import batches, lr_now, make_generator, running_stats_frozen, use_bf16
 from fedsilo.config import ConfigError, TrainParams
@@ -440,7 +440,7 @@ class FedCIL(Method):
                 for idx in batches(client.n_train, self.train.batch_size, gb):
                     idx = idx.to(dev, non_blocking=True)
                     xb = client.x_train[idx] if host is None else apply_host(host, client.x_train[idx], gb)
-                    x = augment(to_float(xb, self.train.normalize), self.train.augment, gb, self.train.normalize)
+                    x = training_batch(xb, self.train, gb)
                     y = client.y_train[idx]
                     b = len(idx)
                     with self._amp(bf16):
