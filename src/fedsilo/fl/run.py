@@ -223,7 +223,7 @@ def run_training(
             "code.source_sha256": code["source_sha256"],
             "code.torch": code["torch"],
             "method": method,
-            "method.base": method_base(method, params.methods[method]),  # a variant's registered method (f2dc_code: f2dc)
+            "method.base": resolved["method"]["base"],  # a variant's registered method (f2dc_code: f2dc)
             **({"paper": params.paper.name, "scale": params.paper.scale} if params.paper is not None else {}),
             "dataset": exp.dataset,
             "protocol": exp.split.protocol,
