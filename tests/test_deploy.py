@@ -1764,7 +1764,7 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
     assert "site RSNA took part in the deployment three_hospitals" in refused(params_file=sites["rsna"], root=sites["rsna"].parent)
     other = {**held, "deployment": {**held["deployment"], "method": {**held["deployment"]["method"], "base": "pfeddr", "key": "pfeddr", "params": {}}}}
     torch.save(other, tmp_path / "pfeddr_final.pt")
-    assert "pfeddr builds its own model around the backbone" in refused(model=tmp_path / "pfeddr_final.pt")
+    assert "pfeddr builds its own model around the backbone" in refused("--strategy", "finetune_all", model=tmp_path / "pfeddr_final.pt")
     capsys.readouterr()  # pFedDB's phi alone scores nothing: predict sends the hospital to onboarding
     assert main([*base, "predict", "--experiment", "site", "--model", str(final), "--images", files[0]]) == 2
     err = capsys.readouterr().err
@@ -1818,7 +1818,7 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
         bn_out = tmp_path / "bn_onboard"
         capsys.readouterr()
         assert main([*base, "onboard", "--experiment", "site", "--model", str(bn_final), "--strategy", "freeze_global",
-                     "finetune_all", "--out", str(bn_out)]) == 0
+                     "finetune_all", "as_member", "--out", str(bn_out)]) == 0
         assert "site onboard: VinBigData adapted the federation's model of fedbn" in capsys.readouterr().err
     finally:
         torch.set_num_threads(threads)
@@ -1826,6 +1826,13 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
     bn = batchnorm_keys(deployment_spec(bn_held["deployment"]).make_model())
     assert set(bn_held["server"]) and not set(bn_held["server"]) & bn  # the shared layers only: no site's BatchNorm
     assert bn_summary["pretrain_rounds"] == 0 and bn_summary["bytes_down"] == payload_bytes(bn_held["server"])
+    # as_member: FedBN's own round against the finished federation, from what the server would send a third site
+    # (the federation's layers: the same tensors, so no more bytes)
+    sent = bn_held["newcomer"]
+    assert sent["index"] == 2 and sent["round"] == 2
+    assert all(torch.equal(sent["download"][k], v) for k, v in bn_held["server"].items()) and set(sent["download"]) == set(bn_held["server"])
+    assert bn_summary["strategies"] == ["freeze_global", "finetune_all", "as_member"]
+    assert len(bn_summary["accuracy_per_round"]["as_member"]) == 2
     kept = torch.load(bn_out / "model.pt", weights_only=True)["model"]
     tuned = generic[0]["models"]["finetune_all"]
     init = deployment_spec(bn_held["deployment"]).make_model().state_dict()
@@ -1838,8 +1845,14 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
     whole = {**bn_held, "server": {**init, **bn_held["server"]},
              "deployment": {**bn_held["deployment"], "method": {**bn_held["deployment"]["method"], "base": "fedavg", "key": "fedavg", "params": {}}}}
     torch.save(whole, tmp_path / "fedavg_final.pt")
-    assert "freeze_global: fedavg's sites keep no part of their own" in refused(model=tmp_path / "fedavg_final.pt")
-    # a method whose sites are evaluated with a model their own training makes (Ditto's personal model): refused
-    personal = {**whole, "deployment": {**whole["deployment"], "method": {**whole["deployment"]["method"], "base": "ditto", "key": "ditto"}}}
+    assert "freeze_global: fedavg's sites keep no part of their own" in refused("--strategy", "freeze_global", model=tmp_path / "fedavg_final.pt")
+    assert "--strategy as_member: fedavg: its sites are all evaluated with the federation's global model" in refused(
+        "--strategy", "as_member", model=tmp_path / "fedavg_final.pt")
+    # a method whose sites are evaluated with a model their own training makes (Ditto's personal model): by default
+    # it adapts as its sites do, from the newcomer's download a final_model.pt of an older fedsilo does not hold
+    personal = {**{k: v for k, v in whole.items() if k != "newcomer"},
+                "deployment": {**whole["deployment"], "method": {**whole["deployment"]["method"], "base": "ditto", "key": "ditto"}}}
     torch.save(personal, tmp_path / "ditto_final.pt")
-    assert "ditto: its sites are evaluated with a model of their own" in refused("--strategy", "finetune_all", model=tmp_path / "ditto_final.pt")
+    assert "--strategy as_member: " + str(tmp_path / "ditto_final.pt") + " holds no download for a newcomer" in refused(model=tmp_path / "ditto_final.pt")
+    assert "--strategy freeze_global: ditto's sites are evaluated with a model their own training makes" in refused(
+        "--strategy", "freeze_global", model=tmp_path / "ditto_final.pt")

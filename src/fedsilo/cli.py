@@ -485,7 +485,7 @@ def _site_onboard(args: argparse.Namespace) -> None:
     if not args.model:
         raise ConfigError("fedsilo site onboard: --model required (the deployment's final_model.pt, from the coordinator)")
     summary, out = onboard_site(load_params(args.params), args.experiment, Path(args.root), Path(args.model),
-                                args.strategy or ["freeze_global"], Path(args.out) if args.out else None, quiet=args.quiet)
+                                args.strategy or None, Path(args.out) if args.out else None, quiet=args.quiet)
     pre = summary["pretrained_local_acc"]
     print(f"site onboard: {summary['site']} adapted the federation's model of {summary['method']} ({summary['federation']}, "
           f"{summary['bytes_down']} bytes downloaded): " + ", ".join(f"{s} {a:.3f}" for s, a in summary["final"].items())
@@ -806,7 +806,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "evaluation/<dataset>; a later evaluation replaces these three files)\n"
         "  onboard    a hospital that was not part of a deployed run adapts the federation's model (--model: the "
         "coordinator's final_model.pt) on its own data: pFedDB's phi as its Fig. 6 (its own local model first, "
-        "experiments.<e>.onboarding.pretrain_rounds), a plain backbone's shared layers (FedBN, FedRep, ...); "
+        "experiments.<e>.onboarding.pretrain_rounds), a plain backbone's shared layers (FedBN, FedRep, ...), or "
+        "the method's own client round against the finished federation (as_member: Ditto, FedPAC, F2DC, ...); "
         "onboarding.rounds rounds of each --strategy, scored on its test split; keeps the first strategy's model as "
         "model.pt (predict and evaluate take it) with onboarding.json in --out (default "
         "onboarding/<federation>/<method>/seed<k>); nothing is sent")
@@ -818,9 +819,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--images", nargs="+", default=[], metavar="FILE_OR_FOLDER",
                    help="predict: image files (DICOM, PNG, JPEG) or folders of them")
     s.add_argument("--experiment", help="card, supernode, predict, onboard: the site's one-client experiment")
-    s.add_argument("--strategy", nargs="+", choices=["freeze_global", "finetune_all", "from_scratch"],
-                   help="onboard: the strategies to run, the first one's model kept (default freeze_global: the "
-                   "federation's tensors frozen, what a site keeps trained)")
+    s.add_argument("--strategy", nargs="+", choices=["freeze_global", "finetune_all", "from_scratch", "as_member"],
+                   help="onboard: the strategies to run, the first one's model kept (default: the method's own way: "
+                   "freeze_global for pFedDB, FedBN, FedRep, FedPer, LG-FedAvg: the federation's tensors frozen, what a "
+                   "site keeps trained; as_member for a method whose sites are evaluated with a model of their own "
+                   "(Ditto, FedPAC, F2DC, ...): its own client round against the finished federation; finetune_all "
+                   "for a global model)")
     s.add_argument("--superlink", help="the SuperLink's address, host:port")
     s.add_argument("--root-certificates", help="the federation's CA certificate (ca.crt from the coordinator)")
     s.add_argument("--auth-key", help="the site's private authentication key (fedsilo deploy key)")

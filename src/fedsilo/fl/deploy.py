@@ -169,6 +169,58 @@ def resolve_deployment(fed: Federation, params: Params) -> dict[str, Any]:
     return out
 
 
+# final_model.pt's entry for a hospital outside the run that adapts as a member would (`fedsilo site onboard
+# --strategy as_member`): what the server sends a site that was not part of the run, computed after its last round
+NEWCOMER = "newcomer"
+
+
+def as_member_refusal(method: Any, last_round: int) -> Optional[str]:
+    """Why a hospital outside a finished run of ``method`` (built and set up, as the run's) cannot adapt as one of its
+    sites would (:data:`NEWCOMER`), or None: the method must take a site it did not start with (``joinable``), make
+    no part of a site's evaluation model on the server from its uploads (``server_part_per_site``), share something,
+    keep something of each site's own to adapt (its sites are not all evaluated with the global model), and still
+    train in the run's last round."""
+    from fedsilo.methods.pfeddb import PFedDB
+
+    key = method.key
+    if isinstance(method, PFedDB):
+        return (f"{key}: pFedDB's newcomer adapts as its paper's Fig. 6 does (its own local model first, then phi: "
+                "freeze_global, finetune_all, from_scratch)")
+    if method.stream_only or not type(method).joins_mid_run():
+        return f"{key}: {method.name} takes no site it did not start with ({method.join_refusal})"
+    if method.server_part_per_site:
+        return (f"{key}: a site's evaluation model needs what the server makes for it from its uploads "
+                f"({method.server_part_per_site}), and a finished federation takes none from a newcomer")
+    from fedsilo.methods.sharing import PartialSharing
+
+    if isinstance(method, PartialSharing) and not method.shared:
+        return f"{key}: its sites share nothing (each trains alone): there is nothing of the federation to adapt"
+    if method.eval_is_global():
+        return (f"{key}: its sites are all evaluated with the federation's global model and keep nothing of their own: "
+                "a member's training would leave its evaluation model unchanged (score the model as it is, or fine-tune it: "
+                "finetune_all)")
+    if not method.trains(last_round):
+        return f"{key}: its sites trained nothing in the run's last round ({last_round}; methods.{key}.rounds)"
+    return None
+
+
+def newcomer_payloads(method: Any, server: dict[str, torch.Tensor], clients: list[Any], last_round: int) -> Optional[dict[str, Any]]:
+    """What the server of a finished run would send a site that joined after its last round (``clients``: the run's
+    sites, as the server knows them): the download of a round (``Method.download``, as round ``last_round``'s) and of
+    an evaluation (``Method.eval_download``), for a site the server has heard nothing from (a card with the next
+    index and no data): the server's shared tensors, and a part it keeps per site as a site it never heard from gets
+    it (FedPAC's and FDSE's: no other site's). None where :func:`as_member_refusal` says a newcomer cannot adapt as a
+    member. The server state is not changed (a method that makes a per-site part on first need makes it in a copy)."""
+    from fedsilo.fl.flower import Card
+
+    if as_member_refusal(method, last_round) is not None:
+        return None
+    card = Card(len(clients), NEWCOMER, "", 0, tuple(clients[0].x_train.shape[1:]))
+    down = {k: v.detach().cpu().clone() for k, v in method.download(dict(server), card, last_round).items()}
+    evaluation = {k: v.detach().cpu().clone() for k, v in method.eval_download(dict(server), card).items()}
+    return {"index": card.index, "round": int(last_round), "download": down, "eval": evaluation}
+
+
 def deployment_spec(dep: dict[str, Any]):
     """The FlowerSpec of a deployment file: the method's class and typed params, the train params, the seed, and a
     model built for the contract's image shape and classes."""
@@ -464,7 +516,7 @@ def load_site_model(path: Path, device: str = "cpu") -> tuple[torch.nn.Module, d
     lacking = sorted(set(model.state_dict()) - set(state))
     if lacking:  # the federation's model without what each site keeps (FedBN's BatchNorm, pFedDB's own branch, ...)
         method = dep["method"]["key"]
-        onboard = dep["method"]["base"] == "pfeddb" or dep["method"]["base"] in OWN_PART
+        onboard = dep["method"]["base"] == "pfeddb" or dep["method"]["base"] in OWN_PART or NEWCOMER in kept
         raise ConfigError(f"{path}: the federation's model of {method} lacks the {len(lacking)} tensors each site keeps for "
                           f"itself ({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}): it scores nothing "
                           "alone; score a site's own kept model.pt" + (", or adapt it on this site's data first "
@@ -713,8 +765,13 @@ def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any, mlfl
         # heads, FDSE's erasers) or its bookkeeping; with the deployment it was trained in: what a hospital that was
         # not part of the run starts from (`fedsilo site onboard`)
         shared = set(run.engine.model.state_dict()) - set(run.engine.private)
+        # and what the server would send a site joining after the last round (a method whose newcomer adapts as its
+        # sites do: `fedsilo site onboard --strategy as_member`)
+        newcomer = None if getattr(run.engine, "stream", False) else newcomer_payloads(
+            run.engine.method, run.engine.server, run.engine.clients, run.engine.round)
         torch.save({"round": run.engine.round, "deployment": dep,
-                    "server": {k: v.detach().cpu() for k, v in run.engine.server.items() if k in shared}}, tmp / "final_model.pt")
+                    "server": {k: v.detach().cpu() for k, v in run.engine.server.items() if k in shared},
+                    **({NEWCOMER: newcomer} if newcomer is not None else {})}, tmp / "final_model.pt")
         os.replace(staging / "wire.jsonl", tmp / "wire.jsonl")
     staging.rmdir()
     return metrics

@@ -5,13 +5,14 @@
   Output: ``<results>/<experiment>/onboarding/seed<k>/onboarding.json`` (accuracy per round and strategy, the final
   accuracies, the bytes the newcomer downloads: phi once).
 - :func:`onboard_site`, ``fedsilo site onboard``: a hospital that was not part of a deployed run adapts the
-  federation's model (the coordinator's ``final_model.pt``: pFedDB's phi, or the shared tensors of a method whose
-  model is the plain backbone, :func:`newcomer_rule`) on its own data, with its own params file, harmonize and split,
-  and keeps the adapted model as a deployed site keeps its own (``model.pt``: ``fedsilo site predict`` and
-  ``evaluate`` take it).
+  federation's model (the coordinator's ``final_model.pt``: pFedDB's phi, the shared tensors of a method whose
+  model is the plain backbone, or what the server would send a site joining after the run: :func:`newcomer_rule`)
+  on its own data, with its own params file, harmonize and split, and keeps the adapted model as a deployed site
+  keeps its own (``model.pt``: ``fedsilo site predict`` and ``evaluate`` take it).
 
 The strategies are pFedDB's Fig. 6 (:mod:`fedsilo.methods.pfeddb.onboarding`); :func:`adapt_federation_model` runs
-them on a plain backbone.
+them on a plain backbone; ``as_member`` (:func:`adapt_as_member`) runs the method's own client round against the
+finished federation, for any method whose sites keep something of their own.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from fedsilo.client.data import ClientData, load_clients, pick_device, to_float
 from fedsilo.client.local import evaluate, make_generator, running_stats_frozen, train_local
 from fedsilo.config import ConfigError, Params
 from fedsilo.data.splits import refuse_stale_split
-from fedsilo.fl.deploy import OWN_PART, deployment_spec, read_model_file
+from fedsilo.fl.deploy import NEWCOMER, OWN_PART, as_member_refusal, deployment_spec, read_model_file
 from fedsilo.methods import resolve_method
 from fedsilo.methods.base import State, payload_bytes
 from fedsilo.methods.pfeddb import PFedDB
@@ -37,7 +38,10 @@ from fedsilo.methods.pfeddb.onboarding import STRATEGIES, global_shared_branch, 
 from fedsilo.models import build_model
 from fedsilo.utils.io import atomic_dir, read_json, write_json
 
-__all__ = ["STRATEGIES", "onboard_site", "run_onboarding"]
+__all__ = ["MEMBER", "ONBOARD_STRATEGIES", "STRATEGIES", "onboard_site", "run_onboarding"]
+
+MEMBER = "as_member"  # adapt as the method's own sites do (adapt_as_member)
+ONBOARD_STRATEGIES = (*STRATEGIES, MEMBER)
 
 
 def run_onboarding(params: Params, experiment: str, seed: int, root: Path = Path("."), method: str = "pfeddb") -> dict[str, Any]:
@@ -82,24 +86,62 @@ def run_onboarding(params: Params, experiment: str, seed: int, root: Path = Path
 
 
 def newcomer_rule(dep: dict[str, Any], method: Any) -> str:
-    """How a hospital outside the deployment ``dep`` adapts its model (``method``: the deployment's method, built):
-    ``own_part`` (train what each site keeps under the federation's frozen tensors, or every tensor), ``global``
-    (fine-tune the federation's global model, every site's evaluation model), or a ConfigError naming why not."""
-    base, key = str(dep["method"]["base"]), str(dep["method"]["key"])
-    if base in OWN_PART:
-        if base == "lgfedavg" and int(dep["method"]["params"].get("fedavg_rounds") or 0) > 0:
-            raise ConfigError(f"{key}: with fedavg_rounds its sites' own layers started from the FedAvg model of those rounds, "
-                              "which the federation's model does not carry: a newcomer cannot start where they did")
+    """Which kind of method a hospital outside the deployment ``dep`` adapts (``method``: the deployment's method,
+    built): ``own_part`` (its sites keep a part of the model, which its paper trains for a new client under the
+    federation's: FedBN, FedRep, FedPer, LG-FedAvg), ``global`` (every site is evaluated with the federation's global
+    model) or ``personal`` (each site is evaluated with a model its own training makes: Ditto's personal model,
+    FedPAC's head, F²DC's modules, ...)."""
+    if str(dep["method"]["base"]) in OWN_PART:
         return "own_part"
-    if base == "fedbabu":
-        raise ConfigError(f"{key}: FedBABU adapts a client by its own fine-tuning of the whole model (its finetune_* "
-                          "settings), which every site's evaluation runs; onboarding does not run it")
-    if method.eval_is_global():
-        return "global"
-    raise ConfigError(f"{key}: its sites are evaluated with a model of their own that {base}'s training makes (a personal "
-                      "model, a combined head, distilled or decoupled parts), which fine-tuning the federation's tensors "
-                      f"would not be; onboarding adapts pFedDB, a model whose sites keep a part ({', '.join(OWN_PART)}), or "
-                      "a global model (FedAvg, FedProx, MOON, ...)")
+    return "global" if method.eval_is_global() else "personal"
+
+
+# the strategy `fedsilo site onboard` runs without --strategy, per newcomer_rule (pFedDB: freeze_global, its Fig. 6)
+DEFAULT_STRATEGY = {"own_part": "freeze_global", "global": "finetune_all", "personal": MEMBER}
+
+
+def adapt_as_member(spec: Any, client: ClientData, newcomer: dict[str, Any], rounds: int,
+                    on_round: Optional[Callable[[str, int, float], None]] = None) -> dict[str, Any]:
+    """``as_member``: the newcomer adapts as one of the deployment's sites would in a federation that no longer moves.
+    ``newcomer`` is what the server would send a site joining after the run's last round R (final_model.pt's
+    :data:`~fedsilo.fl.deploy.NEWCOMER` entry: a round's download and an evaluation's). The site starts as every site
+    did (the deployment's seed, ``Method.init_client``), then each of ``rounds`` rounds is the method's round R for it
+    against that same download: ``Method.local_update`` (what it would upload is dropped: nothing is sent, the
+    federation's model does not change), then ``Method.load_eval_model`` with the evaluation download, scored on its
+    test split. So Ditto's newcomer trains its personal model towards the federation's global one, pFedSD's distils
+    from its own last personal model, FedPAC's trains its head against the global prototypes, F²DC's its decoupler
+    and corrector, FDSE's its own layers, pFedDR's its local BatchNorm, CD2-pFed's its private channels; FedBABU's and
+    FT-FedAvg's evaluation fine-tunes the federation's model, the same each round (their curve is flat). The rate is
+    the train's, without ``train.lr_schedule`` (the schedule counts the federation's rounds, which a newcomer's are
+    not; its last rounds' factor may be near 0), and round r's batches are drawn from (the deployment's seed, r).
+    ``spec``: the deployment's FlowerSpec (:func:`~fedsilo.fl.deploy.deployment_spec`). Returns the accuracy per
+    round, the final accuracy and the model it is evaluated with after the last round."""
+    from fedsilo.fl.engine import read_only
+    from fedsilo.fl.flower import Card
+
+    device = client.x_train.device
+    # to the method, the newcomer is the site the server made the downloads for (its index and name: a part the
+    # server would make for it is keyed by them)
+    client = copy.copy(client)
+    client.index, client.name = int(newcomer["index"]), NEWCOMER
+    method, model, _ = spec.build(to_float(client.x_train[:2], spec.train.normalize), device, [Card.of(client)])
+    last = int(newcomer["round"])
+    down = read_only({k: v.to(device) for k, v in newcomer["download"].items()})
+    evaluation = read_only({k: v.to(device) for k, v in newcomer["eval"].items()})
+    store = method.init_client(model, client)
+    accs = []
+    for r in range(1, rounds + 1):
+        seed = int(make_generator(spec.seed, r, client.index, 11).initial_seed() % (1 << 31))
+        torch.manual_seed(int(make_generator(spec.seed, r, client.index, 7).initial_seed()))  # whatever a model draws itself
+        method.on_round_start(model, last)
+        method.last_loss = None
+        method.local_update(model, store, down, client, last, seed)  # its upload goes nowhere
+        method.load_eval_model(model, evaluation, store, client, last)
+        accs.append(evaluate(model, client.x_test, client.y_test, cfg=spec.train)["acc"])
+        if on_round is not None:
+            on_round(MEMBER, r, accs[-1])
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return {"pretrained_local_acc": None, "accuracy_per_round": {MEMBER: accs}, "final": {MEMBER: accs[-1]}, "models": {MEMBER: state}}
 
 
 def adapt_federation_model(dep: dict[str, Any], client: ClientData, shared: State, rounds: int, strategies: Sequence[str],
@@ -140,11 +182,19 @@ def adapt_federation_model(dep: dict[str, Any], client: ClientData, shared: Stat
     if set(shared) - model_keys or (model_keys - set(shared)) - private:
         raise ConfigError(f"the federation's model holds other tensors than {dep['method']['key']} builds for a site: not a "
                           "final_model.pt of this deployment")
-    rule = newcomer_rule(dep, method)
-    if "freeze_global" in strategies and rule != "own_part":
-        raise ConfigError(f"--strategy freeze_global: {dep['method']['key']}'s sites keep no part of their own: its "
+    rule, key = newcomer_rule(dep, method), str(dep["method"]["key"])
+    if "freeze_global" in strategies and rule == "global":
+        raise ConfigError(f"--strategy freeze_global: {key}'s sites keep no part of their own: its "
                           "federation's model is its global model (score with it as it is, `fedsilo site predict --model "
                           "final_model.pt`, or fine-tune it, --strategy finetune_all)")
+    if "freeze_global" in strategies and rule == "personal":
+        raise ConfigError(f"--strategy freeze_global: {key}'s sites are evaluated with a model their own training makes, "
+                          f"not the federation's tensors with a part trained under them: adapt as its sites do (--strategy "
+                          f"{MEMBER}), or fine-tune the federation's model (finetune_all)")
+    if rule == "own_part" and dep["method"]["base"] == "lgfedavg" and int(dep["method"]["params"].get("fedavg_rounds") or 0) > 0:
+        raise ConfigError(f"{key}: with fedavg_rounds its sites' own layers started from the FedAvg model of those rounds, "
+                          f"which the federation's model does not carry: a newcomer cannot start where they did (--strategy "
+                          f"{MEMBER} starts where a site joining after the run would)")
     curves: dict[str, list[float]] = {}
     models: dict[str, State] = {}
     for strategy in [s for s in STRATEGIES if s in strategies]:
@@ -172,15 +222,17 @@ def adapt_federation_model(dep: dict[str, Any], client: ClientData, shared: Stat
     return {"pretrained_local_acc": None, "accuracy_per_round": curves, "final": {s: c[-1] for s, c in curves.items()}, "models": models}
 
 
-def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, strategies: Sequence[str] = ("freeze_global",),
+def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, strategies: Optional[Sequence[str]] = None,
                  out: Optional[Path] = None, quiet: bool = False) -> tuple[dict[str, Any], Path]:
     """A newcomer hospital adapts a deployed run's model on its own one-client ``experiment`` (its own params file
     under ``root``), on the device its own params name (``experiments.<e>.train.device``), scored on its test split
     after each round; it downloads the federation's model (``model_path``, the coordinator's final_model.pt) and
     sends nothing. pFedDB: its pre-existing local model first (``experiments.<e>.onboarding.pretrain_rounds`` rounds
     of pFedDB's Phase 1 on its data), then ``onboarding.rounds`` rounds of each of ``strategies`` from phi
-    (:func:`~fedsilo.methods.pfeddb.onboarding.onboard_newcomer`). A method whose model is its plain backbone:
-    ``onboarding.rounds`` rounds of each strategy from the federation's tensors (:func:`adapt_federation_model`).
+    (:func:`~fedsilo.methods.pfeddb.onboarding.onboard_newcomer`). Another method: ``onboarding.rounds`` rounds of
+    each strategy, from the federation's tensors on its plain backbone (:func:`adapt_federation_model`) or as its own
+    sites train (``as_member``, :func:`adapt_as_member`). ``strategies`` None: the method's own way
+    (:data:`DEFAULT_STRATEGY`; pFedDB's freeze_global).
     Writes ``model.pt`` (the first strategy's adapted model, in the form a deployed site keeps its model) and
     ``onboarding.json`` into ``out`` (default ``onboarding/<federation>/<method>/seed<k>`` under ``root``); returns
     the summary and the folder."""
@@ -215,15 +267,27 @@ def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, 
     if card["site"] in members:
         raise ConfigError(f"site {card['site']} took part in the deployment {dep['federation']}: it keeps its own model from "
                           "it (`fedsilo site audit` lists it); onboarding is for a hospital that did not")
-    unknown = [s for s in strategies if s not in STRATEGIES]
+    h, w, ch = (int(v) for v in dep["contract"]["image_shape"])
+    from fedsilo.fl.flower import Card
+
+    built, _, _ = spec.build(torch.zeros(2, ch, h, w), torch.device("cpu"), [Card(len(members), NEWCOMER, "", 0, (ch, h, w))])
+    if strategies is None:  # the method's own way (DEFAULT_STRATEGY), pFedDB's Fig. 6 freeze_global
+        strategies = ["freeze_global" if pfeddb else DEFAULT_STRATEGY[newcomer_rule(dep, built)]]
+    unknown = [s for s in strategies if s not in ONBOARD_STRATEGIES]
     if unknown or not strategies or len(set(strategies)) != len(strategies):
-        raise ConfigError(f"--strategy: {', '.join(strategies) or 'none'}: name each of {', '.join(STRATEGIES)} at most once")
+        raise ConfigError(f"--strategy: {', '.join(strategies) or 'none'}: name each of {', '.join(ONBOARD_STRATEGIES)} at most once")
+    if MEMBER in strategies:
+        refusal = as_member_refusal(built, int(kept.get("round", 0)))
+        if refusal is not None:
+            raise ConfigError(f"--strategy {MEMBER}: {refusal}")
+        if NEWCOMER not in kept:
+            raise ConfigError(f"--strategy {MEMBER}: {model_path} holds no download for a newcomer (a final_model.pt of a "
+                              "fedsilo older than this strategy): the coordinator's run must be written again")
     exp = params.experiments[experiment]
     ob = exp.onboarding
     device = pick_device(exp.train.device, f"experiments.{experiment}.train.device")
     client = load_site(params, experiment, root, device, index=len(members))  # its own stream of seeded randomness
     assert not isinstance(client, list)
-    h, _, ch = (int(v) for v in dep["contract"]["image_shape"])
     n_cls = len(dep["contract"]["classes"])
     shared = {k: v.to(device) for k, v in (global_shared_branch(kept["server"]) if pfeddb else kept["server"]).items()}
 
@@ -238,9 +302,18 @@ def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, 
             res = onboard_newcomer(spec.method(), backbone, client, shared, ob.pretrain_rounds, ob.rounds, spec.seed,
                                    strategies, on_round=heard)
         else:
-            res = adapt_federation_model(dep, client, shared, ob.rounds, strategies, on_round=heard)
+            plain = [x for x in strategies if x != MEMBER]
+            res = adapt_federation_model(dep, client, shared, ob.rounds, plain, on_round=heard) if plain else {
+                "pretrained_local_acc": None, "accuracy_per_round": {}, "final": {}, "models": {}}
+            if MEMBER in strategies:
+                member = adapt_as_member(spec, client, kept[NEWCOMER], ob.rounds, on_round=heard)
+                for part in ("accuracy_per_round", "final", "models"):
+                    res[part].update(member[part])
     models = res.pop("models")
     keep = strategies[0]
+    # what it read of final_model.pt: the federation's model, and for as_member the downloads a newcomer is sent
+    read = {**(shared if [x for x in strategies if x != MEMBER] else {}),
+            **({**kept[NEWCOMER]["download"], **kept[NEWCOMER]["eval"]} if MEMBER in strategies else {})}
     summary = {
         "site": card["site"],
         "fingerprint": card["fingerprint"],
@@ -250,11 +323,11 @@ def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, 
         "deployment_sha256": canonical_hash(dep),
         "from_model": str(model_path),
         "server_round": int(kept.get("round", 0)),
-        "strategies": [s for s in STRATEGIES if s in strategies],
+        "strategies": [s for s in ONBOARD_STRATEGIES if s in strategies],
         "kept": keep,
         "pretrain_rounds": ob.pretrain_rounds if pfeddb else 0,  # a pFedDB newcomer's own local model first
         "rounds": ob.rounds,
-        "bytes_down": payload_bytes(shared),  # what it downloaded: the federation's model (pFedDB: phi), once
+        "bytes_down": payload_bytes(read),  # what it downloaded: the federation's model (pFedDB: phi), or a newcomer's downloads, once
         **res,
     }
     out = Path(out) if out is not None else root / "onboarding" / str(dep["federation"]) / key / f"seed{spec.seed}"

@@ -103,6 +103,11 @@ class Method:
     catches_up: ClassVar[bool] = False
     # why not, for a method that is not joinable: the refusal of a site marked joined names it
     join_refusal: ClassVar[str] = "its server keeps state sized or weighted by the federation it started with"
+    # what the server makes for each site from that site's uploads and its evaluation model needs, where there is
+    # such a part (FDSE's mixed layers, CD2-pFed's record of a site's channel split): a hospital outside a finished
+    # run cannot adapt as one of its sites would (`fedsilo site onboard --strategy as_member`), since the finished
+    # federation takes no upload from it
+    server_part_per_site: ClassVar[str] = ""
 
     def __init__(self, params: MethodParams, train: TrainParams, key: Optional[str] = None):
         self.params = params

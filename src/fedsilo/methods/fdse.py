@@ -156,6 +156,7 @@ class FDSE(PartialSharing):
     params_cls = FDSEParams
     params: FDSEParams
     joinable = True  # a site's personalized part is made by the server's first mix of its upload: a site may join mid-run
+    server_part_per_site = "each site's personalized layers, which the server mixes from the round's uploads"
 
     def transform_model(self, model, example):
         return super().transform_model(dse_resnet(model), example)
