@@ -78,6 +78,13 @@ def test_a_newcomer_adapts_as_a_site_of_the_method_would_against_the_finished_fe
     sent = newcomer_payloads(engine.method, engine.server, engine.clients, engine.round)
     assert sent is not None and sent["index"] == 3 and sent["round"] == 2
     assert set(engine.server) == set(before) and all(torch.equal(engine.server[k], v) for k, v in before.items())
+    # what every member is sent, as it is sent to them, never a member's own part (FedPAC's per-site heads)
+    for part, hook in (("download", lambda c: engine.method.download(engine.server, c, 2)),
+                       ("eval", lambda c: engine.method.eval_download(engine.server, c))):
+        theirs = [hook(c) for c in engine.clients]
+        common = set.intersection(*(set(t) for t in theirs))
+        assert set(sent[part]) <= common, sorted(set(sent[part]) - common)[:3]
+        assert all(torch.equal(sent[part][k], theirs[0][k]) for k in sent[part])
     copies = {part: {k: v.clone() for k, v in sent[part].items()} for part in ("download", "eval")}
     newcomer = clients[3]
     with one_thread():
@@ -114,13 +121,16 @@ def test_without_its_local_rounds_the_newcomer_would_be_evaluated_with_its_initi
     assert any(not torch.equal(trained[k], start[k]) for k in start if start[k].is_floating_point())
 
 
-@pytest.mark.parametrize("name, why", [("fedavg", "evaluated with the federation's global model"),
-                                       ("pfeddb", "pFedDB's newcomer adapts as its paper's Fig. 6 does"),
-                                       ("fdse", "(each site's personalized layers, which the server mixes"),
-                                       ("cd2pfed", "(the channel split each site last trained under"),
-                                       ("single", "its sites share nothing")])
-def test_a_method_without_a_members_part_to_adapt_writes_no_newcomer_download(name, why):
-    engine, _, _ = _finished(name, n_rounds=1)
+@pytest.mark.parametrize("name, params, why", [
+    ("fedavg", {}, "evaluated with the federation's global model"),
+    ("pfeddb", {}, "pFedDB's newcomer adapts as its paper's Fig. 6 does"),
+    ("fdse", {}, "the personalized layers the server mixes for it"),
+    ("cd2pfed", {}, "the channels of the split the server recorded"),
+    ("lgfedavg", {"fedavg_rounds": 1}, "once the server recorded that it took the FedAvg start"),
+    ("fedbabu", {"finetune_epochs": 0}, "with finetune_epochs 0 every site is evaluated with the global body"),
+    ("single", {}, "its sites share nothing")])
+def test_a_method_without_a_members_part_to_adapt_writes_no_newcomer_download(name, params, why):
+    engine, _, _ = _finished(name, n_rounds=2, **params)
     assert why in as_member_refusal(engine.method, engine.round)
     assert newcomer_payloads(engine.method, engine.server, engine.clients, engine.round) is None
 

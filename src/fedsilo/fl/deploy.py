@@ -177,9 +177,9 @@ NEWCOMER = "newcomer"
 def as_member_refusal(method: Any, last_round: int) -> Optional[str]:
     """Why a hospital outside a finished run of ``method`` (built and set up, as the run's) cannot adapt as one of its
     sites would (:data:`NEWCOMER`), or None: the method must take a site it did not start with (``joinable``), make
-    no part of a site's evaluation model on the server from its uploads (``server_part_per_site``), share something,
-    keep something of each site's own to adapt (its sites are not all evaluated with the global model), and still
-    train in the run's last round."""
+    no part of a site's evaluation model on the server from its uploads (``Method.newcomer_refusal``), share
+    something, keep something of each site's own to adapt (its sites are not all evaluated with the global model),
+    and still train in the run's last round."""
     from fedsilo.methods.pfeddb import PFedDB
 
     key = method.key
@@ -188,16 +188,16 @@ def as_member_refusal(method: Any, last_round: int) -> Optional[str]:
                 "freeze_global, finetune_all, from_scratch)")
     if method.stream_only or not type(method).joins_mid_run():
         return f"{key}: {method.name} takes no site it did not start with ({method.join_refusal})"
-    if method.server_part_per_site:
-        return (f"{key}: a site's evaluation model needs what the server makes for it from its uploads "
-                f"({method.server_part_per_site}), and a finished federation takes none from a newcomer")
+    if method.newcomer_refusal():
+        return f"{key}: {method.newcomer_refusal()}"
     from fedsilo.methods.sharing import PartialSharing
 
     if isinstance(method, PartialSharing) and not method.shared:
         return f"{key}: its sites share nothing (each trains alone): there is nothing of the federation to adapt"
     if method.eval_is_global():
         return (f"{key}: its sites are all evaluated with the federation's global model and keep nothing of their own: "
-                "a member's training would leave its evaluation model unchanged (score the model as it is, or fine-tune it: "
+                "a member's training would leave its evaluation model unchanged (score the federation's model as it is, "
+                "`fedsilo site predict --model final_model.pt`, or, where that model is the plain backbone, fine-tune it: "
                 "finetune_all)")
     if not method.trains(last_round):
         return f"{key}: its sites trained nothing in the run's last round ({last_round}; methods.{key}.rounds)"
@@ -215,7 +215,7 @@ def newcomer_payloads(method: Any, server: dict[str, torch.Tensor], clients: lis
 
     if as_member_refusal(method, last_round) is not None:
         return None
-    card = Card(len(clients), NEWCOMER, "", 0, tuple(clients[0].x_train.shape[1:]))
+    card = Card(max(c.index for c in clients) + 1, NEWCOMER, "", 0, tuple(clients[0].x_train.shape[1:]))
     down = {k: v.detach().cpu().clone() for k, v in method.download(dict(server), card, last_round).items()}
     evaluation = {k: v.detach().cpu().clone() for k, v in method.eval_download(dict(server), card).items()}
     return {"index": card.index, "round": int(last_round), "download": down, "eval": evaluation}
@@ -766,7 +766,8 @@ def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any, mlfl
         # not part of the run starts from (`fedsilo site onboard`)
         shared = set(run.engine.model.state_dict()) - set(run.engine.private)
         # and what the server would send a site joining after the last round (a method whose newcomer adapts as its
-        # sites do: `fedsilo site onboard --strategy as_member`)
+        # sites do: `fedsilo site onboard --strategy as_member`): what every site is sent, never a site's own part;
+        # FedPAC's global prototypes among it (a class only one site holds: that site's mean feature of the class)
         newcomer = None if getattr(run.engine, "stream", False) else newcomer_payloads(
             run.engine.method, run.engine.server, run.engine.clients, run.engine.round)
         torch.save({"round": run.engine.round, "deployment": dep,

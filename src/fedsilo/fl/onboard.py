@@ -193,8 +193,7 @@ def adapt_federation_model(dep: dict[str, Any], client: ClientData, shared: Stat
                           f"{MEMBER}), or fine-tune the federation's model (finetune_all)")
     if rule == "own_part" and dep["method"]["base"] == "lgfedavg" and int(dep["method"]["params"].get("fedavg_rounds") or 0) > 0:
         raise ConfigError(f"{key}: with fedavg_rounds its sites' own layers started from the FedAvg model of those rounds, "
-                          f"which the federation's model does not carry: a newcomer cannot start where they did (--strategy "
-                          f"{MEMBER} starts where a site joining after the run would)")
+                          f"which the federation's model does not carry: a newcomer cannot start where they did")
     curves: dict[str, list[float]] = {}
     models: dict[str, State] = {}
     for strategy in [s for s in STRATEGIES if s in strategies]:
@@ -281,8 +280,9 @@ def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, 
         if refusal is not None:
             raise ConfigError(f"--strategy {MEMBER}: {refusal}")
         if NEWCOMER not in kept:
-            raise ConfigError(f"--strategy {MEMBER}: {model_path} holds no download for a newcomer (a final_model.pt of a "
-                              "fedsilo older than this strategy): the coordinator's run must be written again")
+            raise ConfigError(f"--strategy {MEMBER}: {model_path} holds no download for a newcomer (a final_model.pt "
+                              "written by a fedsilo before this strategy): the coordinator runs the deployment again with a "
+                              "current fedsilo, or the hospital adapts with another --strategy")
     exp = params.experiments[experiment]
     ob = exp.onboarding
     device = pick_device(exp.train.device, f"experiments.{experiment}.train.device")

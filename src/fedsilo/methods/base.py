@@ -103,11 +103,6 @@ class Method:
     catches_up: ClassVar[bool] = False
     # why not, for a method that is not joinable: the refusal of a site marked joined names it
     join_refusal: ClassVar[str] = "its server keeps state sized or weighted by the federation it started with"
-    # what the server makes for each site from that site's uploads and its evaluation model needs, where there is
-    # such a part (FDSE's mixed layers, CD2-pFed's record of a site's channel split): a hospital outside a finished
-    # run cannot adapt as one of its sites would (`fedsilo site onboard --strategy as_member`), since the finished
-    # federation takes no upload from it
-    server_part_per_site: ClassVar[str] = ""
 
     def __init__(self, params: MethodParams, train: TrainParams, key: Optional[str] = None):
         self.params = params
@@ -157,6 +152,14 @@ class Method:
         (``catches_up = True``) on this class itself, never inherited. Otherwise a site gone in such a round cannot
         come back, and one cannot join once such a round went by."""
         return bool(cls.__dict__.get("catches_up", False))
+
+    def newcomer_refusal(self) -> str:
+        """Why a hospital outside a finished run cannot adapt as one of this method's sites would (`fedsilo site
+        onboard --strategy as_member`), or "": a site's evaluation model needs what the server makes for it from its
+        uploads (FDSE's mixed layers, CD2-pFed's record of its channel split, LG-FedAvg's record that it took the
+        FedAvg start), which a finished federation never makes for a newcomer, or it holds nothing of the site's own
+        (FedBABU without fine-tuning). Called after ``setup``."""
+        return ""
 
     def trains(self, rnd: int) -> bool:
         """Whether clients train in round ``rnd`` (all rounds by default; pFedDR's scripts stop after their ``rounds``):

@@ -75,10 +75,12 @@ class CD2PFed(Method):
     # the channel masks are forward hooks on the model the method was set up with, switched through the method
     client_parallel = False
     joinable = True  # the server's round record is made per site as it trains: a site may join mid-run
-    server_part_per_site = ("the channel split each site last trained under, which the server records as it takes the "
-                            "site's upload: the private channels its evaluation model holds")
     params_cls = CD2PFedParams
     params: CD2PFedParams
+
+    def newcomer_refusal(self) -> str:
+        return ("a site's evaluation model holds as its own the channels of the split the server recorded as it took the "
+                "site's upload, and a finished federation takes none from a newcomer")
 
     # --- the schedules of Eq. 3 and Eq. 7
     def ratio(self, rnd: int) -> float:

@@ -156,7 +156,6 @@ class FDSE(PartialSharing):
     params_cls = FDSEParams
     params: FDSEParams
     joinable = True  # a site's personalized part is made by the server's first mix of its upload: a site may join mid-run
-    server_part_per_site = "each site's personalized layers, which the server mixes from the round's uploads"
 
     def transform_model(self, model, example):
         return super().transform_model(dse_resnet(model), example)
@@ -187,6 +186,10 @@ class FDSE(PartialSharing):
     def init_server(self, model: LayeredNet) -> State:
         sd = model.state_dict()
         return {**super().init_server(model), **{START + k: sd[k].detach().clone() for k in self.personal}}
+
+    def newcomer_refusal(self) -> str:
+        return ("a site's evaluation model holds the personalized layers the server mixes for it from the round's "
+                "uploads, and a finished federation takes none from a newcomer")
 
     def own_part(self, server: State, client) -> State:
         """The personalized tensors the server holds for ``client``: those it mixed for the site in the site's last

@@ -74,6 +74,12 @@ class FedBABU(PartialSharing):
         sd = model.state_dict()
         return {key: sd[key].detach() for key in self.shared}  # the store (the initial head) is unchanged
 
+    def newcomer_refusal(self) -> str:
+        if self.params.finetune_epochs:
+            return ""
+        return ("with finetune_epochs 0 every site is evaluated with the global body and the initial head: a site holds "
+                "nothing of its own to adapt (score the federation's model as it is)")
+
     def load_eval_model(self, model, server, store, client, rnd):
         super().load_eval_model(model, server, store, client, rnd)  # the global body + the initial head
         if self.params.finetune_epochs == 0:

@@ -90,6 +90,13 @@ class LGFedAvg(PartialSharing):
         sd = model.state_dict()  # the whole model: FedAvg's global model until R0, its lower layers kept as the start
         return {k: v.detach().clone() for k, v in sd.items()}
 
+    def newcomer_refusal(self) -> str:
+        if not self.params.fedavg_rounds:
+            return ""
+        return ("with fedavg_rounds a site's lower layers are its own once the server recorded that it took the FedAvg "
+                "start (its first upload), which a finished federation takes none of from a newcomer: every round would "
+                "give it the start again")
+
     def takes_start(self, server: State, client: ClientData) -> bool:
         """Whether the client is to take the FedAvg start's lower layers from ``server``: they are there (the whole
         server state holds them; what a site is sent for evaluation, :meth:`eval_download`, only if it must) and the
