@@ -1060,7 +1060,8 @@ def _dump(path: Path, obj: dict) -> Path:
 def test_hospitals_with_a_stream_of_domains_learn_it_as_the_continual_engine_does(tmp_path, monkeypatch):
     """Three hospitals whose images come as a stream of domains, each split by its own `domain_incremental`
     (one client, its own name): the cards list each task's counts, the deployed pFedDIL run gives the continual
-    engine's numbers on the same streams, and metrics.json holds the stream's accuracy matrix and forgetting."""
+    engine's numbers on the same streams, and metrics.json holds the stream's accuracy matrix and forgetting. A
+    hospital that leaves mid-stream: the rest of the run is the continual engine's with it left; it cannot come back."""
     from fedsilo.fl.continual import ContinualEngine
     from tests.deploy_sites import make_stream_site
 
@@ -1100,21 +1101,40 @@ def test_hospitals_with_a_stream_of_domains_learn_it_as_the_continual_engine_doe
     ends = [w for w in wire if w["message"] == "query.task_end"]
     assert ends and all(set(w.get("arrays", {})) <= {"keep"} for w in ends)  # the family model to the site, nothing back
 
-    # a site leaving mid-stream is refused (what each task's end hands out counts on every site), the sites told why
+    # a site leaving mid-stream (after round 1, inside task 0): the rounds after go on without it, as the continual
+    # engine's with that site left: not sampled, sent no task end, not evaluated (a task's accuracy over the others)
     (tmp_path / "cut").mkdir()
-    with pytest.raises(ConnectionError, match="went down"):
-        server._main(DownAt(client, sites, rnd=2, run_id=2), _server_context(tmp_path / "cut"))
     raw = yaml.safe_load((tmp_path / "federation.yaml").read_text())
     raw["sites"][2]["left"] = True
     (tmp_path / "cut/federation.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    write_app(load_federation(tmp_path / "cut/federation.yaml"), load_params(tmp_path / "coordinator.yaml"), tmp_path / "app2")
+    write_app(load_federation(tmp_path / "cut/federation.yaml"), load_params(tmp_path / "coordinator.yaml"), tmp_path / "app2",
+              results=str(tmp_path / "cut/results"))
     server2, client2 = _load_apps(tmp_path / "app2")
-    with pytest.raises(ConfigError, match=r"sites: Hospital C marked left: not for a task stream yet"):
-        server2._main(SiteGrid(client2, sites, run_id=3), _server_context(tmp_path / "cut"))
-    told = [json.loads(line) for line in (tmp_path / "cut/results.wire/wire.jsonl").read_text().splitlines()]
-    told = {w["node"]: w["reason"] for w in told if w["message"] == "query.refused"}  # none in the first attempt
-    assert sorted(told) == [100, 101, 102] and "left the federation" in told[102]  # the one that left, when it registered
-    assert all("not for a task stream yet" in told[n] for n in (100, 101))
+    torch.set_num_threads(1)
+    try:
+        with pytest.raises(ConnectionError, match="went down"):
+            server._main(DownAt(client, sites, rnd=2, run_id=2), _server_context(tmp_path / "cut"))
+        with pytest.raises(ConnectionError, match="went down"):  # round 2 (task 0's end) without it
+            server2._main(DownAt(client2, sites, rnd=3, run_id=3), _server_context(tmp_path / "cut"))
+        # it cannot come back to the stream (it missed task 0's end): refused by name
+        raw["sites"][2]["left"] = False
+        (tmp_path / "back.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+        write_app(load_federation(tmp_path / "back.yaml"), load_params(tmp_path / "coordinator.yaml"), tmp_path / "app3")
+        server3, client3 = _load_apps(tmp_path / "app3")
+        with pytest.raises(ConfigError, match=r"sites: Hospital C left the stream after round 1 .* cannot come back to it"):
+            server3._main(SiteGrid(client3, sites, run_id=4), _server_context(tmp_path / "cut"))
+        server2._main(SiteGrid(client2, sites, run_id=5), _server_context(tmp_path / "cut"))
+        without = ContinualEngine(spec.method(), spec.make_model(), tasks, ["CheXpert", "OpenI"], spec.train, 0,
+                                  left={"Hospital C": 1}).run()
+    finally:
+        torch.set_num_threads(threads)
+    left = json.loads((tmp_path / "cut/results/history.json").read_text())
+    for key in ("sampled", "eval", "task_acc", "bytes_up", "bytes_task_end", "storage", "left"):
+        assert [h.get(key) for h in left] == [h.get(key) for h in without], key
+    assert all("Hospital C" not in h["eval"] for h in left[1:]) and "Hospital C" in left[0]["eval"]
+    assert "Hospital C" in history[1]["bytes_task_end"]  # in the run it stayed in, task 0's end sent it its family model
+    assert "Hospital C" not in left[1]["bytes_task_end"] and set(left[-1]["storage"]) == {"Hospital A", "Hospital B"}
+    assert json.loads((tmp_path / "cut/results/metrics.json").read_text())["sites_left"] == {"Hospital C": 1}
 
 
 def _unit(path: Path) -> dict[str, dict[str, str]]:

@@ -71,8 +71,9 @@ class TaskStream:
     def eval_due(self, rnd: int) -> bool:
         return rnd % self.train.eval_every == 0 or rnd % self.per_task == 0
 
-    def task_storage(self) -> dict[str, dict[str, int]]:
-        """At a task's end, after its evaluation: what each client keeps (pFedDIL's Table 6), by client name."""
+    def task_storage(self, rnd: int) -> dict[str, dict[str, int]]:
+        """At a task's end (round ``rnd``), after its evaluation: what each client still in the federation keeps
+        (pFedDIL's Table 6), by client name."""
         raise NotImplementedError
 
     def run_round(self) -> dict[str, Any]:
@@ -86,7 +87,7 @@ class TaskStream:
         entry["domain"] = self.task_names[task]
         if rnd % self.per_task == 0:
             entry["task_end"] = True
-            entry["storage"] = self.task_storage()
+            entry["storage"] = self.task_storage(rnd)
         return entry
 
 
@@ -130,8 +131,9 @@ class ContinualEngine(TaskStream, Engine):
         self.total_rounds = self.per_task * len(tasks)
         self._enter(self.task_of(max(self.round, 1)))
 
-    def task_storage(self) -> dict[str, dict[str, int]]:
-        return {c.name: self.method.storage(self.server, s) for c, s in zip(self.clients, self.stores)}
+    def task_storage(self, rnd: int) -> dict[str, dict[str, int]]:
+        here = set(self.active(rnd))  # a site that has left keeps what it kept, outside the federation's count
+        return {c.name: self.method.storage(self.server, s) for k, (c, s) in enumerate(zip(self.clients, self.stores)) if k in here}
 
     def after_aggregation(self, entry: dict[str, Any], rnd: int) -> None:
         """At a task's last round, after the aggregation: the server sends each client what it keeps of the task
@@ -139,7 +141,10 @@ class ContinualEngine(TaskStream, Engine):
         client learned the task with), counted in ``bytes_task_end`` and in the round's download total."""
         if rnd % self.per_task:
             return
+        here = set(self.active(rnd))  # a site that has left is sent nothing more
         for k, (c, store) in enumerate(zip(self.clients, self.stores)):
+            if k not in here:
+                continue
             down = read_only(self.method.task_end_download(self.server, c))
             if not down:  # nothing for this client (pFedDIL: it took no part in the task)
                 continue
@@ -151,18 +156,19 @@ class ContinualEngine(TaskStream, Engine):
 
     def evaluate(self, rnd: Optional[int] = None) -> dict[str, Any]:
         rnd = self.round if rnd is None else rnd
+        here = self.active(rnd)  # a site that has left is not evaluated: the rows from then on are the others'
         scores = []
         for j in range(self.task_of(rnd) + 1):
             row: list[tuple[str, Optional[float], int]] = []
-            for k, store in enumerate(self.stores):
-                c = self.tasks[j][k]
+            for k in here:
+                store, c = self.stores[k], self.tasks[j][k]
                 if len(c.y_test) == 0:
                     row.append((c.name, None, 0))
                     continue
                 probs = self.method.predict_task(self.model, self.server, store, c, j, rnd)
                 row.append((c.name, score(probs, c.y_test, probabilities=True)["acc"], len(c.y_test)))
             scores.append(row)
-        return stream_eval([c.name for c in self.clients], self.task_names, scores)
+        return stream_eval([self.clients[k].name for k in here], self.task_names, scores)
 
 
 def continual_summary(history: list[dict[str, Any]], task_names: list[str], per_task: int) -> dict[str, Any]:

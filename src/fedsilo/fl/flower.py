@@ -424,6 +424,11 @@ class FlowerServer(Engine):
         away: dict[str, list[tuple[int, int]]] = {n: [(int(a), int(b)) for a, b in spans]
                                                   for n, spans in (self.meta.get("away", {}) if resumed else {}).items()}
         for n in sorted(set(before) - set(left)):
+            if stream:
+                raise ConfigError(f"sites: {n} left the stream after round {before[n]} (the run's checkpoint says so) and "
+                                  "is no longer marked left, but a site that left a task stream cannot come back to it (it "
+                                  "missed the tasks' ends and evaluations of its absence): mark it `left: true` again, or "
+                                  "start a new run with it")
             last = before.pop(n)
             if self.round > last and self.round >= self.total_rounds:
                 raise ConfigError(f"sites: {n} left after round {last} (the run's checkpoint says so) and is no longer "
@@ -445,9 +450,6 @@ class FlowerServer(Engine):
         new = [n for n in left if n not in before]
         if new and not resumed:
             raise no_run_to_leave(new, self.checkpoint)
-        if new and stream:
-            raise ConfigError(f"sites: {', '.join(new)} marked left: not for a task stream yet (a site leaving mid-stream "
-                              "changes what each task's end hands out and what the stream's accuracy matrix holds)")
         out = {**before, **{n: self.round for n in new}}
         for n in new:
             log.warning("%s left the federation after round %d: the rounds from %d on go on without it", n, self.round, self.round + 1)
@@ -795,14 +797,15 @@ class FlowerStream(TaskStream, FlowerServer):
     def _content(self, rnd: int, arrays: Optional[tuple[str, State]] = None, **extra: Any) -> RecordDict:
         return super()._content(rnd, arrays, task=int(self.method.task), **extra)
 
-    def task_storage(self) -> dict[str, dict[str, int]]:
+    def task_storage(self, rnd: int) -> dict[str, dict[str, int]]:
         return dict(self._storage)  # the sites' answers to this task end's evaluation
 
     def after_aggregation(self, entry: dict[str, Any], rnd: int) -> None:
         if rnd % self.per_task:
             return
         contents: dict[int, RecordDict] = {}
-        for i, c in enumerate(self.clients):
+        for i in self.active(rnd):  # a site that has left is sent nothing more
+            c = self.clients[i]
             down = self.method.task_end_download(self.server, c)
             if not down:  # nothing for this site (pFedDIL: it took no part in the task)
                 continue
@@ -828,14 +831,15 @@ class FlowerStream(TaskStream, FlowerServer):
         replies = self._exchange("evaluate", rnd, contents)
         scores: list[list[tuple[str, Optional[float], int]]] = [[] for _ in range(task + 1)]
         self._storage = {}
-        for i, c in enumerate(self.clients):
-            m = replies[i].content.metric_records[CONFIG]
+        here = [i for i in range(len(self.clients)) if i in contents]  # a site that has left is not evaluated
+        for i in here:
+            c, m = self.clients[i], replies[i].content.metric_records[CONFIG]
             for j in range(task + 1):
                 n = int(m[f"task.{j}.n_test"])
                 scores[j].append((c.name, float(m[f"task.{j}.acc"]) if n else None, n))
             if end:
                 self._storage[c.name] = {"models": int(m["storage.models"]), "bytes": int(m["storage.bytes"])}
-        out = stream_eval([c.name for c in self.clients], self.task_names, scores)
+        out = stream_eval([self.clients[i].name for i in here], self.task_names, scores)
         out["bytes_eval_down"] = eval_bytes
         return out
 
