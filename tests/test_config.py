@@ -36,6 +36,9 @@ def test_repo_params_yaml_is_valid():
         (lambda d: d["methods"]["fedprox"].update(temperatur=1), "methods.fedprox.temperatur: unknown key"),
         (lambda d: d["experiments"]["quick"]["train"].update(sigmaa=1), "train.sigmaa: unknown key"),
         (lambda d: d["pipeline"].update(seeds=[0, 1, 0]), "pipeline.seeds: seed(s) [0] listed twice"),
+        # a negative seed: refused before any stage (every round's seeded streams take non-negative keys)
+        (lambda d: d["pipeline"].update(seeds=[0, -1]), "pipeline.seeds: seed(s) [-1]: a seed is a non-negative integer"),
+        (lambda d: d["experiments"]["quick"]["split"].update(seed=-3), "experiments.quick.split.seed: Input should be greater than or equal to 0"),
     ],
 )
 def test_bad_value_names_the_key(edit, key):

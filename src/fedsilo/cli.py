@@ -647,6 +647,17 @@ def _known(argv: list[str]) -> dict[str, list[str]]:
             "seeds": [str(x) for x in seeds or []]}
 
 
+def _seed(text: str) -> int:
+    """A run's seed on the command line: a non-negative integer (every round's seeded streams take such keys)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: a seed is a non-negative integer (0, 1, 2, ...)")
+    return value
+
+
 def _listing(known: dict[str, list[str]], *keys: str) -> str:
     if len(known) == 1:
         return f"({known['file'][0]} not readable here: run in the repository root or pass --params)"
@@ -708,11 +719,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                        epilog=_listing(known, "experiments", "methods", "seeds") + "\nEach method's parameters and defaults: fedsilo check-params --method KEY; README, \"Federated learning\".")
     s.add_argument("--experiment", required=True, help="an experiment of the params file (listed below)")
     s.add_argument("--method", required=True, help="a method of the params file (listed below)")
-    s.add_argument("--seed", type=int, required=True, help="the run's seed (pipeline.seeds lists the pipeline's)")
+    s.add_argument("--seed", type=_seed, required=True, help="the run's seed (pipeline.seeds lists the pipeline's)")
     s.set_defaults(fn=_train)
     s = sub.add_parser("onboard", parents=[common], help="pFedDB Fig. 6: the held-out newcomer adapts with three strategies", formatter_class=fmt, epilog=_listing(known, "experiments"))
     s.add_argument("--experiment", required=True)
-    s.add_argument("--seed", type=int, required=True)
+    s.add_argument("--seed", type=_seed, required=True)
     s.set_defaults(fn=_onboard)
     s = sub.add_parser("report", parents=[common], help="tables and figures -> results/report/<experiment>/", formatter_class=fmt, epilog=_listing(known, "experiments"))
     s.add_argument("--experiment", help="one experiment (default: every one in pipeline.experiments)")

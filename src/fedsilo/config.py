@@ -177,7 +177,7 @@ DATASET_SOURCES: dict[str, tuple[str, ...]] = {
 class MirrorParams(Strict):
     patients: int = Field(80, ge=8, description="CXR sources: patients (or studies) the offline mirror writes")
     per_class: int = Field(12, ge=1, description="benchmark sources: images per domain, class and official subset")
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     image_px: int = Field(160, ge=32, le=1024, description="edge of the generated raw images (fixed-size digit formats ignore it)")
 
 
@@ -686,7 +686,7 @@ class BenchmarkDatasetParams(Strict):
     image_size: int = Field(32, ge=8, le=1024)
     square: Literal["stretch", "crop", "pad"] = Field("stretch", description="stretch resizes directly, as FedBN does")
     max_per_domain: Optional[int] = Field(None, ge=1, description="keep at most this many images per domain and subset (seeded draw)")
-    sample_seed: int = 0
+    sample_seed: int = Field(0, ge=0)
     max_quarantine_fraction: float = Field(0.05, ge=0.0, le=1.0)
     workers: int = Field(0, ge=0, description="decode processes; 0 = all cores")
     classes: Optional[tuple[str, ...]] = Field(None, description="kind image_folder: the class list, in label order "
@@ -800,7 +800,7 @@ TestFrom = Literal["auto", "official", "pooled"]
 
 class DomainClientsSplit(Strict):
     protocol: Literal["domain_clients"] = "domain_clients"
-    seed: int = Field(0, description="split seed; training seeds vary initialisation and data order only")
+    seed: int = Field(0, ge=0, description="split seed; training seeds vary initialisation and data order only")
     n_train: int = Field(458, ge=1)
     n_val: int = Field(0, ge=0, description="validation images per client, drawn from the training pool apart from n_train "
                        "(FedBN's protocol: 0.4 x the smallest domain); scored every evaluated round for best-validation selection")
@@ -840,7 +840,7 @@ class DomainMultiClientsSplit(Strict):
     images ``every_class`` swaps in)."""
 
     protocol: Literal["domain_multi_clients"]
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     clients_per_domain: dict[str, int]
     fraction: float = Field(..., gt=0, le=1, description="share of the domain's training pool each client holds")
     n_test: Optional[int] = Field(None, ge=1, description="test images per domain (default: the whole test pool), shared by that domain's clients")
@@ -877,7 +877,7 @@ class LabelSkewSplit(Strict):
     dominant class). Each client's data is then split into train and test with the same class mix."""
 
     protocol: Literal["label_skew"]
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     clients: int = Field(..., ge=2)
     scheme: Literal["dirichlet", "pathological", "weak_pathological"]
     beta: float = Field(0.5, gt=0)
@@ -904,7 +904,7 @@ class DomainIncrementalSplit(Strict):
     order without replacement, which one shared task index per round (the engine's) cannot express."""
 
     protocol: Literal["domain_incremental"]
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     clients: int = Field(..., ge=1, description="clients learning the stream (1: a hospital's own stream, a deployment site)")
     names: Optional[tuple[str, ...]] = Field(
         None, description="the clients' names, one per client (default client00, client01, ...): a deployment site's "
@@ -940,7 +940,7 @@ class HoldoutDomainSplit(Strict):
     (``newcomer``: train + test) or an ``external_test`` set (test only)."""
 
     protocol: Literal["holdout_domain"]
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     holdout: str
     role: Literal["newcomer", "external_test"] = "newcomer"
     n_train: int = Field(458, ge=1)
@@ -960,7 +960,7 @@ class ByWriterSplit(Strict):
     left out."""
 
     protocol: Literal["by_writer"]
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     clients: Optional[int] = Field(None, ge=2, description="writers drawn as clients (null: every eligible writer)")
     min_samples: int = Field(2, ge=2, description="writers with fewer images are never drawn (LEAF's -k)")
     test_fraction: float = Field(0.1, gt=0, lt=1, description="each writer's test share where the data has no split of its own (LEAF's --tf 0.9)")
@@ -1303,7 +1303,11 @@ class ExperimentParams(Strict):
 
 # --------------------------------------------------------------------------- pipeline / report
 def distinct_seeds(v: tuple[int, ...]) -> tuple[int, ...]:
-    """Seeds given each once: a seed is one run of each method (twice would be one run counted as two)."""
+    """Seeds given each once (a seed is one run of each method: twice would be one run counted as two), none
+    negative (the seeded streams of every round take non-negative keys only)."""
+    negative = sorted({s for s in v if s < 0})
+    if negative:
+        raise ValueError(f"seed(s) {negative}: a seed is a non-negative integer (0, 1, 2, ...)")
     twice = sorted({s for s in v if v.count(s) > 1})
     if twice:
         raise ValueError(f"seed(s) {twice} listed twice: a seed is one run of each method (give each once)")
