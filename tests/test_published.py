@@ -71,3 +71,25 @@ def test_pfeddil_tables_are_the_papers():
     for table in ("seconds_per_round", "rounds_to_best", "lambda"):
         assert {"digit10", "office31", "domainnet"} <= set(d[table]), table
     assert d["lambda"]["digit10"]["avg_acc"][2] == d["accuracy"]["digit10"]["methods"]["pfeddil"]["mean"][-1]
+
+
+def test_check_params_refuses_a_published_reference_the_report_could_not_read(tmp_path, capsys):
+    """A typo in ``experiments.<e>.published`` (its file or its table) stops check-params, naming the key, instead of
+    the report stage once every run has trained (DVC removes the old report before running it)."""
+    import shutil
+
+    from fedsilo.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "pipelines" / "f2dc").mkdir(parents=True)
+    for f in ("params.yaml", "pipelines/f2dc/published.yaml"):  # the root's params too: the paper's reuses its data
+        shutil.copy(repo / f, tmp_path / f)
+    text = (repo / "pipelines/f2dc/params.yaml").read_text()
+    mine = tmp_path / "pipelines/f2dc/params.yaml"
+    for wrong, said in (("published.yaml#pacss", "pipelines/f2dc/published.yaml has no accuracy table 'pacss' (has: "),
+                        ("publishd.yaml#pacs", "pipelines/f2dc/publishd.yaml not found")):
+        mine.write_text(text.replace("published.yaml#pacs", wrong))
+        capsys.readouterr()
+        assert main(["--params", str(mine), "--root", str(tmp_path), "check-params"]) == 2
+        err = capsys.readouterr().err
+        assert "experiments.f2dc_pacs.published: " in err and said in err, err

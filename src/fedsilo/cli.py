@@ -17,10 +17,12 @@ check-params validate the method entries too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import shlex
 import sys
 from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
 
 from fedsilo import config
 from fedsilo.config import ConfigError, Params
@@ -168,8 +170,6 @@ def _refuse_missing_runs(p: Params, layout: Layout, source: str, what: str, runs
 
 
 def _report(args: argparse.Namespace) -> None:
-    from fedsilo.report import build_report
-    from fedsilo.report.continual import build_stream_report
 
     p = load_params(args.params)
     layout = p.layout(args.root)
@@ -206,23 +206,47 @@ def _report(args: argparse.Namespace) -> None:
     for exp in exps:
         if exp not in p.experiments:
             raise ConfigError(f"experiments.{exp}: not defined in {args.params}")
-        if p.experiments[exp].split.protocol == "domain_incremental":  # a task stream: pFedDIL's tables
-            ms = list(methods_of(exp))
-            # Delta's reference: the pFedDIL entry with every module on (not an ablation)
-            full = [m for m in ms if (p.methods[m] or {}).get("method", m) == "pfeddil"
-                    and all((p.methods[m] or {}).get(k, True) for k in ("migration", "share_extractor", "correlation"))]
-            made.update(build_stream_report(layout.results(exp), exp, ms, list(p.pipeline.seeds), out_of(exp),
-                                            published=p.experiments[exp].published, repo=Path(args.root),
-                                            reference=full[0] if full else None))
-            continue
-        made.update(build_report(layout.results(exp), exp, list(methods_of(exp)), list(p.pipeline.seeds),
-                                 out_of(exp), published=p.experiments[exp].published, method_entries=p.methods,
-                                 repo=Path(args.root), target_accuracy=p.experiments[exp].target_accuracy))
+        with _naming_published(args.params, exp, p.experiments[exp].published):
+            _report_one(args, p, exp, methods_of, out_of, made)
     for exp, info in made.items():
         if "table" not in info:
             continue
         print(f"report {exp}: Avg accuracy " + ", ".join(f"{m} {v:.1f}" for m, v in info["table"].items())
               + (f" ({out_of(exp)})" if args.group else ""))
+
+
+@contextlib.contextmanager
+def _naming_published(params: Any, exp: str, ref: Optional[str]) -> Iterator[None]:
+    """A report error from the paper's published table (its domains, its rows) names the key and file that point
+    to it."""
+    from fedsilo.report import ReportError
+
+    try:
+        yield
+    except ReportError as err:
+        if ref and str(err).startswith("published"):
+            raise ConfigError(f"{params}: experiments.{exp}.published ({ref}): {str(err).removeprefix('published: ')}") from None
+        raise
+
+
+def _report_one(args: argparse.Namespace, p: Params, exp: str, methods_of: Callable, out_of: Callable, made: dict) -> None:
+    """The report of one experiment into ``made``: a task stream's (pFedDIL's tables) or a static one's."""
+    from fedsilo.report import build_report
+    from fedsilo.report.continual import build_stream_report
+
+    layout = p.layout(args.root)
+    if p.experiments[exp].split.protocol == "domain_incremental":
+        ms = list(methods_of(exp))
+        # Delta's reference: the pFedDIL entry with every module on (not an ablation)
+        full = [m for m in ms if (p.methods[m] or {}).get("method", m) == "pfeddil"
+                and all((p.methods[m] or {}).get(k, True) for k in ("migration", "share_extractor", "correlation"))]
+        made.update(build_stream_report(layout.results(exp), exp, ms, list(p.pipeline.seeds), out_of(exp),
+                                        published=p.experiments[exp].published, repo=Path(args.root),
+                                        reference=full[0] if full else None))
+        return
+    made.update(build_report(layout.results(exp), exp, list(methods_of(exp)), list(p.pipeline.seeds),
+                             out_of(exp), published=p.experiments[exp].published, method_entries=p.methods,
+                             repo=Path(args.root), target_accuracy=p.experiments[exp].target_accuracy))
 
 
 def _host_policy_arg(text: str | None) -> tuple[dict, ...]:
@@ -301,6 +325,7 @@ def _check(args: argparse.Namespace) -> None:
 
     p = load_params(args.params)
     check_pipeline_fits(p, str(args.params))
+    _check_published(p, str(args.params), Path(args.root))
     if args.stamp:  # the same bytes whenever the file holds: the stages depending on it rerun for their own params only
         from fedsilo.utils.io import write_json
 
@@ -312,6 +337,19 @@ def _check(args: argparse.Namespace) -> None:
             print(describe_method(p, key, str(args.params)))
         return
     print(f"{args.params}: ok")
+
+
+def _check_published(p: Params, where: str, root: Path) -> None:
+    """Every ``experiments.<e>.published`` names a file and a table of it that exist (the report stage would find a
+    typo only after every run trained, and DVC removes the old report before running it)."""
+    from fedsilo.report import ReportError, load_published_entries
+
+    for e, exp in p.experiments.items():
+        if exp.published:
+            try:
+                load_published_entries(root, exp.published)
+            except (ReportError, OSError, ValueError) as err:
+                raise ConfigError(f"{where}: experiments.{e}.published: {str(err).removeprefix('published: ')}") from None
 
 
 def _site(args: argparse.Namespace) -> None:
