@@ -386,3 +386,21 @@ def test_a_stream_figure_marks_its_task_boundaries_and_keeps_fifteen_lines_apart
     assert _line_figure(tmp_path / "s.png", series, "acc", "stream", marks=(2.5, 4.5)) == "s.png"
     assert (tmp_path / "s.png").stat().st_size > 0
     assert seen["vlines"] == [2.5, 4.5] and seen["legend"][0]["bbox_to_anchor"] == (1.01, 1.0)
+
+
+def test_the_cost_table_sets_our_whole_rounds_upload_beside_the_papers_comm_and_names_what_it_lacks():
+    """F²DC's Table 4 prints comm. for all of a round's clients (193.72 MB for FedAvg on PACS): ours is given per
+    client and for the whole round; a paper method the report does not hold reads "not in this report" (it may have
+    run, outside a group), not "not run"."""
+    from fedsilo.report import efficiency_markdown
+
+    comm = pd.DataFrame({"upload_MiB": [18.721], "upload_round_bytes": [196_299_480.0], "train_s_per_round": [2.7]},
+                        index=["f2dc"])
+    paper = {"fedavg": {"upload_params": 5.43e7, "comm_MB": 193.72, "flops": 16.31e10, "train_s": 176.94},
+             "f2dc": {"upload_params": 5.43e7, "comm_MB": 193.72, "flops": 16.46e10, "train_s": 180.67}}
+    md = efficiency_markdown(comm, paper, "pacs")
+    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| f2dc") or line.startswith("| fedavg")}
+    assert "| 18.721 | 187.2 MiB (196.3 MB) | – | 2.70 |" in rows["f2dc"] and "193.72 MB" in rows["f2dc"]
+    assert rows["fedavg"].count("not in this report") == 4 and "not run" not in md
+    assert "matches the upload of all of a round's clients" in md
+
