@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -404,3 +405,30 @@ def test_the_cost_table_sets_our_whole_rounds_upload_beside_the_papers_comm_and_
     assert rows["fedavg"].count("not in this report") == 4 and "not run" not in md
     assert "matches the upload of all of a round's clients" in md
 
+
+
+def test_a_row_run_with_another_setting_than_the_papers_row_is_named():
+    """The F²DC presets run every row the published file states the setting of (Sec. 5.1's defaults for f2dc, Table
+    5's σ) with that setting; an edit of σ is named under the vs-paper table, not passed off as the paper's row."""
+    import yaml
+
+    from fedsilo.report import settings_differ, write_versus
+
+    published = yaml.safe_load((REPO / "pipelines/f2dc/published.yaml").read_text())["accuracy"]
+    for preset in ("pipelines/f2dc/params.yaml", "pipelines/f2dc/paper/params.yaml"):
+        entries = yaml.safe_load((REPO / preset).read_text())["methods"]
+        for table in published.values():
+            assert settings_differ(table, entries, list(entries)) == [], preset
+    entries = yaml.safe_load((REPO / "pipelines/f2dc/params.yaml").read_text())["methods"]
+    entries["f2dc"] = {**entries["f2dc"], "sigma": 0.2}
+    said = settings_differ(published["pacs"], entries, ["fedavg", "f2dc", "f2dc_sigma_0_01"])
+    assert said == ["f2dc ran with sigma 0.2 (the paper's row: 0.1)"]
+    assert settings_differ(published["pacs"], {**entries, "f2dc_sigma_0_01": {"method": "f2dc"}}, ["f2dc_sigma_0_01"]) == [
+        "f2dc_sigma_0_01 ran with sigma 0.1 (the paper's row: 0.01)"]  # the row's own value left at the default
+    idx = pd.MultiIndex.from_tuples([("Avg", "ours"), ("Avg", "paper"), ("Avg", "diff")])
+    vs = pd.DataFrame([[70.0, 76.47, -6.47]], index=["f2dc"], columns=idx)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        md = write_versus(Path(d), "f2dc_pacs", vs, "pipelines/f2dc/published.yaml#pacs", published["pacs"], settings=said)
+    assert "**Not the paper's setting**: f2dc ran with sigma 0.2 (the paper's row: 0.1)" in md

@@ -784,14 +784,51 @@ def _write_flat_csv(tab: pd.DataFrame, path: Path, seeds: pd.Series) -> None:
     flat.to_csv(path, float_format="%.4f")
 
 
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def settings_differ(paper: dict[str, Any] | None, method_entries: dict[str, Any] | None, methods: list[str]) -> list[str]:
+    """Where a paper's row states the setting it was run with (``params`` in ``published.yaml``: F²DC's σ, τ, ... ),
+    the methods of ours whose entry (``methods.<key>``, its unset values at their defaults) differs from it, one line
+    each: a difference on such a row is not the paper's comparison."""
+    if not paper or not method_entries:
+        return []
+    from fedsilo.methods.registry import _values, method_base, method_class
+
+    lines = []
+    for m in methods:
+        want = ((paper.get("methods") or {}).get(m) or {}).get("params")
+        if not want or m not in method_entries:
+            continue
+        cls = method_class(method_base(m, method_entries[m]))
+        ours = _flat(cls.params_cls.model_validate(_values(method_entries[m])).model_dump(mode="json"))
+        diff = [f"{k} {ours.get(k, 'unset')} (the paper's row: {v})" for k, v in _flat(want).items() if ours.get(k) != v]
+        if diff:
+            lines.append(f"{m} ran with " + ", ".join(diff))
+    return lines
+
+
 def write_versus(out: Path, exp: str, vs: pd.DataFrame, published: str, paper: dict[str, Any] | None = None,
-                 ours: str = "final") -> str:
+                 ours: str = "final", settings: list[str] | None = None) -> str:
     """``<exp>_vs_paper.md`` and ``.csv`` from a :func:`versus_paper` table (its columns flattened to
     ``<column>_<ours|paper|diff>`` in place, for the CSV); returns the markdown. ``paper``: the published table, whose
     ``selection`` says which round its numbers come from; ``ours``: which round ours come from (both stated under
-    the title)."""
+    the title); ``settings``: our rows whose setting differs from the paper's row (:func:`settings_differ`), said
+    under the title."""
     md = versus_markdown(vs, f"{exp}: ours vs {published}")
     md = md.replace("\n\nEach cell:", f"\n\n{selection_note(paper, ours, list(vs.index))} Each cell:", 1)
+    if settings:
+        for line in settings:
+            log.warning("%s: %s: not the paper's setting for that row", exp, line)
+        md = md.replace("\n\n|", "\n\n**Not the paper's setting**: " + "; ".join(settings) + " (the difference on those rows "
+                        "is not the paper's comparison).\n\n|", 1)
     (out / f"{exp}_vs_paper.md").write_text(md)
     vs.columns = [f"{d}_{k}" for d, k in vs.columns]
     vs.index.name = "method"
@@ -959,7 +996,8 @@ def build_report(
                             ours.update(dict.fromkeys(picked, rule))
                     vs = versus_paper(ours_tab, paper)
                     ours = {m: ours[m] for m in vs.index}
-                md += "\n" + write_versus(tmp, exp, vs, published, paper, ours)
+                md += "\n" + write_versus(tmp, exp, vs, published, paper, ours,
+                                           settings_differ(paper, method_entries, list(vs.index)))
                 made[exp + ":vs_paper"] = vs.to_dict(orient="index")
                 paper_eff = entries.get("efficiency")
                 if paper_eff and set(paper_eff) & set(comm.index):  # a table of "not run" rows says nothing
