@@ -266,6 +266,14 @@ def test_local_new_external_table_averages_each_column_over_seeds(tmp_path):
     for (m, s) in values:
         write_json(tmp_path / m / f"seed{s}" / "metrics.json", {"mean_acc": 0.5})
     assert local_new_external(tmp_path, ["cd2pfed", "fedavg"], [0, 1]) is None, "runs without an ensemble: no table"
+    # the images each column scores (the distinct test sets; the held-out site's) and their standard error; a tie said
+    for (m, s) in values:
+        write_json(tmp_path / m / f"seed{s}" / "metrics.json", {
+            "mean_acc": 0.5, "ensemble_acc": 0.5, "external_ensemble_acc": 0.25, "external_test_size": 84,
+            "test_sizes": {"a": 30, "b": 30, "c": 40}, "test_set_of": {"a": "a", "b": "a", "c": "c"}})
+    md = local_new_external_markdown(local_new_external(tmp_path, ["cd2pfed", "fedavg"], [0, 1]), "t")
+    assert "new test: 70 images (standard error near 50 %: ±6.0 points); external test: 84 images (standard error near 50 %: ±5.5 points)." in md
+    assert "> **Note:** all 2 methods scored the same in every column" in md
 
 
 def test_per_domain_figure_draws_a_line_per_domain_the_mean_of_its_clients(tmp_path, monkeypatch):

@@ -280,6 +280,8 @@ def run_training(
                 # the first client holding the same test set (F²DC's clients of a domain share one; label-skew clients
                 # each have their own): the report adds up distinct test sets only
                 "test_set_of": _test_set_owners(clients),
+                # the held-out site's images the external test scores (CD2-pFed): its standard error in the report
+                **({"external_test_size": int(len(external[1]))} if external is not None else {}),
                 # the backbone the method was built from: the paper's "full network" for Param / Ratio (Table 3)
                 "model_param_bytes": int(sum(p.numel() * p.element_size() for p in model.parameters())),
                 "method_resolved": method_resolved,

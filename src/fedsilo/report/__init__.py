@@ -277,11 +277,16 @@ def local_new_external(results: Path, methods: list[str], seeds: list[int]) -> p
     its own test set, averaged over clients), *new test* (the ensemble of every client's model on the union of the
     test sets) and *external test* (the same ensemble on a site that never trained). None when no run recorded an
     ensemble (``train.ensemble_test`` off and no external site)."""
-    rows = []
+    rows, sizes = [], {}
     for m in methods:
         for s in seeds:
             met = read_json(results / m / f"seed{s}" / "metrics.json")
             rows.append({"method": m, **{col: met.get(key, np.nan) * 100 for key, col in LOCAL_NEW_EXTERNAL.items()}})
+            if not sizes and met.get("test_sizes"):  # the images each column scores (the split's: every run's the same)
+                owners = met.get("test_set_of") or {}
+                sizes = {"new test": sum(n for c, n in met["test_sizes"].items() if owners.get(c, c) == c)}
+                if "external_test_size" in met:
+                    sizes["external test"] = int(met["external_test_size"])
     df = pd.DataFrame(rows)
     if df[["new test", "external test"]].isna().all().all():
         return None
@@ -289,15 +294,23 @@ def local_new_external(results: Path, methods: list[str], seeds: list[int]) -> p
     g = df.groupby("method", sort=False)
     cols = [c for c in LOCAL_NEW_EXTERNAL.values() if c in df.columns]
     std = g[cols].std(ddof=1).where(g.size() > 1)  # one seed has no spread: NaN, shown as n = 1
-    return pd.concat({"mean": g[cols].mean(), "std": std}, axis=1).reindex(methods)
+    out = pd.concat({"mean": g[cols].mean(), "std": std}, axis=1).reindex(methods)
+    out.attrs["images"] = {c: n for c, n in sizes.items() if c in cols}
+    return out
 
 
 def local_new_external_markdown(tab: pd.DataFrame, title: str) -> str:
+    """The table, with the images the new and external tests score and the binomial standard error of an accuracy
+    near 50 % on them (a difference inside about two of it is noise), and a note where methods tie."""
     cols = list(tab["mean"].columns)
-    lines = [f"### {title}", "", "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    images = tab.attrs.get("images") or {}
+    said = "; ".join(f"{c}: {n} images (standard error near 50 %: ±{50 / np.sqrt(n):.1f} points)" for c, n in images.items() if n)
+    lines = [f"### {title}", ""] + ([f"{said}.", ""] if said else []) + [
+        "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for m in tab.index:
         lines.append(f"| {m} | " + " | ".join(_pm(tab["mean"].loc[m, c], tab["std"].loc[m, c], ".2f") for c in cols) + " |")
-    return "\n".join(lines) + "\n"
+    same = indistinct_rows(tab)
+    return "\n".join(lines) + "\n" + (f"\n> **Note:** {same}\n" if same else "")
 
 
 def _pm(mean: float, std: float, fmt: str) -> str:
