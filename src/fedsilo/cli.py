@@ -682,7 +682,7 @@ def _known(argv: list[str]) -> dict[str, list[str]]:
         return {"file": [path]}
     seeds = (raw.get("pipeline") or {}).get("seeds", raw.get("seeds"))  # a paper's params file lists them at its top
     return {"file": [path], **{k: sorted(raw.get(k) or {}) for k in ("sources", "datasets", "experiments", "methods")},
-            "seeds": [str(x) for x in seeds or []]}
+            "seeds": [str(x) for x in seeds or []], "groups": list(raw.get("runs") or {})}  # a paper's run groups
 
 
 def _seed(text: str) -> int:
@@ -763,8 +763,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--experiment", required=True)
     s.add_argument("--seed", type=_seed, required=True)
     s.set_defaults(fn=_onboard)
-    s = sub.add_parser("report", parents=[common], help="tables and figures -> results/report/<experiment>/", formatter_class=fmt, epilog=_listing(known, "experiments"))
-    s.add_argument("--experiment", help="one experiment (default: every one in pipeline.experiments)")
+    s = sub.add_parser("report", parents=[common], help="tables and figures -> results/report/<experiment>/ (a paper's: "
+                       "results/<paper>/<scale>/report/<experiment>/)", formatter_class=fmt,
+                       epilog=_listing(known, "experiments", *(["groups"] if known.get("groups") else [])))
+    s.add_argument("--experiment", help="one experiment (default: every one the pipeline reports: the root's "
+                   "pipeline.experiments, a paper's the experiments of its runs groups)")
     s.add_argument("--group", help="a paper's run group (runs.<group>, one table): the tables of its runs and of the "
                    "methods it sets beside (runs.<group>.beside) -> results/<paper>/<scale>/groups/<group>/<experiment>/; "
                    "runs not trained yet are named, with the dvc repro targets that train them")
