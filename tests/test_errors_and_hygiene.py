@@ -147,6 +147,12 @@ def test_check_params_prints_a_methods_parameters_as_a_run_takes_them(tmp_path, 
     assert "methods.fedprox_strong (method: fedprox): FedProx (Li et al. 2020, MLSys)." in out and "  mu: 0.5 (set)  proximal coefficient" in out
     assert main(["--params", str(path), "check-params", "--method", "fedbm"]) == 2
     assert "p.yaml: methods.fedbm: not defined (methods: fedavg, fedbn, fedprox, fedprox_strong, pfeddb, single)" in capsys.readouterr().err
+    # a command's experiment or source typo names the file, the key and the near miss
+    for cmd, said in ((["report", "--experiment", "quik"], "p.yaml: experiments.quik: not defined (did you mean 'quick'?)"),
+                      (["split", "--experiment", "quik"], "p.yaml: experiments.quik: not defined (did you mean 'quick'?)"),
+                      (["fetch", "--source", "chexpret"], "p.yaml: sources.chexpret: not defined (did you mean 'chexpert'?)")):
+        assert main(["--params", str(path), *cmd]) == 2
+        assert said in capsys.readouterr().err, cmd
 
 
 def test_a_method_that_does_not_fit_a_trained_experiments_data_fails_at_check_params(tmp_path, capsys):

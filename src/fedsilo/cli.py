@@ -41,7 +41,7 @@ def _fetch(args: argparse.Namespace) -> None:
 
     p = config.load_params(args.params)  # no method entries: no PyTorch import
     if args.source not in p.sources:
-        raise ConfigError(f"sources.{args.source}: not defined in {args.params}")
+        raise ConfigError(f"{args.params}: sources.{args.source}: not defined{config.did_you_mean(args.source, p.sources)}")
     m = fetch(args.source, p.sources[args.source], Path(args.root) / "data" / "raw" / args.source, Path(args.root), quiet=args.quiet)
     print(f"fetch {args.source}: {len(m['files'])} files from {m['origin']}")
 
@@ -52,7 +52,7 @@ def _fingerprint(args: argparse.Namespace) -> None:
 
     p = config.load_params(args.params)  # no method entries: no PyTorch import
     if args.dataset not in p.datasets:
-        raise ConfigError(f"datasets.{args.dataset}: not defined in {args.params}")
+        raise ConfigError(f"{args.params}: datasets.{args.dataset}: not defined{config.did_you_mean(args.dataset, p.datasets)}")
     fp = sources_fingerprint(args.dataset, p.datasets[args.dataset].source_list, Path(args.root) / "data" / "raw")
     write_json(p.layout(args.root).sources_fingerprint(args.dataset), fp)
     for s, v in fp["sources"].items():
@@ -83,7 +83,7 @@ def _harmonize(args: argparse.Namespace) -> None:
 
     p = config.load_params(args.params)  # no method entries: no PyTorch import
     if args.dataset not in p.datasets:
-        raise ConfigError(f"datasets.{args.dataset}: not defined in {args.params}")
+        raise ConfigError(f"{args.params}: datasets.{args.dataset}: not defined{config.did_you_mean(args.dataset, p.datasets)}")
     if args.dry_run:
         pv = preview_dataset(p.datasets[args.dataset], Path(args.root) / "data" / "raw", args.dataset, quiet=args.quiet)
         for dom, d in pv["domains"].items():
@@ -113,7 +113,7 @@ def _split(args: argparse.Namespace) -> None:
 
     p = config.load_params(args.params)  # no method entries: no PyTorch import
     if args.experiment not in p.experiments:
-        raise ConfigError(f"experiments.{args.experiment}: not defined in {args.params}")
+        raise ConfigError(f"{args.params}: experiments.{args.experiment}: not defined{config.did_you_mean(args.experiment, p.experiments)}")
     exp = p.experiments[args.experiment]
     layout = p.layout(args.root)
     rec_path = layout.harmonized(exp.dataset) / "records.parquet"
@@ -153,7 +153,7 @@ def _onboard(args: argparse.Namespace) -> None:
 
     p = load_params(args.params)
     if args.experiment not in p.experiments:
-        raise ConfigError(f"experiments.{args.experiment}: not defined in {args.params}")
+        raise ConfigError(f"{args.params}: experiments.{args.experiment}: not defined{config.did_you_mean(args.experiment, p.experiments)}")
     out = run_onboarding(p, args.experiment, args.seed, Path(args.root))
     print(f"{args.experiment} onboarding of {out['newcomer']} (seed {args.seed}): " + ", ".join(f"{s} {a:.3f}" for s, a in out["final"].items()))
 
@@ -205,7 +205,7 @@ def _report(args: argparse.Namespace) -> None:
     made = {}
     for exp in exps:
         if exp not in p.experiments:
-            raise ConfigError(f"experiments.{exp}: not defined in {args.params}")
+            raise ConfigError(f"{args.params}: experiments.{exp}: not defined{config.did_you_mean(exp, p.experiments)}")
         with _naming_published(args.params, exp, p.experiments[exp].published):
             _report_one(args, p, exp, methods_of, out_of, made)
     for exp, info in made.items():
