@@ -423,3 +423,29 @@ def test_a_stream_split_names_its_clients_one_name_each():
                        ((("A", " "),), "each client needs a name of its own")):
         with pytest.raises(ValueError, match=why):
             DomainIncrementalSplit(protocol="domain_incremental", clients=1 if why.startswith("2") else 2, names=names[0])
+
+
+@pytest.mark.parametrize("name, after", [("pfeddil", 2), ("fedavg", 3), ("disjoint", 4)])
+def test_a_site_that_left_the_stream_is_not_scored_sent_a_task_end_or_counted_from_the_round_after(name, after):
+    """A site that left after round ``after`` (at task 0's end, inside task 1, at task 1's end): from the next round
+    it is in no evaluation, task end or storage count; it was in those up to then. The summary's matrix averages the
+    sites of each evaluation, and beside it the same matrix and forgetting over the sites in at the end."""
+    cls = REGISTRY[name]
+    train = _train()
+    e = ContinualEngine(cls(cls.params_cls(), train), tiny_net(1, 4), style_stream(n_train=24, n_test=12, domains=3), list(NAMES),
+                        train, 0, left={"C2": after})
+    h = e.run()
+    gone = [x for x in h if x["round"] > after]
+    assert all("C2" not in x["eval"] and x["left"] == ["C2"] for x in gone)
+    assert all("C2" not in x.get("bytes_task_end", {}) and "C2" not in x.get("storage", {}) for x in gone)
+    assert all("C2" in x["eval"] for x in h if x["round"] <= after)
+    if after % 2 == 0:  # it left at a task's end: that end's evaluation and storage still hold it
+        assert "C2" in h[after - 1]["storage"] and "C2" in h[after - 1]["task_acc_by_client"]["S0"]
+    s = continual_summary(h, e.task_names, e.per_task)
+    assert s["sites_left"] == ["C2"] and s["sites_at_end"] == ["C0", "C1"]
+    ends = [x for x in h if x.get("task_end")]
+    for t, row in enumerate(s["accuracy_matrix_sites_at_end"]):
+        for j, acc in enumerate(row):
+            mine = ends[t]["task_acc_by_client"][NAMES[j]]
+            assert acc == pytest.approx((mine["C0"] + mine["C1"]) / 2)
+    assert s["forgetting_sites_at_end"] is not None and math.isfinite(s["forgetting"])

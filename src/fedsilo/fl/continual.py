@@ -22,7 +22,9 @@ from the evaluations at the end of each task:
   frozen) cannot be a mean over the tasks seen (it would be at least 46.53 / 2), which this reading allows; neither
   reading makes every published row plausible, so the report prints both;
 - forgetting: for every task but the last, the best accuracy it had at the end of a task minus its accuracy at the
-  end of the stream, averaged (Chaudhry et al. 2018);
+  end of the stream, averaged (Chaudhry et al. 2018; a task no client scored left out);
+- where sites left the stream (a deployment's ``left``), the same matrix and forgetting over the sites in at the
+  end, from each evaluation's per-site accuracies (``task_acc_by_client``);
 - rounds to the best accuracy within each task and their sum (pFedDIL's Table 5), at the resolution of
   ``eval_every``;
 - per-round curves in ``history.json`` (``seen_acc``, ``task_acc`` per domain).
@@ -99,6 +101,7 @@ def stream_eval(names: list[str], task_names: list[str], scores: list[list[tuple
     by_client: dict[str, list[float]] = {n: [] for n in names}
     task_acc: dict[str, float] = {}
     task_acc_pooled: dict[str, float] = {}
+    by_site: dict[str, dict[str, float]] = {}  # task -> client -> accuracy: a matrix over other sites can be formed
     for j, row in enumerate(scores):
         accs, correct, seen_images = [], 0.0, 0
         for name, acc, n_test in row:
@@ -108,6 +111,7 @@ def stream_eval(names: list[str], task_names: list[str], scores: list[list[tuple
             correct += acc * n_test
             seen_images += n_test
             by_client[name].append(acc)
+            by_site.setdefault(task_names[j], {})[name] = acc
         task_acc[task_names[j]] = float(np.mean(accs)) if accs else float("nan")
         task_acc_pooled[task_names[j]] = correct / seen_images if seen_images else float("nan")
     per = {name: {"acc": float(np.mean(v)) if v else float("nan")} for name, v in by_client.items()}
@@ -119,6 +123,7 @@ def stream_eval(names: list[str], task_names: list[str], scores: list[list[tuple
         "std_acc": float(client_means.std()) if len(client_means) else float("nan"),
         "task_acc": task_acc,
         "task_acc_pooled": task_acc_pooled,
+        "task_acc_by_client": by_site,
         "seen_acc": seen,
     }
 
@@ -171,17 +176,27 @@ class ContinualEngine(TaskStream, Engine):
         return stream_eval([self.clients[k].name for k in here], self.task_names, scores)
 
 
+def _forgetting(matrix: list[list[float]], n_tasks: int) -> float | None:
+    """Mean over every task but the last of its best accuracy at a task's end before the last minus its final one;
+    a task no client scored (NaN: none holds its test images) left out. None before the stream's end."""
+    n = len(matrix)
+    if n != n_tasks or n < 2:
+        return None
+    drops = []
+    for j in range(n - 1):
+        before = [matrix[t][j] for t in range(j, n - 1) if not np.isnan(matrix[t][j])]
+        if before and not np.isnan(matrix[n - 1][j]):
+            drops.append(max(before) - matrix[n - 1][j])
+    return float(np.mean(drops)) if drops else None
+
+
 def continual_summary(history: list[dict[str, Any]], task_names: list[str], per_task: int) -> dict[str, Any]:
     """The stream's metrics from a run's history (see the module docstring)."""
     ends = {h["task"]: h for h in history if h.get("task_end")}
     matrix = [[ends[t]["task_acc"][task_names[j]] for j in range(t + 1)] for t in sorted(ends)]
     after = [float(np.nanmean(row)) for row in matrix]
     on_task = [row[-1] for row in matrix]  # the diagonal: each task right after it was learned
-    n = len(matrix)
-    forgetting = None
-    if n == len(task_names) and n > 1:
-        drops = [max(matrix[t][j] for t in range(j, n - 1)) - matrix[n - 1][j] for j in range(n - 1)]
-        forgetting = float(np.mean(drops))
+    forgetting = _forgetting(matrix, len(task_names))
     best_rounds = []
     for t in sorted(ends):
         evals = [h for h in history if h.get("task") == t and "seen_acc" in h]
@@ -205,6 +220,15 @@ def continual_summary(history: list[dict[str, Any]], task_names: list[str], per_
         after_pooled = [float(np.nanmean(row)) for row in pooled]
         out.update({"accuracy_matrix_pooled": pooled, "acc_after_task_pooled": dict(zip(task_names, after_pooled)),
                     "avg_acc_pooled": float(np.mean(after_pooled))})
+    left = sorted({name for h in history for name in h.get("left", ())})
+    if left and ends and all("task_acc_by_client" in ends[t] for t in ends):
+        # sites left during the stream: the rows above average different sites; the same matrix and forgetting over
+        # the sites still in at the end (every row scored on them)
+        stay = set().union(*ends[max(ends)]["task_acc_by_client"].values())  # scored at the last task's end
+        kept = [[float(np.mean(v)) if (v := [a for c, a in ends[t]["task_acc_by_client"].get(task_names[j], {}).items() if c in stay])
+                 else float("nan") for j in range(t + 1)] for t in sorted(ends)]
+        out.update({"sites_left": left, "sites_at_end": sorted(stay), "accuracy_matrix_sites_at_end": kept,
+                    "forgetting_sites_at_end": _forgetting(kept, len(task_names))})
     last = ends.get(max(ends)) if ends else None
     if last is not None and "storage" in last:
         out["storage"] = last["storage"]

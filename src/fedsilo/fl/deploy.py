@@ -73,7 +73,8 @@ class SiteEntry(Strict):
     left: bool = Field(False, description="the site left the federation: `fedsilo deploy app` again and `flwr run` "
                        "resume the run in progress without it from its next round (neither sampled nor evaluated); "
                        "its entry stays, as it was part of the rounds before. Taking the mark away later brings it back "
-                       "from the round after the checkpoint then resumed, carrying on from the store on its disk")
+                       "from the round after the checkpoint then resumed, carrying on from the store on its disk (not "
+                       "a site of a task stream: it cannot come back to one)")
     joined: bool = Field(False, description="the site joined the run in progress: listed after every site the run started "
                          "with, it takes part from the round after the checkpoint `flwr run` resumes, from a fresh store "
                          "(for methods whose server holds nothing sized by the federation: FedAvg, FedBN, ...); the mark "

@@ -53,7 +53,8 @@ A site that left (a deployment's ``sites[k].left``; :class:`Roster`): a resumed 
 round after its checkpoint (``Engine.active``), with the card it registered with when it took part, kept in the
 checkpoint's meta; it is not waited for, and its SuperNode, if it still runs, is told it left (``query.refused``).
 Its mark taken away, a later resume takes it back from the round after that checkpoint: it registers again and
-carries on from the store on its disk, the rounds it was gone recorded (``Engine.away``).
+carries on from the store on its disk, the rounds it was gone recorded (``Engine.away``); not a site of a task
+stream (it missed the tasks' ends and evaluations of its absence: refused before any site connects).
 
 Task streams (``fl/continual.py``): a site whose data is a stream (one client per task: its ``domain_incremental``
 split) registers its tasks; the run is then a :class:`FlowerStream`, whose messages name each round's task and which
@@ -287,6 +288,13 @@ class FlowerSpec:
 
 
 # ---------------------------------------------------------------------------------------------------------- server
+def no_stream_come_back(name: str, last: int) -> ConfigError:
+    """The refusal of a site that left a task stream and is no longer marked left."""
+    return ConfigError(f"sites: {name} left the stream after round {last} (the run's checkpoint says so) and is no "
+                       "longer marked left, but a site that left a task stream cannot come back to it (it missed the "
+                       "tasks' ends and evaluations of its absence): mark it `left: true` again, or start a new run with it")
+
+
 def still_listed(joined: dict[str, int], names: Sequence[str]) -> None:
     """Refuses a run whose checkpoint says sites joined it (``joined``: name -> first round) that the federation no
     longer lists: the rounds they took part in are the run's."""
@@ -425,10 +433,7 @@ class FlowerServer(Engine):
                                                   for n, spans in (self.meta.get("away", {}) if resumed else {}).items()}
         for n in sorted(set(before) - set(left)):
             if stream:
-                raise ConfigError(f"sites: {n} left the stream after round {before[n]} (the run's checkpoint says so) and "
-                                  "is no longer marked left, but a site that left a task stream cannot come back to it (it "
-                                  "missed the tasks' ends and evaluations of its absence): mark it `left: true` again, or "
-                                  "start a new run with it")
+                raise no_stream_come_back(n, before[n])
             last = before.pop(n)
             if self.round > last and self.round >= self.total_rounds:
                 raise ConfigError(f"sites: {n} left after round {last} (the run's checkpoint says so) and is no longer "
@@ -878,7 +883,7 @@ class Roster:
         """What a site that left is told when its SuperNode still runs."""
         return (f"site {name!r} left the federation (sites[{self.sites.index(name)}].left in federation.yaml): it takes no "
                 "part in this run while marked left; its SuperNode can be stopped (its disk keeps its store, which it "
-                "carries on from if the mark is taken away)")
+                "carries on from if the mark is taken away; a site of a task stream cannot come back to it)")
 
     def admit(self, card: dict[str, Any], node: Optional[int] = None) -> int:
         """The client index of a site registering from ``node``, or :class:`SiteRefused` naming what is wrong."""
@@ -950,6 +955,11 @@ class FlowerRun:
         if held is not None and self.roster is not None:
             still_listed(held.get("joined", {}), self.roster.sites)
             self._same_joined(held)
+            # a site that left a task stream, its mark taken away: refused here, not after waiting for it to register
+            streams = {str(c["name"]) for c in held.get("cards", []) if c.get("tasks")}
+            for name, last in held.get("left", {}).items():
+                if name not in self.gone and name in streams:
+                    raise no_stream_come_back(name, int(last))
         if not self.gone:
             return {}
         if held is None:
