@@ -492,24 +492,27 @@ def _bar_figure(path: Path, labels: list[str], values: list[float], ylabel: str,
 def _line_figure(path: Path, series: list[tuple[str, list[float], list[float]]], ylabel: str, title: str,
                  marks: tuple[float, ...] = ()) -> str:
     """One PNG with a line per (label, x, y) and a dotted vertical line at each of ``marks`` (a stream's task
-    boundaries). Past ten lines the colours come from a 20-colour map (the default repeats after ten) and the legend
-    stands beside the axes, not over the lines."""
+    boundaries). Rounds are whole numbers on the axis. Past ten lines the colours come from a 20-colour map (the
+    default repeats after ten); past three the legend stands beside the axes, not over the lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     many = len(series) > 10
-    fig, ax = plt.subplots(figsize=(8.5 if many else 6, 4))
+    beside = len(series) > 3
+    fig, ax = plt.subplots(figsize=(8.5 if beside else 6, 4))
     colours = plt.get_cmap("tab20").colors if many else [None] * len(series)
     for (label, x, y), colour in zip(series, colours):
         ax.plot(x, y, label=label, color=colour)
     for x in marks:
         ax.axvline(x, color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    if many:
+    if beside:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     else:
         ax.legend()
