@@ -38,6 +38,7 @@ def test_repo_params_yaml_is_valid():
         (lambda d: d["pipeline"].update(seeds=[0, 1, 0]), "pipeline.seeds: seed(s) [0] listed twice"),
         # a negative seed: refused before any stage (every round's seeded streams take non-negative keys)
         (lambda d: d["pipeline"].update(seeds=[0, -1]), "pipeline.seeds: seed(s) [-1]: a seed is a non-negative integer"),
+        (lambda d: d["pipeline"].update(seeds=0), "pipeline.seeds: 0: seeds are a list, one run of each method per seed (e.g. seeds: [0])"),
         (lambda d: d["experiments"]["quick"]["split"].update(seed=-3), "experiments.quick.split.seed: Input should be greater than or equal to 0"),
     ],
 )

@@ -1302,6 +1302,13 @@ class ExperimentParams(Strict):
 
 
 # --------------------------------------------------------------------------- pipeline / report
+def seeds_listed(v: Any) -> Any:
+    """A bare number where a list of seeds belongs: refused with the list it likely means."""
+    if isinstance(v, (int, str)) and not isinstance(v, bool):
+        raise ValueError(f"{v!r}: seeds are a list, one run of each method per seed (e.g. seeds: [{v}])")
+    return v
+
+
 def distinct_seeds(v: tuple[int, ...]) -> tuple[int, ...]:
     """Seeds given each once (a seed is one run of each method: twice would be one run counted as two), none
     negative (the seeded streams of every round take non-negative keys only)."""
@@ -1322,6 +1329,11 @@ class PipelineParams(Strict):
     methods: tuple[str, ...]
     seeds: tuple[int, ...]
     onboarding: tuple[str, ...] = Field((), description="holdout_domain experiments whose newcomer onboarding (pFedDB Fig. 6) dvc.yaml runs")
+
+    @field_validator("seeds", mode="before")
+    @classmethod
+    def _seeds_listed(cls, v: Any) -> Any:
+        return seeds_listed(v)
 
     @field_validator("seeds")
     @classmethod
@@ -1676,6 +1688,11 @@ class PaperParams(Strict):
     repo_root: str = Field(description="the repository root from this file's folder (dvc.yaml's wdir)")
     data: str = Field("params.yaml", description="the root params file whose sources and datasets the experiments use")
     seeds: tuple[int, ...] = Field(min_length=1)
+
+    @field_validator("seeds", mode="before")
+    @classmethod
+    def _seeds_listed(cls, v: Any) -> Any:
+        return seeds_listed(v)
 
     @field_validator("seeds")
     @classmethod
