@@ -39,6 +39,9 @@ def test_repo_params_yaml_is_valid():
         # a negative seed: refused before any stage (every round's seeded streams take non-negative keys)
         (lambda d: d["pipeline"].update(seeds=[0, -1]), "pipeline.seeds: seed(s) [-1]: a seed is a non-negative integer"),
         (lambda d: d["pipeline"].update(seeds=0), "pipeline.seeds: 0: seeds are a list, one run of each method per seed (e.g. seeds: [0])"),
+        # a split's protocol changed, its old settings left: each named as the other protocol's, not a near miss
+        (lambda d: d["experiments"]["quick"]["split"].update(protocol="label_skew"),
+         "experiments.quick.split.n_train: unknown key (a key of protocol domain_clients, holdout_domain, not of label_skew)"),
         (lambda d: d["experiments"]["quick"]["split"].update(seed=-3), "experiments.quick.split.seed: Input should be greater than or equal to 0"),
     ],
 )

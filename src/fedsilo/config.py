@@ -1609,22 +1609,58 @@ def _models_in(annotation: Any) -> tuple[list[type], bool]:
     return [], False
 
 
-def _fields_at(model: Optional[type], loc: tuple) -> Optional[set[str]]:
-    """The keys of the params model at error location ``loc`` (its parent's path) under ``model``, or None where the
-    path is not followed to one model (then every known key is a candidate)."""
-    parts = list(loc)
+def _tagged(found: list[type], tag: Any) -> Optional[type]:
+    """The member of a tagged union (``found``) whose discriminator (a one-value Literal field: a split's
+    ``protocol``, a dataset's ``kind``) is ``tag``, or None."""
+    for m in found:
+        for f in m.model_fields.values():
+            if get_origin(f.annotation) is Literal and get_args(f.annotation) == (tag,):
+                return m
+    return None
+
+
+def _union_at(model: Optional[type], loc: tuple) -> tuple[Optional[type], list[type]]:
+    """The params model at error location ``loc`` (its parent's path) under ``model``, and where the last step was
+    a tagged union's member (pydantic names the tag in the path), the union's members; (None, []) where the path is
+    not followed to one model."""
+    parts, members = list(loc), []
     while parts and model is not None:
         part = parts.pop(0)
         field = model.model_fields.get(str(part))
         if field is None:
-            return None
+            return None, []
         found, inside = _models_in(field.annotation)
         if inside and parts:
             parts.pop(0)  # the mapping's key or the list's index
-        if len(found) != 1:  # a value that is no model, or one of several (a tagged union): not followed
-            return None
+        members = []
+        if len(found) > 1 and parts and (member := _tagged(found, parts[0])) is not None:
+            parts.pop(0)  # the tag pydantic put in the path
+            model, members = member, found
+            continue
+        if len(found) != 1:  # a value that is no model, or one of several untagged: not followed
+            return None, []
         model = found[0]
-    return set(model.model_fields) if model is not None else None
+    return model, members
+
+
+def _fields_at(model: Optional[type], loc: tuple) -> Optional[set[str]]:
+    """The keys of the params model at error location ``loc`` (its parent's path) under ``model``, or None where the
+    path is not followed to one model (then every known key is a candidate)."""
+    found, _ = _union_at(model, loc)
+    return set(found.model_fields) if found is not None else None
+
+
+def _other_members_key(model: Optional[type], loc: tuple, key: Any) -> str:
+    """`` (a key of protocol label_skew, not of domain_multi_clients)`` where an unknown key under a tagged union's
+    member (a split, a dataset) is one of another member's: the tag was changed and the old settings stayed."""
+    own, members = _union_at(model, loc)
+    if own is None or not members:
+        return ""
+    tag_field = next(n for n, f in own.model_fields.items() if get_origin(f.annotation) is Literal and len(get_args(f.annotation)) == 1)
+    tag = get_args(own.model_fields[tag_field].annotation)[0]
+    others = [get_args(m.model_fields[tag_field].annotation)[0] for m in members
+              if m is not own and str(key) in m.model_fields and tag_field in m.model_fields]
+    return f" (a key of {tag_field} {', '.join(others)}, not of {tag})" if others else ""
 
 
 def format_validation_error(err: ValidationError, prefix: str = "", model: Optional[type] = None) -> str:
@@ -1640,7 +1676,8 @@ def format_validation_error(err: ValidationError, prefix: str = "", model: Optio
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             own = _fields_at(model, tuple(e["loc"])[:-1]) if model is not None else None
-            msg = "unknown key" + (did_you_mean(loc[-1], own if own is not None else _all_keys()) if loc else "")
+            other = _other_members_key(model, tuple(e["loc"])[:-1], loc[-1]) if model is not None and loc else ""
+            msg = "unknown key" + (other or (did_you_mean(loc[-1], own if own is not None else _all_keys()) if loc else ""))
         elif e["type"] == "value_error" and "error" in ctx:
             msg = str(ctx["error"])
         lines.append(f"{key}: {msg}" if key else msg)
@@ -1748,7 +1785,7 @@ def load_paper_params(path: Path, raw: dict[str, Any]) -> Params:
     try:
         pp = PaperParams.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(f"{path}: {format_validation_error(err)}") from None
+        raise ConfigError(f"{path}: {format_validation_error(err, model=PaperParams)}") from None
     repo = (path.parent / pp.repo_root).resolve()
     if (repo / pp.params_file).resolve() != path.resolve():
         raise ConfigError(f"{path}: params_file: '{pp.params_file}' (from repo_root '{pp.repo_root}') is not this file")
@@ -1799,6 +1836,6 @@ def load_paper_params(path: Path, raw: dict[str, Any]) -> Params:
             "methods": pp.methods, "pipeline": pipeline, "tracking": pp.tracking,
         })
     except ValidationError as err:
-        raise ConfigError(f"{path}: {format_validation_error(err)}") from None
+        raise ConfigError(f"{path}: {format_validation_error(err, model=Params)}") from None
     params._paper = PaperMeta(name=pp.paper, scale=pp.scale, params_file=pp.params_file, runs=pp.runs)
     return params
