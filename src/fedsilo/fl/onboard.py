@@ -110,8 +110,10 @@ def adapt_as_member(spec: Any, client: ClientData, newcomer: dict[str, Any], rou
     federation's model does not change), then ``Method.load_eval_model`` with the evaluation download, scored on its
     test split. So Ditto's newcomer trains its personal model towards the federation's global one, pFedSD's distils
     from its own last personal model, FedPAC's trains its head against the global prototypes, F²DC's its decoupler
-    and corrector, FDSE's its own layers, pFedDR's its local BatchNorm, CD2-pFed's its private channels; FedBABU's and
-    FT-FedAvg's evaluation fine-tunes the federation's model, the same each round (their curve is flat). The rate is
+    and corrector, pFedDR's its local BatchNorm; FedBABU's and FT-FedAvg's evaluation fine-tunes the federation's
+    model, the same each round (their curve is flat). Where a site's evaluation model needs what the server makes
+    from its uploads (FDSE, CD2-pFed, LG-FedAvg with ``fedavg_rounds``: ``Method.newcomer_refusal``), the deployment
+    writes no newcomer download and this is refused before (:func:`~fedsilo.fl.deploy.as_member_refusal`). The rate is
     the train's, without ``train.lr_schedule`` (the schedule counts the federation's rounds, which a newcomer's are
     not; its last rounds' factor may be near 0), and round r's batches are drawn from (the deployment's seed, r).
     ``spec``: the deployment's FlowerSpec (:func:`~fedsilo.fl.deploy.deployment_spec`). Returns the accuracy per
