@@ -227,7 +227,7 @@ def continual_summary(history: list[dict[str, Any]], task_names: list[str], per_
         stay = set().union(*ends[max(ends)]["task_acc_by_client"].values())  # scored at the last task's end
         kept = [[float(np.mean(v)) if (v := [a for c, a in ends[t]["task_acc_by_client"].get(task_names[j], {}).items() if c in stay])
                  else float("nan") for j in range(t + 1)] for t in sorted(ends)]
-        out.update({"sites_left": left, "sites_at_end": sorted(stay), "accuracy_matrix_sites_at_end": kept,
+        out.update({"sites_at_end": sorted(stay), "accuracy_matrix_sites_at_end": kept,  # (a deployment: sites_left)
                     "forgetting_sites_at_end": _forgetting(kept, len(task_names))})
     last = ends.get(max(ends)) if ends else None
     if last is not None and "storage" in last:
