@@ -1134,7 +1134,9 @@ def test_hospitals_with_a_stream_of_domains_learn_it_as_the_continual_engine_doe
     assert all("Hospital C" not in h["eval"] for h in left[1:]) and "Hospital C" in left[0]["eval"]
     assert "Hospital C" in history[1]["bytes_task_end"]  # in the run it stayed in, task 0's end sent it its family model
     assert "Hospital C" not in left[1]["bytes_task_end"] and set(left[-1]["storage"]) == {"Hospital A", "Hospital B"}
-    assert json.loads((tmp_path / "cut/results/metrics.json").read_text())["sites_left"] == {"Hospital C": 1}
+    cut = json.loads((tmp_path / "cut/results/metrics.json").read_text())
+    assert cut["sites_left"] == {"Hospital C": 1} and cut["sites_at_end"] == ["Hospital A", "Hospital B"]
+    assert len(cut["accuracy_matrix_sites_at_end"]) == 2 and cut["forgetting_sites_at_end"] is not None
 
 
 def _unit(path: Path) -> dict[str, dict[str, str]]:
