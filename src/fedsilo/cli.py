@@ -859,7 +859,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "  onboard    a hospital that was not part of a deployed run adapts the federation's model (--model: the "
         "coordinator's final_model.pt) on its own data: pFedDB's phi as its Fig. 6 (its own local model first, "
         "experiments.<e>.onboarding.pretrain_rounds), a plain backbone's shared layers (FedBN, FedRep, ...), or "
-        "the method's own client round against the finished federation (as_member: Ditto, FedPAC, F2DC, ...); "
+        "the method's own client round against the finished federation (as_member: Ditto, FedPAC, F2DC, ...), or "
+        "a global model (FedAvg, FedProx, ...: finetune_all); "
         "onboarding.rounds rounds of each --strategy, scored on its test split; keeps the first strategy's model as "
         "model.pt (predict and evaluate take it) with onboarding.json in --out (default "
         "onboarding/<federation>/<method>/seed<k>); nothing is sent")
@@ -876,7 +877,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    "freeze_global for pFedDB, FedBN, FedRep, FedPer, LG-FedAvg: the federation's tensors frozen, what a "
                    "site keeps trained; as_member for a method whose sites are evaluated with a model of their own "
                    "(Ditto, FedPAC, F2DC, ...): its own client round against the finished federation; finetune_all "
-                   "for a global model)")
+                   "for a global model: every tensor trained from the federation's). from_scratch: a fresh backbone on "
+                   "this site's data alone (a baseline). pFedDB refuses as_member")
     s.add_argument("--superlink", help="the SuperLink's address, host:port")
     s.add_argument("--root-certificates", help="the federation's CA certificate (ca.crt from the coordinator)")
     s.add_argument("--auth-key", help="the site's private authentication key (fedsilo deploy key)")
