@@ -1853,6 +1853,7 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
     sent = bn_held["newcomer"]
     assert sent["index"] == 2 and sent["round"] == 2
     assert all(torch.equal(sent["download"][k], v) for k, v in bn_held["server"].items()) and set(sent["download"]) == set(bn_held["server"])
+    assert bn_final.stat().st_size < 1.5 * payload_bytes(bn_held["server"])  # the tensors it shares with the model stored once
     assert bn_summary["strategies"] == ["freeze_global", "finetune_all", "as_member"]
     assert len(bn_summary["accuracy_per_round"]["as_member"]) == 2
     kept = torch.load(bn_out / "model.pt", weights_only=True)["model"]

@@ -217,8 +217,10 @@ def newcomer_payloads(method: Any, server: dict[str, torch.Tensor], clients: lis
     if as_member_refusal(method, last_round) is not None:
         return None
     card = Card(max(c.index for c in clients) + 1, NEWCOMER, "", 0, tuple(clients[0].x_train.shape[1:]))
-    down = {k: v.detach().cpu().clone() for k, v in method.download(dict(server), card, last_round).items()}
-    evaluation = {k: v.detach().cpu().clone() for k, v in method.eval_download(dict(server), card).items()}
+    # the server's own tensors where the downloads are (no copy): final_model.pt stores a tensor the federation's
+    # model and the downloads share once
+    down = {k: v.detach().cpu() for k, v in method.download(dict(server), card, last_round).items()}
+    evaluation = {k: v.detach().cpu() for k, v in method.eval_download(dict(server), card).items()}
     return {"index": card.index, "round": int(last_round), "download": down, "eval": evaluation}
 
 
