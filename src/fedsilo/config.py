@@ -19,6 +19,7 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -1321,24 +1322,18 @@ def distinct_seeds(v: tuple[int, ...]) -> tuple[int, ...]:
     return v
 
 
+# a pipeline's or a paper's seeds: a list (a bare number refused), each given once, none negative
+Seeds = Annotated[tuple[int, ...], BeforeValidator(seeds_listed), AfterValidator(distinct_seeds)]
+
+
 class PipelineParams(Strict):
     sources: tuple[str, ...]
     datasets: tuple[str, ...]
     splits: dict[str, str] = Field(description="experiment -> its dataset: the split stages dvc.yaml expands")
     experiments: tuple[str, ...] = Field(description="experiments trained and reported (each must be in splits)")
     methods: tuple[str, ...]
-    seeds: tuple[int, ...]
+    seeds: Seeds
     onboarding: tuple[str, ...] = Field((), description="holdout_domain experiments whose newcomer onboarding (pFedDB Fig. 6) dvc.yaml runs")
-
-    @field_validator("seeds", mode="before")
-    @classmethod
-    def _seeds_listed(cls, v: Any) -> Any:
-        return seeds_listed(v)
-
-    @field_validator("seeds")
-    @classmethod
-    def _distinct_seeds(cls, v: tuple[int, ...]) -> tuple[int, ...]:
-        return distinct_seeds(v)
 
 
 class TrackingParams(Strict):
@@ -1724,17 +1719,7 @@ class PaperParams(Strict):
     params_file: str = Field(description="this file's path from the repository root (dvc.yaml's params dependency)")
     repo_root: str = Field(description="the repository root from this file's folder (dvc.yaml's wdir)")
     data: str = Field("params.yaml", description="the root params file whose sources and datasets the experiments use")
-    seeds: tuple[int, ...] = Field(min_length=1)
-
-    @field_validator("seeds", mode="before")
-    @classmethod
-    def _seeds_listed(cls, v: Any) -> Any:
-        return seeds_listed(v)
-
-    @field_validator("seeds")
-    @classmethod
-    def _distinct_seeds(cls, v: tuple[int, ...]) -> tuple[int, ...]:
-        return distinct_seeds(v)
+    seeds: Seeds = Field(min_length=1)
     runs: dict[str, RunGroup] = Field(description="group -> experiments x methods; dvc.yaml has a train_<group> stage per group")
     onboarding: tuple[str, ...] = Field((), description="holdout_domain experiments whose newcomer onboarding (pFedDB Fig. 6) runs")
     experiments: dict[str, ExperimentParams]
