@@ -36,12 +36,18 @@ def load_params(path: str | Path) -> config.Params:
     return load_with_methods(path)
 
 
+def _defined(params_file: Any, section: str, name: str, known: Any) -> None:
+    """``name`` is defined under ``section`` of the params file, else a ConfigError naming the file, the dotted key
+    and a near miss."""
+    if name not in known:
+        raise ConfigError(f"{params_file}: {section}.{name}: not defined{config.did_you_mean(name, known)}")
+
+
 def _fetch(args: argparse.Namespace) -> None:
     from fedsilo.data.fetch import fetch
 
     p = config.load_params(args.params)  # no method entries: no PyTorch import
-    if args.source not in p.sources:
-        raise ConfigError(f"{args.params}: sources.{args.source}: not defined{config.did_you_mean(args.source, p.sources)}")
+    _defined(args.params, "sources", args.source, p.sources)
     m = fetch(args.source, p.sources[args.source], Path(args.root) / "data" / "raw" / args.source, Path(args.root), quiet=args.quiet)
     print(f"fetch {args.source}: {len(m['files'])} files from {m['origin']}")
 
@@ -51,8 +57,7 @@ def _fingerprint(args: argparse.Namespace) -> None:
     from fedsilo.utils.io import write_json
 
     p = config.load_params(args.params)  # no method entries: no PyTorch import
-    if args.dataset not in p.datasets:
-        raise ConfigError(f"{args.params}: datasets.{args.dataset}: not defined{config.did_you_mean(args.dataset, p.datasets)}")
+    _defined(args.params, "datasets", args.dataset, p.datasets)
     fp = sources_fingerprint(args.dataset, p.datasets[args.dataset].source_list, Path(args.root) / "data" / "raw")
     write_json(p.layout(args.root).sources_fingerprint(args.dataset), fp)
     for s, v in fp["sources"].items():
@@ -82,8 +87,7 @@ def _harmonize(args: argparse.Namespace) -> None:
     from fedsilo.data.harmonize import HarmonizeError, harmonize_dataset, preview_dataset
 
     p = config.load_params(args.params)  # no method entries: no PyTorch import
-    if args.dataset not in p.datasets:
-        raise ConfigError(f"{args.params}: datasets.{args.dataset}: not defined{config.did_you_mean(args.dataset, p.datasets)}")
+    _defined(args.params, "datasets", args.dataset, p.datasets)
     if args.dry_run:
         pv = preview_dataset(p.datasets[args.dataset], Path(args.root) / "data" / "raw", args.dataset, quiet=args.quiet)
         for dom, d in pv["domains"].items():
@@ -112,8 +116,7 @@ def _split(args: argparse.Namespace) -> None:
     from fedsilo.utils.io import read_json, write_json
 
     p = config.load_params(args.params)  # no method entries: no PyTorch import
-    if args.experiment not in p.experiments:
-        raise ConfigError(f"{args.params}: experiments.{args.experiment}: not defined{config.did_you_mean(args.experiment, p.experiments)}")
+    _defined(args.params, "experiments", args.experiment, p.experiments)
     exp = p.experiments[args.experiment]
     layout = p.layout(args.root)
     rec_path = layout.harmonized(exp.dataset) / "records.parquet"
@@ -152,8 +155,7 @@ def _onboard(args: argparse.Namespace) -> None:
     from fedsilo.fl.onboard import run_onboarding
 
     p = load_params(args.params)
-    if args.experiment not in p.experiments:
-        raise ConfigError(f"{args.params}: experiments.{args.experiment}: not defined{config.did_you_mean(args.experiment, p.experiments)}")
+    _defined(args.params, "experiments", args.experiment, p.experiments)
     out = run_onboarding(p, args.experiment, args.seed, Path(args.root))
     print(f"{args.experiment} onboarding of {out['newcomer']} (seed {args.seed}): " + ", ".join(f"{s} {a:.3f}" for s, a in out["final"].items()))
 
@@ -170,7 +172,6 @@ def _refuse_missing_runs(p: Params, layout: Layout, source: str, what: str, runs
 
 
 def _report(args: argparse.Namespace) -> None:
-
     p = load_params(args.params)
     layout = p.layout(args.root)
     if args.sensitivity and args.group:
@@ -204,8 +205,7 @@ def _report(args: argparse.Namespace) -> None:
         _refuse_missing_runs(p, layout, args.params, "report", [(e, m) for e in exps if e in p.experiments for m in methods_of(e)])
     made = {}
     for exp in exps:
-        if exp not in p.experiments:
-            raise ConfigError(f"{args.params}: experiments.{exp}: not defined{config.did_you_mean(exp, p.experiments)}")
+        _defined(args.params, "experiments", exp, p.experiments)
         with _naming_published(args.params, exp, p.experiments[exp].published):
             _report_one(args, p, exp, methods_of, out_of, made)
     for exp, info in made.items():
