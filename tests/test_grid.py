@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -225,3 +226,25 @@ def test_the_default_pattern_takes_the_root_pipelines_train_stages_and_one_match
     assert upstream("dvc.yaml", repo, TRAIN_STAGES) == ["prep"]
     with pytest.raises(GridError, match=r"--stages 'train_\*': no stage of dvc.yaml matches \(its stages: prep, report, train;"):
         upstream("dvc.yaml", repo, "train_*")
+
+
+def test_a_command_that_leaves_a_process_running_returns_when_it_exits():
+    """`dvc queue start` spawns queue workers that outlive it: run with pipes, the call waited for the last worker
+    (the grid printed no progress and could not be interrupted until every run ended); run_detached returns when
+    the command exits, its output read back."""
+    import psutil
+
+    from fedsilo.grid import run_detached
+
+    code = ("import subprocess, sys; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            "print('started', p.pid, flush=True)")
+    t0 = time.monotonic()
+    r = run_detached([sys.executable, "-c", code], Path.cwd())
+    took = time.monotonic() - t0
+    child = int(r.stdout.split()[1])
+    try:
+        assert r.returncode == 0 and r.stdout.startswith("started") and took < 60  # not the child's 120 s
+        assert psutil.pid_exists(child)  # still running: the call did not wait for it
+    finally:
+        psutil.Process(child).kill()

@@ -48,8 +48,25 @@ class GridError(RuntimeError):
     pass
 
 
-def _dvc(args: list[str], cwd: Path, env: Optional[dict[str, str]] = None, check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, env=env, capture_output=True, text=True)
+def run_detached(cmd: list[str], cwd: Path, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """``cmd`` until it exits, its output (stdout and stderr together) read from a temporary file, not a pipe: a
+    process it leaves running (a DVC queue worker `dvc queue start` spawns) inherits the file, so the call returns when
+    ``cmd`` does, where a pipe would keep it waiting until the last such process exits."""
+    import tempfile
+
+    with tempfile.TemporaryFile() as out:
+        r = subprocess.run(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+    return subprocess.CompletedProcess(r.args, r.returncode, text, "")
+
+
+def _dvc(args: list[str], cwd: Path, env: Optional[dict[str, str]] = None, check: bool = True,
+         detached: bool = False) -> subprocess.CompletedProcess:
+    """``dvc <args>``; ``detached``: a command that starts processes outliving it (``queue start``), run with
+    :func:`run_detached`."""
+    cmd = [sys.executable, "-m", "dvc", *args]
+    r = run_detached(cmd, cwd, env) if detached else subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     if check and r.returncode != 0:
         raise GridError(f"`dvc {' '.join(args)}` failed (exit {r.returncode}):\n{(r.stderr or r.stdout).strip()[-3000:]}")
     return r
@@ -124,17 +141,33 @@ def upstream(pipeline: str, repo: Path, pattern: str) -> list[str]:
     return sorted(leaves)
 
 
-def queue_status(repo: Path) -> tuple[dict[str, str], Optional[int]]:
+def queue_status(repo: Path) -> tuple[dict[str, str], int]:
     """Experiment name -> status (Queued, Running, Success, Failed, ...) from ``dvc queue status``, and the number of
-    live queue workers (active + idle; None when DVC does not say)."""
+    this repository's live queue worker processes (:func:`queue_workers`: DVC's own "Worker status" line read 0
+    active, 0 idle while two workers ran experiments)."""
     out = _dvc(["queue", "status"], repo).stdout
     found = {}
     for line in out.splitlines():
         parts = line.split()
         if len(parts) >= 4 and re.fullmatch(r"[0-9a-f]{7,}", parts[0]):
             found[parts[1]] = parts[-1]
-    m = re.search(r"Worker status: (\d+) active, (\d+) idle", out)
-    return found, (int(m.group(1)) + int(m.group(2)) if m else None)
+    return found, len(queue_workers(repo))
+
+
+def queue_workers(repo: Path) -> list:
+    """This repository's DVC queue worker processes (``dvc exp queue-worker`` run in ``repo``), alive."""
+    import psutil
+
+    root = str(Path(repo).resolve())
+    found = []
+    for p in psutil.process_iter(["cmdline", "cwd"]):
+        try:
+            cmd = p.info["cmdline"] or []
+            if "queue-worker" in cmd and "exp" in cmd and p.info["cwd"] == root and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:  # gone between the listing and the look
+            continue
+    return found
 
 
 def stop_workers(repo: Path, env: Optional[dict[str, str]] = None, grace_s: float = 30.0, terminate: bool = True,
@@ -149,16 +182,6 @@ def stop_workers(repo: Path, env: Optional[dict[str, str]] = None, grace_s: floa
     if not terminate:  # interrupted: the running experiments finish, then their workers stop
         log("grid: interrupted; the running experiments finish first (`dvc queue kill <name>` stops them now)")
         return 0
-    root = str(Path(repo).resolve())
-
-    def workers() -> list[psutil.Process]:
-        found = []
-        for p in psutil.process_iter(["cmdline", "cwd"]):
-            cmd = p.info["cmdline"] or []
-            if "queue-worker" in cmd and "exp" in cmd and p.info["cwd"] == root:
-                found.append(p)
-        return found
-
     def alive(p: psutil.Process) -> bool:
         try:
             return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
@@ -166,7 +189,7 @@ def stop_workers(repo: Path, env: Optional[dict[str, str]] = None, grace_s: floa
             return False
 
     deadline = time.monotonic() + grace_s
-    left = workers()
+    left = queue_workers(repo)
     while left and time.monotonic() < deadline:
         time.sleep(1.0)
         left = [p for p in left if alive(p)]
@@ -275,7 +298,7 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, 
     t1 = time.monotonic()
     failed: dict[str, list[str]] = {}
     if names:
-        _dvc(["queue", "start", "--jobs", str(jobs)], repo, wenv)
+        _dvc(["queue", "start", "--jobs", str(jobs)], repo, wenv, detached=True)
         bar = Progress(len(stages), f"grid {pipeline} ({jobs} workers x {wenv['OMP_NUM_THREADS']} threads, "
                        f"{len(names)} experiments)", "run", quiet=quiet)
         done: set[str] = set()
@@ -288,7 +311,7 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, 
                 # (seen after a `dvc queue stop` in the same repository) leaves it Queued with nobody to run it
                 idle_polls = idle_polls + 1 if live == 0 and any(s == "Queued" for s in st.values()) else 0
                 if idle_polls >= 3:
-                    _dvc(["queue", "start", "--jobs", str(jobs)], repo, wenv)
+                    _dvc(["queue", "start", "--jobs", str(jobs)], repo, wenv, detached=True)
                     idle_polls = 0
                 now = {n for n, s in st.items() if s in ("Success", "Failed")}
                 if now - done:
