@@ -154,6 +154,24 @@ def queue_status(repo: Path) -> tuple[dict[str, str], int]:
     return found, len(queue_workers(repo))
 
 
+STATUS_EVERY_S = 30.0  # run_grid asks `dvc queue status` at least this often, and whenever the workers' processes change
+
+
+def queue_activity(repo: Path) -> frozenset[int]:
+    """The process ids of this repository's queue workers and of everything they run (a stage's command): it
+    changes when a run ends or a worker comes or goes, a cheap look where `dvc queue status` costs a DVC process."""
+    import psutil
+
+    pids = set()
+    for w in queue_workers(repo):
+        pids.add(w.pid)
+        try:
+            pids.update(c.pid for c in w.children(recursive=True))
+        except psutil.Error:  # gone meanwhile
+            continue
+    return frozenset(pids)
+
+
 def queue_workers(repo: Path) -> list:
     """This repository's DVC queue worker processes (``dvc exp queue-worker`` run in ``repo``), alive."""
     import psutil
@@ -303,8 +321,16 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, 
                        f"{len(names)} experiments)", "run", quiet=quiet)
         done: set[str] = set()
         idle_polls = 0
+        seen, asked = None, -float("inf")
         try:
             while True:
+                # `dvc queue status` (a DVC process: a second of CPU, taken from the runs) only when the workers'
+                # processes changed (a run ended, a worker came or went), or every STATUS_EVERY_S seconds
+                now_s, activity = time.monotonic(), queue_activity(repo)
+                if activity == seen and now_s - asked < STATUS_EVERY_S:
+                    time.sleep(poll_s)
+                    continue
+                seen, asked = activity, now_s
                 status, live = queue_status(repo)
                 st = {n: s for n, s in status.items() if n in names}
                 # DVC's workers exit when they find the queue empty; one that exits while a task is still being queued
