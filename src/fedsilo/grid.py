@@ -141,29 +141,28 @@ def upstream(pipeline: str, repo: Path, pattern: str) -> list[str]:
     return sorted(leaves)
 
 
-def queue_status(repo: Path) -> tuple[dict[str, str], int]:
-    """Experiment name -> status (Queued, Running, Success, Failed, ...) from ``dvc queue status``, and the number of
-    this repository's live queue worker processes (:func:`queue_workers`: DVC's own "Worker status" line read 0
-    active, 0 idle while two workers ran experiments)."""
+def queue_status(repo: Path) -> dict[str, str]:
+    """Experiment name -> status (Queued, Running, Success, Failed, ...) from ``dvc queue status`` (its "Worker
+    status" line is not read: it said 0 active, 0 idle while two workers ran experiments; :func:`queue_workers`)."""
     out = _dvc(["queue", "status"], repo).stdout
     found = {}
     for line in out.splitlines():
         parts = line.split()
         if len(parts) >= 4 and re.fullmatch(r"[0-9a-f]{7,}", parts[0]):
             found[parts[1]] = parts[-1]
-    return found, len(queue_workers(repo))
+    return found
 
 
 STATUS_EVERY_S = 30.0  # run_grid asks `dvc queue status` at least this often, and whenever the workers' processes change
 
 
-def queue_activity(repo: Path) -> frozenset[int]:
-    """The process ids of this repository's queue workers and of everything they run (a stage's command): it
-    changes when a run ends or a worker comes or goes, a cheap look where `dvc queue status` costs a DVC process."""
+def queue_activity(workers: list) -> frozenset[int]:
+    """The process ids of queue ``workers`` (:func:`queue_workers`) and of everything they run (a stage's command):
+    it changes when a run ends or a worker comes or goes, a cheap look where `dvc queue status` costs a DVC process."""
     import psutil
 
     pids = set()
-    for w in queue_workers(repo):
+    for w in workers:
         pids.add(w.pid)
         try:
             pids.update(c.pid for c in w.children(recursive=True))
@@ -326,12 +325,13 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, 
             while True:
                 # `dvc queue status` (a DVC process: a second of CPU, taken from the runs) only when the workers'
                 # processes changed (a run ended, a worker came or went), or every STATUS_EVERY_S seconds
-                now_s, activity = time.monotonic(), queue_activity(repo)
+                now_s, workers = time.monotonic(), queue_workers(repo)
+                activity = queue_activity(workers)
                 if activity == seen and now_s - asked < STATUS_EVERY_S:
                     time.sleep(poll_s)
                     continue
-                seen, asked = activity, now_s
-                status, live = queue_status(repo)
+                seen, asked, live = activity, now_s, len(workers)
+                status = queue_status(repo)
                 st = {n: s for n, s in status.items() if n in names}
                 # DVC's workers exit when they find the queue empty; one that exits while a task is still being queued
                 # (seen after a `dvc queue stop` in the same repository) leaves it Queued with nobody to run it

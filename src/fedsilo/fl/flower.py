@@ -836,7 +836,7 @@ class FlowerStream(TaskStream, FlowerServer):
         replies = self._exchange("evaluate", rnd, contents)
         scores: list[list[tuple[str, Optional[float], int]]] = [[] for _ in range(task + 1)]
         self._storage = {}
-        here = [i for i in range(len(self.clients)) if i in contents]  # a site that has left is not evaluated
+        here = sorted(contents)  # the sites still in: one that has left is not evaluated
         for i in here:
             c, m = self.clients[i], replies[i].content.metric_records[CONFIG]
             for j in range(task + 1):
