@@ -94,22 +94,18 @@ def test_grid_trains_each_stage_once_on_two_workers_and_leaves_the_pipeline_up_t
     # nothing stale: a second grid queues nothing and trains nothing
     assert run_grid("dvc.yaml", repo, jobs=2, quiet=True)["queued"] == []
     assert len(log.read_text().split()) == 3
-    # an edit upstream of the train stages (a source, a split) makes them stale once prep reruns: all go to the queue
-    # (an OMP_NUM_THREADS the user set wins over the shared-out default); one experiment of all three this time
-    (repo / "dep.txt").write_text("2")
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    r = run_grid("dvc.yaml", repo, jobs=2, quiet=True, poll_s=0.5, per_experiment=3)
-    assert sorted(r["queued"]) == ["train_g@a", "train_g@b", "train_g@c"] and r["experiments"] == 1
-    assert sorted(log.read_text().split()[3:]) == ["a:3", "b:3", "c:3"]
-    assert (repo / "report.txt").read_text() == "a2b2c2"
 
 
 def test_a_failing_stage_stops_the_grid_naming_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("GRID_LOG", str(tmp_path / "runs.log"))
+    log = tmp_path / "runs.log"
+    monkeypatch.setenv("GRID_LOG", str(log))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # a number of threads the user set wins over the shared-out default
     repo = _repo(tmp_path, fail="exit(3) if '${item}' == 'b' else None", sub=True)  # a paper pipeline's place
     with pytest.raises(GridError, match=r"1 of 3 queued stages failed: train_g@b"):
         run_grid("pipelines/demo/dvc.yaml", repo, jobs=2, quiet=True, poll_s=0.5)
     assert not (repo / "report.txt").exists()
+    ran = log.read_text().split()  # b failed after its log line; the grid may stop before c
+    assert "b:3" in ran and set(ran) <= {"a:3", "b:3", "c:3"}
 
 
 def test_workers_log_to_this_workspaces_mlflow_store(tmp_path, monkeypatch):
