@@ -357,7 +357,7 @@ def test_pfeddil_uploads_only_the_trained_model_and_bytes_are_the_tensors_moved(
 
 
 # ---------------------------------------------------------------- the train stage and the report
-def test_train_stage_runs_a_hospital_stream_and_the_report_prints_the_papers_table(mirror_root, tmp_path):
+def test_train_stage_runs_a_hospital_stream_and_the_report_prints_the_papers_table(mirror_root, tmp_path, capsys):
     """CheXpert -> OpenI -> RSNA -> VinBigData as a stream through `fedsilo split` / `train` / `report`: metrics.json
     holds the accuracy matrix, MLflow gets the per-task accuracies (a static method's refusal, naming its key, is
     test_a_static_method_is_refused_on_a_stream_naming_the_key's)."""
@@ -389,14 +389,41 @@ def test_train_stage_runs_a_hospital_stream_and_the_report_prints_the_papers_tab
     for m in ("pfeddil", "disjoint"):
         assert cli("train", "--experiment", "stream", "--method", m, "--seed", "0") == 0
     met = read_json(root / "results" / "stream" / "pfeddil" / "seed0" / "metrics.json")
+    # what the command says at the end: the paper's Avg first; each round's progress line names its task
+    assert f"stream pfeddil seed 0: Avg {met['avg_acc']:.3f} (accuracy after each task, averaged)" in capsys.readouterr().out
+    from fedsilo.fl.run import round_summary
+
+    history = read_json(root / "results" / "stream" / "pfeddil" / "seed0" / "history.json")
+    assert round_summary(history[0]).startswith("task 1 (CheXpert), its last round, loss ")  # one round a task here
+    assert f"acc on the tasks seen {history[1]['seen_acc']:.3f}" in round_summary(history[1])
     assert met["tasks"] == ["CheXpert", "OpenI", "RSNA", "VinBigData"] and [len(r) for r in met["accuracy_matrix"]] == [1, 2, 3, 4]
     assert met["mean_acc"] == met["final_acc"] and met["forgetting"] is not None and met["models_per_client"] >= 1
     assert cli("report", "--experiment", "stream") == 0
     table = (root / "results" / "report" / "stream" / "stream_stream.md").read_text()
     assert "CheXpert | OpenI | RSNA | VinBigData | Avg | Delta | forgetting" in table and "| disjoint |" in table
+    # every client learns each domain in turn; the images behind each task's column, from that task's test splits
+    assert met["client_domains"] == {c: met["tasks"] for c in met["clients"]} and "test_sizes" not in met
+    sizes = met["test_sizes_by_task"]
+    assert list(sizes) == met["tasks"] and all(set(by) == set(met["clients"]) for by in sizes.values())
+    assert sizes["OpenI"] != sizes["CheXpert"]  # each task's own (it held task 0's for every task)
+    n = sum(sizes["OpenI"].values())
+    assert f"OpenI {n} (±{100 * (0.25 / n) ** 0.5:.1f})" in table
     on = (root / "results" / "report" / "stream" / "stream_on_task.md").read_text()
     assert "CheXpert | OpenI | RSNA | VinBigData | Avg on task | Avg pooled" in on and "| pfeddil |" in on
     assert f"{100 * met['avg_on_task']:.2f}" in on and f"{100 * met['avg_acc_pooled']:.2f}" in on
+    # an edit the run was not retrained for: the report refuses it (its numbers would stand under the edited row),
+    # naming what differs and the stage that retrains it; the report it made before stays
+    assert met["run"]["method"]["lam"] == 0.5
+    raw["methods"]["pfeddil"]["lam"] = 0.6
+    (root / "params.yaml").write_text(yaml.safe_dump(raw))
+    capsys.readouterr()
+    assert cli("report", "--experiment", "stream") == 2
+    err = capsys.readouterr().err
+    assert ("1 run(s) trained with other params than the file sets now (stream/pfeddil/seed0: method.lam: 0.5 in the run, "
+            "0.6 now); retrain them: dvc repro train@stream-pfeddil-0") in err
+    assert (root / "results" / "report" / "stream" / "stream_stream.md").read_text() == table
+    raw["methods"]["pfeddil"]["lam"] = 0.5
+    (root / "params.yaml").write_text(yaml.safe_dump(raw))
     import mlflow
 
     client = mlflow.tracking.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")

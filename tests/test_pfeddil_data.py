@@ -98,12 +98,18 @@ def test_digit10_cap_applies_after_the_letters_are_dropped(raw, tmp_path):
     assert a["sha256"] == b["sha256"]
 
 
-def test_digit10_and_office31_take_the_domain_incremental_split(harmonized):
+def test_digit10_and_office31_take_the_domain_incremental_split(harmonized, caplog):
     for name, order in (("digit10", DIGIT10_DOMAINS), ("office31", ["amazon", "dslr", "webcam"])):
         rec = pd.read_parquet(harmonized / name / "records.parquet")
-        split = make_split(rec, DomainIncrementalSplit(protocol="domain_incremental", clients=2, alpha=1.0, min_per_client=1), seed=0)
+        caplog.clear()
+        split = make_split(rec, DomainIncrementalSplit(protocol="domain_incremental", clients=2, alpha=1.0, min_per_client=1,
+                                                       test_fraction=0.25), seed=0)
         assert split["task_order"] == order and split["num_classes"] == (10 if name == "digit10" else 31)
         assert [t["domain"] for t in split["clients"][0]["tasks"]] == order
+        # Digit-10's domains have their official test subsets, which test_from: auto takes: a test_fraction set is
+        # said to go unused; Office-31 has none, and is split by it
+        unused = f"split.test_fraction 0.25 is not used for {', '.join(order)}: each takes its official test subset"
+        assert (unused in caplog.text) == (name == "digit10")
 
 
 # --------------------------------------------------------------------------- Office-31

@@ -148,6 +148,11 @@ def _train(args: argparse.Namespace) -> None:
     p = load_params(args.params)
     m = run_training(p, args.experiment, args.method, args.seed, Path(args.root), quiet=args.quiet)
     per = ", ".join(f"{k} {v['acc']:.3f}" for k, v in m["per_client"].items())
+    if "accuracy_matrix" in m:  # a stream: the paper's Avg (after each task, averaged), then the last evaluation's
+        forgetting = "n/a" if m.get("forgetting") is None else f"{m['forgetting']:.3f}"
+        print(f"{args.experiment} {args.method} seed {args.seed}: Avg {m['avg_acc']:.3f} (accuracy after each task, averaged), "
+              f"forgetting {forgetting}; after the last task {m['final_acc']:.3f} over the tasks, per client ({per})")
+        return
     print(f"{args.experiment} {args.method} seed {args.seed}: mean acc {m['mean_acc']:.3f} ± {m['std_acc']:.3f} ({per})")
 
 
@@ -161,14 +166,28 @@ def _onboard(args: argparse.Namespace) -> None:
 
 
 def _refuse_missing_runs(p: Params, layout: Layout, source: str, what: str, runs: list[tuple[str, str]]) -> None:
-    """Every (experiment, method) run of ``runs`` trained for every seed, or a ConfigError naming those that are not
-    and the one ``dvc repro`` command that trains them (this params file's stages)."""
-    missing = [(e, m, k) for e, m in dict.fromkeys(runs) for k in p.pipeline.seeds if not (layout.run(e, m, k) / "metrics.json").exists()]
+    """Every (experiment, method) run of ``runs`` trained for every seed, with the params ``p`` sets for it now, or
+    a ConfigError naming those that are not trained, or were trained with other params (a run left from before an
+    edit: a table would give its numbers under the row of the edited method), and the one ``dvc repro`` command that
+    trains them (this params file's stages)."""
+    from fedsilo.fl.run import trained_otherwise
+
+    every = [(e, m, k) for e, m in dict.fromkeys(runs) for k in p.pipeline.seeds]
+    missing = [r for r in every if not (layout.run(*r) / "metrics.json").exists()]
+
+    def listed(rs: list[tuple[str, str, int]]) -> str:
+        return ", ".join(f"{e}/{m}/seed{k}" for e, m, k in rs[:6]) + (", ..." if len(rs) > 6 else "")
+
+    def train(rs: list[tuple[str, str, int]]) -> str:
+        return "dvc repro " + " ".join(shlex.quote(p.train_stage(*r)) for r in rs)
+
     if missing:
-        targets = " ".join(shlex.quote(p.train_stage(e, m, k)) for e, m, k in missing)
-        raise ConfigError(f"{source}: {what}: {len(missing)} run(s) not trained yet "
-                          f"({', '.join(f'{e}/{m}/seed{k}' for e, m, k in missing[:6])}{', ...' if len(missing) > 6 else ''}); "
-                          f"train them: dvc repro {targets}")
+        raise ConfigError(f"{source}: {what}: {len(missing)} run(s) not trained yet ({listed(missing)}); train them: {train(missing)}")
+    stale = trained_otherwise(p, layout, every)
+    if stale:
+        said = "; ".join(f"{e}/{m}/seed{k}: {', '.join(d[:4])}{', ...' if len(d) > 4 else ''}" for (e, m, k), d in list(stale.items())[:4])
+        raise ConfigError(f"{source}: {what}: {len(stale)} run(s) trained with other params than the file sets now ({said}"
+                          f"{'; ...' if len(stale) > 4 else ''}); retrain them: {train(list(stale))}")
 
 
 def _report(args: argparse.Namespace) -> None:
@@ -237,8 +256,10 @@ def _report_one(args: argparse.Namespace, p: Params, exp: str, methods_of: Calla
     layout = p.layout(args.root)
     if p.experiments[exp].split.protocol == "domain_incremental":
         ms = list(methods_of(exp))
-        # Delta's reference: the pFedDIL entry with every module on (not an ablation)
-        full = [m for m in ms if (p.methods[m] or {}).get("method", m) == "pfeddil"
+        # Delta's reference: the pFedDIL entry with every module on (not an ablation); in a group's table the one the
+        # group sets beside its own rows (Table 6's lambda sweep is compared with the paper's pFedDIL, not its first lambda)
+        beside = list(p.paper.runs[args.group].beside) if args.group else []
+        full = [m for m in sorted(ms, key=lambda m: m not in beside) if (p.methods[m] or {}).get("method", m) == "pfeddil"
                 and all((p.methods[m] or {}).get(k, True) for k in ("migration", "share_extractor", "correlation"))]
         made.update(build_stream_report(layout.results(exp), exp, ms, list(p.pipeline.seeds), out_of(exp),
                                         published=p.experiments[exp].published, repo=Path(args.root),

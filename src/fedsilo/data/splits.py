@@ -25,6 +25,7 @@ patient never lands on both sides of a client's train/test split. Where a domain
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import PurePosixPath
 from typing import Any, Optional
 
@@ -39,6 +40,8 @@ from fedsilo.config import (
     HoldoutDomainSplit,
     LabelSkewSplit,
 )
+
+log = logging.getLogger(__name__)
 
 
 class SplitError(ValueError):
@@ -407,10 +410,12 @@ def domain_incremental(records: pd.DataFrame, params: DomainIncrementalSplit, se
     order = list(params.domain_order) if params.domain_order else list(dict.fromkeys(records["domain"]))
     _domains(records, tuple(order))
     tasks_per_client: list[list[dict[str, Any]]] = [[] for _ in range(params.clients)]
+    official = []
     for t, dom in enumerate(order):
         sub = records[records["domain"] == dom]
         rng = _rng(seed, "domain_incremental", dom)
         if _uses_official(sub, params.test_from, dom):
+            official.append(dom)
             train_pool, test_pool = sub[sub["subset"] != "test"], sub[sub["subset"] == "test"]
         else:
             groups = _shuffled_groups(sub, rng)
@@ -431,6 +436,10 @@ def domain_incremental(records: pd.DataFrame, params: DomainIncrementalSplit, se
         test_parts = _cut_by_shares(test_pool, shares, params.clients, rng)
         for j in range(params.clients):
             tasks_per_client[j].append({"task": t, "domain": dom, "train": sorted(train_parts[j]), "test": sorted(test_parts[j])})
+    if official and "test_fraction" in params.model_fields_set:  # set, and passed over where a domain has its own test
+        log.warning("split.test_fraction %g is not used for %s: %s its official test subset (test_from: %s); test_from: "
+                    "pooled draws test_fraction of every domain's images", params.test_fraction, ", ".join(official),
+                    "each takes" if len(official) > 1 else "it takes", params.test_from)
     names = list(params.names) if params.names else [f"client{j:02d}" for j in range(params.clients)]
     clients = [{"client": j, "name": names[j], "tasks": tasks} for j, tasks in enumerate(tasks_per_client)]
     return {

@@ -38,7 +38,7 @@ from fedsilo.config import ConfigError, Params
 from fedsilo.data.splits import refuse_stale_split
 from fedsilo.fl.continual import ContinualEngine, continual_summary
 from fedsilo.fl.engine import Engine, Observer
-from fedsilo.methods import method_base, resolve_method
+from fedsilo.methods import Method, method_base, resolve_method
 from fedsilo.methods.registry import check_stream_fit
 from fedsilo.models import build_model
 from fedsilo.tracking import Tracker, dvc_hashes, flat_summary, git_commit
@@ -101,12 +101,17 @@ def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def round_summary(entry: dict[str, Any]) -> str:
-    """One round in a few words: mean local training loss, mean accuracy (evaluated rounds), seconds, bytes moved."""
+    """One round in a few words: a stream's task, mean local training loss (the method's whole objective), mean
+    accuracy (evaluated rounds; a stream's over the tasks seen so far), seconds, bytes moved."""
     parts = []
+    if "domain" in entry:  # a task stream's round
+        parts.append(f"task {entry['task'] + 1} ({entry['domain']}){', its last round' if entry.get('task_end') else ''}")
     losses = [v for v in entry.get("train_loss", {}).values() if v is not None]
     if losses:
         parts.append(f"loss {sum(losses) / len(losses):.4f}")
-    if "mean_acc" in entry:
+    if "seen_acc" in entry:
+        parts.append(f"acc on the tasks seen {entry['seen_acc']:.3f}")
+    elif "mean_acc" in entry:
         parts.append(f"acc {entry['mean_acc']:.3f}")
     parts.append(f"{entry['seconds']:.1f} s")
     parts.append(f"up {mib(entry['bytes_up_total'])} down {mib(entry['bytes_down_total'])}")
@@ -126,6 +131,54 @@ def deterministic_kernels() -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts, before its first call
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
+
+
+def run_identity(params: Params, experiment: str, method: str, seed: int, algo: Optional[Method] = None) -> dict[str, Any]:
+    """What a run is, as its params resolve it (its ``params_hash`` is this dict's hash, recorded in metrics.json
+    with the dict itself as ``run``): the experiment, its dataset and split, the train settings the method trains
+    with, the method's every parameter (defaults included) and the seed. What changes no number is not part of it
+    (changing it keeps a checkpoint)."""
+    exp = params.experiments[experiment]
+    algo = algo or resolve_method(params, method, exp.train)
+    return {
+        "experiment": experiment,
+        "dataset": exp.dataset,
+        "split": exp.split.model_dump(mode="json"),
+        "train": algo.train.model_dump(mode="json", exclude={"keep_client_models", "checkpoint_every"}),
+        "method": {"name": method, "base": method_base(method, params.methods[method]), **algo.params.model_dump(mode="json")},
+        "seed": seed,
+    }
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    return {k: v for key, val in d.items() for k, v in _flat(val, f"{prefix}.{key}" if prefix else str(key)).items()}
+
+
+def trained_otherwise(params: Params, layout: Any, runs: list[tuple[str, str, int]]) -> dict[tuple[str, str, int], list[str]]:
+    """The runs of ``runs`` (experiment, method, seed; each with its metrics.json) trained with other params than
+    ``params`` resolves for them now: for each, what differs (``method.lam: 0.5 in the run, 0.6 now``), or one line
+    saying its params hash differs where the run predates the record of its params. A run with no params hash at
+    all (older still) is not judged."""
+    out: dict[tuple[str, str, int], list[str]] = {}
+    for e, m, k in runs:
+        met = read_json(layout.run(e, m, k) / "metrics.json")
+        if "params_hash" not in met:
+            log.warning("%s/%s/seed%d: metrics.json predates params_hash: cannot tell whether it was trained with "
+                        "these params", e, m, k)
+            continue
+        now = run_identity(params, e, m, k)
+        if canonical_hash(now) == met["params_hash"]:
+            continue
+        if "run" not in met:
+            out[(e, m, k)] = ["its params hash differs (the run predates the record of its params in metrics.json)"]
+            continue
+        was, is_ = _flat(met["run"]), _flat(now)
+        out[(e, m, k)] = [f"{key}: {json.dumps(was[key]) if key in was else 'absent'} in the run, "
+                          f"{json.dumps(is_[key]) if key in is_ else 'absent'} now"
+                          for key in sorted(set(was) | set(is_)) if was.get(key, ...) != is_.get(key, ...)] or ["its params hash differs"]
+    return out
 
 
 def run_training(
@@ -182,15 +235,7 @@ def run_training(
     if why is not None:  # before anything is written, naming the key (to_float would say train.normalize only)
         raise ConfigError(f"experiments.{experiment}.train.normalize: {why}")
 
-    resolved = {
-        "experiment": experiment,
-        "dataset": exp.dataset,
-        "split": exp.split.model_dump(mode="json"),
-        # what changes no number is not part of the run's identity (changing it keeps a checkpoint)
-        "train": train.model_dump(mode="json", exclude={"keep_client_models", "checkpoint_every"}),
-        "method": {"name": method, "base": method_base(method, params.methods[method]), **algo.params.model_dump(mode="json")},
-        "seed": seed,
-    }
+    resolved = run_identity(params, experiment, method, seed, algo)
     data_hashes = {"harmonized_sha256": card["sha256"], "split_sha256": file_sha256(split_path)}
     params_hash = canonical_hash(resolved)
     code = code_fingerprint(device.type)
@@ -275,11 +320,14 @@ def run_training(
                 "method": method,
                 "seed": seed,
                 "clients": [c.name for c in clients],
-                "client_domains": {c.name: c.domain for c in clients},
-                "test_sizes": {c.name: int(len(c.y_test)) for c in clients},  # for the report's binomial standard errors
-                # the first client holding the same test set (F²DC's clients of a domain share one; label-skew clients
-                # each have their own): the report adds up distinct test sets only
-                "test_set_of": _test_set_owners(clients),
+                # a stream's client learns every task's domain in turn (as a deployment's metrics.json lists them)
+                "client_domains": {c.name: list(task_names) if stream else c.domain for c in clients},
+                **({"test_sizes_by_task": {t: {c.name: int(len(c.y_test)) for c in tasks[i]} for i, t in enumerate(task_names)}}
+                   if stream else {
+                    "test_sizes": {c.name: int(len(c.y_test)) for c in clients},  # for the report's binomial standard errors
+                    # the first client holding the same test set (F²DC's clients of a domain share one; label-skew
+                    # clients each have their own): the report adds up distinct test sets only
+                    "test_set_of": _test_set_owners(clients)}),
                 # the held-out site's images the external test scores (CD2-pFed): its standard error in the report
                 **({"external_test_size": int(len(external[1]))} if external is not None else {}),
                 # the backbone the method was built from: the paper's "full network" for Param / Ratio (Table 3)
@@ -288,6 +336,7 @@ def run_training(
                 # clients trained at once, and each one's CPU threads (train.parallel_clients)
                 "engine": engine.execution(),
                 "params_hash": params_hash,
+                "run": resolved,  # what params_hash is the hash of: a report names what a stale run was trained with
                 "config_hash": config_hash,
                 "code": code,
                 "mlflow_run_id": run_id,

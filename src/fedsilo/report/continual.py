@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +194,20 @@ def cost_markdown(tab: pd.DataFrame, title: str, rounds_per_task: int, paper_sec
     return "\n".join(lines) + "\n"
 
 
+def test_sizes_note(met: dict[str, Any]) -> str:
+    """The test images behind each task's column (every client's together) and the binomial standard error at 50 %
+    accuracy of that many images: a task whose clients hold few test images gives a column of few images. Empty for
+    runs that predate ``test_sizes_by_task``."""
+    sizes = met.get("test_sizes_by_task")
+    if not sizes:
+        return ""
+    counts = {t: sum(by_client.values()) for t, by_client in sizes.items()}
+    return ("\nTest images per task, every client's together (a column is the mean over clients of each one's accuracy "
+            "on its own test images; the binomial standard error at 50 % of that many images in brackets): "
+            + ", ".join(f"{t} {n} (±{100 * math.sqrt(0.25 / n):.1f})" if n else f"{t} 0" for t, n in counts.items())
+            + ". Fewest per client: " + ", ".join(f"{t} {min(by_client.values())}" for t, by_client in sizes.items()) + ".\n")
+
+
 def build_stream_report(results: Path, experiment: str, methods: list[str], seeds: list[int], out_dir: Path,
                         published: str | None = None, repo: Path = Path("."), reference: str | None = None) -> dict[str, Any]:
     """``reference``: the method Delta is measured against (the pFedDIL row; none: Delta left empty)."""
@@ -206,6 +221,7 @@ def build_stream_report(results: Path, experiment: str, methods: list[str], seed
         if same:
             log.warning("%s: %s", experiment, same)
             md += f"\n> **Note:** {same}\n"
+        md += test_sizes_note(metrics[(methods[0], seeds[0])])
         (tmp / f"{experiment}_stream.md").write_text(md)
         flat = tab.copy()
         flat.columns = [f"{c}_{stat}" for stat, c in flat.columns]
