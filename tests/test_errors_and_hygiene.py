@@ -146,13 +146,31 @@ def test_check_params_prints_a_methods_parameters_as_a_run_takes_them(tmp_path, 
     assert "  fusion: 'weighted' (set)" in out and any(x.startswith("  alpha: 0.5 (default)  weight of the shared") for x in out)
     assert "methods.fedprox_strong (method: fedprox): FedProx (Li et al. 2020, MLSys)." in out and "  mu: 0.5 (set)  proximal coefficient" in out
     assert main(["--params", str(path), "check-params", "--method", "fedbm"]) == 2
-    assert "p.yaml: methods.fedbm: not defined (methods: fedavg, fedbn, fedprox, fedprox_strong, pfeddb, single)" in capsys.readouterr().err
+    assert "p.yaml: methods.fedbm: not defined (methods: fedavg, fedbn, fedprox, fedprox_strong, pfeddb, single; registered methods: " in capsys.readouterr().err
+    # a registered method the file has no entry for: its defaults, and the entry that trains it
+    assert main(["--params", str(path), "check-params", "--method", "ditto"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"methods.ditto (not in {path}: `ditto: {{}}` under methods trains it with these defaults): Ditto (")
+    assert any(x.startswith("  lam: 0.1 (default)") for x in out)
     # a command's experiment or source typo names the file, the key and the near miss
     for cmd, said in ((["report", "--experiment", "quik"], "p.yaml: experiments.quik: not defined (did you mean 'quick'?)"),
                       (["split", "--experiment", "quik"], "p.yaml: experiments.quik: not defined (did you mean 'quick'?)"),
                       (["fetch", "--source", "chexpret"], "p.yaml: sources.chexpret: not defined (did you mean 'chexpert'?)")):
         assert main(["--params", str(path), *cmd]) == 2
         assert said in capsys.readouterr().err, cmd
+    # trained without an entry: refused, saying what the entry is and where the registered methods are listed
+    raw["pipeline"]["methods"] = [*raw["pipeline"]["methods"], "ditto"]
+    err = _check_params(tmp_path, raw, capsys)
+    assert "pipeline.methods: 'ditto' is not defined under 'methods'; every method trained needs an entry under methods (`ditto: {}`" in err
+    # the registered methods, one line each: what data each learns, whether a site may join a run of it in progress
+    from fedsilo.methods.registry import REGISTRY
+
+    assert main(["methods"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    rows = {x.split()[0]: x for x in listed[1:len(REGISTRY) + 1]}
+    assert set(rows) == set(REGISTRY) and listed[0].split() == ["method", "learns", "mid-run", "summary"]
+    assert rows["pfeddil"].split()[1:3] == ["stream", "-"] and rows["fedavg"].split()[1:5] == ["static", "+", "stream", "joinable"]
+    assert rows["ditto"].split()[1:3] == ["static", "joinable"] and "Ditto (Li et al. 2021, ICML)" in rows["ditto"]
 
 
 def test_a_method_that_does_not_fit_a_trained_experiments_data_fails_at_check_params(tmp_path, capsys):

@@ -360,6 +360,12 @@ def _check(args: argparse.Namespace) -> None:
     print(f"{args.params}: ok")
 
 
+def _methods(args: argparse.Namespace) -> None:
+    from fedsilo.methods.registry import list_methods
+
+    print(list_methods())
+
+
 def _check_published(p: Params, where: str, root: Path) -> None:
     """Every ``experiments.<e>.published`` names a file and a table of it that exist (the report stage would find a
     typo only after every run trained, and DVC removes the old report before running it)."""
@@ -956,6 +962,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    "(the check_params stage: the split, train, onboard and report stages depend on it, so a params file "
                    "that fails stops dvc repro before DVC removes their outputs)")
     s.set_defaults(fn=_check)
+    s = sub.add_parser("methods", help="list every registered method: the data it learns, whether a site may join a run "
+                       "in progress, its one-line summary")
+    s.set_defaults(fn=_methods)
     return ap
 
 

@@ -71,8 +71,12 @@ class Method:
     """Hooks, in the order the engine calls them.
 
     join -> transform_model -> setup -> init_server / init_client (once) -> per round, per sampled client: download -> local_update ->
-    (engine moves the upload) -> aggregate -> load_eval_model (by default eval_state) per client (and global_state
-    where one exists).
+    (engine checks the upload against private_keys / private_in_round, counts its bytes, moves it) -> aggregate, or for a
+    ``streaming`` method agg_begin / agg_add per upload / agg_end (aggregate is then not called) -> load_eval_model (by
+    default eval_state) per client (and global_state where one exists); eval_download: what a deployed site receives
+    to be scored. The defaults send the server state as it is: bookkeeping the server keeps beside the model (a
+    momentum buffer, a record per site) is left out of download, eval_download, eval_state and global_state by the
+    method that keeps it. README "Adding a method" says more.
     """
 
     name: ClassVar[str]
