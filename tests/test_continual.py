@@ -423,7 +423,20 @@ def test_train_stage_runs_a_hospital_stream_and_the_report_prints_the_papers_tab
             "0.6 now); retrain them: dvc repro train@stream-pfeddil-0") in err
     assert (root / "results" / "report" / "stream" / "stream_stream.md").read_text() == table
     raw["methods"]["pfeddil"]["lam"] = 0.5
+    raw["methods"]["fedavg"] = {}  # defined, trained by no stage of this pipeline
     (root / "params.yaml").write_text(yaml.safe_dump(raw))
+    # a chosen set of methods, apart from the report stage's outputs; a method the pipeline does not train is
+    # trained by hand first, as the refusal says
+    assert cli("report", "--experiment", "stream", "--methods", "disjoint") == 0
+    chosen = (root / "results" / "selected" / "stream" / "stream_stream.md").read_text()
+    assert "| disjoint |" in chosen and "| pfeddil |" not in chosen
+    assert (root / "results" / "report" / "stream" / "stream_stream.md").read_text() == table
+    capsys.readouterr()
+    assert cli("report", "--experiment", "stream", "--methods", "fedavg,disjoint") == 2
+    assert (f"--methods: 1 run(s) not trained yet (stream/fedavg/seed0); train them: fedsilo --params {root / 'params.yaml'} "
+            "train --experiment stream --method fedavg --seed 0") in capsys.readouterr().err
+    assert cli("report", "--experiment", "stream", "--methods", "fedavgg") == 2
+    assert "methods.fedavgg: not defined (did you mean 'fedavg'?)" in capsys.readouterr().err
     import mlflow
 
     client = mlflow.tracking.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")

@@ -179,7 +179,12 @@ def _refuse_missing_runs(p: Params, layout: Layout, source: str, what: str, runs
         return ", ".join(f"{e}/{m}/seed{k}" for e, m, k in rs[:6]) + (", ..." if len(rs) > 6 else "")
 
     def train(rs: list[tuple[str, str, int]]) -> str:
-        return "dvc repro " + " ".join(shlex.quote(p.train_stage(*r)) for r in rs)
+        staged = [r for r in rs if r[1] in p.experiment_methods(r[0])]  # the pipeline's own runs: its train stages
+        by_hand = [r for r in rs if r not in staged]  # a method no stage trains on that experiment (report --methods)
+        cmds = ["dvc repro " + " ".join(shlex.quote(p.train_stage(*r)) for r in staged)] if staged else []
+        params = f"--params {shlex.quote(str(source))} " if str(source) != "params.yaml" else ""
+        cmds += [f"fedsilo {params}train --experiment {e} --method {m} --seed {k}" for e, m, k in by_hand]
+        return "; ".join(cmds)
 
     if missing:
         raise ConfigError(f"{source}: {what}: {len(missing)} run(s) not trained yet ({listed(missing)}); train them: {train(missing)}")
@@ -208,7 +213,18 @@ def _report(args: argparse.Namespace) -> None:
         return
     exps = [args.experiment] if args.experiment else list(p.pipeline.experiments)
     methods_of, out_of = p.experiment_methods, layout.report
-    if args.group:  # one table of a paper: the group's runs only, written apart from the report stages' outputs
+    if args.methods is not None:  # a chosen set of one experiment, written apart from the report stages' outputs
+        if not args.experiment or args.group:
+            raise ConfigError("--methods: with --experiment and without --group (one experiment's chosen methods)")
+        _defined(args.params, "experiments", args.experiment, p.experiments)
+        if not args.methods:
+            raise ConfigError("--methods: name at least one method")
+        for m in args.methods:
+            _defined(args.params, "methods", m, p.methods)
+        chosen = list(dict.fromkeys(args.methods))
+        methods_of, out_of = (lambda e: chosen), layout.selected_report
+        _refuse_missing_runs(p, layout, args.params, "--methods", [(args.experiment, m) for m in chosen])
+    elif args.group:  # one table of a paper: the group's runs only, written apart from the report stages' outputs
         if p.paper is None:
             raise ConfigError(f"--group: {args.params} is not a paper's params file (a paper's runs.<group> names one table's runs)")
         if args.group not in p.paper.runs:
@@ -231,7 +247,7 @@ def _report(args: argparse.Namespace) -> None:
         if "table" not in info:
             continue
         print(f"report {exp}: Avg accuracy " + ", ".join(f"{m} {v:.1f}" for m, v in info["table"].items())
-              + (f" ({out_of(exp)})" if args.group else ""))
+              + (f" ({out_of(exp)})" if args.group or args.methods is not None else ""))
 
 
 @contextlib.contextmanager
@@ -800,6 +816,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    "runs not trained yet are named, with the dvc repro targets that train them")
     s.add_argument("--sensitivity", action="store_true", help="across task streams: accuracy and storage against "
                    "pFedDIL's lambda (Table 6) and against the split's alpha (Fig. 2) -> results/.../report/sensitivity/")
+    s.add_argument("--methods", type=lambda t: [m.strip() for m in t.split(",") if m.strip()], metavar="M1,M2,...",
+                   help="with --experiment: only these methods (any defined under methods, trained by the pipeline or by "
+                   "`fedsilo train`), in this order -> results/[<paper>/<scale>/]selected/<experiment>/ (each call replaces "
+                   "the last; the report stages' outputs are left alone)")
     s.set_defaults(fn=_report)
     s = sub.add_parser(
         "grid", parents=[common, grid_opts], formatter_class=fmt,

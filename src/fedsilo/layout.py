@@ -59,6 +59,11 @@ class Layout:
         outputs, so that DVC's ``report@<experiment>`` stays as its last run left it."""
         return self._ns(self.root / "results") / "groups" / group / experiment
 
+    def selected_report(self, experiment: str) -> Path:
+        """``fedsilo report --methods``: the methods a user chose of an experiment, beside the report stages' outputs
+        (each call replaces the last)."""
+        return self._ns(self.root / "results") / "selected" / experiment
+
     def tracking_experiment(self, experiment: str) -> str:
         """The MLflow experiment of a pipeline experiment: the paper's runs are kept apart from the root's."""
         return f"{self.namespace}/{experiment}" if self.namespace else experiment
