@@ -67,7 +67,11 @@ def test_communication_table_matches_the_tensors_each_method_uploads(mirror_root
     assert abs(vs.loc["pfeddb", "OpenI_paper"] - 73.3) < 1e-9 and abs(vs.loc["single", "Avg_paper"] - 80.7) < 1e-9
     assert abs(vs.loc["fedavg", "RSNA_ours"] - ours.loc["fedavg", "RSNA_mean"]) < 1e-3
     assert abs(vs.loc["fedavg", "RSNA_diff"] - (vs.loc["fedavg", "RSNA_ours"] - 84.1)) < 1e-3
-    assert "ours / paper" in (root / "results" / "report" / "quick" / "quick_vs_paper.md").read_text()
+    vs_md = (root / "results" / "report" / "quick" / "quick_vs_paper.md").read_text()
+    assert "ours / paper" in vs_md
+    # the quickstart's small CNN beside the paper's DenseNet-121: said above the table
+    width = raw["experiments"]["quick"]["train"]["model_width"]
+    assert f"**Not the paper's backbone**: ours simple_cnn x{width:g}, the paper's densenet121:" in vs_md
     for fig in ("quick_fig3_scatter.png", "quick_fig5_two_phase.png"):
         assert (root / "results" / "report" / "quick" / fig).stat().st_size > 1000
 

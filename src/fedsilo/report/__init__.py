@@ -831,15 +831,42 @@ def settings_differ(paper: dict[str, Any] | None, method_entries: dict[str, Any]
     return lines
 
 
+def runs_backbones(results: Path, methods: list[str], seeds: list[int]) -> set[str]:
+    """The backbones the runs trained (``model`` and, where not 1, ``x<model_width>``), from what each run's
+    metrics.json records of its params (``run``; runs before 2026-12-06 have none and are not counted)."""
+    out = set()
+    for m in methods:
+        for s in seeds:
+            train = (read_json(Path(results) / m / f"seed{s}" / "metrics.json").get("run") or {}).get("train") or {}
+            if train.get("model"):
+                width = train.get("model_width", 1.0)
+                out.add(train["model"] + (f" x{width:g}" if width != 1.0 else ""))
+    return out
+
+
+def backbone_note(paper: dict[str, Any] | None, ours: set[str]) -> str:
+    """A line for the vs-paper table when our runs trained another backbone than the published table's
+    (``backbone``): a quickstart's small model beside the paper's ResNet; empty when they match or either is unknown."""
+    theirs = (paper or {}).get("backbone")
+    if not theirs or not ours or ours == {theirs}:
+        return ""
+    return (f"**Not the paper's backbone**: ours {', '.join(sorted(ours))}, the paper's {theirs}: these rows show the "
+            "pipeline at work on this scale's data, not whether the paper's numbers reproduce (its paper-scale params "
+            "train the paper's backbone).")
+
+
 def write_versus(out: Path, exp: str, vs: pd.DataFrame, published: str, paper: dict[str, Any] | None = None,
-                 ours: str = "final", settings: list[str] | None = None) -> str:
+                 ours: str = "final", settings: list[str] | None = None, backbones: set[str] | None = None) -> str:
     """``<exp>_vs_paper.md`` and ``.csv`` from a :func:`versus_paper` table (its columns flattened to
     ``<column>_<ours|paper|diff>`` in place, for the CSV); returns the markdown. ``paper``: the published table, whose
     ``selection`` says which round its numbers come from; ``ours``: which round ours come from (both stated under
     the title); ``settings``: our rows whose setting differs from the paper's row (:func:`settings_differ`), said
-    under the title."""
+    under the title; ``backbones``: what our runs trained (:func:`runs_backbones`), said when not the paper's."""
     md = versus_markdown(vs, f"{exp}: ours vs {published}")
     md = md.replace("\n\nEach cell:", f"\n\n{selection_note(paper, ours, list(vs.index))} Each cell:", 1)
+    note = backbone_note(paper, backbones or set())
+    if note:
+        md = md.replace("\n\n|", f"\n\n{note}\n\n|", 1)
     if settings:
         for line in settings:
             log.warning("%s: %s: not the paper's setting for that row", exp, line)
@@ -1013,7 +1040,8 @@ def build_report(
                     vs = versus_paper(ours_tab, paper)
                     ours = {m: ours[m] for m in vs.index}
                 md += "\n" + write_versus(tmp, exp, vs, published, paper, ours,
-                                           settings_differ(paper, method_entries, list(vs.index)))
+                                           settings_differ(paper, method_entries, list(vs.index)),
+                                           runs_backbones(results, methods, seeds))
                 made[exp + ":vs_paper"] = vs.to_dict(orient="index")
                 paper_eff = entries.get("efficiency")
                 if paper_eff and set(paper_eff) & set(comm.index):  # a table of "not run" rows says nothing

@@ -38,6 +38,7 @@ from fedsilo.report import (
     indistinct_rows,
     load_published,
     over_seeds,
+    runs_backbones,
     versus_paper,
     write_versus,
 )
@@ -246,7 +247,8 @@ def build_stream_report(results: Path, experiment: str, methods: list[str], seed
         full = md + "\n" + on_md + "\n" + cost_md + "\n" + mat
         if published:  # the stream's tasks are the published table's domains, its Avg the tables' Avg
             paper = load_published(repo, published)
-            full += "\n" + write_versus(tmp, experiment, versus_paper(tab, paper), published, paper, ours="task_end")
+            full += "\n" + write_versus(tmp, experiment, versus_paper(tab, paper), published, paper, ours="task_end",
+                                         backbones=runs_backbones(results, methods, seeds))
         series = []
         for m in methods:
             ev = [[e for e in histories[(m, s)] if "seen_acc" in e] for s in seeds]
