@@ -93,13 +93,15 @@ def test_a_code_edit_is_never_resumed_from_an_old_checkpoint_and_a_finished_run_
 
 
 def test_every_train_stage_depends_on_the_code_its_checkpoint_key_hashes():
-    """The root's code_fingerprint stage depends on the code the checkpoint key hashes and writes its hash; every train and
-    onboard stage of every dvc.yaml depends on that file (one file in place of the code's folders per stage)."""
+    """Each pipeline's code_fingerprint stage depends on the code the checkpoint key hashes and writes one file per
+    method (the root's also the hash of all of it); every train stage of every dvc.yaml depends on its method's file,
+    every onboard stage on pFedDB's (one file in place of the code's folders per stage)."""
     files = subprocess.run(["git", "ls-files", "*dvc.yaml"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     assert "dvc.yaml" in files and len(files) >= 8
+    code_deps = {f"src/fedsilo/{p}" for p in TRAIN_CODE} | {"src/fedsilo/codehash.py"}
     code = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["code_fingerprint"]
-    assert code["cmd"] == "fedsilo code-fingerprint" and code["outs"] == ["data/code/train.json"]
-    assert set(code["deps"]) == {f"src/fedsilo/{p}" for p in TRAIN_CODE} | {"src/fedsilo/codehash.py"}
+    assert code["cmd"] == "fedsilo code-fingerprint" and code["outs"] == ["data/code/train.json", "data/code/methods"]
+    assert set(code["deps"]) == code_deps | {"data/checked/params.json"} and code["params"] == ["methods"]
     # the hash reads the source files (*.py): the training code holds no other file it would miss
     tracked = subprocess.run(["git", "ls-files", *(f"src/fedsilo/{p}" for p in TRAIN_CODE)], cwd=REPO, capture_output=True,
                              text=True, check=True).stdout.split()
@@ -107,12 +109,19 @@ def test_every_train_stage_depends_on_the_code_its_checkpoint_key_hashes():
     seen = 0
     for f in files:
         stages = yaml.safe_load((REPO / f).read_text())["stages"]
+        method_code = "data/code/methods" if f == "dvc.yaml" else "data/code/${paper}/${scale}"
+        if f != "dvc.yaml":  # a paper's own code stage: its methods keys, into its own folder
+            own = stages["code_fingerprint"]
+            assert set(own["deps"]) == code_deps | {"data/checked/${paper}/${scale}/params.json"} and own["outs"] == [method_code], f
+            assert own["cmd"] == "fedsilo --params ${params_file} code-fingerprint" and own["params"] == [{"${params_file}": ["methods"]}], f
         for name, st in stages.items():
             body = st.get("do", st)
-            if str(body.get("cmd", "")).find(" train ") < 0 and " onboard " not in str(body.get("cmd", "")):
-                continue
-            seen += 1
-            assert "data/code/train.json" in body.get("deps", []), f"{f}: stage {name} does not depend on the training code"
+            cmd = str(body.get("cmd", ""))
+            if " train " in cmd:
+                seen += 1
+                assert f"{method_code}/${{item.method}}.json" in body.get("deps", []), f"{f}: stage {name} does not depend on its method's code"
+            elif " onboard " in cmd:  # pFedDB's onboarding: its code file (the shared code imports the onboarding module)
+                assert f"{method_code}/pfeddb.json" in body.get("deps", []), f"{f}: stage {name} does not depend on the training code"
     assert seen >= 8
 
 
@@ -133,12 +142,43 @@ def test_the_code_fingerprint_is_the_checkpoint_keys_and_follows_any_edit_of_the
         assert main(["-q", "--root", str(tmp_path), "code-fingerprint"]) == 0
         return json.loads((tmp_path / "data/code/train.json").read_text())
 
+    def of_methods() -> dict:
+        return {f.stem: json.loads(f.read_text()) for f in (tmp_path / "data/code/methods").glob("*.json")}
+
     first = written()
     assert first["sha256"] == train_code_sha256() == code_fingerprint("cpu")["source_sha256"] and first["files"] > 50
+    # one file per methods key of the params file: the code its runs depend on, the hash its runs' checkpoints hold
+    by = of_methods()
+    assert set(by) == set(yaml.safe_load((REPO / "params.yaml").read_text())["methods"])
+    assert by["fedbn"]["module"] == "fedsilo.methods.fedbn" and "methods/sharing.py" in by["fedbn"]["files"]
+    assert "methods/ditto.py" not in by["fedbn"]["files"] and "methods/registry.py" in by["fedbn"]["files"]  # its logic only
+    assert {"methods/pfeddb/__init__.py", "methods/pfeddb/model.py", "methods/phased.py"} <= set(by["pfeddb"]["files"])
+    assert by["fedbn"]["sha256"] == code_fingerprint("cpu", "fedsilo.methods.fedbn")["source_sha256"]
     (pkg / "report" / "__init__.py").write_text((pkg / "report" / "__init__.py").read_text() + "# a comment\n")
-    assert written() == first
+    assert written() == first and of_methods() == by
+    # a method's module edited: its own file changes, not the others'
     (pkg / "methods" / "fedbn.py").write_text((pkg / "methods" / "fedbn.py").read_text() + "# a comment\n")
     assert written()["sha256"] != first["sha256"] == train_code_sha256()
+    after = of_methods()
+    assert {k for k in by if after[k]["sha256"] != by[k]["sha256"]} == {"fedbn"}
+    # a method added (a module nothing imports yet): no method's file changes; a base edited: each built on it
+    (pkg / "methods" / "fedavgm.py").write_text('"""A new method."""\n\n\nclass FedAvgM:\n    name = "fedavgm"\n')
+    registry = pkg / "methods" / "registry.py"  # and registered: its import and its place in the table
+    table = registry.read_text()
+    assert table.count("PFedDIL, SourceOnly,") == 1
+    registry.write_text("from fedsilo.methods.fedavgm import FedAvgM\n" + table.replace("PFedDIL, SourceOnly,", "PFedDIL, FedAvgM, SourceOnly,"))
+    written()
+    assert of_methods() == after
+    assert "methods/fedavgm.py" not in after["fedbn"]["files"] and "methods/pfeddb/onboarding.py" in after["fedbn"]["files"]
+    # the registry's own logic (resolving a method's params and base) runs in every run: an edit of it reruns them all
+    registry.write_text(registry.read_text() + "\n\ndef _resolved_otherwise() -> int:\n    return 1\n")
+    written()
+    assert all(v["sha256"] != after[k]["sha256"] for k, v in of_methods().items())
+    after = of_methods()
+    (pkg / "methods" / "sharing.py").write_text((pkg / "methods" / "sharing.py").read_text() + "# a comment\n")
+    written()
+    changed = {k for k, v in of_methods().items() if v["sha256"] != after[k]["sha256"]}
+    assert {"fedavg", "fedprox", "fedbn", "pfeddb", "single"} == changed
 
 
 _HOLD = textwrap.dedent(

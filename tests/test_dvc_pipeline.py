@@ -121,10 +121,11 @@ def test_method_param_edit_reruns_only_that_method_and_the_report(repo_copy):
         raw = yaml.safe_load(original)
         raw["methods"]["fedprox"]["mu"] = 0.5
         params.write_text(yaml.safe_dump(raw, sort_keys=False))
-        assert _stale(repo_copy) == {"check_params", "train@quick-fedprox-0", "report@quick"}
+        # code_fingerprint reads the methods' keys: it reruns (seconds), fedbn's code file comes out the same
+        assert _stale(repo_copy) == {"check_params", "code_fingerprint", "train@quick-fedprox-0", "report@quick"}
         raw["experiments"]["quick"]["train"]["lr"] = 0.05
         params.write_text(yaml.safe_dump(raw, sort_keys=False))
-        assert _stale(repo_copy) == {"check_params", "train@quick-fedprox-0", "train@quick-fedbn-0", "report@quick"}
+        assert _stale(repo_copy) == {"check_params", "code_fingerprint", "train@quick-fedprox-0", "train@quick-fedbn-0", "report@quick"}
         # the edit beside a typo: `dvc repro` stops at check_params, naming the key, before DVC removes the stale
         # runs' results to rerun them
         raw["methods"]["fedprox"]["muu"] = 0.5
@@ -201,17 +202,21 @@ def test_a_papers_pipeline_runs_beside_the_root_and_reuses_its_data(paper_repo):
     assert "fedprox-seed0" in {r.info.run_name for r in runs}
 
 
-@pytest.mark.parametrize("scale", ["", "paper/"], ids=["quickstart", "paper"])
-@pytest.mark.parametrize("paper", ["pfeddb", "f2dc", "fedecouple", "cd2pfed", "pfeddil"])
-def test_every_run_group_of_the_papers_pipelines_resolves_to_its_train_stages(paper, scale):
+def test_every_run_group_of_the_papers_pipelines_resolves_to_its_train_stages():
     """The shipped params of both scales give every runs group of a paper's dvc.yaml its train stages (one per
-    experiment x method x seed), which the pipeline tests above train only a few of."""
-    params = yaml.safe_load((REPO / "pipelines" / paper / scale / "params.yaml").read_text())
-    listed = _run(REPO, "dvc", "stage", "list", f"pipelines/{paper}/{scale}dvc.yaml", "--name-only").split()
-    for group, runs in params["runs"].items():
-        want = len(runs["experiments"]) * len(runs["methods"]) * len(params["seeds"])
-        got = [n for n in listed if n.split(":")[-1].startswith(f"train_{group}@")]
-        assert want and len(got) == want, (group, want, got)
+    experiment x method x seed), which the pipeline tests above train only a few of (one `dvc stage list` of the
+    ten files: a DVC process each cost seconds)."""
+    files = [f"pipelines/{paper}/{scale}dvc.yaml" for paper in ("pfeddb", "f2dc", "fedecouple", "cd2pfed", "pfeddil")
+             for scale in ("", "paper/")]
+    listed = _run(REPO, "dvc", "stage", "list", *files, "--name-only").split()
+    for f in files:
+        params = yaml.safe_load((REPO / f.replace("dvc.yaml", "params.yaml")).read_text())
+        mine = [n.rpartition(":")[2] for n in listed if n.rpartition(":")[0] == f]
+        assert mine, f
+        for group, runs in params["runs"].items():
+            want = len(runs["experiments"]) * len(runs["methods"]) * len(params["seeds"])
+            got = [n for n in mine if n.startswith(f"train_{group}@")]
+            assert want and len(got) == want, (f, group, want, len(got))
 
 
 def test_a_method_edit_in_a_papers_params_reruns_only_its_runs_and_that_papers_report(paper_repo):
@@ -222,7 +227,7 @@ def test_a_method_edit_in_a_papers_params_reruns_only_its_runs_and_that_papers_r
         raw["methods"]["fedprox"]["mu"] = 0.5
         params.write_text(yaml.safe_dump(raw, sort_keys=False))
         assert _stale(paper_repo, PFEDDB) == {
-            f"{PFEDDB}:check_params", f"{PFEDDB}:train_tables_1_2@pq_cxr-fedprox-0", f"{PFEDDB}:report@pq_cxr",
+            f"{PFEDDB}:check_params", f"{PFEDDB}:code_fingerprint", f"{PFEDDB}:train_tables_1_2@pq_cxr-fedprox-0", f"{PFEDDB}:report@pq_cxr",
             f"{PFEDDB}:report@pq_hold"
         }
         assert _stale(paper_repo) == set()  # the root pipeline is untouched
@@ -249,6 +254,18 @@ def test_a_hospitals_table_rules_reharmonize_its_dataset_and_its_folder_refetche
         assert _stale(repo_copy) == {"check_params", "fetch@st_marys"}
     finally:
         params.write_text(original)
+    assert _stale(repo_copy) == set()
+
+
+def test_a_method_added_to_the_code_retrains_no_other_method(repo_copy):
+    """A researcher's new method module: the code stage reruns (every method's code file is rewritten) and no train
+    stage does, the methods' files coming out the same (each covers the modules its method imports; tests/
+    test_code_reaches_results.py checks that an edit of one method's module changes that method's file only)."""
+    (repo_copy / "src" / "fedsilo" / "methods" / "fedavgm.py").write_text('"""FedAvgM, not yet registered."""\n')
+    assert _stale(repo_copy) == {"code_fingerprint"}
+    out = _run(repo_copy, "dvc", "repro", "dvc.yaml")
+    ran = {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")}
+    assert ran == {"code_fingerprint"}, ran
     assert _stale(repo_copy) == set()
 
 

@@ -65,9 +65,16 @@ def _fingerprint(args: argparse.Namespace) -> None:
 
 
 def _code_fingerprint(args: argparse.Namespace) -> None:
-    from fedsilo.codehash import PACKAGE, TRAIN_CODE, train_code_files, train_code_sha256
-    from fedsilo.layout import Layout
-    from fedsilo.utils.io import write_json
+    from fedsilo.codehash import (
+        PACKAGE,
+        TRAIN_CODE,
+        code_sha256,
+        method_code_files,
+        train_code_files,
+        train_code_sha256,
+    )
+    from fedsilo.methods.registry import method_base, method_class
+    from fedsilo.utils.io import atomic_dir, write_json
 
     # the checkout's code, which DVC watches (the stage's deps), whichever fedsilo this interpreter imports
     pkg = Path(args.root).resolve() / "src" / "fedsilo"
@@ -78,9 +85,22 @@ def _code_fingerprint(args: argparse.Namespace) -> None:
         logging.getLogger("fedsilo").warning("fedsilo runs from %s, not from this checkout's %s: its train stages run "
                                              "that code, not the one hashed here (install the checkout with `pip install "
                                              "-e .`)", PACKAGE, pkg)
-    sha, files = train_code_sha256(pkg), train_code_files(pkg)
-    write_json(Layout(Path(args.root)).train_code(), {"parts": [f"src/fedsilo/{p}" for p in TRAIN_CODE], "files": len(files), "sha256": sha})
-    print(f"code-fingerprint: {len(files)} source files of {', '.join(TRAIN_CODE)}, sha256 {sha[:12]}")
+    p = load_params(args.params)
+    layout = p.layout(args.root)
+    if p.paper is None:  # the root's: all of the training code too (the onboarding stages, every paper's included)
+        sha, files = train_code_sha256(pkg), train_code_files(pkg)
+        write_json(layout.train_code(), {"parts": [f"src/fedsilo/{p}" for p in TRAIN_CODE], "files": len(files), "sha256": sha})
+        print(f"code-fingerprint: {len(files)} source files of {', '.join(TRAIN_CODE)}, sha256 {sha[:12]}")
+    # one file per method key: the code its runs depend on (a method added or edited reruns its own runs only)
+    with atomic_dir(layout.method_code_dir()) as tmp:
+        for key, entry in p.methods.items():
+            base = method_base(key, entry)
+            module = method_class(base).__module__
+            files = method_code_files(module, pkg)
+            write_json(tmp / f"{key}.json", {"method": key, "base": base, "module": module,
+                                             "files": [f.relative_to(pkg).as_posix() for f in files],
+                                             "sha256": code_sha256(files, pkg)})
+    print(f"code-fingerprint: {len(p.methods)} methods' code -> {layout.method_code_dir()}")
 
 
 def _harmonize(args: argparse.Namespace) -> None:
@@ -783,8 +803,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s = sub.add_parser("fingerprint", parents=[common], help="hash one dataset's fetched sources -> data/fingerprints/<dataset>.json", formatter_class=fmt, epilog=_listing(known, "datasets"))
     s.add_argument("--dataset", required=True)
     s.set_defaults(fn=_fingerprint)
-    s = sub.add_parser("code-fingerprint", parents=[common], help="hash the training code (src/fedsilo: client, fl, methods, "
-                       "models, utils, config.py) -> data/code/train.json, which every train stage depends on", formatter_class=fmt)
+    s = sub.add_parser("code-fingerprint", parents=[common], help="hash the training code: per methods key, the code its "
+                       "runs depend on -> data/code/methods/<key>.json (a paper's: data/code/<paper>/<scale>/<key>.json), "
+                       "which its train stages depend on; the root's all of it (src/fedsilo: client, fl, methods, models, "
+                       "utils, config.py) -> data/code/train.json, which the onboard stages depend on", formatter_class=fmt)
     s.set_defaults(fn=_code_fingerprint)
     s = sub.add_parser("harmonize", parents=[common], help="raw sources -> data/harmonized/<dataset>/", formatter_class=fmt, epilog=_listing(known, "datasets"))
     s.add_argument("--dataset", required=True)

@@ -66,7 +66,7 @@ def worker_inputs(pipeline: str, repo: Path, stages: list[str],
                   dag: Optional[tuple[set[str], dict[str, set[str]]]] = None) -> list[str]:
     """The stages whose outputs a worker needs to run ``stages`` (names as ``dvc stage list`` gives them, without the
     file): every stage upstream of them except the DAG's roots (the fetched sources, ``dvc add``-ed files) that no
-    stage of ``stages`` reads directly (the root pipeline's ``code_fingerprint``, which every train stage reads, is
+    stage of ``stages`` reads directly (a pipeline's ``code_fingerprint``, whose files the train stages read, is
     kept), sorted. ``dag``: :func:`_dag`'s answer, when already at hand."""
     nodes, parents = dag or _dag(pipeline, repo)
     targets = {n for n in nodes if n.rpartition(":")[2] in stages}

@@ -33,7 +33,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from fedsilo.client.data import load_clients, load_external, load_task_clients, pick_device
-from fedsilo.codehash import train_code_sha256
+from fedsilo.codehash import method_code_sha256, train_code_sha256
 from fedsilo.config import ConfigError, Params
 from fedsilo.data.splits import refuse_stale_split
 from fedsilo.fl.continual import ContinualEngine, continual_summary
@@ -56,15 +56,18 @@ def _test_set_owners(clients: list) -> dict[str, str]:
     first: dict[int, str] = {}
     return {c.name: first.setdefault(id(c.y_test), c.name) for c in clients}
 
-def code_fingerprint(device: str) -> dict[str, str]:
-    """sha256 over the source files of :data:`fedsilo.codehash.TRAIN_CODE` (path and bytes), and the versions and device type that
-    compute: a run resumed from a checkpoint was trained by exactly this code."""
+def code_fingerprint(device: str, module: Optional[str] = None) -> dict[str, str]:
+    """sha256 over the source files of :data:`fedsilo.codehash.TRAIN_CODE` (path and bytes), or with ``module`` (a
+    method class's module) over the code that method's runs depend on (:func:`fedsilo.codehash.method_code_files`:
+    what its train stages' ``data/code/...<key>.json`` holds), and the versions and device type that compute: a run
+    resumed from a checkpoint was trained by exactly this code."""
     from importlib.metadata import version
 
     import numpy
 
+    source = method_code_sha256(module) if module else train_code_sha256()
     # torchvision's version from its package metadata (importing it for __version__ costs seconds per run)
-    return {"source_sha256": train_code_sha256(), "torch": torch.__version__, "torchvision": version("torchvision"),
+    return {"source_sha256": source, "torch": torch.__version__, "torchvision": version("torchvision"),
             "numpy": numpy.__version__, "device": device}
 
 
@@ -238,7 +241,7 @@ def run_training(
     resolved = run_identity(params, experiment, method, seed, algo)
     data_hashes = {"harmonized_sha256": card["sha256"], "split_sha256": file_sha256(split_path)}
     params_hash = canonical_hash(resolved)
-    code = code_fingerprint(device.type)
+    code = code_fingerprint(device.type, type(algo).__module__)  # the code this method's runs depend on
     config_hash = canonical_hash({"params": resolved, "data": data_hashes, "code": code})
 
     out_dir, ckpt = layout.run(experiment, method, seed), layout.checkpoint(experiment, method, seed)
