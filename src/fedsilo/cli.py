@@ -87,7 +87,7 @@ def _code_fingerprint(args: argparse.Namespace) -> None:
                                              "-e .`)", PACKAGE, pkg)
     p = load_params(args.params)
     layout = p.layout(args.root)
-    if p.paper is None:  # the root's: all of the training code too (the onboarding stages, every paper's included)
+    if p.paper is None:  # the root's: the hash of all of the training code too (what a deployment's checkpoint holds)
         sha, files = train_code_sha256(pkg), train_code_files(pkg)
         write_json(layout.train_code(), {"parts": [f"src/fedsilo/{p}" for p in TRAIN_CODE], "files": len(files), "sha256": sha})
         print(f"code-fingerprint: {len(files)} source files of {', '.join(TRAIN_CODE)}, sha256 {sha[:12]}")
