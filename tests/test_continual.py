@@ -441,7 +441,9 @@ def test_train_stage_runs_a_hospital_stream_and_the_report_prints_the_papers_tab
 
     client = mlflow.tracking.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("stream").experiment_id], "tags.method = 'pfeddil'")[0]
-    assert {"final.avg_acc", "final.acc_after.VinBigData", "final.acc_on.RSNA", "final.avg_on_task", "task_acc.CheXpert"} <= set(run.data.metrics)
+    assert {"final.avg_acc", "final.acc_after.VinBigData", "final.acc_on.RSNA", "final.avg_on_task", "task_acc.CheXpert",
+            "final.final_acc", "final.rounds_to_best_total", "final.models_per_client", "final.bytes_kept_per_client"} <= set(run.data.metrics)
+    assert run.data.metrics["final.models_per_client"] == met["models_per_client"]
 
 
 def test_a_stream_only_method_is_refused_on_static_clients():

@@ -124,8 +124,10 @@ def flat_summary(summary: dict[str, Any]) -> dict[str, float]:
     flat = {"mean_acc": summary["mean_acc"], "std_acc": summary["std_acc"]}
     if "mean_auc" in summary:
         flat["mean_auc"] = summary["mean_auc"]
+    # a stream's: the tables' Avg and its readings, forgetting, the accuracy after the last task, the rounds to the
+    # best accuracy summed over the tasks (pFedDIL's Table 5), what a client keeps (Table 6)
     for key in ("train_flops_per_round", "ensemble_acc", "external_ensemble_acc", "external_global_acc", "avg_acc", "avg_on_task",
-                "avg_acc_pooled", "forgetting"):
+                "avg_acc_pooled", "forgetting", "final_acc", "rounds_to_best_total", "models_per_client", "bytes_kept_per_client"):
         if summary.get(key) is not None:
             flat[key] = summary[key]
     for c, v in summary["per_client"].items():
