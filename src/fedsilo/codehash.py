@@ -20,11 +20,12 @@ TRAIN_CODE = ("client", "fl", "methods", "models", "utils", "config.py")
 PACKAGE = Path(__file__).resolve().parent
 
 
-def train_code_files(pkg: Optional[Path] = None) -> list[Path]:
-    """The source files of :data:`TRAIN_CODE` under ``pkg`` (default: this package), in the order they are hashed."""
+def train_code_files(pkg: Optional[Path] = None, parts: tuple[str, ...] = TRAIN_CODE) -> list[Path]:
+    """The source files of ``parts`` (default: :data:`TRAIN_CODE`) under ``pkg`` (default: this package), in the order
+    they are hashed."""
     pkg = PACKAGE if pkg is None else Path(pkg)
     out: list[Path] = []
-    for part in TRAIN_CODE:
+    for part in parts:
         base = pkg / part
         out += sorted(base.rglob("*.py")) if base.is_dir() else [base]
     return out
@@ -107,14 +108,6 @@ def _imported_methods_modules(pkg: Path, f: Path, reexports: dict[str, str]) -> 
     return out
 
 
-def _common_files(pkg: Path) -> list[Path]:
-    out: list[Path] = []
-    for part in COMMON:
-        base = pkg / part
-        out += sorted(base.rglob("*.py")) if base.is_dir() else [base]
-    return out
-
-
 def method_code_files(module: str, pkg: Optional[Path] = None) -> list[Path]:
     """The files a method's runs depend on: :data:`COMMON`'s, the naming files (:data:`NAMING`, hashed without their
     method imports and tables) and, from the method class's module ``module`` (``fedsilo.methods.ditto``) and from
@@ -125,7 +118,7 @@ def method_code_files(module: str, pkg: Optional[Path] = None) -> list[Path]:
         raise FileNotFoundError(f"{module}: no source file under {pkg}")
     naming = [pkg / n for n in NAMING]
     reexports = _reexports(pkg)
-    common = _common_files(pkg)
+    common = train_code_files(pkg, COMMON)
     seen: set[Path] = set()
     # the naming files import every method: their imports are not followed, only the common code's and the method's
     todo = [start] + sorted({t for f in common for t in _imported_methods_modules(pkg, f, reexports)} - set(naming))

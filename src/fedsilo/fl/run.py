@@ -41,7 +41,7 @@ from fedsilo.fl.engine import Engine, Observer
 from fedsilo.methods import Method, method_base, resolve_method
 from fedsilo.methods.registry import check_stream_fit
 from fedsilo.models import build_model
-from fedsilo.tracking import Tracker, dvc_hashes, flat_summary, git_commit
+from fedsilo.tracking import Tracker, dvc_hashes, flat_summary, flatten, git_commit
 from fedsilo.utils.io import atomic_dir, canonical_hash, clean_stale, file_sha256, read_json, write_json
 from fedsilo.utils.progress import Progress, mib
 
@@ -153,12 +153,6 @@ def run_identity(params: Params, experiment: str, method: str, seed: int, algo: 
     }
 
 
-def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix: d}
-    return {k: v for key, val in d.items() for k, v in _flat(val, f"{prefix}.{key}" if prefix else str(key)).items()}
-
-
 def trained_otherwise(params: Params, layout: Any, runs: list[tuple[str, str, int]]) -> dict[tuple[str, str, int], list[str]]:
     """The runs of ``runs`` (experiment, method, seed; each with its metrics.json) trained with other params than
     ``params`` resolves for them now: for each, what differs (``method.lam: 0.5 in the run, 0.6 now``), or one line
@@ -177,7 +171,7 @@ def trained_otherwise(params: Params, layout: Any, runs: list[tuple[str, str, in
         if "run" not in met:
             out[(e, m, k)] = ["its params hash differs (the run predates the record of its params in metrics.json)"]
             continue
-        was, is_ = _flat(met["run"]), _flat(now)
+        was, is_ = flatten(met["run"]), flatten(now)
         out[(e, m, k)] = [f"{key}: {json.dumps(was[key]) if key in was else 'absent'} in the run, "
                           f"{json.dumps(is_[key]) if key in is_ else 'absent'} now"
                           for key in sorted(set(was) | set(is_)) if was.get(key, ...) != is_.get(key, ...)] or ["its params hash differs"]
