@@ -2,10 +2,11 @@
 is (``data/code/methods/<key>.json`` for the root's, ``data/code/<paper>/<scale>/<key>.json`` for a paper's, written by
 each pipeline's ``code_fingerprint`` stage). One file per method in place of the code's folders in each of the
 thousands of train stages' deps keeps ``dvc status`` and ``dvc repro`` quick (DVC hashes the folders once, for
-``code_fingerprint``), and scopes a code edit: a method's hash covers the code every run shares (:data:`COMMON`) and
-the modules of ``fedsilo.methods`` its own module imports, directly or through others, so adding a method, or
-editing one, reruns that method's runs only; an edit of a base module (``sharing.py``) reruns every method built on
-it. ``data/code/train.json`` hashes all of :data:`TRAIN_CODE` (the onboarding stages, a deployment's checkpoint)."""
+``code_fingerprint``), and scopes a code edit: a method's hash covers the code every run shares (:data:`COMMON`, with
+what it imports of ``fedsilo.methods``) and the modules its own module imports, directly or through others, so
+adding a method, or editing one, reruns that method's runs only; an edit of a module the shared code imports
+(``base.py``, ``sharing.py``) reruns every method. ``data/code/train.json`` hashes all of :data:`TRAIN_CODE` (what a
+deployment's checkpoint holds)."""
 
 from __future__ import annotations
 
@@ -81,8 +82,21 @@ def _reexports(pkg: Path) -> dict[str, str]:
     return out
 
 
+# a file's parsed imports, by (file, its size and modification time, what the package re-exports): one
+# code_fingerprint hashes every methods key of a params file, each key's walk reading the same shared files
+_IMPORTS: dict[tuple[Path, int, int, tuple[tuple[str, str], ...]], set[Path]] = {}
+
+
 def _imported_methods_modules(pkg: Path, f: Path, reexports: dict[str, str]) -> set[Path]:
     """The files of ``fedsilo.methods`` that ``f`` imports anywhere in its text (a function's lazy import too)."""
+    st = f.stat()
+    key = (f, st.st_size, st.st_mtime_ns, tuple(sorted(reexports.items())))
+    if key not in _IMPORTS:
+        _IMPORTS[key] = _parse_imports(pkg, f, reexports)
+    return set(_IMPORTS[key])
+
+
+def _parse_imports(pkg: Path, f: Path, reexports: dict[str, str]) -> set[Path]:
     import ast
 
     package = f.relative_to(pkg).parent.parts  # methods/pfeddb/method.py, methods/pfeddb/__init__.py: ('methods', 'pfeddb')

@@ -28,8 +28,8 @@ class Layout:
         return self.root / "data" / "fingerprints" / f"{dataset}.json"
 
     def train_code(self) -> Path:
-        """All of the training code's hash (the root's ``code_fingerprint``), which the onboard stages depend on in
-        place of the code's folders (a train stage depends on its method's file, :meth:`method_code`)."""
+        """All of the training code's hash (the root's ``code_fingerprint``; a train or onboard stage depends on its
+        method's file in :meth:`method_code_dir` instead)."""
         return self.root / "data" / "code" / "train.json"
 
     def method_code_dir(self) -> Path:
@@ -37,10 +37,6 @@ class Layout:
         depend on, :func:`fedsilo.codehash.method_code_files`): ``data/code/methods/`` for the root's pipeline,
         ``data/code/<paper>/<scale>/`` for a paper's."""
         return self.root / "data" / "code" / (self.namespace or "methods")
-
-    def method_code(self, key: str) -> Path:
-        """What the train stages of ``methods.<key>`` depend on in place of the training code's folders."""
-        return self.method_code_dir() / f"{key}.json"
 
     def params_checked(self) -> Path:
         """``check_params``'s output, which the stages that params edit reruns depend on (``fedsilo check-params
