@@ -53,6 +53,27 @@ def test_fedrep_trains_the_head_with_the_body_fixed_then_the_body_with_the_head_
     assert not torch.equal(heads[0], heads[1]), "each client keeps its own head"
 
 
+@pytest.mark.parametrize("name", ["fedrep", "fedbabu", "lgfedavg"])
+def test_the_server_mean_weighs_each_upload_as_client_weights_says(clients, name):
+    """FedRep's paper and code average the sampled clients' representations alike, FedBABU's paper by sample count
+    and its code alike, LG-FedAvg's FedPAC's code by sample count and its own code alike: ``client_weights`` picks."""
+    import dataclasses
+
+    small = [dataclasses.replace(clients[0], x_train=clients[0].x_train[:6], y_train=clients[0].y_train[:6]), *clients[1:]]
+    for weights in ("uniform", "samples"):
+        ups = []
+        cheap = {"fedrep": {"head_epochs": 1}, "fedbabu": {"finetune_epochs": 0}, "lgfedavg": {}}[name]
+        e = _engine(name, small, rounds=1, client_weights=weights, observer=lambda r, c, d, p: ups.append(p) if d == "up" else None,
+                    **cheap)
+        e.step()
+        n = [float(c.n_train) if weights == "samples" else 1.0 for c in small]
+        for k in ups[0]:
+            if ups[0][k].is_floating_point():
+                want = sum(w * u[k].double() for w, u in zip(n, ups)) / sum(n)
+                assert torch.allclose(e.server[k].double(), want, atol=1e-6), (weights, k)
+    assert method_class(name).params_cls().client_weights == ("uniform" if name == "fedrep" else "samples")
+
+
 def test_fedrep_alternation_is_not_fedpers_joint_training(clients):
     """The same split and budget trained jointly (FedPer) moves the body differently: the schedule is the method."""
     rep = _engine("fedrep", clients, rounds=1, head_epochs=1, body_epochs=1)
@@ -237,11 +258,11 @@ OFF = {"glf": False, "gfa": False, "gpc": False, "da": False, "aggregation": "fe
 
 
 def test_fedecouple_with_every_module_off_is_fedrep_tensor_for_tensor(clients):
-    """glf, gfa, gpc, da off, FedAvg weights and the reset before the classifier phase: FedRep with head_epochs = E_cl
-    and body_epochs = E_fe gives the same server representation and the same client heads after two rounds."""
+    """glf, gfa, gpc, da off, FedAvg weights and the reset before the classifier phase: FedRep with head_epochs = E_cl,
+    body_epochs = E_fe and FedAvg's weights (client_weights: samples) gives the same server representation and the same client heads after two rounds."""
     fc = _engine("fedecouple", clients, rounds=2, local_epochs=2, classifier_epochs=3, **OFF)
     fc.run()
-    rep = _engine("fedrep", clients, rounds=2, head_epochs=3, body_epochs=2)
+    rep = _engine("fedrep", clients, rounds=2, head_epochs=3, body_epochs=2, client_weights="samples")
     rep.run()
     body = [k for k in rep.server]
     assert body and all(torch.equal(fc.server[k], rep.server[k]) for k in body)
@@ -506,13 +527,14 @@ def test_fedpac_combination_weights_pick_the_clients_with_the_same_label_distrib
     assert alpha[1] > 0.9 and alpha[2] < 0.01
 
 
-def test_fedpac_classifier_is_the_alpha_weighted_mean_and_features_align_to_global_prototypes(clients, monkeypatch):
+@pytest.mark.parametrize("align_loss", ["mse", "squared_l2"])
+def test_fedpac_classifier_is_the_alpha_weighted_mean_and_features_align_to_global_prototypes(clients, monkeypatch, align_loss):
     import numpy as np
 
     import fedsilo.methods.fedpac as fedpac
 
     ups = []
-    e = _engine("fedpac", clients, rounds=1, observer=lambda r, c, d, p: ups.append((c, p)) if d == "up" else None)
+    e = _engine("fedpac", clients, rounds=1, align_loss=align_loss, observer=lambda r, c, d, p: ups.append((c, p)) if d == "up" else None)
     e.step()
     names = [c for c, _ in ups]
     assert {"fedpac::v", "fedpac::h", "fedpac::counts"} <= set(ups[0][1]) and any(k.startswith("proto::") for k in ups[0][1])
@@ -545,7 +567,9 @@ def test_fedpac_classifier_is_the_alpha_weighted_mean_and_features_align_to_glob
                 with torch.no_grad():
                     z = features(model, x).float()
                 target = torch.stack([protos[int(c)] for c in yb]).float()
-                checked.append((float(val), e.method.params.lam * float(torch.nn.functional.mse_loss(z, target))))
+                # the code's MSELoss, or the paper's R_i: each sample's squared distance summed over the features
+                gap = ((z - target) ** 2).mean() if align_loss == "mse" else ((z - target) ** 2).sum(1).mean()
+                checked.append((float(val.detach()), e.method.params.lam * float(gap.detach())))
             return val
 
         return real(model, data, cfg, gen, batch_loss=wrapped if batch_loss is not None else None, **kw)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import torch
 from pydantic import Field, TypeAdapter, ValidationError, field_validator
@@ -321,19 +321,35 @@ class Method:
         return {}
 
 
+ClientWeights = Literal["samples", "uniform"]
+
+
+def client_weights_field(default: ClientWeights, why: str) -> Any:
+    """``client_weights`` for a method whose paper and authors' code weigh a round's uploads differently: ``samples``
+    (each client by its training-set size, FedAvg's mean) or ``uniform`` (each sampled client alike); ``why`` says whose
+    each is. :class:`MeanAggregation` reads it."""
+    return Field(default, description=f"the server's mean of a round's uploads: samples (by training-set size) or uniform; {why}")
+
+
 class MeanAggregation(Method):
     """FedAvg's server step, streamed: the sample-size-weighted mean of a round's uploads, accumulated upload by upload
     (:class:`RunningMean`); the subclass's ``agg_end`` says where the mean goes (the whole server state, a task's
-    model, a trunk and a head). An empty upload (a client with nothing to send) adds nothing."""
+    model, a trunk and a head). An empty upload (a client with nothing to send) adds nothing. A method whose params
+    have ``client_weights`` (:func:`client_weights_field`) may weigh every upload alike instead."""
 
     streaming: ClassVar[bool] = True
 
     def agg_begin(self, server: State, rnd: int) -> "RunningMean":
         return RunningMean()
 
+    def upload_weight(self, client: ClientData) -> float:
+        """The weight of ``client``'s upload in the round's mean: its training-set size, or 1 under
+        ``client_weights: uniform``."""
+        return 1.0 if getattr(self.params, "client_weights", "samples") == "uniform" else client.n_train
+
     def agg_add(self, acc: "RunningMean", client: ClientData, upload: State) -> None:
         if upload:
-            acc.add(client.n_train, upload)
+            acc.add(self.upload_weight(client), upload)
 
 
 class RunningMean:

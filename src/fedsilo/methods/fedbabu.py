@@ -10,7 +10,7 @@ from torch import nn
 
 from fedsilo.client.local import make_generator, train_local
 from fedsilo.config import ConfigError
-from fedsilo.methods.base import MethodParams, State
+from fedsilo.methods.base import ClientWeights, MethodParams, State, client_weights_field
 from fedsilo.methods.sharing import PartialSharing, frozen, top_units, unit_prefixes
 from fedsilo.models import LayeredNet
 
@@ -20,16 +20,21 @@ class FedBABUParams(MethodParams):
     finetune_epochs: int = Field(5, ge=0, description="tau_f: epochs each client fine-tunes the whole global model before it is evaluated (0 = no fine-tuning)")
     finetune_lr: float = Field(1e-3, gt=0, description="fine-tuning learning rate (the code's personalization lr)")
     finetune_momentum: float = Field(0.9, ge=0, lt=1, description="fine-tuning momentum (the code's)")
+    client_weights: ClientWeights = client_weights_field("samples", "samples is the paper's Algorithm 1 (n_i / n), "
+                                                         "uniform its code's mean over the sampled clients")
 
 
 class FedBABU(PartialSharing):
     """Oh et al. 2022, Algorithm 1. During federated training the head (the top ``head_layers`` weighted layers) is
     never trained: it keeps its random initialisation, the same on every client, so it never travels. Each sampled
     client downloads the global body, trains only the body for E epochs (``train``) with the head fixed, and uploads
-    it; the server averages the bodies by sample size. To evaluate, every client fine-tunes the whole global model
+    it; the server averages the bodies by sample size (the paper's n_i / n; the code's plain mean over the sampled
+    clients, the same on its equal shards, is ``client_weights: uniform``). To evaluate, every client fine-tunes the whole global model
     (body and head) on its own training data for ``finetune_epochs`` and is evaluated with the result; the
     fine-tuned model is thrown away (each evaluation starts again from the global model, as the paper's
     personalization does after training). The global model (body + initial head) is reported as well.
+    FedeCouple's related work says FedBABU "fine-tunes the classifier locally"; its paper and code fine-tune body and
+    head, as here.
 
     Choices where the paper is open follow the authors' code (github:jhoon-oh/FedBABU): fine-tuning with SGD lr 1e-3,
     momentum 0.9, 5 epochs, the training batch size, no augmentation beyond ``train.augment``; the head is frozen

@@ -4,7 +4,7 @@ ICLR 2023, "Personalized federated learning with feature alignment and classifie
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ class FedPACParams(MethodParams):
     classifier_lr: float = Field(0.1, gt=0, description="learning rate of the classifier epochs (the authors' code: 0.1, fixed)")
     min_weight: float = Field(1e-3, ge=0, description="combination weights below this are set to zero before the heads are averaged (the code's eps)")
     eig_floor: float = Field(0.01, ge=0, description="when the QP matrix is not positive semidefinite, it is rebuilt from its eigenvalues >= this (the code's stabilizer)")
+    align_loss: Literal["mse", "squared_l2"] = Field(
+        "mse", description="the alignment term: mse (the code's MSELoss, mean over samples and features) or squared_l2 "
+        "(the paper's R_i, each sample's squared distance summed over features, mean over samples: d times mse)")
 
 
 def statistics(z: torch.Tensor, y: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +100,9 @@ class FedPAC(Method):
 
     Details from the authors' code (github:JianXu95/FedPAC, ``methods/fedpac.py``, ``tools.py``, ``running.py``):
     the classifier epoch's learning rate 0.1 (``classifier_lr``), SGD momentum 0.5 and weight decay 5e-4 for both
-    phases (``train``), the alignment term as PyTorch's MSELoss (mean over batch and features), prototypes aggregated
+    phases (``train``), the alignment term as PyTorch's MSELoss (mean over batch and features: the paper's R_i sums
+    each sample's squared distance over the features, d times larger at the same lambda; ``align_loss: squared_l2``
+    is the paper's, the presets keep the code's), prototypes aggregated
     by label counts, the extractor by sample counts, the QP matrix's eigenvalue fix and the 1e-3 weight cut. The code
     solves the QP with cvxpy; here SciPy's SLSQP solves the same problem. The code prints two accuracies of each
     sampled client and picks neither: ``acc0``, its model at the start of a round (global theta and the combined
@@ -181,7 +186,8 @@ class FedPAC(Method):
                     table[c] = t.to(table.device, table.dtype)
 
                 def align(x, yb, logits):
-                    return self.params.lam * F.mse_loss(rep.z.float(), table[yb])
+                    gap = F.mse_loss(rep.z.float(), table[yb])
+                    return self.params.lam * (gap * rep.z.shape[1] if self.params.align_loss == "squared_l2" else gap)
 
             self.last_loss = train_local(model, client, self.train, make_generator(seed, rnd, client.index, 1), params=body, batch_loss=align)
         sd = model.state_dict()

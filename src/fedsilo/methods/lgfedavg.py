@@ -10,7 +10,7 @@ from pydantic import Field, PositiveInt
 
 from fedsilo.client.data import ClientData
 from fedsilo.config import ConfigError
-from fedsilo.methods.base import MethodParams, State, TakenMean
+from fedsilo.methods.base import ClientWeights, MethodParams, State, TakenMean, client_weights_field
 from fedsilo.methods.sharing import PartialSharing, per_backbone, top_units, unit_prefixes
 from fedsilo.models import LayeredNet
 
@@ -28,6 +28,8 @@ class LGFedAvgParams(MethodParams):
         0, ge=0, description="rounds of plain FedAvg (every layer shared) before the lower layers become each client's "
         "own: the paper's FedAvg-trained start, counted in train.rounds (0: start from the initialisation, as FedPAC's code)"
     )
+    client_weights: ClientWeights = client_weights_field("samples", "samples is FedPAC's code, whose LG-FedAvg "
+                                                         "FedeCouple runs; uniform the LG-FedAvg code's mean")
 
 
 class LGFedAvg(PartialSharing):
@@ -55,8 +57,9 @@ class LGFedAvg(PartialSharing):
     The paper's split is followed (local bottom, global top; ``global_layers`` of them: the code's default
     ``num_layers_keep`` is 1, its CIFAR-10 script passes 2); on its CIFAR CNN that count of 2 instead keeps the two
     *convolutions* global (an open issue in its repository), which is FedPer's direction, available
-    here as ``fedper``. Aggregation is the sample-size-weighted mean (the code averages uniformly over the sampled
-    clients: the same with equal client sizes, as in its experiments). The code's choice of each client's best model
+    here as ``fedper``. Aggregation is the sample-size-weighted mean, as FedPAC's code (whose protocol FedeCouple
+    follows) aggregates it; the LG-FedAvg code averages uniformly over the sampled clients (the same with equal client
+    sizes, as in its experiments): ``client_weights: uniform``. The code's choice of each client's best model
     by test accuracy during the LG-FedAvg rounds is not copied (it selects on the test set)."""
 
     name = "lgfedavg"
