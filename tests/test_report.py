@@ -349,6 +349,27 @@ def test_one_table_of_a_paper_is_reported_from_its_groups_runs_and_names_the_run
     table = (tmp_path / "results" / "pfeddb" / "quickstart" / "groups" / "table4" / "pfeddb_cxr4" / "pfeddb_cxr4_accuracy.md").read_text()
     assert "| pfeddb_one_phase | 60.0 |" in table and "| pfeddb | **80.0** |" in table and "| fedavg |" not in table
     assert not (tmp_path / "results" / "pfeddb" / "quickstart" / "report").exists()  # the report stages' outputs untouched
+    # the report stage's output holds each group's table of the experiment too, rebuilt with it after a retrain
+    from fedsilo.config import load_params
+
+    every = load_params(REPO / "pipelines" / "pfeddb" / "params.yaml").experiment_methods("pfeddb_cxr4")
+    write_run = lambda m, acc: ((d := tmp_path / "results" / "pfeddb" / "quickstart" / "pfeddb_cxr4" / m / "seed0").mkdir(  # noqa: E731
+        parents=True, exist_ok=True), (d / "metrics.json").write_text(json.dumps({**met, "per_client": {c: {"acc": acc} for c in domains}})),
+        (d / "history.json").write_text(json.dumps([{**hist[0], "eval": {c: {"acc": acc} for c in domains}, "mean_acc": acc}])))
+    for m in every:
+        if m not in ("pfeddb_one_phase", "pfeddb"):
+            write_run(m, 0.5)
+    assert main([*params, "report", "--experiment", "pfeddb_cxr4"]) == 0
+    report = tmp_path / "results" / "pfeddb" / "quickstart" / "report" / "pfeddb_cxr4"
+    group = report / "groups" / "table4" / "pfeddb_cxr4_accuracy.md"
+    assert "| pfeddb_one_phase | 60.0 |" in group.read_text() and "| fedavg |" not in group.read_text()
+    assert "| fedavg | 50.0 |" in (report / "pfeddb_cxr4_accuracy.md").read_text()
+    assert "- [table4](groups/table4/README.md): pfeddb_one_phase, pfeddb" in (report / "README.md").read_text()
+    assert not (report / "groups" / "tables_1_2").exists() or "| pfeddb_one_phase |" not in (
+        report / "groups" / "tables_1_2" / "pfeddb_cxr4_accuracy.md").read_text()
+    write_run("pfeddb_one_phase", 0.7)  # retrained: the stage's next run rewrites the group's table with the rest
+    assert main([*params, "report", "--experiment", "pfeddb_cxr4"]) == 0
+    assert "| pfeddb_one_phase | 70.0 |" in group.read_text()
     assert main([*params, "report", "--group", "table4", "--experiment", "pfeddb_digits5"]) == 2
     assert "runs.table4.experiments: 'pfeddb_digits5' is not one of them (pfeddb_office, pfeddb_cxr4)" in capsys.readouterr().err
     assert main([*params, "report", "--group", "table9"]) == 2

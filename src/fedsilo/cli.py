@@ -22,7 +22,7 @@ import logging
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 from fedsilo import config
 from fedsilo.config import ConfigError, Params
@@ -258,11 +258,30 @@ def _report(args: argparse.Namespace) -> None:
         _refuse_missing_runs(p, layout, args.params, f"runs.{args.group}", [(e, m) for e in exps for m in methods_of(e)])
     else:
         _refuse_missing_runs(p, layout, args.params, "report", [(e, m) for e in exps if e in p.experiments for m in methods_of(e)])
+    from fedsilo.utils.io import atomic_dir
+
     made = {}
+    grouped = args.group is None and args.methods is None and p.paper is not None
     for exp in exps:
         _defined(args.params, "experiments", exp, p.experiments)
+        beside = tuple(p.paper.runs[args.group].beside) if args.group else ()
         with _naming_published(args.params, exp, p.experiments[exp].published):
-            _report_one(args, p, exp, methods_of, out_of, made)
+            if not grouped:
+                _report_one(args, p, exp, methods_of(exp), out_of(exp), made, beside)
+                continue
+            # a paper's report stage: the experiment's table, and each run group's own table of it under groups/<g>/,
+            # so that `dvc repro` rebuilds a group's table whenever one of its runs is retrained
+            with atomic_dir(out_of(exp)) as tmp:
+                _report_one(args, p, exp, methods_of(exp), tmp, made, beside)
+                groups = _experiment_groups(p, exp)
+                for g, grp in groups.items():
+                    _report_one(args, p, exp, (*grp.methods, *grp.beside), tmp / "groups" / g, {}, tuple(grp.beside))
+                if groups:
+                    with open(tmp / "README.md", "a") as f:
+                        f.write("## Run groups\n\nEach group's own table of this experiment (`runs.<group>` of the params "
+                                "file: its methods and the ones it sets beside them):\n\n"
+                                + "".join(f"- [{g}](groups/{g}/README.md): {', '.join((*grp.methods, *grp.beside))}\n"
+                                          for g, grp in groups.items()))
     for exp, info in made.items():
         if "table" not in info:
             continue
@@ -284,25 +303,34 @@ def _naming_published(params: Any, exp: str, ref: Optional[str]) -> Iterator[Non
         raise
 
 
-def _report_one(args: argparse.Namespace, p: Params, exp: str, methods_of: Callable, out_of: Callable, made: dict) -> None:
-    """The report of one experiment into ``made``: a task stream's (pFedDIL's tables) or a static one's."""
+def _experiment_groups(p: Params, exp: str) -> dict[str, Any]:
+    """The run groups of a paper whose table of ``exp`` is not its whole report: the groups that train or set beside
+    some of its methods, when they are fewer than all of them."""
+    every = set(p.experiment_methods(exp))
+    return {g: grp for g, grp in p.paper.runs.items()
+            if exp in grp.experiments and grp.methods and set((*grp.methods, *grp.beside)) != every}
+
+
+def _report_one(args: argparse.Namespace, p: Params, exp: str, methods: Sequence[str], out: Path, made: dict,
+                beside: Sequence[str] = ()) -> None:
+    """The report of one experiment's ``methods`` into ``out`` and ``made``: a task stream's (pFedDIL's tables) or a
+    static one's. ``beside``: the methods a run group sets beside its own rows."""
     from fedsilo.report import build_report
     from fedsilo.report.continual import build_stream_report
 
     layout = p.layout(args.root)
     if p.experiments[exp].split.protocol == "domain_incremental":
-        ms = list(methods_of(exp))
+        ms = list(methods)
         # Delta's reference: the pFedDIL entry with every module on (not an ablation); in a group's table the one the
         # group sets beside its own rows (Table 6's lambda sweep is compared with the paper's pFedDIL, not its first lambda)
-        beside = list(p.paper.runs[args.group].beside) if args.group else []
         full = [m for m in sorted(ms, key=lambda m: m not in beside) if (p.methods[m] or {}).get("method", m) == "pfeddil"
                 and all((p.methods[m] or {}).get(k, True) for k in ("migration", "share_extractor", "correlation"))]
-        made.update(build_stream_report(layout.results(exp), exp, ms, list(p.pipeline.seeds), out_of(exp),
+        made.update(build_stream_report(layout.results(exp), exp, ms, list(p.pipeline.seeds), out,
                                         published=p.experiments[exp].published, repo=Path(args.root),
                                         reference=full[0] if full else None))
         return
-    made.update(build_report(layout.results(exp), exp, list(methods_of(exp)), list(p.pipeline.seeds),
-                             out_of(exp), published=p.experiments[exp].published, method_entries=p.methods,
+    made.update(build_report(layout.results(exp), exp, list(methods), list(p.pipeline.seeds),
+                             out, published=p.experiments[exp].published, method_entries=p.methods,
                              repo=Path(args.root), target_accuracy=p.experiments[exp].target_accuracy))
 
 

@@ -800,16 +800,6 @@ def _write_flat_csv(tab: pd.DataFrame, path: Path, seeds: pd.Series) -> None:
     flat.to_csv(path, float_format="%.4f")
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def settings_differ(paper: dict[str, Any] | None, method_entries: dict[str, Any] | None, methods: list[str]) -> list[str]:
     """Where a paper's row states the setting it was run with (``params`` in ``published.yaml``: F²DC's σ, τ, ... ),
     the methods of ours whose entry (``methods.<key>``, its unset values at their defaults) differs from it, one line
@@ -817,6 +807,7 @@ def settings_differ(paper: dict[str, Any] | None, method_entries: dict[str, Any]
     if not paper or not method_entries:
         return []
     from fedsilo.methods.registry import _values, method_base, method_class
+    from fedsilo.tracking import flatten
 
     lines = []
     for m in methods:
@@ -824,8 +815,8 @@ def settings_differ(paper: dict[str, Any] | None, method_entries: dict[str, Any]
         if not want or m not in method_entries:
             continue
         cls = method_class(method_base(m, method_entries[m]))
-        ours = _flat(cls.params_cls.model_validate(_values(method_entries[m])).model_dump(mode="json"))
-        diff = [f"{k} {ours.get(k, 'unset')} (the paper's row: {v})" for k, v in _flat(want).items() if ours.get(k) != v]
+        ours = flatten(cls.params_cls.model_validate(_values(method_entries[m])).model_dump(mode="json"))
+        diff = [f"{k} {ours.get(k, 'unset')} (the paper's row: {v})" for k, v in flatten(want).items() if ours.get(k) != v]
         if diff:
             lines.append(f"{m} ran with " + ", ".join(diff))
     return lines
