@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import re
 import threading
 from pathlib import Path
 
@@ -61,14 +62,30 @@ def _same_state(a, b):
     return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
 
 
+def _of_another_site(engine) -> list[tuple[str, str, str]]:
+    """The keys of what the server sends each site, to train (``download``) and to be evaluated (``eval_download``),
+    that name another site (by name, or by index as ``<prefix>:<index>::``): the server's bookkeeping of a site, or
+    its own part, goes to that site only."""
+    out = []
+    for c in engine.clients:
+        sent = {"download": engine.method.download(engine.server, c, engine.round + 1),
+                "eval": engine.method.eval_download(engine.server, c)}
+        for part, payload in sent.items():
+            out += [(c.name, part, k) for k in payload for o in engine.clients
+                    if o is not c and (o.name in k or re.search(rf"(^|:){o.index}::", k))]
+    return out
+
+
 @pytest.mark.parametrize("name", STATIC)
 def test_every_method_gives_the_numbers_of_one_client_at_a_time(name, one_thread):
+    """Also: nothing the server sends a site, after those rounds, names another site (:func:`_of_another_site`)."""
     one, two = _engine(name, 1), _engine(name, 2)
     h1, h2 = one.run(), two.run()
     assert two.parallel == (2 if REGISTRY[name].client_parallel else 1)
     assert without_timing(h1) == without_timing(h2)
     assert _same_state(one.server, two.server)
     assert all(_same_state(s1, s2) for s1, s2 in zip(one.stores, two.stores))
+    assert not _of_another_site(two), _of_another_site(two)[:4]
 
 
 @pytest.mark.parametrize("case", ["host_augment", "decouple_finetune", "moon_own_init"])

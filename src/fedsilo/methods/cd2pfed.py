@@ -188,6 +188,11 @@ class CD2PFed(Method):
         return out
 
     # --- evaluation
+    def eval_download(self, server, client):
+        """The global model and the site's own last round: the rounds the other sites trained in stay on the server."""
+        mine = LAST + client.name
+        return {k: v for k, v in server.items() if not k.startswith(LAST) or k == mine}
+
     def eval_state(self, server, store, client):
         # the client's private channels of the last round it trained in, the global values of every other one
         out = {k: v.clone() for k, v in store.items()}
