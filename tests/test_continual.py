@@ -353,6 +353,9 @@ def test_pfeddil_uploads_only_the_trained_model_and_bytes_are_the_tensors_moved(
     assert moved["down"] == sum(h["bytes_down_total"] for h in hist)
     assert all(v == 16 for h in hist for v in h["bytes_announce"].values())  # two int64: family, download wanted
     assert not any(k.startswith(("slot", "aux", "route", "rho")) for k in e.server)
+    # which family each site trains in (the server's who.<index>) is not sent to any site to be evaluated
+    assert any(k.startswith("who.") for k in e.server)
+    assert not any(k.startswith("who.") for c in e.clients for k in e.method.eval_download(e.server, c))
     assert math.isfinite(continual_summary(hist, NAMES, 2)["avg_acc"])
 
 

@@ -278,6 +278,11 @@ class PFedDIL(Method):
         alpha, probs = self.ensemble(model, store, client.x_test, server)
         return (alpha.unsqueeze(2) * probs).sum(0)  # Eq. 7
 
+    def eval_download(self, server, client):
+        """The federation's family models: which family each site trains in the task (the server's ``who``) stays
+        on the server."""
+        return {k: v for k, v in server.items() if not k.startswith(WHO)}
+
     def eval_state(self, server, store, client):
         slots = self.slots(store)
         family = int(store["route"][self.task])
