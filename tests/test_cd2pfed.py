@@ -134,6 +134,19 @@ def test_models_the_split_does_not_fit_are_refused_by_name():
         ChannelPartition(build_model("vit_tiny", 3, 10, image_size=32))
     with pytest.raises(ValueError, match="does not normalize"):
         ChannelPartition(build_model("densenet121", 3, 10))
+    # in a params file: refused when it is read (check-params, every stage), naming the keys, not by a train's traceback
+    from fedsilo.config import ConfigError
+    from fedsilo.fl.params import parse_params
+    from tests.conftest import small_params
+
+    raw = small_params(model="vit_tiny")
+    raw["methods"]["cd2pfed"] = {}
+    raw["pipeline"]["methods"].append("cd2pfed")
+    with pytest.raises(ConfigError, match=r"methods\.cd2pfed: cd2pfed cannot train experiments\.quick\.train\.model "
+                       r"\(vit_tiny\): channel decoupling: module 'units\.1\.ln_1' \(LayerNorm\)"):
+        parse_params(raw)
+    raw["experiments"]["quick"]["train"]["model"] = "lenet5"
+    assert parse_params(raw).methods["cd2pfed"] == {}
 
 
 def test_only_shared_channels_travel_and_the_server_averages_them(clients):

@@ -155,7 +155,12 @@ def test_check_params_prints_a_methods_parameters_as_a_run_takes_them(tmp_path, 
     # a command's experiment or source typo names the file, the key and the near miss
     for cmd, said in ((["report", "--experiment", "quik"], "p.yaml: experiments.quik: not defined (did you mean 'quick'?)"),
                       (["split", "--experiment", "quik"], "p.yaml: experiments.quik: not defined (did you mean 'quick'?)"),
-                      (["fetch", "--source", "chexpret"], "p.yaml: sources.chexpret: not defined (did you mean 'chexpert'?)")):
+                      (["fetch", "--source", "chexpret"], "p.yaml: sources.chexpret: not defined (did you mean 'chexpert'?)"),
+                      (["train", "--experiment", "quick", "--method", "fedprx", "--seed", "0"], "methods.fedprx: not defined in "
+                       f"{path} (did you mean 'fedprox'?)"),
+                      # a registered method the file has no entry for: the entry that trains it
+                      (["train", "--experiment", "quick", "--method", "ditto", "--seed", "0"], "methods.ditto: not defined in "
+                       f"{path}; every method trained needs an entry under methods (`ditto: {{}}`")):
         assert main(["--params", str(path), *cmd]) == 2
         assert said in capsys.readouterr().err, cmd
     # trained without an entry: refused, saying what the entry is and where the registered methods are listed

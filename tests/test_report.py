@@ -395,6 +395,12 @@ def test_latex_tables_escape_names_and_a_table_of_identical_rows_says_it_tells_n
     three = pd.concat({"mean": pd.DataFrame([[50.0, 60.0], [50.0, 60.0], [70.0, 75.0]], index=["a", "b", "fedcil"], columns=cols),
                        "std": pd.DataFrame(0.0, index=["a", "b", "fedcil"], columns=cols)}, axis=1)
     assert indistinct_rows(three).startswith("scored exactly the same in every column: a, b. Runs too short")
+    # a label-skew table's one pooled column: a and b meet on the mean over their clients, not on each client
+    clients = pd.DataFrame([[0.5, 0.7], [0.7, 0.5], [0.9, 0.8]], index=["a", "b", "fedcil"],
+                           columns=pd.MultiIndex.from_tuples([(0, "c0"), (0, "c1")], names=["seed", "client"]))
+    assert indistinct_rows(three, clients) is None
+    clients.loc["b"] = [0.5, 0.7]
+    assert indistinct_rows(three, clients).startswith("scored exactly the same in every column: a, b.")
     # a method the paper has no row for is in the versus table, paper "–"
     tab = versus_paper(acc, {"domains": ["art_painting"], "methods": {"fedavg": {"mean": [40.0, 50.0]}}})
     assert list(tab.index) == ["f2dc_no_dfd", "fedavg"] and pd.isna(tab.loc["f2dc_no_dfd", ("Avg", "paper")])

@@ -40,7 +40,10 @@ def _defined(params_file: Any, section: str, name: str, known: Any) -> None:
     """``name`` is defined under ``section`` of the params file, else a ConfigError naming the file, the dotted key
     and a near miss."""
     if name not in known:
-        raise ConfigError(f"{params_file}: {section}.{name}: not defined{config.did_you_mean(name, known)}")
+        from fedsilo.methods import REGISTRY
+
+        hint = config._METHOD_ENTRY.format(m=name) if section == "methods" and name in REGISTRY else config.did_you_mean(name, known)
+        raise ConfigError(f"{params_file}: {section}.{name}: not defined{hint}")
 
 
 def _fetch(args: argparse.Namespace) -> None:

@@ -11,6 +11,7 @@ from pydantic import Field
 from torch.nn import functional as F
 
 from fedsilo.client.local import make_generator, train_local
+from fedsilo.config import ConfigError
 from fedsilo.methods.base import Method, MethodParams, RunningMean, State
 from fedsilo.methods.channels import PRIVATE, SHARED, ChannelPartition
 
@@ -97,6 +98,13 @@ class CD2PFed(Method):
         return self.params.beta * math.exp(-5.0 * (1.0 - rnd / t0) ** 2)
 
     # --- structure
+    def check_backbone(self, model):
+        try:
+            ChannelPartition(model)
+        except ValueError as err:  # a layer channel decoupling cannot split (a ViT's LayerNorm, DenseNet's concatenations)
+            raise ConfigError(f"{err} (channel decoupling splits stacks of convolutions and linear layers with the "
+                              "BatchNorm after each: every backbone here but densenet121 and vit_tiny)") from None
+
     def setup(self, model):
         self.part = ChannelPartition(model)
         self.keys = list(model.state_dict().keys())

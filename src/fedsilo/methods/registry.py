@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ValidationError
 
-from fedsilo.config import ConfigError, Params, TrainParams, format_validation_error
+from fedsilo.config import _METHOD_ENTRY, ConfigError, Params, TrainParams, did_you_mean, format_validation_error
 from fedsilo.methods.base import Method, MethodParams
 from fedsilo.methods.cd2pfed import CD2PFed
 from fedsilo.methods.dann import DANN
@@ -101,7 +101,8 @@ def method_params(params: Params, key: str, source: Optional[str] = None) -> Met
     if key in params._typed_methods:
         return params._typed_methods[key]
     if key not in params.methods:
-        raise ConfigError(f"methods.{key}: not defined in {source}")
+        raise ConfigError(f"methods.{key}: not defined in {source}" + (_METHOD_ENTRY.format(m=key) if key in REGISTRY else
+                                                                       did_you_mean(key, list(params.methods))))
     entry = params.methods[key]
     try:
         cls = method_class(method_base(key, entry))
@@ -134,6 +135,7 @@ def check_methods(params: Params, source: str = "params.yaml") -> None:
                     algo.check_stream()  # what set_tasks refuses at the train stage (FedAvg's fine-tuning on a stream)
             except ConfigError as err:  # a per-backbone entry lacking this experiment's backbone, ...
                 raise ConfigError(f"{source}: {err} (resolved for experiments.{e})") from None
+            _check_backbone(params, algo, key, e, source)
             fedavg_start = getattr(algo.params, "fedavg_rounds", 0)  # LG-FedAvg's FedAvg-trained start
             if fedavg_start >= train.rounds:
                 raise ConfigError(f"{source}: methods.{key}.fedavg_rounds: {fedavg_start} FedAvg rounds leave no LG-FedAvg "
@@ -144,6 +146,26 @@ def check_methods(params: Params, source: str = "params.yaml") -> None:
                     f"{source}: methods.{key}.local_rounds: {e0} local rounds leave no federated round in "
                     f"experiments.{e}.train.rounds ({train.rounds}); set local_rounds below {train.rounds} or raise rounds"
                 )
+
+
+def _check_backbone(params: Params, algo: Method, key: str, experiment: str, source: str) -> None:
+    """A method that works on some backbones only (:meth:`Method.check_backbone`: CD2-pFed's channel decoupling)
+    checks the experiment's, built on the meta device at the dataset's image size."""
+    if type(algo).check_backbone is Method.check_backbone:
+        return
+    import torch
+
+    from fedsilo.models import build_model
+
+    train = params.experiments[experiment].train
+    dataset = params.datasets.get(params.experiments[experiment].dataset)
+    with torch.device("meta"):
+        model = build_model(train.model, 3, 10, image_size=getattr(dataset, "image_size", None), width=train.model_width)
+    try:
+        algo.check_backbone(model)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: methods.{key}: {algo.name} cannot train experiments.{experiment}.train.model "
+                          f"({train.model}): {err}") from None
 
 
 def check_pipeline_fits(params: Params, source: str = "params.yaml") -> None:

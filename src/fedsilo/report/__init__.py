@@ -117,6 +117,16 @@ def collect(results: Path, methods: list[str], seeds: list[int]) -> tuple[pd.Dat
     return df, histories
 
 
+def per_client_accuracy(results: Path, methods: list[str], seeds: list[int]) -> pd.DataFrame:
+    """Every client's accuracy in every run, a row per method (columns: seed, client): what tells two methods apart
+    where a table's columns pool many clients (a label-skew experiment's one dataset column), for
+    :func:`indistinct_rows`."""
+    rows = {m: {(s, c): v["acc"] for s in seeds
+                for c, v in read_json(Path(results) / m / f"seed{s}" / "metrics.json")["per_client"].items()}
+            for m in methods}
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
 def upload_per_participant(history: list[dict]) -> float:
     """Bytes uploaded per participating client per round, averaged over the rounds that upload: each round's total
     divided by the clients that took part in it (sampled), not by the whole federation, so that partial participation
@@ -299,7 +309,7 @@ def local_new_external(results: Path, methods: list[str], seeds: list[int]) -> p
     return out
 
 
-def local_new_external_markdown(tab: pd.DataFrame, title: str) -> str:
+def local_new_external_markdown(tab: pd.DataFrame, title: str, per_client: pd.DataFrame | None = None) -> str:
     """The table, with the images the new and external tests score and the binomial standard error of an accuracy
     near 50 % on them (a difference inside about two of it is noise), and a note where methods tie."""
     cols = list(tab["mean"].columns)
@@ -309,7 +319,7 @@ def local_new_external_markdown(tab: pd.DataFrame, title: str) -> str:
         "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for m in tab.index:
         lines.append(f"| {m} | " + " | ".join(_pm(tab["mean"].loc[m, c], tab["std"].loc[m, c], ".2f") for c in cols) + " |")
-    same = indistinct_rows(tab)
+    same = indistinct_rows(tab, per_client)
     return "\n".join(lines) + "\n" + (f"\n> **Note:** {same}\n" if same else "")
 
 
@@ -351,17 +361,25 @@ def summary_table(df: pd.DataFrame, metric: str, methods: list[str], domain_std:
     return out
 
 
-def indistinct_rows(tab: pd.DataFrame) -> str | None:
+def indistinct_rows(tab: pd.DataFrame, per_client: pd.DataFrame | None = None) -> str | None:
     """A note when methods of a table scored exactly the same in every column: runs too short or too small to tell
     them apart (a quickstart's few steps, each model predicting one class), whose bold "best" cells and differences
-    from a paper mean nothing. Names the groups that tie when only some do; None when no two rows do."""
+    from a paper mean nothing. Names the groups that tie when only some do; None when no two rows do.
+    ``per_client``: each method's accuracy on every client of every run (:func:`collect`); where given, rows tie
+    only when those are the same too (two label-skew runs whose means over 20 clients meet are not one model)."""
     mean = tab["mean"]
     if len(mean.index) < 2 or mean.isna().all().all():
         return None
+
+    def row(m: str) -> np.ndarray:
+        own = mean.loc[m].to_numpy(float)
+        if per_client is None or m not in per_client.index:
+            return own
+        return np.concatenate([own, per_client.loc[m].to_numpy(float)])
+
     groups: list[list[str]] = []
     for m in mean.index:
-        row = mean.loc[m].to_numpy(float)
-        home = next((g for g in groups if np.allclose(mean.loc[g[0]].to_numpy(float), row, equal_nan=True)), None)
+        home = next((g for g in groups if np.allclose(row(g[0]), row(m), equal_nan=True)), None)
         if home is None:
             groups.append([m])
         else:
@@ -927,7 +945,8 @@ def build_report(
             acc = summary_table(df, "acc", methods, domain_std)
             seeds_per_method = df.groupby("method")["seed"].nunique()  # the runs behind each row (the CSVs' seeds column)
             md = to_markdown(acc, f"{exp}: test accuracy (%), {over_seeds(seeds)}")
-            same = indistinct_rows(acc)
+            per_client = per_client_accuracy(results, methods, seeds)
+            same = indistinct_rows(acc, per_client)
             if same:
                 log.warning("%s: %s", exp, same)
                 md += f"\n> **Note:** {same}\n"
@@ -973,7 +992,8 @@ def build_report(
             figs = _plots(tmp, exp, methods, seeds, histories, client_domains(results, methods[0], seeds[0]))
             lne = local_new_external(results, methods, seeds)
             if lne is not None:
-                lne_md = local_new_external_markdown(lne, f"{exp}: local, new and external test accuracy (%), {over_seeds(seeds)}")
+                lne_md = local_new_external_markdown(lne, f"{exp}: local, new and external test accuracy (%), {over_seeds(seeds)}",
+                                                     per_client)
                 (tmp / f"{exp}_local_new_external.md").write_text(lne_md)
                 flat_lne = lne.copy()
                 flat_lne.columns = [f"{col}_{stat}".replace(" ", "_") for stat, col in flat_lne.columns]
