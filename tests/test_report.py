@@ -378,6 +378,24 @@ def test_one_table_of_a_paper_is_reported_from_its_groups_runs_and_names_the_run
     assert "--sensitivity and --group: one or the other" in capsys.readouterr().err
 
 
+def test_a_variant_that_differs_from_its_method_beyond_its_own_keys_is_named():
+    """A tuned ``methods.cd2pfed`` leaves the ablations that name it at the registered defaults for every key they do
+    not set: the report names each such key; keys a variant sets itself, or that its values make idle (pFedDB's Phase-1
+    settings without the two-phase protocol), are not a difference."""
+    from fedsilo.report import variant_drift
+
+    entries = {"cd2pfed": {"p": 0.25, "lam": 1.0}, "cd2pfed_cd": {"method": "cd2pfed", "progressive": False, "temporal_averaging": False, "lam": 2.0},
+               "fedavg": {}}
+    assert variant_drift(entries, ["cd2pfed", "cd2pfed_cd", "fedavg"]) == ["cd2pfed_cd takes p 0.5 (cd2pfed: 0.25)"]
+    assert variant_drift(entries, ["cd2pfed_cd", "fedavg"]) == []  # without its method in the table: nothing to compare
+    entries["cd2pfed_cd"]["p"] = 0.25
+    assert variant_drift(entries, ["cd2pfed", "cd2pfed_cd"]) == []
+    pfeddb = {"pfeddb": {"local_rounds": 4, "phase1_lr": 0.01}, "pfeddb_one_phase": {"method": "pfeddb", "two_phase": False}}
+    assert variant_drift(pfeddb, list(pfeddb)) == []
+    pfeddb["pfeddb"]["fusion"] = "concat"
+    assert variant_drift(pfeddb, list(pfeddb)) == ["pfeddb_one_phase takes fusion 'add' (pfeddb: 'concat')"]
+
+
 def test_latex_tables_escape_names_and_a_table_of_identical_rows_says_it_tells_nothing():
     from fedsilo.report import indistinct_rows, latex_text, to_latex, versus_paper
 

@@ -46,6 +46,11 @@ class MethodParams(Strict):
     def _empty_is_none(cls, v: Any) -> Any:
         return None if v == {} else v  # `local_optimizer: {}` changes nothing: the same run (and hash) as none
 
+    def unused_keys(self) -> set[str]:
+        """The keys these values make idle (pFedDB's Phase-1 settings under ``two_phase: false``): a report comparing
+        a variant with its method passes over them."""
+        return set()
+
 
 def one_or_per_backbone(value: Any, one: TypeAdapter) -> Any:
     """A params value given once or per backbone (``{simple_cnn: 0.5, alexnet_bn: 0.0}``: the authors' settings of

@@ -840,6 +840,37 @@ def settings_differ(paper: dict[str, Any] | None, method_entries: dict[str, Any]
     return lines
 
 
+def variant_drift(method_entries: dict[str, Any] | None, methods: list[str]) -> list[str]:
+    """Where a table holds a method's entry (``cd2pfed``) and named variants of it (``cd2pfed_li: {method: cd2pfed,
+    ...}``), the keys on which a variant differs from that entry without setting them itself: it takes the registered
+    defaults where the entry was tuned (``p: 0.25`` on ``cd2pfed`` leaves its ablations at 0.5), so the rows differ in
+    more than the variant's own switches. One line per variant, empty when they differ only there."""
+    if not method_entries:
+        return []
+    from fedsilo.methods.registry import _values, method_base, method_class
+    from fedsilo.tracking import flatten
+
+    def resolved(m: str) -> tuple[dict[str, Any], set[str]]:
+        cls = method_class(method_base(m, method_entries[m]))
+        typed = cls.params_cls.model_validate(_values(method_entries[m]))
+        return flatten(typed.model_dump(mode="json")), typed.unused_keys()
+
+    lines = []
+    for v in methods:
+        entry = method_entries.get(v) or {}
+        base = entry.get("method")
+        if not base or base == v or base not in methods or base not in method_entries:
+            continue
+        # the keys the variant sets (a mapping it sets, such as decouple, whole) and those idle on either side
+        (ref, idle_ref), (mine, idle_mine) = resolved(base), resolved(v)
+        own = set(_values(entry)) | idle_ref | idle_mine
+        drift = [f"{k} {mine.get(k)!r} ({base}: {ref.get(k)!r})" for k in sorted(set(ref) | set(mine))
+                 if k.split(".")[0] not in own and mine.get(k) != ref.get(k)]
+        if drift:
+            lines.append(f"{v} takes {', '.join(drift)}")
+    return lines
+
+
 def runs_backbones(results: Path, methods: list[str], seeds: list[int]) -> set[str]:
     """The backbones the runs trained (``model`` and, where not 1, ``x<model_width>``), from what each run's
     metrics.json records of its params (``run``; runs before 2026-12-06 have none and are not counted)."""
@@ -950,6 +981,13 @@ def build_report(
             if same:
                 log.warning("%s: %s", exp, same)
                 md += f"\n> **Note:** {same}\n"
+            drift = variant_drift(method_entries, methods)
+            if drift:
+                for line in drift:
+                    log.warning("%s: %s: a variant set apart from its method by more than its own keys", exp, line)
+                md += ("\n> **Variants differ beyond their own keys** (a key the variant does not set takes the method's "
+                       "default, not the entry's): " + "; ".join(drift) + ". Set the key in the variant too, or inherit "
+                       "the entry with a YAML anchor (README, \"A paper's params file\").\n")
             if df["has_auc"].astype(bool).any():
                 md += "\n" + to_markdown(summary_table(df, "auc", methods), f"{exp}: test AUC (%), {over_seeds(seeds)}")
                 no_auc = one_class_clients(df)

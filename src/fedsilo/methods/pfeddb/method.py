@@ -138,6 +138,10 @@ class PFedDBParams(TwoPhaseParams):
         "random draws (the authors' model classes) or from the same one",
     )
 
+    def unused_keys(self) -> set[str]:
+        one = {"weight_init", "branch_init"}  # the one-phase run's initialisation
+        return {"local_rounds", "phase1_optimizer", "phase1_lr"} if not self.two_phase else one
+
     @model_validator(mode="after")
     def _authors_init_is_one_phase(self) -> "PFedDBParams":
         if self.weight_init == "authors" and self.two_phase:
