@@ -378,6 +378,43 @@ def test_one_table_of_a_paper_is_reported_from_its_groups_runs_and_names_the_run
     assert "--sensitivity and --group: one or the other" in capsys.readouterr().err
 
 
+def test_a_group_across_experiments_gets_one_table_and_figure_over_the_setting_that_tells_them_apart(tmp_path, capsys):
+    """CD2-pFed's Fig. 5 (`report --group fig5`): its methods' Avg on s = 3, 5, 10 and on Tables 1-2's s = 2
+    (``beside_experiments``), columns labelled and ordered by classes_per_client; a missing s = 2 run is named."""
+    import json
+
+    from fedsilo.cli import main
+    from tests.conftest import REPO
+
+    (tmp_path / "pipelines").symlink_to(REPO / "pipelines")
+    params = ["--params", str(REPO / "pipelines" / "cd2pfed" / "params.yaml"), "--root", str(tmp_path)]
+    methods, s_of = ["fedavg", "lgfedavg", "fedper", "cd2pfed"], {"cd2_digits_s2": 2, "cd2_digits_s3": 3, "cd2_digits_s5": 5, "cd2_digits_s10": 10}
+
+    def write(exp, m, acc):
+        d = tmp_path / "results" / "cd2pfed" / "quickstart" / exp / m / "seed0"
+        d.mkdir(parents=True, exist_ok=True)
+        clients = ["client00", "client01"]
+        (d / "metrics.json").write_text(json.dumps({"per_client": {c: {"acc": acc} for c in clients}, "bytes_up_per_round": [8],
+                                                    "bytes_down_per_round": [8], "model_param_bytes": 8}))
+        (d / "history.json").write_text(json.dumps([{"round": 1, "train_seconds": 1.0, "bytes_up_total": 8, "bytes_down_total": 8,
+                                                     "sampled": clients, "eval": {c: {"acc": acc} for c in clients}, "mean_acc": acc}]))
+
+    for exp, s in s_of.items():
+        for i, m in enumerate(methods):
+            if (exp, m) != ("cd2_digits_s2", "cd2pfed"):
+                write(exp, m, 0.1 * i + 0.01 * s)
+    capsys.readouterr()
+    assert main([*params, "report", "--group", "fig5"]) == 2
+    assert "cd2_digits_s2/cd2pfed/seed0" in capsys.readouterr().err  # Table 1's run the figure needs
+    write("cd2_digits_s2", "cd2pfed", 0.32)
+    assert main([*params, "report", "--group", "fig5"]) == 0
+    out = tmp_path / "results" / "cd2pfed" / "quickstart" / "groups" / "fig5" / "across"
+    md = (out / "fig5_across.md").read_text()
+    assert "| method | classes_per_client 2 | classes_per_client 3 | classes_per_client 5 | classes_per_client 10 |" in md, md
+    assert "| cd2pfed | 32.0 | 33.0 | 35.0 | 40.0 |" in md and "classes_per_client 3: cd2_digits_s3" in md
+    assert (out / "fig5_across.png").stat().st_size > 0
+
+
 def test_a_variant_that_differs_from_its_method_beyond_its_own_keys_is_named():
     """A tuned ``methods.cd2pfed`` leaves the ablations that name it at the registered defaults for every key they do
     not set: the report names each such key; keys a variant sets itself, or that its values make idle (pFedDB's Phase-1

@@ -235,6 +235,7 @@ def _report(args: argparse.Namespace) -> None:
         print(f"report sensitivity: {', '.join(made['sensitivity']['figures'])} in {layout.report('sensitivity')}")
         return
     exps = [args.experiment] if args.experiment else list(p.pipeline.experiments)
+    across: list[str] = []  # a group's experiments, for its table across them
     methods_of, out_of = p.experiment_methods, layout.report
     if args.methods is not None:  # a chosen set of one experiment, written apart from the report stages' outputs
         if not args.experiment or args.group:
@@ -258,7 +259,9 @@ def _report(args: argparse.Namespace) -> None:
                               f"({', '.join(grp.experiments)})")
         exps = [args.experiment] if args.experiment else list(grp.experiments)
         methods_of, out_of = (lambda e: (*grp.methods, *grp.beside)), (lambda e: layout.group_report(args.group, e))
-        _refuse_missing_runs(p, layout, args.params, f"runs.{args.group}", [(e, m) for e in exps for m in methods_of(e)])
+        across = [] if args.experiment else [*grp.beside_experiments, *grp.experiments]
+        _refuse_missing_runs(p, layout, args.params, f"runs.{args.group}",
+                             [(e, m) for e in dict.fromkeys([*exps, *across]) for m in methods_of(e)])
     else:
         _refuse_missing_runs(p, layout, args.params, "report", [(e, m) for e in exps if e in p.experiments for m in methods_of(e)])
     from fedsilo.utils.io import atomic_dir
@@ -290,6 +293,16 @@ def _report(args: argparse.Namespace) -> None:
             continue
         print(f"report {exp}: Avg accuracy " + ", ".join(f"{m} {v:.1f}" for m, v in info["table"].items())
               + (f" ({out_of(exp)})" if args.group or args.methods is not None else ""))
+    if args.group and len(across) >= 2:  # the group's table and figure across its experiments (CD2-pFed's Fig. 5)
+        from fedsilo.report.across import build_across_report
+        from fedsilo.tracking import flatten
+
+        settings = {e: flatten({"dataset": p.experiments[e].dataset, "split": p.experiments[e].split.model_dump(mode="json"),
+                                "train": p.experiments[e].train.model_dump(mode="json")}) for e in across}
+        out = layout.group_report(args.group, "across")
+        got = build_across_report(args.group, {e: layout.results(e) for e in across}, settings, list(methods_of(across[0])),
+                                  list(p.pipeline.seeds), out)
+        print(f"report {args.group} across {', '.join(got['columns'])}: {out}")
 
 
 @contextlib.contextmanager

@@ -1352,6 +1352,10 @@ class RunGroup(Strict):
         (), description="methods another group trains on these experiments that the table sets beside this group's (an "
         "ablation's full method): `fedsilo report --group` reports them too"
     )
+    beside_experiments: tuple[str, ...] = Field(
+        (), description="experiments another group trains this group's methods on that its table across experiments "
+        "sets beside its own (CD2-pFed's Fig. 5: s = 2 is Table 1's experiment): `fedsilo report --group` reads them too"
+    )
 
 
 class PaperMeta(Strict):
@@ -1762,11 +1766,18 @@ class PaperParams(Strict):
                 for m in grp.beside:
                     if (e, m) not in seen:
                         raise ValueError(f"runs.{g}.beside: no group trains '{m}' on '{e}'")
+            for e in grp.beside_experiments:
+                if e in grp.experiments:
+                    raise ValueError(f"runs.{g}.beside_experiments: '{e}' is one of the group's own experiments")
+                for m in (*grp.methods, *grp.beside):
+                    if (e, m) not in seen:
+                        raise ValueError(f"runs.{g}.beside_experiments: no group trains '{m}' on '{e}'"
+                                         f"{did_you_mean(e, self.experiments) if e not in self.experiments else ''}")
         trained = {e for e, _ in seen}
         for e in self.experiments:
             if e not in trained:
                 raise ValueError(f"experiments.{e}: no runs group trains it")
-            if e in ("report", "groups"):  # results/<paper>/<scale>/{report,groups}/ beside the experiments' folders
+            if e in ("report", "groups", "across"):  # results/<paper>/<scale>/{report,groups}/, groups/<g>/across/
                 raise ValueError(f"experiments.{e}: the name is taken by the {e} folder")
         return self
 

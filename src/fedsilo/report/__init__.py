@@ -508,10 +508,11 @@ def _bar_figure(path: Path, labels: list[str], values: list[float], ylabel: str,
 
 
 def _line_figure(path: Path, series: list[tuple[str, list[float], list[float]]], ylabel: str, title: str,
-                 marks: tuple[float, ...] = ()) -> str:
+                 marks: tuple[float, ...] = (), xlabel: str = "round", xticks: list[str] | None = None) -> str:
     """One PNG with a line per (label, x, y) and a dotted vertical line at each of ``marks`` (a stream's task
-    boundaries). Rounds are whole numbers on the axis. Past ten lines the colours come from a 20-colour map (the
-    default repeats after ten); past three the legend stands beside the axes, not over the lines."""
+    boundaries). Rounds are whole numbers on the axis; ``xticks`` names the positions 0, 1, ... instead (a group's
+    experiments). Past ten lines the colours come from a 20-colour map (the default repeats after ten); past three the
+    legend stands beside the axes, not over the lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -523,11 +524,14 @@ def _line_figure(path: Path, series: list[tuple[str, list[float], list[float]]],
     fig, ax = plt.subplots(figsize=(8.5 if beside else 6, 4))
     colours = plt.get_cmap("tab20").colors if many else [None] * len(series)
     for (label, x, y), colour in zip(series, colours):
-        ax.plot(x, y, label=label, color=colour)
+        ax.plot(x, y, label=label, color=colour, marker="o" if xticks else None)
     for x in marks:
         ax.axvline(x, color="grey", linestyle=":", linewidth=1)
-    ax.set_xlabel("round")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(xlabel)
+    if xticks:
+        ax.set_xticks(range(len(xticks)), xticks, rotation=30 if sum(map(len, xticks)) > 60 else 0, ha="right" if sum(map(len, xticks)) > 60 else "center")
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     if beside:

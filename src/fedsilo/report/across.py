@@ -1,0 +1,77 @@
+"""One table and figure across a run group's experiments (``fedsilo report --group <g>`` when the group spans
+several): the final Avg accuracy of each method on each experiment, the experiments labelled by the setting that
+tells them apart (CD2-pFed's Fig. 5: local test against the classes per client s; FedeCouple's Fig. 12: the join
+ratio). Written to ``results/<paper>/<scale>/groups/<g>/across/``:
+
+- ``<g>_across.{md,csv}``: a row per method, a column per experiment, each cell the mean ± std over seeds of the Avg
+  of the experiment's accuracy table (its mean local test on a label-skew split);
+- ``<g>_across.png``: a line per method over the experiments, in the order of the setting's values where they are
+  numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from fedsilo.report import _line_figure, _pm, collect, over_seeds, summary_table
+from fedsilo.utils.io import atomic_dir
+
+log = logging.getLogger("fedsilo.report")
+
+
+def experiment_labels(settings: dict[str, dict[str, Any]]) -> tuple[dict[str, str], list[str]]:
+    """Each experiment's label from its settings (its split and train, flattened): the keys whose values differ
+    among the experiments, ``key value``; and the experiments in the order of that value when there is one numeric
+    key that differs (else as given). An experiment whose settings equal another's is labelled by its name."""
+    keys = sorted({k for s in settings.values() for k in s})
+    differ = [k for k in keys if len({repr(s.get(k)) for s in settings.values()}) > 1]
+    labels = {e: ", ".join(f"{k.split('.')[-1]} {s.get(k)}" for k in differ) or e for e, s in settings.items()}
+    if len(set(labels.values())) < len(labels):
+        labels = {e: e for e in settings}
+    order = list(settings)
+    if len(differ) == 1 and all(isinstance(s.get(differ[0]), (int, float)) and not isinstance(s.get(differ[0]), bool)
+                                for s in settings.values()):
+        order = sorted(order, key=lambda e: settings[e][differ[0]])
+    return labels, order
+
+
+def build_across_report(group: str, results: dict[str, Path], settings: dict[str, dict[str, Any]], methods: list[str],
+                        seeds: list[int], out_dir: Path) -> dict[str, Any]:
+    """The table and figure of ``methods`` across the experiments of ``results`` (experiment -> its results
+    folder), labelled from ``settings`` (:func:`experiment_labels`). Returns the table's means."""
+    labels, order = experiment_labels(settings)
+    mean, std = pd.DataFrame(index=methods, dtype=float), pd.DataFrame(index=methods, dtype=float)
+    for e in order:
+        df, _ = collect(results[e], methods, seeds)
+        tab = summary_table(df, "acc", methods)
+        mean[labels[e]] = tab[("mean", "Avg")]
+        std[labels[e]] = tab[("std", "Avg")]
+    cols = [labels[e] for e in order]
+    title = f"{group}: Avg test accuracy (%) across its experiments, {over_seeds(seeds)}"
+    lines = [f"### {title}", ""]
+    if any(labels[e] != e for e in order):  # which experiment each column is
+        lines += ["Columns: " + "; ".join(f"{labels[e]}: {e}" for e in order) + ".", ""]
+    lines += ["| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    lines += [f"| {m} | " + " | ".join(_pm(mean.loc[m, c], std.loc[m, c], ".1f") for c in cols) + " |" for m in methods]
+    md = "\n".join(lines) + "\n"
+    with atomic_dir(out_dir) as tmp:
+        (tmp / f"{group}_across.md").write_text(md)
+        flat = pd.concat({"mean": mean, "std": std}, axis=1)
+        flat.columns = [f"{col}_{stat}" for stat, col in flat.columns]
+        flat.index.name = "method"
+        flat.to_csv(tmp / f"{group}_across.csv", float_format="%.4f")
+        xs = list(range(len(order)))
+        series = [(m, xs, [float(mean.loc[m, c]) if not pd.isna(mean.loc[m, c]) else np.nan for c in cols]) for m in methods]
+        keys = {c.rsplit(" ", 1)[0] for c in cols}  # one setting apart: it names the axis, its values the ticks
+        one = len(keys) == 1 and all(" " in c for c in cols)
+        _line_figure(tmp / f"{group}_across.png", series, "Avg test accuracy (%)", title.split(",")[0],
+                     xlabel=keys.pop() if one else "experiment", xticks=[c.rsplit(" ", 1)[1] for c in cols] if one else cols)
+    return {"table": mean.to_dict(orient="index"), "columns": cols}
+
+
+__all__ = ["build_across_report", "experiment_labels"]
