@@ -291,6 +291,11 @@ def test_per_domain_figure_draws_a_line_per_domain_the_mean_of_its_clients(tmp_p
     series = {name: ys for name, _, ys in drawn["x_fedavg_domains.png"]}
     assert set(series) == {"A", "B"}
     assert series["A"] == pytest.approx([30.0, 60.0]) and series["B"] == pytest.approx([10.0, 20.0])
+    # clients of one dataset (label skew): no per-domain figure (its one line is the curve), the curve says clients
+    drawn.clear()
+    monkeypatch.setattr(report, "_line_figure", lambda path, series, ylabel, *a: drawn.__setitem__(path.name, ylabel) or path.name)
+    report._plots(tmp_path, "x", ["fedavg"], [0], {("fedavg", 0): hist}, {"a1": "A", "a2": "A", "b1": "A"})
+    assert set(drawn) == {"x_curves.png", "x_bytes.png"} and drawn["x_curves.png"] == "mean test accuracy over clients (%)"
 
 
 def test_versus_paper_warns_when_our_avg_covers_domains_the_paper_has_not(caplog):

@@ -13,7 +13,8 @@
   accuracy, sqrt(p (1 - p) / n) in points at the mean accuracy p, and the Avg's (domains independent), so that a
   reader sees when a difference between methods or against the paper is inside the sampling noise of the test set;
 - ``<experiment>_curves.png``: the Avg over domains per round (the accuracy tables' Avg; F²DC's Fig. 5), one line per method (mean over seeds);
-- ``<experiment>_<method>_domains.png``: per-domain accuracy per round for each method;
+- ``<experiment>_<method>_domains.png``: per-domain accuracy per round for each method (where the clients span
+  several domains);
 - ``<experiment>_bytes.png``: bytes sent per round (up + down) per method; the accuracy page's first communication
   table gives the MiB all clients send per round (up + down), averaged over every round (silent rounds included);
 - ``<experiment>_communication.{md,csv}`` and ``<experiment>_communication.png`` (pFedDB Fig. 4, Table 3's Param and
@@ -495,9 +496,14 @@ def _bar_figure(path: Path, labels: list[str], values: list[float], ylabel: str,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    many = len(labels) > 5  # method names side by side overlap: wider, and slanted
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(labels)), 4))
     bars = ax.bar(labels, values, color="tab:blue")
     ax.bar_label(bars, fmt="%.3g", fontsize=8)
+    if many:
+        ax.tick_params(axis="x", labelrotation=40)
+        for t in ax.get_xticklabels():
+            t.set_horizontalalignment("right")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
@@ -572,10 +578,14 @@ def _plots(out: Path, experiment: str, methods: list[str], seeds: list[int], his
     series = []
     for m in methods:
         series.append((m, *seed_curve(histories, m, seeds, lambda e: domain_avg(e, domain_of or {}) * 100)))
-    # F²DC's Fig. 5 (convergence of the average accuracy): its last point is the accuracy table's Avg
-    made.append(_line_figure(out / f"{experiment}_curves.png", series, "Avg test accuracy over domains (%)", experiment))
+    clients = list(evals(methods[0], seeds[0])[0]["eval"])
+    domains = {(domain_of or {}).get(c, c) for c in clients}
+    # F²DC's Fig. 5 (convergence of the average accuracy): its last point is the accuracy table's Avg; on one
+    # dataset split among clients (label skew) that is the mean over the clients
+    what = "Avg test accuracy over domains (%)" if len(domains) > 1 else "mean test accuracy over clients (%)"
+    made.append(_line_figure(out / f"{experiment}_curves.png", series, what, experiment))
 
-    for m in methods:
+    for m in methods if len(domains) > 1 else []:  # one domain: its line would be the curve above
         h0 = evals(m, seeds[0])
         groups: dict[str, list[str]] = {}  # a line per domain: the mean over its clients, as the tables form it
         for client in h0[0]["eval"]:
@@ -588,7 +598,7 @@ def _plots(out: Path, experiment: str, methods: list[str], seeds: list[int], his
     for m in methods:
         h = histories[(m, seeds[0])]
         series.append((m, [e["round"] for e in h], [(e["bytes_up_total"] + e["bytes_down_total"]) / 2**20 for e in h]))
-    made.append(_line_figure(out / f"{experiment}_bytes.png", series, "MiB sent per round (up + down)", f"{experiment}: communication"))
+    made.append(_line_figure(out / f"{experiment}_bytes.png", series, "MiB sent per round (up + down)", f"{experiment}: bytes per round, every client"))
     return made
 
 
@@ -1072,7 +1082,7 @@ def build_report(
                     figs.append(_fig1(tmp / f"{exp}_fig1_spectrum.png", spectra, list(FIG1_METHODS), seeds, first,
                                       f"{exp}: singular values of the representation covariance"))
             figs.append(_bar_figure(tmp / f"{exp}_communication.png", methods, comm["upload_MiB"].fillna(0).tolist(),
-                                    "MiB uploaded per client per federated round", f"{exp}: communication"))
+                                    "MiB uploaded per client per federated round", f"{exp}: upload per client"))
             paper = entries.get("accuracy")
             if paper is not None:
                 if set(paper["domains"]) <= set(METRIC_COLUMNS):  # the paper's columns are local / new / external test
