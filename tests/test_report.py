@@ -68,7 +68,7 @@ def test_communication_table_matches_the_tensors_each_method_uploads(mirror_root
     assert abs(vs.loc["fedavg", "RSNA_ours"] - ours.loc["fedavg", "RSNA_mean"]) < 1e-3
     assert abs(vs.loc["fedavg", "RSNA_diff"] - (vs.loc["fedavg", "RSNA_ours"] - 84.1)) < 1e-3
     vs_md = (root / "results" / "report" / "quick" / "quick_vs_paper.md").read_text()
-    assert "ours / paper" in vs_md
+    assert "ours / paper" in vs_md and "The paper's numbers: Table 1; std from appendix Table 2." in vs_md  # its source
     # the quickstart's small CNN beside the paper's DenseNet-121: said above the table
     width = raw["experiments"]["quick"]["train"]["model_width"]
     assert f"**Not the paper's backbone**: ours simple_cnn x{width:g}, the paper's densenet121:" in vs_md

@@ -917,7 +917,8 @@ def write_versus(out: Path, exp: str, vs: pd.DataFrame, published: str, paper: d
     the title); ``settings``: our rows whose setting differs from the paper's row (:func:`settings_differ`), said
     under the title; ``backbones``: what our runs trained (:func:`runs_backbones`), said when not the paper's."""
     md = versus_markdown(vs, f"{exp}: ours vs {published}")
-    md = md.replace("\n\nEach cell:", f"\n\n{selection_note(paper, ours, list(vs.index))} Each cell:", 1)
+    source = f"The paper's numbers: {paper['source']}. " if (paper or {}).get("source") else ""  # its data, clients, model
+    md = md.replace("\n\nEach cell:", f"\n\n{source}{selection_note(paper, ours, list(vs.index))} Each cell:", 1)
     note = backbone_note(paper, backbones or set())
     if note:
         md = md.replace("\n\n|", f"\n\n{note}\n\n|", 1)
