@@ -134,19 +134,26 @@ def test_models_the_split_does_not_fit_are_refused_by_name():
         ChannelPartition(build_model("vit_tiny", 3, 10, image_size=32))
     with pytest.raises(ValueError, match="does not normalize"):
         ChannelPartition(build_model("densenet121", 3, 10))
-    # in a params file: refused when it is read (check-params, every stage), naming the keys, not by a train's traceback
+    # in a params file: refused by check-params (the pipelines' first stage), naming the keys, not by a train's traceback
     from fedsilo.config import ConfigError
     from fedsilo.fl.params import parse_params
+    from fedsilo.methods.registry import check_pipeline_fits
     from tests.conftest import small_params
 
     raw = small_params(model="vit_tiny")
     raw["methods"]["cd2pfed"] = {}
     raw["pipeline"]["methods"].append("cd2pfed")
-    with pytest.raises(ConfigError, match=r"methods\.cd2pfed: cd2pfed cannot train experiments\.quick\.train\.model "
-                       r"\(vit_tiny\): channel decoupling: module 'units\.1\.ln_1' \(LayerNorm\)"):
-        parse_params(raw)
+    with pytest.raises(ConfigError, match=r"p\.yaml: experiments\.quick\.train\.model: vit_tiny is not a backbone cd2pfed "
+                       r"trains: methods\.cd2pfed: channel decoupling: module 'units\.1\.ln_1' \(LayerNorm\)"):
+        check_pipeline_fits(parse_params(raw), "p.yaml")
     raw["experiments"]["quick"]["train"]["model"] = "lenet5"
-    assert parse_params(raw).methods["cd2pfed"] == {}
+    check_pipeline_fits(parse_params(raw), "p.yaml")
+    # F²DC's modules after a unit that gives no feature map: the key that names the unit
+    raw["methods"]["f2dc"] = {"layers": ["fc2"]}
+    raw["pipeline"]["methods"].append("f2dc")
+    with pytest.raises(ConfigError, match=r"lenet5 is not a backbone f2dc trains: methods\.f2dc\.layers: unit 'fc2' gives a "
+                       r"2-d output; DFD/DFC need feature maps"):
+        check_pipeline_fits(parse_params(raw), "p.yaml")
 
 
 def test_only_shared_channels_travel_and_the_server_averages_them(clients):

@@ -1022,6 +1022,15 @@ def test_the_shipped_site_params_and_federation_example_validate(tmp_path):
         write_app(load_federation(_dump(tmp_path / "n.yaml", {**raw, "train": {**raw["train"], "normalize": "imagenet"}})),
                   load_params(REPO_PARAMS), tmp_path / "app4")
     assert not (tmp_path / "app4").exists()
+    # F²DC's modules after a unit that gives no feature map on the federation's backbone: refused when the App is
+    # written (it failed in the ServerApp after every site had registered), naming the key
+    coordinator = yaml.safe_load(REPO_PARAMS.read_text())
+    coordinator["methods"]["f2dc_fc"] = {"method": "f2dc", "layers": ["fc2"]}
+    (tmp_path / "coord.yaml").write_text(yaml.safe_dump(coordinator))
+    with pytest.raises(ConfigError, match=r"is not a backbone f2dc trains: methods\.f2dc_fc\.layers: unit 'fc2' gives a 2-d output"):
+        write_app(load_federation(_dump(tmp_path / "f.yaml", {**raw, "method": "f2dc_fc", "train": {**raw["train"], "model": "simple_cnn"}})),
+                  load_params(tmp_path / "coord.yaml"), tmp_path / "app5")
+    assert not (tmp_path / "app5").exists()
     # where the run is logged goes to the App's run config as written (any character), not into the deployment's hash
     try:
         import tomllib  # Python 3.11+

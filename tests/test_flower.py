@@ -187,6 +187,30 @@ def _loop_run(spec: FlowerSpec, clients: list, app=None, observer=None) -> tuple
     return run, grid
 
 
+class SilentAtRegistration(LoopGrid):
+    """A node online whose registration reply never comes (a SuperNode still delivering a stopped run's replies):
+    Flower's send_and_receive returns what came within its timeout."""
+
+    timeouts: list
+
+    def send_and_receive(self, messages, timeout=None):
+        self.timeouts = [*getattr(self, "timeouts", []), timeout]
+        messages = list(messages)
+        if all(m.metadata.message_type == "query.register" for m in messages):
+            messages = [m for m in messages if m.metadata.dst_node_id != 101]
+        return super().send_and_receive(messages, timeout)
+
+
+def test_registration_waits_for_the_sites_replies_no_longer_than_wait_s_and_says_why_a_site_may_be_silent(identity):
+    spec, clients = FlowerSpec.of(FedBN(FedBN.params_cls(), _train(rounds=1)), _model, 0), _clients()
+    run = FlowerRun(spec, len(clients), wait_s=0.5)
+    grid = SilentAtRegistration(client_app(spec, lambda ctx: clients[int(ctx.node_config["partition-id"])]), len(clients))
+    with pytest.raises(TimeoutError, match=r"sites 1 did not register within 0 s \(wait-s in the App's pyproject\.toml\); "
+                       r"a site whose SuperNode is online but does not answer may still be delivering the replies of a run"):
+        run.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
+    assert grid.timeouts and all(t is not None and 0 < t <= 1.0 for t in grid.timeouts), grid.timeouts
+
+
 def test_each_store_lives_in_its_sites_context_and_the_server_holds_only_cards(identity):
     tp, clients = _train(rounds=2), _clients()
     reference = Engine(FedBN(FedBN.params_cls(), tp), _model(), clients, tp, seed=0)

@@ -63,7 +63,7 @@ def test_the_server_mean_weighs_each_upload_as_client_weights_says(clients, name
     for weights in ("uniform", "samples"):
         ups = []
         cheap = {"fedrep": {"head_epochs": 1}, "fedbabu": {"finetune_epochs": 0}, "lgfedavg": {}}[name]
-        e = _engine(name, small, rounds=1, client_weights=weights, observer=lambda r, c, d, p: ups.append(p) if d == "up" else None,
+        e = _engine(name, small, rounds=1, client_weights=weights, observer=lambda r, c, d, p, ups=ups: ups.append(p) if d == "up" else None,
                     **cheap)
         e.step()
         n = [float(c.n_train) if weights == "samples" else 1.0 for c in small]

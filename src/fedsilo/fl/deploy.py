@@ -304,6 +304,11 @@ def write_app(fed: Federation, params: Params, out: Path, federation_file: str =
     """A Flower App folder for ``fed``: pyproject.toml, the apps' module and deployment.json; written whole or not
     at all. Returns the deployment."""
     dep = resolve_deployment(fed, params)
+    from fedsilo.methods.registry import check_backbone
+
+    spec = deployment_spec(dep)  # a method that cannot train the contract's backbone is refused before any site connects
+    h, _, ch = dep["contract"]["image_shape"]
+    check_backbone(spec.method(), spec.train.model, int(h), spec.train.model_width, int(ch))
     results = results or f"results/deploy/{fed.name}/{fed.method}/seed{fed.seed}"
     state = state or f"state/deploy/{fed.name}/{fed.method}/seed{fed.seed}"
     out = Path(out)

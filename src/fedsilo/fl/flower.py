@@ -127,6 +127,13 @@ def _node_gone(reply: Message) -> bool:
 
     return reply.has_error() and reply.error.code == ErrorCode.NODE_UNAVAILABLE
 
+
+def _app_gone(reply: Message) -> bool:
+    """A SuperNode's error reply for its ClientApp process that missed its heartbeats ("ClientApp stopped responding")."""
+    from flwr.common.constant import ErrorCode
+
+    return reply.has_error() and reply.error.code == ErrorCode.CLIENT_APP_CRASHED
+
 STORE = "fedsilo.store"  # the context.state record holding a site's store
 TRAINED = "fedsilo.trained"  # the context.state record holding the last round a site trained
 STORE_ROUND = "fedsilo.store_round"  # the context.state record holding the round the store in it is of
@@ -622,7 +629,14 @@ class FlowerServer(Engine):
         return gone
 
     def _unavailable(self, reply: Message, kind: str, rnd: int) -> str:
-        """What the coordinator does when the SuperLink answered for a site whose SuperNode stopped reporting."""
+        """What the coordinator does when the SuperLink answered for a site whose SuperNode stopped reporting, or the
+        SuperNode for its ClientApp process."""
+        if _app_gone(reply):
+            return (" (the site's ClientApp process stopped reporting to its SuperNode before it replied: it crashed, ran "
+                    "out of memory, or its machine was too loaded to send its heartbeat; its reply, if it still comes, is "
+                    "dropped. `flwr run` the App again" + (": it resumes after its last checkpoint" if self.checkpoint is not None
+                                                           else " (it starts afresh: the deployment keeps no checkpoint)")
+                    + "; a SuperNode still delivering this run's replies may hold up the next run's registration: restart it first)")
         if not _node_gone(reply):
             return ""
         waited = (f"; not back online within {self.rejoin_s:.0f} s" if self.rejoin_s > 0 and kind in RESENDABLE
@@ -1012,18 +1026,21 @@ class FlowerRun:
                 if len(nodes) >= expected - len(cards):
                     break
                 if time.monotonic() > deadline:
+                    silent = asked - set(where.values()) - set(gone_nodes)  # asked, online, never answered
+                    if silent:
+                        raise TimeoutError(self._silent(cards, held))
                     raise TimeoutError(f"{len(cards) + len(nodes)} of {expected} sites connected after {self.wait_s:.0f} s"
                                        + (f" (not yet registered: {', '.join(self._missing(cards, held))})" if cards else ""))
                 time.sleep(0.1)
             asked |= set(nodes)
-            refused, told_left = self._ask(grid, nodes, cards, where, registered)
+            refused, told_left = self._ask(grid, nodes, cards, where, registered, deadline)
             if refused:  # tell each refused site why, then end the run before any round
                 self._tell_refused(grid, {**refused, **told_left})
                 raise SiteRefused(" | ".join(refused.values()))
             if told_left:  # a site that left and still runs its SuperNode: told, and the run waits for the sites still in
                 self._tell_refused(grid, told_left)
             if len(cards) < expected and time.monotonic() > deadline:
-                raise TimeoutError(f"sites {', '.join(self._missing(cards, held))} did not register within {self.wait_s:.0f} s")
+                raise TimeoutError(self._silent(cards, held))
         if self.roster is None and sorted(cards) != list(range(len(cards))):
             raise ConfigError(f"registered client indices {sorted(cards)} are not 0..{len(cards) - 1}")
         for i, name in enumerate(self.roster.sites if self.roster is not None else ()):
@@ -1032,12 +1049,17 @@ class FlowerRun:
                 cards[i], registered[i] = Card(i, name, c["domain"], c["n_train"], tuple(c["shape"])), c
         return cards, where, registered
 
+    def _silent(self, cards: dict[int, Card], held: dict[str, dict[str, Any]]) -> str:
+        return (f"sites {', '.join(self._missing(cards, held))} did not register within {self.wait_s:.0f} s (wait-s in the "
+                "App's pyproject.toml); a site whose SuperNode is online but does not answer may still be delivering the "
+                "replies of a run that was stopped or failed: restart its SuperNode, then `flwr run` the App again")
+
     def _missing(self, cards: dict[int, Card], held: dict[str, dict[str, Any]]) -> list[str]:
         names = self.roster.sites if self.roster is not None else [str(i) for i in range(self.num_clients)]
         return [n for i, n in enumerate(names) if n not in held and i not in cards]
 
     def _ask(self, grid: Grid, nodes: list[int], cards: dict[int, Card], where: dict[int, int],
-             registered: dict[int, dict[str, Any]]) -> tuple[dict[int, str], dict[int, str]]:
+             registered: dict[int, dict[str, Any]], deadline: float) -> tuple[dict[int, str], dict[int, str]]:
         """``query.register`` to ``nodes``: each admitted site's card into ``cards`` / ``where`` / ``registered``;
         returns the nodes refused and the nodes of sites that left, each with what they are told."""
         msgs = [Message(RecordDict(), dst_node_id=n, message_type="query.register", group_id="0") for n in nodes]
@@ -1046,7 +1068,9 @@ class FlowerRun:
                 self.wire({"round": 0, "message": "query.register", "node": int(n), "to": "site"})
         refused: dict[int, str] = {}
         told_left: dict[int, str] = {}
-        replies = list(grid.send_and_receive(msgs))
+        # the replies a node owes are waited for until the registration's deadline at most: a SuperNode still delivering
+        # the replies of a run that ended may never answer this one's (the loop above then names the sites missing)
+        replies = list(grid.send_and_receive(msgs, timeout=max(1.0, deadline - time.monotonic())))
         sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in msgs if m.metadata.message_id}
         for reply in replies:
             node = sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)  # the SuperLink answers for a node gone

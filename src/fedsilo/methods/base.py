@@ -217,10 +217,11 @@ class Method:
     def init_client(self, model: LayeredNet, client: ClientData) -> State:
         raise NotImplementedError
 
-    def check_backbone(self, model: nn.Module) -> None:
+    def check_backbone(self, model: nn.Module, example: torch.Tensor) -> None:
         """Refuses (a ConfigError saying why) a backbone the method cannot work on; ``model`` is the experiment's
-        backbone built on PyTorch's meta device (shapes, no data). Run by check-params, and on loading params, for
-        every experiment the method trains on, so that a train stage never starts on one. Default: every backbone."""
+        backbone and ``example`` a batch of its images, both on PyTorch's meta device (shapes, no data). Run by
+        check-params (the pipelines' first stage) for every experiment the pipeline trains the method on and by
+        ``fedsilo deploy app``, so that no train stage or deployment starts on one. Default: every backbone."""
 
     # --- a stream of domain tasks (``domain_incremental`` splits; fl/continual.py)
     def check_stream(self) -> None:

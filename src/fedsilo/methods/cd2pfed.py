@@ -98,15 +98,19 @@ class CD2PFed(Method):
         return self.params.beta * math.exp(-5.0 * (1.0 - rnd / t0) ** 2)
 
     # --- structure
-    def check_backbone(self, model):
+    def check_backbone(self, model, example):
+        self._partition(model)
+
+    def _partition(self, model) -> ChannelPartition:
         try:
-            ChannelPartition(model)
+            return ChannelPartition(model)
         except ValueError as err:  # a layer channel decoupling cannot split (a ViT's LayerNorm, DenseNet's concatenations)
-            raise ConfigError(f"{err} (channel decoupling splits stacks of convolutions and linear layers with the "
-                              "BatchNorm after each: every backbone here but densenet121 and vit_tiny)") from None
+            raise ConfigError(f"methods.{self.key}: {err} (channel decoupling splits stacks of convolutions and linear "
+                              "layers with the BatchNorm after each: every backbone here but densenet121 and vit_tiny; "
+                              "train.model names the backbone)") from None
 
     def setup(self, model):
-        self.part = ChannelPartition(model)
+        self.part = self._partition(model)
         self.keys = list(model.state_dict().keys())
         self._final_private = self.part.private_fraction(model, self.part.counts_at(self.ratio(self.train.rounds)))
 

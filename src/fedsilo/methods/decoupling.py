@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from fedsilo.config import Strict
+from fedsilo.config import ConfigError, Strict
 from fedsilo.models import LayeredNet
 
 FEATURES = ("tilde", "plus", "minus", "star")
@@ -150,13 +150,14 @@ def module_keys(model: nn.Module) -> set[str]:
     return {k for k in model.state_dict() if k.startswith(tuple(prefixes))}
 
 
-def insert_decoupling(model: LayeredNet, example: torch.Tensor, p: DecouplingParams) -> LayeredNet:
-    """A LayeredNet with a DecouplingUnit (weighted-layer count 0) after each unit named in ``p.layers``."""
+def insert_decoupling(model: LayeredNet, example: torch.Tensor, p: DecouplingParams, key: str = "decouple.layers") -> LayeredNet:
+    """A LayeredNet with a DecouplingUnit (weighted-layer count 0) after each unit named in ``p.layers``; ``key``: the
+    dotted key of ``layers`` its errors name (``methods.f2dc.layers``, ``methods.fedavg_dc.decouple.layers``)."""
     n_fe = len(model.units) - model.head_units
     names = p.layers or (model.unit_names[n_fe - 1],)
     unknown = [n for n in names if n not in model.unit_names[:n_fe]]
     if unknown:
-        raise ValueError(f"decouple.layers: {unknown} are not units of the feature extractor ({model.unit_names[:n_fe]})")
+        raise ConfigError(f"{key}: {unknown} are not units of the feature extractor ({model.unit_names[:n_fe]})")
     was = model.training
     model.eval()
     out: list[tuple[str, nn.Module, int]] = []
@@ -168,7 +169,9 @@ def insert_decoupling(model: LayeredNet, example: torch.Tensor, p: DecouplingPar
             out.append((name, unit, depth))
             if name in names:
                 if x.dim() != 4:
-                    raise ValueError(f"decouple.layers: unit {name!r} gives a {x.dim()}-d output; DFD/DFC need feature maps")
+                    raise ConfigError(f"{key}: unit {name!r} gives a {x.dim()}-d output; DFD/DFC need feature maps"
+                                      + ("" if p.layers else " (the default, the feature extractor's last unit: name a "
+                                         "convolutional unit of " + ", ".join(model.unit_names[:n_fe]) + ")"))
                 out.append((f"decouple@{name}", DecouplingUnit(x.shape[1], logits.shape[1], p), 0))
     model.train(was)
     net = LayeredNet(out, head_units=model.head_units).to(next(model.parameters()).device)  # the new units too

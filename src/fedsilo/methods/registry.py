@@ -7,6 +7,7 @@ params class; an error names the dotted key (``methods.fedavg_two_phase.mu: unkn
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 from pydantic import BaseModel, ValidationError
@@ -135,7 +136,6 @@ def check_methods(params: Params, source: str = "params.yaml") -> None:
                     algo.check_stream()  # what set_tasks refuses at the train stage (FedAvg's fine-tuning on a stream)
             except ConfigError as err:  # a per-backbone entry lacking this experiment's backbone, ...
                 raise ConfigError(f"{source}: {err} (resolved for experiments.{e})") from None
-            _check_backbone(params, algo, key, e, source)
             fedavg_start = getattr(algo.params, "fedavg_rounds", 0)  # LG-FedAvg's FedAvg-trained start
             if fedavg_start >= train.rounds:
                 raise ConfigError(f"{source}: methods.{key}.fedavg_rounds: {fedavg_start} FedAvg rounds leave no LG-FedAvg "
@@ -148,30 +148,33 @@ def check_methods(params: Params, source: str = "params.yaml") -> None:
                 )
 
 
-def _check_backbone(params: Params, algo: Method, key: str, experiment: str, source: str) -> None:
-    """A method that works on some backbones only (:meth:`Method.check_backbone`: CD2-pFed's channel decoupling)
-    checks the experiment's, built on the meta device at the dataset's image size."""
-    if type(algo).check_backbone is Method.check_backbone:
-        return
+@functools.lru_cache(maxsize=None)
+def _meta_backbone(model: str, size: int, width: float, channels: int) -> tuple[Any, Any]:
+    """A backbone and a batch of two images on the meta device (shapes, no data): built once per process and shape."""
     import torch
 
     from fedsilo.models import build_model
 
-    train = params.experiments[experiment].train
-    dataset = params.datasets.get(params.experiments[experiment].dataset)
     with torch.device("meta"):
-        model = build_model(train.model, 3, 10, image_size=getattr(dataset, "image_size", None), width=train.model_width)
+        return build_model(model, channels, 10, image_size=size, width=width), torch.zeros(2, channels, size, size)
+
+
+def check_backbone(algo: Method, model: str, size: int, width: float = 1.0, channels: int = 3) -> None:
+    """A method that works on some backbones only (:meth:`Method.check_backbone`: CD2-pFed's channel decoupling, the
+    units F²DC's modules follow) checks ``model`` at ``size`` px: a ConfigError saying why not."""
+    if type(algo).check_backbone is Method.check_backbone:
+        return
+    net, example = _meta_backbone(model, size, width, channels)
     try:
-        algo.check_backbone(model)
+        algo.check_backbone(net, example)
     except ConfigError as err:
-        raise ConfigError(f"{source}: methods.{key}: {algo.name} cannot train experiments.{experiment}.train.model "
-                          f"({train.model}): {err}") from None
+        raise ConfigError(f"{model} is not a backbone {algo.name} trains: {err}") from None
 
 
 def check_pipeline_fits(params: Params, source: str = "params.yaml") -> None:
     """``fedsilo check-params``: every (experiment, method) pair the pipeline trains fits the experiment's data, as
-    the train stage will check (a static method on a stream of domain tasks, a stream-only one on static clients).
-    Not part of loading params: the commands of a site (card, supernode) load a file whose local baseline need not
+    the train stage will check (a static method on a stream of domain tasks, a stream-only one on static clients), and
+    its backbone (:func:`check_backbone`). Not part of loading params: the commands of a site (card, supernode) load a file whose local baseline need not
     fit a stream the federation learns, and a train stage refuses only its own pair."""
     for e in params.pipeline.experiments:
         stream = params.experiments[e].split.protocol == "domain_incremental"
@@ -184,6 +187,12 @@ def check_pipeline_fits(params: Params, source: str = "params.yaml") -> None:
                                  f"experiments.{e} has static clients ({params.experiments[e].split.protocol})")
             except ConfigError as err:
                 raise ConfigError(f"{source}: {err} (a run of the pipeline)") from None
+            train = params.experiments[e].train
+            size = getattr(params.datasets.get(params.experiments[e].dataset), "image_size", None) or 32
+            try:
+                check_backbone(resolve_method(params, key, train), train.model, size, train.model_width)
+            except ConfigError as err:
+                raise ConfigError(f"{source}: experiments.{e}.train.model: {err}") from None
 
 
 def list_methods() -> str:

@@ -84,7 +84,14 @@ class PartialSharing(MeanAggregation):
 
     def transform_model(self, model, example):
         dc = self.decoupling()
-        return decoupling.insert_decoupling(model, example, dc) if dc is not None else model
+        if dc is None:
+            return model
+        nested = not isinstance(self.params, decoupling.DecouplingParams)  # decouple: {...} beside a method's own keys
+        return decoupling.insert_decoupling(model, example, dc, f"methods.{self.key}.{'decouple.' if nested else ''}layers")
+
+    def check_backbone(self, model, example):
+        if self.decoupling() is not None:  # the units F²DC's modules go after give feature maps on this backbone
+            self.transform_model(model, example)
 
     def setup(self, model: LayeredNet) -> None:
         keys = list(model.state_dict().keys())
