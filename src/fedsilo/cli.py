@@ -259,11 +259,12 @@ def _report(args: argparse.Namespace) -> None:
                               f"({', '.join(grp.experiments)})")
         exps = [args.experiment] if args.experiment else list(grp.experiments)
         methods_of, out_of = (lambda e: (*grp.methods, *grp.beside)), (lambda e: layout.group_report(args.group, e))
-        across = [] if args.experiment else [*grp.beside_experiments, *grp.experiments]
+        across = [] if args.experiment else across_experiments(p, args.group)
         _refuse_missing_runs(p, layout, args.params, f"runs.{args.group}",
                              [(e, m) for e in dict.fromkeys([*exps, *across]) for m in methods_of(e)])
     else:
         _refuse_missing_runs(p, layout, args.params, "report", [(e, m) for e in exps if e in p.experiments for m in methods_of(e)])
+    from fedsilo.report import experiment_groups, groups_index
     from fedsilo.utils.io import atomic_dir
 
     made = {}
@@ -277,23 +278,20 @@ def _report(args: argparse.Namespace) -> None:
                 continue
             # a paper's report stage: the experiment's table, and each run group's own table of it under groups/<g>/,
             # so that `dvc repro` rebuilds a group's table whenever one of its runs is retrained
-            with atomic_dir(out_of(exp)) as tmp:
-                _report_one(args, p, exp, methods_of(exp), tmp, made, beside)
-                groups = _experiment_groups(p, exp)
+            with atomic_dir(out_of(exp)) as tmp:  # the whole folder or nothing: its reports write into it as it is
+                _report_one(args, p, exp, methods_of(exp), tmp, made, beside, in_place=True)
+                groups = experiment_groups(p.paper.runs, exp, p.experiment_methods(exp))
                 for g, grp in groups.items():
-                    _report_one(args, p, exp, (*grp.methods, *grp.beside), tmp / "groups" / g, {}, tuple(grp.beside))
+                    _report_one(args, p, exp, (*grp.methods, *grp.beside), tmp / "groups" / g, {}, tuple(grp.beside), in_place=True)
                 if groups:
                     with open(tmp / "README.md", "a") as f:
-                        f.write("## Run groups\n\nEach group's own table of this experiment (`runs.<group>` of the params "
-                                "file: its methods and the ones it sets beside them):\n\n"
-                                + "".join(f"- [{g}](groups/{g}/README.md): {', '.join((*grp.methods, *grp.beside))}\n"
-                                          for g, grp in groups.items()))
+                        f.write(groups_index(groups))
     for exp, info in made.items():
         if "table" not in info:
             continue
         print(f"report {exp}: Avg accuracy " + ", ".join(f"{m} {v:.1f}" for m, v in info["table"].items())
               + (f" ({out_of(exp)})" if args.group or args.methods is not None else ""))
-    if args.group and len(across) >= 2:  # the group's table and figure across its experiments (CD2-pFed's Fig. 5)
+    if across:  # the group's table and figure across its experiments
         from fedsilo.report.across import build_across_report
         from fedsilo.tracking import flatten
 
@@ -319,18 +317,24 @@ def _naming_published(params: Any, exp: str, ref: Optional[str]) -> Iterator[Non
         raise
 
 
-def _experiment_groups(p: Params, exp: str) -> dict[str, Any]:
-    """The run groups of a paper whose table of ``exp`` is not its whole report: the groups that train or set beside
-    some of its methods, when they are fewer than all of them."""
-    every = set(p.experiment_methods(exp))
-    return {g: grp for g, grp in p.paper.runs.items()
-            if exp in grp.experiments and grp.methods and set((*grp.methods, *grp.beside)) != every}
+def across_experiments(p: Params, group: str) -> list[str]:
+    """The experiments of a run group (``beside_experiments`` first) that its table and figure across experiments
+    compare: where they are two or more, of one dataset, with static clients in settings that differ (CD2-pFed's
+    Fig. 5: s; FedeCouple's Fig. 12: the join ratio); none for a group spanning datasets (a paper's main table) or
+    task streams (pFedDIL's: `report --sensitivity`)."""
+    grp = p.paper.runs[group]
+    exps = list(dict.fromkeys([*grp.beside_experiments, *grp.experiments]))
+    if len(exps) < 2 or len({p.experiments[e].dataset for e in exps}) > 1 or any(
+            p.experiments[e].split.protocol == "domain_incremental" for e in exps):
+        return []
+    return exps
 
 
 def _report_one(args: argparse.Namespace, p: Params, exp: str, methods: Sequence[str], out: Path, made: dict,
-                beside: Sequence[str] = ()) -> None:
+                beside: Sequence[str] = (), in_place: bool = False) -> None:
     """The report of one experiment's ``methods`` into ``out`` and ``made``: a task stream's (pFedDIL's tables) or a
-    static one's. ``beside``: the methods a run group sets beside its own rows."""
+    static one's. ``beside``: the methods a run group sets beside its own rows; ``in_place``: ``out`` is a folder the
+    caller writes atomically."""
     from fedsilo.report import build_report
     from fedsilo.report.continual import build_stream_report
 
@@ -343,11 +347,11 @@ def _report_one(args: argparse.Namespace, p: Params, exp: str, methods: Sequence
                 and all((p.methods[m] or {}).get(k, True) for k in ("migration", "share_extractor", "correlation"))]
         made.update(build_stream_report(layout.results(exp), exp, ms, list(p.pipeline.seeds), out,
                                         published=p.experiments[exp].published, repo=Path(args.root),
-                                        reference=full[0] if full else None))
+                                        reference=full[0] if full else None, in_place=in_place))
         return
     made.update(build_report(layout.results(exp), exp, list(methods), list(p.pipeline.seeds),
                              out, published=p.experiments[exp].published, method_entries=p.methods,
-                             repo=Path(args.root), target_accuracy=p.experiments[exp].target_accuracy))
+                             repo=Path(args.root), target_accuracy=p.experiments[exp].target_accuracy, in_place=in_place))
 
 
 def _host_policy_arg(text: str | None) -> tuple[dict, ...]:

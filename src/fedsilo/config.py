@@ -1749,7 +1749,8 @@ class PaperParams(Strict):
                 if m not in self.methods:
                     raise ValueError(f"runs.{g}.methods: '{m}' is not defined under 'methods'{did_you_mean(m, self.methods)}"
                                      + _METHOD_ENTRY.format(m=m))
-            for key, items in (("experiments", grp.experiments), ("methods", grp.methods), ("beside", grp.beside)):
+            for key, items in (("experiments", grp.experiments), ("methods", grp.methods), ("beside", grp.beside),
+                               ("beside_experiments", grp.beside_experiments)):
                 twice = sorted({x for x in items if items.count(x) > 1})
                 if twice:
                     raise ValueError(f"runs.{g}.{key}: {', '.join(twice)} listed twice")

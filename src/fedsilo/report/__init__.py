@@ -37,10 +37,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -965,6 +966,33 @@ def _fig3(path: Path, acc: pd.DataFrame, published: dict[str, Any] | None, title
     return path.name
 
 
+def experiment_groups(runs: dict[str, Any], experiment: str, every: Sequence[str]) -> dict[str, Any]:
+    """The run groups of a paper (``runs``) whose table of ``experiment`` is not its whole report (``every``: the
+    experiment's methods): the groups that train some of its methods, when they and the methods they set beside are
+    fewer than all of them. A report stage writes each one's table in ``groups/<g>/``."""
+    return {g: grp for g, grp in runs.items()
+            if experiment in grp.experiments and grp.methods and set((*grp.methods, *grp.beside)) != set(every)}
+
+
+def groups_index(groups: dict[str, Any]) -> str:
+    """The section of an experiment's report README that lists its run groups' tables (:func:`experiment_groups`)."""
+    return ("## Run groups\n\nEach group's own table of this experiment (`runs.<group>` of the params file: its methods "
+            "and the ones it sets beside them):\n\n"
+            + "".join(f"- [{g}](groups/{g}/README.md): {', '.join((*grp.methods, *grp.beside))}\n" for g, grp in groups.items()))
+
+
+@contextlib.contextmanager
+def written(out_dir: Path, in_place: bool = False) -> Iterator[Path]:
+    """The folder a report writes into: ``out_dir`` itself when ``in_place`` (created; the caller's own atomic folder),
+    else a temporary one that replaces it whole on success (:func:`atomic_dir`)."""
+    if in_place:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        yield Path(out_dir)
+        return
+    with atomic_dir(out_dir) as tmp:
+        yield tmp
+
+
 def build_report(
     results: Path,
     experiment: str,
@@ -975,14 +1003,17 @@ def build_report(
     method_entries: dict[str, Any] | None = None,
     repo: Path = Path("."),
     target_accuracy: float | None = None,
+    in_place: bool = False,
 ) -> dict[str, Any]:
     """Tables and figures for one experiment from its results folder (``results/<experiment>`` or a paper's
     ``results/<paper>/<scale>/<experiment>``). ``published``: '<file>#<table>' of a paper's numbers (a path from the
-    repository root ``repo``); ``method_entries``: the params' ``methods`` (to find the two-phase FedAvg of Fig. 5)."""
+    repository root ``repo``); ``method_entries``: the params' ``methods`` (to find the two-phase FedAvg of Fig. 5).
+    ``in_place``: write into ``out_dir`` as it is (a folder the caller itself writes atomically), not through a
+    temporary folder of its own."""
     results = Path(results)
     index = [f"# fedsilo report: {experiment}", ""]
     made: dict[str, Any] = {}
-    with atomic_dir(out_dir) as tmp:
+    with written(out_dir, in_place) as tmp:
         for exp in [experiment]:
             df, histories = collect(results, methods, seeds)
             entries = load_published_entries(repo, published) if published else {}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import pandas as pd
@@ -24,27 +24,35 @@ from fedsilo.utils.io import atomic_dir
 log = logging.getLogger("fedsilo.report")
 
 
-def experiment_labels(settings: dict[str, dict[str, Any]]) -> tuple[dict[str, str], list[str]]:
+def experiment_labels(settings: dict[str, dict[str, Any]]) -> tuple[dict[str, str], list[str], Optional[tuple[str, dict[str, str]]]]:
     """Each experiment's label from its settings (its split and train, flattened): the keys whose values differ
-    among the experiments, ``key value``; and the experiments in the order of that value when there is one numeric
-    key that differs (else as given). An experiment whose settings equal another's is labelled by its name."""
+    among the experiments, ``key value`` (the key without its ``split.`` / ``train.`` prefix where that leaves it
+    unambiguous); the experiments in the order of that value when one numeric key differs (else as given); and, when
+    one key differs, that key and each experiment's value of it (the figure's axis). Experiments whose settings do not
+    tell them apart are labelled by their names."""
     keys = sorted({k for s in settings.values() for k in s})
     differ = [k for k in keys if len({repr(s.get(k)) for s in settings.values()}) > 1]
-    labels = {e: ", ".join(f"{k.split('.')[-1]} {s.get(k)}" for k in differ) or e for e, s in settings.items()}
+    short = {k: k.split(".", 1)[1] if "." in k else k for k in differ}
+    if len(set(short.values())) < len(short):
+        short = {k: k for k in differ}
+    labels = {e: ", ".join(f"{short[k]} {s.get(k)}" for k in differ) or e for e, s in settings.items()}
     if len(set(labels.values())) < len(labels):
-        labels = {e: e for e in settings}
+        return {e: e for e in settings}, list(settings), None
     order = list(settings)
-    if len(differ) == 1 and all(isinstance(s.get(differ[0]), (int, float)) and not isinstance(s.get(differ[0]), bool)
-                                for s in settings.values()):
-        order = sorted(order, key=lambda e: settings[e][differ[0]])
-    return labels, order
+    axis = None
+    if len(differ) == 1:
+        k = differ[0]
+        axis = (short[k], {e: str(s.get(k)) for e, s in settings.items()})
+        if all(isinstance(s.get(k), (int, float)) and not isinstance(s.get(k), bool) for s in settings.values()):
+            order = sorted(order, key=lambda e: settings[e][k])
+    return labels, order, axis
 
 
 def build_across_report(group: str, results: dict[str, Path], settings: dict[str, dict[str, Any]], methods: list[str],
                         seeds: list[int], out_dir: Path) -> dict[str, Any]:
     """The table and figure of ``methods`` across the experiments of ``results`` (experiment -> its results
     folder), labelled from ``settings`` (:func:`experiment_labels`). Returns the table's means."""
-    labels, order = experiment_labels(settings)
+    labels, order, axis = experiment_labels(settings)
     mean, std = pd.DataFrame(index=methods, dtype=float), pd.DataFrame(index=methods, dtype=float)
     for e in order:
         df, _ = collect(results[e], methods, seeds)
@@ -67,10 +75,9 @@ def build_across_report(group: str, results: dict[str, Path], settings: dict[str
         flat.to_csv(tmp / f"{group}_across.csv", float_format="%.4f")
         xs = list(range(len(order)))
         series = [(m, xs, [float(mean.loc[m, c]) if not pd.isna(mean.loc[m, c]) else np.nan for c in cols]) for m in methods]
-        keys = {c.rsplit(" ", 1)[0] for c in cols}  # one setting apart: it names the axis, its values the ticks
-        one = len(keys) == 1 and all(" " in c for c in cols)
+        # one setting apart: it names the axis, its values the ticks
         _line_figure(tmp / f"{group}_across.png", series, "Avg test accuracy (%)", title.split(",")[0],
-                     xlabel=keys.pop() if one else "experiment", xticks=[c.rsplit(" ", 1)[1] for c in cols] if one else cols)
+                     xlabel=axis[0] if axis else "experiment", xticks=[axis[1][e] for e in order] if axis else cols)
     return {"table": mean.to_dict(orient="index"), "columns": cols}
 
 

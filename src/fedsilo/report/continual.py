@@ -41,6 +41,7 @@ from fedsilo.report import (
     runs_backbones,
     versus_paper,
     write_versus,
+    written,
 )
 from fedsilo.utils.io import atomic_dir, read_json
 
@@ -210,13 +211,14 @@ def test_sizes_note(met: dict[str, Any]) -> str:
 
 
 def build_stream_report(results: Path, experiment: str, methods: list[str], seeds: list[int], out_dir: Path,
-                        published: str | None = None, repo: Path = Path("."), reference: str | None = None) -> dict[str, Any]:
+                        published: str | None = None, repo: Path = Path("."), reference: str | None = None,
+                        in_place: bool = False) -> dict[str, Any]:
     """``reference``: the method Delta is measured against (the pFedDIL row; none: Delta left empty)."""
     metrics, histories = collect_stream(results, methods, seeds)
     tab = stream_table(metrics, methods, seeds, reference)
     per_task = metrics[(methods[0], seeds[0])]["rounds_per_task"]
     figs: list[str] = []
-    with atomic_dir(out_dir) as tmp:
+    with written(out_dir, in_place) as tmp:  # in_place: the caller's own atomic folder (build_report's)
         md = stream_markdown(tab, f"{experiment}: accuracy along the stream, {over_seeds(seeds)}", reference)
         same = indistinct_rows(tab)
         if same:
