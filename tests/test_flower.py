@@ -271,6 +271,13 @@ def test_evaluation_sends_each_site_its_own_server_side_tensors_only(identity, n
     assert [without_timing([e])[0].get("eval") for e in hist] == [without_timing([e])[0].get("eval") for e in ref_hist]
     full = payload_bytes(reference.server)
     assert all(0 < b < full for b in hist[-1]["bytes_eval_down"].values())
+    # metrics.json and the round's line count them beside the training's downloads
+    from fedsilo.fl.run import round_summary, summarize
+
+    summary = summarize(hist)
+    sent = [sum(e["bytes_eval_down"].values()) for e in hist if "bytes_eval_down" in e]
+    assert summary["bytes_eval_down_per_round"] == sent and summary["bytes_eval_down_total"] == sum(sent) > 0
+    assert " to evaluate)" in round_summary({**hist[-1], "seconds": 1.0})
 
 
 class _LeakyBN(FedBN):

@@ -97,6 +97,10 @@ def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
     ens = [h["bytes_ensemble"] for h in history if "bytes_ensemble" in h]
     if ens:
         out["bytes_ensemble_total"] = int(sum(ens))
+    evals = [h["bytes_eval_down"] for h in history if "bytes_eval_down" in h]
+    if evals:  # a deployment sends each site what it is evaluated with (the engine, in one process, sends nothing)
+        out["bytes_eval_down_per_round"] = [int(sum(e.values())) for e in evals]
+        out["bytes_eval_down_total"] = int(sum(out["bytes_eval_down_per_round"]))
     counted = [h for h in history if "train_flops" in h]
     if counted:
         out["train_flops_per_round"] = counted[-1]["train_flops"]
@@ -117,7 +121,8 @@ def round_summary(entry: dict[str, Any]) -> str:
     elif "mean_acc" in entry:
         parts.append(f"acc {entry['mean_acc']:.3f}")
     parts.append(f"{entry['seconds']:.1f} s")
-    parts.append(f"up {mib(entry['bytes_up_total'])} down {mib(entry['bytes_down_total'])}")
+    parts.append(f"up {mib(entry['bytes_up_total'])} down {mib(entry['bytes_down_total'])}"
+                 + (f" (+ {mib(sum(entry['bytes_eval_down'].values()))} to evaluate)" if entry.get("bytes_eval_down") else ""))
     if entry.get("dropped"):
         parts.append("without " + ", ".join(entry["dropped"]) + " (gone during training)")
     if entry.get("eval_missing"):
