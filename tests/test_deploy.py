@@ -895,6 +895,7 @@ def test_a_site_audit_reads_each_flower_run_apart_counts_error_replies_apart_and
     text = capsys.readouterr().out
     assert "Flower runs 1 (rounds 1-2), 2 (rounds 1-2)" in text and "sent train x3" in text and "1 errors" in text
     assert "1 lines cannot be read" in text
+    assert "a reply counts as sent when the ClientApp handed it to this site's SuperNode" in text  # not that it arrived
 
 
 def test_kept_stores_give_only_the_round_the_server_names_and_no_later_one(tmp_path):

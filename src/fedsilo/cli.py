@@ -711,7 +711,8 @@ def _site_audit(args: argparse.Namespace) -> None:
             print(f"  {len(a['unreadable_lines'])} lines cannot be read (lines {a['unreadable_lines'][:5]}): cut short by a stop?")
         for e in a["errors"][-3:]:
             print(f"  error in round {e['round']} ({e['message']}, Flower run {e['flower_run']}): {e['error'][:300]}")
-        print(f"  wire log: {a['wire_log']}")
+        print(f"  wire log: {a['wire_log']} (a reply counts as sent when the ClientApp handed it to this site's SuperNode; "
+              "one the SuperLink refused, its run stopped or ended, is not in the coordinator's wire.jsonl)")
 
 
 def _deploy_status(args: argparse.Namespace) -> None:
