@@ -177,7 +177,7 @@ def trained_otherwise(params: Params, layout: Any, runs: list[tuple[str, str, in
             out[(e, m, k)] = ["its params hash differs (the run predates the record of its params in metrics.json)"]
             continue
         was, is_ = flatten(met["run"]), flatten(now)
-        out[(e, m, k)] = [f"{key}: {json.dumps(was[key]) if key in was else 'absent'} in the run, "
+        out[(e, m, k)] = [f"{key}: {json.dumps(was[key]) if key in was else 'absent (a parameter added since)'} in the run, "
                           f"{json.dumps(is_[key]) if key in is_ else 'absent'} now"
                           for key in sorted(set(was) | set(is_)) if was.get(key, ...) != is_.get(key, ...)] or ["its params hash differs"]
     return out
