@@ -57,7 +57,14 @@ class ReportError(RuntimeError):
 
 
 def collect(results: Path, methods: list[str], seeds: list[int]) -> tuple[pd.DataFrame, dict]:
-    """Every (method, seed) run's final metrics under ``results`` (an experiment's results folder)."""
+    """Every (method, seed) run's final metrics under ``results`` (an experiment's results folder): a row per
+    domain (the mean over its clients), and the runs' histories."""
+    clients, histories = collect_clients(results, methods, seeds)
+    return by_domain(clients), histories
+
+
+def collect_clients(results: Path, methods: list[str], seeds: list[int]) -> tuple[pd.DataFrame, dict]:
+    """As :func:`collect`, a row per client (its domain in ``domain``)."""
     rows, histories = [], {}
     for m in methods:
         for s in seeds:
@@ -94,7 +101,12 @@ def collect(results: Path, methods: list[str], seeds: list[int]) -> tuple[pd.Dat
                              # ... and at the client's own round of best validation accuracy (Single's scripts' rule)
                              "acc_best_own_val": own_best_validation_acc(histories[(m, s)], client) if best else np.nan,
                              **run_level})
-    df = pd.DataFrame(rows)
+    return pd.DataFrame(rows), histories
+
+
+def by_domain(df: pd.DataFrame) -> pd.DataFrame:
+    """:func:`collect_clients`'s rows, a row per (method, seed, domain): clients of one domain (F²DC's protocol, a
+    label-skew split's one dataset) become the mean over them, with the test images behind that mean."""
     if not df.empty and df.duplicated(["method", "seed", "domain"]).any():
         order = list(dict.fromkeys(df["domain"]))
         keys = ["method", "seed", "domain"]
@@ -116,17 +128,14 @@ def collect(results: Path, methods: list[str], seeds: list[int]) -> tuple[pd.Dat
         df["domain"] = pd.Categorical(df["domain"], categories=order)
         df = df.sort_values(["method", "seed", "domain"], kind="stable")
         df["domain"] = df["domain"].astype(str)
-    return df, histories
+    return df
 
 
-def per_client_accuracy(results: Path, methods: list[str], seeds: list[int]) -> pd.DataFrame:
-    """Every client's accuracy in every run, a row per method (columns: seed, client): what tells two methods apart
-    where a table's columns pool many clients (a label-skew experiment's one dataset column), for
-    :func:`indistinct_rows`."""
-    rows = {m: {(s, c): v["acc"] for s in seeds
-                for c, v in read_json(Path(results) / m / f"seed{s}" / "metrics.json")["per_client"].items()}
-            for m in methods}
-    return pd.DataFrame.from_dict(rows, orient="index")
+def per_client_accuracy(clients: pd.DataFrame) -> pd.DataFrame:
+    """Every client's accuracy in every run, a row per method (columns: seed, client), from
+    :func:`collect_clients`' rows: what tells two methods apart where a table's columns pool many clients (a
+    label-skew experiment's one dataset column), for :func:`indistinct_rows`."""
+    return clients.pivot_table(index="method", columns=["seed", "client"], values="acc", dropna=False, aggfunc="first")
 
 
 def upload_per_participant(history: list[dict]) -> float:
@@ -1015,14 +1024,15 @@ def build_report(
     made: dict[str, Any] = {}
     with written(out_dir, in_place) as tmp:
         for exp in [experiment]:
-            df, histories = collect(results, methods, seeds)
+            per_row, histories = collect_clients(results, methods, seeds)
+            df = by_domain(per_row)
             entries = load_published_entries(repo, published) if published else {}
             # the paper's tables print a STD over domains: ours gets the column too
             domain_std = has_domain_std(entries.get("accuracy"))
             acc = summary_table(df, "acc", methods, domain_std)
             seeds_per_method = df.groupby("method")["seed"].nunique()  # the runs behind each row (the CSVs' seeds column)
             md = to_markdown(acc, f"{exp}: test accuracy (%), {over_seeds(seeds)}")
-            per_client = per_client_accuracy(results, methods, seeds)
+            per_client = per_client_accuracy(per_row)
             same = indistinct_rows(acc, per_client)
             if same:
                 log.warning("%s: %s", exp, same)
