@@ -1267,6 +1267,18 @@ def test_deployment_status_names_each_sites_node_state_and_the_round_a_run_resum
     assert deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)["checkpoint"] == {"round": 2, "path": str(ckpt)}
     torch.save({"config_hash": "another deployment", "round": 5, "meta": {}}, ckpt)
     assert deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)["checkpoint"]["other"]
+    # a run in progress: its ServerApp holds the run lock, and its wire log says what it last sent or received
+    from fedsilo.fl.run import run_lock
+
+    assert deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)["running"] is None
+    (tmp_path / "out/results.wire").mkdir(parents=True)
+    (tmp_path / "out/results.wire/wire.jsonl").write_text(json.dumps({"round": 2, "message": "train", "to": "site", "site": "RSNA",
+                                                                     "flower_run": 7}) + "\n")
+    with run_lock(tmp_path / "out/state/run.lock", "the run"):
+        st = deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)
+    assert st["running"].startswith("pid ") and st["last_message"]["site"] == "RSNA" and st["last_message"]["round"] == 2
+    assert 0 <= st["last_message"]["seconds_ago"] < 60
+    assert deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)["running"] is None  # released at its end
     (tmp_path / "out/results").mkdir(parents=True)
     (tmp_path / "out/results/metrics.json").write_text("{}")
     assert deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)["results"] == str(tmp_path / "out/results")

@@ -756,6 +756,10 @@ def _deploy_status(args: argparse.Namespace) -> None:
     print("checkpoint: " + ("none (not started, or finished)" if ck is None else
                             f"{ck['path']} written by another deployment or fedsilo (a run starts afresh)" if ck.get("other") else
                             f"round {ck['round']} ({ck['path']}): `flwr run` of this App resumes after it"))
+    last = st["last_message"]
+    said = (f"; its last message {last['seconds_ago'] // 60} min {last['seconds_ago'] % 60} s ago: round {last['round']} "
+            f"{last['message']} {'to' if last['to'] == 'site' else 'from'} {last['site'] or 'a node'}" if last else "")
+    print("run: " + (f"in progress ({st['running']}){said}" if st["running"] else f"none in progress on this machine{said}"))
     print(f"results: {st['results'] or 'not written yet'}")
     c = st["certificates"]
     if c is not None:

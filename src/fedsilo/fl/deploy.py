@@ -50,6 +50,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -667,8 +668,25 @@ def deployment_status(app: Path, nodes: list[dict[str, Any]], superlink_dir: Pat
     held = peek_checkpoint(ckpt, resume_key(dep)) if ckpt.exists() else None
     checkpoint = ({"round": held["round"], "path": str(ckpt)} if held else
                   {"round": None, "path": str(ckpt), "other": True} if ckpt.exists() else None)
+    from fedsilo.fl.run import lock_holder
+
+    # a ServerApp running this deployment holds its run lock; the wire log it writes as it goes says what it last did
+    wire = results.with_name(results.name + ".wire") / "wire.jsonl"
+    last = None
+    if wire.is_file() and wire.stat().st_size:
+        with open(wire, "rb") as fh:
+            fh.seek(max(0, wire.stat().st_size - 4096))
+            line = fh.read().decode("utf-8", "replace").strip().splitlines()[-1]
+        try:
+            entry = json.loads(line)
+            last = {"round": entry.get("round"), "message": entry.get("message"), "to": entry.get("to"),
+                    "site": entry.get("site"), "flower_run": entry.get("flower_run"),
+                    "seconds_ago": round(time.time() - wire.stat().st_mtime)}
+        except json.JSONDecodeError:  # a line cut short by a stop
+            pass
     return {"federation": dep["federation"], "method": dep["method"]["key"], "seed": dep["seed"], "rounds": dep["train"]["rounds"],
             "sites": sites, "unlisted_nodes": other, "checkpoint": checkpoint,
+            "running": lock_holder(state / "run.lock"), "last_message": last,
             "results": str(results) if (results / "metrics.json").exists() else None}
 
 

@@ -395,6 +395,23 @@ def run_lock(path: Path, name: str) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def lock_holder(path: Path) -> Optional[str]:
+    """Who holds :func:`run_lock`'s lock on ``path`` now (``pid N on host``), or None when no process does (no run,
+    or one that ended, however it ended). Asked on the machine the run is on."""
+    import fcntl
+
+    if not Path(path).exists():
+        return None
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            return fh.read().strip() or "another process"
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        return None
+
+
 class GracefulStop:
     """How one run answers SIGTERM (a cancelled job, `kill`, a scheduler's preemption, ``scripts/gpu_plan.py``'s
     budget). While the rounds run (:meth:`rounds`), a first SIGTERM only sets :attr:`requested`, the engine's
