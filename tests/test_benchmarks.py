@@ -130,6 +130,13 @@ def test_office_caltech_both_namings_give_the_same_labels(bench_raw, tmp_path):
     sub = b[(b["domain"] == "amazon") & (b["label"] == 0)]
     assert sub["subset"].value_counts().to_dict() == {"train": 5, "test": 3}
     assert set(b.loc[b["label"] == 5, "original_label"]) == {"laptop_computer"}
+    # a copy without one domain's class folder, or without a domain: refused by name (it read as a smaller task)
+    shutil.rmtree(alt / "dslr" / "projector")
+    with pytest.raises(LabelFileError, match=r"dslr: no images for 1 of the 10 Office-Caltech-10 classes \(projector\)"):
+        source_module("office_caltech10").read_records(alt)
+    shutil.rmtree(alt / "dslr")
+    with pytest.raises(LabelFileError, match=r"no Office-Caltech-10 domain folder dslr"):
+        source_module("office_caltech10").read_records(alt)
 
 
 def test_domainnet_fedbn_split_lists_set_the_subset_in_place_of_the_official_lists(bench_raw, tmp_path):

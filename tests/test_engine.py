@@ -32,6 +32,19 @@ def _engine(name, clients, rounds=2, observer=None, model=None, **kw):
     return Engine(cls(cls.params_cls(), tp), model, cl, tp, seed=0, observer=observer)
 
 
+def test_fedbn_on_a_backbone_without_batchnorm_is_refused_by_check_params():
+    """FedBN keeps the BatchNorm layers home: on LeNet-5, which has none, it would train FedAvg under its name."""
+    from fedsilo.config import ConfigError
+    from fedsilo.fl.params import parse_params
+    from fedsilo.methods.registry import check_pipeline_fits
+    from tests.conftest import small_params
+
+    with pytest.raises(ConfigError, match=r"p\.yaml: experiments\.quick\.train\.model: lenet5 is not a backbone fedbn trains: "
+                       r"methods\.fedbn: FedBN keeps each client's BatchNorm layers at home, and this backbone has none"):
+        check_pipeline_fits(parse_params(small_params(model="lenet5")), "p.yaml")
+    check_pipeline_fits(parse_params(small_params()), "p.yaml")  # Simple-CNN has BatchNorm
+
+
 def test_fedbn_uploads_no_batchnorm_and_fedavg_does(clients):
     seen: dict[str, list] = {"fedbn": [], "fedavg": []}
     for name in seen:

@@ -534,3 +534,16 @@ def test_a_source_not_fetched_yet_is_named_with_the_command_that_fetches_it(tmp_
     capsys.readouterr()
     assert main(["--params", str(path), "--root", str(tmp_path), "fingerprint", "--dataset", "chest_xray4"]) == 2
     assert "fetch the source first (`fedsilo fetch --source chexpert`, or `dvc repro fetch@chexpert` once it is in pipeline.sources)" in capsys.readouterr().err
+
+
+def test_a_key_given_twice_in_a_params_file_is_refused_naming_it(tmp_path, capsys):
+    """YAML keeps the last of two equal keys without a word (`lam: 0.8, ..., lam: 0.5` trained 0.5): refused."""
+    import yaml
+
+    from fedsilo.cli import main
+
+    text = yaml.safe_dump(small_params()).replace("  fedprox:\n    mu: 0.01\n", "  fedprox:\n    mu: 0.01\n    mu: 0.5\n")
+    assert "mu: 0.5" in text
+    (tmp_path / "p.yaml").write_text(text)
+    assert main(["--params", str(tmp_path / "p.yaml"), "check-params"]) == 2
+    assert "not valid YAML: key 'mu' given twice in one mapping (first on line" in capsys.readouterr().err

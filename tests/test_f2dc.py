@@ -153,8 +153,8 @@ def test_insertion_point_is_a_unit_of_the_feature_extractor():
     x = torch.rand(2, 1, 32, 32)
     with pytest.raises(ValueError, match="decouple.layers"):
         insert_decoupling(net, x, DecouplingParams(layers=("fc3",)))
-    with pytest.raises(ValueError, match="feature maps"):
-        insert_decoupling(net, x, DecouplingParams(layers=("fc1",)))
+    with pytest.raises(ValueError, match="feature maps: the units of this backbone that give one are conv1, conv2$"):
+        insert_decoupling(net, x, DecouplingParams(layers="fc1"))  # one unit may be named without a list
     two = insert_decoupling(net, x, DecouplingParams(layers=("conv1", "conv2")))
     assert [n for n in two.unit_names if n.startswith("decouple@")] == ["decouple@conv1", "decouple@conv2"]
     assert two.num_layers == net.num_layers and two(x).shape == (2, 2)

@@ -155,6 +155,27 @@ def test_clients_sharing_a_domain_make_one_column_their_mean(tmp_path):
     assert tab.loc["f2dc", "A"] == pytest.approx(60.0) and tab.loc["f2dc", "Avg"] == pytest.approx(75.0)
 
 
+def test_the_accuracy_table_says_its_avg_is_over_domains_where_domains_hold_several_clients(tmp_path, monkeypatch):
+    import json
+
+    import fedsilo.report as report_module
+    from fedsilo.report import build_report
+
+    for fig in ("_line_figure", "_bar_figure"):
+        monkeypatch.setattr(report_module, fig, lambda path, *a, **k: path.name)
+    accs = {"A-0": 0.5, "A-1": 0.7, "B-0": 0.9}
+    d = tmp_path / "res" / "fedavg" / "seed0"
+    d.mkdir(parents=True)
+    (d / "metrics.json").write_text(json.dumps({"per_client": {c: {"acc": a} for c, a in accs.items()}, "bytes_up_per_round": [8],
+                                                "client_domains": {c: c[0] for c in accs}, "bytes_down_per_round": [8]}))
+    (d / "history.json").write_text(json.dumps([{"round": 1, "train_seconds": 1.0, "bytes_up_total": 8, "bytes_down_total": 8,
+                                                 "sampled": list(accs), "eval": {c: {"acc": a} for c, a in accs.items()}}]))
+    build_report(tmp_path / "res", "e", ["fedavg"], [0], tmp_path / "out")
+    md = (tmp_path / "out" / "README.md").read_text()
+    assert "| fedavg | **60.0** | **90.0** | **75.0** |" in md  # Avg 75: the domains' mean, where the clients' is 70
+    assert "Avg: the mean over the domain columns, each the mean over its clients" in md
+
+
 def test_collapse_table_fig1_and_flops_column_from_the_run_files(tmp_path):
     import json
 
@@ -445,6 +466,10 @@ def test_which_groups_get_a_table_across_experiments_and_how_their_columns_are_n
     labels, order, axis = experiment_labels({"a": {"split.domain_order": ["MNIST", "USPS"]}, "b": {"split.domain_order": ["MNIST", "SVHN"]}})
     assert order == ["a", "b"] and axis == ("domain_order", {"a": "['MNIST', 'USPS']", "b": "['MNIST', 'SVHN']"})
     assert experiment_labels({"a": {"x": 1}, "b": {"x": 1}})[0] == {"a": "a", "b": "b"}  # nothing tells them apart
+    # FedeCouple's join ratios: a fraction and a range apart: the experiments' names, no axis (points, not a line)
+    rho = {"rho_0_1_to_1": {"train.client_fraction": 1.0, "train.client_fraction_range": [0.1, 1.0]},
+           "rho_0_5": {"train.client_fraction": 0.5, "train.client_fraction_range": None}}
+    assert experiment_labels(rho) == ({"rho_0_1_to_1": "rho_0_1_to_1", "rho_0_5": "rho_0_5"}, ["rho_0_1_to_1", "rho_0_5"], None)
     # beside_experiments names experiments another group trains the group's methods on: checked when params load
     raw = yaml.safe_load((REPO / "pipelines" / "cd2pfed" / "params.yaml").read_text())
     for bad, said in ((["cd2_digits_s3"], "runs.fig5.beside_experiments: 'cd2_digits_s3' is one of the group's own experiments"),
@@ -471,6 +496,10 @@ def test_a_variant_that_differs_from_its_method_beyond_its_own_keys_is_named():
     assert variant_drift(pfeddb, list(pfeddb)) == []
     pfeddb["pfeddb"]["fusion"] = "concat"
     assert variant_drift(pfeddb, list(pfeddb)) == ["pfeddb_one_phase takes fusion 'add' (pfeddb: 'concat')"]
+    # FedeCouple's lambda does nothing without GPC, mu nothing without GFA
+    fc = {"fedecouple": {"lam": 0.5, "mu": 5.0}, "fedecouple_no_gpc": {"method": "fedecouple", "gpc": False},
+          "fedecouple_none": {"method": "fedecouple", "glf": False, "gfa": False, "gpc": False, "da": False}}
+    assert variant_drift(fc, list(fc)) == ["fedecouple_no_gpc takes mu 2.0 (fedecouple: 5.0)"]
 
 
 def test_latex_tables_escape_names_and_a_table_of_identical_rows_says_it_tells_nothing():

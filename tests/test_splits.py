@@ -89,6 +89,11 @@ def test_domain_clients_uses_official_test_subset_when_present(records):
     assert set(records.loc[pooled["clients"][0]["test"], "subset"]) == {"train", "test"}
     with pytest.raises(SplitError, match="domain 'C' has no official test subset"):
         make_split(records, DomainClientsSplit(n_train=6, test_from="official"), 0)
+    # a copy holding a domain's test subset only (MNIST's test set alone): the error names the empty training pool
+    only_test = records.assign(subset=records["subset"].where(records["domain"] != "A", "test"))
+    with pytest.raises(SplitError, match=r"domain 'A': the official test subset holds \d+ of its \d+ images and leaves 0 "
+                       r"\(0 groups\) to train on: not 60 train .* needs test_from: pooled"):
+        make_split(only_test, DomainClientsSplit(n_train=60, n_test=40), 0)
 
 
 def test_domain_clients_n_test_all_takes_the_whole_official_test_subset(records):

@@ -1701,12 +1701,29 @@ def parse_params(raw: dict[str, Any], source: str = "params.yaml") -> Params:
         raise ConfigError(f"{source}: {format_validation_error(err, model=Params)}") from None
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader refusing a key given twice in one mapping (PyYAML keeps the last silently: `lam: 0.8, ...,
+    lam: 0.5` would train 0.5 with no word). Merge keys (`<<: *anchor`) may still be overridden, as YAML means."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice in one mapping (first on line {seen[key] + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_params(path: str | Path = "params.yaml") -> Params:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: not found (run from the repository root)")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     params = load_paper_params(path, raw) if isinstance(raw, dict) and "paper" in raw else parse_params(raw, str(path))

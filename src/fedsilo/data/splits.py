@@ -121,6 +121,13 @@ def _draw_domain(records: pd.DataFrame, dom: str, n_train: int, n_test: int, tes
         val, _ = _take(groups[used + used_test:], n_val)
     if len(train) < n_train or len(test) < n_test or len(val) < n_val:
         val_part = f" + {n_val} validation" if n_val else ""
+        if len(train) < n_train and _uses_official(sub, test_from, dom):  # the pool the official test subset leaves
+            rest = sub[sub["subset"] != "test"]
+            raise SplitError(
+                f"domain {dom!r}: the official test subset holds {int((sub['subset'] == 'test').sum())} of its {len(sub)} images "
+                f"and leaves {len(rest)} ({rest['group'].nunique()} groups) to train on: not {n_train} train{val_part} "
+                f"(split.test_from: {test_from} takes the test images from that subset; a copy holding the test subset "
+                f"only, such as MNIST's test set alone, needs test_from: pooled, or the training files beside it)")
         raise SplitError(
             f"domain {dom!r}: {len(sub)} images from {sub['group'].nunique()} patients cannot give {n_train} train{val_part} + "
             f"{n_test} test patient-disjoint images (lower split.n_train{' / n_val' if n_val else ''} / n_test or add data)"

@@ -34,11 +34,11 @@ Choices where the paper leaves a detail open or its code differs (authors' code 
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, field_validator
 from torch import nn
 
 from fedsilo.config import ConfigError, Strict
@@ -62,6 +62,11 @@ class DecouplingParams(Strict):
     layers: Optional[tuple[str, ...]] = Field(
         None, description="backbone units after which DFD/DFC are inserted (L_j); default: the last unit of the feature extractor"
     )
+
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _one_layer(cls, v: Any) -> Any:
+        return (v,) if isinstance(v, str) else v  # `layers: layer4` as `layers: [layer4]`
     feature: Literal["tilde", "plus", "minus", "star"] = Field(
         "tilde", description="what continues to the classifier (Table 7): f~ = f+ + f*, f+, f- or f*"
     )
@@ -164,16 +169,20 @@ def insert_decoupling(model: LayeredNet, example: torch.Tensor, p: DecouplingPar
     x = example
     with torch.no_grad():
         logits = model(example)
+        dims = {}  # each unit's output: DFD and DFC need a feature map (4-d) after the units they follow
         for name, unit, depth in model.layers():
             x = unit(x)
+            dims[name] = x.dim()
             out.append((name, unit, depth))
-            if name in names:
-                if x.dim() != 4:
-                    raise ConfigError(f"{key}: unit {name!r} gives a {x.dim()}-d output; DFD/DFC need feature maps"
-                                      + ("" if p.layers else " (the default, the feature extractor's last unit: name a "
-                                         "convolutional unit of " + ", ".join(model.unit_names[:n_fe]) + ")"))
+            if name in names and x.dim() == 4:
                 out.append((f"decouple@{name}", DecouplingUnit(x.shape[1], logits.shape[1], p), 0))
     model.train(was)
+    flat = [n for n in names if dims[n] != 4]
+    if flat:
+        maps = [n for n in model.unit_names[:n_fe] if dims[n] == 4]
+        raise ConfigError(f"{key}: unit {flat[0]!r} gives a {dims[flat[0]]}-d output; DFD/DFC need feature maps"
+                          + ("" if p.layers else " (the default is the feature extractor's last unit)")
+                          + f": the units of this backbone that give one are {', '.join(maps) or 'none'}")
     net = LayeredNet(out, head_units=model.head_units).to(next(model.parameters()).device)  # the new units too
     net.train(was)
     return net

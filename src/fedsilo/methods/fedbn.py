@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fedsilo.config import ConfigError
 from fedsilo.methods.sharing import PartialSharing
 from fedsilo.models import LayeredNet, batchnorm_keys
 
@@ -15,6 +16,13 @@ class FedBN(PartialSharing):
 
     name = "fedbn"
     joinable = True  # one global (or shared) state and per-client stores only: a site may join mid-run
+
+    def check_backbone(self, model, example):
+        super().check_backbone(model, example)
+        if not batchnorm_keys(model):  # nothing would stay home: FedAvg under FedBN's name
+            raise ConfigError(f"methods.{self.key}: FedBN keeps each client's BatchNorm layers at home, and this backbone "
+                              "has none: its runs would be FedAvg's (choose a backbone with BatchNorm, e.g. simple_cnn, "
+                              "alexnet_bn, a ResNet)")
 
     def shared_keys(self, model: LayeredNet) -> list[str]:
         bn = batchnorm_keys(model)

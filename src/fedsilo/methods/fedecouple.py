@@ -29,7 +29,9 @@ class FedeCoupleParams(MethodParams):
     tau: float = Field(2.0, gt=0, description="T: distillation temperature (Eq. 2)")
     classifier_epochs: int = Field(5, ge=1, description="E_cl: epochs of the classifier phase (the extractor phase's E_fe is train.local_epochs)")
     classifier_lr: Optional[float] = Field(None, gt=0, description="learning rate of the classifier phase (default train.lr; FedPAC's code, which its authors built on, uses 0.1)")
-    glf: bool = Field(True, description="GLF: one extractor epoch against the frozen global classifier before the E_fe epochs (Eq. 5)")
+    glf: bool = Field(True, description="GLF: one extractor epoch against the frozen global classifier before the E_fe "
+                      "epochs (Eq. 5); off, the extractor is still replaced by the downloaded one (reset): the paper's GLF "
+                      "also names that replacement, which no switch here removes")
     gfa: bool = Field(True, description="GFA: center loss pulling features to the anchors of the downloaded extractor (Eq. 1)")
     gpc: bool = Field(True, description="GPC: distil the personal classifier from the locally adapted global classifier (Eq. 2-4)")
     da: bool = Field(True, description="DA: each batch trains on its images and one augmented copy of each (crop, flip, rotation, brightness or inversion)")
@@ -49,6 +51,10 @@ class FedeCoupleParams(MethodParams):
         "classifier phase, which trains phi_i on the client's own theta_i (Algorithm 1, line 24, and Sec. IV-A1: 'before "
         "initiating local training of the feature extractor'), or before it, as FedRep does",
     )
+
+    def unused_keys(self) -> set[str]:
+        idle = set() if self.gpc else {"lam", "tau", "teacher", "kd_scale"}  # GPC's distillation
+        return idle | (set() if self.gfa else {"mu", "center_reduction"})  # GFA's center loss
 
 
 def similarity_weights(uploads: list[State], sizes: list[int]) -> list[float]:

@@ -228,8 +228,8 @@ def describe_method(params: Params, key: str, source: str = "params.yaml") -> st
     else:  # a registered method the file has no entry for: its defaults, and what trains it
         base, typed, given = key, REGISTRY[key].params_cls(), set()
         head = f"methods.{key} (not in {source}: `{key}: {{}}` under methods trains it with these defaults)"
-    summary = (sys.modules[method_class(base).__module__].__doc__ or "").strip().splitlines()
-    lines = [head + (f" (method: {base})" if base != key else "") + (f": {summary[0]}" if summary else "")]
+    first = " ".join((sys.modules[method_class(base).__module__].__doc__ or "").strip().split("\n\n")[0].split())  # its first paragraph
+    lines = [head + (f" (method: {base})" if base != key else "") + (f": {first}" if first else "")]
     fields = type(typed).model_fields
     own = [n for n in fields if n not in MethodParams.model_fields] + list(MethodParams.model_fields)  # the method's first
     for name in own:

@@ -524,10 +524,11 @@ def _bar_figure(path: Path, labels: list[str], values: list[float], ylabel: str,
 
 
 def _line_figure(path: Path, series: list[tuple[str, list[float], list[float]]], ylabel: str, title: str,
-                 marks: tuple[float, ...] = (), xlabel: str = "round", xticks: list[str] | None = None) -> str:
+                 marks: tuple[float, ...] = (), xlabel: str = "round", xticks: list[str] | None = None,
+                 connect: bool = True) -> str:
     """One PNG with a line per (label, x, y) and a dotted vertical line at each of ``marks`` (a stream's task
     boundaries). Rounds are whole numbers on the axis; ``xticks`` names the positions 0, 1, ... instead (a group's
-    experiments). Past ten lines the colours come from a 20-colour map (the default repeats after ten); past three the
+    experiments; ``connect`` False: points only, for positions that are no scale). Past ten lines the colours come from a 20-colour map (the default repeats after ten); past three the
     legend stands beside the axes, not over the lines."""
     import matplotlib
 
@@ -540,7 +541,7 @@ def _line_figure(path: Path, series: list[tuple[str, list[float], list[float]]],
     fig, ax = plt.subplots(figsize=(8.5 if beside else 6, 4))
     colours = plt.get_cmap("tab20").colors if many else [None] * len(series)
     for (label, x, y), colour in zip(series, colours):
-        ax.plot(x, y, label=label, color=colour, marker="o" if xticks else None)
+        ax.plot(x, y, label=label, color=colour, marker="o" if xticks else None, linestyle="-" if connect else "none")
     for x in marks:
         ax.axvline(x, color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel(xlabel)
@@ -1033,6 +1034,10 @@ def build_report(
             seeds_per_method = df.groupby("method")["seed"].nunique()  # the runs behind each row (the CSVs' seeds column)
             md = to_markdown(acc, f"{exp}: test accuracy (%), {over_seeds(seeds)}")
             per_client = per_client_accuracy(per_row)
+            if not per_row.empty and per_row["client"].nunique() > per_row["domain"].nunique() > 1:
+                md += ("\nAvg: the mean over the domain columns, each the mean over its clients; the training's "
+                       "progress line and MLflow's `mean_acc` are the mean over clients, which weighs a domain by its "
+                       "number of clients.\n")
             same = indistinct_rows(acc, per_client)
             if same:
                 log.warning("%s: %s", exp, same)

@@ -24,17 +24,25 @@ from fedsilo.utils.io import atomic_dir
 log = logging.getLogger("fedsilo.report")
 
 
+def differing(settings: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The keys whose values differ among the experiments' settings, each with its name for a reader (without its
+    ``split.`` / ``train.`` prefix where that leaves it unambiguous)."""
+    keys = sorted({k for s in settings.values() for k in s})
+    differ = [k for k in keys if len({repr(s.get(k)) for s in settings.values()}) > 1]
+    short = {k: k.split(".", 1)[1] if "." in k else k for k in differ}
+    return short if len(set(short.values())) == len(short) else {k: k for k in differ}
+
+
 def experiment_labels(settings: dict[str, dict[str, Any]]) -> tuple[dict[str, str], list[str], Optional[tuple[str, dict[str, str]]]]:
     """Each experiment's label from its settings (its split and train, flattened): the keys whose values differ
     among the experiments, ``key value`` (the key without its ``split.`` / ``train.`` prefix where that leaves it
     unambiguous); the experiments in the order of that value when one numeric key differs (else as given); and, when
     one key differs, that key and each experiment's value of it (the figure's axis). Experiments whose settings do not
     tell them apart are labelled by their names."""
-    keys = sorted({k for s in settings.values() for k in s})
-    differ = [k for k in keys if len({repr(s.get(k)) for s in settings.values()}) > 1]
-    short = {k: k.split(".", 1)[1] if "." in k else k for k in differ}
-    if len(set(short.values())) < len(short):
-        short = {k: k for k in differ}
+    short = differing(settings)
+    differ = list(short)
+    if len(differ) != 1:  # several settings apart (FedeCouple's join ratio: a fraction and a range): the names say it
+        return {e: e for e in settings}, list(settings), None
     labels = {e: ", ".join(f"{short[k]} {s.get(k)}" for k in differ) or e for e, s in settings.items()}
     if len(set(labels.values())) < len(labels):
         return {e: e for e in settings}, list(settings), None
@@ -62,8 +70,11 @@ def build_across_report(group: str, results: dict[str, Path], settings: dict[str
     cols = [labels[e] for e in order]
     title = f"{group}: Avg test accuracy (%) across its experiments, {over_seeds(seeds)}"
     lines = [f"### {title}", ""]
-    if any(labels[e] != e for e in order):  # which experiment each column is
-        lines += ["Columns: " + "; ".join(f"{labels[e]}: {e}" for e in order) + ".", ""]
+    short = differing(settings)
+    if short:  # what sets each column's experiment apart
+        lines += ["Columns: " + "; ".join(f"{labels[e]}: {e}" if labels[e] != e else
+                                          f"{e}: " + ", ".join(f"{short[k]} {settings[e].get(k)}" for k in short)
+                                          for e in order) + ".", ""]
     lines += ["| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     lines += [f"| {m} | " + " | ".join(_pm(mean.loc[m, c], std.loc[m, c], ".1f") for c in cols) + " |" for m in methods]
     md = "\n".join(lines) + "\n"
@@ -77,8 +88,9 @@ def build_across_report(group: str, results: dict[str, Path], settings: dict[str
         series = [(m, xs, [float(mean.loc[m, c]) if not pd.isna(mean.loc[m, c]) else np.nan for c in cols]) for m in methods]
         # one setting apart: it names the axis, its values the ticks
         _line_figure(tmp / f"{group}_across.png", series, "Avg test accuracy (%)", title.split(",")[0],
-                     xlabel=axis[0] if axis else "experiment", xticks=[axis[1][e] for e in order] if axis else cols)
+                     xlabel=axis[0] if axis else "experiment", xticks=[axis[1][e] for e in order] if axis else cols,
+                     connect=axis is not None)  # experiments several settings apart are no scale: points only
     return {"table": mean.to_dict(orient="index"), "columns": cols}
 
 
-__all__ = ["build_across_report", "experiment_labels"]
+__all__ = ["build_across_report", "differing", "experiment_labels"]

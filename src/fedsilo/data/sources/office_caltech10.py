@@ -9,6 +9,7 @@ split protocols draw test images from the pool. Domains: amazon, caltech, dslr, 
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pandas as pd
@@ -28,9 +29,17 @@ def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
     dirs = find_dirs(raw_dir, DOMAIN_ALIASES)
     if not dirs:
         raise LabelFileError(f"{raw_dir}: no Office-Caltech-10 domain folder (amazon, caltech or caltech10, dslr, webcam)")
+    missing = [d for d in DOMAINS if d not in dirs]
+    if missing:  # a copy without a domain would silently make a federation of fewer sites
+        raise LabelFileError(f"{raw_dir}: no Office-Caltech-10 domain folder {', '.join(missing)} (expected amazon/, "
+                             "caltech/ or caltech10/, dslr/ and webcam/, each with a folder per class)")
     frames = []
     for domain in DOMAINS:
-        if domain in dirs:
-            rows = class_folder_records(dirs[domain], raw_dir, domain, CLASSES, CLASS_ALIASES, fedbn_split_lists(raw_dir, domain, DOMAIN_ALIASES))
-            frames.append(records_frame(rows, domain))
+        rows = class_folder_records(dirs[domain], raw_dir, domain, CLASSES, CLASS_ALIASES, fedbn_split_lists(raw_dir, domain, DOMAIN_ALIASES))
+        have = Counter(r["label"] for r in rows)
+        absent = [c for k, c in enumerate(CLASSES) if not have[k]]
+        if absent:  # a site without a class would be scored on a task it cannot learn
+            raise LabelFileError(f"{dirs[domain]}: no images for {len(absent)} of the 10 Office-Caltech-10 classes "
+                                 f"({', '.join(absent)}): each class is a folder <class>/ of images")
+        frames.append(records_frame(rows, domain))
     return pd.concat(frames, ignore_index=True)
