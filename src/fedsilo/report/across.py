@@ -34,26 +34,18 @@ def differing(settings: dict[str, dict[str, Any]]) -> dict[str, str]:
 
 
 def experiment_labels(settings: dict[str, dict[str, Any]]) -> tuple[dict[str, str], list[str], Optional[tuple[str, dict[str, str]]]]:
-    """Each experiment's label from its settings (its split and train, flattened): the keys whose values differ
-    among the experiments, ``key value`` (the key without its ``split.`` / ``train.`` prefix where that leaves it
-    unambiguous); the experiments in the order of that value when one numeric key differs (else as given); and, when
-    one key differs, that key and each experiment's value of it (the figure's axis). Experiments whose settings do not
-    tell them apart are labelled by their names."""
+    """Each experiment's label from its settings (its split and train, flattened) where one key tells them apart,
+    ``key value`` (:func:`differing`'s name for the key), with that key and each experiment's value of it (the
+    figure's axis), the experiments in the order of the value where it is a number (else as given); where none or
+    several do, their names and no axis."""
     short = differing(settings)
-    differ = list(short)
-    if len(differ) != 1:  # several settings apart (FedeCouple's join ratio: a fraction and a range): the names say it
+    if len(short) != 1:  # several settings apart (FedeCouple's join ratio: a fraction and a range): the names say it
         return {e: e for e in settings}, list(settings), None
-    labels = {e: ", ".join(f"{short[k]} {s.get(k)}" for k in differ) or e for e, s in settings.items()}
-    if len(set(labels.values())) < len(labels):
-        return {e: e for e in settings}, list(settings), None
+    (k, name), = short.items()
     order = list(settings)
-    axis = None
-    if len(differ) == 1:
-        k = differ[0]
-        axis = (short[k], {e: str(s.get(k)) for e, s in settings.items()})
-        if all(isinstance(s.get(k), (int, float)) and not isinstance(s.get(k), bool) for s in settings.values()):
-            order = sorted(order, key=lambda e: settings[e][k])
-    return labels, order, axis
+    if all(isinstance(s.get(k), (int, float)) and not isinstance(s.get(k), bool) for s in settings.values()):
+        order = sorted(order, key=lambda e: settings[e][k])
+    return {e: f"{name} {s.get(k)}" for e, s in settings.items()}, order, (name, {e: str(s.get(k)) for e, s in settings.items()})
 
 
 def build_across_report(group: str, results: dict[str, Path], settings: dict[str, dict[str, Any]], methods: list[str],
@@ -89,8 +81,19 @@ def build_across_report(group: str, results: dict[str, Path], settings: dict[str
         # one setting apart: it names the axis, its values the ticks
         _line_figure(tmp / f"{group}_across.png", series, "Avg test accuracy (%)", title.split(",")[0],
                      xlabel=axis[0] if axis else "experiment", xticks=[axis[1][e] for e in order] if axis else cols,
-                     connect=axis is not None)  # experiments several settings apart are no scale: points only
+                     connect=_numbers(axis))  # settings that are no scale: points only
     return {"table": mean.to_dict(orient="index"), "columns": cols}
+
+
+def _numbers(axis: Optional[tuple[str, dict[str, str]]]) -> bool:
+    """Whether an axis's values are all numbers (a scale a line may join)."""
+    if axis is None:
+        return False
+    try:
+        [float(v) for v in axis[1].values()]
+    except ValueError:
+        return False
+    return True
 
 
 __all__ = ["build_across_report", "differing", "experiment_labels"]
