@@ -101,6 +101,16 @@ def fedbn_split_lists(raw_dir: Path, domain: str, aliases: dict[str, str]) -> di
     return out
 
 
+def require_every_class(rows: list[dict], classes: Sequence[str], where: Path, dataset: str, files: str = "images") -> None:
+    """Refuses a domain's records (:func:`class_folder_records`) that lack a class: a site without one would be scored
+    on a task it cannot learn, and the copy read as a smaller task without a word."""
+    have = {r["label"] for r in rows}
+    absent = [c for k, c in enumerate(classes) if k not in have]
+    if absent:
+        raise LabelFileError(f"{where}: no images for {len(absent)} of the {len(classes)} {dataset} classes "
+                             f"({', '.join(absent)}): each class is a folder <class>/ of {files}")
+
+
 def class_folder_records(
     domain_dir: Path,
     raw_dir: Path,

@@ -15,14 +15,20 @@ with its sha256 and ``verified: false`` until it is pinned under ``sources.offic
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import pandas as pd
 
 from fedsilo.data.download import Remote
 from fedsilo.data.sources.base import LabelFileError
-from fedsilo.data.sources.benchmark import class_folder_records, class_root, find_dirs, norm_name, records_frame
+from fedsilo.data.sources.benchmark import (
+    class_folder_records,
+    class_root,
+    find_dirs,
+    norm_name,
+    records_frame,
+    require_every_class,
+)
 
 DOMAINS = ("amazon", "dslr", "webcam")
 CLASSES = (
@@ -51,12 +57,6 @@ def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
     frames = []
     for domain in DOMAINS:
         rows = class_folder_records(dirs[domain], raw_dir, domain, CLASSES, CLASS_ALIASES)
-        have = Counter(r["label"] for r in rows)
-        absent = [c for k, c in enumerate(CLASSES) if not have[k]]
-        if absent:
-            raise LabelFileError(
-                f"{class_root(dirs[domain])}: no images for {len(absent)} of the 31 Office-31 classes "
-                f"({', '.join(absent)}): each class is a folder <class>/ of .jpg files"
-            )
+        require_every_class(rows, CLASSES, class_root(dirs[domain]), "Office-31", ".jpg files")
         frames.append(records_frame(rows, domain))
     return pd.concat(frames, ignore_index=True)

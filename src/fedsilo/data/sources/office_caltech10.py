@@ -9,13 +9,19 @@ split protocols draw test images from the pool. Domains: amazon, caltech, dslr, 
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import pandas as pd
 
 from fedsilo.data.sources.base import LabelFileError
-from fedsilo.data.sources.benchmark import class_folder_records, fedbn_split_lists, find_dirs, norm_name, records_frame
+from fedsilo.data.sources.benchmark import (
+    class_folder_records,
+    fedbn_split_lists,
+    find_dirs,
+    norm_name,
+    records_frame,
+    require_every_class,
+)
 
 DOMAINS = ("amazon", "caltech", "dslr", "webcam")
 CLASSES = ("backpack", "bike", "calculator", "headphones", "keyboard", "laptop", "monitor", "mouse", "mug", "projector")
@@ -36,10 +42,6 @@ def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
     frames = []
     for domain in DOMAINS:
         rows = class_folder_records(dirs[domain], raw_dir, domain, CLASSES, CLASS_ALIASES, fedbn_split_lists(raw_dir, domain, DOMAIN_ALIASES))
-        have = Counter(r["label"] for r in rows)
-        absent = [c for k, c in enumerate(CLASSES) if not have[k]]
-        if absent:  # a site without a class would be scored on a task it cannot learn
-            raise LabelFileError(f"{dirs[domain]}: no images for {len(absent)} of the 10 Office-Caltech-10 classes "
-                                 f"({', '.join(absent)}): each class is a folder <class>/ of images")
+        require_every_class(rows, CLASSES, dirs[domain], "Office-Caltech-10")
         frames.append(records_frame(rows, domain))
     return pd.concat(frames, ignore_index=True)
