@@ -269,9 +269,9 @@ def _report(args: argparse.Namespace) -> None:
 
     made = {}
     grouped = args.group is None and args.methods is None and p.paper is not None
+    beside = tuple(p.paper.runs[args.group].beside) if args.group else ()
     for exp in exps:
         _defined(args.params, "experiments", exp, p.experiments)
-        beside = tuple(p.paper.runs[args.group].beside) if args.group else ()
         with _naming_published(args.params, exp, p.experiments[exp].published):
             if not grouped:
                 _report_one(args, p, exp, methods_of(exp), out_of(exp), made, beside)

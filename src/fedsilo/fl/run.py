@@ -379,12 +379,9 @@ def run_lock(path: Path, name: str) -> Iterator[None]:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "another process"
-            raise RunInProgress(f"{name} is already being trained by {holder}; wait for it to end or stop it, then rerun") from None
+        holder = _take_lock(fh)
+        if holder is not None:
+            raise RunInProgress(f"{name} is already being trained by {holder}; wait for it to end or stop it, then rerun")
         fh.seek(0)
         fh.truncate()
         fh.write(f"pid {os.getpid()} on {socket.gethostname()}")
@@ -403,13 +400,23 @@ def lock_holder(path: Path) -> Optional[str]:
     if not Path(path).exists():
         return None
     with open(path, "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            return fh.read().strip() or "another process"
-        fcntl.flock(fh, fcntl.LOCK_UN)
-        return None
+        holder = _take_lock(fh)
+        if holder is None:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+        return holder
+
+
+def _take_lock(fh: Any) -> Optional[str]:
+    """Takes the exclusive lock on the open file ``fh`` without waiting: None when taken, else who holds it (what
+    :func:`run_lock` wrote in it)."""
+    import fcntl
+
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        return fh.read().strip() or "another process"
+    return None
 
 
 class GracefulStop:

@@ -195,16 +195,22 @@ def check_pipeline_fits(params: Params, source: str = "params.yaml") -> None:
                 raise ConfigError(f"{source}: experiments.{e}.train.model: {err}") from None
 
 
+def _summary(cls: type[Method]) -> str:
+    """The first paragraph of a method's module docstring, on one line."""
+    import sys
+
+    return " ".join((sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0].split())
+
+
 def list_methods() -> str:
     """``fedsilo methods``: every registered method, one line each: its name, what data it learns (static clients, a
     task stream, or both), whether a site may join a run of it in progress, and its module's one-line summary."""
-    import sys
 
     lines = []
     for name in sorted(REGISTRY):
         cls = REGISTRY[name]
         data = "stream" if cls.stream_only else "static + stream" if cls.task_stream else "static"
-        first = " ".join((sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0].split())  # its first paragraph
+        first = _summary(cls)
         summary = first if len(first) <= 100 else first[:99].rsplit(" ", 1)[0] + " …"
         lines.append(f"{name:<14} {data:<15} {'joinable' if cls.joins_mid_run() else '-':<9} {summary}")
     return (f"{'method':<14} {'learns':<15} {'mid-run':<9} summary\n" + "\n".join(lines)
@@ -215,7 +221,6 @@ def list_methods() -> str:
 def describe_method(params: Params, key: str, source: str = "params.yaml") -> str:
     """``methods.<key>`` as a run would take it: the registered method (its module's one-line summary), then every
     parameter with its value, whether the entry sets it or it is the default, and what it means."""
-    import sys
 
     if key not in params.methods and key not in REGISTRY:
         raise ConfigError(f"{source}: methods.{key}: not defined (methods: {', '.join(params.methods) or 'none'}; "
@@ -228,7 +233,7 @@ def describe_method(params: Params, key: str, source: str = "params.yaml") -> st
     else:  # a registered method the file has no entry for: its defaults, and what trains it
         base, typed, given = key, REGISTRY[key].params_cls(), set()
         head = f"methods.{key} (not in {source}: `{key}: {{}}` under methods trains it with these defaults)"
-    first = " ".join((sys.modules[method_class(base).__module__].__doc__ or "").strip().split("\n\n")[0].split())  # its first paragraph
+    first = _summary(method_class(base))
     lines = [head + (f" (method: {base})" if base != key else "") + (f": {first}" if first else "")]
     fields = type(typed).model_fields
     own = [n for n in fields if n not in MethodParams.model_fields] + list(MethodParams.model_fields)  # the method's first

@@ -376,7 +376,7 @@ def indistinct_rows(tab: pd.DataFrame, per_client: pd.DataFrame | None = None) -
     """A note when methods of a table scored exactly the same in every column: runs too short or too small to tell
     them apart (a quickstart's few steps, each model predicting one class), whose bold "best" cells and differences
     from a paper mean nothing. Names the groups that tie when only some do; None when no two rows do.
-    ``per_client``: each method's accuracy on every client of every run (:func:`collect`); where given, rows tie
+    ``per_client``: each method's accuracy on every client of every run (:func:`per_client_accuracy`); where given, rows tie
     only when those are the same too (two label-skew runs whose means over 20 clients meet are not one model)."""
     mean = tab["mean"]
     if len(mean.index) < 2 or mean.isna().all().all():
@@ -546,7 +546,8 @@ def _line_figure(path: Path, series: list[tuple[str, list[float], list[float]]],
         ax.axvline(x, color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel(xlabel)
     if xticks:
-        ax.set_xticks(range(len(xticks)), xticks, rotation=30 if sum(map(len, xticks)) > 60 else 0, ha="right" if sum(map(len, xticks)) > 60 else "center")
+        slant = sum(map(len, xticks)) > 60  # long names side by side overlap
+        ax.set_xticks(range(len(xticks)), xticks, rotation=30 if slant else 0, ha="right" if slant else "center")
     else:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(ylabel)
@@ -843,13 +844,19 @@ def _write_flat_csv(tab: pd.DataFrame, path: Path, seeds: pd.Series) -> None:
     flat.to_csv(path, float_format="%.4f")
 
 
+def _resolved_entry(method_entries: dict[str, Any], m: str) -> Any:
+    """``methods.<m>`` as its method's typed params take it (the keys it does not set at their defaults)."""
+    from fedsilo.methods.registry import _values, method_base, method_class
+
+    return method_class(method_base(m, method_entries[m])).params_cls.model_validate(_values(method_entries[m]))
+
+
 def settings_differ(paper: dict[str, Any] | None, method_entries: dict[str, Any] | None, methods: list[str]) -> list[str]:
     """Where a paper's row states the setting it was run with (``params`` in ``published.yaml``: F²DC's σ, τ, ... ),
     the methods of ours whose entry (``methods.<key>``, its unset values at their defaults) differs from it, one line
     each: a difference on such a row is not the paper's comparison."""
     if not paper or not method_entries:
         return []
-    from fedsilo.methods.registry import _values, method_base, method_class
     from fedsilo.tracking import flatten
 
     lines = []
@@ -857,8 +864,7 @@ def settings_differ(paper: dict[str, Any] | None, method_entries: dict[str, Any]
         want = ((paper.get("methods") or {}).get(m) or {}).get("params")
         if not want or m not in method_entries:
             continue
-        cls = method_class(method_base(m, method_entries[m]))
-        ours = flatten(cls.params_cls.model_validate(_values(method_entries[m])).model_dump(mode="json"))
+        ours = flatten(_resolved_entry(method_entries, m).model_dump(mode="json"))
         diff = [f"{k} {ours.get(k, 'unset')} (the paper's row: {v})" for k, v in flatten(want).items() if ours.get(k) != v]
         if diff:
             lines.append(f"{m} ran with " + ", ".join(diff))
@@ -872,12 +878,11 @@ def variant_drift(method_entries: dict[str, Any] | None, methods: list[str]) -> 
     more than the variant's own switches. One line per variant, empty when they differ only there."""
     if not method_entries:
         return []
-    from fedsilo.methods.registry import _values, method_base, method_class
+    from fedsilo.methods.registry import _values
     from fedsilo.tracking import flatten
 
     def resolved(m: str) -> tuple[dict[str, Any], set[str]]:
-        cls = method_class(method_base(m, method_entries[m]))
-        typed = cls.params_cls.model_validate(_values(method_entries[m]))
+        typed = _resolved_entry(method_entries, m)
         return flatten(typed.model_dump(mode="json")), typed.unused_keys()
 
     lines = []
