@@ -718,6 +718,22 @@ def test_fdse_refuses_to_share_f2dcs_modules_it_keeps_on_the_clients():
         m.setup(model)
 
 
+def test_fdse_converts_a_cifar_resnets_parameter_free_shortcut_as_it_is():
+    """ResNet-32's downsampling shortcut (option A: subsample and zero-pad) has no convolution: it stays, the blocks'
+    convolutions become DSE layers, and the model trains (it crashed: the shortcut was read as a 1x1 conv + BN)."""
+    from fedsilo.methods.fdse import DSEBasicBlock, DSEConv
+    from fedsilo.models import build_model
+
+    cls = method_class("fdse")
+    m = cls(cls.params_cls(), TrainParams(device="cpu", model="resnet32"), key="fdse")
+    model = m.transform_model(build_model("resnet32", 3, 4, seed=0), torch.zeros(2, 3, 32, 32))
+    blocks = [u for u in model.units if isinstance(u, DSEBasicBlock)]
+    shortcuts = [b.downsample for b in blocks if b.downsample is not None]
+    assert len(blocks) == 15 and len(shortcuts) == 2 and not any(isinstance(s, DSEConv) for s in shortcuts)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "dfe_conv" in n)
+
+
 def test_fdse_server_mgda_step_similarity_mix_and_privacy(clients):
     import dataclasses
 

@@ -65,4 +65,4 @@ def test_an_empty_entry_is_none_and_a_method_with_an_optimizer_of_its_own_refuse
     # pFedDR's own per-backbone momentum beside local_optimizer's: one of them
     with pytest.raises(ConfigError, match=r"methods.pfeddr.local_optimizer.momentum: beside methods.pfeddr.momentum"):
         pfeddr(pfeddr.params_cls(momentum=0.5, local_optimizer={"momentum": 0.9}), TrainParams(**TRAIN))
-    assert pfeddr(pfeddr.params_cls(local_optimizer={"momentum": 0.9}), TrainParams(**TRAIN)).local_train.momentum == 0.9
+    assert pfeddr(pfeddr.params_cls(local_optimizer={"momentum": 0.9}), TrainParams(**TRAIN)).local_train(1).momentum == 0.9

@@ -215,7 +215,7 @@ def test_per_backbone_values_resolve_and_name_the_key():
     p = PFedDRParams(beta={"simple_cnn": 0.0, "alexnet_bn": 2.0}, momentum={"simple_cnn": 0.5, "alexnet_bn": None})
     digits = PFedDR(p, _train(model="simple_cnn", momentum=0.0))
     office = PFedDR(p, _train(model="alexnet_bn", momentum=0.0))
-    assert (digits.beta, digits.momentum, digits.local_train.momentum) == (0.0, 0.5, 0.5)
+    assert (digits.beta, digits.momentum, digits.local_train(1).momentum) == (0.0, 0.5, 0.5)
     assert (office.beta, office.momentum) == (2.0, 0.0)
     with pytest.raises(ConfigError, match=r"methods\.pfeddr\.beta: no entry for the backbone densenet121"):
         PFedDR(p, _train(model="densenet121"))

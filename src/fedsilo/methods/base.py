@@ -11,10 +11,10 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
-from typing import Any, ClassVar, Literal, Optional
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 import torch
-from pydantic import Field, TypeAdapter, ValidationError, field_validator
+from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 from torch import nn
 
@@ -63,6 +63,14 @@ def one_or_per_backbone(value: Any, one: TypeAdapter) -> Any:
         if k not in MODELS:
             raise PydanticCustomError("per_backbone", f"unknown backbone (known: {', '.join(MODELS)})", {"field": str(k)})
     return {k: _one_value(v, one, k) for k, v in value.items()}
+
+
+def per_backbone_type(one: Any) -> Any:
+    """The annotation of a params field given once or per backbone, each value of type ``one`` and every backbone
+    name checked when params are read (:func:`one_or_per_backbone`): a misspelt backbone is refused by check-params,
+    not taken for a backbone without an entry."""
+    adapter = TypeAdapter(one)
+    return Annotated[Union[one, dict[str, one]], BeforeValidator(lambda value: one_or_per_backbone(value, adapter))]
 
 
 def _one_value(value: Any, one: TypeAdapter, backbone: Optional[str]) -> Any:

@@ -60,7 +60,10 @@ class DSEBasicBlock(nn.Module):
         super().__init__()
         self.conv1 = DSEConv.like(block.conv1, relu=True)
         self.conv2 = DSEConv.like(block.conv2, relu=False)
-        self.downsample = DSEConv.like(block.downsample[0], relu=False) if block.downsample is not None else None
+        ds = block.downsample
+        # a 1x1 conv + BN shortcut becomes a DSE layer; a parameter-free one (the CIFAR ResNets' zero-padding
+        # option A, resnet32) has no convolution to convert and stays as it is
+        self.downsample = DSEConv.like(ds[0], relu=False) if isinstance(ds, nn.Sequential) else ds
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.conv2(self.conv1(x))
@@ -84,7 +87,8 @@ def dse_resnet(model: LayeredNet) -> LayeredNet:
         elif name == model.unit_names[-1]:
             units.append((name, unit, depth))
         else:
-            raise ValueError(f"fdse: cannot convert unit {name!r} ({type(unit).__name__}); FDSE here needs a BasicBlock ResNet")
+            raise ValueError(f"cannot convert unit {name!r} ({type(unit).__name__}); FDSE here needs a BasicBlock ResNet "
+                             "(resnet10, resnet10_cifar, resnet18, resnet34, resnet32; train.model names the backbone)")
     return LayeredNet(units, head_units=model.head_units).to(next(model.parameters()).device)
 
 
@@ -158,7 +162,11 @@ class FDSE(PartialSharing):
     joinable = True  # a site's personalized part is made by the server's first mix of its upload: a site may join mid-run
 
     def transform_model(self, model, example):
-        return super().transform_model(dse_resnet(model), example)
+        try:
+            dse = dse_resnet(model)
+        except ValueError as err:
+            raise ConfigError(f"methods.{self.key}: {err}") from None
+        return super().transform_model(dse, example)
 
     def shared_keys(self, model: LayeredNet) -> list[str]:
         if self.params.decouple is not None and self.params.decouple.share_modules:

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pydantic import Field
+from pydantic import Field, PositiveInt
 from torch import nn
 
 from fedsilo.client.local import make_generator, train_local
 from fedsilo.config import ConfigError
-from fedsilo.methods.base import ClientWeights, MethodParams, State, client_weights_field
-from fedsilo.methods.sharing import PartialSharing, frozen, top_units, unit_prefixes
+from fedsilo.methods.base import ClientWeights, MethodParams, State, client_weights_field, per_backbone_type
+from fedsilo.methods.sharing import PartialSharing, frozen, per_backbone, top_units, unit_prefixes
 from fedsilo.models import LayeredNet
 
 
 class FedBABUParams(MethodParams):
-    head_layers: int = Field(1, ge=1, description="weighted layers at the top that form the head (fixed at its initialisation)")
+    head_layers: per_backbone_type(PositiveInt) = Field(
+        1, description="weighted layers at the top that form the head (fixed at its initialisation); a mapping backbone "
+        "-> count for one methods block serving several backbones",
+    )
     finetune_epochs: int = Field(5, ge=0, description="tau_f: epochs each client fine-tunes the whole global model before it is evaluated (0 = no fine-tuning)")
     finetune_lr: float = Field(1e-3, gt=0, description="fine-tuning learning rate (the code's personalization lr)")
     finetune_momentum: float = Field(0.9, ge=0, lt=1, description="fine-tuning momentum (the code's)")
@@ -59,14 +62,16 @@ class FedBABU(PartialSharing):
     params: FedBABUParams
 
     def shared_keys(self, model: LayeredNet) -> list[str]:
-        cut = top_units(model, self.params.head_layers, f"methods.{self.key}.head_layers")
+        what = f"methods.{self.key}.head_layers"
+        layers = per_backbone(self.params.head_layers, self.train.model, what)
+        cut = top_units(model, layers, what)
         head = unit_prefixes(cut, len(model.units))
         norms = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
         self.head_names = {f"{name}.{p}" if name else p for name, mod in model.named_modules()
                            if f"{name}.".startswith(head) and not isinstance(mod, norms)
                            for p, _ in mod.named_parameters(recurse=False)}
         if not self.head_names:
-            raise ConfigError(f"methods.{self.key}.head_layers: the top {self.params.head_layers} layers of this backbone "
+            raise ConfigError(f"{what}: the top {layers} layers of this backbone "
                               "hold no parameter outside normalization layers")
         return [key for key in model.state_dict() if key not in self.head_names]
 

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 from pydantic import Field, PositiveInt
 
-from fedsilo.methods.base import MethodParams
+from fedsilo.methods.base import MethodParams, per_backbone_type
 from fedsilo.methods.sharing import PartialSharing, per_backbone, top_units, unit_prefixes
 from fedsilo.models import LayeredNet
 
 
 class FedPerParams(MethodParams):
-    head_layers: Union[PositiveInt, dict[str, PositiveInt]] = Field(
+    head_layers: per_backbone_type(PositiveInt) = Field(
         1,
         description="weighted layers at the top kept on the client (K_P), with what rides in their units (the "
         "BatchNorm after a fully connected layer); a mapping backbone -> K_P for one methods block serving several "

@@ -3,14 +3,14 @@ Morency, 2020, "Think locally, act globally: federated learning with local and g
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import torch
 from pydantic import Field, PositiveInt
 
 from fedsilo.client.data import ClientData
 from fedsilo.config import ConfigError
-from fedsilo.methods.base import ClientWeights, MethodParams, State, TakenMean, client_weights_field
+from fedsilo.methods.base import ClientWeights, MethodParams, State, TakenMean, client_weights_field, per_backbone_type
 from fedsilo.methods.sharing import PartialSharing, per_backbone, top_units, unit_prefixes
 from fedsilo.models import LayeredNet
 
@@ -19,7 +19,7 @@ STARTED = "lgfedavg:started::"
 
 
 class LGFedAvgParams(MethodParams):
-    global_layers: Union[PositiveInt, dict[str, PositiveInt]] = Field(
+    global_layers: per_backbone_type(PositiveInt) = Field(
         2, description="weighted layers at the top shared by every client (the code's num_layers_keep); a mapping "
         "backbone -> count for one methods block serving several backbones (a ResNet's unit holds two layers: "
         "{lenet5: 2, resnet34: 1} shares LeNet's two top FC layers and a ResNet's classifier)",

@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedsilo.client.local import forward_fn, make_generator, train_local
-from fedsilo.config import ConfigError, LocalOptimizer
+from fedsilo.config import ConfigError, LocalOptimizer, TrainParams
 from fedsilo.methods.base import MethodParams, State, one_or_per_backbone
 from fedsilo.methods.sharing import PartialSharing, per_backbone
 from fedsilo.models import LayeredNet
@@ -85,7 +85,7 @@ class DualBNNet(nn.Module):
         elif isinstance(last, nn.Sequential) and len(last) and isinstance(last[-1], nn.Linear):
             head, rest = last[-1], list(last)[:-1]
         else:
-            raise ConfigError(f"pfeddr needs a backbone whose last module is a linear classifier; {type(last).__name__} is not")
+            raise ValueError(f"a backbone whose last module is a linear classifier is needed; {type(last).__name__} is not")
         self.body = nn.Sequential(*units, *rest)
         self.head = head
         self.dual_batchnorms = dual_batchnorm(self.body)
@@ -210,11 +210,15 @@ class PFedDR(PartialSharing):
                               "sets pFedDR's momentum per backbone: give one of them")
         self.momentum = self.train.momentum if momentum is None else float(momentum)
         # validated with the rest of the train (Nesterov without momentum, momentum beside Adam: refused by key)
-        self.local_train = LocalOptimizer(momentum=self.momentum).applied(self.train, f"methods.{self.key}.momentum")
+        self.momentum_train = LocalOptimizer(momentum=self.momentum).applied(self.train, f"methods.{self.key}.momentum")
         rounds = self._for_backbone("rounds")
         self.rounds = train.rounds if rounds is None else int(rounds)
         if self.rounds > train.rounds:
             raise ConfigError(f"methods.{self.key}.rounds: {self.rounds} exceeds train.rounds ({train.rounds}); lower it or set null")
+
+    def local_train(self, rnd: int) -> TrainParams:
+        """The experiment's train with pFedDR's momentum for this backbone."""
+        return self.momentum_train
 
     def _for_backbone(self, field: str) -> Any:
         return per_backbone(getattr(self.params, field), self.train.model, f"methods.{self.key}.{field}")
@@ -223,9 +227,13 @@ class PFedDR(PartialSharing):
     def transform_model(self, model: nn.Module, example: torch.Tensor) -> nn.Module:
         if not isinstance(model, LayeredNet):
             raise TypeError("pfeddr needs a LayeredNet backbone")
-        net = DualBNNet(model)
+        try:
+            net = DualBNNet(model)
+        except ValueError as err:
+            raise ConfigError(f"methods.{self.key}: {err} (train.model names the backbone)") from None
         if net.dual_batchnorms == 0:
-            raise ConfigError(f"pfeddr: backbone {self.train.model} has no BatchNorm layer to split into a global and a local set")
+            raise ConfigError(f"methods.{self.key}: backbone {self.train.model} has no BatchNorm layer to split into a "
+                              "global and a local set")
         return net
 
     def shared_keys(self, model) -> list[str]:
@@ -246,7 +254,7 @@ class PFedDR(PartialSharing):
         model.load_state_dict({**store, **payload}, strict=True)
         with model.mode_as("global"):  # train_local's CE is CE(o_g); the rest of the loss is dual_loss
             self.last_loss = train_local(
-                model, client, self.local_train, make_generator(seed, rnd, client.index), batch_loss=self.dual_loss(model)
+                model, client, self.local_train(rnd), make_generator(seed, rnd, client.index), batch_loss=self.dual_loss(model)
             )
         return self.keep_and_share(model, store)
 

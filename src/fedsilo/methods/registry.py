@@ -7,6 +7,7 @@ params class; an error names the dotted key (``methods.fedavg_two_phase.mu: unkn
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any, Optional
 
@@ -166,7 +167,7 @@ def check_backbone(algo: Method, model: str, size: int, width: float = 1.0, chan
         return
     net, example = _meta_backbone(model, size, width, channels)
     try:
-        algo.check_backbone(net, example)
+        algo.check_backbone(copy.deepcopy(net), example)  # a method's transform may change the model it is given
     except ConfigError as err:
         raise ConfigError(f"{model} is not a backbone {algo.name} trains: {err}") from None
 

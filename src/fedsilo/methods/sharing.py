@@ -36,7 +36,7 @@ def top_units(model: LayeredNet, layers: int, what: str) -> int:
     """Index of the first unit of the model's top ``layers`` weighted layers (a head, LG-FedAvg's global part);
     ``what`` is the dotted params key that set ``layers``, named when it leaves no layer below."""
     if layers >= model.num_layers:
-        raise ValueError(f"{what} must be below the backbone's {model.num_layers} layers")
+        raise ConfigError(f"{what}: {layers} must be below the backbone's {model.num_layers} layers")
     try:
         return model.cut_index(model.num_layers - layers)
     except ValueError as err:  # the top `layers` end inside a unit (a ResNet block holds two)
@@ -90,8 +90,10 @@ class PartialSharing(MeanAggregation):
         return decoupling.insert_decoupling(model, example, dc, f"methods.{self.key}.{'decouple.' if nested else ''}layers")
 
     def check_backbone(self, model, example):
-        if self.decoupling() is not None:  # the units F²DC's modules go after give feature maps on this backbone
-            self.transform_model(model, example)
+        """What the train stage builds first, on the meta device: the method's model (``transform_model``: F²DC's
+        modules after units that give feature maps, pFedDB's two branches, pFedDR's two BatchNorm sets) and its shared
+        part (``shared_keys``: a head no deeper than the backbone, a mapping with the backbone's entry)."""
+        self.shared_keys(self.transform_model(model, example))
 
     def setup(self, model: LayeredNet) -> None:
         keys = list(model.state_dict().keys())

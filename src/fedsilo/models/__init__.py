@@ -398,20 +398,23 @@ class WSConv2d(nn.Conv2d):
 
     def __init__(self, *args, gamma: float = RELU_GAIN, eps: float = 1e-4, **kwargs):
         super().__init__(*args, **kwargs)
-        self.gain = nn.Parameter(torch.ones(self.out_channels, 1, 1, 1))
+        self.gain = nn.Parameter(torch.ones(self.out_channels, 1, 1, 1, device=self.weight.device, dtype=self.weight.dtype))
         self.gamma, self.eps = float(gamma), float(eps)
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, **kw) -> "WSConv2d":
         ws = cls(
             conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
-            dilation=conv.dilation, groups=conv.groups, bias=conv.bias is not None, padding_mode=conv.padding_mode, **kw,
+            dilation=conv.dilation, groups=conv.groups, bias=conv.bias is not None, padding_mode=conv.padding_mode,
+            device=conv.weight.device, dtype=conv.weight.dtype, **kw,
         )
+        if conv.weight.is_meta:  # shapes only (check-params builds a method's model on the meta device)
+            return ws
         with torch.no_grad():
             ws.weight.copy_(conv.weight)
             if conv.bias is not None:
                 ws.bias.copy_(conv.bias)  # type: ignore[union-attr]
-        return ws.to(conv.weight.device)
+        return ws
 
     def standardized_weight(self) -> torch.Tensor:
         w = self.weight

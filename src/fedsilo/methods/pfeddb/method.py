@@ -74,7 +74,7 @@ Choices where the paper is open:
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional
 
 import torch
 from pydantic import Field, PositiveInt, model_validator
@@ -83,7 +83,7 @@ from torch import nn
 
 from fedsilo.client.local import make_generator, scheduled_lr, train_local
 from fedsilo.config import ConfigError
-from fedsilo.methods.base import State, TakenMean
+from fedsilo.methods.base import State, TakenMean, per_backbone_type
 from fedsilo.methods.pfeddb.model import (
     SHARED,
     DualBranch,
@@ -111,7 +111,7 @@ CATCH_UP = "pfeddb:catch_up"
 
 
 class PFedDBParams(TwoPhaseParams):
-    cut_depth: Union[None, PositiveInt, dict[str, PositiveInt]] = Field(
+    cut_depth: per_backbone_type(Optional[PositiveInt]) = Field(
         None,
         description="l_c in weighted layers; a mapping backbone -> l_c (one methods block serving several backbones, "
         "e.g. {densenet121: 88, alexnet_bn: 6}); null (or a backbone missing from the mapping) = closest to 70 % shared",
