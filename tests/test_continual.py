@@ -282,7 +282,7 @@ def test_strategy_reuses_the_best_matching_model_at_or_above_lambda():
     e.method.params = e.method.params.model_copy(update={"lam": rho[best] - 1e-6})
     e.method.task = 2
     said = e.method.announce(e.model, store, c, 99)
-    assert said["family"].tolist() == [best, 1] and int(store["route"][2]) == best  # 1: it receives the family's model
+    assert said["family"].tolist() == [best] and int(store["route"][2]) == best
 
 
 def test_auxiliary_output_spans_zero_to_one_whatever_the_number_of_classes():
@@ -351,7 +351,7 @@ def test_pfeddil_uploads_only_the_trained_model_and_bytes_are_the_tensors_moved(
     hist = e.run()
     assert moved["up"] == sum(h["bytes_up_total"] for h in hist)
     assert moved["down"] == sum(h["bytes_down_total"] for h in hist)
-    assert all(v == 16 for h in hist for v in h["bytes_announce"].values())  # two int64: family, download wanted
+    assert all(v == 8 for h in hist for v in h["bytes_announce"].values())  # one int64: the family it trains
     assert not any(k.startswith(("slot", "aux", "route", "rho")) for k in e.server)
     # which family each site trains in (the server's who.<index>) is not sent to any site to be evaluated
     assert any(k.startswith("who.") for k in e.server)

@@ -19,7 +19,7 @@ from torch import nn
 
 from fedsilo.client.data import ClientData
 from fedsilo.client.local import make_generator, train_local
-from fedsilo.methods.base import Method, RunningMean, State
+from fedsilo.methods.base import Method, State
 from fedsilo.models import LayeredNet
 
 
@@ -63,12 +63,3 @@ def head_input(model: LayeredNet) -> Iterator[dict[str, torch.Tensor]]:
         yield seen
     finally:
         handle.remove()
-
-
-def mean_by_group(uploads: list[tuple[int, float, State]]) -> dict[int, State]:
-    """Sample-size-weighted means of uploads grouped by an integer key (a task or a family of models):
-    ``(group, n, upload)`` in, ``{group: mean}`` out."""
-    sums: dict[int, RunningMean] = {}
-    for g, n, up in uploads:
-        sums.setdefault(g, RunningMean()).add(n, up)
-    return {g: acc.result() for g, acc in sums.items()}

@@ -74,6 +74,8 @@ class F2DC(PartialSharing):
     def setup(self, model: LayeredNet) -> None:
         super().setup(model)
         self.num_classes = classifier(model).out_features
+        # the federation's domains at the start; a round's Q (Eq. 10) counts the domains of that round's members, which
+        # differ once a site joins or leaves (aggregation_weights)
         self.num_domains = len({c.domain for c in self.federation}) if self.federation else 1
 
     def resolved(self) -> dict[str, Any]:

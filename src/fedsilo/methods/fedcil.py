@@ -98,7 +98,7 @@ def last_linear(model: LayeredNet) -> nn.Linear:
     """The classifier's last linear layer (the auxiliary classifier D_c of the ACGAN's discriminator)."""
     found = [m for m in model.units[-1].modules() if isinstance(m, nn.Linear)]
     if not found:
-        raise ConfigError("methods.fedcil: the model's last unit has no linear layer to serve as the ACGAN's auxiliary classifier")
+        raise ValueError("the model's last unit has no linear layer to serve as the ACGAN's auxiliary classifier")
     return found[-1]
 
 
@@ -252,9 +252,19 @@ class FedCIL(Method):
         self.image_shape = tuple(int(s) for s in example.shape[1:])  # (C, H, W): the generator draws these
         return model
 
+    def check_backbone(self, model, example):
+        self.classifier(model)
+
+    def classifier(self, model: LayeredNet) -> nn.Linear:
+        """The backbone's last linear layer: D_c of the ACGAN's discriminator."""
+        try:
+            return last_linear(model)
+        except ValueError as err:
+            raise ConfigError(f"methods.{self.key}: {err} (train.model names the backbone)") from None
+
     def setup(self, model: LayeredNet) -> None:
         self.keys = list(model.state_dict())
-        lin = last_linear(model)
+        lin = self.classifier(model)
         self.num_classes = int(lin.out_features)
         self.device = lin.weight.device
         c_img, h, w = self.image_shape

@@ -1,4 +1,5 @@
-"""Personal models: FedAvg on the server plus a personal model per client that never leaves it (Ditto, pFedSD)."""
+"""Personal models: FedAvg on the server plus a personal model per client that never leaves it (Ditto, pFedSD,
+FedeCouple)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ PERSONAL = "personal::"
 class PersonalModels(PartialSharing):
     """The server runs FedAvg over the whole model; each client also keeps a personal model in its store under
     ``personal::`` keys (private: the engine refuses them in an upload). A client is evaluated with its personal
-    model, or with the global model while it has none; the global model is reported as well."""
+    model, or with the global model while its store is empty (a method whose ``init_client`` leaves it so); the global
+    model is reported as well."""
 
     def shared_keys(self, model: LayeredNet) -> list[str]:
         return list(model.state_dict().keys())

@@ -47,8 +47,8 @@ class PFedDIL(Method):
     classifier it computes the *knowledge matching intensity* of the new task, the mean auxiliary output over the
     task's training images (Eq. 2), and picks a strategy (Eq. 4): reuse its model m with the highest intensity when
     that intensity reaches lambda, else start a new model from the initial parameters w-hat (Alg. 1 line 1). It tells
-    the server which *family* it trains (a model started at task j is family j; a reused model keeps its family; the
-    announcement's second entry, once whether a download was wanted, is always 1 now). **Every round**: the client
+    the server which *family* it trains (a model started at task j is family j; a reused model keeps its family: the
+    announcement is that one integer). **Every round**: the client
     trains from the server's current model of its family (w-hat for a family nobody has trained yet), for E epochs on the current task with the task loss, the auxiliary loss (Eq. 3, trained jointly through the
     shared layers, Eq. 8) and the knowledge migration loss sum_i rho_i ||w - w_i||^2 towards each of its *other* models
     weighted by their intensities (Eq. 5); it keeps the result as its personalized model of that family with its
@@ -102,7 +102,7 @@ class PFedDIL(Method):
         base = nn.Sequential(*head) if self.params.share_extractor else model
         self.aux = fresh_copy(base, self.run_seed + 7919)
         self._aux_init = {k: v.detach().clone() for k, v in self.aux.state_dict().items()}
-        self.heard: dict[int, tuple[int, bool]] = {}
+        self.heard: dict[int, int] = {}  # client index -> the family it trains this round
 
     def private_keys(self, model) -> set[str]:
         keys = {"route", "rho"}
@@ -159,14 +159,13 @@ class PFedDIL(Method):
         family = int(store["route"][t])
         # every selected client receives the federation's current model of its family (Algorithm 1, line 4), the
         # first round of a task too: its own copy dates from its last round with that family
-        return {"family": torch.tensor([family, 1], dtype=torch.int64)}
+        return {"family": torch.tensor([family], dtype=torch.int64)}
 
     def hear(self, client, said):
-        family, download = (int(v) for v in said["family"])
-        self.heard[client.index] = (family, bool(download))
+        self.heard[client.index] = int(said["family"][0])
 
     def download(self, server, client, rnd):
-        family, _ = self.heard[client.index]
+        family = self.heard[client.index]
         model = take(server, f"family{family}.")
         return model if model else dict(self._init)  # a family nobody has trained yet starts at w-hat
 
@@ -228,7 +227,7 @@ class PFedDIL(Method):
         return {"means": {}, "who": {}}
 
     def agg_add(self, acc, client, upload):
-        family = self.heard[client.index][0]
+        family = self.heard[client.index]
         acc["means"].setdefault(family, RunningMean()).add(client.n_train, upload)
         acc["who"][client.index] = family
 
