@@ -61,16 +61,26 @@ def features(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def features_of(model: nn.Module, x_u8: torch.Tensor, norm: NormalizeParams, batch_size: int = 256) -> torch.Tensor:
+    """z = r(x) (float32) of the uint8 images ``x_u8`` on the input scale ``norm``, batch by batch, the model in eval
+    mode (BatchNorm's running statistics, no dropout) and put back in the mode it was in: what a client computes of
+    its training images to send or to align to (FedPAC's statistics and prototypes, FedeCouple's anchors)."""
+    was = model.training
+    model.eval()
+    try:
+        return torch.cat([features(model, to_float(x_u8[i : i + batch_size], norm)).float() for i in range(0, len(x_u8), batch_size)])
+    finally:
+        model.train(was)
+
+
+@torch.no_grad()
 def covariance_spectrum(model: nn.Module, x_u8: torch.Tensor, norm: NormalizeParams, batch_size: int = 256) -> torch.Tensor:
     """Singular values, largest first, of the covariance matrix of the representations z = r(x) of the images
     ``x_u8`` on the input scale ``norm`` (the model in eval mode, float32): d values for a d-dimensional representation, at most n - 1 of them
     non-zero for n images. A collapsed representation has most of its singular values near zero (F²DC Fig. 1;
     Jing et al., ICLR 2022)."""
     model.eval()
-    zs = []
-    for i in range(0, len(x_u8), batch_size):
-        zs.append(features(model, to_float(x_u8[i : i + batch_size], norm)).flatten(1).double())
-    z = torch.cat(zs)
+    z = features_of(model, x_u8, norm, batch_size).flatten(1).double()
     if len(z) < 2:
         raise ValueError(f"covariance_spectrum: needs at least 2 images, got {len(z)}")
     z = z - z.mean(0, keepdim=True)

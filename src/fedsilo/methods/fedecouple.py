@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedsilo.client.data import ClientData, one_random_op, to_float
-from fedsilo.client.features import classifier, representation
+from fedsilo.client.data import ClientData, one_random_op
+from fedsilo.client.features import classifier, features_of, representation
 from fedsilo.client.local import make_generator, train_local
 from fedsilo.methods.base import MethodParams, RunningMean, State
 from fedsilo.methods.personal import PersonalModels
-from fedsilo.methods.sharing import frozen, unit_parameters, unit_prefixes
+from fedsilo.methods.prototypes import class_means, class_table
+from fedsilo.methods.sharing import frozen, head_and_body, head_and_body_keys
 from fedsilo.methods.terms import distillation_kl
 from fedsilo.models import LayeredNet
 
@@ -122,8 +123,7 @@ class FedeCouple(PersonalModels):
     def setup(self, model: LayeredNet) -> None:
         super().setup(model)
         self.cut = len(model.units) - model.head_units
-        head = unit_prefixes(self.cut, len(model.units))
-        self.head_keys = [k for k in self.keys if k.startswith(head)]
+        self.head_keys, _ = head_and_body_keys(model, self.cut)
 
     def private_keys(self, model: LayeredNet) -> set[str]:
         return super().private_keys(model) | {TRAINED}
@@ -140,26 +140,11 @@ class FedeCouple(PersonalModels):
     # --- the client
     def anchors(self, model: LayeredNet, client: ClientData) -> dict[int, torch.Tensor]:
         """An_k: the mean representation of the client's class-k images under the downloaded extractor (Eq. 1)."""
-        was = model.training
-        model.eval()
-        sums: dict[int, torch.Tensor] = {}
-        counts: dict[int, int] = {}
-        with torch.no_grad(), representation(model) as rep:
-            for i in range(0, client.n_train, 256):
-                model(to_float(client.x_train[i : i + 256], self.train.normalize))
-                z, y = rep.z.float(), client.y_train[i : i + 256]
-                for c in y.unique().tolist():
-                    sums[c] = sums.get(c, 0) + z[y == c].sum(0)
-                    counts[c] = counts.get(c, 0) + int((y == c).sum())
-        model.train(was)
-        return {c: sums[c] / counts[c] for c in sums}
+        return class_means(features_of(model, client.x_train, self.train.normalize), client.y_train)
 
     def center_loss(self, rep, anchors: dict[int, torch.Tensor]):
         # a row per class label; every training label has one, since the anchors come from the same images
-        first = next(iter(anchors.values()))
-        table = first.new_zeros(max(anchors) + 1, first.shape[0])
-        for c, a in anchors.items():
-            table[c] = a
+        table = class_table(anchors, max(anchors) + 1)
 
         def loss(x, y, logits):
             sq = (rep.z.float() - table[y]) ** 2
@@ -171,7 +156,7 @@ class FedeCouple(PersonalModels):
     def local_update(self, model, store, payload, client, rnd, seed):
         personal = self.personal(store)
         model.load_state_dict({**payload, **{k: personal[k] for k in self.head_keys}}, strict=True)  # theta^t, phi_i
-        head, body = unit_parameters(model, self.cut, len(model.units)), unit_parameters(model, 0, self.cut)
+        head, body = head_and_body(model, self.cut)
         gen_da = make_generator(seed, rnd, client.index, 3)
         da = (lambda x, y: (torch.cat([x, one_random_op(x, gen_da, self.train.normalize)]), torch.cat([y, y]))) if self.params.da else None
         anchors = self.anchors(model, client) if self.params.gfa else None  # from theta^t

@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedsilo.client.data import ClientData, to_float
-from fedsilo.client.features import classifier, representation
+from fedsilo.client.data import ClientData
+from fedsilo.client.features import classifier, features_of, representation
 from fedsilo.client.local import make_generator, train_local
 from fedsilo.methods.base import Method, MethodParams, RunningMean, State
-from fedsilo.methods.prototypes import PrototypeSums, from_payload, to_payload
-from fedsilo.methods.sharing import frozen, unit_parameters, unit_prefixes
+from fedsilo.methods.prototypes import class_means, class_table, from_payload, to_payload
+from fedsilo.methods.sharing import frozen, head_and_body, head_and_body_keys
 from fedsilo.models import LayeredNet
 
 log = logging.getLogger("fedsilo.fedpac")
@@ -121,10 +121,7 @@ class FedPAC(Method):
 
     def setup(self, model: LayeredNet) -> None:
         self.cut = len(model.units) - model.head_units
-        head = unit_prefixes(self.cut, len(model.units))
-        keys = list(model.state_dict())
-        self.head_keys = [k for k in keys if k.startswith(head)]
-        self.body_keys = [k for k in keys if not k.startswith(head)]
+        self.head_keys, self.body_keys = head_and_body_keys(model, self.cut)
         self.num_classes = classifier(model).out_features
 
     def resolved(self) -> dict[str, Any]:
@@ -147,18 +144,6 @@ class FedPAC(Method):
         mine = f"{HEAD}{client.index}::"
         return {k[len(mine):]: v for k, v in state.items() if k.startswith(mine)}
 
-    @torch.no_grad()
-    def _features(self, model: LayeredNet, client: ClientData) -> torch.Tensor:
-        was = model.training
-        model.eval()
-        out = []
-        with representation(model) as rep:
-            for i in range(0, client.n_train, 256):
-                model(to_float(client.x_train[i : i + 256], self.train.normalize))
-                out.append(rep.z.float())
-        model.train(was)
-        return torch.cat(out)
-
     def local_update(self, model, store, payload, client, rnd, seed):
         combined = self._head_for(payload, client)
         if combined:  # the classifier the server combined for this client replaces its own
@@ -166,10 +151,10 @@ class FedPAC(Method):
                 store[k] = v.clone()
         model.load_state_dict({**{k: payload[k] for k in self.body_keys}, **{k: store[k] for k in self.head_keys}}, strict=True)
         y, num_classes = client.y_train, self.num_classes
-        z0 = self._features(model, client)
+        z0 = features_of(model, client.x_train, self.train.normalize)
         v, h = statistics(z0, y, num_classes)  # with the model the client holds before training
         global_protos = from_payload(payload)
-        head, body = unit_parameters(model, self.cut, len(model.units)), unit_parameters(model, 0, self.cut)
+        head, body = head_and_body(model, self.cut)
 
         with frozen(body):  # the classifier, extractor fixed
             cl = self.train.model_copy(update={"lr": self.params.classifier_lr})
@@ -177,13 +162,8 @@ class FedPAC(Method):
         with frozen(head), representation(model) as rep:  # the extractor, classifier fixed, features aligned
             align = None
             if rnd > 1 and global_protos and self.params.lam > 0:
-                own = PrototypeSums()
-                own.add(z0, y)
-                targets = {**own.means(), **global_protos}  # the global prototype where one exists
-                dim = z0.shape[1]
-                table = z0.new_zeros(num_classes, dim)
-                for c, t in targets.items():
-                    table[c] = t.to(table.device, table.dtype)
+                # the global prototype where one exists, else the client's own
+                table = class_table({**class_means(z0, y), **global_protos}, num_classes).to(z0.dtype)
 
                 def align(x, yb, logits):
                     gap = F.mse_loss(rep.z.float(), table[yb])
@@ -193,12 +173,11 @@ class FedPAC(Method):
         sd = model.state_dict()
         for k in self.head_keys:
             store[k] = sd[k].detach().clone()
-        protos = PrototypeSums()
-        protos.add(self._features(model, client), y)
+        protos = class_means(features_of(model, client.x_train, self.train.normalize), y)
         counts = torch.bincount(y, minlength=num_classes).float()
         return {
             **{k: sd[k].detach() for k in self.body_keys + self.head_keys},
-            **to_payload(protos.means()),
+            **to_payload(protos),
             STATS + "v": v, STATS + "h": h, STATS + "counts": counts,
         }
 

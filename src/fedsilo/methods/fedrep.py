@@ -8,7 +8,7 @@ from pydantic import Field
 from fedsilo.client.local import make_generator, train_local
 from fedsilo.methods.base import ClientWeights, client_weights_field
 from fedsilo.methods.fedper import FedPer, FedPerParams
-from fedsilo.methods.sharing import frozen, unit_parameters
+from fedsilo.methods.sharing import frozen, head_and_body
 
 
 class FedRepParams(FedPerParams):
@@ -46,7 +46,7 @@ class FedRep(FedPer):
 
     def local_update(self, model, store, payload, client, rnd, seed):
         model.load_state_dict({**store, **payload}, strict=True)
-        head, body = unit_parameters(model, self.cut, len(model.units)), unit_parameters(model, 0, self.cut)
+        head, body = head_and_body(model, self.cut)
         with frozen(body):  # (1) the head, representation fixed
             train_local(model, client, self.train, make_generator(seed, rnd, client.index, 0), epochs=self.params.head_epochs, params=head)
         with frozen(head):  # (2) the representation, head fixed

@@ -10,11 +10,10 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from fedsilo.client.data import to_float
-from fedsilo.client.features import classifier, features, representation
+from fedsilo.client.features import classifier, features_of, representation
 from fedsilo.client.local import make_generator, train_local
 from fedsilo.methods.base import MethodParams, State
-from fedsilo.methods.prototypes import PrototypeSums, from_payload, mean_and_prototypes, to_payload
+from fedsilo.methods.prototypes import class_means, from_payload, mean_and_prototypes, to_payload
 from fedsilo.methods.sharing import PartialSharing
 from fedsilo.models import LayeredNet
 
@@ -124,11 +123,8 @@ class FedTGP(PartialSharing):
                 return lam * prototype_mse(rep.z, y, glob) if glob else torch.zeros((), device=y.device)
 
             self.last_loss = train_local(model, client, self.train, make_generator(seed, rnd, client.index), batch_loss=batch_loss)
-        sums = PrototypeSums()
-        model.eval()
-        for i in range(0, client.n_train, 256):
-            sums.add(features(model, to_float(client.x_train[i : i + 256], self.train.normalize)), client.y_train[i : i + 256])
-        return {**self.keep_and_share(model, store), **to_payload(sums.means())}
+        protos = class_means(features_of(model, client.x_train, self.train.normalize), client.y_train)
+        return {**self.keep_and_share(model, store), **to_payload(protos)}
 
     streaming = False
 

@@ -38,6 +38,23 @@ class PrototypeSums:
         return {c: self.sums[c] / self.counts[c] for c in sorted(self.sums)}
 
 
+def class_means(z: torch.Tensor, y: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The mean representation of each class present in ``y`` (FedPAC's local prototypes, FedeCouple's anchors)."""
+    sums = PrototypeSums()
+    sums.add(z, y)
+    return sums.means()
+
+
+def class_table(means: dict[int, torch.Tensor], rows: int) -> torch.Tensor:
+    """A (rows x d) table whose row c is class c's vector (zeros for a class without one), so that ``table[y]`` is
+    each sample's target in a batch: the anchor or prototype a representation is pulled to."""
+    first = next(iter(means.values()))
+    table = first.new_zeros(rows, first.shape[-1])
+    for c, v in means.items():
+        table[c] = v.to(table.device, table.dtype)
+    return table
+
+
 def to_payload(protos: dict[int, torch.Tensor], prefix: str = PROTO) -> State:
     return {f"{prefix}{c}": v for c, v in protos.items()}
 

@@ -2,7 +2,7 @@
 
 FedAvg shares everything, FedBN everything but BatchNorm, FedPer everything but the head, Single nothing. The local
 update is the paper's ClientUpdate: load the download over the client's own tensors, train (with the method's extra
-local terms), keep the private tensors, upload the shared ones; the server takes the sample-size-weighted mean.
+local terms), keep the private tensors, upload the shared ones; the server takes the mean weighted by sample size (or uniform, a method's ``client_weights``).
 
 F²DC's decoupler and corrector plug into any partial-sharing method whose params carry ``decouple:`` (F²DC Table 3):
 the model gets the modules, the local objective their loss, and the modules stay on the client unless
@@ -51,6 +51,19 @@ def unit_prefixes(first: int, last: int) -> tuple[str, ...]:
 def unit_parameters(model: LayeredNet, first: int, last: int) -> list:
     """The parameters of units first..last-1 of a LayeredNet."""
     return [p for i in range(first, last) for p in model.units[i].parameters()]
+
+
+def head_and_body(model: LayeredNet, cut: int) -> tuple[list, list]:
+    """The parameters of the head (units ``cut`` and above) and of the body below it, for the methods that train one
+    with the other ``frozen`` (FedRep, FedPAC, FedeCouple)."""
+    return unit_parameters(model, cut, len(model.units)), unit_parameters(model, 0, cut)
+
+
+def head_and_body_keys(model: LayeredNet, cut: int) -> tuple[list[str], list[str]]:
+    """The state_dict keys of the head (units ``cut`` and above) and of the body, in the model's order."""
+    head = unit_prefixes(cut, len(model.units))
+    keys = list(model.state_dict())
+    return [k for k in keys if k.startswith(head)], [k for k in keys if not k.startswith(head)]
 
 
 @contextmanager
