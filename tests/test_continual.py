@@ -440,6 +440,28 @@ def test_train_stage_runs_a_hospital_stream_and_the_report_prints_the_papers_tab
             "train --experiment stream --method fedavg --seed 0") in capsys.readouterr().err
     assert cli("report", "--experiment", "stream", "--methods", "fedavgg") == 2
     assert "methods.fedavgg: not defined (did you mean 'fedavg'?)" in capsys.readouterr().err
+    # beside a published table: a row the paper ran at another lambda is named; a table of another task order is
+    # not set beside ours (each column is the accuracy over the tasks seen so far: another order, another quantity)
+    order = ["CheXpert", "OpenI", "RSNA", "VinBigData"]
+    (root / "published.yaml").write_text(yaml.safe_dump({"accuracy": {
+        "same": {"source": "a table", "selection": "task_end", "domains": order,
+                 "methods": {"pfeddil": {"mean": [50, 50, 50, 50, 50], "params": {"lam": 0.8}}}},
+        "other": {"source": "a table", "selection": "task_end", "domains": order[::-1],
+                  "methods": {"pfeddil": {"mean": [50, 50, 50, 50, 50]}}}}}))
+    for table in ("same", "other"):
+        raw["experiments"]["stream"]["published"] = f"published.yaml#{table}"
+        (root / "params.yaml").write_text(yaml.safe_dump(raw))
+        assert cli("report", "--experiment", "stream") == 0
+    vs = (root / "results" / "report" / "stream" / "stream_vs_paper.md").read_text()
+    assert "**Not the paper's task order**: ours CheXpert → OpenI → RSNA → VinBigData, the paper's VinBigData → RSNA" in vs
+    assert "| pfeddil |" not in vs and not (root / "results" / "report" / "stream" / "stream_vs_paper.csv").exists()
+    raw["experiments"]["stream"]["published"] = "published.yaml#same"
+    (root / "params.yaml").write_text(yaml.safe_dump(raw))
+    assert cli("report", "--experiment", "stream") == 0
+    vs = (root / "results" / "report" / "stream" / "stream_vs_paper.md").read_text()
+    assert "**Not the paper's setting**: pfeddil ran with lam 0.5 (the paper's row: 0.8)" in vs and "| pfeddil |" in vs
+    del raw["experiments"]["stream"]["published"]
+    (root / "params.yaml").write_text(yaml.safe_dump(raw))
     import mlflow
 
     client = mlflow.tracking.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")

@@ -142,3 +142,16 @@ def test_stream_cost_table_sets_the_papers_tables_4_and_5_beside_ours():
     md = cost_markdown(tab, "t", 10, {"pfeddil": 34.91, "fedavg": 32.14}, {"pfeddil": 379})
     assert "paper s / round (Table 4) | paper rounds to best (Table 5) |" in md and "| 34.91 | 379 |" in md
     assert "paper" not in cost_markdown(tab, "t", 10)
+
+
+def test_stream_cost_counts_the_rounds_that_upload():
+    """Source-only trains and sends nothing after its first task: its seconds and MiB per round are those of the
+    rounds it uploads in, not diluted by its idle rounds (0.16 MiB read 0.04 over 40 rounds)."""
+    from fedsilo.report.continual import cost_table
+
+    mib = 2**20
+    busy = [{"train_seconds": 2.0, "bytes_up_total": 2 * mib, "sampled": ["a", "b"]}] * 10
+    idle = [{"train_seconds": 0.0, "bytes_up_total": 0, "sampled": ["a", "b"]}] * 30
+    met = {"rounds_to_best_total": 4, "models_per_client": 1.0, "bytes_kept_per_client": mib}
+    tab = cost_table({("source_only", 0): met}, {("source_only", 0): busy + idle}, ["source_only"], [0])
+    assert tab.loc["source_only", "MiB_up_per_client_round"] == 1.0 and tab.loc["source_only", "train_s_per_round"] == 2.0

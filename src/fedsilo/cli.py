@@ -347,7 +347,7 @@ def _report_one(args: argparse.Namespace, p: Params, exp: str, methods: Sequence
                 and all((p.methods[m] or {}).get(k, True) for k in ("migration", "share_extractor", "correlation"))]
         made.update(build_stream_report(layout.results(exp), exp, ms, list(p.pipeline.seeds), out,
                                         published=p.experiments[exp].published, repo=Path(args.root),
-                                        reference=full[0] if full else None, in_place=in_place))
+                                        reference=full[0] if full else None, in_place=in_place, method_entries=p.methods))
         return
     made.update(build_report(layout.results(exp), exp, list(methods), list(p.pipeline.seeds),
                              out, published=p.experiments[exp].published, method_entries=p.methods,

@@ -71,9 +71,11 @@ class PFedDIL(Method):
       federation's: every selected client trains from the server's current model of its family (Alg. 1, line 4),
       and after a task's last aggregation each client that took part receives the family model it trained
       (``task_end_download``, counted), which it keeps, reuses and migrates from; inside a task it is scored with the
-      server's model of that family (its own copy is then its last local update). lambda = 0 is then FedAvg over one
-      model (the paper's Table 6: lambda = 0 "degenerates to the normal FedAvg"; its task-1 column is the same for
-      FedAvg and pFedDIL), tested to the score with migration off and the auxiliary classifier apart, under full and
+      server's model of that family (its own copy is then its last local update). lambda = 0 with the auxiliary
+      classifier apart (``share_extractor: false``) and migration off is then FedAvg over one model (the paper's Table
+      6: lambda = 0 "degenerates to the normal FedAvg"; its task-1 column is the same for FedAvg and pFedDIL); with
+      sharing on (the default, Eq. 8) the auxiliary loss trains the shared trunk as well, so lambda = 0 and task 1
+      differ from FedAvg. Tested to the score with migration off and the auxiliary classifier apart, under full and
       under partial participation for every client that has taken part in the task (a client not yet sampled in a
       task holds, and is scored with, the models it received last); lambda > 1 is a new federation per task
       ("separately train models for each domain with knowledge migration"). A family's auxiliary head stays the

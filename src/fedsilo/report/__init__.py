@@ -395,16 +395,19 @@ def indistinct_rows(tab: pd.DataFrame, per_client: pd.DataFrame | None = None) -
             groups.append([m])
         else:
             home.append(m)
+    # two causes, which the numbers alone do not tell apart: models that predict one class (a quickstart's few
+    # steps), or settings that change nothing on these data (pFedDIL's lambda 0 and 0.2 where no task's intensity falls
+    # below either: both keep one model, one run)
+    why = ("models that each predict one class (runs too short or too small to tell the methods apart), or settings "
+           "that change nothing on these data (compare their runs' metrics.json)")
     if len(groups) == 1:
-        return (f"all {len(mean.index)} methods scored the same in every column: the runs are too short or too "
-                "small to tell them apart (each model likely predicts one class); their ranking and their differences "
-                "from the paper mean nothing")
+        return (f"all {len(mean.index)} methods scored the same in every column: {why}; their ranking and their "
+                "differences from the paper mean nothing")
     ties = [g for g in groups if len(g) > 1]
     if not ties:
         return None
     return ("scored exactly the same in every column: " + "; ".join(", ".join(str(m) for m in g) for g in ties)
-            + ". Runs too short or too small to tell these methods apart (each model likely predicts one class): "
-            "their differences mean nothing here")
+            + f". The same predictions: {why}; their differences mean nothing here")
 
 
 def _cells(tab: pd.DataFrame, bold: str) -> pd.DataFrame:

@@ -39,6 +39,7 @@ from fedsilo.report import (
     load_published,
     over_seeds,
     runs_backbones,
+    settings_differ,
     versus_paper,
     write_versus,
     written,
@@ -155,10 +156,15 @@ def matrix_markdown(metrics: dict, methods: list[str], seeds: list[int], title: 
 
 
 def cost_table(metrics: dict, histories: dict, methods: list[str], seeds: list[int]) -> pd.DataFrame:
+    """Per method, the mean over seeds of: the median round's training seconds and the MiB a taking-part client
+    uploads per round, both over the rounds in which something was uploaded (Source-only's rounds after its first task
+    train and send nothing: counted, they would read as a cheaper method), the rounds to the best accuracy summed over
+    the tasks, and the models and MiB a client keeps at the end."""
     rows = []
     for m in methods:
         for s in seeds:
-            met, h = metrics[(m, s)], histories[(m, s)]
+            met, every = metrics[(m, s)], histories[(m, s)]
+            h = [e for e in every if e["bytes_up_total"] > 0] or every
             rows.append({
                 "method": m,
                 # the median round: a round's seconds on a busy machine swing by an order of magnitude
@@ -181,7 +187,9 @@ def cost_markdown(tab: pd.DataFrame, title: str, rounds_per_task: int, paper_sec
         head += " paper s / round (Table 4) | paper rounds to best (Table 5) |"
     lines = [f"### {title}", "", "Training seconds per round (the median round: local training, transfers, aggregation; this machine), "
              f"rounds to the best accuracy summed over the tasks ({rounds_per_task} rounds per task), models and MiB a client keeps "
-             "at the end to answer every task seen, MiB uploaded per taking-part client per round; mean over seeds."
+             "at the end to answer every task seen, MiB uploaded per taking-part client per round; the seconds and MiB over "
+             "the rounds that upload (a method that stops training after a task is not cheaper for its idle rounds); "
+             "mean over seeds."
              + (" The paper's seconds are its own machine's (compare them as ratios between methods) and its rounds count "
                 "its own schedule's rounds per task." if paper else ""), "",
              head, "|---" * (head.count("|") - 1) + "|"]
@@ -210,10 +218,21 @@ def test_sizes_note(met: dict[str, Any]) -> str:
             + ". Fewest per client: " + ", ".join(f"{t} {min(by_client.values())}" for t, by_client in sizes.items()) + ".\n")
 
 
+def order_note(tasks: list[str], domains: list[str]) -> str | None:
+    """Why a stream's columns cannot be set beside a published table's, or None: an accuracy after a task is over the
+    tasks seen so far, so two streams are comparable column by column only in the same task order."""
+    if list(tasks) == list(domains):
+        return None
+    return (f"**Not the paper's task order**: ours {' → '.join(map(str, tasks))}, the paper's {' → '.join(map(str, domains))}. "
+            "A column is the accuracy over the tasks seen after that task, so the two streams' columns (and Avg) are not "
+            "the same quantity: no table is set beside the paper's (restore `split.domain_order` to compare).")
+
+
 def build_stream_report(results: Path, experiment: str, methods: list[str], seeds: list[int], out_dir: Path,
                         published: str | None = None, repo: Path = Path("."), reference: str | None = None,
-                        in_place: bool = False) -> dict[str, Any]:
-    """``reference``: the method Delta is measured against (the pFedDIL row; none: Delta left empty)."""
+                        in_place: bool = False, method_entries: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``reference``: the method Delta is measured against (the pFedDIL row; none: Delta left empty);
+    ``method_entries``: the params' ``methods``, to name a row run with another setting than the paper's row."""
     metrics, histories = collect_stream(results, methods, seeds)
     tab = stream_table(metrics, methods, seeds, reference)
     per_task = metrics[(methods[0], seeds[0])]["rounds_per_task"]
@@ -249,8 +268,16 @@ def build_stream_report(results: Path, experiment: str, methods: list[str], seed
         full = md + "\n" + on_md + "\n" + cost_md + "\n" + mat
         if published:  # the stream's tasks are the published table's domains, its Avg the tables' Avg
             paper = load_published(repo, published)
-            full += "\n" + write_versus(tmp, experiment, versus_paper(tab, paper), published, paper, ours="task_end",
-                                         backbones=runs_backbones(results, methods, seeds))
+            order = order_note(metrics[(methods[0], seeds[0])]["tasks"], paper["domains"])
+            if order:
+                log.warning("%s: %s", experiment, order.replace("**", ""))
+                vs_md = f"### {experiment}: ours vs {published}\n\n{order}\n"
+                (tmp / f"{experiment}_vs_paper.md").write_text(vs_md)
+                full += "\n" + vs_md
+            else:
+                full += "\n" + write_versus(tmp, experiment, versus_paper(tab, paper), published, paper, ours="task_end",
+                                             settings=settings_differ(paper, method_entries, methods),
+                                             backbones=runs_backbones(results, methods, seeds))
         series = []
         for m in methods:
             ev = [[e for e in histories[(m, s)] if "seen_acc" in e] for s in seeds]
