@@ -85,7 +85,7 @@ def test_named_method_variants_resolve_to_their_registered_method(tmp_path):
         parse_params(raw)
     del raw["methods"]["fedavg_two_phase"]["mu"]
     raw["methods"]["oops"] = {"method": "fedawg"}
-    with pytest.raises(ConfigError, match=r"methods\.oops: unknown method 'fedawg'"):
+    with pytest.raises(ConfigError, match=r"methods\.oops: unknown method 'fedawg' \(did you mean 'fedavg'\?\)"):
         parse_params(raw)
 
 

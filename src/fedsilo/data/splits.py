@@ -39,6 +39,7 @@ from fedsilo.config import (
     DomainMultiClientsSplit,
     HoldoutDomainSplit,
     LabelSkewSplit,
+    did_you_mean,
 )
 
 log = logging.getLogger(__name__)
@@ -79,13 +80,14 @@ def _uses_official(sub: pd.DataFrame, test_from: str, dom: str) -> bool:
     return test_from == "official" or (test_from == "auto" and has)
 
 
-def _domains(records: pd.DataFrame, wanted: tuple[str, ...] | None) -> list[str]:
+def _domains(records: pd.DataFrame, wanted: tuple[str, ...] | None, key: str = "domains") -> list[str]:
+    """``wanted`` (the split's ``key``: ``domains``, ``domain_order``), each checked to be a domain of the data."""
     have = list(dict.fromkeys(records["domain"]))
     if not wanted:
         return have
     for d in wanted:
         if d not in have:
-            raise SplitError(f"split: domain {d!r} has no images (have: {sorted(have)})")
+            raise SplitError(f"split.{key}: domain {d!r} has no images{did_you_mean(d, have)} (have: {sorted(have)})")
     return list(wanted)
 
 
@@ -415,7 +417,7 @@ def label_skew(records: pd.DataFrame, params: LabelSkewSplit, seed: int) -> dict
 # --------------------------------------------------------------------------- domain incremental
 def domain_incremental(records: pd.DataFrame, params: DomainIncrementalSplit, seed: int) -> dict[str, Any]:
     order = list(params.domain_order) if params.domain_order else list(dict.fromkeys(records["domain"]))
-    _domains(records, tuple(order))
+    _domains(records, tuple(order), "domain_order")
     tasks_per_client: list[list[dict[str, Any]]] = [[] for _ in range(params.clients)]
     official = []
     for t, dom in enumerate(order):

@@ -83,7 +83,10 @@ class PFedDIL(Method):
     - *Sharing* (Sec. 3.2 and 4.1): every layer before the last fully connected layer is shared by the two heads; "w/o
       Sharing" gives the auxiliary classifier a network of its own (same architecture), trained by Eq. 3 alone.
     - *Migration* anchors at the other models as they were when the task began (they are not trained during it);
-      the intensities are those of Eq. 2 for this task.
+      the intensities are those of Eq. 2 for this task. Eq. 5 sums over all d models of the client, the one being
+      trained included; here the model a reused family continues is left out of the sum (a pull of w towards its
+      own starting point would be a proximal term the paper does not describe, and the text calls migration
+      knowledge taken from the *other* personalized models).
     """
 
     name = "pfeddil"

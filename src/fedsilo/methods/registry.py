@@ -84,7 +84,7 @@ def method_class(name: str) -> type[Method]:
     try:
         return REGISTRY[name]
     except KeyError:
-        raise KeyError(f"unknown method {name!r} (registered: {', '.join(sorted(REGISTRY))})") from None
+        raise KeyError(f"unknown method {name!r}{did_you_mean(name, REGISTRY)} (registered: {', '.join(sorted(REGISTRY))})") from None
 
 
 def method_base(key: str, entry: Optional[dict[str, Any]]) -> str:
