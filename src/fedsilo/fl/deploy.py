@@ -182,19 +182,12 @@ def as_member_refusal(method: Any, last_round: int) -> Optional[str]:
     no part of a site's evaluation model on the server from its uploads (``Method.newcomer_refusal``), share
     something, keep something of each site's own to adapt (its sites are not all evaluated with the global model),
     and still train in the run's last round."""
-    from fedsilo.methods.pfeddb import PFedDB
-
     key = method.key
-    if isinstance(method, PFedDB):
-        return (f"{key}: pFedDB's newcomer adapts as its paper's Fig. 6 does (its own local model first, then phi: "
-                "freeze_global, finetune_all, from_scratch)")
     if method.stream_only or not type(method).joins_mid_run():
         return f"{key}: {method.name} takes no site it did not start with ({method.join_refusal})"
     if method.newcomer_refusal():
         return f"{key}: {method.newcomer_refusal()}"
-    from fedsilo.methods.sharing import PartialSharing
-
-    if isinstance(method, PartialSharing) and not method.shared:
+    if method.shares_nothing():
         return f"{key}: its sites share nothing (each trains alone): there is nothing of the federation to adapt"
     if method.eval_is_global():
         return (f"{key}: its sites are all evaluated with the federation's global model and keep nothing of their own: "

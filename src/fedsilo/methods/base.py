@@ -178,6 +178,10 @@ class Method:
         (FedBABU without fine-tuning). Called after ``setup``."""
         return ""
 
+    def shares_nothing(self) -> bool:
+        """Whether the sites share no tensor (each trains alone: Single), after ``setup``."""
+        return False
+
     def trains(self, rnd: int) -> bool:
         """Whether clients train in round ``rnd`` (all rounds by default; pFedDR's scripts stop after their ``rounds``):
         a site that joins a run in progress needs a round left that trains."""

@@ -122,6 +122,9 @@ class PartialSharing(MeanAggregation):
     def private_keys(self, model: LayeredNet) -> set[str]:
         return set(self.private)
 
+    def shares_nothing(self) -> bool:
+        return not self.shared
+
     def resolved(self) -> dict[str, Any]:
         """How much of the trained model is shared: tensors and the fraction of its parameters (weights, biases,
         affine terms; buffers such as BatchNorm statistics are not parameters)."""

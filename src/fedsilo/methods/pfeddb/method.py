@@ -315,3 +315,9 @@ class PFedDB(TwoPhase):
     def eval_is_global(self):
         return False
 
+
+    def newcomer_refusal(self) -> str:
+        """A newcomer adapts through pFedDB's own onboarding (`fedsilo site onboard` with a Fig. 6 strategy), not as
+        one of its sites."""
+        return ("pFedDB's newcomer adapts as its paper's Fig. 6 does (its own local model first, then phi: "
+                "freeze_global, finetune_all, from_scratch)")
