@@ -134,6 +134,10 @@ def test_paper_scale_office_and_domainnet_follow_fedbns_loaders_and_record_each_
     for e in (office, dn):
         assert e.train.augment.hflip and [h.name for h in e.train.augment.host] == ["Rotate"]
         assert e.train.augment.host[0].model_extra["limit"] == 30
+    # the authors' loaders: ToTensor alone ([0, 1]) for the photos and the X-rays, Normalize(0.5, 0.5) for the digits
+    for e in ("pfeddb_office", "pfeddb_domainnet", "pfeddb_domainnet_onboarding", "pfeddb_cxr4"):
+        assert (p.experiments[e].train.normalize.mean, p.experiments[e].train.normalize.std) == ((0.0,), (1.0,)), e
+    assert p.experiments["pfeddb_digits5"].train.normalize.mean == (0.5,)
     pub = yaml.safe_load((PAPER / "published.yaml").read_text())["accuracy"]
     assert pub["office_caltech10"]["methods"]["fedbn"]["selection"] == "best_validation"
     assert pub["digits5"]["methods"]["fedbn"]["selection"] == "final"

@@ -52,6 +52,17 @@ def test_harmonize_and_an_official_split_keep_the_authors_test_images(released, 
         assert all("/train/" in i for i in table.iloc[c["train"]]["id"])
 
 
+def test_a_test_size_beyond_the_released_test_folder_says_so(released, tmp_path):
+    """4 test images a domain in the release: asking 8 of them blamed the domain's images and patients overall."""
+    from fedsilo.data.splits import SplitError
+
+    p = CXRDatasetParams(sources=(SRC,), image_size=32, workers=1)
+    harmonize_dataset(p, released / "raw", tmp_path / "h", quiet=True)
+    table = pd.read_parquet(tmp_path / "h" / "records.parquet")
+    with pytest.raises(SplitError, match=r"domain 'CheXpert': its official test subset holds 4 images \(4 groups\), not the 8 of split.n_test"):
+        make_split(table, DomainClientsSplit(n_train=8, n_test=8), seed=0)
+
+
 def test_an_unknown_class_folder_is_an_error_naming_the_key_and_a_mapping_fixes_it(released, tmp_path):
     raw = tmp_path / SRC
     shutil.copytree(released / "raw" / SRC, raw)
@@ -72,6 +83,15 @@ def test_a_folder_beside_train_and_test_is_refused(released, tmp_path):
     shutil.copytree(released / "raw" / SRC, raw)
     (raw / "OVCR_rsna" / "val" / "Normal").mkdir(parents=True)
     with pytest.raises(LabelFileError, match=r"OVCR_rsna: expected train/ and test/ folders, found \['test', 'train', 'val'\]"):
+        chest_xray4_released.read_records(raw)
+
+
+def test_a_release_without_one_of_its_domains_is_refused_naming_it(released, tmp_path):
+    """An interrupted download: three domains read as a three-client "Chest-X-Ray-4" beside the paper's four."""
+    raw = tmp_path / SRC
+    shutil.copytree(released / "raw" / SRC, raw)
+    shutil.rmtree(raw / "OVCR_rsna")
+    with pytest.raises(LabelFileError, match=r"four domains; no folder for RSNA \(OVCR_rsna\): an incomplete download"):
         chest_xray4_released.read_records(raw)
 
 

@@ -130,6 +130,12 @@ def _draw_domain(records: pd.DataFrame, dom: str, n_train: int, n_test: int, tes
                 f"and leaves {len(rest)} ({rest['group'].nunique()} groups) to train on: not {n_train} train{val_part} "
                 f"(split.test_from: {test_from} takes the test images from that subset; a copy holding the test subset "
                 f"only, such as MNIST's test set alone, needs test_from: pooled, or the training files beside it)")
+        if len(test) < n_test and _uses_official(sub, test_from, dom):  # the official test subset itself is short
+            official = sub[sub["subset"] == "test"]
+            raise SplitError(
+                f"domain {dom!r}: its official test subset holds {len(official)} images ({official['group'].nunique()} "
+                f"groups), not the {n_test} of split.n_test (split.test_from: {test_from} takes them from that subset: "
+                "lower n_test, take them all with n_test: all, or draw them from the pooled images with test_from: pooled)")
         raise SplitError(
             f"domain {dom!r}: {len(sub)} images from {sub['group'].nunique()} patients cannot give {n_train} train{val_part} + "
             f"{n_test} test patient-disjoint images (lower split.n_train{' / n_val' if n_val else ''} / n_test or add data)"

@@ -61,11 +61,15 @@ def read_records(raw_dir: Path, rules: Any = None) -> pd.DataFrame:
     domains = find_dirs(raw_dir, FOLDERS)  # the shallowest OVCR_<source> folder of each domain
     if not domains:
         raise LabelFileError(f"{raw_dir}: no OVCR_chex, OVCR_openi, OVCR_rsna or OVCR_vinbigdata folder (the released Chest-X-Ray-4 layout)")
+    missing = [dom for dom in DOMAINS if dom not in domains]
+    if missing:  # an interrupted download would otherwise be a smaller task set beside the paper's four domains
+        names = {v: k for k, v in FOLDERS.items()}
+        raise LabelFileError(f"{raw_dir}: the released Chest-X-Ray-4 has four domains; no folder for "
+                             f"{', '.join(missing)} (OVCR_{', OVCR_'.join(names[d][4:] for d in missing)}): an incomplete "
+                             "download? Put it back, then fetch again")
     frames = []
     used: set[str] = set()
     for dom in DOMAINS:
-        if dom not in domains:
-            continue
         base = domains[dom]
         subsets = {c.name: c for c in base.iterdir() if c.is_dir() and not is_hidden(c.name)}
         unknown = sorted(set(subsets) - set(SUBSETS))
