@@ -545,6 +545,22 @@ def test_a_split_the_data_cannot_give_names_the_params_file_and_the_whole_key(mi
     assert re.search(r"p\.yaml: experiments\.quick\.split: domain '\w+': \d+ images from \d+ patients cannot give 10000 train", err), err
 
 
+def test_the_split_command_says_each_clients_validation_size(mirror_root, tmp_path, capsys):
+    """FedBN's protocol draws a validation set per client: the split's lines name it beside train and test."""
+    raw = small_params()
+    raw["experiments"]["fedbn_val"] = {"dataset": "chest_xray4", "split": {"protocol": "domain_clients", "n_train_of_smallest": 0.4,
+                                                                         "n_val_of_smallest": 0.2, "test_fraction": 0.2}}
+    raw["pipeline"]["splits"]["fedbn_val"] = "chest_xray4"
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    from fedsilo.cli import main
+
+    capsys.readouterr()
+    assert main(["-q", "--params", str(path), "--root", str(mirror_root), "split", "--experiment", "fedbn_val"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("fedbn_val ")]
+    assert len(lines) == 4 and all(re.fullmatch(r"fedbn_val \S+: \d+ train / [1-9]\d* val / \d+ test", x) for x in lines), lines
+
+
 def test_a_split_made_before_its_settings_were_edited_is_refused_by_train_naming_the_settings(mirror_root, tmp_path, capsys):
     """A stage run by hand after an edit of experiments.<e>.split but before the split was made again would train on
     the old split and record the new settings with it: train refuses, naming each setting and the stage to rerun."""

@@ -513,6 +513,8 @@ def test_latex_tables_escape_names_and_a_table_of_identical_rows_says_it_tells_n
     body = tex.replace("\\_", "")
     assert "_" not in body, "a bare underscore stops LaTeX outside math mode"
     assert "all 2 methods scored the same" in indistinct_rows(acc)
+    perfect = pd.concat({"mean": pd.DataFrame(100.0, index=["a", "b"], columns=cols), "std": pd.DataFrame(0.0, index=["a", "b"], columns=cols)}, axis=1)
+    assert "every test image right in every run" in indistinct_rows(perfect) and "one class" not in indistinct_rows(perfect)
     acc.loc["fedavg", ("mean", "Avg")] = 61.0
     assert indistinct_rows(acc) is None
     # some rows tie, others do not (pFedDIL's ablations on a quickstart stream beside a learning FedCIL): named

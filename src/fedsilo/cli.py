@@ -161,8 +161,9 @@ def _split(args: argparse.Namespace) -> None:
     split["experiment"] = args.experiment
     split["dataset"] = exp.dataset
     write_json(layout.split(args.experiment), split)
+    val = {c["name"]: len(c.get("val") or ()) for c in split["clients"]}  # FedBN's validation sets, where drawn
     for name, train, test in iter_sides(split):
-        print(f"{args.experiment} {name}: {len(train)} train / {len(test)} test")
+        print(f"{args.experiment} {name}: {len(train)} train" + (f" / {val[name]} val" if val.get(name) else "") + f" / {len(test)} test")
 
 
 def _train(args: argparse.Namespace) -> None:
