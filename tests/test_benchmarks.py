@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -137,6 +138,11 @@ def test_office_caltech_both_namings_give_the_same_labels(bench_raw, tmp_path):
     shutil.rmtree(alt / "dslr")
     with pytest.raises(LabelFileError, match=r"no Office-Caltech-10 domain folder dslr"):
         source_module("office_caltech10").read_records(alt)
+    # fetched in local mode, harmonize's refusal names the user's folder beside fetch's copy of it
+    fetch("office_caltech10", SourceParams(mode="local", path=str(alt)), tmp_path / "raw" / "office_caltech10", quiet=True)
+    with pytest.raises(LabelFileError, match=rf"is what `fedsilo fetch --source office_caltech10` copied from {re.escape(str(alt.resolve()))}, "
+                       r"sources\.office_caltech10\.path: correct the folder there, then fetch again"):
+        harmonize_dataset(BenchmarkDatasetParams(kind="office_caltech10", image_size=16, workers=1), tmp_path / "raw", tmp_path / "h")
 
 
 def test_domainnet_fedbn_split_lists_set_the_subset_in_place_of_the_official_lists(bench_raw, tmp_path):

@@ -283,6 +283,32 @@ def exclude_copies(rec: pd.DataFrame, raw_dir: Path, label: str) -> tuple[pd.Dat
     return rec, warning
 
 
+def fetched_copy_note(raw_dir: Path, src: str) -> str:
+    """What a reader's error about ``raw_dir`` should add: the folder is fetch's copy of a source of the user's (its
+    manifest's origin), where the fix belongs before fetching again; "" for a download or a mirror."""
+    import json
+
+    from fedsilo.data.fetch import MANIFEST
+
+    try:
+        manifest = json.loads((Path(raw_dir) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return ""
+    if manifest.get("mode") != "local":
+        return ""
+    return (f" ({raw_dir} is what `fedsilo fetch --source {src}` copied from {manifest.get('origin')}, sources.{src}.path: "
+            "correct the folder there, then fetch again)")
+
+
+def read_source(src: str, raw_dir: Path, rules: Any = None) -> pd.DataFrame:
+    """A built-in source's records (its reader's ``read_records``); an error about a local source's files names the
+    user's folder too, not only fetch's copy of it."""
+    try:
+        return source_module(src).read_records(raw_dir, rules)
+    except LabelFileError as err:
+        raise LabelFileError(f"{err}{fetched_copy_note(raw_dir, src)}") from None
+
+
 def cxr_records(params: CXRDatasetParams, raw_root: Path, name: str, quiet: bool = True) -> tuple[pd.DataFrame, list[str]]:
     """Every record of a chest X-ray dataset's sources (kept or excluded, with its source and absolute path) and the
     warnings the rules call for; ``name`` is the dataset's key in params (for messages)."""
@@ -299,8 +325,7 @@ def cxr_records(params: CXRDatasetParams, raw_root: Path, name: str, quiet: bool
                 rec = cxr_table.read_records(raw_dir, params.rules(src), params.domain_of(src), f"datasets.{name}.tables.{src}",
                                              quiet, notes)
             except LabelFileError as err:  # it names the fetched copy: the file to correct is the original
-                raise LabelFileError(f"{err} ({raw_dir} is what `fedsilo fetch --source {src}` put there: for a local source a "
-                                     f"copy of sources.{src}.path, where to correct the table before fetching again)") from None
+                raise LabelFileError(f"{err}{fetched_copy_note(raw_dir, src)}") from None
             warnings += [f"{src} ({params.domain_of(src)}): {note}" for note in notes]
             rules = params.rules(src)
             patients = rules.patient or rules.dicom_match  # matched by their headers: each image's PatientID is its group
@@ -310,7 +335,7 @@ def cxr_records(params: CXRDatasetParams, raw_root: Path, name: str, quiet: bool
             rec, copies = exclude_copies(rec, raw_dir, f"{src} ({params.domain_of(src)})")
             warnings += [copies] if copies else []
         else:
-            rec = source_module(src).read_records(raw_dir, params.rules(src))
+            rec = read_source(src, raw_dir, params.rules(src))
         rec["source"] = src
         rec["abs_path"] = [str(raw_dir / p) if p else "" for p in rec["path"]]
         all_records.append(rec)
@@ -460,7 +485,7 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
             continue
         raw_dir = raw_root / src
         mod = modules[src] = source_module(src)
-        rec = mod.read_records(raw_dir, None)
+        rec = read_source(src, raw_dir)
         names = source_classes(mod, raw_dir)
         classes = classes or names  # the first source's class list is the dataset's unless the kind has its own
         rec = to_dataset_classes(rec, names, classes, params.kind)
