@@ -509,10 +509,10 @@ def test_fedtgp_server_generator_learns_separated_prototypes():
     server = {f"tgp_net::{k}": v for k, v in m.generator().state_dict().items()}
     means = torch.eye(3, 4) * 5
     pairs = [(c, means[c] + 0.1 * torch.randn(4, generator=torch.Generator().manual_seed(10 * c + k))) for c in range(3) for k in range(4)]
-    out = m.train_generator(server, pairs, rnd=1)
+    out = m.server_prototypes(server, pairs, rnd=1)
     protos = torch.stack([out[f"tgp_proto::{c}"] for c in range(3)])
     assert torch.cdist(means, protos).argmin(1).tolist() == [0, 1, 2]
-    again = m.train_generator(server, pairs, rnd=1)
+    again = m.server_prototypes(server, pairs, rnd=1)
     assert all(torch.equal(out[k], again[k]) for k in out), "the server's batches are seeded"
 
 
@@ -527,7 +527,7 @@ def test_fedtgp_server_trains_with_the_adaptive_margin(monkeypatch):
     margins: list[float] = []
     real = tgp.margin_contrastive_loss
     monkeypatch.setattr(tgp, "margin_contrastive_loss", lambda z, y, centres, margin: margins.append(margin) or real(z, y, centres, margin))
-    m.train_generator(server, pairs, rnd=1)
+    m.server_prototypes(server, pairs, rnd=1)
     want = tgp.adaptive_margin(pairs, 100.0)
     assert margins and set(margins) == {want} and 0 < want < 100.0
 

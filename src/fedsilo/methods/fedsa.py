@@ -3,8 +3,6 @@ X. Qu, C. You et al., AAAI 2025; F²DC's reference [57]; code github:lokinko/Fed
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -14,8 +12,7 @@ from fedsilo.client.features import classifier, representation
 from fedsilo.client.local import make_generator, train_local
 from fedsilo.methods.base import MethodParams, State
 from fedsilo.methods.fedtgp import margin_contrastive_loss
-from fedsilo.methods.prototypes import PrototypeSums, by_class, from_payload, mean_and_prototypes, to_payload
-from fedsilo.methods.sharing import PartialSharing
+from fedsilo.methods.prototypes import PrototypeSharing, PrototypeSums, by_class, from_payload, to_payload
 from fedsilo.models import LayeredNet
 
 ANCHORS = "sa_anchors"  # C x d, on the server and in every download
@@ -50,7 +47,7 @@ def initial_anchors(num_classes: int, dim: int, seed: int) -> torch.Tensor:
             return proj(centres).detach()
 
 
-class FedSA(PartialSharing):
+class FedSA(PrototypeSharing):
     """Zhou et al. 2025 (AAAI), with the model shared as we take the F²DC comparison to run it (F²DC's repository ships
     no FedSA). The server holds semantic anchors A (one per class, drawn once, then moved slowly by the EMA below); a client downloads the global model and A and trains on
     CE + cc CE(h(A), c) + lambda MSE(r(x), A_y) + mcl CE(-(||r(x) - A_c|| + m [c = y]), y), with the margin
@@ -71,27 +68,18 @@ class FedSA(PartialSharing):
     params_cls = FedSAParams
     params: FedSAParams
 
-    def shared_keys(self, model: LayeredNet) -> list[str]:
-        return list(model.state_dict().keys())
-
-    def setup(self, model: LayeredNet) -> None:
-        super().setup(model)
-        head = classifier(model)
-        self.num_classes, self.dim = head.out_features, head.in_features
-
     def private_keys(self, model: LayeredNet) -> set[str]:
         return super().private_keys(model) | {f"{PREVIOUS}{c}" for c in range(classifier(model).out_features)}
 
     def init_server(self, model: LayeredNet) -> State:
         return {**super().init_server(model), ANCHORS: initial_anchors(self.num_classes, self.dim, self.run_seed)}
 
-    def download(self, server: State, client, rnd: int) -> State:
-        return dict(server)
+    def store_model(self, store: State) -> State:
+        return {k: v for k, v in store.items() if not k.startswith(PREVIOUS)}  # last round's prototypes kept beside it
 
     def local_update(self, model, store, payload, client, rnd, seed):
         anchors = payload[ANCHORS].to(client.x_train.device)
-        model.load_state_dict({**{k: v for k, v in store.items() if not k.startswith(PREVIOUS)},
-                               **{k: payload[k] for k in self.shared}}, strict=True)
+        self.load_round(model, store, payload)
         previous = from_payload(store, PREVIOUS)
         local_gap = mean_nearest_gap(torch.stack([previous[c] for c in sorted(previous)])) if previous else 0.0
         margin = max(local_gap, mean_nearest_gap(anchors))
@@ -116,20 +104,10 @@ class FedSA(PartialSharing):
         store.update(to_payload(protos, PREVIOUS))
         return {**upload, **to_payload(protos)}
 
-    streaming = False
-
-    def aggregate(self, server: State, uploads: list[tuple[Any, State]], rnd: int) -> State:
-        if not uploads:
-            return server
-        mean, pairs = mean_and_prototypes(uploads, self.shared)
+    def server_prototypes(self, server, pairs, rnd):
+        """Each anchor of a class present in the round moved towards the mean of its uploaded prototypes (EMA)."""
         anchors = server[ANCHORS].clone()
         for cls, ps in by_class(pairs).items():
             mean_c = torch.stack([v.float() for v in ps]).mean(0).to(anchors.device)
             anchors[cls] = self.params.ema * anchors[cls] + (1 - self.params.ema) * mean_c
-        return {**mean, ANCHORS: anchors}
-
-    def eval_state(self, server, store, client):
-        return {**{k: v for k, v in store.items() if not k.startswith(PREVIOUS)}, **{k: server[k] for k in self.shared}}
-
-    def global_state(self, server):
-        return {k: server[k] for k in self.shared} if not self.private else None
+        return {ANCHORS: anchors}

@@ -10,11 +10,10 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from fedsilo.client.features import classifier, features_of, representation
+from fedsilo.client.features import features_of, representation
 from fedsilo.client.local import make_generator, train_local
 from fedsilo.methods.base import MethodParams, State
-from fedsilo.methods.prototypes import class_means, from_payload, mean_and_prototypes, to_payload
-from fedsilo.methods.sharing import PartialSharing
+from fedsilo.methods.prototypes import PrototypeSharing, class_means, from_payload, to_payload
 from fedsilo.models import LayeredNet
 
 NET = "tgp_net::"  # the server's prototype generator, kept on the server
@@ -70,7 +69,7 @@ def prototype_mse(z: torch.Tensor, y: torch.Tensor, protos: dict[int, torch.Tens
     return F.mse_loss(z, target)
 
 
-class FedTGP(PartialSharing):
+class FedTGP(PrototypeSharing):
     """Zhang et al. 2024 (AAAI), with the model shared as we take the F²DC comparison to run it (F²DC's repository
     ships no FedTGP: an assumption from its setting, one global ResNet-10 evaluated per domain). A client downloads the global
     model and the global prototypes P (from round 2), trains on CE + lambda * MSE(r(x), P_y), then computes its
@@ -93,14 +92,6 @@ class FedTGP(PartialSharing):
     params_cls = FedTGPParams
     params: FedTGPParams
 
-    def shared_keys(self, model: LayeredNet) -> list[str]:
-        return list(model.state_dict().keys())
-
-    def setup(self, model: LayeredNet) -> None:
-        super().setup(model)
-        head = classifier(model)
-        self.num_classes, self.dim = head.out_features, head.in_features
-
     def generator(self) -> PrototypeGenerator:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.run_seed)
@@ -115,7 +106,7 @@ class FedTGP(PartialSharing):
 
     def local_update(self, model, store, payload, client, rnd, seed):
         glob = {c: p.to(client.x_train.device) for c, p in from_payload(payload, GLOBAL).items()}
-        model.load_state_dict({**store, **{k: payload[k] for k in self.shared}}, strict=True)
+        self.load_round(model, store, payload)
         lam = self.params.lam
         with representation(model) as rep:
 
@@ -126,9 +117,8 @@ class FedTGP(PartialSharing):
         protos = class_means(features_of(model, client.x_train, self.train.normalize), client.y_train)
         return {**self.keep_and_share(model, store), **to_payload(protos)}
 
-    streaming = False
-
-    def train_generator(self, server: State, pairs: list[tuple[int, torch.Tensor]], rnd: int) -> State:
+    def server_prototypes(self, server: State, pairs: list[tuple[int, torch.Tensor]], rnd: int) -> State:
+        """The generator trained on the round's prototypes (margin contrast), and its outputs: the global prototypes."""
         gen = self.generator()
         gen.load_state_dict({k[len(NET):]: v for k, v in server.items() if k.startswith(NET)})
         delta = adaptive_margin(pairs, self.params.margin_threshold)
@@ -149,18 +139,6 @@ class FedTGP(PartialSharing):
             out = gen(every)
         return {**{NET + k: v.detach().clone() for k, v in gen.state_dict().items()},
                 **{f"{GLOBAL}{c}": out[c].clone() for c in range(self.num_classes)}}
-
-    def aggregate(self, server: State, uploads: list[tuple[Any, State]], rnd: int) -> State:
-        if not uploads:
-            return server
-        mean, pairs = mean_and_prototypes(uploads, self.shared)
-        return {**mean, **self.train_generator(server, pairs, rnd)}
-
-    def eval_state(self, server, store, client):
-        return {**store, **{k: server[k] for k in self.shared}}
-
-    def global_state(self, server):
-        return {k: server[k] for k in self.shared} if not self.private else None
 
     def resolved(self) -> dict[str, Any]:
         return {**super().resolved(), "prototype_dim": getattr(self, "dim", None)}

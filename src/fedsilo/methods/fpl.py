@@ -3,7 +3,7 @@ learning with domain shift: a prototype view")."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -11,18 +11,16 @@ from pydantic import Field
 
 from fedsilo.client.features import representation
 from fedsilo.client.local import batches_per_epoch, make_generator, train_local
-from fedsilo.methods.base import MethodParams, State
+from fedsilo.methods.base import MethodParams
 from fedsilo.methods.decoupling import DecouplingParams
 from fedsilo.methods.prototypes import (
+    PrototypeSharing,
     PrototypeSums,
     by_class,
     cluster_prototypes,
     from_payload,
-    mean_and_prototypes,
     to_payload,
 )
-from fedsilo.methods.sharing import PartialSharing
-from fedsilo.models import LayeredNet
 
 CLUSTERS = "fpl_clusters::"  # the server's cluster prototypes of class c (k_c x d), downloaded with the model
 
@@ -52,7 +50,7 @@ def fpl_loss(z: torch.Tensor, y: torch.Tensor, clusters: dict[int, torch.Tensor]
     return (cpcl + upcl).sum() / len(y)
 
 
-class FPL(PartialSharing):
+class FPL(PrototypeSharing):
     """Huang et al. 2023 (CVPR), as the authors' code runs it (github:WenkeHuang/RethinkFL, ``models/fpl.py``). A
     client downloads the global model and, from round 2, the cluster prototypes of every class; it trains on
     CE + CPCL + UPCL (``fpl_loss``) and, during its last local epoch, accumulates the representation z = r(x) (the
@@ -72,16 +70,9 @@ class FPL(PartialSharing):
     params_cls = FPLParams
     params: FPLParams
 
-    def shared_keys(self, model: LayeredNet) -> list[str]:
-        return list(model.state_dict().keys())
-
-    def download(self, server: State, client, rnd: int) -> State:
-        return dict(server)  # the model and, once there are any, the cluster prototypes
-
     def local_update(self, model, store, payload, client, rnd, seed):
-        clusters = from_payload(payload, CLUSTERS)
-        shared = set(self.shared)
-        model.load_state_dict({**store, **{k: v for k, v in payload.items() if k in shared}}, strict=True)
+        clusters = from_payload(payload, CLUSTERS)  # none before the first aggregation
+        self.load_round(model, store, payload)
         sums = PrototypeSums()
         epochs = self.train.local_epochs
         seen = {"batches": 0}
@@ -98,22 +89,8 @@ class FPL(PartialSharing):
 
             terms = self.with_decoupling(model, {"batch_loss": batch_loss}, client, rnd, seed)
             self.last_loss = train_local(model, client, self.train, make_generator(seed, rnd, client.index), **terms)
-        sd = model.state_dict()
-        for k in self.private:
-            store[k] = sd[k].detach().clone()
-        return {**{k: sd[k].detach() for k in self.shared}, **to_payload(sums.means())}
+        return {**self.keep_and_share(model, store), **to_payload(sums.means())}
 
-    streaming = False
-
-    def aggregate(self, server: State, uploads: list[tuple[Any, State]], rnd: int) -> State:
-        if not uploads:
-            return server
-        out, pairs = mean_and_prototypes(uploads, self.shared)
-        out.update({f"{CLUSTERS}{cls}": cluster_prototypes(ps) for cls, ps in sorted(by_class(pairs).items())})
-        return out
-
-    def eval_state(self, server, store, client):
-        return {**store, **{k: server[k] for k in self.shared}}
-
-    def global_state(self, server):
-        return {k: server[k] for k in self.shared} if not self.private else None
+    def server_prototypes(self, server, pairs, rnd):
+        """Each class's cluster prototypes: FINCH over the round's prototypes of that class."""
+        return {f"{CLUSTERS}{cls}": cluster_prototypes(ps) for cls, ps in sorted(by_class(pairs).items())}

@@ -3,6 +3,8 @@
 A client's prototype of class c is the mean representation z = r(x) of its samples of class c; it travels as a
 tensor ``proto::<c>`` (d values) beside the model, so the engine counts its bytes like any payload. FINCH (Sarfraz,
 Sharma, Stiefelhagen, CVPR 2019) is the parameter-free clustering FPL runs over the clients' prototypes of a class.
+:class:`PrototypeSharing` is the shell of a method that shares its whole model and prototypes beside it (FPL, FedTGP,
+FedSA): each says only what its client adds to the loss and what its server makes of the round's prototypes.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import torch
 from scipy.sparse import csr_matrix, identity
 from scipy.sparse.csgraph import connected_components
 
+from fedsilo.client.features import classifier
 from fedsilo.methods.base import RunningMean, State
+from fedsilo.methods.sharing import PartialSharing
+from fedsilo.models import LayeredNet
 
 PROTO = "proto::"
 
@@ -126,3 +131,48 @@ def cluster_prototypes(protos: list[torch.Tensor]) -> torch.Tensor:
     x = torch.stack([p.float().cpu() for p in protos]).numpy()
     labels = finch(x)[-1]
     return torch.stack([torch.from_numpy(x[labels == j].mean(0)) for j in range(int(labels.max()) + 1)])
+
+
+class PrototypeSharing(PartialSharing):
+    """The whole model shared (F²DC's modules, where a method's ``decouple`` adds them, stay on the client) and class
+    prototypes beside it. The server's state holds the model's tensors and the method's own (its prototypes, a
+    generator); a client downloads the whole state and is evaluated with the model's tensors alone; each round the
+    server takes the sample-size-weighted mean of the models and hands the uploaded prototypes to
+    :meth:`server_prototypes`."""
+
+    streaming = False
+
+    def shared_keys(self, model: LayeredNet) -> list[str]:
+        return list(model.state_dict().keys())
+
+    def setup(self, model: LayeredNet) -> None:
+        super().setup(model)
+        head = classifier(model)
+        self.num_classes, self.dim = head.out_features, head.in_features  # the prototypes' classes and length
+
+    def store_model(self, store: State) -> State:
+        """The model's tensors among what a client keeps (a method keeping prototypes of its own there leaves them out)."""
+        return store
+
+    def download(self, server: State, client, rnd: int) -> State:
+        return dict(server)
+
+    def load_round(self, model: LayeredNet, store: State, payload: State) -> None:
+        """The model a client trains: its own tensors and the download's shared ones."""
+        model.load_state_dict({**self.store_model(store), **{k: payload[k] for k in self.shared}}, strict=True)
+
+    def aggregate(self, server: State, uploads: list[tuple[Any, State]], rnd: int) -> State:
+        if not uploads:
+            return server
+        mean, pairs = mean_and_prototypes(uploads, self.shared)
+        return {**mean, **self.server_prototypes(server, pairs, rnd)}
+
+    def server_prototypes(self, server: State, pairs: list[tuple[int, torch.Tensor]], rnd: int) -> State:
+        """The server's own tensors after a round, from every uploaded (class, prototype) in upload order."""
+        raise NotImplementedError
+
+    def eval_state(self, server, store, client):
+        return {**self.store_model(store), **{k: server[k] for k in self.shared}}
+
+    def global_state(self, server):
+        return {k: server[k] for k in self.shared} if not self.private else None
