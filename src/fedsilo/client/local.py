@@ -6,7 +6,7 @@ import logging
 import math
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -106,6 +106,18 @@ def batches(n: int, batch_size: int, gen: torch.Generator) -> list[torch.Tensor]
     return out
 
 
+def training_batches(data: ClientData, cfg: TrainParams, gen: torch.Generator, host: Optional[Any] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """One local epoch of a client's training batches, (x, y) on its device: the seeded order (:func:`batches`),
+    ``host`` (:func:`fedsilo.client.hostaug.host_policy` of ``train.augment.host``, built once by the caller) on the
+    host, then ``train.augment`` and the input scale on the device, in the memory format the model runs in. What every
+    local training loop iterates (train_local's, FedCIL's ACGAN's)."""
+    cl = use_channels_last(cfg, data.x_train.device)
+    for idx in batches(data.n_train, cfg.batch_size, gen):
+        idx = idx.to(data.x_train.device, non_blocking=True)
+        xb = data.x_train[idx] if host is None else apply_host(host, data.x_train[idx], gen)
+        yield _prep(training_batch(xb, cfg, gen), cl), data.y_train[idx]
+
+
 def batches_per_epoch(n: int, batch_size: int) -> int:
     """How many batches ``batches`` makes of n samples (a last batch of one joins the previous batch)."""
     k = -(-n // batch_size)
@@ -170,7 +182,7 @@ def train_local(
     epoch."""
     model.train()
     device = data.x_train.device
-    bf16, cl = use_bf16(cfg, device), use_channels_last(cfg, device)
+    bf16 = use_bf16(cfg, device)
     fwd = forward_fn(model)
     trainable = params if params is not None else [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(trainable, cfg)
@@ -180,11 +192,8 @@ def train_local(
     for epoch in range(epochs if epochs is not None else cfg.local_epochs):
         total = torch.zeros((), device=device)
         count = 0
-        for idx in batches(data.n_train, cfg.batch_size, gen):
-            idx = idx.to(device, non_blocking=True)
-            xb = data.x_train[idx] if host is None else apply_host(host, data.x_train[idx], gen)
-            x = _prep(training_batch(xb, cfg, gen), cl)
-            y = data.y_train[idx]
+        for x, y in training_batches(data, cfg, gen, host):
+            n = len(y)  # the batch drawn, before a batch_transform may add samples
             if batch_transform is not None:
                 x, y = batch_transform(x, y)
             opt.zero_grad(set_to_none=True)
@@ -199,8 +208,8 @@ def train_local(
             if grad_hook is not None:
                 grad_hook()
             opt.step()
-            total += loss.detach().float() * len(idx)  # stays on the device: no sync per step
-            count += len(idx)
+            total += loss.detach().float() * n  # stays on the device: no sync per step
+            count += n
         last = float(total) / max(count, 1)
         if not math.isfinite(last):  # one check per epoch (the sum already syncs here): a diverged run stops, named
             moments = f"betas {list(cfg.betas)}" if cfg.optimizer == "adam" else f"momentum {cfg.momentum}"

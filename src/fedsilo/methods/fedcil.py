@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from fedsilo.client.data import ClientData, training_batch
-from fedsilo.client.hostaug import apply_host, host_policy
-from fedsilo.client.local import batches, lr_now, make_generator, running_stats_frozen, use_bf16
+from fedsilo.client.data import ClientData
+from fedsilo.client.hostaug import host_policy
+from fedsilo.client.local import lr_now, make_generator, running_stats_frozen, training_batches, use_bf16
 from fedsilo.config import ConfigError, TrainParams
 from fedsilo.methods.base import Method, MethodParams, RunningMean, State, payload_bytes, spare_copy
 from fedsilo.methods.continual import has, put, take
@@ -437,7 +437,7 @@ class FedCIL(Method):
         self.gen.train()
         dev = client.x_train.device
         bf16 = use_bf16(self.train, dev)
-        gb = make_generator(seed, rnd, client.index)  # batch order and augmentation, as train_local draws them
+        gb = make_generator(seed, rnd, client.index)  # batch order and augmentation (training_batches, as train_local)
         rng = make_generator(seed, rnd, client.index, 1)  # labels and noise of the synthetic images
         log = {"real": 0, "replay": 0, "consistency": 0}
         last = 0.0
@@ -447,12 +447,8 @@ class FedCIL(Method):
             for epoch in range(self.train.local_epochs):
                 total = torch.zeros((), device=dev)
                 count = 0
-                for idx in batches(client.n_train, self.train.batch_size, gb):
-                    idx = idx.to(dev, non_blocking=True)
-                    xb = client.x_train[idx] if host is None else apply_host(host, client.x_train[idx], gb)
-                    x = training_batch(xb, self.train, gb)
-                    y = client.y_train[idx]
-                    b = len(idx)
+                for x, y in training_batches(client, self.train, gb, host):
+                    b = len(y)
                     with self._amp(bf16):
                         loss, real_logits = self._d_loss(d, self.gen, x, y, so_far, rng)
                         log["real"] += b
