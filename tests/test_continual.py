@@ -273,7 +273,7 @@ def test_strategy_reuses_the_best_matching_model_at_or_above_lambda():
     e.method.aux.eval()
     with torch.no_grad(), head_input(e.model) as seen:
         e.model(to_float(c.x_train, NormalizeParams()))
-        by_hand = ((e.method.aux(seen["z"]).softmax(1).amax(1) - 0.25) / 0.75).mean()  # 4 classes: [1/4, 1] -> [0, 1]
+        by_hand = ((e.method.aux(seen.z).softmax(1).amax(1) - 0.25) / 0.75).mean()  # 4 classes: [1/4, 1] -> [0, 1]
     assert rho[1] == pytest.approx(float(by_hand), abs=1e-5)
     # with lambda just below the best intensity, a fresh task-3 decision reuses that model
     best = max(rho, key=rho.get)

@@ -37,18 +37,25 @@ class Representation:
 
 
 @contextmanager
-def representation(model: nn.Module) -> Iterator[Representation]:
-    """``with representation(model) as rep: model(x); rep.z`` -> the B x d features the classifier received."""
+def input_of(module: nn.Module) -> Iterator[Representation]:
+    """Inside the block, every forward pass through ``module`` leaves the module's input in the yielded ``.z`` (a
+    forward pre-hook, removed on leaving): the classifier's input (:func:`representation`), a head unit's (pFedDIL's
+    shared representation), FedCIL's discriminator features."""
     rep = Representation()
 
     def hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
         rep.z = inputs[0]
 
-    handle = classifier(model).register_forward_pre_hook(hook)
+    handle = module.register_forward_pre_hook(hook)
     try:
         yield rep
     finally:
         handle.remove()
+
+
+def representation(model: nn.Module):
+    """``with representation(model) as rep: model(x); rep.z`` -> the B x d features the classifier received."""
+    return input_of(classifier(model))
 
 
 @torch.no_grad()

@@ -11,13 +11,10 @@ store, so that checkpoints, byte counts and privacy checks see ordinary tensors.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator
-
-import torch
 from torch import nn
 
 from fedsilo.client.data import ClientData
+from fedsilo.client.features import input_of
 from fedsilo.client.local import make_generator, train_local
 from fedsilo.methods.base import Method, State
 from fedsilo.models import LayeredNet
@@ -52,14 +49,7 @@ def head_keys(model: LayeredNet) -> list[str]:
     return [k for k in model.state_dict() if int(k.split(".")[1]) >= first]
 
 
-@contextmanager
-def head_input(model: LayeredNet) -> Iterator[dict[str, torch.Tensor]]:
+def head_input(model: LayeredNet):
     """Inside the block, every forward pass of ``model`` leaves the input of its classifier head (the representation
-    the target and auxiliary classifiers share) in the yielded dict under ``"z"``."""
-    seen: dict[str, torch.Tensor] = {}
-    first = model.units[len(model.units) - model.head_units]
-    handle = first.register_forward_pre_hook(lambda _m, inp: seen.__setitem__("z", inp[0]))
-    try:
-        yield seen
-    finally:
-        handle.remove()
+    the target and auxiliary classifiers share) in the yielded ``.z``."""
+    return input_of(model.units[len(model.units) - model.head_units])

@@ -5,8 +5,8 @@ adapted from class- to domain-incremental learning."""
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager, nullcontext
-from typing import Callable, Iterator, Optional
+from contextlib import nullcontext
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,7 @@ from pydantic import Field
 from torch import nn
 
 from fedsilo.client.data import ClientData
+from fedsilo.client.features import Representation, input_of
 from fedsilo.client.hostaug import host_policy
 from fedsilo.client.local import lr_now, make_generator, running_stats_frozen, training_batches, use_bf16
 from fedsilo.config import ConfigError, TrainParams
@@ -102,16 +103,10 @@ def last_linear(model: LayeredNet) -> nn.Linear:
     return found[-1]
 
 
-@contextmanager
-def feature_tap(model: LayeredNet) -> Iterator[dict[str, torch.Tensor]]:
+def feature_tap(model: LayeredNet):
     """Inside the block every forward pass of ``model`` leaves the input of its last linear layer (the features D_c
-    and D_s share) in the yielded dict under ``"f"``."""
-    seen: dict[str, torch.Tensor] = {}
-    handle = last_linear(model).register_forward_pre_hook(lambda _m, inp: seen.__setitem__("f", inp[0]))
-    try:
-        yield seen
-    finally:
-        handle.remove()
+    and D_s share) in the yielded ``.z``."""
+    return input_of(last_linear(model))
 
 
 def draw_labels(pool: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
@@ -339,7 +334,7 @@ class FedCIL(Method):
         return torch.cat([F.one_hot(labels.to(self.device), self.num_classes).float(), noise], 1)
 
     @staticmethod
-    def _disc(model: nn.Module, rf: nn.Module, seen: dict[str, torch.Tensor], data_stats: bool = True) -> Disc:
+    def _disc(model: nn.Module, rf: nn.Module, seen: Representation, data_stats: bool = True) -> Disc:
         """The discriminator as a function: images -> (D_s logit, D_c logits). ``d(x, data=True)`` marks a batch that
         stands for data (a real or a replayed batch): only those move the BatchNorm running statistics, and none does
         when ``data_stats`` is false (the server's consolidation)."""
@@ -347,7 +342,7 @@ class FedCIL(Method):
         def d(x: torch.Tensor, data: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
             with nullcontext() if data and data_stats else running_stats_frozen(model):
                 logits = model(x)
-            return rf(seen["f"]).squeeze(1).float(), logits.float()
+            return rf(seen.z).squeeze(1).float(), logits.float()
 
         return d
 

@@ -143,7 +143,7 @@ class PFedDIL(Method):
                 x = to_float(x_u8[i : i + batch_size], self.train.normalize)
                 with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=bf16):
                     logits = model(x).float()
-                    aux = self.aux(seen["z"] if self.params.share_extractor else x).float()
+                    aux = self.aux(seen.z if self.params.share_extractor else x).float()
                 probs.append(logits.softmax(1))
                 conf.append(confidence(aux))
         return torch.cat(probs), torch.cat(conf)
@@ -212,7 +212,7 @@ class PFedDIL(Method):
             with head_input(model) as seen:
                 self.last_loss = train_local(
                     model, client, self.train, gen, extra_loss=migrate,
-                    batch_loss=lambda x, y, logits: ce(self.aux(seen["z"]), y),
+                    batch_loss=lambda x, y, logits: ce(self.aux(seen.z), y),
                     params=[*model.parameters(), *self.aux.parameters()],
                 )
         else:  # w/o Sharing: the target model (Eq. 1 + Eq. 5) and the auxiliary network (Eq. 3) apart
