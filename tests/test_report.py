@@ -161,7 +161,7 @@ def test_the_accuracy_table_says_its_avg_is_over_domains_where_domains_hold_seve
     import fedsilo.report as report_module
     from fedsilo.report import build_report
 
-    for fig in ("_line_figure", "_bar_figure"):
+    for fig in ("line_figure", "_bar_figure"):
         monkeypatch.setattr(report_module, fig, lambda path, *a, **k: path.name)
     accs = {"A-0": 0.5, "A-1": 0.7, "B-0": 0.9}
     d = tmp_path / "res" / "fedavg" / "seed0"
@@ -307,7 +307,7 @@ def test_per_domain_figure_draws_a_line_per_domain_the_mean_of_its_clients(tmp_p
     import fedsilo.report as report
 
     drawn: dict[str, list] = {}
-    monkeypatch.setattr(report, "_line_figure", lambda path, series, *a: drawn.__setitem__(path.name, series) or path.name)
+    monkeypatch.setattr(report, "line_figure", lambda path, series, *a: drawn.__setitem__(path.name, series) or path.name)
     hist = [{"round": r, "bytes_up_total": 0, "bytes_down_total": 0,
              "eval": {"a1": {"acc": 0.2 * r}, "a2": {"acc": 0.4 * r}, "b1": {"acc": 0.1 * r}}} for r in (1, 2)]
     report._plots(tmp_path, "x", ["fedavg"], [0], {("fedavg", 0): hist}, {"a1": "A", "a2": "A", "b1": "B"})
@@ -316,7 +316,7 @@ def test_per_domain_figure_draws_a_line_per_domain_the_mean_of_its_clients(tmp_p
     assert series["A"] == pytest.approx([30.0, 60.0]) and series["B"] == pytest.approx([10.0, 20.0])
     # clients of one dataset (label skew): no per-domain figure (its one line is the curve), the curve says clients
     drawn.clear()
-    monkeypatch.setattr(report, "_line_figure", lambda path, series, ylabel, *a: drawn.__setitem__(path.name, ylabel) or path.name)
+    monkeypatch.setattr(report, "line_figure", lambda path, series, ylabel, *a: drawn.__setitem__(path.name, ylabel) or path.name)
     report._plots(tmp_path, "x", ["fedavg"], [0], {("fedavg", 0): hist}, {"a1": "A", "a2": "A", "b1": "A"})
     assert set(drawn) == {"x_curves.png", "x_bytes.png"} and drawn["x_curves.png"] == "mean test accuracy over clients (%)"
 
@@ -349,7 +349,7 @@ def test_one_table_of_a_paper_is_reported_from_its_groups_runs_and_names_the_run
     from fedsilo.cli import main
     from tests.conftest import REPO
 
-    for fig in ("_line_figure", "_bar_figure", "_fig3"):
+    for fig in ("line_figure", "_bar_figure", "_fig3"):
         monkeypatch.setattr(report_module, fig, lambda path, *a, **k: path.name)
 
     (tmp_path / "pipelines").symlink_to(REPO / "pipelines")  # the published numbers the report reads
@@ -538,7 +538,7 @@ def test_a_stream_figure_marks_its_task_boundaries_and_keeps_fifteen_lines_apart
     a 20-colour map and the legend beside the axes."""
     from matplotlib.axes import Axes
 
-    from fedsilo.report import _line_figure
+    from fedsilo.report import line_figure
 
     seen: dict[str, list] = {"vlines": [], "legend": []}
     for name, key in (("axvline", "vlines"), ("legend", "legend")):
@@ -550,7 +550,7 @@ def test_a_stream_figure_marks_its_task_boundaries_and_keeps_fifteen_lines_apart
 
         monkeypatch.setattr(Axes, name, spy)
     series = [(f"m{i}", [1, 2, 3, 4, 5, 6], [i, i, i, i, i, i]) for i in range(15)]
-    assert _line_figure(tmp_path / "s.png", series, "acc", "stream", marks=(2.5, 4.5)) == "s.png"
+    assert line_figure(tmp_path / "s.png", series, "acc", "stream", marks=(2.5, 4.5)) == "s.png"
     assert (tmp_path / "s.png").stat().st_size > 0
     assert seen["vlines"] == [2.5, 4.5] and seen["legend"][0]["bbox_to_anchor"] == (1.01, 1.0)
 

@@ -31,8 +31,8 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from fedsilo.client.data import ClientData, to_float, training_batch
-from fedsilo.client.local import _prep, batches, evaluate, make_generator, use_bf16, use_channels_last
+from fedsilo.client.data import ClientData, to_float
+from fedsilo.client.local import evaluate, make_generator, training_batches, use_bf16, use_channels_last
 from fedsilo.config import ConfigError, TrainParams
 from fedsilo.fl.engine import Engine
 from fedsilo.methods import method_class
@@ -85,12 +85,10 @@ def single_model_loop(model: nn.Module, clients: list[ClientData], cfg: TrainPar
             model.train()
             gen = make_generator(seed, rnd, c.index)
             for _ in range(cfg.local_epochs):
-                for idx in batches(c.n_train, cfg.batch_size, gen):
-                    idx = idx.to(device, non_blocking=True)
-                    x = _prep(training_batch(c.x_train[idx], cfg, gen), cl)
+                for x, y in training_batches(c, cfg, gen):  # train_local's batches, without its engine around it
                     opt.zero_grad(set_to_none=True)
                     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
-                        loss = loss_fn(model(x), c.y_train[idx])
+                        loss = loss_fn(model(x), y)
                     loss.backward()
                     opt.step()
         for c in clients:

@@ -42,7 +42,7 @@ def _defined(params_file: Any, section: str, name: str, known: Any) -> None:
     if name not in known:
         from fedsilo.methods import REGISTRY
 
-        hint = config._METHOD_ENTRY.format(m=name) if section == "methods" and name in REGISTRY else config.did_you_mean(name, known)
+        hint = config.METHOD_ENTRY_HINT.format(m=name) if section == "methods" and name in REGISTRY else config.did_you_mean(name, known)
         raise ConfigError(f"{params_file}: {section}.{name}: not defined{hint}")
 
 

@@ -1483,7 +1483,7 @@ class Params(Strict):
             for item in getattr(self.pipeline, key):
                 if item not in known:
                     raise ValueError(f"pipeline.{key}: '{item}' is not defined under '{key}'{did_you_mean(item, known)}"
-                                     + (_METHOD_ENTRY.format(m=item) if key == "methods" else ""))
+                                     + (METHOD_ENTRY_HINT.format(m=item) if key == "methods" else ""))
         for d in self.pipeline.datasets:  # harmonize@<d> reads data/raw/<s>, which only fetch@<s> writes
             missing = [s for s in self.datasets[d].source_list if s not in self.pipeline.sources]
             if missing:
@@ -1568,7 +1568,7 @@ def _drop_union_tags(loc: tuple) -> tuple:
 
 
 # a method trained needs its entry, even a registered method run with its defaults (`fedsilo methods` lists them)
-_METHOD_ENTRY = "; every method trained needs an entry under methods (`{m}: {{}}`: a registered method with its defaults; `fedsilo methods` lists them)"
+METHOD_ENTRY_HINT = "; every method trained needs an entry under methods (`{m}: {{}}`: a registered method with its defaults; `fedsilo methods` lists them)"
 
 
 def did_you_mean(name: str, known: Any) -> str:
@@ -1765,7 +1765,7 @@ class PaperParams(Strict):
             for m in grp.methods:
                 if m not in self.methods:
                     raise ValueError(f"runs.{g}.methods: '{m}' is not defined under 'methods'{did_you_mean(m, self.methods)}"
-                                     + _METHOD_ENTRY.format(m=m))
+                                     + METHOD_ENTRY_HINT.format(m=m))
             for key, items in (("experiments", grp.experiments), ("methods", grp.methods), ("beside", grp.beside),
                                ("beside_experiments", grp.beside_experiments)):
                 twice = sorted({x for x in items if items.count(x) > 1})

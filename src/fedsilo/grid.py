@@ -61,7 +61,7 @@ def run_detached(cmd: list[str], cwd: Path, env: Optional[dict[str, str]] = None
     return subprocess.CompletedProcess(r.args, r.returncode, text, "")
 
 
-def _dvc(args: list[str], cwd: Path, env: Optional[dict[str, str]] = None, check: bool = True,
+def run_dvc(args: list[str], cwd: Path, env: Optional[dict[str, str]] = None, check: bool = True,
          detached: bool = False) -> subprocess.CompletedProcess:
     """``dvc <args>``; ``detached``: a command that starts processes outliving it (``queue start``), run with
     :func:`run_detached`."""
@@ -91,15 +91,15 @@ def stale_stages(pipeline: str, repo: Path, pattern: str) -> list[str]:
     """The stages of ``pipeline`` matching ``pattern`` (shell-style, on the stage name without its file) that
     ``dvc status`` reports out of date, in dvc.yaml order."""
     # a dvc.yaml below the root lists its stages as "<file>:<name>", the root's as "<name>"
-    names = [n.rpartition(":")[2] for n in _dvc(["stage", "list", "--name-only", pipeline], repo).stdout.split()]
-    status = json.loads(_dvc(["status", "--json", pipeline], repo).stdout or "{}")
+    names = [n.rpartition(":")[2] for n in run_dvc(["stage", "list", "--name-only", pipeline], repo).stdout.split()]
+    status = json.loads(run_dvc(["status", "--json", pipeline], repo).stdout or "{}")
     stale = {k.rpartition(":")[2] for k in status}
     return [n for n in names if fnmatch.fnmatch(n, pattern) and n in stale]
 
 
 def dag(pipeline: str, repo: Path) -> tuple[set[str], dict[str, set[str]]]:
     """``dvc dag --dot``'s stages and, for each, the stages it depends on."""
-    dot = _dvc(["dag", "--dot", pipeline], repo).stdout
+    dot = run_dvc(["dag", "--dot", pipeline], repo).stdout
     edges = re.findall(r'"([^"]+)"\s*->\s*"([^"]+)"', dot)
     nodes = set(re.findall(r'^"([^"]+)";', dot, flags=re.M)) | {n for e in edges for n in e}
     parents: dict[str, set[str]] = {}
@@ -144,7 +144,7 @@ def upstream(pipeline: str, repo: Path, pattern: str) -> list[str]:
 def queue_status(repo: Path) -> dict[str, str]:
     """Experiment name -> status (Queued, Running, Success, Failed, ...) from ``dvc queue status`` (its "Worker
     status" line is not read: it said 0 active, 0 idle while two workers ran experiments; :func:`queue_workers`)."""
-    out = _dvc(["queue", "status"], repo).stdout
+    out = run_dvc(["queue", "status"], repo).stdout
     found = {}
     for line in out.splitlines():
         parts = line.split()
@@ -195,7 +195,7 @@ def stop_workers(repo: Path, env: Optional[dict[str, str]] = None, grace_s: floa
     Returns how many had to be terminated."""
     import psutil
 
-    _dvc(["queue", "stop"], repo, env, check=False)
+    run_dvc(["queue", "stop"], repo, env, check=False)
     if not terminate:  # interrupted: the running experiments finish, then their workers stop
         log("grid: interrupted; the running experiments finish first (`dvc queue kill <name>` stops them now)")
         return 0
@@ -233,23 +233,23 @@ def tracking_env(uri: Optional[str], repo: Path) -> dict[str, str]:
     return env
 
 
-def _prepare(pipeline: str, repo: Path, pattern: str, env: dict[str, str]) -> list[str]:
+def prepare_grid(pipeline: str, repo: Path, pattern: str, env: dict[str, str]) -> list[str]:
     """The out-of-date stages matching ``pattern``, after reproducing here, once, what they need (data, splits)."""
     if not (repo / pipeline).exists():
         raise GridError(f"{pipeline}: no such dvc.yaml under {repo}")
     for target in upstream(pipeline, repo, pattern):  # data and splits first, here, once: the workers find them
-        _dvc(["repro", target], repo, env)            # cached (queue) or pulled (Ray)
+        run_dvc(["repro", target], repo, env)            # cached (queue) or pulled (Ray)
     init_store(env.get("MLFLOW_TRACKING_URI"))  # the runs start together: the store's tables exist before they log
     # only now: a changed input upstream (a source, a split's params) makes its train stages stale once it is rebuilt
     return stale_stages(pipeline, repo, pattern)
 
 
-def _restore(pipeline: str, repo: Path, stages: list[str], env: dict[str, str], pull: bool = False) -> list[str]:
+def restore_grid(pipeline: str, repo: Path, stages: list[str], env: dict[str, str], pull: bool = False) -> list[str]:
     """``dvc repro`` of the whole pipeline here: the grid's stages come from the run-cache (with ``pull``: the remote's,
     fetched first), never trained again; the stages after them (onboarding, reports) run. Returns the stages run."""
     if pull:
-        _dvc(["fetch", "--run-cache"], repo, env)
-    r = _dvc(["repro", *(["--pull"] if pull else []), pipeline], repo, env)
+        run_dvc(["fetch", "--run-cache"], repo, env)
+    r = run_dvc(["repro", *(["--pull"] if pull else []), pipeline], repo, env)
     ran = re.findall(r"Running stage '([^']+)'", r.stdout)
     rerun = [s for s in ran if s.rpartition(":")[2] in stages]
     if rerun:  # the run-cache should have held them: say so rather than hide a second training
@@ -299,7 +299,7 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, 
     # run in temporary copies, so the folder is this repository's, absolute
     wenv.setdefault(GPU_SLOTS_ENV, str((repo / ".dvc" / "tmp" / "gpu-slots").resolve()))
     t0 = time.monotonic()
-    stages = _prepare(pipeline, repo, pattern, env)
+    stages = prepare_grid(pipeline, repo, pattern, env)
     t_prep = time.monotonic() - t0
     tag = uuid.uuid4().hex[:6]
     names: dict[str, list[str]] = {}  # experiment -> its stages
@@ -309,13 +309,13 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, 
         # each stage alone (--single-item): its data and splits were reproduced above, and the experiment's copy of
         # the repository gets this workspace's dvc.lock files (-C; git stashes none that are ignored or untracked),
         # so DVC checks them out there instead of re-hashing everything upstream of every stage
-        _dvc(["exp", "run", "--queue", "--single-item", *(a for f in locks for a in ("-C", f)), "--name", name,
+        run_dvc(["exp", "run", "--queue", "--single-item", *(a for f in locks for a in ("-C", f)), "--name", name,
               *(f"{pipeline}:{stage}" for stage in batch)], repo, env)
         names[name] = batch
     t1 = time.monotonic()
     failed: dict[str, list[str]] = {}
     if names:
-        _dvc(["queue", "start", "--jobs", str(jobs)], repo, wenv, detached=True)
+        run_dvc(["queue", "start", "--jobs", str(jobs)], repo, wenv, detached=True)
         bar = Progress(len(stages), f"grid {pipeline} ({jobs} workers x {wenv['OMP_NUM_THREADS']} threads, "
                        f"{len(names)} experiments)", "run", quiet=quiet)
         done: set[str] = set()
@@ -337,7 +337,7 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, 
                 # (seen after a `dvc queue stop` in the same repository) leaves it Queued with nobody to run it
                 idle_polls = idle_polls + 1 if live == 0 and any(s == "Queued" for s in st.values()) else 0
                 if idle_polls >= 3:
-                    _dvc(["queue", "start", "--jobs", str(jobs)], repo, wenv, detached=True)
+                    run_dvc(["queue", "start", "--jobs", str(jobs)], repo, wenv, detached=True)
                     idle_polls = 0
                 now = {n for n, s in st.items() if s in ("Success", "Failed")}
                 if now - done:
@@ -352,14 +352,14 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, 
             stop_workers(repo, env, terminate=len(done) == len(names), log=log)
     t_grid = time.monotonic() - t1
     if failed:
-        logs = "\n".join(f"--- {', '.join(batch)} (dvc queue logs {n}):\n" + _dvc(["queue", "logs", n], repo, check=False).stdout[-2000:]
+        logs = "\n".join(f"--- {', '.join(batch)} (dvc queue logs {n}):\n" + run_dvc(["queue", "logs", n], repo, check=False).stdout[-2000:]
                          for n, batch in failed.items())
         what = "stages" if len(names) == len(stages) else f"experiments ({len(stages)} stages)"
         raise GridError(f"{len(failed)} of {len(names)} queued {what} failed: {', '.join(s for b in failed.values() for s in b)}\n{logs}")
     t2 = time.monotonic()
-    ran = _restore(pipeline, repo, stages, wenv)  # what trains after the grid (onboarding) with the runs' threads too
+    ran = restore_grid(pipeline, repo, stages, wenv)  # what trains after the grid (onboarding) with the runs' threads too
     if names and not keep:
-        _dvc(["exp", "remove", *names], repo, check=False)
+        run_dvc(["exp", "remove", *names], repo, check=False)
     return {"queued": stages, "experiments": len(names), "jobs": jobs, "threads_per_run": wenv["OMP_NUM_THREADS"],
             "prepare_s": t_prep, "grid_s": t_grid,
             "restore_and_report_s": time.monotonic() - t2, "ran_after": ran}

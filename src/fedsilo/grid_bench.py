@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from fedsilo.grid import TRAIN_STAGES, GridError, _dvc, _prepare, run_grid, threads_per_run, tracking_env
+from fedsilo.grid import TRAIN_STAGES, GridError, prepare_grid, run_dvc, run_grid, threads_per_run, tracking_env
 from fedsilo.grid_ray import run_grid_ray, snapshot_commands, workspace_files
 
 # every JSON a run writes, and what in it differs between equal runs (its MLflow run, the wall-clock seconds)
@@ -77,7 +77,7 @@ def bench_grid(pipeline: str, repo: Path, work: Path, jobs: int = 2, pattern: st
     _copy_workspace(repo, base)
     log(f"bench-grid: building the data and splits once in {base}")
     t0 = time.monotonic()
-    stages = _prepare(pipeline, base, pattern, tracking_env(tracking_uri, base))
+    stages = prepare_grid(pipeline, base, pattern, tracking_env(tracking_uri, base))
     prep_s = time.monotonic() - t0
     if not stages:
         raise GridError(f"bench-grid: no stage of {pipeline} matching {pattern} is out of date in the copy")
@@ -95,17 +95,17 @@ def bench_grid(pipeline: str, repo: Path, work: Path, jobs: int = 2, pattern: st
         log(f"bench-grid: {arm} arm in {d} ({len(stages)} stages, OMP_NUM_THREADS={env['OMP_NUM_THREADS']})")
         t = time.monotonic()
         if arm.startswith("sequential"):
-            _dvc(["repro", pipeline], d, env)
+            run_dvc(["repro", pipeline], d, env)
         elif arm == "queue":
             q = run_grid(pipeline, d, jobs, pattern=pattern, tracking_uri=tracking_uri, quiet=True, per_experiment=per_experiment,
                          threads=threads)
             result["queued_experiments"] = q["experiments"]
         else:
-            _dvc(["remote", "add", "-d", "benchstore", str(work / "remote")], d)
+            run_dvc(["remote", "add", "-d", "benchstore", str(work / "remote")], d)
             run_grid_ray(pipeline, d, ray_address, pattern=pattern, tracking_uri=tracking_uri, cpus_per_run=threads,
                          worker_cache=str(work / "ray-node-cache"), quiet=True, log=log)
         secs = time.monotonic() - t
-        status = _dvc(["status", pipeline], d).stdout
+        status = run_dvc(["status", pipeline], d).stdout
         numbers[arm] = run_numbers(d)
         result["arms"][arm] = {"seconds": secs, "dvc_status_clean": "up to date" in status, "files_compared": len(numbers[arm])}
         log(f"bench-grid: {arm}: {secs:.0f} s, dvc status {'clean' if 'up to date' in status else 'NOT clean'}")

@@ -46,12 +46,12 @@ from typing import Any, Optional
 from fedsilo.grid import (
     TRAIN_STAGES,
     GridError,
-    _dvc,
-    _prepare,
-    _restore,
     ancestors,
     git_files,
     lock_files,
+    prepare_grid,
+    restore_grid,
+    run_dvc,
     threads_per_run,
     tracking_env,
 )
@@ -181,7 +181,7 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = TRAIN_S
     except ImportError as err:
         raise GridError("grid --ray needs Ray: in fedsilo's checkout, pip install -e '.[ray]' -c constraints.txt") from err
     repo = Path(repo)
-    r = _dvc(["remote", "default"], repo, check=False)  # exit 1, "No default remote set", when there is none
+    r = run_dvc(["remote", "default"], repo, check=False)  # exit 1, "No default remote set", when there is none
     remote = r.stdout.strip() if r.returncode == 0 else ""
     if not remote:
         raise GridError("grid --ray: no default DVC remote; the workers send their results through it. Add one that "
@@ -189,12 +189,12 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = TRAIN_S
                         "gs://, a shared folder), credentials in each machine's .dvc/config.local or environment")
     env = tracking_env(tracking_uri, repo)
     t0 = time.monotonic()
-    stages = _prepare(pipeline, repo, pattern, env)
+    stages = prepare_grid(pipeline, repo, pattern, env)
     dag = _dag(pipeline, repo) if stages else None
     own = {s: worker_inputs(pipeline, repo, [s], dag) for s in stages}  # a run pulls its own experiment's data only
     inputs = sorted({i for ins in own.values() for i in ins})
     if inputs:
-        _dvc(["push", *inputs], repo, env)
+        run_dvc(["push", *inputs], repo, env)
     t_prep = time.monotonic() - t0
     placed: list[dict[str, Any]] = []
     nodes: list[dict[str, Any]] = []
@@ -242,6 +242,6 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = TRAIN_S
         raise GridError(f"{len(failed)} of {len(stages)} Ray runs failed: {', '.join(failed)}\n{logs}")
     t2 = time.monotonic()
     # the stages that train after the grid (onboarding) with the threads the runs had (Ray's OMP_NUM_THREADS)
-    ran = _restore(pipeline, repo, stages, {**env, "OMP_NUM_THREADS": str(threads_per_run(1, cpus_per_run))}, pull=True)
+    ran = restore_grid(pipeline, repo, stages, {**env, "OMP_NUM_THREADS": str(threads_per_run(1, cpus_per_run))}, pull=True)
     return {"queued": stages, "runs": sorted(placed, key=lambda r: r["stage"]), "nodes": nodes, "remote": remote, "inputs": inputs,
             "prepare_s": t_prep, "grid_s": t_grid, "restore_and_report_s": time.monotonic() - t2, "ran_after": ran}

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ValidationError
 
-from fedsilo.config import _METHOD_ENTRY, ConfigError, Params, TrainParams, did_you_mean, format_validation_error
+from fedsilo.config import METHOD_ENTRY_HINT, ConfigError, Params, TrainParams, did_you_mean, format_validation_error
 from fedsilo.methods.base import Method, MethodParams
 from fedsilo.methods.cd2pfed import CD2PFed
 from fedsilo.methods.dann import DANN
@@ -92,7 +92,8 @@ def method_base(key: str, entry: Optional[dict[str, Any]]) -> str:
     return str((entry or {}).get("method", key))
 
 
-def _values(entry: Optional[dict[str, Any]]) -> dict[str, Any]:
+def entry_values(entry: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """A ``methods.<key>`` entry's values for its params class (its ``method``, which names the class, left out)."""
     return {k: v for k, v in (entry or {}).items() if k != "method"}
 
 
@@ -103,7 +104,7 @@ def method_params(params: Params, key: str, source: Optional[str] = None) -> Met
     if key in params._typed_methods:
         return params._typed_methods[key]
     if key not in params.methods:
-        raise ConfigError(f"methods.{key}: not defined in {source}" + (_METHOD_ENTRY.format(m=key) if key in REGISTRY else
+        raise ConfigError(f"methods.{key}: not defined in {source}" + (METHOD_ENTRY_HINT.format(m=key) if key in REGISTRY else
                                                                        did_you_mean(key, list(params.methods))))
     entry = params.methods[key]
     try:
@@ -111,7 +112,7 @@ def method_params(params: Params, key: str, source: Optional[str] = None) -> Met
     except KeyError as err:
         raise ConfigError(f"{source}: methods.{key}: {err.args[0]}") from None
     try:
-        typed = cls.params_cls.model_validate(_values(entry))
+        typed = cls.params_cls.model_validate(entry_values(entry))
     except ValidationError as err:
         raise ConfigError(f"{source}: {format_validation_error(err, f'methods.{key}.', model=cls.params_cls)}") from None
     params._typed_methods[key] = typed
@@ -229,7 +230,7 @@ def describe_method(params: Params, key: str, source: str = "params.yaml") -> st
     if key in params.methods:
         typed = method_params(params, key, source)
         base = method_base(key, params.methods[key])
-        given = set(_values(params.methods[key]))
+        given = set(entry_values(params.methods[key]))
         head = f"methods.{key}"
     else:  # a registered method the file has no entry for: its defaults, and what trains it
         base, typed, given = key, REGISTRY[key].params_cls(), set()

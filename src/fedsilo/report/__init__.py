@@ -224,7 +224,7 @@ def collapse_table(spectra: dict[tuple[str, int], dict[str, list[float]]], metho
 
 def collapse_markdown(tab: pd.DataFrame, title: str) -> str:
     lines = [f"### {title}", "", "| method | dimension d | effective rank (mean over clients) |", "|---|---|---|"]
-    lines += [f"| {m} | {int(r['dim'])} | {_pm(r['effective_rank'], r['effective_rank_std'], '.1f')} |" for m, r in tab.iterrows()]
+    lines += [f"| {m} | {int(r['dim'])} | {mean_pm(r['effective_rank'], r['effective_rank_std'], '.1f')} |" for m, r in tab.iterrows()]
     return "\n".join(lines) + "\n"
 
 
@@ -329,12 +329,12 @@ def local_new_external_markdown(tab: pd.DataFrame, title: str, per_client: pd.Da
     lines = [f"### {title}", ""] + ([f"{said}.", ""] if said else []) + [
         "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for m in tab.index:
-        lines.append(f"| {m} | " + " | ".join(_pm(tab["mean"].loc[m, c], tab["std"].loc[m, c], ".2f") for c in cols) + " |")
+        lines.append(f"| {m} | " + " | ".join(mean_pm(tab["mean"].loc[m, c], tab["std"].loc[m, c], ".2f") for c in cols) + " |")
     same = indistinct_rows(tab, per_client)
     return "\n".join(lines) + "\n" + (f"\n> **Note:** {same}\n" if same else "")
 
 
-def _pm(mean: float, std: float, fmt: str) -> str:
+def mean_pm(mean: float, std: float, fmt: str) -> str:
     """``mean ± std``, the mean alone where the std is undefined (a single seed), "n/a" where there is no mean."""
     if pd.isna(mean):
         return "n/a"
@@ -420,7 +420,7 @@ def _cells(tab: pd.DataFrame, bold: str) -> pd.DataFrame:
     cells = mean.copy().astype(object)
     for col in mean.columns:
         for m in mean.index:
-            txt = _pm(mean.loc[m, col], std.loc[m, col], ".1f")
+            txt = mean_pm(mean.loc[m, col], std.loc[m, col], ".1f")
             if not pd.isna(mean.loc[m, col]) and np.isclose(mean.loc[m, col], best[col]):
                 txt = bold.format(txt)
             cells.loc[m, col] = txt
@@ -528,7 +528,7 @@ def _bar_figure(path: Path, labels: list[str], values: list[float], ylabel: str,
     return path.name
 
 
-def _line_figure(path: Path, series: list[tuple[str, list[float], list[float]]], ylabel: str, title: str,
+def line_figure(path: Path, series: list[tuple[str, list[float], list[float]]], ylabel: str, title: str,
                  marks: tuple[float, ...] = (), xlabel: str = "round", xticks: list[str] | None = None,
                  connect: bool = True) -> str:
     """One PNG with a line per (label, x, y) and a dotted vertical line at each of ``marks`` (a stream's task
@@ -600,7 +600,7 @@ def _plots(out: Path, experiment: str, methods: list[str], seeds: list[int], his
     # F²DC's Fig. 5 (convergence of the average accuracy): its last point is the accuracy table's Avg; on one
     # dataset split among clients (label skew) that is the mean over the clients
     what = "Avg test accuracy over domains (%)" if len(domains) > 1 else "mean test accuracy over clients (%)"
-    made.append(_line_figure(out / f"{experiment}_curves.png", series, what, experiment))
+    made.append(line_figure(out / f"{experiment}_curves.png", series, what, experiment))
 
     for m in methods if len(domains) > 1 else []:  # one domain: its line would be the curve above
         h0 = evals(m, seeds[0])
@@ -609,20 +609,20 @@ def _plots(out: Path, experiment: str, methods: list[str], seeds: list[int], his
             groups.setdefault((domain_of or {}).get(client, client), []).append(client)
         series = [(dom, *seed_curve(histories, m, seeds, lambda e, cs=cs: float(np.mean([e["eval"][c]["acc"] for c in cs])) * 100))
                   for dom, cs in groups.items()]
-        made.append(_line_figure(out / f"{experiment}_{m}_domains.png", series, "test accuracy per domain (%)", f"{experiment}: {m}"))
+        made.append(line_figure(out / f"{experiment}_{m}_domains.png", series, "test accuracy per domain (%)", f"{experiment}: {m}"))
 
     series = []
     for m in methods:
         h = histories[(m, seeds[0])]
         series.append((m, [e["round"] for e in h], [(e["bytes_up_total"] + e["bytes_down_total"]) / 2**20 for e in h]))
-    made.append(_line_figure(out / f"{experiment}_bytes.png", series, "MiB sent per round (up + down)", f"{experiment}: bytes per round, every client"))
+    made.append(line_figure(out / f"{experiment}_bytes.png", series, "MiB sent per round (up + down)", f"{experiment}: bytes per round, every client"))
     return made
 
 
 CXR4_PAIRS = (("CheXpert", "RSNA"), ("OpenI", "VinBigData"))
 
 
-def _published(root: Path, ref: str) -> tuple[dict[str, Any], str, str]:
+def published_entry(root: Path, ref: str) -> tuple[dict[str, Any], str, str]:
     """``<file>#<table>`` -> (the published-numbers YAML, its path, the table key)."""
     import yaml
 
@@ -639,7 +639,7 @@ def load_published_entries(root: Path, ref: str) -> dict[str, dict[str, Any] | N
     Table VII: the target and, per method, minutes, rounds and MB to reach it); None where the file has none. A key
     with neither an accuracy table nor a time_to_accuracy entry (a setting the paper times but prints no accuracy
     table for) is an error."""
-    doc, path, key = _published(root, ref)
+    doc, path, key = published_entry(root, ref)
     out = {section: (doc.get(section) or {}).get(key) for section in ("accuracy", "efficiency", "time_to_accuracy")}
     if out["accuracy"] is None and out["time_to_accuracy"] is None:
         raise ReportError(f"published: {path} has no accuracy table {key!r} (has: {', '.join(doc.get('accuracy', {}))})")
@@ -851,9 +851,9 @@ def _write_flat_csv(tab: pd.DataFrame, path: Path, seeds: pd.Series) -> None:
 
 def _resolved_entry(method_entries: dict[str, Any], m: str) -> Any:
     """``methods.<m>`` as its method's typed params take it (the keys it does not set at their defaults)."""
-    from fedsilo.methods.registry import _values, method_base, method_class
+    from fedsilo.methods.registry import entry_values, method_base, method_class
 
-    return method_class(method_base(m, method_entries[m])).params_cls.model_validate(_values(method_entries[m]))
+    return method_class(method_base(m, method_entries[m])).params_cls.model_validate(entry_values(method_entries[m]))
 
 
 def settings_differ(paper: dict[str, Any] | None, method_entries: dict[str, Any] | None, methods: list[str]) -> list[str]:
@@ -883,7 +883,7 @@ def variant_drift(method_entries: dict[str, Any] | None, methods: list[str]) -> 
     more than the variant's own switches. One line per variant, empty when they differ only there."""
     if not method_entries:
         return []
-    from fedsilo.methods.registry import _values
+    from fedsilo.methods.registry import entry_values
     from fedsilo.tracking import flatten
 
     def resolved(m: str) -> tuple[dict[str, Any], set[str]]:
@@ -898,7 +898,7 @@ def variant_drift(method_entries: dict[str, Any] | None, methods: list[str]) -> 
             continue
         # the keys the variant sets (a mapping it sets, such as decouple, whole) and those idle on either side
         (ref, idle_ref), (mine, idle_mine) = resolved(base), resolved(v)
-        own = set(_values(entry)) | idle_ref | idle_mine
+        own = set(entry_values(entry)) | idle_ref | idle_mine
         drift = [f"{k} {mine.get(k)!r} ({base}: {ref.get(k)!r})" for k in sorted(set(ref) | set(mine))
                  if k.split(".")[0] not in own and mine.get(k) != ref.get(k)]
         if drift:
@@ -1179,7 +1179,7 @@ def build_report(
                     (s, list(range(1, runs[0]["rounds"] + 1)), list(np.mean([[a * 100 for a in r["accuracy_per_round"][s]] for r in runs], axis=0)))
                     for s in strategies
                 ]
-                figs.append(_line_figure(tmp / f"{exp}_fig6_onboarding.png", series, f"{runs[0]['newcomer']} test accuracy (%)",
+                figs.append(line_figure(tmp / f"{exp}_fig6_onboarding.png", series, f"{runs[0]['newcomer']} test accuracy (%)",
                                          f"{exp}: newcomer {runs[0]['newcomer']} joins"))
                 lines = [f"### {exp}: onboarding of {runs[0]['newcomer']} (final accuracy %, mean over {len(runs)} seed(s))", "",
                          "| strategy | accuracy |", "|---|---|"]
@@ -1190,7 +1190,7 @@ def build_report(
                          and (method_entries[m] or {}).get("local_rounds", 0) > 0]
             if two_phase and "single" in methods and "pfeddb" in methods:
                 series = [(m, *seed_curve(histories, m, seeds, lambda e: e["mean_acc"] * 100)) for m in ("single", two_phase[0], "pfeddb")]
-                figs.append(_line_figure(tmp / f"{exp}_fig5_two_phase.png", series, "average test accuracy (%)",
+                figs.append(line_figure(tmp / f"{exp}_fig5_two_phase.png", series, "average test accuracy (%)",
                                          f"{exp}: Single, FedAvg (two-phase), pFedDB"))
             index += [md, ""] + [f"![{f}]({f})" for f in figs] + [""]
             made[exp] = {"table": acc["mean"]["Avg"].to_dict(), "figures": figs, "communication": comm.to_dict(orient="index")}

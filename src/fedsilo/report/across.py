@@ -18,7 +18,7 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
-from fedsilo.report import _line_figure, _pm, collect, over_seeds, summary_table
+from fedsilo.report import collect, line_figure, mean_pm, over_seeds, summary_table
 from fedsilo.utils.io import atomic_dir
 
 log = logging.getLogger("fedsilo.report")
@@ -68,7 +68,7 @@ def build_across_report(group: str, results: dict[str, Path], settings: dict[str
                                           f"{e}: " + ", ".join(f"{short[k]} {settings[e].get(k)}" for k in short)
                                           for e in order) + ".", ""]
     lines += ["| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    lines += [f"| {m} | " + " | ".join(_pm(mean.loc[m, c], std.loc[m, c], ".1f") for c in cols) + " |" for m in methods]
+    lines += [f"| {m} | " + " | ".join(mean_pm(mean.loc[m, c], std.loc[m, c], ".1f") for c in cols) + " |" for m in methods]
     md = "\n".join(lines) + "\n"
     with atomic_dir(out_dir) as tmp:
         (tmp / f"{group}_across.md").write_text(md)
@@ -79,7 +79,7 @@ def build_across_report(group: str, results: dict[str, Path], settings: dict[str
         xs = list(range(len(order)))
         series = [(m, xs, [float(mean.loc[m, c]) if not pd.isna(mean.loc[m, c]) else np.nan for c in cols]) for m in methods]
         # one setting apart: it names the axis, its values the ticks
-        _line_figure(tmp / f"{group}_across.png", series, "Avg test accuracy (%)", title.split(",")[0],
+        line_figure(tmp / f"{group}_across.png", series, "Avg test accuracy (%)", title.split(",")[0],
                      xlabel=axis[0] if axis else "experiment", xticks=[axis[1][e] for e in order] if axis else cols,
                      connect=_numbers(axis))  # settings that are no scale: points only
     return {"table": mean.to_dict(orient="index"), "columns": cols}

@@ -32,12 +32,12 @@ import pandas as pd
 
 from fedsilo.report import (
     ReportError,
-    _line_figure,
-    _pm,
-    _published,
     indistinct_rows,
+    line_figure,
     load_published,
+    mean_pm,
     over_seeds,
+    published_entry,
     runs_backbones,
     settings_differ,
     versus_paper,
@@ -99,7 +99,7 @@ def _mean_std_table(tab: pd.DataFrame, title: str, intro: str) -> str:
         cells = []
         for c in cols:
             mean, std = tab.loc[m, ("mean", c)], tab.loc[m, ("std", c)]
-            cells.append("" if pd.isna(mean) else _pm(mean, std, ".2f"))
+            cells.append("" if pd.isna(mean) else mean_pm(mean, std, ".2f"))
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -260,7 +260,7 @@ def build_stream_report(results: Path, experiment: str, methods: list[str], seed
         mat = matrix_markdown(metrics, methods, seeds, f"{experiment}: accuracy matrices")
         (tmp / f"{experiment}_matrix.md").write_text(mat)
         cost = cost_table(metrics, histories, methods, seeds)
-        doc, _, key = _published(repo, published) if published else ({}, "", "")
+        doc, _, key = published_entry(repo, published) if published else ({}, "", "")
         cost_md = cost_markdown(cost, f"{experiment}: cost (pFedDIL Tables 4-6)", per_task,
                                 (doc.get("seconds_per_round") or {}).get(key), (doc.get("rounds_to_best") or {}).get(key))
         (tmp / f"{experiment}_cost.md").write_text(cost_md)
@@ -283,7 +283,7 @@ def build_stream_report(results: Path, experiment: str, methods: list[str], seed
             ev = [[e for e in histories[(m, s)] if "seen_acc" in e] for s in seeds]
             series.append((m, [e["round"] for e in ev[0]], list(np.mean([[e["seen_acc"] * 100 for e in h] for h in ev], axis=0))))
         n_tasks = len(metrics[(methods[0], seeds[0])]["tasks"])
-        figs.append(_line_figure(tmp / f"{experiment}_stream_curves.png", series,
+        figs.append(line_figure(tmp / f"{experiment}_stream_curves.png", series,
                                  f"accuracy over the tasks seen so far (%), {per_task} rounds per task", f"{experiment}: the stream",
                                  marks=tuple(per_task * t + 0.5 for t in range(1, n_tasks))))
         (tmp / "README.md").write_text(f"# fedsilo report: {experiment}\n\n{full}\n" + "".join(f"![{f}]({f})\n" for f in figs))
@@ -380,8 +380,8 @@ def build_sensitivity_report(lam_runs: dict[str, dict[float, tuple[Path, str]]],
             for _, r in lt.iterrows():
                 pa = "" if pd.isna(r["paper_Avg"]) else f"{r['paper_Avg']:.2f}"
                 pm = "" if pd.isna(r["paper_model_MB"]) else f"{r['paper_model_MB']:.0f}"
-                lines.append(f"| {r['stream']} | {r['lambda']:g} | {r['method']} | {_pm(r['Avg'], r['Avg_std'], '.2f')} | "
-                             f"{_pm(r['models_kept'], r['models_kept_std'], '.2f')} | {r['MiB_kept']:.3f} | {pa} | {pm} |")
+                lines.append(f"| {r['stream']} | {r['lambda']:g} | {r['method']} | {mean_pm(r['Avg'], r['Avg_std'], '.2f')} | "
+                             f"{mean_pm(r['models_kept'], r['models_kept_std'], '.2f')} | {r['MiB_kept']:.3f} | {pa} | {pm} |")
             md = "\n".join(lines) + "\n"
             (tmp / "lambda.md").write_text(md)
             parts.append(md)
@@ -398,7 +398,7 @@ def build_sensitivity_report(lam_runs: dict[str, dict[float, tuple[Path, str]]],
                 alphas = sorted(g["alpha"].unique())
                 lines += [f"**{s}**", "", "| method | " + " | ".join(f"alpha {a:g}" for a in alphas) + " |", "|---" * (len(alphas) + 1) + "|"]
                 for m, gm in g.groupby("method", sort=False):
-                    cells = {r["alpha"]: _pm(r["Avg"], r["Avg_std"], ".2f") for _, r in gm.iterrows()}
+                    cells = {r["alpha"]: mean_pm(r["Avg"], r["Avg_std"], ".2f") for _, r in gm.iterrows()}
                     lines.append(f"| {m} | " + " | ".join(cells.get(a, "") for a in alphas) + " |")
                 lines.append("")
             md = "\n".join(lines) + "\n"
