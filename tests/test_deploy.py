@@ -1028,7 +1028,7 @@ def test_the_shipped_site_params_and_federation_example_validate(tmp_path):
     coordinator = yaml.safe_load(REPO_PARAMS.read_text())
     coordinator["methods"]["f2dc_fc"] = {"method": "f2dc", "layers": ["fc2"]}
     (tmp_path / "coord.yaml").write_text(yaml.safe_dump(coordinator))
-    with pytest.raises(ConfigError, match=r"is not a backbone f2dc trains: methods\.f2dc_fc\.layers: unit 'fc2' gives a 2-d output"):
+    with pytest.raises(ConfigError, match=r"methods\.f2dc_fc\.layers: unit 'fc2' gives a 2-d output.* \[f2dc on the backbone simple_cnn, train\.model\]"):
         write_app(load_federation(_dump(tmp_path / "f.yaml", {**raw, "method": "f2dc_fc", "train": {**raw["train"], "model": "simple_cnn"}})),
                   load_params(tmp_path / "coord.yaml"), tmp_path / "app5")
     assert not (tmp_path / "app5").exists()

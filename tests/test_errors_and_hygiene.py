@@ -242,7 +242,7 @@ def test_a_partial_sharing_method_that_cannot_be_built_on_the_backbone_fails_at_
     raw["methods"][key] = entry
     raw["pipeline"]["methods"] = [key]
     err = _check_params(tmp_path, raw, capsys)
-    assert f"p.yaml: experiments.quick.train.model: {model} is not a backbone {key} trains: {text}" in err, err
+    assert f"p.yaml: {text}" in err and f"[{key} on the backbone {model}, experiments.quick.train.model]" in err, err
 
 
 def test_every_method_on_every_backbone_is_checked_or_refused_by_name_never_crashes():

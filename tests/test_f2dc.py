@@ -878,3 +878,23 @@ def test_f2dc_beats_fedavg_where_domains_differ_in_style():
             cls = method_class(name)
             final[name].append(Engine(cls(cls.params_cls(**kw), tp), tiny_net(1, 4, seed=seed), cl, tp, seed=seed).run()[-1]["mean_acc"])
     assert np.mean(final["f2dc"]) > np.mean(final["fedavg"]) + 0.05, final
+
+
+def test_decoupling_settings_that_train_nothing_or_a_method_without_the_modules_are_refused_by_key():
+    """feature: plus without DFD is f+ = 0 * f for every image (a constant model, trained without a word); `decouple:`
+    on a method that does not take F²DC's modules names those that do."""
+    from fedsilo.config import ConfigError, parse_params
+    from fedsilo.methods.registry import method_params
+    from tests.conftest import small_params
+
+    for key, entry, dotted in (("f2dc_no_dfd", {"method": "f2dc", "dfd": False, "feature": "plus"}, "methods.f2dc_no_dfd.feature"),
+                               ("fedavg_dc", {"method": "fedavg", "decouple": {"dfd": False, "feature": "plus"}}, "methods.fedavg_dc.decouple.feature")):
+        raw = small_params()
+        raw["methods"][key] = entry
+        with pytest.raises(ConfigError, match=rf"{dotted}: plus \(f\+ = M \* f\) needs the decoupler's mask"):
+            method_params(parse_params(raw), key)
+    raw = small_params()
+    raw["methods"]["moon"] = {"decouple": {}}
+    with pytest.raises(ConfigError, match=r"methods\.moon\.decouple: unknown key \(moon does not take F²DC's modules; `decouple:` is "
+                       r"taken by fdse, fedavg, fedheal, fpl;"):
+        method_params(parse_params(raw), "moon")

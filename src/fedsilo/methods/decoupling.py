@@ -38,7 +38,8 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from torch import nn
 
 from fedsilo.config import ConfigError, Strict
@@ -74,6 +75,14 @@ class DecouplingParams(Strict):
         False, description="upload and average A_D, A_C and m like the rest of the model (the authors' code) instead of "
         "keeping them on the client (the paper, Sec. 4.3)",
     )
+
+    @model_validator(mode="after")
+    def _plus_needs_the_mask(self) -> "DecouplingParams":
+        if self.feature == "plus" and not self.dfd:  # no DFD: the mask is 0, f+ = 0 for every image
+            raise PydanticCustomError("needs_dfd", "plus (f+ = M * f) needs the decoupler's mask: with dfd: false f+ is zero "
+                                      "for every image and the classifier learns nothing (use tilde, minus or star, or dfd: true)",
+                                      {"field": "feature"})
+        return self
 
 
 def _conv_stack(channels: int, width: int, convs: int) -> nn.Sequential:

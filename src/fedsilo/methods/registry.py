@@ -114,7 +114,13 @@ def method_params(params: Params, key: str, source: Optional[str] = None) -> Met
     try:
         typed = cls.params_cls.model_validate(entry_values(entry))
     except ValidationError as err:
-        raise ConfigError(f"{source}: {format_validation_error(err, f'methods.{key}.', model=cls.params_cls)}") from None
+        msg = format_validation_error(err, f"methods.{key}.", model=cls.params_cls)
+        unknown = f"methods.{key}.decouple: unknown key"
+        if unknown in msg:  # F²DC's modules on a method that does not take them: say which do
+            takers = sorted(n for n, c in REGISTRY.items() if "decouple" in c.params_cls.model_fields)
+            msg = msg.replace(unknown, f"{unknown} ({cls.name} does not take F²DC's modules; `decouple:` is taken by "
+                                       f"{', '.join(takers)}; f2dc takes the modules' keys, dfd, dfc, sigma, ..., directly)", 1)
+        raise ConfigError(f"{source}: {msg}") from None
     params._typed_methods[key] = typed
     return typed
 
@@ -161,16 +167,17 @@ def _meta_backbone(model: str, size: int, width: float, channels: int) -> tuple[
         return build_model(model, channels, 10, image_size=size, width=width), torch.zeros(2, channels, size, size)
 
 
-def check_backbone(algo: Method, model: str, size: int, width: float = 1.0, channels: int = 3) -> None:
+def check_backbone(algo: Method, model: str, size: int, width: float = 1.0, channels: int = 3, where: str = "train.model") -> None:
     """A method that works on some backbones only (:meth:`Method.check_backbone`: CD2-pFed's channel decoupling, the
-    units F²DC's modules follow) checks ``model`` at ``size`` px: a ConfigError saying why not."""
+    units F²DC's modules follow) checks ``model`` at ``size`` px: a ConfigError saying why not, the method's key first
+    (what to change), then the backbone and ``where`` it is set."""
     if type(algo).check_backbone is Method.check_backbone:
         return
     net, example = _meta_backbone(model, size, width, channels)
     try:
         algo.check_backbone(copy.deepcopy(net), example)  # a method's transform may change the model it is given
     except ConfigError as err:
-        raise ConfigError(f"{model} is not a backbone {algo.name} trains: {err}") from None
+        raise ConfigError(f"{err} [{algo.name} on the backbone {model}, {where}]") from None
 
 
 def check_pipeline_fits(params: Params, source: str = "params.yaml") -> None:
@@ -192,9 +199,10 @@ def check_pipeline_fits(params: Params, source: str = "params.yaml") -> None:
             train = params.experiments[e].train
             size = getattr(params.datasets.get(params.experiments[e].dataset), "image_size", None) or 32
             try:
-                check_backbone(resolve_method(params, key, train), train.model, size, train.model_width)
+                check_backbone(resolve_method(params, key, train), train.model, size, train.model_width,
+                               where=f"experiments.{e}.train.model")
             except ConfigError as err:
-                raise ConfigError(f"{source}: experiments.{e}.train.model: {err}") from None
+                raise ConfigError(f"{source}: {err}") from None
 
 
 def _summary(cls: type[Method]) -> str:
