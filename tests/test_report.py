@@ -598,3 +598,23 @@ def test_a_row_run_with_another_setting_than_the_papers_row_is_named():
     with tempfile.TemporaryDirectory() as d:
         md = write_versus(Path(d), "f2dc_pacs", vs, "pipelines/f2dc/published.yaml#pacs", published["pacs"], settings=said)
     assert "**Not the paper's setting**: f2dc ran with sigma 0.2 (the paper's row: 0.1)" in md
+
+
+def test_a_quickstarts_vs_paper_table_says_where_its_scale_is_not_the_papers():
+    """F²DC's quickstart trains the paper's ResNet-10 (no backbone note) at 16 px for 3 rounds on generated images:
+    the vs-paper table names each setting beside the paper-scale params' and the mirrors; the paper scale says nothing."""
+    from fedsilo.report import paper_scale_note, write_versus
+    from tests.conftest import paper_params
+
+    p = paper_params("f2dc", "quickstart", check=False)
+    note = paper_scale_note(p, "f2dc_pacs", REPO)
+    assert note.startswith("**Not the paper's scale** (quickstart): ours image size 16 px, rounds 3, local epochs 1, batch size 16, seeds 1; "
+                           "the paper scale's (pipelines/f2dc/paper/params.yaml) image size 128 px, rounds 100, local epochs 10, batch size 64, seeds 3; "
+                           "our images from offline mirrors (pacs)"), note
+    assert paper_scale_note(paper_params("f2dc", "paper", check=False), "f2dc_pacs", REPO) == ""
+    vs = pd.DataFrame({("Avg", "ours"): [20.0], ("Avg", "paper"): [70.0], ("Avg", "diff"): [-50.0]}, index=["f2dc"])
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        md = write_versus(Path(d), "f2dc_pacs", vs, "x.yaml#t", {"source": "Table 1"}, scale=note)
+    assert note in md

@@ -336,10 +336,11 @@ def _report_one(args: argparse.Namespace, p: Params, exp: str, methods: Sequence
     """The report of one experiment's ``methods`` into ``out`` and ``made``: a task stream's (pFedDIL's tables) or a
     static one's. ``beside``: the methods a run group sets beside its own rows; ``in_place``: ``out`` is a folder the
     caller writes atomically."""
-    from fedsilo.report import build_report
+    from fedsilo.report import build_report, paper_scale_note
     from fedsilo.report.continual import build_stream_report
 
     layout = p.layout(args.root)
+    scale = paper_scale_note(p, exp, Path(args.root)) if p.experiments[exp].published else ""
     if p.experiments[exp].split.protocol == "domain_incremental":
         ms = list(methods)
         # Delta's reference: the pFedDIL entry with every module on (not an ablation); in a group's table the one the
@@ -348,11 +349,13 @@ def _report_one(args: argparse.Namespace, p: Params, exp: str, methods: Sequence
                 and all((p.methods[m] or {}).get(k, True) for k in ("migration", "share_extractor", "correlation"))]
         made.update(build_stream_report(layout.results(exp), exp, ms, list(p.pipeline.seeds), out,
                                         published=p.experiments[exp].published, repo=Path(args.root),
-                                        reference=full[0] if full else None, in_place=in_place, method_entries=p.methods))
+                                        reference=full[0] if full else None, in_place=in_place, method_entries=p.methods,
+                                        scale=scale))
         return
     made.update(build_report(layout.results(exp), exp, list(methods), list(p.pipeline.seeds),
                              out, published=p.experiments[exp].published, method_entries=p.methods,
-                             repo=Path(args.root), target_accuracy=p.experiments[exp].target_accuracy, in_place=in_place))
+                             repo=Path(args.root), target_accuracy=p.experiments[exp].target_accuracy, in_place=in_place,
+                             scale=scale))
 
 
 def _host_policy_arg(text: str | None) -> tuple[dict, ...]:

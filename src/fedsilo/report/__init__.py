@@ -930,17 +930,64 @@ def backbone_note(paper: dict[str, Any] | None, ours: set[str]) -> str:
             "train the paper's backbone).")
 
 
+def paper_scale_note(params: Any, experiment: str, repo: Path) -> str:
+    """A line for the vs-paper table of a paper's smaller scale (its quickstart): where ``experiment``'s settings here
+    differ from the same experiment's in the paper-scale params (``pipelines/<paper>/paper/params.yaml``: the paper's
+    stated settings, and FedBN's or the authors' code's where it is silent): image size, rounds, local epochs, batch,
+    seeds, and whether the images come from offline mirrors. Empty at the paper's scale, outside a paper's pipeline,
+    or where the paper-scale file has no such experiment."""
+    import yaml
+
+    from fedsilo.config import TrainParams
+
+    meta = params.paper
+    preset = Path(repo) / "pipelines" / meta.name / "paper" / "params.yaml" if meta is not None else None
+    if preset is None or meta.scale == "paper" or not preset.is_file():
+        return ""
+    raw = yaml.safe_load(preset.read_text()) or {}
+    theirs_exp = (raw.get("experiments") or {}).get(experiment)
+    if not theirs_exp:
+        return ""
+    ours_exp = params.experiments[experiment]
+    theirs_train = TrainParams.model_validate(theirs_exp.get("train") or {})
+
+    def px(dataset: str) -> Any:
+        d = params.datasets.get(dataset)
+        return getattr(d, "image_size", None)
+
+    ours = {"image size": px(ours_exp.dataset), "rounds": ours_exp.train.rounds, "local epochs": ours_exp.train.local_epochs,
+            "batch size": ours_exp.train.batch_size, "seeds": len(params.pipeline.seeds)}
+    theirs = {"image size": px(theirs_exp.get("dataset", "")), "rounds": theirs_train.rounds,
+              "local epochs": theirs_train.local_epochs, "batch size": theirs_train.batch_size,
+              "seeds": len(raw.get("seeds") or (raw.get("pipeline") or {}).get("seeds") or ())}
+    differ = [k for k in ours if theirs[k] is not None and ours[k] is not None and theirs[k] and ours[k] != theirs[k]]
+    data = params.datasets.get(ours_exp.dataset)
+    mirrors = [s for s in getattr(data, "source_list", ()) if s in params.sources and params.sources[s].mode == "mirror"]
+    if not differ and not mirrors:
+        return ""
+
+    def show(d: dict[str, Any]) -> str:
+        return ", ".join(f"{k} {d[k]}{' px' if k == 'image size' else ''}" for k in differ)
+
+    parts = [f"ours {show(ours)}" if differ else "", f"the paper scale's ({preset.relative_to(Path(repo)).as_posix()}) {show(theirs)}" if differ else "",
+             f"our images from offline mirrors ({', '.join(mirrors)}), generated, not the real data" if mirrors else ""]
+    return (f"**Not the paper's scale** ({meta.scale}): " + "; ".join(x for x in parts if x)
+            + ". These rows show the pipeline at work, not whether the paper's numbers reproduce.")
+
+
 def write_versus(out: Path, exp: str, vs: pd.DataFrame, published: str, paper: dict[str, Any] | None = None,
-                 ours: str = "final", settings: list[str] | None = None, backbones: set[str] | None = None) -> str:
+                 ours: str = "final", settings: list[str] | None = None, backbones: set[str] | None = None,
+                 scale: str = "") -> str:
     """``<exp>_vs_paper.md`` and ``.csv`` from a :func:`versus_paper` table (its columns flattened to
     ``<column>_<ours|paper|diff>`` in place, for the CSV); returns the markdown. ``paper``: the published table, whose
     ``selection`` says which round its numbers come from; ``ours``: which round ours come from (both stated under
     the title); ``settings``: our rows whose setting differs from the paper's row (:func:`settings_differ`), said
-    under the title; ``backbones``: what our runs trained (:func:`runs_backbones`), said when not the paper's."""
+    under the title; ``backbones``: what our runs trained (:func:`runs_backbones`), said when not the paper's;
+    ``scale``: :func:`paper_scale_note`'s line, said first."""
     md = versus_markdown(vs, f"{exp}: ours vs {published}")
     source = f"The paper's numbers: {paper['source']}. " if (paper or {}).get("source") else ""  # its data, clients, model
     md = md.replace("\n\nEach cell:", f"\n\n{source}{selection_note(paper, ours, list(vs.index))} Each cell:", 1)
-    note = backbone_note(paper, backbones or set())
+    note = " ".join(x for x in (scale, backbone_note(paper, backbones or set())) if x)
     if note:
         md = md.replace("\n\n|", f"\n\n{note}\n\n|", 1)
     if settings:
@@ -1024,6 +1071,7 @@ def build_report(
     repo: Path = Path("."),
     target_accuracy: float | None = None,
     in_place: bool = False,
+    scale: str = "",
 ) -> dict[str, Any]:
     """Tables and figures for one experiment from its results folder (``results/<experiment>`` or a paper's
     ``results/<paper>/<scale>/<experiment>``). ``published``: '<file>#<table>' of a paper's numbers (a path from the
@@ -1161,7 +1209,7 @@ def build_report(
                     ours = {m: ours[m] for m in vs.index}
                 md += "\n" + write_versus(tmp, exp, vs, published, paper, ours,
                                            settings_differ(paper, method_entries, list(vs.index)),
-                                           runs_backbones(results, methods, seeds))
+                                           runs_backbones(results, methods, seeds), scale)
                 made[exp + ":vs_paper"] = vs.to_dict(orient="index")
                 paper_eff = entries.get("efficiency")
                 if paper_eff and set(paper_eff) & set(comm.index):  # a table of "not run" rows says nothing

@@ -230,7 +230,7 @@ def order_note(tasks: list[str], domains: list[str]) -> str | None:
 
 def build_stream_report(results: Path, experiment: str, methods: list[str], seeds: list[int], out_dir: Path,
                         published: str | None = None, repo: Path = Path("."), reference: str | None = None,
-                        in_place: bool = False, method_entries: dict[str, Any] | None = None) -> dict[str, Any]:
+                        in_place: bool = False, method_entries: dict[str, Any] | None = None, scale: str = "") -> dict[str, Any]:
     """``reference``: the method Delta is measured against (the pFedDIL row; none: Delta left empty);
     ``method_entries``: the params' ``methods``, to name a row run with another setting than the paper's row."""
     metrics, histories = collect_stream(results, methods, seeds)
@@ -277,7 +277,7 @@ def build_stream_report(results: Path, experiment: str, methods: list[str], seed
             else:
                 full += "\n" + write_versus(tmp, experiment, versus_paper(tab, paper), published, paper, ours="task_end",
                                              settings=settings_differ(paper, method_entries, methods),
-                                             backbones=runs_backbones(results, methods, seeds))
+                                             backbones=runs_backbones(results, methods, seeds), scale=scale)
         series = []
         for m in methods:
             ev = [[e for e in histories[(m, s)] if "seen_acc" in e] for s in seeds]
