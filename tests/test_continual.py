@@ -440,6 +440,16 @@ def test_train_stage_runs_a_hospital_stream_and_the_report_prints_the_papers_tab
             "train --experiment stream --method fedavg --seed 0") in capsys.readouterr().err
     assert cli("report", "--experiment", "stream", "--methods", "fedavgg") == 2
     assert "methods.fedavgg: not defined (did you mean 'fedavg'?)" in capsys.readouterr().err
+    # an experiment the pipeline does not train (no stage to name): the commands that train its runs by hand, and the
+    # report of the methods trained so far
+    off = {**raw, "pipeline": {**raw["pipeline"], "experiments": [], "splits": {}, "methods": ["pfeddil", "disjoint", "fedavg"]}}
+    (root / "params.yaml").write_text(yaml.safe_dump(off))
+    assert cli("report", "--experiment", "stream") == 2
+    err = capsys.readouterr().err
+    assert (f"1 run(s) not trained yet (stream/fedavg/seed0); train them: fedsilo --params {root / 'params.yaml'} train --experiment "
+            f"stream --method fedavg --seed 0 (or report the methods trained for every seed: fedsilo --params {root / 'params.yaml'} "
+            "report --experiment stream --methods pfeddil,disjoint)") in err, err
+    (root / "params.yaml").write_text(yaml.safe_dump(raw))
     # beside a published table: a row the paper ran at another lambda is named; a table of another task order is
     # not set beside ours (each column is the accuracy over the tasks seen so far: another order, another quantity)
     order = ["CheXpert", "OpenI", "RSNA", "VinBigData"]

@@ -558,7 +558,10 @@ def test_the_split_command_says_each_clients_validation_size(mirror_root, tmp_pa
     capsys.readouterr()
     assert main(["-q", "--params", str(path), "--root", str(mirror_root), "split", "--experiment", "fedbn_val"]) == 0
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("fedbn_val ")]
-    assert len(lines) == 4 and all(re.fullmatch(r"fedbn_val \S+: \d+ train / [1-9]\d* val / \d+ test", x) for x in lines), lines
+    # and, for a binary task, each side's class counts (the draws keep no class balance)
+    side = r"\d+ (train|test) \(0: \d+ / 1: \d+\)"
+    assert len(lines) == 4 and all(re.fullmatch(rf"fedbn_val \S+: {side.replace('(train|test)', 'train')} / [1-9]\d* val / "
+                                                 rf"{side.replace('(train|test)', 'test')}", x) for x in lines), lines
 
 
 def test_a_split_made_before_its_settings_were_edited_is_refused_by_train_naming_the_settings(mirror_root, tmp_path, capsys):

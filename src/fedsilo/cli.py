@@ -133,6 +133,7 @@ def _harmonize(args: argparse.Namespace) -> None:
 
 
 def _split(args: argparse.Namespace) -> None:
+    import numpy as np
     import pandas as pd
 
     from fedsilo.data.splits import SplitError, check_patient_disjoint, iter_sides, make_split
@@ -162,8 +163,18 @@ def _split(args: argparse.Namespace) -> None:
     split["dataset"] = exp.dataset
     write_json(layout.split(args.experiment), split)
     val = {c["name"]: len(c.get("val") or ()) for c in split["clients"]}  # FedBN's validation sets, where drawn
+    labels = records["label"].to_numpy()
+    few = split["num_classes"] <= 4  # a binary task's class counts on each side (the draws keep no class balance)
+
+    def counts(rows: list[int]) -> str:
+        if not few:
+            return ""
+        by = np.bincount(labels[rows], minlength=split["num_classes"]) if len(rows) else np.zeros(split["num_classes"], int)
+        return " (" + " / ".join(f"{c}: {int(n)}" for c, n in enumerate(by)) + ")"
+
     for name, train, test in iter_sides(split):
-        print(f"{args.experiment} {name}: {len(train)} train" + (f" / {val[name]} val" if val.get(name) else "") + f" / {len(test)} test")
+        print(f"{args.experiment} {name}: {len(train)} train{counts(train)}" + (f" / {val[name]} val" if val.get(name) else "")
+              + f" / {len(test)} test{counts(test)}")
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -177,7 +188,8 @@ def _train(args: argparse.Namespace) -> None:
         print(f"{args.experiment} {args.method} seed {args.seed}: Avg {m['avg_acc']:.3f} (accuracy after each task, averaged), "
               f"forgetting {forgetting}; after the last task {m['final_acc']:.3f} over the tasks, per client ({per})")
         return
-    print(f"{args.experiment} {args.method} seed {args.seed}: mean acc {m['mean_acc']:.3f} ± {m['std_acc']:.3f} ({per})")
+    print(f"{args.experiment} {args.method} seed {args.seed}: mean acc {m['mean_acc']:.3f} over the clients (std "
+          f"{m['std_acc']:.3f} between them; the report's ± is over seeds) ({per})")
 
 
 def _onboard(args: argparse.Namespace) -> None:
@@ -203,15 +215,23 @@ def _refuse_missing_runs(p: Params, layout: Layout, source: str, what: str, runs
         return ", ".join(f"{e}/{m}/seed{k}" for e, m, k in rs[:6]) + (", ..." if len(rs) > 6 else "")
 
     def train(rs: list[tuple[str, str, int]]) -> str:
-        staged = [r for r in rs if r[1] in p.experiment_methods(r[0])]  # the pipeline's own runs: its train stages
-        by_hand = [r for r in rs if r not in staged]  # a method no stage trains on that experiment (report --methods)
+        # the pipeline's own runs: its train stages; a method no stage trains on that experiment (report --methods), or
+        # an experiment the pipeline does not train at all, by hand
+        staged = [r for r in rs if r[0] in p.pipeline.experiments and r[1] in p.experiment_methods(r[0])]
+        by_hand = [r for r in rs if r not in staged]
         cmds = ["dvc repro " + " ".join(shlex.quote(p.train_stage(*r)) for r in staged)] if staged else []
         params = f"--params {shlex.quote(str(source))} " if str(source) != "params.yaml" else ""
         cmds += [f"fedsilo {params}train --experiment {e} --method {m} --seed {k}" for e, m, k in by_hand]
         return "; ".join(cmds)
 
     if missing:
-        raise ConfigError(f"{source}: {what}: {len(missing)} run(s) not trained yet ({listed(missing)}); train them: {train(missing)}")
+        done = {(e, m) for e, m, _ in every} - {(e, m) for e, m, _ in missing}
+        exps = sorted({e for e, _ in done})
+        params = f"--params {shlex.quote(str(source))} " if str(source) != "params.yaml" else ""
+        trained = ("" if what != "report" or len(exps) != 1 else
+                   f" (or report the methods trained for every seed: fedsilo {params}report --experiment {exps[0]} --methods "
+                   + ",".join(m for e, m in dict.fromkeys((e, m) for e, m, _ in every) if (e, m) in done) + ")")
+        raise ConfigError(f"{source}: {what}: {len(missing)} run(s) not trained yet ({listed(missing)}); train them: {train(missing)}{trained}")
     stale = trained_otherwise(p, layout, every)
     if stale:
         said = "; ".join(f"{e}/{m}/seed{k}: {', '.join(d[:4])}{', ...' if len(d) > 4 else ''}" for (e, m, k), d in list(stale.items())[:4])

@@ -360,7 +360,7 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
     doms = [str(kept["domain"].iloc[i]) for i in todo]
     with atomic_dir(Path(out_dir)) as tmp:
         spool = ImageSpool(tmp, len(jobs), Path(out_dir).name)
-        spool.decode_into([(i, jobs[i]) for i in todo], kept["id"], errors, ok, workers, doms, f"harmonize {params.kind}", quiet)
+        spool.decode_into([(i, jobs[i]) for i in todo], kept["id"], errors, ok, workers, doms, f"harmonize {Path(out_dir).name}", quiet)
 
         quarantine = kept.loc[~ok, ["id", "domain", "path"]].copy()
         quarantine["error"] = [e for e, good in zip(errors, ok) if not good]
@@ -609,7 +609,7 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
                 decoder = "dicom_rgb" if reader == "dicom" else "rgb"  # a DICOM of your own, or any image file
                 file_jobs.append((i, (str(raw_dir / path), decoder, params.image_size, params.square, "", (0.0, 100.0), frame_of[i])))
         doms = [str(kept["domain"].iloc[i]) for i, _ in file_jobs]
-        spool.decode_into(file_jobs, kept["id"], errors, ok, workers, doms, f"harmonize {params.kind}", quiet)
+        spool.decode_into(file_jobs, kept["id"], errors, ok, workers, doms, f"harmonize {Path(out_dir).name}", quiet)
         quarantine = kept.loc[~ok, ["id", "domain", "path"]].copy()
         quarantine["error"] = [e for e, good in zip(errors, ok) if not good]
         _check_quarantine(kept["domain"], quarantine["domain"], quarantine, params.max_quarantine_fraction, f"raw files under {raw_root}",
