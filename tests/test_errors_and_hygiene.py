@@ -545,6 +545,18 @@ def test_a_split_the_data_cannot_give_names_the_params_file_and_the_whole_key(mi
     assert re.search(r"p\.yaml: experiments\.quick\.split: domain '\w+': \d+ images from \d+ patients cannot give 10000 train", err), err
 
 
+def test_a_split_naming_a_domain_its_dataset_lacks_fails_at_check_params(tmp_path, capsys):
+    """The dataset's domains follow from params where its sources are public (their readers' domains) or tables of
+    the user's (their `domain`): a misspelt or missing domain stopped the split stage, after DVC had started."""
+    raw = small_params()
+    raw["experiments"]["quick"]["split"]["domains"] = ["CheXpert", "OpenI", "RNSA"]
+    err = _check_params(tmp_path, raw, capsys)
+    assert ("p.yaml: experiments.quick.split.domains: 'RNSA' is not a domain of datasets.chest_xray4 (did you mean 'RSNA'?) "
+            "(its domains: CheXpert, OpenI, RSNA, VinBigData)") in err, err
+    raw["experiments"]["quick"]["split"] = {"protocol": "holdout_domain", "holdout": "PadChest", "n_train": 24, "n_test": 16}
+    assert "experiments.quick.split.holdout: 'PadChest' is not a domain of datasets.chest_xray4" in _check_params(tmp_path, raw, capsys)
+
+
 def test_the_split_command_says_each_clients_validation_size(mirror_root, tmp_path, capsys):
     """FedBN's protocol draws a validation set per client: the split's lines name it beside train and test."""
     raw = small_params()

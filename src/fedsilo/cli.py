@@ -450,10 +450,12 @@ def _bench_grid(args: argparse.Namespace) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    from fedsilo.data.splits import check_split_domains
     from fedsilo.methods.registry import check_pipeline_fits
 
     p = load_params(args.params)
     check_pipeline_fits(p, str(args.params))
+    check_split_domains(p, str(args.params))
     _check_published(p, str(args.params), Path(args.root))
     if args.stamp:  # the same bytes whenever the file holds: the stages depending on it rerun for their own params only
         from fedsilo.utils.io import write_json

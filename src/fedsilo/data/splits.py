@@ -606,3 +606,50 @@ def check_patient_disjoint(records: pd.DataFrame, split: dict[str, Any]) -> None
         both = set(records.loc[train, "group"]) & set(records.loc[test, "group"])
         if both:
             raise SplitError(f"client {name}: patient(s) {sorted(both)[:3]} in both train and test")
+
+
+def dataset_domains(params: Any, name: str) -> Optional[list[str]]:
+    """The domains a dataset's images will carry, where params alone say: a chest X-ray dataset's sources' (a table's
+    ``domain``, default its source's name), a benchmark's public sources' own (each reader's ``DOMAINS``), kept to
+    ``datasets.<d>.domains``; None where folders or tables of the user's decide (a benchmark's sources of your own)."""
+    from fedsilo.config import CXRDatasetParams
+    from fedsilo.data.sources import source_module
+
+    d = params.datasets.get(name)
+    if d is None:
+        return None
+    if isinstance(d, CXRDatasetParams):
+        doms = [x for s in d.sources for x in d.domains_of(s)]
+    else:
+        if d.own_sources():
+            return None
+        doms = []
+        for s in d.source_list:
+            found = getattr(source_module(s), "DOMAINS", None)
+            if found is None:
+                return None
+            doms += list(found)
+    keep = getattr(d, "domains", None)
+    return [x for x in dict.fromkeys(doms) if not keep or x in keep]
+
+
+def check_split_domains(params: Any, source: str) -> None:
+    """``fedsilo check-params``: every domain a trained experiment's split names (``domains``, ``domain_order``,
+    ``holdout``, the keys of ``clients_per_domain`` and ``n_test_per_domain``) is a domain of its dataset, where params
+    alone tell them (:func:`dataset_domains`): a misspelt domain stopped the split stage, after DVC had started."""
+    for e in dict.fromkeys([*params.pipeline.experiments, *params.pipeline.splits]):
+        if e not in params.experiments:
+            continue
+        exp = params.experiments[e]
+        have = dataset_domains(params, exp.dataset)
+        if not have:
+            continue
+        sp = exp.split
+        named = {key: list(getattr(sp, key, None) or ()) for key in ("domains", "domain_order", "clients_per_domain", "n_test_per_domain")}
+        if getattr(sp, "holdout", None):
+            named["holdout"] = [sp.holdout]
+        for key, doms in named.items():
+            for dom in doms:
+                if dom not in have:
+                    raise SplitError(f"{source}: experiments.{e}.split.{key}: {dom!r} is not a domain of datasets.{exp.dataset}"
+                                     f"{did_you_mean(dom, have)} (its domains: {', '.join(have)})")
