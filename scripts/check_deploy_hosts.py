@@ -30,7 +30,7 @@ from tests.netns_hosts import COORD_IP as SUPERLINK_IP  # noqa: E402
 from tests.netns_hosts import Hosts, sh  # noqa: E402
 from tests.test_deploy_processes import BIN, TRAIN, Federation, engine_history  # noqa: E402
 
-from fedsilo.fl.deploy import make_certificates  # noqa: E402
+from fedsilo.fl.credentials import make_certificates  # noqa: E402
 
 T0 = time.monotonic()
 

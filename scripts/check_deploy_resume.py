@@ -20,7 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.test_deploy_processes import CONNECTION, Federation, engine_history  # noqa: E402
 
-from fedsilo.fl.deploy import make_certificates, peek_checkpoint, resume_key  # noqa: E402
+from fedsilo.fl.credentials import make_certificates  # noqa: E402
+from fedsilo.fl.deploy import peek_checkpoint, resume_key  # noqa: E402
 
 TRAIN = {"model": "simple_cnn", "rounds": 3, "batch_size": 8, "lr": 0.05, "device": "cpu"}
 T0 = time.monotonic()

@@ -31,7 +31,8 @@ from tests.deploy_sites import make_stream_site  # noqa: E402
 from tests.test_deploy_processes import BIN, CONNECTION, REPO_PARAMS, Federation  # noqa: E402
 
 from fedsilo.fl.continual import ContinualEngine  # noqa: E402
-from fedsilo.fl.deploy import deployment_spec, make_certificates, make_node_key  # noqa: E402
+from fedsilo.fl.credentials import make_certificates, make_node_key  # noqa: E402
+from fedsilo.fl.deploy import deployment_spec  # noqa: E402
 from fedsilo.fl.params import load_params  # noqa: E402
 from fedsilo.fl.site import load_site  # noqa: E402
 

@@ -1177,7 +1177,7 @@ def test_a_site_and_the_superlink_install_as_systemd_services_of_the_commands_th
     from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
 
     from fedsilo.cli import main
-    from fedsilo.fl.deploy import make_certificates, make_node_key
+    from fedsilo.fl.credentials import make_certificates, make_node_key
 
     params, root = sites["rsna"], sites["rsna"].parent
     certs = make_certificates(tmp_path / "certs", ("coordinator.example.org",))
@@ -1342,7 +1342,7 @@ def test_credentials_are_checked_before_flower_starts_and_the_superlinks_certifi
     from cryptography import x509
 
     from fedsilo.cli import _certificates_status, main
-    from fedsilo.fl.deploy import (
+    from fedsilo.fl.credentials import (
         check_site_credentials,
         check_superlink_certificates,
         make_certificates,

@@ -37,7 +37,8 @@ if not (BIN / "flower-superlink").exists() or not (BIN / "fedsilo").exists():
     pytest.skip("flower-superlink / fedsilo are not installed beside this Python", allow_module_level=True)
 
 from fedsilo.cli import main as fedsilo_cli  # noqa: E402
-from fedsilo.fl.deploy import deployment_spec, make_certificates, make_node_key  # noqa: E402
+from fedsilo.fl.credentials import make_certificates, make_node_key  # noqa: E402
+from fedsilo.fl.deploy import deployment_spec  # noqa: E402
 from fedsilo.fl.engine import Engine  # noqa: E402
 from fedsilo.fl.params import load_params  # noqa: E402
 from fedsilo.fl.site import load_site, site_card  # noqa: E402

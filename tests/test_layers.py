@@ -125,6 +125,17 @@ def test_a_deliberately_added_cycle_is_found(tmp_path):
     assert cycle and "fedsilo.config" in cycle and any(m.startswith("fedsilo.methods") for m in cycle)
 
 
+def test_a_sites_credential_checks_and_service_commands_need_no_pytorch():
+    """A hospital's IT checks its certificates and writes its units without the training stack's import."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fedsilo.fl.credentials, fedsilo.fl.services; "
+            "print(sorted(m for m in ('torch', 'mlflow', 'flwr') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", out
+
+
 def test_the_data_stages_start_without_pytorch():
     """fetch / harmonize / split run as separate processes once per stage: they must not pay PyTorch's import."""
     import subprocess

@@ -516,7 +516,8 @@ def _site(args: argparse.Namespace) -> None:
         print(f"site {card['site']}: {card['n_train']} train / {card['n_val']} val / {card['n_test']} test images{stream}; "
               f"fingerprint {card['fingerprint']} (send {out} to the coordinator)", file=sys.stderr)
         return
-    from fedsilo.fl.deploy import check_site_credentials, fedsilo_command, restart_after_s, supernode_command
+    from fedsilo.fl.credentials import check_site_credentials
+    from fedsilo.fl.services import fedsilo_command, restart_after_s, supernode_command
 
     missing = [f"--{k.replace('_', '-')}" for k in ("superlink", "root_certificates", "auth_key") if not getattr(args, k)]
     if missing:
@@ -545,7 +546,7 @@ def _run_or_install(args: argparse.Namespace, cmd: list[str], service: list[str]
     import os
     import shutil
 
-    from fedsilo.fl.deploy import systemd_unit, write_unit
+    from fedsilo.fl.services import systemd_unit, write_unit
 
     if args.systemd_unit:
         env = {"FLWR_HOME": str(workdir / ".flwr"), "FLWR_TELEMETRY_ENABLED": "0"}
@@ -562,7 +563,7 @@ def _run_or_install(args: argparse.Namespace, cmd: list[str], service: list[str]
 
 
 def _deploy(args: argparse.Namespace) -> None:
-    from fedsilo.fl import deploy
+    from fedsilo.fl import credentials, deploy, services
 
     if args.action == "superlink":
         host, _, port = args.listen.rpartition(":")
@@ -570,12 +571,12 @@ def _deploy(args: argparse.Namespace) -> None:
         if not host or not port.isdigit():
             raise ConfigError(f"--listen: {args.listen!r}; give host:port (0.0.0.0:9093 listens on every address)")
         database = None if args.database == ":memory:" else Path(args.database)
-        cmd = deploy.superlink_command(Path(args.certs), database, host, int(port))
-        for warning in deploy.check_superlink_certificates(Path(args.certs))["warnings"]:
+        cmd = services.superlink_command(Path(args.certs), database, host, int(port))
+        for warning in credentials.check_superlink_certificates(Path(args.certs))["warnings"]:
             print(warning, file=sys.stderr)
         print(f"superlink: {shlex.join(cmd)}", file=sys.stderr)
         certs, state = Path(args.certs).resolve(), str(database.resolve()) if database is not None else ":memory:"
-        service = deploy.fedsilo_command("deploy", "superlink", "--certs", str(certs), "--database", state, "--listen", args.listen)
+        service = services.fedsilo_command("deploy", "superlink", "--certs", str(certs), "--database", state, "--listen", args.listen)
         _run_or_install(args, cmd, service, Path.cwd(), f"fedsilo federation SuperLink on {args.listen}",
                         f"certificates in {certs}; state in {state}", 5)
         return
@@ -585,17 +586,17 @@ def _deploy(args: argparse.Namespace) -> None:
     if not args.out:
         raise ConfigError(f"fedsilo deploy {args.action}: --out required")
     if args.action == "certs" and args.renew:
-        r = deploy.renew_server_certificate(Path(args.out), tuple(args.host) if args.host else None, days=args.days)
+        r = credentials.renew_server_certificate(Path(args.out), tuple(args.host) if args.host else None, days=args.days)
         before = f" (the old one, valid until {r['previous_until']:%Y-%m-%d}, is {r['server.pem']}.old)" if r["previous_until"] else ""
         print(f"deploy certs --renew: {r['server.pem']} for {', '.join(r['hosts'])}, valid until {r['valid_until']:%Y-%m-%d}{before}; "
               f"restart the SuperLink to serve it (the sites keep their ca.crt)")
     elif args.action == "certs":
-        made = deploy.make_certificates(Path(args.out), tuple(args.host or ("127.0.0.1", "localhost")), days=args.days, ca_days=args.ca_days)
+        made = credentials.make_certificates(Path(args.out), tuple(args.host or ("127.0.0.1", "localhost")), days=args.days, ca_days=args.ca_days)
         print(f"deploy certs: {', '.join(str(v) for v in made.values())} (the sites and the coordinator's CLI trust ca.crt)")
     elif args.action == "key":
         if not args.name:
             raise ConfigError("fedsilo deploy key: --name required (the site's name)")
-        made = deploy.make_node_key(Path(args.out), args.name)
+        made = credentials.make_node_key(Path(args.out), args.name)
         print(f"deploy key: {made[args.name]} stays at the site; {made[args.name + '.pub']} goes to the coordinator (flwr supernode register)")
     else:
         if not args.federation:
@@ -797,7 +798,7 @@ def _deploy_status(args: argparse.Namespace) -> None:
 
 def _certificates_status(certs: Path) -> dict | None:
     """The coordinator's certificates as `deploy superlink` checks them (None where --certs holds none)."""
-    from fedsilo.fl.deploy import check_superlink_certificates
+    from fedsilo.fl.credentials import check_superlink_certificates
 
     if not (certs / "server.pem").is_file():
         return None
