@@ -898,3 +898,27 @@ def test_decoupling_settings_that_train_nothing_or_a_method_without_the_modules_
     with pytest.raises(ConfigError, match=r"methods\.moon\.decouple: unknown key \(moon does not take F²DC's modules; `decouple:` is "
                        r"taken by fdse, fedavg, fedheal, fpl;"):
         method_params(parse_params(raw), "moon")
+
+
+def test_class_means_sum_in_the_order_of_a_batch_by_batch_pass_and_features_of_puts_the_mode_back():
+    """FedTGP's prototypes and FedeCouple's anchors summed each class 256 images at a time: class_means(chunk=256) adds
+    in that order (float32 sums differ in the last bits otherwise, and training carries the difference); FedPAC's summed
+    all rows at once. features_of scores in eval mode, restores the model's mode, and gives no rows for no images."""
+    from fedsilo.client.features import features_of
+    from fedsilo.config import NormalizeParams
+    from fedsilo.methods.prototypes import PrototypeSums, class_means
+
+    g = torch.Generator().manual_seed(0)
+    z, y = torch.randn(700, 16, generator=g) * 100, torch.randint(0, 3, (700,), generator=g)
+    by_batch = PrototypeSums()
+    for i in range(0, 700, 256):
+        by_batch.add(z[i : i + 256], y[i : i + 256])
+    whole = PrototypeSums()
+    whole.add(z, y)
+    chunked, at_once = class_means(z, y, chunk=256), class_means(z, y)
+    assert all(torch.equal(chunked[c], by_batch.means()[c]) and torch.equal(at_once[c], whole.means()[c]) for c in range(3))
+    assert any(not torch.equal(chunked[c], at_once[c]) for c in range(3))  # the order matters at these sizes
+    model = tiny_net(1, 3).train()
+    x = torch.randint(0, 256, (300, 1, 8, 8), generator=g, dtype=torch.uint8)
+    assert features_of(model, x, NormalizeParams()).shape == (300, 16) and model.training
+    assert features_of(model, x[:0], NormalizeParams()).shape == (0, 16) and model.training

@@ -140,7 +140,7 @@ class FedeCouple(PersonalModels):
     # --- the client
     def anchors(self, model: LayeredNet, client: ClientData) -> dict[int, torch.Tensor]:
         """An_k: the mean representation of the client's class-k images under the downloaded extractor (Eq. 1)."""
-        return class_means(features_of(model, client.x_train, self.train.normalize), client.y_train)
+        return class_means(features_of(model, client.x_train, self.train.normalize), client.y_train, chunk=256)
 
     def center_loss(self, rep, anchors: dict[int, torch.Tensor]):
         # a row per class label; every training label has one, since the anchors come from the same images

@@ -163,7 +163,7 @@ class FedPAC(Method):
             align = None
             if rnd > 1 and global_protos and self.params.lam > 0:
                 # the global prototype where one exists, else the client's own
-                table = class_table({**class_means(z0, y), **global_protos}, num_classes).to(z0.dtype)
+                table = class_table({**class_means(z0, y), **global_protos}, num_classes, like=z0)
 
                 def align(x, yb, logits):
                     gap = F.mse_loss(rep.z.float(), table[yb])

@@ -114,7 +114,7 @@ class FedTGP(PrototypeSharing):
                 return lam * prototype_mse(rep.z, y, glob) if glob else torch.zeros((), device=y.device)
 
             self.last_loss = train_local(model, client, self.train, make_generator(seed, rnd, client.index), batch_loss=batch_loss)
-        protos = class_means(features_of(model, client.x_train, self.train.normalize), client.y_train)
+        protos = class_means(features_of(model, client.x_train, self.train.normalize), client.y_train, chunk=256)
         return {**self.keep_and_share(model, store), **to_payload(protos)}
 
     def server_prototypes(self, server: State, pairs: list[tuple[int, torch.Tensor]], rnd: int) -> State:

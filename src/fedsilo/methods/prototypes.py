@@ -9,7 +9,7 @@ FedSA): each says only what its client adds to the loss and what its server make
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -43,18 +43,24 @@ class PrototypeSums:
         return {c: self.sums[c] / self.counts[c] for c in sorted(self.sums)}
 
 
-def class_means(z: torch.Tensor, y: torch.Tensor) -> dict[int, torch.Tensor]:
-    """The mean representation of each class present in ``y`` (FedPAC's local prototypes, FedeCouple's anchors)."""
+def class_means(z: torch.Tensor, y: torch.Tensor, chunk: Optional[int] = None) -> dict[int, torch.Tensor]:
+    """The mean representation of each class present in ``y`` (FedPAC's local prototypes, FedeCouple's anchors,
+    FedTGP's prototypes). ``chunk``: each class summed ``chunk`` rows at a time and the sums added, the order (and so
+    the float32 result) of a pass that sums each batch of that size as it goes (FedTGP's and FedeCouple's, 256);
+    None: over all rows at once (FedPAC's)."""
     sums = PrototypeSums()
-    sums.add(z, y)
+    step = chunk or max(len(z), 1)
+    for i in range(0, len(z), step):
+        sums.add(z[i : i + step], y[i : i + step])
     return sums.means()
 
 
-def class_table(means: dict[int, torch.Tensor], rows: int) -> torch.Tensor:
+def class_table(means: dict[int, torch.Tensor], rows: int, like: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A (rows x d) table whose row c is class c's vector (zeros for a class without one), so that ``table[y]`` is
-    each sample's target in a batch: the anchor or prototype a representation is pulled to."""
+    each sample's target in a batch: the anchor or prototype a representation is pulled to; on ``like``'s device
+    and dtype (default: the first vector's)."""
     first = next(iter(means.values()))
-    table = first.new_zeros(rows, first.shape[-1])
+    table = (like if like is not None else first).new_zeros(rows, first.shape[-1])
     for c, v in means.items():
         table[c] = v.to(table.device, table.dtype)
     return table

@@ -398,7 +398,7 @@ class WSConv2d(nn.Conv2d):
 
     def __init__(self, *args, gamma: float = RELU_GAIN, eps: float = 1e-4, **kwargs):
         super().__init__(*args, **kwargs)
-        self.gain = nn.Parameter(torch.ones(self.out_channels, 1, 1, 1, device=self.weight.device, dtype=self.weight.dtype))
+        self.gain = nn.Parameter(torch.ones(self.out_channels, 1, 1, 1, device=self.weight.device))
         self.gamma, self.eps = float(gamma), float(eps)
 
     @classmethod
@@ -406,15 +406,17 @@ class WSConv2d(nn.Conv2d):
         ws = cls(
             conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
             dilation=conv.dilation, groups=conv.groups, bias=conv.bias is not None, padding_mode=conv.padding_mode,
-            device=conv.weight.device, dtype=conv.weight.dtype, **kw,
+            # shapes only on the meta device (check-params builds a method's model there); else on the CPU, whose
+            # random generator draws the throwaway initialisation on a GPU run too, then moved
+            **({"device": "meta"} if conv.weight.is_meta else {}), **kw,
         )
-        if conv.weight.is_meta:  # shapes only (check-params builds a method's model on the meta device)
+        if conv.weight.is_meta:
             return ws
         with torch.no_grad():
             ws.weight.copy_(conv.weight)
             if conv.bias is not None:
                 ws.bias.copy_(conv.bias)  # type: ignore[union-attr]
-        return ws
+        return ws.to(conv.weight.device)
 
     def standardized_weight(self) -> torch.Tensor:
         w = self.weight

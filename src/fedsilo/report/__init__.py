@@ -934,21 +934,24 @@ def paper_scale_note(params: Any, experiment: str, repo: Path) -> str:
     """A line for the vs-paper table of a paper's smaller scale (its quickstart): where ``experiment``'s settings here
     differ from the same experiment's in the paper-scale params (``pipelines/<paper>/paper/params.yaml``: the paper's
     stated settings, and FedBN's or the authors' code's where it is silent): image size, rounds, local epochs, batch,
-    seeds, and whether the images come from offline mirrors. Empty at the paper's scale, outside a paper's pipeline,
-    or where the paper-scale file has no such experiment."""
+    seeds, and whether the images come from offline mirrors (said at the paper's scale too, the root's default
+    sources being mirrors). Empty outside a paper's pipeline, and where nothing differs."""
     import yaml
 
     from fedsilo.config import TrainParams
 
     meta = params.paper
-    preset = Path(repo) / "pipelines" / meta.name / "paper" / "params.yaml" if meta is not None else None
-    if preset is None or meta.scale == "paper" or not preset.is_file():
-        return ""
-    raw = yaml.safe_load(preset.read_text()) or {}
-    theirs_exp = (raw.get("experiments") or {}).get(experiment)
-    if not theirs_exp:
+    if meta is None:
         return ""
     ours_exp = params.experiments[experiment]
+    data = params.datasets.get(ours_exp.dataset)
+    mirrors = [s for s in getattr(data, "source_list", ()) if s in params.sources and params.sources[s].mode == "mirror"]
+    mirror_part = f"our images from offline mirrors ({', '.join(mirrors)}), generated, not the real data" if mirrors else ""
+    preset = Path(repo) / "pipelines" / meta.name / "paper" / "params.yaml"
+    raw = (yaml.safe_load(preset.read_text()) or {}) if meta.scale != "paper" and preset.is_file() else {}
+    theirs_exp = (raw.get("experiments") or {}).get(experiment)
+    if not theirs_exp:  # the paper scale itself (its settings are the paper's), or no such experiment there
+        return f"**Not the paper's data** ({meta.scale}): {mirror_part}." if mirror_part else ""
     theirs_train = TrainParams.model_validate(theirs_exp.get("train") or {})
 
     def px(dataset: str) -> Any:
@@ -961,8 +964,6 @@ def paper_scale_note(params: Any, experiment: str, repo: Path) -> str:
               "local epochs": theirs_train.local_epochs, "batch size": theirs_train.batch_size,
               "seeds": len(raw.get("seeds") or (raw.get("pipeline") or {}).get("seeds") or ())}
     differ = [k for k in ours if theirs[k] is not None and ours[k] is not None and theirs[k] and ours[k] != theirs[k]]
-    data = params.datasets.get(ours_exp.dataset)
-    mirrors = [s for s in getattr(data, "source_list", ()) if s in params.sources and params.sources[s].mode == "mirror"]
     if not differ and not mirrors:
         return ""
 
@@ -970,7 +971,7 @@ def paper_scale_note(params: Any, experiment: str, repo: Path) -> str:
         return ", ".join(f"{k} {d[k]}{' px' if k == 'image size' else ''}" for k in differ)
 
     parts = [f"ours {show(ours)}" if differ else "", f"the paper scale's ({preset.relative_to(Path(repo)).as_posix()}) {show(theirs)}" if differ else "",
-             f"our images from offline mirrors ({', '.join(mirrors)}), generated, not the real data" if mirrors else ""]
+             mirror_part]
     return (f"**Not the paper's scale** ({meta.scale}): " + "; ".join(x for x in parts if x)
             + ". These rows show the pipeline at work, not whether the paper's numbers reproduce.")
 

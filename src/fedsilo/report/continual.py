@@ -223,9 +223,14 @@ def order_note(tasks: list[str], domains: list[str]) -> str | None:
     tasks seen so far, so two streams are comparable column by column only in the same task order."""
     if list(tasks) == list(domains):
         return None
-    return (f"**Not the paper's task order**: ours {' → '.join(map(str, tasks))}, the paper's {' → '.join(map(str, domains))}. "
-            "A column is the accuracy over the tasks seen after that task, so the two streams' columns (and Avg) are not "
-            "the same quantity: no table is set beside the paper's (restore `split.domain_order` to compare).")
+    ours, theirs = " → ".join(map(str, tasks)), " → ".join(map(str, domains))
+    if list(domains[: len(tasks)]) == list(tasks) or list(tasks[: len(domains)]) == list(domains):
+        return (f"**Not the paper's stream**: ours {ours}, the paper's {theirs}: the columns the two share are the same "
+                "quantity but each Avg averages other tasks, so no table is set beside the paper's (train the paper's "
+                "tasks, `split.domain_order`, to compare).")
+    return (f"**Not the paper's task order**: ours {ours}, the paper's {theirs}. A column is the accuracy over the tasks "
+            "seen after that task, so the two streams' columns (and Avg) are not the same quantity: no table is set "
+            "beside the paper's (restore `split.domain_order` to compare).")
 
 
 def build_stream_report(results: Path, experiment: str, methods: list[str], seeds: list[int], out_dir: Path,

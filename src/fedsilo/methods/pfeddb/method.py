@@ -315,7 +315,6 @@ class PFedDB(TwoPhase):
     def eval_is_global(self):
         return False
 
-
     def newcomer_refusal(self) -> str:
         """A newcomer adapts through pFedDB's own onboarding (`fedsilo site onboard` with a Fig. 6 strategy), not as
         one of its sites."""
