@@ -895,8 +895,8 @@ def test_decoupling_settings_that_train_nothing_or_a_method_without_the_modules_
             method_params(parse_params(raw), key)
     raw = small_params()
     raw["methods"]["moon"] = {"decouple": {}}
-    with pytest.raises(ConfigError, match=r"methods\.moon\.decouple: unknown key \(moon does not take F²DC's modules; `decouple:` is "
-                       r"taken by fdse, fedavg, fedheal, fpl;"):
+    with pytest.raises(ConfigError, match=r"methods\.moon\.decouple: unknown key \(moon does not take it; a key of fdse, fedavg, "
+                       r"fedheal, fpl\)"):
         method_params(parse_params(raw), "moon")
 
 

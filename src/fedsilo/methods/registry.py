@@ -115,11 +115,13 @@ def method_params(params: Params, key: str, source: Optional[str] = None) -> Met
         typed = cls.params_cls.model_validate(entry_values(entry))
     except ValidationError as err:
         msg = format_validation_error(err, f"methods.{key}.", model=cls.params_cls)
-        unknown = f"methods.{key}.decouple: unknown key"
-        if unknown in msg:  # F²DC's modules on a method that does not take them: say which do
-            takers = sorted(n for n, c in REGISTRY.items() if "decouple" in c.params_cls.model_fields)
-            msg = msg.replace(unknown, f"{unknown} ({cls.name} does not take F²DC's modules; `decouple:` is taken by "
-                                       f"{', '.join(takers)}; f2dc takes the modules' keys, dfd, dfc, sigma, ..., directly)", 1)
+        for e in err.errors():  # a key of other methods given to this one (F²DC's `decouple:` on MOON): say whose it is
+            if e["type"] == "extra_forbidden" and len(e["loc"]) == 1:
+                k = str(e["loc"][0])
+                takers = sorted(n for n, c in REGISTRY.items() if k in c.params_cls.model_fields)
+                unknown = f"methods.{key}.{k}: unknown key"
+                if takers:
+                    msg = msg.replace(unknown, f"{unknown} ({cls.name} does not take it; a key of {', '.join(takers)})", 1)
         raise ConfigError(f"{source}: {msg}") from None
     params._typed_methods[key] = typed
     return typed
