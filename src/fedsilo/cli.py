@@ -214,20 +214,20 @@ def _refuse_missing_runs(p: Params, layout: Layout, source: str, what: str, runs
     def listed(rs: list[tuple[str, str, int]]) -> str:
         return ", ".join(f"{e}/{m}/seed{k}" for e, m, k in rs[:6]) + (", ..." if len(rs) > 6 else "")
 
+    params = f"--params {shlex.quote(str(source))} " if str(source) != "params.yaml" else ""  # for the commands named
+
     def train(rs: list[tuple[str, str, int]]) -> str:
         # the pipeline's own runs: its train stages; a method no stage trains on that experiment (report --methods), or
         # an experiment the pipeline does not train at all, by hand
         staged = [r for r in rs if r[0] in p.pipeline.experiments and r[1] in p.experiment_methods(r[0])]
         by_hand = [r for r in rs if r not in staged]
         cmds = ["dvc repro " + " ".join(shlex.quote(p.train_stage(*r)) for r in staged)] if staged else []
-        params = f"--params {shlex.quote(str(source))} " if str(source) != "params.yaml" else ""
         cmds += [f"fedsilo {params}train --experiment {e} --method {m} --seed {k}" for e, m, k in by_hand]
         return "; ".join(cmds)
 
     if missing:
         done = {(e, m) for e, m, _ in every} - {(e, m) for e, m, _ in missing}
         exps = sorted({e for e, _ in done})
-        params = f"--params {shlex.quote(str(source))} " if str(source) != "params.yaml" else ""
         trained = ("" if what != "report" or len(exps) != 1 else
                    f" (or report the methods trained for every seed: fedsilo {params}report --experiment {exps[0]} --methods "
                    + ",".join(m for e, m in dict.fromkeys((e, m) for e, m, _ in every) if (e, m) in done) + ")")

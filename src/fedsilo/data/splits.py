@@ -81,7 +81,8 @@ def _uses_official(sub: pd.DataFrame, test_from: str, dom: str) -> bool:
 
 
 def _domains(records: pd.DataFrame, wanted: tuple[str, ...] | None, key: str = "domains") -> list[str]:
-    """``wanted`` (the split's ``key``: ``domains``, ``domain_order``), each checked to be a domain of the data."""
+    """``wanted`` (the split's ``key``: ``domains``, ``domain_order``, ``clients_per_domain``, ``holdout``), each
+    checked to be a domain of the data: a SplitError naming the key and the first that is not."""
     have = list(dict.fromkeys(records["domain"]))
     if not wanted:
         return have
@@ -109,7 +110,7 @@ def _draw_domain(records: pd.DataFrame, dom: str, n_train: int, n_test: int, tes
     draws of train and test do not depend on n_val, so adding a validation set leaves them as they were)."""
     sub = records[records["domain"] == dom]
     if sub.empty:
-        raise SplitError(f"split.domains: domain {dom!r} has no images (have: {sorted(records['domain'].unique())})")
+        _domains(records, (dom,))  # raises, naming it
     rng = _rng(seed, dom)
     if _uses_official(sub, test_from, dom):
         pool = _shuffled_groups(sub[sub["subset"] != "test"], rng)
@@ -197,7 +198,7 @@ def domain_multi_clients(records: pd.DataFrame, params: DomainMultiClientsSplit,
     for dom, k in params.clients_per_domain.items():
         sub = records[records["domain"] == dom]
         if sub.empty:
-            raise SplitError(f"split.clients_per_domain: domain {dom!r} has no images (have: {sorted(records['domain'].unique())})")
+            _domains(records, (dom,), "clients_per_domain")  # raises, naming it
         if k < 1:
             raise SplitError(f"split.clients_per_domain.{dom}: need at least one client")
         if k * params.fraction > 1.0 + 1e-9:
@@ -477,8 +478,7 @@ def _cut_by_shares(pool: pd.DataFrame, shares: dict[int, np.ndarray], n: int, rn
 # --------------------------------------------------------------------------- holdout
 def holdout_domain(records: pd.DataFrame, params: HoldoutDomainSplit, seed: int) -> dict[str, Any]:
     doms = _domains(records, params.domains)
-    if params.holdout not in set(records["domain"]):
-        raise SplitError(f"split.holdout: domain {params.holdout!r} has no images (have: {sorted(records['domain'].unique())})")
+    _domains(records, (params.holdout,), "holdout")
     if len([d for d in doms if d != params.holdout]) < 1:
         raise SplitError("split.holdout: no domain left for the federation")
     out = domain_clients(records, params, seed, exclude=(params.holdout,))
