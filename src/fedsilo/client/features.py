@@ -75,8 +75,8 @@ def features_of(model: nn.Module, x_u8: torch.Tensor, norm: NormalizeParams, bat
     was = model.training
     model.eval()
     try:
-        if not len(x_u8):  # a client without images: no rows (the representation's width from one blank image)
-            return features(model, to_float(x_u8.new_zeros((1, *x_u8.shape[1:])), norm)).float()[:0]
+        if not len(x_u8):  # a client without images: no rows, the classifier's input width
+            return torch.zeros(0, classifier(model).in_features, device=x_u8.device)
         return torch.cat([features(model, to_float(x_u8[i : i + batch_size], norm)).float() for i in range(0, len(x_u8), batch_size)])
     finally:
         model.train(was)

@@ -17,6 +17,7 @@ from fedsilo.client.data import ClientData
 from fedsilo.client.features import input_of
 from fedsilo.client.local import make_generator, train_local
 from fedsilo.methods.base import Method, State
+from fedsilo.methods.sharing import head_and_body_keys
 from fedsilo.models import LayeredNet
 
 
@@ -45,8 +46,7 @@ def has(state: State, prefix: str) -> bool:
 
 def head_keys(model: LayeredNet) -> list[str]:
     """The state_dict keys of the model's classifier head (its last unit)."""
-    first = len(model.units) - model.head_units
-    return [k for k in model.state_dict() if int(k.split(".")[1]) >= first]
+    return head_and_body_keys(model, len(model.units) - model.head_units)[0]
 
 
 def head_input(model: LayeredNet):

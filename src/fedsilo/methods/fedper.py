@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import Field, PositiveInt
 
 from fedsilo.methods.base import MethodParams, per_backbone_type
-from fedsilo.methods.sharing import PartialSharing, per_backbone, top_units, unit_prefixes
+from fedsilo.methods.sharing import PartialSharing, head_and_body_keys, per_backbone, top_units
 from fedsilo.models import LayeredNet
 
 
@@ -45,8 +45,7 @@ class FedPer(PartialSharing):
     def shared_keys(self, model: LayeredNet) -> list[str]:
         self.cut = top_units(model, self.head_layers(model), f"methods.{self.key}.head_layers")
         self.private_units = model.unit_names[self.cut :]
-        head = unit_prefixes(self.cut, len(model.units))
-        return [key for key in model.state_dict() if not key.startswith(head)]
+        return head_and_body_keys(model, self.cut)[1]  # the body
 
     def resolved(self) -> dict[str, Any]:
         return {**super().resolved(), "private_layers": getattr(self, "private_units", [])}

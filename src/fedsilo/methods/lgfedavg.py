@@ -11,7 +11,7 @@ from pydantic import Field, PositiveInt
 from fedsilo.client.data import ClientData
 from fedsilo.config import ConfigError
 from fedsilo.methods.base import ClientWeights, MethodParams, State, TakenMean, client_weights_field, per_backbone_type
-from fedsilo.methods.sharing import PartialSharing, per_backbone, top_units, unit_prefixes
+from fedsilo.methods.sharing import PartialSharing, head_and_body_keys, per_backbone, top_units
 from fedsilo.models import LayeredNet
 
 # the server's record that a site has received the FedAvg start's local layers: + the site's name, made when it takes them
@@ -71,8 +71,7 @@ class LGFedAvg(PartialSharing):
         what = f"methods.{self.key}.global_layers"
         k = top_units(model, per_backbone(self.params.global_layers, self.train.model, what), what)
         self.local_units = model.unit_names[:k]
-        top = unit_prefixes(k, len(model.units))
-        return [key for key in model.state_dict() if key.startswith(top)]
+        return head_and_body_keys(model, k)[0]  # the top layers
 
     def setup(self, model: LayeredNet) -> None:
         super().setup(model)
