@@ -195,12 +195,38 @@ def test_pathological_gives_exactly_k_classes_and_covers_all(records):
 
 
 def test_weak_pathological_has_s_percent_uniform_and_a_dominant_class(records):
+    """120 images, a quarter test: 90 training images (18 spread over the 10 classes, 72 of the dominant class) and 30
+    test (6 spread, 24 dominant), each side drawn with the mixture."""
     s = make_split(records, PROTOCOLS[4], 0)
     counts = _client_label_counts(records, s)
     assert (counts.sum(1) == 120).all()
-    uniform = round(120 * 0.20 / 10)
-    for row in counts:
-        assert (row >= uniform).all() and row.max() == uniform + (120 - 10 * uniform)
+    labels = records["label"].to_numpy()
+    for c, row in zip(s["clients"], counts):
+        dom = int(row.argmax())
+        for side, n, spread in (("train", 90, 18), ("test", 30, 6)):
+            per = np.bincount(labels[c[side]], minlength=10)
+            assert per.sum() == n
+            others = np.delete(per, dom)  # each class's share of the spread part: its whole part, or one less
+            assert others.max() - others.min() <= 1 and n - spread <= per[dom] <= n - spread + others.max() + 1
+
+
+def test_weak_pathological_keeps_s_percent_on_both_sides_with_many_classes():
+    """100 classes at s = 20 %: 1.8 spread images a class do not round per class (CIFAR-100: the per-class split of a
+    client's 900 images left 570 training images 17.5 % uniform and 330 test images 30 %)."""
+    recs = pd.DataFrame({"id": [f"x{i}" for i in range(6000)], "domain": "A", "label": np.arange(6000) % 100,
+                         "group": [f"g{i}" for i in range(6000)], "subset": ""})
+    groups = tuple(tuple(range(10 * g, 10 * g + 10)) for g in range(10))
+    p = LabelSkewSplit(protocol="label_skew", clients=10, scheme="weak_pathological", s=20, samples_per_client=90,
+                       test_fraction=1 / 3, dominant_groups=groups)
+    s = make_split(recs, p, 0)
+    shares = {"train": [], "test": []}
+    for j, c in enumerate(s["clients"]):
+        assert (len(c["train"]), len(c["test"])) == (60, 30)
+        for side in shares:
+            shares[side].append(np.mean([lab not in groups[j] for lab in recs.loc[c[side], "label"]]))
+    # 12 of 60 training and 6 of 30 test images spread over 100 classes: 90 % of them off the client's 10 dominant
+    assert np.mean(shares["train"]) == pytest.approx(0.18, abs=0.03)
+    assert np.mean(shares["test"]) == pytest.approx(0.18, abs=0.03)
 
 
 def test_weak_pathological_fixed_groups_give_each_client_its_groups_classes(records):
@@ -208,11 +234,10 @@ def test_weak_pathological_fixed_groups_give_each_client_its_groups_classes(reco
     groups = ((0, 1, 2), (2, 3, 4), (4, 5, 6), (6, 7, 8), (8, 9, 0))
     p = LabelSkewSplit(protocol="label_skew", clients=8, scheme="weak_pathological", s=20, samples_per_client=60, dominant_groups=groups)
     counts = _client_label_counts(records, make_split(records, p, 0))
-    uniform = round(60 * 0.20 / 10)
-    for j, row in enumerate(counts):
+    for j, row in enumerate(counts):  # 12 images spread over 10 classes, 48 over the group's 3
         assert row.sum() == 60
-        dominant = {int(c) for c in np.flatnonzero(row > uniform)}
-        assert dominant == set(groups[j % 5]), (j, row)
+        dominant = {int(c) for c in np.flatnonzero(row > 2)}
+        assert dominant == set(groups[j % 5]) and (row[list(dominant)] >= 16).all(), (j, row)
     with pytest.raises(SplitError, match="dominant_groups"):
         make_split(records, p.model_copy(update={"dominant_groups": ((0, 1, 12),)}), 0)
 

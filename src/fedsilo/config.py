@@ -875,7 +875,8 @@ class DomainMultiClientsSplit(Strict):
 class LabelSkewSplit(Strict):
     """Label skew over the pooled images of ``domains`` (default all): Dirichlet(beta) per class, pathological
     (``classes_per_client`` classes each), or weak pathological (``s`` % uniform over all classes, the rest from one
-    dominant class). Each client's data is then split into train and test with the same class mix."""
+    dominant class). Each client's data is then split into train and test with the same class mix; weak pathological
+    draws the two sides separately with the mixture (``samples_per_client`` x ``test_fraction`` test images)."""
 
     protocol: Literal["label_skew"]
     seed: int = Field(0, ge=0)

@@ -12,7 +12,8 @@ patient never lands on both sides of a client's train/test split. Where a domain
   code's partition); the clients of a domain share its test set.
 - ``label_skew`` (FedeCouple, CD2-pFed): Dirichlet(beta), pathological (k classes per client) or weak pathological
   (s % uniform over the classes, the rest from ``classes_per_client`` dominant classes), over the pooled domains;
-  each client's images are then split into train and test with the same class mix.
+  each client's images are then split into train and test with the same class mix (weak pathological: the two sides
+  are two draws of the mixture, as FedPAC's code draws each client's 600 training and 300 test images).
 - ``domain_incremental`` (pFedDIL): the same sequence of domain tasks for every client; each domain's images are
   spread over the clients with Dirichlet(alpha) label skew, train and test with the same proportions.
 - ``holdout_domain``: ``domain_clients`` without one domain, which becomes a late-joining client (``newcomer``) or
@@ -344,8 +345,25 @@ def _pathological(labels: np.ndarray, n_clients: int, k: int, rng: np.random.Gen
     return [np.array(sorted(p), dtype=np.int64) for p in parts]
 
 
-def _weak_pathological(labels: np.ndarray, n_clients: int, s: float, n: int, dominant: int, rng: np.random.Generator,
-                       groups: Optional[tuple[tuple[int, ...], ...]] = None) -> list[np.ndarray]:
+def _spread(total: int, classes: np.ndarray, rng: np.random.Generator) -> dict[int, int]:
+    """``total`` images over ``classes`` as evenly as whole numbers allow: each class takes ``total // len`` and the
+    remainder goes one each to classes drawn at random (no draw when it divides: 120 over 10 classes is 12 each)."""
+    base, extra = divmod(total, len(classes))
+    counts = {int(c): base for c in classes}
+    if extra:
+        for c in rng.choice(classes, size=extra, replace=False):
+            counts[int(c)] += 1
+    return counts
+
+
+def _weak_pathological(labels: np.ndarray, n_clients: int, s: float, n: int, frac: float, dominant: int,
+                       rng: np.random.Generator, groups: Optional[tuple[tuple[int, ...], ...]] = None
+                       ) -> tuple[list[np.ndarray], list[dict[int, int]]]:
+    """Each client's ``n`` images as two draws of the one mixture, its training side and its test side (FedPAC's code
+    draws 600 training and 300 test images per client, each ``s`` % spread evenly over all classes and the rest over the
+    dominant classes). Returns each client's rows and, per class, how many of them are its test images: one split of
+    the client's rows by a per-class fraction would round every class on its own (CIFAR-100 at s = 20: 2 uniform images
+    a class, one to each side, left 17.5 % uniform in training and 30 % in test)."""
     classes = np.unique(labels)
     if groups is not None:
         unknown = sorted({int(c) for g in groups for c in g} - {int(c) for c in classes})
@@ -359,37 +377,54 @@ def _weak_pathological(labels: np.ndarray, n_clients: int, s: float, n: int, dom
         out, free[c] = free[c][:m], free[c][m:]
         return out
 
-    parts = []
+    n_test = int(round(n * frac))
+    sides = (n - n_test, n_test)  # training, test
+    uniform_total = [int(round(m * s / 100.0)) for m in sides]
+    parts, tests = [], []
     for j in range(n_clients):
-        uniform = int(round(n * s / 100.0 / len(classes)))
-        rows = [i for c in classes for i in pop(int(c), uniform, j)]
-        rest = n - len(rows)
+        uniform = [_spread(u, classes, rng) for u in uniform_total]
         k = len(groups[j % len(groups)]) if groups is not None else min(dominant, len(classes))
-        need = np.diff(np.linspace(0, rest, k + 1).astype(int))
+        need = [np.diff(np.linspace(0, m - u, k + 1).astype(int)) for m, u in zip(sides, uniform_total)]
         if groups is not None:  # the client's fixed group (FedPAC's / FedeCouple's code); pop names an exhausted class
             chosen = np.array(groups[j % len(groups)])
         else:  # dominant classes are drawn at random among those that still hold enough images
-            able = [c for c in classes if len(free[int(c)]) >= need.max()]
+            most = int((need[0] + need[1]).max()) + max(uniform[0].values()) + max(uniform[1].values())
+            able = [c for c in classes if len(free[int(c)]) >= most]
             if len(able) < k:
-                raise SplitError(f"split (weak pathological): only {len(able)} classes still hold {need.max()} images at client {j}; lower samples_per_client or raise s")
+                raise SplitError(f"split (weak pathological): only {len(able)} classes still hold {most} images at client {j}; lower samples_per_client or raise s")
             chosen = rng.choice(able, size=k, replace=False)
-        for c, m in zip(chosen, need):
-            rows += pop(int(c), int(m), j)
+        test = dict(uniform[1])
+        for c, m_train, m_test in zip(chosen, need[0], need[1]):
+            uniform[0][int(c)] += int(m_train)
+            test[int(c)] += int(m_test)
+        rows = [i for c in classes for i in pop(int(c), uniform[0][int(c)] + test[int(c)], j)]
         parts.append(np.array(sorted(rows), dtype=np.int64))
-    return parts
+        tests.append(test)
+    return parts, tests
 
 
-def _train_test_by_group(records: pd.DataFrame, rows: np.ndarray, frac: float, rng: np.random.Generator) -> tuple[list[int], list[int]]:
-    """Split one client's rows into train/test: per class, a ``frac`` share of its groups goes to test."""
+def _train_test_by_group(records: pd.DataFrame, rows: np.ndarray, frac: float, rng: np.random.Generator,
+                         n_test_of: Optional[dict[int, int]] = None) -> tuple[list[int], list[int]]:
+    """Split one client's rows into train/test: per class, a ``frac`` share of its groups goes to test, or, given
+    ``n_test_of`` (label -> test images), groups in a random order join the test side while it stays within the count
+    (exact where every group is one image)."""
     sub = records.loc[rows]
     first_label = sub.groupby("group")["label"].first()
+    size = sub.groupby("group").size()
     train: list[int] = []
     test: list[int] = []
-    for _, groups in first_label.groupby(first_label):
+    for label, groups in first_label.groupby(first_label):
         names = sorted(groups.index)
         order = [names[i] for i in rng.permutation(len(names))]
-        n_test = int(round(frac * len(order))) if len(order) > 1 else 0
-        test_groups = set(order[:n_test])
+        if n_test_of is None:
+            n_test = int(round(frac * len(order))) if len(order) > 1 else 0
+            test_groups = set(order[:n_test])
+        else:
+            test_groups, held = set(), 0
+            for g in order:
+                if held + size[g] <= n_test_of.get(int(label), 0):
+                    test_groups.add(g)
+                    held += int(size[g])
         for g in order:
             members = sub.index[sub["group"] == g].tolist()
             (test if g in test_groups else train).extend(members)
@@ -407,12 +442,13 @@ def label_skew(records: pd.DataFrame, params: LabelSkewSplit, seed: int) -> dict
         parts = _pathological(labels, params.clients, params.classes_per_client, rng)
     else:
         n = params.samples_per_client or len(pool) // params.clients
-        parts = _weak_pathological(labels, params.clients, params.s, n, params.classes_per_client, rng, params.dominant_groups)
+        parts, n_tests = _weak_pathological(labels, params.clients, params.s, n, params.test_fraction, params.classes_per_client,
+                                            rng, params.dominant_groups)
     index = pool.index.to_numpy()
     clients = []
     for j, part in enumerate(parts):
         rows = index[part]
-        train, test = _train_test_by_group(records, rows, params.test_fraction, rng)
+        train, test = _train_test_by_group(records, rows, params.test_fraction, rng, n_tests[j] if params.scheme == "weak_pathological" else None)
         if not train or not test:
             raise SplitError(f"split: client {j} has {len(rows)} images, too few for a train and a test side")
         # every client is a draw from the one pooled distribution: its domain is the pool's (a client that drew no image
