@@ -242,6 +242,57 @@ def test_weak_pathological_fixed_groups_give_each_client_its_groups_classes(reco
         make_split(records, p.model_copy(update={"dominant_groups": ((0, 1, 12),)}), 0)
 
 
+def test_shards_give_at_most_s_classes_and_deal_every_image(records):
+    """FedAvg's / LG-FedAvg's shards (CD2-pFed): K s shard slots over the classes, a client may draw a class twice."""
+    p = LabelSkewSplit(protocol="label_skew", clients=10, scheme="shards", classes_per_client=2, domains=("A", "B"))
+    pool = records[records["domain"].isin(["A", "B"])]
+    fewer = 0
+    for seed in range(4):
+        s = make_split(records, p, seed)
+        held = [c["train"] + c["test"] for c in s["clients"]]
+        assert sorted(i for h in held for i in h) == sorted(pool.index)  # every image dealt once
+        for h in held:
+            n_classes = records.loc[h, "label"].nunique()
+            assert n_classes <= 2
+            fewer += n_classes < 2
+        # each class cut into K s / C = 2 shards of near-equal size: a client's share of a class is about half of it
+        counts = _client_label_counts(records, s)
+        totals = pool["label"].value_counts().sort_index().to_numpy()
+        for c in range(10):
+            assert set(counts[:, c][counts[:, c] > 0]) <= {totals[c] // 2, totals[c] - totals[c] // 2, totals[c]}
+    assert fewer > 0, "some client drew one class twice (at most s classes, not exactly s)"
+    with pytest.raises(SplitError, match=r"classes_per_client.*multiple of the 10 classes"):
+        make_split(records, p.model_copy(update={"clients": 7}), 0)
+
+
+@pytest.mark.parametrize("scheme", ["pathological", "shards", "weak_pathological"])
+def test_label_skew_official_test_side_comes_from_the_test_subset_with_the_clients_classes(records, scheme):
+    extra = {"samples_per_client": 40, "test_fraction": 0.25, "s": 20} if scheme == "weak_pathological" else {}
+    p = LabelSkewSplit(protocol="label_skew", clients=10, scheme=scheme, classes_per_client=2, domains=("A", "B"),
+                       test_from="official", **extra)
+    s = make_split(records, p, 0)
+    assert s["params"]["test_from"] == "official"
+    subset = records["subset"]
+    for c in s["clients"]:
+        assert (subset[c["train"]] != "test").all() and (subset[c["test"]] == "test").all()
+        train_classes, test_classes = set(records.loc[c["train"], "label"]), set(records.loc[c["test"], "label"])
+        if scheme == "weak_pathological":  # 30 training and 10 test images, each side 20 % spread and its dominant classes
+            assert (len(c["train"]), len(c["test"])) == (30, 10)
+        else:
+            assert test_classes <= train_classes
+    if scheme == "shards":  # every official test image dealt with the training shards' classes
+        assert sorted(i for c in s["clients"] for i in c["test"]) == sorted(records.index[(subset == "test") & records["domain"].isin(["A", "B"])])
+    with pytest.raises(SplitError, match=r"test_from: domain 'C' has no official test subset"):
+        make_split(records, p.model_copy(update={"domains": ("A", "C")}), 0)
+
+
+def test_label_skew_official_is_refused_for_dirichlet_and_pooled_splits_keep_their_bytes(records):
+    with pytest.raises(ValueError, match="dirichlet pools the images"):
+        LabelSkewSplit(protocol="label_skew", clients=4, scheme="dirichlet", test_from="official")
+    s = make_split(records, PROTOCOLS[3], 0)
+    assert "test_from" not in s["params"]  # a split made before the key existed is the same file
+
+
 def test_domain_incremental_task_order_and_per_domain_skew(records):
     s = make_split(records, PROTOCOLS[5], 0)
     assert s["task_order"] == ["D", "B", "A", "C"]

@@ -874,16 +874,26 @@ class DomainMultiClientsSplit(Strict):
 
 class LabelSkewSplit(Strict):
     """Label skew over the pooled images of ``domains`` (default all): Dirichlet(beta) per class, pathological
-    (``classes_per_client`` classes each), or weak pathological (``s`` % uniform over all classes, the rest from one
-    dominant class). Each client's data is then split into train and test with the same class mix; weak pathological
-    draws the two sides separately with the mixture (``samples_per_client`` x ``test_fraction`` test images)."""
+    (``classes_per_client`` distinct classes each), shards (FedAvg's / LG-FedAvg's label shards: at most
+    ``classes_per_client`` classes each), or weak pathological (``s`` % uniform over all classes, the rest from the
+    dominant classes). Each client's data is then split into train and test with the same class mix; weak pathological
+    draws the two sides separately with the mixture (``samples_per_client`` x ``test_fraction`` test images). With
+    ``test_from: official`` the scheme deals the official training subset and each client's test side comes from the
+    official test subset with its classes (FedPAC's and LG-FedAvg's code)."""
 
     protocol: Literal["label_skew"]
     seed: int = Field(0, ge=0)
     clients: int = Field(..., ge=2)
-    scheme: Literal["dirichlet", "pathological", "weak_pathological"]
+    scheme: Literal["dirichlet", "pathological", "shards", "weak_pathological"]
     beta: float = Field(0.5, gt=0)
-    classes_per_client: int = Field(2, ge=1)
+    classes_per_client: int = Field(2, ge=1, description="pathological: distinct classes a client; shards: shards a client "
+                                    "(clients x classes_per_client a multiple of the classes); weak pathological: dominant classes")
+    test_from: Literal["pooled", "official"] = Field(
+        "pooled", description="pooled: each client's test side drawn from its own share of all images (test_fraction; "
+        "PFLlib's rule); official: its training side from the official training subset and its test side from the "
+        "official test subset, with its classes (pathological, shards: the same holders deal the test subset; weak "
+        "pathological: the test draw of the mixture). Not with dirichlet",
+    )
     s: float = Field(20.0, ge=0, le=100, description="weak pathological: percent drawn uniformly from all classes")
     samples_per_client: Optional[int] = Field(None, ge=1, description="weak pathological: images per client (default: equal shares)")
     dominant_groups: Optional[tuple[tuple[int, ...], ...]] = Field(
@@ -896,7 +906,21 @@ class LabelSkewSplit(Strict):
         "nothing of the classes dealt after (lets beta = 0.01 give 20 clients images on 10 classes)",
     )
     domains: Optional[tuple[str, ...]] = None
-    test_fraction: float = Field(0.25, gt=0, lt=1)
+    test_fraction: float = Field(0.25, gt=0, lt=1, description="pooled: each client's test share; weak pathological "
+                                 "(pooled or official): the test draw's share of samples_per_client")
+
+    @model_validator(mode="after")
+    def _official_test(self) -> "LabelSkewSplit":
+        if self.test_from == "official" and self.scheme == "dirichlet":  # no rule says how a draw's shares meet the test subset
+            raise ValueError("test_from: official deals the test subset to a pathological, shards or weak pathological "
+                             "split's classes; dirichlet pools the images and keeps test_fraction of each client's (PFLlib's "
+                             "practical split): leave test_from out")
+        return self
+
+    def dump(self) -> dict[str, Any]:
+        """The params as the split file records them: ``test_from`` only where set to ``official``, so a pooled split
+        made before the key existed stays byte for byte (its training stages are not rerun)."""
+        return self.model_dump(mode="json", exclude={"test_from"} if self.test_from == "pooled" else None)
 
 
 class DomainIncrementalSplit(Strict):

@@ -323,7 +323,24 @@ def _dirichlet_parts(labels: np.ndarray, n_clients: int, beta: float, min_size: 
     raise SplitError(f"{what}: no Dirichlet draw in 1000 gave every one of {n_clients} clients {min_size} images (raise beta or lower min_per_client)")
 
 
-def _pathological(labels: np.ndarray, n_clients: int, k: int, rng: np.random.Generator) -> list[np.ndarray]:
+def _deal(labels: np.ndarray, holders_of: dict[int, list[int]], n_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Each class's rows, shuffled, cut into as many near-equal pieces as the class has holder slots; piece i goes to
+    the client of slot i (a client holding two slots of a class takes two pieces)."""
+    parts: list[list[int]] = [[] for _ in range(n_clients)]
+    for c in np.unique(labels):
+        holders = holders_of.get(int(c), [])
+        if not holders:
+            continue
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        for j, chunk in zip(holders, np.array_split(idx, len(holders))):
+            parts[j].extend(chunk.tolist())
+    return [np.array(sorted(p), dtype=np.int64) for p in parts]
+
+
+def _pathological(labels: np.ndarray, n_clients: int, k: int, rng: np.random.Generator,
+                  test_labels: Optional[np.ndarray] = None) -> tuple[list[np.ndarray], Optional[list[np.ndarray]]]:
+    """Each client k distinct classes; a class's images shared evenly by the clients holding it. Given the official
+    test subset's labels, its images are dealt to the same holders (each client's test side from the official test)."""
     classes = np.unique(labels)
     if k > len(classes):
         raise SplitError(f"split.classes_per_client: {k} > the {len(classes)} classes present")
@@ -334,15 +351,27 @@ def _pathological(labels: np.ndarray, n_clients: int, k: int, rng: np.random.Gen
             break
     else:  # pragma: no cover - practically unreachable for k <= classes
         raise SplitError("split: cannot give every client distinct classes")
-    parts: list[list[int]] = [[] for _ in range(n_clients)]
-    for c in classes:
-        holders = [j for j in range(n_clients) if c in owned[j]]
-        if not holders:
-            continue
-        idx = rng.permutation(np.flatnonzero(labels == c))
-        for j, chunk in zip(holders, np.array_split(idx, len(holders))):
-            parts[j].extend(chunk.tolist())
-    return [np.array(sorted(p), dtype=np.int64) for p in parts]
+    holders_of = {int(c): [j for j in range(n_clients) if c in owned[j]] for c in classes}
+    parts = _deal(labels, holders_of, n_clients, rng)
+    return parts, (None if test_labels is None else _deal(test_labels, holders_of, n_clients, rng))
+
+
+def _shards(labels: np.ndarray, n_clients: int, s: int, rng: np.random.Generator,
+            test_labels: Optional[np.ndarray] = None) -> tuple[list[np.ndarray], Optional[list[np.ndarray]]]:
+    """FedAvg's and LG-FedAvg's label shards (CD2-pFed's "at most s classes" follows LG-FedAvg): every class is cut
+    into m = K s / C shards, the K s shard slots (each class m times) are shuffled and dealt s to a client, and each
+    slot takes one shard of its class. A client that draws a class twice holds two of its shards, so it holds at most
+    s classes; every image is dealt. Given the official test subset's labels, it is cut the same way and each slot
+    takes a test shard too (LG-FedAvg's code reuses the slots on the test set)."""
+    classes = np.unique(labels)
+    per_class, left = divmod(n_clients * s, len(classes))
+    if left or not per_class:
+        raise SplitError(f"split.classes_per_client: shards need clients x classes_per_client ({n_clients} x {s}) to be a "
+                         f"multiple of the {len(classes)} classes (each class is cut into the same number of shards)")
+    slots = rng.permutation(np.repeat(classes, per_class)).reshape(n_clients, s)
+    holders_of = {int(c): [j for j in range(n_clients) for slot in slots[j] if slot == c] for c in classes}
+    parts = _deal(labels, holders_of, n_clients, rng)
+    return parts, (None if test_labels is None else _deal(test_labels, holders_of, n_clients, rng))
 
 
 def _spread(total: int, classes: np.ndarray, rng: np.random.Generator) -> dict[int, int]:
@@ -357,30 +386,35 @@ def _spread(total: int, classes: np.ndarray, rng: np.random.Generator) -> dict[i
 
 
 def _weak_pathological(labels: np.ndarray, n_clients: int, s: float, n: int, frac: float, dominant: int,
-                       rng: np.random.Generator, groups: Optional[tuple[tuple[int, ...], ...]] = None
-                       ) -> tuple[list[np.ndarray], list[dict[int, int]]]:
+                       rng: np.random.Generator, groups: Optional[tuple[tuple[int, ...], ...]] = None,
+                       test_labels: Optional[np.ndarray] = None,
+                       ) -> tuple[list[np.ndarray], list[dict[int, int]], Optional[list[np.ndarray]]]:
     """Each client's ``n`` images as two draws of the one mixture, its training side and its test side (FedPAC's code
     draws 600 training and 300 test images per client, each ``s`` % spread evenly over all classes and the rest over the
-    dominant classes). Returns each client's rows and, per class, how many of them are its test images: one split of
-    the client's rows by a per-class fraction would round every class on its own (CIFAR-100 at s = 20: 2 uniform images
-    a class, one to each side, left 17.5 % uniform in training and 30 % in test)."""
+    dominant classes). Returns each client's rows, per class how many of them are its test images (one split of the
+    client's rows by a per-class fraction would round every class on its own: CIFAR-100 at s = 20, 2 uniform images a
+    class, one to each side, left 17.5 % uniform in training and 30 % in test) and, given the official test subset's
+    labels, the test rows drawn from it (FedPAC's code: the 300 from the official test set); then the first list holds
+    the training rows alone."""
     classes = np.unique(labels)
     if groups is not None:
         unknown = sorted({int(c) for g in groups for c in g} - {int(c) for c in classes})
         if unknown or not all(groups):
             raise SplitError(f"split.dominant_groups: classes {unknown} have no image in the pool" if unknown else "split.dominant_groups: an empty group")
-    free = {c: list(rng.permutation(np.flatnonzero(labels == c))) for c in classes}
+    pools = [labels] if test_labels is None else [labels, test_labels]
+    free = [{int(c): list(rng.permutation(np.flatnonzero(lab == c))) for c in classes} for lab in pools]
 
-    def pop(c: int, m: int, j: int) -> list[int]:
-        if len(free[c]) < m:
-            raise SplitError(f"split (weak pathological): class {c} runs out of images at client {j}; lower samples_per_client or s")
-        out, free[c] = free[c][:m], free[c][m:]
+    def pop(side: int, c: int, m: int, j: int) -> list[int]:
+        if len(free[side][c]) < m:
+            where = " of the official test subset" if side else ""
+            raise SplitError(f"split (weak pathological): class {c}{where} runs out of images at client {j}; lower samples_per_client or s")
+        out, free[side][c] = free[side][c][:m], free[side][c][m:]
         return out
 
     n_test = int(round(n * frac))
     sides = (n - n_test, n_test)  # training, test
     uniform_total = [int(round(m * s / 100.0)) for m in sides]
-    parts, tests = [], []
+    parts, tests, test_parts = [], [], []
     for j in range(n_clients):
         uniform = [_spread(u, classes, rng) for u in uniform_total]
         k = len(groups[j % len(groups)]) if groups is not None else min(dominant, len(classes))
@@ -388,19 +422,24 @@ def _weak_pathological(labels: np.ndarray, n_clients: int, s: float, n: int, fra
         if groups is not None:  # the client's fixed group (FedPAC's / FedeCouple's code); pop names an exhausted class
             chosen = np.array(groups[j % len(groups)])
         else:  # dominant classes are drawn at random among those that still hold enough images
-            most = int((need[0] + need[1]).max()) + max(uniform[0].values()) + max(uniform[1].values())
-            able = [c for c in classes if len(free[int(c)]) >= most]
+            most = [int(need[i].max()) + max(uniform[i].values()) for i in (0, 1)]
+            lacks = [most[0] + most[1]] if len(pools) == 1 else most  # one pool serves both sides, or each its own
+            able = [c for c in classes if all(len(free[i][int(c)]) >= m for i, m in enumerate(lacks))]
             if len(able) < k:
-                raise SplitError(f"split (weak pathological): only {len(able)} classes still hold {most} images at client {j}; lower samples_per_client or raise s")
+                raise SplitError(f"split (weak pathological): only {len(able)} classes still hold {' + '.join(map(str, lacks))} images at client {j}; lower samples_per_client or raise s")
             chosen = rng.choice(able, size=k, replace=False)
         test = dict(uniform[1])
         for c, m_train, m_test in zip(chosen, need[0], need[1]):
             uniform[0][int(c)] += int(m_train)
             test[int(c)] += int(m_test)
-        rows = [i for c in classes for i in pop(int(c), uniform[0][int(c)] + test[int(c)], j)]
+        if test_labels is None:
+            rows = [i for c in classes for i in pop(0, int(c), uniform[0][int(c)] + test[int(c)], j)]
+        else:
+            rows = [i for c in classes for i in pop(0, int(c), uniform[0][int(c)], j)]
+            test_parts.append(np.array(sorted(i for c in classes for i in pop(1, int(c), test[int(c)], j)), dtype=np.int64))
         parts.append(np.array(sorted(rows), dtype=np.int64))
         tests.append(test)
-    return parts, tests
+    return parts, tests, (test_parts if test_labels is not None else None)
 
 
 def _train_test_by_group(records: pd.DataFrame, rows: np.ndarray, frac: float, rng: np.random.Generator,
@@ -434,27 +473,40 @@ def _train_test_by_group(records: pd.DataFrame, rows: np.ndarray, frac: float, r
 def label_skew(records: pd.DataFrame, params: LabelSkewSplit, seed: int) -> dict[str, Any]:
     doms = _domains(records, params.domains)
     pool = records[records["domain"].isin(doms)]
+    test_pool = None
+    if params.test_from == "official":  # the scheme deals the training subset; the test subset follows its classes
+        for d in doms:
+            _uses_official(pool[pool["domain"] == d], "official", d)
+        is_test = (pool["subset"] == "test").to_numpy()
+        pool, test_pool = pool[~is_test], pool[is_test]
     labels = pool["label"].to_numpy()
+    test_labels = None if test_pool is None else test_pool["label"].to_numpy()
     rng = _rng(seed, "label_skew", params.scheme)
+    n_tests: Optional[list[dict[int, int]]] = None
     if params.scheme == "dirichlet":
-        parts = _dirichlet_parts(labels, params.clients, params.beta, params.min_per_client, rng, "split (dirichlet)", params.balance)
+        parts, test_parts = _dirichlet_parts(labels, params.clients, params.beta, params.min_per_client, rng, "split (dirichlet)", params.balance), None
     elif params.scheme == "pathological":
-        parts = _pathological(labels, params.clients, params.classes_per_client, rng)
+        parts, test_parts = _pathological(labels, params.clients, params.classes_per_client, rng, test_labels)
+    elif params.scheme == "shards":
+        parts, test_parts = _shards(labels, params.clients, params.classes_per_client, rng, test_labels)
     else:
         n = params.samples_per_client or len(pool) // params.clients
-        parts, n_tests = _weak_pathological(labels, params.clients, params.s, n, params.test_fraction, params.classes_per_client,
-                                            rng, params.dominant_groups)
+        parts, n_tests, test_parts = _weak_pathological(labels, params.clients, params.s, n, params.test_fraction, params.classes_per_client,
+                                                        rng, params.dominant_groups, test_labels)
     index = pool.index.to_numpy()
     clients = []
     for j, part in enumerate(parts):
         rows = index[part]
-        train, test = _train_test_by_group(records, rows, params.test_fraction, rng, n_tests[j] if params.scheme == "weak_pathological" else None)
+        if test_parts is not None:  # official: the training side is the client's rows, its test side from the test subset
+            train, test = rows.tolist(), test_pool.index.to_numpy()[test_parts[j]].tolist()
+        else:
+            train, test = _train_test_by_group(records, rows, params.test_fraction, rng, None if n_tests is None else n_tests[j])
         if not train or not test:
-            raise SplitError(f"split: client {j} has {len(rows)} images, too few for a train and a test side")
+            raise SplitError(f"split: client {j} has {len(train)} training and {len(test)} test images; it needs both")
         # every client is a draw from the one pooled distribution: its domain is the pool's (a client that drew no image
         # of some domain would otherwise get a column of its own in the report)
         clients.append(_client(j, f"client{j:02d}", "+".join(sorted(doms)), train, test))
-    return {"protocol": params.protocol, "seed": seed, "params": params.model_dump(mode="json"), "num_classes": _num_classes(records), "clients": clients}
+    return {"protocol": params.protocol, "seed": seed, "params": params.dump(), "num_classes": _num_classes(records), "clients": clients}
 
 
 # --------------------------------------------------------------------------- domain incremental
