@@ -70,6 +70,9 @@ def test_cd2pfed_paper_scale_is_section_4_and_sets_the_published_tables_beside_o
     c10, c100 = p.experiments["cd2_cifar10_s2"], p.experiments["cd2_cifar100_s40"]
     assert (c10.split.clients, c10.split.classes_per_client, c10.train.model, c10.train.local_epochs) == (10, 2, "lenet5", 1)
     assert (c100.split.clients, c100.split.classes_per_client, c100.train.model, c100.train.local_epochs) == (30, 40, "resnet34", 4)
+    # s distinct classes ("s = 10 is an IID setting"), the test side from CIFAR's official test set (5,000 / 1,000 a class)
+    for e in [e for e in p.pipeline.experiments if e.startswith(("cd2_cifar10_", "cd2_cifar100_"))]:
+        assert (p.experiments[e].split.scheme, p.experiments[e].split.test_from) == ("pathological", "official"), e
     assert all(p.experiments[e].train.rounds == 50 and p.experiments[e].train.batch_size in (128, 4) for e in p.experiments)
     published = yaml.safe_load((REPO / "pipelines" / "cd2pfed" / "published.yaml").read_text())["accuracy"]
     h = p.experiments["cd2_histo_public"]  # HISTO-FED's two public centres: ResNet-32, 4 epochs, batch 4, 7,180 patches each
@@ -93,6 +96,9 @@ def test_fedecouple_paper_scale_is_section_v_a_and_sets_every_published_table_be
         assert x.train.lr == (0.01 if gray else 0.02), e  # FedPAC's federated_main.py: 0.02 with the CIFAR CNN
         if getattr(x.split, "scheme", None) == "weak_pathological":  # 600 training and 300 test images per client
             assert x.split.samples_per_client * (1 - x.split.test_fraction) == pytest.approx(600)
+            # FedPAC's code: the 600 from the official training set, the 300 from the official test set (the
+            # project's own Digits-Five pools its domains' images)
+            assert x.split.test_from == ("pooled" if x.dataset.startswith("digits5") else "official"), e
     # every published accuracy table is some experiment's, whose dataset holds its domain, with the paper's methods run
     refs = {p.experiments[e].published.split("#")[1]: e for e in p.pipeline.experiments if p.experiments[e].published}
     assert set(published["accuracy"]) <= set(refs)
