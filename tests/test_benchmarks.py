@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fedsilo.config import BenchmarkDatasetParams, DomainClientsSplit, MirrorParams, SourceParams
-from fedsilo.data.fetch import fetch
+from fedsilo.data.fetch import FetchError, fetch
 from fedsilo.data.harmonize import HarmonizeError, harmonize_dataset
 from fedsilo.data.sources import source_module
 from fedsilo.data.sources.base import LabelFileError
@@ -131,6 +131,8 @@ def test_office_caltech_both_namings_give_the_same_labels(bench_raw, tmp_path):
     sub = b[(b["domain"] == "amazon") & (b["label"] == 0)]
     assert sub["subset"].value_counts().to_dict() == {"train": 5, "test": 3}
     assert set(b.loc[b["label"] == 5, "original_label"]) == {"laptop_computer"}
+    fetched = tmp_path / "raw" / "office_caltech10"
+    fetch("office_caltech10", SourceParams(mode="local", path=str(alt)), fetched, quiet=True)  # a whole copy, before the cuts below
     # a copy without one domain's class folder, or without a domain: refused by name (it read as a smaller task)
     shutil.rmtree(alt / "dslr" / "projector")
     with pytest.raises(LabelFileError, match=r"dslr: no images for 1 of the 10 Office-Caltech-10 classes \(projector\)"):
@@ -138,8 +140,12 @@ def test_office_caltech_both_namings_give_the_same_labels(bench_raw, tmp_path):
     shutil.rmtree(alt / "dslr")
     with pytest.raises(LabelFileError, match=r"no Office-Caltech-10 domain folder dslr"):
         source_module("office_caltech10").read_records(alt)
-    # fetched in local mode, harmonize's refusal names the user's folder beside fetch's copy of it
-    fetch("office_caltech10", SourceParams(mode="local", path=str(alt)), tmp_path / "raw" / "office_caltech10", quiet=True)
+    # fetch reads a local folder before copying it: the wrong folder is refused and nothing is written
+    with pytest.raises(FetchError, match=rf"sources\.office_caltech10\.path: {re.escape(str(alt))} does not hold office_caltech10 .*nothing was copied.*domain folder dslr"):
+        fetch("office_caltech10", SourceParams(mode="local", path=str(alt)), tmp_path / "raw2" / "office_caltech10", quiet=True)
+    assert not (tmp_path / "raw2").exists() or not any((tmp_path / "raw2").iterdir())
+    # a fetched copy that no longer reads (cut after the fetch): harmonize's refusal names the user's folder beside it
+    shutil.rmtree(fetched / "dslr")
     with pytest.raises(LabelFileError, match=rf"is what `fedsilo fetch --source office_caltech10` copied from {re.escape(str(alt.resolve()))}, "
                        r"sources\.office_caltech10\.path: correct the folder there, then fetch again"):
         harmonize_dataset(BenchmarkDatasetParams(kind="office_caltech10", image_size=16, workers=1), tmp_path / "raw", tmp_path / "h")

@@ -51,7 +51,11 @@ def _fetch(args: argparse.Namespace) -> None:
 
     p = config.load_params(args.params)  # no method entries: no PyTorch import
     _defined(args.params, "sources", args.source, p.sources)
-    m = fetch(args.source, p.sources[args.source], Path(args.root) / "data" / "raw" / args.source, Path(args.root), quiet=args.quiet)
+    # the reader's rules where a chest X-ray dataset takes the source (a local folder is read before it is copied)
+    rules = next((d.rules(args.source) for d in p.datasets.values()
+                  if isinstance(d, config.CXRDatasetParams) and args.source in d.sources), None)
+    m = fetch(args.source, p.sources[args.source], Path(args.root) / "data" / "raw" / args.source, Path(args.root),
+              quiet=args.quiet, rules=rules)
     print(f"fetch {args.source}: {len(m['files'])} files from {m['origin']}")
 
 

@@ -142,6 +142,29 @@ def _unpack_distributed_zips(source: str, folder: Path) -> None:
         z.unlink()
 
 
+def check_local_layout(source: str, folder: Path, rules: Any = None) -> None:
+    """Read a public source's label files in the user's own ``folder`` with its reader, before anything is copied:
+    a folder of another dataset (PACS's pointed at by ``sources.office_caltech10.path``) or of the wrong level fails
+    in seconds with the reader's message, not after copying a CheXpert-sized tree. ``rules``: the reader's (a chest
+    X-ray dataset's ``<source>`` key; default, its defaults). Skipped where the folder still holds the source's
+    distributed archives, which fetch unpacks first (DomainNet's per-domain zips)."""
+    from fedsilo.config import CXRDatasetParams
+    from fedsilo.data.sources import source_module
+    from fedsilo.data.sources.base import LabelFileError, is_hidden
+
+    module = source_module(source)
+    pattern = getattr(module, "DISTRIBUTED_ARCHIVES", "")
+    if pattern and any(not is_hidden(z.name) for z in folder.glob(pattern)):
+        return
+    if rules is None and source in CXRDatasetParams.model_fields:
+        rules = CXRDatasetParams.model_fields[source].get_default(call_default_factory=True)
+    try:
+        module.read_records(folder, rules)
+    except LabelFileError as err:
+        raise FetchError(f"sources.{source}.path: {folder} does not hold {source} as its reader expects, so nothing was "
+                         f"copied: {err}") from None
+
+
 def _included(name: str, include: tuple[str, ...]) -> bool:
     return not include or any(fnmatch.fnmatch(name, pat) for pat in include)
 
@@ -309,9 +332,11 @@ def copy_tree(src: Path, dst: Path, desc: str, quiet: bool) -> None:
     bar.close()
 
 
-def fetch(source: str, params: SourceParams, out_dir: Path, root: Path = Path("."), quiet: bool = False) -> dict:
+def fetch(source: str, params: SourceParams, out_dir: Path, root: Path = Path("."), quiet: bool = False,
+          rules: Any = None) -> dict:
     """Fetch ``source`` into ``out_dir``; ``root`` (the repository root) holds the download cache unless
-    ``$FEDSILO_DOWNLOAD_CACHE`` is set."""
+    ``$FEDSILO_DOWNLOAD_CACHE`` is set. A local folder of a public source is read by its reader first
+    (:func:`check_local_layout`, with ``rules``), so a wrong folder is refused before the copy."""
     from fedsilo.data.mirror import mirror_writer
 
     out_dir = Path(out_dir)
@@ -328,6 +353,8 @@ def fetch(source: str, params: SourceParams, out_dir: Path, root: Path = Path(".
             if not src.exists():
                 raise FetchError(f"sources.{source}.path: {src} does not exist")
             if src.is_dir():
+                if params.reader is None:  # a public source: its reader checks the folder before the copy
+                    check_local_layout(source, src, rules)
                 copy_tree(src, tmp, f"fetch {source}", quiet)
                 if params.reader is None:  # a public source distributed as zips inside its folder
                     _unpack_distributed_zips(source, tmp)
