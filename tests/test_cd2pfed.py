@@ -454,7 +454,7 @@ def test_a_client_with_one_test_image_gets_no_spectrum_instead_of_failing_the_ru
     """Small label-skew clients can hold a single test image: its covariance is undefined, the run still finishes."""
     from dataclasses import replace
 
-    from fedsilo.report import collapse_table
+    from fedsilo.report.tables import collapse_table
 
     few = [replace(clients[0], x_test=clients[0].x_test[:1], y_test=clients[0].y_test[:1])] + list(clients[1:])
     e = _engine(few, name="fedavg", tp=_tp(rounds=1))

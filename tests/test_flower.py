@@ -617,7 +617,7 @@ def test_a_partial_evaluation_counts_only_for_the_sites_that_scored_it():
     the rounds it scored, best-mean-validation selection and the curves over seeds pass the round over (the curves
     match rounds by number, never pairing one seed's round 3 with another's round 2), and MLflow gets the answering
     sites' accuracies and global-model accuracies."""
-    from fedsilo.report import best_validation_round, own_best_validation_acc, seed_curve
+    from fedsilo.report.tables import best_validation_round, own_best_validation_acc, seed_curve
     from fedsilo.tracking import round_metrics
 
     def entry(rnd, scores, missing=()):

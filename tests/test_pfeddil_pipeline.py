@@ -124,7 +124,7 @@ def test_sensitivity_report_finds_the_lambda_sweeps_and_alpha_families_and_tabul
 
 
 def test_stream_versus_paper_says_both_sides_are_accuracies_at_each_tasks_end():
-    from fedsilo.report import load_published, selection_note
+    from fedsilo.report.versus import load_published, selection_note
 
     for table in ("digit10", "office31", "domainnet"):
         paper = load_published(REPO, f"pipelines/pfeddil/published.yaml#{table}")

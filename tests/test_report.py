@@ -139,7 +139,7 @@ def test_freeze_global_never_changes_phi(mirror_root, tmp_path, monkeypatch):
 def test_clients_sharing_a_domain_make_one_column_their_mean(tmp_path):
     import json
 
-    from fedsilo.report import collect, summary_table
+    from fedsilo.report.tables import collect, summary_table
 
     per = {"A-0": 0.5, "A-1": 0.7, "B-0": 0.9}
     for m in ("fedavg", "f2dc"):
@@ -158,10 +158,10 @@ def test_clients_sharing_a_domain_make_one_column_their_mean(tmp_path):
 def test_the_accuracy_table_says_its_avg_is_over_domains_where_domains_hold_several_clients(tmp_path, monkeypatch):
     import json
 
-    import fedsilo.report as report_module
+    import fedsilo.report.figures as report_module
     from fedsilo.report import build_report
 
-    for fig in ("line_figure", "_bar_figure"):
+    for fig in ("line_figure", "bar_figure"):
         monkeypatch.setattr(report_module, fig, lambda path, *a, **k: path.name)
     accs = {"A-0": 0.5, "A-1": 0.7, "B-0": 0.9}
     d = tmp_path / "res" / "fedavg" / "seed0"
@@ -208,7 +208,7 @@ def test_collapse_table_fig1_and_flops_column_from_the_run_files(tmp_path):
 
 
 def test_time_to_accuracy_counts_rounds_seconds_and_bytes_until_the_first_crossing():
-    from fedsilo.report import time_to_accuracy
+    from fedsilo.report.tables import time_to_accuracy
 
     def hist(accs):
         return [{"round": r + 1, "train_seconds": 2.0, "bytes_up_total": 2**20, "bytes_down_total": 2**20,
@@ -268,7 +268,7 @@ def test_time_to_accuracy_sets_the_papers_table_vii_beside_ours(tmp_path):
 
 
 def test_local_new_external_table_averages_each_column_over_seeds(tmp_path):
-    from fedsilo.report import local_new_external, local_new_external_markdown
+    from fedsilo.report.tables import local_new_external, local_new_external_markdown
     from fedsilo.utils.io import write_json
 
     values = {("cd2pfed", 0): (0.9, 0.6), ("cd2pfed", 1): (0.8, 0.5), ("fedavg", 0): (0.5, 0.55), ("fedavg", 1): (0.5, 0.45)}
@@ -283,7 +283,8 @@ def test_local_new_external_table_averages_each_column_over_seeds(tmp_path):
     # a paper's local / new table (CD2-pFed's) is set beside these columns, without an Avg
     import pandas as pd
 
-    from fedsilo.report import METRIC_COLUMNS_INV, versus_paper
+    from fedsilo.report.tables import METRIC_COLUMNS_INV
+    from fedsilo.report.versus import versus_paper
 
     paper = {"domains": ["local", "new"], "methods": {"cd2pfed": {"mean": [91.82, 61.31]}, "fedper": {"mean": [83.29, 57.77]}}}
     vs = versus_paper(pd.concat({"mean": tab["mean"].rename(columns=METRIC_COLUMNS_INV)}, axis=1), paper, avg=False)
@@ -304,27 +305,27 @@ def test_local_new_external_table_averages_each_column_over_seeds(tmp_path):
 
 
 def test_per_domain_figure_draws_a_line_per_domain_the_mean_of_its_clients(tmp_path, monkeypatch):
-    import fedsilo.report as report
+    import fedsilo.report.figures as report
 
     drawn: dict[str, list] = {}
     monkeypatch.setattr(report, "line_figure", lambda path, series, *a: drawn.__setitem__(path.name, series) or path.name)
     hist = [{"round": r, "bytes_up_total": 0, "bytes_down_total": 0,
              "eval": {"a1": {"acc": 0.2 * r}, "a2": {"acc": 0.4 * r}, "b1": {"acc": 0.1 * r}}} for r in (1, 2)]
-    report._plots(tmp_path, "x", ["fedavg"], [0], {("fedavg", 0): hist}, {"a1": "A", "a2": "A", "b1": "B"})
+    report.round_figures(tmp_path, "x", ["fedavg"], [0], {("fedavg", 0): hist}, {"a1": "A", "a2": "A", "b1": "B"})
     series = {name: ys for name, _, ys in drawn["x_fedavg_domains.png"]}
     assert set(series) == {"A", "B"}
     assert series["A"] == pytest.approx([30.0, 60.0]) and series["B"] == pytest.approx([10.0, 20.0])
     # clients of one dataset (label skew): no per-domain figure (its one line is the curve), the curve says clients
     drawn.clear()
     monkeypatch.setattr(report, "line_figure", lambda path, series, ylabel, *a: drawn.__setitem__(path.name, ylabel) or path.name)
-    report._plots(tmp_path, "x", ["fedavg"], [0], {("fedavg", 0): hist}, {"a1": "A", "a2": "A", "b1": "A"})
+    report.round_figures(tmp_path, "x", ["fedavg"], [0], {("fedavg", 0): hist}, {"a1": "A", "a2": "A", "b1": "A"})
     assert set(drawn) == {"x_curves.png", "x_bytes.png"} and drawn["x_curves.png"] == "mean test accuracy over clients (%)"
 
 
 def test_versus_paper_warns_when_our_avg_covers_domains_the_paper_has_not(caplog):
     import logging
 
-    from fedsilo.report import versus_paper
+    from fedsilo.report.versus import versus_paper
 
     acc = pd.concat({"mean": pd.DataFrame({"A": [50.0], "B": [70.0], "C": [90.0], "Avg": [70.0]}, index=["fedavg"]),
                      "std": pd.DataFrame({"A": [0.0], "B": [0.0], "C": [0.0], "Avg": [0.0]}, index=["fedavg"])}, axis=1)
@@ -345,11 +346,11 @@ def test_one_table_of_a_paper_is_reported_from_its_groups_runs_and_names_the_run
     checked) by the tests above, here each is a name."""
     import json
 
-    import fedsilo.report as report_module
+    import fedsilo.report.figures as report_module
     from fedsilo.cli import main
     from tests.conftest import REPO
 
-    for fig in ("line_figure", "_bar_figure", "_fig3"):
+    for fig in ("line_figure", "bar_figure", "fig3_scatter"):
         monkeypatch.setattr(report_module, fig, lambda path, *a, **k: path.name)
 
     (tmp_path / "pipelines").symlink_to(REPO / "pipelines")  # the published numbers the report reads
@@ -484,7 +485,7 @@ def test_a_variant_that_differs_from_its_method_beyond_its_own_keys_is_named():
     """A tuned ``methods.cd2pfed`` leaves the ablations that name it at the registered defaults for every key they do
     not set: the report names each such key; keys a variant sets itself, or that its values make idle (pFedDB's Phase-1
     settings without the two-phase protocol), are not a difference."""
-    from fedsilo.report import variant_drift
+    from fedsilo.report.versus import variant_drift
 
     entries = {"cd2pfed": {"p": 0.25, "lam": 1.0}, "cd2pfed_cd": {"method": "cd2pfed", "progressive": False, "temporal_averaging": False, "lam": 2.0},
                "fedavg": {}}
@@ -503,7 +504,8 @@ def test_a_variant_that_differs_from_its_method_beyond_its_own_keys_is_named():
 
 
 def test_latex_tables_escape_names_and_a_table_of_identical_rows_says_it_tells_nothing():
-    from fedsilo.report import indistinct_rows, latex_text, to_latex, versus_paper
+    from fedsilo.report.tables import indistinct_rows, latex_text, to_latex
+    from fedsilo.report.versus import versus_paper
 
     cols = ["art_painting", "Avg"]
     acc = pd.concat({"mean": pd.DataFrame([[50.0, 60.0], [50.0, 60.0]], index=["f2dc_no_dfd", "fedavg"], columns=cols),
@@ -538,7 +540,7 @@ def test_a_stream_figure_marks_its_task_boundaries_and_keeps_fifteen_lines_apart
     a 20-colour map and the legend beside the axes."""
     from matplotlib.axes import Axes
 
-    from fedsilo.report import line_figure
+    from fedsilo.report.figures import line_figure
 
     seen: dict[str, list] = {"vlines": [], "legend": []}
     for name, key in (("axvline", "vlines"), ("legend", "legend")):
@@ -559,7 +561,7 @@ def test_the_cost_table_sets_our_whole_rounds_upload_beside_the_papers_comm_and_
     """F²DC's Table 4 prints comm. for all of a round's clients (193.72 MB for FedAvg on PACS): ours is given per
     client and for the whole round; a paper method the report does not hold reads "not in this report" (it may have
     run, outside a group), not "not run"."""
-    from fedsilo.report import efficiency_markdown
+    from fedsilo.report.versus import efficiency_markdown
 
     comm = pd.DataFrame({"upload_MiB": [18.721], "upload_round_bytes": [196_299_480.0], "train_s_per_round": [2.7]},
                         index=["f2dc"])
@@ -578,7 +580,7 @@ def test_a_row_run_with_another_setting_than_the_papers_row_is_named():
     5's σ) with that setting; an edit of σ is named under the vs-paper table, not passed off as the paper's row."""
     import yaml
 
-    from fedsilo.report import settings_differ, write_versus
+    from fedsilo.report.versus import settings_differ, write_versus
 
     published = yaml.safe_load((REPO / "pipelines/f2dc/published.yaml").read_text())["accuracy"]
     for preset in ("pipelines/f2dc/params.yaml", "pipelines/f2dc/paper/params.yaml"):
@@ -603,7 +605,7 @@ def test_a_row_run_with_another_setting_than_the_papers_row_is_named():
 def test_a_quickstarts_vs_paper_table_says_where_its_scale_is_not_the_papers():
     """F²DC's quickstart trains the paper's ResNet-10 (no backbone note) at 16 px for 3 rounds on generated images:
     the vs-paper table names each setting beside the paper-scale params' and the mirrors; the paper scale says nothing."""
-    from fedsilo.report import paper_scale_note, write_versus
+    from fedsilo.report.versus import paper_scale_note, write_versus
     from tests.conftest import paper_params
 
     p = paper_params("f2dc", "quickstart", check=False)

@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from fedsilo.report import build_report, collect, standard_errors, summary_table, upload_per_participant
+from fedsilo.report import build_report
+from fedsilo.report.tables import collect, standard_errors, summary_table, upload_per_participant
 from fedsilo.utils.io import write_json
 
 
@@ -38,7 +39,7 @@ def test_std_over_seeds_is_the_sample_std():
 def test_std_over_domains_is_each_runs_sample_std_over_its_domain_columns_and_the_paper_sets_it_beside():
     """F²DC's STD column: FedAvg's Office-Caltech row (59.82, 65.26, 51.72, 46.67) has STD 8.27, the ddof = 1 std over
     the four domains; ours is that per run, then mean ± std over seeds, and the vs-paper table sets it beside."""
-    from fedsilo.report import versus_paper
+    from fedsilo.report.versus import versus_paper
 
     paper_row = [59.82, 65.26, 51.72, 46.67]
     assert np.std(paper_row, ddof=1) == pytest.approx(8.27, abs=0.01)
@@ -154,7 +155,7 @@ def test_the_vs_paper_table_says_which_round_each_side_comes_from(tmp_path, sele
 
 def test_the_curves_plot_the_tables_avg_over_domains_not_the_mean_over_clients():
     """F²DC's Fig. 5: three clients of domain A at 0.9 and one of B at 0.5 give Avg 0.7 (the table's), not 0.8."""
-    from fedsilo.report import domain_avg
+    from fedsilo.report.tables import domain_avg
 
     entry = {"eval": {"A-0": {"acc": 0.9}, "A-1": {"acc": 0.9}, "A-2": {"acc": 0.9}, "B-0": {"acc": 0.5}}}
     domain_of = {"A-0": "A", "A-1": "A", "A-2": "A", "B-0": "B"}

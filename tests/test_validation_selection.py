@@ -14,7 +14,8 @@ from fedsilo.config import DomainClientsSplit, TrainParams
 from fedsilo.data.splits import SplitError, make_split
 from fedsilo.fl.engine import Engine
 from fedsilo.methods import method_class
-from fedsilo.report import build_report, collect
+from fedsilo.report import build_report
+from fedsilo.report.tables import collect
 from fedsilo.utils.io import write_json
 from tests.tiny import style_shifted_federation, tiny_net
 

@@ -360,8 +360,9 @@ def _report_one(args: argparse.Namespace, p: Params, exp: str, methods: Sequence
     """The report of one experiment's ``methods`` into ``out`` and ``made``: a task stream's (pFedDIL's tables) or a
     static one's. ``beside``: the methods a run group sets beside its own rows; ``in_place``: ``out`` is a folder the
     caller writes atomically."""
-    from fedsilo.report import build_report, paper_scale_note
+    from fedsilo.report import build_report
     from fedsilo.report.continual import build_stream_report
+    from fedsilo.report.versus import paper_scale_note
 
     layout = p.layout(args.root)
     scale = paper_scale_note(p, exp, Path(args.root)) if p.experiments[exp].published else ""
@@ -483,7 +484,8 @@ def _methods(args: argparse.Namespace) -> None:
 def _check_published(p: Params, where: str, root: Path) -> None:
     """Every ``experiments.<e>.published`` names a file and a table of it that exist (the report stage would find a
     typo only after every run trained, and DVC removes the old report before running it)."""
-    from fedsilo.report import ReportError, load_published_entries
+    from fedsilo.report import ReportError
+    from fedsilo.report.versus import load_published_entries
 
     for e, exp in p.experiments.items():
         if exp.published:

@@ -18,7 +18,8 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
-from fedsilo.report import collect, line_figure, mean_pm, over_seeds, summary_table
+from fedsilo.report.figures import line_figure
+from fedsilo.report.tables import collect, mean_pm, over_seeds, summary_table
 from fedsilo.utils.io import atomic_dir
 
 log = logging.getLogger("fedsilo.report")

@@ -30,19 +30,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fedsilo.report import (
-    ReportError,
-    indistinct_rows,
-    line_figure,
+from fedsilo.report import ReportError, written
+from fedsilo.report.figures import line_figure
+from fedsilo.report.tables import indistinct_rows, mean_pm, over_seeds
+from fedsilo.report.versus import (
     load_published,
-    mean_pm,
-    over_seeds,
     published_entry,
     runs_backbones,
     settings_differ,
     versus_paper,
     write_versus,
-    written,
 )
 from fedsilo.utils.io import atomic_dir, read_json
 
