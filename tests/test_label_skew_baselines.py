@@ -324,6 +324,53 @@ def test_fedecouple_resets_the_extractor_where_algorithm_1_does(clients, monkeyp
     assert own and any(not torch.equal(own[c.name]["units.0.0.weight"], downs[(2, c.name)]["units.0.0.weight"]) for c in clients)
 
 
+def test_fedecouple_without_the_global_extractor_update_keeps_each_clients_own_extractor(clients, monkeypatch):
+    """Table IX's "w/o global extractor update": no theta_i <- theta^t; in round 2 each client's extractor phase
+    starts where its own classifier phase ended, on its own theta_i, not on the downloaded theta^t."""
+    calls = _spy_fedecouple(monkeypatch)
+    downs: dict = {}
+    e = _engine("fedecouple", clients, rounds=2, classifier_epochs=1, global_update=False,
+                observer=lambda r, c, d, p: downs.__setitem__((r, c), p) if d == "down" else None, **{**OFF, "reset": "before_extractor"})
+    e.step()
+    own = {c.name: {k[len("personal::"):]: v.clone() for k, v in s.items() if k.startswith("personal::")} for c, s in zip(clients, e.stores)}
+    calls.clear()
+    e.step()
+    weights = [k for k in calls[0][2] if not k.startswith(HEAD) and "running_" not in k and "num_batches" not in k]
+    for (name, _, cl_start), (_, _, fe_start) in zip(calls[::2], calls[1::2]):  # classifier phase, extractor phase
+        assert all(torch.equal(cl_start[k], own[name][k]) for k in weights), name
+        assert all(torch.equal(fe_start[k], cl_start[k]) for k in weights), name  # the body is frozen in between
+        assert not all(torch.equal(fe_start[k], downs[(2, name)][k]) for k in weights), name
+    assert "reset" in method_class("fedecouple").params_cls(global_update=False).unused_keys()
+
+
+def test_fedecouple_anchor_coverage_pulls_only_the_covered_classes_images(clients):
+    """Table IX's anchor coverage: at 50 % half the client's classes keep their anchor (a seeded draw each round); an
+    image of another class adds no center loss, while the batch mean still counts it."""
+    from types import SimpleNamespace
+
+    from fedsilo.methods.fedecouple import FedeCouple, FedeCoupleParams
+
+    z = torch.tensor([[1.0, 2.0], [0.0, 3.0], [2.0, 2.0], [1.0, 1.0]])
+    anchors = {0: torch.zeros(2), 1: torch.ones(2), 2: torch.tensor([2.0, 0.0]), 3: torch.tensor([0.0, 1.0])}
+    y = torch.tensor([0, 1, 2, 3])
+    m = FedeCouple(FedeCoupleParams(mu=1.0, center_reduction="sum", anchor_coverage=0.5), TrainParams(device="cpu"))
+    covered = m.covered_classes(anchors, torch.Generator().manual_seed(0))
+    assert len(covered) == 2 and covered <= set(anchors)
+    per_image = [5.0, 5.0, 4.0, 1.0]
+    want = sum(p for c, p in enumerate(per_image) if c in covered) / 4
+    assert float(m.center_loss(SimpleNamespace(z=z), anchors, covered)(None, y, None)) == pytest.approx(want)
+    assert float(m.center_loss(SimpleNamespace(z=z), anchors)(None, y, None)) == pytest.approx(sum(per_image) / 4)
+    full = FedeCouple(FedeCoupleParams(), TrainParams(device="cpu"))
+    assert full.covered_classes(anchors, torch.Generator().manual_seed(0)) is None
+    # the share reaches the training
+    heads = []
+    for share in (1.0, 0.5):
+        e = _engine("fedecouple", clients, rounds=1, **{**OFF, "gfa": True, "mu": 5.0, "anchor_coverage": share})
+        e.run()
+        heads.append(e.stores[0]["personal::units.0.0.weight"])
+    assert not torch.equal(*heads)
+
+
 def test_fedecouple_server_model_is_the_similarity_weighted_mean_of_the_uploads(clients):
     """Eq. 7 is what the server applies: the new global model is sum_i iota_i w_i with the uploads' cosine weights."""
     from fedsilo.methods.fedecouple import similarity_weights

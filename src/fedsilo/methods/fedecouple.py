@@ -34,6 +34,15 @@ class FedeCoupleParams(MethodParams):
                       "epochs (Eq. 5); off, the extractor is still replaced by the downloaded one (reset): the paper's GLF "
                       "also names that replacement, which no switch here removes")
     gfa: bool = Field(True, description="GFA: center loss pulling features to the anchors of the downloaded extractor (Eq. 1)")
+    anchor_coverage: float = Field(
+        1.0, gt=0, le=1, description="GFA's share of the client's classes that have an anchor (Table IX's 'anchor coverage' "
+        "50 % / 100 %; 0 % is gfa: false): each round a seeded draw of round(share x classes) of them, at least one; images "
+        "of the other classes add no center loss",
+    )
+    global_update: bool = Field(
+        True, description="GLF's 'global extractor update' (Table IX): theta_i <- theta^t before the extractor phase "
+        "(Algorithm 1, line 24); off, a client that has trained keeps its own theta_i throughout",
+    )
     gpc: bool = Field(True, description="GPC: distil the personal classifier from the locally adapted global classifier (Eq. 2-4)")
     da: bool = Field(True, description="DA: each batch trains on its images and one augmented copy of each (crop, flip, rotation, brightness or inversion)")
     teacher: Literal["adapted", "fixed"] = Field("adapted", description="GPC's teacher: fine-tuned by CE each batch (Eq. 4) or the frozen global classifier (Table IX 'Fixed')")
@@ -55,7 +64,8 @@ class FedeCoupleParams(MethodParams):
 
     def unused_keys(self) -> set[str]:
         idle = set() if self.gpc else {"lam", "tau", "teacher", "kd_scale"}  # GPC's distillation
-        return idle | (set() if self.gfa else {"mu", "center_reduction"})  # GFA's center loss
+        idle |= set() if self.gfa else {"mu", "center_reduction", "anchor_coverage"}  # GFA's center loss
+        return idle | (set() if self.global_update else {"reset"})  # no replacement: no moment to choose
 
 
 def similarity_weights(uploads: list[State], sizes: list[int]) -> list[float]:
@@ -109,6 +119,11 @@ class FedeCouple(PersonalModels):
     epochs" reads (FedPAC's code, its authors' starting point, uses 1); DA trains each batch together with one augmented copy of each image ("combine
     augmented data with the original"), magnitudes as ``fedsilo.client.data.one_random_op`` documents.
 
+    Table IX's sub-settings are switches too: ``global_update: false`` leaves out line 24's replacement (a client
+    that has trained keeps its theta_i; GLF's frozen-classifier epoch is ``glf``), ``anchor_coverage: 0.5`` keeps the
+    anchors of half the client's classes (a seeded draw each round: which half, and whether it is redrawn, the paper
+    does not say), and the KD variants are ``gpc: false`` and ``teacher: fixed``.
+
     With ``glf``, ``gfa``, ``gpc`` and ``da`` off, ``aggregation: fedavg`` and ``reset: before_classifier`` each round is FedRep's with
     ``head_epochs = classifier_epochs`` and ``body_epochs = train.local_epochs``: the same representation on the
     server and the same heads on the clients, tensor for tensor (tested); FedeCouple also uploads phi_i and evaluates
@@ -142,12 +157,27 @@ class FedeCouple(PersonalModels):
         """An_k: the mean representation of the client's class-k images under the downloaded extractor (Eq. 1)."""
         return class_means(features_of(model, client.x_train, self.train.normalize), client.y_train, chunk=256)
 
-    def center_loss(self, rep, anchors: dict[int, torch.Tensor]):
+    def covered_classes(self, anchors: dict[int, torch.Tensor], gen: torch.Generator) -> Optional[set[int]]:
+        """The classes that keep their anchor this round (``anchor_coverage`` < 1), or None for all of them."""
+        if self.params.anchor_coverage >= 1:
+            return None
+        classes = sorted(anchors)
+        n = max(1, int(round(self.params.anchor_coverage * len(classes))))
+        return {classes[i] for i in torch.randperm(len(classes), generator=gen)[:n].tolist()}
+
+    def center_loss(self, rep, anchors: dict[int, torch.Tensor], covered: Optional[set[int]] = None):
         # a row per class label; every training label has one, since the anchors come from the same images
         table = class_table(anchors, max(anchors) + 1)
+        keep = None
+        if covered is not None:  # an image of a class without an anchor adds nothing; the batch mean still counts it
+            keep = torch.zeros(max(anchors) + 1, dtype=torch.bool, device=table.device)
+            keep[sorted(covered)] = True
 
         def loss(x, y, logits):
             sq = (rep.z.float() - table[y]) ** 2
+            if keep is not None:
+                per_image = sq.mean(1) if self.params.center_reduction == "mse" else sq.sum(1)
+                return self.params.mu * (per_image * keep[y]).mean()
             omega = sq.mean() if self.params.center_reduction == "mse" else sq.sum(1).mean()
             return self.params.mu * omega
 
@@ -160,8 +190,10 @@ class FedeCouple(PersonalModels):
         gen_da = make_generator(seed, rnd, client.index, 3)
         da = (lambda x, y: (torch.cat([x, one_random_op(x, gen_da, self.train.normalize)]), torch.cat([y, y]))) if self.params.da else None
         anchors = self.anchors(model, client) if self.params.gfa else None  # from theta^t
-        late_reset = self.params.reset == "before_extractor" and bool(store[TRAINED])
-        if late_reset:  # the classifier phase runs on the client's own theta_i (Algorithm 1: the reset is line 24)
+        trained = bool(store[TRAINED])
+        keep_own = trained and not self.params.global_update  # Table IX's "w/o global extractor update"
+        late_reset = trained and self.params.global_update and self.params.reset == "before_extractor"
+        if late_reset or keep_own:  # the classifier phase runs on the client's own theta_i (Algorithm 1: the reset is line 24)
             model.load_state_dict({k: v for k, v in personal.items() if k not in self.head_keys}, strict=False)
 
         # classifier phase (GPC): phi_i with the extractor fixed, the teacher adapted on the same batches
@@ -192,7 +224,7 @@ class FedeCouple(PersonalModels):
 
         # extractor phase: GLF's epoch against the frozen global classifier, then E_fe epochs against phi_i
         with frozen(head), representation(model) as rep:
-            center = self.center_loss(rep, anchors) if anchors else None
+            center = self.center_loss(rep, anchors, self.covered_classes(anchors, make_generator(seed, rnd, client.index, 4))) if anchors else None
             if self.params.glf:
                 model.load_state_dict({k: payload[k] for k in self.head_keys}, strict=False)
                 train_local(model, client, self.train, make_generator(seed, rnd, client.index, 2), epochs=1, params=body,
