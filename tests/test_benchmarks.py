@@ -284,3 +284,33 @@ def test_domainnet_local_folder_of_per_domain_zips_is_unpacked(bench_raw, tmp_pa
     ref = source_module("domainnet").read_records(bench_raw / "domainnet")
     ref = ref[ref["domain"].isin(["clipart", "sketch"])]
     assert sorted(rec["id"]) == sorted(ref["id"]) and (rec.sort_values("id")["label"].to_numpy() == ref.sort_values("id")["label"].to_numpy()).all()
+
+
+@pytest.mark.parametrize("mode", ["keep", "group", "exclude"])
+def test_byte_identical_files_of_a_public_source_are_counted_and_handled_as_copies_says(bench_raw, tmp_path, mode):
+    """Office-Caltech-10's Amazon domain holds byte-identical files: kept as the papers' loaders keep them (with a
+    warning: an image and its copy may straddle a split), grouped with their first file (same domain and class), or
+    excluded. The manifest's hashes name them; a copy filed under another class keeps its own group."""
+    from fedsilo.data.harmonize import COPY_REASON, benchmark_records
+
+    raw = tmp_path / "raw"
+    shutil.copytree(bench_raw / "office_caltech10", raw / "office_caltech10")
+    root = raw / "office_caltech10"
+    first = sorted(p for p in root.rglob("*") if p.is_file() and p.parent.name == "mug" and "amazon" in p.parts)[0]
+    shutil.copy2(first, first.parent / "zz_copy.jpg")  # the same image under a second name, same class
+    other = next(d for d in sorted(first.parent.parent.iterdir()) if d.is_dir() and d.name > "mug")  # sorts after: not the first
+    shutil.copy2(first, other / "zz_copy.jpg")  # and filed under another class
+    params = BenchmarkDatasetParams(kind="office_caltech10", image_size=16, workers=1, copies=mode)
+    rec, _, _, warnings = benchmark_records(params, raw, "oc")
+    rel = lambda p: p.relative_to(root).as_posix()  # noqa: E731
+    row = {p: rec[rec["path"] == rel(p)].iloc[0] for p in (first, first.parent / "zz_copy.jpg", other / "zz_copy.jpg")}
+    assert any("office_caltech10: 2 files are byte-identical copies" in w for w in warnings), warnings
+    same, moved = row[first.parent / "zz_copy.jpg"], row[other / "zz_copy.jpg"]
+    if mode == "keep":
+        assert (same["excluded"], moved["excluded"]) == ("", "") and same["group"] != row[first]["group"]
+        assert any("datasets.oc.copies: group" in w for w in warnings)
+    elif mode == "group":
+        assert same["group"] == row[first]["group"] and moved["group"] != row[first]["group"]
+        assert any("1 in another domain or class keep their own" in w for w in warnings)
+    else:
+        assert same["excluded"] == moved["excluded"] == COPY_REASON and row[first]["excluded"] == ""

@@ -690,6 +690,12 @@ class BenchmarkDatasetParams(Strict):
     sample_seed: int = Field(0, ge=0)
     max_quarantine_fraction: float = Field(0.05, ge=0.0, le=1.0)
     workers: int = Field(0, ge=0, description="decode processes; 0 = all cores")
+    copies: Literal["keep", "group", "exclude"] = Field(
+        "keep", description="a public source's files that are byte-identical copies of another of its files (Office-"
+        "Caltech-10's Amazon domain holds some): keep them as separate images, as the papers' loaders do (harmonize "
+        "warns with the count: an image and its copy may land on both sides of a split); group: each copy joins its "
+        "first file's group (same domain and class), so every split keeps them on one side; exclude: keep each image once",
+    )
     classes: Optional[tuple[str, ...]] = Field(None, description="kind image_folder: the class list, in label order "
                                                "(default: the class folders' names, sorted, as torchvision's ImageFolder does)")
     folders: dict[str, ImageFolderRules] = Field(default_factory=dict, description="per source of your own (reader: "

@@ -283,6 +283,46 @@ def exclude_copies(rec: pd.DataFrame, raw_dir: Path, label: str) -> tuple[pd.Dat
     return rec, warning
 
 
+def public_copies(rec: pd.DataFrame, raw_dir: Path, label: str, mode: str, key: str) -> tuple[pd.DataFrame, Optional[str]]:
+    """A public benchmark source's records, its byte-identical files handled as ``datasets.<d>.copies`` says
+    (``mode``: keep, group or exclude), and a warning with their count (None when there are none). Only files that
+    are one image each are compared (not the arrays of CIFAR or MNIST, whose rows share their file). ``group`` joins a
+    copy to its first file's group where both have the same domain and class; a copy in another domain or of another
+    class keeps its own group, and the warning says how many."""
+    kept = ((rec["excluded"] == "") & (rec["path"] != "")).to_numpy()
+    counts = rec.loc[kept, "path"].value_counts()
+    paths = sorted(counts.index[counts == 1])
+    if len(paths) < 2:
+        return rec, None
+    first: dict[str, str] = {}
+    copy_of: dict[str, str] = {}
+    for path, digest in sorted(_digests(raw_dir, paths).items()):
+        if digest in first:
+            copy_of[path] = first[digest]
+        else:
+            first[digest] = path
+    if not copy_of:
+        return rec, None
+    one = rec[kept & rec["path"].isin(paths).to_numpy()].set_index("path")
+    alike = {c: f for c, f in copy_of.items() if one.at[c, "domain"] == one.at[f, "domain"] and one.at[c, "label"] == one.at[f, "label"]}
+    example = next(iter(sorted(copy_of.items())))
+    text = f"{label}: {len(copy_of)} files are byte-identical copies of another of its files (e.g. {example[0]} = {example[1]})"
+    rec = rec.copy()
+    rows = kept & rec["path"].isin(list(copy_of)).to_numpy()
+    if mode == "exclude":
+        rec.loc[rows, "excluded"] = COPY_REASON
+        return rec, text + "; each image is kept once (copies: exclude)"
+    if mode == "group":
+        group_of = one["group"].to_dict()
+        at = kept & rec["path"].isin(list(alike)).to_numpy()
+        rec.loc[at, "group"] = [group_of[alike[p]] for p in rec.loc[at, "path"]]
+        rest = len(copy_of) - len(alike)
+        return rec, text + ("; each joins its first file's group (copies: group), so a split keeps them on one side"
+                            + (f"; {rest} in another domain or class keep their own" if rest else ""))
+    return rec, text + (f"; kept as separate images, as the papers' loaders keep them: an image and its copy may land on both "
+                        f"sides of a split ({key}.copies: group keeps each on one side, exclude keeps each image once)")
+
+
 def fetched_copy_note(raw_dir: Path, src: str) -> str:
     """What a reader's error about ``raw_dir`` should add: the folder is fetch's copy of a source of the user's (its
     manifest's origin), where the fix belongs before fetching again; "" for a download or a mirror."""
@@ -480,6 +520,7 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
             raise HarmonizeError(f"{raw_root / src}: raw source folder missing (run `fedsilo fetch --source {src}`, or "
                                  f"`dvc repro fetch@{src}` once it is in pipeline.sources)")
     own = params.own_sources()
+    warnings_public: list[str] = []
     for src in params.source_list:
         if src in own:
             continue
@@ -489,6 +530,8 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
         names = source_classes(mod, raw_dir)
         classes = classes or names  # the first source's class list is the dataset's unless the kind has its own
         rec = to_dataset_classes(rec, names, classes, params.kind)
+        rec, copies = public_copies(rec, raw_dir, src, params.copies, f"datasets.{name or '<dataset>'}")
+        warnings_public += [copies] if copies else []
         rec["source"] = src
         frames[src] = rec
     if not classes and params.kind != "image_folder":  # a kind's own sources only (a deployed site): the kind's classes
@@ -514,7 +557,7 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
             raise HarmonizeError(f"{name or params.kind}: its sources name {len(classes)} class ({', '.join(classes)}); "
                                  f"a classification task needs two or more (list them in datasets.{name or '<dataset>'}.classes, "
                                  "or check the sources' class folders / label columns)")
-    warnings = list(scan_notes)
+    warnings = warnings_public + scan_notes
     for src in own:
         table = params.reader_of(src) == "image_table"
         rec = image_folder.read_records(scans[src], maps[src], classes, check_groups=not table)
