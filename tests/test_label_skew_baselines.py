@@ -630,6 +630,25 @@ def test_fedpac_classifier_is_the_alpha_weighted_mean_and_features_align_to_glob
     assert checked and all(v == pytest.approx(w, rel=1e-4) and v > 0 for v, w in checked), checked
 
 
+def test_fedpac_classifier_epoch_keeps_its_rate_when_the_schedule_decays_the_rest(clients, monkeypatch):
+    """The authors' code trains FedPAC's classifier at lr 0.1 whatever the schedule; the extractor's rate decays."""
+    import fedsilo.client.local as local
+    from fedsilo.config import LRScheduleParams
+
+    made = []
+    real = local.make_optimizer
+    monkeypatch.setattr(local, "make_optimizer", lambda params, cfg: made.append(real(params, cfg).param_groups[0]["lr"]) or real(params, cfg))
+    tp = TrainParams(rounds=2, batch_size=8, lr=0.05, momentum=0.5, local_epochs=1, device="cpu", count_flops=False,
+                     lr_schedule=LRScheduleParams(kind="step", gamma=0.1, milestones=[1]))
+    cls = method_class("fedpac")
+    e = Engine(cls(cls.params_cls(), tp), tiny_net(1, 4), clients, tp, seed=0)
+    e.step()
+    assert sorted(set(made)) == pytest.approx([0.05, 0.1])
+    made.clear()
+    e.step()  # round 2: the schedule's 0.1 factor reaches the extractor only
+    assert sorted(set(made)) == pytest.approx([0.005, 0.1])
+
+
 def test_ft_fedavg_fine_tunes_the_global_model_per_client_only_to_evaluate(clients):
     ft = _engine("fedavg", clients, rounds=1, finetune_epochs=2)
     plain = _engine("fedavg", clients, rounds=1)

@@ -140,6 +140,17 @@ def scheduled_lr(cfg: TrainParams, rnd: int) -> Iterator[float]:
         _LR_FACTOR.reset(token)
 
 
+@contextmanager
+def unscheduled_lr() -> Iterator[None]:
+    """Inside the block optimizers take their learning rate as given, whatever ``train.lr_schedule`` makes of the
+    round's (a rate the authors' code keeps fixed while the rest decays: FedPAC's classifier epoch at 0.1)."""
+    token = _LR_FACTOR.set(1.0)
+    try:
+        yield
+    finally:
+        _LR_FACTOR.reset(token)
+
+
 def lr_now(lr: float) -> float:
     """``lr`` as the round in progress trains with it (``train.lr_schedule``; ``lr`` itself outside a round)."""
     return lr * _LR_FACTOR.get()

@@ -13,7 +13,7 @@ from pydantic import Field
 
 from fedsilo.client.data import ClientData
 from fedsilo.client.features import classifier, features_of, representation
-from fedsilo.client.local import make_generator, train_local
+from fedsilo.client.local import make_generator, train_local, unscheduled_lr
 from fedsilo.methods.base import Method, MethodParams, RunningMean, State
 from fedsilo.methods.prototypes import class_means, class_table, from_payload, to_payload
 from fedsilo.methods.sharing import frozen, head_and_body, head_and_body_keys
@@ -28,7 +28,7 @@ HEAD = "head::"  # server state: the classifier combined for client <index>, "he
 class FedPACParams(MethodParams):
     lam: float = Field(1.0, ge=0, description="lambda: weight of the feature alignment to the global class prototypes (Eq. 8)")
     classifier_epochs: int = Field(1, ge=1, description="epochs on the classifier with the extractor fixed, before the extractor's train.local_epochs")
-    classifier_lr: float = Field(0.1, gt=0, description="learning rate of the classifier epochs (the authors' code: 0.1, fixed)")
+    classifier_lr: float = Field(0.1, gt=0, description="learning rate of the classifier epochs (the authors' code: 0.1, fixed: train.lr_schedule does not scale it)")
     min_weight: float = Field(1e-3, ge=0, description="combination weights below this are set to zero before the heads are averaged (the code's eps)")
     eig_floor: float = Field(0.01, ge=0, description="when the QP matrix is not positive semidefinite, it is rebuilt from its eigenvalues >= this (the code's stabilizer)")
     align_loss: Literal["mse", "squared_l2"] = Field(
@@ -156,7 +156,7 @@ class FedPAC(Method):
         global_protos = from_payload(payload)
         head, body = head_and_body(model, self.cut)
 
-        with frozen(body):  # the classifier, extractor fixed
+        with frozen(body), unscheduled_lr():  # the classifier, extractor fixed, at the code's fixed rate
             cl = self.train.model_copy(update={"lr": self.params.classifier_lr})
             train_local(model, client, cl, make_generator(seed, rnd, client.index, 0), epochs=self.params.classifier_epochs, params=head)
         with frozen(head), representation(model) as rep:  # the extractor, classifier fixed, features aligned
