@@ -1176,7 +1176,7 @@ class LocalOptimizer(Strict):
 
 class TrainParams(Strict):
     model: Literal[
-        "simple_cnn", "alexnet_bn", "densenet121", "resnet10", "resnet10_cifar", "resnet18", "resnet34", "resnet32", "lenet5",
+        "simple_cnn", "alexnet_bn", "densenet121", "resnet10", "resnet10_cifar", "resnet18", "resnet34", "resnet34_cifar", "resnet32", "lenet5",
         "fedecouple_cnn", "fedecouple_cnn_gray", "vit_tiny",
     ] = "simple_cnn"
     model_width: float = Field(

@@ -61,8 +61,13 @@ class CD2PFed(Method):
     t = T/(6p): with T = 50 and p = 0.5 no distillation runs in rounds 1-16, a third of the paper's schedule, and that
     conv keeps one private channel until round 33; ceil would give it one from round 1, against p_t's small share);
     temperature 1, no stop-gradient; BatchNorm running statistics from the full network's forwards only; the EMA once
-    per local epoch (Eq. 6's l is "the local epoch number" in the text, and Algorithm 1's loop over l = 1..eta_i) on
-    the private parameters, which training continues from; the classifier's bias is shared and used by
+    per local epoch, as the text names Eq. 6's l "the local epoch number" (Algorithm 1's loop over l = 1..eta_i starts
+    each pass by sampling a batch, which reads as once per step instead), on the private parameters, which training
+    continues from: Eq. 6 writes w_i^l from w_i^(l-1) and "the raw update" w'_i^l, and training from the averaged
+    weights makes TA a damping of the private channels' step, beta_t times the raw change each epoch (about 0.02,
+    0.08, 0.22, 0.41 of it in the first rounds of the ramp, then 0.5); the other reading, a Mean-Teacher-style average
+    kept beside raw weights that training continues from (Eq. 7 cites Mean Teacher for the ramp), is not built; the
+    classifier's bias is shared and used by
     both subnets (slimmable networks' convention); BatchNorm running statistics of private channels are the full
     network's as trained, not averaged over time (the paper's LeNet-5 has no BatchNorm). The paper trains every client
     each round; with ``train.client_fraction`` < 1 a client downloads the shared part under the split of the last

@@ -88,7 +88,7 @@ def dse_resnet(model: LayeredNet) -> LayeredNet:
             units.append((name, unit, depth))
         else:
             raise ValueError(f"cannot convert unit {name!r} ({type(unit).__name__}); FDSE here needs a BasicBlock ResNet "
-                             "(resnet10, resnet10_cifar, resnet18, resnet34, resnet32; train.model names the backbone)")
+                             "(resnet10, resnet10_cifar, resnet18, resnet34, resnet34_cifar, resnet32; train.model names the backbone)")
     return LayeredNet(units, head_units=model.head_units).to(next(model.parameters()).device)
 
 

@@ -211,6 +211,13 @@ def resnet34(in_channels: int, num_classes: int) -> LayeredNet:
     return _resnet([3, 4, 6, 3], in_channels, num_classes)
 
 
+def resnet34_cifar(in_channels: int, num_classes: int) -> LayeredNet:
+    """ResNet-34 with the CIFAR-style stem (3x3 stride-1 convolution, no max-pool) in place of torchvision's 7x7
+    stride-2 convolution and max-pool, which shrink a 32 px image to 8x8 before the first stage (1x1 at the last): the
+    other reading of CD2-pFed's "ResNet-34" on 32 px CIFAR-100, whose preset keeps torchvision's."""
+    return _resnet([3, 4, 6, 3], in_channels, num_classes, small_stem=True)
+
+
 class _PadShortcut(nn.Module):
     """He et al. 2016's option A shortcut for CIFAR ResNets: the identity, spatially subsampled by 2, the new channels
     zero (no parameters)."""
@@ -352,6 +359,7 @@ MODELS: dict[str, Callable[[int, int], LayeredNet]] = {
     "resnet10": resnet10,
     "resnet18": resnet18,
     "resnet34": resnet34,
+    "resnet34_cifar": resnet34_cifar,
     "resnet32": resnet32,
     "lenet5": lenet5,
     "fedecouple_cnn": fedecouple_cnn,
