@@ -229,6 +229,17 @@ def test_weak_pathological_keeps_s_percent_on_both_sides_with_many_classes():
     assert np.mean(shares["test"]) == pytest.approx(0.18, abs=0.03)
 
 
+def test_weak_pathological_test_side_holds_no_class_its_training_side_lacks(records):
+    """40 images a quarter test at s = 20 %: 6 spread training images and 2 spread test images over 10 classes; the
+    test's go to classes the training side holds (drawn apart, most clients tested a class they never trained on)."""
+    p = LabelSkewSplit(protocol="label_skew", clients=10, scheme="weak_pathological", s=20, samples_per_client=40,
+                       dominant_groups=((0, 1, 2), (2, 3, 4), (4, 5, 6), (6, 7, 8), (8, 9, 0)))
+    for seed in range(3):
+        for c in make_split(records, p, seed)["clients"]:
+            train, test = set(records.loc[c["train"], "label"]), set(records.loc[c["test"], "label"])
+            assert (len(c["train"]), len(c["test"])) == (30, 10) and test <= train, (seed, c["name"], test - train)
+
+
 def test_weak_pathological_fixed_groups_give_each_client_its_groups_classes(records):
     """FedPAC's and FedeCouple's code: client j's dominant classes are group j mod 5, not a random draw."""
     groups = ((0, 1, 2), (2, 3, 4), (4, 5, 6), (6, 7, 8), (8, 9, 0))

@@ -395,7 +395,9 @@ def _weak_pathological(labels: np.ndarray, n_clients: int, s: float, n: int, fra
     client's rows by a per-class fraction would round every class on its own: CIFAR-100 at s = 20, 2 uniform images a
     class, one to each side, left 17.5 % uniform in training and 30 % in test) and, given the official test subset's
     labels, the test rows drawn from it (FedPAC's code: the 300 from the official test set); then the first list holds
-    the training rows alone."""
+    the training rows alone. Where the training side's spread part is smaller than the class count (a quickstart's 6
+    images over 10 classes), the test side's spread part goes to the classes the training side's drew, so no client
+    is tested on a class it holds no training image of."""
     classes = np.unique(labels)
     if groups is not None:
         unknown = sorted({int(c) for g in groups for c in g} - {int(c) for c in classes})
@@ -416,7 +418,13 @@ def _weak_pathological(labels: np.ndarray, n_clients: int, s: float, n: int, fra
     uniform_total = [int(round(m * s / 100.0)) for m in sides]
     parts, tests, test_parts = [], [], []
     for j in range(n_clients):
-        uniform = [_spread(u, classes, rng) for u in uniform_total]
+        uniform = [_spread(uniform_total[0], classes, rng)]
+        # fewer spread training images than classes: the test side's spread goes to classes its training side holds
+        # (a quickstart's 6 + 2 over 10 classes left most clients a test class they never trained on)
+        held = np.array([c for c in classes if uniform[0][int(c)] > 0])
+        test_spread = {int(c): 0 for c in classes}
+        test_spread.update(_spread(uniform_total[1], held if 0 < len(held) < len(classes) else classes, rng))
+        uniform.append(test_spread)
         k = len(groups[j % len(groups)]) if groups is not None else min(dominant, len(classes))
         need = [np.diff(np.linspace(0, m - u, k + 1).astype(int)) for m, u in zip(sides, uniform_total)]
         if groups is not None:  # the client's fixed group (FedPAC's / FedeCouple's code); pop names an exhausted class
