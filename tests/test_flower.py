@@ -433,9 +433,12 @@ class _DropGrid(LoopGrid):
     down as that round's training is sent (nothing delivered; the coordinator's checkpoint holds the round before)."""
 
     drops: dict = {}
-    wipe, crash_in = True, None
+    wipe, crash_in, app_crash = True, None, False  # app_crash: the SuperNode answers, its ClientApp stopped responding
 
     def send_and_receive(self, messages, timeout=None):
+        from flwr.app import Error
+        from flwr.app import Message as FlwrMessage
+        from flwr.common.constant import ErrorCode
         from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
 
         out = []
@@ -448,7 +451,12 @@ class _DropGrid(LoopGrid):
                 super().send_and_receive([m], timeout)  # it trained and kept its store; the reply never left
                 if self.wipe:
                     self.contexts[node].state = RecordDict()
-                out.append(create_message_error_unavailable_res_message(m.metadata, "node_unavail"))
+                if self.app_crash:
+                    reply = FlwrMessage(Error(ErrorCode.CLIENT_APP_CRASHED, "ClientApp stopped responding."), reply_to=m)
+                    reply.metadata.__dict__["_message_id"] = reply.object_id
+                    out.append(reply)
+                else:
+                    out.append(create_message_error_unavailable_res_message(m.metadata, "node_unavail"))
             else:
                 out.extend(super().send_and_receive([m], timeout))
         return out
@@ -464,11 +472,11 @@ def _engine_without(skip: set, rounds: int) -> list:
     return Without(FedBN(FedBN.params_cls(), _train(rounds=rounds)), _model(), _clients(), _train(rounds=rounds), seed=0).run()
 
 
-def _drop_run(tmp_path: Path, name: str, rounds: int, drops: dict, wipe: bool = True, crash_in=None, **kw):
+def _drop_run(tmp_path: Path, name: str, rounds: int, drops: dict, wipe: bool = True, crash_in=None, app_crash=False, **kw):
     tp, clients = _train(rounds=rounds), _clients()
     spec = FlowerSpec(FedBN, FedBN.params_cls(), tp, 0, _model, "fedbn")
     app = client_app(spec, lambda ctx: clients[int(ctx.node_config["partition-id"])], keep_dir=lambda ctx: tmp_path / name / str(ctx.node_id))
-    grid = type("Grid", (_DropGrid,), {"drops": drops, "wipe": wipe, "crash_in": crash_in})(app, len(clients))
+    grid = type("Grid", (_DropGrid,), {"drops": drops, "wipe": wipe, "crash_in": crash_in, "app_crash": app_crash})(app, len(clients))
     run = FlowerRun(spec, len(clients), checkpoint=tmp_path / f"{name}.pt", config_hash="h", rejoin_s=60, **kw)
     run.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
     return run, grid
@@ -519,6 +527,19 @@ def test_a_site_gone_during_training_is_left_out_of_the_round_as_if_not_sampled(
     with pytest.raises(ClientFailed, match=r"client D1-0: train in round 2 failed: Error: Node Unavailable .*fewer than "
                                            r"min-train-sites \(2\) of the round's sampled sites trained"):
         _drop_run(tmp_path, "quorum", 3, {2: {101, 102}}, min_train_sites=2)
+
+
+def test_a_site_whose_clientapp_crashed_is_left_out_as_a_site_gone_where_min_train_sites_allows(identity, tmp_path):
+    """Flower's CLIENT_APP_CRASHED (the SuperNode answers: its ClientApp process stopped reporting, killed for memory
+    or starved of CPU): with min-train-sites 2 the round goes on without the site, to the numbers of the engine in
+    which it was not sampled that round; without it the run ends saying what happened and what to do."""
+    expected = _engine_without({(2, 1)}, 3)
+    run, _ = _drop_run(tmp_path, "crash", 3, {2: {101}}, wipe=False, app_crash=True, min_train_sites=2)
+    for key in ("sampled", "eval", "bytes_up", "bytes_down", "train_loss"):
+        assert [h[key] for h in run.engine.history] == [h[key] for h in expected], key
+    with pytest.raises(ClientFailed, match=r"client D1-0: train in round 2 failed: .*ClientApp stopped responding.* stopped "
+                                           r"reporting to its SuperNode"):
+        _drop_run(tmp_path, "crash-ends", 3, {2: {101}}, wipe=False, app_crash=True)
 
 
 class _EvalGoneGrid(LoopGrid):

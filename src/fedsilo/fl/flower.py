@@ -598,14 +598,15 @@ class FlowerServer(Engine):
 
     def _dropped(self, replies: dict[int, Optional[Message]], rnd: int, kind: str = "train") -> list[int]:
         """The sites of a round's training (``kind`` "train") or of an evaluation ("evaluate") answered for by the
-        SuperLink (their SuperNode went away: a reboot, a lost link) that the round goes on without: all of them when
-        at least ``min_train_sites`` of the sampled sites trained (``min_eval_sites`` of the sites evaluated scored),
-        else none (the run then ends naming them). A site that failed in any other way (its own error) always ends the
-        run. A site dropped from a training is, for the rest of the run, as a site not sampled that round: the server
+        SuperLink (their SuperNode went away: a reboot, a lost link) or by their SuperNode (its ClientApp process
+        stopped reporting: killed for memory, a machine too loaded to send its heartbeat) that the round goes on
+        without: all of them when at least ``min_train_sites`` of the sampled sites trained (``min_eval_sites`` of the
+        sites evaluated scored), else none (the run then ends naming them). A site whose own code failed (an exception
+        in its ClientApp, a refusal) always ends the run. A site dropped from a training is, for the rest of the run, as a site not sampled that round: the server
         aggregates without it and names the store of the last round it trained in every later message, which the
         site takes from its disk, leaving the untaken round's training aside (client_app's ``store``). A site dropped
         from an evaluation changes nothing but that evaluation (:meth:`_partial`)."""
-        gone = [i for i, r in replies.items() if r is not None and _node_gone(r)]
+        gone = [i for i, r in replies.items() if r is not None and (_node_gone(r) or _app_gone(r))]
         least, key = (self.min_train_sites, "min-train-sites") if kind == "train" else (self.min_eval_sites, "min-eval-sites")
         if not gone or not least:
             return []
@@ -632,9 +633,14 @@ class FlowerServer(Engine):
         """What the coordinator does when the SuperLink answered for a site whose SuperNode stopped reporting, or the
         SuperNode for its ClientApp process."""
         if _app_gone(reply):
+            quorum = ""
+            if kind == "train" and self.min_train_sites and not self.method.sample_all(rnd):
+                quorum = f"; fewer than min-train-sites ({self.min_train_sites}) of the round's sampled sites trained"
+            elif kind == "evaluate" and self.min_eval_sites and rnd < self.total_rounds:
+                quorum = f"; fewer than min-eval-sites ({self.min_eval_sites}) of the sites evaluated scored"
             return (" (the site's ClientApp process stopped reporting to its SuperNode before it replied: it crashed, ran "
-                    "out of memory, or its machine was too loaded to send its heartbeat; its reply, if it still comes, is "
-                    "dropped. `flwr run` the App again" + (": it resumes after its last checkpoint" if self.checkpoint is not None
+                    f"out of memory, or its machine was too loaded to send its heartbeat{quorum}; its reply, if it still "
+                    "comes, is dropped. `flwr run` the App again" + (": it resumes after its last checkpoint" if self.checkpoint is not None
                                                            else " (it starts afresh: the deployment keeps no checkpoint)")
                     + "; a SuperNode still delivering this run's replies may hold up the next run's registration: restart it first)")
         if not _node_gone(reply):
