@@ -246,6 +246,19 @@ def _digests(raw_dir: Path, paths: list[str]) -> dict[str, str]:
             for p, n in sizes.items() if counts[n] > 1}
 
 
+def copies_among(raw_dir: Path, paths: list[str]) -> dict[str, str]:
+    """Each of ``paths`` (relative to ``raw_dir``) that is a byte-identical copy of an earlier one in path order,
+    mapped to that first file (:func:`_digests`: fetch's manifest hashes where they hold)."""
+    first: dict[str, str] = {}
+    copy_of: dict[str, str] = {}
+    for path, digest in sorted(_digests(raw_dir, paths).items()):
+        if digest in first:
+            copy_of[path] = first[digest]
+        else:
+            first[digest] = path
+    return copy_of
+
+
 def exclude_copies(rec: pd.DataFrame, raw_dir: Path, label: str) -> tuple[pd.DataFrame, Optional[str]]:
     """A source of your own's records with every kept file that is a byte-identical copy of another kept file (a
     study exported twice, an image reached through a symbolic link and its target, a patient's image filed under two
@@ -255,15 +268,7 @@ def exclude_copies(rec: pd.DataFrame, raw_dir: Path, label: str) -> tuple[pd.Dat
     are no copies of each other. ``label``: the source's name in the warning."""
     kept = ((rec["excluded"] == "") & (rec["path"] != "")).to_numpy()
     paths = sorted(pd.unique(rec.loc[kept, "path"]))
-    if len(paths) < 2:
-        return rec, None
-    first: dict[str, str] = {}
-    copy_of: dict[str, str] = {}
-    for path, digest in sorted(_digests(raw_dir, paths).items()):
-        if digest in first:
-            copy_of[path] = first[digest]
-        else:
-            first[digest] = path
+    copy_of = copies_among(raw_dir, paths) if len(paths) > 1 else {}
     if not copy_of:
         return rec, None
     one = rec[kept].drop_duplicates("path").set_index("path")  # a file's class, group and domain (its first row's)
@@ -292,15 +297,7 @@ def public_copies(rec: pd.DataFrame, raw_dir: Path, label: str, mode: str, key: 
     kept = ((rec["excluded"] == "") & (rec["path"] != "")).to_numpy()
     counts = rec.loc[kept, "path"].value_counts()
     paths = sorted(counts.index[counts == 1])
-    if len(paths) < 2:
-        return rec, None
-    first: dict[str, str] = {}
-    copy_of: dict[str, str] = {}
-    for path, digest in sorted(_digests(raw_dir, paths).items()):
-        if digest in first:
-            copy_of[path] = first[digest]
-        else:
-            first[digest] = path
+    copy_of = copies_among(raw_dir, paths) if len(paths) > 1 else {}
     if not copy_of:
         return rec, None
     one = rec[kept & rec["path"].isin(paths).to_numpy()].set_index("path")
