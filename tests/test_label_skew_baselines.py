@@ -496,6 +496,9 @@ def test_one_random_op_augmentation_applies_one_seeded_op_per_image():
     assert 20 <= inverted <= 60 and 20 <= flipped <= 60, (inverted, flipped)  # each of five ops: about 40
     # only a crop whose offset lands back on the image's own position leaves it unchanged
     assert sum(bool(torch.equal(a[i], x[i])) for i in range(200)) < 20
+    # the crop's padding is black (-1), as the rotation's fill: a white image never shows mid-grey (0)
+    white = one_random_op(torch.ones(200, 1, 12, 12), torch.Generator().manual_seed(5), NormalizeParams())
+    assert int((white == 0).sum()) == 0 and int((white == -1).sum()) > 0
 
 
 def _one_random_op_per_image(x, gen, max_crop=4, max_degrees=30.0, max_brightness=0.5):
@@ -514,7 +517,7 @@ def _one_random_op_per_image(x, gen, max_crop=4, max_degrees=30.0, max_brightnes
         img, op, m = x[i], ONE_OP_NAMES[int(ops[i])], float(strength[i])
         if op == "crop":
             p = max(1, int(round(max_crop * m)))
-            padded = torch.nn.functional.pad(img, (p, p, p, p))
+            padded = torch.nn.functional.pad(img, (p, p, p, p), value=-1.0)
             oy, ox = int(offsets[i, 0] * (2 * p + 1)), int(offsets[i, 1] * (2 * p + 1))
             img = padded[:, min(oy, 2 * p) : min(oy, 2 * p) + h, min(ox, 2 * p) : min(ox, 2 * p) + w]
         elif op == "flip":

@@ -254,7 +254,7 @@ def one_random_op(x: torch.Tensor, gen: torch.Generator, norm: NormalizeParams, 
     ix = torch.arange(w)[None, :] + off[:, 1:]
     ix = torch.where(flip[:, None], ix.flip(1), ix)  # the flip: the window read right to left
     iy, ix = iy.to(dev, non_blocking=True), ix.to(dev, non_blocking=True)
-    padded = torch.nn.functional.pad(x, (big, big, big, big))
+    padded = torch.nn.functional.pad(x, (big, big, big, big), value=-1.0)  # black, as the rotation's fill
     out = _windows(padded, iy, ix).contiguous()
     # brightness: the shift as a Python float, 2 s m_i max_brightness, added in the images' dtype; inversion: -v
     shift = (2.0 * max_brightness * m * sign.double()).to(x.dtype)

@@ -98,8 +98,9 @@ class FedeCouple(PersonalModels):
 
     The server weighs the uploads by their cosine similarity to the size-weighted mean (Eq. 7). A client is evaluated
     with its own theta_i and phi_i (the paper's personalized model {w_i}); before it has trained (a join ratio below
-    1 leaves some clients unsampled for a while: Fig. 12), with the global model (theta^t, phi^t), which is what it
-    would start from: its phi_i is still the initialization, and scoring a random classifier would count the sampling
+    1 leaves some clients unsampled for a while: Fig. 12), with the global model (theta^t, phi^t): its phi_i is still
+    the initialization phi^0 (from which its first classifier phase starts, on theta^t, with phi^t as the teacher,
+    as FedPAC's code keeps an unsampled client's classifier), and scoring a random classifier would count the sampling
     against the method (the paper trains every client every round elsewhere and does not say). The global model is
     reported as well.
 
@@ -116,7 +117,12 @@ class FedeCouple(PersonalModels):
     0.2-5 moving accuracy by ~3 points) is not on ``sum``'s scale. The rest are fixed choices: Eq. 3 and 4 step together on each batch (one backward, the teacher's output detached in the KL); the fixed extractor runs in train
     mode as FedRep's code does (BatchNorm
     statistics, where the backbone has them, follow the batches); E_cl = 5 as the paper's "trained locally for 5
-    epochs" reads (FedPAC's code, its authors' starting point, uses 1); DA trains each batch together with one augmented copy of each image ("combine
+    epochs" reads (FedPAC's code, its authors' starting point, uses 1), at ``train.lr`` unless ``classifier_lr`` says
+    otherwise (FedPAC's code trains its classifier epoch at a fixed 0.1; the paper names one optimizer); the anchors
+    and their center loss from round 1, on the initial extractor's features (Algorithm 1 has them every round;
+    FedPAC's code starts its alignment term in round 2); Eq. 7's weights as written, cos_i / sum_j cos_j, so a model
+    pointing away from the mean (a negative cosine, never seen in practice) would get a negative weight, and a sum at
+    or below 0 is refused; DA trains each batch together with one augmented copy of each image ("combine
     augmented data with the original"), magnitudes as ``fedsilo.client.data.one_random_op`` documents.
 
     Table IX's sub-settings are switches too: ``global_update: false`` leaves out line 24's replacement (a client
