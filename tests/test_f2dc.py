@@ -435,6 +435,9 @@ def test_fpl_loss_is_infonce_over_cluster_prototypes_plus_mse_to_the_unbiased_on
         allp = torch.exp(cos(z[i][None], torch.cat([clusters[0], clusters[1]]), dim=1) / 0.5).sum()
         expect += float(-torch.log(pos / allp)) + float(((z[i] - clusters[int(y[i])].mean(0)) ** 2).mean())
     assert float(fpl_loss(z, y, clusters, 0.5)) == pytest.approx(expect / 3, rel=1e-5)
+    # a bf16 forward (amp) rounds z, not the prototypes nor the loss: float32 as the authors' code computes it
+    half = fpl_loss(z.bfloat16(), y, clusters, 0.5)
+    assert half.dtype == torch.float32 and float(half) == pytest.approx(float(fpl_loss(z.bfloat16().float(), y, clusters, 0.5)), rel=1e-6)
 
 
 def test_fpl_server_clusters_each_class_prototypes_with_finch():

@@ -34,11 +34,14 @@ def fpl_loss(z: torch.Tensor, y: torch.Tensor, clusters: dict[int, torch.Tensor]
     """Mean over the batch of CPCL + UPCL (Eq. 6 and 8). For a sample of class c with representation z:
     -log( sum_{p in P_c} e^{cos(z,p)/T} / sum_{p in P} e^{cos(z,p)/T} ) over the cluster prototypes (positives: class
     c's clusters; P: every class's), plus the mean squared distance to the unbiased prototype of c (the mean of c's
-    cluster prototypes). Samples of a class with no prototype contribute 0 but count in the mean, as in the code."""
+    cluster prototypes). Samples of a class with no prototype contribute 0 but count in the mean, as in the code. In
+    float32 whatever precision the forward ran in (bf16 autocast would round the prototypes and the squared
+    distance; the code runs in float32)."""
     classes = sorted(clusters)
-    bank = torch.cat([clusters[c] for c in classes]).to(z.device, z.dtype)
+    z = z.float()
+    bank = torch.cat([clusters[c] for c in classes]).to(z.device, torch.float32)
     owner = torch.cat([torch.full((len(clusters[c]),), c) for c in classes]).to(z.device)
-    unbiased = {c: clusters[c].mean(0).to(z.device, z.dtype) for c in classes}
+    unbiased = {c: clusters[c].mean(0).to(z.device, torch.float32) for c in classes}
     sim = F.cosine_similarity(z[:, None, :], bank[None, :, :], dim=2) / temperature  # B x P
     pos = owner[None, :] == y[:, None]
     known = pos.any(1)
