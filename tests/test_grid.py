@@ -78,10 +78,17 @@ def test_grid_trains_each_stage_once_on_two_workers_and_leaves_the_pipeline_up_t
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     repo = _repo(tmp_path)
     assert upstream("dvc.yaml", repo, "train_*") == ["prep"]
-    r = run_grid("dvc.yaml", repo, jobs=2, quiet=True, poll_s=0.5, per_experiment=2)  # experiments of 2 stages and of 1
-    assert sorted(r["queued"]) == ["train_g@a", "train_g@b", "train_g@c"] and r["experiments"] == 2
-    # each trained once, by a worker, with the machine's cores shared out as its threads; none again by repro
+    # a --stages subset: its runs are restored, the others stay untrained, and the report waits (the whole repro
+    # would train them here, one after another, unasked)
+    said: list = []
+    r = run_grid("dvc.yaml", repo, jobs=2, pattern="train_g@a", quiet=True, poll_s=0.5, log=said.append)
     t = threads_per_run(2)
+    assert r["queued"] == ["train_g@a"] and r["left_out"] == ["train_g@b", "train_g@c"] and "report" not in r["ran_after"]
+    assert log.read_text().split() == [f"a:{t}"] and not (repo / "report.txt").exists()
+    assert any("2 out-of-date train stage(s) outside --stages (train_g@b, train_g@c)" in m for m in said), said
+    r = run_grid("dvc.yaml", repo, jobs=2, quiet=True, poll_s=0.5, per_experiment=1)  # an experiment a stage
+    assert sorted(r["queued"]) == ["train_g@b", "train_g@c"] and r["experiments"] == 2 and r["left_out"] == []
+    # each trained once, by a worker, with the machine's cores shared out as its threads; none again by repro
     assert t == max(1, (os.cpu_count() or 1) // 2) and r["threads_per_run"] == str(t)
     assert sorted(log.read_text().split()) == [f"a:{t}", f"b:{t}", f"c:{t}"]
     # where a run with train.device: auto claims its GPU on a machine with several (utils/slots.py): one folder of

@@ -126,3 +126,17 @@ def test_without_a_default_remote_the_ray_grid_says_how_to_add_one(tmp_path):
     _dvc("remote", "default", "--unset", cwd=repo)
     with pytest.raises(GridError, match="no default DVC remote.*dvc remote add -d"):
         run_grid_ray("dvc.yaml", repo, "127.0.0.1:1", quiet=True)
+
+
+def test_an_address_nothing_answers_at_is_refused_at_once_naming_it(tmp_path):
+    """A wrong port left Ray retrying its GCS connection for minutes with no word of fedsilo's."""
+    import socket
+
+    from fedsilo.grid_ray import check_address
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(GridError, match=rf"grid --ray 127.0.0.1:{port}: nothing answers at 127.0.0.1:{port}; start the head node"):
+        check_address(f"127.0.0.1:{port}")
+    check_address("auto")  # Ray's to resolve

@@ -174,3 +174,23 @@ def test_parallel_runs_share_a_fresh_sqlite_store_that_the_grid_created_first(tm
     assert second.start("pfeddb_office", "b", {}, {})
     runs = first.client.search_runs([first.client.get_experiment_by_name("pfeddb_office").experiment_id])
     assert sorted(r.info.run_name for r in runs) == ["a", "b"]
+
+
+def test_a_new_experiment_keeps_its_artifacts_beside_the_database_whatever_folder_the_run_starts_in(tmp_path, monkeypatch):
+    """A grid's first queue worker created its experiments in the temporary copy of the repository it ran in, where
+    MLflow's default ``./mlruns`` put every later run's artifacts (gone with the copy)."""
+    from fedsilo.tracking import Tracker, artifact_location
+
+    db = tmp_path / "store" / "mlflow.db"
+    db.parent.mkdir()
+    elsewhere = tmp_path / "worker-copy"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    t = Tracker(True, f"sqlite:///{db}")
+    run = t.start("paper/quickstart/e1", "fedavg-seed0", {"a": 1}, {})
+    (elsewhere / "metrics.json").write_text("{}")
+    t.finish({"acc": 1.0}, [elsewhere / "metrics.json"])
+    where = t.client.get_run(run).info.artifact_uri
+    assert where.startswith((tmp_path / "store" / "mlruns").as_uri()) and where == artifact_location(t.uri, "paper/quickstart/e1") + f"/{run}/artifacts"
+    assert list((tmp_path / "store" / "mlruns").rglob("metrics.json")) and artifact_location("http://mlflow:5000", "e") is None

@@ -33,7 +33,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from fedsilo.tracking import init_store
 from fedsilo.utils.progress import Progress
@@ -244,12 +244,29 @@ def prepare_grid(pipeline: str, repo: Path, pattern: str, env: dict[str, str]) -
     return stale_stages(pipeline, repo, pattern)
 
 
-def restore_grid(pipeline: str, repo: Path, stages: list[str], env: dict[str, str], pull: bool = False) -> list[str]:
+def left_out(pipeline: str, repo: Path, pattern: str, stages: list[str]) -> list[str]:
+    """The out-of-date train stages a ``--stages`` pattern leaves out of the grid (none for the default pattern): a
+    closing ``dvc repro`` of the whole pipeline would train them here, one after another."""
+    if pattern == TRAIN_STAGES:
+        return []
+    return [s for s in stale_stages(pipeline, repo, TRAIN_STAGES) if s not in stages]
+
+
+def restore_grid(pipeline: str, repo: Path, stages: list[str], env: dict[str, str], pull: bool = False,
+                 others: Sequence[str] = (), log: Callable[[str], None] = print) -> list[str]:
     """``dvc repro`` of the whole pipeline here: the grid's stages come from the run-cache (with ``pull``: the remote's,
-    fetched first), never trained again; the stages after them (onboarding, reports) run. Returns the stages run."""
+    fetched first), never trained again; the stages after them (onboarding, reports) run. Where train stages the
+    grid left out are out of date (``others``: a ``--stages`` subset), only the grid's stages are restored: the whole
+    repro would train those here, one after another, unasked. Returns the stages run."""
     if pull:
         run_dvc(["fetch", "--run-cache"], repo, env)
-    r = run_dvc(["repro", *(["--pull"] if pull else []), pipeline], repo, env)
+    if others:
+        r = run_dvc(["repro", *(["--pull"] if pull else []), "--single-item", *(f"{pipeline}:{s}" for s in stages)], repo, env)
+        log(f"grid: {len(others)} out-of-date train stage(s) outside --stages ({', '.join(others[:3])}"
+            + (", ..." if len(others) > 3 else "") + "), so only the grid's runs were restored and the stages after them "
+            "(reports, onboarding) were not run: `fedsilo grid` without --stages (or `dvc repro`) trains the rest")
+    else:
+        r = run_dvc(["repro", *(["--pull"] if pull else []), pipeline], repo, env)
     ran = re.findall(r"Running stage '([^']+)'", r.stdout)
     rerun = [s for s in ran if s.rpartition(":")[2] in stages]
     if rerun:  # the run-cache should have held them: say so rather than hide a second training
@@ -300,6 +317,7 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, 
     wenv.setdefault(GPU_SLOTS_ENV, str((repo / ".dvc" / "tmp" / "gpu-slots").resolve()))
     t0 = time.monotonic()
     stages = prepare_grid(pipeline, repo, pattern, env)
+    others = left_out(pipeline, repo, pattern, stages)
     t_prep = time.monotonic() - t0
     tag = uuid.uuid4().hex[:6]
     names: dict[str, list[str]] = {}  # experiment -> its stages
@@ -357,9 +375,9 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, 
         what = "stages" if len(names) == len(stages) else f"experiments ({len(stages)} stages)"
         raise GridError(f"{len(failed)} of {len(names)} queued {what} failed: {', '.join(s for b in failed.values() for s in b)}\n{logs}")
     t2 = time.monotonic()
-    ran = restore_grid(pipeline, repo, stages, wenv)  # what trains after the grid (onboarding) with the runs' threads too
+    ran = restore_grid(pipeline, repo, stages, wenv, others=others, log=log)  # onboarding after the grid: the runs' threads too
     if names and not keep:
         run_dvc(["exp", "remove", *names], repo, check=False)
     return {"queued": stages, "experiments": len(names), "jobs": jobs, "threads_per_run": wenv["OMP_NUM_THREADS"],
             "prepare_s": t_prep, "grid_s": t_grid,
-            "restore_and_report_s": time.monotonic() - t2, "ran_after": ran}
+            "restore_and_report_s": time.monotonic() - t2, "ran_after": ran, "left_out": others}

@@ -48,6 +48,7 @@ from fedsilo.grid import (
     GridError,
     ancestors,
     git_files,
+    left_out,
     lock_files,
     prepare_grid,
     restore_grid,
@@ -169,6 +170,28 @@ def _check_cluster(ray: Any, cpus: float, gpus: float, tracking_uri: Optional[st
     return nodes
 
 
+def check_address(address: str, timeout_s: float = 5.0) -> None:
+    """A cluster address of the form ``host:port`` (or ``ray://host:port``) answers a TCP connection within
+    ``timeout_s``: a wrong port or host otherwise leaves Ray retrying its GCS connection for minutes with no word of
+    fedsilo's. ``auto`` and ``local`` are Ray's to resolve."""
+    m = re.fullmatch(r"(?:ray://)?\[?([^\]]+?)\]?:(\d+)", address.strip())
+    if not m:
+        return
+    host, port = m.group(1), int(m.group(2))
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return
+    except OSError as err:
+        if isinstance(err, ConnectionRefusedError):
+            why = "nothing answers"
+        elif isinstance(err, (socket.timeout, TimeoutError)):
+            why = f"no answer within {timeout_s:.0f} s"
+        else:
+            why = str(err)
+        raise GridError(f"grid --ray {address}: {why} at {host}:{port}; start the head node there (`ray start --head "
+                        f"--port {port}`) or give the address `ray status` prints on it") from None
+
+
 def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = TRAIN_STAGES, tracking_uri: Optional[str] = None,
                  cpus_per_run: float = 1.0, gpus_per_run: float = 0.0, worker_cache: Optional[str] = DEFAULT_WORKER_CACHE,
                  quiet: bool = False, log=print) -> dict[str, Any]:
@@ -190,11 +213,16 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = TRAIN_S
     env = tracking_env(tracking_uri, repo)
     t0 = time.monotonic()
     stages = prepare_grid(pipeline, repo, pattern, env)
+    others = left_out(pipeline, repo, pattern, stages)
+    if stages:
+        check_address(address)
     dag = _dag(pipeline, repo) if stages else None
     own = {s: worker_inputs(pipeline, repo, [s], dag) for s in stages}  # a run pulls its own experiment's data only
     inputs = sorted({i for ins in own.values() for i in ins})
     if inputs:
         run_dvc(["push", *inputs], repo, env)
+    if stages:  # runs this machine finished since the last push: a worker's `dvc repro` finds them in the remote's
+        run_dvc(["push", "--run-cache"], repo, env)  # run-cache instead of training them again
     t_prep = time.monotonic() - t0
     placed: list[dict[str, Any]] = []
     nodes: list[dict[str, Any]] = []
@@ -242,6 +270,8 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = TRAIN_S
         raise GridError(f"{len(failed)} of {len(stages)} Ray runs failed: {', '.join(failed)}\n{logs}")
     t2 = time.monotonic()
     # the stages that train after the grid (onboarding) with the threads the runs had (Ray's OMP_NUM_THREADS)
-    ran = restore_grid(pipeline, repo, stages, {**env, "OMP_NUM_THREADS": str(threads_per_run(1, cpus_per_run))}, pull=True)
+    ran = restore_grid(pipeline, repo, stages, {**env, "OMP_NUM_THREADS": str(threads_per_run(1, cpus_per_run))}, pull=True,
+                       others=others, log=log)
     return {"queued": stages, "runs": sorted(placed, key=lambda r: r["stage"]), "nodes": nodes, "remote": remote, "inputs": inputs,
-            "prepare_s": t_prep, "grid_s": t_grid, "restore_and_report_s": time.monotonic() - t2, "ran_after": ran}
+            "prepare_s": t_prep, "grid_s": t_grid, "restore_and_report_s": time.monotonic() - t2, "ran_after": ran,
+            "left_out": others}

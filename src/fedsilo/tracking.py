@@ -9,8 +9,10 @@ protocol, seed) and artifacts (metrics.json, history.json). No image is ever log
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any, Optional
@@ -148,6 +150,21 @@ def init_store(uri: Optional[str]) -> None:
         MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
 
 
+def artifact_location(uri: str, experiment: str) -> Optional[str]:
+    """Where a new experiment of a sqlite store keeps its runs' artifacts: ``mlruns/`` beside the database, whatever
+    the folder the run starts in. MLflow's default, ``./mlruns`` of the current folder, put a grid's experiments in
+    the temporary copy of the repository its first queue worker ran in, where every later run's artifacts went and
+    were lost with it. One folder per experiment (its name made a folder name, with a hash of the name); None for
+    other stores (a tracking server decides)."""
+    m = re.fullmatch(r"sqlite:///(.+)", uri or "")
+    if not m:
+        return None
+    db = Path(m.group(1))
+    folder = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment).strip("_") or "experiment"
+    digest = hashlib.sha256(experiment.encode()).hexdigest()[:8]
+    return ((db if db.is_absolute() else Path.cwd() / db).resolve().parent / "mlruns" / f"{folder}-{digest}").as_uri()
+
+
 class Tracker:
     """A thin wrapper over ``MlflowClient``; ``enabled=False`` makes every call a no-op (tests, dry runs)."""
 
@@ -212,7 +229,7 @@ class Tracker:
         if exp:
             return exp.experiment_id
         try:
-            return self.client.create_experiment(name)
+            return self.client.create_experiment(name, artifact_location=artifact_location(self.uri, name))
         except Exception:  # noqa: BLE001 - a run started beside this one (a grid worker) created it first
             exp = self.client.get_experiment_by_name(name)
             if exp is None:
