@@ -540,6 +540,8 @@ def test_a_site_whose_clientapp_crashed_is_left_out_as_a_site_gone_where_min_tra
     with pytest.raises(ClientFailed, match=r"client D1-0: train in round 2 failed: .*ClientApp stopped responding.* stopped "
                                            r"reporting to its SuperNode"):
         _drop_run(tmp_path, "crash-ends", 3, {2: {101}}, wipe=False, app_crash=True)
+    with pytest.raises(ClientFailed, match=r"ClientApp stopped responding.*fewer than min-train-sites \(2\) of the round's"):
+        _drop_run(tmp_path, "crash-quorum", 3, {2: {101, 102}}, wipe=False, app_crash=True, min_train_sites=2)
 
 
 class _EvalGoneGrid(LoopGrid):

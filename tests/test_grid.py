@@ -86,6 +86,9 @@ def test_grid_trains_each_stage_once_on_two_workers_and_leaves_the_pipeline_up_t
     assert r["queued"] == ["train_g@a"] and r["left_out"] == ["train_g@b", "train_g@c"] and "report" not in r["ran_after"]
     assert log.read_text().split() == [f"a:{t}"] and not (repo / "report.txt").exists()
     assert any("2 out-of-date train stage(s) outside --stages (train_g@b, train_g@c)" in m for m in said), said
+    # the same subset again: nothing of it is out of date, and no `dvc repro` runs (without a target it runs them all)
+    r = run_grid("dvc.yaml", repo, jobs=2, pattern="train_g@a", quiet=True, poll_s=0.5, log=said.append)
+    assert r["queued"] == [] and r["ran_after"] == [] and log.read_text().split() == [f"a:{t}"]
     r = run_grid("dvc.yaml", repo, jobs=2, quiet=True, poll_s=0.5, per_experiment=1)  # an experiment a stage
     assert sorted(r["queued"]) == ["train_g@b", "train_g@c"] and r["experiments"] == 2 and r["left_out"] == []
     # each trained once, by a worker, with the machine's cores shared out as its threads; none again by repro

@@ -293,13 +293,15 @@ def test_label_skew_official_test_side_comes_from_the_test_subset_with_the_clien
             assert test_classes <= train_classes
     if scheme == "shards":  # every official test image dealt with the training shards' classes
         assert sorted(i for c in s["clients"] for i in c["test"]) == sorted(records.index[(subset == "test") & records["domain"].isin(["A", "B"])])
-    with pytest.raises(SplitError, match=r"test_from: domain 'C' has no official test subset"):
+    with pytest.raises(SplitError, match=r"test_from: domain 'C' has no official test subset \(leave test_from out: pooled\)"):
         make_split(records, p.model_copy(update={"domains": ("A", "C")}), 0)
 
 
-def test_label_skew_official_is_refused_for_dirichlet_and_pooled_splits_keep_their_bytes(records):
+def test_label_skew_official_is_refused_for_dirichlet_and_pooled_splits_record_no_test_from_key(records):
     with pytest.raises(ValueError, match="dirichlet pools the images"):
         LabelSkewSplit(protocol="label_skew", clients=4, scheme="dirichlet", test_from="official")
+    with pytest.raises(ValueError, match="samples_per_client: weak pathological with test_from: official"):
+        LabelSkewSplit(protocol="label_skew", clients=4, scheme="weak_pathological", test_from="official")
     s = make_split(records, PROTOCOLS[3], 0)
     assert "test_from" not in s["params"]  # a split made before the key existed is the same file
 

@@ -921,6 +921,11 @@ class LabelSkewSplit(Strict):
             raise ValueError("test_from: official deals the test subset to a pathological, shards or weak pathological "
                              "split's classes; dirichlet pools the images and keeps test_fraction of each client's (PFLlib's "
                              "practical split): leave test_from out")
+        if self.test_from == "official" and self.scheme == "weak_pathological" and self.samples_per_client is None:
+            # an equal share of one subset would ask the other, smaller one for more than it holds
+            raise ValueError("samples_per_client: weak pathological with test_from: official draws samples_per_client x "
+                             "(1 - test_fraction) training and samples_per_client x test_fraction test images a client "
+                             "from the two subsets; set it (FedPAC's protocol: 900 with test_fraction 1/3)")
         return self
 
     def dump(self) -> dict[str, Any]:

@@ -261,13 +261,14 @@ def restore_grid(pipeline: str, repo: Path, stages: list[str], env: dict[str, st
     if pull:
         run_dvc(["fetch", "--run-cache"], repo, env)
     if others:
-        r = run_dvc(["repro", *(["--pull"] if pull else []), "--single-item", *(f"{pipeline}:{s}" for s in stages)], repo, env)
+        r = run_dvc(["repro", *(["--pull"] if pull else []), "--single-item", *(f"{pipeline}:{s}" for s in stages)], repo, env) \
+            if stages else None  # no target: `dvc repro --single-item` alone would run every stage of the root pipeline
         log(f"grid: {len(others)} out-of-date train stage(s) outside --stages ({', '.join(others[:3])}"
             + (", ..." if len(others) > 3 else "") + "), so only the grid's runs were restored and the stages after them "
             "(reports, onboarding) were not run: `fedsilo grid` without --stages (or `dvc repro`) trains the rest")
     else:
         r = run_dvc(["repro", *(["--pull"] if pull else []), pipeline], repo, env)
-    ran = re.findall(r"Running stage '([^']+)'", r.stdout)
+    ran = re.findall(r"Running stage '([^']+)'", r.stdout) if r is not None else []
     rerun = [s for s in ran if s.rpartition(":")[2] in stages]
     if rerun:  # the run-cache should have held them: say so rather than hide a second training
         raise GridError(f"dvc repro trained again what the workers ran (not in the run-cache?): {', '.join(rerun)}")

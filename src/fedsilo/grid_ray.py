@@ -212,17 +212,14 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = TRAIN_S
                         "gs://, a shared folder), credentials in each machine's .dvc/config.local or environment")
     env = tracking_env(tracking_uri, repo)
     t0 = time.monotonic()
+    check_address(address)  # before anything is reproduced: a wrong address is refused in seconds
     stages = prepare_grid(pipeline, repo, pattern, env)
     others = left_out(pipeline, repo, pattern, stages)
-    if stages:
-        check_address(address)
     dag = _dag(pipeline, repo) if stages else None
     own = {s: worker_inputs(pipeline, repo, [s], dag) for s in stages}  # a run pulls its own experiment's data only
     inputs = sorted({i for ins in own.values() for i in ins})
     if inputs:
         run_dvc(["push", *inputs], repo, env)
-    if stages:  # runs this machine finished since the last push: a worker's `dvc repro` finds them in the remote's
-        run_dvc(["push", "--run-cache"], repo, env)  # run-cache instead of training them again
     t_prep = time.monotonic() - t0
     placed: list[dict[str, Any]] = []
     nodes: list[dict[str, Any]] = []

@@ -74,10 +74,10 @@ def _shuffled_groups(sub: pd.DataFrame, rng: np.random.Generator) -> list[np.nda
     return [rng.permutation(by_group[names[i]]) for i in rng.permutation(len(names))]
 
 
-def _uses_official(sub: pd.DataFrame, test_from: str, dom: str) -> bool:
+def _uses_official(sub: pd.DataFrame, test_from: str, dom: str, other: str = "use 'auto' or 'pooled'") -> bool:
     has = bool((sub["subset"] == "test").any()) if "subset" in sub else False
     if test_from == "official" and not has:
-        raise SplitError(f"split.test_from: domain {dom!r} has no official test subset (use 'auto' or 'pooled')")
+        raise SplitError(f"split.test_from: domain {dom!r} has no official test subset ({other})")
     return test_from == "official" or (test_from == "auto" and has)
 
 
@@ -484,7 +484,7 @@ def label_skew(records: pd.DataFrame, params: LabelSkewSplit, seed: int) -> dict
     test_pool = None
     if params.test_from == "official":  # the scheme deals the training subset; the test subset follows its classes
         for d in doms:
-            _uses_official(pool[pool["domain"] == d], "official", d)
+            _uses_official(pool[pool["domain"] == d], "official", d, "leave test_from out: pooled")
         is_test = (pool["subset"] == "test").to_numpy()
         pool, test_pool = pool[~is_test], pool[is_test]
     labels = pool["label"].to_numpy()

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fedsilo.report import ReportError, written
+from fedsilo.report import written
 from fedsilo.report.figures import line_figure
-from fedsilo.report.tables import indistinct_rows, mean_pm, over_seeds
+from fedsilo.report.tables import ReportError, indistinct_rows, mean_pm, over_seeds
 from fedsilo.report.versus import (
     load_published,
     published_entry,
