@@ -629,15 +629,21 @@ class FlowerServer(Engine):
                            "dropped": f"{taken}: {replies[i].error.reason} ({key} {least})"})
         return gone
 
+    def _quorum(self, kind: str, rnd: int) -> str:
+        """Why a step that may lose a site (``min_train_sites`` / ``min_eval_sites``) did not go on without it."""
+        if kind == "train" and self.min_train_sites:
+            return ("; every site trains this round (a local phase), none is left out" if self.method.sample_all(rnd) else
+                    f"; fewer than min-train-sites ({self.min_train_sites}) of the round's sampled sites trained")
+        if kind == "evaluate" and self.min_eval_sites:
+            return ("; the last evaluation, the run's result, scores every site still in" if rnd >= self.total_rounds else
+                    f"; fewer than min-eval-sites ({self.min_eval_sites}) of the sites evaluated scored")
+        return ""
+
     def _unavailable(self, reply: Message, kind: str, rnd: int) -> str:
         """What the coordinator does when the SuperLink answered for a site whose SuperNode stopped reporting, or the
         SuperNode for its ClientApp process."""
         if _app_gone(reply):
-            quorum = ""
-            if kind == "train" and self.min_train_sites and not self.method.sample_all(rnd):
-                quorum = f"; fewer than min-train-sites ({self.min_train_sites}) of the round's sampled sites trained"
-            elif kind == "evaluate" and self.min_eval_sites and rnd < self.total_rounds:
-                quorum = f"; fewer than min-eval-sites ({self.min_eval_sites}) of the sites evaluated scored"
+            quorum = self._quorum(kind, rnd)
             return (" (the site's ClientApp process stopped reporting to its SuperNode before it replied: it crashed, ran "
                     f"out of memory, or its machine was too loaded to send its heartbeat{quorum}; its reply, if it still "
                     "comes, is dropped. `flwr run` the App again" + (": it resumes after its last checkpoint" if self.checkpoint is not None
@@ -647,12 +653,7 @@ class FlowerServer(Engine):
             return ""
         waited = (f"; not back online within {self.rejoin_s:.0f} s" if self.rejoin_s > 0 and kind in RESENDABLE
                   else "; a site's training is not sent again within a run" if self.rejoin_s > 0 else "")
-        if kind == "train" and self.min_train_sites:
-            waited += ("; every site trains this round (a local phase), none is left out" if self.method.sample_all(rnd) else
-                       f"; fewer than min-train-sites ({self.min_train_sites}) of the round's sampled sites trained")
-        if kind == "evaluate" and self.min_eval_sites:
-            waited += ("; the last evaluation, the run's result, scores every site still in" if rnd >= self.total_rounds else
-                       f"; fewer than min-eval-sites ({self.min_eval_sites}) of the sites evaluated scored")
+        waited += self._quorum(kind, rnd)
         again = ("`flwr run` the App again: it resumes after its last checkpoint; a site that left: mark it "
                  "`left: true` in federation.yaml, write the App again and `flwr run` it, which resumes without the site"
                  if self.checkpoint is not None else
