@@ -206,7 +206,7 @@ def test_the_discriminator_loss_weighs_current_and_replayed_data_by_the_importan
     def spy_d_loss(self, d, g, x, y, pool, rng):
         loss, c = d_loss(self, d, g, x, y, pool, rng)
         if who:
-            calls.setdefault(who[-1], []).append((len(x), float(loss)))
+            calls.setdefault(who[-1], []).append((len(x), float(loss.detach())))
         return loss, c
 
     def spy_update(self, model, store, payload, client, rnd, seed):
