@@ -10,8 +10,10 @@ patient never lands on both sides of a client's train/test split. Where a domain
 - ``domain_multi_clients`` (F2DC): ``clients_per_domain[d]`` clients on domain d, each holding a disjoint
   ``fraction`` of the domain's training pool (disjoint but for the images ``every_class`` swaps in, as the F²DC
   code's partition); the clients of a domain share its test set.
-- ``label_skew`` (FedeCouple, CD2-pFed): Dirichlet(beta), pathological (k classes per client) or weak pathological
-  (s % uniform over the classes, the rest from ``classes_per_client`` dominant classes), over the pooled domains;
+- ``label_skew`` (FedeCouple, CD2-pFed): Dirichlet(beta), pathological (k classes per client), shards (LG-FedAvg's:
+  at most k) or weak pathological (s % uniform over the classes, the rest from ``classes_per_client`` dominant
+  classes), over the pooled domains (``test_from: official``: the training subset, each client's test side from the
+  official test subset with its classes);
   each client's images are then split into train and test with the same class mix (weak pathological: the two sides
   are two draws of the mixture, as FedPAC's code draws each client's 600 training and 300 test images).
 - ``domain_incremental`` (pFedDIL): the same sequence of domain tasks for every client; each domain's images are
@@ -337,6 +339,13 @@ def _deal(labels: np.ndarray, holders_of: dict[int, list[int]], n_clients: int, 
     return [np.array(sorted(p), dtype=np.int64) for p in parts]
 
 
+def _deal_sides(labels: np.ndarray, test_labels: Optional[np.ndarray], holders_of: dict[int, list[int]], n_clients: int,
+                rng: np.random.Generator) -> tuple[list[np.ndarray], Optional[list[np.ndarray]]]:
+    """:func:`_deal` of the training labels and, given the official test subset's, of those to the same holders."""
+    parts = _deal(labels, holders_of, n_clients, rng)
+    return parts, (None if test_labels is None else _deal(test_labels, holders_of, n_clients, rng))
+
+
 def _pathological(labels: np.ndarray, n_clients: int, k: int, rng: np.random.Generator,
                   test_labels: Optional[np.ndarray] = None) -> tuple[list[np.ndarray], Optional[list[np.ndarray]]]:
     """Each client k distinct classes; a class's images shared evenly by the clients holding it. Given the official
@@ -352,8 +361,7 @@ def _pathological(labels: np.ndarray, n_clients: int, k: int, rng: np.random.Gen
     else:  # pragma: no cover - practically unreachable for k <= classes
         raise SplitError("split: cannot give every client distinct classes")
     holders_of = {int(c): [j for j in range(n_clients) if c in owned[j]] for c in classes}
-    parts = _deal(labels, holders_of, n_clients, rng)
-    return parts, (None if test_labels is None else _deal(test_labels, holders_of, n_clients, rng))
+    return _deal_sides(labels, test_labels, holders_of, n_clients, rng)
 
 
 def _shards(labels: np.ndarray, n_clients: int, s: int, rng: np.random.Generator,
@@ -370,8 +378,7 @@ def _shards(labels: np.ndarray, n_clients: int, s: int, rng: np.random.Generator
                          f"multiple of the {len(classes)} classes (each class is cut into the same number of shards)")
     slots = rng.permutation(np.repeat(classes, per_class)).reshape(n_clients, s)
     holders_of = {int(c): [j for j in range(n_clients) for slot in slots[j] if slot == c] for c in classes}
-    parts = _deal(labels, holders_of, n_clients, rng)
-    return parts, (None if test_labels is None else _deal(test_labels, holders_of, n_clients, rng))
+    return _deal_sides(labels, test_labels, holders_of, n_clients, rng)
 
 
 def _spread(total: int, classes: np.ndarray, rng: np.random.Generator) -> dict[int, int]:
@@ -418,32 +425,31 @@ def _weak_pathological(labels: np.ndarray, n_clients: int, s: float, n: int, fra
     uniform_total = [int(round(m * s / 100.0)) for m in sides]
     parts, tests, test_parts = [], [], []
     for j in range(n_clients):
-        uniform = [_spread(uniform_total[0], classes, rng)]
+        # each side's images per class: first the spread part, then the dominant classes' share added
+        train = _spread(uniform_total[0], classes, rng)
         # fewer spread training images than classes: the test side's spread goes to classes its training side holds
         # (a quickstart's 6 + 2 over 10 classes left most clients a test class they never trained on)
-        held = np.array([c for c in classes if uniform[0][int(c)] > 0])
-        test_spread = {int(c): 0 for c in classes}
-        test_spread.update(_spread(uniform_total[1], held if 0 < len(held) < len(classes) else classes, rng))
-        uniform.append(test_spread)
+        held = np.array([c for c in classes if train[int(c)] > 0])
+        test = {int(c): 0 for c in classes}
+        test.update(_spread(uniform_total[1], held if 0 < len(held) < len(classes) else classes, rng))
         k = len(groups[j % len(groups)]) if groups is not None else min(dominant, len(classes))
         need = [np.diff(np.linspace(0, m - u, k + 1).astype(int)) for m, u in zip(sides, uniform_total)]
         if groups is not None:  # the client's fixed group (FedPAC's / FedeCouple's code); pop names an exhausted class
             chosen = np.array(groups[j % len(groups)])
         else:  # dominant classes are drawn at random among those that still hold enough images
-            most = [int(need[i].max()) + max(uniform[i].values()) for i in (0, 1)]
+            most = [int(need[0].max()) + max(train.values()), int(need[1].max()) + max(test.values())]
             lacks = [most[0] + most[1]] if len(pools) == 1 else most  # one pool serves both sides, or each its own
             able = [c for c in classes if all(len(free[i][int(c)]) >= m for i, m in enumerate(lacks))]
             if len(able) < k:
                 raise SplitError(f"split (weak pathological): only {len(able)} classes still hold {' + '.join(map(str, lacks))} images at client {j}; lower samples_per_client or raise s")
             chosen = rng.choice(able, size=k, replace=False)
-        test = dict(uniform[1])
         for c, m_train, m_test in zip(chosen, need[0], need[1]):
-            uniform[0][int(c)] += int(m_train)
+            train[int(c)] += int(m_train)
             test[int(c)] += int(m_test)
         if test_labels is None:
-            rows = [i for c in classes for i in pop(0, int(c), uniform[0][int(c)] + test[int(c)], j)]
+            rows = [i for c in classes for i in pop(0, int(c), train[int(c)] + test[int(c)], j)]
         else:
-            rows = [i for c in classes for i in pop(0, int(c), uniform[0][int(c)], j)]
+            rows = [i for c in classes for i in pop(0, int(c), train[int(c)], j)]
             test_parts.append(np.array(sorted(i for c in classes for i in pop(1, int(c), test[int(c)], j)), dtype=np.int64))
         parts.append(np.array(sorted(rows), dtype=np.int64))
         tests.append(test)
@@ -457,7 +463,7 @@ def _train_test_by_group(records: pd.DataFrame, rows: np.ndarray, frac: float, r
     (exact where every group is one image)."""
     sub = records.loc[rows]
     first_label = sub.groupby("group")["label"].first()
-    size = sub.groupby("group").size()
+    size = sub.groupby("group").size() if n_test_of is not None else None
     train: list[int] = []
     test: list[int] = []
     for label, groups in first_label.groupby(first_label):
@@ -469,7 +475,7 @@ def _train_test_by_group(records: pd.DataFrame, rows: np.ndarray, frac: float, r
         else:
             test_groups, held = set(), 0
             for g in order:
-                if held + size[g] <= n_test_of.get(int(label), 0):
+                if held + size[g] <= n_test_of.get(int(label), 0):  # type: ignore[index]
                     test_groups.add(g)
                     held += int(size[g])
         for g in order:
