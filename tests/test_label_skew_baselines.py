@@ -324,6 +324,18 @@ def test_fedecouple_resets_the_extractor_where_algorithm_1_does(clients, monkeyp
     assert own and any(not torch.equal(own[c.name]["units.0.0.weight"], downs[(2, c.name)]["units.0.0.weight"]) for c in clients)
 
 
+@pytest.mark.parametrize("setting, want", [(2, 2), ("local_epochs", 3)])
+def test_fedecouple_classifier_epochs_are_their_own_or_follow_the_local_epochs(clients, monkeypatch, setting, want):
+    """E_cl is ``classifier_epochs``, or with ``local_epochs`` the extractor phase's E_fe = train.local_epochs
+    (Table XII's one "local epochs", as the paper preset reads it); E_fe follows train.local_epochs either way."""
+    calls = _spy_fedecouple(monkeypatch)
+    e = _engine("fedecouple", clients, rounds=1, local_epochs=3, classifier_epochs=setting, **{**OFF, "glf": True})
+    e.step()
+    assert [ep for _, ep, _ in calls[::3]] == [want] * len(clients)  # the classifier phase
+    assert [ep for _, ep, _ in calls[2::3]] == [None] * len(clients)  # E_fe: train_local's default, train.local_epochs
+    assert e.method.resolved()["classifier_epochs"] == want
+
+
 def test_fedecouple_without_the_global_extractor_update_keeps_each_clients_own_extractor(clients, monkeypatch):
     """Table IX's "w/o global extractor update": no theta_i <- theta^t; in round 2 each client's extractor phase
     starts where its own classifier phase ended, on its own theta_i, not on the downloaded theta^t."""

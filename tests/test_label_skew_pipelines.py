@@ -22,9 +22,13 @@ def _load(paper: str):
 @pytest.mark.parametrize("paper", ["cd2pfed", "fedecouple"])
 def test_dvc_yaml_has_a_train_stage_per_run_group(paper):
     stages = set(yaml.safe_load((REPO / "pipelines" / paper / "dvc.yaml").read_text())["stages"])
-    groups = set(yaml.safe_load((REPO / "pipelines" / paper / "params.yaml").read_text())["runs"])
+    groups = yaml.safe_load((REPO / "pipelines" / paper / "params.yaml").read_text())["runs"]
     assert {f"train_{g}" for g in groups} == {s for s in stages if s.startswith("train_")}
     assert {"split", "report"} <= stages
+    # a table across a group's experiments has its stage (the same at paper scale: one dvc.yaml for both files)
+    paper_groups = yaml.safe_load((REPO / "pipelines" / paper / "paper" / "params.yaml").read_text())["runs"]
+    for gs in (groups, paper_groups):
+        assert {f"across_{g}" for g, grp in gs.items() if grp.get("across")} == {s for s in stages if s.startswith("across_")}
 
 
 def test_cd2pfed_runs_its_tables_with_its_optimizer_and_three_metrics():
@@ -95,7 +99,8 @@ def test_fedecouple_paper_scale_is_section_v_a_and_sets_every_published_table_be
     for e in p.pipeline.experiments:
         x = p.experiments[e]
         clients = {"fc_femnist_80": 80, "fc_femnist_100": 100}.get(e, 20)  # Table V: one client per writer
-        assert (x.split.clients, x.train.rounds, x.train.local_epochs, x.train.batch_size, x.train.momentum) == (clients, 200, 5, 50, 0.5)
+        epochs = int(e.rpartition("_e")[2]) if e.startswith(("fc_cifar10_s20_e", "fc_cinic10_s20_e", "fc_fmnist_s20_e")) else 5
+        assert (x.split.clients, x.train.rounds, x.train.local_epochs, x.train.batch_size, x.train.momentum) == (clients, 200, epochs, 50, 0.5)
         gray = p.datasets[x.dataset].kind in ("fmnist", "emnist", "femnist")
         assert x.train.model == ("fedecouple_cnn_gray" if gray else "fedecouple_cnn")
         assert x.train.lr == (0.01 if gray else 0.02), e  # FedPAC's federated_main.py: 0.02 with the CIFAR CNN
@@ -116,6 +121,17 @@ def test_fedecouple_paper_scale_is_section_v_a_and_sets_every_published_table_be
         x = p.experiments[refs[table]]
         assert x.target_accuracy == body["target"] and x.train.eval_every == 1, table
     assert p.experiments["fc_cinic10_dir0_3"].split.beta == 0.3
+    # Table XII: local epochs 1-10 on its three datasets beside Table II's E = 5, E_cl tied to E_fe, the paper's rows
+    t12 = p.paper.runs["table12"]
+    assert t12.across and t12.published.endswith("#table12") and list(t12.methods) == ["fedecouple"]
+    assert p.methods["fedecouple"]["classifier_epochs"] == "local_epochs"
+    for e in t12.beside_experiments:
+        s20 = p.experiments[e]
+        assert {f"{e}_e{k}" for k in (1, 3, 4, 6, 7, 8, 10)} <= set(t12.experiments), e
+        for k in (1, 3, 4, 6, 7, 8, 10):  # one setting apart from its E = 5 experiment
+            x = p.experiments[f"{e}_e{k}"]
+            assert x.split == s20.split and x.train.model_copy(update={"local_epochs": 5}) == s20.train, (e, k)
+    assert set(published["across"]["table12"]["methods"]["fedecouple"]) == {p.experiments[e].dataset for e in t12.beside_experiments}
     # Table VIII: all 16 on/off combinations of the four components on CIFAR-10 s = 20 %
     combos = {tuple(p.methods[m].get(k, True) for k in ("gfa", "glf", "gpc", "da"))
               for m in p.experiment_methods("fc_cifar10_s20") if method_base(m, p.methods[m]) == "fedecouple"

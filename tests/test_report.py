@@ -451,15 +451,28 @@ def test_a_group_across_experiments_gets_one_table_and_figure_over_the_setting_t
 
 
 def test_which_groups_get_a_table_across_experiments_and_how_their_columns_are_named_and_ordered():
-    from fedsilo.cli import across_experiments
-    from fedsilo.config import ConfigError, load_paper_params
+    from fedsilo.config import ConfigError, across_blocks, load_paper_params
     from fedsilo.fl.params import load_params
     from fedsilo.report.across import experiment_labels
 
     cd2 = load_params(REPO / "pipelines" / "cd2pfed" / "params.yaml")
-    assert across_experiments(cd2, "fig5") == ["cd2_digits_s2", "cd2_digits_s3", "cd2_digits_s5", "cd2_digits_s10"]
-    assert across_experiments(cd2, "table4") == []  # PACS and Chest-X-Ray-4: no setting sweeps them
-    assert across_experiments(load_params(REPO / "pipelines" / "pfeddil" / "params.yaml"), "fig2") == []  # streams
+    assert across_blocks("fig5", cd2.paper.runs["fig5"], cd2.experiments) == {
+        "digits5_16": ["cd2_digits_s2", "cd2_digits_s3", "cd2_digits_s5", "cd2_digits_s10"]}
+    assert [g for g, grp in cd2.paper.runs.items() if grp.across] == ["fig5"]  # a group's choice, checked on load:
+    raw = yaml.safe_load((REPO / "pipelines" / "cd2pfed" / "params.yaml").read_text())
+    raw["runs"]["project_label_skew"]["across"] = True  # Office, PACS, Chest-X-Ray-4: one experiment each
+    with pytest.raises(ConfigError, match=re.escape("runs.project_label_skew.across: 'cd2_office_s2' is the group's only "
+                                                    "experiment on office_caltech10_16; a table across experiments sets two")):
+        load_paper_params(REPO / "pipelines" / "cd2pfed" / "params.yaml", raw)
+    raw = yaml.safe_load((REPO / "pipelines" / "cd2pfed" / "params.yaml").read_text())
+    raw["runs"]["tables_1_2"]["published"] = "pipelines/cd2pfed/published.yaml#x"
+    with pytest.raises(ConfigError, match=re.escape("runs.tables_1_2.published: the paper's numbers of a table across "
+                                                    "experiments; set runs.tables_1_2.across: true")):
+        load_paper_params(REPO / "pipelines" / "cd2pfed" / "params.yaml", raw)
+    raw = yaml.safe_load((REPO / "pipelines" / "pfeddil" / "params.yaml").read_text())
+    raw["runs"]["fig2"]["across"] = True  # task streams: `report --sensitivity`
+    with pytest.raises(ConfigError, match=r"runs\.fig2\.across: '\w+' is a task stream"):
+        load_paper_params(REPO / "pipelines" / "pfeddil" / "params.yaml", raw)
     labels, order, axis = experiment_labels({"s10": {"split.classes_per_client": 10, "train.lr": 0.1},
                                              "s2": {"split.classes_per_client": 2, "train.lr": 0.1}})
     assert order == ["s2", "s10"] and labels == {"s10": "classes_per_client 10", "s2": "classes_per_client 2"}
@@ -479,6 +492,71 @@ def test_which_groups_get_a_table_across_experiments_and_how_their_columns_are_n
         raw["runs"]["fig5"]["beside_experiments"] = bad
         with pytest.raises(ConfigError, match=re.escape(said)):
             load_paper_params(REPO / "pipelines" / "cd2pfed" / "params.yaml", raw)
+
+
+def test_a_table_across_several_datasets_has_a_row_per_dataset_and_the_papers_rows_under_ours(tmp_path):
+    """FedeCouple's Table XII: local epochs on two datasets, E = 5 from another group's experiment; one column per
+    E (the union, in order), a row per method and dataset, the paper's numbers under ours (CSV: source ours |
+    paper), dashed in the figure; the paper's numbers must name the table's setting, rows and values."""
+    from fedsilo.report import ReportError
+    from fedsilo.report.across import build_across_report
+
+    blocks = {"cifar10_32": ["c5", "c1", "c10"], "fmnist_28": ["f5", "f1"]}
+    epochs = {"c5": 5, "c1": 1, "c10": 10, "f5": 5, "f1": 1}
+    settings = {e: {"train.local_epochs": k, "train.lr": 0.02 if e[0] == "c" else 0.01} for e, k in epochs.items()}
+    avg = {e: pd.DataFrame({"mean": [50.0 + k + (30 if e[0] == "f" else 0)], "std": [0.5]}, index=["fedecouple"]) for e, k in epochs.items()}
+    paper = {"source": "Table XII", "setting": "local_epochs",
+             "methods": {"fedecouple": {"cifar10_32": {1: 76.76, 5: 81.78, 10: 79.86}, "fmnist_28": {1: 90.78}}}}
+    got = build_across_report("table12", blocks, avg, settings, ["fedecouple"], [0, 1], tmp_path / "out",
+                              (paper, "published.yaml#table12"))
+    assert got["columns"] == ["local_epochs 1", "local_epochs 5", "local_epochs 10"]
+    md = (tmp_path / "out" / "table12_across.md").read_text()
+    assert "| method | dataset | local_epochs 1 | local_epochs 5 | local_epochs 10 |" in md
+    assert "| fedecouple | cifar10_32 | 51.0 ± 0.5 | 55.0 ± 0.5 | 60.0 ± 0.5 |\n| paper | cifar10_32 | 76.76 | 81.78 | 79.86 |" in md
+    assert "| fedecouple | fmnist_28 | 81.0 ± 0.5 | 85.0 ± 0.5 | n/a |\n| paper | fmnist_28 | 90.78 | – | – |" in md
+    assert "fmnist_28: local_epochs 1: f1, local_epochs 5: f5" in md
+    csv = pd.read_csv(tmp_path / "out" / "table12_across.csv")
+    assert list(csv[["dataset", "source"]].itertuples(index=False, name=None)) == [
+        ("cifar10_32", "ours"), ("cifar10_32", "paper"), ("fmnist_28", "ours"), ("fmnist_28", "paper")]
+    assert csv.loc[1, "local_epochs 5_mean"] == 81.78 and csv.loc[0, "local_epochs 10_mean"] == 60.0
+    assert (tmp_path / "out" / "table12_across.png").stat().st_size > 0
+    for bad, said in (({**paper, "setting": "rounds"}, "setting 'rounds' but the group's experiments differ in 'local_epochs'"),
+                      ({**paper, "methods": {"fedecouple": {"cinic10_32": {1: 56.96}}}}, "methods.fedecouple.cinic10_32: no such row"),
+                      ({**paper, "methods": {"fedecouple": {"fmnist_28": {3: 91.93}}}}, "local_epochs 3 is none of the group's experiments")):
+        with pytest.raises(ReportError, match=re.escape(said)):
+            build_across_report("table12", blocks, avg, settings, ["fedecouple"], [0], tmp_path / "bad", (bad, "p#t"))
+    settings["f1"] = {"train.local_epochs": 1, "train.lr": 0.05}  # fmnist's two differ in the rate too
+    with pytest.raises(ReportError, match=re.escape("runs.table12.across: on fmnist_28 the experiments f5, f1 differ in "
+                                                    "local_epochs, lr")):
+        build_across_report("table12", blocks, avg, settings, ["fedecouple"], [0], tmp_path / "bad", None)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_across_stage_builds_a_groups_table_from_the_report_stages_accuracy_tables(tmp_path, capsys):
+    """`report --across table12` (dvc.yaml's across_table12 stage) reads each experiment's <e>_accuracy.csv under
+    report/ (what the stage depends on) and writes results/<paper>/<scale>/across/table12/; a report not built yet
+    is named with its stage; a group without `across` is refused."""
+    from fedsilo.cli import main
+
+    (tmp_path / "pipelines").symlink_to(REPO / "pipelines")
+    params = ["--params", str(REPO / "pipelines" / "fedecouple" / "params.yaml"), "--root", str(tmp_path)]
+    report = tmp_path / "results" / "fedecouple" / "quickstart" / "report"
+    for e, acc in (("fc_digits_s20", 61.0), ("fc_digits_s20_e1", 40.0)):
+        (report / e).mkdir(parents=True)
+        pd.DataFrame({"method": ["fedavg_ft", "fedecouple"], "seeds": [1, 1], "Avg_mean": [10.0, acc], "Avg_std": [None, None]}
+                     ).to_csv(report / e / f"{e}_accuracy.csv", index=False)
+    assert main([*params, "report", "--across", "table12"]) == 2
+    assert "fc_digits_s20_e10_accuracy.csv: not found" in capsys.readouterr().err and "report@fc_digits_s20_e10"
+    (report / "fc_digits_s20_e10").mkdir()
+    pd.DataFrame({"method": ["fedecouple"], "seeds": [1], "Avg_mean": [66.5], "Avg_std": [None]}).to_csv(
+        report / "fc_digits_s20_e10" / "fc_digits_s20_e10_accuracy.csv", index=False)
+    assert main([*params, "report", "--across", "table12"]) == 0
+    md = (tmp_path / "results" / "fedecouple" / "quickstart" / "across" / "table12" / "table12_across.md").read_text()
+    assert "| method | local_epochs 1 | local_epochs 5 | local_epochs 10 |\n|---|---|---|---|\n| fedecouple | 40.0 | 61.0 | 66.5 |" in md
+    assert main([*params, "report", "--across", "tables_2_7"]) == 2
+    assert "runs.tables_2_7.across is not set" in capsys.readouterr().err
+    assert main([*params, "report", "--across", "table99"]) == 2
+    assert "--across: " in capsys.readouterr().err
 
 
 def test_a_variant_that_differs_from_its_method_beyond_its_own_keys_is_named():

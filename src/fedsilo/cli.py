@@ -248,6 +248,11 @@ def _report(args: argparse.Namespace) -> None:
     layout = p.layout(args.root)
     if args.sensitivity and args.group:
         raise ConfigError("--sensitivity and --group: one or the other (the sensitivity figures span every stream experiment)")
+    if args.across:
+        if args.group or args.sensitivity or args.experiment or args.methods is not None:
+            raise ConfigError("--across: alone (one run group's table across its experiments)")
+        _report_across(args, p)
+        return
     if args.sensitivity:  # across streams: pFedDIL's Table 6 (lambda) and Fig. 2 (alpha)
         from fedsilo.report.continual import build_sensitivity_report, sensitivity_inputs
 
@@ -284,7 +289,7 @@ def _report(args: argparse.Namespace) -> None:
                               f"({', '.join(grp.experiments)})")
         exps = [args.experiment] if args.experiment else list(grp.experiments)
         methods_of, out_of = (lambda e: (*grp.methods, *grp.beside)), (lambda e: layout.group_report(args.group, e))
-        across = [] if args.experiment else across_experiments(p, args.group)
+        across = [] if args.experiment or not grp.across else list(dict.fromkeys([*grp.beside_experiments, *grp.experiments]))
         _refuse_missing_runs(p, layout, args.params, f"runs.{args.group}",
                              [(e, m) for e in dict.fromkeys([*exps, *across]) for m in methods_of(e)])
     else:
@@ -316,16 +321,36 @@ def _report(args: argparse.Namespace) -> None:
             continue
         print(f"report {exp}: Avg accuracy " + ", ".join(f"{m} {v:.1f}" for m, v in info["table"].items())
               + (f" ({out_of(exp)})" if args.group or args.methods is not None else ""))
-    if across:  # the group's table and figure across its experiments
+    if across:  # the group's table and figure across its experiments, from its runs
         from fedsilo.report.across import build_across_report
-        from fedsilo.tracking import flatten
+        from fedsilo.report.tables import collect, summary_table
 
-        settings = {e: flatten({"dataset": p.experiments[e].dataset, "split": p.experiments[e].split.model_dump(mode="json"),
-                                "train": p.experiments[e].train.model_dump(mode="json")}) for e in across}
+        a = across_inputs(p, args.group, Path(args.root), str(args.params))
+        seeds = list(p.pipeline.seeds)
+        avg = {e: summary_table(collect(layout.results(e), a["methods"], seeds)[0], "acc", a["methods"]).xs("Avg", axis=1, level=1)
+               for e in across}
         out = layout.group_report(args.group, "across")
-        got = build_across_report(args.group, {e: layout.results(e) for e in across}, settings, list(methods_of(across[0])),
-                                  list(p.pipeline.seeds), out)
+        got = build_across_report(args.group, a["blocks"], avg, a["settings"], a["methods"], seeds, out, a["published"])
         print(f"report {args.group} across {', '.join(got['columns'])}: {out}")
+
+
+def _report_across(args: argparse.Namespace, p: Params) -> None:
+    """dvc.yaml's ``across_<group>`` stage: a run group's table and figure across its experiments, from the report
+    stages' accuracy tables of them (what the stage depends on), into ``results/<paper>/<scale>/across/<group>/``."""
+    from fedsilo.report.across import avg_from_csv, build_across_report
+
+    if p.paper is None or args.across not in p.paper.runs:
+        raise ConfigError(f"--across: {args.params} has no run group '{args.across}'"
+                          + (f" (groups: {', '.join(p.paper.runs)})" if p.paper else " (it is not a paper's params file)"))
+    if not p.paper.runs[args.across].across:
+        raise ConfigError(f"{args.params}: runs.{args.across}.across is not set (a table across experiments is a group's "
+                          "choice: `across: true`)")
+    layout = p.layout(args.root)
+    a = across_inputs(p, args.across, Path(args.root), str(args.params))
+    avg = {e: avg_from_csv(layout.report(e) / f"{e}_accuracy.csv", e) for es in a["blocks"].values() for e in es}
+    out = layout.across(args.across)
+    got = build_across_report(args.across, a["blocks"], avg, a["settings"], a["methods"], list(p.pipeline.seeds), out, a["published"])
+    print(f"report {args.across} across {', '.join(got['columns'])}: {out}")
 
 
 @contextlib.contextmanager
@@ -342,17 +367,32 @@ def _naming_published(params: Any, exp: str, ref: Optional[str]) -> Iterator[Non
         raise
 
 
-def across_experiments(p: Params, group: str) -> list[str]:
-    """The experiments of a run group (``beside_experiments`` first) that its table and figure across experiments
-    compare: where they are two or more, of one dataset, with static clients in settings that differ (CD2-pFed's
-    Fig. 5: s; FedeCouple's Fig. 12: the join ratio); none for a group spanning datasets (a paper's main table) or
-    task streams (pFedDIL's: `report --sensitivity`)."""
+def across_inputs(p: Params, group: str, root: Path, where: str) -> dict[str, Any]:
+    """What a run group's table across experiments (``runs.<group>.across``) is built from, checked: its
+    experiments by dataset, their settings, the methods, and the paper's numbers where ``runs.<group>.published``
+    names them (every row and value of them one of the table's). ``where``: the params file, for the errors."""
+    from fedsilo.config import across_blocks
+    from fedsilo.report import ReportError
+    from fedsilo.report.across import across_columns, published_rows
+    from fedsilo.report.versus import load_published_across
+    from fedsilo.tracking import flatten
+
     grp = p.paper.runs[group]
-    exps = list(dict.fromkeys([*grp.beside_experiments, *grp.experiments]))
-    if len(exps) < 2 or len({p.experiments[e].dataset for e in exps}) > 1 or any(
-            p.experiments[e].split.protocol == "domain_incremental" for e in exps):
-        return []
-    return exps
+    blocks = across_blocks(group, grp, p.experiments)
+    exps = [e for es in blocks.values() for e in es]
+    settings = {e: flatten({"split": p.experiments[e].split.model_dump(mode="json"),
+                            "train": p.experiments[e].train.model_dump(mode="json")}) for e in exps}
+    methods = list(dict.fromkeys([*grp.methods, *grp.beside]))
+    published = None
+    try:
+        _, _, axis = across_columns(group, blocks, settings)
+        if grp.published:
+            published = (load_published_across(root, grp.published), grp.published)
+            published_rows(group, *published, axis, [(m, d) for d in blocks for m in methods])
+    except (ReportError, OSError, ValueError) as err:
+        said = str(err).removeprefix("published: ")
+        raise ConfigError(f"{where}: {said if said.startswith('runs.') else f'runs.{group}.published: {said}'}") from None
+    return {"blocks": blocks, "settings": settings, "methods": methods, "published": published}
 
 
 def _report_one(args: argparse.Namespace, p: Params, exp: str, methods: Sequence[str], out: Path, made: dict,
@@ -493,6 +533,9 @@ def _check_published(p: Params, where: str, root: Path) -> None:
                 load_published_entries(root, exp.published)
             except (ReportError, OSError, ValueError) as err:
                 raise ConfigError(f"{where}: experiments.{e}.published: {str(err).removeprefix('published: ')}") from None
+    for g, grp in (p.paper.runs.items() if p.paper else ()):
+        if grp.across:  # its columns (one setting apart) and the paper's numbers, before any run trains
+            across_inputs(p, g, root, where)
 
 
 def _site(args: argparse.Namespace) -> None:
@@ -922,6 +965,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--group", help="a paper's run group (runs.<group>, one table): the tables of its runs and of the "
                    "methods it sets beside (runs.<group>.beside) -> results/<paper>/<scale>/groups/<group>/<experiment>/; "
                    "runs not trained yet are named, with the dvc repro targets that train them")
+    s.add_argument("--across", metavar="GROUP", help="a paper's run group with runs.<group>.across (dvc.yaml's "
+                   "across_<group> stage): its table and figure across its experiments, from the report stages' accuracy "
+                   "tables -> results/<paper>/<scale>/across/<group>/")
     s.add_argument("--sensitivity", action="store_true", help="across task streams: accuracy and storage against "
                    "pFedDIL's lambda (Table 6) and against the split's alpha (Fig. 2) -> results/.../report/sensitivity/")
     s.add_argument("--methods", type=lambda t: [m.strip() for m in t.split(",") if m.strip()], metavar="M1,M2,...",

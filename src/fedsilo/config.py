@@ -1392,6 +1392,16 @@ class RunGroup(Strict):
         (), description="experiments another group trains this group's methods on that its table across experiments "
         "sets beside its own (CD2-pFed's Fig. 5: s = 2 is Table 1's experiment): `fedsilo report --group` reads them too"
     )
+    across: bool = Field(
+        False, description="one table and figure across the group's experiments (beside_experiments with them), a "
+        "column per value of the setting that tells them apart and a row per method (and dataset, where they span "
+        "several; two or more experiments of each): dvc.yaml's across_<group> stage writes it (CD2-pFed's Fig. 5, "
+        "FedeCouple's Fig. 12 and Table XII)"
+    )
+    published: Optional[str] = Field(
+        None, description="with across: '<file>#<key>' of the paper's numbers for the table across experiments (the "
+        "file's `across` section), set beside ours"
+    )
 
 
 class PaperMeta(Strict):
@@ -1827,6 +1837,11 @@ class PaperParams(Strict):
                     if (e, m) not in seen:
                         raise ValueError(f"runs.{g}.beside_experiments: no group trains '{m}' on '{e}'"
                                          f"{did_you_mean(e, self.experiments) if e not in self.experiments else ''}")
+        for g, grp in self.runs.items():
+            if grp.published and not grp.across:
+                raise ValueError(f"runs.{g}.published: the paper's numbers of a table across experiments; set runs.{g}.across: true")
+            if grp.across:
+                across_blocks(g, grp, self.experiments)
         trained = {e for e, _ in seen}
         for e in self.experiments:
             if e not in trained:
@@ -1834,6 +1849,26 @@ class PaperParams(Strict):
             if e in ("report", "groups", "across"):  # results/<paper>/<scale>/{report,groups}/, groups/<g>/across/
                 raise ValueError(f"experiments.{e}: the name is taken by the {e} folder")
         return self
+
+
+def across_blocks(group: str, grp: RunGroup, experiments: dict[str, ExperimentParams]) -> dict[str, list[str]]:
+    """A run group's experiments for its table across them (``runs.<group>.across``), ``beside_experiments`` first,
+    by dataset: each dataset two or more experiments with static clients (a task stream's sweep is pFedDIL's
+    ``report --sensitivity``). Which setting tells them apart is the report's to find (:mod:`fedsilo.report.across`)."""
+    exps = list(dict.fromkeys([*grp.beside_experiments, *grp.experiments]))
+    streams = [e for e in exps if experiments[e].split.protocol == "domain_incremental"]
+    if streams:
+        raise ValueError(f"runs.{group}.across: '{streams[0]}' is a task stream (its sweeps across streams are "
+                         "`fedsilo report --sensitivity`)")
+    blocks: dict[str, list[str]] = {}
+    for e in exps:
+        blocks.setdefault(experiments[e].dataset, []).append(e)
+    for d, es in blocks.items():
+        if len(es) < 2:
+            raise ValueError(f"runs.{group}.across: '{es[0]}' is the group's only experiment on {d}; a table across "
+                             "experiments sets two or more of each dataset side by side (add the others, or "
+                             "beside_experiments for ones another group trains)")
+    return blocks
 
 
 def load_paper_params(path: Path, raw: dict[str, Any]) -> Params:

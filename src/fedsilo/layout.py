@@ -66,6 +66,11 @@ class Layout:
         outputs, so that DVC's ``report@<experiment>`` stays as its last run left it."""
         return self._ns(self.root / "results") / "groups" / group / experiment
 
+    def across(self, group: str) -> Path:
+        """dvc.yaml's ``across_<group>`` stage: a run group's table and figure across its experiments (beside, not
+        inside, the report stages' outputs, which it reads)."""
+        return self._ns(self.root / "results") / "across" / group
+
     def selected_report(self, experiment: str) -> Path:
         """``fedsilo report --methods``: the methods a user chose of an experiment, beside the report stages' outputs
         (each call replaces the last)."""

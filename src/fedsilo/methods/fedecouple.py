@@ -5,7 +5,7 @@ distillation of a locally adapted global classifier and similarity-weighted aggr
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,9 @@ class FedeCoupleParams(MethodParams):
     lam: float = Field(0.8, ge=0, description="lambda: weight of the distillation from the adapted global classifier (Eq. 2)")
     mu: float = Field(2.0, ge=0, description="mu: weight of the center loss to the global feature anchors (Eq. 1, 5-6)")
     tau: float = Field(2.0, gt=0, description="T: distillation temperature (Eq. 2)")
-    classifier_epochs: int = Field(5, ge=1, description="E_cl: epochs of the classifier phase (the extractor phase's E_fe is train.local_epochs)")
+    classifier_epochs: Union[Annotated[int, Field(ge=1)], Literal["local_epochs"]] = Field(
+        5, description="E_cl: epochs of the classifier phase (the extractor phase's E_fe is train.local_epochs); "
+        "'local_epochs': E_cl = E_fe, the paper's one 'local epochs' (Table XII varies them together)")
     classifier_lr: Optional[float] = Field(None, gt=0, description="learning rate of the classifier phase (default train.lr; FedPAC's code, which its authors built on, uses 0.1)")
     glf: bool = Field(True, description="GLF: one extractor epoch against the frozen global classifier before the E_fe "
                       "epochs (Eq. 5); off, the extractor is still replaced by the downloaded one (reset): the paper's GLF "
@@ -117,7 +119,8 @@ class FedeCouple(PersonalModels):
     0.2-5 moving accuracy by ~3 points) is not on ``sum``'s scale. The rest are fixed choices: Eq. 3 and 4 step together on each batch (one backward, the teacher's output detached in the KL); the fixed extractor runs in train
     mode as FedRep's code does (BatchNorm
     statistics, where the backbone has them, follow the batches); E_cl = 5 as the paper's "trained locally for 5
-    epochs" reads (FedPAC's code, its authors' starting point, uses 1), at ``train.lr`` unless ``classifier_lr`` says
+    epochs" reads (FedPAC's code, its authors' starting point, uses 1; ``classifier_epochs: local_epochs`` ties E_cl to
+    E_fe, our reading of Table XII's one "local epochs" column, which the paper preset sweeps), at ``train.lr`` unless ``classifier_lr`` says
     otherwise (FedPAC's code trains its classifier epoch at a fixed 0.1; the paper names one optimizer); the anchors
     and their center loss from round 1, on the initial extractor's features (Algorithm 1 has them every round;
     FedPAC's code starts its alignment term in round 2); Eq. 7's weights as written, cos_i / sum_j cos_j, so a model
@@ -156,7 +159,13 @@ class FedeCouple(PersonalModels):
         return store
 
     def resolved(self) -> dict[str, Any]:
-        return {**super().resolved(), "classifier_keys": getattr(self, "head_keys", [])}
+        return {**super().resolved(), "classifier_keys": getattr(self, "head_keys", []), "classifier_epochs": self.classifier_epochs}
+
+    @property
+    def classifier_epochs(self) -> int:
+        """E_cl: ``classifier_epochs``, or train.local_epochs where it says ``local_epochs``."""
+        e = self.params.classifier_epochs
+        return self.train.local_epochs if e == "local_epochs" else e
 
     # --- the client
     def anchors(self, model: LayeredNet, client: ClientData) -> dict[int, torch.Tensor]:
@@ -221,7 +230,7 @@ class FedeCouple(PersonalModels):
                     loss = self.params.lam * distillation_kl(logits, t.detach(), self.params.tau, tau2=self.params.kd_scale == "tau2")
                     return loss + F.cross_entropy(t, y) if self.params.teacher == "adapted" else loss
 
-            train_local(model, client, cl_train, make_generator(seed, rnd, client.index, 0), epochs=self.params.classifier_epochs,
+            train_local(model, client, cl_train, make_generator(seed, rnd, client.index, 0), epochs=self.classifier_epochs,
                         params=head + teacher_params, batch_loss=kd, batch_transform=da)
         sd = model.state_dict()
         phi_i = {k: sd[k].detach().clone() for k in self.head_keys}

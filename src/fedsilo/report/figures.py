@@ -64,11 +64,12 @@ def bar_figure(path: Path, labels: list[str], values: list[float], ylabel: str, 
 
 def line_figure(path: Path, series: list[tuple[str, list[float], list[float]]], ylabel: str, title: str,
                  marks: tuple[float, ...] = (), xlabel: str = "round", xticks: list[str] | None = None,
-                 connect: bool = True) -> str:
+                 connect: bool = True, styles: dict[str, dict[str, Any]] | None = None) -> str:
     """One PNG with a line per (label, x, y) and a dotted vertical line at each of ``marks`` (a stream's task
     boundaries). Rounds are whole numbers on the axis; ``xticks`` names the positions 0, 1, ... instead (a group's
     experiments; ``connect`` False: points only, for positions that are no scale). Past ten lines the colours come from a 20-colour map (the default repeats after ten); past three the
-    legend stands beside the axes, not over the lines."""
+    legend stands beside the axes, not over the lines. ``styles``: a label's own matplotlib line settings (a paper's
+    numbers dashed in the colour of ours)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,7 +81,9 @@ def line_figure(path: Path, series: list[tuple[str, list[float], list[float]]], 
     fig, ax = plt.subplots(figsize=(8.5 if beside else 6, 4))
     colours = plt.get_cmap("tab20").colors if many else [None] * len(series)
     for (label, x, y), colour in zip(series, colours):
-        ax.plot(x, y, label=label, color=colour, marker="o" if xticks else None, linestyle="-" if connect else "none")
+        style = {"color": colour, "marker": "o" if xticks else None, "linestyle": "-" if connect else "none",
+                 **(styles or {}).get(label, {})}
+        ax.plot(x, y, label=label, **style)
     for x in marks:
         ax.axvline(x, color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel(xlabel)

@@ -42,6 +42,16 @@ def load_published_entries(root: Path, ref: str) -> dict[str, dict[str, Any] | N
     return out
 
 
+def load_published_across(root: Path, ref: str) -> dict[str, Any]:
+    """``<file>#<key>`` -> the file's ``across`` entry of that key (the paper's numbers of a table across a run
+    group's experiments: ``source``, ``setting`` and ``methods: {method: {dataset: {value: mean}}}``)."""
+    doc, path, key = published_entry(root, ref)
+    entry = (doc.get("across") or {}).get(key)
+    if not isinstance(entry, dict):
+        raise ReportError(f"published: {path} has no across table {key!r} (has: {', '.join(doc.get('across') or {}) or 'none'})")
+    return entry
+
+
 def load_published(root: Path, ref: str) -> dict[str, Any] | None:
     """``<file>#<table>`` -> its accuracy table (see :func:`load_published_entries`)."""
     return load_published_entries(root, ref)["accuracy"]
