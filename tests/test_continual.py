@@ -208,16 +208,25 @@ def test_lambda_zero_keeps_one_model_and_lambda_above_one_a_model_per_task():
     assert s2["bytes_kept_per_client"] == pytest.approx(3 * s1["bytes_kept_per_client"])
 
 
-def test_lambda_zero_without_migration_or_sharing_is_fedavg_task_after_task():
-    """Table 6: lambda = 0 "degenerates to the normal FedAvg". With one model, no migration and the auxiliary
-    classifier apart (so that its loss does not reach the model), each client's model after a task is the
-    federation's (the task-end download), the next task starts from it, and the scores are FedAvg's, task by task."""
-    _, h_dil, s_dil = _run("pfeddil", lam=0.0, migration=False, share_extractor=False)
+@pytest.mark.parametrize("apart", [{"share_extractor": False}, {}], ids=["aux_apart", "aux_on_shared_features"])
+def test_lambda_zero_without_migration_is_fedavg_task_after_task(apart):
+    """Table 6: lambda = 0 "degenerates to the normal FedAvg". With one model and no migration, the auxiliary
+    classifier apart or on the shared layers' features with their gradient stopped (the default ``aux_gradient:
+    head``), each client's model after a task is the federation's (the task-end download), the next task starts from
+    it, and the scores are FedAvg's, task by task."""
+    dil, h_dil, s_dil = _run("pfeddil", lam=0.0, migration=False, **apart)
     e_avg, h_avg, s_avg = _run("fedavg")
     for a, b in zip(h_dil, h_avg):
         if "task_acc" in b:
             assert a["task_acc"] == pytest.approx(b["task_acc"], abs=1e-6), a["round"]
     assert [x for r in s_dil["accuracy_matrix"] for x in r] == pytest.approx([x for r in s_avg["accuracy_matrix"] for x in r], abs=1e-6)
+    if apart:
+        return
+    # the federation's model is FedAvg's tensor for tensor; with Eq. 8 read literally (the auxiliary loss through the
+    # shared layers) it is not
+    joint, _, _ = _run("pfeddil", lam=0.0, migration=False, aux_gradient="trunk")
+    assert all(torch.equal(take(dil.server, "family0.")[k], e_avg.server[k]) for k in e_avg.server)
+    assert not torch.equal(take(joint.server, "family0.")["units.0.0.weight"], e_avg.server["units.0.0.weight"])
     # the task-end download is counted: one model per client at each task's end
     one, names = payload_bytes(e_avg.server), {c.name for c in e_avg.clients}
     ends = [x for x in h_dil if x.get("task_end")]
