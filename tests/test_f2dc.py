@@ -501,6 +501,10 @@ def test_fedtgp_margin_loss_and_prototype_mse_follow_the_code():
     # rows without a prototype add nothing but count in the mean (B x d)
     mse = prototype_mse(z, y, {0: torch.tensor([1.0, 2.0])})
     assert float(mse) == pytest.approx(4.0 / 4)
+    # a bf16 forward (amp) rounds z, not the prototype: 1 + 2^-10 has no bf16 value, the float32 loss keeps it
+    fine = {0: torch.tensor([1.0 + 2**-10, 2.0])}
+    half = prototype_mse(z.bfloat16(), y, fine)
+    assert half.dtype == torch.float32 and float(half) == pytest.approx(float(prototype_mse(z.bfloat16().float(), y, fine)), rel=1e-7)
 
 
 def test_fedtgp_server_generator_learns_separated_prototypes():
@@ -642,7 +646,7 @@ def test_fedrcl_contrasts_five_pre_relu_levels_of_a_resnet(clients):
     assert [z.shape for z in pooled_levels(found)] == [(3, 64), (3, 64), (3, 128), (3, 256), (3, 512)]
     with pytest.raises(ValueError, match="methods.fedrcl: .* needs a ResNet"):
         hook_levels(tiny_net(1, 2), {}, "fedrcl")
-    # the terms change the update; with both weights 0 it is FedAvg's
+    # the terms change the update; with both weights 0 (and no clip) it is FedAvg's
     import dataclasses
 
     small = [dataclasses.replace(c, x_train=c.x_train[:8, :, ::2, ::2], y_train=c.y_train[:8], x_test=c.x_test[:4, :, ::2, ::2], y_test=c.y_test[:4])
@@ -650,12 +654,12 @@ def test_fedrcl_contrasts_five_pre_relu_levels_of_a_resnet(clients):
     two = (small, clients[1], clients[2])
     tp = TrainParams(rounds=1, batch_size=16, lr=0.02, device="cpu", count_flops=False)
     ups: dict[str, list] = {}
-    for name, kw in (("fedavg", {}), ("fedrcl", {"scl_weight": 0.0, "penalty_weight": 0.0}), ("fedrcl", {})):
+    for name, kw in (("fedavg", {}), ("fedrcl", {"scl_weight": 0.0, "penalty_weight": 0.0, "clip_grad": None}), ("fedrcl", {})):
         cls = method_class(name)
         got: list = ups.setdefault(f"{name}{len(kw)}", [])
         Engine(cls(cls.params_cls(**kw), tp), build_model("resnet10_cifar", two[1], two[2], seed=0), two[0], tp, seed=0,
                observer=lambda r, c, d, p, got=got: got.append(p) if d == "up" else None).run()
-    assert all(close_states(a, b) for a, b in zip(ups["fedavg0"], ups["fedrcl2"]))
+    assert all(close_states(a, b) for a, b in zip(ups["fedavg0"], ups["fedrcl3"]))
     assert all(not close_states(a, b, atol=1e-6) for a, b in zip(ups["fedavg0"], ups["fedrcl0"]))
 
 
@@ -682,6 +686,18 @@ def test_fedrcl_each_term_acts_alone_at_every_level(clients, monkeypatch):
     assert all(not close_states(a, b, atol=1e-6) for a, b in zip(ups["fedavg"], ups["fedrcl"]))
     steps = len(widths["pen"]) // 5
     assert steps >= 1 and widths["scl"] == widths["pen"] == [64, 64, 128, 256, 512] * steps
+    # every step clips the gradient's norm, of every parameter, at the code's 10; a tight clip changes the update
+    clipped: list = []
+    real_clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda ps, m, *a, **k: clipped.append((len(ps), m)) or real_clip(ps, m, *a, **k))
+    net = build_model("resnet10_cifar", clients[1], clients[2], seed=0)
+    for clip in (10.0, 1e-3):
+        cls = method_class("fedrcl")
+        got = ups.setdefault(f"clip{clip}", [])
+        Engine(cls(cls.params_cls(clip_grad=clip), tp), build_model("resnet10_cifar", clients[1], clients[2], seed=0), small, tp, seed=0,
+               observer=lambda r, c, d, p, got=got: got.append(p) if d == "up" else None).run()
+    assert clipped[: len(clipped) // 2] == [(len(list(net.parameters())), 10.0)] * steps
+    assert all(not close_states(a, b, atol=1e-6) for a, b in zip(ups["clip10.0"], ups["clip0.001"]))
 
 
 # ----------------------------------------------------------------------------------------------- FDSE

@@ -148,9 +148,9 @@ class FDSE(PartialSharing):
     AlexNet; here FDSE's rule (every conv + BN, the classifier plain) is applied to ResNet's BasicBlocks, with a
     block's downsampling layer run after its two convolutions (torchvision's order; layer l of the regularizer's
     softmax(beta l) counts conv1, conv2, downsample). FDSE has no single global model (its erasers are per client).
-    The code's logger tests each client's own model at the start of a round, before the server's step: the model
-    the client trained in its last round, the initial model before it has trained (``evaluate: trained``, the
-    default); ``next_round`` evaluates the shared part, the erasers the server mixed for the client and its own
+    The code's logger tests each client's own model after the round's aggregation (``log_once`` after
+    ``iterate``), which the server's step leaves as the client trained it: the model the client trained in its last
+    round, the initial model before it has trained (``evaluate: trained``, the default); ``next_round`` evaluates the shared part, the erasers the server mixed for the client and its own
     eraser statistics instead. The optimizer (momentum, weight decay, learning rate) is the preset's; the
     code's per-round learning-rate decay (0.9998, ``train.lr_schedule: {kind: exponential, gamma: 0.9998}``) is not
     in the presets (every method of F²DC's tables trains at the table's one rate); the code sums BatchNorm's step counters across clients

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -20,6 +22,8 @@ class FedRCLParams(MethodParams):
     scl_weight: float = Field(1.0, ge=0, description="weight of the supervised contrastive term")
     penalty_weight: float = Field(1.0, ge=0, description="weight of the divergence penalty (beta)")
     top_negatives: int = Field(2, ge=1, description="hardest other-class samples per anchor (the code's topk_neg)")
+    clip_grad: Optional[float] = Field(10.0, gt=0, description="gradient-norm clipping of every local step (the code's "
+                                       "clip_grad_norm_ at 10; null: none)")
 
 
 def scl_loss(z: torch.Tensor, y: torch.Tensor, tau: float, top_negatives: int) -> torch.Tensor:
@@ -81,9 +85,12 @@ class FedRCL(PartialSharing):
     with the sample itself when their similarity is at least 0.7. It uploads the whole model; clients are
     evaluated with the global model.
 
+    Each local step clips the gradient's norm at 10, as the code does (``clip_grad``; at the start the contrastive
+    terms, about 10 a level at tau = 0.05, make the first steps large).
+
     Where we differ from the code: the server takes FedAvg's sample-size-weighted mean (the code averages uniformly;
     F²DC's comparison weights by size), and the optimizer is the preset's (the code: SGD lr 0.1 without momentum,
-    weight decay 1e-3, a 0.998 learning-rate decay per round and again per local epoch, gradient clipping at 10; its
+    weight decay 1e-3, a 0.998 learning-rate decay per round and again per local epoch; its
     per-round decay is ``train.lr_schedule: {kind: exponential, gamma: 0.998}``, the per-epoch one has no setting), and
     the backbone's normalization is the preset's BatchNorm (the code builds its ResNet-18 with GroupNorm(2, C), so its
     level 0 is a GroupNorm output; a pooled BatchNorm output is centred per channel over the batch).
@@ -110,8 +117,14 @@ class FedRCL(PartialSharing):
             pen = sum(divergence_penalty(z, y, p.temperature, p.threshold) for z in zs) / len(zs)
             return p.scl_weight * scl + p.penalty_weight * pen
 
+        params = [q for q in model.parameters() if q.requires_grad]
+
+        def grad_hook() -> None:  # every parameter's gradient, the code's clip_grad_norm_(model.parameters(), 10)
+            if p.clip_grad is not None:
+                torch.nn.utils.clip_grad_norm_(params, p.clip_grad)
+
         try:
-            terms = self.with_decoupling(model, {"batch_loss": batch_loss}, client, rnd, seed)
+            terms = self.with_decoupling(model, {"batch_loss": batch_loss, "grad_hook": grad_hook}, client, rnd, seed)
             self.last_loss = train_local(model, client, self.train, make_generator(seed, rnd, client.index), **terms)
         finally:
             for h in handles:

@@ -92,8 +92,8 @@ class FedSA(PrototypeSharing):
             def batch_loss(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
                 z = rep.z
                 sums.add(z, y)
-                a = anchors.to(z.dtype)
-                return (p.cc * F.cross_entropy(head(a), every) + p.lam * F.mse_loss(z, a[y])
+                a = anchors.float()  # the targets in float32 (under bf16 autocast z is bf16; the anchors are not rounded)
+                return (p.cc * F.cross_entropy(head(a), every) + p.lam * F.mse_loss(z.float(), a[y])
                         + p.mcl * margin_contrastive_loss(z, y, a, margin))
 
             self.last_loss = train_local(model, client, self.train, make_generator(seed, rnd, client.index), batch_loss=batch_loss)

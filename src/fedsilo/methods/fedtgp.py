@@ -62,11 +62,12 @@ def margin_contrastive_loss(z: torch.Tensor, y: torch.Tensor, centres: torch.Ten
 
 def prototype_mse(z: torch.Tensor, y: torch.Tensor, protos: dict[int, torch.Tensor]) -> torch.Tensor:
     """nn.MSELoss(z, target) with target = P_y (detached) for a sample whose class has a prototype, else z itself:
-    the mean over batch x d that FedProto's and FedTGP's code compute."""
-    target = z.detach().clone()
+    the mean over batch x d that FedProto's and FedTGP's code compute, in float32 (under bf16 autocast a bf16 target
+    would round the prototypes)."""
+    target = z.detach().float().clone()
     for c, p in protos.items():
-        target[y == c] = p.to(target.device, target.dtype)
-    return F.mse_loss(z, target)
+        target[y == c] = p.to(target.device, torch.float32)
+    return F.mse_loss(z.float(), target)
 
 
 class FedTGP(PrototypeSharing):

@@ -46,7 +46,8 @@ class PrototypeSums:
 def class_means(z: torch.Tensor, y: torch.Tensor, chunk: Optional[int] = None) -> dict[int, torch.Tensor]:
     """The mean representation of each class present in ``y`` (FedPAC's local prototypes, FedeCouple's anchors,
     FedTGP's prototypes). ``chunk``: each class summed ``chunk`` rows at a time and the sums added, the order (and so
-    the float32 result) of a pass that sums each batch of that size as it goes (FedTGP's and FedeCouple's, 256);
+    the float32 result) of a pass that sums each batch of that size as it goes (our FedTGP's and FedeCouple's
+    feature pass, 256 a batch, kept so that their numbers stay as they were; neither authors' code's own order);
     None: over all rows at once (FedPAC's)."""
     sums = PrototypeSums()
     step = chunk or max(len(z), 1)
