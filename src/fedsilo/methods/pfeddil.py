@@ -91,12 +91,18 @@ class PFedDIL(Method):
       Whether the auxiliary loss also trains the shared layers the paper leaves two ways: Eq. 8 minimizes the sum of
       the two losses over both classifiers, the shared extractor included, while Sec. 4.1 says it trains "one
       additional fully connected layer as the auxiliary classifier", the text says lambda = 0 "will degenerate to the
-      normal FedAvg algorithm", and the tables print exactly FedAvg's numbers for lambda = 0 (Table 6's 82.43, 33.35,
+      normal FedAvg algorithm", Algorithm 1 updates theta by Eq. 3 and w by Eq. 5 as two steps (lines 9-10), and the
+      tables print exactly FedAvg's numbers for lambda = 0 (Table 6's 82.43, 33.35,
       45.32 are Tables 1-3's FedAvg Avg) and for the first task of every pFedDIL row with sharing (92.82, 46.53,
       48.43; only "w/o Sharing" differs, 92.79, 46.63, 48.52). A joint loss through the shared layers gives neither:
       on the quickstart's digit stream it scored lambda = 0 at 54.9 against FedAvg's 41.3 and raised the first task
       from 26.8 to 40.8 (one seed, a read-only audit, 2026-12-07). So the default, ``aux_gradient: head``, trains the
       auxiliary layer on the shared layers' features with their gradient stopped; ``trunk`` is Eq. 8 read literally.
+    - *When the strategy is chosen*: Eq. 2 and Eq. 4 once per task, at the client's first round in it (the text: "when
+      it comes to the new incremental task"); Algorithm 1 lists them (lines 5-6) inside the round loop, where
+      recomputing them each round would let a client change model in the middle of a task.
+    - *Task order*: every client meets the domains in the split's one order (the tables' columns name the tasks in one
+      order; Fig. 1's caption has each client draw its own).
     - *Migration* anchors at the other models as they were when the task began (they are not trained during it);
       the intensities are those of Eq. 2 for this task. Eq. 5 sums over all d models of the client, the one being
       trained included; here the model a reused family continues is left out of the sum (a pull of w towards its
