@@ -450,7 +450,7 @@ def test_a_group_across_experiments_gets_one_table_and_figure_over_the_setting_t
     assert (out / "fig5_across.png").stat().st_size > 0
 
 
-def test_which_groups_get_a_table_across_experiments_and_how_their_columns_are_named_and_ordered():
+def test_which_groups_get_a_table_across_experiments_and_how_their_columns_are_named_and_ordered(tmp_path):
     from fedsilo.config import ConfigError, across_blocks, load_paper_params
     from fedsilo.fl.params import load_params
     from fedsilo.report.across import experiment_labels
@@ -484,6 +484,14 @@ def test_which_groups_get_a_table_across_experiments_and_how_their_columns_are_n
     rho = {"rho_0_1_to_1": {"train.client_fraction": 1.0, "train.client_fraction_range": [0.1, 1.0]},
            "rho_0_5": {"train.client_fraction": 0.5, "train.client_fraction_range": None}}
     assert experiment_labels(rho) == ({"rho_0_1_to_1": "rho_0_1_to_1", "rho_0_5": "rho_0_5"}, ["rho_0_1_to_1", "rho_0_5"], None)
+    # such columns are named by the experiments, each with the settings that set it apart
+    from fedsilo.report.across import build_across_report
+
+    avg = {e: pd.DataFrame({"mean": [50.0], "std": [None]}, index=["fedrep"]) for e in rho}
+    build_across_report("fig12", {"cifar10_32": list(rho)}, avg, rho, ["fedrep"], [0], tmp_path / "fig12")
+    md = (tmp_path / "fig12" / "fig12_across.md").read_text()
+    assert ("Columns: rho_0_1_to_1: client_fraction 1.0, client_fraction_range [0.1, 1.0]; rho_0_5: client_fraction 0.5, "
+            "client_fraction_range None.") in md and "| method | rho_0_1_to_1 | rho_0_5 |" in md
     # beside_experiments names experiments another group trains the group's methods on: checked when params load
     raw = yaml.safe_load((REPO / "pipelines" / "cd2pfed" / "params.yaml").read_text())
     for bad, said in ((["cd2_digits_s3"], "runs.fig5.beside_experiments: 'cd2_digits_s3' is one of the group's own experiments"),

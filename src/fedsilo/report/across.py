@@ -150,7 +150,11 @@ def build_across_report(group: str, blocks: dict[str, list[str]], avg: dict[str,
     lines = [f"### {title}", ""]
     where = []  # what sets each column's experiment apart
     for d, exps in blocks.items():
-        said = ", ".join(f"{col_of[e]}: {e}" if col_of[e] != e else e for e in sorted(exps, key=lambda e: cols.index(col_of[e])))
+        short = differing({e: settings[e] for e in exps})
+        named = axis is None  # columns named by the experiments: each with its settings apart
+        said = ("; " if named else ", ").join(
+            f"{e}: " + ", ".join(f"{short[k]} {settings[e].get(k)}" for k in short) if named else f"{col_of[e]}: {e}"
+            for e in sorted(exps, key=lambda e: cols.index(col_of[e])))
         where.append(f"{d}: {said}" if several else said)
     lines += ["Columns: " + "; ".join(where) + ".", ""]
     if published:
