@@ -382,6 +382,14 @@ def test_one_table_of_a_paper_is_reported_from_its_groups_runs_and_names_the_run
     assert main([*params, "report", "--group", "table4", "--experiment", "pfeddb_cxr4"]) == 0
     table = (tmp_path / "results" / "pfeddb" / "quickstart" / "groups" / "table4" / "pfeddb_cxr4" / "pfeddb_cxr4_accuracy.md").read_text()
     assert "| pfeddb_one_phase | 60.0 |" in table and "| pfeddb | **80.0** |" in table and "| fedavg |" not in table
+    # Table 4's published row beside ours (a row of the accuracy table under the variant's key), and Table 3's Param
+    # and Ratio beside the measured upload
+    group = tmp_path / "results" / "pfeddb" / "quickstart" / "groups" / "table4" / "pfeddb_cxr4"
+    vs = (group / "pfeddb_cxr4_vs_paper.md").read_text()
+    assert "| pfeddb_one_phase | 60.0 / 83.5 (-23.5) |" in vs and "60.0 / 81.3 (-21.3) |" in vs, vs
+    comm = (group / "pfeddb_cxr4_communication.md").read_text()
+    assert "paper: Param (MB, as printed) | paper: ratio |" in comm and comm.count("| – | – |") == 1, comm
+    assert "| 18.2 | 0.68 |" in comm, comm
     assert not (tmp_path / "results" / "pfeddb" / "quickstart" / "report").exists()  # the report stages' outputs untouched
     # the report stage's output holds each group's table of the experiment too, rebuilt with it after a retrain
     from fedsilo.config import load_params

@@ -200,6 +200,11 @@ def build_report(
                 f"| {m} | {v:.2f} |\n" for m, v in bytes_tab.items()
             )
             comm = communication_table(df, methods)
+            for col, key in (("paper_param_MB", "param_MB"), ("paper_ratio", "ratio")):  # pFedDB Table 3's Param and Ratio
+                printed = {m: float(row[key]) for m, row in ((entries.get("accuracy") or {}).get("methods") or {}).items()
+                           if key in (row or {}) and m in comm.index}
+                if printed:
+                    comm[col] = pd.Series(printed, dtype=float).reindex(comm.index)
             comm_md = communication_markdown(comm, f"{exp}: upload per client per federated round (measured payloads)")
             md += "\n" + comm_md
             (tmp / f"{exp}_communication.md").write_text(comm_md)
