@@ -387,6 +387,9 @@ def test_one_table_of_a_paper_is_reported_from_its_groups_runs_and_names_the_run
     group = tmp_path / "results" / "pfeddb" / "quickstart" / "groups" / "table4" / "pfeddb_cxr4"
     vs = (group / "pfeddb_cxr4_vs_paper.md").read_text()
     assert "| pfeddb_one_phase | 60.0 / 83.5 (-23.5) |" in vs and "60.0 / 81.3 (-21.3) |" in vs, vs
+    assert "| pfeddb | 80.0 / 85.4 ± 2.5 (-5.4) |" in vs and "80.0 / 83.4 ± 0.7 (-3.4) |" in vs, vs  # the appendix's std
+    csv = pd.read_csv(group / "pfeddb_cxr4_vs_paper.csv", index_col=0)
+    assert csv.loc["pfeddb", "Avg_paper_std"] == 0.7 and pd.isna(csv.loc["pfeddb_one_phase", "Avg_paper_std"])
     comm = (group / "pfeddb_cxr4_communication.md").read_text()
     assert "paper: Param (MB, as printed) | paper: ratio |" in comm and comm.count("| – | – |") == 1, comm
     assert "| 18.2 | 0.68 |" in comm, comm

@@ -159,11 +159,19 @@ def versus_paper(acc: pd.DataFrame, published: dict[str, Any], avg: bool = True)
             raise ReportError(f"published: methods.{m}.mean has {len(vals)} values for {len(domains)} columns ({domains})")
         return float(vals[i])
 
+    def paper_std(m: str, i: int) -> float:
+        row = published["methods"].get(m) or {}
+        vals = row.get("std") or []
+        return float(vals[i]) if len(vals) == len(domains) and len(row.get("mean") or []) == len(domains) else float("nan")
+
+    printed_std = any(len((published["methods"].get(m) or {}).get("std") or []) == len(domains) for m in rows)
     for i, d in enumerate(domains):
         paper = pd.Series({m: paper_value(m, i) for m in rows}, dtype=float)
         cols[(d, "ours")] = ours.loc[rows, d]
         cols[(d, "paper")] = paper
         cols[(d, "diff")] = ours.loc[rows, d] - paper
+        if printed_std:  # the paper's spread over its runs, where it prints one (pFedDB's appendix, FedeCouple, ...)
+            cols[(d, "paper_std")] = pd.Series({m: paper_std(m, i) for m in rows}, dtype=float)
     if avg and "STD" in ours.columns and has_domain_std(published):
         paper = pd.Series({m: float((published["methods"].get(m) or {}).get("std_over_domains", np.nan)) for m in rows}, dtype=float)
         cols[("STD", "ours")], cols[("STD", "paper")] = ours.loc[rows, "STD"], paper
@@ -178,11 +186,18 @@ def has_domain_std(published: dict[str, Any] | None) -> bool:
 
 def versus_markdown(tab: pd.DataFrame, title: str) -> str:
     domains = list(dict.fromkeys(c[0] for c in tab.columns))
-    lines = [f"### {title}", "", "Each cell: ours / paper (ours - paper), accuracy %.", "",
+    spread = any(c[1] == "paper_std" for c in tab.columns)
+    lines = [f"### {title}", "", "Each cell: ours / paper (ours - paper), accuracy %"
+             + ("; the paper's ± is the spread over its runs where it prints one (ours: the accuracy tables)." if spread else "."), "",
              "| method | " + " | ".join(domains) + " |", "|---" * (len(domains) + 1) + "|"]
+
+    def theirs(r: pd.Series, d: str) -> str:
+        sd = r.get((d, "paper_std"), np.nan)
+        return f"{r[(d, 'paper')]:.1f}" + ("" if pd.isna(sd) else f" ± {sd:.1f}")
+
     for m, r in tab.iterrows():
         lines.append(f"| {m} | " + " | ".join(
-            f"{r[(d, 'ours')]:.1f} / {r[(d, 'paper')]:.1f} ({r[(d, 'diff')]:+.1f})" if not pd.isna(r[(d, "paper")]) else f"{r[(d, 'ours')]:.1f} / –"
+            f"{r[(d, 'ours')]:.1f} / {theirs(r, d)} ({r[(d, 'diff')]:+.1f})" if not pd.isna(r[(d, "paper")]) else f"{r[(d, 'ours')]:.1f} / –"
             for d in domains) + " |")
     return "\n".join(lines) + "\n"
 
