@@ -105,7 +105,9 @@ def test_fedecouple_paper_scale_is_section_v_a_and_sets_every_published_table_be
         assert x.train.model == ("fedecouple_cnn_gray" if gray else "fedecouple_cnn")
         assert x.train.lr == (0.01 if gray else 0.02), e  # FedPAC's federated_main.py: 0.02 with the CIFAR CNN
         if getattr(x.split, "scheme", None) == "weak_pathological":  # 600 training and 300 test images per client
-            assert x.split.samples_per_client * (1 - x.split.test_fraction) == pytest.approx(600)
+            train = {"_n100_": 100, "_n200_": 200}.get(next((k for k in ("_n100_", "_n200_") if k in e), ""), 600)  # Fig. 11
+            assert x.split.samples_per_client * (1 - x.split.test_fraction) == pytest.approx(train), e
+            assert x.split.samples_per_client * x.split.test_fraction == pytest.approx(300), e
             # FedPAC's code: the 600 from the official training set, the 300 from the official test set (the
             # project's own Digits-Five pools its domains' images)
             assert x.split.test_from == ("pooled" if x.dataset.startswith("digits5") else "official"), e
@@ -132,6 +134,11 @@ def test_fedecouple_paper_scale_is_section_v_a_and_sets_every_published_table_be
             x = p.experiments[f"{e}_e{k}"]
             assert x.split == s20.split and x.train.model_copy(update={"local_epochs": 5}) == s20.train, (e, k)
     assert set(published["across"]["table12"]["methods"]["fedecouple"]) == {p.experiments[e].dataset for e in t12.beside_experiments}
+    # Fig. 11: CINIC-10 s = 20 %, 100 or 200 training images a client, rho 0.1 or 0.5, curves every round
+    f11 = p.paper.runs["fig11"]
+    assert f11.across and {(p.experiments[e].split.samples_per_client, p.experiments[e].train.client_fraction) for e in f11.experiments} == {
+        (400, 0.1), (400, 0.5), (500, 0.1), (500, 0.5)}
+    assert all(p.experiments[e].dataset == "cinic10_32" and p.experiments[e].train.eval_every == 1 for e in f11.experiments)
     # Table VIII: all 16 on/off combinations of the four components on CIFAR-10 s = 20 %
     combos = {tuple(p.methods[m].get(k, True) for k in ("gfa", "glf", "gpc", "da"))
               for m in p.experiment_methods("fc_cifar10_s20") if method_base(m, p.methods[m]) == "fedecouple"
