@@ -148,3 +148,25 @@ def test_per_client_best_validation_takes_each_clients_own_best_round_for_rows_t
     vs = (tmp_path / "out" / "e_vs_paper.md").read_text()
     assert "50.0 / 50.0 (+0.0)" in vs and "30.0 / 30.0 (+0.0)" in vs
     assert "each client's test accuracy at the round of its own best validation accuracy" in vs
+
+
+@pytest.mark.parametrize("scored", [True, False], ids=["validation", "no_validation"])
+def test_the_two_phase_figure_plots_validation_accuracy_where_the_split_scored_it(tmp_path, monkeypatch, scored):
+    """pFedDB's Fig. 5 plots the average validation accuracy per round: ours does where every run scored a
+    validation set, and the test accuracy, said on its axis, where none did."""
+    import fedsilo.report.figures as figures
+
+    drawn = {}
+    monkeypatch.setattr(figures, "line_figure", lambda path, series, ylabel, *a, **k: drawn.setdefault(path.name, (series, ylabel)) and path.name)
+    res = tmp_path / "res"
+    rounds = [(0.9, {"A-0": 0.6, "B-0": 0.7}), (0.5, {"A-0": 0.9, "B-0": 0.9})]
+    for m in ("single", "fedavg_two_phase", "pfeddb"):
+        _run(res, m, 0, rounds)
+        if not scored:
+            hist = json.loads((res / m / "seed0" / "history.json").read_text())
+            (res / m / "seed0" / "history.json").write_text(json.dumps([{k: v for k, v in e.items() if k != "mean_val_acc"} for e in hist]))
+    entries = {"single": {}, "fedavg_two_phase": {"method": "fedavg", "local_rounds": 1}, "pfeddb": {}}
+    build_report(res, "e", list(entries), [0], tmp_path / "out", method_entries=entries)
+    series, ylabel = drawn["e_fig5_two_phase.png"]
+    assert ylabel == ("average validation accuracy (%)" if scored else "average test accuracy (%)")
+    assert series[2][2] == pytest.approx([90.0, 50.0] if scored else [65.0, 90.0])
