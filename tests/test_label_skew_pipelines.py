@@ -100,7 +100,8 @@ def test_fedecouple_paper_scale_is_section_v_a_and_sets_every_published_table_be
         x = p.experiments[e]
         clients = {"fc_femnist_80": 80, "fc_femnist_100": 100}.get(e, 20)  # Table V: one client per writer
         epochs = int(e.rpartition("_e")[2]) if e.startswith(("fc_cifar10_s20_e", "fc_cinic10_s20_e", "fc_fmnist_s20_e")) else 5
-        assert (x.split.clients, x.train.rounds, x.train.local_epochs, x.train.batch_size, x.train.momentum) == (clients, 200, epochs, 50, 0.5)
+        rounds = 100 if e.startswith("fc_cifar10_dir0_1_n") else 200  # Table VI: 100 rounds
+        assert (x.split.clients, x.train.rounds, x.train.local_epochs, x.train.batch_size, x.train.momentum) == (clients, rounds, epochs, 50, 0.5)
         gray = p.datasets[x.dataset].kind in ("fmnist", "emnist", "femnist")
         assert x.train.model == ("fedecouple_cnn_gray" if gray else "fedecouple_cnn")
         assert x.train.lr == (0.01 if gray else 0.02), e  # FedPAC's federated_main.py: 0.02 with the CIFAR CNN
@@ -134,6 +135,12 @@ def test_fedecouple_paper_scale_is_section_v_a_and_sets_every_published_table_be
             x = p.experiments[f"{e}_e{k}"]
             assert x.split == s20.split and x.train.model_copy(update={"local_epochs": 5}) == s20.train, (e, k)
     assert set(published["across"]["table12"]["methods"]["fedecouple"]) == {p.experiments[e].dataset for e in t12.beside_experiments}
+    # Table VI: CIFAR-10 Dirichlet 0.1, every client 200 / 500 / 600 / 1000 training images (and half as many test)
+    t6 = p.paper.runs["table6"]
+    sized = [p.experiments[e].split for e in t6.experiments]
+    assert [round(x.samples_per_client * (1 - x.test_fraction)) for x in sized] == [200, 500, 600, 1000]
+    assert all((x.scheme, x.beta, x.test_from) == ("dirichlet", 0.1, "official") for x in sized) and t6.across
+    assert set(published["across"]["table6"]["methods"]) == set(t6.methods)
     # Fig. 11: CINIC-10 s = 20 %, 100 or 200 training images a client, rho 0.1 or 0.5, curves every round
     f11 = p.paper.runs["fig11"]
     assert f11.across and {(p.experiments[e].split.samples_per_client, p.experiments[e].train.client_fraction) for e in f11.experiments} == {

@@ -46,6 +46,13 @@ def test_fedecouple_tables_have_the_report_shape_and_every_number_is_in_the_pape
                 for x in [v["mean"][0], *(v.get("std") or [])[:1]]:
                     assert re.search(rf"(?<![\d.]){re.escape(str(x))}0?(?![\d])", paper), (name, method, x)
     assert d["accuracy"]["cifar10_s20"]["methods"]["fedecouple"]["mean"][0] == 83.4
+    # the tables across experiments (Tables VI and XII): every cell printed in the paper
+    for name, table in d["across"].items():
+        cells = [v for per in table["methods"].values() for row in per.values() for v in row.values()]
+        assert cells and all(isinstance(v, float) for v in cells), name
+        if paper is not None:
+            for x in cells:
+                assert re.search(rf"(?<![\d.]){re.escape(f'{x:.2f}')}(?![\d])", paper), (name, x)
 
 
 PFEDDIL = PUBLISHED.parents[1] / "pfeddil" / "published.yaml"

@@ -297,8 +297,39 @@ def test_label_skew_official_test_side_comes_from_the_test_subset_with_the_clien
         make_split(records, p.model_copy(update={"domains": ("A", "C")}), 0)
 
 
+@pytest.mark.parametrize("test_from", ["pooled", "official"])
+def test_sized_dirichlet_gives_every_client_its_images_with_its_own_class_shares(records, test_from):
+    """FedeCouple's Table VI (FedLab's balanced Dirichlet): with samples_per_client every client holds that many
+    images, training and test sides drawn with the client's own Dir(beta) class shares (the test side from the
+    official test subset with test_from: official); smaller beta, fewer classes a client; no image twice."""
+    doms = ("A", "B") if test_from == "official" else None
+    p = LabelSkewSplit(protocol="label_skew", clients=8, scheme="dirichlet", beta=0.1, samples_per_client=40,
+                       test_fraction=0.25, domains=doms, test_from=test_from)
+    s = make_split(records, p, 0)
+    assert all((len(c["train"]), len(c["test"])) == (30, 10) for c in s["clients"])
+    rows = [i for c in s["clients"] for i in c["train"] + c["test"]]
+    assert len(rows) == len(set(rows))
+    if test_from == "official":
+        assert all((records.loc[c["test"], "subset"] == "test").all() and (records.loc[c["train"], "subset"] != "test").all()
+                   for c in s["clients"])
+    def classes(beta):  # the mean number of classes holding 10 % of a client's training images
+        split = make_split(records, p.model_copy(update={"beta": beta}), 1)
+        return np.mean([(np.bincount(records.loc[c["train"], "label"], minlength=10) >= 3).sum() for c in split["clients"]])
+    assert classes(0.1) < classes(100.0)
+    # the sides share the client's shares: its test images fall on the classes it trains on most (where no class of
+    # the pool runs out: the synthetic official test subset holds 20 images a class)
+    for c in s["clients"] if test_from == "pooled" else []:
+        train = np.bincount(records.loc[c["train"], "label"], minlength=10)
+        test = np.bincount(records.loc[c["test"], "label"], minlength=10)
+        assert train[test.argmax()] >= 3, (train, test)
+    with pytest.raises(SplitError, match=r"split \(dirichlet, samples_per_client\): client \d+'s classes run out of images"):
+        make_split(records, p.model_copy(update={"samples_per_client": 400}), 0)
+    with pytest.raises(ValueError, match="balance: NIID-Bench's rule"):
+        LabelSkewSplit(protocol="label_skew", clients=4, scheme="dirichlet", samples_per_client=40, balance=True)
+
+
 def test_label_skew_official_is_refused_for_dirichlet_and_pooled_splits_record_no_test_from_key(records):
-    with pytest.raises(ValueError, match="dirichlet pools the images"):
+    with pytest.raises(ValueError, match="dirichlet without samples_per_client pools the images"):
         LabelSkewSplit(protocol="label_skew", clients=4, scheme="dirichlet", test_from="official")
     with pytest.raises(ValueError, match="samples_per_client: weak pathological with test_from: official"):
         LabelSkewSplit(protocol="label_skew", clients=4, scheme="weak_pathological", test_from="official")

@@ -883,7 +883,9 @@ class LabelSkewSplit(Strict):
     (``classes_per_client`` distinct classes each), shards (FedAvg's / LG-FedAvg's label shards: at most
     ``classes_per_client`` classes each), or weak pathological (``s`` % uniform over all classes, the rest from the
     dominant classes). Each client's data is then split into train and test with the same class mix; weak pathological
-    draws the two sides separately with the mixture (``samples_per_client`` x ``test_fraction`` test images). With
+    draws the two sides separately with the mixture (``samples_per_client`` x ``test_fraction`` test images), and so
+    does dirichlet given ``samples_per_client`` (every client that many images, its class shares drawn from
+    Dir(beta) over the classes: FedLab's balanced Dirichlet, FedeCouple's Table VI). With
     ``test_from: official`` the scheme deals the official training subset and each client's test side comes from the
     official test subset with its classes (FedPAC's and LG-FedAvg's code)."""
 
@@ -898,29 +900,37 @@ class LabelSkewSplit(Strict):
         "pooled", description="pooled: each client's test side drawn from its own share of all images (test_fraction; "
         "PFLlib's rule); official: its training side from the official training subset and its test side from the "
         "official test subset, with its classes (pathological, shards: the same holders deal the test subset; weak "
-        "pathological: the test draw of the mixture). Not with dirichlet",
+        "pathological, and dirichlet with samples_per_client: the test draw of the client's class shares)",
     )
     s: float = Field(20.0, ge=0, le=100, description="weak pathological: percent drawn uniformly from all classes")
-    samples_per_client: Optional[int] = Field(None, ge=1, description="weak pathological: images per client (default: equal shares)")
+    samples_per_client: Optional[int] = Field(None, ge=1, description="weak pathological: images per client (default: "
+                                              "equal shares); dirichlet: images per client, each client's class shares "
+                                              "~ Dir(beta) (default: per class shares over the clients, sizes unequal)")
     dominant_groups: Optional[tuple[tuple[int, ...], ...]] = Field(
         None, description="weak pathological: client j's dominant classes are group j mod len(groups) instead of a random "
         "draw (FedPAC's and FedeCouple's code: [[0,1,2],[2,3,4],[4,5,6],[6,7,8],[8,9,0]] on 10 classes)",
     )
-    min_per_client: int = Field(10, ge=1, description="dirichlet: redraw until every client has at least this many images")
+    min_per_client: int = Field(10, ge=1, description="dirichlet without samples_per_client: redraw until every client "
+                                "has at least this many images")
     balance: bool = Field(
         False, description="dirichlet: NIID-Bench's / PFLlib's rule, a client holding its equal share of the pool gets "
         "nothing of the classes dealt after (lets beta = 0.01 give 20 clients images on 10 classes)",
     )
     domains: Optional[tuple[str, ...]] = None
     test_fraction: float = Field(0.25, gt=0, lt=1, description="pooled: each client's test share; weak pathological "
-                                 "(pooled or official): the test draw's share of samples_per_client")
+                                 "and sized dirichlet (pooled or official): the test draw's share of samples_per_client")
 
     @model_validator(mode="after")
     def _official_test(self) -> "LabelSkewSplit":
-        if self.test_from == "official" and self.scheme == "dirichlet":  # no rule says how a draw's shares meet the test subset
-            raise ValueError("test_from: official deals the test subset to a pathological, shards or weak pathological "
-                             "split's classes; dirichlet pools the images and keeps test_fraction of each client's (PFLlib's "
-                             "practical split): leave test_from out")
+        if self.scheme == "dirichlet" and self.samples_per_client is not None and self.balance:
+            raise ValueError("balance: NIID-Bench's rule deals each class's shares over the clients; with "
+                             "samples_per_client every client holds that many images already: leave balance out")
+        if self.test_from == "official" and self.scheme == "dirichlet" and self.samples_per_client is None:
+            # no rule says how per-class shares over the clients meet the test subset
+            raise ValueError("test_from: official deals the test subset to a pathological, shards, weak pathological or "
+                             "sized dirichlet split's classes; dirichlet without samples_per_client pools the images and "
+                             "keeps test_fraction of each client's (PFLlib's practical split): leave test_from out, or set "
+                             "samples_per_client (each client's test draw then follows its class shares)")
         if self.test_from == "official" and self.scheme == "weak_pathological" and self.samples_per_client is None:
             # an equal share of one subset would ask the other, smaller one for more than it holds
             raise ValueError("samples_per_client: weak pathological with test_from: official draws samples_per_client x "

@@ -10,12 +10,14 @@ patient never lands on both sides of a client's train/test split. Where a domain
 - ``domain_multi_clients`` (F2DC): ``clients_per_domain[d]`` clients on domain d, each holding a disjoint
   ``fraction`` of the domain's training pool (disjoint but for the images ``every_class`` swaps in, as the F²DC
   code's partition); the clients of a domain share its test set.
-- ``label_skew`` (FedeCouple, CD2-pFed): Dirichlet(beta), pathological (k classes per client), shards (LG-FedAvg's:
+- ``label_skew`` (FedeCouple, CD2-pFed): Dirichlet(beta) (per class over the clients, or with ``samples_per_client``
+  FedLab's balanced form: every client that many images with its own Dir(beta) class shares), pathological (k classes per client), shards (LG-FedAvg's:
   at most k) or weak pathological (s % uniform over the classes, the rest from ``classes_per_client`` dominant
   classes), over the pooled domains (``test_from: official``: the training subset, each client's test side from the
   official test subset with its classes);
-  each client's images are then split into train and test with the same class mix (weak pathological: the two sides
-  are two draws of the mixture, as FedPAC's code draws each client's 600 training and 300 test images).
+  each client's images are then split into train and test with the same class mix (weak pathological and the
+  balanced Dirichlet: the two sides are two draws of the mixture, as FedPAC's code draws each client's 600 training
+  and 300 test images).
 - ``domain_incremental`` (pFedDIL): the same sequence of domain tasks for every client; each domain's images are
   spread over the clients with Dirichlet(alpha) label skew, train and test with the same proportions.
 - ``holdout_domain``: ``domain_clients`` without one domain, which becomes a late-joining client (``newcomer``) or
@@ -456,6 +458,52 @@ def _weak_pathological(labels: np.ndarray, n_clients: int, s: float, n: int, fra
     return parts, tests, (test_parts if test_labels is not None else None)
 
 
+def _sized_dirichlet(labels: np.ndarray, n_clients: int, beta: float, n: int, frac: float, rng: np.random.Generator,
+                     test_labels: Optional[np.ndarray] = None,
+                     ) -> tuple[list[np.ndarray], list[dict[int, int]], Optional[list[np.ndarray]]]:
+    """FedLab's balanced Dirichlet: every client ``n`` images, its class shares p_j ~ Dir(beta) over the classes; its
+    training side (n - round(n frac)) and test side (round(n frac)) two draws of those shares (multinomial counts),
+    each image taken from what its class still holds; where a class runs out, the client's remaining count goes to
+    its other classes in proportion to their shares (FedLab's sampler zeroes an exhausted class's probability and
+    renormalizes). Returns as :func:`_weak_pathological`: each client's rows, per class its test count, and, given
+    the official test subset's labels, the test rows drawn from it (the first list then holds the training rows)."""
+    classes = np.unique(labels)
+    pools = [labels] if test_labels is None else [labels, test_labels]
+    free = [{int(c): list(rng.permutation(np.flatnonzero(lab == c))) for c in classes} for lab in pools]
+    n_test = int(round(n * frac))
+    shares = rng.dirichlet(np.full(len(classes), beta), size=n_clients)
+
+    def counts(side: int, m: int, p: np.ndarray, taken: np.ndarray, j: int) -> np.ndarray:
+        """m images by shares p from pool ``side``, beside ``taken`` already asked of it for this client."""
+        left = np.array([len(free[side][int(c)]) for c in classes]) - taken
+        got = np.zeros(len(classes), dtype=np.int64)
+        while got.sum() < m:
+            q = np.where(left - got > 0, p, 0.0)
+            if q.sum() <= 0:
+                where = " of the official test subset" if side else ""
+                raise SplitError(f"split (dirichlet, samples_per_client): client {j}'s classes run out of images{where}; "
+                                 "lower samples_per_client or raise beta")
+            got += np.minimum(rng.multinomial(m - got.sum(), q / q.sum()), left - got)
+        return got
+
+    def pop(side: int, c: int, m: int) -> list[int]:
+        out, free[side][c] = free[side][c][:m], free[side][c][m:]
+        return out
+
+    parts, tests, test_parts = [], [], []
+    for j in range(n_clients):
+        train = counts(0, n - n_test, shares[j], np.zeros(len(classes), dtype=np.int64), j)
+        test = counts(len(pools) - 1, n_test, shares[j], train if len(pools) == 1 else np.zeros_like(train), j)
+        if test_labels is None:  # one pool serves both sides: the client's rows, its test count per class beside them
+            rows = [i for c, a, b in zip(classes, train, test) for i in pop(0, int(c), int(a + b))]
+        else:
+            rows = [i for c, a in zip(classes, train) for i in pop(0, int(c), int(a))]
+            test_parts.append(np.array(sorted(i for c, b in zip(classes, test) for i in pop(1, int(c), int(b))), dtype=np.int64))
+        parts.append(np.array(sorted(rows), dtype=np.int64))
+        tests.append({int(c): int(b) for c, b in zip(classes, test)})
+    return parts, tests, (test_parts if test_labels is not None else None)
+
+
 def _train_test_by_group(records: pd.DataFrame, rows: np.ndarray, frac: float, rng: np.random.Generator,
                          n_test_of: Optional[dict[int, int]] = None) -> tuple[list[int], list[int]]:
     """Split one client's rows into train/test: per class, a ``frac`` share of its groups goes to test, or, given
@@ -497,7 +545,10 @@ def label_skew(records: pd.DataFrame, params: LabelSkewSplit, seed: int) -> dict
     test_labels = None if test_pool is None else test_pool["label"].to_numpy()
     rng = _rng(seed, "label_skew", params.scheme)
     n_tests: Optional[list[dict[int, int]]] = None
-    if params.scheme == "dirichlet":
+    if params.scheme == "dirichlet" and params.samples_per_client:
+        parts, n_tests, test_parts = _sized_dirichlet(labels, params.clients, params.beta, params.samples_per_client,
+                                                      params.test_fraction, rng, test_labels)
+    elif params.scheme == "dirichlet":
         parts, test_parts = _dirichlet_parts(labels, params.clients, params.beta, params.min_per_client, rng, "split (dirichlet)", params.balance), None
     elif params.scheme == "pathological":
         parts, test_parts = _pathological(labels, params.clients, params.classes_per_client, rng, test_labels)
