@@ -507,7 +507,7 @@ def test_which_groups_get_a_table_across_experiments_and_how_their_columns_are_n
     raw = yaml.safe_load((REPO / "pipelines" / "cd2pfed" / "params.yaml").read_text())
     for bad, said in ((["cd2_digits_s3"], "runs.fig5.beside_experiments: 'cd2_digits_s3' is one of the group's own experiments"),
                       (["cd2_digits_s2", "cd2_digits_s2"], "runs.fig5.beside_experiments: cd2_digits_s2 listed twice"),
-                      (["cd2_digits_s4"], "runs.fig5.beside_experiments: no group trains 'fedavg' on 'cd2_digits_s4' (did you mean")):
+                      (["cd2_digits_s4"], "runs.fig5.beside_experiments: 'cd2_digits_s4' is not defined under 'experiments' (did you mean")):
         raw["runs"]["fig5"]["beside_experiments"] = bad
         with pytest.raises(ConfigError, match=re.escape(said)):
             load_paper_params(REPO / "pipelines" / "cd2pfed" / "params.yaml", raw)
@@ -544,6 +544,17 @@ def test_a_table_across_several_datasets_has_a_row_per_dataset_and_the_papers_ro
                       ({**paper, "methods": {"fedecouple": {"fmnist_28": {3: 91.93}}}}, "local_epochs 3 is none of the group's experiments")):
         with pytest.raises(ReportError, match=re.escape(said)):
             build_across_report("table12", blocks, avg, settings, ["fedecouple"], [0], tmp_path / "bad", (bad, "p#t"))
+    for bad, said in (({**paper, "methods": {"fedecouple": {"fmnist_28": {1: None}}}}, "methods.fedecouple.fmnist_28: a mapping"),
+                      ({**paper, "methods": {"fedecouple": {"fmnist_28": [90.78]}}}, "methods.fedecouple.fmnist_28: a mapping"),
+                      ({**paper, "methods": ["fedecouple"]}, "methods: a mapping method -> dataset")):
+        with pytest.raises(ReportError, match=re.escape(said)):
+            build_across_report("table12", blocks, avg, settings, ["fedecouple"], [0], tmp_path / "bad", (bad, "p#t"))
+    with pytest.raises(ReportError, match=re.escape("runs.table12: fedrep is not in c5's accuracy table")):
+        build_across_report("table12", blocks, avg, settings, ["fedecouple", "fedrep"], [0], tmp_path / "bad", None)
+    twin = {**blocks, "fmnist_28": ["f5", "f1", "f1b"]}  # two experiments of one column: refused, not overwritten
+    with pytest.raises(ReportError, match=re.escape("runs.table12.across: 'f1' and 'f1b' on fmnist_28 have the same settings")):
+        build_across_report("table12", twin, {**avg, "f1b": avg["f1"]}, {**settings, "f1b": settings["f1"]}, ["fedecouple"], [0],
+                            tmp_path / "bad", None)
     settings["f1"] = {"train.local_epochs": 1, "train.lr": 0.05}  # fmnist's two differ in the rate too
     with pytest.raises(ReportError, match=re.escape("runs.table12.across: on fmnist_28 the experiments f5, f1 differ in "
                                                     "local_epochs, lr")):
@@ -565,7 +576,8 @@ def test_the_across_stage_builds_a_groups_table_from_the_report_stages_accuracy_
         pd.DataFrame({"method": ["fedavg_ft", "fedecouple"], "seeds": [1, 1], "Avg_mean": [10.0, acc], "Avg_std": [None, None]}
                      ).to_csv(report / e / f"{e}_accuracy.csv", index=False)
     assert main([*params, "report", "--across", "table12"]) == 2
-    assert "fc_digits_s20_e10_accuracy.csv: not found" in capsys.readouterr().err and "report@fc_digits_s20_e10"
+    err = capsys.readouterr().err
+    assert "fc_digits_s20_e10_accuracy.csv: not found" in err and "report@fc_digits_s20_e10" in err, err
     (report / "fc_digits_s20_e10").mkdir()
     pd.DataFrame({"method": ["fedecouple"], "seeds": [1], "Avg_mean": [66.5], "Avg_std": [None]}).to_csv(
         report / "fc_digits_s20_e10" / "fc_digits_s20_e10_accuracy.csv", index=False)

@@ -1841,12 +1841,14 @@ class PaperParams(Strict):
                     if (e, m) not in seen:
                         raise ValueError(f"runs.{g}.beside: no group trains '{m}' on '{e}'")
             for e in grp.beside_experiments:
+                if e not in self.experiments:
+                    raise ValueError(f"runs.{g}.beside_experiments: '{e}' is not defined under 'experiments'"
+                                     f"{did_you_mean(e, self.experiments)}")
                 if e in grp.experiments:
                     raise ValueError(f"runs.{g}.beside_experiments: '{e}' is one of the group's own experiments")
                 for m in (*grp.methods, *grp.beside):
                     if (e, m) not in seen:
-                        raise ValueError(f"runs.{g}.beside_experiments: no group trains '{m}' on '{e}'"
-                                         f"{did_you_mean(e, self.experiments) if e not in self.experiments else ''}")
+                        raise ValueError(f"runs.{g}.beside_experiments: no group trains '{m}' on '{e}'")
         for g, grp in self.runs.items():
             if grp.published and not grp.across:
                 raise ValueError(f"runs.{g}.published: the paper's numbers of a table across experiments; set runs.{g}.across: true")

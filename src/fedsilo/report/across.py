@@ -68,6 +68,14 @@ def across_columns(group: str, blocks: dict[str, list[str]], settings: dict[str,
     experiments (:func:`fedsilo.config.across_blocks`). Across several datasets each dataset's experiments must
     differ in one and the same setting, whose values are the columns (FedeCouple's Table XII: local epochs 1 ... 10
     on CIFAR-10, CINIC-10 and Fashion-MNIST)."""
+    for d, exps in blocks.items():  # two experiments of a dataset in one column would overwrite each other
+        seen: dict[str, str] = {}
+        for e in exps:
+            key = repr(sorted(settings[e].items()))
+            if key in seen:
+                raise ReportError(f"runs.{group}.across: '{seen[key]}' and '{e}' on {d} have the same settings (one "
+                                  "column would hold both): keep one of them")
+            seen[key] = e
     if len(blocks) == 1:
         (exps,) = blocks.values()
         labels, order, axis = experiment_labels({e: settings[e] for e in exps})
@@ -111,11 +119,17 @@ def published_rows(group: str, entry: dict[str, Any], ref: str, axis: Optional[t
     for col, v in values.items():
         by_value[_number(v) if _number(v) is not None else v] = col
     out: dict[tuple[str, str], dict[str, float]] = {}
-    for m, per_dataset in (entry.get("methods") or {}).items():
-        for d, cells in (per_dataset or {}).items():
+    methods = entry.get("methods")
+    if not isinstance(methods, dict) or not all(isinstance(per, dict) for per in methods.values()):
+        raise ReportError(f"runs.{group}.published ({ref}): methods: a mapping method -> dataset -> {{value: mean}}")
+    for m, per_dataset in methods.items():
+        for d, cells in per_dataset.items():
             if (m, d) not in rows:
                 raise ReportError(f"runs.{group}.published ({ref}): methods.{m}.{d}: no such row of the table (its "
                                   f"rows: {', '.join(f'{a} on {b}' for a, b in rows)})")
+            if not isinstance(cells, dict) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in cells.values()):
+                raise ReportError(f"runs.{group}.published ({ref}): methods.{m}.{d}: a mapping {name} value -> the paper's "
+                                  f"mean (a number), not {cells!r}")
             row = {}
             for v, mean in cells.items():
                 key = _number(v) if _number(v) is not None else str(v)
@@ -142,9 +156,10 @@ def build_across_report(group: str, blocks: dict[str, list[str]], avg: dict[str,
     std = mean.copy()
     for (m, d) in rows:
         for e in blocks[d]:
-            if m in avg[e].index:
-                mean.loc[label[(m, d)], col_of[e]] = avg[e].loc[m, "mean"]
-                std.loc[label[(m, d)], col_of[e]] = avg[e].loc[m, "std"]
+            if m not in avg[e].index:  # every run of the group is in its experiments' tables (the report stages need them)
+                raise ReportError(f"runs.{group}: {m} is not in {e}'s accuracy table (its rows: {', '.join(map(str, avg[e].index))})")
+            mean.loc[label[(m, d)], col_of[e]] = avg[e].loc[m, "mean"]
+            std.loc[label[(m, d)], col_of[e]] = avg[e].loc[m, "std"]
     paper = published_rows(group, *published, axis, rows) if published else {}
     title = f"{group}: Avg test accuracy (%) across its experiments, {over_seeds(seeds)}"
     lines = [f"### {title}", ""]
