@@ -163,6 +163,7 @@ def _tiny_pfeddb(repo) -> dict:
         "table3_office": {"experiments": ["pq_cxr"], "methods": []},
         "table3_cxr4": {"experiments": ["pq_cxr"], "methods": []},
         "table4": {"experiments": ["pq_cxr"], "methods": []},
+        "table5": {"experiments": ["pq_cxr"], "methods": []},
         "fig5": {"experiments": ["pq_cxr"], "methods": []},
         "fig6": {"experiments": ["pq_hold"], "methods": ["pfeddb"]},
     }
