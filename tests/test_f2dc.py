@@ -587,6 +587,32 @@ def test_fedsa_terms_change_the_update_from_round_one(clients):
         assert all(not close_states({k: u[k] for k in keys}, a, atol=1e-6) for (_, _, u), (_, _, a) in zip(one, avg)), alone
 
 
+def test_fedsa_pulls_to_float32_anchors_under_a_bf16_forward(clients, monkeypatch):
+    """Under bf16 autocast (the GPU runs' amp: auto; CUDA only) the representation is bf16: here a bf16 copy of it
+    stands in. The anchors it is pulled to, and the margin loss's centres, stay float32 (a bf16 copy would round them)."""
+    from contextlib import contextmanager
+
+    import fedsilo.methods.fedsa as fsa
+
+    seen: list = []
+    real_mse, real_margin, real_rep = fsa.F.mse_loss, fsa.margin_contrastive_loss, fsa.representation
+    monkeypatch.setattr(fsa.F, "mse_loss", lambda a, b, *r, **k: seen.append(("mse", a.dtype, b.dtype)) or real_mse(a, b, *r, **k))
+    monkeypatch.setattr(fsa, "margin_contrastive_loss", lambda z, y, a, m: seen.append(("margin", z.dtype, a.dtype)) or real_margin(z, y, a, m))
+
+    @contextmanager
+    def bf16_representation(model):
+        with real_rep(model) as rep:
+            yield type("Rep", (), {"z": property(lambda self: rep.z.to(torch.bfloat16))})()
+
+    monkeypatch.setattr(fsa, "representation", bf16_representation)
+    cl, cin, nc = clients
+    tp = TrainParams(rounds=1, batch_size=16, lr=0.02, local_epochs=1, device="cpu", count_flops=False)
+    cls = method_class("fedsa")
+    Engine(cls(cls.params_cls(), tp), tiny_net(cin, nc), cl[:1], tp, seed=0).run()
+    assert seen and {x[2] for x in seen} == {torch.float32}, seen  # the targets and centres
+    assert ("margin", torch.bfloat16, torch.float32) in seen  # the representation itself is the forward's bf16
+
+
 def test_fedsa_margin_is_the_larger_of_the_local_and_the_anchor_gap(clients, monkeypatch):
     import fedsilo.methods.fedsa as fsa
 
