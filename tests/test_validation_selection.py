@@ -164,9 +164,17 @@ def test_the_two_phase_figure_plots_validation_accuracy_where_the_split_scored_i
         _run(res, m, 0, rounds)
         if not scored:
             hist = json.loads((res / m / "seed0" / "history.json").read_text())
-            (res / m / "seed0" / "history.json").write_text(json.dumps([{k: v for k, v in e.items() if k != "mean_val_acc"} for e in hist]))
+            for e in hist:  # a split without a validation set: no client scores one
+                del e["mean_val_acc"]
+                e["eval"] = {c: {"acc": v["acc"]} for c, v in e["eval"].items()}
+            (res / m / "seed0" / "history.json").write_text(json.dumps(hist))
     entries = {"single": {}, "fedavg_two_phase": {"method": "fedavg", "local_rounds": 1}, "pfeddb": {}}
     build_report(res, "e", list(entries), [0], tmp_path / "out", method_entries=entries)
     series, ylabel = drawn["e_fig5_two_phase.png"]
     assert ylabel == ("average validation accuracy (%)" if scored else "average test accuracy (%)")
+    # the per-domain curves on the validation set beside the test ones (pFedDB's appendix Fig. 2), where scored
+    assert ("e_pfeddb_domains_val.png" in drawn) == scored and "e_pfeddb_domains.png" in drawn
+    if scored:
+        val, ylabel = drawn["e_pfeddb_domains_val.png"]
+        assert ylabel == "validation accuracy per domain (%)" and [x[2] for x in val] == [[90.0, 50.0], [90.0, 50.0]]
     assert series[2][2] == pytest.approx([90.0, 50.0] if scored else [65.0, 90.0])

@@ -14,7 +14,8 @@
   reader sees when a difference between methods or against the paper is inside the sampling noise of the test set;
 - ``<experiment>_curves.png``: the Avg over domains per round (the accuracy tables' Avg; F²DC's Fig. 5), one line per method (mean over seeds);
 - ``<experiment>_<method>_domains.png``: per-domain accuracy per round for each method (where the clients span
-  several domains);
+  several domains), and ``<experiment>_<method>_domains_val.png`` the same on the validation sets where every client
+  scored one (pFedDB's appendix Fig. 2);
 - ``<experiment>_bytes.png``: bytes sent per round (up + down) per method; the accuracy page's first communication
   table gives the MiB all clients send per round (up + down), averaged over every round (silent rounds included);
 - ``<experiment>_communication.{md,csv}`` and ``<experiment>_communication.png`` (pFedDB Fig. 4, Table 3's Param and

@@ -129,6 +129,13 @@ def round_figures(out: Path, experiment: str, methods: list[str], seeds: list[in
         series = [(dom, *seed_curve(histories, m, seeds, lambda e, cs=cs: float(np.mean([e["eval"][c]["acc"] for c in cs])) * 100))
                   for dom, cs in groups.items()]
         made.append(line_figure(out / f"{experiment}_{m}_domains.png", series, "test accuracy per domain (%)", f"{experiment}: {m}"))
+        # where every client scored a validation set each evaluated round: the same per domain on it (pFedDB's
+        # appendix Fig. 2 plots the per-domain validation accuracy)
+        if all("val_acc" in v for k in seeds for e in evals(m, k) for v in e["eval"].values()):
+            series = [(dom, *seed_curve(histories, m, seeds, lambda e, cs=cs: float(np.mean([e["eval"][c]["val_acc"] for c in cs])) * 100))
+                      for dom, cs in groups.items()]
+            made.append(line_figure(out / f"{experiment}_{m}_domains_val.png", series, "validation accuracy per domain (%)",
+                                    f"{experiment}: {m}"))
 
     series = []
     for m in methods:
