@@ -503,6 +503,8 @@ def test_which_groups_get_a_table_across_experiments_and_how_their_columns_are_n
     md = (tmp_path / "fig12" / "fig12_across.md").read_text()
     assert ("Columns: rho_0_1_to_1: client_fraction 1.0, client_fraction_range [0.1, 1.0]; rho_0_5: client_fraction 0.5, "
             "client_fraction_range None.") in md and "| method | rho_0_1_to_1 | rho_0_5 |" in md
+    assert "**Several settings apart**: the experiments differ in client_fraction, client_fraction_range" in md
+    assert "No published numbers beside these" in md
     # beside_experiments names experiments another group trains the group's methods on: checked when params load
     raw = yaml.safe_load((REPO / "pipelines" / "cd2pfed" / "params.yaml").read_text())
     for bad, said in ((["cd2_digits_s3"], "runs.fig5.beside_experiments: 'cd2_digits_s3' is one of the group's own experiments"),
@@ -533,14 +535,16 @@ def test_a_table_across_several_datasets_has_a_row_per_dataset_and_the_papers_ro
     assert "| method | dataset | local_epochs 1 | local_epochs 5 | local_epochs 10 |" in md
     assert "| fedecouple | cifar10_32 | 51.0 ± 0.5 | 55.0 ± 0.5 | 60.0 ± 0.5 |\n| paper | cifar10_32 | 76.76 | 81.78 | 79.86 |" in md
     assert "| fedecouple | fmnist_28 | 81.0 ± 0.5 | 85.0 ± 0.5 | n/a |\n| paper | fmnist_28 | 90.78 | – | – |" in md
-    assert "fmnist_28: local_epochs 1: f1, local_epochs 5: f5" in md
+    assert "fmnist_28: local_epochs 1: f1, local_epochs 5: f5" in md and "Several settings apart" not in md
     csv = pd.read_csv(tmp_path / "out" / "table12_across.csv")
     assert list(csv[["dataset", "source"]].itertuples(index=False, name=None)) == [
         ("cifar10_32", "ours"), ("cifar10_32", "paper"), ("fmnist_28", "ours"), ("fmnist_28", "paper")]
     assert csv.loc[1, "local_epochs 5_mean"] == 81.78 and csv.loc[0, "local_epochs 10_mean"] == 60.0
     assert (tmp_path / "out" / "table12_across.png").stat().st_size > 0
     for bad, said in (({**paper, "setting": "rounds"}, "setting 'rounds' but the group's experiments differ in 'local_epochs'"),
-                      ({**paper, "methods": {"fedecouple": {"cinic10_32": {1: 56.96}}}}, "methods.fedecouple.cinic10_32: no such row"),
+                      ({**paper, "methods": {"fedecouple": {"cinic10_32": {1: 56.96}}}},
+                       "methods.fedecouple.cinic10_32: no such row of the table (its rows: fedecouple on cifar10_32, fedecouple on "
+                       "fmnist_28); the paper's numbers are of cinic10_32, this group's experiments of cifar10_32, fmnist_28"),
                       ({**paper, "methods": {"fedecouple": {"fmnist_28": {3: 91.93}}}}, "local_epochs 3 is none of the group's experiments")):
         with pytest.raises(ReportError, match=re.escape(said)):
             build_across_report("table12", blocks, avg, settings, ["fedecouple"], [0], tmp_path / "bad", (bad, "p#t"))

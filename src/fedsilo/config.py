@@ -1833,7 +1833,9 @@ class PaperParams(Strict):
             for e in grp.experiments:
                 for m in grp.methods:
                     if (e, m) in seen:
-                        raise ValueError(f"runs.{g}: {e} x {m} is already trained by runs.{seen[(e, m)]} (a run belongs to one group)")
+                        raise ValueError(f"runs.{g}: {e} x {m} is already trained by runs.{seen[(e, m)]} (a run belongs to one group; "
+                                         f"to set it in this group's table, list {m} under runs.{g}.beside, or {e} under "
+                                         f"runs.{g}.beside_experiments)")
                     seen[(e, m)] = g
         for g, grp in self.runs.items():  # what a group sets beside its own is trained by another group
             for e in grp.experiments:

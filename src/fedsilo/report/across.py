@@ -125,8 +125,11 @@ def published_rows(group: str, entry: dict[str, Any], ref: str, axis: Optional[t
     for m, per_dataset in methods.items():
         for d, cells in per_dataset.items():
             if (m, d) not in rows:
+                ours = sorted({b for _, b in rows})
+                why = (f"; the paper's numbers are of {d}, this group's experiments of {', '.join(ours)}: they cannot "
+                       "stand beside each other (leave published out at this scale)") if d not in ours else ""
                 raise ReportError(f"runs.{group}.published ({ref}): methods.{m}.{d}: no such row of the table (its "
-                                  f"rows: {', '.join(f'{a} on {b}' for a, b in rows)})")
+                                  f"rows: {', '.join(f'{a} on {b}' for a, b in rows)}){why}")
             if not isinstance(cells, dict) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in cells.values()):
                 raise ReportError(f"runs.{group}.published ({ref}): methods.{m}.{d}: a mapping {name} value -> the paper's "
                                   f"mean (a number), not {cells!r}")
@@ -172,8 +175,14 @@ def build_across_report(group: str, blocks: dict[str, list[str]], avg: dict[str,
             for e in sorted(exps, key=lambda e: cols.index(col_of[e])))
         where.append(f"{d}: {said}" if several else said)
     lines += ["Columns: " + "; ".join(where) + ".", ""]
-    if published:
-        lines += [f"paper: {published[0].get('source', '')} ({published[1]}); each paper row stands under ours.", ""]
+    if axis is None:  # no one setting is the axis: say so where a reader meant a sweep
+        apart = sorted({v for exps in blocks.values() for v in differing({e: settings[e] for e in exps}).values()})
+        note = (f"**Several settings apart**: the experiments differ in {', '.join(apart)}, so the columns are named by "
+                "experiment and are no one setting's values (a sweep of one setting keeps the others equal).")
+        lines += [note, ""]
+        log.warning("runs.%s.across: the experiments differ in %s; the columns are named by experiment", group, ", ".join(apart))
+    lines += ([f"paper: {published[0].get('source', '')} ({published[1]}); each paper row stands under ours.", ""] if published
+              else ["No published numbers beside these (`runs.<group>.published`; a quickstart's experiments are not the paper's).", ""])
     head = ["method", *(["dataset"] if several else []), *cols]
     lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     csv_rows = []
@@ -192,7 +201,8 @@ def build_across_report(group: str, blocks: dict[str, list[str]], avg: dict[str,
     with atomic_dir(out_dir) as tmp:
         (tmp / f"{group}_across.md").write_text(md)
         pd.DataFrame(csv_rows).to_csv(tmp / f"{group}_across.csv", index=False, float_format="%.4f")
-        xs = list(range(len(cols)))
+        numeric = _numbers(axis)
+        xs = [float(axis[1][c]) for c in cols] if numeric else list(range(len(cols)))
         series, styles = [], {}
         palette = [f"C{i}" for i in range(10)] if len(rows) <= 10 else [tuple(c) for c in _tab20()]
         for i, r in enumerate(rows):
@@ -202,12 +212,11 @@ def build_across_report(group: str, blocks: dict[str, list[str]], avg: dict[str,
             if r in paper:
                 series.append((f"{label[r]} (paper)", xs, [paper[r].get(c, np.nan) for c in cols]))
                 styles[f"{label[r]} (paper)"] = {"color": colour, "linestyle": "--", "marker": "x"}
-        connect = _numbers(axis)  # settings that are no scale: points only
-        if not connect:
+        if not numeric:  # settings that are no scale: points only
             styles = {k: {**v, "linestyle": "none"} for k, v in styles.items()}
         line_figure(tmp / f"{group}_across.png", series, "Avg test accuracy (%)", title.split(",")[0],
                     xlabel=axis[0] if axis else "experiment", xticks=[axis[1][c] for c in cols] if axis else cols,
-                    connect=connect, styles=styles)
+                    connect=numeric, styles=styles, xtick_positions=xs if numeric else None)
     return {"table": mean.to_dict(orient="index"), "columns": cols, "paper": {label[r]: v for r, v in paper.items()}}
 
 

@@ -64,12 +64,14 @@ def bar_figure(path: Path, labels: list[str], values: list[float], ylabel: str, 
 
 def line_figure(path: Path, series: list[tuple[str, list[float], list[float]]], ylabel: str, title: str,
                  marks: tuple[float, ...] = (), xlabel: str = "round", xticks: list[str] | None = None,
-                 connect: bool = True, styles: dict[str, dict[str, Any]] | None = None) -> str:
+                 connect: bool = True, styles: dict[str, dict[str, Any]] | None = None,
+                 xtick_positions: list[float] | None = None) -> str:
     """One PNG with a line per (label, x, y) and a dotted vertical line at each of ``marks`` (a stream's task
     boundaries). Rounds are whole numbers on the axis; ``xticks`` names the positions 0, 1, ... instead (a group's
     experiments; ``connect`` False: points only, for positions that are no scale). Past ten lines the colours come from a 20-colour map (the default repeats after ten); past three the
     legend stands beside the axes, not over the lines. ``styles``: a label's own matplotlib line settings (a paper's
-    numbers dashed in the colour of ours)."""
+    numbers dashed in the colour of ours); ``xtick_positions``: where ``xticks`` stand, for x values that are a
+    setting's numbers (local epochs 1, 5, 10 spaced as numbers)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,7 +91,8 @@ def line_figure(path: Path, series: list[tuple[str, list[float], list[float]]], 
     ax.set_xlabel(xlabel)
     if xticks:
         slant = sum(map(len, xticks)) > 60  # long names side by side overlap
-        ax.set_xticks(range(len(xticks)), xticks, rotation=30 if slant else 0, ha="right" if slant else "center")
+        ax.set_xticks(xtick_positions if xtick_positions is not None else range(len(xticks)), xticks,
+                      rotation=30 if slant else 0, ha="right" if slant else "center")
     else:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(ylabel)
