@@ -264,8 +264,8 @@ def test_eq9_averages_the_decoupling_losses_over_the_inserted_layers():
     from fedsilo.methods.decoupling import most_confident_wrong
 
     wrong = most_confident_wrong(logits, y)
-    parts = [float(u.loss(y, wrong)) for u in found]
-    assert float(decoupling_loss(net, logits, y)) == pytest.approx(sum(parts) / 2, rel=1e-6)
+    parts = [float(u.loss(y, wrong).detach()) for u in found]
+    assert float(decoupling_loss(net, logits, y).detach()) == pytest.approx(sum(parts) / 2, rel=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------- MOON
@@ -668,7 +668,7 @@ def test_fedrcl_contrasts_five_pre_relu_levels_of_a_resnet(clients):
     for h in handles:
         h.remove()
     assert [found[k].shape[1] for k in sorted(found)] == [64, 64, 128, 256, 512]
-    assert all(float(found[k].min()) < 0 for k in found), "taken before the ReLU"
+    assert all(float(found[k].min().detach()) < 0 for k in found), "taken before the ReLU"
     assert [z.shape for z in pooled_levels(found)] == [(3, 64), (3, 64), (3, 128), (3, 256), (3, 512)]
     with pytest.raises(ValueError, match="methods.fedrcl: .* needs a ResNet"):
         hook_levels(tiny_net(1, 2), {}, "fedrcl")
