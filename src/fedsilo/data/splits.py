@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import PurePosixPath
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import pandas as pd
@@ -394,6 +394,25 @@ def _spread(total: int, classes: np.ndarray, rng: np.random.Generator) -> dict[i
     return counts
 
 
+def _class_pools(pools: list[np.ndarray], classes: np.ndarray, rng: np.random.Generator) -> list[dict[int, list[int]]]:
+    """Each pool's rows of every class, shuffled: the images a per-client draw takes from (one pool, or the training
+    and the official test subset)."""
+    return [{int(c): list(rng.permutation(np.flatnonzero(lab == c))) for c in classes} for lab in pools]
+
+
+def _take_sides(pop: Callable[[int, int, int], list[int]], classes: np.ndarray, train: dict[int, int], test: dict[int, int],
+                official: bool) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """One client's rows by per-class counts, ``pop(pool, class, count)`` taking them: from one pool both sides'
+    images (its test count per class split off afterwards), or the training rows from the first pool and the test
+    rows from the official test subset's."""
+    if not official:
+        rows = [i for c in classes for i in pop(0, int(c), train[int(c)] + test[int(c)])]
+        return np.array(sorted(rows), dtype=np.int64), None
+    rows = [i for c in classes for i in pop(0, int(c), train[int(c)])]
+    return (np.array(sorted(rows), dtype=np.int64),
+            np.array(sorted(i for c in classes for i in pop(1, int(c), test[int(c)])), dtype=np.int64))
+
+
 def _weak_pathological(labels: np.ndarray, n_clients: int, s: float, n: int, frac: float, dominant: int,
                        rng: np.random.Generator, groups: Optional[tuple[tuple[int, ...], ...]] = None,
                        test_labels: Optional[np.ndarray] = None,
@@ -413,7 +432,7 @@ def _weak_pathological(labels: np.ndarray, n_clients: int, s: float, n: int, fra
         if unknown or not all(groups):
             raise SplitError(f"split.dominant_groups: classes {unknown} have no image in the pool" if unknown else "split.dominant_groups: an empty group")
     pools = [labels] if test_labels is None else [labels, test_labels]
-    free = [{int(c): list(rng.permutation(np.flatnonzero(lab == c))) for c in classes} for lab in pools]
+    free = _class_pools(pools, classes, rng)
 
     def pop(side: int, c: int, m: int, j: int) -> list[int]:
         if len(free[side][c]) < m:
@@ -448,12 +467,9 @@ def _weak_pathological(labels: np.ndarray, n_clients: int, s: float, n: int, fra
         for c, m_train, m_test in zip(chosen, need[0], need[1]):
             train[int(c)] += int(m_train)
             test[int(c)] += int(m_test)
-        if test_labels is None:
-            rows = [i for c in classes for i in pop(0, int(c), train[int(c)] + test[int(c)], j)]
-        else:
-            rows = [i for c in classes for i in pop(0, int(c), train[int(c)], j)]
-            test_parts.append(np.array(sorted(i for c in classes for i in pop(1, int(c), test[int(c)], j)), dtype=np.int64))
-        parts.append(np.array(sorted(rows), dtype=np.int64))
+        rows, test_rows = _take_sides(lambda side, c, m, j=j: pop(side, c, m, j), classes, train, test, test_labels is not None)
+        parts.append(rows)
+        test_parts.append(test_rows)
         tests.append(test)
     return parts, tests, (test_parts if test_labels is not None else None)
 
@@ -469,7 +485,7 @@ def _sized_dirichlet(labels: np.ndarray, n_clients: int, beta: float, n: int, fr
     the official test subset's labels, the test rows drawn from it (the first list then holds the training rows)."""
     classes = np.unique(labels)
     pools = [labels] if test_labels is None else [labels, test_labels]
-    free = [{int(c): list(rng.permutation(np.flatnonzero(lab == c))) for c in classes} for lab in pools]
+    free = _class_pools(pools, classes, rng)
     n_test = int(round(n * frac))
     shares = rng.dirichlet(np.full(len(classes), beta), size=n_clients)
 
@@ -492,15 +508,13 @@ def _sized_dirichlet(labels: np.ndarray, n_clients: int, beta: float, n: int, fr
 
     parts, tests, test_parts = [], [], []
     for j in range(n_clients):
-        train = counts(0, n - n_test, shares[j], np.zeros(len(classes), dtype=np.int64), j)
-        test = counts(len(pools) - 1, n_test, shares[j], train if len(pools) == 1 else np.zeros_like(train), j)
-        if test_labels is None:  # one pool serves both sides: the client's rows, its test count per class beside them
-            rows = [i for c, a, b in zip(classes, train, test) for i in pop(0, int(c), int(a + b))]
-        else:
-            rows = [i for c, a in zip(classes, train) for i in pop(0, int(c), int(a))]
-            test_parts.append(np.array(sorted(i for c, b in zip(classes, test) for i in pop(1, int(c), int(b))), dtype=np.int64))
-        parts.append(np.array(sorted(rows), dtype=np.int64))
-        tests.append({int(c): int(b) for c, b in zip(classes, test)})
+        train_n = counts(0, n - n_test, shares[j], np.zeros(len(classes), dtype=np.int64), j)
+        test_n = counts(len(pools) - 1, n_test, shares[j], train_n if len(pools) == 1 else np.zeros_like(train_n), j)
+        train, test = ({int(c): int(k) for c, k in zip(classes, side)} for side in (train_n, test_n))
+        rows, test_rows = _take_sides(pop, classes, train, test, test_labels is not None)
+        parts.append(rows)
+        test_parts.append(test_rows)
+        tests.append(test)
     return parts, tests, (test_parts if test_labels is not None else None)
 
 
