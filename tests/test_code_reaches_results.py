@@ -106,7 +106,7 @@ def test_every_train_stage_depends_on_the_code_its_checkpoint_key_hashes():
     tracked = subprocess.run(["git", "ls-files", *(f"src/fedsilo/{p}" for p in TRAIN_CODE)], cwd=REPO, capture_output=True,
                              text=True, check=True).stdout.split()
     assert tracked and all(f.endswith(".py") for f in tracked)
-    seen = 0
+    seen = data_stages = 0
     for f in files:
         stages = yaml.safe_load((REPO / f).read_text())["stages"]
         method_code = "data/code/methods" if f == "dvc.yaml" else "data/code/${paper}/${scale}"
@@ -117,12 +117,19 @@ def test_every_train_stage_depends_on_the_code_its_checkpoint_key_hashes():
         for name, st in stages.items():
             body = st.get("do", st)
             cmd = str(body.get("cmd", ""))
+            # a split's and a dataset's own code, their params' schemas with it: a changed default rebuilds them
+            if " split " in cmd:
+                data_stages += 1
+                assert {"src/fedsilo/data/splits.py", "src/fedsilo/config/base.py", "src/fedsilo/config/split.py"} <= set(body["deps"]), f
+            if " harmonize " in cmd:
+                data_stages += 100
+                assert {"src/fedsilo/data", "src/fedsilo/config/base.py", "src/fedsilo/config/data.py"} <= set(body["deps"]), f
             if " train " in cmd:
                 seen += 1
                 assert f"{method_code}/${{item.method}}.json" in body.get("deps", []), f"{f}: stage {name} does not depend on its method's code"
             elif " onboard " in cmd:  # pFedDB's onboarding: its code file (the shared code imports the onboarding module)
                 assert f"{method_code}/pfeddb.json" in body.get("deps", []), f"{f}: stage {name} does not depend on the training code"
-    assert seen >= 8
+    assert seen >= 8 and data_stages == 100 + len(files)  # the root's harmonize, a split stage in every file
 
 
 def test_the_code_fingerprint_is_the_checkpoint_keys_and_follows_any_edit_of_the_training_code(tmp_path, capsys):
@@ -156,6 +163,11 @@ def test_the_code_fingerprint_is_the_checkpoint_keys_and_follows_any_edit_of_the
     assert by["fedbn"]["sha256"] == code_fingerprint("cpu", "fedsilo.methods.fedbn")["source_sha256"]
     (pkg / "report" / "__init__.py").write_text((pkg / "report" / "__init__.py").read_text() + "# a comment\n")
     assert written() == first and of_methods() == by
+    # of the params code, the whole file's checks and loaders, the data's and the splits' schemas and the error
+    # messages retrain nothing (the harmonize and split stages depend on theirs; a split reaches a run through its file)
+    for part in ("pipeline", "errors", "data", "split"):
+        (pkg / "config" / f"{part}.py").write_text((pkg / "config" / f"{part}.py").read_text() + "# a comment\n")
+    assert written() == first and of_methods() == by
     # a method's module edited: its own file changes, not the others'
     (pkg / "methods" / "fedbn.py").write_text((pkg / "methods" / "fedbn.py").read_text() + "# a comment\n")
     assert written()["sha256"] != first["sha256"] == train_code_sha256()
@@ -179,6 +191,85 @@ def test_the_code_fingerprint_is_the_checkpoint_keys_and_follows_any_edit_of_the
     written()
     changed = {k for k, v in of_methods().items() if v["sha256"] != after[k]["sha256"]}
     assert {"fedavg", "fedprox", "fedbn", "pfeddb", "single"} == changed
+    # how a run trains (its params' defaults and checks): every method's runs
+    after = of_methods()
+    (pkg / "config" / "train.py").write_text((pkg / "config" / "train.py").read_text() + "# a comment\n")
+    written()
+    assert all(v["sha256"] != after[k]["sha256"] for k, v in of_methods().items())
+
+
+def test_the_whole_files_checks_change_no_value_of_a_runs_training():
+    """The whole params file's checks and loaders (config/pipeline.py, outside every run's code hash) leave each
+    experiment's train and onboarding sections as config/train.py alone makes them: the root's params.yaml and each
+    paper's file at both scales (a paper-scale file's own sections; joining it with the root needs its datasets there)."""
+    from fedsilo.config import ExperimentParams, PaperParams, load_params
+
+    files = [REPO / "params.yaml", *sorted(REPO.glob("pipelines/*/params.yaml")), *sorted(REPO.glob("pipelines/*/paper/params.yaml"))]
+    seen = 0
+    for f in files:
+        raw = yaml.safe_load(f.read_text())
+        whole = PaperParams.model_validate(raw) if f.parent.name == "paper" else load_params(f)
+        for e, ex in raw["experiments"].items():
+            alone = ExperimentParams.model_validate(ex)
+            assert (whole.experiments[e].train, whole.experiments[e].onboarding) == (alone.train, alone.onboarding), f"{f}: {e}"
+            seen += 1
+    assert len(files) == 11 and seen > 100
+
+
+def _config_names_used(path: Path) -> set[str]:
+    """The names a module takes from fedsilo.config: ``from fedsilo.config import X`` and ``config.X`` after ``from
+    fedsilo import config``."""
+    import ast
+
+    tree = ast.parse(path.read_text(), str(path))
+    names: set[str] = set()
+    aliased = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "fedsilo.config":
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module == "fedsilo" and any(a.name == "config" for a in node.names):
+            aliased = True
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fedsilo.config."):
+            names |= {f"{node.module}:{a.name}" for a in node.names}
+    if aliased:
+        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "config"}
+    return names
+
+
+def test_the_params_code_a_run_hashes_holds_what_the_training_code_takes_from_it():
+    """Of fedsilo.config, every run's code hash holds base.py and train.py only (TRAIN_CODE): whatever else the training
+    code takes from the package is a message (errors.py) or the whole file's loaders and checks (pipeline.py), which
+    change no value of a run's section (the next test); config/__init__.py only gathers names. fl/predict.py (a trained
+    model's predictions on new images) prepares them by the dataset's harmonization (data.py): no run's training."""
+    import ast
+
+    hashed = {f"fedsilo.{p.removesuffix('.py').replace('/', '.')}" for p in TRAIN_CODE if p.startswith("config/")}
+    assert hashed == {"fedsilo.config.base", "fedsilo.config.train"}
+    loaders = {"Params", "parse_params", "load_params"}  # the whole params file, read and checked
+    init = ast.parse((SRC / "config" / "__init__.py").read_text())
+    assert all(isinstance(n, ast.ImportFrom) or (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)) for n in init.body)
+    defined: dict[str, str] = {}  # a name of the package -> the module that defines it
+    for f in (SRC / "config").glob("*.py"):
+        for n in ast.parse(f.read_text()).body:
+            targets = [n.name] if isinstance(n, (ast.FunctionDef, ast.ClassDef)) else [
+                t.id for t in [*getattr(n, "targets", []), *([n.target] if isinstance(n, ast.AnnAssign) else [])] if isinstance(t, ast.Name)]
+            defined.update(dict.fromkeys(targets, f"fedsilo.config.{f.stem}"))
+    assert defined["TrainParams"] == "fedsilo.config.train" and defined["Params"] == "fedsilo.config.pipeline"
+
+    checked = 0
+    for part in TRAIN_CODE:
+        if part.startswith("config/"):
+            continue
+        base = SRC / part
+        for f in sorted(base.rglob("*.py")) if base.is_dir() else [base]:
+            for name in _config_names_used(f):
+                checked += 1
+                name = name.split(":")[-1]
+                where = defined.get(name, "nowhere in fedsilo.config")
+                ok = where in hashed or where == "fedsilo.config.errors" or name in loaders or (
+                    f.relative_to(SRC).as_posix() == "fl/predict.py" and where == "fedsilo.config.data")
+                assert ok, f"{f.relative_to(SRC)} takes {name} from {where}, which no run's code hash holds"
+    assert checked > 30
 
 
 _HOLD = textwrap.dedent(

@@ -935,7 +935,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s = sub.add_parser("code-fingerprint", parents=[common], help="hash the training code: per methods key, the code its "
                        "runs depend on -> data/code/methods/<key>.json (a paper's: data/code/<paper>/<scale>/<key>.json), "
                        "which its train stages depend on; the root's all of it (src/fedsilo: client, fl, methods, models, "
-                       "utils, config.py) -> data/code/train.json, which the onboard stages depend on", formatter_class=fmt)
+                       "utils, config/base.py and config/train.py) -> data/code/train.json, which the onboard stages depend on", formatter_class=fmt)
     s.set_defaults(fn=_code_fingerprint)
     s = sub.add_parser("harmonize", parents=[common], help="raw sources -> data/harmonized/<dataset>/", formatter_class=fmt, epilog=_listing(known, "datasets"))
     s.add_argument("--dataset", required=True)

@@ -17,7 +17,7 @@ from typing import Optional
 # The parts of the package (relative to src/fedsilo) whose code decides a run's numbers: the ``code_fingerprint`` stage
 # depends on them (tests/test_code_reaches_results.py checks it and that every train stage depends on its output),
 # and the checkpoint key hashes them.
-TRAIN_CODE = ("client", "fl", "methods", "models", "utils", "config.py")
+TRAIN_CODE = ("client", "fl", "methods", "models", "utils", "config/base.py", "config/train.py")
 PACKAGE = Path(__file__).resolve().parent
 
 

@@ -1,0 +1,175 @@
+"""A params error as one line per problem: the dotted key the user wrote (a tagged union's tag, which pydantic puts
+into the path, left out), what is wrong, and a near miss of an unknown key. Messages only: no run's numbers depend on
+this module."""
+
+from __future__ import annotations
+
+import types
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
+
+from pydantic import (
+    BaseModel,
+    ValidationError,
+)
+
+from fedsilo.config.base import Strict
+
+
+def _discriminator(annotation: Any) -> Optional[str]:
+    """The key a tagged union in ``annotation`` is told apart by (a split's ``protocol``, a dataset's ``kind``), through
+    Optional and a mapping's or a list's items; None where it holds none."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        found = [m.discriminator for m in args[1:] if isinstance(getattr(m, "discriminator", None), str)]
+        return found[0] if found else _discriminator(args[0])
+    if origin in (dict, list, tuple) and args:
+        return _discriminator(args[-1] if origin is dict else args[0])
+    if origin in (Union, types.UnionType):
+        return next((d for d in map(_discriminator, args) if d), None)
+    return None
+
+
+def _drop_union_tags(loc: tuple, model: Optional[type]) -> tuple:
+    """pydantic puts a tagged union's tag into the error path (``datasets.x.digits5.image_size``); the user never
+    wrote it, so it is dropped, where following ``loc`` through ``model``'s fields meets a tagged union there."""
+    out, parts = [], list(loc)
+    while parts:
+        part = parts.pop(0)
+        out.append(part)
+        field = model.model_fields.get(str(part)) if model is not None else None
+        if field is None:
+            model = None
+            continue
+        found, inside = _models_in(field.annotation)
+        if inside and parts:
+            out.append(parts.pop(0))  # the mapping's key or the list's index
+        tag = field.discriminator if isinstance(field.discriminator, str) else _discriminator(field.annotation)
+        member = next((m for m in found if tag and parts and tag in m.model_fields
+                       and parts[0] in get_args(m.model_fields[tag].annotation)), None)
+        if member is not None:
+            parts.pop(0)
+            model = member
+        else:
+            model = found[0] if len(found) == 1 else None
+    return tuple(out)
+
+
+# a method trained needs its entry, even a registered method run with its defaults (`fedsilo methods` lists them)
+METHOD_ENTRY_HINT = "; every method trained needs an entry under methods (`{m}: {{}}`: a registered method with its defaults; `fedsilo methods` lists them)"
+
+
+def did_you_mean(name: str, known: Any) -> str:
+    """`` (did you mean 'x'?)`` when ``name`` is a near miss of one of ``known`` (a typo), else ""."""
+    import difflib
+
+    # never the name itself (a key valid in another section, given in the wrong one)
+    close = difflib.get_close_matches(str(name), [str(k) for k in known if str(k) != str(name)], n=1, cutoff=0.75)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _all_keys() -> set[str]:
+    """Every key of every params model loaded so far (the sections' and the imported methods' own): the names an
+    unknown key may be a typo of."""
+    out: set[str] = set()
+    todo: list[type] = [Strict]
+    while todo:
+        cls = todo.pop()
+        out.update(getattr(cls, "model_fields", {}))
+        todo.extend(cls.__subclasses__())
+    return out
+
+
+def _models_in(annotation: Any) -> tuple[list[type], bool]:
+    """The params models an annotation holds (through Optional, Union, Annotated) and whether they sit in a container
+    (a mapping, list or tuple: the next part of an error's location is a key or an index)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation], False
+    if origin is Annotated:
+        return _models_in(args[0])
+    if origin in (Union, types.UnionType):
+        found, inside = [], False
+        for a in args:
+            m, c = _models_in(a)
+            found += m
+            inside = inside or c
+        return found, inside
+    if origin in (dict, list, tuple):
+        m, _ = _models_in(args[-1] if origin is dict else args[0]) if args else ([], False)
+        return m, True
+    return [], False
+
+
+def _tagged(found: list[type], tag: Any) -> Optional[type]:
+    """The member of a tagged union (``found``) whose discriminator (a one-value Literal field: a split's
+    ``protocol``, a dataset's ``kind``) is ``tag``, or None."""
+    for m in found:
+        for f in m.model_fields.values():
+            if get_origin(f.annotation) is Literal and get_args(f.annotation) == (tag,):
+                return m
+    return None
+
+
+def _union_at(model: Optional[type], loc: tuple) -> tuple[Optional[type], list[type]]:
+    """The params model at error location ``loc`` (its parent's path) under ``model``, and where the last step was
+    a tagged union's member (pydantic names the tag in the path), the union's members; (None, []) where the path is
+    not followed to one model."""
+    parts, members = list(loc), []
+    while parts and model is not None:
+        part = parts.pop(0)
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None, []
+        found, inside = _models_in(field.annotation)
+        if inside and parts:
+            parts.pop(0)  # the mapping's key or the list's index
+        members = []
+        if len(found) > 1 and parts and (member := _tagged(found, parts[0])) is not None:
+            parts.pop(0)  # the tag pydantic put in the path
+            model, members = member, found
+            continue
+        if len(found) != 1:  # a value that is no model, or one of several untagged: not followed
+            return None, []
+        model = found[0]
+    return model, members
+
+
+def _fields_at(model: Optional[type], loc: tuple) -> Optional[set[str]]:
+    """The keys of the params model at error location ``loc`` (its parent's path) under ``model``, or None where the
+    path is not followed to one model (then every known key is a candidate)."""
+    found, _ = _union_at(model, loc)
+    return set(found.model_fields) if found is not None else None
+
+
+def _other_members_key(model: Optional[type], loc: tuple, key: Any) -> str:
+    """`` (a key of protocol label_skew, not of domain_multi_clients)`` where an unknown key under a tagged union's
+    member (a split, a dataset) is one of another member's: the tag was changed and the old settings stayed."""
+    own, members = _union_at(model, loc)
+    if own is None or not members:
+        return ""
+    tag_field = next(n for n, f in own.model_fields.items() if get_origin(f.annotation) is Literal and len(get_args(f.annotation)) == 1)
+    tag = get_args(own.model_fields[tag_field].annotation)[0]
+    others = [get_args(m.model_fields[tag_field].annotation)[0] for m in members
+              if m is not own and str(key) in m.model_fields and tag_field in m.model_fields]
+    return f" (a key of {tag_field} {', '.join(others)}, not of {tag})" if others else ""
+
+
+def format_validation_error(err: ValidationError, prefix: str = "", model: Optional[type] = None) -> str:
+    """One line: ``<dotted key>: <what is wrong>`` per error, joined by ``; ``. A validator's own message (which
+    names its key already where the check spans several) is shown without pydantic's ``Value error,`` prefix. An
+    unknown key's near miss is looked for among the keys of its own section (``model``: the params model validated)."""
+    lines = []
+    for e in err.errors():
+        ctx = e.get("ctx") or {}
+        loc = _drop_union_tags(tuple(e["loc"]), model) + ((ctx["field"],) if "field" in ctx else ())
+        dotted = ".".join(str(p) for p in loc)
+        key = f"{prefix}{dotted}" if dotted else prefix.rstrip(".")
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            own = _fields_at(model, tuple(e["loc"])[:-1]) if model is not None else None
+            other = _other_members_key(model, tuple(e["loc"])[:-1], loc[-1]) if model is not None and loc else ""
+            msg = "unknown key" + (other or (did_you_mean(loc[-1], own if own is not None else _all_keys()) if loc else ""))
+        elif e["type"] == "value_error" and "error" in ctx:
+            msg = str(ctx["error"])
+        lines.append(f"{key}: {msg}" if key else msg)
+    return "; ".join(lines)
