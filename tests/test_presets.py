@@ -12,6 +12,7 @@ import yaml
 from fedsilo.config import ConfigError, TrainParams, load_paper_params
 from fedsilo.fl.params import load_params
 from fedsilo.methods.pfeddb import PFedDB
+from fedsilo.methods.pfeddb.model import closest_to_70
 from fedsilo.models import build_model
 from tests.conftest import REPO, paper_params
 
@@ -102,11 +103,20 @@ def test_a_run_in_two_groups_or_an_untrained_experiment_is_refused():
 
 
 def test_per_backbone_cut_depth_resolves_for_each_model():
-    raw = yaml.safe_load(SCALES["paper"].read_text())["methods"]["pfeddb"]
-    for model, depth, ch in (("alexnet_bn", 6, 3), ("simple_cnn", 4, 3)):
+    """Each backbone takes its own entry of the mapping (Table 3's shallowest cuts, none of them the 70 % default);
+    a backbone the mapping lacks is refused naming the key, not cut at the default."""
+    raw = yaml.safe_load(SCALES["paper"].read_text())["methods"]["pfeddb_cut_a"]
+    raw.pop("method")
+    for model, depth in (("alexnet_bn", 5), ("simple_cnn", 1)):
         algo = PFedDB(PFedDB.params_cls(**raw), TrainParams(model=model))
-        algo.transform_model(build_model(model, ch, 10, seed=0), torch.zeros(2, ch, 64, 64))
+        net = build_model(model, 3, 10, seed=0)
+        assert closest_to_70(net) != depth
+        algo.transform_model(net, torch.zeros(2, 3, 64, 64))
         assert algo.cut_depth == depth
+    del raw["cut_depth"]["simple_cnn"]
+    algo = PFedDB(PFedDB.params_cls(**raw), TrainParams(model="simple_cnn"))
+    with pytest.raises(ConfigError, match=r"methods\.pfeddb\.cut_depth: no entry for the backbone simple_cnn"):
+        algo.transform_model(build_model("simple_cnn", 3, 10, seed=0), torch.zeros(2, 3, 64, 64))
 
 
 def test_paper_pfeddb_trains_phase_two_with_the_digits_scripts_adam_on_digits_only():

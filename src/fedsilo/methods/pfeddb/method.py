@@ -95,6 +95,7 @@ from fedsilo.methods.pfeddb.model import (
     shared_fraction,
 )
 from fedsilo.methods.phased import TwoPhase, TwoPhaseParams
+from fedsilo.methods.sharing import per_backbone
 from fedsilo.models import LayeredNet, build_model
 
 # the keys (after the run's seed) of the independent shared-branch draw and of the authors' initialisation: round 0,
@@ -114,7 +115,7 @@ class PFedDBParams(TwoPhaseParams):
     cut_depth: per_backbone_type(Optional[PositiveInt]) = Field(
         None,
         description="l_c in weighted layers; a mapping backbone -> l_c (one methods block serving several backbones, "
-        "e.g. {densenet121: 88, alexnet_bn: 6}); null (or a backbone missing from the mapping) = closest to 70 % shared",
+        "e.g. {densenet121: 88, alexnet_bn: 6}; a backbone trained needs its entry); null = closest to 70 % shared",
     )
     local_rounds: int = Field(150, ge=0, description="E0: Phase-1 rounds of local training")
     two_phase: bool = True
@@ -162,9 +163,8 @@ class PFedDB(TwoPhase):
         """The backbone becomes f_s, f_p, fusion and g_p, cut after l_c weighted layers."""
         if not isinstance(model, LayeredNet):
             raise TypeError("pfeddb needs a LayeredNet backbone")
-        cd = self.params.cut_depth
-        depth = cd.get(self.train.model) if isinstance(cd, dict) else cd
-        depth = depth or closest_to_70(model)
+        depth = per_backbone(self.params.cut_depth, self.train.model, f"methods.{self.key}.cut_depth")
+        depth = closest_to_70(model) if depth is None else depth
         if depth > model.num_layers:
             raise ConfigError(f"methods.{self.key}.cut_depth: {depth} exceeds the backbone's {model.num_layers} layers")
         self.cut_depth = depth
