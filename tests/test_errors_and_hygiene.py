@@ -628,3 +628,36 @@ def test_a_key_given_twice_in_a_params_file_is_refused_naming_it(tmp_path, capsy
     (tmp_path / "p.yaml").write_text(text)
     assert main(["--params", str(tmp_path / "p.yaml"), "check-params"]) == 2
     assert "not valid YAML: key 'mu' given twice in one mapping (first on line" in capsys.readouterr().err
+
+
+def test_a_bug_is_not_told_as_a_users_error(monkeypatch, capsys, tmp_path):
+    """A KeyError from inside a stage (a bug, not a name the user gave: those are ConfigErrors) propagates with its
+    traceback, not as `error: <key>`; a user's error stays one line, with where it was raised under -v."""
+    from fedsilo import cli
+
+    def broken(args):
+        return {}["bytes"]
+
+    monkeypatch.setattr(cli, "_fingerprint", broken)
+    with pytest.raises(KeyError, match="bytes"):
+        cli.main(["--root", str(tmp_path), "fingerprint", "--dataset", "x"])
+
+    def missing(args):
+        raise FileNotFoundError("data/raw/x: missing")
+
+    monkeypatch.setattr(cli, "_fingerprint", missing)
+    capsys.readouterr()
+    assert cli.main(["--root", str(tmp_path), "fingerprint", "--dataset", "x"]) == 2
+    assert capsys.readouterr().err.strip() == "fedsilo fingerprint: error: data/raw/x: missing"
+    assert cli.main(["-v", "--root", str(tmp_path), "fingerprint", "--dataset", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "in missing" in err and err.rstrip().endswith("fedsilo fingerprint: error: data/raw/x: missing")
+    # the names a user gives that the registries do not hold are params errors, by key
+    from fedsilo.config import ConfigError
+    from fedsilo.methods import method_class
+    from fedsilo.models import build_model
+
+    with pytest.raises(ConfigError, match="unknown method 'fedawg'"):
+        method_class("fedawg")
+    with pytest.raises(ConfigError, match="unknown model 'resnet9'"):
+        build_model("resnet9", 3, 10)

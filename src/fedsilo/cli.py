@@ -21,6 +21,7 @@ import contextlib
 import logging
 import shlex
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
@@ -1170,10 +1171,12 @@ def main(argv: list[str] | None = None) -> int:
                 (root, "point --root elsewhere (a copy of the repository on a larger disk)"),
             ]
             msg = no_space_message(full, root, elsewhere)
-        elif isinstance(err, (ConfigError, FetchError, DownloadError, HarmonizeError, LabelFileError, SplitError, ReportError, GridError, FileNotFoundError, KeyError)):
-            msg = err.args[0] if isinstance(err, KeyError) and err.args else err
+        elif isinstance(err, (ConfigError, FetchError, DownloadError, HarmonizeError, LabelFileError, SplitError, ReportError, GridError, FileNotFoundError)):
+            msg = err
         else:
             raise
+        if args.verbose:  # where it was raised: a missing file the code did not expect, named in one line otherwise
+            traceback.print_exception(err, file=sys.stderr)
         print(f"fedsilo {args.cmd}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the stage's own cleanup has run (temporaries removed, MLflow run KILLED)

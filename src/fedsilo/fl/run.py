@@ -195,7 +195,7 @@ def run_training(
     """Train one run to its outputs; progress per round on stderr unless ``quiet`` (see utils.progress)."""
     root = Path(root)
     if experiment not in params.experiments:
-        raise KeyError(f"experiments.{experiment}: not defined in {params.source}")
+        raise ConfigError(f"experiments.{experiment}: not defined in {params.source}")
     exp = params.experiments[experiment]
     algo = resolve_method(params, method, exp.train)  # the one typed method object of this run
     train = algo.train  # the experiment's train, with the method's own local_optimizer settings where it has them

@@ -84,7 +84,7 @@ def method_class(name: str) -> type[Method]:
     try:
         return REGISTRY[name]
     except KeyError:
-        raise KeyError(f"unknown method {name!r}{did_you_mean(name, REGISTRY)} (registered: {', '.join(sorted(REGISTRY))})") from None
+        raise ConfigError(f"unknown method {name!r}{did_you_mean(name, REGISTRY)} (registered: {', '.join(sorted(REGISTRY))})") from None
 
 
 def method_base(key: str, entry: Optional[dict[str, Any]]) -> str:
@@ -109,8 +109,8 @@ def method_params(params: Params, key: str, source: Optional[str] = None) -> Met
     entry = params.methods[key]
     try:
         cls = method_class(method_base(key, entry))
-    except KeyError as err:
-        raise ConfigError(f"{source}: methods.{key}: {err.args[0]}") from None
+    except ConfigError as err:
+        raise ConfigError(f"{source}: methods.{key}: {err}") from None
     try:
         typed = cls.params_cls.model_validate(entry_values(entry))
     except ValidationError as err:
@@ -199,7 +199,7 @@ def check_pipeline_fits(params: Params, source: str = "params.yaml") -> None:
             except ConfigError as err:
                 raise ConfigError(f"{source}: {err} (a run of the pipeline)") from None
             train = params.experiments[e].train
-            size = getattr(params.datasets.get(params.experiments[e].dataset), "image_size", None) or 32
+            size = params.datasets[params.experiments[e].dataset].image_size  # config checked the dataset is defined
             try:
                 check_backbone(resolve_method(params, key, train), train.model, size, train.model_width,
                                where=f"experiments.{e}.train.model")

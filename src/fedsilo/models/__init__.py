@@ -375,7 +375,7 @@ def build_model(name: str, in_channels: int, num_classes: int, seed: int | None 
     """The backbone ``name``; ``image_size`` (the harmonized images' side) is used by the models that need it;
     ``width`` (``train.model_width``) by the models of :data:`WIDTH_SCALED`."""
     if name not in MODELS:
-        raise KeyError(f"unknown model {name!r} (known: {', '.join(MODELS)})")
+        raise ConfigError(f"unknown model {name!r} (known: {', '.join(MODELS)})")
     if width != 1.0 and name not in WIDTH_SCALED:
         raise ConfigError(f"train.model_width: {width}, but {name} is built at its paper's width only (model_width "
                           f"applies to {', '.join(sorted(WIDTH_SCALED))}); set it to 1.0")

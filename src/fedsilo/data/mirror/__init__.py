@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from fedsilo.config import MirrorParams
+from fedsilo.config import ConfigError, MirrorParams
 
 
 def mirror_writer(source: str) -> Callable[[Path, MirrorParams], None]:
@@ -17,4 +17,4 @@ def mirror_writer(source: str) -> Callable[[Path, MirrorParams], None]:
     try:
         return writers[source]
     except KeyError:
-        raise KeyError(f"no offline mirror for source {source!r} (have: {', '.join(writers)})") from None
+        raise ConfigError(f"no offline mirror for source {source!r} (have: {', '.join(writers)})") from None

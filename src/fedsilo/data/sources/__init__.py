@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from fedsilo.config import ConfigError
 from fedsilo.data.sources import (
     chest_xray4_released,
     chexpert,
@@ -61,4 +62,4 @@ def source_module(name: str) -> ModuleType:
     try:
         return SOURCES[name]
     except KeyError:
-        raise KeyError(f"unknown source {name!r} (known: {', '.join(SOURCES)})") from None
+        raise ConfigError(f"unknown source {name!r} (known: {', '.join(SOURCES)})") from None
