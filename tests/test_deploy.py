@@ -4,6 +4,7 @@ apps over a real SuperLink and SuperNodes with TLS and node authentication: test
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shlex
@@ -1837,6 +1838,13 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
     said = capsys.readouterr()
     assert "# Evaluation on the data VinBigData trained on (not an external validation): chest_xray4" in said.out
     assert "warning: datasets.chest_xray4 is the data VinBigData trained on" in said.err
+    # its split edited in params and not rebuilt is still the split it trained on: the warning stays
+    edited = copy.deepcopy(raw)
+    edited["experiments"]["site"]["split"]["seed"] = 7
+    params.write_text(yaml.safe_dump(edited, sort_keys=False))
+    assert main([*base, "evaluate", "--dataset", "chest_xray4", "--bootstrap", "20", "--out", str(tmp_path / "own_edited.csv")]) == 0
+    assert "warning: datasets.chest_xray4 is the data VinBigData trained on" in capsys.readouterr().err
+    params.write_text(yaml.safe_dump(raw, sort_keys=False))
     torch.save({"round": 1, "model": {}}, tmp_path / "site_model.pt")
     assert "not a deployment's final model" in refused(model=tmp_path / "site_model.pt")
     bigger = {**held, "deployment": {**held["deployment"], "contract": {**held["deployment"]["contract"], "image_shape": [32, 32, 1]}}}

@@ -157,10 +157,10 @@ def _metrics(rows: pd.DataFrame, classes: list[str], bootstrap: int, seed: int) 
     return out
 
 
-def _trained_on(params: Params, dataset: str, root: Path, info: dict[str, Any]) -> Optional[str]:
-    """The site whose training data ``dataset`` is, by fingerprint (one of this params file's splits of it against the
-    deployment's sites, and a newcomer's onboarded model's own), or None: a model scored on the images it trained on
-    is no external validation."""
+def _trained_on(params: Params, dataset: str, root: Path, info: dict[str, Any], card: dict[str, Any]) -> Optional[str]:
+    """The site whose training data ``dataset`` is, by fingerprint (each split file of it this params file names, as
+    built, against the deployment's sites, and a newcomer's onboarded model's own), or None: a model scored on the
+    images it trained on is no external validation. ``card``: the dataset's, its arrays just checked."""
     from fedsilo.fl.site import recorded_fingerprint
 
     known = {str(s.get("fingerprint")): str(s.get("name")) for s in info["deployment"].get("sites", [])}
@@ -170,10 +170,7 @@ def _trained_on(params: Params, dataset: str, root: Path, info: dict[str, Any]) 
     for name, ex in params.experiments.items():
         if ex.dataset != dataset or not layout.split(name).exists():
             continue
-        try:
-            fingerprint = recorded_fingerprint(params, name, root)  # the arrays were checked against the card above
-        except (ConfigError, KeyError, IndexError, ValueError):  # a split that is not a site's (several clients, a stale one)
-            continue
+        fingerprint = recorded_fingerprint(card, layout.split(name))  # a split of several clients matches no site's
         if fingerprint in known:
             return known[fingerprint]
     return None
@@ -201,7 +198,7 @@ def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Pa
         raise ConfigError(f"{folder}: {', '.join(changed)} changed after harmonize wrote card.json; re-run `fedsilo harmonize "
                           f"--dataset {dataset}` rather than editing the arrays")
     model, info = load_site_model(model_path, device)
-    trained_on = _trained_on(params, dataset, root, info)  # said in the summary, its title and by the CLI
+    trained_on = _trained_on(params, dataset, root, info, card)  # said in the summary, its title and by the CLI
     contract = info["deployment"]["contract"]
     classes = list(contract["classes"])
     if list(card["classes"]) != classes:

@@ -101,10 +101,10 @@ def _fingerprint(card: dict[str, Any], split_path: Path) -> tuple[dict[str, Any]
     return contract, data, split_sha, canonical_hash({"contract": contract, "data": data, "split": split_sha})
 
 
-def recorded_fingerprint(params: Params, experiment: str, root: Path = Path(".")) -> str:
-    """The fingerprint of the site's ``experiment`` from its card's recorded array hashes, the arrays not hashed
-    anew: for a caller that has just checked them (``fedsilo site evaluate``)."""
-    _, split_path, _, card = _site_files(params, experiment, Path(root))
+def recorded_fingerprint(card: dict[str, Any], split_path: Path) -> str:
+    """The fingerprint a site with this harmonized card and split file has, from the card's recorded array hashes
+    (the arrays not hashed anew: for a caller that has just checked them, ``fedsilo site evaluate``), whatever the
+    params say of the split now: a split edited in params and not rebuilt is still the one trained on."""
     return _fingerprint(card, split_path)[3]
 
 
