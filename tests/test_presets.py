@@ -196,3 +196,51 @@ def test_every_run_of_every_preset_builds_its_method_on_its_backbone(preset):
             algo.setup(model)
             algo.private_keys(model)
     assert seen
+
+
+def test_a_papers_run_groups_and_its_dvc_yaml_must_agree(tmp_path):
+    """check-params refuses a run group with no train_<group> stage in the dvc.yaml beside the params file (it would
+    train nothing, and the report stage would stop after DVC removed its old output), a train stage whose matrix reads
+    another group's runs, an across group without its across stage, and a stage naming no group; the shipped papers
+    agree, at both scales."""
+    from fedsilo.cli import _check_paper_stages
+    from fedsilo.config import PaperMeta, RunGroup
+
+    for paper in ("pfeddb", "f2dc", "cd2pfed", "fedecouple", "pfeddil"):
+        for scale in ("quickstart", "paper"):
+            shipped_p = paper_params(paper, scale, check=False)
+            _check_paper_stages(shipped_p, shipped_p.paper.params_file, REPO)
+    p = paper_params("cd2pfed", "quickstart", check=False)
+    dvc = tmp_path / "pipelines" / "cd2pfed" / "dvc.yaml"
+    dvc.parent.mkdir(parents=True)
+    shipped = yaml.safe_load((REPO / "pipelines" / "cd2pfed" / "dvc.yaml").read_text())
+    where = "pipelines/cd2pfed/params.yaml"
+
+    def check(stages: dict, runs: dict | None = None) -> None:
+        dvc.write_text(yaml.safe_dump({**shipped, "stages": stages}))
+        meta = p.paper
+        if runs is not None:
+            p._paper = PaperMeta(name=meta.name, scale=meta.scale, params_file=meta.params_file, runs=runs)
+        try:
+            _check_paper_stages(p, where, tmp_path)
+        finally:
+            p._paper = meta
+
+    check(shipped["stages"])  # as shipped
+    runs = dict(p.paper.runs)
+    with pytest.raises(ConfigError, match=r"runs\.extra: pipelines/cd2pfed/dvc\.yaml has no train_extra stage, so its runs would never train"):
+        check(shipped["stages"], {**runs, "extra": RunGroup(experiments=runs["table4"].experiments, methods=("fedavg",))})
+    check(shipped["stages"], {**runs, "nothing": RunGroup(experiments=runs["table4"].experiments, methods=())})  # trains nothing
+    crossed = copy.deepcopy(shipped["stages"])
+    crossed["train_table5"]["matrix"]["method"] = "${runs.table4.methods}"
+    with pytest.raises(ConfigError, match=r"stage train_table5's matrix\.method is '\$\{runs\.table4\.methods\}', not '\$\{runs\.table5\.methods\}'"):
+        check(crossed)
+    with pytest.raises(ConfigError, match=r"runs\.fig5\.across: pipelines/cd2pfed/dvc\.yaml has no across_fig5 stage"):
+        check({k: v for k, v in shipped["stages"].items() if k != "across_fig5"})
+    ghost = {**shipped["stages"], "train_tabel4": shipped["stages"]["train_table4"]}
+    with pytest.raises(ConfigError, match=r"stage train_tabel4: no run group 'tabel4' under runs \(did you mean 'table4'\?\)"):
+        check(ghost)
+    with pytest.raises(ConfigError, match=r"stage across_table4: runs\.table4 has no across: true"):
+        check({**shipped["stages"], "across_table4": shipped["stages"]["across_fig5"]})
+    dvc.unlink()  # a params file run by hand, with no dvc.yaml beside it: nothing to agree with
+    _check_paper_stages(p, where, tmp_path)

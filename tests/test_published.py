@@ -101,3 +101,43 @@ def test_check_params_refuses_a_published_reference_the_report_could_not_read(tm
         assert main(["--params", str(mine), "--root", str(tmp_path), "check-params"]) == 2
         err = capsys.readouterr().err
         assert "experiments.f2dc_pacs.published: " in err and said in err, err
+    # the table's contents too: a domain the experiment will not have, a row of the wrong length
+    pub = tmp_path / "pipelines/f2dc/published.yaml"
+    shipped = pub.read_text()
+    mine.write_text(text)
+    for old, new, said in (("domains: [photo, art_painting, cartoon, sketch]", "domains: [photo, art_paintng, cartoon, sketch]",
+                            "domains: 'art_paintng' is not a domain of this experiment (did you mean 'art_painting'?)"),
+                           ("fedprox:  {mean: [61.88, 57.40, 76.34, 80.14, 68.94]", "fedprox:  {mean: [61.88, 57.40, 76.34, 80.14]",
+                            "methods.fedprox.mean: 4 value(s) for the columns ['photo', 'art_painting', 'cartoon', 'sketch']; "
+                            "give 5 (each column, then the Avg) or 1 (the Avg alone)")):
+        assert shipped.count(old) == 1
+        pub.write_text(shipped.replace(old, new))
+        capsys.readouterr()
+        assert main(["--params", str(mine), "--root", str(tmp_path), "check-params"]) == 2
+        err = capsys.readouterr().err
+        assert "experiments.f2dc_pacs.published (pipelines/f2dc/published.yaml#pacs): " in err and said in err, err
+
+
+def test_a_published_tables_columns_and_rows_are_checked():
+    """published_table_problems: local / new / external columns take one value each (no Avg); std as long as mean;
+    a domain is checked only where params say the experiment's domains; every shipped table of every paper passes."""
+    from fedsilo.data.splits import dataset_domains
+    from fedsilo.report.versus import load_published_entries, published_table_problems
+    from tests.conftest import paper_params
+
+    metric = {"domains": ["local", "new"], "methods": {"a": {"mean": [1.0, 2.0], "std": [0.1]}, "b": {"mean": [1.0, 2.0, 3.0]}}}
+    assert published_table_problems(metric, ["CIFAR-10"]) == ["methods.a.std: 1 value(s) for 2 means",
+                                                              "methods.b.mean: 3 value(s) for the columns ['local', 'new']; give 2"]
+    by_folder = {"domains": ["site_a"], "methods": {"a": {"mean": [1.0]}, "b": {"param_MB": 3.0}}}
+    assert published_table_problems(by_folder, None) == []
+    assert published_table_problems({"domains": "photo", "methods": {}}, None)[0].startswith("domains: give the table's columns as a list")
+    seen = 0
+    for paper in ("pfeddb", "f2dc", "cd2pfed", "fedecouple", "pfeddil"):
+        for scale in ("quickstart", "paper"):
+            p = paper_params(paper, scale, check=False)
+            for e, ex in p.experiments.items():
+                table = load_published_entries(PUBLISHED.parents[2], ex.published)["accuracy"] if ex.published else None
+                if table is not None:
+                    assert published_table_problems(table, dataset_domains(p, ex.dataset)) == [], (paper, scale, e)
+                    seen += 1
+    assert seen > 40

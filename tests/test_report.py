@@ -713,6 +713,14 @@ def test_a_row_run_with_another_setting_than_the_papers_row_is_named():
     with tempfile.TemporaryDirectory() as d:
         md = write_versus(Path(d), "f2dc_pacs", vs, "pipelines/f2dc/published.yaml#pacs", published["pacs"], settings=said)
     assert "**Not the paper's setting**: f2dc ran with sigma 0.2 (the paper's row: 0.1)" in md
+    # the paper's rows this table has no run of (here all but f2dc; a key misspelt in the file would be among them)
+    unmatched = [m for m in published["pacs"]["methods"] if m != "f2dc"]
+    assert unmatched and ("**The paper's rows with no run here**: " + ", ".join(unmatched) + " (methods this report does "
+                          "not hold, or keys of pipelines/f2dc/published.yaml that name none of ours)") in md
+    with tempfile.TemporaryDirectory() as d:
+        whole = {**published["pacs"], "methods": {"f2dc": published["pacs"]["methods"]["f2dc"]}}
+        fresh = pd.DataFrame([[70.0, 76.47, -6.47]], index=["f2dc"], columns=idx)  # write_versus flattens its columns
+        assert "with no run here" not in write_versus(Path(d), "f2dc_pacs", fresh, "pipelines/f2dc/published.yaml#pacs", whole)
 
 
 def test_a_quickstarts_vs_paper_table_says_where_its_scale_is_not_the_papers():

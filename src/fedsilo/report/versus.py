@@ -57,6 +57,37 @@ def load_published(root: Path, ref: str) -> dict[str, Any] | None:
     return load_published_entries(root, ref)["accuracy"]
 
 
+def published_table_problems(table: dict[str, Any], domains: list[str] | None = None) -> list[str]:
+    """What is wrong with a published accuracy table, found before any run trains (the report stage finds it only
+    after all of them): ``domains`` a list, each one of the experiment's ``domains`` where params say them (None: its
+    folders decide), or all of them the local / new / external test columns; each ``methods.<m>.mean`` one value
+    per column, plus the Avg where the columns are domains, or the Avg alone; ``std`` as long as ``mean``."""
+    from fedsilo.config import did_you_mean
+    from fedsilo.report.tables import METRIC_COLUMNS
+
+    cols = table.get("domains")
+    if not isinstance(cols, list) or not cols:
+        return ["domains: give the table's columns as a list (the domains, or local / new / external test)"]
+    metrics = set(cols) <= set(METRIC_COLUMNS)
+    out = [f"domains: '{d}' is not a domain of this experiment{did_you_mean(d, domains)} (its domains: {', '.join(domains)})"
+           for d in cols if not metrics and domains is not None and d not in domains]
+    want = [len(cols)] if metrics else [len(cols) + 1, 1]
+    methods = table.get("methods")
+    if not isinstance(methods, dict):
+        return out + ["methods: give the paper's rows as a mapping method -> {mean: [...], std: [...]}"]
+    for m, row in methods.items():
+        mean, std = (row or {}).get("mean"), (row or {}).get("std")
+        if mean is None:
+            continue  # a row of other numbers only (pFedDB's Table 3: parameters and ratio)
+        if not isinstance(mean, list) or len(mean) not in want:
+            n = len(mean) if isinstance(mean, list) else 1
+            out.append(f"methods.{m}.mean: {n} value(s) for the columns {cols}; give "
+                       + (f"{len(cols)}" if metrics else f"{len(cols) + 1} (each column, then the Avg) or 1 (the Avg alone)"))
+        elif std is not None and (not isinstance(std, list) or len(std) != len(mean)):
+            out.append(f"methods.{m}.std: {len(std) if isinstance(std, list) else 1} value(s) for {len(mean)} means")
+    return out
+
+
 # The paper's MB in FedeCouple's Table VII: 1,000 KB of 1,024 bytes (its 415.6 KB extractor is 106,400 float32
 # parameters = 425,600 bytes; pipelines/fedecouple/published.yaml)
 PAPER_MB_BYTES = 1000 * 1024
@@ -387,6 +418,10 @@ def write_versus(out: Path, exp: str, vs: pd.DataFrame, published: str, paper: d
             log.warning("%s: %s: not the paper's setting for that row", exp, line)
         md = md.replace("\n\n|", "\n\n**Not the paper's setting**: " + "; ".join(settings) + " (the difference on those rows "
                         "is not the paper's comparison).\n\n|", 1)
+    unmatched = [str(m) for m in (paper or {}).get("methods") or {} if m not in vs.index]
+    if unmatched:  # a method not run here, or a key misspelt in the published file: said, not dropped without a word
+        md = md.rstrip("\n") + ("\n\n**The paper's rows with no run here**: " + ", ".join(unmatched) + " (methods this "
+                                 f"report does not hold, or keys of {published.partition('#')[0]} that name none of ours).\n")
     (out / f"{exp}_vs_paper.md").write_text(md)
     vs.columns = [f"{d}_{k}" for d, k in vs.columns]
     vs.index.name = "method"
