@@ -237,6 +237,33 @@ def test_a_method_edit_in_a_papers_params_reruns_only_its_runs_and_that_papers_r
     assert _stale(paper_repo, PFEDDB) == set()
 
 
+def test_a_paper_of_ones_own_from_new_paper_runs_as_the_shipped_ones_do(repo_copy):
+    """`fedsilo new-paper` writes a pipeline folder that `dvc repro` runs as it is, beside the root's (its split and
+    runs from the root's data, its report); a run group then added to its params alone stops the repro at
+    check_params, naming the missing stage, with the report kept."""
+    _run(repo_copy, "fedsilo", "new-paper", "mine", "--experiment", "quick", "--methods", "fedavg,fedbn", "--title", "Mine (2026)")
+    mine = "pipelines/mine/dvc.yaml"
+    _run(repo_copy, "dvc", "repro", mine)
+    ns = repo_copy / "results" / "mine" / "quickstart"
+    for m in ("fedavg", "fedbn"):
+        assert (ns / "mine_quick" / m / "seed0" / "metrics.json").exists(), m
+    assert "| fedbn |" in (ns / "report" / "mine_quick" / "mine_quick_accuracy.md").read_text()
+    assert _stale(repo_copy, mine) == set() and _stale(repo_copy) == set()
+    params = repo_copy / "pipelines" / "mine" / "params.yaml"
+    original = params.read_text()
+    try:
+        raw = yaml.safe_load(original)
+        raw["methods"]["fedprox"] = {"mu": 0.1}
+        raw["runs"]["ablation"] = {"experiments": ["mine_quick"], "methods": ["fedprox"]}
+        params.write_text(yaml.safe_dump(raw, sort_keys=False))
+        r = subprocess.run(["dvc", "repro", mine], cwd=repo_copy, capture_output=True, text=True, timeout=900,
+                           env={**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")})
+        assert r.returncode != 0 and "runs.ablation: pipelines/mine/dvc.yaml has no train_ablation stage" in r.stdout + r.stderr
+        assert (ns / "report" / "mine_quick" / "mine_quick_accuracy.md").exists()
+    finally:
+        params.write_text(original)
+
+
 def test_a_hospitals_table_rules_reharmonize_its_dataset_and_its_folder_refetches(repo_copy):
     """A label-table rule is a harmonize param: editing it leaves the export's fetch alone and makes only that
     dataset's fingerprint and harmonize stale; editing the source (its path; here its mirror) re-fetches it."""

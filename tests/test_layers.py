@@ -27,6 +27,7 @@ LAYERS = {
     "fedsilo.grid": 4,
     "fedsilo.grid_ray": 4,
     "fedsilo.grid_bench": 4,
+    "fedsilo.scaffold": 4,
     "fedsilo.cli": 5,
 }
 

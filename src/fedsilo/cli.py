@@ -517,6 +517,15 @@ def _check(args: argparse.Namespace) -> None:
     print(f"{args.params}: ok")
 
 
+def _new_paper(args: argparse.Namespace) -> None:
+    from fedsilo.scaffold import describe, new_paper
+
+    root = Path(args.root)
+    folder = new_paper(config.load_params(args.params), root, args.name, args.experiment,
+                       [m for m in args.methods.split(",") if m], args.title)
+    print(describe(folder, root))
+
+
 def _methods(args: argparse.Namespace) -> None:
     from fedsilo.methods.registry import list_methods
 
@@ -1183,6 +1192,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    "(the check_params stage: the split, train, onboard and report stages depend on it, so a params file "
                    "that fails stops dvc repro before DVC removes their outputs)")
     s.set_defaults(fn=_check)
+    s = sub.add_parser("new-paper", parents=[common], help="a paper's pipeline of your own: pipelines/NAME/ with params.yaml "
+                       "(an experiment of the root params, the methods, one run group), dvc.yaml and published.yaml",
+                       formatter_class=fmt, epilog=_listing(known, "experiments", "methods") + "\nREADME, \"A paper of your own\".")
+    s.add_argument("name", help="the paper's name: lower-case letters, digits and _ (pipelines/NAME, results/NAME/)")
+    s.add_argument("--experiment", required=True, help="an experiment of the root params file whose dataset, split and "
+                   "training the paper's experiment starts from (its dataset must be in pipeline.datasets)")
+    s.add_argument("--methods", required=True, help="comma-separated methods (fedsilo methods lists them), e.g. fedavg,fedprox,ditto")
+    s.add_argument("--title", default="", help="the paper, in words, for the files' headers")
+    s.set_defaults(fn=_new_paper)
     s = sub.add_parser("methods", help="list every registered method: the data it learns, whether a site may join a run "
                        "in progress, its one-line summary")
     s.set_defaults(fn=_methods)
