@@ -348,8 +348,7 @@ def backbone_note(paper: dict[str, Any] | None, ours: set[str]) -> str:
     if not theirs or not ours or ours == {theirs}:
         return ""
     return (f"**Not the paper's backbone**: ours {', '.join(sorted(ours))}, the paper's {theirs}: these rows show the "
-            "pipeline at work on this scale's data, not whether the paper's numbers reproduce (its paper-scale params "
-            "train the paper's backbone).")
+            "pipeline at work on this scale's data, not whether the paper's numbers reproduce.")
 
 
 def paper_scale_note(params: Any, experiment: str, repo: Path) -> str:
