@@ -99,3 +99,22 @@ def test_device_crop_pads_black_as_torchvision_randomcrop():
     out = augment(x, AugmentParams(crop_pad=4), torch.Generator().manual_seed(0), NormalizeParams())
     values = set(out.unique().tolist())
     assert values <= {-1.0, 1.0} and -1.0 in values
+
+
+def test_check_params_and_a_runs_start_refuse_a_bad_policy_by_its_whole_key(tmp_path, capsys):
+    """A policy naming no transform fails `fedsilo check-params` (it printed ok, and the run failed inside its first
+    batch) and a train run before its first round, each naming experiments.<e>.train.augment.host[i]."""
+    import yaml
+
+    from fedsilo.cli import main
+    from fedsilo.fl.params import load_params
+    from fedsilo.fl.run import run_training
+
+    raw = small_params()
+    raw["experiments"]["quick"]["train"]["augment"] = {"host": [{"name": "CLAHE", "p": 1.0}, {"name": "NoSuchTransform"}]}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["--root", str(tmp_path), "--params", str(tmp_path / "params.yaml"), "check-params"]) == 2
+    assert "experiments.quick.train.augment.host[1].name: 'NoSuchTransform' is not an albumentations transform" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"^experiments\.quick\.train\.augment\.host\[1\]\.name: 'NoSuchTransform'"):
+        run_training(load_params(tmp_path / "params.yaml"), "quick", "fedavg", 0, root=tmp_path, quiet=True)
+    assert not (tmp_path / "results").exists()

@@ -64,6 +64,16 @@ def host_policy(host: Sequence[Any]) -> Optional[Any]:
     return mine[key]
 
 
+def check_host_policy(host: Sequence[Any], experiment: str) -> None:
+    """Build ``experiments.<experiment>.train.augment.host`` once: an unknown transform or argument is a
+    :class:`ConfigError` naming the whole key, from ``fedsilo check-params`` and before a run's first round, not from
+    inside its first batch."""
+    try:
+        host_policy(host)
+    except ConfigError as err:
+        raise ConfigError(f"experiments.{experiment}.{err}") from None
+
+
 def apply_host(policy: Any, x_u8: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """``policy`` on every image of a uint8 N x C x H x W batch (any device), on the host; returns the batch on
     ``x_u8``'s device. The policy is re-seeded from ``gen`` for each batch. A transform that changes an image's size

@@ -33,6 +33,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from fedsilo.client.data import load_clients, load_external, load_task_clients, pick_device
+from fedsilo.client.hostaug import check_host_policy
 from fedsilo.codehash import method_code_sha256, train_code_sha256
 from fedsilo.config import ConfigError, Params
 from fedsilo.data.splits import refuse_stale_split
@@ -197,6 +198,7 @@ def run_training(
     if experiment not in params.experiments:
         raise ConfigError(f"experiments.{experiment}: not defined in {params.source}")
     exp = params.experiments[experiment]
+    check_host_policy(exp.train.augment.host, experiment)
     algo = resolve_method(params, method, exp.train)  # the one typed method object of this run
     train = algo.train  # the experiment's train, with the method's own local_optimizer settings where it has them
     layout = params.layout(root)
