@@ -301,3 +301,43 @@ def test_a_folder_the_fetching_account_cannot_list_fails_the_fetch_by_name(tmp_p
     monkeypatch.setattr(fetch_mod.os, "walk", walk_mac_drive)
     manifest = fetch("site", SourceParams(mode="local", reader="image_folder", path=str(src)), tmp_path / "raw" / "site", quiet=True)
     assert set(manifest["files"]) == {"a.png"}
+
+
+def test_an_archive_unpacks_in_one_pass_with_its_progress_and_a_corrupt_member_is_named(tmp_path, capsys):
+    """A zip is read once (each member's CRC checked as it is extracted, where it was tested in a pass of its own
+    first) and a tar member by member, each with a progress line in the members' bytes; the fetched tree's hashing
+    shows its own; a member whose bytes changed stops the unpack naming it."""
+    import tarfile
+
+    from fedsilo.data.fetch import _unpack
+    from fedsilo.utils.io import tree_manifest
+
+    files = {"a/x.txt": b"PAYLOAD-A" * 100, "b.txt": b"PAYLOAD-B" * 100}
+    good = tmp_path / "good.zip"
+    with zipfile.ZipFile(good, "w", zipfile.ZIP_STORED) as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    tgz = tmp_path / "good.tar.gz"
+    with tarfile.open(tgz, "w:gz") as t:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    for archive in (good, tgz):
+        out = tmp_path / archive.name.replace(".", "_")
+        capsys.readouterr()
+        _unpack(archive, out, quiet=False)
+        assert {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+        if archive is good:  # a total known up front: a line when it is reached
+            assert f"unpack {archive.name}" in capsys.readouterr().err
+    capsys.readouterr()
+    manifest = tree_manifest(tmp_path / "good_zip", desc="hash good", quiet=False)
+    assert set(manifest) == set(files) and "hash good" in capsys.readouterr().err
+    assert tree_manifest(tmp_path / "good_zip") == manifest and capsys.readouterr().err == ""
+    blob = bytearray(good.read_bytes())
+    at = bytes(blob).index(b"PAYLOAD-B")
+    blob[at] ^= 0xFF  # one byte of b.txt's stored data
+    bad = tmp_path / "bad.zip"
+    bad.write_bytes(bytes(blob))
+    with pytest.raises(FetchError, match=r"bad\.zip: corrupt member b\.txt \(Bad CRC-32"):
+        _unpack(bad, tmp_path / "bad_out", quiet=True)

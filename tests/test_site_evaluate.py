@@ -64,7 +64,9 @@ def test_the_kept_model_is_scored_on_every_image_with_its_metrics_per_domain(tmp
     summary = json.loads((out / "evaluation.json").read_text())
     rows = pd.read_csv(out / "predictions.csv")
     md = (out / "evaluation.md").read_text()
-    assert md in capsys.readouterr().out and "External validation: external" in md
+    said = capsys.readouterr()
+    assert md in said.out and "External validation: external" in md
+    assert "evaluate external:" in said.err  # the images scored, as progress (several chunks)
 
     h = tmp_path / "data" / "harmonized" / "external"
     images = torch.from_numpy(np.load(h / "images.npy")).permute(0, 3, 1, 2).contiguous()

@@ -752,7 +752,7 @@ def _site_evaluate(args: argparse.Namespace) -> None:
                           "predictions.csv): name a folder")
     device = str(pick_device(args.device, "--device"))
     summary, rows = evaluate_site_model(load_params(args.params), args.dataset, model, Path(args.root), args.bootstrap,
-                                        args.seed, device=device)
+                                        args.seed, device=device, quiet=args.quiet)
     md = evaluation_markdown(summary)
     out.mkdir(parents=True, exist_ok=True)
     for name, write in (("evaluation.json", lambda f: f.write_text(json.dumps(summary, indent=1))),

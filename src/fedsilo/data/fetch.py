@@ -108,25 +108,36 @@ def credentials(mode: str, source: str) -> tuple[str, ...]:
     return tuple(os.environ[n] for n in names)
 
 
-def _unpack(archive: Path, dest: Path) -> None:
+def _unpack(archive: Path, dest: Path, quiet: bool = False) -> None:
+    """``archive`` (.zip, .tar, .tar.gz / .bz2 / .xz) unpacked into ``dest`` in one pass, its progress in the
+    members' bytes; a zip member's CRC is checked as it is read (a corrupt one stops the fetch, named)."""
+    from fedsilo.utils.progress import Progress
+
     name = archive.name.lower()
     try:
         if name.endswith(".zip"):
             with zipfile.ZipFile(archive) as z:
-                bad = z.testzip()
-                if bad is not None:
-                    raise FetchError(f"{archive.name}: corrupt member {bad} (CRC mismatch)")
-                z.extractall(dest)
+                members = z.infolist()
+                with Progress(sum(i.file_size for i in members), f"unpack {archive.name}", "B", quiet=quiet) as bar:
+                    for info in members:
+                        try:
+                            z.extract(info, dest)
+                        except zipfile.BadZipFile as err:
+                            raise FetchError(f"{archive.name}: corrupt member {info.filename} ({err})") from None
+                        bar.update(info.file_size)
         elif name.endswith((".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")):
-            with tarfile.open(archive) as t:
-                t.extractall(dest, filter="data")
+            # a compressed tar's member list is known only once read through: the bytes so far, without a total
+            with tarfile.open(archive) as t, Progress(None, f"unpack {archive.name}", "B", quiet=quiet) as bar:
+                for member in t:
+                    t.extract(member, dest, filter="data")
+                    bar.update(member.size)
         else:
             raise FetchError(f"{archive}: not a folder, .zip or .tar(.gz/.bz2/.xz) archive")
     except (zipfile.BadZipFile, tarfile.TarError, EOFError) as err:
         raise FetchError(f"{archive.name}: cannot unpack: {err}") from err
 
 
-def _unpack_distributed_zips(source: str, folder: Path) -> None:
+def _unpack_distributed_zips(source: str, folder: Path, quiet: bool = False) -> None:
     """Sources distributed as several archives (DomainNet's per-domain zips) are usually kept that way: unpack the
     archives a local folder holds at its top level, as download mode does, so the reader sees the unpacked layout."""
     from fedsilo.data.sources import source_module
@@ -138,7 +149,7 @@ def _unpack_distributed_zips(source: str, folder: Path) -> None:
     for z in sorted(folder.glob(pattern)):
         if is_hidden(z.name):  # a Mac copy's ._clipart.zip is the AppleDouble twin of clipart.zip, not an archive
             continue
-        _unpack(z, folder)
+        _unpack(z, folder, quiet)
         z.unlink()
 
 
@@ -278,7 +289,7 @@ def _fetch_remote(source: str, params: SourceParams, tmp: Path, root: Path, quie
             )
         if r.unpack:
             try:
-                _unpack(path, tmp)
+                _unpack(path, tmp, quiet)
             except FetchError as err:
                 if verified:
                     raise
@@ -357,14 +368,14 @@ def fetch(source: str, params: SourceParams, out_dir: Path, root: Path = Path(".
                     check_local_layout(source, src, rules)
                 copy_tree(src, tmp, f"fetch {source}", quiet)
                 if params.reader is None:  # a public source distributed as zips inside its folder
-                    _unpack_distributed_zips(source, tmp)
+                    _unpack_distributed_zips(source, tmp, quiet)
             else:
-                _unpack(src, tmp)
+                _unpack(src, tmp, quiet)
             origin = str(src.resolve())
         else:
             extra = _fetch_remote(source, params, tmp, root, quiet)
             origin = f"{params.mode}: " + ", ".join(d["url"] for d in extra["downloads"][:3]) + (" ..." if len(extra["downloads"]) > 3 else "")
-        files = tree_manifest(tmp, exclude=(MANIFEST,))
+        files = tree_manifest(tmp, exclude=(MANIFEST,), desc=f"hash {source}", quiet=quiet)
         if not files:
             raise FetchError(f"{source}: fetch produced no files")
         manifest = {"source": source, "mode": params.mode, "origin": origin, "files": files, **extra}

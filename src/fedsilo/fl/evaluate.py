@@ -34,6 +34,7 @@ import torch
 
 from fedsilo.client.local import binary_auc, predict
 from fedsilo.config import ConfigError, Params, TrainParams
+from fedsilo.utils.progress import Progress
 
 __all__ = ["evaluate_site_model", "patient_bootstrap", "evaluation_markdown"]
 
@@ -177,9 +178,9 @@ def _trained_on(params: Params, dataset: str, root: Path, info: dict[str, Any], 
 
 
 def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Path = Path("."), bootstrap: int = 1000,
-                        seed: int = 0, device: str = "cpu", batch_size: int = 256) -> tuple[dict[str, Any], pd.DataFrame]:
+                        seed: int = 0, device: str = "cpu", batch_size: int = 256, quiet: bool = True) -> tuple[dict[str, Any], pd.DataFrame]:
     """The evaluation of the model at ``model_path`` on every image of the harmonized ``dataset`` (see the module):
-    the summary (per domain and ``all``) and one row per image."""
+    the summary (per domain and ``all``) and one row per image; the images scored shown as progress unless ``quiet``."""
     from fedsilo.fl.deploy import load_site_model
     from fedsilo.fl.site import changed_arrays
 
@@ -214,9 +215,11 @@ def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Pa
     images = np.load(files[0], mmap_mode="r")
     cfg = TrainParams.model_validate(info["deployment"]["train"])
     probs = []
-    for i in range(0, len(images), CHUNK):  # the memory-mapped arrays a chunk at a time
-        x = torch.from_numpy(np.array(images[i : i + CHUNK])).permute(0, 3, 1, 2).contiguous().to(device)
-        probs.append(predict(model, x, batch_size, cfg=cfg).softmax(1).cpu().numpy())
+    with Progress(len(images), f"evaluate {dataset}", "image", quiet=quiet) as bar:
+        for i in range(0, len(images), CHUNK):  # the memory-mapped arrays a chunk at a time
+            x = torch.from_numpy(np.array(images[i : i + CHUNK])).permute(0, 3, 1, 2).contiguous().to(device)
+            probs.append(predict(model, x, batch_size, cfg=cfg).softmax(1).cpu().numpy())
+            bar.update(len(x))
     prob = np.concatenate(probs) if probs else np.zeros((0, len(classes)))
     rows = pd.DataFrame({"id": records["id"], "domain": records["domain"], "group": records["group"],
                          "label": records["label"].astype(int), "predicted_index": prob.argmax(1)})

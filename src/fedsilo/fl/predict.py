@@ -19,8 +19,12 @@ from fedsilo.config import BenchmarkDatasetParams, ConfigError, CXRDatasetParams
 from fedsilo.data.dicom import is_dicom_file
 from fedsilo.data.slides import is_slide_file
 from fedsilo.data.sources.image_folder import file_reader
+from fedsilo.utils.progress import Progress
 
 __all__ = ["image_files", "predict_images"]
+
+CHUNK = 4096  # images scored on the device at a time
+
 
 def image_files(paths: Iterable[str | Path]) -> list[Path]:
     """The files named, and every file under the folders named (sorted; hidden files and folders left out, as the
@@ -136,8 +140,13 @@ def predict_images(params: Params, experiment: str, model_path: Path, files: lis
         rows[f"prob.{c}"] = np.nan
     read = [i for i, img in enumerate(images) if img is not None]
     if read:
-        x = torch.from_numpy(np.stack([images[i] for i in read])).permute(0, 3, 1, 2).contiguous().to(device)
-        probs = predict(model, x, batch_size, cfg=TrainParams.model_validate(info["deployment"]["train"])).softmax(1).cpu().numpy()
+        cfg, chunks = TrainParams.model_validate(info["deployment"]["train"]), []
+        with Progress(len(read), "predict: score", "image", quiet=quiet) as bar:
+            for s in range(0, len(read), CHUNK):  # a chunk of images on the device at a time
+                x = torch.from_numpy(np.stack([images[i] for i in read[s : s + CHUNK]])).permute(0, 3, 1, 2).contiguous().to(device)
+                chunks.append(predict(model, x, batch_size, cfg=cfg).softmax(1).cpu().numpy())
+                bar.update(len(x))
+        probs = np.concatenate(chunks)
         for k, c in enumerate(classes):
             rows.loc[read, f"prob.{c}"] = probs[:, k]
         rows.loc[read, "predicted"] = [classes[j] for j in probs.argmax(1)]

@@ -209,14 +209,17 @@ def canonical_hash(obj: Any) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def tree_manifest(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
-    """Relative path -> {sha256, bytes} for every file below ``root`` (sorted, deterministic)."""
+def tree_manifest(root: str | os.PathLike, exclude: tuple[str, ...] = (), desc: str = "", quiet: bool = True) -> dict[str, dict[str, Any]]:
+    """Relative path -> {sha256, bytes} for every file below ``root`` (sorted, deterministic); with ``desc``, the
+    bytes hashed shown as progress (a source of many GB is read through once more)."""
+    from fedsilo.utils.progress import Progress
+
     root = Path(root)
+    files = [(p, p.relative_to(root).as_posix()) for p in sorted(root.rglob("*")) if p.is_file()]
+    files = [(p, rel, p.stat().st_size) for p, rel in files if rel not in exclude]
     out: dict[str, dict[str, Any]] = {}
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            rel = p.relative_to(root).as_posix()
-            if rel in exclude:
-                continue
-            out[rel] = {"sha256": file_sha256(p), "bytes": p.stat().st_size}
+    with Progress(sum(n for _, _, n in files), desc, "B", quiet=quiet or not desc) as bar:
+        for p, rel, n in files:
+            out[rel] = {"sha256": file_sha256(p), "bytes": n}
+            bar.update(n)
     return out
