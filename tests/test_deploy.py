@@ -1847,6 +1847,8 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
     params.write_text(yaml.safe_dump(raw, sort_keys=False))
     torch.save({"round": 1, "model": {}}, tmp_path / "site_model.pt")
     assert "not a deployment's final model" in refused(model=tmp_path / "site_model.pt")
+    torch.save({k: v for k, v in held.items() if k != "round"}, tmp_path / "no_round.pt")  # cut short: no round to name
+    assert "not a deployment's final model" in refused(model=tmp_path / "no_round.pt")
     bigger = {**held, "deployment": {**held["deployment"], "contract": {**held["deployment"]["contract"], "image_shape": [32, 32, 1]}}}
     torch.save(bigger, tmp_path / "bigger.pt")
     assert "does not fit the deployment's contract: image_shape [16, 16, 1] (agreed [32, 32, 1])" in refused(model=tmp_path / "bigger.pt")

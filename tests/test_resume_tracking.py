@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 import yaml
 
@@ -194,3 +195,31 @@ def test_a_new_experiment_keeps_its_artifacts_beside_the_database_whatever_folde
     where = t.client.get_run(run).info.artifact_uri
     assert where.startswith((tmp_path / "store" / "mlruns").as_uri()) and where == artifact_location(t.uri, "paper/quickstart/e1") + f"/{run}/artifacts"
     assert list((tmp_path / "store" / "mlruns").rglob("metrics.json")) and artifact_location("http://mlflow:5000", "e") is None
+
+
+def test_a_run_id_the_store_lacks_starts_a_new_run_and_a_failing_store_is_not_taken_for_one(tmp_path, monkeypatch):
+    """A checkpoint's MLflow run that another tracking store holds: a new run here (and nothing to mark KILLED);
+    the store failing otherwise (unreachable, locked) stops the start, where it silently began a second run and left
+    the first RUNNING."""
+    from mlflow.exceptions import MlflowException
+
+    from fedsilo.tracking import Tracker
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    t = Tracker(True, f"sqlite:///{tmp_path / 'mlflow.db'}")
+    first = t.start("e", "fedavg-seed0", {}, {})
+    assert t.start("e", "fedavg-seed0", {}, {}, run_id=first) == first  # resumed
+    gone = "0123456789abcdef0123456789abcdef"
+    new = t.start("e", "fedavg-seed0", {}, {}, run_id=gone)
+    assert new not in (gone, first) and t.supersede(gone) is False
+
+    def down(run_id):
+        raise MlflowException("database is locked")
+
+    monkeypatch.setattr(t.client, "get_run", down)
+    with pytest.raises(MlflowException, match="database is locked"):
+        t.start("e", "fedavg-seed0", {}, {}, run_id=first)
+    with pytest.raises(MlflowException, match="database is locked"):
+        t.supersede(first)
+    runs = Tracker(True, f"sqlite:///{tmp_path / 'mlflow.db'}").client.search_runs([t.client.get_experiment_by_name("e").experiment_id])
+    assert len(runs) == 2

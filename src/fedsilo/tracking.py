@@ -165,6 +165,20 @@ def artifact_location(uri: str, experiment: str) -> Optional[str]:
     return ((db if db.is_absolute() else Path.cwd() / db).resolve().parent / "mlruns" / f"{folder}-{digest}").as_uri()
 
 
+def _run_exists(client: Any, run_id: str) -> bool:
+    """Whether the tracking store holds ``run_id``: False for a run it does not know (a checkpoint from another
+    store); any other failure (the store unreachable, locked, refused) propagates, not taken for a missing run."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_run(run_id)
+    except MlflowException as err:
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise
+    return True
+
+
 class Tracker:
     """A thin wrapper over ``MlflowClient``; ``enabled=False`` makes every call a no-op (tests, dry runs)."""
 
@@ -183,13 +197,11 @@ class Tracker:
         from mlflow.entities import Param, RunTag
 
         if run_id:
-            try:
-                self.client.get_run(run_id)
+            if _run_exists(self.client, run_id):
                 self.run_id = run_id
                 self.client.update_run(run_id, status="RUNNING")
                 return run_id
-            except Exception:  # noqa: BLE001 - the old run is gone (another tracking store): start a new one
-                pass
+            log.info("MLflow run %s is not in %s (another tracking store): a new run", run_id, self.uri)
         exp_id = self._experiment_id(experiment)
         run = self.client.create_run(exp_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
@@ -282,10 +294,9 @@ class Tracker:
         and the run will not be resumed (the configuration changed, or it was already finished). True if marked."""
         if not self.enabled:
             return False
-        try:
-            run = self.client.get_run(run_id)
-        except Exception:  # noqa: BLE001 - a run of another tracking store: nothing to mark here
+        if not _run_exists(self.client, run_id):  # a run of another tracking store: nothing to mark here
             return False
+        run = self.client.get_run(run_id)
         if run.info.status != "RUNNING":
             return False
         self.client.set_terminated(run_id, "KILLED")

@@ -245,7 +245,7 @@ def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, 
     if experiment not in params.experiments:
         raise ConfigError(f"experiments.{experiment}: not defined in the site's params file")
     kept = read_model_file(model_path)
-    if not isinstance(kept, dict) or "deployment" not in kept or "server" not in kept:
+    if not isinstance(kept, dict) or any(k not in kept for k in ("deployment", "server", "round")):
         raise ConfigError(f"--model: {model_path}: not a deployment's final model (the coordinator's final_model.pt, beside "
                           "its metrics.json)")
     dep = kept["deployment"]
@@ -278,7 +278,7 @@ def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, 
     if unknown or not strategies or len(set(strategies)) != len(strategies):
         raise ConfigError(f"--strategy: {', '.join(strategies) or 'none'}: name each of {', '.join(ONBOARD_STRATEGIES)} at most once")
     if MEMBER in strategies:
-        refusal = as_member_refusal(built, int(kept.get("round", 0)))
+        refusal = as_member_refusal(built, int(kept["round"]))
         if refusal is not None:
             raise ConfigError(f"--strategy {MEMBER}: {refusal}")
         if NEWCOMER not in kept:
@@ -324,7 +324,7 @@ def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, 
         "seed": spec.seed,
         "deployment_sha256": canonical_hash(dep),
         "from_model": str(model_path),
-        "server_round": int(kept.get("round", 0)),
+        "server_round": int(kept["round"]),
         "strategies": [s for s in ONBOARD_STRATEGIES if s in strategies],
         "kept": keep,
         "pretrain_rounds": ob.pretrain_rounds if pfeddb else 0,  # a pFedDB newcomer's own local model first
