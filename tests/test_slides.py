@@ -4,6 +4,7 @@ rules, without a resolution or without tissue excluded with the reason; a small 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -730,7 +731,7 @@ def test_dicom_annotation_objects_label_a_dicom_slides_patches(tmp_path):
                for r in card["domains"]["lab"]["excluded_by_reason"])
 
 
-def test_dicom_structured_reports_label_a_dicom_slides_patches(tmp_path):
+def test_dicom_structured_reports_label_a_dicom_slides_patches(tmp_path, caplog):
     """A pathologist's regions as a DICOM Structured Report (a Measurement Report, TID 1500, made with highdicom) of a
     case's two slides: each planar ROI is a region of the slide it is drawn on, the report found by the series its
     evidence references and placed on each slide: a 3D polygon (millimetres on the glass), a closed 2D polyline in a
@@ -807,6 +808,13 @@ def test_dicom_structured_reports_label_a_dicom_slides_patches(tmp_path):
     assert [n for n, _ in slides.read_regions(root / "ann" / "case.dcm", frame, "label")] == ["necrosis 1", "a gland"]  # S2's only
     assert slides.dicom_annotation_refs(root / "ann" / "case.dcm") >= {s1.SeriesInstanceUID, s2.SeriesInstanceUID, s2_level1.SOPInstanceUID}
     assert slides.dicom_annotation_refs(root / "ann" / "text.dcm") is None
+    # an annotation object cut short in a copy: no annotation, said (its slide would be tiled without its regions)
+    cut = tmp_path / "cut.dcm"
+    whole = (root / "ann" / "case.dcm").read_bytes()
+    cut.write_bytes(whole[:152])  # inside the length field of its file meta header's second element
+    with caplog.at_level(logging.WARNING, logger="fedsilo.slides"):
+        assert slides.dicom_annotation_refs(cut) is None
+    assert f"{cut}: a DICOM file whose header cannot be read" in caplog.text
     with pytest.raises(ValueError, match="a Structured Report whose content is no Measurement Report"):
         slides.read_regions(root / "ann" / "text.dcm", frame)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import xml.etree.ElementTree as ET
@@ -39,6 +40,8 @@ import pandas as pd
 
 from fedsilo.data.dicom import is_dicom_file, whole_slide_instance
 from fedsilo.data.imageops import ImageDecodeError
+
+log = logging.getLogger("fedsilo.slides")
 
 SLIDE_SUFFIXES = (".svs", ".ndpi", ".scn", ".bif")
 PLAUSIBLE_MPP = (0.05, 20.0)  # microns per pixel a slide scanner writes; outside it a header's value is a photo's dpi
@@ -534,9 +537,14 @@ def dicom_annotation_refs(path: Path) -> Optional[set[str]]:
     try:
         if not is_dicom_file(path):
             return None
+    except OSError:  # unreadable: the slide readers name it where it is a slide
+        return None
+    try:
         ds = pydicom.dcmread(str(path), specific_tags=["SOPClassUID", "ReferencedSeriesSequence", "ReferencedImageSequence",
                                                        "ContentTemplateSequence", *EVIDENCE])
-    except Exception:  # noqa: BLE001 - a file that cannot be read as DICOM is no annotation file
+    except Exception as err:  # noqa: BLE001 - a DICOM whose header does not parse: said, since it may be a slide's regions
+        log.warning("%s: a DICOM file whose header cannot be read (%s: %s): not read as an annotation object; a slide "
+                    "whose regions it holds is tiled without them", path, type(err).__name__, err)
         return None
     sop = str(ds.get("SOPClassUID", None) or ds.file_meta.get("MediaStorageSOPClassUID", None))
     if sop not in (DICOM_ANNOTATIONS, DICOM_SEGMENTATION, *DICOM_SR):

@@ -237,8 +237,9 @@ def dicom_index(raw_dir: Path, folder: str, tag: str, key: str, quiet: bool = Tr
         rel = f.relative_to(raw_dir).as_posix()
         try:
             dicom = is_dicom_file(f)
-        except OSError:
-            dicom = False
+        except OSError as err:
+            unmatched.append((rel, f"cannot be read ({err.strerror or err})"))
+            continue
         if not dicom:
             unmatched.append((rel, f"not a DICOM ({key} matches DICOMs by their {tag})"))
             continue
