@@ -223,3 +223,44 @@ def test_a_run_id_the_store_lacks_starts_a_new_run_and_a_failing_store_is_not_ta
         t.supersede(first)
     runs = Tracker(True, f"sqlite:///{tmp_path / 'mlflow.db'}").client.search_runs([t.client.get_experiment_by_name("e").experiment_id])
     assert len(runs) == 2
+
+
+def test_a_run_whose_process_died_is_found_and_ended_and_a_live_one_is_left(tmp_path, monkeypatch, capsys):
+    """Every run carries its process (host, pid, start time; a resume re-tags it); `fedsilo stale-runs` lists the
+    RUNNING runs whose process on this host is gone, `--end` marks them KILLED (the grid does at its end), leaving
+    a live run, a finished one and another host's as they are."""
+    from mlflow.entities import RunTag
+
+    from fedsilo.cli import main
+    from fedsilo.tracking import PROCESS_TAGS, Tracker, process_tags
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    t = Tracker(True, uri)
+    live = t.start("e", "live", {}, {})
+    assert {k: t.client.get_run(live).data.tags[k] for k in PROCESS_TAGS} == process_tags()
+    dead_pid = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_pid.wait()
+    dead = t.start("e", "killed", {}, {})
+    t.client.log_batch(dead, tags=[RunTag("fedsilo.pid", str(dead_pid.pid))])  # its process: gone
+    elsewhere = t.start("e", "other-host", {}, {})
+    t.client.log_batch(elsewhere, tags=[RunTag("fedsilo.host", "gpu-node-7"), RunTag("fedsilo.pid", str(dead_pid.pid))])
+    done = t.start("e", "done", {}, {})
+    t.client.set_terminated(done, "FINISHED")
+    raw = small_params()
+    raw["tracking"] = {"enabled": True, "uri": uri}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    args = ["--root", str(tmp_path), "--params", str(tmp_path / "params.yaml"), "stale-runs"]
+    capsys.readouterr()
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "1 RUNNING run(s) whose process on" in out and f"e  killed  {dead}  (pid {dead_pid.pid}" in out
+    assert "1 other RUNNING run(s) not judged here: started on gpu-node-7 (run this there)" in out
+    assert t.client.get_run(dead).info.status == "RUNNING"  # listed only
+    assert main([*args, "--end"]) == 0 and "marked KILLED" in capsys.readouterr().out
+    status = {r: t.client.get_run(r).info.status for r in (live, dead, elsewhere, done)}
+    assert status == {live: "RUNNING", dead: "KILLED", elsewhere: "RUNNING", done: "FINISHED"}
+    # its checkpoint resumes it all the same, re-tagged with the resuming process
+    t.client.log_batch(dead, tags=[RunTag("fedsilo.pid", "1")])
+    assert Tracker(True, uri).start("e", "killed", {}, {}, run_id=dead) == dead
+    assert t.client.get_run(dead).info.status == "RUNNING" and t.client.get_run(dead).data.tags["fedsilo.pid"] == str(os.getpid())

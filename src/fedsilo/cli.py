@@ -534,6 +534,42 @@ def _new_paper(args: argparse.Namespace) -> None:
     print(describe(folder, root))
 
 
+def _stale_runs(args: argparse.Namespace) -> None:
+    import os
+    import socket
+    from datetime import datetime
+
+    from mlflow.tracking import MlflowClient
+
+    from fedsilo.tracking import stale_runs
+
+    p = config.load_params(args.params)
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or p.tracking.uri
+    if not os.environ.get("MLFLOW_TRACKING_URI") and not p.tracking.enabled:
+        raise ConfigError(f"{args.params}: tracking.enabled is false: no MLflow store to look in (set MLFLOW_TRACKING_URI to name one)")
+    client = MlflowClient(tracking_uri=uri)
+    gone, unknown = stale_runs(client)
+    names = {e.experiment_id: e.name for e in client.search_experiments()}
+    host = socket.gethostname()
+    print(f"stale-runs {uri}: {len(gone)} RUNNING run(s) whose process on {host} is gone"
+          + (", marked KILLED" if args.end and gone else ""))
+    for run in gone:
+        t = run.data.tags
+        started = datetime.fromtimestamp(run.info.start_time / 1000).isoformat(timespec="seconds")
+        print(f"  {names.get(run.info.experiment_id, run.info.experiment_id)}  {run.info.run_name}  {run.info.run_id}  "
+              f"(pid {t['fedsilo.pid']}, started {started})")
+        if args.end:
+            client.set_terminated(run.info.run_id, "KILLED")
+    if unknown:
+        hosts = sorted({r.data.tags.get("fedsilo.host", "?") for r in unknown} - {host})
+        print(f"  {len(unknown)} other RUNNING run(s) not judged here: "
+              + ("; ".join(x for x in (f"started on {', '.join(hosts)} (run this there)" if hosts else "",
+                                      "without their process's tags (started by an older fedsilo)"
+                                      if any("fedsilo.host" not in r.data.tags for r in unknown) else "") if x)))
+    if gone and not args.end:
+        print("  fedsilo stale-runs --end marks them KILLED (a run's checkpoint in state/ still resumes it)")
+
+
 def _methods(args: argparse.Namespace) -> None:
     from fedsilo.methods.registry import list_methods
 
@@ -1209,6 +1245,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--methods", required=True, help="comma-separated methods (fedsilo methods lists them), e.g. fedavg,fedprox,ditto")
     s.add_argument("--title", default="", help="the paper, in words, for the files' headers")
     s.set_defaults(fn=_new_paper)
+    s = sub.add_parser("stale-runs", parents=[common], help="the MLflow runs left RUNNING whose process on this host is "
+                       "gone (SIGKILLed, a lost queue worker); --end marks them KILLED", formatter_class=fmt)
+    s.add_argument("--end", action="store_true", help="mark them KILLED (a checkpoint of one still resumes it)")
+    s.set_defaults(fn=_stale_runs)
     s = sub.add_parser("methods", help="list every registered method: the data it learns, whether a site may join a run "
                        "in progress, its one-line summary")
     s.set_defaults(fn=_methods)

@@ -35,7 +35,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from fedsilo.tracking import init_store
+from fedsilo.tracking import end_stale_runs, init_store
 from fedsilo.utils.progress import Progress
 from fedsilo.utils.slots import GPU_SLOTS_ENV
 
@@ -369,6 +369,11 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, 
         finally:
             bar.close()
             stop_workers(repo, env, terminate=len(done) == len(names), log=log)
+            if env.get("MLFLOW_TRACKING_URI"):  # a worker's run SIGKILLed in its copy of the repository: nothing resumes it
+                ended = end_stale_runs(env["MLFLOW_TRACKING_URI"])
+                if ended:
+                    log(f"grid: {len(ended)} MLflow run(s) whose process died marked KILLED: "
+                        + ", ".join(str(r.info.run_name) for r in ended))
     t_grid = time.monotonic() - t1
     if failed:
         logs = "\n".join(f"--- {', '.join(batch)} (dvc queue logs {n}):\n" + run_dvc(["queue", "logs", n], repo, check=False).stdout[-2000:]

@@ -165,6 +165,75 @@ def artifact_location(uri: str, experiment: str) -> Optional[str]:
     return ((db if db.is_absolute() else Path.cwd() / db).resolve().parent / "mlruns" / f"{folder}-{digest}").as_uri()
 
 
+# who trains a run: a RUNNING run whose process is gone (SIGKILL, a queue worker's copy removed) is found by these
+PROCESS_TAGS = ("fedsilo.host", "fedsilo.pid", "fedsilo.pid_started")
+
+
+def process_tags() -> dict[str, str]:
+    """This process, as tags of the run it trains: its host, pid and start time (a pid reused later is another)."""
+    import socket
+
+    import psutil
+
+    me = psutil.Process()
+    return dict(zip(PROCESS_TAGS, (socket.gethostname(), str(me.pid), f"{me.create_time():.3f}")))
+
+
+def _process_alive(pid: str, started: str) -> bool:
+    import psutil
+
+    try:
+        return f"{psutil.Process(int(pid)).create_time():.3f}" == started
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:  # another user's process of that pid: alive, and not ours to judge
+        return True
+
+
+def stale_runs(client: Any) -> tuple[list[Any], list[Any]]:
+    """The tracking store's RUNNING runs whose process on this host is gone (SIGKILLed, a lost queue worker), and the
+    RUNNING runs this host cannot judge (started on another host, or by a fedsilo before runs were tagged with their
+    process: :data:`PROCESS_TAGS`)."""
+    import socket
+
+    host = socket.gethostname()
+    exps, token = [], None
+    while True:
+        page = client.search_experiments(max_results=1000, page_token=token)
+        exps += [e.experiment_id for e in page]
+        token = page.token
+        if not token:
+            break
+    gone, unknown = [], []
+    for i in range(0, len(exps), 100):  # MLflow searches up to 100 experiments at a time
+        token = None
+        while True:
+            page = client.search_runs(exps[i : i + 100], filter_string="attributes.status = 'RUNNING'", max_results=1000,
+                                      page_token=token)
+            for run in page:
+                tags = run.data.tags
+                if tags.get("fedsilo.host") != host or not all(t in tags for t in PROCESS_TAGS):
+                    unknown.append(run)
+                elif not _process_alive(tags["fedsilo.pid"], tags["fedsilo.pid_started"]):
+                    gone.append(run)
+            token = page.token
+            if not token:
+                break
+    return gone, unknown
+
+
+def end_stale_runs(uri: str) -> list[Any]:
+    """Mark KILLED every RUNNING run of the store at ``uri`` whose process on this host is gone (:func:`stale_runs`);
+    returns them. A checkpoint of such a run still resumes it (its run RUNNING again)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    gone, _ = stale_runs(client)
+    for run in gone:
+        client.set_terminated(run.info.run_id, "KILLED")
+    return gone
+
+
 def _run_exists(client: Any, run_id: str) -> bool:
     """Whether the tracking store holds ``run_id``: False for a run it does not know (a checkpoint from another
     store); any other failure (the store unreachable, locked, refused) propagates, not taken for a missing run."""
@@ -200,10 +269,11 @@ class Tracker:
             if _run_exists(self.client, run_id):
                 self.run_id = run_id
                 self.client.update_run(run_id, status="RUNNING")
+                self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in process_tags().items()])  # resumed here
                 return run_id
             log.info("MLflow run %s is not in %s (another tracking store): a new run", run_id, self.uri)
         exp_id = self._experiment_id(experiment)
-        run = self.client.create_run(exp_id, run_name=run_name, tags=tags)
+        run = self.client.create_run(exp_id, run_name=run_name, tags={**tags, **process_tags()})
         self.run_id = run.info.run_id
         try:
             items = [Param(k, str(v)[:6000]) for k, v in sorted(flatten(params).items())]
