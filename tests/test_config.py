@@ -114,3 +114,16 @@ def test_errors_name_the_params_file_the_params_came_from(tmp_path):
     assert p.source == str(path)
     with pytest.raises(ConfigError, match=rf"methods\.nosuch: not defined in {path}"):
         method_params(p, "nosuch")
+
+
+def test_a_value_of_the_wrong_kind_is_echoed_in_its_error():
+    """`compile: ture`, `rounds: 0`, `amp: bf32`: pydantic's message says what was expected; the error says what was
+    written too."""
+    raw = small_params()
+    raw["experiments"]["quick"]["train"].update(compile="ture", rounds=0, amp="bf32")
+    with pytest.raises(ConfigError) as err:
+        parse_params(raw)
+    said = str(err.value)
+    assert "experiments.quick.train.compile: Input should be a valid boolean, unable to interpret input (got 'ture')" in said
+    assert "experiments.quick.train.rounds: Input should be greater than or equal to 1 (got 0)" in said
+    assert "experiments.quick.train.amp: Input should be 'auto', 'off' or 'bf16' (got 'bf32')" in said

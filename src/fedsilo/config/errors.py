@@ -171,5 +171,7 @@ def format_validation_error(err: ValidationError, prefix: str = "", model: Optio
             msg = "unknown key" + (other or (did_you_mean(loc[-1], own if own is not None else _all_keys()) if loc else ""))
         elif e["type"] == "value_error" and "error" in ctx:
             msg = str(ctx["error"])
+        elif e["type"] != "missing" and isinstance(e.get("input"), (str, int, float)) and repr(e["input"]) not in msg:
+            msg += f" (got {e['input']!r})"  # what was written: `compile: ture`, `rounds: ten`
         lines.append(f"{key}: {msg}" if key else msg)
     return "; ".join(lines)
