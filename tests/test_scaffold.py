@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import pytest
@@ -33,12 +34,15 @@ def test_its_stages_are_every_shipped_papers():
 def test_new_paper_writes_a_pipeline_check_params_accepts(tmp_path, capsys):
     shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
     args = ["--root", str(tmp_path), "--params", str(tmp_path / "params.yaml"), "new-paper"]
-    assert main([*args, "mine", "--experiment", "digits5_domains", "--methods", "fedavg,fedprox,ditto", "--title", "Mine (2026)"]) == 0
+    root = yaml.safe_load((REPO / "params.yaml").read_text())
+    root["tracking"] = {"enabled": True, "uri": "http://mlflow.lab:5000"}  # the root's store is the paper's
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(root, sort_keys=False))
+    assert main([*args, "mine", "--experiment", "digits5_domains", "--methods", "fedavg, fedprox,ditto", "--title", "Mine (2026)"]) == 0
     folder = tmp_path / "pipelines" / "mine"
     assert sorted(p.name for p in folder.iterdir()) == ["dvc.yaml", "params.yaml", "published.yaml"]
     assert "dvc repro pipelines/mine/dvc.yaml" in capsys.readouterr().out
     raw = yaml.safe_load((folder / "params.yaml").read_text())
-    root = yaml.safe_load((REPO / "params.yaml").read_text())
+    assert raw["tracking"] == {"enabled": True, "uri": "http://mlflow.lab:5000"}
     assert (raw["paper"], raw["params_file"], raw["data"], raw["seeds"]) == ("mine", "pipelines/mine/params.yaml", "params.yaml", root["pipeline"]["seeds"])
     assert raw["experiments"] == {"mine_digits5_domains": root["experiments"]["digits5_domains"]}
     assert raw["methods"] == {"fedavg": root["methods"]["fedavg"] or {}, "fedprox": root["methods"]["fedprox"], "ditto": {}}
@@ -56,6 +60,11 @@ def test_new_paper_writes_a_pipeline_check_params_accepts(tmp_path, capsys):
     (["mine", "--experiment", "unbuilt", "--methods", "fedavg"], "its dataset 'cifar10_32' is not in pipeline.datasets"),
     (["mine", "--experiment", "digits5_domains", "--methods", "fedavg,fedprx"], "--methods: 'fedprx' is no registered method (did you mean 'fedprox'?)"),
     (["mine", "--experiment", "digits5_domains", "--methods", "fedavg,fedavg"], "names a method twice"),
+    # what check-params would refuse is refused before anything is written
+    (["methods", "--experiment", "digits5_domains", "--methods", "fedavg"],
+     "pipelines/methods/params.yaml: paper: 'methods' names a folder of the root pipeline's"),
+    (["mine", "--experiment", "digits5_domains", "--methods", "fedavg,pfeddil"],
+     "pipelines/mine/params.yaml: methods.pfeddil: pfeddil learns a stream of domain tasks only"),
 ])
 def test_new_paper_refuses_by_name_and_writes_nothing(tmp_path, capsys, argv, said):
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
@@ -65,7 +74,8 @@ def test_new_paper_refuses_by_name_and_writes_nothing(tmp_path, capsys, argv, sa
     (tmp_path / "pipelines" / "taken").mkdir(parents=True)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     assert main(["--root", str(tmp_path), "--params", str(tmp_path / "params.yaml"), "new-paper", *argv]) == 2
-    assert said in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert said in err, err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
@@ -73,3 +83,52 @@ def test_new_paper_takes_the_root_params_not_a_papers(tmp_path, capsys):
     assert main(["--params", str(REPO / "pipelines/f2dc/params.yaml"), "--root", str(REPO), "new-paper", "mine",
                  "--experiment", "f2dc_pacs", "--methods", "fedavg"]) == 2
     assert "a paper's params file; new-paper takes the root's" in capsys.readouterr().err
+
+
+def test_a_papers_run_groups_and_its_dvc_yaml_must_agree(tmp_path):
+    """check-params refuses a run group with no train_<group> stage in the dvc.yaml beside the params file (it would
+    train nothing, and the report stage would stop after DVC removed its old output), a train stage whose matrix reads
+    another group's runs, an across group without its across stage, and a stage naming no group; the shipped papers
+    agree, at both scales."""
+    from fedsilo.config import ConfigError, PaperMeta, RunGroup
+    from fedsilo.scaffold import check_paper_stages
+    from tests.conftest import paper_params
+
+    for paper in ("pfeddb", "f2dc", "cd2pfed", "fedecouple", "pfeddil"):
+        for scale in ("quickstart", "paper"):
+            shipped_p = paper_params(paper, scale, check=False)
+            check_paper_stages(shipped_p, shipped_p.paper.params_file, REPO)
+    p = paper_params("cd2pfed", "quickstart", check=False)
+    dvc = tmp_path / "pipelines" / "cd2pfed" / "dvc.yaml"
+    dvc.parent.mkdir(parents=True)
+    shipped = yaml.safe_load((REPO / "pipelines" / "cd2pfed" / "dvc.yaml").read_text())
+    where = "pipelines/cd2pfed/params.yaml"
+
+    def check(stages: dict, runs: dict | None = None) -> None:
+        dvc.write_text(yaml.safe_dump({**shipped, "stages": stages}))
+        meta = p.paper
+        if runs is not None:
+            p._paper = PaperMeta(name=meta.name, scale=meta.scale, params_file=meta.params_file, runs=runs)
+        try:
+            check_paper_stages(p, where, tmp_path)
+        finally:
+            p._paper = meta
+
+    check(shipped["stages"])  # as shipped
+    runs = dict(p.paper.runs)
+    with pytest.raises(ConfigError, match=r"runs\.extra: pipelines/cd2pfed/dvc\.yaml has no train_extra stage, so its runs would never train"):
+        check(shipped["stages"], {**runs, "extra": RunGroup(experiments=runs["table4"].experiments, methods=("fedavg",))})
+    check(shipped["stages"], {**runs, "nothing": RunGroup(experiments=runs["table4"].experiments, methods=())})  # trains nothing
+    crossed = copy.deepcopy(shipped["stages"])
+    crossed["train_table5"]["matrix"]["method"] = "${runs.table4.methods}"
+    with pytest.raises(ConfigError, match=r"stage train_table5's matrix\.method is '\$\{runs\.table4\.methods\}', not '\$\{runs\.table5\.methods\}'"):
+        check(crossed)
+    with pytest.raises(ConfigError, match=r"runs\.fig5\.across: pipelines/cd2pfed/dvc\.yaml has no across_fig5 stage"):
+        check({k: v for k, v in shipped["stages"].items() if k != "across_fig5"})
+    ghost = {**shipped["stages"], "train_tabel4": shipped["stages"]["train_table4"]}
+    with pytest.raises(ConfigError, match=r"stage train_tabel4: no run group 'tabel4' under runs \(did you mean 'table4'\?\)"):
+        check(ghost)
+    with pytest.raises(ConfigError, match=r"stage across_table4: runs\.table4 has no across: true"):
+        check({**shipped["stages"], "across_table4": shipped["stages"]["across_fig5"]})
+    dvc.unlink()  # a params file run by hand, with no dvc.yaml beside it: nothing to agree with
+    check_paper_stages(p, where, tmp_path)

@@ -511,7 +511,9 @@ def _check(args: argparse.Namespace) -> None:
                 raise ConfigError(f"{args.params}: {err}") from None
     check_split_domains(p, str(args.params))
     _check_published(p, str(args.params), Path(args.root))
-    _check_paper_stages(p, str(args.params), Path(args.root))
+    from fedsilo.scaffold import check_paper_stages
+
+    check_paper_stages(p, str(args.params), Path(args.root))
     if args.stamp:  # the same bytes whenever the file holds: the stages depending on it rerun for their own params only
         from fedsilo.utils.io import write_json
 
@@ -530,7 +532,7 @@ def _new_paper(args: argparse.Namespace) -> None:
 
     root = Path(args.root)
     folder = new_paper(config.load_params(args.params), root, args.name, args.experiment,
-                       [m for m in args.methods.split(",") if m], args.title)
+                       [m.strip() for m in args.methods.split(",") if m.strip()], args.title)
     print(describe(folder, root))
 
 
@@ -596,46 +598,6 @@ def _check_published(p: Params, where: str, root: Path) -> None:
     for g, grp in (p.paper.runs.items() if p.paper else ()):
         if grp.across:  # its columns (one setting apart) and the paper's numbers, before any run trains
             across_inputs(p, g, root, where)
-
-
-def _check_paper_stages(p: Params, where: str, root: Path) -> None:
-    """A paper's run groups and the dvc.yaml beside its params file agree: each group that trains has its
-    ``train_<group>`` stage reading that group's experiments and methods, each ``across: true`` group its
-    ``across_<group>`` stage, and no such stage names a group params lacks. (DVC's templating cannot loop over the
-    groups, so dvc.yaml lists them; a group added to params only would train nothing and its report stage, whose
-    old output DVC removes first, would then stop for the runs missing.) A params file with no dvc.yaml beside it
-    runs by hand (``fedsilo train``): nothing to agree with."""
-    import yaml
-
-    if p.paper is None:
-        return
-    dvc_file = Path(p.paper.params_file).parent / "dvc.yaml"
-    if not (root / dvc_file).is_file():
-        return
-    stages = (yaml.safe_load((root / dvc_file).read_text()) or {}).get("stages") or {}
-    copy = "a copy of another train_<group> stage whose matrix reads runs.<group>.experiments and runs.<group>.methods"
-    for g, grp in p.paper.runs.items():
-        stage = stages.get(f"train_{g}")
-        if stage is None:
-            if grp.methods:
-                raise ConfigError(f"{where}: runs.{g}: {dvc_file} has no train_{g} stage, so its runs would never train; "
-                                  f"add one ({copy})")
-            continue
-        matrix = stage.get("matrix") or {}
-        for key, field in (("experiment", "experiments"), ("method", "methods")):
-            if matrix.get(key) != f"${{runs.{g}.{field}}}":
-                raise ConfigError(f"{where}: runs.{g}: {dvc_file}: stage train_{g}'s matrix.{key} is {matrix.get(key)!r}, "
-                                  f"not '${{runs.{g}.{field}}}': it would train another group's runs under this one's name")
-        if grp.across and f"across_{g}" not in stages:
-            raise ConfigError(f"{where}: runs.{g}.across: {dvc_file} has no across_{g} stage, so its table across "
-                              "experiments would never be written; add one (a copy of another across_<group> stage)")
-    for name in stages:
-        for prefix in ("train_", "across_"):
-            g = name[len(prefix):] if name.startswith(prefix) else None
-            if g is not None and (g not in p.paper.runs or (prefix == "across_" and not p.paper.runs[g].across)):
-                raise ConfigError(f"{where}: {dvc_file}: stage {name}: " + (
-                    f"no run group '{g}' under runs{config.did_you_mean(g, p.paper.runs)}" if g not in p.paper.runs
-                    else f"runs.{g} has no across: true (the stage's report --across would refuse it)"))
 
 
 def _site(args: argparse.Namespace) -> None:

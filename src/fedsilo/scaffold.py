@@ -2,8 +2,8 @@
 experiment taken from the root params file, the methods chosen, one run group ``table1``), ``dvc.yaml`` (the stages
 every paper's pipeline has, with ``train_table1``) and ``published.yaml`` (empty, its format in comments). The
 stages are the shipped papers' (tests/test_scaffold.py holds them equal), so the new pipeline builds, tracks and
-reports as theirs do; a run group added later needs its ``train_<group>`` stage, a copy of ``train_table1``
-(``fedsilo check-params`` names one missing)."""
+reports as theirs do; a run group added later needs its ``train_<group>`` stage, a copy of ``train_table1``:
+:func:`check_paper_stages` (``fedsilo check-params``) holds any paper's run groups and its dvc.yaml in agreement."""
 
 from __future__ import annotations
 
@@ -191,7 +191,11 @@ def new_paper(params: Params, root: Path, name: str, experiment: str, methods: S
         "experiments": {key: exp},
         "methods": {m: copy.deepcopy((raw.get("methods") or {}).get(m) or {}) for m in methods},
         "runs": {GROUP: {"experiments": [key], "methods": list(methods)}},
+        "tracking": copy.deepcopy(raw.get("tracking") or {}),  # the root's store (an MLflow server, tracking off)
     }
+    if not doc["tracking"]:
+        del doc["tracking"]
+    _check_before_writing(doc, folder / "params.yaml", root)
     header = (f"# {title}: a paper's pipeline (written by `fedsilo new-paper {name}`; README, \"A paper of your own\"). Its\n"
               f"# experiment is the root's {experiment} at the root's settings; change them here. A run group added under runs\n"
               f"# needs its train_<group> stage in dvc.yaml (a copy of train_{GROUP}); `fedsilo check-params --params\n"
@@ -201,6 +205,59 @@ def new_paper(params: Params, root: Path, name: str, experiment: str, methods: S
         (tmp / "dvc.yaml").write_text(DVC_YAML.format(title=title, name=name, group=GROUP))
         (tmp / "published.yaml").write_text(PUBLISHED_YAML.format(title=title, name=name))
     return folder
+
+
+def _check_before_writing(doc: dict, path: Path, root: Path) -> None:
+    """The params file about to be written, checked as `fedsilo check-params` will check it (a dataset of one's own
+    sources, a stream method on static clients, ...), so that nothing is written that the pipeline would refuse."""
+    from fedsilo.config import load_paper_params
+    from fedsilo.methods.registry import check_methods, check_pipeline_fits
+
+    where = path.relative_to(root).as_posix()
+    try:
+        params = load_paper_params(path, copy.deepcopy(doc))
+        check_methods(params, where)
+        check_pipeline_fits(params, where)
+    except ConfigError as err:
+        raise ConfigError(f"new-paper: nothing written, the pipeline would refuse it: {err}") from None
+
+
+def check_paper_stages(p: Params, where: str, root: Path) -> None:
+    """A paper's run groups and the dvc.yaml beside its params file agree: each group that trains has its
+    ``train_<group>`` stage reading that group's experiments and methods, each ``across: true`` group its
+    ``across_<group>`` stage, and no such stage names a group params lacks. (DVC's templating cannot loop over the
+    groups, so dvc.yaml lists them; a group added to params only would train nothing and its report stage, whose
+    old output DVC removes first, would then stop for the runs missing.) A params file with no dvc.yaml beside it
+    runs by hand (``fedsilo train``): nothing to agree with."""
+    if p.paper is None:
+        return
+    dvc_file = Path(p.paper.params_file).parent / "dvc.yaml"
+    if not (root / dvc_file).is_file():
+        return
+    stages = (yaml.safe_load((root / dvc_file).read_text()) or {}).get("stages") or {}
+    copy = "a copy of another train_<group> stage whose matrix reads runs.<group>.experiments and runs.<group>.methods"
+    for g, grp in p.paper.runs.items():
+        stage = stages.get(f"train_{g}")
+        if stage is None:
+            if grp.methods:
+                raise ConfigError(f"{where}: runs.{g}: {dvc_file} has no train_{g} stage, so its runs would never train; "
+                                  f"add one ({copy})")
+            continue
+        matrix = stage.get("matrix") or {}
+        for key, field in (("experiment", "experiments"), ("method", "methods")):
+            if matrix.get(key) != f"${{runs.{g}.{field}}}":
+                raise ConfigError(f"{where}: runs.{g}: {dvc_file}: stage train_{g}'s matrix.{key} is {matrix.get(key)!r}, "
+                                  f"not '${{runs.{g}.{field}}}': it would train another group's runs under this one's name")
+        if grp.across and f"across_{g}" not in stages:
+            raise ConfigError(f"{where}: runs.{g}.across: {dvc_file} has no across_{g} stage, so its table across "
+                              "experiments would never be written; add one (a copy of another across_<group> stage)")
+    for name in stages:
+        for prefix in ("train_", "across_"):
+            g = name[len(prefix):] if name.startswith(prefix) else None
+            if g is not None and (g not in p.paper.runs or (prefix == "across_" and not p.paper.runs[g].across)):
+                raise ConfigError(f"{where}: {dvc_file}: stage {name}: " + (
+                    f"no run group '{g}' under runs{did_you_mean(g, p.paper.runs)}" if g not in p.paper.runs
+                    else f"runs.{g} has no across: true (the stage's report --across would refuse it)"))
 
 
 def describe(folder: Path, root: Path) -> str:

@@ -347,11 +347,17 @@ SLUG = r"^[a-z0-9][a-z0-9_]*$"
 SLUG_RE = re.compile(SLUG)
 
 
+# a paper's outputs sit beside the root's: data/code/<paper>/ beside data/code/methods/, results/<paper>/ beside
+# results/report/ and `report --methods`' results/selected/
+RESERVED_PAPERS = frozenset({"methods", "report", "selected"})
+
+
 class PaperParams(Strict):
     """``pipelines/<paper>/params.yaml`` (one file per scale): the paper's experiments and methods and exactly the
     runs its tables and figures need. Sources and datasets are the root's (``data``): a paper never copies data."""
 
     paper: str = Field(pattern=SLUG, description="results go under results/<paper>/<scale>/")
+
     scale: str = Field(pattern=SLUG, description="quickstart, paper, ...")
     params_file: str = Field(description="this file's path from the repository root (dvc.yaml's params dependency)")
     repo_root: str = Field(description="the repository root from this file's folder (dvc.yaml's wdir)")
@@ -362,6 +368,14 @@ class PaperParams(Strict):
     experiments: dict[str, ExperimentParams]
     methods: dict[str, dict[str, Any]]
     tracking: TrackingParams = TrackingParams()
+
+    @field_validator("paper")
+    @classmethod
+    def _not_the_roots(cls, v: str) -> str:
+        if v in RESERVED_PAPERS:
+            raise ValueError(f"'{v}' names a folder of the root pipeline's (data/code/methods, results/report, "
+                             "results/selected): give the paper another name")
+        return v
 
     @model_validator(mode="after")
     def _runs(self) -> "PaperParams":
