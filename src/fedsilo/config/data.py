@@ -11,6 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import (
     AfterValidator,
+    BeforeValidator,
     Field,
     field_validator,
     model_validator,
@@ -742,4 +743,10 @@ class SingleDomainDatasetParams(BenchmarkDatasetParams):
     _own_allowed: ClassVar[bool] = False  # one public domain: its sources, folders and tables refused by the checks above
 
 
-DatasetParams = Annotated[Union[CXRDatasetParams, BenchmarkDatasetParams, SingleDomainDatasetParams], Field(discriminator="kind")]
+def _default_kind(v: Any) -> Any:
+    """A dataset without ``kind`` is a chest X-ray dataset (the root's chest_xray4)."""
+    return {"kind": "chest_xray4", **v} if isinstance(v, dict) and "kind" not in v else v
+
+
+DatasetParams = Annotated[Union[CXRDatasetParams, BenchmarkDatasetParams, SingleDomainDatasetParams], Field(discriminator="kind"),
+                          BeforeValidator(_default_kind)]

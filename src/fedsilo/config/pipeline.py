@@ -164,13 +164,6 @@ class Params(Strict):
                 out.update(dict.fromkeys(g.methods))
         return tuple(out)
 
-    @field_validator("datasets", mode="before")
-    @classmethod
-    def _default_kind(cls, v: Any) -> Any:
-        if isinstance(v, dict):
-            return {k: ({"kind": "chest_xray4", **d} if isinstance(d, dict) and "kind" not in d else d) for k, d in v.items()}
-        return v
-
     @model_validator(mode="after")
     def _cross_refs(self) -> "Params":
         for s, sp in self.sources.items():

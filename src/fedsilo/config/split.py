@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (
+    BeforeValidator,
     Field,
     field_validator,
     model_validator,
@@ -226,7 +227,13 @@ class ByWriterSplit(Strict):
 
 
 SPLIT_PROTOCOLS = ("domain_clients", "domain_multi_clients", "label_skew", "domain_incremental", "holdout_domain", "by_writer")
+def _default_protocol(v: Any) -> Any:
+    """A split without ``protocol`` is a domain_clients split."""
+    return {"protocol": "domain_clients", **v} if isinstance(v, dict) and "protocol" not in v else v
+
+
 SplitParams = Annotated[
     Union[DomainClientsSplit, DomainMultiClientsSplit, LabelSkewSplit, DomainIncrementalSplit, HoldoutDomainSplit, ByWriterSplit],
     Field(discriminator="protocol"),
+    BeforeValidator(_default_protocol),
 ]

@@ -339,10 +339,4 @@ class ExperimentParams(Strict):
         "rounds, training seconds and MiB per client until then (FedeCouple Table VII)",
     )
 
-    @field_validator("split", mode="before")
-    @classmethod
-    def _default_protocol(cls, v: Any) -> Any:
-        if isinstance(v, dict) and "protocol" not in v:
-            return {"protocol": "domain_clients", **v}
-        return v
     train: TrainParams = TrainParams()
