@@ -43,6 +43,11 @@ def test_repo_params_yaml_is_valid():
         (lambda d: d["experiments"]["quick"]["split"].update(protocol="label_skew"),
          "experiments.quick.split.n_train: unknown key (a key of protocol domain_clients, holdout_domain, not of label_skew)"),
         (lambda d: d["experiments"]["quick"]["split"].update(seed=-3), "experiments.quick.split.seed: Input should be greater than or equal to 0"),
+        # a dataset's kind changed, a key of its old kind left (a kind of several values: the benchmarks')
+        (lambda d: d["datasets"]["chest_xray4"].update(kind="pacs", percentiles=[1, 99]),
+         "datasets.chest_xray4.percentiles: unknown key (a key of kind chest_xray4, not of pacs)"),
+        (lambda d: d["datasets"]["chest_xray4"].update(folders={}),
+         "datasets.chest_xray4.folders: unknown key (a key of kind digits5, office_caltech10, pacs, domainnet10, digit10, ..., not of chest_xray4)"),
     ],
 )
 def test_bad_value_names_the_key(edit, key):

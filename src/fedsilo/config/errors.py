@@ -5,7 +5,7 @@ this module."""
 from __future__ import annotations
 
 import types
-from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
+from typing import Annotated, Any, NamedTuple, Optional, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -29,29 +29,44 @@ def _discriminator(annotation: Any) -> Optional[str]:
     return None
 
 
-def _drop_union_tags(loc: tuple, model: Optional[type]) -> tuple:
-    """pydantic puts a tagged union's tag into the error path (``datasets.x.digits5.image_size``); the user never
-    wrote it, so it is dropped, where following ``loc`` through ``model``'s fields meets a tagged union there."""
+class _Walk(NamedTuple):
+    model: Optional[type]     # the params model the path ends at (None: not followed to one model)
+    members: list[type]       # where its last step was a tagged union's member: the union's members
+    tag_key: Optional[str]    # and the key that tells them apart (a split's protocol, a dataset's kind)
+    tag: Any                  # and the member's tag pydantic put into the path
+    loc: tuple                # the path without the tags pydantic put into it
+
+
+def _walk(model: Optional[type], loc: tuple) -> _Walk:
+    """Follow an error's ``loc`` through ``model``'s fields, stepping into a mapping's values or a list's items and
+    into the member of a tagged union whose tag pydantic wrote into the path (``datasets.x.digits5.image_size``)."""
     out, parts = [], list(loc)
+    members: list[type] = []
+    tag_key, tag = None, None
     while parts:
         part = parts.pop(0)
         out.append(part)
         field = model.model_fields.get(str(part)) if model is not None else None
         if field is None:
-            model = None
+            model, members, tag_key, tag = None, [], None, None
             continue
         found, inside = _models_in(field.annotation)
         if inside and parts:
             out.append(parts.pop(0))  # the mapping's key or the list's index
-        tag = field.discriminator if isinstance(field.discriminator, str) else _discriminator(field.annotation)
-        member = next((m for m in found if tag and parts and tag in m.model_fields
-                       and parts[0] in get_args(m.model_fields[tag].annotation)), None)
+        key = field.discriminator if isinstance(field.discriminator, str) else _discriminator(field.annotation)
+        member = next((m for m in found if key and parts and key in m.model_fields
+                       and parts[0] in get_args(m.model_fields[key].annotation)), None)
         if member is not None:
-            parts.pop(0)
-            model = member
+            model, members, tag_key, tag = member, found, key, parts.pop(0)
         else:
-            model = found[0] if len(found) == 1 else None
-    return tuple(out)
+            model, members, tag_key, tag = (found[0] if len(found) == 1 else None), [], None, None
+    return _Walk(model, members, tag_key, tag, tuple(out))
+
+
+def _drop_union_tags(loc: tuple, model: Optional[type]) -> tuple:
+    """``loc`` without the tags pydantic put into it (the user never wrote them), where following it through
+    ``model``'s fields meets a tagged union."""
+    return _walk(model, loc).loc
 
 
 # a method trained needs its entry, even a registered method run with its defaults (`fedsilo methods` lists them)
@@ -100,58 +115,25 @@ def _models_in(annotation: Any) -> tuple[list[type], bool]:
     return [], False
 
 
-def _tagged(found: list[type], tag: Any) -> Optional[type]:
-    """The member of a tagged union (``found``) whose discriminator (a one-value Literal field: a split's
-    ``protocol``, a dataset's ``kind``) is ``tag``, or None."""
-    for m in found:
-        for f in m.model_fields.values():
-            if get_origin(f.annotation) is Literal and get_args(f.annotation) == (tag,):
-                return m
-    return None
-
-
-def _union_at(model: Optional[type], loc: tuple) -> tuple[Optional[type], list[type]]:
-    """The params model at error location ``loc`` (its parent's path) under ``model``, and where the last step was
-    a tagged union's member (pydantic names the tag in the path), the union's members; (None, []) where the path is
-    not followed to one model."""
-    parts, members = list(loc), []
-    while parts and model is not None:
-        part = parts.pop(0)
-        field = model.model_fields.get(str(part))
-        if field is None:
-            return None, []
-        found, inside = _models_in(field.annotation)
-        if inside and parts:
-            parts.pop(0)  # the mapping's key or the list's index
-        members = []
-        if len(found) > 1 and parts and (member := _tagged(found, parts[0])) is not None:
-            parts.pop(0)  # the tag pydantic put in the path
-            model, members = member, found
-            continue
-        if len(found) != 1:  # a value that is no model, or one of several untagged: not followed
-            return None, []
-        model = found[0]
-    return model, members
-
-
 def _fields_at(model: Optional[type], loc: tuple) -> Optional[set[str]]:
     """The keys of the params model at error location ``loc`` (its parent's path) under ``model``, or None where the
     path is not followed to one model (then every known key is a candidate)."""
-    found, _ = _union_at(model, loc)
+    found = _walk(model, loc).model
     return set(found.model_fields) if found is not None else None
 
 
 def _other_members_key(model: Optional[type], loc: tuple, key: Any) -> str:
     """`` (a key of protocol label_skew, not of domain_multi_clients)`` where an unknown key under a tagged union's
     member (a split, a dataset) is one of another member's: the tag was changed and the old settings stayed."""
-    own, members = _union_at(model, loc)
-    if own is None or not members:
+    w = _walk(model, loc)
+    if w.model is None or not w.members:
         return ""
-    tag_field = next(n for n, f in own.model_fields.items() if get_origin(f.annotation) is Literal and len(get_args(f.annotation)) == 1)
-    tag = get_args(own.model_fields[tag_field].annotation)[0]
-    others = [get_args(m.model_fields[tag_field].annotation)[0] for m in members
-              if m is not own and str(key) in m.model_fields and tag_field in m.model_fields]
-    return f" (a key of {tag_field} {', '.join(others)}, not of {tag})" if others else ""
+    tags = [t for m in w.members if m is not w.model and str(key) in m.model_fields and w.tag_key in m.model_fields
+            for t in get_args(m.model_fields[w.tag_key].annotation)]
+    if not tags:
+        return ""
+    shown = ", ".join(map(str, tags[:5])) + (", ..." if len(tags) > 5 else "")
+    return f" (a key of {w.tag_key} {shown}, not of {w.tag})"
 
 
 def format_validation_error(err: ValidationError, prefix: str = "", model: Optional[type] = None) -> str:

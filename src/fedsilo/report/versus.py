@@ -184,7 +184,7 @@ def versus_paper(acc: pd.DataFrame, published: dict[str, Any], avg: bool = True)
         if not (published["methods"].get(m) or {}).get("mean"):
             return float("nan")
         vals = published["methods"][m]["mean"]
-        if len(vals) == 1:  # an Avg-only row (a sensitivity table that prints the mean over domains alone)
+        if len(vals) == 1 and avg:  # an Avg-only row (a sensitivity table that prints the mean over domains alone)
             return float(vals[0]) if i == len(domains) - 1 else float("nan")
         if len(vals) != len(domains):
             raise ReportError(f"published: methods.{m}.mean has {len(vals)} values for {len(domains)} columns ({domains})")
