@@ -1019,6 +1019,9 @@ def test_the_shipped_site_params_and_federation_example_validate(tmp_path):
         load_federation(_dump(tmp_path / "b.yaml", bad))
     with pytest.raises(ConfigError, match=r"train.rounds"):
         load_federation(_dump(tmp_path / "c.yaml", {**raw, "train": {**raw["train"], "rounds": 0}}))
+    # a host policy the sites could not build: refused with the federation file, not in every site's first batch
+    with pytest.raises(ConfigError, match=r"h\.yaml: train\.augment\.host\[0\]\.name: 'Clahe' is not an albumentations transform"):
+        load_federation(_dump(tmp_path / "h.yaml", {**raw, "train": {**raw["train"], "augment": {"host": [{"name": "Clahe"}]}}}))
     # statistics for three channels on the grey chest X-ray contract: refused when the App is written, not at the sites
     with pytest.raises(ConfigError, match=r"train.normalize: mean has 3 values for images of 1 channel\(s\)"):
         write_app(load_federation(_dump(tmp_path / "n.yaml", {**raw, "train": {**raw["train"], "normalize": "imagenet"}})),

@@ -506,7 +506,7 @@ def _check(args: argparse.Namespace) -> None:
 
         for e in p.pipeline.experiments:
             try:
-                check_host_policy(p.experiments[e].train.augment.host, e)
+                check_host_policy(p.experiments[e].train.augment.host, f"experiments.{e}.")
             except ConfigError as err:
                 raise ConfigError(f"{args.params}: {err}") from None
     check_split_domains(p, str(args.params))

@@ -64,14 +64,15 @@ def host_policy(host: Sequence[Any]) -> Optional[Any]:
     return mine[key]
 
 
-def check_host_policy(host: Sequence[Any], experiment: str) -> None:
-    """Build ``experiments.<experiment>.train.augment.host`` once: an unknown transform or argument is a
-    :class:`ConfigError` naming the whole key, from ``fedsilo check-params`` and before a run's first round, not from
-    inside its first batch."""
+def check_host_policy(host: Sequence[Any], where: str) -> None:
+    """Build a ``train.augment.host`` policy once: an unknown transform or argument is a :class:`ConfigError` naming
+    the whole key (``where``: what comes before ``train.``, ``experiments.<e>.`` or a federation file's ``<path>: ``),
+    from ``fedsilo check-params``, before a run's first round and when a federation file is loaded, not from inside a
+    first batch."""
     try:
         host_policy(host)
     except ConfigError as err:
-        raise ConfigError(f"experiments.{experiment}.{err}") from None
+        raise ConfigError(f"{where}{err}") from None
 
 
 def apply_host(policy: Any, x_u8: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

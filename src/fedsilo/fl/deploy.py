@@ -57,6 +57,7 @@ from typing import Any, Optional
 import torch
 from pydantic import Field, field_validator
 
+from fedsilo.client.hostaug import check_host_policy
 from fedsilo.config import ConfigError, Params, Strict, TrainParams, format_validation_error
 from fedsilo.utils.io import atomic_dir, canonical_hash, write_json
 
@@ -124,6 +125,7 @@ def load_federation(path: str | Path) -> Federation:
         fed = Federation.model_validate(raw or {})
     except ValidationError as err:
         raise ConfigError(f"{path}: {format_validation_error(err, '')}") from None
+    check_host_policy(fed.train.augment.host, f"{path}: ")
     names = [s.name for s in fed.sites]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:

@@ -198,7 +198,7 @@ def run_training(
     if experiment not in params.experiments:
         raise ConfigError(f"experiments.{experiment}: not defined in {params.source}")
     exp = params.experiments[experiment]
-    check_host_policy(exp.train.augment.host, experiment)
+    check_host_policy(exp.train.augment.host, f"experiments.{experiment}.")
     algo = resolve_method(params, method, exp.train)  # the one typed method object of this run
     train = algo.train  # the experiment's train, with the method's own local_optimizer settings where it has them
     layout = params.layout(root)
