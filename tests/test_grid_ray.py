@@ -121,6 +121,28 @@ def test_a_failing_ray_run_stops_the_grid_naming_it_and_leaves_the_lock_alone(tm
     assert "train_g" not in (repo / "dvc.lock").read_text() and not (repo / "report.txt").exists()
 
 
+def test_after_its_runs_the_ray_grid_ends_the_mlflow_runs_whose_process_died_on_each_node(tmp_path, cluster, monkeypatch):
+    """A run SIGKILLed on a node stays RUNNING (its workspace copy, and so its checkpoint, are gone): after the grid's
+    runs, each live node marks KILLED the runs its own host started whose process is gone; a live one is left."""
+    from mlflow.entities import RunTag
+
+    from fedsilo.tracking import Tracker
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    t = Tracker(True, uri)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    killed = t.start("demo", "train_g@z-seed0", {}, {})
+    t.client.log_batch(killed, tags=[RunTag("fedsilo.pid", str(gone.pid))])
+    live = t.start("demo", "mine", {}, {})
+    said: list[str] = []
+    repo = _repo(tmp_path, items="[a]")
+    run_grid_ray("dvc.yaml", repo, cluster.address, tracking_uri=uri, worker_cache=None, quiet=True, log=said.append)
+    assert t.client.get_run(killed).info.status == "KILLED" and t.client.get_run(live).info.status == "RUNNING"
+    assert any("1 MLflow run(s) whose process died marked KILLED: train_g@z-seed0 on " in x for x in said), said
+
+
 def test_without_a_default_remote_the_ray_grid_says_how_to_add_one(tmp_path):
     repo = _repo(tmp_path)
     _dvc("remote", "default", "--unset", cwd=repo)

@@ -112,6 +112,13 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], what: str, log: list[st
     return r.stdout
 
 
+def end_stale_here(uri: str) -> list[str]:
+    """On a node: :func:`fedsilo.tracking.end_stale_runs` of the MLflow runs this host started (``<run> on <host>``)."""
+    from fedsilo.tracking import end_stale_runs
+
+    return [f"{r.info.run_name} on {socket.gethostname()}" for r in end_stale_runs(uri)]
+
+
 def run_stage(workspace: bytes, pipeline: str, stage: str, inputs: list[str], env_vars: dict[str, str],
               worker_cache: Optional[str]) -> dict[str, Any]:
     """One grid run on whatever node Ray placed it: unpack the workspace, pull its inputs, reproduce the stage, push
@@ -258,6 +265,22 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = TRAIN_S
                         bar.update(1, info=f"{len(failed)} failed, last {last}", line=True)
             finally:
                 bar.close()
+            if "MLFLOW_TRACKING_URI" in env:  # a run whose process died on its node (SIGKILL, a lost worker): only
+                # its own host can tell, so each node marks its own (MLflow must reach the store from the nodes)
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                sweep = ray.remote(end_stale_here)
+                ended: list[str] = []
+                for node in [n for n in ray.nodes() if n.get("Alive")]:
+                    ref = sweep.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                        node_id=node["NodeID"], soft=False)).remote(env["MLFLOW_TRACKING_URI"])
+                    try:
+                        ended += ray.get(ref, timeout=120)
+                    except Exception as err:  # noqa: BLE001 - the runs are done and restored below; said, not fatal
+                        log(f"grid: could not look for MLflow runs left RUNNING on {node['NodeManagerAddress']} "
+                            f"({type(err).__name__}: {err}); `fedsilo stale-runs --end` there does it")
+                if ended:
+                    log(f"grid: {len(ended)} MLflow run(s) whose process died marked KILLED: {', '.join(ended)}")
         finally:
             if started:
                 ray.shutdown()
