@@ -101,6 +101,25 @@ def test_ray_grid_runs_each_stage_once_on_two_nodes_and_leaves_the_pipeline_up_t
     assert len((tmp_path / "runs.log").read_text().split()) == 2
 
 
+def test_a_run_this_machines_run_cache_holds_is_restored_here_not_trained_on_a_node(tmp_path, cluster):
+    """Runs finished here for inputs since changed and changed back: the nodes see the remote's run-cache only and
+    trained them again; now they are restored here (DVC runs no command under the shell `false`) and only the others
+    go to the cluster."""
+    repo = _repo(tmp_path, items="[a, b]")
+    log = tmp_path / "runs.log"
+    assert sorted(run_grid_ray("dvc.yaml", repo, cluster.address, worker_cache=None, quiet=True)["queued"]) == ["train_g@a", "train_g@b"]
+    (repo / "dep.txt").write_text("2")
+    assert run_grid_ray("dvc.yaml", repo, cluster.address, worker_cache=None, quiet=True)["restored_here"] == []
+    assert len(log.read_text().split()) == 4
+    (repo / "dep.txt").write_text("1")  # back: both runs of the first grid are in this machine's run-cache
+    said: list[str] = []
+    r = run_grid_ray("dvc.yaml", repo, cluster.address, worker_cache=None, quiet=True, log=said.append)
+    assert r["queued"] == [] and sorted(r["restored_here"]) == ["train_g@a", "train_g@b"] and r["runs"] == []
+    assert len(log.read_text().split()) == 4  # nothing trained again, here or on a node
+    assert (repo / "report.txt").read_text() == "a1b1" and "up to date" in _dvc("status", cwd=repo)
+    assert "grid: 2 stage(s) restored from this machine's run-cache, not sent to the cluster" in said
+
+
 def test_a_gpu_run_lands_on_the_gpu_node_with_the_device_ray_granted(tmp_path, cluster):
     repo = _repo(tmp_path, items="[a, b]")  # two runs, one after the other on the one GPU
     r = run_grid_ray("dvc.yaml", repo, cluster.address, gpus_per_run=1, worker_cache=None, quiet=True)

@@ -53,6 +53,7 @@ from fedsilo.grid import (
     prepare_grid,
     restore_grid,
     run_dvc,
+    stale_stages,
     threads_per_run,
     tracking_env,
 )
@@ -110,6 +111,21 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], what: str, log: list[st
     if r.returncode != 0:
         raise GridError(f"{what} failed (exit {r.returncode}) on {socket.gethostname()}:\n" + "\n".join(log)[-4000:])
     return r.stdout
+
+
+def restore_cached(pipeline: str, repo: Path, stages: list[str], env: dict[str, str]) -> list[str]:
+    """The out-of-date ``stages`` this machine's DVC run-cache holds (a run finished here whose params were since
+    changed and changed back), restored here: the nodes see the remote's run-cache only and would train them again.
+    One ``dvc repro --keep-going`` whose shell is ``false`` (DVC runs a stage's command as ``$SHELL -c <cmd>``): a
+    stage the run-cache holds is checked out without its command, any other stage's command fails at once, running
+    nothing. Returns the stages restored."""
+    false = shutil.which("false")
+    if not stages or false is None:
+        return []
+    run_dvc(["repro", "--single-item", "--keep-going", *(f"{pipeline}:{s}" for s in stages)], repo, {**env, "SHELL": false},
+            check=False)  # the stages the run-cache does not hold fail, by design: the cluster trains them
+    still = set(stale_stages(pipeline, repo, "*"))
+    return [s for s in stages if s not in still]
 
 
 def end_stale_here(uri: str) -> list[str]:
@@ -221,6 +237,10 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = TRAIN_S
     t0 = time.monotonic()
     check_address(address)  # before anything is reproduced: a wrong address is refused in seconds
     stages = prepare_grid(pipeline, repo, pattern, env)
+    restored = restore_cached(pipeline, repo, stages, env)  # here, from this machine's run-cache: no node trains them
+    stages = [s for s in stages if s not in restored]
+    if restored:
+        log(f"grid: {len(restored)} stage(s) restored from this machine's run-cache, not sent to the cluster")
     others = left_out(pipeline, repo, pattern, stages)
     dag = _dag(pipeline, repo) if stages else None
     own = {s: worker_inputs(pipeline, repo, [s], dag) for s in stages}  # a run pulls its own experiment's data only
@@ -292,6 +312,6 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = TRAIN_S
     # the stages that train after the grid (onboarding) with the threads the runs had (Ray's OMP_NUM_THREADS)
     ran = restore_grid(pipeline, repo, stages, {**env, "OMP_NUM_THREADS": str(threads_per_run(1, cpus_per_run))}, pull=True,
                        others=others, log=log)
-    return {"queued": stages, "runs": sorted(placed, key=lambda r: r["stage"]), "nodes": nodes, "remote": remote, "inputs": inputs,
-            "prepare_s": t_prep, "grid_s": t_grid, "restore_and_report_s": time.monotonic() - t2, "ran_after": ran,
+    return {"queued": stages, "restored_here": restored, "runs": sorted(placed, key=lambda r: r["stage"]), "nodes": nodes,
+            "remote": remote, "inputs": inputs, "prepare_s": t_prep, "grid_s": t_grid, "restore_and_report_s": time.monotonic() - t2, "ran_after": ran,
             "left_out": others}
