@@ -551,7 +551,7 @@ def _stale_runs(args: argparse.Namespace) -> None:
         raise ConfigError(f"{args.params}: tracking.enabled is false: no MLflow store to look in (set MLFLOW_TRACKING_URI to name one)")
     client = MlflowClient(tracking_uri=uri)
     gone, unknown = stale_runs(client)
-    names = {e.experiment_id: e.name for e in client.search_experiments()}
+    names = {i: client.get_experiment(i).name for i in {r.info.experiment_id for r in gone}}
     host = socket.gethostname()
     print(f"stale-runs {uri}: {len(gone)} RUNNING run(s) whose process on {host} is gone"
           + (", marked KILLED" if args.end and gone else ""))
