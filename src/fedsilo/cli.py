@@ -501,14 +501,6 @@ def _check(args: argparse.Namespace) -> None:
 
     p = load_params(args.params)
     check_pipeline_fits(p, str(args.params))
-    if any(p.experiments[e].train.augment.host for e in p.pipeline.experiments):
-        from fedsilo.client.hostaug import check_host_policy
-
-        for e in p.pipeline.experiments:
-            try:
-                check_host_policy(p.experiments[e].train.augment.host, f"experiments.{e}.")
-            except ConfigError as err:
-                raise ConfigError(f"{args.params}: {err}") from None
     check_split_domains(p, str(args.params))
     _check_published(p, str(args.params), Path(args.root))
     from fedsilo.scaffold import check_paper_stages

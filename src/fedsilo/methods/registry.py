@@ -185,9 +185,15 @@ def check_backbone(algo: Method, model: str, size: int, width: float = 1.0, chan
 def check_pipeline_fits(params: Params, source: str = "params.yaml") -> None:
     """``fedsilo check-params``: every (experiment, method) pair the pipeline trains fits the experiment's data, as
     the train stage will check (a static method on a stream of domain tasks, a stream-only one on static clients), and
-    its backbone (:func:`check_backbone`). Not part of loading params: the commands of a site (card, supernode) load a file whose local baseline need not
+    its backbone (:func:`check_backbone`), and each experiment's host augmentation policy builds. Not part of loading params: the commands of a site (card, supernode) load a file whose local baseline need not
     fit a stream the federation learns, and a train stage refuses only its own pair."""
+    from fedsilo.client.hostaug import check_host_policy
+
     for e in params.pipeline.experiments:
+        try:
+            check_host_policy(params.experiments[e].train.augment.host, f"experiments.{e}.")
+        except ConfigError as err:
+            raise ConfigError(f"{source}: {err}") from None
         stream = params.experiments[e].split.protocol == "domain_incremental"
         for key in params.experiment_methods(e):
             if key not in params.methods:
