@@ -297,6 +297,28 @@ def test_moon_contrast_acts_from_the_second_round_and_the_previous_model_stays_h
     assert "global" in h[-1]
 
 
+def test_moon_contrasts_the_global_model_as_positive_and_the_previous_one_as_negative(clients, monkeypatch):
+    """A round's first step trains the global model itself: its representation equals the positive's (references on
+    the batch's statistics), so l_con < log 2 once the previous model differs (round 2; here a random one); the pair
+    swapped, > log 2."""
+    import math
+
+    import fedsilo.methods.moon as moon
+
+    cl, cin, nc = clients
+    tp = TrainParams(rounds=2, batch_size=16, lr=0.02, local_epochs=1, device="cpu", count_flops=False)
+    cls = method_class("moon")
+    e = Engine(cls(cls.params_cls(mu=5.0, reference_bn="batch"), tp), tiny_net(cin, nc), cl, tp, seed=0)
+    e.step()  # round 1: each client's previous model becomes its trained one; the first client's, made far from it
+    gen = torch.Generator().manual_seed(0)
+    e.stores[0].update({k: torch.randn(v.shape, generator=gen) for k, v in e.stores[0].items() if v.is_floating_point()})
+    losses: list[float] = []
+    real = moon.model_contrastive_loss
+    monkeypatch.setattr(moon, "model_contrastive_loss", lambda *a: (lambda out: losses.append(float(out.detach())) or out)(real(*a)))
+    e.step()
+    assert losses[0] < math.log(2) - 1e-3, losses[:3]
+
+
 def test_moon_reference_models_and_first_previous_follow_their_switches(clients, monkeypatch):
     import fedsilo.methods.moon as moon
 
@@ -523,6 +545,23 @@ def test_fedtgp_server_generator_learns_separated_prototypes():
     assert all(torch.equal(out[k], again[k]) for k in out), "the server's batches are seeded"
 
 
+def test_fedtgp_server_generator_carries_over_from_round_to_round():
+    """The generator is server state: round 2 trains on from round 1's weights (sent back in the server state), so
+    its prototypes differ from a generator trained in round 2 alone."""
+    from fedsilo.config import TrainParams as TP
+    from fedsilo.methods.fedtgp import FedTGP, FedTGPParams
+
+    m = FedTGP(FedTGPParams(server_epochs=2), TP(lr=0.05, batch_size=8))
+    m.num_classes, m.dim, m.run_seed = 3, 4, 0
+    fresh = {f"tgp_net::{k}": v for k, v in m.generator().state_dict().items()}
+    pairs = [(c, torch.eye(3, 4)[c] * 3 + 0.1 * k) for c in range(3) for k in range(2)]
+    first = m.server_prototypes(fresh, pairs, rnd=1)
+    carried = m.server_prototypes({k: v for k, v in first.items() if k.startswith("tgp_net::")}, pairs, rnd=2)
+    anew = m.server_prototypes(fresh, pairs, rnd=2)
+    protos = [torch.stack([out[f"tgp_proto::{c}"] for c in range(3)]) for out in (carried, anew)]
+    assert not torch.allclose(*protos, atol=1e-4)
+
+
 def test_fedtgp_server_trains_with_the_adaptive_margin(monkeypatch):
     import fedsilo.methods.fedtgp as tgp
     from fedsilo.config import TrainParams as TP
@@ -704,7 +743,8 @@ def test_fedrcl_each_term_acts_alone_at_every_level(clients, monkeypatch):
     monkeypatch.setattr(rcl, "scl_loss", lambda z, *a: widths["scl"].append(z.shape[1]) or real_scl(z, *a))
     monkeypatch.setattr(rcl, "divergence_penalty", lambda z, *a: widths["pen"].append(z.shape[1]) or real_pen(z, *a))
     ups: dict[str, list] = {}
-    for name, kw in (("fedavg", {}), ("fedrcl", {"scl_weight": 0.0, "penalty_weight": 1.0, "threshold": -1.0})):
+    # clip_grad off: the penalty alone must move the update (the code's clip at 10 alone moved it off FedAvg's too)
+    for name, kw in (("fedavg", {}), ("fedrcl", {"scl_weight": 0.0, "penalty_weight": 1.0, "threshold": -1.0, "clip_grad": None})):
         cls = method_class(name)
         got: list = ups.setdefault(name, [])
         Engine(cls(cls.params_cls(**kw), tp), build_model("resnet10_cifar", clients[1], clients[2], seed=0), small, tp, seed=0,
@@ -815,6 +855,22 @@ def test_fdse_server_mgda_step_similarity_mix_and_privacy(clients):
     e.step()  # round 2: the regularizer acts, downloads carry the client's own mix
     assert [set(d) for r, _, d in downs if r == 2][0] == set(m.shared) | set(m.personal)
     assert "eval" in e.history[-1] and "global" not in e.history[-1]
+
+
+def test_fdse_mixes_each_clients_erasers_by_their_similarity():
+    """Three clearly different erasers (after a round from a shared start they are nearly equal, and any mix looks
+    uniform): each client gets softmax(cos / tau) of everyone's, so a and c get different mixes, a's leaning to b's."""
+    from types import SimpleNamespace
+
+    cls = method_class("fdse")
+    m = cls(cls.params_cls(), TrainParams(device="cpu"))
+    m.shared, m.personal = [], ["e"]
+    stack = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0]])
+    out = m.aggregate({}, [(SimpleNamespace(name=n), {"e": v}) for n, v in zip("abc", stack)], 1)
+    unit = stack / stack.norm(dim=1, keepdim=True)
+    got = torch.stack([out[f"fdse::{n}::e"] for n in "abc"])
+    assert torch.allclose(got, torch.softmax(unit @ unit.T / 0.5, 1) @ stack, atol=1e-6)
+    assert not torch.allclose(got[0], got[2], atol=0.1) and got[0][0] > stack.mean(0)[0]
 
 
 def _fdse_small(clients, n=3):
