@@ -294,6 +294,25 @@ def test_strategy_reuses_the_best_matching_model_at_or_above_lambda():
     assert said["family"].tolist() == [best] and int(store["route"][2]) == best
 
 
+def test_strategy_reuses_the_highest_intensity_model_when_it_is_not_the_current_tasks():
+    """Eq. 4 reuses the model whose knowledge matching intensity is the *highest*: at task 3's first round a client
+    holding models 0 and 1 (none of task 3 yet), with lambda between their two intensities, reuses the better-matching
+    one; picking any other would fall below lambda and start a new model (family 2)."""
+    e = _engine("pfeddil", train=_train(rounds=1), tasks=style_stream(n_clients=2, domains=3), lam=1.01)
+    e.step()
+    e.step()  # tasks 1 and 2 done: a model each
+    c = e.tasks[2][0]
+    store = {k: v.clone() for k, v in e.stores[0].items()}
+    assert e.method.slots(store) == [0, 1] and int(store["route"][2]) == -1
+    rho = e.method.intensities(e.model, store, c)
+    assert sorted(rho) == [0, 1] and abs(rho[0] - rho[1]) > 1e-4, rho
+    best = max(rho, key=rho.get)
+    e.method.params = e.method.params.model_copy(update={"lam": (rho[0] + rho[1]) / 2})
+    e.method.task = 2
+    said = e.method.announce(e.model, store, c, 99)
+    assert said["family"].tolist() == [best] and int(store["route"][2]) == best, rho
+
+
 def test_auxiliary_output_spans_zero_to_one_whatever_the_number_of_classes():
     from fedsilo.methods.pfeddil import confidence
 

@@ -85,6 +85,37 @@ def test_replay_draws_the_previous_global_generator_from_the_second_task_on():
     assert [(r, sent) for r, _, sent in downs] == [(r, r in (3, 5)) for r in range(1, 7) for _ in range(3)]
 
 
+def test_clients_replay_images_drawn_by_the_previous_tasks_generator_not_their_own(monkeypatch):
+    """In task 2 a client's replayed batch (x~, y~) is drawn by G^{t-1}, the global generator of task 1's end, not by
+    the generator it trains: in the task's second round (the downloaded generator has moved on from G^{t-1}) every
+    replayed image is the output of a generator holding G^{t-1}'s weights."""
+    e = _engine()
+    for _ in range(3):
+        e.step()
+    prev = take(e.server, PREV)["fc.weight"].clone()
+    assert not torch.equal(prev, e.server["gen.fc.weight"])
+    drawn, seen = [], []
+    forward, d_loss = ACGANGenerator.forward, FedCIL._d_loss
+
+    def spy_forward(g, z):
+        out = forward(g, z)
+        drawn.append((torch.equal(g.fc.weight.detach(), prev), out.detach()))
+        return out
+
+    def spy_d_loss(self, d, g, x, *args):
+        seen.append(x.detach())
+        return d_loss(self, d, g, x, *args)
+
+    monkeypatch.setattr(ACGANGenerator, "forward", spy_forward)
+    monkeypatch.setattr(FedCIL, "_d_loss", spy_d_loss)
+    e.step()
+    replayed = seen[1::2]  # per batch: the current (or stand-in) batch, then the replayed one
+    assert len(replayed) >= 3 * 3  # three clients, three batches each (and the server's consolidation)
+    for x in replayed:
+        by_prev = [p for p, out in drawn if out.shape == x.shape and torch.equal(out, x)]
+        assert by_prev and all(by_prev)
+
+
 def test_without_replay_the_first_task_is_the_same_and_the_second_differs():
     on, off = _engine(), _engine(replay=False)
     for _ in range(2):

@@ -449,6 +449,40 @@ def test_fedecouple_teacher_and_distillation(clients):
     assert not torch.equal(runs["adapted"], runs["lam0"]) and not torch.equal(runs["adapted"], runs["fixed"])
 
 
+def test_fedecouple_gpc_teacher_starts_from_the_downloaded_global_classifier_not_phi_i(clients, monkeypatch):
+    """GPC (Eq. 2-4): the teacher is a copy of the downloaded global classifier phi^t, not of the client's personal
+    phi_i. In round 2 the two differ; on each client's first distillation batch (before the teacher adapts) the
+    teacher's logits are phi^t applied to the features the classifier sees, and not the student phi_i's."""
+    from contextlib import contextmanager
+
+    import fedsilo.methods.fedecouple as fc
+
+    reps, firsts = [], {}
+    real_rep, real_kl = fc.representation, fc.distillation_kl
+
+    @contextmanager
+    def rep_spy(model):
+        with real_rep(model) as rep:
+            reps.append(rep)
+            yield rep
+
+    def kl_spy(student, teacher, *a, **kw):  # the first call under each classifier phase's capture
+        firsts.setdefault(len(reps), (student.detach().clone(), teacher.detach().clone(), reps[-1].z.detach().clone()))
+        return real_kl(student, teacher, *a, **kw)
+
+    monkeypatch.setattr(fc, "representation", rep_spy)
+    monkeypatch.setattr(fc, "distillation_kl", kl_spy)
+    e = _engine("fedecouple", clients, rounds=2, classifier_epochs=1, **{**OFF, "gpc": True})
+    e.step()
+    w, b = e.server[HEAD + "2.weight"].clone(), e.server[HEAD + "2.bias"].clone()  # phi^t of round 2
+    firsts.clear()
+    e.step()
+    assert len(firsts) == len(clients)
+    for student, teacher, z in firsts.values():
+        assert torch.allclose(teacher, torch.nn.functional.linear(z, w, b), atol=1e-5)
+        assert not torch.allclose(teacher, student, atol=1e-3), "phi_i and phi^t must differ in round 2"
+
+
 def test_fedecouple_losses_are_eq_1_and_eq_3_as_written_with_the_conventions_as_switches(clients):
     """Eq. 3's distillation is lambda KL(p_T || p_S) (``kd_scale: tau2`` multiplies it by tau^2); Omega is the squared
     distance to the anchor averaged over batch and features (FedPAC's code; ``center_reduction: sum``, Eq. 1's

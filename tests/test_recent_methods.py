@@ -19,7 +19,7 @@ from fedsilo.methods.fedlgf import FedLGF, FedLGFParams
 from fedsilo.methods.fedwon import adaptive_grad_clip, unitwise_norm
 from fedsilo.methods.terms import distillation_kl
 from fedsilo.models import WSConv2d, batchnorm_keys, build_model, normalization_free
-from tests.tiny import close_states
+from tests.tiny import close_states, style_shifted_federation, tiny_net
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +137,32 @@ def test_fedlgf_perturbation_is_adversarial_and_zero_radius_is_fedavg(clients):
     assert torch.equal(head[0].running_mean, stats), "perturbed passes leave BatchNorm statistics alone"
 
 
+def test_fedlgf_global_flatness_term_perturbs_the_downloaded_models_features(monkeypatch):
+    """The global flatness term perturbs the global classifier on z_G, the downloaded global model's features of the
+    batch (evaluation mode), not on the local features z that the local term perturbs."""
+    clients = style_shifted_federation(n_train=16, n_test=4, per_domain=1)[:2]
+    tp = TrainParams(rounds=1, batch_size=8, lr=0.05, device="cpu", count_flops=False)
+    e = Engine(FedLGF(FedLGFParams(), tp), tiny_net(1, 4), clients, tp, seed=0)
+    glob = tiny_net(1, 4)
+    glob.load_state_dict(e.server)  # what every client downloads in round 1
+    glob.eval()
+    batch, fed = [], []
+    e.model.register_forward_pre_hook(lambda _m, inputs: batch.append(inputs[0].detach()))
+    real = FedLGF._perturbed
+
+    def spy(self, head, z, clean, gen):
+        fed.append((z.detach().clone(), batch[-1]))
+        return real(self, head, z, clean, gen)
+
+    monkeypatch.setattr(FedLGF, "_perturbed", spy)
+    e.step()
+    assert fed and len(fed) % 2 == 0  # per batch: the local term, then the global one
+    with torch.no_grad():
+        for (z_local, x), (z_global, _) in zip(fed[0::2], fed[1::2]):
+            assert torch.allclose(z_global, glob.feature_extractor()(x), atol=1e-5)
+            assert not torch.allclose(z_global, z_local, atol=1e-3)
+
+
 def test_fedwon_model_has_no_normalization_and_standardized_convolutions():
     for name in ("simple_cnn", "alexnet_bn", "resnet10"):
         base = build_model(name, 3, 5, seed=0)
@@ -152,6 +178,27 @@ def test_fedwon_model_has_no_normalization_and_standardized_convolutions():
         assert torch.allclose(var, torch.full_like(var, convs[0].gamma**2 / fan_in), rtol=1e-2)
         size = 64 if name != "simple_cnn" else 28
         assert nf.eval()(torch.randn(2, 3, size, size)).shape == (2, 5)
+
+
+def test_wsconv2d_convolves_with_the_standardized_weight_not_the_raw_one():
+    """FedWon's Eq. 1 acts in the forward: WSConv2d convolves with W_hat = gain * gamma * (W - mean(W)) / (std(W) *
+    sqrt(N)) per output channel (its stride, padding and bias), while its stored ``weight`` stays the raw one."""
+    torch.manual_seed(0)
+    conv = WSConv2d(3, 4, 3, stride=2, padding=1)
+    with torch.no_grad():
+        conv.weight.mul_(3.0).add_(0.5)  # far from standardized: mean 0.5, a larger spread
+        conv.gain.copy_(torch.tensor([0.5, 1.0, 2.0, 3.0]).view(4, 1, 1, 1))
+    w = conv.weight.detach().clone()
+    var, mean = torch.var_mean(w, dim=(1, 2, 3), keepdim=True, unbiased=False)
+    w_hat = conv.gain.detach() * conv.gamma * (w - mean) / (var.sqrt() * math.sqrt(w[0].numel()))
+    x = torch.randn(2, 3, 9, 9)
+    with torch.no_grad():
+        out = conv(x)
+        want = nn.functional.conv2d(x, w_hat, conv.bias, stride=2, padding=1)
+        raw = nn.functional.conv2d(x, w, conv.bias, stride=2, padding=1)
+    assert torch.allclose(out, want, atol=1e-5)
+    assert not torch.allclose(out, raw, atol=1e-2)
+    assert torch.equal(conv.weight.detach(), w), "the stored weight is not standardized in place"
 
 
 def test_agc_clips_each_unit_to_lambda_times_its_weight_norm():
