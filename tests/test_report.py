@@ -537,9 +537,12 @@ def test_a_table_across_several_datasets_has_a_row_per_dataset_and_the_papers_ro
     assert "| fedecouple | fmnist_28 | 81.0 ± 0.5 | 85.0 ± 0.5 | n/a |\n| paper | fmnist_28 | 90.78 | – | – |" in md
     assert "fmnist_28: local_epochs 1: f1, local_epochs 5: f5" in md and "Several settings apart" not in md
     csv = pd.read_csv(tmp_path / "out" / "table12_across.csv")
-    assert list(csv[["dataset", "source"]].itertuples(index=False, name=None)) == [
+    assert list(dict.fromkeys(csv[["dataset", "source"]].itertuples(index=False, name=None))) == [
         ("cifar10_32", "ours"), ("cifar10_32", "paper"), ("fmnist_28", "ours"), ("fmnist_28", "paper")]
-    assert csv.loc[1, "local_epochs 5_mean"] == 81.78 and csv.loc[0, "local_epochs 10_mean"] == 60.0
+    assert list(csv.columns) == ["method", "dataset", "source", "column", "setting", "value", "mean", "std"]
+    cell = csv.set_index(["dataset", "source", "value"])
+    assert cell.loc[("cifar10_32", "paper", 5), "mean"] == 81.78 and cell.loc[("cifar10_32", "ours", 10), "mean"] == 60.0
+    assert cell.loc[("cifar10_32", "ours", 10), "std"] == 0.5 and set(csv["setting"]) == {"local_epochs"}
     assert (tmp_path / "out" / "table12_across.png").stat().st_size > 0
     for bad, said in (({**paper, "setting": "rounds"}, "setting 'rounds' but the group's experiments differ in 'local_epochs'"),
                       ({**paper, "methods": {"fedecouple": {"cinic10_32": {1: 56.96}}}},

@@ -185,18 +185,21 @@ def build_across_report(group: str, blocks: dict[str, list[str]], avg: dict[str,
               else ["No published numbers beside these (`runs.<group>.published`; a quickstart's experiments are not the paper's).", ""])
     head = ["method", *(["dataset"] if several else []), *cols]
     lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    csv_rows = []
+    csv_rows = []  # tidy: a row per method, dataset, source and column, the column's setting and value beside it
+
+    def cells(m: str, d: str, source: str, mean_of: Any, std_of: Any) -> list[dict[str, Any]]:
+        return [{"method": m, "dataset": d, "source": source, "column": c, "setting": axis[0] if axis else "experiment",
+                 "value": axis[1][c] if axis else c, "mean": mean_of(c), "std": std_of(c)} for c in cols]
+
     for r in rows:
         m, d = r
         lead = [m, *([d] if several else [])]
         lines.append("| " + " | ".join([*lead, *(mean_pm(mean.loc[label[r], c], std.loc[label[r], c], ".1f") for c in cols)]) + " |")
-        csv_rows.append({"method": m, "dataset": d, "source": "ours",
-                         **{f"{c}_{stat}": (mean if stat == "mean" else std).loc[label[r], c] for c in cols for stat in ("mean", "std")}})
+        csv_rows += cells(m, d, "ours", lambda c, r=r: mean.loc[label[r], c], lambda c, r=r: std.loc[label[r], c])
         if r in paper:
             lines.append("| " + " | ".join(["paper", *([d] if several else []),
                                             *(f"{paper[r][c]:.2f}" if c in paper[r] else "–" for c in cols)]) + " |")
-            csv_rows.append({"method": m, "dataset": d, "source": "paper",
-                             **{f"{c}_{stat}": paper[r].get(c, np.nan) if stat == "mean" else np.nan for c in cols for stat in ("mean", "std")}})
+            csv_rows += cells(m, d, "paper", lambda c, r=r: paper[r].get(c, np.nan), lambda c: np.nan)
     md = "\n".join(lines) + "\n"
     with atomic_dir(out_dir) as tmp:
         (tmp / f"{group}_across.md").write_text(md)
