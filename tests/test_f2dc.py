@@ -869,7 +869,7 @@ def test_fdse_mixes_each_clients_erasers_by_their_similarity():
     out = m.aggregate({}, [(SimpleNamespace(name=n), {"e": v}) for n, v in zip("abc", stack)], 1)
     unit = stack / stack.norm(dim=1, keepdim=True)
     got = torch.stack([out[f"fdse::{n}::e"] for n in "abc"])
-    assert torch.allclose(got, torch.softmax(unit @ unit.T / 0.5, 1) @ stack, atol=1e-6)
+    assert torch.allclose(got, torch.softmax(unit @ unit.T / m.params.tau, 1) @ stack, atol=1e-6)
     assert not torch.allclose(got[0], got[2], atol=0.1) and got[0][0] > stack.mean(0)[0]
 
 

@@ -108,6 +108,14 @@ def test_a_run_this_machines_run_cache_holds_is_restored_here_not_trained_on_a_n
     repo = _repo(tmp_path, items="[a, b]")
     log = tmp_path / "runs.log"
     assert sorted(run_grid_ray("dvc.yaml", repo, cluster.address, worker_cache=None, quiet=True)["queued"]) == ["train_g@a", "train_g@b"]
+    # inputs never seen: nothing to restore, nothing run, and the previous results back in place (DVC removed them)
+    from fedsilo.grid import tracking_env
+    from fedsilo.grid_ray import restore_cached
+
+    (repo / "dep.txt").write_text("3")
+    _dvc("repro", "prep", cwd=repo)
+    assert restore_cached("dvc.yaml", repo, ["train_g@a", "train_g@b"], tracking_env(None, repo)) == []
+    assert (repo / "out" / "a.txt").read_text() == "a1" and len(log.read_text().split()) == 2
     (repo / "dep.txt").write_text("2")
     assert run_grid_ray("dvc.yaml", repo, cluster.address, worker_cache=None, quiet=True)["restored_here"] == []
     assert len(log.read_text().split()) == 4
@@ -143,6 +151,8 @@ def test_a_failing_ray_run_stops_the_grid_naming_it_and_leaves_the_lock_alone(tm
 def test_after_its_runs_the_ray_grid_ends_the_mlflow_runs_whose_process_died_on_each_node(tmp_path, cluster, monkeypatch):
     """A run SIGKILLed on a node stays RUNNING (its workspace copy, and so its checkpoint, are gone): after the grid's
     runs, each live node marks KILLED the runs its own host started whose process is gone; a live one is left."""
+    import socket
+
     from mlflow.entities import RunTag
 
     from fedsilo.tracking import Tracker
@@ -160,6 +170,17 @@ def test_after_its_runs_the_ray_grid_ends_the_mlflow_runs_whose_process_died_on_
     run_grid_ray("dvc.yaml", repo, cluster.address, tracking_uri=uri, worker_cache=None, quiet=True, log=said.append)
     assert t.client.get_run(killed).info.status == "KILLED" and t.client.get_run(live).info.status == "RUNNING"
     assert any("1 MLflow run(s) whose process died marked KILLED: train_g@z-seed0 on " in x for x in said), said
+    # a store the nodes reach (an MLflow server's; here the loopback cluster's one disk): each live node asked at once
+    from fedsilo.grid_ray import end_stale_on_nodes
+
+    again = t.start("demo", "train_g@y-seed0", {}, {})
+    t.client.log_batch(again, tags=[RunTag("fedsilo.pid", str(gone.pid))])
+    ray.init(address=cluster.address, log_to_driver=False, logging_level="WARNING")
+    try:
+        assert end_stale_on_nodes(ray, uri, said.append, nodes=True) == [f"train_g@y-seed0 on {socket.gethostname()}"]
+    finally:
+        ray.shutdown()
+    assert t.client.get_run(again).info.status == "KILLED" and t.client.get_run(live).info.status == "RUNNING"
 
 
 def test_without_a_default_remote_the_ray_grid_says_how_to_add_one(tmp_path):

@@ -128,6 +128,16 @@ def test_a_published_tables_columns_and_rows_are_checked():
     metric = {"domains": ["local", "new"], "methods": {"a": {"mean": [1.0, 2.0], "std": [0.1]}, "b": {"mean": [1.0, 2.0, 3.0]}}}
     assert published_table_problems(metric, ["CIFAR-10"]) == ["methods.a.std: 1 value(s) for 2 means",
                                                               "methods.b.mean: 3 value(s) for the columns ['local', 'new']; give 2"]
+    # and the report agrees: a one-value row of a local / new / external table is no Avg-only row there
+    import pandas as pd
+    import pytest
+
+    from fedsilo.report import ReportError
+    from fedsilo.report.versus import versus_paper
+
+    ours = pd.concat({"mean": pd.DataFrame({"local": [90.0], "new": [60.0]}, index=["a"])}, axis=1)
+    with pytest.raises(ReportError, match=r"methods\.a\.mean has 1 values for 2 columns"):
+        versus_paper(ours, {"domains": ["local", "new"], "methods": {"a": {"mean": [61.0]}}}, avg=False)
     by_folder = {"domains": ["site_a"], "methods": {"a": {"mean": [1.0]}, "b": {"param_MB": 3.0}}}
     assert published_table_problems(by_folder, None) == []
     assert published_table_problems({"domains": "photo", "methods": {}}, None)[0].startswith("domains: give the table's columns as a list")

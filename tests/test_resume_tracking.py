@@ -229,6 +229,8 @@ def test_a_run_whose_process_died_is_found_and_ended_and_a_live_one_is_left(tmp_
     """Every run carries its process (host, pid, start time; a resume re-tags it); `fedsilo stale-runs` lists the
     RUNNING runs whose process on this host is gone, `--end` marks them KILLED (the grid does at its end), leaving
     a live run, a finished one and another host's as they are."""
+    import socket
+
     from mlflow.entities import RunTag
 
     from fedsilo.cli import main
@@ -244,7 +246,13 @@ def test_a_run_whose_process_died_is_found_and_ended_and_a_live_one_is_left(tmp_
     dead = t.start("e", "killed", {}, {})
     t.client.log_batch(dead, tags=[RunTag("fedsilo.pid", str(dead_pid.pid))])  # its process: gone
     elsewhere = t.start("e", "other-host", {}, {})
-    t.client.log_batch(elsewhere, tags=[RunTag("fedsilo.host", "gpu-node-7"), RunTag("fedsilo.pid", str(dead_pid.pid))])
+    t.client.log_batch(elsewhere, tags=[RunTag("fedsilo.host", "gpu-node-7"), RunTag("fedsilo.host_id", "another-boot/pid:[1]"),
+                                        RunTag("fedsilo.pid", str(dead_pid.pid))])
+    # this hostname, another pid namespace (a container on the host's network): its pids are not ours to look up
+    boxed = t.start("e", "container", {}, {})
+    t.client.log_batch(boxed, tags=[RunTag("fedsilo.host_id", "another-boot/pid:[2]"), RunTag("fedsilo.pid", str(dead_pid.pid))])
+    edited = t.start("e", "edited", {}, {})
+    t.client.log_batch(edited, tags=[RunTag("fedsilo.pid", "twelve")])  # a tag edited by hand: not judged, no crash
     done = t.start("e", "done", {}, {})
     t.client.set_terminated(done, "FINISHED")
     raw = small_params()
@@ -255,11 +263,12 @@ def test_a_run_whose_process_died_is_found_and_ended_and_a_live_one_is_left(tmp_
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "1 RUNNING run(s) whose process on" in out and f"e  killed  {dead}  (pid {dead_pid.pid}" in out
-    assert "1 other RUNNING run(s) not judged here: started on gpu-node-7 (run this there)" in out
+    assert ("3 other RUNNING run(s) not judged here: started on gpu-node-7 (run this there); 1 started on "
+            f"{socket.gethostname()} in another container or before a reboot; 1 without their process's tags") in out
     assert t.client.get_run(dead).info.status == "RUNNING"  # listed only
     assert main([*args, "--end"]) == 0 and "marked KILLED" in capsys.readouterr().out
-    status = {r: t.client.get_run(r).info.status for r in (live, dead, elsewhere, done)}
-    assert status == {live: "RUNNING", dead: "KILLED", elsewhere: "RUNNING", done: "FINISHED"}
+    status = {r: t.client.get_run(r).info.status for r in (live, dead, elsewhere, boxed, edited, done)}
+    assert status == {live: "RUNNING", dead: "KILLED", elsewhere: "RUNNING", boxed: "RUNNING", edited: "RUNNING", done: "FINISHED"}
     # its checkpoint resumes it all the same, re-tagged with the resuming process
     t.client.log_batch(dead, tags=[RunTag("fedsilo.pid", "1")])
     assert Tracker(True, uri).start("e", "killed", {}, {}, run_id=dead) == dead

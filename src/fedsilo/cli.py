@@ -535,7 +535,7 @@ def _stale_runs(args: argparse.Namespace) -> None:
 
     from mlflow.tracking import MlflowClient
 
-    from fedsilo.tracking import stale_runs
+    from fedsilo.tracking import process_of, stale_runs
 
     p = config.load_params(args.params)
     uri = os.environ.get("MLFLOW_TRACKING_URI") or p.tracking.uri
@@ -555,11 +555,13 @@ def _stale_runs(args: argparse.Namespace) -> None:
         if args.end:
             client.set_terminated(run.info.run_id, "KILLED")
     if unknown:
-        hosts = sorted({r.data.tags.get("fedsilo.host", "?") for r in unknown} - {host})
-        print(f"  {len(unknown)} other RUNNING run(s) not judged here: "
-              + ("; ".join(x for x in (f"started on {', '.join(hosts)} (run this there)" if hosts else "",
-                                      "without their process's tags (started by an older fedsilo)"
-                                      if any("fedsilo.host" not in r.data.tags for r in unknown) else "") if x)))
+        untagged = [r for r in unknown if process_of(r.data.tags) is None]
+        hosts = sorted({r.data.tags.get("fedsilo.host", "?") for r in unknown if r not in untagged} - {host})
+        here = [r for r in unknown if r not in untagged and r.data.tags.get("fedsilo.host") == host]
+        why = [f"started on {', '.join(hosts)} (run this there)" if hosts else "",
+               f"{len(here)} started on {host} in another container or before a reboot" if here else "",
+               f"{len(untagged)} without their process's tags (started by an older fedsilo)" if untagged else ""]
+        print(f"  {len(unknown)} other RUNNING run(s) not judged here: " + "; ".join(x for x in why if x))
     if gone and not args.end:
         print("  fedsilo stale-runs --end marks them KILLED (a run's checkpoint in state/ still resumes it)")
 

@@ -115,16 +115,23 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], what: str, log: list[st
 
 def restore_cached(pipeline: str, repo: Path, stages: list[str], env: dict[str, str]) -> list[str]:
     """The out-of-date ``stages`` this machine's DVC run-cache holds (a run finished here whose params were since
-    changed and changed back), restored here: the nodes see the remote's run-cache only and would train them again.
-    One ``dvc repro --keep-going`` whose shell is ``false`` (DVC runs a stage's command as ``$SHELL -c <cmd>``): a
-    stage the run-cache holds is checked out without its command, any other stage's command fails at once, running
-    nothing. Returns the stages restored."""
+    changed and changed back), restored here: a node sees its own worker cache's run-cache only and would train them
+    again. One ``dvc repro --keep-going`` whose shell is ``false`` (DVC runs a stage's command as ``$SHELL -c <cmd>``;
+    not on Windows, where it ignores ``SHELL``): a stage the run-cache holds is checked out without its command, any
+    other stage's command fails at once, running nothing; DVC removed those stages' previous outputs first, so they
+    are checked out again from ``dvc.lock`` (the workspace as it was). Returns the stages restored."""
     false = shutil.which("false")
-    if not stages or false is None:
+    if not stages or false is None or os.name == "nt":
+        return []
+    runs = Path(run_dvc(["cache", "dir"], repo, env).stdout.strip()) / "runs"
+    if not runs.is_dir() or not any(runs.iterdir()):  # nothing was ever run here: nothing to restore
         return []
     run_dvc(["repro", "--single-item", "--keep-going", *(f"{pipeline}:{s}" for s in stages)], repo, {**env, "SHELL": false},
             check=False)  # the stages the run-cache does not hold fail, by design: the cluster trains them
     still = set(stale_stages(pipeline, repo, "*"))
+    left = [s for s in stages if s in still]
+    if left:  # their previous results back in the workspace, as before the pass (the cluster's replace them)
+        run_dvc(["checkout", *(f"{pipeline}:{s}" for s in left)], repo, env, check=False)
     return [s for s in stages if s not in still]
 
 
@@ -133,6 +140,30 @@ def end_stale_here(uri: str) -> list[str]:
     from fedsilo.tracking import end_stale_runs
 
     return [f"{r.info.run_name} on {socket.gethostname()}" for r in end_stale_runs(uri)]
+
+
+def end_stale_on_nodes(ray: Any, uri: str, log: Any, nodes: Optional[bool] = None) -> list[str]:
+    """:func:`end_stale_here` on every live node at once (only a run's own host can tell whether its process is
+    gone); a store in a file (``sqlite:///``, ``file:``) is this machine's, where alone runs could log: here only
+    (``nodes``, default by the URI, says which)."""
+    if not (nodes if nodes is not None else not uri.startswith(("sqlite:", "file:")) and "://" in uri):
+        return end_stale_here(uri)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    sweep = ray.remote(end_stale_here)
+    refs = {sweep.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n["NodeID"], soft=False))
+            .remote(uri): n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+    ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=120)
+    ended: list[str] = []
+    for ref in ready:
+        try:
+            ended += ray.get(ref)
+        except Exception as err:  # noqa: BLE001 - the runs are done and restored after this; said, not fatal
+            log(f"grid: could not look for MLflow runs left RUNNING on {refs[ref]} ({type(err).__name__}: {err}); "
+                "`fedsilo stale-runs --end` there does it")
+    for ref in late:
+        log(f"grid: {refs[ref]} did not say within 120 s which MLflow runs it left RUNNING; `fedsilo stale-runs --end` there does it")
+    return ended
 
 
 def run_stage(workspace: bytes, pipeline: str, stage: str, inputs: list[str], env_vars: dict[str, str],
@@ -285,20 +316,8 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = TRAIN_S
                         bar.update(1, info=f"{len(failed)} failed, last {last}", line=True)
             finally:
                 bar.close()
-            if "MLFLOW_TRACKING_URI" in env:  # a run whose process died on its node (SIGKILL, a lost worker): only
-                # its own host can tell, so each node marks its own (MLflow must reach the store from the nodes)
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-                sweep = ray.remote(end_stale_here)
-                ended: list[str] = []
-                for node in [n for n in ray.nodes() if n.get("Alive")]:
-                    ref = sweep.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-                        node_id=node["NodeID"], soft=False)).remote(env["MLFLOW_TRACKING_URI"])
-                    try:
-                        ended += ray.get(ref, timeout=120)
-                    except Exception as err:  # noqa: BLE001 - the runs are done and restored below; said, not fatal
-                        log(f"grid: could not look for MLflow runs left RUNNING on {node['NodeManagerAddress']} "
-                            f"({type(err).__name__}: {err}); `fedsilo stale-runs --end` there does it")
+            if "MLFLOW_TRACKING_URI" in env:  # a run whose process died on its node (SIGKILL, a lost worker)
+                ended = end_stale_on_nodes(ray, env["MLFLOW_TRACKING_URI"], log)
                 if ended:
                     log(f"grid: {len(ended)} MLflow run(s) whose process died marked KILLED: {', '.join(ended)}")
         finally:

@@ -166,37 +166,61 @@ def artifact_location(uri: str, experiment: str) -> Optional[str]:
 
 
 # who trains a run: a RUNNING run whose process is gone (SIGKILL, a queue worker's copy removed) is found by these
-PROCESS_TAGS = ("fedsilo.host", "fedsilo.pid", "fedsilo.pid_started")
+PROCESS_TAGS = ("fedsilo.host", "fedsilo.host_id", "fedsilo.pid", "fedsilo.pid_started")
+
+
+def host_id() -> str:
+    """This machine's boot and process namespace (Linux's boot_id and the pid namespace): what a pid means. Two
+    machines of one image share a hostname, a container on the host's network shares its hostname but not its
+    pids; "" where /proc does not say (then no run is judged gone from here)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
 
 
 def process_tags() -> dict[str, str]:
-    """This process, as tags of the run it trains: its host, pid and start time (a pid reused later is another)."""
+    """This process, as tags of the run it trains: its host (name and :func:`host_id`), pid and start time (a pid
+    reused later is another process)."""
     import socket
 
     import psutil
 
     me = psutil.Process()
-    return dict(zip(PROCESS_TAGS, (socket.gethostname(), str(me.pid), f"{me.create_time():.3f}")))
+    return dict(zip(PROCESS_TAGS, (socket.gethostname(), host_id(), str(me.pid), f"{me.create_time():.3f}")))
 
 
-def _process_alive(pid: str, started: str) -> bool:
+def process_of(tags: dict[str, str]) -> Optional[tuple[int, float]]:
+    """A run's process (pid, start time) from its tags, or None (started by an older fedsilo, or its tags edited)."""
+    try:
+        return int(tags["fedsilo.pid"]), float(tags["fedsilo.pid_started"])
+    except (KeyError, ValueError):
+        return None
+
+
+def _process_alive(pid: int, started: float) -> bool:
     import psutil
 
-    try:
-        return f"{psutil.Process(int(pid)).create_time():.3f}" == started
+    try:  # the start time within a second: psutil derives it from the boot time, which moves when the clock is stepped
+        return abs(psutil.Process(pid).create_time() - started) < 1.0
     except psutil.NoSuchProcess:
-        return False
+        try:  # /proc mounted hidepid: another user's process is not listed, yet signal 0 finds it
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
     except psutil.AccessDenied:  # another user's process of that pid: alive, and not ours to judge
         return True
 
 
 def stale_runs(client: Any) -> tuple[list[Any], list[Any]]:
     """The tracking store's RUNNING runs whose process on this host is gone (SIGKILLed, a lost queue worker), and the
-    RUNNING runs this host cannot judge (started on another host, or by a fedsilo before runs were tagged with their
-    process: :data:`PROCESS_TAGS`)."""
-    import socket
-
-    host = socket.gethostname()
+    RUNNING runs this host cannot judge (started on another host or in another container, by its :func:`host_id`,
+    or by a fedsilo before runs were tagged with their process: :data:`PROCESS_TAGS`)."""
+    here = host_id()
     exps, token = [], None
     while True:
         page = client.search_experiments(max_results=1000, page_token=token)
@@ -212,9 +236,10 @@ def stale_runs(client: Any) -> tuple[list[Any], list[Any]]:
                                       page_token=token)
             for run in page:
                 tags = run.data.tags
-                if tags.get("fedsilo.host") != host or not all(t in tags for t in PROCESS_TAGS):
+                process = process_of(tags)
+                if process is None or not here or tags.get("fedsilo.host_id") != here:
                     unknown.append(run)
-                elif not _process_alive(tags["fedsilo.pid"], tags["fedsilo.pid_started"]):
+                elif not _process_alive(*process):
                     gone.append(run)
             token = page.token
             if not token:
