@@ -55,6 +55,13 @@ def _method(**params):
     return cd2.CD2PFed(cd2.CD2PFedParams(**params), _tp(rounds=50))
 
 
+def test_ratio_rounds_sets_the_t_of_eq_3_apart_from_the_run_length():
+    """ratio_rounds: p_t reaches p after that many rounds (Table 5's LeNet rows), then stays, whatever train.rounds."""
+    m = _method(p=0.5, ratio_rounds=10)  # a 50-round run
+    assert m.ratio(5) == pytest.approx(0.25) and m.ratio(10) == 0.5 and m.ratio(30) == 0.5
+    assert _method(p=0.5).ratio(5) == pytest.approx(0.05)  # without it: T is the run's 50 rounds
+
+
 def test_private_ratio_grows_linearly_and_the_private_channels_are_nested():
     m = _method(p=0.5)
     net = build_model("lenet5", 3, 10, seed=0, image_size=32)

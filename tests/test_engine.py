@@ -68,6 +68,18 @@ def test_bytes_are_the_tensors_moved(clients):
     assert h["bytes_up"] == {c: b for c, d, b in log if d == "up"}
     single = _engine("single", clients, rounds=1).run()[0]
     assert single["bytes_up_total"] == single["bytes_down_total"] == 0
+    # FedAvg moves every tensor, BatchNorm's integer counters among them: each byte counted, up and down
+    whole = sum(t.numel() * t.element_size() for t in m.state_dict().values())
+    assert any(not t.is_floating_point() for t in m.state_dict().values())
+    fedavg = _engine("fedavg", clients, rounds=1).run()[0]
+    assert fedavg["bytes_down_total"] == whole * len(clients[0]) == fedavg["bytes_up_total"]
+
+
+def test_a_client_fraction_draws_other_clients_from_round_to_round(clients):
+    """client_fraction 0.5 of four clients: two a round, drawn anew each round (seeded by the round)."""
+    h = _engine("fedavg", clients, rounds=6, client_fraction=0.5).run()
+    picks = [tuple(e["sampled"]) for e in h]
+    assert all(len(p) == len(clients[0]) // 2 for p in picks) and len(set(picks)) > 1, picks
 
 
 def test_an_upload_of_private_state_is_refused(clients):
@@ -83,14 +95,43 @@ def test_an_upload_of_private_state_is_refused(clients):
         Engine(Leaky(Leaky.params_cls(), tp), build_model("simple_cnn", cin, nc, seed=0, width=0.25), cl, tp, seed=0).run()
 
 
+def test_an_announce_of_private_state_is_refused_too(clients):
+    """The guard covers a method's announce (what a client tells the server before training), not only uploads."""
+
+    class Chatty(FedAvg):
+        name = "chatty"
+
+        def private_keys(self, model):
+            return {"units.0.0.weight"}
+
+        def shared_keys(self, model):
+            return [k for k in super().shared_keys(model) if k != "units.0.0.weight"]
+
+        def announce(self, model, store, client, rnd):
+            return {"units.0.0.weight": model.state_dict()["units.0.0.weight"].detach().clone()}
+
+    cl, cin, nc = clients
+    tp = TrainParams(rounds=1, batch_size=16, device="cpu", count_flops=False)
+    with pytest.raises(PrivacyViolation, match="units.0.0.weight"):
+        Engine(Chatty(Chatty.params_cls(), tp), build_model("simple_cnn", cin, nc, seed=0, width=0.25), cl, tp, seed=0).run()
+
+
 def test_fedavg_server_is_the_size_weighted_mean(clients):
+    """Each upload weighs by its client's training images (the first client cut to 12 of 32: with equal sizes any
+    mean is the weighted one)."""
+    import dataclasses
+
+    cl, cin, nc = clients
+    uneven = [dataclasses.replace(cl[0], x_train=cl[0].x_train[:12], y_train=cl[0].y_train[:12]), *cl[1:]]
     ups = []
-    e = _engine("fedavg", clients, rounds=1, observer=lambda r, c, d, p: ups.append(p) if d == "up" else None)
+    e = _engine("fedavg", (uneven, cin, nc), rounds=1, observer=lambda r, c, d, p: ups.append(p) if d == "up" else None)
     e.run()
     k = "units.0.0.weight"
-    n = np.array([c.n_train for c in clients[0]], dtype=float)
+    n = np.array([c.n_train for c in uneven], dtype=float)
+    assert n[0] == 12 and len(set(n)) > 1
     expect = sum(u[k].double() * w for u, w in zip(ups, n / n.sum()))
     assert torch.allclose(e.server[k].double(), expect, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(e.server[k].double(), sum(u[k].double() for u in ups) / len(ups), atol=1e-6, rtol=1e-5)
 
 
 def test_single_and_fedbn_learn_well_above_chance(clients):

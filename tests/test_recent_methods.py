@@ -65,6 +65,17 @@ def test_pfedsd_distils_from_the_clients_own_last_model_and_keeps_it_home(client
     assert "global" in h1[-1]
 
 
+def test_pfedsd_distils_at_its_temperature(clients, monkeypatch):
+    """The self-distillation term is taken at params.tau (from round 2, when the client has its last model)."""
+    import fedsilo.methods.pfedsd as sd
+
+    taus: list[float] = []
+    real = sd.distillation_kl
+    monkeypatch.setattr(sd, "distillation_kl", lambda s, t, *a, **k: taus.append(a[0] if a else k.get("tau")) or real(s, t, *a, **k))
+    _run("pfedsd", clients, rounds=2, tau=4.0)
+    assert taus and set(taus) == {4.0}
+
+
 def test_pfedsd_teacher_is_the_clients_own_last_model_in_the_mode_its_switch_names(clients, monkeypatch):
     """Round 2's teacher holds the weights the client uploaded in round 1 (its own model, not the download), in
     evaluation mode by default and in training mode (batch statistics) with ``teacher_bn: batch``."""
