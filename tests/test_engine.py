@@ -174,6 +174,20 @@ def test_fedper_keeps_the_head_local(clients):
     assert not torch.equal(heads[0], heads[1]), "each client trains its own head"
 
 
+@pytest.mark.parametrize("name", ["fedper", "ditto"])
+def test_each_client_is_scored_with_its_own_model(clients, name):
+    """FedPer's clients are scored with their own head, Ditto's with their personal model: wreck one client's kept
+    part and its score alone changes (scored with the global model, or another client's, every score would move or
+    none)."""
+    e = _engine(name, clients, rounds=1)
+    e.run()
+    before = e.evaluate()["eval"]
+    first = clients[0][0].name
+    e.stores[0] = {k: (torch.zeros_like(v) if v.is_floating_point() else v) for k, v in e.stores[0].items()}
+    after = e.evaluate()["eval"]
+    assert after[first] != before[first] and all(after[c] == before[c] for c in before if c != first), (before, after)
+
+
 def test_ditto_personal_models_stay_home_and_follow_lambda(clients):
     cl, cin, nc = clients
     dist = {}
