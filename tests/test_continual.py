@@ -357,6 +357,59 @@ def test_migration_loss_is_eq5_and_absent_without_migration():
     assert not torch.equal(take(off.stores[0], "slot1.")["units.0.0.weight"], take(on.stores[0], "slot1.")["units.0.0.weight"])
 
 
+def test_migration_loss_leaves_out_the_familys_own_model():
+    """Eq. 5 sums over the client's *other* models: the family being trained adds no pull to its own stored copy,
+    even where its intensity is set and the live weights have moved away from that copy."""
+    e, _, _ = _run("pfeddil", train=_train(rounds=1), lam=1.01)
+    store = e.stores[0]
+    e.method.task = 2
+    store["rho"][2, 0], store["rho"][2, 1], store["rho"][2, 2] = 0.6, 0.3, 0.5
+    e.model.load_state_dict(take(store, "slot2."))
+    with torch.no_grad():
+        for n in e.method.weights:
+            dict(e.model.named_parameters())[n].add_(0.1)
+    loss = e.method._migration(e.model, store, family=2)
+    live = dict(e.model.named_parameters())
+    expected = 0.0
+    for j, rho in ((0, 0.6), (1, 0.3)):
+        old = take(store, f"slot{j}.")
+        expected += rho * sum(float((live[n].detach() - old[n]).pow(2).sum()) for n in e.method.weights)
+    assert float(loss(e.model).detach()) == pytest.approx(expected, rel=1e-5)
+
+
+def test_strategy_is_decided_once_per_task_not_every_round(monkeypatch):
+    """Eq. 4's reuse-or-new decision (the intensities) runs at a task's first round only: with three rounds a task,
+    each client computes them once per task."""
+    from fedsilo.methods.pfeddil import PFedDIL
+
+    calls = []
+    real = PFedDIL.intensities
+
+    def spy(self, model, store, client):
+        calls.append((self.task, client.name))
+        return real(self, model, store, client)
+
+    monkeypatch.setattr(PFedDIL, "intensities", spy)
+    e = _engine("pfeddil", train=_train(rounds=3), lam=1.01)
+    e.run()
+    n_clients = len(e.tasks[0])
+    assert len(calls) == n_clients * len(e.tasks)
+    assert sorted(set(calls)) == sorted({(t, c.name) for t in range(len(e.tasks)) for c in e.tasks[t]})
+
+
+def test_sharing_starts_each_new_tasks_head_from_the_initial_head():
+    """multihead: a new task's head is the initial head, not a copy of the previous task's trained head."""
+    downs: dict = {}
+    e = _engine("multihead", train=_train(rounds=1),
+                observer=lambda r, c, d, p: downs.setdefault(r, p) if d == "down" else None)
+    e.step()
+    head0 = take(e.server, "head0.")
+    e.step()  # task 1's first round: its download carries head1 as the task started
+    init = e.method._init
+    assert head0 and all(torch.equal(downs[2][k], init[k]) for k in head0), "head1 starts at the initial head"
+    assert not all(torch.equal(head0[k], init[k]) for k in head0), "task 0 must have trained its head"
+
+
 def test_without_sharing_the_auxiliary_classifier_is_a_network_of_its_own():
     shared = _engine("pfeddil")
     apart = _engine("pfeddil", share_extractor=False)

@@ -106,6 +106,19 @@ def test_lambda_ramps_over_each_task_from_its_first_step():
     assert seen[4][0] == 0.0 and seen[7][0] == 0.0
 
 
+def test_lambda_follows_the_configured_gamma():
+    """The adaptation factor uses params.gamma, not the schedule's default 10: with gamma = 5 and one round a task,
+    task 1's steps see lambda = adaptation_factor(s / S, 5)."""
+    e = _engine(train=_train(rounds=1), gamma=5.0)
+    m = e.method
+    seen: dict[int, list[float]] = {}
+    e.on_round = lambda entry: seen.__setitem__(entry["round"], list(m.lambdas))
+    e.step()
+    e.step()
+    assert seen[2] == pytest.approx([adaptation_factor(s / 3, 5.0) for s in range(3)])
+    assert seen[2] != pytest.approx([adaptation_factor(s / 3) for s in range(3)])
+
+
 # ---------------------------------------------------------------- what travels
 def test_uploads_hold_only_the_shared_keys_and_bytes_are_the_tensors_moved():
     moved: dict[str, int] = {}

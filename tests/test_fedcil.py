@@ -292,3 +292,47 @@ def test_the_consistency_terms_are_the_two_divergences_and_the_global_generators
     pb, po = b.softmax(0), o[0].softmax(0)
     expect = float((pb * (pb.log() - po.log())).sum()) + 0.0 + float(-pb[0].log())
     assert abs(float(got.detach()) - expect) < 1e-5
+
+
+def test_server_consolidation_weighs_current_and_replayed_data_by_the_importance(monkeypatch):
+    """Model consolidation on the server: each discriminator step minimizes r * l(synthetic current) + (1 - r) *
+    l(replayed) with r = importance (0.3 here, so swapping r and 1 - r shows)."""
+    r = 0.3
+    inside: list[bool] = []
+    d_losses: list[float] = []
+    backwards: list[float] = []
+    consolidate, d_loss, backward = FedCIL.consolidate, FedCIL._d_loss, torch.Tensor.backward
+
+    def spy_consolidate(self, server, uploads, rnd):
+        inside.append(True)
+        try:
+            return consolidate(self, server, uploads, rnd)
+        finally:
+            inside.pop()
+
+    def spy_d_loss(self, *args):
+        loss, c = d_loss(self, *args)
+        if inside:
+            d_losses.append(float(loss.detach()))
+        return loss, c
+
+    def spy_backward(self, *args, **kw):
+        if inside:
+            backwards.append(float(self.detach()))
+        return backward(self, *args, **kw)
+
+    monkeypatch.setattr(FedCIL, "consolidate", spy_consolidate)
+    monkeypatch.setattr(FedCIL, "_d_loss", spy_d_loss)
+    monkeypatch.setattr(torch.Tensor, "backward", spy_backward)
+    e = _engine(importance=r, consistency_weight=0.0)
+    e.step()
+    e.step()
+    d_losses.clear()
+    backwards.clear()
+    e.step()  # task 1's first round: the server replays G^0 beside the participants' generators
+    steps = SMALL["md_iter"]
+    assert len(d_losses) == 2 * steps and len(backwards) == 2 * steps  # (current, replayed); (D step, G step)
+    for i in range(steps):
+        cur, rep = d_losses[2 * i], d_losses[2 * i + 1]
+        assert abs(cur - rep) > 1e-3
+        assert abs(backwards[2 * i] - (r * cur + (1 - r) * rep)) < 1e-5 * max(1.0, abs(backwards[2 * i]))

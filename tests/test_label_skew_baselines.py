@@ -731,3 +731,72 @@ def test_a_join_ratio_range_draws_each_rounds_share_of_clients(clients):
     assert {len(g.sample(r)) for r in range(1, 11)} == {3}
     with pytest.raises(ValueError, match="client_fraction_range"):
         TrainParams(client_fraction_range=(0.6, 0.5))
+
+
+def test_fedecouple_similarity_weights_use_the_size_weighted_mean_and_signed_cosines():
+    """Eq. 7 by hand with sizes [1, 1, 8]: the reference is the sample-size-weighted mean (not the plain mean), and a
+    model pointing away from it keeps its negative cosine, hence a negative weight (no abs)."""
+    from fedsilo.methods.fedecouple import similarity_weights
+
+    vecs = [torch.tensor([-1.0, 0.0]), torch.tensor([0.0, 1.0]), torch.tensor([1.0, 1.0])]
+    avg = torch.tensor([(-1.0 * 1 + 0.0 * 1 + 1.0 * 8) / 10, (0.0 * 1 + 1.0 * 1 + 1.0 * 8) / 10])  # [0.7, 0.9]
+    norm = float(avg.norm())
+    cos = [float(v @ avg) / (float(v.norm()) * norm) for v in vecs]
+    assert cos[0] < 0
+    w = similarity_weights([{"w": v} for v in vecs], [1, 1, 8])
+    assert w == pytest.approx([c / sum(cos) for c in cos], rel=1e-6)
+    assert w[0] < 0
+
+
+def test_fedecouple_anchors_come_from_the_downloaded_extractor_not_the_clients_own(clients, monkeypatch):
+    """GFA (Eq. 1): in round 2 a trained client first loads its own theta_i for the classifier phase (reset:
+    before_extractor); the anchors must still be computed with the downloaded theta^t, before that load."""
+    from fedsilo.methods.fedecouple import FedeCouple
+
+    seen = {}
+    real = FedeCouple.anchors
+
+    def spy(self, model, client):
+        seen[client.name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return real(self, model, client)
+
+    monkeypatch.setattr(FedeCouple, "anchors", spy)
+    downs: dict = {}
+    e = _engine("fedecouple", clients, rounds=2, classifier_epochs=1,
+                observer=lambda r, c, d, p: downs.__setitem__((r, c), p) if d == "down" else None,
+                **{**OFF, "gfa": True, "reset": "before_extractor"})
+    e.step()
+    own = {c.name: {k[len("personal::"):]: v.clone() for k, v in s.items() if k.startswith("personal::")}
+           for c, s in zip(clients, e.stores)}
+    seen.clear()
+    e.step()
+    assert len(seen) == len(clients)
+    for name, at in seen.items():
+        body = [k for k in at if not k.startswith(HEAD) and "running_" not in k and "num_batches" not in k]
+        assert all(torch.equal(at[k], downs[(2, name)][k]) for k in body), name
+        assert not all(torch.equal(at[k], own[name][k]) for k in body), name
+
+
+def test_fedecouple_da_adds_an_augmented_copy_of_each_image_not_the_image_again(clients, monkeypatch):
+    """DA: the batch_transform doubles each batch with one augmented copy of each image (the second half differs from
+    the images themselves), the labels repeated."""
+    import fedsilo.methods.fedecouple as fc
+    from fedsilo.client.data import to_float
+
+    transforms = []
+    real = fc.train_local
+
+    def spy(model, data, cfg, gen, epochs=None, **kw):
+        transforms.append(kw.get("batch_transform"))
+        return real(model, data, cfg, gen, epochs=epochs, **kw)
+
+    monkeypatch.setattr(fc, "train_local", spy)
+    e = _engine("fedecouple", clients, rounds=1, classifier_epochs=1, **{**OFF, "da": True})
+    e.step()
+    assert transforms and all(t is not None for t in transforms)
+    x = to_float(clients[0].x_train[:8], NormalizeParams())
+    y = clients[0].y_train[:8]
+    xx, yy = transforms[0](x, y)
+    assert xx.shape[0] == 16 and torch.equal(yy, torch.cat([y, y]))
+    assert torch.equal(xx[:8], x)
+    assert not torch.equal(xx[8:], x)
