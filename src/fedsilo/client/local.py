@@ -251,6 +251,21 @@ def predict(model: nn.Module, x_u8: torch.Tensor, batch_size: int = 256, *, cfg:
     return torch.cat(logits)
 
 
+def predict_probabilities(model: nn.Module, images: Any, device: Any, batch_size: int = 256, *, cfg: TrainParams,
+                          chunk: int = 4096, desc: str = "", quiet: bool = True) -> np.ndarray:
+    """Class probabilities (N x classes, float32) of host images (uint8 H x W x C each: a memory-mapped array or a
+    list of arrays), ``chunk`` of them on ``device`` at a time, the images scored shown as progress under ``desc``."""
+    from fedsilo.utils.progress import Progress
+
+    out = []
+    with Progress(len(images), desc, "image", quiet=quiet or not desc) as bar:
+        for s in range(0, len(images), chunk):
+            x = torch.from_numpy(np.stack(list(images[s : s + chunk]))).permute(0, 3, 1, 2).contiguous().to(device)
+            out.append(predict(model, x, batch_size, cfg=cfg).softmax(1).cpu().numpy())
+            bar.update(len(x))
+    return np.concatenate(out) if out else np.zeros((0, 0), dtype=np.float32)
+
+
 def score(out: torch.Tensor, y: torch.Tensor, probabilities: bool = False) -> dict[str, float]:
     """Accuracy and cross entropy (and ROC AUC for two classes) of logits, or of class probabilities."""
     logp = out.clamp_min(1e-12).log() if probabilities else out.log_softmax(1)

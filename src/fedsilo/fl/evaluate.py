@@ -30,11 +30,9 @@ from typing import Any, Optional
 
 import numpy as np
 import pandas as pd
-import torch
 
-from fedsilo.client.local import binary_auc, predict
+from fedsilo.client.local import binary_auc, predict_probabilities
 from fedsilo.config import ConfigError, Params, TrainParams
-from fedsilo.utils.progress import Progress
 
 __all__ = ["evaluate_site_model", "patient_bootstrap", "evaluation_markdown"]
 
@@ -214,13 +212,8 @@ def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Pa
     records = pd.read_parquet(files[1])
     images = np.load(files[0], mmap_mode="r")
     cfg = TrainParams.model_validate(info["deployment"]["train"])
-    probs = []
-    with Progress(len(images), f"evaluate {dataset}", "image", quiet=quiet) as bar:
-        for i in range(0, len(images), CHUNK):  # the memory-mapped arrays a chunk at a time
-            x = torch.from_numpy(np.array(images[i : i + CHUNK])).permute(0, 3, 1, 2).contiguous().to(device)
-            probs.append(predict(model, x, batch_size, cfg=cfg).softmax(1).cpu().numpy())
-            bar.update(len(x))
-    prob = np.concatenate(probs) if probs else np.zeros((0, len(classes)))
+    prob = predict_probabilities(model, images, device, batch_size, cfg=cfg, chunk=CHUNK, desc=f"evaluate {dataset}", quiet=quiet)
+    prob = prob if len(prob) else np.zeros((0, len(classes)))
     rows = pd.DataFrame({"id": records["id"], "domain": records["domain"], "group": records["group"],
                          "label": records["label"].astype(int), "predicted_index": prob.argmax(1)})
     rows["label_name"] = [classes[i] for i in rows["label"]]

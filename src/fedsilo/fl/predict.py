@@ -13,13 +13,11 @@ from typing import Any, Iterable
 
 import numpy as np
 import pandas as pd
-import torch
 
 from fedsilo.config import BenchmarkDatasetParams, ConfigError, CXRDatasetParams, Params, TrainParams
 from fedsilo.data.dicom import is_dicom_file
 from fedsilo.data.slides import is_slide_file
 from fedsilo.data.sources.image_folder import file_reader
-from fedsilo.utils.progress import Progress
 
 __all__ = ["image_files", "predict_images"]
 
@@ -103,7 +101,6 @@ def predict_images(params: Params, experiment: str, model_path: Path, files: lis
     their argmax) and its ``patches`` count: mean pooling, the plain slide-level aggregate. A DICOM whole-slide image
     given as its folder is one slide (its other instances are rows saying what they are). Without slides the
     ``slide`` and ``patches`` columns are left out."""
-    from fedsilo.client.local import predict
     from fedsilo.data.harmonize import decode_all
     from fedsilo.data.slides import one_entry_per_dicom_slide, plan_or_reason, slide_view
     from fedsilo.fl.deploy import load_site_model
@@ -140,13 +137,10 @@ def predict_images(params: Params, experiment: str, model_path: Path, files: lis
         rows[f"prob.{c}"] = np.nan
     read = [i for i, img in enumerate(images) if img is not None]
     if read:
-        cfg, chunks = TrainParams.model_validate(info["deployment"]["train"]), []
-        with Progress(len(read), "predict: score", "image", quiet=quiet) as bar:
-            for s in range(0, len(read), CHUNK):  # a chunk of images on the device at a time
-                x = torch.from_numpy(np.stack([images[i] for i in read[s : s + CHUNK]])).permute(0, 3, 1, 2).contiguous().to(device)
-                chunks.append(predict(model, x, batch_size, cfg=cfg).softmax(1).cpu().numpy())
-                bar.update(len(x))
-        probs = np.concatenate(chunks)
+        from fedsilo.client.local import predict_probabilities
+
+        probs = predict_probabilities(model, [images[i] for i in read], device, batch_size, chunk=CHUNK, desc="predict: score",
+                                      quiet=quiet, cfg=TrainParams.model_validate(info["deployment"]["train"]))
         for k, c in enumerate(classes):
             rows.loc[read, f"prob.{c}"] = probs[:, k]
         rows.loc[read, "predicted"] = [classes[j] for j in probs.argmax(1)]
