@@ -163,7 +163,7 @@ def end_stale_on_nodes(ray: Any, uri: str, log: Any, nodes: Optional[bool] = Non
                 "`fedsilo stale-runs --end` there does it")
     for ref in late:
         log(f"grid: {refs[ref]} did not say within 120 s which MLflow runs it left RUNNING; `fedsilo stale-runs --end` there does it")
-    return ended
+    return list(dict.fromkeys(ended))  # two nodes of one machine (asked at once) both find its runs
 
 
 def run_stage(workspace: bytes, pipeline: str, stage: str, inputs: list[str], env_vars: dict[str, str],
