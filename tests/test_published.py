@@ -138,6 +138,17 @@ def test_a_published_tables_columns_and_rows_are_checked():
     ours = pd.concat({"mean": pd.DataFrame({"local": [90.0], "new": [60.0]}, index=["a"])}, axis=1)
     with pytest.raises(ReportError, match=r"methods\.a\.mean has 1 values for 2 columns"):
         versus_paper(ours, {"domains": ["local", "new"], "methods": {"a": {"mean": [61.0]}}}, avg=False)
+    # one rule: check-params passes a row's width exactly where the report stage takes it
+    for avg, cols in ((False, ["local", "new"]), (True, ["d1", "d2"])):
+        frame = pd.concat({"mean": pd.DataFrame({c: [50.0] for c in cols + (["Avg"] if avg else [])}, index=["a"])}, axis=1)
+        for n in range(1, 5):
+            table = {"domains": cols, "methods": {"a": {"mean": [60.0] * n}}}
+            try:
+                versus_paper(frame, table, avg=avg)
+                taken = True
+            except ReportError:
+                taken = False
+            assert taken == (published_table_problems(table, None) == []) == (n in ((3, 1) if avg else (2,))), (avg, n)
     by_folder = {"domains": ["site_a"], "methods": {"a": {"mean": [1.0]}, "b": {"param_MB": 3.0}}}
     assert published_table_problems(by_folder, None) == []
     assert published_table_problems({"domains": "photo", "methods": {}}, None)[0].startswith("domains: give the table's columns as a list")

@@ -57,6 +57,13 @@ def load_published(root: Path, ref: str) -> dict[str, Any] | None:
     return load_published_entries(root, ref)["accuracy"]
 
 
+def row_widths(columns: list[Any], avg: bool) -> list[int]:
+    """How many values a published row's ``mean`` may hold (the one rule for check-params and the report): one per
+    column, then the Avg, or the Avg alone, where the columns are domains (``avg``); one per column where they are
+    metrics (CD2-pFed's local / new / external test)."""
+    return [len(columns) + 1, 1] if avg else [len(columns)]
+
+
 def published_table_problems(table: dict[str, Any], domains: list[str] | None = None) -> list[str]:
     """What is wrong with a published accuracy table, found before any run trains (the report stage finds it only
     after all of them): ``domains`` a list, each one of the experiment's ``domains`` where params say them (None: its
@@ -71,7 +78,7 @@ def published_table_problems(table: dict[str, Any], domains: list[str] | None = 
     metrics = set(cols) <= set(METRIC_COLUMNS)
     out = [f"domains: '{d}' is not a domain of this experiment{did_you_mean(d, domains)} (its domains: {', '.join(domains)})"
            for d in cols if not metrics and domains is not None and d not in domains]
-    want = [len(cols)] if metrics else [len(cols) + 1, 1]
+    want = row_widths(cols, avg=not metrics)
     methods = table.get("methods")
     if not isinstance(methods, dict):
         return out + ["methods: give the paper's rows as a mapping method -> {mean: [...], std: [...]}"]
@@ -184,10 +191,10 @@ def versus_paper(acc: pd.DataFrame, published: dict[str, Any], avg: bool = True)
         if not (published["methods"].get(m) or {}).get("mean"):
             return float("nan")
         vals = published["methods"][m]["mean"]
+        if len(vals) not in row_widths(published["domains"], avg):
+            raise ReportError(f"published: methods.{m}.mean has {len(vals)} values for {len(domains)} columns ({domains})")
         if len(vals) == 1 and avg:  # an Avg-only row (a sensitivity table that prints the mean over domains alone)
             return float(vals[0]) if i == len(domains) - 1 else float("nan")
-        if len(vals) != len(domains):
-            raise ReportError(f"published: methods.{m}.mean has {len(vals)} values for {len(domains)} columns ({domains})")
         return float(vals[i])
 
     def paper_std(m: str, i: int) -> float:
