@@ -535,7 +535,7 @@ def _stale_runs(args: argparse.Namespace) -> None:
 
     from mlflow.tracking import MlflowClient
 
-    from fedsilo.tracking import process_of, stale_runs
+    from fedsilo.tracking import mark_killed, process_of, stale_runs
 
     p = config.load_params(args.params)
     uri = os.environ.get("MLFLOW_TRACKING_URI") or p.tracking.uri
@@ -552,8 +552,8 @@ def _stale_runs(args: argparse.Namespace) -> None:
         started = datetime.fromtimestamp(run.info.start_time / 1000).isoformat(timespec="seconds")
         print(f"  {names.get(run.info.experiment_id, run.info.experiment_id)}  {run.info.run_name}  {run.info.run_id}  "
               f"(pid {t['fedsilo.pid']}, started {started})")
-        if args.end:
-            client.set_terminated(run.info.run_id, "KILLED")
+    if args.end:
+        mark_killed(client, gone)
     if unknown:
         untagged = [r for r in unknown if process_of(r.data.tags) is None]
         hosts = sorted({r.data.tags.get("fedsilo.host", "?") for r in unknown if r not in untagged} - {host})
