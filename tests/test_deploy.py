@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shlex
 from pathlib import Path
@@ -1295,6 +1296,34 @@ def test_deployment_status_names_each_sites_node_state_and_the_round_a_run_resum
     assert st["sites"][2] == {"site": "VinBigData", "node_id": None, "status": "not pinned", "since": None, "joined": True}
     with pytest.raises(ConfigError, match=r"--app: .* holds no deployment.json"):
         deployment_status(tmp_path, nodes)
+
+
+def test_deploy_status_with_the_superlink_down_still_tells_what_the_disk_holds(sites, tmp_path, monkeypatch, capsys):
+    """`fedsilo deploy status` when `flwr supernode list` cannot reach the SuperLink (killed, not yet restarted):
+    the checkpoint round and the run lock are printed, each pinned site's state is `unknown`, and the command still
+    fails (exit 2) naming flwr's error."""
+    from fedsilo.cli import main
+    from fedsilo.fl.deploy import resume_key
+
+    fed = load_federation(_federation(tmp_path, sites, node_ids={"CheXpert": 11, "RSNA": 12}))
+    write_app(fed, load_params(REPO_PARAMS), tmp_path / "app", results="out/results", state="out/state")
+    dep = json.loads((tmp_path / "app/deployment.json").read_text())
+    (tmp_path / "out/state").mkdir(parents=True)
+    torch.save({"config_hash": resume_key(dep), "round": 2, "meta": {}}, tmp_path / "out/state/checkpoint.pt")
+    fake = tmp_path / "bin" / "flwr"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'Connection to the SuperLink is unavailable.' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    capsys.readouterr()
+    assert main(["deploy", "status", "--app", str(tmp_path / "app"), "--superlink-dir", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert "CheXpert" in out and "unknown" in out and "not pinned" in out  # VinBigData has no node: that is known
+    assert f"round 2 ({tmp_path / 'out/state/checkpoint.pt'})" in out and "none in progress on this machine" in out
+    assert "flwr supernode list: Connection to the SuperLink is unavailable." in err and "states above are unknown" in err
+    assert main(["deploy", "status", "--app", str(tmp_path / "app"), "--superlink-dir", str(tmp_path), "--json"]) == 2
+    st = json.loads(capsys.readouterr().out)
+    assert [x["status"] for x in st["sites"]] == ["unknown", "unknown", "not pinned"] and st["checkpoint"]["round"] == 2
 
 
 def _tls_handshake(cert: Path, key: Path, ca: Path, hostname: str) -> str:

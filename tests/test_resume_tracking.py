@@ -269,6 +269,20 @@ def test_a_run_whose_process_died_is_found_and_ended_and_a_live_one_is_left(tmp_
     assert main([*args, "--end"]) == 0 and "marked KILLED" in capsys.readouterr().out
     status = {r: t.client.get_run(r).info.status for r in (live, dead, elsewhere, boxed, edited, done)}
     assert status == {live: "RUNNING", dead: "KILLED", elsewhere: "RUNNING", boxed: "RUNNING", edited: "RUNNING", done: "FINISHED"}
+    # a killed process its parent has not reaped (Flower's SuperExec leaves a SIGKILLed ServerApp so) is gone too
+    import psutil
+
+    zombie = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = psutil.Process(zombie.pid).create_time()
+        zombie.kill()
+        while psutil.Process(zombie.pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.05)
+        unreaped = t.start("e", "unreaped", {}, {})
+        t.client.log_batch(unreaped, tags=[RunTag("fedsilo.pid", str(zombie.pid)), RunTag("fedsilo.pid_started", f"{started:.3f}")])
+        assert main(args) == 0 and f"e  unreaped  {unreaped}  (pid {zombie.pid}" in capsys.readouterr().out
+    finally:
+        zombie.wait()
     # its checkpoint resumes it all the same, re-tagged with the resuming process
     t.client.log_batch(dead, tags=[RunTag("fedsilo.pid", "1")])
     assert Tracker(True, uri).start("e", "killed", {}, {}, run_id=dead) == dead

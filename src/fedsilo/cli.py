@@ -859,22 +859,27 @@ def _deploy_status(args: argparse.Namespace) -> None:
     flwr = shutil.which("flwr")
     if flwr is None:
         raise ConfigError("flwr: not installed; in fedsilo's checkout: pip install -e '.[flower]' -c constraints.txt")
+    unreached = None  # the SuperLink's answer, or why there is none: what the disk holds is told either way
     try:
         r = subprocess.run([flwr, "supernode", "list", *([args.connection] if args.connection else []), "--format", "json"],
                            capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
-        raise ConfigError("flwr supernode list: no answer from the SuperLink in 120 s (is it running, and is the "
-                          "connection's address right?)") from None
-    try:
-        listed = json.loads(r.stdout)
-    except json.JSONDecodeError:
-        listed = {}
-    if r.returncode != 0 or not listed.get("success"):
-        raise ConfigError(f"flwr supernode list: {(listed.get('error-message') or r.stderr or r.stdout).strip()[-500:]}")
-    st = deployment_status(Path(args.app), listed["nodes"], Path(args.superlink_dir))
+        unreached = "no answer from the SuperLink in 120 s (is it running, and is the connection's address right?)"
+    else:
+        try:
+            listed = json.loads(r.stdout)
+        except json.JSONDecodeError:
+            listed = {}
+        if r.returncode != 0 or not listed.get("success"):
+            unreached = (listed.get("error-message") or r.stderr or r.stdout).strip()[-500:]
+    st = deployment_status(Path(args.app), None if unreached else listed["nodes"], Path(args.superlink_dir))
     st["certificates"] = _certificates_status(Path(args.certs))
+    if unreached:
+        st["superlink_error"] = f"flwr supernode list: {unreached}"
     if args.json:
         print(json.dumps(st, indent=1))
+        if unreached:
+            raise ConfigError(f"{st['superlink_error']}: the sites' states are unknown")
         return
     print(f"federation {st['federation']}: {st['method']}, seed {st['seed']}, {st['rounds']} rounds (per task for a stream)")
     width = max(len(x["site"]) for x in st["sites"])
@@ -899,6 +904,9 @@ def _deploy_status(args: argparse.Namespace) -> None:
                                                   f"SuperLink's until {c['server.pem'][:10]}, CA until {c['ca.crt'][:10]}"))
         for w in c.get("warnings", []):
             print(f"  {w}")
+    if unreached:  # after what the disk says: the checkpoint, the run lock, the results
+        raise ConfigError(f"{st['superlink_error']}: the sites' states above are unknown (start the SuperLink again: "
+                          "`fedsilo deploy superlink`, with the same --database; a `flwr run` then resumes)")
 
 
 def _certificates_status(certs: Path) -> dict | None:

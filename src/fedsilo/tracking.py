@@ -200,10 +200,13 @@ def process_of(tags: dict[str, str]) -> Optional[tuple[int, float]]:
 
 
 def _process_alive(pid: int, started: float) -> bool:
+    """Whether the process that started a run still runs: the pid with its start time, and not a zombie (a killed
+    process its parent has not reaped, as Flower's SuperExec leaves a SIGKILLed ServerApp: it trains nothing more)."""
     import psutil
 
     try:  # the start time within a second: psutil derives it from the boot time, which moves when the clock is stepped
-        return abs(psutil.Process(pid).create_time() - started) < 1.0
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - started) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         try:  # /proc mounted hidepid: another user's process is not listed, yet signal 0 finds it
             os.kill(pid, 0)

@@ -626,11 +626,13 @@ def site_audit(root: Path) -> list[dict[str, Any]]:
     return out
 
 
-def deployment_status(app: Path, nodes: list[dict[str, Any]], superlink_dir: Path = Path(".")) -> dict[str, Any]:
+def deployment_status(app: Path, nodes: list[dict[str, Any]] | None, superlink_dir: Path = Path(".")) -> dict[str, Any]:
     """Where a deployment stands, for its coordinator: each site of the App's ``deployment.json`` with the status the
-    SuperLink gives its pinned node (``nodes``: ``flwr supernode list --format json``'s list), the registered nodes
-    no site is pinned to, the ServerApp's checkpoint (the round a run started again resumes after) and whether the
-    results are written. Relative ``state-dir`` / ``results-dir`` are the SuperLink's: under ``superlink_dir``."""
+    SuperLink gives its pinned node (``nodes``: ``flwr supernode list --format json``'s list; None where the SuperLink
+    did not answer: every site's status ``unknown``), the registered nodes no site is pinned to, the ServerApp's
+    checkpoint (the round a run started again resumes after) and whether the results are written: what the disk
+    holds is told with the SuperLink down too, when it is needed most. Relative ``state-dir`` / ``results-dir`` are
+    the SuperLink's: under ``superlink_dir``."""
     try:
         import tomllib  # Python 3.11+
     except ModuleNotFoundError:  # 3.10: the same parser, as Flower's dependency
@@ -641,12 +643,12 @@ def deployment_status(app: Path, nodes: list[dict[str, Any]], superlink_dir: Pat
         raise ConfigError(f"--app: {app} holds no deployment.json (make the App with `fedsilo deploy app`)")
     dep = json.loads((app / "deployment.json").read_text())
     config = tomllib.loads((app / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["flwr"]["app"]["config"]
-    by_id = {str(n["node-id"]): n for n in nodes}
+    by_id = {str(n["node-id"]): n for n in nodes or []}
     sites = []
     for s in dep["sites"]:
         node = by_id.pop(str(s["node_id"]), None) if s.get("node_id") is not None else None
         status = ("left" if s.get("left") else node["status"] if node else
-                  "not pinned" if s.get("node_id") is None else "not registered")
+                  "not pinned" if s.get("node_id") is None else "unknown" if nodes is None else "not registered")
         since = (node.get("online-at") if status == "online" else node.get("offline-at")) if node and status != "left" else None
         sites.append({"site": s["name"], "node_id": s.get("node_id"), "status": status,
                       "since": since if since and since != "N/A" else None,  # flwr writes N/A for a time not reached
