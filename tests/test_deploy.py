@@ -1298,6 +1298,15 @@ def test_deployment_status_names_each_sites_node_state_and_the_round_a_run_resum
         deployment_status(tmp_path, nodes)
 
 
+def test_an_app_whose_rounds_are_all_local_is_refused_by_key_and_not_written(sites, tmp_path):
+    """`deploy app` of pFedDB whose local_rounds fill the federation's train.rounds (the repository's 6 against 3):
+    refused as check-params refuses the same experiment, naming both keys; no App folder is left."""
+    fed = load_federation(_federation(tmp_path, sites, method="pfeddb", train={**TRAIN, "rounds": 3}))
+    with pytest.raises(ConfigError, match=r"methods.pfeddb.local_rounds: 6 local rounds leave no federated round in train.rounds \(3\)"):
+        write_app(fed, load_params(REPO_PARAMS), tmp_path / "app")
+    assert not (tmp_path / "app").exists()
+
+
 def test_deploy_status_with_the_superlink_down_still_tells_what_the_disk_holds(sites, tmp_path, monkeypatch, capsys):
     """`fedsilo deploy status` when `flwr supernode list` cannot reach the SuperLink (killed, not yet restarted):
     the checkpoint round and the run lock are printed, each pinned site's state is `unknown`, and the command still

@@ -729,3 +729,10 @@ def test_what_the_adapter_does_not_run_is_refused_by_key():
         FlowerSpec(cls, cls.params_cls(), tp, 0, _model, "pfeddil").check(stream=False)
     with pytest.raises(ConfigError, match=r"train.ensemble_test"):
         FlowerSpec(FedBN, FedBN.params_cls(), _train(ensemble_test=True), 0, _model, "fedbn").check()
+    # a run whose rounds are all another phase's (a site federation's train.rounds, not an experiment's)
+    pfeddb, lg = method_class("pfeddb"), method_class("lgfedavg")
+    with pytest.raises(ConfigError, match=r"methods.pd.local_rounds: 3 local rounds leave no federated round in train.rounds \(3\)"):
+        FlowerSpec(pfeddb, pfeddb.params_cls(local_rounds=3), _train(rounds=3), 0, _model, "pd").check()
+    with pytest.raises(ConfigError, match=r"methods.lg.fedavg_rounds: 4 FedAvg rounds leave no LG-FedAvg round in train.rounds"):
+        FlowerSpec(lg, lg.params_cls(fedavg_rounds=4), _train(rounds=3), 0, _model, "lg").check()
+    FlowerSpec(pfeddb, pfeddb.params_cls(local_rounds=2), _train(rounds=3), 0, _model, "pd").check()

@@ -278,6 +278,9 @@ class FlowerSpec:
         if self.train.ensemble_test:
             raise ConfigError("train.ensemble_test: the ensemble 'new test' is not run on Flower (it needs every "
                               "site's evaluation model in one place); set it to false")
+        from fedsilo.methods.registry import check_rounds_fit
+
+        check_rounds_fit(self.method(), self.key or m.name, self.train.rounds, "train.rounds")
 
     def build(self, example: torch.Tensor, device: torch.device, cards: list[Card],
               tasks: Optional[list[str]] = None) -> tuple[Method, nn.Module, set[str]]:
