@@ -1564,6 +1564,13 @@ def test_a_site_scores_new_image_files_with_the_model_it_kept_as_it_scores_its_h
         if source == "rsna":
             assert np.allclose(got[6], want[0], atol=1e-6)  # DICOM known by its preamble
             assert rows["predicted"][7] == "" and "notes.txt" in rows["error"][7] and np.isnan(got[7]).all()
+    # a folder: its images (the DICOM without a suffix, by its preamble) are scored, its other files left out, said
+    assert main(["--params", str(sites["rsna"]), "--root", str(sites["rsna"].parent), "site", "predict", "--experiment",
+                 "site", "--model", str(kept.model_path), "--out", str(tmp_path / "folder.csv"), "--images", str(bare.parent)]) == 0
+    assert "1 file(s) under the folders named are not images, left out: notes.txt (not an image file (.txt))" in capsys.readouterr().err
+    assert list(pd.read_csv(tmp_path / "folder.csv")["path"]) == [str(bare)]
+    (tmp_path / "tables").mkdir()
+    (tmp_path / "tables" / "labels.csv").write_text("path,label\n")
     # refused by name
     other = tmp_path / "other_size.yaml"
     raw = yaml.safe_load(sites["rsna"].read_text())
@@ -1577,6 +1584,8 @@ def test_a_site_scores_new_image_files_with_the_model_it_kept_as_it_scores_its_h
     assert "nowhere.dcm: no such file or folder" in capsys.readouterr().err
     assert main(["--params", str(sites["rsna"]), *args]) == 2
     assert "no image file given" in capsys.readouterr().err
+    assert main(["--params", str(sites["rsna"]), *args, "--images", str(tmp_path / "tables")]) == 2
+    assert "1 file(s) under the folders, none an image" in capsys.readouterr().err
 
 
 def _kept_rgb_model(tmp_path: Path, card: dict, site: str):

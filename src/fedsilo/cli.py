@@ -795,8 +795,11 @@ def _site_predict(args: argparse.Namespace) -> None:
     if args.out:
         _check_out_file(Path(args.out))
     device = str(pick_device(args.device, "--device"))
-    rows = predict_images(load_params(args.params), args.experiment, model, image_files(args.images), device=device,
-                          quiet=args.quiet)
+    files, left = image_files(args.images)
+    if left:
+        names = ", ".join(f"{f.name} ({why})" for f, why in left[:3]) + (", ..." if len(left) > 3 else "")
+        print(f"site predict: {len(left)} file(s) under the folders named are not images, left out: {names}", file=sys.stderr)
+    rows = predict_images(load_params(args.params), args.experiment, model, files, device=device, quiet=args.quiet)
     bad = int((rows["error"] != "").sum())
     if args.out:
         with atomic_file(Path(args.out)) as tmp:

@@ -24,22 +24,34 @@ __all__ = ["image_files", "predict_images"]
 CHUNK = 4096  # images scored on the device at a time
 
 
-def image_files(paths: Iterable[str | Path]) -> list[Path]:
-    """The files named, and every file under the folders named (sorted; hidden files and folders left out, as the
-    sources' readers leave them: :func:`~fedsilo.data.sources.base.walk`)."""
+def image_files(paths: Iterable[str | Path]) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """The files named, and the image files under the folders named (sorted; hidden files and folders left out, as
+    the sources' readers leave them: :func:`~fedsilo.data.sources.base.walk`), and the other files under those folders
+    with why they are left out (a label table, a DICOM report: what the image_folder reader leaves out,
+    :func:`~fedsilo.data.sources.image_folder.file_reader`). A file named is always scored: its row says what is
+    wrong with it."""
     from fedsilo.data.sources.base import walk
+    from fedsilo.data.sources.image_folder import file_reader
 
     out: list[Path] = []
+    left: list[tuple[Path, str]] = []
     for p in map(Path, paths):
         if p.is_dir():
-            out += [f for f in walk(p) if f.is_file()]
+            for f in walk(p):
+                if f.is_file():
+                    reader, why = file_reader(f)
+                    if reader:
+                        out.append(f)
+                    else:
+                        left.append((f, why))
         elif p.is_file():
             out.append(p)
         else:
             raise ConfigError(f"{p}: no such file or folder")
     if not out:
-        raise ConfigError("no image file given (name files or folders that hold them)")
-    return out
+        said = f": {len(left)} file(s) under the folders, none an image ({left[0][0]}: {left[0][1]})" if left else ""
+        raise ConfigError(f"no image file given (name files or folders that hold them){said}")
+    return out, left
 
 
 def _decoder(params: Params, experiment: str, contract: dict[str, Any]):
