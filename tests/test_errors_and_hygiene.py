@@ -130,6 +130,17 @@ def test_local_rounds_beyond_rounds_fails_at_check_params(tmp_path, capsys):
     assert main(["--params", str(path), "check-params"]) == 0
 
 
+def test_a_missing_params_file_says_to_name_one(tmp_path, capsys, monkeypatch):
+    """Run outside the repository (a coordinator's or a site's folder) without --params: the error says where
+    params.yaml was looked for and that --params names another."""
+    from fedsilo.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["check-params"]) == 2
+    assert "params.yaml: not found (run from the repository root, or name the params file with --params" in capsys.readouterr().err
+
+
 def test_check_params_prints_a_methods_parameters_as_a_run_takes_them(tmp_path, capsys):
     from fedsilo.cli import main
 

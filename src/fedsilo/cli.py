@@ -709,8 +709,9 @@ def _deploy(args: argparse.Namespace) -> None:
         fed = deploy.load_federation(args.federation)
         dep = deploy.write_app(fed, load_params(args.params), Path(args.out), federation_file=args.federation, results=args.results,
                                state=args.state)
-        print(f"deploy app: {args.out} ({dep['method']['key']} = {dep['method']['base']}, {len(dep['sites'])} sites, "
-              f"{dep['train']['rounds']} rounds); run it with: flwr run {args.out} <connection> --stream")
+        key, base = dep["method"]["key"], dep["method"]["base"]
+        print(f"deploy app: {args.out} ({key}{f' = {base}' if base != key else ''}, {len(dep['sites'])} sites, "
+              f"{dep['train']['rounds']} rounds, params from {args.params}); run it with: flwr run {args.out} <connection> --stream")
 
 
 def _site_model(args: argparse.Namespace) -> Path:

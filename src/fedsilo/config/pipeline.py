@@ -325,7 +325,8 @@ class _UniqueKeys(yaml.SafeLoader):
 def load_params(path: str | Path = "params.yaml") -> Params:
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"{path}: not found (run from the repository root)")
+        raise ConfigError(f"{path}: not found (run from the repository root, or name the params file with --params: "
+                          "a site's, or the coordinator's copy of the repository's)")
     try:
         raw = yaml.load(path.read_text(), Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as err:
