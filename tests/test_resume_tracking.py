@@ -78,7 +78,9 @@ def test_killed_train_stage_resumes_to_identical_metrics(mirror_root, tmp_path):
         time.sleep(0.05)
     assert killed_at is not None and killed_at < 6, "the run should have been killed mid-way"
     assert not (b / "results" / "quick" / "fedbn" / "seed0").exists()
-    _cli(b, *TRAIN)
+    resumed_after = torch.load(ckpt, weights_only=False)["round"]  # killed_at, or a round written since it was read
+    said = _cli(b, *TRAIN).stderr
+    assert f"resuming quick/fedbn/seed0 after round {resumed_after} of 6 (checkpoint {ckpt})" in said, said
     ma = json.loads((a / "results/quick/fedbn/seed0/metrics.json").read_text())
     mb = json.loads((b / "results/quick/fedbn/seed0/metrics.json").read_text())
     assert ma["per_client"] == mb["per_client"] and ma["bytes_up_per_round"] == mb["bytes_up_per_round"]

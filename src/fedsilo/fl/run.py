@@ -297,8 +297,9 @@ def run_training(
             if run_id and resumed != run_id:
                 engine.meta["mlflow_run_id"] = run_id
                 engine.save()
-            if engine.round:
-                log.info("resuming %s/%s/seed%d after round %d", experiment, method, seed, engine.round)
+            if engine.round:  # said without -v, as a deployment says it: the progress starts part-way
+                log.warning("resuming %s/%s/seed%d after round %d of %d (checkpoint %s)", experiment, method, seed,
+                            engine.round, engine.total_rounds, ckpt)
             progress = bar = Progress(engine.total_rounds, f"train {experiment}/{method}/seed{seed}", "round", quiet=quiet,
                                       initial=engine.round)
 
@@ -311,7 +312,7 @@ def run_training(
             with stop.rounds():
                 history = engine.run()
             if engine.round < engine.total_rounds:  # a first SIGTERM: the round in flight ended and was checkpointed
-                log.info("stopped after round %d of %d; `fedsilo train` again resumes after it", engine.round, engine.total_rounds)
+                log.warning("stopped after round %d of %d; `fedsilo train` again resumes after it", engine.round, engine.total_rounds)
                 raise SystemExit(128 + signal.SIGTERM)
             summary = summarize(history)
             if stream:  # the stream's accuracy matrix, accuracy after each task, forgetting, rounds to best
