@@ -106,6 +106,23 @@ def test_grid_trains_each_stage_once_on_two_workers_and_leaves_the_pipeline_up_t
     assert len(log.read_text().split()) == 3
 
 
+def test_the_data_phase_names_each_target_and_shows_dvcs_output_as_it_comes(tmp_path, capfd):
+    """What the runs read is reproduced first, here: unless quiet, each target is named and DVC's output (the stages'
+    own progress) reaches standard error as it comes, not captured; a failure then points at it."""
+    from fedsilo.grid import prepare_grid, run_dvc
+
+    repo = _repo(tmp_path)
+    said: list = []
+    capfd.readouterr()
+    assert sorted(prepare_grid("dvc.yaml", repo, "train_*", {**os.environ}, quiet=False, log=said.append)) == [
+        "train_g@a", "train_g@b", "train_g@c"]
+    assert said == ["grid: what the runs read, here first (1/1): dvc repro prep"]
+    assert "Running stage 'prep'" in capfd.readouterr().err
+    with pytest.raises(GridError, match=r"`dvc repro no_such_stage` failed \(exit \d+\):\nits output is above"):
+        run_dvc(["repro", "no_such_stage"], repo, shown=True)
+    assert "no_such_stage" in capfd.readouterr().err
+
+
 def test_a_failing_stage_stops_the_grid_naming_it(tmp_path, monkeypatch):
     log = tmp_path / "runs.log"
     monkeypatch.setenv("GRID_LOG", str(log))

@@ -62,13 +62,21 @@ def run_detached(cmd: list[str], cwd: Path, env: Optional[dict[str, str]] = None
 
 
 def run_dvc(args: list[str], cwd: Path, env: Optional[dict[str, str]] = None, check: bool = True,
-         detached: bool = False) -> subprocess.CompletedProcess:
+         detached: bool = False, shown: bool = False) -> subprocess.CompletedProcess:
     """``dvc <args>``; ``detached``: a command that starts processes outliving it (``queue start``), run with
-    :func:`run_detached`."""
+    :func:`run_detached`; ``shown``: its output (the stages' own progress: downloads, images harmonized) goes to
+    this process's standard error as it comes, not captured."""
     cmd = [sys.executable, "-m", "dvc", *args]
-    r = run_detached(cmd, cwd, env) if detached else subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    if detached:
+        r = run_detached(cmd, cwd, env)
+    elif shown:
+        sys.stderr.flush()
+        r = subprocess.run(cmd, cwd=cwd, env=env, stdout=2, stderr=2, text=True)
+    else:
+        r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     if check and r.returncode != 0:
-        raise GridError(f"`dvc {' '.join(args)}` failed (exit {r.returncode}):\n{(r.stderr or r.stdout).strip()[-3000:]}")
+        said = (r.stderr or r.stdout or "").strip()[-3000:] or "its output is above"
+        raise GridError(f"`dvc {' '.join(args)}` failed (exit {r.returncode}):\n{said}")
     return r
 
 
@@ -233,12 +241,18 @@ def tracking_env(uri: Optional[str], repo: Path) -> dict[str, str]:
     return env
 
 
-def prepare_grid(pipeline: str, repo: Path, pattern: str, env: dict[str, str]) -> list[str]:
-    """The out-of-date stages matching ``pattern``, after reproducing here, once, what they need (data, splits)."""
+def prepare_grid(pipeline: str, repo: Path, pattern: str, env: dict[str, str], quiet: bool = True,
+                 log: Callable[[str], None] = print) -> list[str]:
+    """The out-of-date stages matching ``pattern``, after reproducing here, once, what they need (data, splits);
+    unless ``quiet``, each target is named and DVC's output (the stages' progress: downloads, harmonized images)
+    shown as it comes: on real images this phase can take hours."""
     if not (repo / pipeline).exists():
         raise GridError(f"{pipeline}: no such dvc.yaml under {repo}")
-    for target in upstream(pipeline, repo, pattern):  # data and splits first, here, once: the workers find them
-        run_dvc(["repro", target], repo, env)            # cached (queue) or pulled (Ray)
+    targets = upstream(pipeline, repo, pattern)
+    for i, target in enumerate(targets, 1):  # data and splits first, here, once: the workers find them
+        if not quiet:                         # cached (queue) or pulled (Ray)
+            log(f"grid: what the runs read, here first ({i}/{len(targets)}): dvc repro {target}")
+        run_dvc(["repro", target], repo, env, shown=not quiet)
     init_store(env.get("MLFLOW_TRACKING_URI"))  # the runs start together: the store's tables exist before they log
     # only now: a changed input upstream (a source, a split's params) makes its train stages stale once it is rebuilt
     return stale_stages(pipeline, repo, pattern)
@@ -317,7 +331,7 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, 
     # run in temporary copies, so the folder is this repository's, absolute
     wenv.setdefault(GPU_SLOTS_ENV, str((repo / ".dvc" / "tmp" / "gpu-slots").resolve()))
     t0 = time.monotonic()
-    stages = prepare_grid(pipeline, repo, pattern, env)
+    stages = prepare_grid(pipeline, repo, pattern, env, quiet=quiet, log=log)
     others = left_out(pipeline, repo, pattern, stages)
     t_prep = time.monotonic() - t0
     tag = uuid.uuid4().hex[:6]

@@ -267,7 +267,7 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = TRAIN_S
     env = tracking_env(tracking_uri, repo)
     t0 = time.monotonic()
     check_address(address)  # before anything is reproduced: a wrong address is refused in seconds
-    stages = prepare_grid(pipeline, repo, pattern, env)
+    stages = prepare_grid(pipeline, repo, pattern, env, quiet=quiet, log=log)
     restored = restore_cached(pipeline, repo, stages, env)  # here, from this machine's run-cache: no node trains them
     stages = [s for s in stages if s not in restored]
     if restored:
