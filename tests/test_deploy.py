@@ -92,6 +92,26 @@ def test_a_site_split_must_be_one_client(sites, tmp_path):
         _card(folder / "params.yaml")
 
 
+def test_a_site_harmonized_again_after_its_split_is_refused_until_it_splits_again(tmp_path):
+    """A split names the arrays it was made from: a site that re-harmonized (here at another image size) and did not
+    split again has a split of other arrays, which its card and its data loading refuse, naming the split to rerun."""
+    from fedsilo.cli import main as fedsilo
+
+    params_file = make_site(tmp_path / "rsna", "rsna")
+    raw = yaml.safe_load(params_file.read_text())
+    raw["datasets"]["chest_xray4"]["image_size"] = 8
+    params_file.write_text(yaml.safe_dump(raw, sort_keys=False))
+    common = ["-q", "--params", str(params_file), "--root", str(params_file.parent)]
+    assert fedsilo([*common, "harmonize", "--dataset", "chest_xray4"]) == 0
+    params = load_params(params_file)
+    for read in (lambda: _card(params_file), lambda: load_site(params, "site", params_file.parent, torch.device("cpu"))):
+        with pytest.raises(ConfigError, match=r"splits/site.json: built for other arrays than .* holds \(re-harmonized since\); rerun "
+                                              r"`fedsilo split --experiment site`"):
+            read()
+    assert fedsilo([*common, "split", "--experiment", "site"]) == 0
+    assert _card(params_file)["contract"]["image_shape"] == [8, 8, 1]
+
+
 def _deployed(tmp: Path, sites: dict[str, Path], node_ids: Optional[dict[str, int]] = None, **pin):
     fed = load_federation(_federation(tmp, sites, node_ids=node_ids, **pin))
     write_app(fed, load_params(REPO_PARAMS), tmp / "app", results=str(tmp / "results"))
@@ -1168,6 +1188,19 @@ def _words(line: str) -> list[str]:
     import shlex
 
     return [w.replace("%%", "%").replace("$$", "$") for w in shlex.split(line)]
+
+
+def test_a_dollar_or_percent_in_a_unit_is_written_so_that_systemd_reads_it_literally(tmp_path):
+    """systemd expands ``$VAR`` in a command line (``$$`` is a literal $) and ``%`` specifiers everywhere (``%%``), but
+    no variable in an Environment= assignment: a path with a $ or % reaches the command as written."""
+    from fedsilo.fl.services import systemd_unit
+
+    text = systemd_unit("site at 100%", ["/usr/bin/python3", "/srv/$SITE/params.yaml", "50%"], tmp_path, 70,
+                        {"NOTE": "cost $5 at 10%"})
+    lines = text.splitlines()
+    assert 'ExecStart=/usr/bin/python3 "/srv/$$SITE/params.yaml" 50%%' in lines
+    assert 'Environment="NOTE=cost $5 at 10%%"' in lines and "Description=site at 100%%" in lines
+    assert _words(next(x for x in lines if x.startswith("ExecStart="))[10:]) == ["/usr/bin/python3", "/srv/$SITE/params.yaml", "50%"]
 
 
 def test_a_site_and_the_superlink_install_as_systemd_services_of_the_commands_they_run(sites, tmp_path, capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -465,6 +467,55 @@ def test_checkpoint_every_k_rounds_resumes_from_the_last_one_with_the_same_numbe
     step = late.step
     late.step = lambda: (step(), late.stop.set())[0]
     assert len(late.run()) == 1 and written == [1]
+
+
+def _tiny_engine(ck, config_hash="h", rounds=3):
+    from tests.tiny import style_shifted_federation, tiny_net
+
+    clients = style_shifted_federation(n_train=8, n_test=4, per_domain=1)
+    tp = TrainParams(rounds=rounds, batch_size=8, lr=0.05, device="cpu", count_flops=False, checkpoint_every=1, eval_every=100)
+    cls = method_class("fedbn")
+    return Engine(cls(cls.params_cls(), tp), tiny_net(1, 4), clients, tp, seed=0, checkpoint=ck, config_hash=config_hash)
+
+
+def test_a_checkpoint_of_another_configuration_is_not_resumed_and_is_overwritten(tmp_path):
+    """A checkpoint written under another config hash (a changed params file, other code) is ignored: the run starts
+    at round 0 with the initial server state, and its first write replaces the stale checkpoint."""
+    ck = tmp_path / "ck.pt"
+    old = _tiny_engine(ck, config_hash="old")
+    old.step()
+    old.step()
+    fresh = _tiny_engine(ck, config_hash="new")
+    assert fresh.round == 0 and fresh.history == []
+    init = _tiny_engine(None).server
+    assert fresh.server.keys() == init.keys() and all(torch.equal(fresh.server[k], init[k]) for k in init)
+    fresh.step()
+    held = torch.load(ck, weights_only=False)
+    assert held["config_hash"] == "new" and held["round"] == 1
+    assert _tiny_engine(ck, config_hash="new").round == 1
+
+
+def test_a_checkpoint_write_that_fails_midway_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    """The checkpoint goes to a temporary sibling first: a write that fails partway (a full disk, a kill) leaves the
+    last whole checkpoint in place, from which the run resumes, and no temporary beside it."""
+    from fedsilo.fl import engine as engine_mod
+
+    ck = tmp_path / "ck.pt"
+    e = _tiny_engine(ck)
+    e.step()
+    before = ck.read_bytes()
+
+    def half_then_fail(obj, f, *a, **k):
+        Path(f).write_bytes(b"half a checkpoint")
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(engine_mod.torch, "save", half_then_fail)
+    with pytest.raises(OSError, match="Input/output error"):
+        e.step()
+    monkeypatch.undo()
+    assert ck.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
+    resumed = _tiny_engine(ck)
+    assert resumed.round == 1 and len(resumed.history) == 1
 
 
 def test_auto_checkpoint_writes_once_the_time_since_the_last_write_reaches_twenty_writes(monkeypatch, tmp_path):

@@ -410,6 +410,35 @@ def test_fedheal_distance_is_the_masked_update_of_parameters_only():
     assert float(out2["heal::b::delta_weight"]) == pytest.approx(0.6 * 0.2 + 0.4 * db / (da + db))
 
 
+def test_fedheal_mask_keeps_an_element_only_when_its_sign_held_in_more_than_tau_of_the_rounds():
+    """tau is a strict threshold on the share of the client's past rounds with the same sign: after +, -, an element
+    at + has held in exactly half of them, kept under tau 0.3, dropped under tau 0.5 (not more than) and 0.6."""
+    kept = {}
+    for tau in (0.3, 0.5, 0.6):
+        m = _heal(threshold=tau)
+        server: dict = {}
+        m.consistency_mask(server, "a", {"w": torch.tensor([1.0, 1.0])})
+        m.consistency_mask(server, "a", {"w": torch.tensor([-1.0, 1.0])})
+        assert server["heal::a::hist::w"].tolist() == [0.5, 1.0]
+        kept[tau] = m.consistency_mask(server, "a", {"w": torch.tensor([1.0, 1.0])})["w"].tolist()
+    assert kept == {0.3: [True, True], 0.5: [False, True], 0.6: [False, True]}
+
+
+def test_fedheal_weight_accumulates_its_increments_from_one_over_k():
+    """w_k <- w_k + dw_k: the un-normalized weight persists from round to round (1 / K + dw_1 + dw_2 ...), it is not
+    restarted from 1 / K each round."""
+    m = _heal(beta=0.4)
+    server = {"w": torch.zeros(2)}
+    a, b = _C("a", 10), _C("b", 10)
+    out = m.aggregate(server, [(a, {"w": torch.tensor([-3.0, 0.0])}), (b, {"w": torch.tensor([-1.0, 0.0])})], 1)
+    dw1 = 0.4 * 3 / 4
+    assert float(out["heal::a::weight"]) == pytest.approx(0.5 + dw1)
+    out2 = m.aggregate(out, [(a, {"w": out["w"] - torch.tensor([3.0, 0.0])}), (b, {"w": out["w"] - torch.tensor([1.0, 0.0])})], 2)
+    dw2 = 0.6 * dw1 + 0.4 * 3 / 4
+    assert float(out2["heal::a::delta_weight"]) == pytest.approx(dw2)
+    assert float(out2["heal::a::weight"]) == pytest.approx(0.5 + dw1 + dw2)
+
+
 def test_fedheal_runs_and_uploads_what_fedavg_uploads(clients):
     e, h, ups = _run("fedheal", clients)
     avg = _fedavg_uploads(clients, 2)

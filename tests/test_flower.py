@@ -341,6 +341,59 @@ def test_a_site_refuses_to_train_a_round_it_has_trained_or_one_before(identity, 
     assert len(ups) == (late - 1) * len(clients) and not any(k.startswith("units.0.") for u in ups[len(clients):] for k in u["up"])
 
 
+class _ShortDownGrid(LoopGrid):
+    """A link that loses part of round 2's train messages: each record carries 4 tensor bytes fewer than the server
+    says it sent (here the server's word is raised instead, which the site cannot tell apart)."""
+
+    def send_and_receive(self, messages, timeout=None):
+        for m in messages:
+            if m.metadata.message_type == "train" and m.content.config_records[CONFIG]["round"] == 2:
+                cfg = m.content.config_records[CONFIG]
+                cfg["sent_bytes"] = int(cfg["sent_bytes"]) + 4
+        return super().send_and_receive(messages, timeout)
+
+
+def test_a_site_refuses_a_download_whose_tensor_bytes_are_not_what_the_server_sent(identity):
+    tp, clients = _train(rounds=2), _clients()
+    spec = FlowerSpec(FedBN, FedBN.params_cls(), tp, 0, _model, "fedbn")
+    grid = _ShortDownGrid(client_app(spec, lambda ctx: clients[int(ctx.node_config["partition-id"])]), len(clients))
+    with pytest.raises(ClientFailed, match=r"client D0-0: received (\d+) tensor bytes of the (?!\1)\d+ sent"):
+        FlowerRun(spec, len(clients)).main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
+    assert len([k for k, _ in grid.replies if k == "train"]) == len(clients)  # round 1's replies only
+
+
+def test_a_site_scores_the_global_model_beside_its_personal_one_as_the_engine_does(identity):
+    """Ditto: a site is evaluated with its personal model and, apart, with the global model the server sent it; the
+    "global" accuracies are the engine's, and not the personal ones."""
+    tp, clients = _train(rounds=2), _clients()
+    cls = method_class("ditto")
+    engine = _engine_history(cls(cls.params_cls(), tp), clients, tp)
+    flower = _loop_history(cls(cls.params_cls(), tp), clients, None)
+    assert [f["global"] for f in flower] == [e["global"] for e in engine]
+    assert [f["eval"] for f in flower] == [e["eval"] for e in engine]
+    assert any(e["global"][c] != e["eval"][c]["acc"] for e in engine for c in e["global"])  # the two models differ here
+
+
+class _IdleInRoundTwo(FedBN):
+    """FedBN whose sites train nothing in round 2 (they send back what they were sent) and so report no loss."""
+
+    name = "fedbn"
+
+    def local_update(self, model, store, payload, client, rnd, seed):
+        if rnd == 2:
+            return dict(payload)
+        return super().local_update(model, store, payload, client, rnd, seed)
+
+
+def test_a_site_that_reports_no_loss_in_a_round_reports_none_not_its_last_one(identity):
+    tp, clients = _train(rounds=3), _clients()
+    run, _ = _loop_run(FlowerSpec(_IdleInRoundTwo, FedBN.params_cls(), tp, 0, _model, "fedbn"), clients)
+    losses = [h["train_loss"] for h in run.engine.history]
+    names = [c.name for c in clients]
+    assert losses[1] == dict.fromkeys(names)
+    assert all(isinstance(losses[r][n], float) for r in (0, 2) for n in names)
+
+
 class _GoneGrid(LoopGrid):
     """Message ids as a real grid sets them when it pushes. Node ``gone``'s SuperNode dies while it handles round
     ``at``'s ``kind`` message, after it acted on it (trained and kept its store; scored) but before its reply left:

@@ -187,6 +187,45 @@ def test_a_queue_worker_that_misses_the_stop_is_ended_and_others_are_left_alone(
             p.wait()
 
 
+def test_after_its_runs_the_queue_grid_ends_the_mlflow_runs_whose_process_died(tmp_path, monkeypatch):
+    """A run SIGKILLed in a queue worker's copy of the repository stays RUNNING (nothing resumes it): once the queue
+    is done the grid marks KILLED the RUNNING runs of this host whose process is gone, says so, and leaves a live one.
+    DVC is stood in for (the queue reports the experiment done at once): this checks the grid's own end."""
+    from mlflow.entities import RunTag
+
+    import fedsilo.grid as grid
+    from fedsilo.tracking import Tracker
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    t = Tracker(True, uri)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    killed = t.start("demo", "train_g@a", {}, {})
+    t.client.log_batch(killed, tags=[RunTag("fedsilo.pid", str(gone.pid))])
+    live = t.start("demo", "mine", {}, {})
+    queued: list[str] = []
+
+    def dvc(args, cwd, env=None, check=True, detached=False, shown=False):
+        if args[:2] == ["exp", "run"]:
+            queued.append(args[args.index("--name") + 1])
+        return subprocess.CompletedProcess(args, 0, "", "")
+
+    monkeypatch.setattr(grid, "prepare_grid", lambda *a, **k: ["train_g@a"])
+    monkeypatch.setattr(grid, "left_out", lambda *a: [])
+    monkeypatch.setattr(grid, "lock_files", lambda repo: [])
+    monkeypatch.setattr(grid, "run_dvc", dvc)
+    monkeypatch.setattr(grid, "queue_workers", lambda repo: [])
+    monkeypatch.setattr(grid, "queue_status", lambda repo: dict.fromkeys(queued, "Success"))
+    monkeypatch.setattr(grid, "stop_workers", lambda *a, **k: 0)
+    monkeypatch.setattr(grid, "restore_grid", lambda *a, **k: [])
+    said: list[str] = []
+    r = run_grid("dvc.yaml", tmp_path, jobs=1, tracking_uri=uri, quiet=True, poll_s=0.0, log=said.append)
+    assert r["queued"] == ["train_g@a"] and len(queued) == 1
+    assert t.client.get_run(killed).info.status == "KILLED" and t.client.get_run(live).info.status == "RUNNING"
+    assert any("1 MLflow run(s) whose process died marked KILLED: train_g@a" in x for x in said), said
+
+
 BENCH_PIPE = PIPE.split("  train_g:")[0] + """  train_g:
     foreach: [a, b]
     do:

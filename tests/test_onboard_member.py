@@ -139,3 +139,28 @@ def test_pfeddr_refuses_when_its_sites_trained_nothing_in_the_last_round():
     engine, _, _ = _finished("pfeddr", n_rounds=2, rounds=1)  # the authors' scripts stop training after `rounds`
     assert "trained nothing in the run's last round (2; methods.pfeddr.rounds)" in as_member_refusal(engine.method, engine.round)
     assert newcomer_payloads(engine.method, engine.server, engine.clients, engine.round) is None
+
+
+def test_freeze_global_keeps_the_federations_batchnorm_statistics_as_downloaded():
+    """``freeze_global`` (FedPer's newcomer: the federation's body frozen, its own head trained): the body's BatchNorm
+    running statistics are part of what is frozen, so they stay the federation's exactly while its batches still
+    normalize with their own; ``finetune_all`` moves them with the rest."""
+    from fedsilo.fl.deploy import deployment_spec
+    from fedsilo.fl.onboard import adapt_federation_model
+    from fedsilo.models import batchnorm_keys
+
+    tp = TrainParams(model="simple_cnn", model_width=0.25, rounds=2, batch_size=6, lr=0.05, device="cpu", count_flops=False)
+    dep = {"federation": "f", "method": {"key": "fedper", "base": "fedper", "params": {}}, "train": tp.model_dump(mode="json"),
+           "seed": 0, "contract": {"task": "t", "classes": ["a", "b", "c", "d"], "image_shape": [16, 16, 1]}, "sites": []}
+    newcomer = style_shifted_federation(n_train=12, n_test=8, per_domain=1)[3]
+    method, model, private = deployment_spec(dep).build(torch.zeros(2, 1, 16, 16), torch.device("cpu"), [])
+    torch.manual_seed(1)  # the federation's trained body: other weights, statistics away from their 0 / 1 start
+    shared = {k: (v + torch.rand_like(v) if v.is_floating_point() else v + 3) for k, v in model.state_dict().items() if k not in private}
+    stats = [k for k in batchnorm_keys(model) if k in shared and k.endswith(("running_mean", "running_var"))]
+    assert stats
+    with one_thread():
+        out = adapt_federation_model(dep, newcomer, shared, rounds=1, strategies=["freeze_global", "finetune_all"])
+    frozen, tuned = out["models"]["freeze_global"], out["models"]["finetune_all"]
+    assert all(torch.equal(frozen[k], shared[k]) for k in shared)
+    assert all(not torch.equal(tuned[k], shared[k]) for k in stats)
+    assert any(not torch.equal(frozen[k], model.state_dict()[k]) for k in private if frozen[k].is_floating_point())  # its head trained

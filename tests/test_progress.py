@@ -79,3 +79,35 @@ def test_a_slow_unit_is_shown_as_seconds_per_unit(monkeypatch):
     now[0] += 2.0
     q.update(50)
     assert "50/100 images, 25.0 images/s" in q.line()
+
+
+def test_a_log_gets_a_line_once_every_every_s_seconds_not_every_step(monkeypatch):
+    """Not on a terminal, a step that asks for no line is written once ``every_s`` has passed since the last line, and
+    the next one only after as long again."""
+    import io
+
+    from fedsilo.utils import progress as progress_mod
+
+    now = [100.0]
+    monkeypatch.setattr(progress_mod.time, "monotonic", lambda: now[0])
+    log = io.StringIO()
+    p = progress_mod.Progress(100, "scan t", "row", stream=log, every_s=30.0)
+    for _ in range(10):  # 10 s a row
+        now[0] += 10.0
+        p.update(1)
+    assert [line.split(",")[0] for line in log.getvalue().splitlines()] == ["scan t: 3/100 rows", "scan t: 6/100 rows", "scan t: 9/100 rows"]
+
+
+def test_a_resumed_count_shows_the_rate_of_the_units_done_since_it_started(monkeypatch):
+    """A run resumed after round 40 of 50 (``initial``): its rate counts the rounds this process trained, not the 40
+    the killed one did."""
+    import io
+
+    from fedsilo.utils import progress as progress_mod
+
+    now = [100.0]
+    monkeypatch.setattr(progress_mod.time, "monotonic", lambda: now[0])
+    p = progress_mod.Progress(50, "train x", "round", initial=40, stream=io.StringIO())
+    now[0] += 20.0
+    p.update(2)
+    assert "42/50 rounds, 10.0 s/round, 20 s" in p.line()

@@ -289,3 +289,23 @@ def test_a_run_whose_process_died_is_found_and_ended_and_a_live_one_is_left(tmp_
     t.client.log_batch(dead, tags=[RunTag("fedsilo.pid", "1")])
     assert Tracker(True, uri).start("e", "killed", {}, {}, run_id=dead) == dead
     assert t.client.get_run(dead).info.status == "RUNNING" and t.client.get_run(dead).data.tags["fedsilo.pid"] == str(os.getpid())
+
+
+def test_a_run_whose_pid_now_belongs_to_another_process_is_judged_gone(tmp_path, monkeypatch):
+    """A pid is reused once its process is gone: a RUNNING run tagged with a live pid but another start time is the
+    dead process's run (judged gone, marked KILLED), while the run of the live process itself is left."""
+    from mlflow.entities import RunTag
+
+    from fedsilo.tracking import Tracker, end_stale_runs, stale_runs
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    t = Tracker(True, uri)
+    live = t.start("e", "live", {}, {})
+    reused = t.start("e", "reused", {}, {})
+    started = float(t.client.get_run(reused).data.tags["fedsilo.pid_started"])
+    t.client.log_batch(reused, tags=[RunTag("fedsilo.pid_started", f"{started - 3600:.3f}")])  # an hour before this process
+    gone, _ = stale_runs(t.client)
+    assert [r.info.run_id for r in gone] == [reused]
+    assert [r.info.run_id for r in end_stale_runs(uri)] == [reused]
+    assert t.client.get_run(reused).info.status == "KILLED" and t.client.get_run(live).info.status == "RUNNING"
