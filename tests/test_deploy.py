@@ -1340,6 +1340,44 @@ def test_an_app_whose_rounds_are_all_local_is_refused_by_key_and_not_written(sit
     assert not (tmp_path / "app").exists()
 
 
+def test_deploy_status_names_a_flower_run_left_running_by_a_serverapp_that_died(sites, tmp_path, monkeypatch, capsys):
+    """The wire log's last message came from Flower run 7, which the SuperLink still lists as running, and no
+    ServerApp holds the deployment's run lock (it was SIGKILLed: Flower does not notice): status says so and how to
+    go on; a run Flower lists as finished, or one whose ServerApp holds the lock, gets no such line."""
+    from fedsilo.cli import main
+    from fedsilo.fl.run import run_lock
+
+    fed = load_federation(_federation(tmp_path, sites, node_ids={"CheXpert": 11, "RSNA": 12}))
+    write_app(fed, load_params(REPO_PARAMS), tmp_path / "app", results="out/results", state="out/state")
+    (tmp_path / "out/state").mkdir(parents=True)
+    (tmp_path / "out/results.wire").mkdir(parents=True)
+    (tmp_path / "out/results.wire/wire.jsonl").write_text(json.dumps({"round": 2, "message": "train", "to": "site", "site": "RSNA",
+                                                                     "flower_run": 7}) + "\n")
+    nodes = json.dumps({"success": True, "nodes": [{"node-id": "11", "status": "online", "online-at": "N/A", "offline-at": "N/A"}]})
+    fake = tmp_path / "bin" / "flwr"
+    fake.parent.mkdir()
+
+    def flwr_says(status: str) -> None:
+        runs = json.dumps({"success": True, "runs": [{"run-id": "7", "status": status}]})
+        fake.write_text(f"#!/bin/sh\nif [ \"$1\" = ls ]; then echo '{runs}'; else echo '{nodes}'; fi\n")
+        fake.chmod(0o755)
+
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    args = ["deploy", "status", "--app", str(tmp_path / "app"), "--superlink-dir", str(tmp_path), "--connection", "hosp"]
+    flwr_says("running")
+    capsys.readouterr()
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "none in progress on this machine" in out and "but Flower lists its run 7 as running" in out
+    assert "`flwr stop 7 hosp`, then `flwr run <app> hosp --stream`" in out
+    with run_lock(tmp_path / "out/state/run.lock", "the run"):
+        assert main(args) == 0
+    assert "Flower lists its run" not in capsys.readouterr().out
+    flwr_says("finished:stopped")
+    assert main(args) == 0
+    assert "Flower lists its run" not in capsys.readouterr().out
+
+
 def test_deploy_status_with_the_superlink_down_still_tells_what_the_disk_holds(sites, tmp_path, monkeypatch, capsys):
     """`fedsilo deploy status` when `flwr supernode list` cannot reach the SuperLink (killed, not yet restarted):
     the checkpoint round and the run lock are printed, each pinned site's state is `unknown`, and the command still

@@ -880,6 +880,10 @@ def _deploy_status(args: argparse.Namespace) -> None:
     st["certificates"] = _certificates_status(Path(args.certs))
     if unreached:
         st["superlink_error"] = f"flwr supernode list: {unreached}"
+    elif st["running"] is None and st["last_message"] and st["last_message"].get("flower_run") is not None:
+        # the last message was written by a ServerApp holding the run lock: a Flower run still "running" without a
+        # holder of that lock lost its ServerApp (killed, out of memory), which Flower does not notice
+        st["flower_run"] = _flower_run_status(flwr, args.connection, int(st["last_message"]["flower_run"]))
     if args.json:
         print(json.dumps(st, indent=1))
         if unreached:
@@ -901,6 +905,14 @@ def _deploy_status(args: argparse.Namespace) -> None:
     said = (f"; its last message {last['seconds_ago'] // 60} min {last['seconds_ago'] % 60} s ago: round {last['round']} "
             f"{last['message']} {'to' if last['to'] == 'site' else 'from'} {last['site'] or 'a node'}" if last else "")
     print("run: " + (f"in progress ({st['running']}){said}" if st["running"] else f"none in progress on this machine{said}"))
+    fr = st.get("flower_run")
+    if fr and fr["status"] == "running":
+        conn = args.connection or "<connection>"
+        print(f"  but Flower lists its run {fr['run_id']} as running: its ServerApp died (killed, out of memory) if it ran "
+              f"on this machine; `flwr stop {fr['run_id']} {conn}`, then `flwr run <app> {conn} --stream` resumes after the "
+              "checkpoint's round")
+    elif fr and fr["error"]:
+        print(f"  (its Flower run {fr['run_id']}: {fr['error']})")
     print(f"results: {st['results'] or 'not written yet'}")
     c = st["certificates"]
     if c is not None:
@@ -911,6 +923,26 @@ def _deploy_status(args: argparse.Namespace) -> None:
     if unreached:  # after what the disk says: the checkpoint, the run lock, the results
         raise ConfigError(f"{st['superlink_error']}: the sites' states above are unknown (start the SuperLink again: "
                           "`fedsilo deploy superlink`, with the same --database; a `flwr run` then resumes)")
+
+
+def _flower_run_status(flwr: str, connection: str | None, run_id: int) -> dict:
+    """The state the SuperLink gives Flower run ``run_id`` (``flwr ls --run-id``): ``{"run_id", "status", "error"}``,
+    ``status`` None with flwr's error where it did not answer."""
+    import json
+    import subprocess
+
+    try:
+        r = subprocess.run([flwr, "ls", *([connection] if connection else []), "--run-id", str(run_id), "--format", "json"],
+                           capture_output=True, text=True, timeout=120)
+        listed = json.loads(r.stdout)
+    except subprocess.TimeoutExpired:
+        return {"run_id": run_id, "status": None, "error": "flwr ls: no answer from the SuperLink in 120 s"}
+    except json.JSONDecodeError:
+        listed = {}
+    if r.returncode != 0 or not listed.get("success") or not listed.get("runs"):
+        why = (listed.get("error-message") or r.stderr or r.stdout).strip()[-300:]
+        return {"run_id": run_id, "status": None, "error": f"flwr ls: {why}"}
+    return {"run_id": run_id, "status": str(listed["runs"][0]["status"]), "error": None}
 
 
 def _certificates_status(certs: Path) -> dict | None:
