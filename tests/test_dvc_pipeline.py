@@ -297,6 +297,26 @@ def test_a_method_added_to_the_code_retrains_no_other_method(repo_copy):
     assert _stale(repo_copy) == set()
 
 
+def test_bytecode_beside_the_package_reruns_nothing(repo_copy):
+    """Python writes __pycache__/ beside the modules it imports (a test run, `fedsilo` without
+    PYTHONDONTWRITEBYTECODE): the harmonize stages depend on src/fedsilo/data/ and the code stage on the package's
+    folders, yet no stage reruns for it (.dvcignore)."""
+    before = _stale(repo_copy)
+    made = []
+    for sub in ("data", "methods", "fl", "client"):
+        cache = repo_copy / "src" / "fedsilo" / sub / "__pycache__"
+        cache.mkdir(exist_ok=True)
+        made.append(cache)
+        (cache / "x.cpython-311.pyc").write_bytes(b"bytecode")
+    (repo_copy / "src" / "fedsilo" / "data" / "stray.pyc").write_bytes(b"bytecode")
+    try:
+        assert _stale(repo_copy) == before
+    finally:
+        for cache in made:
+            shutil.rmtree(cache)
+        (repo_copy / "src" / "fedsilo" / "data" / "stray.pyc").unlink()
+
+
 def test_refetching_one_source_reharmonizes_only_the_datasets_built_on_it(repo_copy):
     """Issue 17.3: changing PACS's source (here its mirror's seed; a user changes its path) re-fetches PACS and
     re-harmonizes PACS only: the other datasets' fingerprints are rewritten unchanged, so their harmonize stages

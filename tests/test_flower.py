@@ -30,7 +30,7 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 from fedsilo.config import ConfigError, TrainParams  # noqa: E402
 from fedsilo.fl.engine import Engine, PrivacyViolation, payload_bytes  # noqa: E402
 from fedsilo.fl.flower import CONFIG, STORE, Card, ClientFailed, FlowerRun, FlowerSpec, client_app, simulate, to_record  # noqa: E402
-from fedsilo.methods import method_class  # noqa: E402
+from fedsilo.methods import REGISTRY, method_class  # noqa: E402
 from fedsilo.methods.fedbn import FedBN  # noqa: E402
 from fedsilo.models import batchnorm_keys  # noqa: E402
 from tests.tiny import one_thread, style_shifted_federation, tiny_net, without_timing  # noqa: E402
@@ -185,6 +185,34 @@ def _loop_run(spec: FlowerSpec, clients: list, app=None, observer=None) -> tuple
     grid = LoopGrid(app or client_app(spec, lambda ctx: clients[int(ctx.node_config["partition-id"])]), len(clients))
     run.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))  # type: ignore[arg-type]
     return run, grid
+
+
+# every other static method (a new one once registered): the engine's history through the same apps, in one process
+OTHERS = sorted(m for m, cls in REGISTRY.items() if not cls.stream_only and m not in CASES)
+RESNET = {"f2dc", "fedrcl", "fdse"}  # methods built on a ResNet's blocks
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_every_other_static_method_gives_the_engines_history_through_the_apps(name):
+    """Two rounds, two of three sites sampled a round: sampling, bytes, losses, evaluations (personal and global)
+    of the ServerApp / ClientApp pair equal the in-process engine's, bit for bit."""
+    from fedsilo.models import build_model
+
+    resnet = name in RESNET
+
+    def make_model():
+        return build_model("resnet10", 1, 4, seed=0, image_size=16) if resnet else tiny_net(1, 4)
+
+    tp = _train(rounds=2, client_fraction=0.67, model="resnet10" if resnet else "simple_cnn")
+    cls, clients = method_class(name), style_shifted_federation(n_train=12, n_test=8, per_domain=1)[:3]
+    with one_thread():
+        engine = Engine(cls(cls.params_cls(), tp), make_model(), clients, tp, seed=0).run()
+    with one_thread(), _as_task():
+        run, _ = _loop_run(FlowerSpec.of(cls(cls.params_cls(), tp), make_model, 0), clients)
+    flower = run.engine.history
+    assert len(flower) == len(engine) == 2 and any(len(h["sampled"]) == 2 for h in engine) and "eval" in engine[-1]
+    for e, f in zip(without_timing(engine), without_timing(flower)):
+        assert {k: f[k] for k in e} == e
 
 
 class SilentAtRegistration(LoopGrid):
