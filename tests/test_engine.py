@@ -604,3 +604,51 @@ def test_generator_keys_with_a_trailing_zero_draw_the_same_stream_as_without():
 
     draw = lambda *k: torch.rand(4, generator=make_generator(*k))  # noqa: E731
     assert torch.equal(draw(1, 2, 3, 0), draw(1, 2, 3)) and not torch.equal(draw(1, 2, 3, 1), draw(1, 2, 3))
+
+
+def test_a_method_keeping_bookkeeping_beside_the_model_uses_the_partial_sharing_defaults():
+    """The server state and a client's store may hold a method's own tensors beside the model's (a count per client,
+    a record of the round): the base's local update hands the store to ``local_terms`` and loads the model's tensors
+    only, the evaluation and the global model leave the bookkeeping out (a strict load took every key before), and
+    ``RunningMean.count`` is the round's number of uploads."""
+    from fedsilo.methods.fedbn import FedBN
+    from tests.tiny import one_thread, style_shifted_federation, tiny_net
+
+    seen: list = []
+
+    class Counting(FedBN):
+        name = "counting"
+
+        def init_client(self, model, client):
+            return {**super().init_client(model, client), "count::kept": torch.zeros(())}
+
+        def private_keys(self, model):
+            return super().private_keys(model) | {"count::kept"}
+
+        def local_terms(self, model, payload, client, rnd, seed, store):
+            seen.append((rnd, client.name, float(store["count::kept"]), "count::rounds" in payload))
+            return super().local_terms(model, payload, client, rnd, seed, store)
+
+        def local_update(self, model, store, payload, client, rnd, seed):
+            up = super().local_update(model, store, payload, client, rnd, seed)
+            store["count::kept"] = store["count::kept"] + 1
+            return up
+
+        def agg_end(self, server, acc, rnd):
+            return {**super().agg_end(server, acc, rnd), "count::rounds": torch.tensor(acc.count)}
+
+    clients = style_shifted_federation(n_train=8, n_test=4, per_domain=1)[:3]
+    tp = TrainParams(rounds=2, batch_size=8, lr=0.05, device="cpu", count_flops=False, client_fraction=0.67)
+    with one_thread():
+        engine = Engine(Counting(Counting.params_cls(), tp), tiny_net(1, 4), clients, tp, seed=0)
+        history = engine.run()
+    assert "eval" in history[-1]  # evaluated with the store's and the server's bookkeeping beside the model
+    first = {c for r, c, _, _ in seen if r == 1}
+    assert [(r, kept, told) for r, c, kept, told in seen if r == 2] == [(2, float(c in first), True) for r, c, _, _ in seen if r == 2]
+    assert all(kept == 0.0 and not told for r, _, kept, told in seen if r == 1)
+    assert int(engine.server["count::rounds"]) == len(history[-1]["sampled"]) == 2
+    model = tiny_net(1, 4)
+    state = engine.method.eval_state(engine.server, engine.stores[0], clients[0])
+    assert not any(k.startswith("count::") for k in state)
+    model.load_state_dict(state, strict=True)
+    assert engine.method.global_state(engine.server) is None  # FedBN keeps BatchNorm home: no global model

@@ -672,3 +672,20 @@ def test_a_bug_is_not_told_as_a_users_error(monkeypatch, capsys, tmp_path):
         method_class("fedawg")
     with pytest.raises(ConfigError, match="unknown model 'resnet9'"):
         build_model("resnet9", 3, 10)
+
+
+def test_the_readme_names_every_registered_method_in_its_table_and_layout():
+    """A method registered is a row of the README's table (what is shared, which model a client is scored with) and a
+    word of the Layout's methods/ list: the two places a reader looks a method up."""
+    import re
+
+    from fedsilo.methods import REGISTRY
+    from tests.conftest import REPO
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("\n## Federated learning"):text.index("\n## Running on Flower")]
+    rows = set(re.findall(r"^\| `([a-z0-9_]+)`", section, flags=re.M))
+    layout = text[text.index("  methods/  "):text.index("  fl/  ")]
+    words = set(re.findall(r"[a-z0-9_]+", layout))
+    assert sorted(set(REGISTRY) - rows) == [], "a registered method without a row in README's method table"
+    assert sorted(set(REGISTRY) - words) == [], "a registered method missing from README's Layout (methods/)"

@@ -192,7 +192,7 @@ def as_member_refusal(method: Any, last_round: int) -> Optional[str]:
     if method.shares_nothing():
         return f"{key}: its sites share nothing (each trains alone): there is nothing of the federation to adapt"
     if method.eval_is_global():
-        return (f"{key}: its sites are all evaluated with the federation's global model and keep nothing of their own: "
+        return (f"{key}: its sites are all evaluated with the federation's global model, none with a model of its own: "
                 "a member's training would leave its evaluation model unchanged (score the federation's model as it is, "
                 "`fedsilo site predict --model final_model.pt`, or, where that model is the plain backbone, fine-tune it: "
                 "finetune_all)")

@@ -378,12 +378,14 @@ class MeanAggregation(Method):
 class RunningMean:
     """Sample-size-weighted mean accumulated one upload at a time, so a round with many clients holds one
     accumulator instead of every upload. Floating tensors accumulate in float32 (or their own wider dtype), integer
-    buffers (BatchNorm's num_batches_tracked) in float64 and are rounded."""
+    buffers (BatchNorm's num_batches_tracked) in float64 and are rounded. ``count``: the uploads added (a server
+    update that divides by the round's participants, not by their samples)."""
 
     def __init__(self) -> None:
         self.sum: State = {}
         self.dtypes: dict[str, torch.dtype] = {}
         self.weight = 0.0
+        self.count = 0
 
     def add(self, n: float, upload: State) -> None:
         for k, v in upload.items():
@@ -393,6 +395,7 @@ class RunningMean:
                 self.dtypes[k] = v.dtype
             self.sum[k].add_(v.to(self.sum[k].dtype), alpha=float(n))
         self.weight += float(n)
+        self.count += 1
 
     def result(self) -> State:
         out: State = {}

@@ -63,15 +63,9 @@ class FedHEAL(PartialSharing):
     def download(self, server: State, client, rnd: int) -> State:
         return {k: server[k] for k in self.shared}
 
-    def global_state(self, server: State):
-        return {k: server[k] for k in self.shared} if not self.private else None
-
     def eval_download(self, server: State, client) -> State:
         """The model only: the server's bookkeeping (every site's sign history and weight) stays on the server."""
         return self.download(server, client, 0)
-
-    def eval_state(self, server, store, client):
-        return {**store, **{k: server[k] for k in self.shared}}
 
     def consistency_mask(self, server: State, name: str, delta: State) -> State:
         """Element-wise mask (bool) of the updates whose sign agrees with the client's history; updates the history."""

@@ -110,7 +110,7 @@ class FedLGF(FedAvg):
             with torch.no_grad():
                 return forward(perturb(p.grad_scale, dirs))
 
-    def local_terms(self, model, payload, client, rnd, seed) -> dict[str, Any]:
+    def local_terms(self, model, payload, client, rnd, seed, store) -> dict[str, Any]:
         p = self.params
         gen = make_generator(seed, rnd, client.index, 2)
         head = nn.Sequential(*model.units[self.head_start :])

@@ -74,9 +74,6 @@ class FedSA(PrototypeSharing):
     def init_server(self, model: LayeredNet) -> State:
         return {**super().init_server(model), ANCHORS: initial_anchors(self.num_classes, self.dim, self.run_seed)}
 
-    def store_model(self, store: State) -> State:
-        return {k: v for k, v in store.items() if not k.startswith(PREVIOUS)}  # last round's prototypes kept beside it
-
     def local_update(self, model, store, payload, client, rnd, seed):
         anchors = payload[ANCHORS].to(client.x_train.device)
         self.load_round(model, store, payload)

@@ -68,7 +68,7 @@ class FedWon(FedAvg):
         # by name: the parameters are those of the model each client trains (a copy when clients train in parallel)
         self.clipped = [n for n, p in model.named_parameters() if id(p) not in skip]
 
-    def local_terms(self, model, payload, client, rnd, seed) -> dict[str, Any]:
+    def local_terms(self, model, payload, client, rnd, seed, store) -> dict[str, Any]:
         named = dict(model.named_parameters())
         clip, eps, params = self.params.clip, self.params.agc_eps, [named[n] for n in self.clipped]
         hook: Callable[[], None] = lambda: adaptive_grad_clip(params, clip, eps)  # noqa: E731

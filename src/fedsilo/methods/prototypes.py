@@ -157,16 +157,12 @@ class PrototypeSharing(PartialSharing):
         head = classifier(model)
         self.num_classes, self.dim = head.out_features, head.in_features  # the prototypes' classes and length
 
-    def store_model(self, store: State) -> State:
-        """The model's tensors among what a client keeps (a method keeping prototypes of its own there leaves them out)."""
-        return store
-
     def download(self, server: State, client, rnd: int) -> State:
         return dict(server)
 
     def load_round(self, model: LayeredNet, store: State, payload: State) -> None:
         """The model a client trains: its own tensors and the download's shared ones."""
-        model.load_state_dict({**self.store_model(store), **{k: payload[k] for k in self.shared}}, strict=True)
+        model.load_state_dict(self.model_state(store, {k: payload[k] for k in self.shared}), strict=True)
 
     def aggregate(self, server: State, uploads: list[tuple[Any, State]], rnd: int) -> State:
         if not uploads:
@@ -178,8 +174,3 @@ class PrototypeSharing(PartialSharing):
         """The server's own tensors after a round, from every uploaded (class, prototype) in upload order."""
         raise NotImplementedError
 
-    def eval_state(self, server, store, client):
-        return {**self.store_model(store), **{k: server[k] for k in self.shared}}
-
-    def global_state(self, server):
-        return {k: server[k] for k in self.shared} if not self.private else None

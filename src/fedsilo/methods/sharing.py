@@ -83,7 +83,14 @@ class PartialSharing(MeanAggregation):
     """Share a fixed subset of the model's state_dict; everything else persists in the client store.
 
     FedAvg shares everything, FedBN everything but BatchNorm, Single nothing. Clients start from the same
-    initialisation (the model built from the run's seed)."""
+    initialisation (the model built from the run's seed).
+
+    The server state holds the shared tensors and a client's store the private ones; either may also hold the
+    method's own bookkeeping under keys that are no tensor of the model (a record per site, a momentum, a client's
+    kept gradient or prototypes). :meth:`model_state` takes the model's tensors out of them: the defaults load and
+    evaluate those only. Bookkeeping is still sent where a method's ``download`` / ``eval_download`` send it (the
+    default: the whole server state), and a client's own is private: a method lists its keys in ``private_keys``
+    so that an upload holding one is refused."""
 
     shared: list[str]
 
@@ -113,6 +120,7 @@ class PartialSharing(MeanAggregation):
         dc = self.decoupling()
         kept = decoupling.module_keys(model) if dc is not None and not dc.share_modules else set()
         wanted = set(self.shared_keys(model))  # once: a method's shared_keys may walk the whole model
+        self.model_keys = frozenset(keys)
         self.shared = [k for k in keys if k in wanted and k not in kept]
         shared = set(self.shared)
         self.private = [k for k in keys if k not in shared]
@@ -147,11 +155,18 @@ class PartialSharing(MeanAggregation):
     def download(self, server: State, client: ClientData, rnd: int) -> State:
         return dict(server)
 
+    def model_state(self, *states: State) -> State:
+        """The model's tensors among ``states`` (a later one's value winning), the methods' bookkeeping left out: what
+        a strict ``load_state_dict`` takes (a missing tensor still fails it)."""
+        return {k: v for s in states for k, v in s.items() if k in self.model_keys}
+
     def extra_loss(self, model: LayeredNet, payload: State) -> Optional[ExtraLoss]:
         return None
 
-    def local_terms(self, model: LayeredNet, payload: State, client: ClientData, rnd: int, seed: int) -> dict[str, Any]:
-        """Keyword arguments for train_local beyond plain SGD (extra_loss, batch_loss, grad_hook)."""
+    def local_terms(self, model: LayeredNet, payload: State, client: ClientData, rnd: int, seed: int,
+                    store: State) -> dict[str, Any]:
+        """Keyword arguments for train_local beyond plain SGD (extra_loss, batch_loss, grad_hook); ``store`` is the
+        client's own state (a term that reads what the client kept: a control variate, a past gradient)."""
         return {"extra_loss": self.extra_loss(model, payload)}
 
     def with_decoupling(self, model: LayeredNet, terms: dict[str, Any], client: ClientData, rnd: int, seed: int) -> dict[str, Any]:
@@ -173,8 +188,8 @@ class PartialSharing(MeanAggregation):
         return self.train
 
     def local_update(self, model, store, payload, client, rnd, seed):
-        model.load_state_dict({**store, **payload}, strict=True)
-        terms = self.with_decoupling(model, self.local_terms(model, payload, client, rnd, seed), client, rnd, seed)
+        model.load_state_dict(self.model_state(store, payload), strict=True)
+        terms = self.with_decoupling(model, self.local_terms(model, payload, client, rnd, seed, store), client, rnd, seed)
         self.last_loss = train_local(model, client, self.local_train(rnd), make_generator(seed, rnd, client.index), **terms)
         return self.keep_and_share(model, store)
 
@@ -190,10 +205,10 @@ class PartialSharing(MeanAggregation):
         return acc.result() if acc.weight > 0 and self.shared else server
 
     def eval_state(self, server, store, client):
-        return {**store, **server}
+        return self.model_state(store, server)
 
     def global_state(self, server):
-        return dict(server) if not self.private else None
+        return self.model_state(server) if not self.private else None
 
     def eval_is_global(self):
         return not self.private

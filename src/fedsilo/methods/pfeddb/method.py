@@ -305,9 +305,6 @@ class PFedDB(TwoPhase):
     def global_state(self, server):
         return None
 
-    def eval_state(self, server, store, client):
-        return {**store, **{k: server[k] for k in self.shared}}
-
     def eval_download(self, server: State, client) -> State:
         """phi only: the server's records of the sites stay on the server."""
         return {k: server[k] for k in self.shared}
