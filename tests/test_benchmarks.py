@@ -230,6 +230,19 @@ def test_max_per_domain_caps_each_subset_deterministically(bench_raw, tmp_path):
     assert a["sha256"] == b["sha256"]
 
 
+def test_the_cap_draws_its_rows_with_sample_seed_the_same_each_time():
+    """max_per_domain's draw is sample_seed's: the same seed keeps the same images, another seed others (a fixed draw
+    that ignored sample_seed would give every seed the same subsample)."""
+    from fedsilo.data.harmonize import _cap
+
+    frame = pd.DataFrame({"id": [f"x/{i:03d}" for i in range(60)], "domain": ["A"] * 30 + ["B"] * 30, "subset": ["train", "test"] * 30})
+    kept = {seed: _cap(frame, 5, seed) for seed in (0, 1)}
+    for seed in (0, 1):
+        assert kept[seed].groupby(["domain", "subset"]).size().tolist() == [5, 5, 5, 5]
+    assert _cap(frame, 5, 0)["id"].tolist() == kept[0]["id"].tolist()
+    assert kept[0]["id"].tolist() != kept[1]["id"].tolist()
+
+
 def test_domain_styles_differ_while_labels_are_learnable(bench_harmonized, tmp_path):
     """Single per-domain training on the Digits-Five mirror beats chance (10%) by a wide margin on held-out digits,
     and the domains differ in pixel statistics (the shift the methods must handle)."""

@@ -92,6 +92,21 @@ def test_a_code_edit_is_never_resumed_from_an_old_checkpoint_and_a_finished_run_
     # (that a rerun of the same code and params gives the same numbers is test_resume_tracking's keep_client_models case)
 
 
+def test_the_code_hash_covers_each_files_path_as_well_as_its_bytes(tmp_path):
+    """A module renamed (moved from fl/ to utils/, or within a package) is another program even with the same bytes:
+    the hash takes each file's path below the package with its contents."""
+    for part in TRAIN_CODE:
+        f = tmp_path / part if part.endswith(".py") else tmp_path / part / "__init__.py"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(f"# {part}\n")
+    (tmp_path / "fl" / "engine.py").write_text("ROUNDS = 3\n")
+    before = train_code_sha256(tmp_path)
+    (tmp_path / "fl" / "engine.py").rename(tmp_path / "fl" / "runner.py")
+    assert train_code_sha256(tmp_path) != before
+    (tmp_path / "fl" / "runner.py").rename(tmp_path / "fl" / "engine.py")
+    assert train_code_sha256(tmp_path) == before
+
+
 def test_every_train_stage_depends_on_the_code_its_checkpoint_key_hashes():
     """Each pipeline's code_fingerprint stage depends on the code the checkpoint key hashes and writes one file per
     method (the root's also the hash of all of it); every train stage of every dvc.yaml depends on its method's file,

@@ -46,6 +46,7 @@ def test_repo_params_yaml_is_valid():
         # a dataset's kind changed, a key of its old kind left (a kind of several values: the benchmarks')
         (lambda d: d["datasets"]["chest_xray4"].update(kind="pacs", percentiles=[1, 99]),
          "datasets.chest_xray4.percentiles: unknown key (a key of kind chest_xray4, not of pacs)"),
+        (lambda d: d["datasets"]["chest_xray4"].update(percentiles=[50, 50]), "datasets.chest_xray4.percentiles: need 0 <= low < high <= 100"),
         (lambda d: d["datasets"]["chest_xray4"].update(folders={}),
          "datasets.chest_xray4.folders: unknown key (a key of kind digits5, office_caltech10, pacs, domainnet10, digit10, ..., not of chest_xray4)"),
     ],
@@ -66,6 +67,13 @@ def test_a_key_valid_in_another_section_is_not_offered_back_as_its_own_near_miss
     with pytest.raises(ConfigError) as err:
         parse_params(raw)
     assert "pipeline.lr: unknown key" in str(err.value) and "did you mean 'lr'" not in str(err.value)
+
+
+def test_a_near_miss_is_never_the_name_itself():
+    from fedsilo.config import did_you_mean
+
+    assert did_you_mean("lr", ["lr"]) == ""
+    assert did_you_mean("lr", ["lr", "lrr"]) == " (did you mean 'lrr'?)"
 
 
 def test_cli_check_params_reports_key_and_exits_2(tmp_path, capsys):

@@ -562,6 +562,21 @@ def test_train_stage_runs_a_hospital_stream_and_the_report_prints_the_papers_tab
     assert run.data.metrics["final.models_per_client"] == met["models_per_client"]
 
 
+def test_the_stream_tables_delta_is_the_references_avg_minus_the_rows_and_its_std_the_sample_std():
+    """pFedDIL's last column: the reference row's Avg minus this row's, seed by seed; then mean and sample std
+    (ddof = 1) over the seeds, as every other column."""
+    from fedsilo.report.continual import stream_table
+
+    def met(a, b):
+        return {"tasks": ["S0", "S1"], "acc_after_task": {"S0": a, "S1": b}, "avg_acc": (a + b) / 2, "forgetting": 0.1, "final_acc": b}
+
+    metrics = {("pfeddil", 0): met(0.8, 0.6), ("pfeddil", 1): met(0.9, 0.7), ("fedavg", 0): met(0.6, 0.4), ("fedavg", 1): met(0.5, 0.5)}
+    tab = stream_table(metrics, ["pfeddil", "fedavg"], [0, 1], reference="pfeddil")
+    assert tab["mean"].loc["fedavg", "Delta"] == pytest.approx((20.0 + 30.0) / 2)
+    assert tab["mean"].loc["pfeddil", "Delta"] == pytest.approx(0.0)
+    assert tab["std"].loc["pfeddil", "S0"] == pytest.approx(math.sqrt(50.0))  # 80 and 90: ddof = 1 (ddof = 0 gives 5)
+
+
 def test_a_stream_only_method_is_refused_on_static_clients():
     from fedsilo.fl.engine import Engine
     from tests.tiny import style_shifted_federation

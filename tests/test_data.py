@@ -153,3 +153,141 @@ def test_split_asking_too_much_fails_naming_the_domain(mirror_root):
 
 def test_small_params_parse():
     parse_params(small_params())
+
+
+# ---------------------------------------------------------------------------------------------------- label rules
+def test_chexpert_uncertain_opacity_is_excluded_or_mapped_as_the_rule_says(tmp_path):
+    from fedsilo.config import CheXpertRules
+    from fedsilo.data.sources.chexpert import OBSERVATIONS, _label_table
+
+    df = pd.DataFrame({"Path": ["train/patient00001/study1/view1_frontal.jpg"], "Frontal/Lateral": ["Frontal"],
+                       **{c: [np.nan] for c in OBSERVATIONS}})
+    df["Lung Opacity"] = -1.0
+    got = {rule: _label_table(df, tmp_path / "train.csv", CheXpertRules(uncertain=rule)).iloc[0][["label", "excluded"]].tolist()
+           for rule in ("exclude", "positive", "negative")}
+    assert got == {"exclude": [-1, "uncertain Lung Opacity (-1)"], "positive": [1, ""], "negative": [0, ""]}
+
+
+def test_rsna_patient_whose_class_rows_disagree_is_excluded_as_a_conflict(tmp_path):
+    from fedsilo.config import RSNARules
+    from fedsilo.data.sources import rsna
+
+    (tmp_path / "stage_2_train_labels.csv").write_text("patientId,x,y,width,height,Target\np1,1,2,3,4,1\np1,5,6,7,8,1\np2,,,,,0\n")
+    (tmp_path / "stage_2_detailed_class_info.csv").write_text("patientId,class\np1,Lung Opacity\np1,Normal\np2,Normal\n")
+    df = rsna.read_records(tmp_path, RSNARules()).set_index("id")
+    assert df.loc["p1", "excluded"] == "class/Target conflict" and df.loc["p1", "label"] == -1
+    assert df.loc["p2", "excluded"] == "" and df.loc["p2", "label"] == 0
+
+
+def test_vinbigdata_majority_is_more_than_half_and_a_negative_reports_no_finding_only(tmp_path):
+    from fedsilo.config import VinBigDataRules
+    from fedsilo.data.sources import vinbigdata
+
+    (tmp_path / "train.csv").write_text(
+        "image_id,class_name,class_id,rad_id,x_min,y_min,x_max,y_max\n"
+        "half,Lung Opacity,7,R1,1,2,3,4\nhalf,No finding,14,R2,,,,\n"  # one of two: no majority
+        "two,Lung Opacity,7,R1,1,2,3,4\ntwo,Lung Opacity,7,R2,1,2,3,4\ntwo,No finding,14,R3,,,,\n"  # two of three
+        "mixed,No finding,14,R1,,,,\nmixed,No finding,14,R2,,,,\nmixed,Aortic enlargement,0,R2,1,2,3,4\n"  # R2 says both
+        "clear,No finding,14,R1,,,,\nclear,No finding,14,R2,,,,\n")
+    df = vinbigdata.read_records(tmp_path, VinBigDataRules()).set_index("id")
+    assert df["label"].to_dict() == {"clear": 0, "half": -1, "mixed": -1, "two": 1}
+    assert df.loc["half", "excluded"] == "Lung Opacity by a minority of radiologists"
+    assert df.loc["mixed", "excluded"] == "other findings only"
+    anyone = vinbigdata.read_records(tmp_path, VinBigDataRules(opacity_rule="any")).set_index("id")
+    assert anyone.loc["half", "label"] == 1
+
+
+def test_openi_lung_opacity_is_an_opacity_term_whose_site_is_the_lung_or_its_alveoli():
+    from fedsilo.data.sources.openi import is_lung_opacity
+
+    assert is_lung_opacity("Opacity/lung/base/left") and is_lung_opacity("Opacity/pulmonary alveoli/right")
+    assert not is_lung_opacity("Opacity/heart") and not is_lung_opacity("Nodule/lung") and not is_lung_opacity("lung/Opacity")
+
+
+# ---------------------------------------------------------------------------------------------------- pixel pipeline
+def _radiograph(path, pixels: np.ndarray, photometric: str = "MONOCHROME2", window: tuple | None = None,
+                slope: float | None = None) -> None:
+    """An uncompressed 12-bit grey DICOM with the given stored pixels, optionally a rescale and a VOI window."""
+    from pydicom.dataset import Dataset, FileMetaDataset
+    from pydicom.uid import ExplicitVRLittleEndian, generate_uid
+
+    ds = Dataset()
+    ds.file_meta = FileMetaDataset()
+    ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds.file_meta.MediaStorageSOPClassUID = ds.SOPClassUID = "1.2.840.10008.5.1.4.1.1.1.1"  # digital X-ray
+    ds.file_meta.MediaStorageSOPInstanceUID = ds.SOPInstanceUID = generate_uid()
+    ds.Rows, ds.Columns = pixels.shape
+    ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, photometric
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 12, 11, 0
+    if slope is not None:
+        ds.RescaleSlope, ds.RescaleIntercept = slope, 0
+    if window is not None:
+        ds.WindowCenter, ds.WindowWidth = window
+    ds.PixelData = np.ascontiguousarray(pixels, dtype=np.uint16).tobytes()
+    ds.save_as(path, enforce_file_format=True)
+
+
+def test_dicom_rescale_window_and_monochrome1_follow_the_pixel_pipeline(tmp_path):
+    """Stored 0, 512, 1024, 1536, 2047 rescaled x2 (0 ... 4094 of 0 ... 8190) and windowed at 2048 +- 1024: below the
+    window black, the centre mid-grey, above it white; MONOCHROME1 the same inverted (bone always bright)."""
+    from fedsilo.data.dicom import dicom_to_uint8
+
+    pixels = np.tile(np.array([0, 512, 1024, 1536, 2047, 2047, 2047, 2047]), (8, 1))
+    for photometric, want in (("MONOCHROME2", [0, 0, 128, 255, 255]), ("MONOCHROME1", [255, 255, 127, 0, 0])):
+        _radiograph(tmp_path / f"{photometric}.dcm", pixels, photometric, window=(2048, 2048), slope=2.0)
+        img, facts = dicom_to_uint8(tmp_path / f"{photometric}.dcm")
+        assert facts["voi_applied"] and img[0, :5].tolist() == want, photometric
+    _radiograph(tmp_path / "plain.dcm", pixels, slope=2.0)  # no window: the rescaled range, 0 ... 8190
+    assert dicom_to_uint8(tmp_path / "plain.dcm")[0][0, :5].tolist() == [0, 32, 64, 96, 127]
+
+
+def test_dicom_percentile_intensity_stretches_a_narrow_band_that_bit_depth_keeps_dark(tmp_path):
+    from fedsilo.data.dicom import dicom_to_uint8
+
+    _radiograph(tmp_path / "band.dcm", np.tile(np.linspace(1000, 1100, 8).round(), (8, 1)))
+    deep, _ = dicom_to_uint8(tmp_path / "band.dcm", "bit_depth")
+    wide, _ = dicom_to_uint8(tmp_path / "band.dcm", "percentile", (0.0, 100.0))
+    assert deep.max() < 80 and (wide.min(), wide.max()) == (0, 255)
+
+
+def test_a_16_bit_png_is_read_over_its_own_depth(tmp_path):
+    from PIL import Image
+
+    from fedsilo.data.harmonize import decode_one
+
+    arr = np.tile(np.array([0, 0, 0, 32896, 32896, 65535, 65535, 65535], dtype=np.uint16), (8, 1))
+    Image.fromarray(arr).save(tmp_path / "deep.png")
+    img = decode_one((str(tmp_path / "deep.png"), "image", 8, "crop", "bit_depth", (0.5, 99.5)))
+    assert img.shape == (8, 8, 1) and img[0, :, 0].tolist() == [0, 0, 0, 128, 128, 255, 255, 255]
+
+
+def test_a_constant_image_is_quarantined_not_kept(tmp_path):
+    from PIL import Image
+
+    from fedsilo.data.harmonize import _decode_safe
+
+    Image.fromarray(np.full((16, 16), 90, np.uint8)).save(tmp_path / "flat.png")
+    img, err = _decode_safe((str(tmp_path / "flat.png"), "image", 8, "crop", "bit_depth", (0.5, 99.5)))
+    assert img is None and err.endswith("flat.png: constant image")
+
+
+def test_percentiles_of_an_almost_flat_image_fall_back_to_its_range():
+    """99 % of the pixels at one value put both percentiles there: the range falls back to min / max, so the few
+    others stand out instead of the image being refused as degenerate."""
+    from fedsilo.data.imageops import normalize_standard, percentile_range
+
+    arr = np.full((20, 20), 100, np.uint8)
+    arr[0, 0] = 200
+    assert percentile_range(arr, 1.0, 99.0) == (100.0, 200.0)
+    out = normalize_standard(arr, 8, "percentile", (1.0, 99.0))
+    assert out[0, 0] == 255 and out[5, 5] == 0
+
+
+def test_square_crop_keeps_the_centre_and_pad_keeps_everything_on_black():
+    from fedsilo.data.imageops import finish
+
+    img = (np.arange(4 * 8).reshape(4, 8) + 1).astype(np.uint8)
+    np.testing.assert_array_equal(finish(img, 4, "crop")[:, :, 0], img[:, 2:6])
+    padded = finish(img, 8, "pad")[:, :, 0]
+    np.testing.assert_array_equal(padded[2:6], img)
+    assert not padded[:2].any() and not padded[6:].any()

@@ -56,6 +56,17 @@ def test_std_over_domains_is_each_runs_sample_std_over_its_domain_columns_and_th
     assert vs.loc["fedavg", ("STD", "diff")] == pytest.approx(np.mean(per_run) - 8.27)
 
 
+def test_the_table_bolds_the_highest_accuracy_and_the_lowest_std_over_domains():
+    """STD is how unevenly a method serves the domains: its best cell is the lowest, the accuracies' the highest."""
+    from fedsilo.report.tables import to_markdown
+
+    rows = [{"method": m, "seed": 0, "domain": d, "acc": a} for m, accs in (("even", (0.6, 0.6)), ("uneven", (0.9, 0.5)))
+            for d, a in zip("AB", accs)]
+    md = to_markdown(summary_table(pd.DataFrame(rows), "acc", ["even", "uneven"], domain_std=True), "t")
+    assert "| even | 60.0 | **60.0** | 60.0 | **0.0** |" in md
+    assert "| uneven | **90.0** | 50.0 | **70.0** | 28.3 |" in md
+
+
 def test_a_one_class_test_split_makes_its_auc_and_the_avg_n_a_with_a_warning(tmp_path, caplog):
     res = tmp_path / "res"
     for s in (0, 1):

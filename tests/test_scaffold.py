@@ -63,6 +63,8 @@ def test_new_paper_writes_a_pipeline_check_params_accepts(tmp_path, capsys):
     # what check-params would refuse is refused before anything is written
     (["methods", "--experiment", "digits5_domains", "--methods", "fedavg"],
      "pipelines/methods/params.yaml: paper: 'methods' names a folder of the root pipeline's"),
+    (["report", "--experiment", "digits5_domains", "--methods", "fedavg"], "paper: 'report' names a folder of the root pipeline's"),
+    (["selected", "--experiment", "digits5_domains", "--methods", "fedavg"], "paper: 'selected' names a folder of the root pipeline's"),
     (["mine", "--experiment", "digits5_domains", "--methods", "fedavg,pfeddil"],
      "pipelines/mine/params.yaml: methods.pfeddil: pfeddil learns a stream of domain tasks only"),
 ])
@@ -77,6 +79,36 @@ def test_new_paper_refuses_by_name_and_writes_nothing(tmp_path, capsys, argv, sa
     err = capsys.readouterr().err
     assert said in err, err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_new_paper_leaves_the_roots_published_table_out(tmp_path, capsys):
+    """The root experiment's published table is the root's comparison, not the new paper's."""
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["experiments"]["digits5_domains"]["published"] = "published.yaml#digits"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert main(["--root", str(tmp_path), "--params", str(tmp_path / "params.yaml"), "new-paper", "mine",
+                 "--experiment", "digits5_domains", "--methods", "fedavg"]) == 0, capsys.readouterr().err
+    written = yaml.safe_load((tmp_path / "pipelines" / "mine" / "params.yaml").read_text())
+    assert "published" not in written["experiments"]["mine_digits5_domains"]
+    assert written["experiments"]["mine_digits5_domains"]["split"] == raw["experiments"]["digits5_domains"]["split"]
+
+
+def test_new_paper_that_fails_while_writing_leaves_no_folder(tmp_path, monkeypatch):
+    """Whole or nothing: a write that fails after params.yaml and dvc.yaml (a full disk) leaves no half a pipeline,
+    whose folder would make the next new-paper refuse the name."""
+    import fedsilo.scaffold as scaffold
+    from fedsilo.config import load_params
+
+    class FullDisk(str):
+        def format(self, *a, **k):
+            raise OSError(28, "No space left on device")
+
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    monkeypatch.setattr(scaffold, "PUBLISHED_YAML", FullDisk(scaffold.PUBLISHED_YAML))
+    with pytest.raises(OSError, match="No space left"):
+        scaffold.new_paper(load_params(tmp_path / "params.yaml"), tmp_path, "mine", "digits5_domains", ["fedavg"])
+    assert not (tmp_path / "pipelines" / "mine").exists()
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == [tmp_path / "params.yaml"]  # no temporary copy either
 
 
 def test_new_paper_takes_the_root_params_not_a_papers(tmp_path, capsys):

@@ -143,6 +143,17 @@ def test_the_bootstrap_resamples_patients():
     assert 200 > many["lacking"]["auc"] >= many["lacking"]["recall.1"] > 0 and "accuracy" not in many["lacking"]
 
 
+def test_tied_scores_count_one_half_in_the_bootstrap_auc():
+    """A model that gives every image one score ranks nothing: AUC 0.5 in every sample, as binary_auc scores it; a
+    positive and a negative tied in score count one half (the weighted AUC of unit weights is the plain one)."""
+    y = np.array([1] * 6 + [0] * 6)
+    ci = patient_bootstrap(y, np.zeros_like(y), np.full(12, 0.4), np.arange(12), 2, 50, seed=0)
+    assert binary_auc(y, np.full(12, 0.4)) == 0.5 and ci["auc"] == [0.5, 0.5]
+    p, yy = np.array([0.2, 0.5, 0.5, 0.9, 0.5, 0.1]), np.array([0, 1, 0, 1, 1, 0])
+    _, bins = np.unique(p, return_inverse=True)
+    assert ev._weighted_auc(bins, yy == 1, np.ones(6), int(bins.max()) + 1) == pytest.approx(binary_auc(yy, p))
+
+
 def test_prevalence_is_part_of_the_uncertainty_and_all_or_none_proportions_get_an_exact_interval():
     """A model that calls every image negative: its accuracy is the share of negatives, which varies between samples
     of patients (a stratified bootstrap would fix it and give a zero-width interval); its sensitivity, 0 of m positive

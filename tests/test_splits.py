@@ -487,3 +487,46 @@ def test_domain_multi_clients_can_split_and_partition_as_the_f2dc_code_does():
     grouped = recs.assign(group=recs["domain"] + "/" + (recs.index // 2).astype(str))
     with pytest.raises(SplitError, match="listing assigns images one by one"):
         make_split(grouped, p, 0)
+
+
+def test_a_setting_the_file_left_out_at_its_default_is_named_once_the_block_sets_it(records):
+    """A split made before n_val existed (or with it at 0) records no n_val: the block asking for a validation set now
+    is an edit that train refuses the file for, not a match because the file does not say it."""
+    from fedsilo.config import ConfigError
+    from fedsilo.data.splits import refuse_stale_split, settings_differ
+
+    p = DomainClientsSplit(n_train=60, n_test=40)
+    split = make_split(records, p, 0)
+    assert "n_val" not in split["params"]
+    assert settings_differ(split, p.model_copy(update={"n_val": 5})) == ["n_val: built with 0, now 5"]
+    with pytest.raises(ConfigError, match=r"built with other settings than experiments.e.split has now \(n_val: built with 0, now 5\)"):
+        refuse_stale_split(split, p.model_copy(update={"n_val": 5}), "s.json", "e", "dvc repro split@e")
+
+
+def test_check_patient_disjoint_names_a_patient_on_both_sides_of_a_client(records):
+    c0, c1 = records.index[records["group"] == "C/p0"][:2]  # two images of one patient
+    split = {"clients": [{"name": "C", "train": [int(c0)], "test": [int(c1)]}]}
+    with pytest.raises(SplitError, match=r"client C: patient\(s\) \['C/p0'\] in both train and test"):
+        check_patient_disjoint(records, split)
+    check_patient_disjoint(records, {"clients": [{"name": "C", "train": [int(c0), int(c1)], "test": []}]})
+
+
+def test_a_clients_class_of_one_patient_stays_on_its_training_side_whatever_test_fraction():
+    """A class a client holds one patient of cannot be split: it trains on it (a test side with a class the client
+    never trained on would be scored, at test_fraction 0.6, on nothing it could learn)."""
+    from fedsilo.data.splits import _rng, _train_test_by_group
+
+    rows = [{"id": f"r{i}", "domain": "A", "label": 0 if i == 0 else 1, "group": f"g{i}", "subset": ""} for i in range(6)]
+    recs = pd.DataFrame(rows)
+    train, test = _train_test_by_group(recs, recs.index.to_numpy(), 0.6, _rng(0, "t"))
+    assert 0 in train and 0 not in test
+    assert len(test) == 3 and set(recs.loc[test, "label"]) == {1}  # round(0.6 x 5) of the other class's patients
+
+
+def test_domain_incremental_n_per_domain_caps_each_domains_training_pool(records):
+    p = DomainIncrementalSplit(protocol="domain_incremental", clients=2, alpha=1.0, n_per_domain=50, min_per_client=1)
+    s = make_split(records, p, 0)
+    for t in range(4):
+        assert sum(len(c["tasks"][t]["train"]) for c in s["clients"]) == 50
+    uncapped = make_split(records, p.model_copy(update={"n_per_domain": None}), 0)
+    assert all(sum(len(c["tasks"][t]["train"]) for c in uncapped["clients"]) > 250 for t in range(4))

@@ -152,6 +152,22 @@ def test_per_client_best_validation_takes_each_clients_own_best_round_for_rows_t
     assert "each client's test accuracy at the round of its own best validation accuracy" in vs
 
 
+def test_a_clients_own_best_validation_round_is_the_first_of_equal_ones():
+    from fedsilo.report.tables import own_best_validation_acc
+
+    hist = [{"round": r, "eval": {"A-0": {"acc": a, "val_acc": v}}} for r, (v, a) in enumerate([(0.5, 0.1), (0.8, 0.2), (0.8, 0.9)], 1)]
+    assert own_best_validation_acc(hist, "A-0") == 0.2
+    assert np.isnan(own_best_validation_acc([{"round": 1, "eval": {"A-0": {"acc": 0.5}}}], "A-0"))
+
+
+def test_a_rows_own_selection_overrides_the_tables():
+    from fedsilo.report.versus import paper_selection
+
+    table = {"selection": "final", "methods": {"fedbn": {"mean": [1.0], "selection": "best_validation"}, "fedavg": {"mean": [1.0]}}}
+    assert paper_selection(table, "fedbn") == "best_validation"
+    assert paper_selection(table, "fedavg") == "final" and paper_selection(table) == "final"
+
+
 @pytest.mark.parametrize("scored", [True, False], ids=["validation", "no_validation"])
 def test_the_two_phase_figure_plots_validation_accuracy_where_the_split_scored_it(tmp_path, monkeypatch, scored):
     """pFedDB's Fig. 5 plots the average validation accuracy per round: ours does where every run scored a
