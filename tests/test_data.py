@@ -269,6 +269,9 @@ def test_a_constant_image_is_quarantined_not_kept(tmp_path):
     Image.fromarray(np.full((16, 16), 90, np.uint8)).save(tmp_path / "flat.png")
     img, err = _decode_safe((str(tmp_path / "flat.png"), "image", 8, "crop", "bit_depth", (0.5, 99.5)))
     assert img is None and err.endswith("flat.png: constant image")
+    # under the percentile rule its range is empty: quarantined naming the file too (card.md's examples quote it)
+    img, err = _decode_safe((str(tmp_path / "flat.png"), "image", 8, "crop", "percentile", (0.5, 99.5)))
+    assert img is None and err == f"{tmp_path / 'flat.png'}: degenerate intensity range [90.0, 90.0] (a constant image, or a window of width 0)"
 
 
 def test_percentiles_of_an_almost_flat_image_fall_back_to_its_range():

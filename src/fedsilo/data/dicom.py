@@ -124,7 +124,7 @@ def dicom_to_uint8(
             lo, hi = _modality_range(ds)
         if intensity == "percentile":
             lo, hi = percentile_range(values, *percentiles)
-        unit = to_unit_range(values, lo, hi)
+        unit = to_unit_range(values, lo, hi, path)
     except (ValueError, KeyError, TypeError) as err:
         raise decode_error(path, err, "intensity pipeline failed: ") from err
     if photometric == "MONOCHROME1":

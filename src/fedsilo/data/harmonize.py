@@ -113,7 +113,7 @@ def decode_one(args: tuple) -> np.ndarray:
         img, _ = dicom_to_uint8(path, intensity, pct)
     else:
         arr, depth = read_standard_image(path, grayscale=True)
-        img = normalize_standard(arr, depth, intensity, pct)
+        img = normalize_standard(arr, depth, intensity, pct, path)
     if img.std() == 0:
         raise ImageDecodeError(f"{path}: constant image")
     return finish(img, size, square)  # type: ignore[arg-type]

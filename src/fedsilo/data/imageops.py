@@ -30,11 +30,13 @@ def decode_error(path: str | Path, err: BaseException, what: str = "") -> ImageD
 
 
 def to_unit_range(
-    arr: np.ndarray, lo: float, hi: float
+    arr: np.ndarray, lo: float, hi: float, path: str | Path = "<image>"
 ) -> np.ndarray:
+    """Pixels over [lo, hi] to [0, 1]; an empty range (a constant image under the percentile rule, a DICOM window of
+    width 0) is an ImageDecodeError naming ``path``, the file quarantined."""
     arr = arr.astype(np.float32)
     if hi <= lo:
-        raise ImageDecodeError(f"degenerate intensity range [{lo}, {hi}]")
+        raise ImageDecodeError(f"{path}: degenerate intensity range [{lo}, {hi}] (a constant image, or a window of width 0)")
     return np.clip((arr - lo) / (hi - lo), 0.0, 1.0)
 
 
@@ -105,7 +107,7 @@ def read_standard_image(path: str | Path, grayscale: bool) -> tuple[np.ndarray, 
 
 
 def normalize_standard(
-    arr: np.ndarray, depth: int, intensity: str, percentiles: tuple[float, float]
+    arr: np.ndarray, depth: int, intensity: str, percentiles: tuple[float, float], path: str | Path = "<image>"
 ) -> np.ndarray:
     """JPEG/PNG pixels -> uint8, with the same intensity rule as DICOMs."""
     if intensity == "percentile":
@@ -114,4 +116,4 @@ def normalize_standard(
         lo, hi = 0.0, float(2**depth - 1)
     if depth == 8 and intensity == "bit_depth":
         return arr.astype(np.uint8)
-    return unit_to_uint8(to_unit_range(arr, lo, hi))
+    return unit_to_uint8(to_unit_range(arr, lo, hi, path))
