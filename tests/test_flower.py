@@ -817,3 +817,19 @@ def test_what_the_adapter_does_not_run_is_refused_by_key():
     with pytest.raises(ConfigError, match=r"methods.lg.fedavg_rounds: 4 FedAvg rounds leave no LG-FedAvg round in train.rounds"):
         FlowerSpec(lg, lg.params_cls(fedavg_rounds=4), _train(rounds=3), 0, _model, "lg").check()
     FlowerSpec(pfeddb, pfeddb.params_cls(local_rounds=2), _train(rounds=3), 0, _model, "pd").check()
+
+
+def test_a_client_app_ships_without_the_sites_this_process_built():
+    """Ray pickles the ClientApp with each message (closures by value, with the globals they name): after sites were
+    built in this process (here a pFedSD run, whose sites hold spare models by weak reference), a new app pickles,
+    and small, carrying none of them."""
+    cloudpickle = pytest.importorskip("ray.cloudpickle")
+    from fedsilo.fl.flower import site_cache
+
+    tp, clients = _train(rounds=1), _clients()
+    cls = method_class("pfedsd")
+    with one_thread(), _as_task():
+        _loop_run(FlowerSpec.of(cls(cls.params_cls(), tp), _model, 0), clients)
+    assert site_cache()  # built, and kept for the process's next messages
+    app = client_app(FlowerSpec.of(cls(cls.params_cls(), tp), _model, 0), lambda ctx: clients[0])
+    assert len(cloudpickle.dumps(app)) < 100_000  # the code and the spec, not the cached sites' data and models

@@ -98,7 +98,7 @@ from fedsilo.fl.engine import (
     refuse_private,
 )
 from fedsilo.methods.base import Method, MethodParams, State, payload_bytes
-from fedsilo.methods.registry import check_stream_fit, joinable_methods
+from fedsilo.methods.registry import check_rounds_fit, check_stream_fit, joinable_methods
 
 try:  # the optional extra: pip install -e ".[flower]" in fedsilo's checkout
     from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -278,8 +278,6 @@ class FlowerSpec:
         if self.train.ensemble_test:
             raise ConfigError("train.ensemble_test: the ensemble 'new test' is not run on Flower (it needs every "
                               "site's evaluation model in one place); set it to false")
-        from fedsilo.methods.registry import check_rounds_fit
-
         check_rounds_fit(self.method(), self.key or m.name, self.train.rounds, "train.rounds")
 
     def build(self, example: torch.Tensor, device: torch.device, cards: list[Card],
@@ -1306,6 +1304,14 @@ def as_stream(data: SiteData) -> Optional[list[ClientData]]:
 _SITES: dict[tuple[str, int, int], _Site] = {}
 
 
+def site_cache() -> dict[tuple[str, int, int], _Site]:
+    """This process's site cache. The ClientApp's functions reach it through this module-level function: Ray ships a
+    closure with the values of the globals it names, so naming ``_SITES`` there shipped every site this process had
+    built (their data, methods and models: another app's too) with each message, and failed on what cannot be
+    pickled (a method's spare models are held by weak reference)."""
+    return _SITES
+
+
 def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
                identify: Optional[Callable[[Context], dict[str, Any]]] = None,
                keep_dir: Optional[Callable[[Context], Path]] = None,
@@ -1329,7 +1335,8 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
 
     def site(context: Context, cfg: ConfigRecord) -> _Site:
         key = (token, int(context.run_id), int(context.node_id))
-        if key not in _SITES:
+        sites = site_cache()
+        if key not in sites:
             data, cards = load_client(context), cards_from_config(cfg)
             clients = as_stream(data) or [data]
             mine = [c.index for c in cards if c.name == clients[0].name]
@@ -1337,8 +1344,8 @@ def client_app(spec: FlowerSpec, load_client: Callable[[Context], SiteData],
                 raise RuntimeError(f"client {clients[0].name}: not among the federation's sites {[c.name for c in cards]}")
             for c in clients:
                 c.index = mine[0]
-            _SITES[key] = _Site(spec, data, cards)
-        s = _SITES[key]
+            sites[key] = _Site(spec, data, cards)
+        s = sites[key]
         s.at_task(cfg)
         return s
 
