@@ -606,17 +606,18 @@ def test_generator_keys_with_a_trailing_zero_draw_the_same_stream_as_without():
     assert torch.equal(draw(1, 2, 3, 0), draw(1, 2, 3)) and not torch.equal(draw(1, 2, 3, 1), draw(1, 2, 3))
 
 
-def test_a_method_keeping_bookkeeping_beside_the_model_uses_the_partial_sharing_defaults():
+@pytest.mark.parametrize("base", ["fedbn", "fedavg"])
+def test_a_method_keeping_bookkeeping_beside_the_model_uses_the_partial_sharing_defaults(base):
     """The server state and a client's store may hold a method's own tensors beside the model's (a count per client,
     a record of the round): the base's local update hands the store to ``local_terms`` and loads the model's tensors
     only, the evaluation and the global model leave the bookkeeping out (a strict load took every key before), and
-    ``RunningMean.count`` is the round's number of uploads."""
-    from fedsilo.methods.fedbn import FedBN
+    ``RunningMean.count`` is the round's number of uploads. On FedBN (private BatchNorm) and on FedAvg (its own
+    evaluation state and two-phase store)."""
     from tests.tiny import one_thread, style_shifted_federation, tiny_net
 
     seen: list = []
 
-    class Counting(FedBN):
+    class Counting(method_class(base)):  # type: ignore[misc, valid-type]
         name = "counting"
 
         def init_client(self, model, client):
@@ -651,4 +652,16 @@ def test_a_method_keeping_bookkeeping_beside_the_model_uses_the_partial_sharing_
     state = engine.method.eval_state(engine.server, engine.stores[0], clients[0])
     assert not any(k.startswith("count::") for k in state)
     model.load_state_dict(state, strict=True)
-    assert engine.method.global_state(engine.server) is None  # FedBN keeps BatchNorm home: no global model
+    glob = engine.method.global_state(engine.server)
+    if base == "fedbn":
+        assert glob is None  # FedBN keeps BatchNorm home: no global model
+    else:
+        assert not any(k.startswith("count::") for k in glob)
+        model.load_state_dict(glob, strict=True)
+        # FedAvg's two phases: Phase 1's own model lives in the store beside the count, and the federation's start
+        # takes the model out of the store, not the count
+        tp1 = tp.model_copy(update={"rounds": 3})
+        with one_thread():
+            two = Engine(Counting(Counting.params_cls(local_rounds=1), tp1), tiny_net(1, 4), clients, tp1, seed=0)
+            assert "eval" in two.run()[-1]
+        assert all(set(s) == {"count::kept"} for s in two.stores)

@@ -375,6 +375,21 @@ class MeanAggregation(Method):
             acc.add(self.upload_weight(client), upload)
 
 
+def check_rounds_fit(algo: "Method", key: str, rounds: int, where: str, source: str = "") -> None:
+    """A method whose first rounds are another's (a two-phase method's ``local_rounds``, LG-FedAvg's
+    ``fedavg_rounds``) must leave rounds of its own in ``rounds`` (set at ``where``): a run that never federates is
+    refused by key, in a pipeline's experiments (check-params) and in a Flower App (its federation's train)."""
+    said = f"{source}: " if source else ""
+    fedavg_start = getattr(algo.params, "fedavg_rounds", 0)  # LG-FedAvg's FedAvg-trained start
+    if fedavg_start >= rounds:
+        raise ConfigError(f"{said}methods.{key}.fedavg_rounds: {fedavg_start} FedAvg rounds leave no LG-FedAvg round in "
+                          f"{where} ({rounds}); set it below {rounds}")
+    e0 = algo.phase_one_rounds() if hasattr(algo, "phase_one_rounds") else 0
+    if e0 >= rounds:
+        raise ConfigError(f"{said}methods.{key}.local_rounds: {e0} local rounds leave no federated round in {where} "
+                          f"({rounds}); set local_rounds below {rounds} or raise rounds")
+
+
 class RunningMean:
     """Sample-size-weighted mean accumulated one upload at a time, so a round with many clients holds one
     accumulator instead of every upload. Floating tensors accumulate in float32 (or their own wider dtype), integer

@@ -65,20 +65,22 @@ class FedAvg(TwoPhase):
 
     # Phase 1: the client's own full model lives in its store
     def local_phase_update(self, model, store, client, gen):
-        model.load_state_dict(store if store else self._init, strict=True)
+        own = self.model_state(store)  # a subclass's bookkeeping in the store stays out of the model
+        model.load_state_dict(own if own else self._init, strict=True)
         loss = train_local(model, client, self.train, gen)
         store.update({k: v.detach().clone() for k, v in model.state_dict().items()})
         return loss
 
     def phase_one_upload(self, model, store):
-        store.clear()  # federation starts: from now on the client keeps nothing of its own
+        for k in [k for k in store if k in self.model_keys]:  # federation starts: the client keeps no model of its own
+            del store[k]
         sd = model.state_dict()
         return {k: sd[k].detach() for k in self.shared}
 
     # evaluation: the client's own model before the federation, the global model after (with the client's private
     # tensors, F²DC's modules, where there are any)
     def eval_state(self, server, store, client):
-        return {**server, **store} if not self.federated() else {**store, **server}
+        return self.model_state(server, store) if not self.federated() else self.model_state(store, server)
 
     def load_eval_model(self, model, server, store, client, rnd):
         super().load_eval_model(model, server, store, client, rnd)

@@ -9,8 +9,15 @@ import torch
 from pydantic import Field, PositiveInt
 
 from fedsilo.client.data import ClientData
-from fedsilo.config import ConfigError
-from fedsilo.methods.base import ClientWeights, MethodParams, State, TakenMean, client_weights_field, per_backbone_type
+from fedsilo.methods.base import (
+    ClientWeights,
+    MethodParams,
+    State,
+    TakenMean,
+    check_rounds_fit,
+    client_weights_field,
+    per_backbone_type,
+)
 from fedsilo.methods.sharing import PartialSharing, head_and_body_keys, per_backbone, top_units
 from fedsilo.models import LayeredNet
 
@@ -75,9 +82,7 @@ class LGFedAvg(PartialSharing):
 
     def setup(self, model: LayeredNet) -> None:
         super().setup(model)
-        if self.params.fedavg_rounds >= self.train.rounds:
-            raise ConfigError(f"methods.{self.key}.fedavg_rounds ({self.params.fedavg_rounds}) must be below train.rounds "
-                              f"({self.train.rounds}): the LG-FedAvg rounds come after the FedAvg ones")
+        check_rounds_fit(self, self.key, self.train.rounds, "train.rounds")
 
     def fedavg_round(self, rnd: int) -> bool:
         return rnd <= self.params.fedavg_rounds

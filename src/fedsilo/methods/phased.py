@@ -30,7 +30,7 @@ from pydantic import Field, TypeAdapter, field_validator
 from fedsilo.client.data import ClientData
 from fedsilo.client.local import make_generator
 from fedsilo.config import ConfigError, TrainParams
-from fedsilo.methods.base import MethodParams, State, one_or_per_backbone
+from fedsilo.methods.base import MethodParams, State, check_rounds_fit, one_or_per_backbone
 from fedsilo.methods.sharing import PartialSharing, per_backbone
 from fedsilo.models import LayeredNet
 
@@ -83,8 +83,7 @@ class TwoPhase(PartialSharing):
     def setup(self, model: LayeredNet) -> None:
         super().setup(model)
         self.e0 = self.phase_one_rounds()
-        if self.e0 >= self.train.rounds:
-            raise ConfigError(f"methods.{self.key}.local_rounds ({self.e0}) must be below train.rounds ({self.train.rounds})")
+        check_rounds_fit(self, self.key, self.train.rounds, "train.rounds")
         self.rnd = 0
 
     def phase(self, rnd: int) -> int:

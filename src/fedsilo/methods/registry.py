@@ -14,7 +14,7 @@ from typing import Any, Optional
 from pydantic import BaseModel, ValidationError
 
 from fedsilo.config import METHOD_ENTRY_HINT, ConfigError, Params, TrainParams, did_you_mean, format_validation_error
-from fedsilo.methods.base import Method, MethodParams
+from fedsilo.methods.base import Method, MethodParams, check_rounds_fit
 from fedsilo.methods.cd2pfed import CD2PFed
 from fedsilo.methods.dann import DANN
 from fedsilo.methods.disjoint import Disjoint
@@ -147,21 +147,6 @@ def check_methods(params: Params, source: str = "params.yaml") -> None:
             except ConfigError as err:  # a per-backbone entry lacking this experiment's backbone, ...
                 raise ConfigError(f"{source}: {err} (resolved for experiments.{e})") from None
             check_rounds_fit(algo, key, train.rounds, f"experiments.{e}.train.rounds", source)
-
-
-def check_rounds_fit(algo: Method, key: str, rounds: int, where: str, source: str = "") -> None:
-    """A method whose first rounds are another's (a two-phase method's ``local_rounds``, LG-FedAvg's
-    ``fedavg_rounds``) must leave rounds of its own in ``rounds`` (set at ``where``): a run that never federates is
-    refused by key, in a pipeline's experiments (check-params) and in a Flower App (its federation's train)."""
-    said = f"{source}: " if source else ""
-    fedavg_start = getattr(algo.params, "fedavg_rounds", 0)  # LG-FedAvg's FedAvg-trained start
-    if fedavg_start >= rounds:
-        raise ConfigError(f"{said}methods.{key}.fedavg_rounds: {fedavg_start} FedAvg rounds leave no LG-FedAvg round in "
-                          f"{where} ({rounds}); set it below {rounds}")
-    e0 = algo.phase_one_rounds() if hasattr(algo, "phase_one_rounds") else 0
-    if e0 >= rounds:
-        raise ConfigError(f"{said}methods.{key}.local_rounds: {e0} local rounds leave no federated round in {where} "
-                          f"({rounds}); set local_rounds below {rounds} or raise rounds")
 
 
 @functools.lru_cache(maxsize=None)
