@@ -1402,8 +1402,13 @@ def test_deploy_status_with_the_superlink_down_still_tells_what_the_disk_holds(s
     assert f"round 2 ({tmp_path / 'out/state/checkpoint.pt'})" in out and "none in progress on this machine" in out
     assert "flwr supernode list: Connection to the SuperLink is unavailable." in err and "states above are unknown" in err
     assert main(["deploy", "status", "--app", str(tmp_path / "app"), "--superlink-dir", str(tmp_path), "--json"]) == 2
-    st = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    st = json.loads(out)
     assert [x["status"] for x in st["sites"]] == ["unknown", "unknown", "not pinned"] and st["checkpoint"]["round"] == 2
+    assert "the same --database" in err  # what to do, as in the text mode
+    fake.write_text("#!/bin/sh\nexit 3\n")  # killed before it said anything
+    assert main(["deploy", "status", "--app", str(tmp_path / "app"), "--superlink-dir", str(tmp_path)]) == 2
+    assert "flwr supernode list: exit 3, no output: the sites' states above are unknown" in capsys.readouterr().err
 
 
 def _tls_handshake(cert: Path, key: Path, ca: Path, hostname: str) -> str:

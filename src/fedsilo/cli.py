@@ -851,10 +851,13 @@ def _site_audit(args: argparse.Namespace) -> None:
               "one the SuperLink refused, its run stopped or ended, is not in the coordinator's wire.jsonl)")
 
 
+SUPERLINK_DOWN = ("start the SuperLink again: `fedsilo deploy superlink` with the same --database; the SuperNodes "
+                  "reconnect, and a `flwr run` of the App resumes after the checkpoint's round")
+
+
 def _deploy_status(args: argparse.Namespace) -> None:
     import json
     import shutil
-    import subprocess
 
     from fedsilo.fl.deploy import deployment_status
 
@@ -863,31 +866,25 @@ def _deploy_status(args: argparse.Namespace) -> None:
     flwr = shutil.which("flwr")
     if flwr is None:
         raise ConfigError("flwr: not installed; in fedsilo's checkout: pip install -e '.[flower]' -c constraints.txt")
-    unreached = None  # the SuperLink's answer, or why there is none: what the disk holds is told either way
-    try:
-        r = subprocess.run([flwr, "supernode", "list", *([args.connection] if args.connection else []), "--format", "json"],
-                           capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
-        unreached = "no answer from the SuperLink in 120 s (is it running, and is the connection's address right?)"
-    else:
-        try:
-            listed = json.loads(r.stdout)
-        except json.JSONDecodeError:
-            listed = {}
-        if r.returncode != 0 or not listed.get("success"):
-            unreached = (listed.get("error-message") or r.stderr or r.stdout).strip()[-500:]
-    st = deployment_status(Path(args.app), None if unreached else listed["nodes"], Path(args.superlink_dir))
+    conn = [args.connection] if args.connection else []
+    # the SuperLink's answer, or why there is none: what the disk holds is told either way
+    listed, unreached = _flwr_json(flwr, ["supernode", "list", *conn], "flwr supernode list")
+    st = deployment_status(Path(args.app), None if listed is None else listed["nodes"], Path(args.superlink_dir))
     st["certificates"] = _certificates_status(Path(args.certs))
     if unreached:
-        st["superlink_error"] = f"flwr supernode list: {unreached}"
+        st["superlink_error"] = unreached
     elif st["running"] is None and st["last_message"] and st["last_message"].get("flower_run") is not None:
         # the last message was written by a ServerApp holding the run lock: a Flower run still "running" without a
         # holder of that lock lost its ServerApp (killed, out of memory), which Flower does not notice
-        st["flower_run"] = _flower_run_status(flwr, args.connection, int(st["last_message"]["flower_run"]))
+        run_id = int(st["last_message"]["flower_run"])
+        runs, why = _flwr_json(flwr, ["ls", *conn, "--run-id", str(run_id)], "flwr ls")
+        status = str(runs["runs"][0]["status"]) if runs is not None and runs.get("runs") else None
+        st["flower_run"] = {"run_id": run_id, "status": status,
+                            "error": why or (None if status else f"flwr ls: run {run_id} is not listed")}
     if args.json:
         print(json.dumps(st, indent=1))
         if unreached:
-            raise ConfigError(f"{st['superlink_error']}: the sites' states are unknown")
+            raise ConfigError(f"{unreached}: the sites' states are unknown ({SUPERLINK_DOWN})")
         return
     print(f"federation {st['federation']}: {st['method']}, seed {st['seed']}, {st['rounds']} rounds (per task for a stream)")
     width = max(len(x["site"]) for x in st["sites"])
@@ -921,28 +918,27 @@ def _deploy_status(args: argparse.Namespace) -> None:
         for w in c.get("warnings", []):
             print(f"  {w}")
     if unreached:  # after what the disk says: the checkpoint, the run lock, the results
-        raise ConfigError(f"{st['superlink_error']}: the sites' states above are unknown (start the SuperLink again: "
-                          "`fedsilo deploy superlink`, with the same --database; a `flwr run` then resumes)")
+        raise ConfigError(f"{unreached}: the sites' states above are unknown ({SUPERLINK_DOWN})")
 
 
-def _flower_run_status(flwr: str, connection: str | None, run_id: int) -> dict:
-    """The state the SuperLink gives Flower run ``run_id`` (``flwr ls --run-id``): ``{"run_id", "status", "error"}``,
-    ``status`` None with flwr's error where it did not answer."""
+def _flwr_json(flwr: str, command: list[str], what: str) -> tuple[dict | None, str | None]:
+    """``flwr <command> --format json``: (its answer, None), or (None, why not: flwr's own message, its exit code
+    where it said nothing, or no answer in 120 s), ``what`` naming the command."""
     import json
     import subprocess
 
     try:
-        r = subprocess.run([flwr, "ls", *([connection] if connection else []), "--run-id", str(run_id), "--format", "json"],
-                           capture_output=True, text=True, timeout=120)
-        listed = json.loads(r.stdout)
+        r = subprocess.run([flwr, *command, "--format", "json"], capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
-        return {"run_id": run_id, "status": None, "error": "flwr ls: no answer from the SuperLink in 120 s"}
+        return None, f"{what}: no answer from the SuperLink in 120 s (is it running, and is the connection's address right?)"
+    try:
+        answer = json.loads(r.stdout)
     except json.JSONDecodeError:
-        listed = {}
-    if r.returncode != 0 or not listed.get("success") or not listed.get("runs"):
-        why = (listed.get("error-message") or r.stderr or r.stdout).strip()[-300:]
-        return {"run_id": run_id, "status": None, "error": f"flwr ls: {why}"}
-    return {"run_id": run_id, "status": str(listed["runs"][0]["status"]), "error": None}
+        answer = None
+    if r.returncode == 0 and isinstance(answer, dict) and answer.get("success"):
+        return answer, None
+    said = (answer.get("error-message") if isinstance(answer, dict) else None) or r.stderr or r.stdout or ""
+    return None, f"{what}: {said.strip()[-500:] or f'exit {r.returncode}, no output'}"
 
 
 def _certificates_status(certs: Path) -> dict | None:
