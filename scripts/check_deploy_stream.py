@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 import yaml
 
@@ -87,9 +88,14 @@ def check(base: Path, fed: Federation) -> bool:
         assert time.monotonic() < deadline, "no task end from the site after 600 s"
         time.sleep(0.2)
     killed = supernodes[RESTARTED]
+    below = psutil.Process(killed.pid).children(recursive=True)  # its SuperExec and the ClientApps that one started
     killed.send_signal(signal.SIGKILL)
     killed.wait()
-    subprocess.run(["pkill", "-9", "-f", f"flwr-clientapp .*--parent-pid {killed.pid}( |$)"], check=False)
+    for q in below:  # a machine lost: nothing of the site's goes on
+        try:
+            q.kill()
+        except psutil.NoSuchProcess:
+            pass
     at_kill = len(wire_lines(staging))
     end_round = next(w["round"] for w in wire_lines(staging) if w["message"] == "query.task_end")
     say(name, "SuperNode SIGKILLed after its task-end reply of round", end_round)

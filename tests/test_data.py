@@ -282,7 +282,7 @@ def test_percentiles_of_an_almost_flat_image_fall_back_to_its_range():
     arr = np.full((20, 20), 100, np.uint8)
     arr[0, 0] = 200
     assert percentile_range(arr, 1.0, 99.0) == (100.0, 200.0)
-    out = normalize_standard(arr, 8, "percentile", (1.0, 99.0))
+    out = normalize_standard(arr, 8, "percentile", (1.0, 99.0), "almost_flat.png")
     assert out[0, 0] == 255 and out[5, 5] == 0
 
 

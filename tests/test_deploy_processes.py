@@ -218,6 +218,16 @@ class Federation:
         return coordinator / "app"
 
     def stop(self) -> None:
+        import psutil
+
+        # a SuperNode's ClientApps are started by its flower-superexec (each with --parent-pid of that SuperExec, not
+        # of the SuperNode): taken now, while they are still its descendants, and ended below if they outlive it
+        below = []
+        for p, _ in self.procs:
+            try:
+                below += psutil.Process(p.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
         for p, _ in reversed(self.procs):  # SuperNodes first, the SuperLink last
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -228,8 +238,11 @@ class Federation:
                 p.kill()
                 p.wait()
             log.close()
-        for p, _ in self.procs:  # ClientApp processes a SuperNode started while the SuperLink died outlive it: end them
-            subprocess.run(["pkill", "-f", f"flwr-clientapp .*--parent-pid {p.pid}( |$)"], check=False)
+        for q in below:  # ClientApp processes a SuperNode started while the SuperLink died outlive it: end them
+            try:
+                q.kill()
+            except psutil.NoSuchProcess:
+                pass
 
 
 @pytest.fixture(scope="module")

@@ -302,6 +302,7 @@ def test_bytecode_beside_the_package_reruns_nothing(repo_copy):
     PYTHONDONTWRITEBYTECODE): the harmonize stages depend on src/fedsilo/data/ and the code stage on the package's
     folders, yet no stage reruns for it (.dvcignore)."""
     before = _stale(repo_copy)
+    assert before == set()  # up to date first: the assertion below could not fail otherwise
     made = []
     for sub in ("data", "methods", "fl", "client"):
         cache = repo_copy / "src" / "fedsilo" / sub / "__pycache__"

@@ -278,7 +278,9 @@ def test_a_run_whose_process_died_is_found_and_ended_and_a_live_one_is_left(tmp_
     try:
         started = psutil.Process(zombie.pid).create_time()
         zombie.kill()
+        deadline = time.monotonic() + 30
         while psutil.Process(zombie.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the killed child never became a zombie"
             time.sleep(0.05)
         unreaped = t.start("e", "unreaped", {}, {})
         t.client.log_batch(unreaped, tags=[RunTag("fedsilo.pid", str(zombie.pid)), RunTag("fedsilo.pid_started", f"{started:.3f}")])

@@ -241,7 +241,7 @@ def tracking_env(uri: Optional[str], repo: Path) -> dict[str, str]:
     return env
 
 
-def prepare_grid(pipeline: str, repo: Path, pattern: str, env: dict[str, str], quiet: bool = True,
+def prepare_grid(pipeline: str, repo: Path, pattern: str, env: dict[str, str], *, quiet: bool,
                  log: Callable[[str], None] = print) -> list[str]:
     """The out-of-date stages matching ``pattern``, after reproducing here, once, what they need (data, splits);
     unless ``quiet``, each target is named and DVC's output (the stages' progress: downloads, harmonized images)
@@ -252,6 +252,7 @@ def prepare_grid(pipeline: str, repo: Path, pattern: str, env: dict[str, str], q
     for i, target in enumerate(targets, 1):  # data and splits first, here, once: the workers find them
         if not quiet:                         # cached (queue) or pulled (Ray)
             log(f"grid: what the runs read, here first ({i}/{len(targets)}): dvc repro {target}")
+            sys.stdout.flush()  # the line before DVC's output on fd 2, where both go to one file
         run_dvc(["repro", target], repo, env, shown=not quiet)
     init_store(env.get("MLFLOW_TRACKING_URI"))  # the runs start together: the store's tables exist before they log
     # only now: a changed input upstream (a source, a split's params) makes its train stages stale once it is rebuilt

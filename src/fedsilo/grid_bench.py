@@ -77,7 +77,7 @@ def bench_grid(pipeline: str, repo: Path, work: Path, jobs: int = 2, pattern: st
     _copy_workspace(repo, base)
     log(f"bench-grid: building the data and splits once in {base}")
     t0 = time.monotonic()
-    stages = prepare_grid(pipeline, base, pattern, tracking_env(tracking_uri, base))
+    stages = prepare_grid(pipeline, base, pattern, tracking_env(tracking_uri, base), quiet=True)  # its line above says it
     prep_s = time.monotonic() - t0
     if not stages:
         raise GridError(f"bench-grid: no stage of {pipeline} matching {pattern} is out of date in the copy")

@@ -207,6 +207,8 @@ def _process_alive(pid: int, started: float) -> bool:
     try:  # the start time within a second: psutil derives it from the boot time, which moves when the clock is stepped
         proc = psutil.Process(pid)
         return abs(proc.create_time() - started) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.ZombieProcess:  # where psutil says so by raising (a subclass of NoSuchProcess): gone too
+        return False
     except psutil.NoSuchProcess:
         try:  # /proc mounted hidepid: another user's process is not listed, yet signal 0 finds it
             os.kill(pid, 0)

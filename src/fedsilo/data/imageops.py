@@ -30,7 +30,7 @@ def decode_error(path: str | Path, err: BaseException, what: str = "") -> ImageD
 
 
 def to_unit_range(
-    arr: np.ndarray, lo: float, hi: float, path: str | Path = "<image>"
+    arr: np.ndarray, lo: float, hi: float, path: str | Path
 ) -> np.ndarray:
     """Pixels over [lo, hi] to [0, 1]; an empty range (a constant image under the percentile rule, a DICOM window of
     width 0) is an ImageDecodeError naming ``path``, the file quarantined."""
@@ -107,7 +107,7 @@ def read_standard_image(path: str | Path, grayscale: bool) -> tuple[np.ndarray, 
 
 
 def normalize_standard(
-    arr: np.ndarray, depth: int, intensity: str, percentiles: tuple[float, float], path: str | Path = "<image>"
+    arr: np.ndarray, depth: int, intensity: str, percentiles: tuple[float, float], path: str | Path
 ) -> np.ndarray:
     """JPEG/PNG pixels -> uint8, with the same intensity rule as DICOMs."""
     if intensity == "percentile":
