@@ -160,3 +160,24 @@ def pytest_xdist_make_scheduler(config, log):
             super()._assign_work_unit(node)
 
     return HeavyFilesFirst(config, log)
+
+
+def killed_and_live_runs(tmp_path: Path, monkeypatch, killed_name: str):
+    """An MLflow store (sqlite under ``tmp_path``) holding two RUNNING runs of experiment ``demo``: ``killed_name``,
+    tagged with the pid of a process that has exited (SIGKILLed, a lost worker), and ``mine``, this live process's.
+    Returns (tracker, uri, killed run id, live run id)."""
+    import subprocess
+    import sys
+
+    from mlflow.entities import RunTag
+
+    from fedsilo.tracking import Tracker
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    t = Tracker(True, uri)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    killed = t.start("demo", killed_name, {}, {})
+    t.client.log_batch(killed, tags=[RunTag("fedsilo.pid", str(gone.pid))])
+    return t, uri, killed, t.start("demo", "mine", {}, {})

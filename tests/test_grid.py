@@ -191,19 +191,10 @@ def test_after_its_runs_the_queue_grid_ends_the_mlflow_runs_whose_process_died(t
     """A run SIGKILLed in a queue worker's copy of the repository stays RUNNING (nothing resumes it): once the queue
     is done the grid marks KILLED the RUNNING runs of this host whose process is gone, says so, and leaves a live one.
     DVC is stood in for (the queue reports the experiment done at once): this checks the grid's own end."""
-    from mlflow.entities import RunTag
-
     import fedsilo.grid as grid
-    from fedsilo.tracking import Tracker
+    from tests.conftest import killed_and_live_runs
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    t = Tracker(True, uri)
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    killed = t.start("demo", "train_g@a", {}, {})
-    t.client.log_batch(killed, tags=[RunTag("fedsilo.pid", str(gone.pid))])
-    live = t.start("demo", "mine", {}, {})
+    t, uri, killed, live = killed_and_live_runs(tmp_path, monkeypatch, "train_g@a")
     queued: list[str] = []
 
     def dvc(args, cwd, env=None, check=True, detached=False, shown=False):

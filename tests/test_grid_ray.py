@@ -155,16 +155,9 @@ def test_after_its_runs_the_ray_grid_ends_the_mlflow_runs_whose_process_died_on_
 
     from mlflow.entities import RunTag
 
-    from fedsilo.tracking import Tracker
+    from tests.conftest import killed_and_live_runs
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    t = Tracker(True, uri)
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    killed = t.start("demo", "train_g@z-seed0", {}, {})
-    t.client.log_batch(killed, tags=[RunTag("fedsilo.pid", str(gone.pid))])
-    live = t.start("demo", "mine", {}, {})
+    t, uri, killed, live = killed_and_live_runs(tmp_path, monkeypatch, "train_g@z-seed0")
     said: list[str] = []
     repo = _repo(tmp_path, items="[a]")
     run_grid_ray("dvc.yaml", repo, cluster.address, tracking_uri=uri, worker_cache=None, quiet=True, log=said.append)
@@ -174,7 +167,7 @@ def test_after_its_runs_the_ray_grid_ends_the_mlflow_runs_whose_process_died_on_
     from fedsilo.grid_ray import end_stale_on_nodes
 
     again = t.start("demo", "train_g@y-seed0", {}, {})
-    t.client.log_batch(again, tags=[RunTag("fedsilo.pid", str(gone.pid))])
+    t.client.log_batch(again, tags=[RunTag("fedsilo.pid", t.client.get_run(killed).data.tags["fedsilo.pid"])])  # a dead pid
     ray.init(address=cluster.address, log_to_driver=False, logging_level="WARNING")
     try:
         assert end_stale_on_nodes(ray, uri, said.append, nodes=True) == [f"train_g@y-seed0 on {socket.gethostname()}"]
