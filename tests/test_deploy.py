@@ -1331,13 +1331,23 @@ def test_deployment_status_names_each_sites_node_state_and_the_round_a_run_resum
         deployment_status(tmp_path, nodes)
 
 
-def test_an_app_whose_rounds_are_all_local_is_refused_by_key_and_not_written(sites, tmp_path):
+def test_an_app_whose_rounds_are_all_local_is_refused_by_key_and_not_written(sites, tmp_path, capsys):
     """`deploy app` of pFedDB whose local_rounds fill the federation's train.rounds (the repository's 6 against 3):
-    refused as check-params refuses the same experiment, naming both keys; no App folder is left."""
-    fed = load_federation(_federation(tmp_path, sites, method="pfeddb", train={**TRAIN, "rounds": 3}))
+    refused as check-params refuses the same experiment, naming both keys; no App folder is left. With rounds to
+    spare, the App is written and the command says which params file the method's params came from."""
+    from fedsilo.cli import main
+
+    fed_file = _federation(tmp_path, sites, method="pfeddb", train={**TRAIN, "rounds": 3})
     with pytest.raises(ConfigError, match=r"methods.pfeddb.local_rounds: 6 local rounds leave no federated round in train.rounds \(3\)"):
-        write_app(fed, load_params(REPO_PARAMS), tmp_path / "app")
+        write_app(load_federation(fed_file), load_params(REPO_PARAMS), tmp_path / "app")
     assert not (tmp_path / "app").exists()
+    args = ["--params", str(REPO_PARAMS), "deploy", "app", "--federation", str(fed_file), "--out", str(tmp_path / "app")]
+    capsys.readouterr()
+    assert main(args) == 2 and "local_rounds: 6 local rounds" in capsys.readouterr().err and not (tmp_path / "app").exists()
+    fed_file = _federation(tmp_path, sites, method="pfeddb", train={**TRAIN, "rounds": 7})
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"deploy app: {tmp_path / 'app'} (pfeddb, 3 sites, 7 rounds, params from {REPO_PARAMS}); run it with: flwr run" in out
 
 
 def test_deploy_status_names_a_flower_run_left_running_by_a_serverapp_that_died(sites, tmp_path, monkeypatch, capsys):
