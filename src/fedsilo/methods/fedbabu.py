@@ -79,7 +79,7 @@ class FedBABU(PartialSharing):
         return [key for key in model.state_dict() if key not in self.head_names]
 
     def local_update(self, model, store, payload, client, rnd, seed):
-        model.load_state_dict(self.model_state(store, payload), strict=True)
+        self.load_round(model, store, payload)
         head = [p for n, p in model.named_parameters() if n in self.head_names]
         body = [p for n, p in model.named_parameters() if n not in self.head_names]
         with frozen(head):  # body update, head fixed at its initialisation

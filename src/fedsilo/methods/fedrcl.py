@@ -106,7 +106,7 @@ class FedRCL(PartialSharing):
         return list(model.state_dict().keys())
 
     def local_update(self, model, store, payload, client, rnd, seed):
-        model.load_state_dict(self.model_state(store, payload), strict=True)
+        self.load_round(model, store, payload)
         p = self.params
         found: dict[int, torch.Tensor] = {}
         handles = hook_levels(model, found, self.key)

@@ -45,7 +45,7 @@ class FedRep(FedPer):
     params: FedRepParams
 
     def local_update(self, model, store, payload, client, rnd, seed):
-        model.load_state_dict(self.model_state(store, payload), strict=True)
+        self.load_round(model, store, payload)
         head, body = head_and_body(model, self.cut)
         with frozen(body):  # (1) the head, representation fixed
             train_local(model, client, self.train, make_generator(seed, rnd, client.index, 0), epochs=self.params.head_epochs, params=head)

@@ -251,7 +251,7 @@ class PFedDR(PartialSharing):
         if not self.trains(rnd):
             self.last_loss = None
             return {}
-        model.load_state_dict(self.model_state(store, payload), strict=True)
+        self.load_round(model, store, payload)
         with model.mode_as("global"):  # train_local's CE is CE(o_g); the rest of the loss is dual_loss
             self.last_loss = train_local(
                 model, client, self.local_train(rnd), make_generator(seed, rnd, client.index), batch_loss=self.dual_loss(model)

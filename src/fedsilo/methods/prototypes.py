@@ -160,10 +160,6 @@ class PrototypeSharing(PartialSharing):
     def download(self, server: State, client, rnd: int) -> State:
         return dict(server)
 
-    def load_round(self, model: LayeredNet, store: State, payload: State) -> None:
-        """The model a client trains: its own tensors and the download's shared ones."""
-        model.load_state_dict(self.model_state(store, {k: payload[k] for k in self.shared}), strict=True)
-
     def aggregate(self, server: State, uploads: list[tuple[Any, State]], rnd: int) -> State:
         if not uploads:
             return server

@@ -187,8 +187,13 @@ class PartialSharing(MeanAggregation):
         """The training settings of round ``rnd``'s local update (a two-phase method's per-phase optimizer)."""
         return self.train
 
-    def local_update(self, model, store, payload, client, rnd, seed):
+    def load_round(self, model: LayeredNet, store: State, payload: State) -> None:
+        """The model a client trains this round: its own tensors and the download's, the bookkeeping of either left
+        out (:meth:`model_state`)."""
         model.load_state_dict(self.model_state(store, payload), strict=True)
+
+    def local_update(self, model, store, payload, client, rnd, seed):
+        self.load_round(model, store, payload)
         terms = self.with_decoupling(model, self.local_terms(model, payload, client, rnd, seed, store), client, rnd, seed)
         self.last_loss = train_local(model, client, self.local_train(rnd), make_generator(seed, rnd, client.index), **terms)
         return self.keep_and_share(model, store)
