@@ -1312,11 +1312,24 @@ def test_deployment_status_names_each_sites_node_state_and_the_round_a_run_resum
     (tmp_path / "out/results.wire").mkdir(parents=True)
     (tmp_path / "out/results.wire/wire.jsonl").write_text(json.dumps({"round": 2, "message": "train", "to": "site", "site": "RSNA",
                                                                      "flower_run": 7}) + "\n")
+    asked = []
+
+    def flower_says(status, why=None):
+        return lambda run_id: asked.append(run_id) or (status, why)
+
     with run_lock(tmp_path / "out/state/run.lock", "the run"):
-        st = deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)
+        st = deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path, flower_run=flower_says("running"))
     assert st["running"].startswith("pid ") and st["last_message"]["site"] == "RSNA" and st["last_message"]["round"] == 2
     assert 0 <= st["last_message"]["seconds_ago"] < 60
+    assert "flower_run" not in st and asked == []  # a ServerApp holds the lock: Flower is not asked
     assert deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)["running"] is None  # released at its end
+    # the lock free, the last message's Flower run (7) still running: its ServerApp died; ended or not listed: it did not
+    st = deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path, flower_run=flower_says("running"))
+    assert st["flower_run"] == {"run_id": 7, "status": "running", "error": None, "serverapp_died": True} and asked == [7]
+    st = deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path, flower_run=flower_says("finished:completed"))
+    assert not st["flower_run"]["serverapp_died"]
+    st = deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path, flower_run=flower_says(None, "flwr ls: no"))
+    assert st["flower_run"] == {"run_id": 7, "status": None, "error": "flwr ls: no", "serverapp_died": False}
     (tmp_path / "out/results").mkdir(parents=True)
     (tmp_path / "out/results/metrics.json").write_text("{}")
     assert deployment_status(tmp_path / "app", nodes, superlink_dir=tmp_path)["results"] == str(tmp_path / "out/results")

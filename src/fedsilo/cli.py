@@ -869,18 +869,17 @@ def _deploy_status(args: argparse.Namespace) -> None:
     conn = [args.connection] if args.connection else []
     # the SuperLink's answer, or why there is none: what the disk holds is told either way
     listed, unreached = _flwr_json(flwr, ["supernode", "list", *conn], "flwr supernode list")
-    st = deployment_status(Path(args.app), None if listed is None else listed["nodes"], Path(args.superlink_dir))
+
+    def flower_run(run_id: int) -> tuple[str | None, str | None]:
+        runs, why = _flwr_json(flwr, ["ls", *conn, "--run-id", str(run_id)], "flwr ls")
+        status = str(runs["runs"][0]["status"]) if runs is not None and runs.get("runs") else None
+        return status, why or (None if status else f"flwr ls: run {run_id} is not listed")
+
+    st = deployment_status(Path(args.app), None if listed is None else listed["nodes"], Path(args.superlink_dir),
+                           flower_run=None if unreached else flower_run)
     st["certificates"] = _certificates_status(Path(args.certs))
     if unreached:
         st["superlink_error"] = unreached
-    elif st["running"] is None and st["last_message"] and st["last_message"].get("flower_run") is not None:
-        # the last message was written by a ServerApp holding the run lock: a Flower run still "running" without a
-        # holder of that lock lost its ServerApp (killed, out of memory), which Flower does not notice
-        run_id = int(st["last_message"]["flower_run"])
-        runs, why = _flwr_json(flwr, ["ls", *conn, "--run-id", str(run_id)], "flwr ls")
-        status = str(runs["runs"][0]["status"]) if runs is not None and runs.get("runs") else None
-        st["flower_run"] = {"run_id": run_id, "status": status,
-                            "error": why or (None if status else f"flwr ls: run {run_id} is not listed")}
     if args.json:
         print(json.dumps(st, indent=1))
         if unreached:
@@ -903,7 +902,7 @@ def _deploy_status(args: argparse.Namespace) -> None:
             f"{last['message']} {'to' if last['to'] == 'site' else 'from'} {last['site'] or 'a node'}" if last else "")
     print("run: " + (f"in progress ({st['running']}){said}" if st["running"] else f"none in progress on this machine{said}"))
     fr = st.get("flower_run")
-    if fr and fr["status"] == "running":
+    if fr and fr["serverapp_died"]:
         conn = args.connection or "<connection>"
         print(f"  but Flower lists its run {fr['run_id']} as running: its ServerApp died (killed, out of memory) if it ran "
               f"on this machine; `flwr stop {fr['run_id']} {conn}`, then `flwr run <app> {conn} --stream` resumes after the "

@@ -52,7 +52,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from pydantic import Field, field_validator
@@ -626,13 +626,19 @@ def site_audit(root: Path) -> list[dict[str, Any]]:
     return out
 
 
-def deployment_status(app: Path, nodes: list[dict[str, Any]] | None, superlink_dir: Path = Path(".")) -> dict[str, Any]:
+def deployment_status(app: Path, nodes: list[dict[str, Any]] | None, superlink_dir: Path = Path("."),
+                      flower_run: Callable[[int], tuple[str | None, str | None]] | None = None) -> dict[str, Any]:
     """Where a deployment stands, for its coordinator: each site of the App's ``deployment.json`` with the status the
     SuperLink gives its pinned node (``nodes``: ``flwr supernode list --format json``'s list; None where the SuperLink
     did not answer: every site's status ``unknown``), the registered nodes no site is pinned to, the ServerApp's
     checkpoint (the round a run started again resumes after) and whether the results are written: what the disk
     holds is told with the SuperLink down too, when it is needed most. Relative ``state-dir`` / ``results-dir`` are
-    the SuperLink's: under ``superlink_dir``."""
+    the SuperLink's: under ``superlink_dir``.
+
+    ``flower_run`` (run id -> (Flower's status of that run, or None and why not)) is asked, where no ServerApp holds
+    the run lock, about the Flower run of the wire log's last message: a run still ``running`` without a holder of the
+    lock lost its ServerApp (killed, out of memory), which Flower does not notice; ``flower_run.serverapp_died`` says
+    so."""
     try:
         import tomllib  # Python 3.11+
     except ModuleNotFoundError:  # 3.10: the same parser, as Flower's dependency
@@ -681,10 +687,16 @@ def deployment_status(app: Path, nodes: list[dict[str, Any]] | None, superlink_d
                     "seconds_ago": round(time.time() - wire.stat().st_mtime)}
         except json.JSONDecodeError:  # a line cut short by a stop
             pass
-    return {"federation": dep["federation"], "method": dep["method"]["key"], "seed": dep["seed"], "rounds": dep["train"]["rounds"],
-            "sites": sites, "unlisted_nodes": other, "checkpoint": checkpoint,
-            "running": lock_holder(state / "run.lock"), "last_message": last,
-            "results": str(results) if (results / "metrics.json").exists() else None}
+    running = lock_holder(state / "run.lock")
+    st = {"federation": dep["federation"], "method": dep["method"]["key"], "seed": dep["seed"], "rounds": dep["train"]["rounds"],
+          "sites": sites, "unlisted_nodes": other, "checkpoint": checkpoint, "running": running, "last_message": last,
+          "results": str(results) if (results / "metrics.json").exists() else None}
+    # the last message was written by a ServerApp holding the run lock: that lock free, its Flower run should be over
+    if flower_run is not None and running is None and last and last.get("flower_run") is not None:
+        run_id = int(last["flower_run"])
+        status, why = flower_run(run_id)
+        st["flower_run"] = {"run_id": run_id, "status": status, "error": why, "serverapp_died": status == "running"}
+    return st
 
 
 def _int_config(context: Any, key: str, default: int) -> int:
