@@ -622,3 +622,43 @@ def test_a_site_that_left_the_stream_is_not_scored_sent_a_task_end_or_counted_fr
             mine = ends[t]["task_acc_by_client"][NAMES[j]]
             assert acc == pytest.approx((mine["C0"] + mine["C1"]) / 2)
     assert s["forgetting_sites_at_end"] is not None and math.isfinite(s["forgetting"])
+
+
+def test_a_streams_evaluation_weighs_pooled_by_images_and_its_seen_accuracy_is_the_mean_over_tasks():
+    """stream_eval: a task's accuracy is the mean over its scored clients, pooled correct over images; the accuracy
+    over the tasks seen is the mean over tasks (not over the clients' own means: a client may hold no test image of
+    a task); the std over the clients' means is the population std, as a static run's."""
+    from fedsilo.fl.continual import stream_eval
+
+    scores = [[("a", 0.5, 2), ("b", 1.0, 6)], [("a", None, 0), ("b", 0.2, 4)]]
+    out = stream_eval(["a", "b"], ["S0", "S1"], scores)
+    assert out["task_acc"] == {"S0": pytest.approx(0.75), "S1": pytest.approx(0.2)}
+    assert out["task_acc_pooled"] == {"S0": pytest.approx((1 + 6) / 8), "S1": pytest.approx(0.2)}
+    assert out["seen_acc"] == out["mean_acc"] == pytest.approx((0.75 + 0.2) / 2)
+    assert out["eval"] == {"a": {"acc": 0.5}, "b": {"acc": pytest.approx(0.6)}}
+    assert out["std_acc"] == pytest.approx(0.05)
+    assert out["task_acc_by_client"] == {"S0": {"a": 0.5, "b": 1.0}, "S1": {"b": 0.2}}
+
+
+def test_every_tasks_last_round_is_evaluated_whatever_eval_every():
+    e, h, s = _run("fedavg", train=_train(eval_every=3))
+    assert [x["round"] for x in h if "seen_acc" in x] == [2, 3, 4, 6]  # the ends of the tasks, and round 3
+    assert [len(r) for r in s["accuracy_matrix"]] == [1, 2, 3]
+
+
+def test_forgetting_is_negative_where_the_last_task_left_a_task_better_known_and_none_before_the_streams_end():
+    hist = []
+    rows = [{"A": 0.5}, {"A": 0.4, "B": 0.7}, {"A": 0.9, "B": 0.7, "C": 0.5}]
+    for t, row in enumerate(rows):
+        hist.append({"round": t + 1, "task": t, "task_end": True, "task_acc": row, "seen_acc": sum(row.values()) / len(row)})
+    assert continual_summary(hist, ["A", "B", "C"], 1)["forgetting"] == pytest.approx((0.5 - 0.9 + 0.0) / 2)
+    hist[2]["task_acc"]["B"] = float("nan")  # no client holds B's test images at the end: B is left out, not NaN
+    assert continual_summary(hist, ["A", "B", "C"], 1)["forgetting"] == pytest.approx(0.5 - 0.9)
+    mid = continual_summary(hist[:2], ["A", "B", "C"], 1)  # a run two tasks in: nothing to say of forgetting yet
+    assert mid["forgetting"] is None and mid["accuracy_matrix"] == [[0.5], [0.4, 0.7]]
+
+
+def test_rounds_to_the_best_accuracy_take_the_first_of_equal_rounds_counted_inside_the_task():
+    hist = [{"round": r, "task": (r - 1) // 3, "seen_acc": a, "task_acc": {"A": a, "B": a}, **({"task_end": True} if r % 3 == 0 else {})}
+            for r, a in zip(range(1, 7), (0.4, 0.6, 0.6, 0.7, 0.5, 0.7))]
+    assert continual_summary(hist, ["A", "B"], 3)["rounds_to_best"] == [2, 1]

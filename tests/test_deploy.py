@@ -1956,6 +1956,8 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
         return capsys.readouterr().err
 
     assert "site RSNA took part in the deployment three_hospitals" in refused(params_file=sites["rsna"], root=sites["rsna"].parent)
+    assert ("--strategy: finetune_all, finetune_all: name each of freeze_global, finetune_all, from_scratch, as_member at most once"
+            in refused("--strategy", "finetune_all", "finetune_all"))
     other = {**held, "deployment": {**held["deployment"], "method": {**held["deployment"]["method"], "base": "pfeddr", "key": "pfeddr", "params": {}}}}
     torch.save(other, tmp_path / "pfeddr_final.pt")
     assert "pfeddr builds its own model around the backbone" in refused("--strategy", "finetune_all", model=tmp_path / "pfeddr_final.pt")

@@ -195,3 +195,92 @@ def test_an_address_nothing_answers_at_is_refused_at_once_naming_it(tmp_path):
     with pytest.raises(GridError, match=rf"grid --ray 127.0.0.1:{port}: nothing answers at 127.0.0.1:{port}; start the head node"):
         check_address(f"127.0.0.1:{port}")
     check_address("auto")  # Ray's to resolve
+
+
+class _FakeRay:
+    """What end_stale_on_nodes and _check_cluster ask of Ray: its nodes, and remote calls on them that answer at once,
+    fail, or never answer."""
+
+    def __init__(self, nodes, answers=None):
+        self._nodes, self.answers, self.asked = nodes, answers or {}, []
+
+    def nodes(self):
+        return self._nodes
+
+    def remote(self, fn):
+        ray_ = self
+
+        class Task:
+            def options(self, scheduling_strategy=None, **_):
+                node = scheduling_strategy.node_id
+
+                class Bound:
+                    def remote(self, uri):
+                        ray_.asked.append((node, uri))
+                        return node
+                return Bound()
+        return Task()
+
+    def wait(self, refs, num_returns, timeout):
+        return [r for r in refs if self.answers.get(r) != "late"], [r for r in refs if self.answers.get(r) == "late"]
+
+    def get(self, ref):
+        if isinstance(self.answers.get(ref), Exception):
+            raise self.answers[ref]
+        return self.answers.get(ref, [])
+
+
+def _nid(i: int) -> str:
+    return f"{i:056x}"  # a node id as Ray writes it (28 bytes in hex)
+
+
+def _node(i, alive=True, cpus=2.0, gpus=0.0, host=None):
+    return {"NodeID": _nid(i), "NodeManagerAddress": host or f"10.0.0.{i}", "Alive": alive, "Resources": {"CPU": cpus, "GPU": gpus}}
+
+
+def test_stale_runs_are_ended_here_for_a_file_store_and_on_every_live_node_for_a_server(monkeypatch):
+    import fedsilo.grid_ray as gr
+
+    monkeypatch.setattr(gr, "end_stale_here", lambda uri: [f"here {uri}"])
+    fake = _FakeRay([_node(1), _node(2), _node(3, alive=False)])
+    for uri in ("sqlite:///mlflow.db", "file:///tmp/mlruns", "mlruns"):  # a store this machine alone holds
+        assert gr.end_stale_on_nodes(fake, uri, print) == [f"here {uri}"] and not fake.asked
+    said: list[str] = []
+    fake = _FakeRay([_node(1), _node(2), _node(3, alive=False), _node(4), _node(5, host="10.0.0.9")],
+                    {_nid(1): ["r on h1"], _nid(2): ["r on h1", "s on h2"], _nid(4): RuntimeError("gone"), _nid(5): "late"})
+    ended = gr.end_stale_on_nodes(fake, "http://mlflow:5000", said.append)
+    assert sorted(n for n, _ in fake.asked) == [_nid(i) for i in (1, 2, 4, 5)]  # every live node, the dead one not
+    assert ended == ["r on h1", "s on h2"]  # two nodes of one machine find its runs once
+    assert any("could not look for MLflow runs left RUNNING on 10.0.0.4 (RuntimeError: gone)" in x for x in said), said
+    assert any("10.0.0.9 did not say within 120 s" in x for x in said), said
+
+
+def test_the_cluster_check_refuses_too_few_resources_and_warns_of_a_file_store_across_hosts():
+    from fedsilo.grid_ray import _check_cluster
+
+    said: list[str] = []
+    two_hosts = _FakeRay([_node(1, cpus=2, gpus=1), _node(2, cpus=4), _node(3, alive=False, cpus=64, gpus=8)])
+    assert [n["NodeID"] for n in _check_cluster(two_hosts, 4, 1, "sqlite:///m.db", said.append)] == [_nid(1), _nid(2)]
+    assert len(said) == 1 and "a file on this machine, but the cluster spans 2 hosts (10.0.0.1, 10.0.0.2)" in said[0]
+    with pytest.raises(GridError, match="--gpus-per-run 2 but no node of the cluster has that many GPUs \\(the most: 1"):
+        _check_cluster(two_hosts, 1, 2, None, said.append)  # the dead node's 8 do not count
+    with pytest.raises(GridError, match="--cpus-per-run 5 but the largest node has 4 CPUs"):
+        _check_cluster(two_hosts, 5, 0, None, said.append)
+    said.clear()
+    one_host = _FakeRay([_node(1, host="h"), _node(2, host="h")])  # two raylets of one machine reach its file
+    _check_cluster(one_host, 1, 0, "sqlite:///m.db", said.append)
+    _check_cluster(two_hosts, 1, 0, "http://mlflow:5000", said.append)
+    assert said == []
+
+
+def test_nonpositive_cpus_or_negative_gpus_per_run_are_refused_and_an_oversized_workspace_is_named(tmp_path, monkeypatch):
+    import fedsilo.grid_ray as gr
+
+    for kw in ({"cpus_per_run": 0}, {"cpus_per_run": -1}, {"gpus_per_run": -0.5}):
+        with pytest.raises(GridError, match="--cpus-per-run must be > 0 and --gpus-per-run >= 0"):
+            run_grid_ray("dvc.yaml", tmp_path, "127.0.0.1:1", quiet=True, **kw)
+    repo = _repo(tmp_path)
+    (repo / "big.txt").write_bytes(b"x" * 4096)  # tracked or not, git does not ignore it
+    monkeypatch.setattr(gr, "BUNDLE_LIMIT", 2048)
+    with pytest.raises(GridError, match="the workspace to send to the workers passed 0 MiB at big.txt"):
+        bundle(repo)

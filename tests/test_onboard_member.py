@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from fedsilo.config import TrainParams
+from fedsilo.config import ConfigError, TrainParams
 from fedsilo.fl.deploy import as_member_refusal, newcomer_payloads
 from fedsilo.fl.engine import Engine
 from fedsilo.fl.flower import FlowerSpec
@@ -141,6 +141,12 @@ def test_pfeddr_refuses_when_its_sites_trained_nothing_in_the_last_round():
     assert newcomer_payloads(engine.method, engine.server, engine.clients, engine.round) is None
 
 
+def _dep(key: str, base: str | None = None, **params) -> dict:
+    tp = TrainParams(model="simple_cnn", model_width=0.25, rounds=2, batch_size=6, lr=0.05, device="cpu", count_flops=False)
+    return {"federation": "f", "method": {"key": key, "base": base or key, "params": params}, "train": tp.model_dump(mode="json"),
+            "seed": 0, "contract": {"task": "t", "classes": ["a", "b", "c", "d"], "image_shape": [16, 16, 1]}, "sites": []}
+
+
 def test_freeze_global_keeps_the_federations_batchnorm_statistics_as_downloaded():
     """``freeze_global`` (FedPer's newcomer: the federation's body frozen, its own head trained): the body's BatchNorm
     running statistics are part of what is frozen, so they stay the federation's exactly while its batches still
@@ -164,3 +170,39 @@ def test_freeze_global_keeps_the_federations_batchnorm_statistics_as_downloaded(
     assert all(torch.equal(frozen[k], shared[k]) for k in shared)
     assert all(not torch.equal(tuned[k], shared[k]) for k in stats)
     assert any(not torch.equal(frozen[k], model.state_dict()[k]) for k in private if frozen[k].is_floating_point())  # its head trained
+
+
+def test_a_federation_model_that_cannot_be_adapted_on_the_backbone_is_refused_naming_why():
+    """Refused before any training: a model with no whole tensor, one holding other tensors than the deployment
+    builds, freeze_global where the sites keep nothing (FedAvg) or are evaluated with a model of their own (Ditto),
+    LG-FedAvg whose sites' own layers started from the FedAvg rounds' model."""
+    from fedsilo.fl.deploy import deployment_spec
+    from fedsilo.fl.onboard import adapt_federation_model
+
+    newcomer = style_shifted_federation(n_train=4, n_test=2, per_domain=1)[3]
+
+    def shared_of(dep: dict) -> dict:
+        _, model, private = deployment_spec(dep).build(torch.zeros(2, 1, 16, 16), torch.device("cpu"), [])
+        return {k: v for k, v in model.state_dict().items() if k not in private}
+
+    def refused(dep: dict, shared: dict, strategies=("finetune_all",)) -> str:
+        with pytest.raises(ConfigError) as e:
+            adapt_federation_model(dep, newcomer, shared, rounds=1, strategies=list(strategies))
+        return str(e.value)
+
+    fedper = _dep("fedper")
+    shared = shared_of(fedper)
+    assert "holds no whole tensor" in refused(fedper, {})
+    assert "holds other tensors than fedper builds for a site" in refused(fedper, {**shared, "extra.weight": torch.zeros(1)})
+    some = dict(list(shared.items())[1:])  # a tensor of the model that is no site's own part is missing
+    assert "holds other tensors than fedper builds for a site" in refused(fedper, some)
+    fedavg = _dep("fedavg")
+    assert "freeze_global: fedavg's sites keep no part of their own" in refused(fedavg, shared_of(fedavg), ["freeze_global"])
+    ditto = _dep("ditto")
+    assert "freeze_global: ditto's sites are evaluated with a model their own training makes" in refused(
+        ditto, shared_of(ditto), ["freeze_global"])
+    lg = _dep("lg", "lgfedavg", fedavg_rounds=1)
+    assert "lg: with fedavg_rounds its sites' own layers started from the FedAvg model" in refused(lg, shared_of(lg))
+    lg_plain = _dep("lg", "lgfedavg")
+    with one_thread():  # without fedavg_rounds it adapts
+        assert len(adapt_federation_model(lg_plain, newcomer, shared_of(lg_plain), rounds=1, strategies=["finetune_all"])["final"]) == 1

@@ -291,3 +291,21 @@ def test_onboarding_freeze_global_keeps_all_of_phi_its_batchnorm_statistics_too(
     kept, tuned = res["models"]["freeze_global"], res["models"]["finetune_all"]
     assert any("running_mean" in k for k in phi) and all(torch.equal(kept[k], phi[k]) for k in phi)
     assert any(not torch.equal(tuned[k], phi[k]) for k in phi if "running_mean" in k)
+
+
+def test_onboarding_is_refused_by_key_without_a_newcomer_split_or_a_pfeddb_entry(tmp_path):
+    """The onboard stage needs a holdout_domain split whose held-out domain is a newcomer, and pFedDB's entry; each
+    refused before any file is read."""
+    from fedsilo.fl.onboard import run_onboarding
+
+    raw = small_params()
+    with pytest.raises(ConfigError, match="experiments.quick.split: onboarding needs protocol holdout_domain with role newcomer"):
+        run_onboarding(parse_params(raw), "quick", 0, tmp_path)
+    raw["experiments"]["quick"]["split"] = {"protocol": "holdout_domain", "holdout": "OpenI", "role": "external_test", "n_train": 24, "n_test": 16}
+    with pytest.raises(ConfigError, match="onboarding needs protocol holdout_domain with role newcomer"):
+        run_onboarding(parse_params(raw), "quick", 0, tmp_path)
+    raw["experiments"]["quick"]["split"]["role"] = "newcomer"
+    with pytest.raises(ConfigError, match="methods.fedavg: onboarding needs a pfeddb entry, not fedavg"):
+        run_onboarding(parse_params(raw), "quick", 0, tmp_path, method="fedavg")
+    with pytest.raises(FileNotFoundError):  # past the checks: the split is not made yet
+        run_onboarding(parse_params({**raw, "methods": {**raw["methods"], "pfeddb": {}}}), "quick", 0, tmp_path)

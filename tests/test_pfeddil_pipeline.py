@@ -155,6 +155,8 @@ def test_stream_cost_counts_the_rounds_that_upload():
     met = {"rounds_to_best_total": 4, "models_per_client": 1.0, "bytes_kept_per_client": mib}
     tab = cost_table({("source_only", 0): met}, {("source_only", 0): busy + idle}, ["source_only"], [0])
     assert tab.loc["source_only", "MiB_up_per_client_round"] == 1.0 and tab.loc["source_only", "train_s_per_round"] == 2.0
+    few = [{"train_seconds": 2.0, "bytes_up_total": 4 * mib, "sampled": ["a", "b", "c", "d"]}] * 10  # per taking-part client
+    assert cost_table({("m", 0): met}, {("m", 0): few}, ["m"], [0]).loc["m", "MiB_up_per_client_round"] == 1.0
 
 
 def test_a_stream_of_other_tasks_or_another_order_is_not_set_beside_the_papers_table():

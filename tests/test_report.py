@@ -6,6 +6,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -205,6 +206,17 @@ def test_collapse_table_fig1_and_flops_column_from_the_run_files(tmp_path):
     made = build_report(tmp_path / "res", "e", ["fedavg", "f2dc"], [0], tmp_path / "out2")
     assert not (tmp_path / "out2" / "e_collapse.md").exists()
     assert "predate `spectrum.json`" in (tmp_path / "out2" / "README.md").read_text()
+
+
+def test_collapse_table_is_the_mean_and_sample_std_over_seeds_of_the_mean_over_clients():
+    from fedsilo.report.tables import collapse_table
+
+    spectra = {("m", 0): {"A-0": [1.0, 1.0, 1.0, 1.0], "B-0": [1.0, 1.0], "C-0": []},  # C-0: too few images, left out
+               ("m", 1): {"A-0": [1.0, 1.0], "B-0": [1.0, 1.0]}}
+    tab = collapse_table(spectra, ["m"], [0, 1])
+    assert tab.loc["m", "dim"] == 4 and tab.loc["m", "effective_rank"] == pytest.approx((3.0 + 2.0) / 2)
+    assert tab.loc["m", "effective_rank_std"] == pytest.approx(np.std([3.0, 2.0], ddof=1))
+    assert np.isnan(collapse_table(spectra, ["m"], [0]).loc["m", "effective_rank_std"])  # one seed has no spread
 
 
 def test_time_to_accuracy_counts_rounds_seconds_and_bytes_until_the_first_crossing():

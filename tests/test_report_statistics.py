@@ -172,3 +172,54 @@ def test_the_curves_plot_the_tables_avg_over_domains_not_the_mean_over_clients()
     domain_of = {"A-0": "A", "A-1": "A", "A-2": "A", "B-0": "B"}
     assert domain_avg(entry, domain_of) == pytest.approx(0.7)
     assert domain_avg(entry, {}) == pytest.approx(0.8), "every client its own domain: the mean over clients"
+
+
+def test_a_domain_of_unknown_test_size_makes_the_avgs_standard_error_n_a_and_sizes_are_not_summed_over_runs(tmp_path):
+    """Avg's SE combines every domain's: one without a test-set size (a run that predates test_set_of) leaves it n/a,
+    never the SE of the domains that have one; a domain's size is its test set's, not a sum over the runs of a table."""
+    res = tmp_path / "res"
+    for m in ("fedavg", "fedbn"):
+        for s in (0, 1):
+            _write(res, m, s, {"A-0": {"acc": 0.8}, "B-0": {"acc": 0.5}}, sizes={"A-0": 100, "B-0": 25})
+    df, _ = collect(res, ["fedavg", "fedbn"], [0, 1])
+    se = standard_errors(df, summary_table(df, "acc", ["fedavg", "fedbn"]))
+    assert se.loc["n", "A"] == 100 and se.loc["n", "B"] == 25 and se.loc["n", "Avg"] == 125
+    assert se.loc["fedbn", "A"] == pytest.approx(4.0)
+    _write(res, "fedavg", 0, {"A-0": {"acc": 0.8}, "A-1": {"acc": 0.8}, "B-0": {"acc": 0.5}}, sizes={"A-0": 100, "A-1": 100, "B-0": 25},
+           sets={"A-0": "A-0", "B-0": "B-0"})
+    df, _ = collect(res, ["fedavg"], [0])  # which test set A-1 scored is not recorded: A's size unknown
+    se = standard_errors(df, summary_table(df, "acc", ["fedavg"]))
+    assert np.isnan(se.loc["n", "A"]) and se.loc["fedavg", "B"] == pytest.approx(10.0)
+    assert np.isnan(se.loc["fedavg", "Avg"]) and np.isnan(se.loc["n", "Avg"])  # never the known domains' 25 alone
+
+
+def test_the_first_communication_table_is_up_plus_down_of_all_clients_averaged_over_rounds_and_seeds(tmp_path):
+    res = tmp_path / "res"
+    mib = 2**20
+    for s, up in ((0, mib // 2), (1, mib)):  # 2 clients upload, 4 download: 3 and 6 MiB a round
+        _write(res, "fedavg", s, {f"A-{i}": {"acc": 0.5} for i in range(4)}, sampled=["A-0", "A-1"], up=up)
+    build_report(res, "e", ["fedavg"], [0, 1], tmp_path / "out")
+    acc = (tmp_path / "out" / "e_accuracy.md").read_text()
+    assert "| fedavg | 4.50 |" in acc  # (3 + 6) / 2
+    comm = pd.read_csv(tmp_path / "out" / "e_communication.csv", index_col=0)
+    # Table 3's Ratio: what one taking-part client uploads over the backbone's bytes (here the same), not a round's total
+    assert comm.loc["fedavg", "ratio"] == pytest.approx(1.0)
+
+
+def test_the_onboarding_table_and_fig6_are_the_mean_over_the_seeds_runs(tmp_path, monkeypatch):
+    import fedsilo.report.figures as figures
+
+    drawn = {}
+    monkeypatch.setattr(figures, "line_figure", lambda path, series, *a, **k: drawn.setdefault(path.name, series) and path.name)
+    res = tmp_path / "res"
+    _write(res, "pfeddb", 0, {"A-0": {"acc": 0.5}})
+    for s, (fg, fa) in enumerate(((0.5, 0.2), (0.7, 0.4))):
+        write_json(res / "onboarding" / f"seed{s}" / "onboarding.json",
+                   {"newcomer": "N", "rounds": 2, "accuracy_per_round": {"finetune_all": [fa / 2, fa], "freeze_global": [fg / 2, fg]},
+                    "final": {"finetune_all": fa, "freeze_global": fg}})
+    build_report(res, "e", ["pfeddb"], [0], tmp_path / "out")
+    md = (tmp_path / "out" / "e_onboarding.md").read_text()
+    assert "mean over 2 seed(s)" in md and "| freeze_global | 60.0 |" in md and "| finetune_all | 30.0 |" in md
+    series = drawn["e_fig6_onboarding.png"]
+    assert [s for s, *_ in series] == ["freeze_global", "finetune_all"]  # Fig. 6's order
+    assert series[0][1] == [1, 2] and series[0][2] == pytest.approx([30.0, 60.0]) and series[1][2] == pytest.approx([15.0, 30.0])

@@ -196,3 +196,18 @@ def test_the_two_phase_figure_plots_validation_accuracy_where_the_split_scored_i
         val, ylabel = drawn["e_pfeddb_domains_val.png"]
         assert ylabel == "validation accuracy per domain (%)" and [x[2] for x in val] == [[90.0, 50.0], [90.0, 50.0]]
     assert series[2][2] == pytest.approx([90.0, 50.0] if scored else [65.0, 90.0])
+
+
+def test_a_best_validation_table_needs_every_run_to_have_scored_a_validation_set(tmp_path):
+    res = tmp_path / "res"
+    rounds = [(0.9, {"A-0": 0.6, "B-0": 0.7}), (0.5, {"A-0": 0.9, "B-0": 0.9})]
+    _run(res, "fedavg", 0, rounds)
+    _run(res, "fedbn", 0, rounds)
+    build_report(res, "e", ["fedavg", "fedbn"], [0], tmp_path / "out")
+    assert "| fedbn | 60.0 | 70.0 | 65.0 |" in (tmp_path / "out" / "e_accuracy_best_val.md").read_text().replace("**", "")
+    hist = json.loads((res / "fedbn" / "seed0" / "history.json").read_text())
+    for e in hist:  # one run without a validation set: no table of a selection some rows cannot make
+        del e["mean_val_acc"]
+    (res / "fedbn" / "seed0" / "history.json").write_text(json.dumps(hist))
+    build_report(res, "e", ["fedavg", "fedbn"], [0], tmp_path / "out2")
+    assert not (tmp_path / "out2" / "e_accuracy_best_val.md").exists()

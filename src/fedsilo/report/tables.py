@@ -133,7 +133,8 @@ def standard_errors(df: pd.DataFrame, acc: pd.DataFrame) -> pd.DataFrame | None:
     p = acc["mean"][domains] / 100
     se = np.sqrt(p * (1 - p) / n) * 100
     se["Avg"] = np.sqrt((se[domains] ** 2).sum(axis=1, min_count=len(domains))) / len(domains)
-    sizes = pd.DataFrame([list(n) + [float(n.sum())]], index=["n"], columns=domains + ["Avg"])
+    # Avg's size, like its SE, only where every domain's is known (a partial sum would read as the whole test set)
+    sizes = pd.DataFrame([list(n) + [float(n.sum(min_count=len(domains)))]], index=["n"], columns=domains + ["Avg"])
     return pd.concat([sizes, se])
 
 
