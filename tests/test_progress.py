@@ -111,3 +111,34 @@ def test_a_resumed_count_shows_the_rate_of_the_units_done_since_it_started(monke
     now[0] += 20.0
     p.update(2)
     assert "42/50 rounds, 10.0 s/round, 20 s" in p.line()
+
+
+class _GoneReader(io.StringIO):
+    """A pipe whose reader went away after ``after`` writes: every later write raises BrokenPipeError."""
+
+    def __init__(self, after: int, tty: bool):
+        super().__init__()
+        self.after, self.tty, self.writes = after, tty, 0
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, s: str) -> int:
+        self.writes += 1
+        if self.writes > self.after:
+            raise BrokenPipeError(32, "Broken pipe")
+        return super().write(s)
+
+
+def test_a_stream_whose_reader_went_away_silences_the_progress_and_the_work_goes_on():
+    """A `| tee` killed with its job: the progress stops printing instead of raising into the run (which a SIGTERM
+    must end as stopped, not failed: tests/test_run_integrity.py), for a log's lines and a terminal's bar alike."""
+    for tty in (False, True):
+        gone = _GoneReader(after=1, tty=tty)
+        with Progress(4, "train q/fedavg/seed0", "round", stream=gone) as p:
+            for r in range(4):
+                p.update(1, f"loss 0.{r}", line=True)
+        assert p.n == 4 and p.quiet and gone.getvalue()  # the first write printed; the rest were not tried
+        tried = gone.writes
+        p.update(1, "more", line=True)
+        assert gone.writes == tried

@@ -85,6 +85,20 @@ def test_a_second_process_is_refused_sigkill_is_marked_killed_when_superseded_an
     # the round in flight ended and was written: a resume loses no finished round
     assert 1 <= ck["round"] < 200 and len(ck["history"]) == ck["round"]
 
+    # a job's `| tee log` dies with it: the resumed run's stderr has no reader when the SIGTERM comes. Its progress
+    # line then meets a broken pipe, which must not turn the stop into a failure. It writes every round's checkpoint
+    # (not in the run's hash: it resumes the same run)
+    raw["experiments"]["quick"]["train"]["checkpoint_every"] = 1
+    (root / "params.yaml").write_text(yaml.safe_dump(raw))
+    fourth = _train(root, wait=False)
+    _wait_round(fourth, ckpt, rnd=ck["round"] + 1)
+    fourth.stderr.close()
+    time.sleep(0.5)
+    fourth.send_signal(signal.SIGTERM)
+    assert fourth.wait() == 128 + signal.SIGTERM
+    assert _runs(root) == runs, "the resumed MLflow run ends KILLED again (not FAILED), no new one"
+    assert torch.load(ckpt, weights_only=False)["round"] > ck["round"]
+
 
 def test_dvc_lock_files_rewritten_by_a_repro_do_not_make_the_checkout_dirty(tmp_path):
     def git(*a):

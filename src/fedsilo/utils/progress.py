@@ -4,6 +4,11 @@ On a terminal: a live tqdm bar on stderr (count, rate, time left, and a postfix 
 accuracy). Not on a terminal (DVC's captured output, a job log): a plain line when a step says it matters (an
 evaluated round, a finished domain) and otherwise at most one every ``every_s`` seconds, so logs stay short and carry
 no carriage returns. ``quiet`` (the CLI's ``-q``) prints nothing.
+
+A stream whose reader went away (a `| tee` killed with its job's process group, a closed terminal) silences the
+progress instead of ending the work: Python raises BrokenPipeError where the reader of a pipe is gone, and a
+training stopped by SIGTERM must still end as a stopped run (its round checkpointed, MLflow KILLED), not fail on its
+progress line.
 """
 
 from __future__ import annotations
@@ -40,16 +45,19 @@ class Progress:
             self.info = info
         if self.quiet:
             return
-        if self.bar is not None:
-            if info:
-                self.bar.set_postfix_str(info, refresh=False)
-            self.bar.update(n)
-            return
-        now = time.monotonic()
-        if line or (self.total and self.n >= self.total) or now - self.last >= self.every_s:
-            self.last = now
-            self.stream.write(self.line() + "\n")
-            self.stream.flush()
+        try:
+            if self.bar is not None:
+                if info:
+                    self.bar.set_postfix_str(info, refresh=False)
+                self.bar.update(n)
+                return
+            now = time.monotonic()
+            if line or (self.total and self.n >= self.total) or now - self.last >= self.every_s:
+                self.last = now
+                self.stream.write(self.line() + "\n")
+                self.stream.flush()
+        except (BrokenPipeError, ValueError):  # the reader is gone (ValueError: the stream was closed)
+            self._gone()
 
     def line(self) -> str:
         secs = time.monotonic() - self.t0
@@ -66,7 +74,14 @@ class Progress:
 
     def close(self) -> None:
         if self.bar is not None:
-            self.bar.close()
+            try:
+                self.bar.close()
+            except (BrokenPipeError, ValueError):
+                self._gone()
+
+    def _gone(self) -> None:
+        """Nothing reads the stream any more: print nothing from now on (the work goes on)."""
+        self.quiet, self.bar = True, None
 
     def __enter__(self) -> "Progress":
         return self
