@@ -189,6 +189,35 @@ def test_pacs_reads_with_and_without_kfold_lists(bench_raw, tmp_path):
         source_module("pacs").read_records(lst)
 
 
+def test_a_copy_without_a_domain_or_its_class_folders_is_refused_by_name(bench_raw, tmp_path):
+    """A PACS copy without sketch/ harmonized to three domains without a word (the split failed later); now harmonize
+    names the domain and the key that keeps the others. A copy whose images lie straight in the domain folders is
+    told it lacks the class folders, not that there is no domain folder."""
+    raw = tmp_path / "raw"
+    shutil.copytree(bench_raw / "pacs" / "PACS" / "kfold", raw / "pacs" / "PACS")
+    shutil.rmtree(raw / "pacs" / "PACS" / "sketch")
+    with pytest.raises(HarmonizeError, match=r"pacs: .* holds no images of the domain sketch \(of photo, art_painting, cartoon, "
+                       r"sketch\): put it back in your copy, or keep the domains it holds: datasets\.p3\.domains: "
+                       r"\[photo, art_painting, cartoon\]"):
+        harmonize_dataset(BenchmarkDatasetParams(kind="pacs", image_size=16, workers=1), raw, tmp_path / "p3")
+    assert not (tmp_path / "p3").exists()
+    card = harmonize_dataset(BenchmarkDatasetParams(kind="pacs", image_size=16, workers=1, domains=("photo", "art_painting", "cartoon")),
+                             raw, tmp_path / "p3")
+    assert sorted(card["domains"]) == ["art_painting", "cartoon", "photo"]
+    flat = tmp_path / "flat"
+    for d in ("photo", "cartoon"):
+        (flat / d).mkdir(parents=True)
+        for f in sorted((bench_raw / "pacs" / "PACS" / "kfold" / d / "dog").iterdir())[:2]:
+            shutil.copy(f, flat / d / f.name)
+    with pytest.raises(LabelFileError, match=r"the PACS domain folders cartoon, photo hold no class folder: each domain's images "
+                       r"go in a folder per class, <domain>/<class>/<image>"):
+        source_module("pacs").read_records(flat)
+    shutil.rmtree(flat / "photo")
+    (flat / "cartoon").rename(flat / "drawings")
+    with pytest.raises(LabelFileError, match=r"no PACS domain folder \(photo, art_painting, cartoon, sketch\)"):
+        source_module("pacs").read_records(flat)
+
+
 def test_listed_but_missing_image_is_quarantined_and_reported(bench_raw, tmp_path):
     raw = tmp_path / "raw"
     shutil.copytree(bench_raw / "domainnet", raw / "domainnet")

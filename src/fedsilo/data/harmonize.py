@@ -531,6 +531,13 @@ def benchmark_records(params: BenchmarkDatasetParams, raw_root: Path, name: str 
         warnings_public += [copies] if copies else []
         rec["source"] = src
         frames[src] = rec
+        lacking = [d for d in getattr(mod, "DOMAINS", ()) if d not in set(rec["domain"])]
+        if lacking and params.domains is None:  # a copy without a domain would make a federation of fewer sites unsaid
+            held = [d for d in mod.DOMAINS if d not in lacking]
+            raise HarmonizeError(f"{src}: {raw_dir} holds no images of the domain{'s' * (len(lacking) > 1)} "
+                                 f"{', '.join(lacking)} (of {', '.join(mod.DOMAINS)}): put {'them' if len(lacking) > 1 else 'it'} "
+                                 f"back in your copy, or keep the domains it holds: datasets.{name or '<dataset>'}.domains: "
+                                 f"[{', '.join(held)}]")
     if not classes and params.kind != "image_folder":  # a kind's own sources only (a deployed site): the kind's classes
         classes = list(getattr(source_module(DATASET_SOURCES[params.kind][0]), "CLASSES", DIGITS))
     keys = {src: params.rules_key(src, name) for src in own}

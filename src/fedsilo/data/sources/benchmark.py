@@ -75,6 +75,17 @@ def find_dirs(root: Path, aliases: dict[str, str], must_contain_dirs: bool = Tru
     return found
 
 
+def no_domain_folder(raw_dir: Path, aliases: dict[str, str], dataset: str, expected: str) -> LabelFileError:
+    """The error for a copy in which :func:`find_dirs` found no domain folder (``expected``: their names): where
+    folders of the domains' names are there but hold no class folder (images straight in ``<domain>/``), it says so
+    instead of "no domain folder"."""
+    bare = find_dirs(raw_dir, aliases, must_contain_dirs=False)
+    if bare:
+        return LabelFileError(f"{raw_dir}: the {dataset} domain folders {', '.join(p.name for p in bare.values())} hold "
+                              f"no class folder: each domain's images go in a folder per class, <domain>/<class>/<image>")
+    return LabelFileError(f"{raw_dir}: no {dataset} domain folder ({expected})")
+
+
 def class_root(domain_dir: Path) -> Path:
     """The folder that holds a domain's class folders: ``<domain>/images/`` in Office-31's layout, else the domain
     folder itself."""

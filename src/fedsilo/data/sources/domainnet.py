@@ -26,6 +26,7 @@ from fedsilo.data.sources.benchmark import (
     fedbn_split_lists,
     find_dirs,
     list_lines,
+    no_domain_folder,
     norm_name,
     records_frame,
 )
@@ -88,7 +89,7 @@ def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
     raw_dir = Path(raw_dir)
     dirs = find_dirs(raw_dir, DOMAIN_ALIASES)
     if not dirs:
-        raise LabelFileError(f"{raw_dir}: no DomainNet domain folder ({', '.join(DOMAINS)})")
+        raise no_domain_folder(raw_dir, DOMAIN_ALIASES, "DomainNet", ", ".join(DOMAINS))
     frames = []
     for domain in DOMAINS:
         if domain not in dirs:

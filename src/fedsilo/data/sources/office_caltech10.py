@@ -18,6 +18,7 @@ from fedsilo.data.sources.benchmark import (
     class_folder_records,
     fedbn_split_lists,
     find_dirs,
+    no_domain_folder,
     norm_name,
     records_frame,
     require_every_class,
@@ -34,7 +35,7 @@ def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
     raw_dir = Path(raw_dir)
     dirs = find_dirs(raw_dir, DOMAIN_ALIASES)
     if not dirs:
-        raise LabelFileError(f"{raw_dir}: no Office-Caltech-10 domain folder (amazon, caltech or caltech10, dslr, webcam)")
+        raise no_domain_folder(raw_dir, DOMAIN_ALIASES, "Office-Caltech-10", "amazon, caltech or caltech10, dslr, webcam")
     missing = [d for d in DOMAINS if d not in dirs]
     if missing:  # a copy without a domain would silently make a federation of fewer sites
         raise LabelFileError(f"{raw_dir}: no Office-Caltech-10 domain folder {', '.join(missing)} (expected amazon/, "

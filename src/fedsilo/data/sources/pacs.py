@@ -14,7 +14,14 @@ from pathlib import Path
 import pandas as pd
 
 from fedsilo.data.sources.base import LabelFileError, walk
-from fedsilo.data.sources.benchmark import class_folder_records, find_dirs, list_lines, norm_name, records_frame
+from fedsilo.data.sources.benchmark import (
+    class_folder_records,
+    find_dirs,
+    list_lines,
+    no_domain_folder,
+    norm_name,
+    records_frame,
+)
 
 DOMAINS = ("photo", "art_painting", "cartoon", "sketch")
 CLASSES = ("dog", "elephant", "giraffe", "guitar", "horse", "house", "person")
@@ -57,7 +64,7 @@ def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
     raw_dir = Path(raw_dir)
     dirs = find_dirs(raw_dir, DOMAIN_ALIASES)
     if not dirs:
-        raise LabelFileError(f"{raw_dir}: no PACS domain folder ({', '.join(DOMAINS)})")
+        raise no_domain_folder(raw_dir, DOMAIN_ALIASES, "PACS", ", ".join(DOMAINS))
     frames = []
     for domain in DOMAINS:
         if domain in dirs:
