@@ -100,6 +100,12 @@ def test_a_run_in_two_groups_or_an_untrained_experiment_is_refused():
     moved["params_file"] = "pipelines/other/params.yaml"
     with pytest.raises(ConfigError, match="params_file"):
         load_paper_params(SCALES["quickstart"], moved)
+    # a user pointing the paper at their own copy of a dataset writes the root's section here: told where it goes
+    for key in ("sources", "datasets"):
+        own_copy = {**copy.deepcopy(raw), key: {"pacs": {"mode": "local", "path": "/data/PACS"}}}
+        with pytest.raises(ConfigError, match=rf"{key}: a paper's params file has no {key} section: its sources and datasets "
+                           rf"are those of the root params file its data: names \(params\.yaml\); set {key} there"):
+            load_paper_params(SCALES["quickstart"], own_copy)
 
 
 def test_per_backbone_cut_depth_resolves_for_each_model():

@@ -363,6 +363,22 @@ class PaperParams(Strict):
     methods: dict[str, dict[str, Any]]
     tracking: TrackingParams = TrackingParams()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _data_is_the_roots(cls, raw: Any) -> Any:
+        """A root section written into a paper's file (a user pointing the paper at their own copy of a dataset) is
+        told where it goes, not only that it is an unknown key."""
+        if isinstance(raw, dict):
+            for key in ("sources", "datasets", "pipeline"):
+                if key in raw:
+                    root = raw.get("data", "params.yaml")
+                    where = ("there: a paper never copies data; a dataset of your own is added there and named by the "
+                             "experiments' dataset here" if key != "pipeline" else "there for the root's stages; this "
+                             "file's stages are its runs")
+                    raise ValueError(f"{key}: a paper's params file has no {key} section: its sources and datasets are "
+                                     f"those of the root params file its data: names ({root}); set {key} {where}")
+        return raw
+
     @field_validator("paper")
     @classmethod
     def _not_the_roots(cls, v: str) -> str:
