@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -76,6 +77,11 @@ def test_repro_writes_report_and_mlflow_runs(repo_copy):
     c = MlflowClient(f"sqlite:///{repo_copy / 'mlflow.db'}")
     runs = c.search_runs([c.get_experiment_by_name("quick").experiment_id])
     assert sorted(r.info.run_name for r in runs) == ["fedbn-seed0", "fedprox-seed0"]
+    # the report names the MLflow run behind each row (the same name is reused when a run is trained again)
+    with open(report / "quick_runs.csv") as fh:
+        behind = {(row["method"], row["mlflow_run_id"], row["params_hash"]) for row in csv.DictReader(fh)}
+    assert behind == {(r.info.run_name.split("-seed")[0], r.info.run_id, r.data.tags["params_hash"]) for r in runs}
+    assert "the runs behind these tables" in table
     for r in runs:
         assert r.data.tags["dvc.md5.data/harmonized/chest_xray4"].endswith(".dir")
         assert len(r.data.tags["git_commit"]) == 40

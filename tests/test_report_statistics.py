@@ -13,7 +13,7 @@ import yaml
 
 from fedsilo.report import build_report
 from fedsilo.report.tables import collect, standard_errors, summary_table, upload_per_participant
-from fedsilo.utils.io import write_json
+from fedsilo.utils.io import read_json, write_json
 
 
 def _write(root, method, seed, per, *, sampled=None, up=8, sizes=None, history=None, sets=None):
@@ -191,6 +191,27 @@ def test_a_domain_of_unknown_test_size_makes_the_avgs_standard_error_n_a_and_siz
     se = standard_errors(df, summary_table(df, "acc", ["fedavg"]))
     assert np.isnan(se.loc["n", "A"]) and se.loc["fedavg", "B"] == pytest.approx(10.0)
     assert np.isnan(se.loc["fedavg", "Avg"]) and np.isnan(se.loc["n", "Avg"])  # never the known domains' 25 alone
+
+
+def test_the_report_names_the_mlflow_run_and_hashes_behind_each_row(tmp_path):
+    """Two runs of fedavg seed 0 share the MLflow name `fedavg-seed0`; the report lists the one its numbers come
+    from (metrics.json's mlflow_run_id), with its params and code hashes, and says where a run was not tracked."""
+    res = tmp_path / "res"
+    for m, s in (("fedavg", 0), ("fedavg", 1), ("fedbn", 0), ("fedbn", 1)):
+        _write(res, m, s, {"A-0": {"acc": 0.5}})
+        met = read_json(res / m / f"seed{s}" / "metrics.json")
+        if (m, s) != ("fedbn", 1):
+            met.update(mlflow_run_id=f"run{m}{s}", params_hash=f"{m}{s}" * 8, code={"source_sha256": "c0de" * 16})
+        write_json(res / m / f"seed{s}" / "metrics.json", met)
+    build_report(res, "e", ["fedavg", "fedbn"], [0, 1], tmp_path / "out")
+    runs = pd.read_csv(tmp_path / "out" / "e_runs.csv")
+    assert runs[["method", "seed", "mlflow_run_id"]].fillna("").values.tolist() == [
+        ["fedavg", 0, "runfedavg0"], ["fedavg", 1, "runfedavg1"], ["fedbn", 0, "runfedbn0"], ["fedbn", 1, ""]]
+    assert runs.loc[0, "params_hash"] == "fedavg0" * 8 and runs.loc[0, "code_sha256"] == "c0de" * 16
+    md = (tmp_path / "out" / "README.md").read_text()
+    assert md.count("e: the runs behind these tables") == 1 and (tmp_path / "out" / "e_runs.md").read_text() in md
+    assert "| fedavg | 1 | `runfedavg1` | `fedavg1fedav` | `c0dec0dec0de` |" in md
+    assert "| fedbn | 1 | - (not tracked) | - | - |" in md
 
 
 def test_the_first_communication_table_is_up_plus_down_of_all_clients_averaged_over_rounds_and_seeds(tmp_path):

@@ -77,6 +77,7 @@ from fedsilo.report.tables import (
     to_latex,
     to_markdown,
     write_flat_csv,
+    write_runs_behind,
 )
 from fedsilo.report.versus import (
     efficiency_markdown,
@@ -312,6 +313,9 @@ def build_report(
                 series = [(m, *seed_curve(histories, m, seeds, lambda e, key=key: e[key] * 100)) for m in three]
                 figs.append(figures.line_figure(tmp / f"{exp}_fig5_two_phase.png", series, f"average {what} accuracy (%)",
                                          f"{exp}: Single, FedAvg (two-phase), pFedDB"))
+            runs_md = write_runs_behind(results, methods, seeds, tmp, exp)
+            (tmp / f"{exp}_runs.md").write_text(runs_md)
+            md += "\n" + runs_md
             index += [md, ""] + [f"![{f}]({f})" for f in figs] + [""]
             made[exp] = {"table": acc["mean"]["Avg"].to_dict(), "figures": figs, "communication": comm.to_dict(orient="index")}
         (tmp / "README.md").write_text("\n".join(index) + "\n")

@@ -116,6 +116,32 @@ def client_domains(results: Path, method: str, seed: int) -> dict[str, str]:
     return read_json(Path(results) / method / f"seed{seed}" / "metrics.json").get("client_domains") or {}
 
 
+def write_runs_behind(results: Path, methods: list[str], seeds: list[int], out: Path, experiment: str) -> str:
+    """The runs a report's tables were made from, each with what ties it to MLflow and to its inputs (its
+    metrics.json's ``mlflow_run_id``, ``params_hash``, ``config_hash`` and the code's ``source_sha256``): written as
+    ``<experiment>_runs.csv`` (full hashes), returned as markdown (short ones). A (method, seed) trained twice, or
+    restored by ``dvc repro`` from its cache, leaves MLflow runs of the same name; this names the one behind the
+    numbers."""
+    rows = []
+    for m in methods:
+        for s in seeds:
+            met = read_json(Path(results) / m / f"seed{s}" / "metrics.json")
+            rows.append({"method": m, "seed": s, "mlflow_run_id": met.get("mlflow_run_id"),
+                         "params_hash": met.get("params_hash"), "config_hash": met.get("config_hash"),
+                         "code_sha256": (met.get("code") or {}).get("source_sha256")})
+    df = pd.DataFrame(rows)
+    df.to_csv(out / f"{experiment}_runs.csv", index=False)
+    short = lambda v, n=12: f"`{v[:n]}`" if isinstance(v, str) and v else None  # noqa: E731 - pandas reads None as NaN
+    lines = [f"### {experiment}: the runs behind these tables", "",
+             "MLflow names each run `<method>-seed<k>`; a run trained again (another setting, another code) keeps the "
+             "name, so the run id names the one these numbers come from (MLflow UI: search `attributes.run_id = '<id>'`). "
+             f"Full hashes: `{experiment}_runs.csv`.", "",
+             "| method | seed | MLflow run | params hash | code hash |", "|---|---|---|---|---|"]
+    lines += [f"| {r.method} | {r.seed} | {short(r.mlflow_run_id, 32) or '- (not tracked)'} | {short(r.params_hash) or '-'} | "
+              f"{short(r.code_sha256) or '-'} |" for r in df.itertuples()]
+    return "\n".join(lines) + "\n"
+
+
 def one_class_clients(df: pd.DataFrame) -> list[tuple[str, int, str]]:
     """(method, seed, client) of a binary task whose client had no AUC (its test split holds one class)."""
     bad = df[df["has_auc"].astype(bool) & df["auc"].isna()]
