@@ -15,7 +15,7 @@ import torch
 
 from fedsilo.config import BenchmarkDatasetParams, DomainClientsSplit, MirrorParams, SourceParams
 from fedsilo.data.fetch import FetchError, fetch
-from fedsilo.data.harmonize import HarmonizeError, harmonize_dataset
+from fedsilo.data.harmonize import HarmonizeError, fetched_from, harmonize_dataset
 from fedsilo.data.sources import source_module
 from fedsilo.data.sources.base import LabelFileError
 from fedsilo.utils.io import read_json
@@ -58,6 +58,9 @@ def test_harmonized_benchmark_has_its_domains_classes_and_card(bench_harmonized,
     assert images.shape == (len(rec), 28, 28, 3) and images.dtype == np.uint8
     assert EXPECTED_DOMAINS[kind] == list(dict.fromkeys(rec["domain"])) and sorted(card["domains"]) == sorted(EXPECTED_DOMAINS[kind])
     assert len(card["classes"]) == NUM_CLASSES[kind] and sorted(rec["label"].unique()) == list(range(NUM_CLASSES[kind]))
+    # which copy each source came from (fetch's manifest), beside the hashes of what it holds
+    assert card["sources"] == {s: {"mode": "mirror", "origin": "offline mirror (seed 0)"} for s in KINDS[kind]}
+    assert f"Fetched: {KINDS[kind][0]} (mirror) from offline mirror (seed 0)" in (h / "card.md").read_text()
     for dom, d in card["domains"].items():
         sub = rec[rec["domain"] == dom]
         assert d["images"] == len(sub)
@@ -133,6 +136,8 @@ def test_office_caltech_both_namings_give_the_same_labels(bench_raw, tmp_path):
     assert set(b.loc[b["label"] == 5, "original_label"]) == {"laptop_computer"}
     fetched = tmp_path / "raw" / "office_caltech10"
     fetch("office_caltech10", SourceParams(mode="local", path=str(alt)), fetched, quiet=True)  # a whole copy, before the cuts below
+    assert fetched_from(tmp_path / "raw", ["office_caltech10", "pacs"]) == {  # pacs: not fetched there
+        "office_caltech10": {"mode": "local", "origin": str(alt.resolve())}}
     # a copy without one domain's class folder, or without a domain: refused by name (it read as a smaller task)
     shutil.rmtree(alt / "dslr" / "projector")
     with pytest.raises(LabelFileError, match=r"dslr: no images for 1 of the 10 Office-Caltech-10 classes \(projector\)"):

@@ -53,6 +53,8 @@ def test_harmonized_dataset_follows_the_rules(mirror_root):
     assert set(rec["domain"]) == {"CheXpert", "OpenI", "RSNA", "VinBigData"}
     assert set(rec["label"]) == {0, 1} and (rec["view"] == "frontal").all()
     card = read_json(out / "card.json")
+    assert sorted(card["sources"]) == ["chexpert", "openi", "rsna", "vinbigdata"]
+    assert {v["mode"] for v in card["sources"].values()} == {"mirror"}
     raw = mirror_root / "data" / "raw"
     for source, dom in (("chexpert", "CheXpert"), ("openi", "OpenI"), ("rsna", "RSNA"), ("vinbigdata", "VinBigData")):
         rules = getattr(CXRDatasetParams(), source)

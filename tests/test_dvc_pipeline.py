@@ -81,9 +81,10 @@ def test_repro_writes_report_and_mlflow_runs(repo_copy):
     with open(report / "quick_runs.csv") as fh:
         behind = {(row["method"], row["mlflow_run_id"], row["params_hash"]) for row in csv.DictReader(fh)}
     assert behind == {(r.info.run_name.split("-seed")[0], r.info.run_id, r.data.tags["params_hash"]) for r in runs}
-    assert "the runs behind these tables" in table
+    assert "quick: the runs behind these tables" in (report / "README.md").read_text()
     for r in runs:
         assert r.data.tags["dvc.md5.data/harmonized/chest_xray4"].endswith(".dir")
+        assert r.data.tags["data.source.rsna"] == "mirror: offline mirror (seed 0)"  # which copy, beside the hashes
         assert len(r.data.tags["git_commit"]) == 40
     assert _stale(repo_copy) == set()
 

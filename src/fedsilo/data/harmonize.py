@@ -337,6 +337,24 @@ def fetched_copy_note(raw_dir: Path, src: str) -> str:
             "correct the folder there, then fetch again)")
 
 
+def fetched_from(raw_root: Path, sources: Any) -> dict[str, dict[str, str]]:
+    """Per source, how fetch got its raw files (its manifest's ``mode`` and ``origin``: an offline mirror, the user's
+    folder, the download's addresses), for the data card and a run's MLflow tags: which copy a dataset was made from,
+    beside the hashes that say what it holds. A source without a manifest (made by hand) is left out."""
+    import json
+
+    from fedsilo.data.fetch import MANIFEST
+
+    out = {}
+    for src in sources:
+        try:
+            manifest = json.loads((Path(raw_root) / src / MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue
+        out[src] = {"mode": str(manifest.get("mode", "")), "origin": str(manifest.get("origin", ""))}
+    return out
+
+
 def read_source(src: str, raw_dir: Path, rules: Any = None) -> pd.DataFrame:
     """A built-in source's records (its reader's ``read_records``); an error about a local source's files names the
     user's folder too, not only fetch's copy of it."""
@@ -418,7 +436,7 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
             tmp, table, excluded, quarantine,
             {"dataset": Path(out_dir).name, "kind": params.kind, "task": "binary: 1 = Lung Opacity, 0 = Normal", "classes": ["Normal", "Lung Opacity"],
              "rules": {**params.model_dump(mode="json", exclude={"tables"}), **({"tables": params.table_rules_used()} if params.own_sources() else {})},
-             **({"warnings": warnings} if warnings else {})},
+             "sources": fetched_from(raw_root, params.sources), **({"warnings": warnings} if warnings else {})},
         )
 
 
@@ -662,11 +680,13 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
         _check_quarantine(kept["domain"], quarantine["domain"], quarantine, params.max_quarantine_fraction, f"raw files under {raw_root}",
                           f"datasets.{Path(out_dir).name}.max_quarantine_fraction")
         spool.finish(np.flatnonzero(ok))
-        return _write_benchmark(params, Path(out_dir).name, tmp, kept, ok, classes, excluded, quarantine, warnings)
+        return _write_benchmark(params, Path(out_dir).name, tmp, kept, ok, classes, excluded, quarantine, warnings,
+                                fetched_from(raw_root, params.source_list))
 
 
 def _write_benchmark(params: BenchmarkDatasetParams, name: str, tmp: Path, kept: pd.DataFrame, ok: np.ndarray,
-                     classes: list[str], excluded: pd.DataFrame, quarantine: pd.DataFrame, warnings: list[str]) -> dict[str, Any]:
+                     classes: list[str], excluded: pd.DataFrame, quarantine: pd.DataFrame, warnings: list[str],
+                     fetched: dict[str, dict[str, str]]) -> dict[str, Any]:
     """The rest of benchmark dataset ``name``'s folder (:func:`write_dataset`) for its kept, decoded records, with its
     card's task."""
     good = kept[ok].reset_index(drop=True)
@@ -694,7 +714,7 @@ def _write_benchmark(params: BenchmarkDatasetParams, name: str, tmp: Path, kept:
         {"dataset": name, "kind": params.kind, "task": tasks[params.kind], "classes": classes,
          "rules": {**params.model_dump(mode="json", exclude={"folders", "tables"} | ({"classes"} if params.kind != "image_folder" else set())),
                    **({"own_sources": {s: {"reader": params.reader_of(s), **params.rules(s).model_dump(mode="json")} for s in own}} if own else {})},
-         **({"warnings": warnings} if warnings else {})},
+         "sources": fetched, **({"warnings": warnings} if warnings else {})},
     )
 
 
@@ -773,6 +793,7 @@ def _card(meta: dict[str, Any], table: pd.DataFrame, excluded: pd.DataFrame, qua
         "total_images": int(len(table)),
         "domains": per_domain,
         "rules": meta["rules"],
+        **({"sources": meta["sources"]} if meta.get("sources") else {}),  # which copy: mirror, the user's folder, a download
         **({"warnings": list(meta["warnings"])} if meta.get("warnings") else {}),
         **({"samples": meta["samples"]} if meta.get("samples") else {}),
         "sha256": {
@@ -789,6 +810,8 @@ def card_markdown(card: dict[str, Any]) -> str:
         "",
         f"Task: {card['task']}. Image shape {tuple(card['image_shape'])}, {card['total_images']} images kept.",
         "",
+        *(["Fetched: " + "; ".join(f"{s} ({v['mode']}) from {v['origin']}" for s, v in card["sources"].items()) + ".", ""]
+          if card.get("sources") else []),
         "| domain | kept | " + " | ".join(classes) + " | subsets | groups | excluded | quarantined |",
         "|---|---|" + "---|" * len(classes) + "---|---|---|---|",
     ]

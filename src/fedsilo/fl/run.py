@@ -285,6 +285,8 @@ def run_training(
         }
         for path, md5 in dvc.items():
             tags[f"dvc.md5.{path}"] = md5
+        for src, how in card.get("sources", {}).items():  # which copy the data came from (the hashes say what it holds)
+            tags[f"data.source.{src}"] = f"{how['mode']}: {how['origin']}"[:5000]  # MLflow's tag length limit
         # what the method derived from its params and the model (a resolved cut depth, private layers, shared fraction),
         # known once the engine has set it up; logged beside the params, not hashed (it follows from them)
         method_resolved = algo.resolved()
