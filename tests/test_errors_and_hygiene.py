@@ -96,6 +96,24 @@ def test_a_model_too_deep_for_the_image_size_fails_at_check_params_naming_both_k
         build_model("alexnet_bn", 3, 2, image_size=32)  # data harmonized at another size than params says
 
 
+def test_check_params_warns_of_a_local_source_folder_missing_on_this_machine(tmp_path, capsys, caplog):
+    """`sources.rsna.path` misspelt (wrong case): check-params still passes (the file may be another machine's) but
+    says fetch will stop; relative paths are the repository root's (--root), as fetch's stage runs there."""
+    from fedsilo.cli import main
+
+    raw = small_params()
+    (tmp_path / "mine").mkdir()
+    raw["sources"]["rsna"] = {"mode": "local", "path": str(tmp_path / "Mine")}
+    raw["sources"]["openi"] = {"mode": "local", "path": "mine"}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with caplog.at_level("WARNING", logger="fedsilo"):
+        assert main(["--root", str(tmp_path), "--params", str(path), "check-params"]) == 0
+    err = caplog.text
+    assert f"sources.rsna.path: {tmp_path / 'Mine'} does not exist on this machine: `dvc repro` will stop at fetch@rsna" in err
+    assert "sources.openi" not in err
+
+
 @pytest.mark.parametrize("name", ["alexnet_bn", "densenet121", "lenet5", "fedecouple_cnn", "fedecouple_cnn_gray", "resnet10_cifar"])
 def test_the_minimum_image_size_table_is_what_the_backbones_take(name):
     import torch

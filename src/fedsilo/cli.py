@@ -502,6 +502,17 @@ def _check(args: argparse.Namespace) -> None:
     p = load_params(args.params)
     check_pipeline_fits(p, str(args.params))
     check_split_domains(p, str(args.params))
+    for name in p.pipeline.sources:  # what `dvc repro` fetches: a folder of your own missing here is said now
+        src = p.sources[name]
+        if src.mode == "local":
+            where = Path(str(src.path)).expanduser()
+            where = where if where.is_absolute() else Path(args.root) / where
+            if not where.exists():
+                import logging
+
+                logging.getLogger("fedsilo").warning(
+                    "sources.%s.path: %s does not exist on this machine: `dvc repro` will stop at fetch@%s here (a "
+                    "params file written for another machine is fine)", name, where, name)
     _check_published(p, str(args.params), Path(args.root))
     from fedsilo.scaffold import check_paper_stages
 
