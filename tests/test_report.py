@@ -658,6 +658,12 @@ def test_latex_tables_escape_names_and_a_table_of_identical_rows_says_it_tells_n
     assert indistinct_rows(three, clients) is None
     clients.loc["b"] = [0.5, 0.7]
     assert indistinct_rows(three, clients).startswith("scored exactly the same in every column: a, b.")
+    # two tied groups: numbered, so a reader does not take the five for one tie
+    five = pd.concat({"mean": pd.DataFrame([[50.0, 60.0], [50.0, 60.0], [70.0, 75.0], [70.0, 75.0], [10.0, 5.0]],
+                                           index=["a", "b", "c", "d", "e"], columns=cols),
+                      "std": pd.DataFrame(0.0, index=list("abcde"), columns=cols)}, axis=1)
+    assert indistinct_rows(five).startswith("scored exactly the same in every column: 2 groups, each tied within itself: "
+                                            "(1) a, b; (2) c, d. The same predictions")
     # a method the paper has no row for is in the versus table, paper "–"
     tab = versus_paper(acc, {"domains": ["art_painting"], "methods": {"fedavg": {"mean": [40.0, 50.0]}}})
     assert list(tab.index) == ["f2dc_no_dfd", "fedavg"] and pd.isna(tab.loc["f2dc_no_dfd", ("Avg", "paper")])

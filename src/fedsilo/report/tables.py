@@ -380,8 +380,12 @@ def indistinct_rows(tab: pd.DataFrame, per_client: pd.DataFrame | None = None) -
     ties = [g for g in groups if len(g) > 1]
     if not ties:
         return None
-    return ("scored exactly the same in every column: " + "; ".join(", ".join(str(m) for m in g) for g in ties)
-            + f". The same predictions: {why}; their differences mean nothing here")
+    if len(ties) == 1:
+        named = ", ".join(str(m) for m in ties[0])
+    else:  # each group numbered: a group's methods tie with each other, not with the next group's
+        named = f"{len(ties)} groups, each tied within itself: " + "; ".join(
+            f"({k}) " + ", ".join(str(m) for m in g) for k, g in enumerate(ties, 1))
+    return f"scored exactly the same in every column: {named}. The same predictions: {why}; their differences mean nothing here"
 
 
 def _cells(tab: pd.DataFrame, bold: str) -> pd.DataFrame:
