@@ -313,9 +313,7 @@ def build_report(
                 series = [(m, *seed_curve(histories, m, seeds, lambda e, key=key: e[key] * 100)) for m in three]
                 figs.append(figures.line_figure(tmp / f"{exp}_fig5_two_phase.png", series, f"average {what} accuracy (%)",
                                          f"{exp}: Single, FedAvg (two-phase), pFedDB"))
-            runs_md = write_runs_behind(results, methods, seeds, tmp, exp)
-            (tmp / f"{exp}_runs.md").write_text(runs_md)
-            md += "\n" + runs_md
+            md += "\n" + write_runs_behind(results, methods, seeds, tmp, exp)
             index += [md, ""] + [f"![{f}]({f})" for f in figs] + [""]
             made[exp] = {"table": acc["mean"]["Avg"].to_dict(), "figures": figs, "communication": comm.to_dict(orient="index")}
         (tmp / "README.md").write_text("\n".join(index) + "\n")

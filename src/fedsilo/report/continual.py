@@ -288,9 +288,7 @@ def build_stream_report(results: Path, experiment: str, methods: list[str], seed
         figs.append(line_figure(tmp / f"{experiment}_stream_curves.png", series,
                                  f"accuracy over the tasks seen so far (%), {per_task} rounds per task", f"{experiment}: the stream",
                                  marks=tuple(per_task * t + 0.5 for t in range(1, n_tasks))))
-        runs_md = write_runs_behind(results, methods, seeds, tmp, experiment)
-        (tmp / f"{experiment}_runs.md").write_text(runs_md)
-        full += "\n" + runs_md
+        full += "\n" + write_runs_behind(results, methods, seeds, tmp, experiment)
         (tmp / "README.md").write_text(f"# fedsilo report: {experiment}\n\n{full}\n" + "".join(f"![{f}]({f})\n" for f in figs))
     return {experiment: {"table": tab["mean"]["Avg"].to_dict(), "figures": figs}}
 

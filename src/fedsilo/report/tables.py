@@ -119,7 +119,7 @@ def client_domains(results: Path, method: str, seed: int) -> dict[str, str]:
 def write_runs_behind(results: Path, methods: list[str], seeds: list[int], out: Path, experiment: str) -> str:
     """The runs a report's tables were made from, each with what ties it to MLflow and to its inputs (its
     metrics.json's ``mlflow_run_id``, ``params_hash``, ``config_hash`` and the code's ``source_sha256``): written as
-    ``<experiment>_runs.csv`` (full hashes), returned as markdown (short ones). A (method, seed) trained twice, or
+    ``<experiment>_runs.csv`` (full hashes) and ``<experiment>_runs.md`` (short ones), the markdown returned. A (method, seed) trained twice, or
     restored by ``dvc repro`` from its cache, leaves MLflow runs of the same name; this names the one behind the
     numbers."""
     rows = []
@@ -139,7 +139,9 @@ def write_runs_behind(results: Path, methods: list[str], seeds: list[int], out: 
              "| method | seed | MLflow run | params hash | code hash |", "|---|---|---|---|---|"]
     lines += [f"| {r.method} | {r.seed} | {short(r.mlflow_run_id, 32) or '- (not tracked)'} | {short(r.params_hash) or '-'} | "
               f"{short(r.code_sha256) or '-'} |" for r in df.itertuples()]
-    return "\n".join(lines) + "\n"
+    md = "\n".join(lines) + "\n"
+    (out / f"{experiment}_runs.md").write_text(md)
+    return md
 
 
 def one_class_clients(df: pd.DataFrame) -> list[tuple[str, int, str]]:
