@@ -485,6 +485,9 @@ def test_train_stage_runs_a_hospital_stream_and_the_report_prints_the_papers_tab
     assert cli("report", "--experiment", "stream") == 0
     table = (root / "results" / "report" / "stream" / "stream_stream.md").read_text()
     assert "CheXpert | OpenI | RSNA | VinBigData | Avg | Delta | forgetting" in table and "| disjoint |" in table
+    runs = (root / "results" / "report" / "stream" / "stream_runs.md").read_text()  # each row's MLflow run, its hashes
+    assert f"| pfeddil | 0 | `{met['mlflow_run_id']}` | `{met['params_hash'][:12]}` |" in runs
+    assert runs in (root / "results" / "report" / "stream" / "README.md").read_text()
     # every client learns each domain in turn; the images behind each task's column, from that task's test splits
     assert met["client_domains"] == {c: met["tasks"] for c in met["clients"]} and "test_sizes" not in met
     sizes = met["test_sizes_by_task"]
