@@ -209,6 +209,19 @@ def test_a_copy_without_a_domain_or_its_class_folders_is_refused_by_name(bench_r
     card = harmonize_dataset(BenchmarkDatasetParams(kind="pacs", image_size=16, workers=1, domains=("photo", "art_painting", "cartoon")),
                              raw, tmp_path / "p3")
     assert sorted(card["domains"]) == ["art_painting", "cartoon", "photo"]
+    # a domain without one of its classes: refused as Office-Caltech-10's is (it read as a smaller task)
+    shutil.rmtree(raw / "pacs" / "PACS" / "cartoon" / "giraffe")
+    with pytest.raises(LabelFileError, match=r"cartoon: no images for 1 of the 7 PACS classes \(giraffe\)"):
+        source_module("pacs").read_records(raw / "pacs")
+    dn = tmp_path / "domainnet"
+    shutil.copytree(bench_raw / "domainnet", dn)
+    for f in (dn / "quickdraw" / "zebra").iterdir():  # the official lists still name them: quarantined, not absent
+        f.unlink()
+    assert len(source_module("domainnet").read_records(dn))
+    for lst in dn.rglob("quickdraw_*.txt"):
+        lst.write_text("".join(line + "\n" for line in lst.read_text().splitlines() if "/zebra/" not in line))
+    with pytest.raises(LabelFileError, match=r"quickdraw: no images for 1 of the 10 DomainNet \(10-class subset\) classes \(zebra\)"):
+        source_module("domainnet").read_records(dn)
     flat = tmp_path / "flat"
     for d in ("photo", "cartoon"):
         (flat / d).mkdir(parents=True)

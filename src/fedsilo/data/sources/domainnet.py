@@ -29,6 +29,7 @@ from fedsilo.data.sources.benchmark import (
     no_domain_folder,
     norm_name,
     records_frame,
+    require_every_class,
 )
 
 DISTRIBUTED_ARCHIVES = "*.zip"  # a local folder of the per-domain zips is unpacked by fetch, as download mode does
@@ -121,5 +122,7 @@ def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
             for key, row in rows.items():
                 if not row["excluded"]:
                     row["subset"] = fedbn.get(key, "")
+        # every DomainNet domain holds each of the 10 classes (a listed image missing on disk still counts: quarantined)
+        require_every_class([r for r in rows.values() if not r["excluded"]], CLASSES, ddir, "DomainNet (10-class subset)")
         frames.append(records_frame(list(rows.values()), domain))
     return pd.concat(frames, ignore_index=True)

@@ -21,6 +21,7 @@ from fedsilo.data.sources.benchmark import (
     no_domain_folder,
     norm_name,
     records_frame,
+    require_every_class,
 )
 
 DOMAINS = ("photo", "art_painting", "cartoon", "sketch")
@@ -70,5 +71,6 @@ def read_records(raw_dir: Path, rules: object = None) -> pd.DataFrame:
         if domain in dirs:
             subsets, missing = _split_lists(raw_dir, domain, dirs[domain])
             rows = class_folder_records(dirs[domain], raw_dir, domain, CLASSES, CLASS_ALIASES, subsets)
+            require_every_class(rows + missing, CLASSES, dirs[domain], "PACS")  # every PACS domain holds all seven
             frames.append(records_frame(rows + missing, domain))
     return pd.concat(frames, ignore_index=True)
