@@ -1687,6 +1687,29 @@ def test_a_site_scores_new_image_files_with_the_model_it_kept_as_it_scores_its_h
     assert "1 file(s) under the folders, none an image" in capsys.readouterr().err
 
 
+def test_predict_reads_files_by_the_rules_of_the_models_kind_and_refuses_another_size_either_way(tmp_path):
+    """The site's dataset decides how predict reads a file, checked against the model's contract before any file is
+    read: a chest X-ray dataset reads grey for a grey model (a DICOM by its preamble), and an RGB model is refused by
+    the dataset's key (not failed later on a tensor's shape); an image size other than the model's, smaller or larger,
+    is refused naming both."""
+    from fedsilo.config import parse_params
+    from fedsilo.fl.predict import _decoder
+    from tests.conftest import small_params
+
+    p = parse_params(small_params(image_size=32))
+    png = tmp_path / "x.png"
+    png.write_bytes(b"not read here")
+    job, workers = _decoder(p, "quick", {"image_shape": [32, 32, 1]})
+    assert job(png)[:3] == (str(png), "standard", 32) and workers == 1
+    with pytest.raises(ConfigError, match=re.escape("datasets.chest_xray4 (kind chest_xray4): the model takes 3-channel images")):
+        _decoder(p, "quick", {"image_shape": [32, 32, 3]})
+    for size in (16, 64):
+        with pytest.raises(ConfigError, match=re.escape(f"datasets.chest_xray4.image_size: 32; the model takes {size} px images")):
+            _decoder(p, "quick", {"image_shape": [size, size, 1]})
+    with pytest.raises(ConfigError, match=r"experiments\.site: not defined in the site's params file"):
+        _decoder(p, "site", {"image_shape": [32, 32, 1]})
+
+
 def _kept_rgb_model(tmp_path: Path, card: dict, site: str):
     """A FedAvg Simple-CNN (quarter width) for a harmonized RGB dataset's 16 px images, kept as a deployed site keeps
     its model (``model.pt``): (model, the site's stores, the deployment it records)."""
@@ -1759,6 +1782,70 @@ def test_site_predict_scores_a_slides_tissue_patches_and_pools_them(tmp_path, mo
     assert np.allclose(slide_row[prob].to_numpy(dtype=float), want.mean(0), atol=1e-6)
     assert slide_row["predicted"] == classes[int(want.mean(0).argmax())]
     assert rows.loc[str(photo), "error"] == "" and rows.loc[str(photo), "predicted"] in classes
+
+
+def test_a_slides_row_pools_the_patches_that_were_read_and_predicts_the_argmax_of_their_mean(tmp_path, monkeypatch):
+    """A patch that cannot be read is its own row's error and stays out of its slide's row: the slide's probabilities
+    are the mean over the patches scored, ``patches`` their count, and ``predicted`` the class of that mean (here not
+    the first patch's class)."""
+    pytest.importorskip("tiffslide")
+    from fedsilo.client import local
+    from fedsilo.data import harmonize, slides
+    from fedsilo.fl.predict import predict_images
+    from tests.test_slides import _slide
+
+    monkeypatch.setattr(slides, "SMALL_TIFF_BYTES", 0)
+    raw_dir = tmp_path / "data/raw/lab"
+    _slide(raw_dir / "tumour" / "S1.tif", (900, 800), 500)
+    _slide(raw_dir / "normal" / "S2.tif", (1200, 1200), 300, seed=1)
+    p, classes, _, kept = _slide_site(tmp_path, raw_dir, {"mpp": 2.0, "patch_px": 32, "max_patches": 50})
+    real = harmonize.decode_all
+
+    def last_patch_broken(jobs, *a, **k):
+        out = list(real(jobs, *a, **k))
+        out[-1] = (None, "broken patch")
+        return out
+
+    def scores(model, images, *a, **k):  # the first patch for class 0, every other for class 1
+        probs = np.tile(np.array([[0.3, 0.7]], dtype=np.float32), (len(images), 1))
+        probs[0] = [0.9, 0.1]
+        return probs
+
+    monkeypatch.setattr(harmonize, "decode_all", last_patch_broken)
+    monkeypatch.setattr(local, "predict_probabilities", scores)
+    slide = str(raw_dir / "tumour" / "S1.tif")
+    rows = predict_images(p, "site", kept.model_path, [raw_dir / "tumour" / "S1.tif"], quiet=True).set_index("path")
+    patches = rows[rows["slide"] == slide]
+    read = patches[patches["error"] == ""]
+    assert len(read) == len(patches) - 1 >= 3 and patches["error"].iloc[-1] == "broken patch"
+    prob = [f"prob.{c}" for c in classes]
+    assert rows.loc[slide, "patches"] == len(read) and rows.loc[slide, "error"] == ""
+    want = read[prob].to_numpy(dtype=float).mean(0)
+    assert np.allclose(rows.loc[slide, prob].to_numpy(dtype=float), want) and rows.loc[slide, "predicted"] == classes[1]
+
+
+def test_sources_that_cut_slides_alike_give_predict_one_rule_and_sources_that_differ_none(tmp_path):
+    """predict cuts a new slide as the site's sources cut theirs: two sources with the same slides rules (their
+    region annotations aside) are one rule, named by the first source's key; rules that differ leave no rule to
+    choose, said by the sources' names."""
+    from fedsilo.config import parse_params
+    from fedsilo.fl.predict import _slide_rules
+    from tests.conftest import small_params
+
+    def params(second: dict):
+        raw = small_params()
+        raw.update(sources={s: {"mode": "local", "reader": "image_folder", "path": str(tmp_path / s)} for s in ("lab", "annex")},
+                   datasets={"d": {"kind": "image_folder", "sources": ["lab", "annex"], "image_size": 16, "workers": 1,
+                                   "folders": {"lab": {"slides": {"mpp": 2.0, "patch_px": 32}}, "annex": {"slides": second}}}},
+                   experiments={"site": {"dataset": "d", "split": {"protocol": "domain_clients", "n_train": 4, "n_test": 4}}},
+                   pipeline={"sources": ["lab", "annex"], "datasets": ["d"], "splits": {"site": "d"}, "experiments": ["site"],
+                             "methods": ["fedavg"], "seeds": [0]})
+        return parse_params(raw)
+
+    rules, key = _slide_rules(params({"mpp": 2.0, "patch_px": 32}), "site")
+    assert rules is not None and rules.mpp == 2.0 and rules.patch_px == 32 and key.endswith(".slides")
+    rules, why = _slide_rules(params({"mpp": 1.0, "patch_px": 32}), "site")
+    assert rules is None and why == "the sources annex, lab of datasets.d cut slides differently: make their slides rules one"
 
 
 def test_site_predict_reads_a_dicom_slide_at_the_focal_plane_and_optical_path_harmonize_read(tmp_path, monkeypatch):
@@ -1838,6 +1925,7 @@ def test_site_predict_reads_rgb_benchmark_files_as_harmonize_does(tmp_path, caps
     want = predict(model.eval(), x, cfg=CPU_TRAIN).softmax(1).numpy()
     assert np.allclose(rows[[f"prob.{c}" for c in classes]].to_numpy(dtype=float), want, atol=1e-6)
     assert list(rows["predicted"]) == [classes[j] for j in want.argmax(1)]
+    assert list(rows.columns) == ["path", "predicted", *(f"prob.{c}" for c in classes), "error"]  # no slide: no slide columns
     # a DICOM of the site's (suffix-less, colour) reads as harmonize reads its own: as RGB; a slide is never decoded
     from fedsilo.data.harmonize import decode_one, to_rgb_square
     from tests.test_image_table import _colour_dicom

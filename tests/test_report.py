@@ -334,6 +334,65 @@ def test_per_domain_figure_draws_a_line_per_domain_the_mean_of_its_clients(tmp_p
     assert set(drawn) == {"x_curves.png", "x_bytes.png"} and drawn["x_curves.png"] == "mean test accuracy over clients (%)"
 
 
+def test_the_curves_are_the_tables_avg_per_round_over_the_seeds_that_evaluated_it_and_bytes_are_up_plus_down(tmp_path, monkeypatch):
+    """The curves figure plots, per round every seed evaluated (matched by round number: a round one seed did not
+    score is left out), the mean over seeds of the Avg over domains (each the mean of its clients, as the table forms
+    it); the bytes figure each round's upload plus download in MiB; the validation curves only where every client
+    scored a validation set."""
+    import fedsilo.report.figures as report
+
+    drawn: dict[str, list] = {}
+    monkeypatch.setattr(report, "line_figure", lambda path, series, *a: drawn.__setitem__(path.name, series) or path.name)
+
+    def entry(r, a1, a2, b1, val=True):
+        ev = {"a1": {"acc": a1}, "a2": {"acc": a2}, "b1": {"acc": b1}}
+        if val:
+            for c in ev:
+                ev[c]["val_acc"] = 0.5
+        return {"round": r, "bytes_up_total": 3 * 2**20, "bytes_down_total": 2**20, "eval": ev}
+
+    hist = {("fedavg", 0): [entry(1, 0.2, 0.4, 0.1), entry(2, 0.4, 0.8, 0.2), entry(3, 0.5, 0.5, 0.5)],
+            ("fedavg", 1): [entry(1, 0.4, 0.6, 0.3), {"round": 2, "bytes_up_total": 0, "bytes_down_total": 0},
+                            entry(3, 0.7, 0.7, 0.7, val=False)]}
+    report.round_figures(tmp_path, "x", ["fedavg"], [0, 1], hist, {"a1": "A", "a2": "A", "b1": "B"})
+    (name, rounds, ys), = drawn["x_curves.png"]
+    # seed 0: round 1 Avg (30 + 10) / 2 = 20, seed 1: (50 + 30) / 2 = 40; round 2 not scored by seed 1: left out
+    assert name == "fedavg" and rounds == [1, 3] and ys == pytest.approx([30.0, 60.0])
+    (name, rounds, mib), = drawn["x_bytes.png"]
+    assert rounds == [1, 2, 3] and mib == pytest.approx([4.0, 4.0, 4.0])  # seed 0's rounds, 3 MiB up + 1 MiB down
+    assert "x_fedavg_domains_val.png" not in drawn  # seed 1's third round scored no validation set
+
+
+def test_the_spectrum_and_scatter_figures_plot_the_mean_over_seeds_and_the_pairs_of_domains(tmp_path, monkeypatch):
+    """F²DC's Fig. 1: a bar per singular value at log10 of its mean over seeds' logs (bars from the smallest up);
+    pFedDB's Fig. 3: each method at the mean of CheXpert and RSNA (x) and of OpenI and VinBigData (y), the paper's
+    point beside it where its table has the method."""
+    from matplotlib.axes import Axes
+
+    from fedsilo.report.figures import fig1_spectrum, fig3_scatter
+
+    seen: dict[str, list] = {"bar": [], "scatter": []}
+    for name in seen:
+        real = getattr(Axes, name)
+
+        def spy(self, *a, _real=real, _name=name, **k):
+            seen[_name].append((a, k))
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(Axes, name, spy)
+    spectra = {("fedavg", 0): {"A-0": [100.0, 10.0, 1.0]}, ("fedavg", 1): {"A-0": [10000.0, 1.0, 0.01]}}
+    fig1_spectrum(tmp_path / "f1.png", spectra, ["fedavg"], [0, 1], "A-0", "t")
+    (x, heights), k = seen["bar"][0]
+    assert list(x) == [0, 1, 2] and k["bottom"] == pytest.approx(-1.0)
+    assert list(np.asarray(heights) + k["bottom"]) == pytest.approx([3.0, 0.5, -1.0])  # log10 means: (2 + 4) / 2, ...
+    cols = ["CheXpert", "OpenI", "RSNA", "VinBigData"]
+    acc = pd.concat({"mean": pd.DataFrame([[80.0, 60.0, 70.0, 50.0]], index=["fedavg"], columns=cols)}, axis=1)
+    paper = {"domains": cols, "methods": {"fedavg": {"mean": [90.0, 70.0, 80.0, 60.0, 75.0]}}}
+    fig3_scatter(tmp_path / "f3.png", acc, paper, "t")
+    (ours, paper_point) = [a for a, _ in seen["scatter"]]
+    assert ours == ([75.0], [55.0]) and paper_point == ([85.0], [65.0])
+
+
 def test_versus_paper_warns_when_our_avg_covers_domains_the_paper_has_not(caplog):
     import logging
 
@@ -349,6 +408,21 @@ def test_versus_paper_warns_when_our_avg_covers_domains_the_paper_has_not(caplog
     with caplog.at_level(logging.WARNING, logger="fedsilo.report"):
         tab = versus_paper(acc, fewer)
     assert "no column for C" in caplog.text and tab[("Avg", "diff")].iloc[0] == pytest.approx(10.0)
+
+
+def test_an_avg_only_paper_row_stands_under_avg_and_leaves_the_domain_columns_without_a_paper_value():
+    """A sensitivity table that prints only the mean over domains (one value a row) is compared under Avg alone: its
+    one value is the paper's Avg, not its first domain's; a full row beside it fills every column."""
+    from fedsilo.report.versus import versus_markdown, versus_paper
+
+    cols = ["A", "B", "Avg"]
+    acc = pd.concat({"mean": pd.DataFrame([[50.0, 70.0, 60.0], [40.0, 80.0, 60.0]], index=["fedavg", "f2dc"], columns=cols),
+                     "std": pd.DataFrame(0.0, index=["fedavg", "f2dc"], columns=cols)}, axis=1)
+    tab = versus_paper(acc, {"domains": ["A", "B"], "methods": {"fedavg": {"mean": [55.0]}, "f2dc": {"mean": [45.0, 75.0, 60.0]}}})
+    assert tab.loc["fedavg", ("Avg", "paper")] == 55.0 and tab.loc["fedavg", ("Avg", "diff")] == pytest.approx(5.0)
+    assert pd.isna(tab.loc["fedavg", ("A", "paper")]) and pd.isna(tab.loc["fedavg", ("B", "paper")])
+    assert [tab.loc["f2dc", (d, "paper")] for d in cols] == [45.0, 75.0, 60.0]
+    assert "| fedavg | 50.0 / – | 70.0 / – | 60.0 / 55.0 (+5.0) |" in versus_markdown(tab, "t")
 
 
 def test_one_table_of_a_paper_is_reported_from_its_groups_runs_and_names_the_runs_it_lacks(tmp_path, capsys, monkeypatch):
@@ -581,6 +655,85 @@ def test_a_table_across_several_datasets_has_a_row_per_dataset_and_the_papers_ro
     assert not (tmp_path / "bad").exists()
 
 
+def test_the_across_figure_plots_each_row_at_the_settings_values_and_the_papers_dashed_in_its_colour(tmp_path, monkeypatch):
+    """The across figure's data: x at the setting's values (local epochs 1, 5, 10 spaced as numbers, not 0, 1, 2),
+    ours the table's means, the paper's row beside it dashed in the colour of ours with a gap where it prints no
+    number (not a zero); columns named by experiments (several settings apart) are points at 0, 1, ... (no line)."""
+    import fedsilo.report.across as across
+
+    drawn: dict[str, tuple] = {}
+    monkeypatch.setattr(across, "line_figure", lambda path, series, *a, **k: drawn.__setitem__(path.name, (series, k)) or path.name)
+    epochs = {"e10": 10, "e1": 1, "e5": 5}
+    settings = {e: {"train.local_epochs": k} for e, k in epochs.items()}
+    avg = {e: pd.DataFrame({"mean": [50.0 + k, 40.0 + k], "std": [0.5, 0.5]}, index=["fedecouple", "fedavg"]) for e, k in epochs.items()}
+    paper = {"source": "Table XII", "setting": "local_epochs", "methods": {"fedecouple": {"c10": {1: 76.76, 5: 81.78}}}}
+    across.build_across_report("t12", {"c10": list(epochs)}, avg, settings, ["fedecouple", "fedavg"], [0], tmp_path / "out",
+                               (paper, "p#t"))
+    series, kw = drawn["t12_across.png"]
+    lines = {label: (x, y) for label, x, y in series}
+    assert list(lines) == ["fedecouple", "fedecouple (paper)", "fedavg"]
+    assert lines["fedecouple"] == ([1.0, 5.0, 10.0], [51.0, 55.0, 60.0]) and lines["fedavg"][1] == [41.0, 45.0, 50.0]
+    x, y = lines["fedecouple (paper)"]
+    assert x == [1.0, 5.0, 10.0] and y[:2] == [76.76, 81.78] and np.isnan(y[2])
+    styles = kw["styles"]
+    assert styles["fedecouple (paper)"]["linestyle"] == "--" and styles["fedecouple (paper)"]["color"] == styles["fedecouple"]["color"]
+    assert styles["fedecouple"]["color"] != styles["fedavg"]["color"]
+    assert kw["connect"] and kw["xtick_positions"] == [1.0, 5.0, 10.0] and kw["xticks"] == ["1", "5", "10"]
+    assert all(s.get("linestyle", "-") != "none" for s in styles.values())
+    rho = {"rho_a": {"train.client_fraction": 1.0, "train.client_fraction_range": [0.1, 1.0]},
+           "rho_b": {"train.client_fraction": 0.5, "train.client_fraction_range": None}}
+    across.build_across_report("f12", {"c10": list(rho)}, {e: avg["e1"] for e in rho}, rho, ["fedavg"], [0], tmp_path / "f12")
+    series, kw = drawn["f12_across.png"]
+    assert series == [("fedavg", [0, 1], [41.0, 41.0])] and kw["xticks"] == ["rho_a", "rho_b"] and kw["xtick_positions"] is None
+    assert not kw["connect"] and kw["styles"]["fedavg"]["linestyle"] == "none"
+
+
+def test_datasets_whose_experiments_differ_in_different_settings_make_no_table_across_them(tmp_path):
+    """Across several datasets the columns are one setting's values: one dataset swept over local epochs and the
+    other over the learning rate have no common columns, and the group is refused naming both settings; a setting
+    of True / False is no scale (kept in the order given, points not joined by a line)."""
+    from fedsilo.report import ReportError
+    from fedsilo.report.across import build_across_report, experiment_labels
+
+    settings = {"c1": {"train.local_epochs": 1, "train.lr": 0.1}, "c5": {"train.local_epochs": 5, "train.lr": 0.1},
+                "f1": {"train.local_epochs": 1, "train.lr": 0.01}, "f2": {"train.local_epochs": 1, "train.lr": 0.02}}
+    avg = {e: pd.DataFrame({"mean": [50.0], "std": [0.5]}, index=["fedavg"]) for e in settings}
+    with pytest.raises(ReportError, match=re.escape("runs.g.across: the datasets' experiments differ in local_epochs, lr;")):
+        build_across_report("g", {"cifar10_32": ["c1", "c5"], "fmnist_28": ["f1", "f2"]}, avg, settings, ["fedavg"], [0], tmp_path / "g")
+    assert not (tmp_path / "g").exists()
+    labels, order, axis = experiment_labels({"on": {"split.every_class": True}, "off": {"split.every_class": False}})
+    assert order == ["on", "off"] and labels == {"on": "every_class True", "off": "every_class False"}
+    assert axis == ("every_class", {"on": "True", "off": "False"})
+    from fedsilo.report.across import _numbers
+
+    assert not _numbers(axis)
+
+
+def test_the_papers_across_numbers_must_name_the_setting_and_be_numbers_and_our_std_comes_from_the_accuracy_csv(tmp_path):
+    """A published across entry without its ``setting``, or with True for a mean (YAML's yes), is refused, not
+    set beside ours; an experiment's Avg and its std over seeds come from the report stage's accuracy CSV (no
+    Avg_std column: no spread); setting keys whose short names collide (split.seed, train.seed) keep their prefixes."""
+    from fedsilo.report import ReportError
+    from fedsilo.report.across import avg_from_csv, build_across_report, differing
+
+    settings = {"e1": {"train.local_epochs": 1}, "e5": {"train.local_epochs": 5}}
+    avg = {e: pd.DataFrame({"mean": [50.0], "std": [0.5]}, index=["fedecouple"]) for e in settings}
+    for bad, said in (({"methods": {"fedecouple": {"c10": {1: 76.76}}}}, "setting 'None' but the group's experiments differ in 'local_epochs'"),
+                      ({"setting": "local_epochs", "methods": {"fedecouple": {"c10": {1: True}}}}, "methods.fedecouple.c10: a mapping")):
+        with pytest.raises(ReportError, match=re.escape(said)):
+            build_across_report("t", {"c10": list(settings)}, avg, settings, ["fedecouple"], [0], tmp_path / "bad", (bad, "p#t"))
+    assert not (tmp_path / "bad").exists()
+    pd.DataFrame({"method": ["fedavg", "fedecouple"], "seeds": [2, 2], "Avg_mean": [40.0, 61.0], "Avg_std": [1.5, 2.5]}).to_csv(
+        tmp_path / "a.csv", index=False)
+    got = avg_from_csv(tmp_path / "a.csv", "e")
+    assert got.loc["fedecouple", "mean"] == 61.0 and got.loc["fedecouple", "std"] == 2.5 and got.loc["fedavg", "std"] == 1.5
+    pd.DataFrame({"method": ["fedavg"], "seeds": [1], "Avg_mean": [40.0]}).to_csv(tmp_path / "one.csv", index=False)
+    assert np.isnan(avg_from_csv(tmp_path / "one.csv", "e").loc["fedavg", "std"])
+    assert differing({"a": {"split.seed": 0, "train.seed": 0, "train.lr": 0.1}, "b": {"split.seed": 1, "train.seed": 1, "train.lr": 0.1}}
+                     ) == {"split.seed": "split.seed", "train.seed": "train.seed"}
+    assert differing({"a": {"split.seed": 0, "train.lr": 0.1}, "b": {"split.seed": 1, "train.lr": 0.2}}) == {"split.seed": "seed", "train.lr": "lr"}
+
+
 def test_the_across_stage_builds_a_groups_table_from_the_report_stages_accuracy_tables(tmp_path, capsys):
     """`report --across table12` (dvc.yaml's across_table12 stage) reads each experiment's <e>_accuracy.csv under
     report/ (what the stage depends on) and writes results/<paper>/<scale>/across/table12/; a report not built yet
@@ -691,6 +844,39 @@ def test_a_stream_figure_marks_its_task_boundaries_and_keeps_fifteen_lines_apart
     assert seen["vlines"] == [2.5, 4.5] and seen["legend"][0]["bbox_to_anchor"] == (1.01, 1.0)
 
 
+def test_a_lines_own_style_wins_over_the_defaults_and_ticks_stand_at_the_settings_values(tmp_path, monkeypatch):
+    """line_figure: a label's ``styles`` (a paper's numbers dashed in the colour of ours) override the defaults, also
+    ``connect=False``'s points-only; ``xticks`` stand at ``xtick_positions`` where given (local epochs 1, 5, 10), else
+    at 0, 1, ...; past ten lines each takes its own colour of the 20-colour map."""
+    from matplotlib.axes import Axes
+
+    from fedsilo.report.figures import line_figure
+
+    seen: dict[str, list] = {"plot": [], "set_xticks": []}
+    for name in seen:
+        real = getattr(Axes, name)
+
+        def spy(self, *a, _real=real, _name=name, **k):
+            seen[_name].append((a, k))
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(Axes, name, spy)
+    series = [("ours", [1.0, 5.0, 10.0], [50.0, 55.0, 60.0]), ("ours (paper)", [1.0, 5.0, 10.0], [70.0, 75.0, 72.0])]
+    styles = {"ours": {"color": "C0"}, "ours (paper)": {"color": "C0", "linestyle": "--", "marker": "x"}}
+    line_figure(tmp_path / "a.png", series, "acc", "t", xlabel="local_epochs", xticks=["1", "5", "10"], connect=False,
+                styles=styles, xtick_positions=[1.0, 5.0, 10.0])
+    (_, ours), (_, theirs) = seen["plot"]
+    assert ours["color"] == "C0" and ours["linestyle"] == "none" and ours["marker"] == "o"
+    assert theirs["color"] == "C0" and theirs["linestyle"] == "--" and theirs["marker"] == "x"
+    assert list(seen["set_xticks"][0][0][0]) == [1.0, 5.0, 10.0] and list(seen["set_xticks"][0][0][1]) == ["1", "5", "10"]
+    seen["plot"].clear()
+    seen["set_xticks"].clear()
+    line_figure(tmp_path / "b.png", [(f"m{i}", [0, 1], [i, i]) for i in range(11)], "acc", "t", xticks=["e1", "e2"])
+    assert list(seen["set_xticks"][0][0][0]) == [0, 1]
+    colours = [k["color"] for _, k in seen["plot"]]
+    assert None not in colours and len(set(colours)) == 11
+
+
 def test_the_cost_table_sets_our_whole_rounds_upload_beside_the_papers_comm_and_names_what_it_lacks():
     """F²DC's Table 4 prints comm. for all of a round's clients (193.72 MB for FedAvg on PACS): ours is given per
     client and for the whole round; a paper method the report does not hold reads "not in this report" (it may have
@@ -727,6 +913,7 @@ def test_a_row_run_with_another_setting_than_the_papers_row_is_named():
     assert said == ["f2dc ran with sigma 0.2 (the paper's row: 0.1)"]
     assert settings_differ(published["pacs"], {**entries, "f2dc_sigma_0_01": {"method": "f2dc"}}, ["f2dc_sigma_0_01"]) == [
         "f2dc_sigma_0_01 ran with sigma 0.1 (the paper's row: 0.01)"]  # the row's own value left at the default
+    assert settings_differ(published["pacs"], {"fedavg": {}}, ["fedavg", "f2dc"]) == []  # a row with no entry here: nothing to compare
     idx = pd.MultiIndex.from_tuples([("Avg", "ours"), ("Avg", "paper"), ("Avg", "diff")])
     vs = pd.DataFrame([[70.0, 76.47, -6.47]], index=["f2dc"], columns=idx)
     import tempfile
@@ -742,6 +929,26 @@ def test_a_row_run_with_another_setting_than_the_papers_row_is_named():
         whole = {**published["pacs"], "methods": {"f2dc": published["pacs"]["methods"]["f2dc"]}}
         fresh = pd.DataFrame([[70.0, 76.47, -6.47]], index=["f2dc"], columns=idx)  # write_versus flattens its columns
         assert "with no run here" not in write_versus(Path(d), "f2dc_pacs", fresh, "pipelines/f2dc/published.yaml#pacs", whole)
+
+
+def test_the_backbone_note_names_what_the_runs_trained_where_it_is_not_the_papers(tmp_path):
+    """The runs' backbones come from what each run's metrics.json records (``x<width>`` only where the width is not
+    1; a run recording none is not counted); the vs-paper note is said when any backbone differs from the paper's
+    (one run of a grid on another model is enough), and not when they match or nothing is known."""
+    from fedsilo.report.versus import backbone_note, runs_backbones
+    from fedsilo.utils.io import write_json
+
+    trained = {("fedavg", 0): {"model": "resnet10"}, ("fedavg", 1): {"model": "resnet10", "model_width": 1.0},
+               ("f2dc", 0): {"model": "resnet10", "model_width": 0.5}}
+    for (m, s), train in trained.items():
+        write_json(tmp_path / m / f"seed{s}" / "metrics.json", {"run": {"train": train}})
+    write_json(tmp_path / "f2dc" / "seed1" / "metrics.json", {"mean_acc": 0.5})  # a run from before 2026-12-06
+    assert runs_backbones(tmp_path, ["fedavg"], [0, 1]) == {"resnet10"}
+    assert runs_backbones(tmp_path, ["fedavg", "f2dc"], [0, 1]) == {"resnet10", "resnet10 x0.5"}
+    paper = {"backbone": "resnet10"}
+    assert backbone_note(paper, {"resnet10"}) == "" and backbone_note(paper, set()) == "" and backbone_note({}, {"lenet5"}) == ""
+    note = backbone_note(paper, {"resnet10", "resnet10 x0.5"})
+    assert note.startswith("**Not the paper's backbone**: ours resnet10, resnet10 x0.5, the paper's resnet10:"), note
 
 
 def test_a_quickstarts_vs_paper_table_says_where_its_scale_is_not_the_papers():
@@ -763,3 +970,20 @@ def test_a_quickstarts_vs_paper_table_says_where_its_scale_is_not_the_papers():
     with tempfile.TemporaryDirectory() as d:
         md = write_versus(Path(d), "f2dc_pacs", vs, "x.yaml#t", {"source": "Table 1"}, scale=note)
     assert note in md
+
+
+
+def test_a_setting_the_paper_scales_params_leave_unsaid_is_not_named_as_a_difference(tmp_path):
+    """Where the paper-scale params state no seeds (nor a value of some other setting), the scale note compares only
+    what they state: the quickstart's one seed is not set beside a paper's "seeds 0"."""
+    from fedsilo.report.versus import paper_scale_note
+    from tests.conftest import paper_params
+
+    raw = yaml.safe_load((REPO / "pipelines/f2dc/paper/params.yaml").read_text())
+    del raw["seeds"]
+    (tmp_path / "pipelines/f2dc/paper").mkdir(parents=True)
+    (tmp_path / "pipelines/f2dc/paper/params.yaml").write_text(yaml.safe_dump(raw))
+    note = paper_scale_note(paper_params("f2dc", "quickstart", check=False), "f2dc_pacs", tmp_path)
+    assert note.startswith("**Not the paper's scale** (quickstart): ours image size 16 px, rounds 3, local epochs 1, batch size 16; "
+                           "the paper scale's (pipelines/f2dc/paper/params.yaml) image size 128 px, rounds 100, local epochs 10, "
+                           "batch size 64; our images from offline mirrors (pacs)"), note

@@ -54,6 +54,9 @@ def test_std_over_domains_is_each_runs_sample_std_over_its_domain_columns_and_th
     vs = versus_paper(tab, {"domains": list("ABCD"), "methods": {"fedavg": {"mean": paper_row + [55.87], "std_over_domains": 8.27}}})
     assert vs.loc["fedavg", ("STD", "paper")] == 8.27
     assert vs.loc["fedavg", ("STD", "diff")] == pytest.approx(np.mean(per_run) - 8.27)
+    # a paper that prints no STD over domains: no STD column beside ours (not a column of "ours / –")
+    bare = versus_paper(tab, {"domains": list("ABCD"), "methods": {"fedavg": {"mean": paper_row + [55.87]}}})
+    assert "STD" not in {c[0] for c in bare.columns} and bare.loc["fedavg", ("Avg", "paper")] == 55.87
 
 
 def test_the_table_bolds_the_highest_accuracy_and_the_lowest_std_over_domains():

@@ -167,6 +167,55 @@ def test_prevalence_is_part_of_the_uncertainty_and_all_or_none_proportions_get_a
     assert ev.exact_at_bound(1, 21) == pytest.approx([0.8389, 1.0], abs=1e-4)
 
 
+def test_patients_alike_give_every_interval_as_a_point_at_its_own_value():
+    """Where every patient holds the same images with the same calls, every bootstrap sample is the whole set over
+    again: each interval is the point of its own value (PPV over the positive calls, NPV over the negative ones,
+    sensitivity and specificity over the true classes, AUC on the probabilities), whichever patients are drawn."""
+    y1, pred1, p1 = [1, 1, 0, 0, 0], [1, 0, 1, 1, 0], [0.9, 0.3, 0.8, 0.6, 0.1]
+    patients = 6
+    y, pred, prob = (np.tile(v, patients) for v in (y1, pred1, p1))
+    ci = patient_bootstrap(np.asarray(y), np.asarray(pred), np.asarray(prob, dtype=float), np.repeat(np.arange(patients), 5), 2, 40, seed=3)
+    want = {"accuracy": 2 / 5, "recall.1": 1 / 2, "recall.0": 1 / 3, "ppv": 1 / 3, "npv": 1 / 2,
+            "auc": binary_auc(np.asarray(y1), np.asarray(p1))}
+    for key, value in want.items():
+        assert ci[key] == pytest.approx([value, value]), key
+    assert ci["samples"] == 40 and ci["lacking"] == {}
+
+
+def test_the_interval_is_the_central_95_percent_of_the_patient_samples():
+    """One image a patient, half of them right: the accuracy's interval spans about +-1.96 binomial standard errors
+    (a 95 % interval, not a 90 % one of +-1.64); with a single patient there is nothing to resample, and no
+    interval is claimed."""
+    n = 400
+    y = np.tile([0, 1], n // 2)
+    pred = np.r_[y[: n // 2], 1 - y[n // 2:]]  # 200 right, 200 wrong
+    ci = patient_bootstrap(y, pred, None, np.arange(n), 2, 4000, seed=0)
+    se = (0.5 * 0.5 / n) ** 0.5
+    assert ci["accuracy"][1] - ci["accuracy"][0] == pytest.approx(2 * 1.96 * se, rel=0.06)
+    assert "auc" not in ci or ci["auc"] is None  # no probabilities, no AUC
+    one = patient_bootstrap(np.array([0, 1, 2]), np.array([0, 1, 1]), None, np.zeros(3, dtype=int), 3, 50)
+    assert one["samples"] == 0 and one["why"] == "fewer than 2 patients in all"
+
+
+def test_an_all_or_none_proportion_gets_the_exact_interval_on_its_own_denominators_patients():
+    """A model that calls every image negative: sensitivity 0 of the 16 positive patients gets [0, 1 - 0.025^(1/16)]
+    (the patients of its denominator, not all 37); specificity 21 of 21 gets [0.025^(1/21), 1]; the bootstrap's
+    interval stands for accuracy, which is at neither bound."""
+    y = np.array([1] * 16 + [0] * 21)
+    rows = pd.DataFrame({"label": y, "predicted_index": np.zeros(37, dtype=int), "group": [f"p{i}" for i in range(37)],
+                         "prob.Normal": 0.6, "prob.Lung Opacity": 0.4})
+    m = ev._metrics(rows, CLASSES, 200, 0)
+    assert m["sensitivity"] == 0.0 and m["sensitivity_ci"] == pytest.approx(ev.exact_at_bound(0, 16))
+    assert m["specificity"] == 1.0 and m["specificity_ci"] == pytest.approx(ev.exact_at_bound(1, 21))
+    assert m["npv"] == pytest.approx(21 / 37) and m["ppv"] is None and m["ppv_ci"] is None
+    boot = patient_bootstrap(y, np.zeros(37, dtype=int), np.full(37, 0.4), rows["group"].to_numpy(), 2, 200, 0)
+    assert m["accuracy_ci"] == boot["accuracy"] and m["npv_ci"] == boot["npv"]
+    # one positive patient: no bootstrap, and no exact interval either (no interval is claimed at all)
+    few = ev._metrics(rows.assign(group=["p0"] * 16 + [f"q{i}" for i in range(21)]), CLASSES, 50, 0)
+    assert few["bootstrap"]["samples"] == 0 and few["sensitivity"] == 0.0 and few["sensitivity_ci"] is None
+    assert few["specificity_ci"] is None and few["accuracy_ci"] is None
+
+
 def test_a_ten_class_benchmark_model_gets_accuracy_recall_and_their_intervals(tmp_path):
     from fedsilo.config import parse_params
     from tests.conftest import add_benchmarks, small_params
@@ -204,11 +253,40 @@ def test_a_ten_class_benchmark_model_gets_accuracy_recall_and_their_intervals(tm
         evaluate_site_model(p, "office", kept.model_path, tmp_path)
 
 
+def test_a_deployed_sites_model_scored_on_the_split_it_trained_on_is_no_external_validation(tmp_path):
+    """The deployment records each site's fingerprint (its harmonized card and split file): a site's kept model scored
+    on the dataset whose split is that site's is said to be evaluated on its own training data, by the site's name,
+    in the summary and the title; the same dataset under another split file is external."""
+    from fedsilo.fl.site import recorded_fingerprint
+
+    raw, model_path, model = _site(tmp_path)
+    raw["experiments"] = {"site": {"dataset": "external", "split": {"protocol": "domain_clients", "n_train": 4, "n_test": 4}}}
+    p = parse_params(raw)
+    split = p.layout(tmp_path).split("site")
+    split.parent.mkdir(parents=True, exist_ok=True)
+    split.write_text(json.dumps({"clients": {"RSNA": {"train": [0, 1], "test": [2, 3]}}}))
+    card = json.loads((tmp_path / "data" / "harmonized" / "external" / "card.json").read_text())
+    held = torch.load(model_path, weights_only=False)
+    held["deployment"]["sites"] = [{"name": "St Mary's", "fingerprint": "0" * 64},
+                                   {"name": "RSNA", "fingerprint": recorded_fingerprint(card, split)}]
+    torch.save(held, model_path)
+    summary, _ = evaluate_site_model(p, "external", model_path, tmp_path, bootstrap=5)
+    assert summary["trained_on"] == "RSNA"
+    assert ev.evaluation_markdown(summary).startswith("# Evaluation on the data RSNA trained on (not an external validation): external")
+    split.write_text(json.dumps({"clients": {"RSNA": {"train": [0], "test": [2, 3]}}}))  # another split of the same images
+    summary, _ = evaluate_site_model(p, "external", model_path, tmp_path, bootstrap=5)
+    assert summary["trained_on"] is None and ev.evaluation_markdown(summary).startswith("# External validation: external")
+
+
 def test_a_dataset_the_model_was_not_made_for_is_refused_by_key(tmp_path):
     raw, model_path, _ = _site(tmp_path, size=16)
     p = parse_params(raw)
     with pytest.raises(ConfigError, match=r"datasets.external.image_size: the harmonized images are 16 px; the model takes 32 px"):
         evaluate_site_model(p, "external", model_path, tmp_path)
+    (tmp_path / "big").mkdir()
+    big_raw, big_model, _ = _site(tmp_path / "big", size=64)  # larger images than the model's: refused too
+    with pytest.raises(ConfigError, match=r"datasets.external.image_size: the harmonized images are 64 px; the model takes 32 px"):
+        evaluate_site_model(parse_params(big_raw), "external", big_model, tmp_path / "big")
     with pytest.raises(ConfigError, match=r"datasets.other: not defined"):
         evaluate_site_model(p, "other", model_path, tmp_path)
     with pytest.raises(ConfigError, match=r"--bootstrap: 0"):
