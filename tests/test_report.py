@@ -363,15 +363,10 @@ def test_the_curves_are_the_tables_avg_per_round_over_the_seeds_that_evaluated_i
     assert "x_fedavg_domains_val.png" not in drawn  # seed 1's third round scored no validation set
 
 
-def test_the_spectrum_and_scatter_figures_plot_the_mean_over_seeds_and_the_pairs_of_domains(tmp_path, monkeypatch):
-    """F²DC's Fig. 1: a bar per singular value at log10 of its mean over seeds' logs (bars from the smallest up);
-    pFedDB's Fig. 3: each method at the mean of CheXpert and RSNA (x) and of OpenI and VinBigData (y), the paper's
-    point beside it where its table has the method."""
+def _spy_on_axes(monkeypatch, seen: dict[str, list]) -> None:
+    """Each matplotlib Axes method named in ``seen`` records its (args, kwargs) there, then draws as it would."""
     from matplotlib.axes import Axes
 
-    from fedsilo.report.figures import fig1_spectrum, fig3_scatter
-
-    seen: dict[str, list] = {"bar": [], "scatter": []}
     for name in seen:
         real = getattr(Axes, name)
 
@@ -380,6 +375,17 @@ def test_the_spectrum_and_scatter_figures_plot_the_mean_over_seeds_and_the_pairs
             return _real(self, *a, **k)
 
         monkeypatch.setattr(Axes, name, spy)
+
+
+def test_the_spectrum_and_scatter_figures_plot_the_mean_over_seeds_and_the_pairs_of_domains(tmp_path, monkeypatch):
+    """F²DC's Fig. 1: a bar per singular value at log10 of its mean over seeds' logs (bars from the smallest up);
+    pFedDB's Fig. 3: each method at the mean of CheXpert and RSNA (x) and of OpenI and VinBigData (y), the paper's
+    point beside it where its table has the method."""
+
+    from fedsilo.report.figures import fig1_spectrum, fig3_scatter
+
+    seen: dict[str, list] = {"bar": [], "scatter": []}
+    _spy_on_axes(monkeypatch, seen)
     spectra = {("fedavg", 0): {"A-0": [100.0, 10.0, 1.0]}, ("fedavg", 1): {"A-0": [10000.0, 1.0, 0.01]}}
     fig1_spectrum(tmp_path / "f1.png", spectra, ["fedavg"], [0, 1], "A-0", "t")
     (x, heights), k = seen["bar"][0]
@@ -848,19 +854,11 @@ def test_a_lines_own_style_wins_over_the_defaults_and_ticks_stand_at_the_setting
     """line_figure: a label's ``styles`` (a paper's numbers dashed in the colour of ours) override the defaults, also
     ``connect=False``'s points-only; ``xticks`` stand at ``xtick_positions`` where given (local epochs 1, 5, 10), else
     at 0, 1, ...; past ten lines each takes its own colour of the 20-colour map."""
-    from matplotlib.axes import Axes
 
     from fedsilo.report.figures import line_figure
 
     seen: dict[str, list] = {"plot": [], "set_xticks": []}
-    for name in seen:
-        real = getattr(Axes, name)
-
-        def spy(self, *a, _real=real, _name=name, **k):
-            seen[_name].append((a, k))
-            return _real(self, *a, **k)
-
-        monkeypatch.setattr(Axes, name, spy)
+    _spy_on_axes(monkeypatch, seen)
     series = [("ours", [1.0, 5.0, 10.0], [50.0, 55.0, 60.0]), ("ours (paper)", [1.0, 5.0, 10.0], [70.0, 75.0, 72.0])]
     styles = {"ours": {"color": "C0"}, "ours (paper)": {"color": "C0", "linestyle": "--", "marker": "x"}}
     line_figure(tmp_path / "a.png", series, "acc", "t", xlabel="local_epochs", xticks=["1", "5", "10"], connect=False,
