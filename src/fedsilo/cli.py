@@ -508,8 +508,6 @@ def _check(args: argparse.Namespace) -> None:
             where = Path(str(src.path)).expanduser()
             where = where if where.is_absolute() else Path(args.root) / where
             if not where.exists():
-                import logging
-
                 logging.getLogger("fedsilo").warning(
                     "sources.%s.path: %s does not exist on this machine: `dvc repro` will stop at fetch@%s here (a "
                     "params file written for another machine is fine)", name, where, name)
