@@ -217,6 +217,68 @@ def test_after_its_runs_the_queue_grid_ends_the_mlflow_runs_whose_process_died(t
     assert any("1 MLflow run(s) whose process died marked KILLED: train_g@a" in x for x in said), said
 
 
+def _fake_queue(monkeypatch, tmp_path, statuses):
+    """The grid with DVC stood in for: one stage queued, `dvc queue status` answering ``statuses(name, call)``, no
+    worker process alive; returns the DVC commands run and the ``terminate`` each stop_workers call got."""
+    import fedsilo.grid as grid
+
+    ran: list[list[str]] = []
+    stops: list[bool] = []
+    calls = iter(range(10**6))
+
+    def dvc(args, cwd, env=None, check=True, detached=False, shown=False):
+        ran.append(list(args))
+        return subprocess.CompletedProcess(args, 0, "", "")
+
+    def status(repo):
+        names = [a[a.index("--name") + 1] for a in ran if a[:2] == ["exp", "run"]]
+        return {n: statuses(n, next(calls)) for n in names}
+
+    monkeypatch.setattr(grid, "prepare_grid", lambda *a, **k: ["train_g@a"])
+    monkeypatch.setattr(grid, "left_out", lambda *a: [])
+    monkeypatch.setattr(grid, "lock_files", lambda repo: [])
+    monkeypatch.setattr(grid, "run_dvc", dvc)
+    monkeypatch.setattr(grid, "queue_workers", lambda repo: [])
+    monkeypatch.setattr(grid, "queue_status", status)
+    monkeypatch.setattr(grid, "stop_workers", lambda *a, terminate=True, **k: stops.append(terminate) or 0)
+    monkeypatch.setattr(grid, "restore_grid", lambda *a, **k: [])
+    monkeypatch.setattr(grid, "STATUS_EVERY_S", 0.0)
+    return ran, stops
+
+
+def test_a_task_whose_queue_worker_died_is_ended_and_named_not_waited_for_forever(tmp_path, monkeypatch):
+    """A worker SIGKILLed (or killed for memory) under its experiment leaves DVC listing the task Running with no
+    worker alive, for ever: the grid waited on it without a word. After three looks it ends the task (`dvc queue
+    kill`) and fails naming the stage and what a second grid does."""
+    from fedsilo.grid import GridError
+
+    ran, stops = _fake_queue(monkeypatch, tmp_path, lambda name, call: "Running")
+    with pytest.raises(GridError, match=r"1 of 1 queued experiments lost their DVC queue worker \(killed, out of memory\?\) "
+                       r"while running: train_g@a; ended with `dvc queue kill`\. Run the grid again"):
+        run_grid("dvc.yaml", tmp_path, jobs=1, quiet=True, poll_s=0.0, log=lambda m: None)
+    kills = [a for a in ran if a[:2] == ["queue", "kill"]]
+    assert len(kills) == 1 and kills[0][2].startswith("grid-") and stops == [True]
+
+
+def test_sigterm_stops_the_grid_as_ctrl_c_does(tmp_path, monkeypatch):
+    """`kill <grid>` (a cancelled job; a grid started in the background ignores Ctrl-C's SIGINT) died at once and
+    left its workers taking the queued experiments: it now stops the queue, leaves the running experiment to finish
+    (stop_workers without terminating) and exits 143; the previous SIGTERM handler is back afterwards."""
+    import signal
+
+    def statuses(name, call):
+        if call == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # while the grid waits on a running experiment
+        return "Running"
+
+    before = signal.getsignal(signal.SIGTERM)
+    ran, stops = _fake_queue(monkeypatch, tmp_path, statuses)
+    with pytest.raises(SystemExit) as stopped:
+        run_grid("dvc.yaml", tmp_path, jobs=1, quiet=True, poll_s=0.0, log=lambda m: None)
+    assert stopped.value.code == 128 + signal.SIGTERM and stops == [False]
+    assert not any(a[:2] == ["queue", "kill"] for a in ran) and signal.getsignal(signal.SIGTERM) is before
+
+
 BENCH_PIPE = PIPE.split("  train_g:")[0] + """  train_g:
     foreach: [a, b]
     do:

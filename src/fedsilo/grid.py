@@ -24,16 +24,19 @@ the GPUs' first places, then their second, ...), so ``--jobs 4`` on four GPUs tr
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from fedsilo.tracking import end_stale_runs, init_store
 from fedsilo.utils.progress import Progress
@@ -312,6 +315,26 @@ def threads_per_run(jobs: int, threads: Optional[float] = None) -> int:
     return max(1, cores // jobs)
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """A SIGTERM (a cancelled job, `kill`, a script stopping a grid it started in the background, where Ctrl-C's
+    SIGINT is ignored) ends the grid the way Ctrl-C does, through its ``finally``: the queue stopped, the running
+    experiments left to finish, exit status 143. Without it the grid died at once and its workers went on to take
+    the experiments still queued."""
+    if threading.current_thread() is not threading.main_thread():  # a signal is delivered to the main thread only
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, tracking_uri: Optional[str] = None,
              keep: bool = False, poll_s: float = 2.0, quiet: bool = False, per_experiment: Optional[int] = None,
              threads: Optional[float] = None, log: Callable[[str], None] = print) -> dict[str, object]:
@@ -321,7 +344,12 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, 
     them from the run-cache). Returns the stages queued, the threads a run used, the seconds each phase took."""
     if jobs < 1:
         raise GridError("--jobs: at least 1")
-    repo = Path(repo)
+    with sigterm_as_interrupt():
+        return _run_grid(pipeline, Path(repo), jobs, pattern, tracking_uri, keep, poll_s, quiet, per_experiment, threads, log)
+
+
+def _run_grid(pipeline: str, repo: Path, jobs: int, pattern: str, tracking_uri: Optional[str], keep: bool, poll_s: float,
+              quiet: bool, per_experiment: Optional[int], threads: Optional[float], log: Callable[[str], None]) -> dict[str, object]:
     env = tracking_env(tracking_uri, repo)
     # the runs': N at once, each with as many threads as the machine has cores, fight over the cores; the threads also
     # decide the CPU kernels' sums, so the pipeline's numbers are those of a sequential `OMP_NUM_THREADS=t dvc repro`
@@ -348,12 +376,13 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, 
         names[name] = batch
     t1 = time.monotonic()
     failed: dict[str, list[str]] = {}
+    lost: dict[str, list[str]] = {}  # experiments whose worker died under them (SIGKILL, out of memory)
     if names:
         run_dvc(["queue", "start", "--jobs", str(jobs)], repo, wenv, detached=True)
         bar = Progress(len(stages), f"grid {pipeline} ({jobs} workers x {wenv['OMP_NUM_THREADS']} threads, "
                        f"{len(names)} experiments)", "run", quiet=quiet)
         done: set[str] = set()
-        idle_polls = 0
+        idle_polls = ghost_polls = 0
         seen, asked = None, -float("inf")
         try:
             while True:
@@ -373,11 +402,20 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, 
                 if idle_polls >= 3:
                     run_dvc(["queue", "start", "--jobs", str(jobs)], repo, wenv, detached=True)
                     idle_polls = 0
-                now = {n for n, s in st.items() if s in ("Success", "Failed")}
+                # a task DVC still lists Running with no worker alive lost its worker (killed, out of memory): DVC
+                # never ends it, and the grid would wait for it forever. Ended here (`dvc queue kill`), named below
+                ghosts = [n for n, s in st.items() if s == "Running" and n not in lost]
+                ghost_polls = ghost_polls + 1 if live == 0 and ghosts else 0
+                if ghost_polls >= 3:
+                    for n in ghosts:
+                        run_dvc(["queue", "kill", n], repo, env, check=False)
+                        lost[n] = names[n]
+                    ghost_polls = 0
+                now = {n for n, s in st.items() if s in ("Success", "Failed")} | set(lost)
                 if now - done:
                     bar.update(sum(len(names[n]) for n in now - done), info=f"{sum(s == 'Failed' for s in st.values())} experiments failed", line=True)
                     done |= now
-                failed = {n: names[n] for n, s in st.items() if s == "Failed"}
+                failed = {n: names[n] for n, s in st.items() if s == "Failed" and n not in lost}
                 if len(done) == len(names):
                     break
                 time.sleep(poll_s)
@@ -395,6 +433,12 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, 
                     log(f"grid: {len(ended)} MLflow run(s) whose process died marked KILLED: "
                         + ", ".join(str(r.info.run_name) for r in ended))
     t_grid = time.monotonic() - t1
+    if lost:
+        raise GridError(f"{len(lost)} of {len(names)} queued experiments lost their DVC queue worker (killed, out of "
+                        f"memory?) while running: {', '.join(s for b in lost.values() for s in b)}; ended with `dvc queue "
+                        "kill`. Run the grid again: the finished runs are restored from DVC's run-cache, and a lost run "
+                        "trains again from its first round (its checkpoint was in the worker's copy of the repository)"
+                        + (f"; {len(failed)} more failed: {', '.join(s for b in failed.values() for s in b)}" if failed else ""))
     if failed:
         logs = "\n".join(f"--- {', '.join(batch)} (dvc queue logs {n}):\n" + run_dvc(["queue", "logs", n], repo, check=False).stdout[-2000:]
                          for n, batch in failed.items())
