@@ -79,8 +79,8 @@ def test_repro_writes_report_and_mlflow_runs(repo_copy):
     assert sorted(r.info.run_name for r in runs) == ["fedbn-seed0", "fedprox-seed0"]
     # the report names the MLflow run behind each row (the same name is reused when a run is trained again)
     with open(report / "quick_runs.csv") as fh:
-        behind = {(row["method"], row["mlflow_run_id"], row["params_hash"]) for row in csv.DictReader(fh)}
-    assert behind == {(r.info.run_name.split("-seed")[0], r.info.run_id, r.data.tags["params_hash"]) for r in runs}
+        behind = {(row["method"], row["mlflow_experiment"], row["mlflow_run_id"], row["params_hash"]) for row in csv.DictReader(fh)}
+    assert behind == {(r.info.run_name.split("-seed")[0], "quick", r.info.run_id, r.data.tags["params_hash"]) for r in runs}
     assert "quick: the runs behind these tables" in (report / "README.md").read_text()
     for r in runs:
         assert r.data.tags["dvc.md5.data/harmonized/chest_xray4"].endswith(".dir")

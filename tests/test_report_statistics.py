@@ -204,7 +204,8 @@ def test_the_report_names_the_mlflow_run_and_hashes_behind_each_row(tmp_path):
         _write(res, m, s, {"A-0": {"acc": 0.5}})
         met = read_json(res / m / f"seed{s}" / "metrics.json")
         if (m, s) != ("fedbn", 1):
-            met.update(mlflow_run_id=f"run{m}{s}", params_hash=f"{m}{s}" * 8, code={"source_sha256": "c0de" * 16})
+            met.update(mlflow_run_id=f"run{m}{s}", params_hash=f"{m}{s}" * 8, code={"source_sha256": "c0de" * 16},
+                       mlflow_experiment="paper/quickstart/e")
         write_json(res / m / f"seed{s}" / "metrics.json", met)
     build_report(res, "e", ["fedavg", "fedbn"], [0, 1], tmp_path / "out")
     runs = pd.read_csv(tmp_path / "out" / "e_runs.csv")
@@ -215,6 +216,7 @@ def test_the_report_names_the_mlflow_run_and_hashes_behind_each_row(tmp_path):
     assert md.count("e: the runs behind these tables") == 1 and (tmp_path / "out" / "e_runs.md").read_text() in md
     assert "| fedavg | 1 | `runfedavg1` | `fedavg1fedav` | `c0dec0dec0de` |" in md
     assert "| fedbn | 1 | - (not tracked) | - | - |" in md
+    assert "MLflow experiment: `paper/quickstart/e`." in md and runs.loc[0, "mlflow_experiment"] == "paper/quickstart/e"
 
 
 def test_the_first_communication_table_is_up_plus_down_of_all_clients_averaged_over_rounds_and_seeds(tmp_path):

@@ -347,6 +347,7 @@ def run_training(
                 "config_hash": config_hash,
                 "code": code,
                 "mlflow_run_id": run_id,
+                "mlflow_experiment": layout.tracking_experiment(experiment) if run_id else None,  # where the UI lists it
             }
             with atomic_dir(out_dir) as tmp:
                 write_json(tmp / "metrics.json", metrics)

@@ -126,16 +126,19 @@ def write_runs_behind(results: Path, methods: list[str], seeds: list[int], out: 
     for m in methods:
         for s in seeds:
             met = read_json(Path(results) / m / f"seed{s}" / "metrics.json")
-            rows.append({"method": m, "seed": s, "mlflow_run_id": met.get("mlflow_run_id"),
+            rows.append({"method": m, "seed": s, "mlflow_experiment": met.get("mlflow_experiment"),
+                         "mlflow_run_id": met.get("mlflow_run_id"),
                          "params_hash": met.get("params_hash"), "config_hash": met.get("config_hash"),
                          "code_sha256": (met.get("code") or {}).get("source_sha256")})
     df = pd.DataFrame(rows)
     df.to_csv(out / f"{experiment}_runs.csv", index=False)
+    exps = sorted({e for e in df["mlflow_experiment"] if isinstance(e, str) and e})
     short = lambda v, n=12: f"`{v[:n]}`" if isinstance(v, str) and v else None  # noqa: E731 - pandas reads None as NaN
     lines = [f"### {experiment}: the runs behind these tables", "",
              "MLflow names each run `<method>-seed<k>`; a run trained again (another setting, another code) keeps the "
-             "name, so the run id names the one these numbers come from (MLflow UI: search `attributes.run_id = '<id>'`). "
-             f"Full hashes: `{experiment}_runs.csv`.", "",
+             "name, so the run id names the one these numbers come from (MLflow UI: in its experiment, search "
+             "`attributes.run_id = '<id>'`). " + (f"MLflow experiment: `{', '.join(exps)}`. " if exps else "")
+             + f"Full hashes: `{experiment}_runs.csv`.", "",
              "| method | seed | MLflow run | params hash | code hash |", "|---|---|---|---|---|"]
     lines += [f"| {r.method} | {r.seed} | {short(r.mlflow_run_id, 32) or '- (not tracked)'} | {short(r.params_hash) or '-'} | "
               f"{short(r.code_sha256) or '-'} |" for r in df.itertuples()]
