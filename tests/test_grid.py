@@ -260,6 +260,23 @@ def test_a_task_whose_queue_worker_died_is_ended_and_named_not_waited_for_foreve
     assert len(kills) == 1 and kills[0][2].startswith("grid-") and stops == [True]
 
 
+def test_an_earlier_grids_experiments_still_queued_are_named_before_this_one_queues(tmp_path, monkeypatch):
+    """After an interrupted grid, its queued (and running) experiments stay in DVC's queue and a new grid's workers
+    run them first: the grid said nothing of them (minutes of silence). It names them and how to drop them."""
+    import fedsilo.grid as grid
+
+    _fake_queue(monkeypatch, tmp_path, lambda name, call: "Success")
+    fake_status = grid.queue_status
+    monkeypatch.setattr(grid, "queue_status", lambda repo: {"grid-0ld000-000": "Queued", "grid-0ld000-001": "Running",
+                                                             "grid-0ld000-002": "Success", **fake_status(repo)})
+    said: list[str] = []
+    run_grid("dvc.yaml", tmp_path, jobs=1, quiet=False, poll_s=0.0, log=said.append)
+    assert said[0] == ("grid: 2 experiment(s) of an earlier grid still in DVC's queue (grid-0ld000-000 queued, "
+                       "grid-0ld000-001 running): this grid's workers run them first; `dvc queue kill <name>` / "
+                       "`dvc queue remove --all` drop them")
+    assert "grid: 1 stages queued in 1 experiments; 1 DVC queue workers started" in said
+
+
 def test_sigterm_stops_the_grid_as_ctrl_c_does(tmp_path, monkeypatch):
     """`kill <grid>` (a cancelled job; a grid started in the background ignores Ctrl-C's SIGINT) died at once and
     left its workers taking the queued experiments: it now stops the queue, leaves the running experiment to finish

@@ -365,6 +365,12 @@ def _run_grid(pipeline: str, repo: Path, jobs: int, pattern: str, tracking_uri: 
     t_prep = time.monotonic() - t0
     tag = uuid.uuid4().hex[:6]
     names: dict[str, list[str]] = {}  # experiment -> its stages
+    # an interrupted grid's experiments still queued or running: this grid's workers take (or wait behind) them first
+    earlier = {n: s for n, s in queue_status(repo).items() if s in ("Queued", "Running")} if stages else {}
+    if earlier:
+        log(f"grid: {len(earlier)} experiment(s) of an earlier grid still in DVC's queue ("
+            + ", ".join(f"{n} {s.lower()}" for n, s in sorted(earlier.items())) + "): this grid's workers run them "
+            "first; `dvc queue kill <name>` / `dvc queue remove --all` drop them")
     locks = lock_files(repo)
     for i, batch in enumerate(batches(stages, jobs, per_experiment) if stages else []):
         name = f"grid-{tag}-{i:03d}"
@@ -379,6 +385,8 @@ def _run_grid(pipeline: str, repo: Path, jobs: int, pattern: str, tracking_uri: 
     lost: dict[str, list[str]] = {}  # experiments whose worker died under them (SIGKILL, out of memory)
     if names:
         run_dvc(["queue", "start", "--jobs", str(jobs)], repo, wenv, detached=True)
+        if not quiet:  # DVC sets up each experiment's copy before its first run ends: minutes without a progress line
+            log(f"grid: {len(stages)} stages queued in {len(names)} experiments; {jobs} DVC queue workers started")
         bar = Progress(len(stages), f"grid {pipeline} ({jobs} workers x {wenv['OMP_NUM_THREADS']} threads, "
                        f"{len(names)} experiments)", "run", quiet=quiet)
         done: set[str] = set()
