@@ -24,22 +24,20 @@ the GPUs' first places, then their second, ...), so ``--jobs 4`` on four GPUs tr
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from fedsilo.tracking import end_stale_runs, init_store
 from fedsilo.utils.progress import Progress
+from fedsilo.utils.signals import exit_on_signal, on_sigterm
 from fedsilo.utils.slots import GPU_SLOTS_ENV
 
 # the train stages of every pipeline: the root's `train@<experiment>-<method>-<seed>` and a paper's
@@ -315,26 +313,6 @@ def threads_per_run(jobs: int, threads: Optional[float] = None) -> int:
     return max(1, cores // jobs)
 
 
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """A SIGTERM (a cancelled job, `kill`, a script stopping a grid it started in the background, where Ctrl-C's
-    SIGINT is ignored) ends the grid the way Ctrl-C does, through its ``finally``: the queue stopped, the running
-    experiments left to finish, exit status 143. Without it the grid died at once and its workers went on to take
-    the experiments still queued."""
-    if threading.current_thread() is not threading.main_thread():  # a signal is delivered to the main thread only
-        yield
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, tracking_uri: Optional[str] = None,
              keep: bool = False, poll_s: float = 2.0, quiet: bool = False, per_experiment: Optional[int] = None,
              threads: Optional[float] = None, log: Callable[[str], None] = print) -> dict[str, object]:
@@ -344,7 +322,10 @@ def run_grid(pipeline: str, repo: Path, jobs: int, pattern: str = TRAIN_STAGES, 
     them from the run-cache). Returns the stages queued, the threads a run used, the seconds each phase took."""
     if jobs < 1:
         raise GridError("--jobs: at least 1")
-    with sigterm_as_interrupt():
+    # a SIGTERM (a cancelled job, `kill`, a script stopping a grid it started in the background, which ignores Ctrl-C's
+    # SIGINT) ends the grid as Ctrl-C does, through its `finally`: the queue stopped, the running experiments left to
+    # finish, exit status 143 (it died at once, and its workers went on to take the experiments still queued)
+    with on_sigterm(exit_on_signal):
         return _run_grid(pipeline, Path(repo), jobs, pattern, tracking_uri, keep, poll_s, quiet, per_experiment, threads, log)
 
 

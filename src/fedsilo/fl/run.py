@@ -45,6 +45,7 @@ from fedsilo.models import build_model
 from fedsilo.tracking import Tracker, dvc_hashes, flat_summary, flatten, git_commit
 from fedsilo.utils.io import atomic_dir, canonical_hash, clean_stale, file_sha256, read_json, write_json
 from fedsilo.utils.progress import Progress, mib
+from fedsilo.utils.signals import exit_on_signal, on_sigterm
 
 log = logging.getLogger("fedsilo.train")
 
@@ -450,16 +451,8 @@ class GracefulStop:
             log.warning("SIGTERM: ending after the round in flight, with its checkpoint written (the last round: the "
                         "run ends with its outputs; a second SIGTERM stops at once, losing the rounds after the last checkpoint)")
             return
-        raise SystemExit(128 + signum)
+        exit_on_signal(signum, frame)
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
+    def installed(self) -> contextlib.AbstractContextManager[None]:
         """The handler, for the calling block (the main thread only: a signal is delivered there)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = signal.signal(signal.SIGTERM, self.handler)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        return on_sigterm(self.handler)
