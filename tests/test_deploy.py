@@ -2135,6 +2135,18 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
     assert any(not torch.equal(tuned[k], v) for k, v in bn_held["server"].items())  # finetune_all: every layer trains,
     assert any(not torch.equal(tuned[k], init[k]) for k in bn if k.endswith("weight"))  # its own BatchNorm too
     assert load_site_model(bn_out / "model.pt")[0] is not None
+    # as_member alone downloads the newcomer's payloads only, not what else the server holds (here a server-side
+    # tensor a site is never sent)
+    roomy = {**bn_held, "server": {**bn_held["server"], "server::bookkeeping": torch.zeros(4096)}}
+    torch.save(roomy, tmp_path / "roomy_final.pt")
+    torch.set_num_threads(1)
+    try:
+        assert main([*base, "onboard", "--experiment", "site", "--model", str(tmp_path / "roomy_final.pt"), "--strategy",
+                     "as_member", "--out", str(tmp_path / "member_only")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    member_only = json.loads((tmp_path / "member_only" / "onboarding.json").read_text())
+    assert member_only["bytes_down"] == payload_bytes({**sent["download"], **sent["eval"]}) < payload_bytes(roomy["server"])
     # a method whose federation's model is whole keeps nothing a site trains alone
     whole = {**bn_held, "server": {**init, **bn_held["server"]},
              "deployment": {**bn_held["deployment"], "method": {**bn_held["deployment"]["method"], "base": "fedavg", "key": "fedavg", "params": {}}}}

@@ -439,6 +439,17 @@ def test_fedheal_weight_accumulates_its_increments_from_one_over_k():
     assert float(out2["heal::a::weight"]) == pytest.approx(0.5 + dw1 + dw2)
 
 
+def test_fedheal_starting_weight_is_one_over_the_federation_not_over_the_round_participants():
+    """Four sites in the federation, two upload in round 1: each starts from 1 / 4 (the federation's K), not 1 / 2."""
+    m = _heal(n_clients=4, beta=0.4)
+    a, b = _C("a", 10), _C("b", 10)
+    out = m.aggregate({"w": torch.zeros(2)}, [(a, {"w": torch.tensor([-3.0, 0.0])}), (b, {"w": torch.tensor([-1.0, 0.0])})], 1)
+    assert float(out["heal::a::weight"]) == pytest.approx(0.25 + 0.4 * 3 / 4)
+    assert float(out["heal::b::weight"]) == pytest.approx(0.25 + 0.4 * 1 / 4)
+    # and the normalized weights aggregate: w <- w - sum a_k Delta_k with a = (0.55, 0.35) / 0.9
+    assert out["w"][0].item() == pytest.approx(-(0.55 * 3 + 0.35 * 1) / 0.9, rel=1e-5)
+
+
 def test_fedheal_runs_and_uploads_what_fedavg_uploads(clients):
     e, h, ups = _run("fedheal", clients)
     avg = _fedavg_uploads(clients, 2)
