@@ -649,6 +649,22 @@ def test_every_tasks_last_round_is_evaluated_whatever_eval_every():
     assert [len(r) for r in s["accuracy_matrix"]] == [1, 2, 3]
 
 
+@pytest.mark.parametrize("per_task", [1, 3])
+def test_a_task_starts_at_its_first_round_and_ends_at_its_last_whatever_the_rounds_per_task(per_task):
+    """on_task_start at rounds 1, 1 + R, 1 + 2R; the task-end downloads, storage and evaluation at R, 2R, 3R only."""
+    e = _engine("fedavg", train=_train(rounds=per_task, eval_every=10))
+    started, sent = [], []
+    on_start, end_down = e.method.on_task_start, e.method.task_end_download
+    e.method.on_task_start = lambda server, model, task: started.append((e.round + 1, task)) or on_start(server, model, task)
+    e.method.task_end_download = lambda server, c: sent.append(e.round + 1) or end_down(server, c)
+    h = e.run()
+    assert started == [(1 + t * per_task, t) for t in range(3)]
+    assert sorted(set(sent)) == [per_task, 2 * per_task, 3 * per_task]  # (the engine's round counts the rounds finished)
+    assert [x["round"] for x in h if x.get("task_end")] == [x["round"] for x in h if "storage" in x] == [per_task * (t + 1) for t in range(3)]
+    assert [x["round"] for x in h if "seen_acc" in x] == [per_task * (t + 1) for t in range(3)]
+    assert [x["task"] for x in h] == [t for t in range(3) for _ in range(per_task)]
+
+
 def test_forgetting_is_negative_where_the_last_task_left_a_task_better_known_and_none_before_the_streams_end():
     hist = []
     rows = [{"A": 0.5}, {"A": 0.4, "B": 0.7}, {"A": 0.9, "B": 0.7, "C": 0.5}]
