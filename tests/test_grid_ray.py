@@ -117,7 +117,7 @@ def test_a_run_this_machines_run_cache_holds_is_restored_here_not_trained_on_a_n
     assert restore_cached("dvc.yaml", repo, ["train_g@a", "train_g@b"], tracking_env(None, repo)) == []
     assert (repo / "out" / "a.txt").read_text() == "a1" and len(log.read_text().split()) == 2
     (repo / "dep.txt").write_text("2")
-    assert run_grid_ray("dvc.yaml", repo, cluster.address, worker_cache=None, quiet=True)["restored_here"] == []
+    assert run_grid_ray("dvc.yaml", repo, cluster.address, worker_cache=str(tmp_path / "node-cache"), quiet=True)["restored_here"] == []
     assert len(log.read_text().split()) == 4
     (repo / "dep.txt").write_text("1")  # back: both runs of the first grid are in this machine's run-cache
     said: list[str] = []
@@ -126,6 +126,35 @@ def test_a_run_this_machines_run_cache_holds_is_restored_here_not_trained_on_a_n
     assert len(log.read_text().split()) == 4  # nothing trained again, here or on a node
     assert (repo / "report.txt").read_text() == "a1b1" and "up to date" in _dvc("status", cwd=repo)
     assert "grid: 2 stage(s) restored from this machine's run-cache, not sent to the cluster" in said
+    # this machine's run-cache gone (another checkout), the nodes' worker cache holds the runs for dep 2: they are
+    # restored there, not trained again, and the grid says so
+    import shutil
+
+    shutil.rmtree(repo / ".dvc" / "cache" / "runs")
+    (repo / "dep.txt").write_text("2")
+    said.clear()
+    r = run_grid_ray("dvc.yaml", repo, cluster.address, worker_cache=str(tmp_path / "node-cache"), quiet=True, log=said.append)
+    assert sorted(r["queued"]) == ["train_g@a", "train_g@b"] and all(x["restored_from_run_cache"] for x in r["runs"])
+    assert len(log.read_text().split()) == 4
+    assert "grid: 2 stage(s) restored from a node's run-cache, not trained again: train_g@a, train_g@b" in said
+
+
+def test_a_node_whose_worker_cache_ran_a_stage_before_restores_it_and_says_so(tmp_path):
+    """run_stage as a node runs it (no cluster needed): the second run of the same stage and inputs through the same
+    worker cache is DVC's "is cached", reported as restored_from_run_cache, and its command does not run again."""
+    from fedsilo.grid_ray import run_stage
+
+    repo = _repo(tmp_path, items="[a]")
+    _dvc("repro", "prep", cwd=repo)
+    _dvc("push", "prep", cwd=repo)
+    workspace, cache = bundle(repo), str(tmp_path / "node-cache")
+    first = run_stage(workspace, "dvc.yaml", "train_g@a", ["prep"], {}, cache)
+    second = run_stage(workspace, "dvc.yaml", "train_g@a", ["prep"], {}, cache)
+    assert (first["restored_from_run_cache"], second["restored_from_run_cache"]) == (False, True)
+    assert (tmp_path / "runs.log").read_text().split() == ["a"]  # trained once
+    # a fresh worker cache has no run-cache: the stage trains
+    assert run_stage(workspace, "dvc.yaml", "train_g@a", ["prep"], {}, str(tmp_path / "other-cache"))["restored_from_run_cache"] is False
+    assert (tmp_path / "runs.log").read_text().split() == ["a", "a"]
 
 
 def test_a_gpu_run_lands_on_the_gpu_node_with_the_device_ray_granted(tmp_path, cluster):

@@ -316,6 +316,9 @@ def run_grid_ray(pipeline: str, repo: Path, address: str, pattern: str = TRAIN_S
                         bar.update(1, info=f"{len(failed)} failed, last {last}", line=True)
             finally:
                 bar.close()
+            reused = [x["stage"] for x in placed if x["restored_from_run_cache"]]
+            if reused:  # a node's worker cache had run them before with these inputs (another checkout's grid)
+                log(f"grid: {len(reused)} stage(s) restored from a node's run-cache, not trained again: {', '.join(sorted(reused))}")
             if "MLFLOW_TRACKING_URI" in env:  # a run whose process died on its node (SIGKILL, a lost worker)
                 ended = end_stale_on_nodes(ray, env["MLFLOW_TRACKING_URI"], log)
                 if ended:
