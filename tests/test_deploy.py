@@ -231,7 +231,8 @@ def test_the_deployed_apps_train_on_each_sites_own_split_as_the_engine_does(site
 
     mc = MlflowClient(uri)
     run = mc.get_run(metrics["mlflow_run_id"])
-    assert mc.get_experiment(run.info.experiment_id).name == "deploy/three_hospitals" and run.info.status == "FINISHED"
+    assert mc.get_experiment(run.info.experiment_id).name == metrics["mlflow_experiment"] == "deploy/three_hospitals"
+    assert run.info.status == "FINISHED"
     assert run.data.tags["deployment_sha256"] == metrics["deployment_sha256"]
     assert {k: v for k, v in run.data.tags.items() if k.endswith(".fingerprint")} == {
         f"site.{n}.fingerprint": f for n, f in metrics["fingerprints"].items()}

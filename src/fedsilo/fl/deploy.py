@@ -727,6 +727,11 @@ def _log_to_stderr() -> None:
         root.addHandler(h)
 
 
+def deploy_experiment(dep: dict[str, Any]) -> str:
+    """The MLflow experiment a deployment's runs are in."""
+    return f"deploy/{dep['federation']}"
+
+
 def _start_tracking(dep: dict[str, Any], uri: str, state: Path, run_id: Optional[str] = None):
     """The deployed run in MLflow (when the App's ``tracking-uri`` or the SuperLink's ``MLFLOW_TRACKING_URI`` names a
     store): experiment ``deploy/<federation>``, the method's and the train params, and as tags the deployment's hash
@@ -746,7 +751,7 @@ def _start_tracking(dep: dict[str, Any], uri: str, state: Path, run_id: Optional
     # the train the sites use: the federation's, with the method's own local_optimizer settings where it has them
     train = deployment_spec(dep).method().train.model_dump(mode="json")
     params = {"method": dep["method"]["params"], "train": train, "seed": dep["seed"], "contract": dep["contract"]}
-    tracker.start_in(state, f"deploy/{dep['federation']}", f"{dep['method']['key']}-seed{dep['seed']}", params, tags, run_id=run_id)
+    tracker.start_in(state, deploy_experiment(dep), f"{dep['method']['key']}-seed{dep['seed']}", params, tags, run_id=run_id)
     if tracker.enabled and run_id and tracker.run_id == run_id:
         # resumed, perhaps by a new App that pins a site's new node (resume_key leaves node ids out): the run's tags
         # say what it now runs under, and a node pin the new App dropped is no longer claimed
@@ -790,6 +795,7 @@ def _write_results(out: Path, staging: Path, dep: dict[str, Any], run: Any, mlfl
         "sites_joined": dict(run.engine.joined),
         "deployment_sha256": canonical_hash(dep),
         "mlflow_run_id": mlflow_run_id,
+        "mlflow_experiment": deploy_experiment(dep) if mlflow_run_id else None,  # where the UI lists it
     }
     with atomic_dir(out) as tmp:
         write_json(tmp / "metrics.json", metrics)
