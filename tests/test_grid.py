@@ -106,6 +106,33 @@ def test_grid_trains_each_stage_once_on_two_workers_and_leaves_the_pipeline_up_t
     assert len(log.read_text().split()) == 3
 
 
+def test_runs_this_machines_run_cache_holds_are_restored_here_not_queued(tmp_path, monkeypatch):
+    """A stopped grid's finished runs (here: runs of `dvc repro`) are in the run-cache: a second grid restores them in
+    the workspace first and queues only the others (each queued experiment sets up a copy of the repository first:
+    tens of seconds a run just to find it cached)."""
+    log = tmp_path / "runs.log"
+    monkeypatch.setenv("GRID_LOG", str(log))
+    repo = _repo(tmp_path)
+    _dvc("repro", "train_g@a", cwd=repo)  # dep 1: only a, as if a grid had been stopped after it
+    (repo / "dep.txt").write_text("2")
+    _dvc("repro", "train_g@a", cwd=repo)  # dep 2: a again; dep 1 comes back below
+    (repo / "dep.txt").write_text("1")
+    said: list[str] = []
+    r = run_grid("dvc.yaml", repo, jobs=1, quiet=True, poll_s=0.5, log=said.append)
+    assert r["restored_here"] == ["train_g@a"] and sorted(r["queued"]) == ["train_g@b", "train_g@c"]
+    assert "grid: 1 stage(s) restored from this machine's run-cache, not queued" in said
+    assert len(log.read_text().split()) == 4 and (repo / "report.txt").read_text() == "a1b1c1"
+    # every stale run in the run-cache: no experiment queued, no worker started, the report restored
+    (repo / "dep.txt").write_text("2")
+    _dvc("repro", cwd=repo)  # b and c trained for dep 2 (a restored by DVC)
+    (repo / "dep.txt").write_text("1")
+    said.clear()
+    r = run_grid("dvc.yaml", repo, jobs=1, quiet=True, poll_s=0.5, log=said.append)
+    assert sorted(r["restored_here"]) == ["train_g@a", "train_g@b", "train_g@c"] and r["queued"] == [] and r["experiments"] == 0
+    assert len(log.read_text().split()) == 6  # nothing trained again
+    assert (repo / "report.txt").read_text() == "a1b1c1" and "up to date" in _dvc("status", cwd=repo)
+
+
 def test_the_data_phase_names_each_target_and_shows_dvcs_output_as_it_comes(tmp_path, capfd):
     """What the runs read is reproduced first, here: unless quiet, each target is named and DVC's output (the stages'
     own progress) reaches standard error as it comes, not captured; a failure then points at it."""
@@ -204,6 +231,7 @@ def test_after_its_runs_the_queue_grid_ends_the_mlflow_runs_whose_process_died(t
 
     monkeypatch.setattr(grid, "prepare_grid", lambda *a, **k: ["train_g@a"])
     monkeypatch.setattr(grid, "left_out", lambda *a: [])
+    monkeypatch.setattr(grid, "restore_cached", lambda *a: [])
     monkeypatch.setattr(grid, "lock_files", lambda repo: [])
     monkeypatch.setattr(grid, "run_dvc", dvc)
     monkeypatch.setattr(grid, "queue_workers", lambda repo: [])
@@ -236,6 +264,7 @@ def _fake_queue(monkeypatch, tmp_path, statuses):
 
     monkeypatch.setattr(grid, "prepare_grid", lambda *a, **k: ["train_g@a"])
     monkeypatch.setattr(grid, "left_out", lambda *a: [])
+    monkeypatch.setattr(grid, "restore_cached", lambda *a: [])
     monkeypatch.setattr(grid, "lock_files", lambda repo: [])
     monkeypatch.setattr(grid, "run_dvc", dvc)
     monkeypatch.setattr(grid, "queue_workers", lambda repo: [])

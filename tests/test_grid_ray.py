@@ -109,8 +109,7 @@ def test_a_run_this_machines_run_cache_holds_is_restored_here_not_trained_on_a_n
     log = tmp_path / "runs.log"
     assert sorted(run_grid_ray("dvc.yaml", repo, cluster.address, worker_cache=None, quiet=True)["queued"]) == ["train_g@a", "train_g@b"]
     # inputs never seen: nothing to restore, nothing run, and the previous results back in place (DVC removed them)
-    from fedsilo.grid import tracking_env
-    from fedsilo.grid_ray import restore_cached
+    from fedsilo.grid import restore_cached, tracking_env
 
     (repo / "dep.txt").write_text("3")
     _dvc("repro", "prep", cwd=repo)

@@ -478,7 +478,8 @@ def _grid(args: argparse.Namespace) -> None:
         r = run_grid(pipeline, Path(args.root), args.jobs, pattern=args.stages, tracking_uri=uri, keep=args.keep, quiet=args.quiet,
                      per_experiment=args.runs_per_experiment, threads=args.cpus_per_run)
         where = f"on {args.jobs} workers x {r['threads_per_run']} threads ({r['experiments']} queued experiments)"
-    print(f"grid {pipeline}: {len(r['queued'])} stages {where} in {r['grid_s']:.0f} s "
+    cached = f", {len(r['restored_here'])} restored from this machine's run-cache" if r["restored_here"] else ""
+    print(f"grid {pipeline}: {len(r['queued'])} stages {where} in {r['grid_s']:.0f} s{cached} "
           f"(data and splits {r['prepare_s']:.0f} s, restore and reports {r['restore_and_report_s']:.0f} s)")
 
 

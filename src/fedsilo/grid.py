@@ -28,6 +28,7 @@ import fnmatch
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -260,6 +261,29 @@ def prepare_grid(pipeline: str, repo: Path, pattern: str, env: dict[str, str], *
     return stale_stages(pipeline, repo, pattern)
 
 
+def restore_cached(pipeline: str, repo: Path, stages: list[str], env: dict[str, str]) -> list[str]:
+    """The out-of-date ``stages`` this machine's DVC run-cache holds (a run finished here whose params were since
+    changed and changed back; a stopped grid's finished runs), restored here, in seconds: a queued experiment would
+    first set up its copy of the repository (tens of seconds each), and a Ray node sees its own worker cache's
+    run-cache only and would train them again. One ``dvc repro --keep-going`` whose shell is ``false`` (DVC runs a stage's command as ``$SHELL -c <cmd>``;
+    not on Windows, where it ignores ``SHELL``): a stage the run-cache holds is checked out without its command, any
+    other stage's command fails at once, running nothing; DVC removed those stages' previous outputs first, so they
+    are checked out again from ``dvc.lock`` (the workspace as it was). Returns the stages restored."""
+    false = shutil.which("false")
+    if not stages or false is None or os.name == "nt":
+        return []
+    runs = Path(run_dvc(["cache", "dir"], repo, env).stdout.strip()) / "runs"
+    if not runs.is_dir() or not any(runs.iterdir()):  # nothing was ever run here: nothing to restore
+        return []
+    run_dvc(["repro", "--single-item", "--keep-going", *(f"{pipeline}:{s}" for s in stages)], repo, {**env, "SHELL": false},
+            check=False)  # the stages the run-cache does not hold fail, by design: the cluster trains them
+    still = set(stale_stages(pipeline, repo, "*"))
+    left = [s for s in stages if s in still]
+    if left:  # their previous results back in the workspace, as before the pass (the cluster's replace them)
+        run_dvc(["checkout", *(f"{pipeline}:{s}" for s in left)], repo, env, check=False)
+    return [s for s in stages if s not in still]
+
+
 def left_out(pipeline: str, repo: Path, pattern: str, stages: list[str]) -> list[str]:
     """The out-of-date train stages a ``--stages`` pattern leaves out of the grid (none for the default pattern): a
     closing ``dvc repro`` of the whole pipeline would train them here, one after another."""
@@ -342,6 +366,10 @@ def _run_grid(pipeline: str, repo: Path, jobs: int, pattern: str, tracking_uri: 
     wenv.setdefault(GPU_SLOTS_ENV, str((repo / ".dvc" / "tmp" / "gpu-slots").resolve()))
     t0 = time.monotonic()
     stages = prepare_grid(pipeline, repo, pattern, env, quiet=quiet, log=log)
+    restored = restore_cached(pipeline, repo, stages, env)  # a stopped grid's finished runs: not queued again
+    stages = [s for s in stages if s not in restored]
+    if restored:
+        log(f"grid: {len(restored)} stage(s) restored from this machine's run-cache, not queued")
     others = left_out(pipeline, repo, pattern, stages)
     t_prep = time.monotonic() - t0
     tag = uuid.uuid4().hex[:6]
@@ -437,6 +465,6 @@ def _run_grid(pipeline: str, repo: Path, jobs: int, pattern: str, tracking_uri: 
     ran = restore_grid(pipeline, repo, stages, wenv, others=others, log=log)  # onboarding after the grid: the runs' threads too
     if names and not keep:
         run_dvc(["exp", "remove", *names], repo, check=False)
-    return {"queued": stages, "experiments": len(names), "jobs": jobs, "threads_per_run": wenv["OMP_NUM_THREADS"],
+    return {"queued": stages, "restored_here": restored, "experiments": len(names), "jobs": jobs, "threads_per_run": wenv["OMP_NUM_THREADS"],
             "prepare_s": t_prep, "grid_s": t_grid,
             "restore_and_report_s": time.monotonic() - t2, "ran_after": ran, "left_out": others}

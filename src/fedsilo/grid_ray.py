@@ -51,9 +51,9 @@ from fedsilo.grid import (
     left_out,
     lock_files,
     prepare_grid,
+    restore_cached,
     restore_grid,
     run_dvc,
-    stale_stages,
     threads_per_run,
     tracking_env,
 )
@@ -111,28 +111,6 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], what: str, log: list[st
     if r.returncode != 0:
         raise GridError(f"{what} failed (exit {r.returncode}) on {socket.gethostname()}:\n" + "\n".join(log)[-4000:])
     return r.stdout
-
-
-def restore_cached(pipeline: str, repo: Path, stages: list[str], env: dict[str, str]) -> list[str]:
-    """The out-of-date ``stages`` this machine's DVC run-cache holds (a run finished here whose params were since
-    changed and changed back), restored here: a node sees its own worker cache's run-cache only and would train them
-    again. One ``dvc repro --keep-going`` whose shell is ``false`` (DVC runs a stage's command as ``$SHELL -c <cmd>``;
-    not on Windows, where it ignores ``SHELL``): a stage the run-cache holds is checked out without its command, any
-    other stage's command fails at once, running nothing; DVC removed those stages' previous outputs first, so they
-    are checked out again from ``dvc.lock`` (the workspace as it was). Returns the stages restored."""
-    false = shutil.which("false")
-    if not stages or false is None or os.name == "nt":
-        return []
-    runs = Path(run_dvc(["cache", "dir"], repo, env).stdout.strip()) / "runs"
-    if not runs.is_dir() or not any(runs.iterdir()):  # nothing was ever run here: nothing to restore
-        return []
-    run_dvc(["repro", "--single-item", "--keep-going", *(f"{pipeline}:{s}" for s in stages)], repo, {**env, "SHELL": false},
-            check=False)  # the stages the run-cache does not hold fail, by design: the cluster trains them
-    still = set(stale_stages(pipeline, repo, "*"))
-    left = [s for s in stages if s in still]
-    if left:  # their previous results back in the workspace, as before the pass (the cluster's replace them)
-        run_dvc(["checkout", *(f"{pipeline}:{s}" for s in left)], repo, env, check=False)
-    return [s for s in stages if s not in still]
 
 
 def end_stale_here(uri: str) -> list[str]:
