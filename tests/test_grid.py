@@ -4,6 +4,7 @@ stops the grid with its log."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -281,12 +282,47 @@ def test_a_task_whose_queue_worker_died_is_ended_and_named_not_waited_for_foreve
     kill`) and fails naming the stage and what a second grid does."""
     from fedsilo.grid import GridError
 
-    ran, stops = _fake_queue(monkeypatch, tmp_path, lambda name, call: "Running")
+    exps = tmp_path / ".dvc" / "tmp" / "exps"
+
+    def running(name, call):  # DVC's record of the run and the copy it runs in, as a queue worker leaves them
+        if call == 0:
+            _dvc_run_record(exps, "a1b2", name)
+            _dvc_run_record(exps, "c3d4", "grid-other-000")  # another experiment's: left alone
+        return "Running"
+
+    ran, stops = _fake_queue(monkeypatch, tmp_path, running)
+    said: list[str] = []
     with pytest.raises(GridError, match=r"1 of 1 queued experiments lost their DVC queue worker \(killed, out of memory\?\) "
                        r"while running: train_g@a; ended with `dvc queue kill`\. Run the grid again"):
-        run_grid("dvc.yaml", tmp_path, jobs=1, quiet=True, poll_s=0.0, log=lambda m: None)
+        run_grid("dvc.yaml", tmp_path, jobs=1, quiet=True, poll_s=0.0, log=said.append)
     kills = [a for a in ran if a[:2] == ["queue", "kill"]]
     assert len(kills) == 1 and kills[0][2].startswith("grid-") and stops == [True]
+    # the lost experiment's copy of the repository (its checked-out data) and DVC's record of it are removed
+    assert not (exps / "tmpa1b2").exists() and not (exps / "run" / "a1b2").exists()
+    assert (exps / "tmpc3d4" / "data.bin").exists() and (exps / "run" / "c3d4" / "c3d4.run").exists()
+    assert said == [f"grid: removed the copies of the repository the lost experiments ran in: {(exps / 'tmpa1b2').resolve()}"]
+
+
+def _dvc_run_record(exps: Path, rev: str, name: str, root: Optional[Path] = None) -> Path:
+    """DVC 3.67's record of a queued experiment's run (``.dvc/tmp/exps/run/<rev>/<rev>.run``) and its copy."""
+    copy = root or exps / f"tmp{rev}"
+    copy.mkdir(parents=True)
+    (copy / "data.bin").write_bytes(b"\0" * 16)
+    (exps / "run" / rev).mkdir(parents=True)
+    (exps / "run" / rev / f"{rev}.run").write_text(json.dumps({"name": name, "root_dir": str(copy), "location": "dvc-task"}))
+    return copy
+
+
+def test_only_a_lost_experiments_copy_inside_dvcs_temporary_folder_is_removed(tmp_path):
+    from fedsilo.grid import remove_lost_copies
+
+    exps = tmp_path / ".dvc" / "tmp" / "exps"
+    outside = _dvc_run_record(exps, "e5f6", "grid-x-000", root=tmp_path / "elsewhere")  # a record naming a folder outside
+    (exps / "run" / "bad0").mkdir(parents=True)
+    (exps / "run" / "bad0" / "bad0.run").write_text("{not json")  # a record being written
+    assert remove_lost_copies(tmp_path, ["grid-x-000"]) == [] and (outside / "data.bin").exists()
+    _dvc_run_record(exps, "a1b2", "grid-x-000")
+    assert remove_lost_copies(tmp_path, ["grid-x-000"]) == [(exps / "tmpa1b2").resolve()]
 
 
 def test_an_earlier_grids_experiments_still_queued_are_named_before_this_one_queues(tmp_path, monkeypatch):

@@ -197,6 +197,30 @@ def queue_workers(repo: Path) -> list:
     return found
 
 
+def remove_lost_copies(repo: Path, names: Sequence[str]) -> list[Path]:
+    """The temporary copies of the repository the experiments ``names`` ran in, removed (with DVC's record of each
+    run): a worker killed under its experiment leaves both in ``.dvc/tmp/exps/`` for ever (neither `dvc queue kill`,
+    `dvc queue remove` nor `dvc exp clean` removes them), and a copy holds the checked-out data the runs read. DVC's
+    record of a run is ``.dvc/tmp/exps/run/<rev>/<rev>.run``, a JSON naming the experiment (``name``) and its copy
+    (``root_dir``); only a copy inside ``.dvc/tmp/exps/`` is removed. Returns the copies removed."""
+    exps = (repo / ".dvc" / "tmp" / "exps").resolve()
+    removed: list[Path] = []
+    for info in sorted(exps.glob("run/*/*.run")):
+        try:
+            rec = json.loads(info.read_text())
+        except (OSError, ValueError):
+            continue  # another run's record being written: not one of ours
+        if not isinstance(rec, dict) or rec.get("name") not in names or not rec.get("root_dir"):
+            continue
+        copy = Path(str(rec["root_dir"])).resolve()
+        if copy.parent != exps or not copy.is_dir():
+            continue
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.rmtree(info.parent, ignore_errors=True)
+        removed.append(copy)
+    return removed
+
+
 def stop_workers(repo: Path, env: Optional[dict[str, str]] = None, grace_s: float = 30.0, terminate: bool = True,
                  log: Callable[[str], None] = print) -> int:
     """``dvc queue stop``, then (``terminate``: every queued experiment has finished, so no worker is busy) end this
@@ -427,6 +451,9 @@ def _run_grid(pipeline: str, repo: Path, jobs: int, pattern: str, tracking_uri: 
                     for n in ghosts:
                         run_dvc(["queue", "kill", n], repo, env, check=False)
                         lost[n] = names[n]
+                    gone = remove_lost_copies(repo, ghosts)
+                    if gone:
+                        log(f"grid: removed the copies of the repository the lost experiments ran in: {', '.join(map(str, gone))}")
                     ghost_polls = 0
                 now = {n for n, s in st.items() if s in ("Success", "Failed")} | set(lost)
                 if now - done:
