@@ -452,7 +452,8 @@ def test_one_table_of_a_paper_is_reported_from_its_groups_runs_and_names_the_run
     err = capsys.readouterr().err
     assert ("runs.table4: 2 run(s) not trained yet (pfeddb_cxr4/pfeddb_one_phase/seed0, pfeddb_cxr4/pfeddb/seed0); train them: "
             "dvc repro pipelines/pfeddb/dvc.yaml:train_table4@pfeddb_cxr4-pfeddb_one_phase-0 "
-            "pipelines/pfeddb/dvc.yaml:train_tables_1_2@pfeddb_cxr4-pfeddb-0") in err, err
+            "pipelines/pfeddb/dvc.yaml:train_tables_1_2@pfeddb_cxr4-pfeddb-0 (or several at once: fedsilo --params "
+            f"{REPO / 'pipelines' / 'pfeddb' / 'params.yaml'} grid --jobs 2, every out-of-date run of the pipeline)") in err, err
     # the whole experiment's report and pFedDIL's sensitivity figures name their missing runs' targets the same way
     assert main([*params, "report", "--experiment", "pfeddb_cxr4"]) == 2
     assert "report: " in (err := capsys.readouterr().err) and "dvc repro pipelines/pfeddb/dvc.yaml:train_" in err, err

@@ -228,6 +228,8 @@ def _refuse_missing_runs(p: Params, layout: Layout, source: str, what: str, runs
         by_hand = [r for r in rs if r not in staged]
         cmds = ["dvc repro " + " ".join(shlex.quote(p.train_stage(*r)) for r in staged)] if staged else []
         cmds += [f"fedsilo {params}train --experiment {e} --method {m} --seed {k}" for e, m, k in by_hand]
+        if len(staged) > 1:  # one after another; the grid trains the pipeline's out-of-date runs (these among them) at once
+            cmds[0] += f" (or several at once: fedsilo {params}grid --jobs 2, every out-of-date run of the pipeline)"
         return "; ".join(cmds)
 
     if missing:
