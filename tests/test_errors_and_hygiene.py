@@ -548,6 +548,30 @@ def test_help_lists_what_the_params_file_defines_and_bare_fedsilo_shows_the_comm
         assert capsys.readouterr().out.startswith("usage: "), name
 
 
+def test_version_names_the_commit_the_training_code_hash_and_the_libraries_without_a_params_file(tmp_path, capsys, monkeypatch):
+    """`fedsilo --version` (for a bug report): fedsilo's version, the checkout's commit, the hash of the training code
+    (the one data/code/train.json holds), Python's and the libraries' versions; it reads no params file."""
+    import importlib.metadata as md
+    import subprocess
+
+    from fedsilo import cli
+    from fedsilo.codehash import train_code_sha256
+
+    monkeypatch.chdir(tmp_path)  # no params.yaml here
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:  # a CI checkout is a git clone
+        assert f"; git {head.stdout.strip()}" in out.splitlines()[0]
+    assert out.startswith(f"fedsilo {md.version('fedsilo')} (")
+    assert f"training code sha256 {train_code_sha256()} " in out
+    assert f"torch {md.version('torch')}, " in out and f"dvc {md.version('dvc')}, " in out
+    monkeypatch.setattr(cli, "VERSIONED", ("torch", "no-such-library-here"))
+    assert "no-such-library-here not installed" in cli.version_text()
+
+
 def test_a_run_whose_inputs_are_missing_names_the_stage_that_builds_them(mirror_root, tmp_path, capsys):
     """The train stage names the `dvc repro` target that writes what it lacks: the dataset's harmonize stage, or the
     split stage of the run's own pipeline (a paper's through its dvc.yaml; plain `dvc repro` builds the root's only)."""

@@ -1004,6 +1004,49 @@ def _listing(known: dict[str, list[str]], *keys: str) -> str:
     return "\n".join(lines)
 
 
+VERSIONED = ("torch", "torchvision", "dvc", "mlflow", "flwr", "ray", "pydicom", "albumentations", "numpy", "pandas")
+
+
+def version_text() -> str:
+    """What a bug report or a results folder needs to name the code: fedsilo's version, the checkout's git commit
+    (with ``+ uncommitted edits`` where ``src/fedsilo`` differs from it), the hash of all of the training code,
+    Python's and the main libraries' versions (read from the installed packages' metadata: nothing is imported)."""
+    import importlib.metadata as md
+    import platform
+    import subprocess
+
+    from fedsilo.codehash import PACKAGE, train_code_sha256
+
+    def version(dist: str) -> str:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return "not installed"
+
+    src = PACKAGE.parent
+    git = ["git", "-C", str(src)]
+    head = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        edits = subprocess.run([*git, "status", "--porcelain", "--", str(PACKAGE)], capture_output=True, text=True).stdout.strip()
+        commit = f"git {head.stdout.strip()}{' + uncommitted edits' if edits else ''}"
+    else:
+        commit = "not a git checkout"
+    libs = ", ".join(f"{d} {version(d)}" for d in VERSIONED)
+    return (f"fedsilo {version('fedsilo')} ({PACKAGE}; {commit})\n"
+            f"training code sha256 {train_code_sha256()} (all of it, as data/code/train.json holds it; a run's "
+            "metrics.json code.source_sha256 hashes its method's share)\n"
+            f"Python {platform.python_version()} on {platform.system()} {platform.machine()}; {libs}")
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, **kw: Any):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=kw.get("help"))
+
+    def __call__(self, parser: argparse.ArgumentParser, *a: Any) -> None:
+        print(version_text())
+        parser.exit()
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     argv = sys.argv[1:] if argv is None else argv
     # the params file is read for the commands' --help listings only, not on every start-up
@@ -1014,6 +1057,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--root", default=".", help="repository root holding data/ and results/ (default: .)")
     ap.add_argument("-v", "--verbose", action="store_true", help="log what each stage decides (resumes, removals)")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bars or lines (rounds, images)")
+    ap.add_argument("--version", action=_Version, help="fedsilo's version, git commit, training-code hash and the "
+                    "main libraries' versions (for a bug report), then exit")
     # --params, --root and -q are accepted after the command too (`fedsilo train --params ... --experiment ...`)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--params", default=argparse.SUPPRESS, help="parameters file (default: params.yaml)")
