@@ -100,6 +100,11 @@ def test_named_method_variants_resolve_to_their_registered_method(tmp_path):
     raw["methods"]["oops"] = {"method": "fedawg"}
     with pytest.raises(ConfigError, match=r"methods\.oops: unknown method 'fedawg' \(did you mean 'fedavg'\?\)"):
         parse_params(raw)
+    # a method of one's own written but not registered: where it is registered
+    raw["methods"]["oops"] = {}
+    with pytest.raises(ConfigError, match=r"methods\.oops: unknown method 'oops' .*; a method of your own is known once its "
+                       r"class is in REGISTRY of src/fedsilo/methods/registry\.py"):
+        parse_params(raw)
 
 
 @pytest.mark.parametrize("setting", [{"finetune_epochs": 1}, {"local_rounds": 1}])

@@ -51,10 +51,21 @@ def test_new_paper_writes_a_pipeline_check_params_accepts(tmp_path, capsys):
     assert yaml.safe_load((folder / "published.yaml").read_text()) == {"accuracy": {}}
     capsys.readouterr()
     assert main(["--root", str(tmp_path), "--params", str(folder / "params.yaml"), "check-params"]) == 0, capsys.readouterr().err
+    # a paper renamed by hand after a root experiment is refused by the pipeline too (its results/<name>/ is the root's)
+    (folder / "params.yaml").write_text((folder / "params.yaml").read_text().replace("paper: mine", "paper: cxr4_quickstart"))
+    assert main(["--root", str(tmp_path), "--params", str(folder / "params.yaml"), "check-params"]) == 2
+    assert "paper: 'cxr4_quickstart' is an experiment of params.yaml: its results/cxr4_quickstart/" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["Mine", "--experiment", "digits5_domains", "--methods", "fedavg"], "'Mine' is no paper name"),
+    (["Mine", "--experiment", "digits5_domains", "--methods", "fedavg"], "'Mine' is no paper name (did you mean 'mine'?)"),
+    # a root experiment's name: the paper's results/<name>/ would be that experiment's, its report depending on them
+    (["cxr4_quickstart", "--experiment", "digits5_domains", "--methods", "fedavg"],
+     "'cxr4_quickstart' is an experiment of"),
+    (["deploy", "--experiment", "digits5_domains", "--methods", "fedavg"], "paper: 'deploy' names a folder of the root pipeline's"),
+    # a title that would end the files' comment line and break the YAML DVC reads
+    (["mine", "--experiment", "digits5_domains", "--methods", "fedavg", "--title", "Mine (2026)\nseeds: [7]"],
+     "--title: one line of printable text"),
     (["taken", "--experiment", "digits5_domains", "--methods", "fedavg"], "pipelines/taken exists"),
     (["mine", "--experiment", "digits5_domain", "--methods", "fedavg"], "--experiment: 'digits5_domain' is not under experiments in"),
     (["mine", "--experiment", "unbuilt", "--methods", "fedavg"], "its dataset 'cifar10_32' is not in pipeline.datasets"),
@@ -78,6 +89,7 @@ def test_new_paper_refuses_by_name_and_writes_nothing(tmp_path, capsys, argv, sa
     assert main(["--root", str(tmp_path), "--params", str(tmp_path / "params.yaml"), "new-paper", *argv]) == 2
     err = capsys.readouterr().err
     assert said in err, err
+    assert "error: new-paper:" not in err  # the command is named once
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 

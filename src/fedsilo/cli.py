@@ -41,9 +41,12 @@ def _defined(params_file: Any, section: str, name: str, known: Any) -> None:
     """``name`` is defined under ``section`` of the params file, else a ConfigError naming the file, the dotted key
     and a near miss."""
     if name not in known:
+        from fedsilo.config.errors import REGISTER_HINT
         from fedsilo.methods import REGISTRY
 
         hint = config.METHOD_ENTRY_HINT.format(m=name) if section == "methods" and name in REGISTRY else config.did_you_mean(name, known)
+        if section == "methods" and name not in REGISTRY and not hint:  # perhaps a method of one's own not registered
+            hint = REGISTER_HINT
         raise ConfigError(f"{params_file}: {section}.{name}: not defined{hint}")
 
 

@@ -8,6 +8,7 @@ reports as theirs do; a run group added later needs its ``train_<group>`` stage,
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -151,29 +152,38 @@ def new_paper(params: Params, root: Path, name: str, experiment: str, methods: S
     if params.paper is not None:
         raise ConfigError(f"{params.source}: a paper's params file; new-paper takes the root's (--params params.yaml)")
     if not SLUG_RE.match(name):
-        raise ConfigError(f"new-paper: '{name}' is no paper name: lower-case letters, digits and _, starting with a letter "
+        near = re.sub(r"[^a-z0-9_]", "_", name.lower())
+        hint = f" (did you mean '{near}'?)" if SLUG_RE.match(near) else ""
+        raise ConfigError(f"'{name}' is no paper name{hint}: lower-case letters, digits and _, starting with a letter "
                           "or digit (it names the folder pipelines/<name> and results/<name>/)")
+    if name in params.experiments:
+        raise ConfigError(f"'{name}' is an experiment of {params.source}: the paper's results/{name}/ and state/{name}/ "
+                          "would be that experiment's folders (its report would depend on the paper's runs); give the "
+                          "paper another name")
+    if any(ord(ch) < 32 or ch == "\x7f" for ch in title):
+        raise ConfigError("--title: one line of printable text (it heads the comment of each file written; a line break "
+                          "would end the comment and break the YAML of every pipeline DVC reads)")
     folder = root / "pipelines" / name
     if folder.exists():
-        raise ConfigError(f"new-paper: {folder} exists; choose another name, or edit its files")
+        raise ConfigError(f"{folder} exists; choose another name, or edit its files")
     if experiment not in params.experiments:
-        raise ConfigError(f"new-paper: --experiment: '{experiment}' is not under experiments in {params.source}"
+        raise ConfigError(f"--experiment: '{experiment}' is not under experiments in {params.source}"
                           f"{did_you_mean(experiment, params.experiments)} (its experiments: {', '.join(params.experiments)})")
     dataset = params.experiments[experiment].dataset
     if dataset not in params.pipeline.datasets:
-        raise ConfigError(f"new-paper: --experiment {experiment}: its dataset '{dataset}' is not in pipeline.datasets of "
+        raise ConfigError(f"--experiment {experiment}: its dataset '{dataset}' is not in pipeline.datasets of "
                           f"{params.source}; add it there (a paper's pipeline uses the data the root builds)")
     if not methods:
-        raise ConfigError("new-paper: --methods: name one method or more (fedsilo methods lists them)")
+        raise ConfigError("--methods: name one method or more (fedsilo methods lists them)")
     unknown = [m for m in methods if m not in REGISTRY and (params.methods.get(m) or {}).get("method") not in REGISTRY]
     if unknown:
-        raise ConfigError(f"new-paper: --methods: '{unknown[0]}' is no registered method{did_you_mean(unknown[0], REGISTRY)} "
+        raise ConfigError(f"--methods: '{unknown[0]}' is no registered method{did_you_mean(unknown[0], REGISTRY)} "
                           "(fedsilo methods lists them)")
     if len(set(methods)) != len(methods):
-        raise ConfigError(f"new-paper: --methods: {', '.join(methods)} names a method twice")
+        raise ConfigError(f"--methods: {', '.join(methods)} names a method twice")
     source = Path(params.source).resolve()
     if not source.is_relative_to(root.resolve()):
-        raise ConfigError(f"new-paper: {params.source} is not inside --root {root}: a paper's params name the root's by its "
+        raise ConfigError(f"{params.source} is not inside --root {root}: a paper's params name the root's by its "
                           "place in the repository")
     data = source.relative_to(root.resolve()).as_posix()
     raw = yaml.safe_load(source.read_text())
@@ -219,7 +229,7 @@ def _check_before_writing(doc: dict, path: Path, root: Path) -> None:
         check_methods(params, where)
         check_pipeline_fits(params, where)
     except ConfigError as err:
-        raise ConfigError(f"new-paper: nothing written, the pipeline would refuse it: {err}") from None
+        raise ConfigError(f"nothing written, the pipeline would refuse it: {err}") from None
 
 
 def check_paper_stages(p: Params, where: str, root: Path) -> None:

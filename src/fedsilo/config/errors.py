@@ -71,6 +71,9 @@ def _drop_union_tags(loc: tuple, model: Optional[type]) -> tuple:
 
 # a method trained needs its entry, even a registered method run with its defaults (`fedsilo methods` lists them)
 METHOD_ENTRY_HINT = "; every method trained needs an entry under methods (`{m}: {{}}`: a registered method with its defaults; `fedsilo methods` lists them)"
+# where a method of one's own that fedsilo does not know yet was left out
+REGISTER_HINT = ("; a method of your own is known once its class is in REGISTRY of src/fedsilo/methods/registry.py "
+                 "(README, \"Adding a method\")")
 
 
 def did_you_mean(name: str, known: Any) -> str:

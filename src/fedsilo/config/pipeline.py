@@ -342,8 +342,9 @@ SLUG_RE = re.compile(SLUG)
 
 
 # a paper's outputs sit beside the root's: data/code/<paper>/ beside data/code/methods/, results/<paper>/ beside
-# results/report/ and `report --methods`' results/selected/
-RESERVED_PAPERS = frozenset({"methods", "report", "selected"})
+# results/report/, the root's run groups' results/groups/ and results/across/, `report --methods`' results/selected/
+# and a deployment's results/deploy/ and state/deploy/ (a root experiment's name is refused with the root file read)
+RESERVED_PAPERS = frozenset({"methods", "report", "selected", "groups", "across", "deploy"})
 
 
 class PaperParams(Strict):
@@ -384,7 +385,7 @@ class PaperParams(Strict):
     def _not_the_roots(cls, v: str) -> str:
         if v in RESERVED_PAPERS:
             raise ValueError(f"'{v}' names a folder of the root pipeline's (data/code/methods, results/report, "
-                             "results/selected): give the paper another name")
+                             "results/selected, results/groups, results/across, results/deploy): give the paper another name")
         return v
 
     @model_validator(mode="after")
@@ -477,6 +478,10 @@ def load_paper_params(path: Path, raw: dict[str, Any]) -> Params:
     root = load_params(data_path)
     if root.paper is not None:
         raise ConfigError(f"{path}: data: '{pp.data}' is a paper's params file, not the root's")
+    if pp.paper in root.experiments:  # results/<paper>/ and state/<paper>/ would be the root experiment's folders
+        raise ConfigError(f"{path}: paper: '{pp.paper}' is an experiment of {pp.data}: its results/{pp.paper}/ and "
+                          f"state/{pp.paper}/ are that experiment's folders (its report would depend on the paper's runs); "
+                          "give the paper another name")
     unbuilt: dict[str, str] = {}  # dataset -> the first experiment on it
     for e, ex in pp.experiments.items():
         if ex.dataset not in root.pipeline.datasets:

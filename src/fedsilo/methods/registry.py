@@ -14,6 +14,7 @@ from typing import Any, Optional
 from pydantic import BaseModel, ValidationError
 
 from fedsilo.config import METHOD_ENTRY_HINT, ConfigError, Params, TrainParams, did_you_mean, format_validation_error
+from fedsilo.config.errors import REGISTER_HINT
 from fedsilo.methods.base import Method, MethodParams, check_rounds_fit
 from fedsilo.methods.cd2pfed import CD2PFed
 from fedsilo.methods.dann import DANN
@@ -84,7 +85,8 @@ def method_class(name: str) -> type[Method]:
     try:
         return REGISTRY[name]
     except KeyError:
-        raise ConfigError(f"unknown method {name!r}{did_you_mean(name, REGISTRY)} (registered: {', '.join(sorted(REGISTRY))})") from None
+        raise ConfigError(f"unknown method {name!r}{did_you_mean(name, REGISTRY)} (registered: {', '.join(sorted(REGISTRY))})"
+                          f"{REGISTER_HINT}") from None
 
 
 def method_base(key: str, entry: Optional[dict[str, Any]]) -> str:
@@ -105,7 +107,7 @@ def method_params(params: Params, key: str, source: Optional[str] = None) -> Met
         return params._typed_methods[key]
     if key not in params.methods:
         raise ConfigError(f"methods.{key}: not defined in {source}" + (METHOD_ENTRY_HINT.format(m=key) if key in REGISTRY else
-                                                                       did_you_mean(key, list(params.methods))))
+                                                                       did_you_mean(key, list(params.methods)) or REGISTER_HINT))
     entry = params.methods[key]
     try:
         cls = method_class(method_base(key, entry))
@@ -233,7 +235,7 @@ def describe_method(params: Params, key: str, source: str = "params.yaml") -> st
 
     if key not in params.methods and key not in REGISTRY:
         raise ConfigError(f"{source}: methods.{key}: not defined (methods: {', '.join(params.methods) or 'none'}; "
-                          f"registered methods: {', '.join(sorted(REGISTRY))})")
+                          f"registered methods: {', '.join(sorted(REGISTRY))}){REGISTER_HINT}")
     if key in params.methods:
         typed = method_params(params, key, source)
         base = method_base(key, params.methods[key])
