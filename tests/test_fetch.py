@@ -341,3 +341,31 @@ def test_an_archive_unpacks_in_one_pass_with_its_progress_and_a_corrupt_member_i
     bad.write_bytes(bytes(blob))
     with pytest.raises(FetchError, match=r"bad\.zip: corrupt member b\.txt \(Bad CRC-32"):
         _unpack(bad, tmp_path / "bad_out", quiet=True)
+
+
+def test_a_second_fetch_or_harmonize_of_the_same_folder_is_refused_and_leaves_the_first_ones_work(tmp_path):
+    """Two fetches (or harmonizes) of one folder at once: the second removed the first's copy in progress as an
+    interrupted write's leftover, and the first failed on a file gone from under it ([Errno 2]). The second is now
+    refused at once, naming who holds the folder; the first's temporary folder is left alone."""
+    import os
+
+    from fedsilo.data.harmonize import HarmonizeError, harmonize_dataset
+    from fedsilo.utils.locks import held, of_output
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.png").write_bytes(b"x")
+    out = tmp_path / "data" / "raw" / "mine"
+    out.parent.mkdir(parents=True)
+    working = out.parent / ".mine.k3x9q0.tmp"  # the first fetch's copy in progress
+    working.mkdir()
+    with held(of_output(out), RuntimeError):  # the first fetch holds the folder
+        with pytest.raises(FetchError, match=rf"mine: already being fetched into {re.escape(str(out))} by pid {os.getpid()} on "):
+            fetch("mine", SourceParams(mode="local", path=str(tmp_path / "src")), out, tmp_path, quiet=True)
+    assert working.is_dir() and not out.exists()
+    # free again: the fetch runs (and removes the leftover of a fetch that is over)
+    fetch("mine", SourceParams(mode="local", path=str(tmp_path / "src"), reader="image_folder"), out, tmp_path, quiet=True)
+    assert (out / "a.png").exists() and not working.exists()
+    harmonized = tmp_path / "data" / "harmonized" / "mine_64"
+    with held(of_output(harmonized), RuntimeError):
+        with pytest.raises(HarmonizeError, match=r"mine_64: already being harmonized into .* by pid \d+ on "):
+            harmonize_dataset(None, tmp_path / "data" / "raw", harmonized, quiet=True)

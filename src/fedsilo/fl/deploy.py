@@ -671,7 +671,7 @@ def deployment_status(app: Path, nodes: list[dict[str, Any]] | None, superlink_d
     held = peek_checkpoint(ckpt, resume_key(dep)) if ckpt.exists() else None
     checkpoint = ({"round": held["round"], "path": str(ckpt)} if held else
                   {"round": None, "path": str(ckpt), "other": True} if ckpt.exists() else None)
-    from fedsilo.fl.run import lock_holder
+    from fedsilo.utils.locks import holder as lock_holder
 
     # a ServerApp running this deployment holds its run lock; the wire log it writes as it goes says what it last did
     wire = results.with_name(results.name + ".wire") / "wire.jsonl"

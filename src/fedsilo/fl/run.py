@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import threading
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -44,6 +43,7 @@ from fedsilo.methods.registry import check_stream_fit
 from fedsilo.models import build_model
 from fedsilo.tracking import Tracker, dvc_hashes, flat_summary, flatten, git_commit
 from fedsilo.utils.io import atomic_dir, canonical_hash, clean_stale, file_sha256, read_json, write_json
+from fedsilo.utils.locks import held
 from fedsilo.utils.progress import Progress, mib
 from fedsilo.utils.signals import exit_on_signal, on_sigterm
 
@@ -379,51 +379,11 @@ class RunInProgress(ConfigError):
 
 @contextlib.contextmanager
 def run_lock(path: Path, name: str) -> Iterator[None]:
-    """Hold an exclusive lock on ``path`` for one run: a second `fedsilo train` of the same run (two terminals, two
-    DVC queue workers) is refused at once instead of writing into the same checkpoint and MLflow run. The operating
-    system releases the lock when the holder dies, SIGKILL included, so a stale lock never blocks a rerun."""
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        holder = _take_lock(fh)
-        if holder is not None:
-            raise RunInProgress(f"{name} is already being trained by {holder}; wait for it to end or stop it, then rerun")
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"pid {os.getpid()} on {socket.gethostname()}")
-        fh.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def lock_holder(path: Path) -> Optional[str]:
-    """Who holds :func:`run_lock`'s lock on ``path`` now (``pid N on host``), or None when no process does (no run,
-    or one that ended, however it ended). Asked on the machine the run is on."""
-    import fcntl
-
-    if not Path(path).exists():
-        return None
-    with open(path, "a+") as fh:
-        holder = _take_lock(fh)
-        if holder is None:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-        return holder
-
-
-def _take_lock(fh: Any) -> Optional[str]:
-    """Takes the exclusive lock on the open file ``fh`` without waiting: None when taken, else who holds it (what
-    :func:`run_lock` wrote in it)."""
-    import fcntl
-
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fh.seek(0)
-        return fh.read().strip() or "another process"
-    return None
+    """Hold an exclusive lock on ``path`` for one run (:func:`fedsilo.utils.locks.held`): a second `fedsilo train` of
+    the same run (two terminals, two DVC queue workers) is refused at once instead of writing into the same
+    checkpoint and MLflow run."""
+    with held(path, lambda holder: RunInProgress(f"{name} is already being trained by {holder}; wait for it to end or stop it, then rerun")):
+        yield
 
 
 class GracefulStop:
