@@ -239,6 +239,38 @@ def test_registration_waits_for_the_sites_replies_no_longer_than_wait_s_and_says
     assert grid.timeouts and all(t is not None and 0 < t <= 1.0 for t in grid.timeouts), grid.timeouts
 
 
+class OneOffline(LoopGrid):
+    """Node 102's SuperNode never connects."""
+
+    def get_node_ids(self):
+        return [n for n in self.contexts if n != 102]
+
+
+def test_a_site_that_never_connects_is_named_by_its_pinned_node_and_the_wait_is_said(identity, monkeypatch, caplog):
+    """No site is asked to register until enough nodes are online, so a timeout named no site ("1 of 2 connected")
+    after minutes of silence: the sites whose pinned node is not online are named, and the wait says how far it is."""
+    import logging
+
+    import fedsilo.fl.flower as flower
+    from fedsilo.fl.flower import Roster
+
+    monkeypatch.setattr(flower, "WAIT_LINE_S", 0.2)
+    spec, clients = FlowerSpec.of(FedBN(FedBN.params_cls(), _train(rounds=1)), _model, 0), _clients()
+    app = client_app(spec, lambda ctx: clients[int(ctx.node_config["partition-id"])])
+    ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    names = tuple(c.name for c in clients)
+    roster = Roster(names, ("f",) * len(names), {}, node_ids=(100, 101, 102))
+    with caplog.at_level(logging.WARNING, logger="fedsilo.fl.flower"):
+        with pytest.raises(TimeoutError, match=rf"2 of 3 sites connected after 1 s; not connected: {names[2]} \(node 102\) "
+                           r"\(their SuperNodes: running, and reaching the SuperLink\?\)"):
+            FlowerRun(spec, len(clients), roster=roster, wait_s=0.7).main(OneOffline(app, len(clients)), ctx)  # type: ignore[arg-type]
+    assert any(r.getMessage().startswith("waiting for the sites: 2 of 3 connected after 0 s (wait-s 1 s); not connected: "
+                                         f"{names[2]} (node 102)") for r in caplog.records), caplog.text
+    # no node pinned: which site is missing cannot be told before they register, and the message says so
+    with pytest.raises(TimeoutError, match=r"2 of 3 sites connected after 0 s \(no site is asked to register until enough are online"):
+        FlowerRun(spec, len(clients), wait_s=0.3).main(OneOffline(app, len(clients)), ctx)  # type: ignore[arg-type]
+
+
 def test_each_store_lives_in_its_sites_context_and_the_server_holds_only_cards(identity):
     tp, clients = _train(rounds=2), _clients()
     reference = Engine(FedBN(FedBN.params_cls(), tp), _model(), clients, tp, seed=0)

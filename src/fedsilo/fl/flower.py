@@ -112,6 +112,7 @@ __all__ = ["Card", "ClientFailed", "FlowerRun", "FlowerServer", "FlowerSpec", "F
            "describe", "record_tensor_bytes", "simulate", "site_wire_log"]
 
 log = logging.getLogger("fedsilo.flower")
+WAIT_LINE_S = 30.0  # how often a ServerApp waiting for its sites to connect says how many have
 REJOIN_POLL_S = 2.0  # how often a run waiting for a site that went away asks the SuperLink which nodes are online
 # the messages a run sends again to a site that went away and came back: they read the store the message names from
 # the site's disk (evaluate) or write it there whole (task_end), or are repeated as they are (announce). Never a
@@ -1022,7 +1023,8 @@ class FlowerRun:
         where: dict[int, int] = {}
         registered: dict[int, dict[str, Any]] = {}
         asked: set[int] = set()
-        deadline = time.monotonic() + self.wait_s
+        start = time.monotonic()
+        deadline, said = start + self.wait_s, start
         while len(cards) < expected:
             while True:
                 online = [n for n in sorted(grid.get_node_ids()) if n not in asked]
@@ -1038,7 +1040,11 @@ class FlowerRun:
                     if silent:
                         raise TimeoutError(self._silent(cards, held))
                     raise TimeoutError(f"{len(cards) + len(nodes)} of {expected} sites connected after {self.wait_s:.0f} s"
-                                       + (f" (not yet registered: {', '.join(self._missing(cards, held))})" if cards else ""))
+                                       + self._not_connected(cards, held, set(grid.get_node_ids())))
+                if time.monotonic() - said >= WAIT_LINE_S:  # minutes of waiting (wait-s, default 600 s): said
+                    said = time.monotonic()
+                    log.warning("waiting for the sites: %d of %d connected after %.0f s (wait-s %.0f s)%s", len(cards) + len(nodes),
+                                expected, said - start, self.wait_s, self._not_connected(cards, held, set(grid.get_node_ids())))
                 time.sleep(0.1)
             asked |= set(nodes)
             refused, told_left = self._ask(grid, nodes, cards, where, registered, deadline)
@@ -1056,6 +1062,21 @@ class FlowerRun:
                 c = held[name]
                 cards[i], registered[i] = Card(i, name, c["domain"], c["n_train"], tuple(c["shape"])), c
         return cards, where, registered
+
+    def _not_connected(self, cards: dict[int, Card], held: dict[str, dict[str, Any]], online: set[int]) -> str:
+        """Which sites are missing, as far as the SuperLink can tell before asking anyone: the sites whose pinned node
+        (``federation.yaml``'s ``node_id``) is not online; without pins, the sites not yet registered (none are asked
+        until enough nodes are online: who is missing is known by name only then)."""
+        if self.roster is not None and any(n is not None for n in self.roster.node_ids):
+            away = [f"{name} (node {n})" for i, (name, n) in enumerate(zip(self.roster.sites, self.roster.node_ids))
+                    if name not in held and i not in cards and n is not None and n not in online]
+            if away:
+                return f"; not connected: {', '.join(away)} (their SuperNodes: running, and reaching the SuperLink?)"
+        missing = self._missing(cards, held)
+        if cards:
+            return f" (not yet registered: {', '.join(missing)})"
+        return (" (no site is asked to register until enough are online; `flwr ls` / the SuperLink's log name the nodes "
+                "connected)") if missing else ""
 
     def _silent(self, cards: dict[int, Card], held: dict[str, dict[str, Any]]) -> str:
         return (f"sites {', '.join(self._missing(cards, held))} did not register within {self.wait_s:.0f} s (wait-s in the "
