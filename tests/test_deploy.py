@@ -110,6 +110,15 @@ def test_a_site_harmonized_again_after_its_split_is_refused_until_it_splits_agai
             read()
     assert fedsilo([*common, "split", "--experiment", "site"]) == 0
     assert _card(params_file)["contract"]["image_shape"] == [8, 8, 1]
+    # the dataset's settings edited and not harmonized again: the card and the data loading refuse, naming each
+    raw["datasets"]["chest_xray4"]["image_size"] = 12
+    params_file.write_text(yaml.safe_dump(raw, sort_keys=False))
+    params = load_params(params_file)
+    for read in (lambda: _card(params_file), lambda: load_site(params, "site", params_file.parent, torch.device("cpu"))):
+        with pytest.raises(ConfigError, match=r"harmonized with other settings than datasets\.chest_xray4 has now \(image_size: "
+                                              r"built with 8, now 12\); rerun `fedsilo harmonize --dataset chest_xray4` and "
+                                              r"`fedsilo split --experiment site`"):
+            read()
 
 
 def _deployed(tmp: Path, sites: dict[str, Path], node_ids: Optional[dict[str, int]] = None, **pin):
@@ -1618,6 +1627,22 @@ def test_credentials_are_checked_before_flower_starts_and_the_superlinks_certifi
     capsys.readouterr()
     assert main(site) == 2 and re.search(r"--auth-key: .*garbage\.key is not an unencrypted OpenSSH", capsys.readouterr().err)
     assert main([*site[:-2], str(key), "--dry-run"]) == 0
+    # what Flower's SuperNode fails on only after starting (exit 1, retried by a service manager): refused, exit 2
+    good = [*site[:-2], str(key)]
+    for link in ("coordinator.example.org", "coordinator.example.org:port", "coordinator.example.org:70000"):
+        capsys.readouterr()
+        assert main([*good[:good.index("--superlink") + 1], link, *good[good.index("--superlink") + 2:], "--dry-run"]) == 2
+        assert f"--superlink: {link!r} is not host:port" in capsys.readouterr().err
+    import socket
+
+    with socket.socket() as taken:  # another SuperNode of this site listening on its Runtime API port
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        capsys.readouterr()
+        assert main([*good, "--port", str(port)]) == 2  # not --dry-run: it would start now
+        assert f"--port: 127.0.0.1:{port} is taken: a process on this machine listens on it" in capsys.readouterr().err
+        assert main([*good, "--port", str(port), "--dry-run"]) == 0  # a dry run starts nothing: not checked
 
 
 def test_a_site_scores_new_image_files_with_the_model_it_kept_as_it_scores_its_harmonized_images(sites, tmp_path, capsys):
@@ -1653,7 +1678,12 @@ def test_a_site_scores_new_image_files_with_the_model_it_kept_as_it_scores_its_h
         capsys.readouterr()
         assert main(["--params", str(sites[source]), "--root", str(root), "site", "predict", "--experiment", "site",
                      "--model", str(kept.model_path), "--out", str(out), "--images", *map(str, files)]) == 0
-        assert "images scored by" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "images scored by" in err and "(predicted: " in err
+        if source == "rsna":  # its own model; one file not scored
+            assert "is the model site" not in err and "1 row not scored (its error column says why)" in err
+        else:  # RSNA's kept model on CheXpert's images: said (its own part learned RSNA's data), not refused
+            assert f"{kept.model_path} is the model site RSNA kept (its own part learned RSNA's data), not this site's" in err
         rows = pd.read_csv(out)
         rows[["predicted", "error"]] = rows[["predicted", "error"]].fillna("")
         x = torch.from_numpy(np.load(root / "data/harmonized/chest_xray4/images.npy")[:6]).permute(0, 3, 1, 2).contiguous()

@@ -647,6 +647,7 @@ def _site(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag}: {f}: no such file")
     for warning in check_site_credentials(Path(args.root_certificates), Path(args.auth_key)):
         print(warning, file=sys.stderr)
+    _check_supernode_addresses(args.superlink, args.port, bind=not (args.dry_run or args.systemd_unit))
     cmd = supernode_command(Path(args.params), args.experiment, Path(args.root), args.superlink, Path(args.root_certificates),
                             Path(args.auth_key), port=args.port)
     print(f"site {card['site']} (fingerprint {card['fingerprint'][:16]}): {shlex.join(cmd)}", file=sys.stderr)  # as a shell takes it
@@ -657,6 +658,30 @@ def _site(args: argparse.Namespace) -> None:
     _run_or_install(args, cmd, service, root, f"fedsilo site {card['site']}: Flower SuperNode of the federation at {args.superlink}",
                     f"site {card['site']}, data fingerprint {card['fingerprint']}; fedsilo checks the data against it at every start",
                     restart_after_s())
+
+
+def _check_supernode_addresses(superlink: str, port: int, bind: bool) -> None:
+    """What Flower's SuperNode would only fail on after its start (exit status 1, which a service manager retries):
+    ``--superlink`` not ``host:port`` (Flower: "cannot be parsed"); ``--port`` out of range, or (``bind``: the
+    SuperNode starts now) one a process on this machine already listens on (a second SuperNode of the site)."""
+    import re
+    import socket
+
+    m = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]+):(\d{1,5})", superlink.strip())
+    if not m or not 0 < int(m.group(2)) < 65536:
+        raise ConfigError(f"--superlink: {superlink!r} is not host:port (the SuperLink's Fleet API, e.g. "
+                          "coordinator.example.org:9093, the address and port `deploy superlink --listen` opens)")
+    if not 0 < port < 65536:
+        raise ConfigError(f"--port: {port} is not a port number (1-65535)")
+    if bind:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT by a SuperNode that ended is free
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                raise ConfigError(f"--port: 127.0.0.1:{port} is taken: a process on this machine listens on it (another "
+                                  "SuperNode of this site, or of another; `ss -ltnp` names it); stop it, or give this "
+                                  "SuperNode another --port") from None
 
 
 def _run_or_install(args: argparse.Namespace, cmd: list[str], service: list[str], workdir: Path, description: str, note: str,
@@ -815,7 +840,8 @@ def _site_predict(args: argparse.Namespace) -> None:
     if left:
         names = ", ".join(f"{f.name} ({why})" for f, why in left[:3]) + (", ..." if len(left) > 3 else "")
         print(f"site predict: {len(left)} file(s) under the folders named are not images, left out: {names}", file=sys.stderr)
-    rows = predict_images(load_params(args.params), args.experiment, model, files, device=device, quiet=args.quiet)
+    rows = predict_images(load_params(args.params), args.experiment, model, files, device=device, quiet=args.quiet, root=Path(args.root),
+                          warn=lambda m: print(f"site predict: warning: {m}", file=sys.stderr))
     bad = int((rows["error"] != "").sum())
     if args.out:
         with atomic_file(Path(args.out)) as tmp:
@@ -827,8 +853,10 @@ def _site_predict(args: argparse.Namespace) -> None:
     pictures = ~slide_rows & ~patch_rows & (rows["error"] == "")
     counts = rows.loc[pictures | slide_rows, "predicted"].value_counts().to_dict()
     slides = f" and {int(slide_rows.sum())} slides ({int((patch_rows & (rows['error'] == '')).sum())} patches)" if slide_rows.any() else ""
-    print(f"site predict: {int(pictures.sum())} images{slides} scored by {model} ({counts}), {bad} rows not scored "
-          "(their error column says why)" + (f"; {args.out}" if args.out else ""), file=sys.stderr)
+    predicted = ", ".join(f"{c} {n}" for c, n in counts.items()) or "none"
+    print(f"site predict: {int(pictures.sum())} images{slides} scored by {model} (predicted: {predicted}), {bad} "
+          f"{'row' if bad == 1 else 'rows'} not scored" + (" (its error column says why)" if bad == 1 else " (their error column says why)" if bad else "")
+          + (f"; {args.out}" if args.out else ""), file=sys.stderr)
 
 
 def _site_audit(args: argparse.Namespace) -> None:

@@ -439,7 +439,7 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
         return write_dataset(
             tmp, table, excluded, quarantine,
             {"dataset": Path(out_dir).name, "kind": params.kind, "task": "binary: 1 = Lung Opacity, 0 = Normal", "classes": ["Normal", "Lung Opacity"],
-             "rules": {**params.model_dump(mode="json", exclude={"tables"}), **({"tables": params.table_rules_used()} if params.own_sources() else {})},
+             "rules": harmonize_rules(params),
              "sources": fetched_from(raw_root, params.sources), **({"warnings": warnings} if warnings else {})},
         )
 
@@ -712,12 +712,10 @@ def _write_benchmark(params: BenchmarkDatasetParams, name: str, tmp: Path, kept:
         "kather_crc": "9 colorectal tissue classes (H&E patches, two centres)",
         "image_folder": f"{len(classes)} classes of your own",
     }
-    own = params.own_sources()
     return write_dataset(  # the task names the kind and its classes only: a federation's sites compare it (contract)
         tmp, table, excluded, quarantine,
         {"dataset": name, "kind": params.kind, "task": tasks[params.kind], "classes": classes,
-         "rules": {**params.model_dump(mode="json", exclude={"folders", "tables"} | ({"classes"} if params.kind != "image_folder" else set())),
-                   **({"own_sources": {s: {"reader": params.reader_of(s), **params.rules(s).model_dump(mode="json")} for s in own}} if own else {})},
+         "rules": harmonize_rules(params),
          "sources": fetched, **({"warnings": warnings} if warnings else {})},
     )
 
@@ -761,6 +759,34 @@ def preview_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root:
             "missing_examples": k.loc[k["path"] == "", "id"].head(3).tolist(),
         }
     return {"dataset": name, "domains": domains, "warnings": warnings, "would_fail": fails}
+
+
+def harmonize_rules(params: CXRDatasetParams | BenchmarkDatasetParams) -> dict[str, Any]:
+    """The dataset's settings a harmonized folder was built with, as its card records them (``rules``): what a later
+    reader compares with the params of now (:func:`stale_rules`)."""
+    if isinstance(params, CXRDatasetParams):
+        return {**params.model_dump(mode="json", exclude={"tables"}), **({"tables": params.table_rules_used()} if params.own_sources() else {})}
+    own = params.own_sources()
+    return {**params.model_dump(mode="json", exclude={"folders", "tables"} | ({"classes"} if params.kind != "image_folder" else set())),
+            **({"own_sources": {s: {"reader": params.reader_of(s), **params.rules(s).model_dump(mode="json")} for s in own}} if own else {})}
+
+
+def stale_rules(card: dict[str, Any], params: CXRDatasetParams | BenchmarkDatasetParams) -> list[str]:
+    """The settings of ``datasets.<d>`` that differ from those the harmonized card records (``key: built with X,
+    now Y``, top-level keys; nested ones named whole); empty for a card written before ``rules`` were recorded."""
+    from pydantic_core import to_jsonable_python
+
+    built = card.get("rules")
+    if not isinstance(built, dict):
+        return []
+    now, fields = harmonize_rules(params), type(params).model_fields
+    out = []
+    for k in sorted(set(built) | set(now)):
+        # a setting added to fedsilo since the folder was harmonized counts as its default then, as for splits
+        was = built[k] if k in built else (to_jsonable_python(fields[k].get_default(call_default_factory=True)) if k in fields else None)
+        if was != now.get(k):
+            out.append(f"{k}: built with {was!r}, now {now.get(k)!r}")
+    return out
 
 
 def harmonize_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:

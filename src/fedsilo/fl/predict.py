@@ -7,9 +7,11 @@ A file that cannot be read is reported on its row (its error), as harmonize quar
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import pandas as pd
@@ -101,8 +103,27 @@ def _slide_rules(params: Params, experiment: str) -> tuple[Any, str]:
     return rules.model_copy(update={"regions": None}), f"{ds.rules_key(source, name)}.slides"
 
 
+def another_sites_model(params: Params, experiment: str, info: dict[str, Any], model_path: Path, root: Path) -> str | None:
+    """What to say when a model another site kept (its own part learned that site's data) scores this site's
+    images: said, not refused (a hospital may mean to compare), naming both sites; None where it is this site's, or
+    either site is unknown."""
+    owner = info.get("site")
+    split = params.layout(root).split(experiment) if experiment in params.experiments else None
+    if owner is None or split is None or not split.is_file():
+        return None
+    try:
+        here = str(json.loads(split.read_text())["clients"][0]["name"])
+    except (ValueError, KeyError, IndexError):
+        return None  # not a site's split: nothing to compare with
+    if here == str(owner):
+        return None
+    return (f"{model_path} is the model site {owner} kept (its own part learned {owner}'s data), not this site's "
+            f"({here}): its scores are not those of {here}'s model")
+
+
 def predict_images(params: Params, experiment: str, model_path: Path, files: list[Path], device: str = "cpu",
-                   batch_size: int = 64, quiet: bool = False) -> pd.DataFrame:
+                   batch_size: int = 64, quiet: bool = False, root: Path = Path("."),
+                   warn: Callable[[str], None] | None = None) -> pd.DataFrame:
     """One row per file: ``path``, ``predicted`` (a class name of the contract), ``prob.<class>`` for each class,
     ``error`` (empty where the file was read). The files are harmonized with the site's dataset options
     (``experiments.<experiment>.dataset``), which must give the image shape the model was trained on.
@@ -118,6 +139,9 @@ def predict_images(params: Params, experiment: str, model_path: Path, files: lis
     from fedsilo.fl.deploy import load_site_model
 
     model, info = load_site_model(model_path, device)
+    note = another_sites_model(params, experiment, info, model_path, Path(root))
+    if note:  # on stderr: stdout may be the CSV of scores
+        (warn or (lambda m: print(f"warning: {m}", file=sys.stderr)))(note)
     contract = info["deployment"]["contract"]
     classes = list(contract["classes"])
     job, workers = _decoder(params, experiment, contract)
