@@ -548,6 +548,25 @@ def test_help_lists_what_the_params_file_defines_and_bare_fedsilo_shows_the_comm
         assert capsys.readouterr().out.startswith("usage: "), name
 
 
+def test_root_and_params_do_not_imply_each_other_and_the_messages_say_which_to_add(tmp_path, capsys, monkeypatch):
+    """A site's folder with its params.yaml and data/: `--root hospital` alone read ./params.yaml ("not found"), and
+    `--params hospital/params.yaml` alone read and wrote data/ here. Each now names the option to add."""
+    from fedsilo import cli
+
+    site = tmp_path / "hospital"
+    (site / "data").mkdir(parents=True)
+    (site / "params.yaml").write_text(yaml.safe_dump(small_params()))
+    monkeypatch.chdir(tmp_path)  # no params.yaml, no data/ here
+    assert cli.main(["--root", "hospital", "check-params"]) == 2
+    assert ("params.yaml: not found" in (err := capsys.readouterr().err) and "--root hospital holds one: add --params "
+            "hospital/params.yaml (--root names the folder of data/ and results/, --params the file read" in err), err
+    assert cli.main(["--params", "hospital/params.yaml", "check-params"]) == 0
+    assert ("fedsilo check-params: warning: --params hospital/params.yaml is in hospital, which holds data/, but --root is "
+            "., which does not: data/ and results/ are read and written under --root (add --root hospital)") in capsys.readouterr().err
+    assert cli.main(["--params", "hospital/params.yaml", "--root", "hospital", "check-params"]) == 0
+    assert "warning: --params" not in capsys.readouterr().err  # both given: nothing to say
+
+
 def test_version_names_the_commit_the_training_code_hash_and_the_libraries_without_a_params_file(tmp_path, capsys, monkeypatch):
     """`fedsilo --version` (for a bug report): fedsilo's version, the checkout's commit, the hash of the training code
     (the one data/code/train.json holds), Python's and the libraries' versions; it reads no params file."""

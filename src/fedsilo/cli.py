@@ -1338,6 +1338,20 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return ap
 
 
+def _root_and_params(args: argparse.Namespace) -> list[str]:
+    """A warning where ``--params`` names a file in a folder that holds ``data/`` while ``--root`` (the folder of
+    data/ and results/) has none: a site's `fedsilo --params hospital/params.yaml harmonize` read and wrote under
+    the current folder, and its "raw source folder missing (run fedsilo fetch)" led to a second copy there."""
+    params_dir, root = Path(args.params).parent, Path(args.root)
+    try:
+        if params_dir.resolve() == root.resolve() or not (params_dir / "data").is_dir() or (root / "data").exists():
+            return []
+    except OSError:
+        return []
+    return [f"fedsilo {args.cmd}: warning: --params {args.params} is in {params_dir}, which holds data/, but --root is "
+            f"{args.root}, which does not: data/ and results/ are read and written under --root (add --root {params_dir})"]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
@@ -1355,6 +1369,8 @@ def main(argv: list[str] | None = None) -> int:
     from fedsilo.report import ReportError
     from fedsilo.utils.io import disk_full, no_space_message
 
+    for line in _root_and_params(args):
+        print(line, file=sys.stderr)
     try:
         args.fn(args)
     except Exception as err:  # noqa: BLE001 - re-raised unless it is one of ours or a full disk
@@ -1368,6 +1384,10 @@ def main(argv: list[str] | None = None) -> int:
             msg = no_space_message(full, root, elsewhere)
         elif isinstance(err, (ConfigError, FetchError, DownloadError, HarmonizeError, LabelFileError, SplitError, ReportError, GridError, FileNotFoundError)):
             msg = err
+            other = Path(args.root) / "params.yaml"
+            if str(err).startswith(f"{args.params}: not found") and args.params == "params.yaml" and other.is_file():
+                msg = (f"{err}; --root {args.root} holds one: add --params {other} (--root names the folder of data/ "
+                       "and results/, --params the file read; neither implies the other)")
         else:
             raise
         if args.verbose:  # where it was raised: a missing file the code did not expect, named in one line otherwise
