@@ -2171,12 +2171,15 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
     roomy = {**bn_held, "server": {**bn_held["server"], "server::bookkeeping": torch.zeros(4096)}}
     torch.save(roomy, tmp_path / "roomy_final.pt")
     torch.set_num_threads(1)
-    try:
+    capsys.readouterr()
+    try:  # into the folder of the first onboarding: it replaces that one's model, and says so
         assert main([*base, "onboard", "--experiment", "site", "--model", str(tmp_path / "roomy_final.pt"), "--strategy",
-                     "as_member", "--out", str(tmp_path / "member_only")]) == 0
+                     "as_member", "--out", str(bn_out)]) == 0
     finally:
         torch.set_num_threads(threads)
-    member_only = json.loads((tmp_path / "member_only" / "onboarding.json").read_text())
+    assert "; it replaced the model onboarding kept there before (freeze_global; --out elsewhere keeps both)" in capsys.readouterr().err
+    member_only = json.loads((bn_out / "onboarding.json").read_text())
+    assert member_only["replaced"] == {"kept": "freeze_global", "strategies": ["freeze_global", "finetune_all", "as_member"]}
     assert member_only["bytes_down"] == payload_bytes({**sent["download"], **sent["eval"]}) < payload_bytes(roomy["server"])
     # a method whose federation's model is whole keeps nothing a site trains alone
     whole = {**bn_held, "server": {**init, **bn_held["server"]},

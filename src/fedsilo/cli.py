@@ -812,8 +812,9 @@ def _site_onboard(args: argparse.Namespace) -> None:
     print(f"site onboard: {summary['site']} adapted the federation's model of {summary['method']} ({summary['federation']}, "
           f"{summary['bytes_down']} bytes downloaded): " + ", ".join(f"{s} {a:.3f}" for s, a in summary["final"].items())
           + (f" (its own local model {pre:.3f})" if pre is not None else "")
-          + f"; kept {summary['kept']}: {out}/model.pt (`fedsilo site predict --model` takes it), {out}/onboarding.json",
-          file=sys.stderr)
+          + f"; kept {summary['kept']}: {out}/model.pt (`fedsilo site predict --model` takes it), {out}/onboarding.json"
+          + (f"; it replaced the model onboarding kept there before ({summary['replaced']['kept']}; --out elsewhere keeps both)"
+             if "replaced" in summary else ""), file=sys.stderr)
 
 
 def _check_out_file(out: Path) -> None:

@@ -333,6 +333,9 @@ def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, 
         **res,
     }
     out = Path(out) if out is not None else root / "onboarding" / str(dep["federation"]) / key / f"seed{spec.seed}"
+    if (out / "onboarding.json").is_file():  # a second onboarding (another --strategy) replaces the first: said
+        before = read_json(out / "onboarding.json")
+        summary["replaced"] = {"kept": before.get("kept"), "strategies": before.get("strategies")}
     with atomic_dir(out) as tmp:
         torch.save({"site": card["site"], "fingerprint": card["fingerprint"], "round": ob.rounds, "deployment": dep, "onboarding": {k: summary[k] for k in (
             "strategies", "kept", "pretrain_rounds", "rounds", "server_round", "from_model")}, "model": models[keep]}, tmp / "model.pt")
