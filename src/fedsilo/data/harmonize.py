@@ -359,6 +359,36 @@ def fetched_from(raw_root: Path, sources: Any) -> dict[str, dict[str, str]]:
     return out
 
 
+def edited_since_fetch(raw_root: Path, sources: Any) -> list[str]:
+    """Per source fetched from a folder of one's own (``mode: local``), a warning where a file at the top of that
+    folder (a label table, a manifest: where edits are made) changed after the fetch: harmonize reads the fetched
+    copy, so the edit is not in the images or labels it writes. Only the folder's top level is looked at (its image
+    tree is not walked); the fetch's time is its manifest's."""
+    import json
+
+    from fedsilo.data.fetch import MANIFEST
+
+    out = []
+    for src in sources:
+        manifest = Path(raw_root) / src / MANIFEST
+        try:
+            rec, fetched = json.loads(manifest.read_text()), manifest.stat().st_mtime
+        except (OSError, ValueError):
+            continue
+        origin = Path(str(rec.get("origin", "")))
+        if rec.get("mode") != "local" or not origin.is_dir():
+            continue
+        try:
+            edited = sorted(e.name for e in os.scandir(origin) if e.is_file() and e.stat().st_mtime > fetched + 1)
+        except OSError:
+            continue
+        if edited:
+            out.append(f"{src}: {len(edited)} file(s) of {origin} changed after it was fetched ({', '.join(edited[:3])}"
+                       f"{', ...' if len(edited) > 3 else ''}): harmonize read the fetched copy, data/raw/{src}, without "
+                       f"them; fetch again to take them (`fedsilo fetch --source {src}`, or `dvc repro -f fetch@{src}`)")
+    return out
+
+
 def read_source(src: str, raw_dir: Path, rules: Any = None) -> pd.DataFrame:
     """A built-in source's records (its reader's ``read_records``); an error about a local source's files names the
     user's folder too, not only fetch's copy of it."""
@@ -407,6 +437,7 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
     raw_root = Path(raw_root)
     workers = params.workers or os.cpu_count() or 1
     records, warnings = cxr_records(params, raw_root, Path(out_dir).name, quiet)
+    warnings += edited_since_fetch(raw_root, params.sources)
     kept = records[records["excluded"] == ""].reset_index(drop=True)
     excluded = records[records["excluded"] != ""].reset_index(drop=True)
     jobs = [(p, r, params.image_size, params.square, params.intensity, params.percentiles) for p, r in zip(kept["abs_path"], kept["reader"])]
@@ -642,6 +673,7 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
     raw_root = Path(raw_root)
     workers = params.workers or os.cpu_count() or 1
     records, classes, modules, warnings = benchmark_records(params, raw_root, Path(out_dir).name, quiet)
+    warnings += edited_since_fetch(raw_root, params.sources)
     excluded = records[records["excluded"] != ""].reset_index(drop=True)
     kept = _cap(records[records["excluded"] == ""], params.max_per_domain, params.sample_seed).reset_index(drop=True)
 
@@ -736,6 +768,7 @@ def preview_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root:
     else:
         records, classes, _, warnings = benchmark_records(params, raw_root, name, quiet)
         kept = _cap(records[records["excluded"] == ""], params.max_per_domain, params.sample_seed)
+    warnings = [*warnings, *edited_since_fetch(raw_root, params.sources)]
     unit = "source" if isinstance(params, CXRDatasetParams) else "domain"  # what harmonize checks, as it checks it
     fails = []
     for u in dict.fromkeys(records[unit]):
