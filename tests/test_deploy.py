@@ -1303,6 +1303,7 @@ def test_deployment_status_names_each_sites_node_state_and_the_round_a_run_resum
         ("CheXpert", 11, "online", "2026-11-27T10:00:00"), ("RSNA", 12, "offline", "2026-11-27T10:05:00"),
         ("VinBigData", None, "not pinned", None)]
     assert st["unlisted_nodes"] == [{"node_id": 99, "status": "registered"}] and st["checkpoint"] is None and st["results"] is None
+    assert st["stream"] is False  # FedBN on the sites' static data: its rounds are the run's, not per task
     assert deployment_status(tmp_path / "app", nodes[2:], superlink_dir=tmp_path)["sites"][0]["status"] == "not registered"
     never = [{**nodes[0], "status": "registered", "online-at": "N/A"}]  # registered, never online yet
     assert deployment_status(tmp_path / "app", never, superlink_dir=tmp_path)["sites"][0] == {
@@ -1713,7 +1714,7 @@ def test_a_site_scores_new_image_files_with_the_model_it_kept_as_it_scores_its_h
     assert main(["--params", str(sites["rsna"]), *args, "--images", str(tmp_path / "nowhere.dcm")]) == 2
     assert "nowhere.dcm: no such file or folder" in capsys.readouterr().err
     assert main(["--params", str(sites["rsna"]), *args]) == 2
-    assert "no image file given" in capsys.readouterr().err
+    assert "--images: no image file given" in capsys.readouterr().err
     assert main(["--params", str(sites["rsna"]), *args, "--images", str(tmp_path / "tables")]) == 2
     assert "1 file(s) under the folders, none an image" in capsys.readouterr().err
 

@@ -929,7 +929,7 @@ def _deploy_status(args: argparse.Namespace) -> None:
         if unreached:
             raise ConfigError(f"{unreached}: the sites' states are unknown ({SUPERLINK_DOWN})")
         return
-    print(f"federation {st['federation']}: {st['method']}, seed {st['seed']}, {st['rounds']} rounds (per task for a stream)")
+    print(f"federation {st['federation']}: {st['method']}, seed {st['seed']}, {st['rounds']} rounds" + (" per task" if st["stream"] else ""))
     width = max(len(x["site"]) for x in st["sites"])
     for x in st["sites"]:
         since = f" since {x['since']}" if x["since"] else ""

@@ -283,8 +283,8 @@ def exclude_copies(rec: pd.DataFrame, raw_dir: Path, label: str) -> tuple[pd.Dat
     warning = (f"{label}: {len(copy_of)} files are byte-identical copies of another of its files (e.g. {example[0]} = "
                f"{example[1]}); each image is kept once")
     if other["group"]:
-        warning += (f"; {other['group']} of the copies were in another group than the file kept (the same image would have "
-                    "been on both sides of a split)")
+        warning += (f"; {other['group']} of the copies {'was' if other['group'] == 1 else 'were'} in another group than the "
+                    "file kept (the same image would have been on both sides of a split)")
     if other["domain"]:
         warning += f"; {other['domain']} in another domain (site) than the file kept"
     if other["label"]:
@@ -437,7 +437,7 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
     raw_root = Path(raw_root)
     workers = params.workers or os.cpu_count() or 1
     records, warnings = cxr_records(params, raw_root, Path(out_dir).name, quiet)
-    warnings += edited_since_fetch(raw_root, params.sources)
+    warnings += edited_since_fetch(raw_root, params.source_list)
     kept = records[records["excluded"] == ""].reset_index(drop=True)
     excluded = records[records["excluded"] != ""].reset_index(drop=True)
     jobs = [(p, r, params.image_size, params.square, params.intensity, params.percentiles) for p, r in zip(kept["abs_path"], kept["reader"])]
@@ -673,7 +673,7 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
     raw_root = Path(raw_root)
     workers = params.workers or os.cpu_count() or 1
     records, classes, modules, warnings = benchmark_records(params, raw_root, Path(out_dir).name, quiet)
-    warnings += edited_since_fetch(raw_root, params.sources)
+    warnings += edited_since_fetch(raw_root, params.source_list)
     excluded = records[records["excluded"] != ""].reset_index(drop=True)
     kept = _cap(records[records["excluded"] == ""], params.max_per_domain, params.sample_seed).reset_index(drop=True)
 
@@ -768,7 +768,7 @@ def preview_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root:
     else:
         records, classes, _, warnings = benchmark_records(params, raw_root, name, quiet)
         kept = _cap(records[records["excluded"] == ""], params.max_per_domain, params.sample_seed)
-    warnings = [*warnings, *edited_since_fetch(raw_root, params.sources)]
+    warnings = [*warnings, *edited_since_fetch(raw_root, params.source_list)]
     unit = "source" if isinstance(params, CXRDatasetParams) else "domain"  # what harmonize checks, as it checks it
     fails = []
     for u in dict.fromkeys(records[unit]):

@@ -59,7 +59,7 @@ from pydantic import Field, field_validator
 
 from fedsilo.client.hostaug import check_host_policy
 from fedsilo.config import ConfigError, Params, Strict, TrainParams, format_validation_error
-from fedsilo.utils.io import atomic_dir, canonical_hash, write_json
+from fedsilo.utils.io import atomic_dir, canonical_hash, read_json, write_json
 
 log = logging.getLogger("fedsilo.deploy")
 
@@ -688,8 +688,12 @@ def deployment_status(app: Path, nodes: list[dict[str, Any]] | None, superlink_d
         except json.JSONDecodeError:  # a line cut short by a stop
             pass
     running = lock_holder(state / "run.lock")
+    # a stream's rounds are per task: known for a method that learns streams only (another learns a stream where its
+    # sites hold one, which their cards tell the ServerApp, not this file), or from the results' task list
+    done = read_json(results / "metrics.json") if (results / "metrics.json").exists() else {}
+    stream = bool(deployment_spec(dep).method_cls.stream_only or done.get("tasks"))
     st = {"federation": dep["federation"], "method": dep["method"]["key"], "seed": dep["seed"], "rounds": dep["train"]["rounds"],
-          "sites": sites, "unlisted_nodes": other, "checkpoint": checkpoint, "running": running, "last_message": last,
+          "stream": stream, "sites": sites, "unlisted_nodes": other, "checkpoint": checkpoint, "running": running, "last_message": last,
           "results": str(results) if (results / "metrics.json").exists() else None}
     # the last message was written by a ServerApp holding the run lock: that lock free, its Flower run should be over
     if flower_run is not None and running is None and last and last.get("flower_run") is not None:

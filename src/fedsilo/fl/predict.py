@@ -52,7 +52,7 @@ def image_files(paths: Iterable[str | Path]) -> tuple[list[Path], list[tuple[Pat
             raise ConfigError(f"{p}: no such file or folder")
     if not out:
         said = f": {len(left)} file(s) under the folders, none an image ({left[0][0]}: {left[0][1]})" if left else ""
-        raise ConfigError(f"no image file given (name files or folders that hold them){said}")
+        raise ConfigError(f"--images: no image file given (name files or folders that hold them){said}")
     return out, left
 
 
