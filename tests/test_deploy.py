@@ -1738,8 +1738,10 @@ def test_predict_reads_files_by_the_rules_of_the_models_kind_and_refuses_another
     for size in (16, 64):
         with pytest.raises(ConfigError, match=re.escape(f"datasets.chest_xray4.image_size: 32; the model takes {size} px images")):
             _decoder(p, "quick", {"image_shape": [size, size, 1]})
-    with pytest.raises(ConfigError, match=r"experiments\.site: not defined in the site's params file"):
+    with pytest.raises(ConfigError, match=rf"experiments\.site: not defined in {re.escape(str(p.source))}"):
         _decoder(p, "site", {"image_shape": [32, 32, 1]})
+    with pytest.raises(ConfigError, match=r"experiments\.quik: not defined in .* \(did you mean 'quick'\?\)"):
+        _decoder(p, "quik", {"image_shape": [32, 32, 1]})
 
 
 def _kept_rgb_model(tmp_path: Path, card: dict, site: str):

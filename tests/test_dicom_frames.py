@@ -111,3 +111,14 @@ def test_frames_is_refused_by_key_unless_first_all_or_a_positive_number():
         parse_params(raw)
     raw["datasets"]["d"]["folders"]["t"]["frames"] = "All"  # spelt as the user likes
     assert parse_params(raw).datasets["d"].folders["t"].frames == "all"
+
+
+def test_a_file_named_dcm_that_is_no_dicom_is_said_in_words_not_pydicoms_advice(tmp_path):
+    """pydicom's "Use force=True to force reading" means nothing to a hospital: the quarantine reason says what the
+    file is not, naming it once."""
+    notes = tmp_path / "report.dcm"
+    notes.write_text("clinical notes, not an image\n")
+    with pytest.raises(ImageDecodeError) as err:
+        dicom_to_uint8(notes)
+    assert str(err.value) == (f"{notes}: cannot decode DICOM pixels: not a DICOM file: no 'DICM' marker after a 128-byte "
+                              "preamble and no DICOM header at its start (another kind of file named .dcm, or one cut short)")

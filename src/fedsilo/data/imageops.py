@@ -22,6 +22,9 @@ def decode_error(path: str | Path, err: BaseException, what: str = "") -> ImageD
     """``<path>: <what><err>`` with the path named once: the copy a decoder puts in its own message (PIL's ``cannot
     identify image file '<path>'``, an OSError's file name) is left out."""
     text = err.strerror if isinstance(err, OSError) and err.filename is not None and err.strerror else str(err)
+    if type(err).__name__ == "InvalidDicomError" and "force=True" in text:  # pydicom's advice is for programmers
+        text = ("not a DICOM file: no 'DICM' marker after a 128-byte preamble and no DICOM header at its start (another "
+                "kind of file named .dcm, or one cut short)")
     name = str(path)
     for form in (repr(name), f'"{name}"', name):
         text = text.replace(f": {form}", "").replace(f" {form}", "").replace(form, "")
