@@ -487,7 +487,11 @@ def test_train_stage_runs_a_hospital_stream_and_the_report_prints_the_papers_tab
     assert "CheXpert | OpenI | RSNA | VinBigData | Avg | Delta | forgetting" in table and "| disjoint |" in table
     runs = (root / "results" / "report" / "stream" / "stream_runs.md").read_text()  # each row's MLflow run, its hashes
     assert f"| pfeddil | 0 | `{met['mlflow_run_id']}` | `{met['params_hash'][:12]}` |" in runs
-    assert runs in (root / "results" / "report" / "stream" / "README.md").read_text()
+    readme = (root / "results" / "report" / "stream" / "README.md").read_text()
+    assert runs in readme
+    # trained on the offline mirrors (the data card's record, in each run's metrics.json): the report says so first
+    assert met["data_sources"]["chexpert"]["mode"] == "mirror"
+    assert "> **Data: offline mirrors** (chexpert: offline mirror (seed " in readme.split("|")[0]
     # every client learns each domain in turn; the images behind each task's column, from that task's test splits
     assert met["client_domains"] == {c: met["tasks"] for c in met["clients"]} and "test_sizes" not in met
     sizes = met["test_sizes_by_task"]

@@ -60,6 +60,9 @@ def test_communication_table_matches_the_tensors_each_method_uploads(mirror_root
     assert "communication" in made["quick"]
     acc = (root / "results" / "report" / "quick" / "quick_accuracy.md").read_text()
     assert "| method | CheXpert | OpenI | RSNA | VinBigData | Avg |" in acc
+    # the runs trained on the offline mirrors: the report's first words say so, above the accuracy table
+    readme = (root / "results" / "report" / "quick" / "README.md").read_text()
+    assert readme.index("> **Data: offline mirrors** (chexpert: offline mirror (seed ") < readme.index("| method | CheXpert |")
     # ours beside the paper's Table 1, with the difference; a method the table has no row for (the two-phase FedAvg
     # ablation) is there with no paper value ("ours / –")
     vs = pd.read_csv(root / "results" / "report" / "quick" / "quick_vs_paper.csv", index_col=0)

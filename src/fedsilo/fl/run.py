@@ -349,6 +349,8 @@ def run_training(
                 "code": code,
                 "mlflow_run_id": run_id,
                 "mlflow_experiment": layout.tracking_experiment(experiment) if run_id else None,  # where the UI lists it
+                # which copy each source was fetched from (the data card's): a report says when it is an offline mirror
+                "data_sources": card.get("sources", {}),
             }
             with atomic_dir(out_dir) as tmp:
                 write_json(tmp / "metrics.json", metrics)

@@ -61,6 +61,7 @@ from fedsilo.report.tables import (
     collect_spectra,
     communication_markdown,
     communication_table,
+    data_origin_note,
     indistinct_rows,
     latex_text,
     local_new_external,
@@ -154,7 +155,7 @@ def build_report(
             domain_std = has_domain_std(entries.get("accuracy"))
             acc = summary_table(df, "acc", methods, domain_std)
             seeds_per_method = df.groupby("method")["seed"].nunique()  # the runs behind each row (the CSVs' seeds column)
-            md = to_markdown(acc, f"{exp}: test accuracy (%), {over_seeds(seeds)}")
+            md = data_origin_note(results, methods, seeds) + to_markdown(acc, f"{exp}: test accuracy (%), {over_seeds(seeds)}")
             per_client = per_client_accuracy(per_row)
             if not per_row.empty and per_row["client"].nunique() > per_row["domain"].nunique() > 1:
                 md += ("\nAvg: the mean over the domain columns, each the mean over its clients; the training's "

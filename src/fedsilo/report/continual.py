@@ -32,7 +32,7 @@ import pandas as pd
 
 from fedsilo.report import written
 from fedsilo.report.figures import line_figure
-from fedsilo.report.tables import ReportError, indistinct_rows, mean_pm, over_seeds, write_runs_behind
+from fedsilo.report.tables import ReportError, data_origin_note, indistinct_rows, mean_pm, over_seeds, write_runs_behind
 from fedsilo.report.versus import (
     load_published,
     published_entry,
@@ -267,7 +267,7 @@ def build_stream_report(results: Path, experiment: str, methods: list[str], seed
                                 (doc.get("seconds_per_round") or {}).get(key), (doc.get("rounds_to_best") or {}).get(key))
         (tmp / f"{experiment}_cost.md").write_text(cost_md)
         cost.to_csv(tmp / f"{experiment}_cost.csv", float_format="%.6g")
-        full = md + "\n" + on_md + "\n" + cost_md + "\n" + mat
+        full = data_origin_note(results, methods, seeds) + md + "\n" + on_md + "\n" + cost_md + "\n" + mat
         if published:  # the stream's tasks are the published table's domains, its Avg the tables' Avg
             paper = load_published(repo, published)
             order = order_note(metrics[(methods[0], seeds[0])]["tasks"], paper["domains"])

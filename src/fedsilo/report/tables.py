@@ -116,6 +116,25 @@ def client_domains(results: Path, method: str, seed: int) -> dict[str, str]:
     return read_json(Path(results) / method / f"seed{seed}" / "metrics.json").get("client_domains") or {}
 
 
+def data_origin_note(results: Path, methods: list[str], seeds: list[int]) -> str:
+    """A line for the top of a report whose runs trained on offline mirrors (their metrics.json's ``data_sources``,
+    the data card's record of each source's fetch): generated images, so the numbers show the pipeline at work, not
+    how the methods compare. Empty where every source is a real copy, or the runs predate the record."""
+    mirrors: dict[str, str] = {}
+    for m in methods:
+        for s in seeds:
+            path = Path(results) / m / f"seed{s}" / "metrics.json"
+            if path.is_file():
+                for src, how in (read_json(path).get("data_sources") or {}).items():
+                    if how.get("mode") == "mirror":
+                        mirrors[src] = str(how.get("origin", "offline mirror"))
+    if not mirrors:
+        return ""
+    return ("> **Data: offline mirrors** (" + ", ".join(f"{s}: {o}" for s, o in sorted(mirrors.items())) + "): images "
+            "generated here, not the real data. These numbers show the pipeline at work; they say nothing of how the "
+            "methods compare on the real images (`mode: download` or `local` in `sources`: README, \"Data\").\n\n")
+
+
 def write_runs_behind(results: Path, methods: list[str], seeds: list[int], out: Path, experiment: str) -> str:
     """The runs a report's tables were made from, each with what ties it to MLflow and to its inputs (its
     metrics.json's ``mlflow_run_id``, ``params_hash``, ``config_hash`` and the code's ``source_sha256``): written as
