@@ -548,6 +548,28 @@ def test_help_lists_what_the_params_file_defines_and_bare_fedsilo_shows_the_comm
         assert capsys.readouterr().out.startswith("usage: "), name
 
 
+def test_a_method_whose_upload_holds_a_private_key_stops_the_run_in_one_line_naming_its_code(mirror_root, tmp_path, capsys, monkeypatch):
+    """A method of one's own that uploads what it declares private: the run stops with one line (not a traceback, which
+    the README calls a fedsilo bug to report) that names the tensors and says the method's code is at fault."""
+    import shutil
+
+    from fedsilo import cli
+    from fedsilo.methods.fedbn import FedBN
+
+    root = tmp_path / "proj"
+    (root / "data").mkdir(parents=True)
+    shutil.copytree(mirror_root / "data" / "harmonized", root / "data" / "harmonized")
+    (root / "params.yaml").write_text(yaml.safe_dump(small_params(rounds=1, count_flops=False)))
+    args = ["-q", "--root", str(root), "--params", str(root / "params.yaml")]
+    assert cli.main([*args, "split", "--experiment", "quick"]) == 0
+    monkeypatch.setattr(FedBN, "private_in_round", lambda self, rnd, private: set(private) | {"units.0.0.weight"})
+    capsys.readouterr()
+    assert cli.main([*args, "train", "--experiment", "quick", "--method", "fedbn", "--seed", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "fedsilo train: error: fedbn: client " in err and "tried to upload private tensors ['units.0.0.weight']: the method's code is at fault" in err
+    assert "Traceback" not in err
+
+
 def test_root_and_params_do_not_imply_each_other_and_the_messages_say_which_to_add(tmp_path, capsys, monkeypatch):
     """A site's folder with its params.yaml and data/: `--root hospital` alone read ./params.yaml ("not found"), and
     `--params hospital/params.yaml` alone read and wrote data/ here. Each now names the option to add."""

@@ -1389,6 +1389,9 @@ def main(argv: list[str] | None = None) -> int:
             if str(err).startswith(f"{args.params}: not found") and args.params == "params.yaml" and other.is_file():
                 msg = (f"{err}; --root {args.root} holds one: add --params {other} (--root names the folder of data/ "
                        "and results/, --params the file read; neither implies the other)")
+        elif type(err).__name__ == "PrivacyViolation":  # fl.engine's (not imported here: no torch for the data commands)
+            msg = (f"{err}: the method's code is at fault, not the input (its local_update returned a tensor its "
+                   "private_keys declares private; README, \"Adding a method\"; -v shows where)")
         else:
             raise
         if args.verbose:  # where it was raised: a missing file the code did not expect, named in one line otherwise
