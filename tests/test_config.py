@@ -145,3 +145,11 @@ def test_a_value_of_the_wrong_kind_is_echoed_in_its_error():
     assert "experiments.quick.train.compile: Input should be a valid boolean, unable to interpret input (got 'ture')" in said
     assert "experiments.quick.train.rounds: Input should be greater than or equal to 1 (got 0)" in said
     assert "experiments.quick.train.amp: Input should be 'auto', 'off' or 'bf16' (got 'bf32')" in said
+    # a number the message also holds as its limit, and a list where a number belongs: echoed all the same
+    raw = small_params()
+    raw["experiments"]["quick"]["train"].update(lr=0, batch_size=[8])
+    with pytest.raises(ConfigError) as err:
+        parse_params(raw)
+    said = str(err.value)
+    assert "experiments.quick.train.lr: Input should be greater than 0 (got 0)" in said
+    assert "experiments.quick.train.batch_size: Input should be a valid integer (got [8])" in said

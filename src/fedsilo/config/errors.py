@@ -139,6 +139,15 @@ def _other_members_key(model: Optional[type], loc: tuple, key: Any) -> str:
     return f" (a key of {w.tag_key} {shown}, not of {w.tag})"
 
 
+def _new_value(value: Any, msg: str) -> bool:
+    """Whether pydantic's message ``msg`` does not show ``value`` already (a number in it is the limit, as in "greater
+    than 0", unless it is the input's own "(got ...)"; a text is shown quoted), and its repr is short enough."""
+    shown = repr(value)
+    if len(shown) > 80:
+        return False
+    return f"(got {shown})" not in msg if isinstance(value, (int, float, list, tuple)) else shown not in msg
+
+
 def format_validation_error(err: ValidationError, prefix: str = "", model: Optional[type] = None) -> str:
     """One line: ``<dotted key>: <what is wrong>`` per error, joined by ``; ``. A validator's own message (which
     names its key already where the check spans several) is shown without pydantic's ``Value error,`` prefix. An
@@ -156,7 +165,7 @@ def format_validation_error(err: ValidationError, prefix: str = "", model: Optio
             msg = "unknown key" + (other or (did_you_mean(loc[-1], own if own is not None else _all_keys()) if loc else ""))
         elif e["type"] == "value_error" and "error" in ctx:
             msg = str(ctx["error"])
-        elif e["type"] != "missing" and isinstance(e.get("input"), (str, int, float)) and repr(e["input"]) not in msg:
-            msg += f" (got {e['input']!r})"  # what was written: `compile: ture`, `rounds: ten`
+        elif e["type"] != "missing" and isinstance(e.get("input"), (str, int, float, list, tuple, bool)) and _new_value(e["input"], msg):
+            msg += f" (got {e['input']!r})"  # what was written: `compile: ture`, `rounds: ten`, `head_layers: 0`, `mu: [0.1]`
         lines.append(f"{key}: {msg}" if key else msg)
     return "; ".join(lines)
