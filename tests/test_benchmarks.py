@@ -152,7 +152,8 @@ def test_office_caltech_both_namings_give_the_same_labels(bench_raw, tmp_path):
     # a fetched copy that no longer reads (cut after the fetch): harmonize's refusal names the user's folder beside it
     shutil.rmtree(fetched / "dslr")
     with pytest.raises(LabelFileError, match=rf"is what `fedsilo fetch --source office_caltech10` copied from {re.escape(str(alt.resolve()))}, "
-                       r"sources\.office_caltech10\.path: correct the folder there, then fetch again"):
+                       r"sources\.office_caltech10\.path: correct a file there, then fetch again; a params key named above is set "
+                       r"in the params file, without a fetch"):
         harmonize_dataset(BenchmarkDatasetParams(kind="office_caltech10", image_size=16, workers=1), tmp_path / "raw", tmp_path / "h")
 
 

@@ -338,7 +338,7 @@ def fetched_copy_note(raw_dir: Path, src: str) -> str:
     if manifest.get("mode") != "local":
         return ""
     return (f" ({raw_dir} is what `fedsilo fetch --source {src}` copied from {manifest.get('origin')}, sources.{src}.path: "
-            "correct the folder there, then fetch again)")
+            "correct a file there, then fetch again; a params key named above is set in the params file, without a fetch)")
 
 
 def fetched_from(raw_root: Path, sources: Any) -> dict[str, dict[str, str]]:
