@@ -2124,7 +2124,8 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
     assert "not a deployment's final model" in refused(model=tmp_path / "no_round.pt")
     bigger = {**held, "deployment": {**held["deployment"], "contract": {**held["deployment"]["contract"], "image_shape": [32, 32, 1]}}}
     torch.save(bigger, tmp_path / "bigger.pt")
-    assert "does not fit the deployment's contract: image_shape [16, 16, 1] (agreed [32, 32, 1])" in refused(model=tmp_path / "bigger.pt")
+    assert ("(datasets.chest_xray4) does not fit the deployment's contract: image_shape [16, 16, 1] (agreed [32, 32, 1]); "
+            f"set datasets.chest_xray4.image_size: 32 in {params} and harmonize again") in refused(model=tmp_path / "bigger.pt")
 
     # a FedBN deployment on the same two sites: the newcomer trains what FedBN sites keep (BatchNorm) under the
     # federation's frozen layers, or every layer from them

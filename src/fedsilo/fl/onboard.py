@@ -263,7 +263,12 @@ def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, 
         raise ConfigError(f"experiments.{experiment}.split: a stream of tasks; onboarding adapts to one static client")
     why = contract_mismatch(dep["contract"], card["contract"])
     if why:
-        raise ConfigError(f"experiments.{experiment}: this site's data does not fit the deployment's contract: {'; '.join(why)}")
+        ds = params.experiments[experiment].dataset
+        size = [int(v) for v in dep["contract"]["image_shape"]]
+        fix = (f"; set datasets.{ds}.image_size: {size[0]} in {params.source} and harmonize again"
+               if [int(v) for v in card["contract"]["image_shape"]][:2] != size[:2] else "")
+        raise ConfigError(f"experiments.{experiment}: this site's data (datasets.{ds}) does not fit the deployment's contract: "
+                          f"{'; '.join(why)}{fix}")
     members = [str(s["name"]) for s in dep["sites"]]
     if card["site"] in members:
         raise ConfigError(f"site {card['site']} took part in the deployment {dep['federation']}: it keeps its own model from "
