@@ -296,3 +296,32 @@ def test_square_crop_keeps_the_centre_and_pad_keeps_everything_on_black():
     padded = finish(img, 8, "pad")[:, :, 0]
     np.testing.assert_array_equal(padded[2:6], img)
     assert not padded[:2].any() and not padded[6:].any()
+
+
+def test_stale_rules_name_an_edit_of_what_makes_the_arrays_and_nothing_else():
+    """A site's card is refused for an edit of the settings that decide its arrays (image size, a rule of a source it
+    reads), never for a current card: not for the decode processes, the quarantine threshold, the rules of a source
+    it does not read, `sources` left at its default or spelled out, a setting fedsilo added or removed since."""
+    import copy
+
+    from fedsilo.config import BenchmarkDatasetParams
+    from fedsilo.data.harmonize import harmonize_rules, stale_rules
+
+    site = CXRDatasetParams(sources=("vinbigdata",), image_size=32)
+    card = {"rules": harmonize_rules(site)}
+    assert stale_rules(card, site) == []
+    same = [site.model_copy(update={"workers": 8}), site.model_copy(update={"max_quarantine_fraction": 0.5}),
+            site.model_copy(update={"chexpert": site.chexpert.model_copy(update={"uncertain": "one"})})]
+    assert all(stale_rules(card, p) == [] for p in same)
+    older = copy.deepcopy(card)
+    del older["rules"]["vinbigdata"]["opacity_rule"]  # a nested setting added since the card was written
+    older["rules"]["vinbigdata"]["retired_rule"] = "x"  # and one removed since
+    older["rules"]["retired_top"] = 1
+    assert stale_rules(older, site) == []
+    assert stale_rules(card, site.model_copy(update={"image_size": 48})) == ["image_size: built with 32, now 48"]
+    edited = site.model_copy(update={"vinbigdata": site.vinbigdata.model_copy(update={"opacity_rule": "any"})})
+    assert stale_rules(card, edited) == ["vinbigdata.opacity_rule: built with 'majority', now 'any'"]
+    # a benchmark's sources left at the default, or the same list written out
+    pacs = BenchmarkDatasetParams(kind="pacs", image_size=16)
+    listed = BenchmarkDatasetParams(kind="pacs", image_size=16, sources=pacs.source_list)
+    assert stale_rules({"rules": harmonize_rules(pacs)}, listed) == stale_rules({"rules": harmonize_rules(listed)}, pacs) == []

@@ -6,6 +6,7 @@ import base64
 import hashlib
 import http.server
 import io
+import os
 import re
 import threading
 import zipfile
@@ -350,7 +351,7 @@ def test_a_second_fetch_or_harmonize_of_the_same_folder_is_refused_and_leaves_th
     import os
 
     from fedsilo.data.harmonize import HarmonizeError, harmonize_dataset
-    from fedsilo.utils.locks import held, of_output
+    from fedsilo.utils.locks import beside, held
 
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.png").write_bytes(b"x")
@@ -358,14 +359,41 @@ def test_a_second_fetch_or_harmonize_of_the_same_folder_is_refused_and_leaves_th
     out.parent.mkdir(parents=True)
     working = out.parent / ".mine.k3x9q0.tmp"  # the first fetch's copy in progress
     working.mkdir()
-    with held(of_output(out), RuntimeError):  # the first fetch holds the folder
+    with held(beside(out), RuntimeError):  # the first fetch holds the folder
         with pytest.raises(FetchError, match=rf"mine: already being fetched into {re.escape(str(out))} by pid {os.getpid()} on "):
             fetch("mine", SourceParams(mode="local", path=str(tmp_path / "src")), out, tmp_path, quiet=True)
     assert working.is_dir() and not out.exists()
-    # free again: the fetch runs (and removes the leftover of a fetch that is over)
+    # free again: the fetch runs (and removes the leftover of a fetch that is over), a lock file a killed fetch left
+    # behind is taken over, and the lock file is gone once the fetch is done
+    beside(out).write_text("pid 1 on a-machine-that-died")
     fetch("mine", SourceParams(mode="local", path=str(tmp_path / "src"), reader="image_folder"), out, tmp_path, quiet=True)
     assert (out / "a.png").exists() and not working.exists()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["mine"]
     harmonized = tmp_path / "data" / "harmonized" / "mine_64"
-    with held(of_output(harmonized), RuntimeError):
+    with held(beside(harmonized), RuntimeError):
         with pytest.raises(HarmonizeError, match=r"mine_64: already being harmonized into .* by pid \d+ on "):
             harmonize_dataset(None, tmp_path / "data" / "raw", harmonized, quiet=True)
+
+
+def test_a_lock_file_removed_by_its_holder_as_another_opened_it_is_opened_again(tmp_path, monkeypatch):
+    """held() removes its file while still holding it; a process that had opened the file just before finds, once it
+    has the lock, that the path is another file (or none), and opens the path again, so that two processes never hold
+    locks on two files of one path."""
+    import fedsilo.utils.locks as locks
+
+    path = tmp_path / ".out.lock"
+    opened: list[int] = []
+    real_open = open
+
+    def opening(p, mode="r", *a, **k):  # the first open is of a file its holder removes right after
+        fh = real_open(p, mode, *a, **k)
+        opened.append(os.fstat(fh.fileno()).st_ino)
+        if len(opened) == 1:
+            os.unlink(p)
+        return fh
+
+    monkeypatch.setattr(locks, "open", opening, raising=False)
+    with locks.held(path, RuntimeError):
+        assert path.exists() and len(opened) == 2 and path.stat().st_ino == opened[1]
+        assert locks.holder(path) == f"pid {os.getpid()} on {__import__('socket').gethostname()}"
+    assert not path.exists() and locks.holder(path) is None

@@ -304,6 +304,13 @@ def test_a_dataset_the_model_was_not_made_for_is_refused_by_key(tmp_path):
     np.save(images, arr)
     with pytest.raises(ConfigError, match=r"images.npy changed after harmonize wrote card.json"):
         evaluate_site_model(p, "external", model_path, tmp_path)
+    arr[0, 0, 0, 0] ^= 1  # the images as harmonize wrote them
+    np.save(images, arr)
+    # the dataset's settings edited and not harmonized again: refused, naming the setting
+    edited = parse_params({**raw, "datasets": {**raw["datasets"], "external": {**raw["datasets"]["external"], "image_size": 32}}})
+    with pytest.raises(ConfigError, match=r"harmonized with other settings than datasets\.external has now \(image_size: built "
+                                          r"with 16, now 32\); rerun `fedsilo harmonize --dataset external`"):
+        evaluate_site_model(edited, "external", model_path, tmp_path)
     images.unlink()
     with pytest.raises(ConfigError, match=r"images.npy: missing; run `fedsilo harmonize --dataset external` first"):
         evaluate_site_model(p, "external", model_path, tmp_path)

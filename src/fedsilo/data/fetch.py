@@ -349,12 +349,12 @@ def fetch(source: str, params: SourceParams, out_dir: Path, root: Path = Path(".
     ``$FEDSILO_DOWNLOAD_CACHE`` is set. A local folder of a public source is read by its reader first
     (:func:`check_local_layout`, with ``rules``), so a wrong folder is refused before the copy."""
     from fedsilo.data.mirror import mirror_writer
-    from fedsilo.utils.locks import held, of_output
+    from fedsilo.utils.locks import beside, held
 
     out_dir = Path(out_dir)
     # a second fetch of the same source (two terminals, `dvc repro` beside a command) would remove this one's copy
     # in progress as an interrupted write's leftover: refused at once, naming who fetches
-    with held(of_output(out_dir), lambda who: FetchError(f"{source}: already being fetched into {out_dir} by {who}; wait for "
+    with held(beside(out_dir), lambda who: FetchError(f"{source}: already being fetched into {out_dir} by {who}; wait for "
                                                       "it to end or stop it, then fetch again")):
         return _fetch(source, params, out_dir, root, quiet, rules, mirror_writer)
 

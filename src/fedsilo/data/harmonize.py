@@ -39,7 +39,7 @@ from typing import Any, Iterator, Optional, Union
 import numpy as np
 import pandas as pd
 
-from fedsilo.config import DATASET_SOURCES, BenchmarkDatasetParams, CXRDatasetParams
+from fedsilo.config import CXR_SOURCES, DATASET_SOURCES, BenchmarkDatasetParams, CXRDatasetParams
 from fedsilo.data.contact_sheet import write_contact_sheet
 from fedsilo.data.imageops import (
     ImageDecodeError,
@@ -804,32 +804,53 @@ def harmonize_rules(params: CXRDatasetParams | BenchmarkDatasetParams) -> dict[s
             **({"own_sources": {s: {"reader": params.reader_of(s), **params.rules(s).model_dump(mode="json")} for s in own}} if own else {})}
 
 
-def stale_rules(card: dict[str, Any], params: CXRDatasetParams | BenchmarkDatasetParams) -> list[str]:
-    """The settings of ``datasets.<d>`` that differ from those the harmonized card records (``key: built with X,
-    now Y``, top-level keys; nested ones named whole); empty for a card written before ``rules`` were recorded."""
-    from pydantic_core import to_jsonable_python
+# how harmonize runs, not what it writes: a change of these leaves the arrays as they are
+NOT_IN_THE_ARRAYS = ("workers", "max_quarantine_fraction")
 
+
+def _leaves(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested settings dict as dotted paths to its values (an empty dict, a list: a value)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def stale_rules(card: dict[str, Any], params: CXRDatasetParams | BenchmarkDatasetParams) -> list[str]:
+    """The settings of ``datasets.<d>`` whose values differ from those the harmonized card records (``rules``), as
+    ``<dotted key>: built with X, now Y``: the settings that decide the arrays, of the sources the dataset reads (a
+    public source's rules when it is not among them, the decode processes and the quarantine threshold do not count).
+    Only settings both sides hold are compared: one added to fedsilo since the card was written, or removed since,
+    is not an edit of the site's (the code that reads it changed with it). Empty for a card written before ``rules``
+    were recorded."""
     built = card.get("rules")
     if not isinstance(built, dict):
         return []
-    now, fields = harmonize_rules(params), type(params).model_fields
-    out = []
-    for k in sorted(set(built) | set(now)):
-        # a setting added to fedsilo since the folder was harmonized counts as its default then, as for splits
-        was = built[k] if k in built else (to_jsonable_python(fields[k].get_default(call_default_factory=True)) if k in fields else None)
-        if was != now.get(k):
-            out.append(f"{k}: built with {was!r}, now {now.get(k)!r}")
-    return out
+    now = harmonize_rules(params)
+    used = set(params.source_list)
+    unused = {s for s in (*CXR_SOURCES, *DATASET_SOURCES.get(params.kind, ())) if s not in used}  # rules of sources not read
+    if built.get("sources") is None:  # a benchmark's default: every source of its kind
+        built = {**built, "sources": list(DATASET_SOURCES.get(str(built.get("kind")), ()))}
+    now = {**now, "sources": list(params.source_list)}
+
+    def comparable(rules: dict[str, Any]) -> dict[str, Any]:
+        return _leaves({k: v for k, v in rules.items() if k not in NOT_IN_THE_ARRAYS and k not in unused})
+
+    was, is_ = comparable(built), comparable(now)
+    return [f"{k}: built with {was[k]!r}, now {is_[k]!r}" for k in sorted(set(was) & set(is_)) if was[k] != is_[k]]
 
 
 def harmonize_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:
     """Harmonize one dataset into ``out_dir``, holding its lock: a second harmonize of the same folder (two
     terminals, `dvc repro` beside a command) would remove this one's arrays in progress as an interrupted write's
     leftover; it is refused at once, naming who harmonizes."""
-    from fedsilo.utils.locks import held, of_output
+    from fedsilo.utils.locks import beside, held
 
     out_dir = Path(out_dir)
-    with held(of_output(out_dir), lambda who: HarmonizeError(f"{out_dir.name}: already being harmonized into {out_dir} by "
+    with held(beside(out_dir), lambda who: HarmonizeError(f"{out_dir.name}: already being harmonized into {out_dir} by "
                                                           f"{who}; wait for it to end or stop it, then harmonize again")):
         if isinstance(params, CXRDatasetParams):
             return harmonize_cxr(params, raw_root, out_dir, quiet)

@@ -1,7 +1,8 @@
 """Exclusive locks on a file (``flock``) for work two processes must not do at once on the same output: a train run
 (its checkpoint and MLflow run), a deployment's ServerApp (its state folder), a fetch or harmonize (the output folder
 they replace whole). The operating system releases a lock when its holder dies, SIGKILL included, so a stale lock
-never blocks a rerun; the file holds ``pid N on host`` to name the holder. POSIX only (``fcntl``)."""
+never blocks a rerun; the file holds ``pid N on host`` to name the holder, and its holder removes it when done (a
+lock file left by a killed holder is taken over by the next). POSIX only (``fcntl``)."""
 
 from __future__ import annotations
 
@@ -15,35 +16,45 @@ from typing import Any, Callable, Iterator, Optional
 @contextlib.contextmanager
 def held(path: Path, refuse: Callable[[str], Exception]) -> Iterator[None]:
     """Hold the exclusive lock on ``path`` for the block; where another process holds it, raise ``refuse(holder)``
-    at once (``holder``: ``pid N on host``) instead of waiting."""
+    at once (``holder``: ``pid N on host``) instead of waiting. The file is removed while still locked at the end;
+    a process that opened it before the removal finds, once it has the lock, that the path is no longer its file,
+    and opens the path again (two processes never hold locks on two files of one path)."""
     import fcntl
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
+    while True:
+        fh = open(path, "a+")
         holder = _take(fh)
         if holder is not None:
+            fh.close()
             raise refuse(holder)
+        try:
+            same = os.fstat(fh.fileno()).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        fcntl.flock(fh, fcntl.LOCK_UN)  # the holder before us removed it as we opened it: the path's file is another
+        fh.close()
+    try:
         fh.seek(0)
         fh.truncate()
         fh.write(f"pid {os.getpid()} on {socket.gethostname()}")
         fh.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        fh.close()
 
 
-def of_output(out: Path) -> Path:
-    """The lock file of the work that replaces the folder ``out`` whole: in this machine's temporary folder
-    (``fedsilo-locks/<name>-<hash of out's absolute path>.lock``), not beside ``out``, so that a refusal before
-    anything is written leaves the data folders as they were."""
-    import hashlib
-    import tempfile
-
-    out = Path(out).absolute()
-    key = hashlib.sha256(str(out).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / "fedsilo-locks" / f"{out.name}-{key}.lock"
+def beside(out: Path) -> Path:
+    """The lock file of the work that replaces the folder ``out`` whole: ``.<name>.lock`` beside it, on the same file
+    system and writable by whoever may write ``out`` (not a name :func:`fedsilo.utils.io.clean_stale` removes)."""
+    out = Path(out)
+    return out.parent / f".{out.name}.lock"
 
 
 def holder(path: Path) -> Optional[str]:
@@ -51,9 +62,11 @@ def holder(path: Path) -> Optional[str]:
     or one that ended, however it ended). Asked on the machine the lock is on."""
     import fcntl
 
-    if not Path(path).exists():
+    try:
+        fh = open(path, "r")
+    except FileNotFoundError:
         return None
-    with open(path, "a+") as fh:
+    with fh:
         who = _take(fh)
         if who is None:
             fcntl.flock(fh, fcntl.LOCK_UN)
