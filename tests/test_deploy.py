@@ -1355,6 +1355,21 @@ def test_deployment_status_names_each_sites_node_state_and_the_round_a_run_resum
         deployment_status(tmp_path, nodes)
 
 
+def test_deployment_status_tells_the_wire_logs_last_message_not_its_first(sites, tmp_path):
+    """The status's ``last_message`` is the wire log's last line (what the ServerApp did last), read from its end,
+    however many lines come before it."""
+    from fedsilo.fl.deploy import deployment_status
+
+    fed = load_federation(_federation(tmp_path, sites, node_ids={"CheXpert": 11}))
+    write_app(fed, load_params(REPO_PARAMS), tmp_path / "app", results="out/results", state="out/state")
+    (tmp_path / "out/results.wire").mkdir(parents=True)
+    lines = [{"round": r, "message": m, "to": "site", "site": "CheXpert", "flower_run": 7}
+             for r in (1, 2) for m in ("train", "evaluate")]
+    (tmp_path / "out/results.wire/wire.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    last = deployment_status(tmp_path / "app", [], superlink_dir=tmp_path)["last_message"]
+    assert (last["round"], last["message"], last["flower_run"]) == (2, "evaluate", 7)
+
+
 def test_an_app_whose_rounds_are_all_local_is_refused_by_key_and_not_written(sites, tmp_path, capsys):
     """`deploy app` of pFedDB whose local_rounds fill the federation's train.rounds (the repository's 6 against 3):
     refused as check-params refuses the same experiment, naming both keys; no App folder is left. With rounds to

@@ -342,6 +342,55 @@ def test_an_earlier_grids_experiments_still_queued_are_named_before_this_one_que
     assert "grid: 1 stages queued in 1 experiments; 1 DVC queue workers started" in said
 
 
+def test_a_running_task_whose_worker_is_alive_is_waited_for_not_ended_as_lost(tmp_path, monkeypatch):
+    """A task DVC lists Running while a queue worker is alive is a run in progress, however many looks it takes to
+    finish: it is neither ended (`dvc queue kill`) nor named lost."""
+    from types import SimpleNamespace
+
+    import fedsilo.grid as grid
+
+    ran, stops = _fake_queue(monkeypatch, tmp_path, lambda name, call: "Running" if call < 5 else "Success")
+    worker = SimpleNamespace(pid=os.getpid(), children=lambda recursive=True: [])
+    monkeypatch.setattr(grid, "queue_workers", lambda repo: [worker])
+    r = run_grid("dvc.yaml", tmp_path, jobs=1, quiet=True, poll_s=0.0, log=lambda m: None)
+    assert r["queued"] == ["train_g@a"] and stops == [True]
+    assert not any(a[:2] == ["queue", "kill"] for a in ran)
+
+
+def test_a_queued_task_left_with_no_worker_to_run_it_gets_the_workers_started_again(tmp_path, monkeypatch):
+    """DVC's workers exit when they find the queue empty; one that exits while a task is being queued leaves it Queued
+    with nobody to run it: after three looks with no worker alive the grid starts the workers again."""
+    ran, _ = _fake_queue(monkeypatch, tmp_path, lambda name, call: "Queued" if call < 4 else "Success")
+    run_grid("dvc.yaml", tmp_path, jobs=1, quiet=True, poll_s=0.0, log=lambda m: None)
+    assert [a for a in ran if a[:2] == ["queue", "start"]] == [["queue", "start", "--jobs", "1"]] * 2
+
+
+def test_the_threads_a_run_is_given_win_over_omp_num_threads_and_the_default_shares_the_cores(tmp_path, monkeypatch):
+    """``--cpus-per-run`` wins over an ``OMP_NUM_THREADS`` already set (which wins over the default only); a fraction
+    gives its whole part (Ray's rule); the default shares this machine's cores out among the runs, at least one each."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    _fake_queue(monkeypatch, tmp_path, lambda name, call: "Success")
+    assert run_grid("dvc.yaml", tmp_path, jobs=1, quiet=True, poll_s=0.0, threads=2, log=lambda m: None)["threads_per_run"] == "2"
+    assert run_grid("dvc.yaml", tmp_path, jobs=1, quiet=True, poll_s=0.0, log=lambda m: None)["threads_per_run"] == "3"
+    assert threads_per_run(2, 2.7) == 2 and threads_per_run(1, 1.5) == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert [threads_per_run(j) for j in (1, 3, 8, 16)] == [8, 2, 1, 1]
+
+
+def test_a_grid_run_that_the_closing_repro_trains_again_is_named_not_hidden(tmp_path, monkeypatch):
+    """Where the closing `dvc repro` runs a stage a worker ran (the run-cache did not hold it), the grid fails naming
+    it, a paper pipeline's stage too (DVC names it <file>:<stage>); the stages after the grid's are what it runs."""
+    import fedsilo.grid as grid
+
+    out = "Running stage 'pipelines/demo/dvc.yaml:train_g@a':\nRunning stage 'pipelines/demo/dvc.yaml:report':\n"
+    monkeypatch.setattr(grid, "run_dvc", lambda args, cwd, env=None, **k: subprocess.CompletedProcess(args, 0, out, ""))
+    with pytest.raises(GridError, match=r"dvc repro trained again what the workers ran \(not in the run-cache\?\): "
+                       r"pipelines/demo/dvc\.yaml:train_g@a$"):
+        grid.restore_grid("pipelines/demo/dvc.yaml", tmp_path, ["train_g@a"], {})
+    assert grid.restore_grid("pipelines/demo/dvc.yaml", tmp_path, ["train_g@b"], {}) == [
+        "pipelines/demo/dvc.yaml:train_g@a", "pipelines/demo/dvc.yaml:report"]
+
+
 def test_sigterm_stops_the_grid_as_ctrl_c_does(tmp_path, monkeypatch):
     """`kill <grid>` (a cancelled job; a grid started in the background ignores Ctrl-C's SIGINT) died at once and
     left its workers taking the queued experiments: it now stops the queue, leaves the running experiment to finish

@@ -162,3 +162,17 @@ def test_a_published_tables_columns_and_rows_are_checked():
                     assert published_table_problems(table, dataset_domains(p, ex.dataset)) == [], (paper, scale, e)
                     seen += 1
     assert seen > 40
+
+
+def test_every_row_of_a_published_table_is_checked_whatever_comes_before_it():
+    """A row of other numbers (no mean: pFedDB's Param rows) does not end the check of the rows after it; a std given
+    as one number instead of a list is named; rows given as a list instead of a mapping are named, not a crash."""
+    from fedsilo.report.versus import published_table_problems
+
+    table = {"domains": ["A", "B"], "methods": {"params_only": {"param_MB": 3.0}, "a": {"mean": [1.0, 2.0]},
+                                                "b": {"mean": [1.0, 2.0, 1.5], "std": 0.5}}}
+    assert published_table_problems(table, ["A", "B"]) == [
+        "methods.a.mean: 2 value(s) for the columns ['A', 'B']; give 3 (each column, then the Avg) or 1 (the Avg alone)",
+        "methods.b.std: 1 value(s) for 3 means"]
+    assert published_table_problems({"domains": ["A"], "methods": [{"a": {"mean": [1.0, 1.0]}}]}, None) == [
+        "methods: give the paper's rows as a mapping method -> {mean: [...], std: [...]}"]

@@ -402,6 +402,34 @@ def test_the_spectrum_and_scatter_figures_plot_the_mean_over_seeds_and_the_pairs
     assert ours == ([75.0], [55.0]) and paper_point == ([85.0], [65.0])
 
 
+def test_the_upload_figure_draws_a_bar_per_method_in_the_reports_order_at_its_measured_upload(tmp_path, monkeypatch):
+    """The communication figure hands matplotlib one bar per method, in the report's order (not sorted), each at the
+    MiB it uploaded per client per round: the communication table's numbers."""
+    seen: dict[str, list] = {"bar": []}
+    _spy_on_axes(monkeypatch, seen)
+    _timed_runs(tmp_path / "res", {"fedrep": [0.5]}, up_bytes=3 * 2**20)
+    _timed_runs(tmp_path / "res", {"fedavg": [0.5]}, up_bytes=2**20)
+    build_report(tmp_path / "res", "e", ["fedrep", "fedavg"], [0], tmp_path / "out")
+    (labels, values), _ = next(call for call in seen["bar"] if list(call[0][0]) == ["fedrep", "fedavg"])
+    assert list(values) == pytest.approx([3.0, 1.0])
+
+
+def test_the_scatter_marks_singles_pair_means_and_gives_a_method_the_paper_lacks_no_paper_point(tmp_path, monkeypatch):
+    """pFedDB's Fig. 3: Single's dashed lines stand at its mean of CheXpert and RSNA (x) and of OpenI and VinBigData
+    (y); a method the published table has no row for is drawn with its own point only."""
+    from fedsilo.report.figures import fig3_scatter
+
+    seen: dict[str, list] = {"scatter": [], "axvline": [], "axhline": []}
+    _spy_on_axes(monkeypatch, seen)
+    cols = ["CheXpert", "OpenI", "RSNA", "VinBigData"]
+    acc = pd.concat({"mean": pd.DataFrame([[80.0, 60.0, 70.0, 50.0], [70.0, 40.0, 60.0, 30.0]], index=["fedavg", "single"],
+                                          columns=cols)}, axis=1)
+    paper = {"domains": cols, "methods": {"fedavg": {"mean": [90.0, 70.0, 80.0, 60.0, 75.0]}}}
+    fig3_scatter(tmp_path / "f3.png", acc, paper, "t")
+    assert [a for a, _ in seen["scatter"]] == [([75.0], [55.0]), ([85.0], [65.0]), ([65.0], [35.0])]
+    assert seen["axvline"][0][0] == (65.0,) and seen["axhline"][0][0] == (35.0,)
+
+
 def test_versus_paper_warns_when_our_avg_covers_domains_the_paper_has_not(caplog):
     import logging
 
@@ -520,6 +548,48 @@ def test_one_table_of_a_paper_is_reported_from_its_groups_runs_and_names_the_run
     assert "--sensitivity and --group: one or the other" in capsys.readouterr().err
 
 
+def test_the_report_command_refuses_what_it_cannot_report_naming_the_flags(tmp_path, capsys):
+    """`fedsilo report` refuses by flag, before any table: --methods with --group, --methods naming nothing, --across
+    with another flag, --group of a params file that is not a paper's."""
+    from fedsilo.cli import main
+    from tests.conftest import REPO
+
+    (tmp_path / "pipelines").symlink_to(REPO / "pipelines")
+    params = ["--params", str(REPO / "pipelines" / "pfeddb" / "params.yaml"), "--root", str(tmp_path)]
+    for args, said in ((["--group", "table4", "--experiment", "pfeddb_cxr4", "--methods", "pfeddb"],
+                        "--methods: with --experiment and without --group (one experiment's chosen methods)"),
+                       (["--experiment", "pfeddb_cxr4", "--methods", ","], "--methods: name at least one method"),
+                       (["--across", "tables_1_2", "--experiment", "pfeddb_cxr4"], "--across: alone (one run group's table across")):
+        capsys.readouterr()
+        assert main([*params, "report", *args]) == 2, args
+        assert said in capsys.readouterr().err, args
+    assert main(["--params", str(REPO / "params.yaml"), "--root", str(tmp_path), "report", "--group", "table4"]) == 2
+    assert "--group: " in (err := capsys.readouterr().err) and "is not a paper's params file" in err, err
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_run_folder_without_metrics_is_not_trained_and_a_groups_refusal_names_only_the_stage_that_trains_it(tmp_path, capsys):
+    """An interrupted run leaves its folder (a checkpoint) without metrics.json: `report --group` still counts it not
+    trained, and names the one `dvc repro` target that trains it (the "report the methods trained" hint is the whole
+    experiment's report's, not a group's)."""
+    from fedsilo.cli import main
+    from tests.conftest import REPO
+
+    (tmp_path / "pipelines").symlink_to(REPO / "pipelines")
+    params = ["--params", str(REPO / "pipelines" / "pfeddb" / "params.yaml"), "--root", str(tmp_path)]
+    runs = tmp_path / "results" / "pfeddb" / "quickstart" / "pfeddb_cxr4"
+    (runs / "pfeddb_one_phase" / "seed0").mkdir(parents=True)
+    (runs / "pfeddb_one_phase" / "seed0" / "checkpoint.pt").write_bytes(b"")
+    (runs / "pfeddb" / "seed0").mkdir(parents=True)
+    (runs / "pfeddb" / "seed0" / "metrics.json").write_text("{}")
+    capsys.readouterr()
+    assert main([*params, "report", "--group", "table4", "--experiment", "pfeddb_cxr4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert ("runs.table4: 1 run(s) not trained yet (pfeddb_cxr4/pfeddb_one_phase/seed0); train them: dvc repro "
+            "pipelines/pfeddb/dvc.yaml:train_table4@pfeddb_cxr4-pfeddb_one_phase-0") in err, err
+    assert err.endswith("train_table4@pfeddb_cxr4-pfeddb_one_phase-0"), err
+
+
 def test_a_group_across_experiments_gets_one_table_and_figure_over_the_setting_that_tells_them_apart(tmp_path, capsys):
     """CD2-pFed's Fig. 5 (`report --group fig5`): its methods' Avg on s = 3, 5, 10 and on Tables 1-2's s = 2
     (``beside_experiments``), columns labelled and ordered by classes_per_client; a missing s = 2 run is named."""
@@ -547,7 +617,10 @@ def test_a_group_across_experiments_gets_one_table_and_figure_over_the_setting_t
                 write(exp, m, 0.1 * i + 0.01 * s)
     capsys.readouterr()
     assert main([*params, "report", "--group", "fig5"]) == 2
-    assert "cd2_digits_s2/cd2pfed/seed0" in capsys.readouterr().err  # Table 1's run the figure needs
+    err = capsys.readouterr().err
+    # Table 1's run the figure needs, refused before any of the group's tables, with the stage that trains it
+    assert "runs.fig5: 1 run(s) not trained yet (cd2_digits_s2/cd2pfed/seed0); train them: dvc repro " in err, err
+    assert not (tmp_path / "results" / "cd2pfed" / "quickstart" / "groups").exists()
     write("cd2_digits_s2", "cd2pfed", 0.32)
     assert main([*params, "report", "--group", "fig5"]) == 0
     out = tmp_path / "results" / "cd2pfed" / "quickstart" / "groups" / "fig5" / "across"
@@ -895,6 +968,57 @@ def test_the_cost_table_sets_our_whole_rounds_upload_beside_the_papers_comm_and_
     assert rows["fedavg"].count("not in this report") == 4 and "not run" not in md
     assert "matches the upload of all of a round's clients" in md
 
+
+
+def test_time_to_accuracy_vs_paper_sets_each_of_the_papers_numbers_in_its_own_column():
+    """Table VII's rounds, MB and minutes differ on a row: each stands in its own column beside ours (MB in the
+    paper's 1,024,000-byte unit, minutes from seconds), in the table and in the markdown's cells."""
+    from fedsilo.report.versus import time_to_accuracy_versus, time_to_accuracy_versus_markdown
+
+    ours = pd.DataFrame({"reached": ["2/3"], "round": [4.0], "train_s": [300.0], "MiB_per_client": [12 * 1_024_000 / 2**20]},
+                        index=["fedecouple"])
+    tab = time_to_accuracy_versus(ours, {"target": 70, "methods": {"fedecouple": {"rounds": 7, "comm_MB": 11.5, "minutes": 6.5}}})
+    assert tab.loc["fedecouple"].drop("reached").tolist() == pytest.approx([4.0, 7.0, 12.0, 11.5, 5.0, 6.5])
+    assert "| fedecouple | 2/3 | 4.0 / 7.0 | 12.0 / 11.5 | 5.0 / 6.5 |" in time_to_accuracy_versus_markdown(tab, "t")
+
+
+def test_the_cost_table_keeps_the_papers_flops_and_time_apart_and_a_cost_not_measured_reads_as_a_dash():
+    """Each of the paper's numbers stands under its own heading (FLOPs, then training time), and a cost of ours that
+    is missing (NaN: no whole-round upload, no timed round) reads "–", never "nan"."""
+    from fedsilo.report.versus import efficiency_markdown
+
+    comm = pd.DataFrame({"upload_MiB": [1.5], "upload_round_bytes": [np.nan], "train_s_per_round": [np.nan],
+                         "train_GFLOPs_per_round": [3.25]}, index=["f2dc"])
+    paper = {"f2dc": {"upload_params": 5.43e7, "comm_MB": 193.72, "flops": 16.46e10, "train_s": 180.67}}
+    row = next(line for line in efficiency_markdown(comm, paper, "pacs").splitlines() if line.startswith("| f2dc"))
+    assert row == "| f2dc | 1.500 | – | 3.25 | – | 54300000.0 | 193.72 MB | 164600000000.0 | 180.67 s |"
+
+
+def test_a_published_domain_our_runs_lack_is_refused_naming_our_domains():
+    """versus_paper: a column of the paper's table that our accuracy table has not is a ReportError naming it and
+    ours (a misspelt domain in published.yaml), not a KeyError."""
+    from fedsilo.report import ReportError
+    from fedsilo.report.versus import versus_paper
+
+    acc = pd.concat({"mean": pd.DataFrame({"A": [50.0], "B": [70.0], "Avg": [60.0]}, index=["fedavg"])}, axis=1)
+    with pytest.raises(ReportError, match=r"published table domains \['C'\] are not domains of this experiment \(\['A', 'B', 'Avg'\]\)"):
+        versus_paper(acc, {"domains": ["A", "C"], "methods": {"fedavg": {"mean": [50.0, 70.0, 60.0]}}})
+
+
+def test_a_published_file_without_the_across_table_asked_for_is_refused_naming_those_it_has(tmp_path):
+    """``<file>#<key>`` of a group's across table: the entry under ``across``; a key the file has not (or whose entry is
+    no mapping) is a ReportError naming the across tables it has, or none."""
+    from fedsilo.report import ReportError
+    from fedsilo.report.versus import load_published_across
+
+    (tmp_path / "pub.yaml").write_text(yaml.safe_dump({"across": {"table12": {"source": "s", "methods": {}}, "table13": [1, 2]}}))
+    assert load_published_across(tmp_path, "pub.yaml#table12") == {"source": "s", "methods": {}}
+    for key in ("table14", "table13"):
+        with pytest.raises(ReportError, match=rf"published: pub.yaml has no across table '{key}' \(has: table12, table13\)"):
+            load_published_across(tmp_path, f"pub.yaml#{key}")
+    (tmp_path / "acc.yaml").write_text(yaml.safe_dump({"accuracy": {"table12": {"domains": ["A"]}}}))
+    with pytest.raises(ReportError, match=r"has no across table 'table12' \(has: none\)"):
+        load_published_across(tmp_path, "acc.yaml#table12")
 
 
 def test_a_row_run_with_another_setting_than_the_papers_row_is_named():

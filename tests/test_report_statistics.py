@@ -249,3 +249,39 @@ def test_the_onboarding_table_and_fig6_are_the_mean_over_the_seeds_runs(tmp_path
     series = drawn["e_fig6_onboarding.png"]
     assert [s for s, *_ in series] == ["freeze_global", "finetune_all"]  # Fig. 6's order
     assert series[0][1] == [1, 2] and series[0][2] == pytest.approx([30.0, 60.0]) and series[1][2] == pytest.approx([15.0, 30.0])
+
+
+def test_the_runs_table_keeps_each_runs_config_hash_apart_from_its_params_hash(tmp_path):
+    """``<experiment>_runs.csv`` holds the full hashes of each run as its metrics.json records them: the config hash
+    in its own column, not the params hash again."""
+    from fedsilo.report.tables import write_runs_behind
+
+    res = tmp_path / "res"
+    _write(res, "fedavg", 0, {"A-0": {"acc": 0.5}})
+    met = read_json(res / "fedavg" / "seed0" / "metrics.json")
+    write_json(res / "fedavg" / "seed0" / "metrics.json", {**met, "params_hash": "p" * 64, "config_hash": "c" * 64})
+    write_runs_behind(res, ["fedavg"], [0], tmp_path, "e")
+    runs = pd.read_csv(tmp_path / "e_runs.csv")
+    assert runs.loc[0, "params_hash"] == "p" * 64 and runs.loc[0, "config_hash"] == "c" * 64
+
+
+def test_the_std_over_domains_column_is_no_domain_of_the_standard_error_table(tmp_path):
+    """F²DC's tables carry a STD column after Avg (the spread over domains): the standard errors are the domains' and
+    Avg's only, and Avg's size and SE combine the domains, not STD as a domain of unknown size."""
+    res = tmp_path / "res"
+    _write(res, "fedavg", 0, {"A-0": {"acc": 0.8}, "B-0": {"acc": 0.5}}, sizes={"A-0": 100, "B-0": 25})
+    df, _ = collect(res, ["fedavg"], [0])
+    se = standard_errors(df, summary_table(df, "acc", ["fedavg"], domain_std=True))
+    assert list(se.columns) == ["A", "B", "Avg"] and se.loc["n", "Avg"] == 125
+    assert se.loc["fedavg", "Avg"] == pytest.approx((4.0**2 + 10.0**2) ** 0.5 / 2)
+
+
+def test_only_a_binary_tasks_client_without_an_auc_is_named_as_a_one_class_test_split():
+    """A client with no AUC because its task has more than two classes (``has_auc`` false) is not a one-class test
+    split: only a binary task's client whose AUC is missing is named, with its method, seed and client."""
+    from fedsilo.report.tables import one_class_clients
+
+    df = pd.DataFrame([{"method": "fedavg", "seed": 0, "domain": "A", "client": "A-0", "auc": np.nan, "has_auc": True},
+                       {"method": "fedavg", "seed": 0, "domain": "B", "client": "B-1", "auc": np.nan, "has_auc": False},
+                       {"method": "fedavg", "seed": 1, "domain": "A", "client": "A-0", "auc": 0.7, "has_auc": True}])
+    assert one_class_clients(df) == [("fedavg", 0, "A-0")]
