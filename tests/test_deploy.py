@@ -1645,10 +1645,15 @@ def test_credentials_are_checked_before_flower_starts_and_the_superlinks_certifi
     assert main([*site[:-2], str(key), "--dry-run"]) == 0
     # what Flower's SuperNode fails on only after starting (exit 1, retried by a service manager): refused, exit 2
     good = [*site[:-2], str(key)]
-    for link in ("coordinator.example.org", "coordinator.example.org:port", "coordinator.example.org:70000"):
+    def with_link(link: str) -> list[str]:
+        return [*good[:good.index("--superlink") + 1], link, *good[good.index("--superlink") + 2:], "--dry-run"]
+
+    for link in ("coordinator.example.org", "coordinator.example.org:port", "coordinator.example.org:70000", "[host]:9093"):
         capsys.readouterr()
-        assert main([*good[:good.index("--superlink") + 1], link, *good[good.index("--superlink") + 2:], "--dry-run"]) == 2
+        assert main(with_link(link)) == 2
         assert f"--superlink: {link!r} is not host:port" in capsys.readouterr().err
+    for link in ("10.0.0.5:9093", "[fe80::1%eth0]:9093", "::1:9093", "[::1]:9093", "coord_1.lan:9093"):  # Flower takes these
+        assert main(with_link(link)) == 0, link
     import socket
 
     with socket.socket() as taken:  # another SuperNode of this site listening on its Runtime API port

@@ -611,6 +611,8 @@ def test_version_names_the_commit_the_training_code_hash_and_the_libraries_witho
     assert f"torch {md.version('torch')}, " in out and f"dvc {md.version('dvc')}, " in out
     monkeypatch.setattr(cli, "VERSIONED", ("torch", "no-such-library-here"))
     assert "no-such-library-here not installed" in cli.version_text()
+    monkeypatch.setenv("PATH", str(tmp_path))  # a machine without git (a hospital's pip install): said, no traceback
+    assert cli.version_text().splitlines()[0].endswith("; not a git checkout)")
 
 
 def test_a_run_whose_inputs_are_missing_names_the_stage_that_builds_them(mirror_root, tmp_path, capsys):

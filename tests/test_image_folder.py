@@ -118,18 +118,23 @@ def test_several_sites_in_one_folder_with_their_own_partition_form_a_dataset_of_
     raw_params["datasets"]["derm"]["folders"]["derm"]["group"] = r"^(P\d_\w+?)_"  # a patient per partition
     p = parse_params(raw_params)
     card = harmonize_benchmark(p.datasets["derm"], raw, tmp_path / "h" / "derm", quiet=True)
-    assert not any("changed after it was fetched" in w for w in card.get("warnings", []))
+    assert not any("differs from its fetched copy" in w for w in card.get("warnings", []))
     # a file at the top of the user's folder edited after the fetch: harmonize read the fetched copy, and says so
     import os
     import time
 
     later = time.time() + 60
+    os.utime(site / "labels_legend.txt", (later, later))  # touched, the same content: not a change
+    (site / ".DS_Store").write_bytes(b"\0")  # hidden: passed over
+    assert not any("differs from its fetched copy" in w for w in harmonize_benchmark(p.datasets["derm"], raw, tmp_path / "h" / "d1", quiet=True).get("warnings", []))
+    (site / "labels_legend.txt").write_text("the folders are the classes; P4 is benign\n")
     os.utime(site / "labels_legend.txt", (later, later))
+    (site / "notes.csv").write_text("a,b\n")
     edited = harmonize_benchmark(p.datasets["derm"], raw, tmp_path / "h" / "derm_edited", quiet=True)
-    assert (f"derm: 1 file(s) of {site} changed after it was fetched (labels_legend.txt): harmonize read the fetched "
-            "copy, data/raw/derm, without them; fetch again to take them (`fedsilo fetch --source derm`, or `dvc repro -f "
+    assert (f"derm: {site} differs from its fetched copy (labels_legend.txt changed, notes.csv added): harmonize read the "
+            f"copy, {raw / 'derm'}; fetch again to take the change (`fedsilo fetch --source derm`, or `dvc repro -f "
             "fetch@derm`)") in edited["warnings"]
-    assert any("changed after it was fetched" in w for w in preview_dataset(p.datasets["derm"], raw, "derm", quiet=True)["warnings"])
+    assert any("differs from its fetched copy" in w for w in preview_dataset(p.datasets["derm"], raw, "derm", quiet=True)["warnings"])
     assert card["classes"] == ["Benign", "Malignant"]  # the folders' names, one spelling each, sorted; Scar skipped
     assert (card["dataset"], card["kind"]) == ("derm", "image_folder")  # the card names the dataset, then its kind
     assert (tmp_path / "h" / "derm" / "card.md").read_text().startswith("# Data card: derm (kind image_folder)\n")

@@ -66,6 +66,8 @@ def test_new_paper_writes_a_pipeline_check_params_accepts(tmp_path, capsys):
     # a title that would end the files' comment line and break the YAML DVC reads
     (["mine", "--experiment", "digits5_domains", "--methods", "fedavg", "--title", "Mine (2026)\nseeds: [7]"],
      "--title: one line of printable text"),
+    (["mine", "--experiment", "digits5_domains", "--methods", "fedavg", "--title", "Mine (2026)\u2028seeds: [7]"],
+     "--title: one line of printable text"),
     (["taken", "--experiment", "digits5_domains", "--methods", "fedavg"], "pipelines/taken exists"),
     (["mine", "--experiment", "digits5_domain", "--methods", "fedavg"], "--experiment: 'digits5_domain' is not under experiments in"),
     (["mine", "--experiment", "unbuilt", "--methods", "fedavg"], "its dataset 'cifar10_32' is not in pipeline.datasets"),

@@ -664,11 +664,21 @@ def _check_supernode_addresses(superlink: str, port: int, bind: bool) -> None:
     """What Flower's SuperNode would only fail on after its start (exit status 1, which a service manager retries):
     ``--superlink`` not ``host:port`` (Flower: "cannot be parsed"); ``--port`` out of range, or (``bind``: the
     SuperNode starts now) one a process on this machine already listens on (a second SuperNode of the site)."""
-    import re
+    import ipaddress
     import socket
 
-    m = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]+):(\d{1,5})", superlink.strip())
-    if not m or not 0 < int(m.group(2)) < 65536:
+    host, _, link_port = superlink.strip().rpartition(":")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+    def an_address(h: str) -> bool:
+        try:
+            ipaddress.ip_address(h.split("%")[0])  # an IPv6 address may carry its zone (fe80::1%eth0)
+            return True
+        except ValueError:
+            return False
+
+    good_host = bool(bare) and not any(c.isspace() for c in bare) and (":" not in bare and bare == host or an_address(bare))
+    if not good_host or not link_port.isdigit() or not 0 < int(link_port) < 65536:
         raise ConfigError(f"--superlink: {superlink!r} is not host:port (the SuperLink's Fleet API, e.g. "
                           "coordinator.example.org:9093, the address and port `deploy superlink --listen` opens)")
     if not 0 < port < 65536:
@@ -1055,14 +1065,14 @@ def version_text() -> str:
         except md.PackageNotFoundError:
             return "not installed"
 
-    src = PACKAGE.parent
-    git = ["git", "-C", str(src)]
-    head = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
-    if head.returncode == 0:
-        edits = subprocess.run([*git, "status", "--porcelain", "--", str(PACKAGE)], capture_output=True, text=True).stdout.strip()
-        commit = f"git {head.stdout.strip()}{' + uncommitted edits' if edits else ''}"
-    else:
-        commit = "not a git checkout"
+    from fedsilo.tracking import git_commit
+
+    try:  # the package's own files tracked by a checkout (not site-packages inside some other repository)
+        tracked = subprocess.run(["git", "ls-files", "--error-unmatch", "__init__.py"], cwd=PACKAGE, capture_output=True).returncode == 0
+    except OSError:  # no git on this machine
+        tracked = False
+    sha, dirty = git_commit(PACKAGE) if tracked else ("unknown", False)  # its edits: those under src/fedsilo
+    commit = f"git {sha[:12]}{' + uncommitted edits' if dirty else ''}" if sha != "unknown" else "not a git checkout"
     libs = ", ".join(f"{d} {version(d)}" for d in VERSIONED)
     return (f"fedsilo {version('fedsilo')} ({PACKAGE}; {commit})\n"
             f"training code sha256 {train_code_sha256()} (all of it, as data/code/train.json holds it; a run's "

@@ -160,7 +160,7 @@ def new_paper(params: Params, root: Path, name: str, experiment: str, methods: S
         raise ConfigError(f"'{name}' is an experiment of {params.source}: the paper's results/{name}/ and state/{name}/ "
                           "would be that experiment's folders (its report would depend on the paper's runs); give the "
                           "paper another name")
-    if any(ord(ch) < 32 or ch == "\x7f" for ch in title):
+    if not title.isprintable():  # a line break of any kind (YAML reads U+2028 and U+0085 as ones too), a control character
         raise ConfigError("--title: one line of printable text (it heads the comment of each file written; a line break "
                           "would end the comment and break the YAML of every pipeline DVC reads)")
     folder = root / "pipelines" / name

@@ -12,7 +12,7 @@ from pydantic import (
     ValidationError,
 )
 
-from fedsilo.config.base import Strict
+from fedsilo.config.base import ConfigError, Strict
 
 
 def _discriminator(annotation: Any) -> Optional[str]:
@@ -73,7 +73,13 @@ def _drop_union_tags(loc: tuple, model: Optional[type]) -> tuple:
 METHOD_ENTRY_HINT = "; every method trained needs an entry under methods (`{m}: {{}}`: a registered method with its defaults; `fedsilo methods` lists them)"
 # where a method of one's own that fedsilo does not know yet was left out
 REGISTER_HINT = ("; a method of your own is known once its class is in REGISTRY of src/fedsilo/methods/registry.py "
-                 "(README, \"Adding a method\")")
+                 "(README, \"Adding a method\"), and trained once it has an entry under methods")
+
+
+def not_defined(section: str, name: str, params: Any) -> ConfigError:
+    """``<section>.<name>: not defined in <params file>`` with a near miss among the section's keys: the error of a
+    command naming an experiment or dataset its params file lacks."""
+    return ConfigError(f"{section}.{name}: not defined in {params.source}{did_you_mean(name, getattr(params, section))}")
 
 
 def did_you_mean(name: str, known: Any) -> str:

@@ -327,15 +327,8 @@ def public_copies(rec: pd.DataFrame, raw_dir: Path, label: str, mode: str, key: 
 def fetched_copy_note(raw_dir: Path, src: str) -> str:
     """What a reader's error about ``raw_dir`` should add: the folder is fetch's copy of a source of the user's (its
     manifest's origin), where the fix belongs before fetching again; "" for a download or a mirror."""
-    import json
-
-    from fedsilo.data.fetch import MANIFEST
-
-    try:
-        manifest = json.loads((Path(raw_dir) / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return ""
-    if manifest.get("mode") != "local":
+    manifest = _manifest(raw_dir)
+    if manifest is None or manifest.get("mode") != "local":
         return ""
     return (f" ({raw_dir} is what `fedsilo fetch --source {src}` copied from {manifest.get('origin')}, sources.{src}.path: "
             "correct a file there, then fetch again; a params key named above is set in the params file, without a fetch)")
@@ -345,48 +338,57 @@ def fetched_from(raw_root: Path, sources: Any) -> dict[str, dict[str, str]]:
     """Per source, how fetch got its raw files (its manifest's ``mode`` and ``origin``: an offline mirror, the user's
     folder, the download's addresses), for the data card and a run's MLflow tags: which copy a dataset was made from,
     beside the hashes that say what it holds. A source without a manifest (made by hand) is left out."""
-    import json
-
-    from fedsilo.data.fetch import MANIFEST
-
-    out = {}
-    for src in sources:
-        try:
-            manifest = json.loads((Path(raw_root) / src / MANIFEST).read_text())
-        except (OSError, ValueError):
-            continue
-        out[src] = {"mode": str(manifest.get("mode", "")), "origin": str(manifest.get("origin", ""))}
-    return out
+    return {src: {"mode": str(m.get("mode", "")), "origin": str(m.get("origin", ""))}
+            for src in sources if (m := _manifest(Path(raw_root) / src)) is not None}
 
 
 def edited_since_fetch(raw_root: Path, sources: Any) -> list[str]:
     """Per source fetched from a folder of one's own (``mode: local``), a warning where a file at the top of that
-    folder (a label table, a manifest: where edits are made) changed after the fetch: harmonize reads the fetched
-    copy, so the edit is not in the images or labels it writes. Only the folder's top level is looked at (its image
-    tree is not walked); the fetch's time is its manifest's."""
+    folder (a label table, a list of files: where edits are made) differs from what the fetch copied (its manifest's
+    size and sha256; a file only touched or copied again with the same content does not count), or was added or
+    removed since: harmonize reads the fetched copy, so the change is not in what it writes. Hidden files (a Mac's
+    ``.DS_Store``, an editor's lock file ``~$...``) are passed over, and the folder's image tree is not walked."""
+    from fedsilo.data.fetch import MANIFEST
+    from fedsilo.utils.io import file_sha256
+
+    out = []
+    for src in sources:
+        raw_dir = Path(raw_root) / src
+        rec = _manifest(raw_dir)
+        origin = Path(str((rec or {}).get("origin", "")))
+        if rec is None or rec.get("mode") != "local" or not origin.is_dir():
+            continue
+        fetched, files = (raw_dir / MANIFEST).stat().st_mtime, rec.get("files") or {}
+        try:
+            top = {e.name: e for e in os.scandir(origin) if e.is_file() and not e.name.startswith((".", "~$"))}
+        except OSError:
+            continue
+        said = []
+        for name, e in sorted(top.items()):
+            was = files.get(name)
+            if was is None:
+                said.append(f"{name} added")
+            elif e.stat().st_size != was.get("bytes") or (e.stat().st_mtime > fetched and file_sha256(Path(e.path)) != was.get("sha256")):
+                said.append(f"{name} changed")
+        said += [f"{name} removed" for name in sorted(files) if "/" not in name and not name.startswith((".", "~$")) and name not in top]
+        if said:
+            out.append(f"{src}: {origin} differs from its fetched copy ({', '.join(said[:3])}{', ...' if len(said) > 3 else ''}): "
+                       f"harmonize read the copy, {raw_dir}; fetch again to take the change (`fedsilo fetch --source {src}`, or "
+                       f"`dvc repro -f fetch@{src}`)")
+    return out
+
+
+def _manifest(raw_dir: Path) -> dict[str, Any] | None:
+    """The fetch manifest of a source's raw folder, or None where it has none (not fetched) or it does not read."""
     import json
 
     from fedsilo.data.fetch import MANIFEST
 
-    out = []
-    for src in sources:
-        manifest = Path(raw_root) / src / MANIFEST
-        try:
-            rec, fetched = json.loads(manifest.read_text()), manifest.stat().st_mtime
-        except (OSError, ValueError):
-            continue
-        origin = Path(str(rec.get("origin", "")))
-        if rec.get("mode") != "local" or not origin.is_dir():
-            continue
-        try:
-            edited = sorted(e.name for e in os.scandir(origin) if e.is_file() and e.stat().st_mtime > fetched + 1)
-        except OSError:
-            continue
-        if edited:
-            out.append(f"{src}: {len(edited)} file(s) of {origin} changed after it was fetched ({', '.join(edited[:3])}"
-                       f"{', ...' if len(edited) > 3 else ''}): harmonize read the fetched copy, data/raw/{src}, without "
-                       f"them; fetch again to take them (`fedsilo fetch --source {src}`, or `dvc repro -f fetch@{src}`)")
-    return out
+    try:
+        rec = json.loads((Path(raw_dir) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
 
 
 def read_source(src: str, raw_dir: Path, rules: Any = None) -> pd.DataFrame:

@@ -32,7 +32,8 @@ import numpy as np
 import pandas as pd
 
 from fedsilo.client.local import binary_auc, predict_probabilities
-from fedsilo.config import ConfigError, Params, TrainParams, did_you_mean
+from fedsilo.config import ConfigError, Params, TrainParams
+from fedsilo.config.errors import not_defined
 
 __all__ = ["evaluate_site_model", "patient_bootstrap", "evaluation_markdown"]
 
@@ -183,7 +184,7 @@ def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Pa
     from fedsilo.fl.site import changed_arrays
 
     if dataset not in params.datasets:
-        raise ConfigError(f"datasets.{dataset}: not defined in {params.source}{did_you_mean(dataset, params.datasets)}")
+        raise not_defined("datasets", dataset, params)
     if bootstrap < 1:
         raise ConfigError(f"--bootstrap: {bootstrap}; at least 1 resample (1000 is usual)")
     folder = params.layout(root).harmonized(dataset)

@@ -28,7 +28,8 @@ from torch import nn
 
 from fedsilo.client.data import ClientData, load_clients, pick_device, to_float
 from fedsilo.client.local import evaluate, make_generator, running_stats_frozen, train_local
-from fedsilo.config import ConfigError, Params, did_you_mean
+from fedsilo.config import ConfigError, Params
+from fedsilo.config.errors import not_defined
 from fedsilo.data.splits import refuse_stale_split
 from fedsilo.fl.deploy import NEWCOMER, OWN_PART, as_member_refusal, deployment_spec, read_model_file
 from fedsilo.methods import resolve_method
@@ -243,7 +244,7 @@ def onboard_site(params: Params, experiment: str, root: Path, model_path: Path, 
 
     root = Path(root)
     if experiment not in params.experiments:
-        raise ConfigError(f"experiments.{experiment}: not defined in {params.source}{did_you_mean(experiment, params.experiments)}")
+        raise not_defined("experiments", experiment, params)
     kept = read_model_file(model_path)
     if not isinstance(kept, dict) or any(k not in kept for k in ("deployment", "server", "round")):
         raise ConfigError(f"--model: {model_path}: not a deployment's final model (the coordinator's final_model.pt, beside "

@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import pandas as pd
 
-from fedsilo.config import BenchmarkDatasetParams, ConfigError, CXRDatasetParams, Params, TrainParams, did_you_mean
+from fedsilo.config import BenchmarkDatasetParams, ConfigError, CXRDatasetParams, Params, TrainParams
+from fedsilo.config.errors import not_defined
 from fedsilo.data.dicom import is_dicom_file
 from fedsilo.data.slides import is_slide_file
 from fedsilo.data.sources.image_folder import file_reader
@@ -59,7 +60,7 @@ def image_files(paths: Iterable[str | Path]) -> tuple[list[Path], list[tuple[Pat
 def _decoder(params: Params, experiment: str, contract: dict[str, Any]):
     """The harmonize job of one file for the site's dataset, checked against the model's contract."""
     if experiment not in params.experiments:
-        raise ConfigError(f"experiments.{experiment}: not defined in {params.source}{did_you_mean(experiment, params.experiments)}")
+        raise not_defined("experiments", experiment, params)
     name = params.experiments[experiment].dataset
     ds = params.datasets[name]
     h, _, channels = contract["image_shape"]

@@ -26,7 +26,8 @@ from typing import Any, Union
 import torch
 
 from fedsilo.client.data import ClientData, load_clients, load_task_clients
-from fedsilo.config import ConfigError, Params, did_you_mean
+from fedsilo.config import ConfigError, Params
+from fedsilo.config.errors import not_defined
 from fedsilo.data.splits import refuse_stale_split
 from fedsilo.utils.io import canonical_hash, file_sha256, read_json
 
@@ -43,7 +44,7 @@ def changed_arrays(harmonized: Path, card: dict[str, Any]) -> list[str]:
 
 def _site_files(params: Params, experiment: str, root: Path) -> tuple[Path, Path, dict[str, Any], dict[str, Any]]:
     if experiment not in params.experiments:
-        raise ConfigError(f"experiments.{experiment}: not defined in {params.source}{did_you_mean(experiment, params.experiments)}")
+        raise not_defined("experiments", experiment, params)
     exp = params.experiments[experiment]
     layout = params.layout(root)
     harmonized, split_path = layout.harmonized(exp.dataset), layout.split(experiment)
