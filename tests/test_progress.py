@@ -162,3 +162,31 @@ def test_a_domains_decoding_clock_starts_before_its_first_image_is_decoded(monke
     out = list(harmonize.iter_decoded([("a1",), ("a2",), ("b1",)], workers=1, domains=["A", "A", "B"], quiet=True))
     assert len(out) == 3
     assert events == ["bar harmonize A", "decode a1", "decode a2", "bar harmonize B", "decode b1"]
+
+
+def test_with_worker_processes_a_domains_jobs_go_to_them_once_the_previous_domain_is_done(monkeypatch):
+    """A pool given every job at once decodes ahead into the next domain, whose images/s then counted the pool's lead:
+    each domain's jobs are handed to the workers after the previous domain's, its clock started just before."""
+    import fedsilo.data.harmonize as harmonize
+
+    events: list[str] = []
+
+    class Spy(harmonize.Progress):
+        def __init__(self, total, desc, *a, **k):
+            events.append(f"bar {desc} {total}")
+            super().__init__(total, desc, *a, **k)
+
+    class Pool:
+        def map(self, fn, jobs, chunksize=1):
+            events.append(f"map {len(jobs)}")
+            return map(fn, jobs)
+
+        def shutdown(self, wait=True, cancel_futures=False):
+            events.append("shutdown")
+
+    monkeypatch.setattr(harmonize, "Progress", Spy)
+    monkeypatch.setattr(harmonize, "worker_pool", lambda workers: Pool())
+    monkeypatch.setattr(harmonize, "_decode_safe", lambda job: (None, ""))
+    jobs, domains = [(f"a{k}",) for k in range(10)] + [(f"b{k}",) for k in range(8)], ["A"] * 10 + ["B"] * 8
+    assert len(list(harmonize.iter_decoded(jobs, workers=2, domains=domains, quiet=True))) == 18
+    assert events == ["bar harmonize A 10", "map 10", "bar harmonize B 8", "map 8", "shutdown"]

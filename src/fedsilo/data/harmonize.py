@@ -30,6 +30,7 @@ Everything is written to a temporary folder and renamed into place at the end.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
@@ -132,29 +133,26 @@ def iter_decoded(jobs: list[tuple], workers: int, domains: Optional[list[str]] =
                  quiet: bool = False) -> Iterator[tuple[np.ndarray | None, str]]:
     """Decode every job (in worker processes when there are enough), yielding (image or None, error) in job order as
     they come, showing images done and images/s per domain (``domains[i]`` is job i's; jobs of a domain are
-    contiguous). A caller that stores each image as it comes holds a few in memory, not the dataset."""
+    contiguous). A domain's jobs go to the workers once the previous domain's are done, and its clock starts then:
+    decoding ahead across domains made a small domain's images/s the pool's whole lead (25,000 images/s for 39
+    DICOMs). A caller that stores each image as it comes holds a few in memory, not the dataset."""
     domains = domains if domains is not None else [""] * len(jobs)
-    counts = Counter(domains)
+    runs = [(dom, len(list(group))) for dom, group in itertools.groupby(domains)]  # contiguous (domain, count)
     pool: Optional[ProcessPoolExecutor] = None
     bar: Optional[Progress] = None
-    current = None
     try:
-        if domains:  # the first domain's clock starts now, not at its first decoded image (a pool may decode a
-            current = domains[0]  # whole small set before the first result comes: 25,000 images/s for 39 DICOMs)
-            bar = Progress(counts[current], f"{desc} {current}".rstrip(), "image", quiet=quiet)
-        if workers <= 1 or len(jobs) < 16:
-            results: Iterator[tuple[np.ndarray | None, str]] = map(_decode_safe, jobs)
-        else:
+        if workers > 1 and len(jobs) >= 16:
             pool = worker_pool(workers)
-            results = pool.map(_decode_safe, jobs, chunksize=max(1, min(64, len(jobs) // (workers * 8))))
-        for i, (dom, res) in enumerate(zip(domains, results)):
-            assert bar is not None
-            bar.update(1)  # counted before it is handed on: the last one too, whatever the caller does next
-            yield res
-            if i + 1 < len(domains) and domains[i + 1] != dom:  # the domain is done: the next one's clock starts
-                bar.close()                                       # before its first image is decoded
-                current = domains[i + 1]
-                bar = Progress(counts[current], f"{desc} {current}".rstrip(), "image", quiet=quiet)
+        start = 0
+        for dom, n in runs:
+            bar = Progress(n, f"{desc} {dom}".rstrip(), "image", quiet=quiet)  # before the domain's first decode
+            part = jobs[start:start + n]
+            results = pool.map(_decode_safe, part, chunksize=max(1, min(64, n // (workers * 8)))) if pool else map(_decode_safe, part)
+            for res in results:
+                bar.update(1)  # counted before it is handed on: the last one too, whatever the caller does next
+                yield res
+            bar.close()
+            bar, start = None, start + n
     finally:
         if bar is not None:
             bar.close()
