@@ -162,6 +162,26 @@ def test_label_table_mistakes_are_refused_naming_row_and_key(tmp_path, rows, rul
     assert needle in str(err.value)
 
 
+def test_a_tables_row_mistakes_are_refused_together_not_one_fix_and_rerun_at_a_time(tmp_path, monkeypatch):
+    """Three rows with three mistakes: one refusal naming each row (it named the first only, and a hospital fixed and
+    reran three times); one mistake reads as before; at MAX_ERRORS mistakes the reading stops and says so."""
+    from fedsilo.data.sources.tables import Rows
+
+    rows = [ROW, {**ROW, "path": "/data/a/2.png"}, {**ROW, "path": "a/2.png", "view": "OBLIQUE"}, {**ROW, "path": "a/./1.png"}]
+    root = _export(tmp_path, rows)
+    with pytest.raises(LabelFileError) as err:
+        cxr_table.read_records(root, CXRTableRules(), "H", key="K")
+    lines = str(err.value).split("\n  ")
+    assert lines[0] == "3 rows of the label table are refused; correct them all, then harmonize again:"
+    assert [line.split(": ", 1)[1] for line in lines[1:]] == [
+        "row 3: '/data/a/2.png' is an absolute path; paths are relative to the source's folder " + str(root),
+        "row 4: view 'OBLIQUE' is neither frontal nor lateral; add it to K.frontal or K.lateral",
+        "row 5: a/1.png is listed again (first on row 2); one row per image"]
+    monkeypatch.setattr(Rows, "MAX_ERRORS", 2)
+    with pytest.raises(LabelFileError, match=r"^2 rows of the label table are refused \(the reading stopped at 2\)"):
+        cxr_table.read_records(root, CXRTableRules(), "H", key="K")
+
+
 def test_a_table_reads_the_hospitals_own_words_and_a_missing_table_is_named(tmp_path):
     root = _export(tmp_path, [{"path": "a\\1.png", "label": " lung opacity ", "patient_id": "p1", "view": "ap", "set": "Test"},
                               {"path": "a/2.png", "label": "Effusion", "patient_id": "", "view": "LL", "set": ""},

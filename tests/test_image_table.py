@@ -142,6 +142,10 @@ def _table(root: Path, text: str) -> Path:
     ("path,label,part\na.png,tum,holdout\n", {"subset": "part"}, r"row 2: part 'holdout' is not one of train, val, test"),
     ("path,label,pid,part\na.png,tum,p1,test\nb.png,adi,p1,train\n", {"subset": "part", "patient": "pid"},
      r"row 3: patient 'p1' is outside test here and test on row 2"),
+    # several rows' mistakes: refused together, each named
+    ("path,label,part\n/data/a.png,tum,train\nb.png,adi,holdout\n", {"subset": "part"},
+     r"^2 rows of the label table are refused; correct them all, then harmonize again:\n  .*row 2: '/data/a\.png' is an "
+     r"absolute path.*\n  .*row 3: part 'holdout' is not one of train, val, test"),
 ])
 def test_the_tables_mistakes_are_refused_by_row_and_key(tmp_path, text, rules, message):
     raw = _joined({"archive": rules})

@@ -182,38 +182,40 @@ def _records_by_dicom(raw_dir: Path, rules: CXRTableRules, domain: str, key: str
     table, matched = Rows(raw_dir), MatchedRows(by_value, match.tag, mkey, "finding")
     rows, header_patients = [], []  # header_patients: each kept image's PatientID ("" none)
     for row, rec, where in table.each(df, table_path, key, quiet):
-        value = str(rec[rules.label]).strip()
-        label, label_why = _label_of(value, positive, negative)
-        ident = str(rec[match.column]).strip()
-        files = matched.take(ident, row, where)
-        if files is None:
-            label_why, files = label_why or f"no {match.tag} in the row", []
-        per = []
-        for f in files:
-            if f.problem:  # a report, a presentation state; a slide is no chest X-ray
-                per.append((f, "", "unknown", "a whole-slide image (not a chest X-ray)" if f.problem == WHOLE_SLIDE_PROBLEM
-                            else f"not an image: {f.problem}"))
-                continue
-            cell = str(rec[rules.view]).strip() if one_image and rules.view is not None else ""
-            if rules.view is None and not rules.dicom_view:
-                view, view_why = "frontal", ""
-            elif cell or label_why or not rules.dicom_view:
-                view, view_why = _classify_view(cell, "view", frontal, lateral, where, key)
-            else:
-                view, view_why = _classify_view(_one_view(f.view), f"the DICOM header's View Position ({f.path})", frontal,
-                                                lateral, where, key)
-            per.append((f, "dicom", view, view_why))
-        files_why = per[0][3] if per and all(w for *_, w in per) else ""
-        pre = label_why or files_why or ("" if files else f"no DICOM with this {match.tag} under {match.folder}")
-        group, subset, row_why = table.group_and_subset(rec, rules, f"{matched.noun} {ident}", pre, row, where, key)
-        patient_why = row_why if row_why != pre else ""
-        for f, reader, view, view_why in per or [(None, "", "unknown", "")]:
-            mine = table.matched_group(group, f, rules, subset, not (pre or view_why), row, where)
-            if f is not None and not (label_why or view_why or patient_why):
-                header_patients.append(f.patient)
-            rows.append({"id": f.path if f else matched.row_id(rules.file, row, ident), "label": label,
-                         "original_label": value, "group": mine, "view": view, "path": f.path if f else "", "reader": reader,
-                         "excluded": (label_why or view_why or patient_why) if f else pre, "subset": subset})
+        with table.row():
+            value = str(rec[rules.label]).strip()
+            label, label_why = _label_of(value, positive, negative)
+            ident = str(rec[match.column]).strip()
+            files = matched.take(ident, row, where)
+            if files is None:
+                label_why, files = label_why or f"no {match.tag} in the row", []
+            per = []
+            for f in files:
+                if f.problem:  # a report, a presentation state; a slide is no chest X-ray
+                    per.append((f, "", "unknown", "a whole-slide image (not a chest X-ray)" if f.problem == WHOLE_SLIDE_PROBLEM
+                                else f"not an image: {f.problem}"))
+                    continue
+                cell = str(rec[rules.view]).strip() if one_image and rules.view is not None else ""
+                if rules.view is None and not rules.dicom_view:
+                    view, view_why = "frontal", ""
+                elif cell or label_why or not rules.dicom_view:
+                    view, view_why = _classify_view(cell, "view", frontal, lateral, where, key)
+                else:
+                    view, view_why = _classify_view(_one_view(f.view), f"the DICOM header's View Position ({f.path})", frontal,
+                                                    lateral, where, key)
+                per.append((f, "dicom", view, view_why))
+            files_why = per[0][3] if per and all(w for *_, w in per) else ""
+            pre = label_why or files_why or ("" if files else f"no DICOM with this {match.tag} under {match.folder}")
+            group, subset, row_why = table.group_and_subset(rec, rules, f"{matched.noun} {ident}", pre, row, where, key)
+            patient_why = row_why if row_why != pre else ""
+            for f, reader, view, view_why in per or [(None, "", "unknown", "")]:
+                mine = table.matched_group(group, f, rules, subset, not (pre or view_why), row, where)
+                if f is not None and not (label_why or view_why or patient_why):
+                    header_patients.append(f.patient)
+                rows.append({"id": f.path if f else matched.row_id(rules.file, row, ident), "label": label,
+                             "original_label": value, "group": mine, "view": view, "path": f.path if f else "", "reader": reader,
+                             "excluded": (label_why or view_why or patient_why) if f else pre, "subset": subset})
+    table.refuse_rows()
     for rel, why in unmatched + matched.unlisted():
         rows.append({"id": rel, "label": -1, "original_label": "", "group": rel, "view": "unknown", "path": rel,
                      "reader": "", "excluded": why, "subset": ""})
@@ -241,50 +243,52 @@ def read_records(raw_dir: Path, rules: CXRTableRules, domain: str, key: str = "t
     table = Rows(raw_dir)
     rows = []
     for row, rec, where in table.each(df, table_path, key, quiet):
-        rel = relative_path(raw_dir, str(rec[rules.path]), where)
-        value = str(rec[rules.label]).strip()
-        label, label_why = _label_of(value, positive, negative)
-        folder = study_folder(raw_dir, rel)
-        study = folder is not None
-        if folder is not None:  # a study-level table: the row's finding is every image of the study's folder
-            cell = str(rec[rules.view]).strip() if rules.view is not None else ""
-            if cell or not rules.dicom_view:
-                raise LabelFileError(f"{where}: {rel} is a study's folder, whose images may be frontal and lateral: "
-                                     + ("leave its view cell blank and " if cell else "") + f"set {key}.dicom_view: true "
-                                     "(each DICOM's View Position from its header)")
-            files = [f.relative_to(raw_dir).as_posix() for f in walk(raw_dir / folder) if f.is_file()]
-            if not files:
-                raise LabelFileError(f"{where}: {rel} is a folder without files; a row names an image, or a study's folder")
-            found_list = [table.locate(f, row, where) for f in files]
-        else:
-            found_list = [table.locate(rel, row, where)]
-        per = []
-        for found in found_list:
-            reader = _reader(raw_dir / found) if found else ""
-            not_image = file_reader(raw_dir / found)[1] if study and found else ""  # a study's report, its DICOMDIR
-            if found and not not_image and is_slide_file(raw_dir / found):  # never decoded whole
-                not_image = "a whole-slide image (not a chest X-ray)"
-            if not_image:
-                per.append((found, "", "unknown", not_image))
-                continue
-            view, view_why = _view(rec, rules, raw_dir, found, reader, label_why, frontal, lateral, where, key, study)
-            per.append((found, reader, view, view_why))
-        files_why = per[0][3] if all(w for *_, w in per) else ""  # a row none of whose images is kept
-        pre = label_why or files_why
-        group, subset, row_why = table.group_and_subset(rec, rules, rel, pre, row, where, key)
-        patient_why = row_why if row_why != pre else ""
-        for found, reader, view, view_why in per:
-            rows.append({
-                "id": found if study else rel,
-                "label": label,
-                "original_label": value,
-                "group": group,
-                "view": view,
-                "path": found or "",
-                "reader": reader,
-                "excluded": label_why or view_why or patient_why,  # an image's own reason before its row's patient
-                "subset": subset,
-            })
+        with table.row():
+            rel = relative_path(raw_dir, str(rec[rules.path]), where)
+            value = str(rec[rules.label]).strip()
+            label, label_why = _label_of(value, positive, negative)
+            folder = study_folder(raw_dir, rel)
+            study = folder is not None
+            if folder is not None:  # a study-level table: the row's finding is every image of the study's folder
+                cell = str(rec[rules.view]).strip() if rules.view is not None else ""
+                if cell or not rules.dicom_view:
+                    raise LabelFileError(f"{where}: {rel} is a study's folder, whose images may be frontal and lateral: "
+                                         + ("leave its view cell blank and " if cell else "") + f"set {key}.dicom_view: true "
+                                         "(each DICOM's View Position from its header)")
+                files = [f.relative_to(raw_dir).as_posix() for f in walk(raw_dir / folder) if f.is_file()]
+                if not files:
+                    raise LabelFileError(f"{where}: {rel} is a folder without files; a row names an image, or a study's folder")
+                found_list = [table.locate(f, row, where) for f in files]
+            else:
+                found_list = [table.locate(rel, row, where)]
+            per = []
+            for found in found_list:
+                reader = _reader(raw_dir / found) if found else ""
+                not_image = file_reader(raw_dir / found)[1] if study and found else ""  # a study's report, its DICOMDIR
+                if found and not not_image and is_slide_file(raw_dir / found):  # never decoded whole
+                    not_image = "a whole-slide image (not a chest X-ray)"
+                if not_image:
+                    per.append((found, "", "unknown", not_image))
+                    continue
+                view, view_why = _view(rec, rules, raw_dir, found, reader, label_why, frontal, lateral, where, key, study)
+                per.append((found, reader, view, view_why))
+            files_why = per[0][3] if all(w for *_, w in per) else ""  # a row none of whose images is kept
+            pre = label_why or files_why
+            group, subset, row_why = table.group_and_subset(rec, rules, rel, pre, row, where, key)
+            patient_why = row_why if row_why != pre else ""
+            for found, reader, view, view_why in per:
+                rows.append({
+                    "id": found if study else rel,
+                    "label": label,
+                    "original_label": value,
+                    "group": group,
+                    "view": view,
+                    "path": found or "",
+                    "reader": reader,
+                    "excluded": label_why or view_why or patient_why,  # an image's own reason before its row's patient
+                    "subset": subset,
+                })
+    table.refuse_rows()
     out = pd.DataFrame(rows)
     _check_labels(out, rules, key, table_path, warnings)
     return finalize(out, domain)

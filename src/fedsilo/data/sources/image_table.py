@@ -113,18 +113,20 @@ def scan(raw_dir: Path, rules: ImageTableRules, domain: str, key: str, quiet: bo
     table = Rows(raw_dir)
     out, cuts = [], rules.slides is not None
     for row, rec, where in table.each(df, table_path, key, quiet):
-        rel = _path(raw_dir, rules, table, str(rec[rules.path]).strip(), where)
-        value, reason = _label(rec, rules, where)
-        if value and classmap.skipped(value):  # before the partition check: a skipped row is no image of its patient's
-            reason = f"{classmap.what} skipped ({key}.skip)"
-        files = [(found, *(file_reader(raw_dir / found, cuts) if found else ("image", ""))) for found in _files(raw_dir, rel, table, row, where)]
-        if not reason and all(why for _, _, why in files):  # a row with no image (a listed report) is no image of its patient's
-            reason = files[0][2]
-        # the group is the row's: its patient, else the file, or the folder a study's row names (all its images)
-        group, subset, reason = table.group_and_subset(rec, rules, rel, reason, row, where, key)
-        for found, reader, why in files:
-            out.append({"id": found or rel, "path": found or "", "where": where, "domain": domain, "subset": subset,
-                        "value": value, "group": group, "reason": reason or why, "strict": True, "reader": reader or "image"})
+        with table.row():
+            rel = _path(raw_dir, rules, table, str(rec[rules.path]).strip(), where)
+            value, reason = _label(rec, rules, where)
+            if value and classmap.skipped(value):  # before the partition check: a skipped row is no image of its patient's
+                reason = f"{classmap.what} skipped ({key}.skip)"
+            files = [(found, *(file_reader(raw_dir / found, cuts) if found else ("image", ""))) for found in _files(raw_dir, rel, table, row, where)]
+            if not reason and all(why for _, _, why in files):  # a row with no image (a listed report) is no image of its patient's
+                reason = files[0][2]
+            # the group is the row's: its patient, else the file, or the folder a study's row names (all its images)
+            group, subset, reason = table.group_and_subset(rec, rules, rel, reason, row, where, key)
+            for found, reader, why in files:
+                out.append({"id": found or rel, "path": found or "", "where": where, "domain": domain, "subset": subset,
+                            "value": value, "group": group, "reason": reason or why, "strict": True, "reader": reader or "image"})
+    table.refuse_rows()
     return one_entry_per_dicom_slide(out, raw_dir)
 
 
@@ -168,27 +170,29 @@ def _scan_by_dicom(raw_dir: Path, rules: ImageTableRules, domain: str, key: str,
     table, matched = Rows(raw_dir), MatchedRows(by_value, match.tag, mkey, "label")
     out, header_patients = [], []  # header_patients: each kept image's PatientID ("" none)
     for row, rec, where in table.each(df, table_path, key, quiet):
-        value, reason = _label(rec, rules, where)
-        if value and classmap.skipped(value):
-            reason = f"{classmap.what} skipped ({key}.skip)"
-        ident = str(rec[match.column]).strip()
-        files = matched.take(ident, row, where)
-        if files is None:
-            reason, files = reason or ("no patient id" if match.tag == "PatientID" else f"no {match.tag} in the row"), []
-        readers = [file_reader(raw_dir / f.path) if Path(f.path).suffix.lower() in IMAGE_SUFFIXES or is_slide_file(raw_dir / f.path)
-                   else dicom_reader(f.problem) for f in files]  # a DICOM named like a picture: read as a folder's
-        if not files:
-            reason = reason or f"no DICOM with this {match.tag} under {match.folder}"
-        elif not reason and all(why for _, why in readers):
-            reason = readers[0][1]
-        group, subset, reason = table.group_and_subset(rec, rules, f"{matched.noun} {ident}", reason, row, where, key)
-        for f, (reader, why) in zip(files, readers) if files else [(None, ("image", ""))]:
-            mine = table.matched_group(group, f, rules, subset, not (reason or why), row, where)
-            if f is not None and not (reason or why):
-                header_patients.append(f.patient)
-            out.append({"id": f.path if f else matched.row_id(rules.file, row, ident), "path": f.path if f else "",
-                        "where": where, "domain": domain, "subset": subset, "value": value, "group": mine,
-                        "reason": reason or why, "strict": True, "reader": reader or "image"})
+        with table.row():
+            value, reason = _label(rec, rules, where)
+            if value and classmap.skipped(value):
+                reason = f"{classmap.what} skipped ({key}.skip)"
+            ident = str(rec[match.column]).strip()
+            files = matched.take(ident, row, where)
+            if files is None:
+                reason, files = reason or ("no patient id" if match.tag == "PatientID" else f"no {match.tag} in the row"), []
+            readers = [file_reader(raw_dir / f.path) if Path(f.path).suffix.lower() in IMAGE_SUFFIXES or is_slide_file(raw_dir / f.path)
+                       else dicom_reader(f.problem) for f in files]  # a DICOM named like a picture: read as a folder's
+            if not files:
+                reason = reason or f"no DICOM with this {match.tag} under {match.folder}"
+            elif not reason and all(why for _, why in readers):
+                reason = readers[0][1]
+            group, subset, reason = table.group_and_subset(rec, rules, f"{matched.noun} {ident}", reason, row, where, key)
+            for f, (reader, why) in zip(files, readers) if files else [(None, ("image", ""))]:
+                mine = table.matched_group(group, f, rules, subset, not (reason or why), row, where)
+                if f is not None and not (reason or why):
+                    header_patients.append(f.patient)
+                out.append({"id": f.path if f else matched.row_id(rules.file, row, ident), "path": f.path if f else "",
+                            "where": where, "domain": domain, "subset": subset, "value": value, "group": mine,
+                            "reason": reason or why, "strict": True, "reader": reader or "image"})
+    table.refuse_rows()
     for rel, why in unmatched + matched.unlisted():
         out.append({"id": rel, "path": rel, "where": str(raw_dir / rel), "domain": domain, "subset": "", "value": "",
                     "group": None, "reason": why, "strict": False, "reader": "image"})

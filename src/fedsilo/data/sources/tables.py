@@ -9,6 +9,7 @@ Row N is the table's N-th line as a spreadsheet numbers it, the header being row
 
 from __future__ import annotations
 
+import contextlib
 import unicodedata
 from collections import Counter
 from pathlib import Path, PurePosixPath
@@ -103,10 +104,37 @@ class Rows:
     refuses a second row reaching a file a row already named; ``side`` refuses a patient in the table's ``test``
     partition on one row and outside it on another."""
 
+    MAX_ERRORS = 20  # a table's row mistakes said together, up to this many (then the reading stops)
+
     def __init__(self, raw_dir: Path):
         self.raw_dir, self.files = Path(raw_dir), FoldedFiles(Path(raw_dir))
         self.first_row: dict[str, int] = {}
         self.sides: dict[str, dict[str, int]] = {}
+        self.errors: list[str] = []
+
+    @contextlib.contextmanager
+    def row(self) -> Iterator[None]:
+        """The reading of one row: its mistake (a LabelFileError naming the row) is kept and the next rows are read,
+        so that a table with several mistakes is refused once, naming them all (:meth:`refuse_rows`, after the last
+        row), not one fix and rerun at a time. At :data:`MAX_ERRORS` mistakes the reading stops."""
+        try:
+            yield
+        except LabelFileError as err:
+            self.errors.append(str(err))
+            if len(self.errors) >= self.MAX_ERRORS:
+                self.refuse_rows(stopped=True)
+
+    def refuse_rows(self, stopped: bool = False) -> None:
+        """Raise the rows' mistakes :meth:`row` kept: one as it was, several in one message."""
+        if not self.errors:
+            return
+        if len(self.errors) == 1:
+            raise LabelFileError(self.errors[0])
+        shown = "\n  ".join(self.errors[:10])
+        more = f"\n  ... and {len(self.errors) - 10} more" if len(self.errors) > 10 else ""
+        raise LabelFileError(f"{len(self.errors)} rows of the label table are refused"
+                             + (f" (the reading stopped at {self.MAX_ERRORS})" if stopped else "")
+                             + f"; correct them all, then harmonize again:\n  {shown}{more}")
 
     def each(self, df: pd.DataFrame, table_path: Path, key: str, quiet: bool) -> Iterator[tuple[int, dict, str]]:
         """(row number, row as a dict, ``<table>: row N`` for messages) of every row of ``df`` (:func:`load_table`),
