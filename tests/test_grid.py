@@ -219,29 +219,13 @@ def test_after_its_runs_the_queue_grid_ends_the_mlflow_runs_whose_process_died(t
     """A run SIGKILLed in a queue worker's copy of the repository stays RUNNING (nothing resumes it): once the queue
     is done the grid marks KILLED the RUNNING runs of this host whose process is gone, says so, and leaves a live one.
     DVC is stood in for (the queue reports the experiment done at once): this checks the grid's own end."""
-    import fedsilo.grid as grid
     from tests.conftest import killed_and_live_runs
 
     t, uri, killed, live = killed_and_live_runs(tmp_path, monkeypatch, "train_g@a")
-    queued: list[str] = []
-
-    def dvc(args, cwd, env=None, check=True, detached=False, shown=False):
-        if args[:2] == ["exp", "run"]:
-            queued.append(args[args.index("--name") + 1])
-        return subprocess.CompletedProcess(args, 0, "", "")
-
-    monkeypatch.setattr(grid, "prepare_grid", lambda *a, **k: ["train_g@a"])
-    monkeypatch.setattr(grid, "left_out", lambda *a: [])
-    monkeypatch.setattr(grid, "restore_cached", lambda *a: [])
-    monkeypatch.setattr(grid, "lock_files", lambda repo: [])
-    monkeypatch.setattr(grid, "run_dvc", dvc)
-    monkeypatch.setattr(grid, "queue_workers", lambda repo: [])
-    monkeypatch.setattr(grid, "queue_status", lambda repo: dict.fromkeys(queued, "Success"))
-    monkeypatch.setattr(grid, "stop_workers", lambda *a, **k: 0)
-    monkeypatch.setattr(grid, "restore_grid", lambda *a, **k: [])
+    ran, _ = _fake_queue(monkeypatch, tmp_path, lambda name, call: "Success")
     said: list[str] = []
     r = run_grid("dvc.yaml", tmp_path, jobs=1, tracking_uri=uri, quiet=True, poll_s=0.0, log=said.append)
-    assert r["queued"] == ["train_g@a"] and len(queued) == 1
+    assert r["queued"] == ["train_g@a"] and len([a for a in ran if a[:2] == ["exp", "run"]]) == 1
     assert t.client.get_run(killed).info.status == "KILLED" and t.client.get_run(live).info.status == "RUNNING"
     assert any("1 MLflow run(s) whose process died marked KILLED: train_g@a" in x for x in said), said
 
