@@ -153,3 +153,27 @@ def test_a_value_of_the_wrong_kind_is_echoed_in_its_error():
     said = str(err.value)
     assert "experiments.quick.train.lr: Input should be greater than 0 (got 0)" in said
     assert "experiments.quick.train.batch_size: Input should be a valid integer (got [8])" in said
+
+
+def test_a_method_neither_registered_nor_in_the_params_file_says_where_a_method_of_ones_own_is_registered():
+    """method_params and describe_method (check-params --method): a method name with no near miss among the params
+    file's methods says where a method of one's own is registered, as an unknown `method:` does."""
+    from fedsilo.methods.registry import describe_method, method_params
+
+    p = parse_params(small_params())
+    hint = "; a method of your own is known once its class is in REGISTRY of src/fedsilo/methods/registry.py"
+    for call in (lambda: method_params(p, "my_method"), lambda: describe_method(p, "my_method")):
+        with pytest.raises(ConfigError) as err:
+            call()
+        assert hint in str(err.value), err.value
+
+
+def test_a_long_value_is_not_echoed_in_its_error():
+    """A value of the wrong kind is echoed after pydantic's message, unless its repr is long (a pasted list): the
+    error stays one readable line."""
+    raw = small_params()
+    raw["experiments"]["quick"]["train"].update(batch_size=list(range(40)))
+    with pytest.raises(ConfigError) as err:
+        parse_params(raw)
+    assert "experiments.quick.train.batch_size: Input should be a valid integer" in str(err.value)
+    assert "(got [" not in str(err.value), err.value

@@ -325,3 +325,29 @@ def test_stale_rules_name_an_edit_of_what_makes_the_arrays_and_nothing_else():
     pacs = BenchmarkDatasetParams(kind="pacs", image_size=16)
     listed = BenchmarkDatasetParams(kind="pacs", image_size=16, sources=pacs.source_list)
     assert stale_rules({"rules": harmonize_rules(pacs)}, listed) == stale_rules({"rules": harmonize_rules(listed)}, pacs) == []
+
+
+def test_a_card_from_before_rules_were_recorded_is_never_stale_and_an_empty_setting_is_a_value():
+    """stale_rules: a card written before harmonize recorded its ``rules`` (or with something else there) is not
+    refused, whatever the params say now (its sources were not recorded either). _leaves: a nested empty dict is a
+    value of its own, as a list is, so that a setting emptied or filled is compared, not dropped."""
+    from fedsilo.data.harmonize import _leaves, stale_rules
+
+    site = CXRDatasetParams(sources=("vinbigdata",), image_size=48)
+    assert stale_rules({}, site) == stale_rules({"rules": None}, site) == stale_rules({"rules": ["image_size"]}, site) == []
+    assert _leaves({"a": {}, "b": {"c": [1], "d": {"e": None}}}) == {"a": {}, "b.c": [1], "b.d.e": None}
+
+
+def test_stale_rules_name_an_edit_of_a_table_of_ones_own_or_of_an_image_folders_classes():
+    """The settings of a source of one's own decide the arrays too: a chest X-ray table's rules (its label values) and
+    an image_folder dataset's class list, as the card records them (harmonize_rules), are compared."""
+    from fedsilo.config import BenchmarkDatasetParams
+    from fedsilo.config.data import CXRTableRules
+    from fedsilo.data.harmonize import harmonize_rules, stale_rules
+
+    mine = CXRDatasetParams(sources=("mine",), image_size=32, tables={"mine": CXRTableRules()})
+    edited = mine.model_copy(update={"tables": {"mine": CXRTableRules(positive=("Opacity",))}})
+    assert stale_rules({"rules": harmonize_rules(mine)}, edited) == ["tables.mine.positive: built with ['Lung Opacity'], now ['Opacity']"]
+    derm = BenchmarkDatasetParams(kind="image_folder", sources=("derm",), image_size=16, classes=("benign", "malignant"))
+    assert stale_rules({"rules": harmonize_rules(derm)}, derm.model_copy(update={"classes": ("malignant", "benign")})) == [
+        "classes: built with ['benign', 'malignant'], now ['malignant', 'benign']"]

@@ -2220,3 +2220,106 @@ def test_a_hospital_that_was_not_in_a_deployment_onboards_with_the_federations_m
     assert "--strategy as_member: " + str(tmp_path / "ditto_final.pt") + " holds no download for a newcomer" in refused(model=tmp_path / "ditto_final.pt")
     assert "--strategy freeze_global: ditto's sites are evaluated with a model their own training makes" in refused(
         "--strategy", "freeze_global", model=tmp_path / "ditto_final.pt")
+
+
+def test_whose_model_scores_a_sites_images_is_told_only_where_its_split_names_the_site(sites, tmp_path):
+    """another_sites_model compares the model's site with the one client of this site's split: a split not built yet
+    (site predict before `fedsilo split`) or one naming no client says nothing, where it raised FileNotFoundError or
+    IndexError before a single image was scored."""
+    from fedsilo.fl.predict import another_sites_model
+
+    params = load_params(sites["rsna"])
+    info = {"site": "CheXpert"}
+    assert "is the model site CheXpert kept" in another_sites_model(params, "site", info, Path("m.pt"), sites["rsna"].parent)
+    assert another_sites_model(params, "site", info, Path("m.pt"), tmp_path) is None  # no split here
+    split = params.layout(tmp_path).split("site")
+    split.parent.mkdir(parents=True)
+    split.write_text(json.dumps({"clients": []}))
+    assert another_sites_model(params, "site", info, Path("m.pt"), tmp_path) is None
+
+
+def test_site_predicts_summary_says_none_predicted_and_names_the_error_column_only_where_a_row_has_an_error(sites, tmp_path, capsys):
+    """`fedsilo site predict`'s last line: 'predicted: none' where no image was scored (not an empty list), and the
+    error column named only when a row is not scored."""
+    import pandas as pd
+
+    from fedsilo.cli import main
+    from fedsilo.fl.flower import KeptStores
+
+    dep = json.loads((_deployed(tmp_path, sites) / "deployment.json").read_text())
+    kept = KeptStores(tmp_path / "keep", "RSNA")
+    kept.save_model(2, deployment_spec(dep).make_model(), {"deployment": dep})
+    root = sites["rsna"].parent
+    image = root / "data/raw/rsna" / pd.read_parquet(root / "data/harmonized/chest_xray4/records.parquet")["source_path"][0]
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not an image\n")
+    base = ["--params", str(sites["rsna"]), "--root", str(root), "site", "predict", "--experiment", "site", "--model",
+            str(kept.model_path), "--images"]
+    capsys.readouterr()
+    assert main([*base, str(image), "--out", str(tmp_path / "one.csv")]) == 0
+    assert capsys.readouterr().err.rstrip().endswith(f"1 images scored by {kept.model_path} (predicted: "
+                                                     f"{pd.read_csv(tmp_path / 'one.csv')['predicted'][0]} 1), 0 rows not scored; {tmp_path / 'one.csv'}")
+    assert main([*base, str(notes), "--out", str(tmp_path / "none.csv")]) == 0
+    assert (f"0 images scored by {kept.model_path} (predicted: none), 1 row not scored (its error column says why); "
+            f"{tmp_path / 'none.csv'}") in capsys.readouterr().err
+
+
+def test_a_contract_that_differs_in_channels_only_names_no_image_size_to_set(sites, tmp_path):
+    """onboard's contract refusal adds `set datasets.<d>.image_size` only where the image size differs: another
+    channel count (or class list) is not fixed by that key."""
+    from fedsilo.fl.onboard import onboard_site
+
+    dep = json.loads((_deployed(tmp_path, sites) / "deployment.json").read_text())
+    shape = [int(v) for v in dep["contract"]["image_shape"]]
+    dep["contract"]["image_shape"] = [*shape[:2], 3]
+    torch.save({"deployment": dep, "server": {}, "round": 2}, tmp_path / "rgb.pt")
+    with pytest.raises(ConfigError, match=r"does not fit the deployment's contract: image_shape") as err:
+        onboard_site(load_params(sites["vinbigdata"]), "site", sites["vinbigdata"].parent, tmp_path / "rgb.pt", quiet=True)
+    assert "image_size" not in str(err.value), err.value
+
+
+def test_a_supernodes_addresses_are_refused_by_what_flower_would_fail_on():
+    """_check_supernode_addresses: a SuperLink port 65536 or a host with a space, a --port of 0 or past 65535 are
+    refused; a port a SuperNode that ended left in TIME_WAIT is free (SO_REUSEADDR), as Flower would find it."""
+    import socket
+
+    from fedsilo.cli import _check_supernode_addresses
+
+    for link in ("coordinator.example.org:65536", "coordinator.example.org:0", "coord inator.lan:9093"):
+        with pytest.raises(ConfigError, match=re.escape(f"--superlink: {link!r} is not host:port")):
+            _check_supernode_addresses(link, 9094, bind=False)
+    for port in (0, 65536):
+        with pytest.raises(ConfigError, match=rf"--port: {port} is not a port number \(1-65535\)"):
+            _check_supernode_addresses("coordinator.example.org:65535", port, bind=False)
+    with socket.socket() as server:  # a connection this side closes first: its port is left in TIME_WAIT
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a SuperNode's gRPC server sets it
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = server.accept()
+        conn.close()
+        client.recv(1)
+        client.close()
+    _check_supernode_addresses("coordinator.example.org:9093", port, bind=True)
+
+
+def test_a_systemd_unit_is_written_while_the_sites_supernode_holds_its_port(sites, tmp_path, capsys):
+    """`site supernode --systemd-unit` starts nothing now: the port its SuperNode will listen on is not checked (the
+    site's SuperNode running while its unit is written again holds it), as with --dry-run."""
+    import socket
+
+    from fedsilo.cli import main
+    from fedsilo.fl.credentials import make_certificates, make_node_key
+
+    certs = make_certificates(tmp_path / "certs", ("coordinator.example.org",))
+    key = make_node_key(tmp_path / "keys", "rsna")["rsna"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        unit = tmp_path / "fedsilo-site-rsna.service"
+        assert main(["--params", str(sites["rsna"]), "--root", str(sites["rsna"].parent), "site", "supernode", "--experiment",
+                     "site", "--superlink", "coordinator.example.org:9093", "--root-certificates", str(certs["ca.crt"]),
+                     "--auth-key", str(key), "--port", str(port), "--systemd-unit", str(unit)]) == 0, capsys.readouterr().err
+    assert unit.is_file()

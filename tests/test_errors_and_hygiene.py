@@ -774,3 +774,62 @@ def test_the_readme_names_every_registered_method_in_its_table_and_layout():
     words = set(re.findall(r"[a-z0-9_]+", layout))
     assert sorted(set(REGISTRY) - rows) == [], "a registered method without a row in README's method table"
     assert sorted(set(REGISTRY) - words) == [], "a registered method missing from README's Layout (methods/)"
+
+
+def test_params_and_root_hints_are_given_only_where_they_hold(tmp_path, capsys, monkeypatch):
+    """The --params / --root hints are not said where they would mislead: no warning when --root holds data/ too (a
+    project of its own), no "add --params" for a --params other than the default, nor when --root holds no
+    params.yaml."""
+    from fedsilo import cli
+
+    site = tmp_path / "hospital"
+    (site / "data").mkdir(parents=True)
+    (site / "params.yaml").write_text(yaml.safe_dump(small_params()))
+    (tmp_path / "data").mkdir()  # the current folder is a project too
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--params", "hospital/params.yaml", "check-params"]) == 0
+    assert "warning: --params" not in capsys.readouterr().err
+    assert cli.main(["--params", "other.yaml", "--root", "hospital", "check-params"]) == 2
+    assert "other.yaml: not found" in (err := capsys.readouterr().err) and "holds one" not in err, err
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["--root", "empty", "check-params"]) == 2
+    assert "params.yaml: not found" in (err := capsys.readouterr().err) and "holds one" not in err, err
+
+
+def test_version_says_uncommitted_edits_and_names_no_commit_of_another_repository(monkeypatch):
+    """`fedsilo --version`: a checkout with edits under src/fedsilo says so beside its commit; a package whose files no
+    checkout tracks (installed into site-packages inside some other repository) names no commit, not that
+    repository's."""
+    import subprocess
+
+    import fedsilo.tracking as tracking
+    from fedsilo import cli
+
+    real_run = subprocess.run
+    tracked = [0]
+
+    def run(cmd, *a, **k):  # git ls-files --error-unmatch: whether the package's files are a checkout's
+        if cmd[:2] == ["git", "ls-files"]:
+            return subprocess.CompletedProcess(cmd, tracked[0], b"", b"")
+        return real_run(cmd, *a, **k)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setattr(tracking, "git_commit", lambda repo: ("0123456789abcdef" * 2, True))
+    assert "; git 0123456789ab + uncommitted edits)" in cli.version_text().splitlines()[0]
+    tracked[0] = 1
+    assert cli.version_text().splitlines()[0].endswith("; not a git checkout)")
+
+
+def test_a_method_of_ones_own_named_by_report_methods_says_where_it_is_registered(tmp_path, capsys):
+    """`report --methods` with a method the params file lacks: a near miss where there is one, else where a method of
+    one's own is registered (REGISTER_HINT), never the hint in place of the near miss."""
+    from fedsilo.cli import main
+
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(small_params()))
+    base = ["--params", str(path), "--root", str(tmp_path), "report", "--experiment", "quick", "--methods"]
+    assert main([*base, "my_method"]) == 2
+    assert ("methods.my_method: not defined; a method of your own is known once its class is in REGISTRY of "
+            "src/fedsilo/methods/registry.py") in capsys.readouterr().err
+    assert main([*base, "fedprx"]) == 2
+    assert "methods.fedprx: not defined (did you mean 'fedprox'?)" in (err := capsys.readouterr().err) and "REGISTRY" not in err

@@ -397,3 +397,86 @@ def test_a_lock_file_removed_by_its_holder_as_another_opened_it_is_opened_again(
         assert path.exists() and len(opened) == 2 and path.stat().st_ino == opened[1]
         assert locks.holder(path) == f"pid {os.getpid()} on {__import__('socket').gethostname()}"
     assert not path.exists() and locks.holder(path) is None
+
+
+def test_a_lock_file_left_by_a_killed_holder_names_the_new_holder_only(tmp_path):
+    """A lock file a killed fetch left behind holds its ``pid N on host``; the next holder writes its own over it
+    (the file is opened to append: without the truncation the refusal named both, the dead one first). The lock
+    file is hidden beside the folder it guards (``.<name>.lock``), and no clean-up of that folder's temporaries
+    removes it."""
+    import socket
+
+    from fedsilo.utils.io import clean_stale
+    from fedsilo.utils.locks import beside, held, holder
+
+    out = tmp_path / "data" / "raw" / "mine"
+    assert beside(out) == tmp_path / "data" / "raw" / ".mine.lock"
+    out.parent.mkdir(parents=True)
+    beside(out).write_text("pid 1 on a-machine-that-died, a longer line than ours")
+    with held(beside(out), RuntimeError):
+        assert holder(beside(out)) == f"pid {os.getpid()} on {socket.gethostname()}"
+        assert clean_stale(out) == [] and beside(out).exists()
+
+
+def _fetched_folder(tmp_path: Path) -> tuple[Path, Path]:
+    """A folder of one's own (two files at its top, an image below) fetched with ``mode: local``: (folder, raw root)."""
+    site = tmp_path / "site"
+    (site / "images").mkdir(parents=True)
+    (site / "images" / "a.png").write_bytes(b"x")
+    (site / "labels.csv").write_text("path,label\nimages/a.png,0\n")
+    (site / "readme.txt").write_text("the export of 2026-01\n")
+    fetch("mine", SourceParams(mode="local", path=str(site), reader="image_folder"), tmp_path / "raw" / "mine", quiet=True)
+    return site, tmp_path / "raw"
+
+
+def test_a_file_edited_with_its_old_time_kept_or_removed_since_the_fetch_is_named(tmp_path):
+    """edited_since_fetch: a file of another size counts as changed even where its time was kept (`cp -p`,
+    `rsync -t` of an older export), a file removed from the folder is named, and more than three changes are cut
+    to three and '...'."""
+    from fedsilo.data.harmonize import edited_since_fetch
+
+    site, raw = _fetched_folder(tmp_path)
+    assert edited_since_fetch(raw, ["mine"]) == []
+    before = (site / "labels.csv").stat()
+    (site / "labels.csv").write_text("path,label\nimages/a.png,1\nimages/b.png,0\n")
+    os.utime(site / "labels.csv", ns=(before.st_atime_ns, before.st_mtime_ns - 10**9))  # older than the fetch
+    assert edited_since_fetch(raw, ["mine"]) == [
+        f"mine: {site} differs from its fetched copy (labels.csv changed): harmonize read the copy, {raw / 'mine'}; fetch "
+        "again to take the change (`fedsilo fetch --source mine`, or `dvc repro -f fetch@mine`)"]
+    (site / "readme.txt").unlink()
+    assert "(labels.csv changed, readme.txt removed)" in edited_since_fetch(raw, ["mine"])[0]
+    for name in ("x.csv", "y.csv"):
+        (site / name).write_text("new\n")
+    assert "(labels.csv changed, x.csv added, y.csv added, ...)" in edited_since_fetch(raw, ["mine"])[0]
+
+
+def test_what_a_fetch_manifest_says_is_read_only_from_a_manifest_that_reads(tmp_path):
+    """fetched_from and fetched_copy_note: a mirror's copy needs no note (there is no folder of the user's to
+    correct); a manifest that is not JSON, or JSON but not an object, is no manifest (left out, no note), not an
+    error."""
+    import json
+
+    from fedsilo.data.fetch import MANIFEST
+    from fedsilo.data.harmonize import fetched_copy_note, fetched_from
+
+    for src, text in (("mirrored", json.dumps({"mode": "mirror", "origin": "offline mirror (seed 0)"})),
+                      ("cut", '{"mode": "local", "ori'), ("listed", "[1, 2]")):
+        (tmp_path / src).mkdir()
+        (tmp_path / src / MANIFEST).write_text(text)
+        assert fetched_copy_note(tmp_path / src, src) == ""
+    assert fetched_from(tmp_path, ["mirrored", "cut", "listed"]) == {"mirrored": {"mode": "mirror", "origin": "offline mirror (seed 0)"}}
+
+
+def test_a_lock_taken_before_its_holder_wrote_its_name_is_refused_naming_another_process(tmp_path):
+    """Between taking the lock and writing ``pid N on host`` in it the file is empty: a second fetch then is refused
+    naming 'another process', not an empty name."""
+    import fcntl
+
+    from fedsilo.utils.locks import held
+
+    path = tmp_path / ".out.lock"
+    with open(path, "a+") as first:
+        fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(FetchError, match=r"^held by another process$"):
+            with held(path, lambda who: FetchError(f"held by {who}")):
+                pass

@@ -865,3 +865,52 @@ def test_a_client_app_ships_without_the_sites_this_process_built():
     assert site_cache()  # built, and kept for the process's next messages
     app = client_app(FlowerSpec.of(cls(cls.params_cls(), tp), _model, 0), lambda ctx: clients[0])
     assert len(cloudpickle.dumps(app)) < 100_000  # the code and the spec, not the cached sites' data and models
+
+
+def test_who_is_missing_is_said_by_pinned_node_then_by_registration(identity):
+    """_not_connected: a site already registered is never named as not connected, whatever its node does now;
+    without pinned nodes the sites not registered yet are named once some have registered, and nothing is said
+    when no site is missing."""
+    from fedsilo.fl.flower import Roster
+
+    spec = FlowerSpec.of(FedBN(FedBN.params_cls(), _train(rounds=1)), _model, 0)
+    names = ("A", "B", "C")
+    pinned = FlowerRun(spec, 3, roster=Roster(names, ("f",) * 3, {}, node_ids=(100, 101, 102)), wait_s=1)
+    card = Card(2, "C", "C", 4, (1, 8, 8))
+    assert pinned._not_connected({}, {}, {100, 101}).startswith("; not connected: C (node 102)")
+    assert pinned._not_connected({2: card}, {}, {100, 101}) == " (not yet registered: A, B)"
+    bare = FlowerRun(spec, 3, wait_s=1)
+    assert bare._not_connected({0: card}, {}, set()) == " (not yet registered: 1, 2)"
+    assert bare._not_connected({}, {"0": {}, "1": {}, "2": {}}, set()) == ""
+
+
+def test_the_wait_for_the_sites_is_said_every_thirty_seconds_until_wait_s(identity, monkeypatch, caplog):
+    """A ServerApp waiting for its sites says how many are connected every WAIT_LINE_S (30 s) of the wait (600 s by
+    default), not at every look at the SuperLink (ten a second). On a fake clock: twenty lines in ten minutes."""
+    import logging
+    import time as time_module
+
+    import fedsilo.fl.flower as flower
+
+    clock = [0.0]
+
+    class Clock:
+        def __getattr__(self, name):  # the rest of the time module as it is
+            return getattr(time_module, name)
+
+        def monotonic(self):
+            return clock[0]
+
+        def sleep(self, s):
+            clock[0] += s
+
+    monkeypatch.setattr(flower, "time", Clock())
+    spec, clients = FlowerSpec.of(FedBN(FedBN.params_cls(), _train(rounds=1)), _model, 0), _clients()
+    app = client_app(spec, lambda ctx: clients[int(ctx.node_config["partition-id"])])
+    ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    with caplog.at_level(logging.WARNING, logger="fedsilo.fl.flower"):
+        with pytest.raises(TimeoutError, match=r"2 of 3 sites connected after 600 s"):
+            FlowerRun(spec, len(clients), wait_s=600).main(OneOffline(app, len(clients)), ctx)  # type: ignore[arg-type]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for the sites")]
+    assert 19 <= len(lines) <= 20, len(lines)
+    assert lines[0].startswith("waiting for the sites: 2 of 3 connected after 30 s (wait-s 600 s)"), lines[0]

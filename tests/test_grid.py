@@ -478,3 +478,19 @@ def test_a_command_that_leaves_a_process_running_returns_when_it_exits():
         assert psutil.pid_exists(child)  # still running: the call did not wait for it
     finally:
         psutil.Process(child).kill()
+
+
+def test_stages_this_machines_run_cache_restores_are_not_queued_and_the_grid_says_so(tmp_path, monkeypatch):
+    """A stopped grid's finished runs (this machine's run-cache holds them) are restored, not queued again: the grid
+    queues the others only, says how many were restored, and returns them as restored_here."""
+    import fedsilo.grid as grid
+
+    ran, _ = _fake_queue(monkeypatch, tmp_path, lambda name, call: "Success")
+    monkeypatch.setattr(grid, "prepare_grid", lambda *a, **k: ["train_g@a", "train_g@b"])
+    monkeypatch.setattr(grid, "restore_cached", lambda pipeline, repo, stages, env: [s for s in stages if s == "train_g@a"])
+    said: list[str] = []
+    r = run_grid("dvc.yaml", tmp_path, jobs=1, quiet=True, poll_s=0.0, log=said.append)
+    assert r["queued"] == ["train_g@b"] and r["restored_here"] == ["train_g@a"]
+    queued = [a for a in ran if a[:2] == ["exp", "run"]]
+    assert len(queued) == 1 and "train_g@a" not in " ".join(queued[0]), queued
+    assert "grid: 1 stage(s) restored from this machine's run-cache, not queued" in said

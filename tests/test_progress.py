@@ -190,3 +190,21 @@ def test_with_worker_processes_a_domains_jobs_go_to_them_once_the_previous_domai
     jobs, domains = [(f"a{k}",) for k in range(10)] + [(f"b{k}",) for k in range(8)], ["A"] * 10 + ["B"] * 8
     assert len(list(harmonize.iter_decoded(jobs, workers=2, domains=domains, quiet=True))) == 18
     assert events == ["bar harmonize A 10", "map 10", "bar harmonize B 8", "map 8", "shutdown"]
+
+
+def test_each_domains_bar_counts_every_image_decoded_of_it(monkeypatch):
+    """iter_decoded's per-domain bars: each counts its domain's images as they are handed on, the last one too, and
+    ends at the domain's total (the images/s a harmonize prints is that count over the bar's time)."""
+    import fedsilo.data.harmonize as harmonize
+
+    bars: list = []
+
+    class Spy(harmonize.Progress):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            bars.append(self)
+
+    monkeypatch.setattr(harmonize, "Progress", Spy)
+    monkeypatch.setattr(harmonize, "_decode_safe", lambda job: (None, ""))
+    assert len(list(harmonize.iter_decoded([("a1",), ("a2",), ("b1",)], workers=1, domains=["A", "A", "B"], quiet=True))) == 3
+    assert [(b.desc, b.total, b.n) for b in bars] == [("harmonize A", 2, 2), ("harmonize B", 1, 1)]

@@ -1113,3 +1113,37 @@ def test_a_setting_the_paper_scales_params_leave_unsaid_is_not_named_as_a_differ
     assert note.startswith("**Not the paper's scale** (quickstart): ours image size 16 px, rounds 3, local epochs 1, batch size 16; "
                            "the paper scale's (pipelines/f2dc/paper/params.yaml) image size 128 px, rounds 100, local epochs 10, "
                            "batch size 64; our images from offline mirrors (pacs)"), note
+
+
+def test_a_single_missing_run_is_not_sent_to_the_grid_and_several_are(tmp_path):
+    """The refusal of a report whose runs are missing names `fedsilo grid` beside the `dvc repro` of its train stages
+    only where there are several to train (one is one `dvc repro`)."""
+    from fedsilo.cli import _refuse_missing_runs
+    from fedsilo.config import ConfigError
+
+    p = parse_params(small_params())
+    with pytest.raises(ConfigError) as one:
+        _refuse_missing_runs(p, p.layout(tmp_path), "params.yaml", "report", [("quick", "fedavg")])
+    assert str(one.value).endswith("train them: dvc repro train@quick-fedavg-0"), one.value
+    with pytest.raises(ConfigError, match=re.escape("train them: dvc repro train@quick-fedavg-0 train@quick-fedbn-0 (or several at "
+                                                    "once: fedsilo grid --jobs 2, every out-of-date run of the pipeline)")):
+        _refuse_missing_runs(p, p.layout(tmp_path), "params.yaml", "report", [("quick", "fedavg"), ("quick", "fedbn")])
+
+
+def test_the_data_origin_note_names_the_mirrors_only_and_passes_over_a_run_not_written(tmp_path):
+    """data_origin_note: the line heading a report names the sources of its runs that were offline mirrors, not a
+    download or a folder of one's own; none where no run trained on a mirror; a run without metrics.json is passed
+    over (the report's own check names it)."""
+    import json
+
+    from fedsilo.report.tables import data_origin_note
+
+    def run(method: str, seed: int, sources: dict) -> None:
+        (tmp_path / method / f"seed{seed}").mkdir(parents=True)
+        (tmp_path / method / f"seed{seed}" / "metrics.json").write_text(json.dumps({"data_sources": sources}))
+
+    run("fedavg", 0, {"rsna": {"mode": "download", "origin": "download: https://x"}, "mine": {"mode": "local", "origin": "/data/mine"}})
+    assert data_origin_note(tmp_path, ["fedavg", "fedbn"], [0, 1]) == ""
+    run("fedbn", 0, {"rsna": {"mode": "download", "origin": "download: https://x"}, "openi": {"mode": "mirror", "origin": "offline mirror (seed 0)"}})
+    assert data_origin_note(tmp_path, ["fedavg", "fedbn"], [0, 1]).startswith(
+        "> **Data: offline mirrors** (openi: offline mirror (seed 0)): images generated here, not the real data.")

@@ -178,3 +178,20 @@ def test_a_papers_run_groups_and_its_dvc_yaml_must_agree(tmp_path):
         check({**shipped["stages"], "across_table4": shipped["stages"]["across_fig5"]})
     dvc.unlink()  # a params file run by hand, with no dvc.yaml beside it: nothing to agree with
     check_paper_stages(p, where, tmp_path)
+
+
+@pytest.mark.parametrize("name, said", [
+    ("My-Paper", "'My-Paper' is no paper name (did you mean 'my_paper'?)"),  # the near name is a slug: suggested
+    ("_mine", "'_mine' is no paper name: lower-case letters"),  # no slug near it: no suggestion
+    ("groups", "paper: 'groups' names a folder of the root pipeline's"),  # results/groups/: the root's run groups
+    ("across", "paper: 'across' names a folder of the root pipeline's"),  # results/across/
+])
+def test_new_paper_suggests_only_a_valid_name_and_keeps_off_every_root_folder(tmp_path, capsys, name, said):
+    """new-paper's name refusal suggests the name with its other characters made `_` only where that is a paper
+    name; the root's results/groups/ and results/across/ are refused as paper names like results/report/."""
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    assert main(["--root", str(tmp_path), "--params", str(tmp_path / "params.yaml"), "new-paper", name, "--experiment",
+                 "digits5_domains", "--methods", "fedavg"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and (name != "_mine" or "did you mean" not in err), err
+    assert not (tmp_path / "pipelines").exists()
