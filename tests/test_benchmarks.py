@@ -341,6 +341,14 @@ def test_domainnet_local_folder_of_per_domain_zips_is_unpacked(bench_raw, tmp_pa
             shutil.copy(bench_raw / "domainnet" / f"{dom}_{s}.txt", dist)
     m = fetch("domainnet", SourceParams(mode="local", path=str(dist)), tmp_path / "raw" / "domainnet")
     assert not any(k.endswith(".zip") for k in m["files"])
+    # the archives are recorded as unpacked: the folder kept as distributed is no edit of the fetched copy
+    from fedsilo.data.harmonize import edited_since_fetch
+
+    assert m["unpacked"] == {f"{d}.zip": {"bytes": (dist / f"{d}.zip").stat().st_size} for d in ("clipart", "sketch")}
+    assert edited_since_fetch(tmp_path / "raw", ["domainnet"]) == []
+    with zipfile.ZipFile(dist / "sketch.zip", "a") as z:  # a domain's archive replaced by a larger one: said
+        z.writestr("sketch/extra.txt", "x" * 100)
+    assert "(sketch.zip changed)" in edited_since_fetch(tmp_path / "raw", ["domainnet"])[0]
     rec = source_module("domainnet").read_records(tmp_path / "raw" / "domainnet")
     ref = source_module("domainnet").read_records(bench_raw / "domainnet")
     ref = ref[ref["domain"].isin(["clipart", "sketch"])]

@@ -137,20 +137,25 @@ def _unpack(archive: Path, dest: Path, quiet: bool = False) -> None:
         raise FetchError(f"{archive.name}: cannot unpack: {err}") from err
 
 
-def _unpack_distributed_zips(source: str, folder: Path, quiet: bool = False) -> None:
+def _unpack_distributed_zips(source: str, folder: Path, quiet: bool = False) -> dict[str, dict[str, int]]:
     """Sources distributed as several archives (DomainNet's per-domain zips) are usually kept that way: unpack the
-    archives a local folder holds at its top level, as download mode does, so the reader sees the unpacked layout."""
+    archives a local folder holds at its top level, as download mode does, so the reader sees the unpacked layout.
+    Returns each archive unpacked with its size (the manifest's ``unpacked``: the user's folder holds them, the copy
+    their content)."""
     from fedsilo.data.sources import source_module
     from fedsilo.data.sources.base import is_hidden
 
     pattern = getattr(source_module(source), "DISTRIBUTED_ARCHIVES", "")
+    unpacked: dict[str, dict[str, int]] = {}
     if not pattern:
-        return
+        return unpacked
     for z in sorted(folder.glob(pattern)):
         if is_hidden(z.name):  # a Mac copy's ._clipart.zip is the AppleDouble twin of clipart.zip, not an archive
             continue
         _unpack(z, folder, quiet)
+        unpacked[z.name] = {"bytes": z.stat().st_size}
         z.unlink()
+    return unpacked
 
 
 def check_local_layout(source: str, folder: Path, rules: Any = None) -> None:
@@ -377,7 +382,8 @@ def _fetch(source: str, params: SourceParams, out_dir: Path, root: Path, quiet: 
                     check_local_layout(source, src, rules)
                 copy_tree(src, tmp, f"fetch {source}", quiet)
                 if params.reader is None:  # a public source distributed as zips inside its folder
-                    _unpack_distributed_zips(source, tmp, quiet)
+                    unpacked = _unpack_distributed_zips(source, tmp, quiet)
+                    extra = {"unpacked": unpacked} if unpacked else {}
             else:
                 _unpack(src, tmp, quiet)
             origin = str(src.resolve())

@@ -356,7 +356,8 @@ def edited_since_fetch(raw_root: Path, sources: Any) -> list[str]:
         origin = Path(str((rec or {}).get("origin", "")))
         if rec is None or rec.get("mode") != "local" or not origin.is_dir():
             continue
-        fetched, files = (raw_dir / MANIFEST).stat().st_mtime, rec.get("files") or {}
+        # what the copy holds, and the archives of the folder fetch unpacked into it (DomainNet's zips: their size)
+        fetched, files = (raw_dir / MANIFEST).stat().st_mtime, {**(rec.get("files") or {}), **(rec.get("unpacked") or {})}
         try:
             top = {e.name: e for e in os.scandir(origin) if e.is_file() and not e.name.startswith((".", "~$"))}
         except OSError:
@@ -366,7 +367,8 @@ def edited_since_fetch(raw_root: Path, sources: Any) -> list[str]:
             was = files.get(name)
             if was is None:
                 said.append(f"{name} added")
-            elif e.stat().st_size != was.get("bytes") or (e.stat().st_mtime > fetched and file_sha256(Path(e.path)) != was.get("sha256")):
+            elif e.stat().st_size != was.get("bytes") or (e.stat().st_mtime > fetched and "sha256" in was
+                                                            and file_sha256(Path(e.path)) != was["sha256"]):
                 said.append(f"{name} changed")
         said += [f"{name} removed" for name in sorted(files) if "/" not in name and not name.startswith((".", "~$")) and name not in top]
         if said:
