@@ -845,6 +845,18 @@ def stale_rules(card: dict[str, Any], params: CXRDatasetParams | BenchmarkDatase
     return [f"{k}: built with {was[k]!r}, now {is_[k]!r}" for k in sorted(set(was) & set(is_)) if was[k] != is_[k]]
 
 
+def refuse_stale_rules(card: dict[str, Any], params: CXRDatasetParams | BenchmarkDatasetParams, folder: Path,
+                       dataset: str, rerun: str) -> None:
+    """ConfigError when the harmonized ``folder`` (its ``card``) was built with other settings than ``datasets.<dataset>``
+    (``params``) has now (:func:`stale_rules`), naming each and ``rerun``, the commands that build it again."""
+    from fedsilo.config import ConfigError
+
+    stale = stale_rules(card, params)
+    if stale:
+        raise ConfigError(f"{folder}: harmonized with other settings than datasets.{dataset} has now ({'; '.join(stale)}); "
+                          f"rerun {rerun}")
+
+
 def harmonize_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root: Path, out_dir: Path, quiet: bool = False) -> dict[str, Any]:
     """Harmonize one dataset into ``out_dir``, holding its lock: a second harmonize of the same folder (two
     terminals, `dvc repro` beside a command) would remove this one's arrays in progress as an interrupted write's

@@ -197,12 +197,9 @@ def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Pa
     if changed:
         raise ConfigError(f"{folder}: {', '.join(changed)} changed after harmonize wrote card.json; re-run `fedsilo harmonize "
                           f"--dataset {dataset}` rather than editing the arrays")
-    from fedsilo.data.harmonize import stale_rules
+    from fedsilo.data.harmonize import refuse_stale_rules
 
-    stale = stale_rules(card, params.datasets[dataset])  # its settings edited, not harmonized again
-    if stale:
-        raise ConfigError(f"{folder}: harmonized with other settings than datasets.{dataset} has now ({'; '.join(stale)}); "
-                          f"rerun `fedsilo harmonize --dataset {dataset}`")
+    refuse_stale_rules(card, params.datasets[dataset], folder, dataset, f"`fedsilo harmonize --dataset {dataset}`")  # settings edited since
     model, info = load_site_model(model_path, device)
     trained_on = _trained_on(params, dataset, root, info, card)  # said in the summary, its title and by the CLI
     contract = info["deployment"]["contract"]

@@ -53,13 +53,10 @@ def _site_files(params: Params, experiment: str, root: Path) -> tuple[Path, Path
             raise FileNotFoundError(f"{p}: missing; run the site's harmonize and split stages first "
                                     f"(`fedsilo harmonize --dataset {exp.dataset}`, `fedsilo split --experiment {experiment}`)")
     split, card = read_json(split_path), read_json(harmonized / "card.json")
-    from fedsilo.data.harmonize import stale_rules
+    from fedsilo.data.harmonize import refuse_stale_rules
 
-    stale = stale_rules(card, params.datasets[exp.dataset])  # an edit of the dataset's settings not harmonized yet
-    if stale:
-        raise ConfigError(f"{harmonized}: harmonized with other settings than datasets.{exp.dataset} has now "
-                          f"({'; '.join(stale)}); rerun `fedsilo harmonize --dataset {exp.dataset}` and "
-                          f"`fedsilo split --experiment {experiment}`")
+    refuse_stale_rules(card, params.datasets[exp.dataset], harmonized, exp.dataset,  # its settings edited, not harmonized
+                       f"`fedsilo harmonize --dataset {exp.dataset}` and `fedsilo split --experiment {experiment}`")
     if exp.split.protocol not in ("domain_clients", "domain_incremental") or len(split["clients"]) != 1:
         raise ConfigError(
             f"experiments.{experiment}.split: a site's split holds its own data as one client (protocol domain_clients "
