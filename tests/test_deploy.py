@@ -1733,8 +1733,9 @@ def test_a_site_scores_new_image_files_with_the_model_it_kept_as_it_scores_its_h
     assert "datasets.chest_xray4.image_size: 32; the model takes 16 px images" in capsys.readouterr().err
     assert main(["--params", str(sites["rsna"]), *args, "--images", str(tmp_path / "nowhere.dcm")]) == 2
     assert "nowhere.dcm: no such file or folder" in capsys.readouterr().err
-    assert main(["--params", str(sites["rsna"]), *args]) == 2
-    assert "--images: no image file given" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # argparse's refusal, with predict's own usage line
+        main(["--params", str(sites["rsna"]), *args])
+    assert stop.value.code == 2 and "site predict: error: the following arguments are required: --images" in capsys.readouterr().err
     assert main(["--params", str(sites["rsna"]), *args, "--images", str(tmp_path / "tables")]) == 2
     assert "1 file(s) under the folders, none an image" in capsys.readouterr().err
 

@@ -541,11 +541,45 @@ def test_help_lists_what_the_params_file_defines_and_bare_fedsilo_shows_the_comm
     assert "fetch" in err and "train" in err and "check-params" in err
     # every command's help renders (argparse formats help with %: a bare "95 %" in a help text broke `site --help`)
     commands = next(a for a in cli.build_parser([])._actions if a.choices and "train" in a.choices).choices
+    actions = {name: next((a.choices for a in p._actions if a.dest == "action"), {}) for name, p in commands.items()}
+    assert set(actions["site"]) == {"card", "supernode", "audit", "predict", "evaluate", "onboard"}
     for name in commands:
+        for action in ["", *actions[name]]:  # and each action of site / deploy
+            with pytest.raises(SystemExit) as done:
+                cli.main(["--params", str(params), name, *([action] if action else []), "--help"])
+            assert done.value.code == 0, (name, action)
+            assert capsys.readouterr().out.startswith("usage: "), (name, action)
+
+
+def test_site_and_deploy_actions_take_their_own_options_and_name_a_missing_one(capsys):
+    """`fedsilo site evaluate --help` lists evaluate's options, not supernode's or predict's (one flat list of every
+    action's options did); a missing required option is named with the action's usage before anything runs; --params
+    and --root are kept wherever they stand (before the command, before the action, after it)."""
+    from fedsilo import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["site", "evaluate", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: fedsilo site evaluate") and "--dataset" in out and "--bootstrap" in out
+    assert "--superlink" not in out and "--images" not in out and "--strategy" not in out
+    for argv, missing in ((["site", "card"], "--experiment"), (["site", "evaluate", "--model", "m.pt"], "--dataset"),
+                          (["site", "supernode", "--experiment", "site", "--superlink", "h:9093"], "--root-certificates, --auth-key"),
+                          (["site", "onboard", "--experiment", "site"], "--model"), (["deploy", "key", "--out", "k"], "--name"),
+                          (["deploy", "app", "--out", "app"], "--federation"), (["deploy", "status"], "--app")):
         with pytest.raises(SystemExit) as done:
-            cli.main(["--params", str(params), name, "--help"])
-        assert done.value.code == 0, name
-        assert capsys.readouterr().out.startswith("usage: "), name
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert done.value.code == 2 and f"fedsilo {' '.join(argv[:2])}: error: the following arguments are required: {missing}" in err, argv
+    with pytest.raises(SystemExit):
+        cli.main(["site"])
+    assert "error: the following arguments are required: action" in capsys.readouterr().err
+    parse = cli.build_parser(["x"]).parse_args
+    for argv in (["--params", "a.yaml", "--root", "r", "site", "card", "--experiment", "e"],
+                 ["site", "--params", "a.yaml", "--root", "r", "card", "--experiment", "e"],
+                 ["site", "card", "--experiment", "e", "--params", "a.yaml", "--root", "r"]):
+        args = parse(argv)
+        assert (args.params, args.root, args.action, args.experiment) == ("a.yaml", "r", "card", "e"), argv
+    assert parse(["site", "card", "--experiment", "e"]).params == "params.yaml"
 
 
 def test_a_method_whose_upload_holds_a_private_key_stops_the_run_in_one_line_naming_its_code(mirror_root, tmp_path, capsys, monkeypatch):

@@ -23,7 +23,7 @@ import shlex
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from fedsilo import config
 from fedsilo.config import ConfigError, Params
@@ -618,8 +618,6 @@ def _site(args: argparse.Namespace) -> None:
     if args.action in ("audit", "evaluate"):  # no --experiment: the site's wire logs, or a dataset of its own
         {"audit": _site_audit, "evaluate": _site_evaluate}[args.action](args)
         return
-    if not args.experiment:
-        raise ConfigError(f"fedsilo site {args.action}: --experiment required (the site's one-client experiment)")
     if args.action == "predict":
         _site_predict(args)
         return
@@ -639,9 +637,6 @@ def _site(args: argparse.Namespace) -> None:
     from fedsilo.fl.credentials import check_site_credentials
     from fedsilo.fl.services import fedsilo_command, restart_after_s, supernode_command
 
-    missing = [f"--{k.replace('_', '-')}" for k in ("superlink", "root_certificates", "auth_key") if not getattr(args, k)]
-    if missing:
-        raise ConfigError(f"fedsilo site supernode: {', '.join(missing)} required")
     for flag, f in (("--root-certificates", args.root_certificates), ("--auth-key", args.auth_key)):
         if not Path(f).is_file():
             raise ConfigError(f"{flag}: {f}: no such file")
@@ -738,8 +733,6 @@ def _deploy(args: argparse.Namespace) -> None:
     if args.action == "status":
         _deploy_status(args)
         return
-    if not args.out:
-        raise ConfigError(f"fedsilo deploy {args.action}: --out required")
     if args.action == "certs" and args.renew:
         r = credentials.renew_server_certificate(Path(args.out), tuple(args.host) if args.host else None, days=args.days)
         before = f" (the old one, valid until {r['previous_until']:%Y-%m-%d}, is {r['server.pem']}.old)" if r["previous_until"] else ""
@@ -749,13 +742,9 @@ def _deploy(args: argparse.Namespace) -> None:
         made = credentials.make_certificates(Path(args.out), tuple(args.host or ("127.0.0.1", "localhost")), days=args.days, ca_days=args.ca_days)
         print(f"deploy certs: {', '.join(str(v) for v in made.values())} (the sites and the coordinator's CLI trust ca.crt)")
     elif args.action == "key":
-        if not args.name:
-            raise ConfigError("fedsilo deploy key: --name required (the site's name)")
         made = credentials.make_node_key(Path(args.out), args.name)
         print(f"deploy key: {made[args.name]} stays at the site; {made[args.name + '.pub']} goes to the coordinator (flwr supernode register)")
     else:
-        if not args.federation:
-            raise ConfigError("fedsilo deploy app: --federation required")
         fed = deploy.load_federation(args.federation)
         dep = deploy.write_app(fed, load_params(args.params), Path(args.out), federation_file=args.federation, results=args.results,
                                state=args.state)
@@ -786,8 +775,6 @@ def _site_evaluate(args: argparse.Namespace) -> None:
     from fedsilo.fl.evaluate import evaluate_site_model, evaluation_markdown
     from fedsilo.utils.io import atomic_file
 
-    if not args.dataset:
-        raise ConfigError("fedsilo site evaluate: --dataset required (a labelled dataset this site harmonized)")
     model = _site_model(args)
     out = Path(args.out) if args.out else Path(args.root) / "evaluation" / args.dataset
     if out.exists() and not out.is_dir():  # before the scoring, not after it
@@ -814,8 +801,6 @@ def _site_evaluate(args: argparse.Namespace) -> None:
 def _site_onboard(args: argparse.Namespace) -> None:
     from fedsilo.fl.onboard import onboard_site
 
-    if not args.model:
-        raise ConfigError("fedsilo site onboard: --model required (the deployment's final_model.pt, from the coordinator)")
     summary, out = onboard_site(load_params(args.params), args.experiment, Path(args.root), Path(args.model),
                                 args.strategy or None, Path(args.out) if args.out else None, quiet=args.quiet)
     pre = summary["pretrained_local_acc"]
@@ -915,8 +900,6 @@ def _deploy_status(args: argparse.Namespace) -> None:
 
     from fedsilo.fl.deploy import deployment_status
 
-    if not args.app:
-        raise ConfigError("fedsilo deploy status: --app required (the App folder `deploy app` wrote)")
     flwr = shutil.which("flwr")
     if flwr is None:
         raise ConfigError("flwr: not installed; in fedsilo's checkout: pip install -e '.[flower]' -c constraints.txt")
@@ -1232,96 +1215,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    "the model) against one at a time, and check its final model is the same")
     s.add_argument("--json", help="also write the full result as JSON here")
     s.set_defaults(fn=_bench)
-    s = sub.add_parser(
-        "site", parents=[common], formatter_class=fmt,
-        help="a hospital's side of a deployment: its data card and fingerprint, its Flower SuperNode",
-        description="Run at a site, with the site's own params file (its source, harmonize options and a one-client "
-        "split of its own data, made by `fedsilo fetch / harmonize / split` there).\n"
-        "  card       print the site's card (counts, contract, data fingerprint: hashes only) and write it to "
-        "data/site/<experiment>.json: what the site sends the coordinator\n"
-        "  supernode  check the card, then run flower-supernode against the coordinator's SuperLink with TLS and "
-        "the site's authentication key (--dry-run prints the command; --systemd-unit FILE writes a service that runs "
-        "this command, restarted after a failure once the SuperLink lets the node in again)\n"
-        "  audit      what crossed this site's link, from its own wire logs under --root: per deployment, the bytes "
-        "it received and sent, and per message type what it sent (tensor names, dtypes, shapes, bytes; metric and "
-        "config keys; errors; never values), the stores and the model it keeps (--json: the received side too)\n"
-        "  predict    score image files with the model the site kept from a deployment, each harmonized as the "
-        "site's training images were (--experiment's dataset): path, predicted class, class probabilities, error\n"
-        "  evaluate   external validation: the kept model on every image of a labelled --dataset the site harmonized "
-        "(per domain and overall: accuracy, AUC, sensitivity, specificity with patient-level bootstrap intervals, PPV, "
-        "NPV, confusion; one row per image) -> evaluation.md/.json and predictions.csv in --out (default "
-        "evaluation/<dataset>; a later evaluation replaces these three files)\n"
-        "  onboard    a hospital that was not part of a deployed run adapts the federation's model (--model: the "
-        "coordinator's final_model.pt) on its own data: pFedDB's phi as its Fig. 6 (its own local model first, "
-        "experiments.<e>.onboarding.pretrain_rounds), a plain backbone's shared layers (FedBN, FedRep, ...), or "
-        "the method's own client round against the finished federation (as_member: Ditto, FedPAC, F2DC, ...), or "
-        "a global model (FedAvg, FedProx, ...: finetune_all); "
-        "onboarding.rounds rounds of each --strategy, scored on its test split; keeps the first strategy's model as "
-        "model.pt (predict and evaluate take it) with onboarding.json in --out (default "
-        "onboarding/<federation>/<method>/seed<k>); nothing is sent")
-    s.add_argument("action", choices=["card", "supernode", "audit", "predict", "evaluate", "onboard"])
-    s.add_argument("--dataset", help="evaluate: the labelled dataset (datasets.<name>, harmonized here) to score")
-    s.add_argument("--bootstrap", type=int, default=1000, help="evaluate: patient-level bootstrap samples for the 95 %% intervals (default 1000)")
-    s.add_argument("--seed", type=int, default=0, help="evaluate: the bootstrap's seed (default 0)")
-    s.add_argument("--device", default="cpu", help="predict, evaluate: where the model runs (cpu, cuda, cuda:1, auto; default cpu)")
-    s.add_argument("--images", nargs="+", default=[], metavar="FILE_OR_FOLDER",
-                   help="predict: image files (DICOM, PNG, JPEG) or folders of them")
-    s.add_argument("--experiment", help="card, supernode, predict, onboard: the site's one-client experiment")
-    s.add_argument("--strategy", nargs="+", choices=["freeze_global", "finetune_all", "from_scratch", "as_member"],
-                   help="onboard: the strategies to run, the first one's model kept (default: the method's own way: "
-                   "freeze_global for pFedDB, FedBN, FedRep, FedPer, LG-FedAvg: the federation's tensors frozen, what a "
-                   "site keeps trained; as_member for a method whose sites are evaluated with a model of their own "
-                   "(Ditto, FedPAC, F2DC, ...): its own client round against the finished federation; finetune_all "
-                   "for a global model: every tensor trained from the federation's). from_scratch: a fresh backbone on "
-                   "this site's data alone (a baseline). pFedDB refuses as_member")
-    s.add_argument("--superlink", help="the SuperLink's address, host:port")
-    s.add_argument("--root-certificates", help="the federation's CA certificate (ca.crt from the coordinator)")
-    s.add_argument("--auth-key", help="the site's private authentication key (fedsilo deploy key)")
-    s.add_argument("--port", type=int, default=9094, help="this SuperNode's Runtime API port on 127.0.0.1 (default 9094)")
-    s.add_argument("--dry-run", action="store_true", help="print the flower-supernode command, do not run it")
-    s.add_argument("--systemd-unit", metavar="FILE", help="write a systemd service running this command here, do not run it")
-    s.add_argument("--json", action="store_true", help="audit: print JSON")
-    s.add_argument("--model", help="predict, evaluate: the model.pt the site kept (default: the only one under --root); "
-                   "onboard: the deployment's final_model.pt")
-    s.add_argument("--out", help="predict: the CSV to write (default: standard output); evaluate, onboard: the folder to write")
-    s.set_defaults(fn=_site)
-    s = sub.add_parser(
-        "deploy", parents=[common], formatter_class=fmt,
-        help="the coordinator's side of a deployment: TLS certificates, site keys, the Flower App of a federation",
-        description="  certs  a CA and the SuperLink's TLS certificate for --host names (default 127.0.0.1, localhost); with "
-        "--renew, a new SuperLink certificate signed by the CA in --out\n"
-        "  key    a SuperNode authentication key pair named --name (private key to the site, .pub to the coordinator)\n"
-        "  app    the Flower App of --federation federation.yaml, method params from --params: flwr run it\n"
-        "  superlink  run flower-superlink with TLS from --certs, SuperNode authentication and its state in --database "
-        "(--dry-run prints the command; --systemd-unit FILE writes a service that runs it)\n"
-        "  status     where the deployment of --app stands: each site's node online or offline (the SuperLink's, through "
-        "flwr supernode list), the ServerApp's checkpoint round, whether the results are written, when the certificates in "
-        "--certs expire")
-    s.add_argument("action", choices=["certs", "key", "app", "superlink", "status"])
-    s.add_argument("--out", help="folder to write (certs, key) or the App folder (app)")
-    s.add_argument("--host", action="append", help="certs: an address or DNS name of the SuperLink (repeat)")
-    s.add_argument("--days", type=int, default=365, help="certs: validity of the SuperLink's certificate in days (default 365)")
-    s.add_argument("--ca-days", type=int, default=3650, help="certs: validity of the federation CA, the ca.crt every site "
-                   "trusts, in days (default 3650)")
-    s.add_argument("--renew", action="store_true", help="certs: a new SuperLink certificate in --out, signed by the CA there "
-                   "(names from the old one unless --host); the sites keep their ca.crt")
-    s.add_argument("--name", help="key: the site's name")
-    s.add_argument("--federation", help="app: the federation file")
-    s.add_argument("--results", help="app: where the ServerApp writes its results (default results/deploy/<federation>/<method>/seed<k> under the SuperLink's folder)")
-    s.add_argument("--state", help="app: where the ServerApp keeps its checkpoint, from which a run started again resumes "
-                   "(default state/deploy/<federation>/<method>/seed<k> under the SuperLink's folder)")
-    s.add_argument("--certs", default="certs", help="superlink, status: the folder `deploy certs` wrote (default certs)")
-    s.add_argument("--database", default="superlink.db", help="superlink: the SuperLink's state file, registrations and "
-                   "runs kept across restarts (default superlink.db; ':memory:' keeps none)")
-    s.add_argument("--listen", default="0.0.0.0:9093", help="superlink: host:port of its Fleet and Control APIs (default 0.0.0.0:9093)")
-    s.add_argument("--app", help="status: the App folder `deploy app` wrote")
-    s.add_argument("--connection", help="status: the flwr CLI's SuperLink connection (default: its default one)")
-    s.add_argument("--superlink-dir", default=".", help="status: the SuperLink's working folder, where a relative state-dir "
-                   "or results-dir is (default .)")
-    s.add_argument("--json", action="store_true", help="status: print JSON")
-    s.add_argument("--dry-run", action="store_true", help="superlink: print the flower-superlink command, do not run it")
-    s.add_argument("--systemd-unit", metavar="FILE", help="superlink: write a systemd service running this command here, do not run it")
-    s.set_defaults(fn=_deploy)
+    _add_site(sub, common, fmt)
+    _add_deploy(sub, common, fmt)
     s = sub.add_parser("check-params", parents=[common], help="validate params.yaml; --method KEY: that method's parameters",
                        formatter_class=fmt, epilog=_listing(known, "methods"))
     s.add_argument("--method", action="append", metavar="KEY", help="print methods.KEY's parameters as a run takes them: "
@@ -1347,6 +1242,145 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                        "in progress, its one-line summary")
     s.set_defaults(fn=_methods)
     return ap
+
+
+def _actions(parser: argparse.ArgumentParser, common: argparse.ArgumentParser, fmt: type, fn: Callable[[argparse.Namespace], None],
+             actions: dict[str, tuple[str, str]]) -> dict[str, argparse.ArgumentParser]:
+    """One sub-command per action of ``site`` / ``deploy`` (``fedsilo site evaluate --help`` lists evaluate's options
+    only, and argparse names a missing required one): ``actions`` maps each to (its line in the command's listing,
+    the longer description of its own --help)."""
+    acts = parser.add_subparsers(dest="action", required=True, metavar="action")
+    made = {}
+    for name, (line, description) in actions.items():
+        made[name] = acts.add_parser(name, parents=[common], formatter_class=fmt, help=line, description=description)
+        made[name].set_defaults(fn=fn)
+    return made
+
+
+def _add_site(sub: argparse._SubParsersAction, common: argparse.ArgumentParser, fmt: type) -> None:
+    s = sub.add_parser(
+        "site", parents=[common], formatter_class=fmt,
+        help="a hospital's side of a deployment: its data card and fingerprint, its Flower SuperNode, its kept model",
+        description="Run at a site, with the site's own params file (its source, harmonize options and a one-client "
+        "split of its own data, made by `fedsilo fetch / harmonize / split` there). `fedsilo site ACTION --help` "
+        "lists an action's options.")
+    a = _actions(s, common, fmt, _site, {
+        "card": ("print the site's card and write it to data/site/<experiment>.json",
+                 "Print the site's card (counts, contract, data fingerprint: hashes only) and write it to "
+                 "data/site/<experiment>.json: what the site sends the coordinator."),
+        "supernode": ("check the card, then run the site's Flower SuperNode against the coordinator's SuperLink",
+                      "Check the card, then run flower-supernode against the coordinator's SuperLink with TLS and the "
+                      "site's authentication key (--dry-run prints the command; --systemd-unit FILE writes a service that "
+                      "runs this command, restarted after a failure once the SuperLink lets the node in again)."),
+        "audit": ("what crossed this site's link, from its own wire logs",
+                  "What crossed this site's link, from its own wire logs under --root: per deployment, the bytes it "
+                  "received and sent, and per message type what it sent (tensor names, dtypes, shapes, bytes; metric and "
+                  "config keys; errors; never values), the stores and the model it keeps (--json: the received side too)."),
+        "predict": ("score image files with the model the site kept",
+                    "Score image files with the model the site kept from a deployment (or adapted with `site onboard`), "
+                    "each harmonized as the site's training images were (--experiment's dataset): path, predicted class, "
+                    "class probabilities, error."),
+        "evaluate": ("external validation of the kept model on a labelled dataset the site harmonized",
+                     "External validation: the kept model on every image of a labelled --dataset the site harmonized "
+                     "(per domain and overall: accuracy, AUC, sensitivity, specificity with patient-level bootstrap "
+                     "intervals, PPV, NPV, confusion; one row per image) -> evaluation.md/.json and predictions.csv in "
+                     "--out (default evaluation/<dataset>; a later evaluation replaces these three files)."),
+        "onboard": ("a hospital outside a deployed run adapts the federation's model on its own data",
+                    "A hospital that was not part of a deployed run adapts the federation's model (--model: the "
+                    "coordinator's final_model.pt) on its own data: pFedDB's phi as its Fig. 6 (its own local model first, "
+                    "experiments.<e>.onboarding.pretrain_rounds), a plain backbone's shared layers (FedBN, FedRep, ...), "
+                    "or the method's own client round against the finished federation (as_member: Ditto, FedPAC, F2DC, "
+                    "...), or a global model (FedAvg, FedProx, ...: finetune_all); onboarding.rounds rounds of each "
+                    "--strategy, scored on its test split; keeps the first strategy's model as model.pt (predict and "
+                    "evaluate take it) with onboarding.json in --out (default onboarding/<federation>/<method>/seed<k>); "
+                    "nothing is sent."),
+    })
+    for name in ("card", "supernode", "predict", "onboard"):
+        a[name].add_argument("--experiment", required=True, help="the site's one-client experiment (experiments.<name>)")
+    for name in ("predict", "evaluate"):
+        a[name].add_argument("--model", help="the model.pt the site kept (default: the only one under --root: a "
+                             "deployment's, or one `site onboard` adapted)")
+        a[name].add_argument("--device", default="cpu", help="where the model runs (cpu, cuda, cuda:1, auto; default cpu)")
+    a["supernode"].add_argument("--superlink", required=True, help="the SuperLink's address, host:port")
+    a["supernode"].add_argument("--root-certificates", required=True, help="the federation's CA certificate (ca.crt from the coordinator)")
+    a["supernode"].add_argument("--auth-key", required=True, help="the site's private authentication key (fedsilo deploy key)")
+    a["supernode"].add_argument("--port", type=int, default=9094, help="this SuperNode's Runtime API port on 127.0.0.1 (default 9094)")
+    _service_options(a["supernode"], "flower-supernode")
+    a["audit"].add_argument("--json", action="store_true", help="print JSON (with the received side)")
+    a["predict"].add_argument("--images", nargs="+", required=True, metavar="FILE_OR_FOLDER",
+                              help="image files (DICOM, PNG, JPEG) or folders of them")
+    a["predict"].add_argument("--out", help="the CSV to write (default: standard output)")
+    a["evaluate"].add_argument("--dataset", required=True, help="the labelled dataset (datasets.<name>, harmonized here) to score")
+    a["evaluate"].add_argument("--bootstrap", type=int, default=1000, help="patient-level bootstrap samples for the 95 %% "
+                               "intervals (default 1000)")
+    a["evaluate"].add_argument("--seed", type=int, default=0, help="the bootstrap's seed (default 0)")
+    a["evaluate"].add_argument("--out", help="the folder to write (default evaluation/<dataset>)")
+    a["onboard"].add_argument("--model", required=True, help="the deployment's final_model.pt (from the coordinator)")
+    a["onboard"].add_argument("--strategy", nargs="+", choices=["freeze_global", "finetune_all", "from_scratch", "as_member"],
+                              help="the strategies to run, the first one's model kept (default: the method's own way: "
+                              "freeze_global for pFedDB, FedBN, FedRep, FedPer, LG-FedAvg: the federation's tensors frozen, "
+                              "what a site keeps trained; as_member for a method whose sites are evaluated with a model of "
+                              "their own (Ditto, FedPAC, F2DC, ...): its own client round against the finished federation; "
+                              "finetune_all for a global model: every tensor trained from the federation's). from_scratch: a "
+                              "fresh backbone on this site's data alone (a baseline). pFedDB refuses as_member")
+    a["onboard"].add_argument("--out", help="the folder to write (default onboarding/<federation>/<method>/seed<k>)")
+
+
+def _service_options(parser: argparse.ArgumentParser, program: str) -> None:
+    """--dry-run / --systemd-unit of an action that becomes a long-running Flower process (`_run_or_install`)."""
+    parser.add_argument("--dry-run", action="store_true", help=f"print the {program} command, do not run it")
+    parser.add_argument("--systemd-unit", metavar="FILE", help="write a systemd service running this command here, do not run it")
+
+
+def _add_deploy(sub: argparse._SubParsersAction, common: argparse.ArgumentParser, fmt: type) -> None:
+    s = sub.add_parser(
+        "deploy", parents=[common], formatter_class=fmt,
+        help="the coordinator's side of a deployment: TLS certificates, site keys, the Flower App of a federation",
+        description="The coordinator's side of a deployment across sites. `fedsilo deploy ACTION --help` lists an "
+        "action's options.")
+    a = _actions(s, common, fmt, _deploy, {
+        "certs": ("a CA and the SuperLink's TLS certificate (--renew: a new SuperLink certificate)",
+                  "A federation CA and the SuperLink's TLS certificate for --host names (default 127.0.0.1, localhost) in "
+                  "--out; with --renew, a new SuperLink certificate signed by the CA in --out."),
+        "key": ("a SuperNode authentication key pair for one site",
+                "A SuperNode authentication key pair named --name in --out: the private key goes to the site, the .pub "
+                "to the coordinator (flwr supernode register)."),
+        "app": ("the Flower App of a federation: flwr run it",
+                "The Flower App of --federation federation.yaml in --out, method params from --params: flwr run it."),
+        "superlink": ("run flower-superlink with TLS, SuperNode authentication and its state on disk",
+                      "Run flower-superlink with TLS from --certs, SuperNode authentication and its state in --database "
+                      "(--dry-run prints the command; --systemd-unit FILE writes a service that runs it)."),
+        "status": ("where the deployment of an App stands",
+                   "Where the deployment of --app stands: each site's node online or offline (the SuperLink's, through "
+                   "flwr supernode list), the ServerApp's checkpoint round, whether the results are written, when the "
+                   "certificates in --certs expire."),
+    })
+    a["certs"].add_argument("--out", required=True, help="the folder to write (ca.crt, ca.key, server.pem, server.key)")
+    a["certs"].add_argument("--host", action="append", help="an address or DNS name of the SuperLink (repeat)")
+    a["certs"].add_argument("--days", type=int, default=365, help="validity of the SuperLink's certificate in days (default 365)")
+    a["certs"].add_argument("--ca-days", type=int, default=3650, help="validity of the federation CA, the ca.crt every site "
+                            "trusts, in days (default 3650)")
+    a["certs"].add_argument("--renew", action="store_true", help="a new SuperLink certificate in --out, signed by the CA "
+                            "there (names from the old one unless --host); the sites keep their ca.crt")
+    a["key"].add_argument("--out", required=True, help="the folder to write the key pair in")
+    a["key"].add_argument("--name", required=True, help="the site's name")
+    a["app"].add_argument("--out", required=True, help="the App folder to write")
+    a["app"].add_argument("--federation", required=True, help="the federation file")
+    a["app"].add_argument("--results", help="where the ServerApp writes its results (default "
+                          "results/deploy/<federation>/<method>/seed<k> under the SuperLink's folder)")
+    a["app"].add_argument("--state", help="where the ServerApp keeps its checkpoint, from which a run started again resumes "
+                          "(default state/deploy/<federation>/<method>/seed<k> under the SuperLink's folder)")
+    for name in ("superlink", "status"):
+        a[name].add_argument("--certs", default="certs", help="the folder `deploy certs` wrote (default certs)")
+    a["superlink"].add_argument("--database", default="superlink.db", help="the SuperLink's state file, registrations and "
+                                "runs kept across restarts (default superlink.db; ':memory:' keeps none)")
+    a["superlink"].add_argument("--listen", default="0.0.0.0:9093", help="host:port of its Fleet and Control APIs (default 0.0.0.0:9093)")
+    _service_options(a["superlink"], "flower-superlink")
+    a["status"].add_argument("--app", required=True, help="the App folder `deploy app` wrote")
+    a["status"].add_argument("--connection", help="the flwr CLI's SuperLink connection (default: its default one)")
+    a["status"].add_argument("--superlink-dir", default=".", help="the SuperLink's working folder, where a relative "
+                             "state-dir or results-dir is (default .)")
+    a["status"].add_argument("--json", action="store_true", help="print JSON")
 
 
 def _root_and_params(args: argparse.Namespace) -> list[str]:
