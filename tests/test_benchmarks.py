@@ -50,7 +50,7 @@ NUM_CLASSES = {"digits5": 10, "office_caltech10": 10, "pacs": 7, "domainnet10": 
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_harmonized_benchmark_has_its_domains_classes_and_card(bench_harmonized, kind):
+def test_harmonized_benchmark_has_its_domains_classes_and_card(bench_raw, bench_harmonized, kind):
     h = bench_harmonized / kind
     rec = pd.read_parquet(h / "records.parquet")
     images = np.load(h / "images.npy", mmap_mode="r")
@@ -58,8 +58,11 @@ def test_harmonized_benchmark_has_its_domains_classes_and_card(bench_harmonized,
     assert images.shape == (len(rec), 28, 28, 3) and images.dtype == np.uint8
     assert EXPECTED_DOMAINS[kind] == list(dict.fromkeys(rec["domain"])) and sorted(card["domains"]) == sorted(EXPECTED_DOMAINS[kind])
     assert len(card["classes"]) == NUM_CLASSES[kind] and sorted(rec["label"].unique()) == list(range(NUM_CLASSES[kind]))
-    # which copy each source came from (fetch's manifest), beside the hashes of what it holds
-    assert card["sources"] == {s: {"mode": "mirror", "origin": "offline mirror (seed 0)"} for s in KINDS[kind]}
+    # which copy each source came from and what its files held (fetch's manifest: the dataset's fingerprint entries)
+    from fedsilo.data.fetch import sources_fingerprint
+
+    held = sources_fingerprint(kind, KINDS[kind], bench_raw)["sources"]
+    assert card["sources"] == {s: {"mode": "mirror", "origin": "offline mirror (seed 0)", **held[s]} for s in KINDS[kind]}
     assert f"Fetched: {KINDS[kind][0]} (mirror) from offline mirror (seed 0)" in (h / "card.md").read_text()
     for dom, d in card["domains"].items():
         sub = rec[rec["domain"] == dom]
@@ -136,8 +139,12 @@ def test_office_caltech_both_namings_give_the_same_labels(bench_raw, tmp_path):
     assert set(b.loc[b["label"] == 5, "original_label"]) == {"laptop_computer"}
     fetched = tmp_path / "raw" / "office_caltech10"
     fetch("office_caltech10", SourceParams(mode="local", path=str(alt)), fetched, quiet=True)  # a whole copy, before the cuts below
+    from fedsilo.data.fetch import sources_fingerprint
+
+    held = sources_fingerprint("office_caltech10", ("office_caltech10",), tmp_path / "raw")["sources"]["office_caltech10"]
     assert fetched_from(tmp_path / "raw", ["office_caltech10", "pacs"]) == {  # pacs: not fetched there
-        "office_caltech10": {"mode": "local", "origin": str(alt.resolve())}}
+        "office_caltech10": {"mode": "local", "origin": str(alt.resolve()), **held}}  # and what its files held
+    assert held["files"] == len(list(p for p in alt.rglob("*") if p.is_file()))
     # a copy without one domain's class folder, or without a domain: refused by name (it read as a smaller task)
     shutil.rmtree(alt / "dslr" / "projector")
     with pytest.raises(LabelFileError, match=r"dslr: no images for 1 of the 10 Office-Caltech-10 classes \(projector\)"):

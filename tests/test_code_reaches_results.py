@@ -147,6 +147,29 @@ def test_every_train_stage_depends_on_the_code_its_checkpoint_key_hashes():
     assert seen >= 8 and data_stages == 100 + len(files)  # the root's harmonize, a split stage in every file
 
 
+def test_under_dvc_code_fingerprint_refuses_a_checkout_whose_code_is_not_the_code_that_runs(tmp_path, capsys, monkeypatch):
+    """A second checkout beside a virtual environment installed from the first: `dvc repro` there hashed the second
+    checkout's code into dvc.lock while its train stages ran the first's (said in a warning). Under DVC (its DVC_STAGE
+    set) a difference in the training code is refused and nothing written; the same code elsewhere is no difference;
+    by hand it is a warning (a run's metrics.json names the code that ran)."""
+    from fedsilo.cli import main
+
+    pkg = tmp_path / "src" / "fedsilo"
+    shutil.copytree(SRC, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setenv("DVC_STAGE", "code_fingerprint")
+    assert main(["-q", "--root", str(tmp_path), "code-fingerprint"]) == 0  # a copy of the same code
+    assert "whose training code is not this checkout's" not in capsys.readouterr().err
+    written = (tmp_path / "data/code/train.json").read_text()
+    (pkg / "methods" / "fedbn.py").write_text((pkg / "methods" / "fedbn.py").read_text() + "# an edit in this checkout\n")
+    assert main(["-q", "--root", str(tmp_path), "code-fingerprint"]) == 2
+    err = capsys.readouterr().err
+    assert f"fedsilo runs from {SRC}, whose training code is not this checkout's {pkg}" in err and f"PYTHONPATH={pkg.parent}" in err
+    assert (tmp_path / "data/code/train.json").read_text() == written  # nothing written
+    monkeypatch.delenv("DVC_STAGE")
+    assert main(["-q", "--root", str(tmp_path), "code-fingerprint"]) == 0
+    assert "whose training code is not this checkout's" in capsys.readouterr().err
+
+
 def test_the_code_fingerprint_is_the_checkpoint_keys_and_follows_any_edit_of_the_training_code(tmp_path, capsys):
     """`fedsilo code-fingerprint` writes the sha256 of the checkout's training code (its --root's src/fedsilo), the
     one the checkpoint key holds of the code it runs (code_fingerprint's source_sha256); an edit of any training-code

@@ -21,6 +21,8 @@ pytestmark = pytest.mark.skipif(shutil.which("dvc", path=str(Path(sys.executable
 def _run(cwd, *cmd):
     env = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
     env.pop("MLFLOW_TRACKING_URI", None)
+    if (Path(cwd) / "src" / "fedsilo").is_dir():  # the copy's code runs, as `pip install -e .` there would make it
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(cwd) / "src"), *filter(None, [env.get("PYTHONPATH")])])
     r = subprocess.run(list(cmd), cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"{cmd}: {r.stdout[-2000:]}\n{r.stderr[-2000:]}"
     return r.stdout

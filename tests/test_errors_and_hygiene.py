@@ -551,6 +551,21 @@ def test_help_lists_what_the_params_file_defines_and_bare_fedsilo_shows_the_comm
             assert capsys.readouterr().out.startswith("usage: "), (name, action)
 
 
+def test_output_piped_into_a_reader_that_stops_early_ends_quietly():
+    """`fedsilo --version | head -1`, `fedsilo methods | head -1`: the reader closed the pipe and Python printed a
+    BrokenPipeError traceback (the README calls any traceback a bug); now the command ends quietly with the status of
+    a process SIGPIPE ended."""
+    import subprocess
+    import sys
+
+    for args in (["--version"], ["methods"]):
+        p = subprocess.Popen([sys.executable, "-c", "import sys; from fedsilo.cli import main; sys.exit(main())", *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p.stdout.close()  # the reader gone before the output is written (head -1 once it has its line)
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipeError" not in err, (args, err)
+
+
 def test_site_and_deploy_actions_take_their_own_options_and_name_a_missing_one(capsys):
     """`fedsilo site evaluate --help` lists evaluate's options, not supernode's or predict's (one flat list of every
     action's options did); a missing required option is named with the action's usage before anything runs; --params

@@ -99,10 +99,58 @@ def test_killed_train_stage_resumes_to_identical_metrics(mirror_root, tmp_path):
     for t in ("git_commit", "params_hash", "method", "dataset", "protocol", "data.harmonized.sha256.images", "data.split.sha256"):
         assert tags.get(t), t
     assert tags["method"] == "fedbn" and tags["method.base"] == "fedbn" and tags["protocol"] == "domain_clients" and "paper" not in tags
+    # metrics.json alone ties the result to its params, data, code and checkout, as the README's recipe recomputes them
+    import hashlib
+
+    def h(x):
+        return hashlib.sha256(json.dumps(x, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    assert h(mb["run"]) == mb["params_hash"] == tags["params_hash"]
+    assert h({"params": mb["run"], "data": mb["data"], "code": mb["code"]}) == mb["config_hash"] == tags["config_hash"]
+    folder = b / "data/harmonized/chest_xray4"
+    for name, tag in (("images.npy", "images"), ("records.parquet", "records")):
+        sha = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        assert mb["data"]["harmonized_sha256"][name] == sha == tags[f"data.harmonized.sha256.{tag}"]
+    split = hashlib.sha256((b / "data/splits/quick.json").read_bytes()).hexdigest()
+    assert mb["data"]["split_sha256"] == split == tags["data.split.sha256"]
+    assert mb["git"] == {"commit": tags["git_commit"], "dirty": tags["git_dirty"] == "true"}
+    from fedsilo.data.fetch import sources_fingerprint
+
+    fingerprints = sources_fingerprint("chest_xray4", tuple(mb["data_sources"]), mirror_root / "data/raw")["sources"]
+    assert len(fingerprints) == 4
+    for src, how in mb["data_sources"].items():  # each raw source's part of the dataset's fingerprint
+        assert how["sha256"] == fingerprints[src]["sha256"] == tags[f"data.source.{src}.sha256"], src
+        assert (how["files"], how["bytes"]) == (fingerprints[src]["files"], fingerprints[src]["bytes"])
     steps = sorted({m.step for m in client.get_metric_history(runs[0].info.run_id, "mean_acc")})
     assert steps == list(range(1, 7))
     assert runs[0].data.params["train.rounds"] == "6"
     assert "bytes_up.CheXpert" in runs[0].data.metrics
+
+
+def test_a_run_refuses_arrays_changed_after_harmonize_or_harmonized_with_other_settings(mirror_root, tmp_path, capsys):
+    """A train run by hand on arrays edited after harmonize trained on them and recorded the card's hashes (the config
+    hash and MLflow tags of the data it did not read); and on arrays harmonized with other dataset settings than
+    params has now, it recorded those settings' data as the card's. Both are refused before anything is written."""
+    from fedsilo.cli import main
+
+    a = _project(mirror_root, tmp_path / "a", tracking=False)
+    images = a / "data/harmonized/chest_xray4/images.npy"
+    kept = images.read_bytes()
+    edited = bytearray(kept)
+    edited[-1] ^= 0xFF  # one pixel
+    images.write_bytes(bytes(edited))
+    argv = ["-q", "--root", str(a), "--params", str(a / "params.yaml"), *TRAIN]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "images.npy changed after harmonize wrote card.json" in err and "dvc checkout harmonize@chest_xray4" in err, err
+    assert not (a / "results").exists() and not (a / "state").exists()
+    images.write_bytes(kept)
+    raw = yaml.safe_load((a / "params.yaml").read_text())
+    raw["datasets"]["chest_xray4"]["image_size"] = 48
+    (a / "params.yaml").write_text(yaml.safe_dump(raw))
+    assert main(argv) == 2
+    assert "harmonized with other settings than datasets.chest_xray4 has now (image_size" in capsys.readouterr().err
+    assert not (a / "results").exists()
 
 
 def test_changed_config_does_not_resume_a_stale_checkpoint(mirror_root, tmp_path):
@@ -197,6 +245,43 @@ def test_a_new_experiment_keeps_its_artifacts_beside_the_database_whatever_folde
     where = t.client.get_run(run).info.artifact_uri
     assert where.startswith((tmp_path / "store" / "mlruns").as_uri()) and where == artifact_location(t.uri, "paper/quickstart/e1") + f"/{run}/artifacts"
     assert list((tmp_path / "store" / "mlruns").rglob("metrics.json")) and artifact_location("http://mlflow:5000", "e") is None
+
+
+def test_a_repository_copied_with_its_store_keeps_every_runs_artifacts_inside_the_copy(tmp_path, monkeypatch, caplog):
+    """`cp -a` of a repository with mlflow.db and mlruns/: the experiments' artifact folders were absolute addresses in
+    the original, so the copy's runs wrote their artifacts into the original's mlruns/ (and made it again where it was
+    gone). The copy's store now points its own experiments (and their earlier runs) at its own mlruns/; the original's
+    store is untouched, and an experiment whose artifacts were put elsewhere on purpose is left as it is."""
+    import shutil
+
+    from fedsilo.tracking import Tracker
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    first, copy = tmp_path / "first", tmp_path / "copy"
+    first.mkdir()
+    (first / "metrics.json").write_text('{"acc": 1}')
+    t = Tracker(True, f"sqlite:///{first / 'mlflow.db'}")
+    before = t.start("cxr4_quickstart", "fedavg-seed0", {"a": 1}, {})
+    t.finish({"acc": 1.0}, [first / "metrics.json"])
+    custom = t.client.create_experiment("shared", artifact_location=(tmp_path / "archive" / "mlruns" / "shared").as_uri())
+    shutil.copytree(first, copy)
+    with caplog.at_level("WARNING", logger="fedsilo.tracking"):
+        c = Tracker(True, f"sqlite:///{copy / 'mlflow.db'}")
+    assert f"moved or copied from {first}: the artifact folders of 1 MLflow experiment(s) now point into {(copy / 'mlruns').as_uri()}" in caplog.text
+    shutil.rmtree(first / "mlruns")
+    after = c.start("cxr4_quickstart", "fedavg-seed1", {"a": 1}, {})
+    c.finish({"acc": 1.0}, [copy / "metrics.json"])
+    for run in (before, after):  # the earlier run's artifacts found in the copy's mlruns/, the new run's written there
+        uri = c.client.get_run(run).info.artifact_uri
+        assert uri.startswith((copy / "mlruns").as_uri() + "/"), uri
+        assert (copy / "mlruns" / uri.removeprefix((copy / "mlruns").as_uri() + "/") / "metrics.json").is_file()
+    assert not (first / "mlruns").exists()  # nothing written into the original's folder
+    assert c.client.get_experiment(custom).artifact_location == (tmp_path / "archive" / "mlruns" / "shared").as_uri()
+    assert t.client.get_run(before).info.artifact_uri.startswith((first / "mlruns").as_uri())  # the original's store as it was
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fedsilo.tracking"):
+        Tracker(True, f"sqlite:///{copy / 'mlflow.db'}")
+    assert "moved or copied" not in caplog.text  # once
 
 
 def test_a_run_id_the_store_lacks_starts_a_new_run_and_a_failing_store_is_not_taken_for_one(tmp_path, monkeypatch):

@@ -76,6 +76,8 @@ def _fingerprint(args: argparse.Namespace) -> None:
 
 
 def _code_fingerprint(args: argparse.Namespace) -> None:
+    import os
+
     from fedsilo.codehash import (
         PACKAGE,
         TRAIN_CODE,
@@ -92,10 +94,14 @@ def _code_fingerprint(args: argparse.Namespace) -> None:
     if not pkg.is_dir():
         raise ConfigError(f"{pkg}: no such folder: code-fingerprint hashes the training code of the checkout at --root "
                           "(the code_fingerprint stage of its dvc.yaml)")
-    if pkg != PACKAGE:
-        logging.getLogger("fedsilo").warning("fedsilo runs from %s, not from this checkout's %s: its train stages run "
-                                             "that code, not the one hashed here (install the checkout with `pip install "
-                                             "-e .`)", PACKAGE, pkg)
+    if pkg != PACKAGE and train_code_sha256(PACKAGE) != train_code_sha256(pkg):
+        # the train stages would run the other copy's code while dvc.lock ties their results to this one's
+        why = (f"fedsilo runs from {PACKAGE}, whose training code is not this checkout's {pkg}: its train stages would run "
+               "that code, not the one hashed here; install this checkout (`pip install -e .` in it) or put its src/ first "
+               f"(PYTHONPATH={pkg.parent})")
+        if os.environ.get("DVC_STAGE"):  # under dvc repro: its dvc.lock would record the wrong code for every result
+            raise ConfigError(why)
+        print(f"fedsilo code-fingerprint: warning: {why}", file=sys.stderr)  # by hand: metrics.json names the code that ran
     p = load_params(args.params)
     layout = p.layout(args.root)
     if p.paper is None:  # the root's: the hash of all of the training code too (what a deployment's checkpoint holds)
@@ -1398,6 +1404,20 @@ def _root_and_params(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``fedsilo`` command; its output piped into a reader that stops early (``fedsilo --version | head -1``,
+    ``fedsilo site predict ... | head``) ends it quietly with the status of a process SIGPIPE ended (141)."""
+    import os
+
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # here, not at the interpreter's exit, where a closed pipe is a message on stderr
+        return status
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more reaches the closed pipe
+        return 128 + 13
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     if not argv:  # bare `fedsilo`: what it can do, not an argparse complaint

@@ -165,6 +165,47 @@ def artifact_location(uri: str, experiment: str) -> Optional[str]:
     return ((db if db.is_absolute() else Path.cwd() / db).resolve().parent / "mlruns" / f"{folder}-{digest}").as_uri()
 
 
+def relocate_artifacts(uri: str) -> list[tuple[str, str]]:
+    """A sqlite store moved or copied with its repository (``cp -a``, a checkout moved to a larger disk): its
+    experiments' artifact folders, absolute ``file://`` addresses fixed when each was made (:func:`artifact_location`),
+    still named the old place, and every later run wrote its artifacts there, outside the repository (making the old
+    folder again where it was gone). Each experiment whose folder is the one :func:`artifact_location` gives it, under
+    another ``mlruns/``, is pointed at ``mlruns/`` beside the database as it is now, with its runs' artifact addresses
+    (those of runs made before the move are found again where ``mlruns/`` came along). Other stores, and experiments
+    whose artifacts were put elsewhere on purpose, are left as they are. Returns (old, new) per experiment moved."""
+    import sqlite3
+
+    m = re.fullmatch(r"sqlite:///(.+)", uri or "")
+    db = Path(m.group(1)) if m else None
+    if db is None or not db.is_file():
+        return []
+    con = sqlite3.connect(db, timeout=60)
+    try:
+        try:
+            rows = con.execute("SELECT experiment_id, name, artifact_location FROM experiments").fetchall()
+        except sqlite3.DatabaseError:  # not an MLflow store (yet): MLflow says what it is when it opens it
+            return []
+        moved = []
+        for exp_id, name, old in rows:
+            new = artifact_location(uri, name)
+            old_parent, _, old_folder = str(old or "").rstrip("/").rpartition("/")
+            if new and old != new and old_parent.startswith("file://") and old_parent.endswith("/mlruns") \
+                    and old_folder == new.rpartition("/")[2]:
+                moved.append((exp_id, old, new))
+        with con:  # one transaction: a run starting beside this one sees the store before or after, never half of it
+            for exp_id, old, new in moved:
+                con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new, exp_id))
+                con.execute("UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?) WHERE experiment_id = ? AND "
+                            "substr(artifact_uri, 1, ?) = ?", (new, len(old) + 1, exp_id, len(old), old))
+    finally:
+        con.close()
+    if moved:
+        log.warning("%s: moved or copied from %s: the artifact folders of %d MLflow experiment(s) now point into %s",
+                    db, moved[0][1].rstrip("/").rpartition("/")[0].removesuffix("/mlruns").removeprefix("file://"),
+                    len(moved), moved[0][2].rpartition("/")[0])
+    return [(old, new) for _, old, new in moved]
+
+
 # who trains a run: a RUNNING run whose process is gone (SIGKILL, a queue worker's copy removed) is found by these
 PROCESS_TAGS = ("fedsilo.host", "fedsilo.host_id", "fedsilo.pid", "fedsilo.pid_started")
 
@@ -293,6 +334,7 @@ class Tracker:
             from mlflow.tracking import MlflowClient
 
             self.uri = os.environ.get("MLFLOW_TRACKING_URI") or uri
+            relocate_artifacts(self.uri)  # a repository moved with its store: its runs' artifacts stay inside it
             self.client = MlflowClient(tracking_uri=self.uri)
 
     def start(self, experiment: str, run_name: str, params: dict[str, Any], tags: dict[str, str], run_id: Optional[str] = None) -> Optional[str]:

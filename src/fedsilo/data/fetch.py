@@ -405,6 +405,12 @@ def manifest_files(raw_dir: Path) -> Optional[dict[str, dict[str, Any]]]:
     return json.loads(path.read_text())["files"] if path.is_file() else None
 
 
+def files_fingerprint(files: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One source's part of a dataset's fingerprint: its files' count, bytes and the sha256 of their manifest entries
+    (:func:`fedsilo.utils.io.canonical_hash` of relative path -> sha256 and bytes)."""
+    return {"files": len(files), "bytes": int(sum(f["bytes"] for f in files.values())), "sha256": canonical_hash(files)}
+
+
 def sources_fingerprint(dataset: str, sources: tuple[str, ...], raw_root: Path) -> dict[str, Any]:
     """The content of one dataset's raw sources, as their fetch manifests record it (relative path, sha256 and size
     of every file; not where they were fetched from, so a moved copy of the same files changes nothing).
@@ -417,5 +423,5 @@ def sources_fingerprint(dataset: str, sources: tuple[str, ...], raw_root: Path) 
         if files is None:
             raise FetchError(f"{Path(raw_root) / s / MANIFEST}: missing; fetch the source first (`fedsilo fetch --source {s}`, "
                              f"or `dvc repro fetch@{s}` once it is in pipeline.sources)")
-        out["sources"][s] = {"files": len(files), "bytes": int(sum(f["bytes"] for f in files.values())), "sha256": canonical_hash(files)}
+        out["sources"][s] = files_fingerprint(files)
     return out

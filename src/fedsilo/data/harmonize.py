@@ -334,10 +334,23 @@ def fetched_copy_note(raw_dir: Path, src: str) -> str:
 
 def fetched_from(raw_root: Path, sources: Any) -> dict[str, dict[str, str]]:
     """Per source, how fetch got its raw files (its manifest's ``mode`` and ``origin``: an offline mirror, the user's
-    folder, the download's addresses), for the data card and a run's MLflow tags: which copy a dataset was made from,
-    beside the hashes that say what it holds. A source without a manifest (made by hand) is left out."""
-    return {src: {"mode": str(m.get("mode", "")), "origin": str(m.get("origin", ""))}
-            for src in sources if (m := _manifest(Path(raw_root) / src)) is not None}
+    folder, the download's addresses) and what they held (``files``, ``bytes``, ``sha256``: the source's entry of
+    ``data/fingerprints/<dataset>.json``, from its manifest), for the data card and a run's metrics.json and MLflow
+    tags: which raw files a dataset was made from, beside the hashes of the arrays made. A source without a manifest
+    (made by hand) is left out."""
+    from fedsilo.data.fetch import files_fingerprint
+
+    out = {}
+    for src in sources:
+        m = _manifest(Path(raw_root) / src)
+        if m is None:
+            continue
+        try:  # a manifest written by hand may list no files, or not as fetch writes them: its origin is still said
+            held = files_fingerprint(m["files"])
+        except (KeyError, TypeError, AttributeError):
+            held = {}
+        out[src] = {"mode": str(m.get("mode", "")), "origin": str(m.get("origin", "")), **held}
+    return out
 
 
 def edited_since_fetch(raw_root: Path, sources: Any) -> list[str]:
@@ -843,6 +856,27 @@ def stale_rules(card: dict[str, Any], params: CXRDatasetParams | BenchmarkDatase
 
     was, is_ = comparable(built), comparable(now)
     return [f"{k}: built with {was[k]!r}, now {is_[k]!r}" for k in sorted(set(was) & set(is_)) if was[k] != is_[k]]
+
+
+# the arrays harmonize writes and hashes into card.json; a reader of them checks those hashes (refuse_changed_arrays)
+ARRAYS = ("images.npy", "records.parquet")
+
+
+def changed_arrays(folder: Path, card: dict[str, Any]) -> list[str]:
+    """The harmonized arrays (:data:`ARRAYS`) in ``folder`` whose sha256, hashed anew, is no longer the one harmonize
+    wrote into ``card``: a file edited or replaced after harmonize."""
+    return [a for a in ARRAYS if file_sha256(Path(folder) / a) != card["sha256"].get(a)]
+
+
+def refuse_changed_arrays(folder: Path, card: dict[str, Any], rerun: str) -> None:
+    """ConfigError when an array of the harmonized ``folder`` is not the one its ``card`` hashes (:func:`changed_arrays`):
+    whatever reads it would be recorded (data card, fingerprint, MLflow tags, config hash) as reading the card's data."""
+    from fedsilo.config import ConfigError
+
+    changed = changed_arrays(folder, card)
+    if changed:
+        raise ConfigError(f"{folder}: {', '.join(changed)} changed after harmonize wrote card.json (its sha256 is no longer "
+                          f"the card's, which every record of a run would name); {rerun} rather than editing the arrays")
 
 
 def refuse_stale_rules(card: dict[str, Any], params: CXRDatasetParams | BenchmarkDatasetParams, folder: Path,

@@ -180,8 +180,8 @@ def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Pa
                         seed: int = 0, device: str = "cpu", batch_size: int = 256, quiet: bool = True) -> tuple[dict[str, Any], pd.DataFrame]:
     """The evaluation of the model at ``model_path`` on every image of the harmonized ``dataset`` (see the module):
     the summary (per domain and ``all``) and one row per image; the images scored shown as progress unless ``quiet``."""
+    from fedsilo.data.harmonize import refuse_changed_arrays, refuse_stale_rules
     from fedsilo.fl.deploy import load_site_model
-    from fedsilo.fl.site import changed_arrays
 
     if dataset not in params.datasets:
         raise not_defined("datasets", dataset, params)
@@ -193,12 +193,7 @@ def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Pa
     if missing:
         raise ConfigError(f"{missing[0]}: missing; run `fedsilo harmonize --dataset {dataset}` first")
     card = json.loads(files[2].read_text())
-    changed = changed_arrays(folder, card)
-    if changed:
-        raise ConfigError(f"{folder}: {', '.join(changed)} changed after harmonize wrote card.json; re-run `fedsilo harmonize "
-                          f"--dataset {dataset}` rather than editing the arrays")
-    from fedsilo.data.harmonize import refuse_stale_rules
-
+    refuse_changed_arrays(folder, card, f"re-run `fedsilo harmonize --dataset {dataset}`")
     refuse_stale_rules(card, params.datasets[dataset], folder, dataset, f"`fedsilo harmonize --dataset {dataset}`")  # settings edited since
     model, info = load_site_model(model_path, device)
     trained_on = _trained_on(params, dataset, root, info, card)  # said in the summary, its title and by the CLI

@@ -35,6 +35,7 @@ from fedsilo.client.data import load_clients, load_external, load_task_clients, 
 from fedsilo.client.hostaug import check_host_policy
 from fedsilo.codehash import method_code_sha256, train_code_sha256
 from fedsilo.config import ConfigError, Params
+from fedsilo.data.harmonize import refuse_changed_arrays, refuse_stale_rules
 from fedsilo.data.splits import refuse_stale_split
 from fedsilo.fl.continual import ContinualEngine, continual_summary
 from fedsilo.fl.engine import Engine, Observer
@@ -216,6 +217,12 @@ def run_training(
     if stream:
         check_stream_fit(type(algo), True, method, f"experiments.{experiment} has a domain_incremental split")
     card = read_json(harmonized / "card.json")
+    # the arrays trained on are the card's (its hashes go into the config hash, metrics.json and MLflow), built with the
+    # dataset settings params has now: a file edited after harmonize, or settings edited since, is refused (a stage run
+    # by hand; `dvc repro` would rebuild them)
+    rebuild = f"`dvc checkout harmonize@{exp.dataset}` (the arrays dvc.lock records) or `dvc repro harmonize@{exp.dataset}`"
+    refuse_changed_arrays(harmonized, card, f"put them back with {rebuild}")
+    refuse_stale_rules(card, params.datasets[exp.dataset], harmonized, exp.dataset, f"`dvc repro harmonize@{exp.dataset}`")
     if "data_sha256" in split and split["data_sha256"] != card["sha256"]:
         raise ConfigError(
             f"{split_path}: built for other arrays than {harmonized} now holds (re-harmonized since); rerun "
@@ -288,6 +295,8 @@ def run_training(
             tags[f"dvc.md5.{path}"] = md5
         for src, how in card.get("sources", {}).items():  # which copy the data came from (the hashes say what it holds)
             tags[f"data.source.{src}"] = f"{how['mode']}: {how['origin']}"[:5000]  # MLflow's tag length limit
+            if "sha256" in how:  # what the raw files held (the source's entry of data/fingerprints/<dataset>.json)
+                tags[f"data.source.{src}.sha256"] = how["sha256"]
         # what the method derived from its params and the model (a resolved cut depth, private layers, shared fraction),
         # known once the engine has set it up; logged beside the params, not hashed (it follows from them)
         method_resolved = algo.resolved()
@@ -345,8 +354,11 @@ def run_training(
                 "engine": engine.execution(),
                 "params_hash": params_hash,
                 "run": resolved,  # what params_hash is the hash of: a report names what a stale run was trained with
+                # config_hash = canonical_hash({"params": run, "data": data, "code": code}), checkable from this file
                 "config_hash": config_hash,
+                "data": data_hashes,  # the arrays and split trained on (hashed anew above, not taken on trust)
                 "code": code,
+                "git": {"commit": commit, "dirty": dirty},  # the checkout's (code.source_sha256: the code that ran)
                 "mlflow_run_id": run_id,
                 "mlflow_experiment": layout.tracking_experiment(experiment) if run_id else None,  # where the UI lists it
                 # which copy each source was fetched from (the data card's): a report says when it is an offline mirror

@@ -28,18 +28,11 @@ import torch
 from fedsilo.client.data import ClientData, load_clients, load_task_clients
 from fedsilo.config import ConfigError, Params
 from fedsilo.config.errors import not_defined
+from fedsilo.data.harmonize import ARRAYS, refuse_changed_arrays, refuse_stale_rules
 from fedsilo.data.splits import refuse_stale_split
 from fedsilo.utils.io import canonical_hash, file_sha256, read_json
 
-__all__ = ["changed_arrays", "contract_mismatch", "load_site", "site_card"]
-
-ARRAYS = ("images.npy", "records.parquet")
-
-
-def changed_arrays(harmonized: Path, card: dict[str, Any]) -> list[str]:
-    """The harmonized arrays (``images.npy``, ``records.parquet``) whose sha256, hashed anew, is no longer the one
-    harmonize wrote into ``card``: a file edited after harmonize."""
-    return [a for a in ARRAYS if file_sha256(harmonized / a) != card["sha256"].get(a)]
+__all__ = ["contract_mismatch", "load_site", "site_card"]
 
 
 def _site_files(params: Params, experiment: str, root: Path) -> tuple[Path, Path, dict[str, Any], dict[str, Any]]:
@@ -53,8 +46,6 @@ def _site_files(params: Params, experiment: str, root: Path) -> tuple[Path, Path
             raise FileNotFoundError(f"{p}: missing; run the site's harmonize and split stages first "
                                     f"(`fedsilo harmonize --dataset {exp.dataset}`, `fedsilo split --experiment {experiment}`)")
     split, card = read_json(split_path), read_json(harmonized / "card.json")
-    from fedsilo.data.harmonize import refuse_stale_rules
-
     refuse_stale_rules(card, params.datasets[exp.dataset], harmonized, exp.dataset,  # its settings edited, not harmonized
                        f"`fedsilo harmonize --dataset {exp.dataset}` and `fedsilo split --experiment {experiment}`")
     if exp.split.protocol not in ("domain_clients", "domain_incremental") or len(split["clients"]) != 1:
@@ -75,10 +66,7 @@ def site_card(params: Params, experiment: str, root: Path = Path(".")) -> dict[s
     contract and the fingerprint (see the module). Hashes the harmonized arrays anew: a file changed after harmonize
     is refused here, not trained on."""
     harmonized, split_path, split, card = _site_files(params, experiment, Path(root))
-    changed = changed_arrays(harmonized, card)
-    if changed:
-        raise ConfigError(f"{harmonized}: {', '.join(changed)} changed after harmonize wrote card.json; re-run "
-                          f"`fedsilo harmonize` and `fedsilo split` rather than editing the arrays")
+    refuse_changed_arrays(harmonized, card, "re-run `fedsilo harmonize` and `fedsilo split`")
     contract, data, split_sha, fingerprint = _fingerprint(card, split_path)  # the arrays as just hashed anew
     client = split["clients"][0]
     tasks = client.get("tasks")  # a stream: the site's images of each domain, in task order
