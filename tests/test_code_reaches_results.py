@@ -107,6 +107,43 @@ def test_the_code_hash_covers_each_files_path_as_well_as_its_bytes(tmp_path):
     assert train_code_sha256(tmp_path) == before
 
 
+def test_a_methods_code_follows_its_imports_of_every_form_and_nothing_else(tmp_path):
+    """A method's files: the common code, the naming files, and every module of the methods package it or the common
+    code imports: absolute, relative, ``from package import module``, a name the package re-exports, inside a
+    function, a subpackage's module with its ``__init__.py``, through other modules; not a method nothing imports. A
+    name added to ``__all__`` changes no method's hash; an import added is followed in the same process."""
+    from fedsilo.codehash import method_code_files, method_code_sha256
+
+    files = {
+        "client/__init__.py": "", "models/__init__.py": "", "utils/__init__.py": "", "config/base.py": "",
+        "config/train.py": "", "fl/__init__.py": "from fedsilo.methods import Method\n",
+        "methods/__init__.py": "from fedsilo.methods.base import Method\nfrom fedsilo.methods.alpha import Alpha\n"
+                               "__all__ = ['Method', 'Alpha']\n",
+        "methods/registry.py": "from fedsilo.methods.alpha import Alpha\nREGISTRY = {'alpha': Alpha}\n",
+        "methods/base.py": "", "methods/helpers.py": "", "methods/rel.py": "", "methods/lazy.py": "", "methods/beta.py": "",
+        "methods/sub/__init__.py": "", "methods/sub/deep.py": "from ..rel import R\n",
+        "methods/alpha.py": "from fedsilo.methods import helpers\nfrom fedsilo.methods.sub.deep import D\n\n\n"
+                            "def build():\n    import fedsilo.methods.lazy\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+
+    def methods_files() -> set[str]:
+        got = {f.relative_to(tmp_path).as_posix() for f in method_code_files("fedsilo.methods.alpha", tmp_path)}
+        return {f for f in got if f.startswith("methods/")}
+
+    assert methods_files() == {"methods/__init__.py", "methods/registry.py", "methods/base.py", "methods/alpha.py",
+                               "methods/helpers.py", "methods/sub/__init__.py", "methods/sub/deep.py", "methods/rel.py",
+                               "methods/lazy.py"}
+    before = method_code_sha256("fedsilo.methods.alpha", tmp_path)
+    init = tmp_path / "methods" / "__init__.py"
+    init.write_text("from fedsilo.methods.beta import Beta\n" + files["methods/__init__.py"].replace("'Alpha']", "'Alpha', 'Beta']"))
+    assert method_code_sha256("fedsilo.methods.alpha", tmp_path) == before
+    (tmp_path / "methods" / "lazy.py").write_text("from fedsilo.methods import beta\n")
+    assert "methods/beta.py" in methods_files()
+
+
 def test_every_train_stage_depends_on_the_code_its_checkpoint_key_hashes():
     """Each pipeline's code_fingerprint stage depends on the code the checkpoint key hashes and writes one file per
     method (the root's also the hash of all of it); every train stage of every dvc.yaml depends on its method's file,

@@ -252,6 +252,64 @@ def test_dicom_percentile_intensity_stretches_a_narrow_band_that_bit_depth_keeps
     assert deep.max() < 80 and (wide.min(), wide.max()) == (0, 255)
 
 
+def test_dicom_negative_slope_and_lookup_tables_set_the_range_scaled_to_unit(tmp_path):
+    """A negative Rescale Slope (stored 0 the brightest) scales over its ordered range; a Modality LUT Sequence maps
+    over its own output depth (8 bits here, not the 12 stored); a VOI LUT Sequence is preferred to the window the
+    same header gives, and scaled over the LUT's output depth (10 bits)."""
+    from pydicom import dcmread
+    from pydicom.dataset import Dataset
+
+    from fedsilo.data.dicom import dicom_to_uint8
+
+    pixels = np.tile(np.array([0, 512, 1024, 1536, 2047, 4095, 4095, 4095]), (8, 1))
+    _radiograph(tmp_path / "negative.dcm", pixels, slope=-1.0)
+    assert dicom_to_uint8(tmp_path / "negative.dcm")[0][0].tolist() == [255, 223, 191, 159, 128, 0, 0, 0]
+
+    def with_lut(name: str, sequence: str, depth: int, data: np.ndarray, **rules) -> None:
+        _radiograph(tmp_path / name, pixels, **rules)
+        ds = dcmread(tmp_path / name)
+        item = Dataset()
+        item.LUTDescriptor, item.LUTData = [4096, 0, depth], data.astype("<u2").tobytes()
+        if sequence == "ModalityLUTSequence":
+            item.ModalityLUTType = "US"
+        setattr(ds, sequence, [item])
+        ds.save_as(tmp_path / name, enforce_file_format=True)
+
+    with_lut("modality.dcm", "ModalityLUTSequence", 8, np.arange(4096) // 16)
+    with_lut("voi.dcm", "VOILUTSequence", 10, np.arange(4096) // 4, window=(2048, 2048))
+    for name in ("modality.dcm", "voi.dcm"):  # the window alone would give [0, 0, 128, 255, ...]
+        assert dicom_to_uint8(tmp_path / name)[0][0].tolist() == [0, 32, 64, 96, 127, 255, 255, 255], name
+
+
+def test_a_dicom_that_is_no_grey_radiograph_is_refused_by_reason(tmp_path):
+    """A palette-colour file (its pixels are indices, not intensities) and a 4x4 icon are quarantined, not read as
+    chest X-rays."""
+    from fedsilo.data.dicom import dicom_to_uint8
+    from fedsilo.data.imageops import ImageDecodeError
+
+    _radiograph(tmp_path / "palette.dcm", np.tile(np.arange(8) * 500, (8, 1)), photometric="PALETTE COLOR")
+    with pytest.raises(ImageDecodeError, match=r"palette\.dcm: photometric interpretation 'PALETTE COLOR' is not a grayscale"):
+        dicom_to_uint8(tmp_path / "palette.dcm")
+    _radiograph(tmp_path / "icon.dcm", np.array([[0, 100, 200, 300]] * 4))
+    with pytest.raises(ImageDecodeError, match=r"icon\.dcm: unexpected pixel array shape \(4, 4\)"):
+        dicom_to_uint8(tmp_path / "icon.dcm")
+
+
+def test_a_dicom_is_told_by_its_suffix_in_any_case_or_by_its_preamble(tmp_path):
+    """PACS CDs write IMG0001.DCM (a dataset with no preamble is still DICOM by its suffix); a suffixless export is
+    DICOM by "DICM" at byte 128; a short or other file is not."""
+    from fedsilo.data.dicom import is_dicom_file
+
+    for name in ("IMG0001.DCM", "scan.Dicom", "scan.dcm"):
+        (tmp_path / name).write_bytes(b"\x08\x00\x05\x00CS\x0a\x00ISO_IR 100")
+        assert is_dicom_file(tmp_path / name), name
+    (tmp_path / "IM0001").write_bytes(bytes(128) + b"DICM" + bytes(16))
+    (tmp_path / "short").write_bytes(bytes(100) + b"DICM")
+    (tmp_path / "photo.png").write_bytes(bytes(128) + b"PNG!" + bytes(16))
+    assert is_dicom_file(tmp_path / "IM0001") and not is_dicom_file(tmp_path / "short")
+    assert not is_dicom_file(tmp_path / "photo.png")
+
+
 def test_a_16_bit_png_is_read_over_its_own_depth(tmp_path):
     from PIL import Image
 
@@ -296,6 +354,35 @@ def test_square_crop_keeps_the_centre_and_pad_keeps_everything_on_black():
     padded = finish(img, 8, "pad")[:, :, 0]
     np.testing.assert_array_equal(padded[2:6], img)
     assert not padded[:2].any() and not padded[6:].any()
+
+
+def test_resize_averages_areas_when_shrinking_and_interpolates_when_growing():
+    """A bright pixel in each 4x4 block shrinks to the block's mean (area), not to a sample of one pixel; a two-pixel
+    edge grown to 8 ramps linearly instead of staying a hard step."""
+    from fedsilo.data.imageops import finish
+
+    dots = np.zeros((16, 16), np.uint8)
+    dots[::4, ::4] = 255
+    assert finish(dots, 4, "crop")[:, :, 0].tolist() == [[16] * 4] * 4
+    edge = np.array([[0, 255], [0, 255]], np.uint8)
+    assert finish(edge, 8, "crop")[0, :, 0].tolist() == [0, 0, 32, 96, 159, 223, 255, 255]
+
+
+def test_percentile_intensity_clips_what_lies_beyond_the_percentiles_to_black_and_white(tmp_path):
+    """Pixels below the lower percentile are black and above the upper white (not wrapped around uint8); a 16-bit PNG
+    read as colour is its grey replicated, its depth kept."""
+    from PIL import Image
+
+    from fedsilo.data.imageops import normalize_standard, read_standard_image
+
+    ramp = np.arange(100, dtype=np.uint8).reshape(10, 10)
+    out = normalize_standard(ramp, 8, "percentile", (10.0, 90.0), "ramp.png")
+    assert out[ramp < 10].tolist() == [0] * 10 and out[ramp > 89].tolist() == [255] * 10
+    assert np.all(np.diff(out.ravel().astype(int)) >= 0)
+    Image.fromarray(np.tile(np.array([0, 1000, 40000, 65535], np.uint16), (8, 2))).save(tmp_path / "deep.png")
+    arr, depth = read_standard_image(tmp_path / "deep.png", grayscale=False)
+    assert depth == 16 and arr.shape == (8, 8, 3) and arr[0, :4, 2].tolist() == [0, 1000, 40000, 65535]
+    assert (arr == arr[:, :, :1]).all()
 
 
 def test_stale_rules_name_an_edit_of_what_makes_the_arrays_and_nothing_else():

@@ -1666,6 +1666,58 @@ def test_credentials_are_checked_before_flower_starts_and_the_superlinks_certifi
         assert main([*good, "--port", str(port), "--dry-run"]) == 0  # a dry run starts nothing: not checked
 
 
+def test_credentials_files_are_private_never_replaced_and_a_ca_about_to_expire_warns_either_party(tmp_path):
+    """Private keys 0600, certificates and public keys 0644; a second `deploy certs` or `deploy key` into the same
+    folder replaces nothing; a key name that is no file name, a certificate of no day, a ca.key that is not the
+    CA's, are refused. A host name longer than X.509's 64-character common name still gets its certificate. A CA
+    expiring within 30 days warns the coordinator; a site whose bundle also holds a CA valid for years does not warn."""
+    import stat
+
+    from cryptography import x509
+
+    from fedsilo.fl.credentials import (
+        check_site_credentials,
+        check_superlink_certificates,
+        make_certificates,
+        make_node_key,
+        renew_server_certificate,
+    )
+
+    short = make_certificates(tmp_path / "short", ("localhost",), days=10, ca_days=20)
+    key = make_node_key(tmp_path / "keys", "st-marys.1")
+    umask = os.umask(0)
+    os.umask(umask)
+    for files, private in ((short, ("ca.key", "server.key")), (key, ("st-marys.1",))):
+        for name, path in files.items():
+            assert stat.S_IMODE(path.stat().st_mode) == (0o600 if name in private else 0o644) & ~umask, name
+    before = {p: p.read_bytes() for p in [*short.values(), *key.values()]}
+    with pytest.raises(ConfigError, match=r"ca\.crt, server\.pem, ca\.key, server\.key already exist; .*never replaced"):
+        make_certificates(tmp_path / "short", ("localhost",))
+    with pytest.raises(ConfigError, match=r"st-marys\.1, st-marys\.1\.pub already exist"):
+        make_node_key(tmp_path / "keys", "st-marys.1")
+    assert {p: p.read_bytes() for p in before} == before
+    for bad in ("../site", ".hidden", "a b"):
+        with pytest.raises(ConfigError, match=r"--name: .*letters, digits"):
+            make_node_key(tmp_path / "keys", bad)
+    with pytest.raises(ConfigError, match=r"--days: 0; a certificate must be valid for at least a day"):
+        make_certificates(tmp_path / "none", ("localhost",), days=0)
+
+    warnings = check_superlink_certificates(tmp_path / "short")["warnings"]
+    assert len(warnings) == 2 and "the federation CA" in warnings[1] and "expires in 19 days" in warnings[1]
+    long = make_certificates(tmp_path / "long", ("a" * 70 + ".hospital.example.org", "10.0.0.5"))
+    server = x509.load_pem_x509_certificate(long["server.pem"].read_bytes())
+    assert server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName) == [
+        "a" * 70 + ".hospital.example.org"]
+    bundle = tmp_path / "bundle.crt"
+    bundle.write_bytes(short["ca.crt"].read_bytes() + long["ca.crt"].read_bytes())
+    assert "the federation CA" in check_site_credentials(short["ca.crt"], key["st-marys.1"])[0]
+    assert check_site_credentials(bundle, key["st-marys.1"]) == []
+
+    (tmp_path / "long" / "ca.key").write_bytes(short["ca.key"].read_bytes())  # another CA's key
+    with pytest.raises(ConfigError, match=r"--out: .*ca\.key is not the key of .*ca\.crt"):
+        renew_server_certificate(tmp_path / "long")
+
+
 def test_a_site_scores_new_image_files_with_the_model_it_kept_as_it_scores_its_harmonized_images(sites, tmp_path, capsys):
     """`fedsilo site predict` harmonizes each file with the site's own dataset options and scores it with the kept
     model: on the raw files behind a site's harmonized images (RSNA's DICOMs, one without its suffix; CheXpert's

@@ -398,6 +398,38 @@ def test_flops_of_the_last_round_scale_with_the_work_and_change_no_number(client
     assert moon[-1]["train_flops"] > one[-1]["train_flops"]
 
 
+def test_the_classifier_is_the_heads_last_linear_and_the_spectrum_is_the_covariances_eigenvalues():
+    """The representation is the input of the head's last linear layer, even where another linear layer (a projection)
+    is registered after the head; the spectrum is the eigenvalues of the representations' (centred, n - 1) covariance,
+    d of them, zeros past n - 1; effective rank counts only the positive mass; one image has no covariance."""
+    from fedsilo.client.features import classifier, covariance_spectrum, effective_rank, features_of
+
+    class WithProjection(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+            self.proj = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            z = x.flatten(1) + 0.5
+            self.proj(z)
+            return self.head(z)
+
+    model = WithProjection()
+    assert classifier(model) is model.head[2]
+    x = torch.randint(0, 256, (6, 1, 4, 4), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    z = features_of(model, x, NormalizeParams()).double()
+    assert z.shape == (6, 8)
+    want = torch.linalg.eigvalsh(torch.cov(z.T)).flip(0).clamp_min(0)
+    s = covariance_spectrum(model, x, NormalizeParams(), batch_size=4)
+    assert s.shape == (8,) and bool((s[6:] == 0).all()) and s[5] < 1e-9 * s[0]  # 6 images: 5 directions at most
+    torch.testing.assert_close(s.double(), want, atol=1e-6, rtol=1e-4)
+    assert effective_rank(torch.tensor([1.0, 1.0, 0.0, 0.0])) == pytest.approx(2.0)
+    assert effective_rank(torch.tensor([1.0, 1.0, -0.5])) == pytest.approx(2.0)  # a rounding error below zero is none
+    with pytest.raises(ValueError, match="needs at least 2 images, got 1"):
+        covariance_spectrum(model, x[:1], NormalizeParams())
+
+
 def test_spectra_count_the_directions_the_representations_span(clients):
     from fedsilo.client.features import covariance_spectrum, effective_rank
 

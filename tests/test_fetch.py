@@ -114,6 +114,89 @@ def test_server_ignoring_ranges_restarts_cleanly(tmp_path, payload):
         srv.close()
 
 
+def test_a_cached_file_is_reused_only_while_it_matches_and_a_complete_part_is_finished_on_416(tmp_path, payload):
+    """A cached file matching its checksum is used without a request; one that no longer matches is fetched again; a
+    ``.part`` already whole gets 416 to its range request and is verified and kept, not refetched."""
+    srv = Server({"/f.bin": payload})
+    try:
+        r = Remote(f"{srv.url}/f.bin", "f.bin", f"sha256:{hashlib.sha256(payload).hexdigest()}")
+        (tmp_path / "f.bin").write_bytes(payload)
+        assert download(r, tmp_path, quiet=True) == (tmp_path / "f.bin", True) and srv.log == []
+        (tmp_path / "f.bin").write_bytes(b"an older release")
+        path, verified = download(r, tmp_path, quiet=True)
+        assert verified and path.read_bytes() == payload and len(srv.log) == 1
+        path.unlink()
+        (tmp_path / "f.bin.part").write_bytes(payload)
+        path, verified = download(r, tmp_path, quiet=True)
+        assert verified and path.read_bytes() == payload and not (tmp_path / "f.bin.part").exists()
+        assert srv.log[-1]["headers"].get("Range") == f"bytes={len(payload)}-"
+    finally:
+        srv.close()
+
+
+def test_a_checksum_is_a_known_algorithm_and_hex_digits_a_prefix_of_at_least_32(tmp_path, payload):
+    from fedsilo.data.download import parse_checksum
+
+    full = hashlib.sha512(payload).hexdigest()
+    assert parse_checksum(f"SHA512:{full[:32].upper()}", "f") == ("sha512", full[:32])
+    for bad, says in ((f"sha512:{full[:31]}", "expected 128 hex digits"), (f"md5:{full[:33]}", "expected 32 hex digits"),
+                      ("sha256:" + "g" * 64, "expected 64 hex digits"), ("crc32:" + "0" * 32, "algorithm must be one of")):
+        with pytest.raises(DownloadError, match=f"^f: checksum '{bad}': {says}"):
+            parse_checksum(bad, "f")
+    srv = Server({"/f.bin": payload})
+    try:  # a publisher's sha512 prefix verifies the whole file
+        path, verified = download(Remote(f"{srv.url}/f.bin", "f.bin", f"sha512:{full[:40]}"), tmp_path, quiet=True)
+        assert verified and path.read_bytes() == payload
+    finally:
+        srv.close()
+
+
+def test_a_redirect_to_another_host_drops_the_authorization_header(tmp_path, payload):
+    """Kaggle's answer redirects to signed storage: the credentials go to the host they were meant for only."""
+    storage = Server({"/f.bin": payload})
+    port = storage.httpd.server_address[1]
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):  # noqa: N802
+            host = "127.0.0.1" if self.path == "/same" else "localhost"
+            self.send_response(302)
+            self.send_header("Location", f"http://{host}:{port}/f.bin")
+            self.end_headers()
+
+    api = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=api.serve_forever, daemon=True).start()
+    auth = {"Authorization": "Basic " + base64.b64encode(b"bob:key").decode()}
+    try:
+        for path, sent in (("other", None), ("same", auth["Authorization"])):
+            remote = Remote(f"http://127.0.0.1:{api.server_address[1]}/{path}", f"{path}.bin")
+            assert download(remote, tmp_path, headers=auth, quiet=True)[0].read_bytes() == payload
+            assert storage.log[-1]["headers"].get("Authorization") == sent, path
+    finally:
+        api.shutdown()
+        storage.close()
+
+
+def test_a_cache_on_another_disk_is_copied_into_the_raw_folder(tmp_path, monkeypatch):
+    """A hard link when the cache and data/ share a disk; a copy when linking fails (another file system)."""
+    import errno
+
+    from fedsilo.data.download import place
+
+    (tmp_path / "cached.bin").write_bytes(b"verified bytes")
+    place(tmp_path / "cached.bin", tmp_path / "raw" / "a" / "linked.bin")
+    assert (tmp_path / "raw" / "a" / "linked.bin").stat().st_ino == (tmp_path / "cached.bin").stat().st_ino
+
+    def cross_device(src, dst):
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src), None, str(dst))
+
+    monkeypatch.setattr(os, "link", cross_device)
+    place(tmp_path / "cached.bin", tmp_path / "raw" / "b" / "copied.bin")
+    assert (tmp_path / "raw" / "b" / "copied.bin").read_bytes() == b"verified bytes"
+
+
 def test_checksum_mismatch_names_the_file_and_leaves_nothing_in_data(tmp_path, payload, monkeypatch):
     srv = Server({"/train_32x32.mat": payload})
     monkeypatch.setenv("FEDSILO_DOWNLOAD_CACHE", str(tmp_path / "cache"))

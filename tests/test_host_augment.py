@@ -55,6 +55,22 @@ def test_the_policy_is_seeded_from_the_run_and_changes_grey_and_colour_batches()
         assert torch.equal(a, b) and not torch.equal(a, x) and not torch.equal(a, d)
 
 
+def test_no_policy_is_none_and_each_thread_gets_a_policy_of_its_own():
+    """A run without a policy builds nothing (and so draws no seed); clients trained at once in threads each re-seed
+    their own copy, never one another's; one thread reuses its copy."""
+    import threading
+
+    assert host_policy(AugmentParams().host) is None
+    host = AugmentParams(host=CXR_POLICY).host
+    mine = host_policy(host)
+    assert host_policy(host) is mine
+    theirs = []
+    worker = threading.Thread(target=lambda: theirs.append(host_policy(host)))
+    worker.start()
+    worker.join()
+    assert theirs[0] is not None and theirs[0] is not mine
+
+
 def test_training_sees_the_transformed_images():
     """An inverting policy trains exactly like plain training on inverted images (one local epoch: the policy's
     per-batch seed draw comes after the epoch's batch order, so the two runs draw the same batches)."""

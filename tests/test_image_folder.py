@@ -397,6 +397,32 @@ def test_the_data_card_shows_the_first_images_of_every_domain_and_class_as_harmo
     assert [cs.shown_name(n, "domain 2") for n in ("Tumör", "Sjukhus Malmö", "正常病院")] == ["Tumor", "Sjukhus Malmo", "domain 2"]
 
 
+def test_a_contact_sheet_shows_several_groups_before_a_second_image_of_one_and_grey_where_images_lack(tmp_path):
+    """Four tiles per class of a binary task: a slide's patches come after one of each other slide; a class with one
+    image shows it and three mid-grey slots; larger images are averaged into the tile. At most MAX_CLASSES classes are
+    shown; names drawn as ASCII, a name mostly in another script by its number."""
+    from fedsilo.data import contact_sheet as cs
+
+    table = pd.DataFrame({"domain": ["A"] * 5 + ["B"], "label": [0, 0, 0, 0, 1, 1],
+                          "group": ["s1", "s1", "s1", "s2", "s3", "s4"], "id": [f"i{k}" for k in range(6)]})
+    images = np.zeros((6, 128, 128, 1), np.uint8)
+    images[:, ::2, ::2] = 255  # one bright pixel in four: 64 after averaging, 0 or 255 sampled
+    sm = cs.write_contact_sheet(tmp_path / "samples.png", table, images, ["normal", "tumour"])
+    assert sm["per_class"] == 4 and sm["ids"]["A"] == {"normal": ["i0", "i3", "i1", "i2"], "tumour": ["i4"]}
+    assert sm["ids"]["B"] == {"normal": [], "tumour": ["i5"]}
+    sheet = cv2.imread(str(tmp_path / "samples.png"))
+    y, x, tile = 22 + 64 + 6, 120 + 4 * 64 + 6, cs.TILE  # row B, class "tumour"
+    assert (np.abs(sheet[y:y + tile, x:x + tile].astype(int) - 64) <= 1).all()
+    assert (sheet[y:y + tile, x + tile:x + 4 * tile] == 128).all() and (sheet[y:y + tile, 120:120 + 4 * tile] == 128).all()
+
+    assert [cs.per_class_for(n) for n in (2, 5, 9, 40)] == [4, 3, 1, 1]
+    many = [f"c{k}" for k in range(14)]
+    sm = cs.write_contact_sheet(tmp_path / "many.png", table.assign(label=[0, 13, 2, 3, 4, 5]), images, many)
+    assert sm["classes_shown"] == many[:cs.MAX_CLASSES] and set(sm["ids"]["A"]) == set(many[:cs.MAX_CLASSES])
+    assert [cs.shown_name(n, "class 3") for n in ("Straße", "Łódź", "Klinik 東京", "東京大学病院 A")] == [
+        "Strasse", "Lodz", "Klinik", "class 3"]
+
+
 def test_harmonize_spools_each_image_as_it_is_decoded_and_refuses_mixed_shapes(tmp_path, monkeypatch):
     """Decoded images go one by one into the output's memory-mapped images.npy (never the whole dataset in a list: a
     hospital's 100k radiographs would be gigabytes of RAM); a failed slot is closed up in place; shapes must agree."""

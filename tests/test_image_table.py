@@ -389,6 +389,40 @@ def test_dicoms_that_are_no_picture_are_left_out_not_quarantined(tmp_path):
     assert card["domains"]["t"]["excluded_by_reason"] == {"not an image file (.pdf)": 1}
 
 
+def test_deep_colour_and_palette_dicoms_scale_to_8_bits_and_a_blank_window_is_refused(tmp_path):
+    """12-bit RGB scaled over its stored bits (not 16); a PALETTE COLOR file through its lookup table (16-bit entries
+    scaled to 8); a greyscale file whose every pixel lies below its VOI window is a constant image."""
+    from pydicom import dcmread
+
+    from fedsilo.data.dicom import dicom_to_rgb
+    from fedsilo.data.imageops import ImageDecodeError
+    from tests.test_data import _radiograph
+
+    deep = np.random.default_rng(0).integers(0, 4096, (8, 8, 3)).astype(np.uint16)
+    _colour_dicom(tmp_path / "deep.dcm", np.zeros((8, 8, 3), np.uint8))
+    ds = dcmread(tmp_path / "deep.dcm")
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelData = 16, 12, 11, deep.astype("<u2").tobytes()
+    ds.save_as(tmp_path / "deep.dcm", enforce_file_format=True)
+    np.testing.assert_array_equal(dicom_to_rgb(tmp_path / "deep.dcm"), np.round(deep * 255.0 / 4095).astype(np.uint8))
+
+    ds.SamplesPerPixel, ds.PhotometricInterpretation, ds.BitsAllocated, ds.BitsStored, ds.HighBit = 1, "PALETTE COLOR", 8, 8, 7
+    del ds.PlanarConfiguration
+    ds.PixelData = np.tile(np.arange(8, dtype=np.uint8), (8, 1)).tobytes()  # indices 0 ... 7: red rising, blue falling
+    ramp = np.zeros(256, "<u2")
+    ramp[:8] = np.arange(8) * 9362
+    for colour, lut in (("Red", ramp), ("Green", np.zeros(256, "<u2")), ("Blue", np.where(ramp > 0, 65535 - ramp, 0))):
+        ds.add_new(f"{colour}PaletteColorLookupTableDescriptor", "US", [256, 0, 16])
+        setattr(ds, f"{colour}PaletteColorLookupTableData", lut.astype("<u2").tobytes())
+    ds.save_as(tmp_path / "palette.dcm", enforce_file_format=True)
+    row = dicom_to_rgb(tmp_path / "palette.dcm")[0]
+    assert row[:, 0].tolist() == [0, 36, 73, 109, 146, 182, 219, 255] and not row[:, 1].any()
+    assert row[:, 2].tolist() == [0, 219, 182, 146, 109, 73, 36, 0]
+
+    _radiograph(tmp_path / "blank.dcm", np.tile(np.arange(8) * 10, (8, 1)), window=(3000, 100))
+    with pytest.raises(ImageDecodeError, match=r"blank\.dcm: constant image"):
+        dicom_to_rgb(tmp_path / "blank.dcm")
+
+
 def test_a_patient_level_table_labels_a_pacs_exports_dicoms_by_their_patient_id(tmp_path):
     """dicom_patient: one row per patient, its DICOMs (suffix-less, UID-named, any depth) found by their header's
     PatientID; each takes the row's class and the patient as its group; unlisted, ID-less and non-DICOM files and a

@@ -284,6 +284,82 @@ def test_a_repository_copied_with_its_store_keeps_every_runs_artifacts_inside_th
     assert "moved or copied" not in caplog.text  # once
 
 
+def test_what_a_round_and_a_summary_log_and_the_data_hashes_a_run_is_tagged_with(tmp_path):
+    """Params flatten to dotted keys; a round logs each site's accuracy, an AUC only where defined (no NaN), a
+    training loss only where trained; names MLflow refuses are made legal; a summary logs each client's accuracy. A
+    run's data hashes come from the dvc.lock entries that record an md5, a later lock over an earlier one."""
+    from fedsilo.tracking import dvc_hashes, flat_summary, flatten, metric_key, round_metrics
+
+    assert flatten({"train": {"lr": 0.1, "augment": {"hflip": True}}, "seed": 0}) == {
+        "train.lr": 0.1, "train.augment.hflip": True, "seed": 0}
+    entry = {"round": 1, "bytes_up_total": 10, "bytes_down_total": 20, "bytes_up": {"a": 4}, "bytes_down": {"a": 8},
+             "train_loss": {"a": 0.5, "St Mary's (b)": None}, "mean_acc": 0.6, "std_acc": 0.1,
+             "eval": {"a": {"acc": 0.7, "auc": 0.8}, "St Mary's (b)": {"acc": 0.5, "auc": float("nan")}}}
+    m = round_metrics(entry)
+    assert m["auc.a"] == 0.8 and m["acc.St Mary_s _b_"] == 0.5 and "auc.St Mary_s _b_" not in m
+    assert m["train_loss.a"] == 0.5 and not any(k.startswith("train_loss.St") for k in m)
+    assert metric_key("acc.Zürich/α:1") == "acc.Zürich/α_1"
+    summary = flat_summary({"mean_acc": 0.6, "std_acc": 0.1, "per_client": {"a": {"acc": 0.7}, "b": {"acc": 0.5}}})
+    assert summary == {"mean_acc": 0.6, "std_acc": 0.1, "acc.a": 0.7, "acc.b": 0.5}
+
+    first, second = tmp_path / "dvc.lock", tmp_path / "papers" / "dvc.lock"
+    second.parent.mkdir()
+    first.write_text(yaml.safe_dump({"stages": {"harmonize": {"outs": [
+        {"path": "data/harmonized/a", "md5": "old.dir"}, {"path": "data/splits/a", "md5": None},
+        {"path": "data/other", "md5": "x.dir"}]}}}))
+    second.write_text(yaml.safe_dump({"stages": {"harmonize": {"outs": [{"path": "data/harmonized/a", "md5": "new.dir"}]}}}))
+    assert dvc_hashes(["data/harmonized/a", "data/splits/a"], [first, second, tmp_path / "missing.lock"]) == {
+        "data/harmonized/a": "new.dir"}
+
+
+def test_a_commit_is_dirty_by_its_code_not_by_the_dvc_locks_a_running_repro_rewrites(tmp_path):
+    import subprocess as sp
+
+    from fedsilo.tracking import git_commit
+
+    def git(*args):
+        sp.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    for name in ("dvc.lock", "papers/p/dvc.lock", "train.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("v1\n")
+    git("add", ".")
+    git("commit", "-q", "-m", "c")
+    (tmp_path / "dvc.lock").write_text("v2\n")
+    (tmp_path / "papers" / "p" / "dvc.lock").write_text("v2\n")
+    sha, dirty = git_commit(tmp_path)
+    assert len(sha) == 40 and not dirty
+    (tmp_path / "train.py").write_text("v2\n")
+    assert git_commit(tmp_path) == (sha, True)
+
+
+def test_a_runs_folder_supersedes_the_run_it_last_served_unless_that_run_is_resumed_or_ended(tmp_path, monkeypatch):
+    """start_in: the folder's earlier run, still RUNNING and not the one continued, is marked KILLED; a resumed run
+    is left running; a finished one stays FINISHED; a run that fails to log its params is not left RUNNING.
+    MLFLOW_TRACKING_URI wins over params; two experiments whose names make the same folder name keep their artifacts
+    apart (the name's hash)."""
+    from fedsilo.tracking import Tracker, artifact_location
+
+    a, b = artifact_location("sqlite:///m.db", "paper/e 1"), artifact_location("sqlite:///m.db", "paper_e_1")
+    assert a != b and a.rsplit("/", 1)[1].startswith("paper_e_1-") and b.rsplit("/", 1)[1].startswith("paper_e_1-")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'env.db'}")
+    t = Tracker(True, f"sqlite:///{tmp_path / 'params.db'}")
+    assert t.uri == f"sqlite:///{tmp_path / 'env.db'}"
+    status = lambda run: t.client.get_run(run).info.status  # noqa: E731
+    first = t.start_in(tmp_path, "e", "r", {}, {})
+    assert t.start_in(tmp_path, "e", "r", {}, {}, run_id=first) == first and status(first) == "RUNNING"
+    second = t.start_in(tmp_path, "e", "r", {}, {})
+    assert status(first) == "KILLED" and status(second) == "RUNNING"
+    t.finish({}, [])
+    t.start_in(tmp_path, "e", "r", {}, {})
+    assert status(second) == "FINISHED"
+    monkeypatch.setattr(t.client, "log_batch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("store full")))
+    with pytest.raises(RuntimeError, match="store full"):
+        t.start("e", "r", {"a": 1}, {})
+    assert status(t.run_id) == "FAILED"
+
+
 def test_a_run_id_the_store_lacks_starts_a_new_run_and_a_failing_store_is_not_taken_for_one(tmp_path, monkeypatch):
     """A checkpoint's MLflow run that another tracking store holds: a new run here (and nothing to mark KILLED);
     the store failing otherwise (unreachable, locked) stops the start, where it silently began a second run and left

@@ -238,6 +238,17 @@ def test_redact_removes_every_form_of_a_credential(monkeypatch):
     assert str(DownloadError(f"x?sig={MARKER}")) == "x?<redacted>"
 
 
+def test_redact_removes_a_bare_basic_token_and_a_secret_that_holds_another(monkeypatch):
+    """The Basic token built from a credential is removed where an error quotes it alone; of two credentials one of
+    which contains the other, the longer goes whole (none of it left beside the shorter one's mark)."""
+    monkeypatch.setenv("KAGGLE_USERNAME", "alice")
+    monkeypatch.setenv("KAGGLE_KEY", "k3y-0f-alice")
+    monkeypatch.setenv("PHYSIONET_PASSWORD", "k3y-0f-alice-and-bob")
+    token = base64.b64encode(b"alice:k3y-0f-alice").decode()
+    assert download_mod.redact(f"headers sent: {token}") == "headers sent: <redacted>"
+    assert download_mod.redact("login k3y-0f-alice-and-bob / k3y-0f-alice") == "login <redacted> / <redacted>"
+
+
 def test_check_address_takes_https_and_plain_http_on_loopback_only():
     download_mod.check_address("https://a.blob.core.windows.net/c?sig=x", "V")
     download_mod.check_address("http://127.0.0.1:8080/c?sig=x", "V")
