@@ -112,6 +112,13 @@ def test_onboarding_newcomer_strategies_and_fig6(mirror_root, tmp_path):
     server = __import__("torch").load(root / "results" / "quick" / "pfeddb" / "seed0" / "final_model.pt", weights_only=False)["server"]
     phi = {k: v for k, v in server.items() if k.startswith("shared.")}  # the server's records of the sites aside
     assert phi and out["bytes_down_phi"] == sum(v.numel() * v.element_size() for v in phi.values())
+    # tied to the newcomer's arrays and split and to the federation's run, as a run's metrics.json is
+    assert out["data"] == met["data"] and out["federation_config_hash"] == met["config_hash"]
+    images = root / "data" / "harmonized" / "chest_xray4" / "images.npy"
+    kept = images.read_bytes()
+    images.write_bytes(kept[:-1] + bytes([kept[-1] ^ 0xFF]))  # one pixel edited after harmonize: refused
+    assert main(args + ["onboard", "--experiment", "quick", "--seed", "0"]) == 2
+    images.write_bytes(kept)
     assert main(args + ["report", "--experiment", "quick"]) == 0
     rep = root / "results" / "report" / "quick"
     assert (rep / "quick_fig6_onboarding.png").stat().st_size > 1000

@@ -30,6 +30,7 @@ from fedsilo.client.data import ClientData, load_clients, pick_device, to_float
 from fedsilo.client.local import evaluate, make_generator, running_stats_frozen, train_local
 from fedsilo.config import ConfigError, Params
 from fedsilo.config.errors import not_defined
+from fedsilo.data.harmonize import refuse_changed_arrays
 from fedsilo.data.splits import refuse_stale_split
 from fedsilo.fl.deploy import NEWCOMER, OWN_PART, as_member_refusal, deployment_spec, read_model_file
 from fedsilo.methods import resolve_method
@@ -37,7 +38,7 @@ from fedsilo.methods.base import State, payload_bytes
 from fedsilo.methods.pfeddb import PFedDB
 from fedsilo.methods.pfeddb.onboarding import STRATEGIES, global_shared_branch, onboard_newcomer
 from fedsilo.models import build_model
-from fedsilo.utils.io import atomic_dir, read_json, write_json
+from fedsilo.utils.io import atomic_dir, file_sha256, read_json, write_json
 
 __all__ = ["MEMBER", "ONBOARD_STRATEGIES", "STRATEGIES", "onboard_site", "run_onboarding"]
 
@@ -62,10 +63,15 @@ def run_onboarding(params: Params, experiment: str, seed: int, root: Path = Path
         raise FileNotFoundError(f"{final}: missing; train {experiment} / {method} / seed {seed} first (`dvc repro`)")
     ob = exp.onboarding
     device = pick_device(exp.train.device, f"experiments.{experiment}.train.device")
+    harmonized = layout.harmonized(exp.dataset)
+    card = read_json(harmonized / "card.json")  # the newcomer's images are the card's, as a run's are (fl/run.py)
+    refuse_changed_arrays(harmonized, card, f"put them back with `dvc checkout harmonize@{exp.dataset}` or `dvc repro "
+                          f"harmonize@{exp.dataset}`")
     newcomer_split = {"clients": [split["holdout"]["client"]], "num_classes": split["num_classes"]}
-    (client,), in_ch, num_classes = load_clients(layout.harmonized(exp.dataset), newcomer_split, device)
+    (client,), in_ch, num_classes = load_clients(harmonized, newcomer_split, device)
     client.index = len(split["clients"])  # its own stream of seeded randomness
-    phi = global_shared_branch(torch.load(final, map_location=device, weights_only=False)["server"])
+    trained = torch.load(final, map_location=device, weights_only=False)
+    phi = global_shared_branch(trained["server"])
 
     def backbone(init_seed: int):
         return build_model(exp.train.model, in_ch, num_classes, seed=init_seed, image_size=client.x_train.shape[-1],
@@ -80,6 +86,9 @@ def run_onboarding(params: Params, experiment: str, seed: int, root: Path = Path
         "rounds": ob.rounds,
         "pretrain_rounds": ob.pretrain_rounds,
         **res,
+        # what the curves come from: the newcomer's arrays and split, and the federation's run (its metrics.json's)
+        "data": {"harmonized_sha256": card["sha256"], "split_sha256": file_sha256(layout.split(experiment))},
+        "federation_config_hash": trained.get("config_hash"),
     }
     with atomic_dir(layout.onboarding(experiment, seed)) as tmp:
         write_json(tmp / "onboarding.json", out)
