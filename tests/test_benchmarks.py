@@ -40,6 +40,39 @@ def bench_harmonized(bench_raw) -> Path:
     return out
 
 
+def test_a_fetched_copy_changed_since_its_fetch_is_said_in_the_card_and_its_sources(bench_raw, tmp_path):
+    """Harmonize by hand after an edit inside data/raw/<source>: the card named the fetch manifest's hash as what its
+    arrays were made from. A file removed, resized, or a table edited at its own size is now a warning of the card and
+    a ``changed_since_fetch`` list beside the source's fingerprint (an image rewritten at its own size is left to
+    `dvc status`: a stat per file, a hash per table)."""
+    import json
+
+    from fedsilo.data.harmonize import changed_since_fetch
+
+    raw = tmp_path / "raw"
+    shutil.copytree(bench_raw / "office_caltech10", raw / "office_caltech10")
+    assert changed_since_fetch(raw, ["office_caltech10", "pacs"]) == {}  # as fetched; pacs: no copy there
+    images = sorted(p for p in (raw / "office_caltech10").rglob("*.jpg"))
+    images[0].unlink()
+    images[1].write_bytes(images[1].read_bytes() + b"\0")
+    images[2].write_bytes(images[2].read_bytes()[:-1] + bytes([images[2].read_bytes()[-1] ^ 1]))  # same size: unseen
+    table = raw / "office_caltech10" / "notes.csv"
+    (raw / "office_caltech10" / "notes.csv").write_text("a,b\n")
+    from fedsilo.data.fetch import MANIFEST
+
+    manifest = json.loads((raw / "office_caltech10" / MANIFEST).read_text())
+    manifest["files"]["notes.csv"] = {"sha256": "0" * 64, "bytes": table.stat().st_size}  # a table edited at its size
+    (raw / "office_caltech10" / MANIFEST).write_text(json.dumps(manifest))
+    rel = lambda p: p.relative_to(raw / "office_caltech10").as_posix()  # noqa: E731
+    said = changed_since_fetch(raw, ["office_caltech10"])["office_caltech10"]
+    assert said == sorted([f"{rel(images[0])} (removed)", f"{rel(images[1])} ({images[1].stat().st_size} bytes; fetched "
+                           f"{images[1].stat().st_size - 1})", "notes.csv (edited)"])
+    card = harmonize_dataset(BenchmarkDatasetParams(kind="office_caltech10", image_size=28, workers=1), raw, tmp_path / "h")
+    assert card["sources"]["office_caltech10"]["changed_since_fetch"] == said
+    assert any(w.startswith("data/raw/office_caltech10: 3 file(s) are not what fetch wrote (") and "dvc checkout fetch@office_caltech10" in w
+               for w in card["warnings"])
+
+
 EXPECTED_DOMAINS = {
     "digits5": ["MNIST", "SVHN", "USPS", "SynthDigits", "MNIST-M"],
     "office_caltech10": ["amazon", "caltech", "dslr", "webcam"],

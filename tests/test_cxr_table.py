@@ -81,7 +81,10 @@ def test_a_hospitals_export_is_a_domain_of_its_own_harmonized_as_the_public_sour
     assert mine["group"].str.startswith("St Marys/H").all() and mine["group"].nunique() < len(mine)
     split = make_split(recs, p.experiments["quick"].split, 0)
     check_patient_disjoint(recs, split)
-    assert "warnings" not in card
+    # the table was edited in the fetched copy (above): said, the only warning, and listed beside the source's fingerprint
+    assert [w.split(" (")[0] for w in card["warnings"]] == ["data/raw/st_marys: 1 file(s) are not what fetch wrote"]
+    assert [c.split(" (")[0] for c in card["sources"]["st_marys"]["changed_since_fetch"]] == ["labels.csv"]
+    assert "changed_since_fetch" not in card["sources"]["rsna"]
     # the card records the rules the table was read with, its defaults spelled out
     assert card["rules"]["tables"]["st_marys"]["positive"] == ["Lung Opacity"] and card["rules"]["tables"]["st_marys"]["domain"] == "St Marys"
 

@@ -555,12 +555,14 @@ def test_output_piped_into_a_reader_that_stops_early_ends_quietly():
     """`fedsilo --version | head -1`, `fedsilo methods | head -1`: the reader closed the pipe and Python printed a
     BrokenPipeError traceback (the README calls any traceback a bug); now the command ends quietly with the status of
     a process SIGPIPE ended."""
+    import os
     import subprocess
     import sys
 
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout buffered, as in a plain shell
     for args in (["--version"], ["methods"]):
         p = subprocess.Popen([sys.executable, "-c", "import sys; from fedsilo.cli import main; sys.exit(main())", *args],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         p.stdout.close()  # the reader gone before the output is written (head -1 once it has its line)
         err = p.stderr.read().decode()
         assert p.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipeError" not in err, (args, err)
@@ -577,6 +579,9 @@ def test_site_and_deploy_actions_take_their_own_options_and_name_a_missing_one(c
     out = capsys.readouterr().out
     assert out.startswith("usage: fedsilo site evaluate") and "--dataset" in out and "--bootstrap" in out
     assert "--superlink" not in out and "--images" not in out and "--strategy" not in out
+    with pytest.raises(SystemExit):  # an empty value names nothing (--out "" wrote into the current folder)
+        cli.main(["deploy", "key", "--out", "", "--name", "site"])
+    assert "fedsilo deploy key: error: argument --out: empty; give a value" in capsys.readouterr().err
     for argv, missing in ((["site", "card"], "--experiment"), (["site", "evaluate", "--model", "m.pt"], "--dataset"),
                           (["site", "supernode", "--experiment", "site", "--superlink", "h:9093"], "--root-certificates, --auth-key"),
                           (["site", "onboard", "--experiment", "site"], "--model"), (["deploy", "key", "--out", "k"], "--name"),

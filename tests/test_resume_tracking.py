@@ -254,7 +254,7 @@ def test_a_repository_copied_with_its_store_keeps_every_runs_artifacts_inside_th
     store is untouched, and an experiment whose artifacts were put elsewhere on purpose is left as it is."""
     import shutil
 
-    from fedsilo.tracking import Tracker
+    from fedsilo.tracking import Tracker, relocate_artifacts
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     first, copy = tmp_path / "first", tmp_path / "copy"
@@ -267,7 +267,7 @@ def test_a_repository_copied_with_its_store_keeps_every_runs_artifacts_inside_th
     shutil.copytree(first, copy)
     with caplog.at_level("WARNING", logger="fedsilo.tracking"):
         c = Tracker(True, f"sqlite:///{copy / 'mlflow.db'}")
-    assert f"moved or copied from {first}: the artifact folders of 1 MLflow experiment(s) now point into {(copy / 'mlruns').as_uri()}" in caplog.text
+    assert f"moved or copied from {first}: the artifact folders of 1 MLflow experiment(s) now point into {copy / 'mlruns'}" in caplog.text
     shutil.rmtree(first / "mlruns")
     after = c.start("cxr4_quickstart", "fedavg-seed1", {"a": 1}, {})
     c.finish({"acc": 1.0}, [copy / "metrics.json"])
@@ -282,6 +282,17 @@ def test_a_repository_copied_with_its_store_keeps_every_runs_artifacts_inside_th
     with caplog.at_level("WARNING", logger="fedsilo.tracking"):
         Tracker(True, f"sqlite:///{copy / 'mlflow.db'}")
     assert "moved or copied" not in caplog.text  # once
+    # the database copied alone (its mlruns/ left behind, still there): its earlier run keeps pointing at its artifacts
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(first / "mlflow.db", alone / "mlflow.db")
+    shutil.copytree(copy / "mlruns", first / "mlruns")  # the original's artifacts back where they were
+    solo = Tracker(True, f"sqlite:///{alone / 'mlflow.db'}")
+    assert solo.client.get_run(before).info.artifact_uri.startswith((first / "mlruns").as_uri())
+    assert solo.client.get_experiment_by_name("cxr4_quickstart").artifact_location.startswith((alone / "mlruns").as_uri())
+    # the same folder by another path (a link, a second mount): no move
+    (tmp_path / "link").symlink_to(first, target_is_directory=True)
+    assert relocate_artifacts(f"sqlite:///{tmp_path / 'link' / 'mlflow.db'}") == []
 
 
 def test_what_a_round_and_a_summary_log_and_the_data_hashes_a_run_is_tagged_with(tmp_path):

@@ -1250,6 +1250,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return ap
 
 
+def _nonempty(value: str) -> str:
+    """An option's value that names something (a folder, a site, an experiment): an empty one is refused by argparse
+    (``--out ""`` wrote the CA into the current folder)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("empty; give a value")
+    return value
+
+
 def _actions(parser: argparse.ArgumentParser, common: argparse.ArgumentParser, fmt: type, fn: Callable[[argparse.Namespace], None],
              actions: dict[str, tuple[str, str]]) -> dict[str, argparse.ArgumentParser]:
     """One sub-command per action of ``site`` / ``deploy`` (``fedsilo site evaluate --help`` lists evaluate's options
@@ -1302,26 +1310,26 @@ def _add_site(sub: argparse._SubParsersAction, common: argparse.ArgumentParser, 
                     "nothing is sent."),
     })
     for name in ("card", "supernode", "predict", "onboard"):
-        a[name].add_argument("--experiment", required=True, help="the site's one-client experiment (experiments.<name>)")
+        a[name].add_argument("--experiment", required=True, type=_nonempty, help="the site's one-client experiment (experiments.<name>)")
     for name in ("predict", "evaluate"):
         a[name].add_argument("--model", help="the model.pt the site kept (default: the only one under --root: a "
                              "deployment's, or one `site onboard` adapted)")
         a[name].add_argument("--device", default="cpu", help="where the model runs (cpu, cuda, cuda:1, auto; default cpu)")
-    a["supernode"].add_argument("--superlink", required=True, help="the SuperLink's address, host:port")
-    a["supernode"].add_argument("--root-certificates", required=True, help="the federation's CA certificate (ca.crt from the coordinator)")
-    a["supernode"].add_argument("--auth-key", required=True, help="the site's private authentication key (fedsilo deploy key)")
+    a["supernode"].add_argument("--superlink", required=True, type=_nonempty, help="the SuperLink's address, host:port")
+    a["supernode"].add_argument("--root-certificates", required=True, type=_nonempty, help="the federation's CA certificate (ca.crt from the coordinator)")
+    a["supernode"].add_argument("--auth-key", required=True, type=_nonempty, help="the site's private authentication key (fedsilo deploy key)")
     a["supernode"].add_argument("--port", type=int, default=9094, help="this SuperNode's Runtime API port on 127.0.0.1 (default 9094)")
     _service_options(a["supernode"], "flower-supernode")
     a["audit"].add_argument("--json", action="store_true", help="print JSON (with the received side)")
     a["predict"].add_argument("--images", nargs="+", required=True, metavar="FILE_OR_FOLDER",
                               help="image files (DICOM, PNG, JPEG) or folders of them")
     a["predict"].add_argument("--out", help="the CSV to write (default: standard output)")
-    a["evaluate"].add_argument("--dataset", required=True, help="the labelled dataset (datasets.<name>, harmonized here) to score")
+    a["evaluate"].add_argument("--dataset", required=True, type=_nonempty, help="the labelled dataset (datasets.<name>, harmonized here) to score")
     a["evaluate"].add_argument("--bootstrap", type=int, default=1000, help="patient-level bootstrap samples for the 95 %% "
                                "intervals (default 1000)")
     a["evaluate"].add_argument("--seed", type=int, default=0, help="the bootstrap's seed (default 0)")
     a["evaluate"].add_argument("--out", help="the folder to write (default evaluation/<dataset>)")
-    a["onboard"].add_argument("--model", required=True, help="the deployment's final_model.pt (from the coordinator)")
+    a["onboard"].add_argument("--model", required=True, type=_nonempty, help="the deployment's final_model.pt (from the coordinator)")
     a["onboard"].add_argument("--strategy", nargs="+", choices=["freeze_global", "finetune_all", "from_scratch", "as_member"],
                               help="the strategies to run, the first one's model kept (default: the method's own way: "
                               "freeze_global for pFedDB, FedBN, FedRep, FedPer, LG-FedAvg: the federation's tensors frozen, "
@@ -1361,17 +1369,17 @@ def _add_deploy(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                    "flwr supernode list), the ServerApp's checkpoint round, whether the results are written, when the "
                    "certificates in --certs expire."),
     })
-    a["certs"].add_argument("--out", required=True, help="the folder to write (ca.crt, ca.key, server.pem, server.key)")
+    a["certs"].add_argument("--out", required=True, type=_nonempty, help="the folder to write (ca.crt, ca.key, server.pem, server.key)")
     a["certs"].add_argument("--host", action="append", help="an address or DNS name of the SuperLink (repeat)")
     a["certs"].add_argument("--days", type=int, default=365, help="validity of the SuperLink's certificate in days (default 365)")
     a["certs"].add_argument("--ca-days", type=int, default=3650, help="validity of the federation CA, the ca.crt every site "
                             "trusts, in days (default 3650)")
     a["certs"].add_argument("--renew", action="store_true", help="a new SuperLink certificate in --out, signed by the CA "
                             "there (names from the old one unless --host); the sites keep their ca.crt")
-    a["key"].add_argument("--out", required=True, help="the folder to write the key pair in")
-    a["key"].add_argument("--name", required=True, help="the site's name")
-    a["app"].add_argument("--out", required=True, help="the App folder to write")
-    a["app"].add_argument("--federation", required=True, help="the federation file")
+    a["key"].add_argument("--out", required=True, type=_nonempty, help="the folder to write the key pair in")
+    a["key"].add_argument("--name", required=True, type=_nonempty, help="the site's name")
+    a["app"].add_argument("--out", required=True, type=_nonempty, help="the App folder to write")
+    a["app"].add_argument("--federation", required=True, type=_nonempty, help="the federation file")
     a["app"].add_argument("--results", help="where the ServerApp writes its results (default "
                           "results/deploy/<federation>/<method>/seed<k> under the SuperLink's folder)")
     a["app"].add_argument("--state", help="where the ServerApp keeps its checkpoint, from which a run started again resumes "
@@ -1382,7 +1390,7 @@ def _add_deploy(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                                 "runs kept across restarts (default superlink.db; ':memory:' keeps none)")
     a["superlink"].add_argument("--listen", default="0.0.0.0:9093", help="host:port of its Fleet and Control APIs (default 0.0.0.0:9093)")
     _service_options(a["superlink"], "flower-superlink")
-    a["status"].add_argument("--app", required=True, help="the App folder `deploy app` wrote")
+    a["status"].add_argument("--app", required=True, type=_nonempty, help="the App folder `deploy app` wrote")
     a["status"].add_argument("--connection", help="the flwr CLI's SuperLink connection (default: its default one)")
     a["status"].add_argument("--superlink-dir", default=".", help="the SuperLink's working folder, where a relative "
                              "state-dir or results-dir is (default .)")
@@ -1409,12 +1417,27 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     try:
-        status = _main(argv)
-        sys.stdout.flush()  # here, not at the interpreter's exit, where a closed pipe is a message on stderr
-        return status
+        try:
+            return _main(argv)
+        finally:  # here (--version's exit too), not at the interpreter's exit, where a closed pipe is a stderr message
+            sys.stdout.flush()
     except BrokenPipeError:
+        if not _stdout_closed():  # another pipe (a worker's, a subprocess's): an error of its own, not a reader gone
+            raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more reaches the closed pipe
         return 128 + 13
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader has gone (poll reports an error on its write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's capture), no poll on this system
+        return False
 
 
 def _main(argv: list[str] | None = None) -> int:

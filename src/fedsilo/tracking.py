@@ -170,15 +170,28 @@ def relocate_artifacts(uri: str) -> list[tuple[str, str]]:
     experiments' artifact folders, absolute ``file://`` addresses fixed when each was made (:func:`artifact_location`),
     still named the old place, and every later run wrote its artifacts there, outside the repository (making the old
     folder again where it was gone). Each experiment whose folder is the one :func:`artifact_location` gives it, under
-    another ``mlruns/``, is pointed at ``mlruns/`` beside the database as it is now, with its runs' artifact addresses
-    (those of runs made before the move are found again where ``mlruns/`` came along). Other stores, and experiments
-    whose artifacts were put elsewhere on purpose, are left as they are. Returns (old, new) per experiment moved."""
+    another ``mlruns/``, is pointed at ``mlruns/`` beside the database as it is now; so is each of its runs whose
+    artifacts came along (its folder is in the new place, or gone from the old one: a database copied without
+    ``mlruns/`` keeps its earlier runs' artifacts where they are). The same folder reached by another path (a bind
+    mount, a network share mounted twice) is no move; other stores, and experiments whose artifacts were put elsewhere
+    on purpose, are left as they are. Returns (old, new) per experiment moved."""
     import sqlite3
+    from urllib.parse import unquote, urlparse
 
     m = re.fullmatch(r"sqlite:///(.+)", uri or "")
     db = Path(m.group(1)) if m else None
     if db is None or not db.is_file():
         return []
+
+    def folder(file_uri: str) -> Path:
+        return Path(unquote(urlparse(file_uri).path))
+
+    def same_place(a: str, b: str) -> bool:
+        try:
+            return os.path.samefile(folder(a), folder(b))
+        except OSError:
+            return False
+
     con = sqlite3.connect(db, timeout=60)
     try:
         try:
@@ -186,23 +199,23 @@ def relocate_artifacts(uri: str) -> list[tuple[str, str]]:
         except sqlite3.DatabaseError:  # not an MLflow store (yet): MLflow says what it is when it opens it
             return []
         moved = []
-        for exp_id, name, old in rows:
-            new = artifact_location(uri, name)
-            old_parent, _, old_folder = str(old or "").rstrip("/").rpartition("/")
+        for exp_id, name, location in rows:
+            new, old = artifact_location(uri, name), str(location or "").rstrip("/")
+            old_parent, _, old_folder = old.rpartition("/")
             if new and old != new and old_parent.startswith("file://") and old_parent.endswith("/mlruns") \
-                    and old_folder == new.rpartition("/")[2]:
+                    and old_folder == new.rpartition("/")[2] and not same_place(old, new):
                 moved.append((exp_id, old, new))
         with con:  # one transaction: a run starting beside this one sees the store before or after, never half of it
             for exp_id, old, new in moved:
                 con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new, exp_id))
-                con.execute("UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?) WHERE experiment_id = ? AND "
-                            "substr(artifact_uri, 1, ?) = ?", (new, len(old) + 1, exp_id, len(old), old))
+                for run_id, art in con.execute("SELECT run_uuid, artifact_uri FROM runs WHERE experiment_id = ?", (exp_id,)).fetchall():
+                    if str(art or "").startswith(old + "/") and ((folder(new) / run_id).exists() or not (folder(old) / run_id).exists()):
+                        con.execute("UPDATE runs SET artifact_uri = ? WHERE run_uuid = ?", (new + art[len(old):], run_id))
     finally:
         con.close()
     if moved:
         log.warning("%s: moved or copied from %s: the artifact folders of %d MLflow experiment(s) now point into %s",
-                    db, moved[0][1].rstrip("/").rpartition("/")[0].removesuffix("/mlruns").removeprefix("file://"),
-                    len(moved), moved[0][2].rpartition("/")[0])
+                    db, folder(moved[0][1]).parent.parent, len(moved), folder(moved[0][2]).parent)
     return [(old, new) for _, old, new in moved]
 
 

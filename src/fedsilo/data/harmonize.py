@@ -332,12 +332,14 @@ def fetched_copy_note(raw_dir: Path, src: str) -> str:
             "correct a file there, then fetch again; a params key named above is set in the params file, without a fetch)")
 
 
-def fetched_from(raw_root: Path, sources: Any) -> dict[str, dict[str, str]]:
+def fetched_from(raw_root: Path, sources: Any, changed: Optional[dict[str, list[str]]] = None) -> dict[str, dict[str, Any]]:
     """Per source, how fetch got its raw files (its manifest's ``mode`` and ``origin``: an offline mirror, the user's
     folder, the download's addresses) and what they held (``files``, ``bytes``, ``sha256``: the source's entry of
     ``data/fingerprints/<dataset>.json``, from its manifest), for the data card and a run's metrics.json and MLflow
-    tags: which raw files a dataset was made from, beside the hashes of the arrays made. A source without a manifest
-    (made by hand) is left out."""
+    tags: which raw files a dataset was made from, beside the hashes of the arrays made; with ``changed``
+    (:func:`changed_since_fetch`), the files of a source that no longer are what its manifest describes
+    (``changed_since_fetch``: the fingerprint is not of what was read). A source without a manifest (made by hand) is
+    left out."""
     from fedsilo.data.fetch import files_fingerprint
 
     out = {}
@@ -350,7 +352,52 @@ def fetched_from(raw_root: Path, sources: Any) -> dict[str, dict[str, str]]:
         except (KeyError, TypeError, AttributeError):
             held = {}
         out[src] = {"mode": str(m.get("mode", "")), "origin": str(m.get("origin", "")), **held}
+        if (changed or {}).get(src):
+            out[src]["changed_since_fetch"] = changed[src]
     return out
+
+
+# files of a source where edits are made (its label tables and lists): hashed again, not only sized, by changed_since_fetch
+TABLE_SUFFIXES = (".csv", ".tsv", ".txt", ".json", ".xml", ".xlsx", ".xls", ".parquet", ".pkl", ".yaml", ".yml", ".geojson")
+
+
+def changed_since_fetch(raw_root: Path, sources: Any) -> dict[str, list[str]]:
+    """Per source, the files of its fetched copy (``data/raw/<source>``) that are no longer what fetch wrote and its
+    manifest (and so the dataset's fingerprint) describes: removed, of another size, or, for a table
+    (:data:`TABLE_SUFFIXES`: where edits are made), of other content at the same size. A stat per file and a hash
+    per table: an image rewritten at its own size is not seen (`dvc status` sees it). Sources without a manifest are
+    passed over."""
+    out: dict[str, list[str]] = {}
+    for src in sources:
+        raw_dir = Path(raw_root) / src
+        files = (_manifest(raw_dir) or {}).get("files")
+        if not isinstance(files, dict):
+            continue
+        said = []
+        for rel, was in sorted(files.items()):
+            try:
+                size = (raw_dir / rel).stat().st_size
+            except OSError:
+                said.append(f"{rel} (removed)")
+                continue
+            if size != was.get("bytes"):
+                said.append(f"{rel} ({size} bytes; fetched {was.get('bytes')})")
+            elif rel.lower().endswith(TABLE_SUFFIXES) and "sha256" in was and file_sha256(raw_dir / rel) != was["sha256"]:
+                said.append(f"{rel} (edited)")
+        if said:
+            out[src] = said
+    return out
+
+
+def fetch_warnings(raw_root: Path, sources: Any) -> tuple[list[str], dict[str, list[str]]]:
+    """What harmonize says of its sources' files before reading them (the data card's warnings): a folder of one's own
+    edited since its fetch (:func:`edited_since_fetch`), and a fetched copy changed since (:func:`changed_since_fetch`,
+    also returned for :func:`fetched_from`)."""
+    changed = changed_since_fetch(raw_root, sources)
+    said = [f"data/raw/{s}: {len(f)} file(s) are not what fetch wrote ({', '.join(f[:3])}{', ...' if len(f) > 3 else ''}): "
+            f"the arrays are made from them, not from what the fetch manifest and the dataset's fingerprint describe; "
+            f"fetch again (`dvc repro fetch@{s}`) or put them back (`dvc checkout fetch@{s}`)" for s, f in changed.items()]
+    return [*edited_since_fetch(raw_root, sources), *said], changed
 
 
 def edited_since_fetch(raw_root: Path, sources: Any) -> list[str]:
@@ -452,7 +499,8 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
     raw_root = Path(raw_root)
     workers = params.workers or os.cpu_count() or 1
     records, warnings = cxr_records(params, raw_root, Path(out_dir).name, quiet)
-    warnings += edited_since_fetch(raw_root, params.source_list)
+    said, changed = fetch_warnings(raw_root, params.source_list)
+    warnings += said
     kept = records[records["excluded"] == ""].reset_index(drop=True)
     excluded = records[records["excluded"] != ""].reset_index(drop=True)
     jobs = [(p, r, params.image_size, params.square, params.intensity, params.percentiles) for p, r in zip(kept["abs_path"], kept["reader"])]
@@ -486,7 +534,7 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
             tmp, table, excluded, quarantine,
             {"dataset": Path(out_dir).name, "kind": params.kind, "task": "binary: 1 = Lung Opacity, 0 = Normal", "classes": ["Normal", "Lung Opacity"],
              "rules": harmonize_rules(params),
-             "sources": fetched_from(raw_root, params.sources), **({"warnings": warnings} if warnings else {})},
+             "sources": fetched_from(raw_root, params.sources, changed), **({"warnings": warnings} if warnings else {})},
         )
 
 
@@ -688,7 +736,8 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
     raw_root = Path(raw_root)
     workers = params.workers or os.cpu_count() or 1
     records, classes, modules, warnings = benchmark_records(params, raw_root, Path(out_dir).name, quiet)
-    warnings += edited_since_fetch(raw_root, params.source_list)
+    said, changed = fetch_warnings(raw_root, params.source_list)
+    warnings += said
     excluded = records[records["excluded"] != ""].reset_index(drop=True)
     kept = _cap(records[records["excluded"] == ""], params.max_per_domain, params.sample_seed).reset_index(drop=True)
 
@@ -732,7 +781,7 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
                           f"datasets.{Path(out_dir).name}.max_quarantine_fraction")
         spool.finish(np.flatnonzero(ok))
         return _write_benchmark(params, Path(out_dir).name, tmp, kept, ok, classes, excluded, quarantine, warnings,
-                                fetched_from(raw_root, params.source_list))
+                                fetched_from(raw_root, params.source_list, changed))
 
 
 def _write_benchmark(params: BenchmarkDatasetParams, name: str, tmp: Path, kept: pd.DataFrame, ok: np.ndarray,
@@ -783,7 +832,7 @@ def preview_dataset(params: CXRDatasetParams | BenchmarkDatasetParams, raw_root:
     else:
         records, classes, _, warnings = benchmark_records(params, raw_root, name, quiet)
         kept = _cap(records[records["excluded"] == ""], params.max_per_domain, params.sample_seed)
-    warnings = [*warnings, *edited_since_fetch(raw_root, params.source_list)]
+    warnings = [*warnings, *fetch_warnings(raw_root, params.source_list)[0]]
     unit = "source" if isinstance(params, CXRDatasetParams) else "domain"  # what harmonize checks, as it checks it
     fails = []
     for u in dict.fromkeys(records[unit]):
@@ -856,27 +905,6 @@ def stale_rules(card: dict[str, Any], params: CXRDatasetParams | BenchmarkDatase
 
     was, is_ = comparable(built), comparable(now)
     return [f"{k}: built with {was[k]!r}, now {is_[k]!r}" for k in sorted(set(was) & set(is_)) if was[k] != is_[k]]
-
-
-# the arrays harmonize writes and hashes into card.json; a reader of them checks those hashes (refuse_changed_arrays)
-ARRAYS = ("images.npy", "records.parquet")
-
-
-def changed_arrays(folder: Path, card: dict[str, Any]) -> list[str]:
-    """The harmonized arrays (:data:`ARRAYS`) in ``folder`` whose sha256, hashed anew, is no longer the one harmonize
-    wrote into ``card``: a file edited or replaced after harmonize."""
-    return [a for a in ARRAYS if file_sha256(Path(folder) / a) != card["sha256"].get(a)]
-
-
-def refuse_changed_arrays(folder: Path, card: dict[str, Any], rerun: str) -> None:
-    """ConfigError when an array of the harmonized ``folder`` is not the one its ``card`` hashes (:func:`changed_arrays`):
-    whatever reads it would be recorded (data card, fingerprint, MLflow tags, config hash) as reading the card's data."""
-    from fedsilo.config import ConfigError
-
-    changed = changed_arrays(folder, card)
-    if changed:
-        raise ConfigError(f"{folder}: {', '.join(changed)} changed after harmonize wrote card.json (its sha256 is no longer "
-                          f"the card's, which every record of a run would name); {rerun} rather than editing the arrays")
 
 
 def refuse_stale_rules(card: dict[str, Any], params: CXRDatasetParams | BenchmarkDatasetParams, folder: Path,

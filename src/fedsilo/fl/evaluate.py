@@ -180,7 +180,8 @@ def evaluate_site_model(params: Params, dataset: str, model_path: Path, root: Pa
                         seed: int = 0, device: str = "cpu", batch_size: int = 256, quiet: bool = True) -> tuple[dict[str, Any], pd.DataFrame]:
     """The evaluation of the model at ``model_path`` on every image of the harmonized ``dataset`` (see the module):
     the summary (per domain and ``all``) and one row per image; the images scored shown as progress unless ``quiet``."""
-    from fedsilo.data.harmonize import refuse_changed_arrays, refuse_stale_rules
+    from fedsilo.data.cards import refuse_changed_arrays
+    from fedsilo.data.harmonize import refuse_stale_rules
     from fedsilo.fl.deploy import load_site_model
 
     if dataset not in params.datasets:

@@ -30,7 +30,7 @@ from fedsilo.client.data import ClientData, load_clients, pick_device, to_float
 from fedsilo.client.local import evaluate, make_generator, running_stats_frozen, train_local
 from fedsilo.config import ConfigError, Params
 from fedsilo.config.errors import not_defined
-from fedsilo.data.harmonize import refuse_changed_arrays
+from fedsilo.data.cards import data_record, refuse_changed_arrays
 from fedsilo.data.splits import refuse_stale_split
 from fedsilo.fl.deploy import NEWCOMER, OWN_PART, as_member_refusal, deployment_spec, read_model_file
 from fedsilo.methods import resolve_method
@@ -38,7 +38,7 @@ from fedsilo.methods.base import State, payload_bytes
 from fedsilo.methods.pfeddb import PFedDB
 from fedsilo.methods.pfeddb.onboarding import STRATEGIES, global_shared_branch, onboard_newcomer
 from fedsilo.models import build_model
-from fedsilo.utils.io import atomic_dir, file_sha256, read_json, write_json
+from fedsilo.utils.io import atomic_dir, read_json, write_json
 
 __all__ = ["MEMBER", "ONBOARD_STRATEGIES", "STRATEGIES", "onboard_site", "run_onboarding"]
 
@@ -87,7 +87,7 @@ def run_onboarding(params: Params, experiment: str, seed: int, root: Path = Path
         "pretrain_rounds": ob.pretrain_rounds,
         **res,
         # what the curves come from: the newcomer's arrays and split, and the federation's run (its metrics.json's)
-        "data": {"harmonized_sha256": card["sha256"], "split_sha256": file_sha256(layout.split(experiment))},
+        "data": data_record(card, layout.split(experiment)),
         "federation_config_hash": trained.get("config_hash"),
     }
     with atomic_dir(layout.onboarding(experiment, seed)) as tmp:

@@ -35,7 +35,7 @@ from fedsilo.client.data import load_clients, load_external, load_task_clients, 
 from fedsilo.client.hostaug import check_host_policy
 from fedsilo.codehash import method_code_sha256, train_code_sha256
 from fedsilo.config import ConfigError, Params
-from fedsilo.data.harmonize import refuse_changed_arrays, refuse_stale_rules
+from fedsilo.data.cards import data_record, refuse_changed_arrays
 from fedsilo.data.splits import refuse_stale_split
 from fedsilo.fl.continual import ContinualEngine, continual_summary
 from fedsilo.fl.engine import Engine, Observer
@@ -43,7 +43,7 @@ from fedsilo.methods import Method, method_base, resolve_method
 from fedsilo.methods.registry import check_stream_fit
 from fedsilo.models import build_model
 from fedsilo.tracking import Tracker, dvc_hashes, flat_summary, flatten, git_commit
-from fedsilo.utils.io import atomic_dir, canonical_hash, clean_stale, file_sha256, read_json, write_json
+from fedsilo.utils.io import atomic_dir, canonical_hash, clean_stale, read_json, write_json
 from fedsilo.utils.locks import held
 from fedsilo.utils.progress import Progress, mib
 from fedsilo.utils.signals import exit_on_signal, on_sigterm
@@ -222,6 +222,10 @@ def run_training(
     # by hand; `dvc repro` would rebuild them)
     rebuild = f"`dvc checkout harmonize@{exp.dataset}` (the arrays dvc.lock records) or `dvc repro harmonize@{exp.dataset}`"
     refuse_changed_arrays(harmonized, card, f"put them back with {rebuild}")
+    from fedsilo.data.harmonize import (
+        refuse_stale_rules,  # every source reader: loaded where a run starts, not on import
+    )
+
     refuse_stale_rules(card, params.datasets[exp.dataset], harmonized, exp.dataset, f"`dvc repro harmonize@{exp.dataset}`")
     if "data_sha256" in split and split["data_sha256"] != card["sha256"]:
         raise ConfigError(
@@ -248,7 +252,7 @@ def run_training(
         raise ConfigError(f"experiments.{experiment}.train.normalize: {why}")
 
     resolved = run_identity(params, experiment, method, seed, algo)
-    data_hashes = {"harmonized_sha256": card["sha256"], "split_sha256": file_sha256(split_path)}
+    data_hashes = data_record(card, split_path)
     params_hash = canonical_hash(resolved)
     code = code_fingerprint(device.type, type(algo).__module__)  # the code this method's runs depend on
     config_hash = canonical_hash({"params": resolved, "data": data_hashes, "code": code})

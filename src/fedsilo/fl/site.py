@@ -28,7 +28,7 @@ import torch
 from fedsilo.client.data import ClientData, load_clients, load_task_clients
 from fedsilo.config import ConfigError, Params
 from fedsilo.config.errors import not_defined
-from fedsilo.data.harmonize import ARRAYS, refuse_changed_arrays, refuse_stale_rules
+from fedsilo.data.cards import ARRAYS, refuse_changed_arrays
 from fedsilo.data.splits import refuse_stale_split
 from fedsilo.utils.io import canonical_hash, file_sha256, read_json
 
@@ -46,6 +46,8 @@ def _site_files(params: Params, experiment: str, root: Path) -> tuple[Path, Path
             raise FileNotFoundError(f"{p}: missing; run the site's harmonize and split stages first "
                                     f"(`fedsilo harmonize --dataset {exp.dataset}`, `fedsilo split --experiment {experiment}`)")
     split, card = read_json(split_path), read_json(harmonized / "card.json")
+    from fedsilo.data.harmonize import refuse_stale_rules  # here: every source reader, not at each ClientApp start
+
     refuse_stale_rules(card, params.datasets[exp.dataset], harmonized, exp.dataset,  # its settings edited, not harmonized
                        f"`fedsilo harmonize --dataset {exp.dataset}` and `fedsilo split --experiment {experiment}`")
     if exp.split.protocol not in ("domain_clients", "domain_incremental") or len(split["clients"]) != 1:
