@@ -624,6 +624,29 @@ def test_a_method_whose_upload_holds_a_private_key_stops_the_run_in_one_line_nam
     assert "Traceback" not in err
 
 
+def test_a_papers_experiment_named_without_its_params_file_says_which_file_defines_it(tmp_path, capsys, monkeypatch):
+    """`fedsilo report --experiment f2dc_office` at the root answered "not defined" alone: the likeliest slip of a
+    paper's user is a forgotten --params. The files of the paper pipelines beside the params file that define the name
+    are named, the quickstart's first; a near miss still wins (a typo), and a name no file defines gets no hint."""
+    from fedsilo import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(small_params()))
+    for where in ("pipelines/mine/params.yaml", "pipelines/mine/paper/params.yaml"):
+        (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / where).write_text(yaml.safe_dump({"experiments": {"mine_office": {}}}))
+    (tmp_path / "pipelines/broken").mkdir()
+    (tmp_path / "pipelines/broken/params.yaml").write_text("experiments: [unclosed\n")  # passed over, not an error
+    for argv in (["report", "--experiment", "mine_office"], ["train", "--experiment", "mine_office", "--method", "fedavg", "--seed", "0"]):
+        assert cli.main(argv) == 2
+        assert ("experiments.mine_office: not defined" in (err := capsys.readouterr().err) and "(defined in "
+                "pipelines/mine/params.yaml, pipelines/mine/paper/params.yaml: add --params pipelines/mine/params.yaml)" in err), err
+    assert cli.main(["report", "--experiment", "quik"]) == 2
+    assert "(did you mean 'quick'?)" in capsys.readouterr().err
+    assert cli.main(["report", "--experiment", "nowhere"]) == 2
+    assert "experiments.nowhere: not defined\n" in capsys.readouterr().err
+
+
 def test_root_and_params_do_not_imply_each_other_and_the_messages_say_which_to_add(tmp_path, capsys, monkeypatch):
     """A site's folder with its params.yaml and data/: `--root hospital` alone read ./params.yaml ("not found"), and
     `--params hospital/params.yaml` alone read and wrote data/ here. Each now names the option to add."""

@@ -1058,6 +1058,13 @@ def test_a_row_run_with_another_setting_than_the_papers_row_is_named():
     unmatched = [m for m in published["pacs"]["methods"] if m != "f2dc"]
     assert unmatched and ("**The paper's rows with no run here**: " + ", ".join(unmatched) + " (methods this report does "
                           "not hold, or keys of pipelines/f2dc/published.yaml that name none of ours)") in md
+    # F²DC's authors'-code run set beside the paper's F²DC row (row_of): said, as a setting that is not the paper's
+    code = pd.DataFrame([[4.7, 76.47, -71.77]], index=["f2dc_code"], columns=idx)
+    with tempfile.TemporaryDirectory() as d:
+        md = write_versus(Path(d), "f2dc_pacs", code, "pipelines/f2dc/published.yaml#pacs", published["pacs"])
+    assert "**Set beside another method's row**: f2dc_code (the paper's f2dc row): the paper has no row of these runs" in md
+    assert "Set beside another" not in write_versus(Path(tempfile.mkdtemp()), "f2dc_pacs", pd.DataFrame(
+        [[70.0, 76.47, -6.47]], index=["f2dc"], columns=idx), "pipelines/f2dc/published.yaml#pacs", published["pacs"])
     with tempfile.TemporaryDirectory() as d:
         whole = {**published["pacs"], "methods": {"f2dc": published["pacs"]["methods"]["f2dc"]}}
         fresh = pd.DataFrame([[70.0, 76.47, -6.47]], index=["f2dc"], columns=idx)  # write_versus flattens its columns

@@ -51,6 +51,10 @@ def test_std_over_domains_is_each_runs_sample_std_over_its_domain_columns_and_th
     assert tab["mean"].loc["fedavg", "STD"] == pytest.approx(np.mean(per_run))
     assert tab["std"].loc["fedavg", "STD"] == pytest.approx(np.std(per_run, ddof=1))
     assert "STD" not in summary_table(pd.DataFrame(rows), "acc", ["fedavg"])["mean"].columns
+    from fedsilo.report.tables import to_markdown  # the table says what its STD is (the papers' captions do not)
+
+    assert "STD: the sample std (ddof = 1) of a row's accuracies over its domain columns" in to_markdown(tab, "t")
+    assert "STD:" not in to_markdown(summary_table(pd.DataFrame(rows), "acc", ["fedavg"]), "t")
     vs = versus_paper(tab, {"domains": list("ABCD"), "methods": {"fedavg": {"mean": paper_row + [55.87], "std_over_domains": 8.27}}})
     assert vs.loc["fedavg", ("STD", "paper")] == 8.27
     assert vs.loc["fedavg", ("STD", "diff")] == pytest.approx(np.mean(per_run) - 8.27)

@@ -45,6 +45,8 @@ def _defined(params_file: Any, section: str, name: str, known: Any) -> None:
         from fedsilo.methods import REGISTRY
 
         hint = config.METHOD_ENTRY_HINT.format(m=name) if section == "methods" and name in REGISTRY else config.did_you_mean(name, known)
+        if not hint and section in ("experiments", "datasets"):  # a paper's, named without its params file
+            hint = config.errors.defined_elsewhere(params_file, section, name)
         if section == "methods" and name not in REGISTRY and not hint:  # perhaps a method of one's own not registered
             hint = REGISTER_HINT
         raise ConfigError(f"{params_file}: {section}.{name}: not defined{hint}")

@@ -137,6 +137,7 @@ PUBLISHED_YAML = """\
 #       ditto: {{mean: [...], std_over_domains: 8.1, selection: best_validation}}  # optional keys
 #
 # `selection: best_validation` says the paper's row is its best mean validation round (the report sets ours so);
+# `row_of: fedavg` sets a run the paper has no row of beside another method's row (the report says so);
 # pipelines/*/published.yaml of the shipped papers hold more (efficiency, time_to_accuracy, across).
 accuracy: {{}}
 """

@@ -79,7 +79,30 @@ REGISTER_HINT = ("; a method of your own is known once its class is in REGISTRY 
 def not_defined(section: str, name: str, params: Any) -> ConfigError:
     """``<section>.<name>: not defined in <params file>`` with a near miss among the section's keys: the error of a
     command naming an experiment or dataset its params file lacks."""
-    return ConfigError(f"{section}.{name}: not defined in {params.source}{did_you_mean(name, getattr(params, section))}")
+    hint = did_you_mean(name, getattr(params, section)) or defined_elsewhere(params.source, section, name)
+    return ConfigError(f"{section}.{name}: not defined in {params.source}{hint}")
+
+
+def defined_elsewhere(params_file: Any, section: str, name: str) -> str:
+    """`` (defined in pipelines/f2dc/params.yaml: add --params pipelines/f2dc/params.yaml)`` when ``name`` is not in the
+    params file read but the repository's paper pipelines beside it (``pipelines/*/params.yaml`` and their
+    ``paper/params.yaml``) define it under ``section``: a paper's experiment named without its params file."""
+    from pathlib import Path
+
+    import yaml
+
+    here = Path(str(params_file)).parent
+    found = []
+    for other in [*sorted(here.glob("pipelines/*/params.yaml")), *sorted(here.glob("pipelines/*/paper/params.yaml"))]:
+        try:
+            raw = yaml.safe_load(other.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(raw, dict) and isinstance(raw.get(section), dict) and name in raw[section]:
+            found.append(str(other))
+    if not found:
+        return ""
+    return f" (defined in {', '.join(found)}: add --params {found[0]})"
 
 
 def did_you_mean(name: str, known: Any) -> str:

@@ -35,6 +35,7 @@ from fedsilo.client.data import load_clients, load_external, load_task_clients, 
 from fedsilo.client.hostaug import check_host_policy
 from fedsilo.codehash import method_code_sha256, train_code_sha256
 from fedsilo.config import ConfigError, Params
+from fedsilo.config.errors import not_defined
 from fedsilo.data.cards import data_record, refuse_changed_arrays
 from fedsilo.data.splits import refuse_stale_split
 from fedsilo.fl.continual import ContinualEngine, continual_summary
@@ -198,7 +199,7 @@ def run_training(
     """Train one run to its outputs; progress per round on stderr unless ``quiet`` (see utils.progress)."""
     root = Path(root)
     if experiment not in params.experiments:
-        raise ConfigError(f"experiments.{experiment}: not defined in {params.source}")
+        raise not_defined("experiments", experiment, params)
     exp = params.experiments[experiment]
     check_host_policy(exp.train.augment.host, f"experiments.{experiment}.")
     algo = resolve_method(params, method, exp.train)  # the one typed method object of this run

@@ -433,6 +433,10 @@ def to_markdown(tab: pd.DataFrame, title: str) -> str:
     lines = [f"### {title}", "", "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for m, row in cells.iterrows():
         lines.append(f"| {m} | " + " | ".join(str(v) for v in row) + " |")
+    if "STD" in cols:  # the papers' column, unnamed in their captions: what it is, and what its lowest can hide
+        lines += ["", "STD: the sample std (ddof = 1) of a row's accuracies over its domain columns, how evenly the method "
+                  "serves the domains; lower is better, the lowest in bold (a model that predicts one class everywhere "
+                  "can score it: read it beside Avg)."]
     return "\n".join(lines) + "\n"
 
 

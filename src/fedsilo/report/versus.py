@@ -404,6 +404,10 @@ def paper_scale_note(params: Any, experiment: str, repo: Path) -> str:
             + ". These rows show the pipeline at work, not whether the paper's numbers reproduce.")
 
 
+# the settings warnings this process has printed (a paper's report writes several tables with the same rows)
+_SAID: set[str] = set()
+
+
 def write_versus(out: Path, exp: str, vs: pd.DataFrame, published: str, paper: dict[str, Any] | None = None,
                  ours: str = "final", settings: list[str] | None = None, backbones: set[str] | None = None,
                  scale: str = "") -> str:
@@ -420,10 +424,19 @@ def write_versus(out: Path, exp: str, vs: pd.DataFrame, published: str, paper: d
     if note:
         md = md.replace("\n\n|", f"\n\n{note}\n\n|", 1)
     if settings:
-        for line in settings:
-            log.warning("%s: %s: not the paper's setting for that row", exp, line)
+        for line in settings:  # once a report (its group tables each state it under their own title)
+            if line not in _SAID:
+                _SAID.add(line)
+                log.warning("%s: %s: not the paper's setting for that row", exp, line)
         md = md.replace("\n\n|", "\n\n**Not the paper's setting**: " + "; ".join(settings) + " (the difference on those rows "
                         "is not the paper's comparison).\n\n|", 1)
+    # a run the paper has no row of, set beside another method's (published.yaml's ``row_of``: F²DC's authors' code
+    # settings beside the paper's F²DC row): said above the table, as a setting of ours that is not the paper's
+    rows = (paper or {}).get("methods") or {}
+    stand_ins = [f"{m} (the paper's {(rows.get(m) or {})['row_of']} row)" for m in vs.index if (rows.get(m) or {}).get("row_of")]
+    if stand_ins:
+        md = md.replace("\n\n|", "\n\n**Set beside another method's row**: " + "; ".join(stand_ins) + ": the paper has no row "
+                        "of these runs, whose settings are not that row's; the difference is not the paper's comparison.\n\n|", 1)
     unmatched = [str(m) for m in (paper or {}).get("methods") or {} if m not in vs.index]
     if unmatched:  # a method not run here, or a key misspelt in the published file: said, not dropped without a word
         md = md.rstrip("\n") + ("\n\n**The paper's rows with no run here**: " + ", ".join(unmatched) + " (methods this "
