@@ -223,9 +223,8 @@ def run_training(
     # by hand; `dvc repro` would rebuild them)
     rebuild = f"`dvc checkout harmonize@{exp.dataset}` (the arrays dvc.lock records) or `dvc repro harmonize@{exp.dataset}`"
     refuse_changed_arrays(harmonized, card, f"put them back with {rebuild}")
-    from fedsilo.data.harmonize import (
-        refuse_stale_rules,  # every source reader: loaded where a run starts, not on import
-    )
+    # harmonize's module loads every source reader: imported where a run starts, not when this module is
+    from fedsilo.data.harmonize import refuse_stale_rules
 
     refuse_stale_rules(card, params.datasets[exp.dataset], harmonized, exp.dataset, f"`dvc repro harmonize@{exp.dataset}`")
     if "data_sha256" in split and split["data_sha256"] != card["sha256"]:
@@ -363,7 +362,7 @@ def run_training(
                 "config_hash": config_hash,
                 "data": data_hashes,  # the arrays and split trained on (hashed anew above, not taken on trust)
                 "code": code,
-                "git": {"commit": commit, "dirty": dirty},  # the checkout's (code.source_sha256: the code that ran)
+                "git": {"commit": commit, "dirty": dirty},  # --root's repository (code.source_sha256: the code that ran)
                 "mlflow_run_id": run_id,
                 "mlflow_experiment": layout.tracking_experiment(experiment) if run_id else None,  # where the UI lists it
                 # which copy each source was fetched from (the data card's): a report says when it is an offline mirror
