@@ -40,7 +40,7 @@ def bench_harmonized(bench_raw) -> Path:
     return out
 
 
-def test_a_fetched_copy_changed_since_its_fetch_is_said_in_the_card_and_its_sources(bench_raw, tmp_path):
+def test_a_fetched_copy_changed_since_its_fetch_is_said_in_the_card_and_its_sources(bench_raw, tmp_path, monkeypatch):
     """Harmonize by hand after an edit inside data/raw/<source>: the card named the fetch manifest's hash as what its
     arrays were made from. A file removed, resized, or a table edited at its own size is now a warning of the card and
     a ``changed_since_fetch`` list beside the source's fingerprint (an image rewritten at its own size is left to
@@ -67,7 +67,12 @@ def test_a_fetched_copy_changed_since_its_fetch_is_said_in_the_card_and_its_sour
     said = changed_since_fetch(raw, ["office_caltech10"])["office_caltech10"]
     assert said == sorted([f"{rel(images[0])} (removed)", f"{rel(images[1])} ({images[1].stat().st_size} bytes; fetched "
                            f"{images[1].stat().st_size - 1})", "notes.csv (edited)"])
+    from fedsilo.data import harmonize
+
+    parsed, parse = [], harmonize._manifest
+    monkeypatch.setattr(harmonize, "_manifest", lambda d: parsed.append(d) or parse(d))
     card = harmonize_dataset(BenchmarkDatasetParams(kind="office_caltech10", image_size=28, workers=1), raw, tmp_path / "h")
+    assert parsed == [raw / "office_caltech10"]  # its manifest parsed once for the three checks (224k files for CheXpert)
     assert card["sources"]["office_caltech10"]["changed_since_fetch"] == said
     assert any(w.startswith("data/raw/office_caltech10: 3 file(s) are not what fetch wrote (") and "dvc checkout fetch@office_caltech10" in w
                for w in card["warnings"])

@@ -332,19 +332,21 @@ def fetched_copy_note(raw_dir: Path, src: str) -> str:
             "correct a file there, then fetch again; a params key named above is set in the params file, without a fetch)")
 
 
-def fetched_from(raw_root: Path, sources: Any, changed: Optional[dict[str, list[str]]] = None) -> dict[str, dict[str, Any]]:
+def fetched_from(raw_root: Path, sources: Any, changed: Optional[dict[str, list[str]]] = None,
+                 manifests: Optional[dict[str, Optional[dict[str, Any]]]] = None) -> dict[str, dict[str, Any]]:
     """Per source, how fetch got its raw files (its manifest's ``mode`` and ``origin``: an offline mirror, the user's
     folder, the download's addresses) and what they held (``files``, ``bytes``, ``sha256``: the source's entry of
     ``data/fingerprints/<dataset>.json``, from its manifest), for the data card and a run's metrics.json and MLflow
     tags: which raw files a dataset was made from, beside the hashes of the arrays made; with ``changed``
     (:func:`changed_since_fetch`), the files of a source that no longer are what its manifest describes
     (``changed_since_fetch``: the fingerprint is not of what was read). A source without a manifest (made by hand) is
-    left out."""
+    left out. ``manifests``: the sources' manifests as :func:`fetch_warnings` read them (else read here)."""
     from fedsilo.data.fetch import files_fingerprint
 
+    manifests = _manifests(raw_root, sources, manifests)
     out = {}
     for src in sources:
-        m = _manifest(Path(raw_root) / src)
+        m = manifests[src]
         if m is None:
             continue
         try:  # a manifest written by hand may list no files, or not as fetch writes them: its origin is still said
@@ -361,16 +363,17 @@ def fetched_from(raw_root: Path, sources: Any, changed: Optional[dict[str, list[
 TABLE_SUFFIXES = (".csv", ".tsv", ".txt", ".json", ".xml", ".xlsx", ".xls", ".parquet", ".pkl", ".yaml", ".yml", ".geojson")
 
 
-def changed_since_fetch(raw_root: Path, sources: Any) -> dict[str, list[str]]:
+def changed_since_fetch(raw_root: Path, sources: Any, manifests: Optional[dict[str, Optional[dict[str, Any]]]] = None) -> dict[str, list[str]]:
     """Per source, the files of its fetched copy (``data/raw/<source>``) that are no longer what fetch wrote and its
     manifest (and so the dataset's fingerprint) describes: removed, of another size, or, for a table
     (:data:`TABLE_SUFFIXES`: where edits are made), of other content at the same size. A stat per file and a hash
     per table: an image rewritten at its own size is not seen (`dvc status` sees it). Sources without a manifest are
     passed over."""
+    manifests = _manifests(raw_root, sources, manifests)
     out: dict[str, list[str]] = {}
     for src in sources:
         raw_dir = Path(raw_root) / src
-        files = (_manifest(raw_dir) or {}).get("files")
+        files = (manifests[src] or {}).get("files")
         if not isinstance(files, dict):
             continue
         said = []
@@ -389,18 +392,25 @@ def changed_since_fetch(raw_root: Path, sources: Any) -> dict[str, list[str]]:
     return out
 
 
-def fetch_warnings(raw_root: Path, sources: Any) -> tuple[list[str], dict[str, list[str]]]:
+def _manifests(raw_root: Path, sources: Any, read: Optional[dict[str, Optional[dict[str, Any]]]] = None) -> dict[str, Optional[dict[str, Any]]]:
+    """Each source's fetch manifest (:func:`_manifest`), from ``read`` where it holds the source: a large source's
+    manifest (CheXpert's: 224k files) is parsed once a harmonize, not once a check."""
+    return {src: (read[src] if read is not None and src in read else _manifest(Path(raw_root) / src)) for src in sources}
+
+
+def fetch_warnings(raw_root: Path, sources: Any) -> tuple[list[str], dict[str, list[str]], dict[str, Optional[dict[str, Any]]]]:
     """What harmonize says of its sources' files before reading them (the data card's warnings): a folder of one's own
     edited since its fetch (:func:`edited_since_fetch`), and a fetched copy changed since (:func:`changed_since_fetch`,
-    also returned for :func:`fetched_from`)."""
-    changed = changed_since_fetch(raw_root, sources)
+    also returned for :func:`fetched_from`, with the manifests read)."""
+    manifests = _manifests(raw_root, sources)
+    changed = changed_since_fetch(raw_root, sources, manifests)
     said = [f"data/raw/{s}: {len(f)} file(s) are not what fetch wrote ({', '.join(f[:3])}{', ...' if len(f) > 3 else ''}): "
             f"the arrays are made from them, not from what the fetch manifest and the dataset's fingerprint describe; "
             f"fetch again (`dvc repro fetch@{s}`) or put them back (`dvc checkout fetch@{s}`)" for s, f in changed.items()]
-    return [*edited_since_fetch(raw_root, sources), *said], changed
+    return [*edited_since_fetch(raw_root, sources, manifests), *said], changed, manifests
 
 
-def edited_since_fetch(raw_root: Path, sources: Any) -> list[str]:
+def edited_since_fetch(raw_root: Path, sources: Any, manifests: Optional[dict[str, Optional[dict[str, Any]]]] = None) -> list[str]:
     """Per source fetched from a folder of one's own (``mode: local``), a warning where a file at the top of that
     folder (a label table, a list of files: where edits are made) differs from what the fetch copied (its manifest's
     size and sha256; a file only touched or copied again with the same content does not count), or was added or
@@ -409,10 +419,11 @@ def edited_since_fetch(raw_root: Path, sources: Any) -> list[str]:
     from fedsilo.data.fetch import MANIFEST
     from fedsilo.utils.io import file_sha256
 
+    manifests = _manifests(raw_root, sources, manifests)
     out = []
     for src in sources:
         raw_dir = Path(raw_root) / src
-        rec = _manifest(raw_dir)
+        rec = manifests[src]
         origin = Path(str((rec or {}).get("origin", "")))
         if rec is None or rec.get("mode") != "local" or not origin.is_dir():
             continue
@@ -499,7 +510,7 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
     raw_root = Path(raw_root)
     workers = params.workers or os.cpu_count() or 1
     records, warnings = cxr_records(params, raw_root, Path(out_dir).name, quiet)
-    said, changed = fetch_warnings(raw_root, params.source_list)
+    said, changed, manifests = fetch_warnings(raw_root, params.source_list)
     warnings += said
     kept = records[records["excluded"] == ""].reset_index(drop=True)
     excluded = records[records["excluded"] != ""].reset_index(drop=True)
@@ -534,7 +545,7 @@ def harmonize_cxr(params: CXRDatasetParams, raw_root: Path, out_dir: Path, quiet
             tmp, table, excluded, quarantine,
             {"dataset": Path(out_dir).name, "kind": params.kind, "task": "binary: 1 = Lung Opacity, 0 = Normal", "classes": ["Normal", "Lung Opacity"],
              "rules": harmonize_rules(params),
-             "sources": fetched_from(raw_root, params.sources, changed), **({"warnings": warnings} if warnings else {})},
+             "sources": fetched_from(raw_root, params.sources, changed, manifests), **({"warnings": warnings} if warnings else {})},
         )
 
 
@@ -736,7 +747,7 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
     raw_root = Path(raw_root)
     workers = params.workers or os.cpu_count() or 1
     records, classes, modules, warnings = benchmark_records(params, raw_root, Path(out_dir).name, quiet)
-    said, changed = fetch_warnings(raw_root, params.source_list)
+    said, changed, manifests = fetch_warnings(raw_root, params.source_list)
     warnings += said
     excluded = records[records["excluded"] != ""].reset_index(drop=True)
     kept = _cap(records[records["excluded"] == ""], params.max_per_domain, params.sample_seed).reset_index(drop=True)
@@ -781,7 +792,7 @@ def harmonize_benchmark(params: BenchmarkDatasetParams, raw_root: Path, out_dir:
                           f"datasets.{Path(out_dir).name}.max_quarantine_fraction")
         spool.finish(np.flatnonzero(ok))
         return _write_benchmark(params, Path(out_dir).name, tmp, kept, ok, classes, excluded, quarantine, warnings,
-                                fetched_from(raw_root, params.source_list, changed))
+                                fetched_from(raw_root, params.source_list, changed, manifests))
 
 
 def _write_benchmark(params: BenchmarkDatasetParams, name: str, tmp: Path, kept: pd.DataFrame, ok: np.ndarray,
