@@ -1054,6 +1054,20 @@ def test_a_row_run_with_another_setting_than_the_papers_row_is_named():
     with tempfile.TemporaryDirectory() as d:
         md = write_versus(Path(d), "f2dc_pacs", vs, "pipelines/f2dc/published.yaml#pacs", published["pacs"], settings=said)
     assert "**Not the paper's setting**: f2dc ran with sigma 0.2 (the paper's row: 0.1)" in md
+    import logging
+
+    warned: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: warned.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("fedsilo.report").addHandler(handler)
+    try:  # once an experiment however many of its group tables repeat it; another experiment's line is its own
+        for exp in ("f2dc_pacs_w", "f2dc_pacs_w", "f2dc_office_w"):
+            with tempfile.TemporaryDirectory() as d:
+                table = pd.DataFrame([[70.0, 76.47, -6.47]], index=["f2dc"], columns=idx)  # write_versus flattens it
+                write_versus(Path(d), exp, table, "pipelines/f2dc/published.yaml#pacs", published["pacs"], settings=said)
+    finally:
+        logging.getLogger("fedsilo.report").removeHandler(handler)
+    assert [w.split(":")[0] for w in warned if "not the paper's setting" in w] == ["f2dc_pacs_w", "f2dc_office_w"]
     # the paper's rows this table has no run of (here all but f2dc; a key misspelt in the file would be among them)
     unmatched = [m for m in published["pacs"]["methods"] if m != "f2dc"]
     assert unmatched and ("**The paper's rows with no run here**: " + ", ".join(unmatched) + " (methods this report does "

@@ -404,8 +404,9 @@ def paper_scale_note(params: Any, experiment: str, repo: Path) -> str:
             + ". These rows show the pipeline at work, not whether the paper's numbers reproduce.")
 
 
-# the settings warnings this process has printed (a paper's report writes several tables with the same rows)
-_SAID: set[str] = set()
+# the settings warnings this process has printed, per experiment (a paper's report writes a table of an experiment per
+# run group, each with the same rows; another experiment's same line is its own warning)
+_SAID: set[tuple[str, str]] = set()
 
 
 def write_versus(out: Path, exp: str, vs: pd.DataFrame, published: str, paper: dict[str, Any] | None = None,
@@ -424,9 +425,9 @@ def write_versus(out: Path, exp: str, vs: pd.DataFrame, published: str, paper: d
     if note:
         md = md.replace("\n\n|", f"\n\n{note}\n\n|", 1)
     if settings:
-        for line in settings:  # once a report (its group tables each state it under their own title)
-            if line not in _SAID:
-                _SAID.add(line)
+        for line in settings:  # once an experiment (its group tables each state it under their own title)
+            if (exp, line) not in _SAID:
+                _SAID.add((exp, line))
                 log.warning("%s: %s: not the paper's setting for that row", exp, line)
         md = md.replace("\n\n|", "\n\n**Not the paper's setting**: " + "; ".join(settings) + " (the difference on those rows "
                         "is not the paper's comparison).\n\n|", 1)
